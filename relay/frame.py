@@ -1,0 +1,135 @@
+"""The wire frame: one typed struct, one encoding (JSON), versioned.
+
+A frame is encoded once by the producer; the same bytes are appended to the session's
+backlog stream, SPUBLISHed, and written to every socket that watches the session (SSE
+``data:`` line or WebSocket text message). The relay decodes a frame only to read its
+``offset`` and ``kind``; it re-encodes only when it merges token frames for a slow
+client (:func:`merge_tokens`).
+
+Order of use: producer builds :class:`Frame` values and calls :func:`encode`; consumers
+call :func:`decode` on bytes from Redis and get a :class:`Frame` or :class:`FrameError`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, Final, Literal
+
+import msgspec
+
+__all__ = [
+    "KINDS",
+    "MAX_FRAME_BYTES",
+    "VERSION",
+    "Frame",
+    "FrameError",
+    "Kind",
+    "decode",
+    "encode",
+    "gap_frame",
+    "merge_tokens",
+    "now_ms",
+]
+
+VERSION: Final = 1
+MAX_FRAME_BYTES: Final = 256 * 1024
+
+Kind = Literal["token", "done", "error", "presence", "gap", "meta"]
+KINDS: Final[frozenset[str]] = frozenset(("token", "done", "error", "presence", "gap", "meta"))
+
+
+class Frame(msgspec.Struct, frozen=True, kw_only=True):
+    """One event of a session's stream.
+
+    ``offset`` is the per-session position (1, 2, 3, ... across all turns); it is the
+    SSE ``id:`` and the WebSocket resume point. ``turn`` numbers the chat turn that
+    produced the frame, ``epoch`` the generation that wrote it (fencing). ``text`` is a
+    token delta for ``token`` frames (the reply is the concatenation), a reason for
+    ``error`` frames. ``meta`` carries kind-specific details (engine, cache hit, TTFT,
+    the user's message on ``meta`` frames, the missing range on ``gap`` frames).
+    """
+
+    v: int = VERSION
+    session: str
+    turn: int
+    offset: int
+    kind: Kind
+    text: str = ""
+    epoch: int = 0
+    ts: int = 0
+    meta: dict[str, Any] | None = None
+
+
+class FrameError(ValueError):
+    """Bytes that are not a valid frame of a version this code understands."""
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Frame)
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def encode(frame: Frame) -> bytes:
+    return _encoder.encode(frame)
+
+
+def decode(data: bytes | bytearray | memoryview | str) -> Frame:
+    """Decode one frame; raise :class:`FrameError` with a reason on anything else."""
+    if len(data) > MAX_FRAME_BYTES:
+        raise FrameError(f"frame larger than {MAX_FRAME_BYTES} bytes")
+    try:
+        frame = _decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise FrameError(f"invalid frame: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise FrameError(f"malformed frame: {exc}") from None
+    if frame.v != VERSION:
+        raise FrameError(f"unsupported frame version {frame.v}")
+    if frame.offset < 0 or frame.turn < 0:
+        raise FrameError("negative offset or turn")
+    return frame
+
+
+def gap_frame(session: str, first_missing: int, first_available: int) -> Frame:
+    """The explicit frame a client gets when frames it asked for are gone for good.
+
+    ``offset`` is ``first_available - 1`` so that resuming from the gap's id continues
+    at the first frame that still exists.
+    """
+    return Frame(
+        session=session,
+        turn=0,
+        offset=max(first_available - 1, 0),
+        kind="gap",
+        text=f"frames {first_missing}..{first_available - 1} are no longer in the backlog",
+        ts=now_ms(),
+        meta={"from": first_missing, "to": first_available - 1},
+    )
+
+
+def merge_tokens(frames: Sequence[Frame]) -> Frame:
+    """Merge consecutive token frames of one turn into one (text only appends).
+
+    The result carries the offset of the last frame, so a client that resumes from it
+    continues right after everything it received.
+    """
+    if not frames:
+        raise ValueError("nothing to merge")
+    first, last = frames[0], frames[-1]
+    for prev, cur in zip(frames, frames[1:], strict=False):
+        if cur.kind != "token" or prev.kind != "token":
+            raise ValueError("only token frames merge")
+        if cur.turn != first.turn or cur.offset != prev.offset + 1:
+            raise ValueError("only consecutive frames of one turn merge")
+    if first.kind != "token":
+        raise ValueError("only token frames merge")
+    return msgspec.structs.replace(
+        last,
+        offset=last.offset,
+        text="".join(f.text for f in frames),
+        meta={"merged": len(frames), "from": first.offset},
+    )
