@@ -1,0 +1,464 @@
+"""Prefix-aware consistent hashing with bounded loads: the pure router core.
+
+What it is for: choose the inference engine for one request, in local memory, in a few
+microseconds, so that a conversation lands on the engine that holds its KV cache while no
+engine takes more than its share. No I/O; it imports only the standard library and mmh3
+(``asyncio`` is used by :func:`route_wait` only).
+
+Call order::
+
+    router = Router(specs, vnodes=160, eps=0.25)       # build the ring
+    with router.route(key) as lease:                    # or lease = route(...); lease.release()
+        ... stream from lease.engine.url ...
+    router.set_engines(specs)                           # control plane, ~1/s
+    router.apply_load_view(view)                        # load exchange, ~4/s (loadshare.py)
+    router.snapshot()                                   # metrics
+
+Hashing: every position on the ring and every key is ``mmh3.hash(text, 0, signed=False)``,
+the 32-bit MurmurHash3 x86 variant, seed 0. Virtual node ``i`` of engine ``E`` is the hash of
+``"E#i"``; an engine of weight ``w`` owns ``max(1, round(vnodes * w))`` of them.
+
+Capacity: an engine accepts a new request when (a) it is not draining, (b) this worker's
+in-flight count on it is below its *effective cap* (the fixed cap derived from the KV-cache
+size, or this worker's allowance of it when a load view is applied), and (c) its estimated
+global in-flight is below ``ceil((1 + eps) * (total + 1) * w / W)``, the bounded-load rule
+of Mirrokni, Thorup and Zadimoghaddam (total = in flight over the cluster including the
+new request, W = sum of the weights of the routable engines).
+
+Spill: when the preferred engine refuses, ``"walk"`` takes the next acceptable *distinct*
+engine clockwise (each vnode carries its precomputed list of distinct successors, so a full
+cluster is detected in O(engines)); ``"least_loaded"`` takes the acceptable engine with the
+lowest load/cap ratio (what the SGLang gateway does), ties broken in ring order. The routing
+simulator (bench/router_sim.py) picked the default, see docs/ROUTING.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import math
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Final
+
+import mmh3
+
+__all__ = [
+    "DEFAULT_SPILL",
+    "SPILL_POLICIES",
+    "AllEnginesFull",
+    "EngineSpec",
+    "Lease",
+    "LeaseState",
+    "LoadView",
+    "Router",
+    "key_hash",
+    "route_wait",
+]
+
+SPILL_POLICIES: Final = ("walk", "least_loaded")
+DEFAULT_SPILL: Final = "walk"
+_RETRY_MIN_S: Final = 0.05
+_RETRY_MAX_S: Final = 30.0
+_HOLD_PRIOR_S: Final = 2.0  # assumed lease duration before any lease was released
+_EWMA_ALPHA: Final = 0.05
+
+
+def key_hash(text: str) -> int:
+    """The 32-bit unsigned MurmurHash3 (seed 0) used for keys and virtual nodes alike."""
+    return mmh3.hash(text, 0, False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSpec:
+    """An inference engine as the control plane sees it. ``cap``: in-flight requests its
+    KV cache can hold (per cluster, not per worker); ``weight`` scales its vnodes and share."""
+
+    id: str
+    url: str
+    cap: int
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise ValueError("engine id must not be empty")
+        if self.cap < 1:
+            raise ValueError(f"engine {self.id}: cap must be >= 1, got {self.cap}")
+        if not self.weight > 0:
+            raise ValueError(f"engine {self.id}: weight must be > 0, got {self.weight}")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadView:
+    """What the other workers hold, as computed off the hot path by ``worker.loadshare``.
+
+    ``others``: per engine id, in-flight requests held by the other workers (their last
+    reports); ``allowance``: per engine id, how many in-flight requests *this* worker may
+    hold. Engines missing from a mapping get 0 others and the full cap."""
+
+    others: Mapping[str, int]
+    allowance: Mapping[str, int]
+
+
+class AllEnginesFull(Exception):
+    """No engine can take the request now. ``retry_after_s`` estimates when one will."""
+
+    def __init__(self, retry_after_s: float, reason: str = "all engines at capacity") -> None:
+        super().__init__(f"{reason}; retry after {retry_after_s:.2f}s")
+        self.retry_after_s = retry_after_s
+        self.reason = reason
+
+
+class LeaseState(enum.Enum):
+    """A lease's whole lifecycle: HELD -> RELEASED, once. Releasing again is a counted no-op."""
+
+    HELD = "held"
+    RELEASED = "released"
+
+
+class _Engine:
+    """Mutable per-engine state, owned by the Router."""
+
+    __slots__ = (
+        "allowance",
+        "draining",
+        "factor",
+        "in_flight",
+        "others",
+        "pressure",
+        "removed",
+        "spec",
+    )
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.in_flight = 0  # leases held by this worker
+        self.others = 0  # in flight at other workers (load view)
+        self.allowance = spec.cap  # this worker's effective cap
+        self.draining = False
+        self.removed = False
+        self.factor = 0.0  # (1 + eps) * weight / total weight; 0 when not routable
+        self.pressure = 0  # routes that preferred this engine but were refused
+
+
+class Lease:
+    """One admitted request on one engine. Release exactly once (``with`` does it)."""
+
+    __slots__ = ("_router", "_slot", "_t0", "engine", "preferred", "spilled", "state")
+
+    def __init__(self, router: Router, slot: _Engine, preferred: str, spilled: bool) -> None:
+        self._router = router
+        self._slot = slot
+        self._t0 = router._clock()
+        self.engine: EngineSpec = slot.spec
+        self.preferred = preferred
+        self.spilled = spilled
+        self.state = LeaseState.HELD
+
+    def release(self) -> bool:
+        """Give the slot back. Returns False (and counts it) when already released."""
+        if self.state is LeaseState.RELEASED:
+            self._router._double_releases += 1
+            return False
+        self.state = LeaseState.RELEASED
+        self._router._release(self._slot, self._t0)
+        return True
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.state is LeaseState.HELD:
+            self.release()
+
+    def __repr__(self) -> str:
+        return (
+            f"Lease(engine={self.engine.id!r}, preferred={self.preferred!r}, "
+            f"spilled={self.spilled}, state={self.state.value})"
+        )
+
+
+class Router:
+    """The ring, the capacity rule and the spill policy. Not thread-safe: one event loop."""
+
+    def __init__(
+        self,
+        engines: Iterable[EngineSpec],
+        *,
+        vnodes: int = 160,
+        eps: float = 0.25,
+        spill: str = DEFAULT_SPILL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if vnodes < 1:
+            raise ValueError("vnodes must be >= 1")
+        if eps < 0:
+            raise ValueError("eps must be >= 0")
+        if spill not in SPILL_POLICIES:
+            raise ValueError(f"spill must be one of {SPILL_POLICIES}, got {spill!r}")
+        self.vnodes = vnodes
+        self.eps = eps
+        self.spill = spill
+        self._clock = clock
+        self._engines: dict[str, _Engine] = {}
+        self._hashes: list[int] = []
+        self._succ: list[tuple[_Engine, ...]] = []  # per vnode: distinct engines clockwise
+        self._total = 0  # in flight at this worker on routable engines
+        self._others_total = 0
+        self._hold_s = _HOLD_PRIOR_S
+        self._routes = 0
+        self._spills = 0
+        self._rejections = 0
+        self._double_releases = 0
+        self._listeners: list[Callable[[], None]] = []
+        for spec in engines:
+            if spec.id in self._engines:
+                raise ValueError(f"duplicate engine id {spec.id!r}")
+            self._engines[spec.id] = _Engine(spec)
+        self._rebuild()
+
+    # ---- the hot path -------------------------------------------------------------------
+
+    def route(self, key: str) -> Lease:
+        """Admit a request for ``key``; raise :class:`AllEnginesFull` when nothing accepts."""
+        hashes = self._hashes
+        if not hashes:
+            self._rejections += 1
+            raise AllEnginesFull(self._retry_after(), "no routable engine")
+        i = bisect_left(hashes, key_hash(key))
+        succ = self._succ[i if i < len(hashes) else 0]
+        self._routes += 1
+        first = succ[0]
+        total1 = self._total + self._others_total + 1
+        if (
+            not first.draining
+            and first.in_flight < first.allowance
+            and first.in_flight + first.others < math.ceil(first.factor * total1)
+        ):
+            return self._admit(first, first, False)
+        first.pressure += 1
+        chosen: _Engine | None = None
+        if self.spill == "walk":
+            for e in succ:
+                if (
+                    not e.draining
+                    and e.in_flight < e.allowance
+                    and e.in_flight + e.others < math.ceil(e.factor * total1)
+                ):
+                    chosen = e
+                    break
+        else:
+            best = math.inf
+            for e in succ:
+                if (
+                    not e.draining
+                    and e.in_flight < e.allowance
+                    and e.in_flight + e.others < math.ceil(e.factor * total1)
+                ):
+                    ratio = (e.in_flight + e.others) / e.spec.cap
+                    if ratio < best:
+                        best, chosen = ratio, e
+        if chosen is None:
+            self._rejections += 1
+            raise AllEnginesFull(self._retry_after())
+        self._spills += 1
+        return self._admit(chosen, first, True)
+
+    def _admit(self, slot: _Engine, preferred: _Engine, spilled: bool) -> Lease:
+        slot.in_flight += 1
+        self._total += 1
+        return Lease(self, slot, preferred.spec.id, spilled)
+
+    def _release(self, slot: _Engine, t0: float) -> None:
+        slot.in_flight -= 1
+        if not slot.removed:
+            self._total -= 1
+        self._hold_s += _EWMA_ALPHA * ((self._clock() - t0) - self._hold_s)
+        if self._listeners:
+            for cb in tuple(self._listeners):
+                cb()
+
+    def _retry_after(self) -> float:
+        """Expected wait until a slot frees: with n leases of mean duration h in flight,
+        one ends every h / n seconds on average."""
+        n = max(1, self._total)
+        return min(_RETRY_MAX_S, max(_RETRY_MIN_S, self._hold_s / n))
+
+    # ---- lookups --------------------------------------------------------------------------
+
+    def preferred(self, key: str) -> str:
+        """The engine the ring prefers for ``key`` regardless of load (draining included)."""
+        if not self._hashes:
+            raise AllEnginesFull(self._retry_after(), "no routable engine")
+        i = bisect_left(self._hashes, key_hash(key))
+        return self._succ[i if i < len(self._hashes) else 0][0].spec.id
+
+    def engines(self) -> list[EngineSpec]:
+        return [e.spec for e in self._engines.values()]
+
+    def in_flight(self) -> dict[str, int]:
+        """This worker's in-flight leases per engine (what the load exchange reports)."""
+        return {eid: e.in_flight for eid, e in self._engines.items()}
+
+    def take_pressure(self) -> dict[str, int]:
+        """Per engine, routes that preferred it but were refused since the last call."""
+        out = {eid: e.pressure for eid, e in self._engines.items()}
+        for e in self._engines.values():
+            e.pressure = 0
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        engines = {
+            eid: {
+                "in_flight": e.in_flight,
+                "others": e.others,
+                "cap": e.spec.cap,
+                "effective_cap": min(e.spec.cap, e.allowance),
+                "weight": e.spec.weight,
+                "draining": e.draining,
+            }
+            for eid, e in self._engines.items()
+        }
+        return {
+            "engines": engines,
+            "spill": self.spill,
+            "vnodes": self.vnodes,
+            "eps": self.eps,
+            "counters": {
+                "routes": self._routes,
+                "spills": self._spills,
+                "rejections": self._rejections,
+                "double_releases": self._double_releases,
+                "in_flight": self._total,
+            },
+        }
+
+    # ---- membership (control plane) -----------------------------------------------------
+
+    def add_engine(self, spec: EngineSpec) -> None:
+        if spec.id in self._engines:
+            raise ValueError(f"engine {spec.id!r} already present")
+        self._engines[spec.id] = _Engine(spec)
+        self._rebuild()
+
+    def drain_engine(self, engine_id: str) -> None:
+        """No new routes to ``engine_id``; its leases finish. Its vnodes stay on the ring,
+        so its keys spill exactly where they will go once it is removed."""
+        self._engines[engine_id].draining = True
+        self._reweigh()
+
+    def remove_engine(self, engine_id: str) -> None:
+        """Take the engine off the ring. Leases still held on it release harmlessly."""
+        e = self._engines.pop(engine_id)
+        e.removed = True
+        self._total -= e.in_flight
+        self._others_total -= e.others
+        self._rebuild()
+
+    def set_engines(self, specs: Iterable[EngineSpec]) -> None:
+        """Reconcile to ``specs``: add new ids, update changed specs, remove missing ids.
+        The ring is rebuilt only when ids or weights changed."""
+        wanted = {s.id: s for s in specs}
+        rebuild = False
+        for eid in [eid for eid in self._engines if eid not in wanted]:
+            e = self._engines.pop(eid)
+            e.removed = True
+            self._total -= e.in_flight
+            self._others_total -= e.others
+            rebuild = True
+        for eid, spec in wanted.items():
+            cur = self._engines.get(eid)
+            if cur is None:
+                self._engines[eid] = _Engine(spec)
+                rebuild = True
+            elif cur.spec != spec:
+                rebuild = rebuild or cur.spec.weight != spec.weight
+                if cur.allowance == cur.spec.cap:
+                    cur.allowance = spec.cap
+                cur.allowance = min(cur.allowance, spec.cap)
+                cur.spec = spec
+        if rebuild:
+            self._rebuild()
+
+    def apply_load_view(self, view: LoadView | None) -> None:
+        """Install what other workers hold (``None``: this worker is alone)."""
+        others_total = 0
+        for eid, e in self._engines.items():
+            if view is None:
+                e.others, e.allowance = 0, e.spec.cap
+            else:
+                e.others = max(0, view.others.get(eid, 0))
+                e.allowance = min(e.spec.cap, max(0, view.allowance.get(eid, e.spec.cap)))
+            others_total += e.others
+        self._others_total = others_total
+
+    def add_release_listener(self, cb: Callable[[], None]) -> None:
+        self._listeners.append(cb)
+
+    def remove_release_listener(self, cb: Callable[[], None]) -> None:
+        self._listeners.remove(cb)
+
+    # ---- ring construction ----------------------------------------------------------------
+
+    def _reweigh(self) -> None:
+        routable = [e for e in self._engines.values() if not e.draining]
+        wsum = sum(e.spec.weight for e in routable)
+        for e in self._engines.values():
+            e.factor = 0.0 if e.draining else (1.0 + self.eps) * e.spec.weight / wsum
+
+    def _rebuild(self) -> None:
+        points: list[tuple[int, str, _Engine]] = []
+        for eid, e in self._engines.items():
+            n = max(1, round(self.vnodes * e.spec.weight))
+            points.extend((key_hash(f"{eid}#{i}"), eid, e) for i in range(n))
+        points.sort(key=lambda p: (p[0], p[1]))
+        self._hashes = [p[0] for p in points]
+        owners = [p[2] for p in points]
+        n_engines = len(self._engines)
+        # Distinct successors, computed right to left over the doubled ring: the list at
+        # vnode i is owners[i] followed by the list at i + 1 without owners[i].
+        succ: list[tuple[_Engine, ...]] = [()] * len(owners)
+        if owners:
+            nxt: tuple[_Engine, ...] = ()
+            for j in range(2 * len(owners) - 1, -1, -1):
+                o = owners[j % len(owners)]
+                nxt = (o, *(x for x in nxt if x is not o))[:n_engines]
+                if j < len(owners):
+                    succ[j] = nxt
+        self._succ = succ
+        self._total = sum(e.in_flight for e in self._engines.values())
+        self._others_total = sum(e.others for e in self._engines.values())
+        self._reweigh()
+
+
+async def route_wait(router: Router, key: str, deadline_s: float) -> Lease:
+    """Route ``key``, waiting up to ``deadline_s`` seconds for a slot when all are full.
+
+    Wakes on every lease release (and at the retry-after hint, for load-view changes);
+    raises the last :class:`AllEnginesFull` when the deadline passes. Not FIFO-fair."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    released = asyncio.Event()
+    router.add_release_listener(released.set)
+    try:
+        while True:
+            try:
+                return router.route(key)
+            except AllEnginesFull as full:
+                left = end - loop.time()
+                if left <= 0:
+                    raise
+                released.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(released.wait(), min(left, full.retry_after_s))
+    finally:
+        router.remove_release_listener(released.set)
