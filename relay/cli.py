@@ -1,0 +1,142 @@
+"""The ``tokenrelay`` command line.
+
+``tokenrelay cluster up|status|down`` lives here. Every other subcommand (``relay``,
+``worker``, ``engine``, ``demo``, ``bench``, ``loadtest``) is added by the package that
+owns it through the entry-point group ``tokenrelay.commands``: each entry point is a
+function ``register(subparsers) -> None`` that adds a parser whose default ``func``
+takes the parsed arguments and returns an exit code. That keeps ``relay`` free of any
+import of ``worker``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+from relay.cluster import (
+    ClusterError,
+    LocalCluster,
+    read_state,
+    stop_from_state,
+    write_state,
+)
+
+__all__ = ["build_parser", "main"]
+
+ENTRY_POINT_GROUP = "tokenrelay.commands"
+DEFAULT_DIR = ".tokenrelay/cluster"
+
+
+def _state_path(directory: str) -> Path:
+    return Path(directory) / "cluster.json"
+
+
+def _cluster_up(args: argparse.Namespace) -> int:
+    state = _state_path(args.dir)
+    if state.exists():
+        print(f"a cluster is already recorded in {state}; run `tokenrelay cluster down` first")
+        return 1
+    data_dir = str(Path(args.dir).resolve() / "data")
+    cluster = LocalCluster(
+        masters=args.masters, replicas=args.replicas, base_port=args.port, data_dir=data_dir
+    )
+    try:
+        info = asyncio.run(cluster.start())
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    write_state(info, state)
+    print(f"cluster up: {info.flavor} {info.version}, {len(info.masters)} masters, "
+          f"{len(info.replicas)} replicas")  # fmt: skip
+    for node in info.nodes:
+        print(f"  {node.role:<8} {node.addr}  pid {node.pid}")
+    print(f"url: {info.url}   (state: {state})")
+    return 0
+
+
+async def _status(state: Path) -> int:
+    import redis.asyncio as aioredis
+
+    info = read_state(state)
+    healthy = True
+    for node in info.nodes:
+        client = aioredis.Redis(host=node.host, port=node.port, socket_timeout=2)
+        try:
+            cinfo = (await client.execute_command("CLUSTER", "INFO")).decode()
+            fields = dict(ln.split(":", 1) for ln in cinfo.splitlines() if ":" in ln)
+            role = (await client.info("replication")).get("role", "?")
+            line = f"cluster_state:{fields.get('cluster_state')} role:{role}"
+            healthy &= fields.get("cluster_state") == "ok"
+        except Exception as exc:  # any failure is a status line, not a crash
+            line = f"DOWN ({type(exc).__name__}: {exc})"
+            healthy = False
+        finally:
+            await client.aclose()
+        print(f"  {node.addr}  pid {node.pid}  {line}")
+    print("healthy" if healthy else "NOT healthy")
+    return 0 if healthy else 1
+
+
+def _cluster_status(args: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(_status(_state_path(args.dir)))
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _cluster_down(args: argparse.Namespace) -> int:
+    try:
+        stopped = stop_from_state(_state_path(args.dir))
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"stopped {len(stopped)} processes: {' '.join(map(str, stopped))}")
+    return 0
+
+
+def _add_cluster(sub: Any) -> None:
+    p = sub.add_parser("cluster", help="a local Redis Cluster on loopback ports")
+    csub = p.add_subparsers(dest="cluster_cmd", required=True)
+    default_dir = os.environ.get("TOKENRELAY_CLUSTER_DIR", DEFAULT_DIR)
+    up = csub.add_parser("up", help="start and form a cluster")
+    up.add_argument("--masters", type=int, default=3)
+    up.add_argument("--replicas", type=int, default=1)
+    up.add_argument("--port", type=int, default=7000, help="first port (default 7000)")
+    up.add_argument("--dir", default=default_dir, help="state and data directory")
+    up.set_defaults(func=_cluster_up)
+    for name, func, text in (
+        ("status", _cluster_status, "health of every node"),
+        ("down", _cluster_down, "stop the nodes (by pid) and remove their data"),
+    ):
+        cp = csub.add_parser(name, help=text)
+        cp.add_argument("--dir", default=default_dir)
+        cp.set_defaults(func=func)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenrelay", description="Stream LLM tokens to browsers over Redis 7 Cluster."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_cluster(sub)
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        register: Callable[[Any], None] = ep.load()
+        register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    return func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,107 @@
+"""Shared fixtures: one real Redis Cluster for the whole run.
+
+Backends, by environment:
+- default: a local cluster (3 masters + 3 replicas) on free loopback ports, started by
+  :mod:`relay.cluster` and stopped by pid at the end of the session, even on failure;
+- ``TOKENRELAY_REDIS_URL=redis://host:port``: an existing cluster (never torn down);
+- ``TOKENRELAY_TEST_BACKEND=docker``: a Redis 7 cluster in containers (testcontainers);
+  skipped with a reason when no Docker engine answers.
+
+Tests that damage a cluster (kill a master, pause a node, reshard) must not use the
+shared one: they start their own with the ``private_cluster`` factory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+
+from relay.cluster import ClusterInfo, LocalCluster, Node
+
+
+def _raise_on_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # lets the session fixture's finally run
+
+
+signal.signal(signal.SIGTERM, _raise_on_sigterm)
+
+
+async def _info_from_url(url: str) -> ClusterInfo:
+    """Describe an existing cluster from CLUSTER NODES."""
+    client = aioredis.Redis.from_url(url)
+    try:
+        text = (await client.execute_command("CLUSTER", "NODES")).decode()
+    finally:
+        await client.aclose()
+    nodes: list[Node] = []
+    ports: dict[str, int] = {}
+    rows = [ln.split() for ln in text.splitlines() if ln.strip()]
+    for parts in rows:
+        host, port = parts[1].split("@")[0].rsplit(":", 1)
+        ports[parts[0]] = int(port)
+    for parts in rows:
+        host, port = parts[1].split("@")[0].rsplit(":", 1)
+        role = "replica" if "slave" in parts[2] else "master"
+        master_port = ports.get(parts[3], 0) if role == "replica" else 0
+        nodes.append(Node(host or "127.0.0.1", int(port), role, 0, parts[0], master_port))
+    nodes.sort(key=lambda n: (n.role != "master", n.port))
+    return ClusterInfo(nodes=nodes, data_dir="", binary="external", flavor="external", version="")
+
+
+@pytest.fixture(scope="session")
+async def cluster() -> AsyncIterator[ClusterInfo]:
+    """The session's real Redis Cluster."""
+    url = os.environ.get("TOKENRELAY_REDIS_URL")
+    backend = os.environ.get("TOKENRELAY_TEST_BACKEND", "local")
+    if url:
+        yield await _info_from_url(url)
+        return
+    if backend == "docker":
+        from tests.docker_backend import docker_cluster
+
+        async with docker_cluster() as info:
+            yield info
+        return
+    local = LocalCluster(masters=3, replicas=1)
+    try:
+        yield await local.start()
+    finally:
+        await local.stop()
+
+
+@pytest.fixture
+async def redis(cluster: ClusterInfo) -> AsyncIterator[RedisCluster]:
+    """A fresh cluster client per test (tests may leave it in any state)."""
+    host, port = cluster.startup_nodes[0]
+    client = RedisCluster(host=host, port=port)
+    await client.initialize()
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+PrivateClusterFactory = Callable[..., Awaitable[LocalCluster]]
+
+
+@pytest.fixture
+async def private_cluster() -> AsyncIterator[PrivateClusterFactory]:
+    """Start a throwaway cluster a test may damage; stopped by pid after the test."""
+    if os.environ.get("TOKENRELAY_REDIS_URL"):
+        pytest.skip("fault tests need a cluster of their own; TOKENRELAY_REDIS_URL is set")
+    async with AsyncExitStack() as stack:
+
+        async def make(**kwargs: Any) -> LocalCluster:
+            local = LocalCluster(**kwargs)
+            stack.push_async_callback(local.stop)
+            await local.start()
+            return local
+
+        yield make
