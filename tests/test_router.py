@@ -241,3 +241,10 @@ def test_routing_key_stable_across_turns_and_distinct_across_sessions() -> None:
     )
     assert len(routing_key(sys_prompt, turn3)) <= 32 + 1 + 256
     assert routing_key(None, ["hi"]) != routing_key("sys", ["hi"])
+
+
+def test_routing_key_ignores_the_reply_after_a_short_first_message() -> None:
+    turn1 = [{"role": "user", "content": "hi"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "Hello! How can I help?"}, "explain"]
+    assert routing_key("sys", turn1) == routing_key("sys", turn2)
+    assert routing_key("sys", turn1).endswith("user:hi\x1f")

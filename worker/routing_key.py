@@ -8,11 +8,16 @@ built on one popular system prompt hash to one engine and the bounded-load rule 
 spill most of them, away from their own caches.
 
 So the key is ``digest(system) + the first N characters of the conversation`` (N = 256 by
-default, about the first user message). The system prompt enters as a 128-bit MurmurHash3
-digest, not verbatim: the key stays short whatever the system prompt's size (route cost is
-bounded) and two different system prompts still give different keys. Sessions that share a
-system prompt spread over the ring by their first message; each engine they land on pays the
-shared system prompt's prefill once and then serves it from cache.
+default), where the conversation is read *up to and including its first user message*: that
+is all of it that exists at turn 1. Were a short first message followed by the assistant's
+reply inside the N characters, turn 2's key would differ from turn 1's and the conversation
+would lose its engine exactly when its cache starts to pay.
+
+The system prompt enters as a 128-bit MurmurHash3 digest, not verbatim: the key stays
+short whatever the system prompt's size (route cost is bounded) and two different system
+prompts still give different keys. Sessions that share a system prompt spread over the ring
+by their first message; each engine they land on pays the shared system prompt's prefill
+once and then serves it from cache.
 
 Call order: ``routing_key(system, messages)`` once per turn, then ``Router.route(key)``.
 ``prefix_chars=0`` keys by the system prompt alone (maximal sharing, hot spots);
@@ -34,27 +39,29 @@ _NO_SYSTEM: Final = "-"
 
 
 def conversation_text(messages: Iterable[Mapping[str, str] | str], limit: int) -> str:
-    """The first ``limit`` characters of the conversation, as ``role:content`` records.
+    """The first ``limit`` characters of the conversation up to its first user message, as
+    ``role:content`` records.
 
     ``messages`` are OpenAI-style ``{"role", "content"}`` mappings (system messages are
-    skipped: pass the system prompt separately) or bare strings (user turns). Stops reading
-    as soon as ``limit`` characters are collected, so a long history costs nothing."""
+    skipped: pass the system prompt separately) or bare strings (user turns). Stops at the
+    first user message or at ``limit`` characters, so a long history costs nothing and the
+    result is the same at every turn of the conversation."""
     if limit <= 0:
         return ""
     parts: list[str] = []
     size = 0
     for m in messages:
         if isinstance(m, str):
-            piece = "user:" + m
+            role, content = "user", m
         else:
             role = m.get("role", "user")
             if role == "system":
                 continue
-            piece = role + ":" + m.get("content", "")
-        piece += _SEP
+            content = m.get("content", "")
+        piece = role + ":" + content + _SEP
         parts.append(piece)
         size += len(piece)
-        if size >= limit:
+        if role == "user" or size >= limit:
             break
     return "".join(parts)[:limit]
 
