@@ -1,0 +1,104 @@
+"""relay's own exceptions, and the one place where redis-py errors are converted.
+
+The tree::
+
+    RelayError
+     +-- RedisUnavailable        connection refused / reset / timed out (retry later)
+     +-- RedisCommandError       the server answered an error we did not expect
+     +-- Fenced                  a stale generation tried to publish (nothing written)
+     +-- OffsetConflict          the session's offset is not the one the generation expected
+     +-- SubscribeError          a shard channel could not be subscribed in time
+     +-- WatchClosed             a watcher was dropped (``reason`` for humans, ``code``
+                                 for machines: "slow_consumer", "relay_shutdown", ...)
+
+Order of use: I/O code wraps every redis-py call in ``with map_redis_errors():`` (or
+calls :func:`convert`) so that nothing above the transport sees a ``redis.exceptions``
+type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import redis.exceptions as rex
+
+__all__ = [
+    "Fenced",
+    "OffsetConflict",
+    "RedisCommandError",
+    "RedisUnavailable",
+    "RelayError",
+    "SubscribeError",
+    "WatchClosed",
+    "convert",
+    "map_redis_errors",
+]
+
+
+class RelayError(Exception):
+    """Base of every exception the relay raises on purpose."""
+
+
+class RedisUnavailable(RelayError):
+    """Redis could not be reached or did not answer in time; the call may be retried."""
+
+
+class RedisCommandError(RelayError):
+    """Redis answered with an error reply that the caller did not anticipate."""
+
+
+class Fenced(RelayError):
+    """A generation whose epoch is no longer the session's current epoch tried to write."""
+
+    def __init__(self, session: str, epoch: int, current: int) -> None:
+        super().__init__(f"session {session}: generation epoch {epoch} fenced by epoch {current}")
+        self.session = session
+        self.epoch = epoch
+        self.current = current
+
+
+class OffsetConflict(RelayError):
+    """The session's last offset differs from the one the generation expected."""
+
+    def __init__(self, session: str, expected: int, current: int) -> None:
+        super().__init__(f"session {session}: expected offset {expected}, found {current}")
+        self.session = session
+        self.expected = expected
+        self.current = current
+
+
+class SubscribeError(RelayError):
+    """A shard channel could not be subscribed (no owner reachable before the deadline)."""
+
+
+class WatchClosed(RelayError):
+    """The hub dropped a watcher. ``code`` is stable ("slow_consumer", "relay_shutdown",
+    "closed"); ``reason`` is a sentence for logs and the client's final frame."""
+
+    def __init__(self, reason: str, code: str) -> None:
+        super().__init__(f"{code}: {reason}")
+        self.reason = reason
+        self.code = code
+
+
+def convert(exc: BaseException) -> RelayError:
+    """The relay exception for a redis-py exception (or any OSError / timeout)."""
+    if isinstance(exc, RelayError):
+        return exc
+    if isinstance(exc, rex.ConnectionError | rex.TimeoutError | OSError | TimeoutError):
+        return RedisUnavailable(str(exc) or type(exc).__name__)
+    if isinstance(exc, rex.ClusterDownError | rex.TryAgainError | rex.MasterDownError):
+        return RedisUnavailable(str(exc) or type(exc).__name__)
+    return RedisCommandError(str(exc) or type(exc).__name__)
+
+
+@contextmanager
+def map_redis_errors() -> Iterator[None]:
+    """Re-raise redis-py / socket errors as :class:`RelayError` subclasses."""
+    try:
+        yield
+    except RelayError:
+        raise
+    except (rex.RedisError, OSError, TimeoutError) as exc:
+        raise convert(exc) from exc

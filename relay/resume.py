@@ -1,0 +1,264 @@
+"""The resume merge for one reader of a session: backlog + live, in order, once each.
+
+Pure (stdlib, msgspec, relay.frame): no sockets, no clock, no asyncio. The hub drives one
+:class:`Resume` per watcher and one per subscribed channel (channel-level ordering).
+
+Lifecycle (transitions live in :data:`TRANSITIONS`, nowhere else)::
+
+    SUBSCRIBING --subscribed--> REPLAYING --caught_up--> LIVE
+                                   ^  |                    |
+                                   |  +------hole/repair---+ (back to REPLAYING)
+    any state --close--> CLOSED
+
+Order of calls:
+
+1. ``r = Resume(session, after)`` right before the channel is subscribed. ``after`` is the
+   last offset the reader already has (``0`` = everything in the backlog, ``None`` = live
+   only, from the current end). Live frames delivered before :meth:`subscribed` are
+   buffered.
+2. ``step = r.subscribed()`` once the subscription is confirmed: ``step.fetch`` asks the
+   driver to read the backlog after ``step.fetch.after`` (``None``: read no frames, only
+   the stream's bounds).
+3. The driver answers every fetch with :meth:`backlog` and feeds every live frame to
+   :meth:`live`; :meth:`repair` after a topology change. Each call returns a
+   :class:`Step`: frames to emit now (in order) and at most one fetch to perform.
+   There is never more than one fetch outstanding.
+4. :meth:`close`.
+
+Rules: a frame at or below the last emitted offset is a duplicate and is dropped; a
+frame above ``last + 1`` is a hole: it is buffered and the machine asks for the backlog
+after ``last`` instead of emitting; frames that the backlog no longer holds become one
+explicit ``gap`` delivery (see :func:`relay.frame.gap_frame`), never a silent skip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Final, NamedTuple
+
+from relay.frame import encode, gap_frame
+
+__all__ = [
+    "TRANSITIONS",
+    "Delivery",
+    "Fetch",
+    "InvalidTransition",
+    "Resume",
+    "ResumeState",
+    "Step",
+    "gap_delivery",
+]
+
+
+class Delivery(NamedTuple):
+    """One frame for a socket: its offset, its kind and the encoded bytes as published."""
+
+    offset: int
+    kind: str
+    data: bytes
+
+
+class ResumeState(Enum):
+    SUBSCRIBING = "subscribing"
+    REPLAYING = "replaying"
+    LIVE = "live"
+    CLOSED = "closed"
+
+
+S = ResumeState
+TRANSITIONS: Final[dict[tuple[ResumeState, str], ResumeState]] = {
+    (S.SUBSCRIBING, "subscribed"): S.REPLAYING,
+    (S.REPLAYING, "caught_up"): S.LIVE,
+    (S.REPLAYING, "hole"): S.REPLAYING,
+    (S.REPLAYING, "repair"): S.REPLAYING,
+    (S.LIVE, "hole"): S.REPLAYING,
+    (S.LIVE, "repair"): S.REPLAYING,
+    (S.SUBSCRIBING, "close"): S.CLOSED,
+    (S.REPLAYING, "close"): S.CLOSED,
+    (S.LIVE, "close"): S.CLOSED,
+    (S.CLOSED, "close"): S.CLOSED,
+}
+
+
+class InvalidTransition(RuntimeError):
+    """An event that the current state does not accept (a driver bug)."""
+
+
+class Fetch(NamedTuple):
+    """Read the backlog after ``after`` (``None``: no frames, only first/last offsets)."""
+
+    after: int | None
+
+
+@dataclass(slots=True)
+class Step:
+    emit: list[Delivery] = field(default_factory=list)
+    fetch: Fetch | None = None
+
+
+def gap_delivery(session: str, first_missing: int, first_available: int) -> Delivery:
+    """The explicit delivery for frames ``first_missing .. first_available - 1`` lost for good."""
+    gap = gap_frame(session, first_missing, first_available)
+    return Delivery(gap.offset, "gap", encode(gap))
+
+
+class Resume:
+    """Merge state of one reader. See the module docstring for the call order."""
+
+    def __init__(self, session: str, after: int | None, *, max_buffer: int = 4096) -> None:
+        if after is not None and after < 0:
+            raise ValueError("after must be >= 0 or None")
+        self.session = session
+        self.state = ResumeState.SUBSCRIBING
+        self.last: int | None = after  # last offset emitted (or known to the reader)
+        self.max_buffer = max_buffer
+        self._buffer: dict[int, Delivery] = {}
+        self._fetching = False
+        self._refetch = False  # a repair or a dropped buffered frame needs one more read
+        self._first_read = True
+        self._stalls = 0
+        self.duplicates = 0
+        self.gaps = 0
+        self.holes = 0
+        self.overflow = 0
+
+    # -- state ---------------------------------------------------------------------------
+
+    def _fire(self, event: str) -> None:
+        new = TRANSITIONS.get((self.state, event))
+        if new is None:
+            raise InvalidTransition(f"{event!r} in state {self.state.name}")
+        self.state = new
+
+    def _fetch(self) -> Fetch:
+        self._fetching = True
+        self._refetch = False
+        return Fetch(self.last if not (self._first_read and self.last is None) else None)
+
+    @property
+    def fetching(self) -> bool:
+        return self._fetching
+
+    # -- events --------------------------------------------------------------------------
+
+    def subscribed(self) -> Step:
+        self._fire("subscribed")
+        return Step(fetch=self._fetch())
+
+    def live(self, d: Delivery) -> Step:
+        if self.state is ResumeState.CLOSED:
+            return Step()
+        if self.last is not None and d.offset <= self.last:
+            self.duplicates += 1
+            return Step()
+        if self.state is not ResumeState.LIVE:
+            self._stash(d)
+            return Step()
+        assert self.last is not None
+        if d.offset == self.last + 1:
+            self.last = d.offset
+            out = [d]
+            self._drain(out)
+            return Step(out)
+        self.holes += 1
+        self._stash(d)
+        self._fire("hole")
+        return Step(fetch=self._fetch())
+
+    def repair(self) -> Step:
+        """The live feed may have lost frames (resubscribe, reconnect): re-read the backlog."""
+        if self.state in (ResumeState.CLOSED, ResumeState.SUBSCRIBING):
+            return Step()
+        self._fire("repair")
+        if self._fetching:
+            self._refetch = True
+            return Step()
+        return Step(fetch=self._fetch())
+
+    def backlog(self, entries: Sequence[Delivery], first_available: int, last_offset: int) -> Step:
+        """The answer to the outstanding fetch.
+
+        ``entries`` are backlog frames after the fetch's offset (in order, possibly only a
+        page); ``first_available`` is the oldest offset the backlog still holds (``last
+        offset + 1`` when it is empty); ``last_offset`` the newest offset written.
+        """
+        if self.state is ResumeState.CLOSED:
+            self._fetching = False
+            return Step()
+        if self.state is not ResumeState.REPLAYING or not self._fetching:
+            raise InvalidTransition(f"backlog without a fetch in state {self.state.name}")
+        self._fetching = False
+        out: list[Delivery] = []
+        if self.last is None or (self._first_read and self.last > last_offset):
+            # live only (start at the current end), or a reader that claims offsets the
+            # session never wrote (its keys expired and restarted): start at the end.
+            self.last = last_offset
+        self._first_read = False
+        before = self.last
+        if self.last + 1 < first_available and self.last < last_offset:
+            self._gap(out, first_available)
+        for e in entries:
+            if e.offset <= self.last:
+                continue
+            if e.offset != self.last + 1:
+                self._gap(out, e.offset)  # the backlog itself has a hole: report it
+            out.append(e)
+            self.last = e.offset
+        if self.last < last_offset:
+            if entries:
+                return Step(out, self._fetch())  # next page
+            self._gap(out, last_offset + 1)  # the bounds promised frames that are gone
+        self._drain(out)
+        if self._buffer:
+            nxt = min(self._buffer)
+            self._stalls = 0 if self.last != before else self._stalls + 1
+            if self._stalls >= 2:  # two reads in a row could not fill it: lost for good
+                self._stalls = 0
+                self._gap(out, nxt)
+                self._drain(out)
+            if self._buffer:
+                return Step(out, self._fetch())
+        self._stalls = 0
+        if self._refetch:
+            return Step(out, self._fetch())
+        self._fire("caught_up")
+        return Step(out)
+
+    def close(self) -> None:
+        self._fire("close")
+        self._buffer.clear()
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _stash(self, d: Delivery) -> None:
+        if d.offset in self._buffer:
+            self.duplicates += 1
+            return
+        if len(self._buffer) >= self.max_buffer:
+            # safe to forget: every published frame is in the backlog; read it again later
+            self.overflow += 1
+            self._refetch = True
+            return
+        self._buffer[d.offset] = d
+
+    def _drain(self, out: list[Delivery]) -> None:
+        if not self._buffer:
+            return
+        assert self.last is not None
+        for off in sorted(self._buffer):
+            if off <= self.last:
+                del self._buffer[off]
+                self.duplicates += 1
+            elif off == self.last + 1:
+                out.append(self._buffer.pop(off))
+                self.last = off
+            else:
+                break
+
+    def _gap(self, out: list[Delivery], first_available: int) -> None:
+        assert self.last is not None
+        out.append(gap_delivery(self.session, self.last + 1, first_available))
+        self.last = first_available - 1
+        self.gaps += 1
