@@ -1,0 +1,90 @@
+"""Exceptions raised by the engine client; nothing above it sees an aiohttp error.
+
+The tree::
+
+    EngineError                   base; ``engine_url`` says which engine
+     +-- EngineUnavailable        connection refused / reset / connect timed out, or the
+     |                            connection was lost mid-stream (``mid_stream``)
+     +-- EngineTimeout            no first token in time, or the stream went idle
+     |                            (``phase`` is "first_token" or "idle", ``timeout_s``)
+     +-- EngineProtocolError      the answer is not a valid OpenAI-compatible stream
+     +-- EngineHTTPError          a non-200 answer (``status``, ``body``, ``message``,
+          |                       ``retry_after_s``, ``retryable``)
+          +-- EngineStreamError   an error object inside a 200 stream
+
+Order of use: ``worker.engine_client`` raises them; the worker's router decides from
+the type whether to release the lease and try another engine (``EngineUnavailable``,
+a retryable ``EngineHTTPError``) or fail the turn.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EngineError",
+    "EngineHTTPError",
+    "EngineProtocolError",
+    "EngineStreamError",
+    "EngineTimeout",
+    "EngineUnavailable",
+]
+
+_RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class EngineError(Exception):
+    """Base of every exception the engine client raises."""
+
+    def __init__(self, message: str, *, engine_url: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.engine_url = engine_url
+
+
+class EngineUnavailable(EngineError):
+    """The engine could not be reached, or the connection broke."""
+
+    def __init__(
+        self, message: str, *, engine_url: str | None = None, mid_stream: bool = False
+    ) -> None:
+        super().__init__(message, engine_url=engine_url)
+        self.mid_stream = mid_stream
+
+
+class EngineTimeout(EngineError):
+    """No first token within the deadline, or no bytes for the idle timeout."""
+
+    def __init__(self, phase: str, timeout_s: float, *, engine_url: str | None = None) -> None:
+        super().__init__(f"engine {phase} timeout after {timeout_s:g}s", engine_url=engine_url)
+        self.phase = phase
+        self.timeout_s = timeout_s
+
+
+class EngineProtocolError(EngineError):
+    """The engine's answer does not follow the OpenAI streaming protocol."""
+
+
+class EngineHTTPError(EngineError):
+    """The engine answered with an HTTP error status."""
+
+    def __init__(
+        self,
+        status: int,
+        body: str,
+        *,
+        message: str | None = None,
+        retry_after_s: float | None = None,
+        engine_url: str | None = None,
+    ) -> None:
+        super().__init__(message or f"engine answered HTTP {status}", engine_url=engine_url)
+        self.status = status
+        self.body = body
+        self.retry_after_s = retry_after_s
+
+    @property
+    def retryable(self) -> bool:
+        """True if another attempt (here or on another engine) may succeed."""
+        return self.status in _RETRYABLE
+
+
+class EngineStreamError(EngineHTTPError):
+    """An error object arrived inside a 200 stream (``status`` from its code, else 500)."""
