@@ -69,11 +69,11 @@ REGISTRY_KEY: Final = "tr:workers"
 _log = logging.getLogger(__name__)
 
 
-def worker_key(worker_id: str) -> str:
+def worker_key(worker_id: str, namespace: str = "tr") -> str:
     """The Redis hash holding one worker's report (its id is the hash tag)."""
     if not worker_id or any(c in worker_id for c in "{}"):
         raise ValueError(f"invalid worker id {worker_id!r}")
-    return f"tr:workers:{{{worker_id}}}"
+    return f"{namespace}:workers:{{{worker_id}}}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,11 +139,14 @@ class LoadExchange:
         interval_s: float = 0.25,
         ttl_s: float = 1.5,
         stale_s: float = 2.0,
+        namespace: str = "tr",
     ) -> None:
         self._redis = redis
         self._router = router
         self.worker_id = worker_id
-        self._key = worker_key(worker_id)
+        self._ns = namespace
+        self._key = worker_key(worker_id, namespace)
+        self._registry = REGISTRY_KEY if namespace == "tr" else f"{namespace}:workers"
         self.interval_s = interval_s
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.stale_s = stale_s
@@ -159,9 +162,9 @@ class LoadExchange:
         Raises RedisError on failure."""
         now = time.time()
         pipe = self._redis.pipeline(transaction=False)
-        pipe.zadd(REGISTRY_KEY, {self.worker_id: now})
-        pipe.zremrangebyscore(REGISTRY_KEY, "-inf", now - 60.0)
-        pipe.zrange(REGISTRY_KEY, 0, -1)
+        pipe.zadd(self._registry, {self.worker_id: now})
+        pipe.zremrangebyscore(self._registry, "-inf", now - 60.0)
+        pipe.zrange(self._registry, 0, -1)
         results = await pipe.execute()
         ids = [_text(x) for x in results[-1]]
         peers = [w for w in ids if w != self.worker_id]
@@ -169,7 +172,7 @@ class LoadExchange:
         if peers:
             read = self._redis.pipeline(transaction=False)
             for w in peers:
-                read.hgetall(worker_key(w))
+                read.hgetall(worker_key(w, self._ns))
             for w, raw in zip(peers, await read.execute(), strict=True):
                 report = _parse(w, raw)
                 if report is not None:  # an expired hash: that worker is gone
@@ -210,7 +213,7 @@ class LoadExchange:
         with contextlib.suppress(RedisError, OSError):
             pipe = self._redis.pipeline(transaction=False)
             pipe.delete(self._key)
-            pipe.zrem(REGISTRY_KEY, self.worker_id)
+            pipe.zrem(self._registry, self.worker_id)
             await pipe.execute()
 
     async def _run(self) -> None:
