@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import pytest
 
-from worker.mock_engine import EngineConfig, RunningEngine, start_engine
+from worker.mock_engine import EngineConfig, FifoGate, RunningEngine, start_engine
 
 StartEngine = Callable[..., Awaitable[RunningEngine]]
 
@@ -81,7 +83,7 @@ async def metrics(http: aiohttp.ClientSession, url: str) -> str:
 async def until(cond: Callable[[], bool], within_s: float = 5.0) -> None:
     """Poll a condition on engine state (there is no event to wait on from outside)."""
     async with asyncio.timeout(within_s):
-        while not cond():  # noqa: ASYNC110
+        while not cond():
             await asyncio.sleep(0.01)
 
 
@@ -268,3 +270,61 @@ async def test_engines_in_one_process_have_separate_metrics(start: StartEngine, 
     assert metric(await metrics(http, a.url), "vllm:request_success_total") == 1
     with pytest.raises(AssertionError):
         metric(await metrics(http, b.url), "vllm:request_success_total")
+
+
+async def test_fifo_gate_admits_in_arrival_order() -> None:
+    gate = FifoGate(1)
+    await gate.acquire()
+    order: list[int] = []
+
+    async def waiter(i: int) -> None:
+        await gate.acquire()
+        order.append(i)
+
+    tasks = [asyncio.create_task(waiter(i)) for i in range(3)]
+    await asyncio.sleep(0)
+    assert (gate.running, gate.waiting) == (1, 3)
+    for _ in range(3):
+        gate.release()
+        await asyncio.sleep(0)
+    await asyncio.gather(*tasks)
+    assert order == [0, 1, 2]
+    assert (gate.running, gate.waiting) == (1, 0)
+    gate.release()
+    assert gate.running == 0
+
+
+async def test_fifo_gate_passes_on_a_slot_handed_to_a_cancelled_waiter() -> None:
+    gate = FifoGate(1)
+    await gate.acquire()
+    first = asyncio.create_task(gate.acquire())
+    second = asyncio.create_task(gate.acquire())
+    await asyncio.sleep(0)
+    gate.release()  # hands the slot to `first` ...
+    first.cancel()  # ... which is cancelled before it runs
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    await second
+    assert (gate.running, gate.waiting) == (1, 0)
+
+
+async def test_cli_engine_serves_and_stops_cleanly_on_sigterm(http) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "worker.cli_engine", "--port", "0", "--id", "cli-1",
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(10):
+            line = (await proc.stdout.readline()).decode()
+        url = line.rsplit(" ", 1)[-1].strip()
+        assert url.startswith("http://127.0.0.1:")
+        async with http.get(f"{url}/health") as resp:
+            assert (await resp.json())["engine_id"] == "cli-1"
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(10):
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -5,17 +5,20 @@
 then calls the parser's default ``func`` (``run``) with the parsed arguments. ``run``
 builds an ``EngineConfig`` and serves ``worker.mock_engine.run_engine`` on uvloop
 (plain asyncio where uvloop is missing) until SIGTERM or SIGINT.
+``python -m worker.cli_engine --port P ...`` does the same without the entry point.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 from worker.mock_engine import EngineConfig, run_engine
 
-__all__ = ["config_from_args", "register", "run"]
+__all__ = ["config_from_args", "main", "register", "run"]
 
 
 def register(subparsers: Any) -> None:
@@ -62,3 +65,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         uvloop.run(run_engine(cfg))
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Standalone ``python -m worker.cli_engine`` (same options as ``tokenrelay engine``)."""
+    parser = argparse.ArgumentParser(prog="python -m worker.cli_engine")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["engine", *(sys.argv[1:] if argv is None else argv)])
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -18,9 +18,11 @@ carries ``meta`` (engine id, cached prefix tokens, from the ``x-engine-id`` /
 consumer stops early (``aclose``, leaving ``aclosing``, task cancelled) the upstream
 connection is closed, not returned to the pool, so the engine aborts the request.
 Timeouts: ``connect_timeout_s`` for the TCP connect, ``first_token_timeout_s`` from
-the call to the first token (headers and queueing included), ``idle_timeout_s`` for
-any gap between bytes after the first token. A 200 answer with a JSON body (a server
-that ignored ``stream``) is accepted as a single delta.
+the call to the first chunk with choices (headers, queueing and prefill included; the
+role-only or reasoning chunk that engines send after prefill counts), ``idle_timeout_s``
+for any gap between bytes after that (SSE keep-alive comments count as bytes).
+A 200 answer with a JSON body (a server that ignored ``stream``) is accepted as a
+single delta.
 """
 
 from __future__ import annotations
@@ -366,15 +368,14 @@ class EngineClient:
                     raise EngineProtocolError(
                         f"bad 'choices' in a chunk from {url}", engine_url=url
                     )
+                got_first = True  # engines send the first choice chunk after prefill
                 choice = choices[0]
                 delta = choice.get("delta")
                 content = delta.get("content") if isinstance(delta, Mapping) else None
                 reason = choice.get("finish_reason")
                 if isinstance(reason, str) and reason:
                     finish = reason
-                    got_first = True
                 if isinstance(content, str) and content:
-                    got_first = True
                     yield Delta(content, meta=pending_meta)
                     pending_meta = None
         if finish is None:
