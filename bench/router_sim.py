@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from worker.loadshare import WorkerReport, compute_view
-from worker.router import AllEnginesFull, EngineSpec, Lease, Router
+from worker.router import DEFAULT_SPILL, AllEnginesFull, EngineSpec, Lease, Router
 from worker.routing_key import routing_key
 
 __all__ = ["POLICIES", "SimConfig", "main", "run", "run_all"]
@@ -49,7 +49,7 @@ POLICIES = ("round_robin", "sticky", "walk", "least_loaded")
 
 @dataclass(frozen=True)
 class SimConfig:
-    policy: str = "walk"
+    policy: str = DEFAULT_SPILL
     engines: int = 8
     cap: int = 16  # in-flight requests per engine (KV budget)
     workers: int = 1
@@ -302,12 +302,13 @@ def run_all(quick: bool = False) -> dict[str, Any]:
         out["policies"][policy] = run(replace(base, policy=policy))
     for chars in (0, base.prefix_chars):
         out["shared_prompt"][f"prefix_chars={chars}"] = run(replace(base, prefix_chars=chars))
+    out["eps"] = {f"eps={eps}": run(replace(base, eps=eps)) for eps in (0.1, 0.25, 0.5, 1.0)}
     over = replace(base, workers=4, load=1.3)
     out["multi_worker"] = {
         "cap_x_1.1": 1.1,
         "off": run(replace(over, loadshare=False)),
         "on": run(over),
-        "on_least_loaded": run(replace(over, policy="least_loaded")),
+        "on_walk": run(replace(over, policy="walk")),
     }
     return out
 
@@ -324,17 +325,18 @@ def _table(res: dict[str, Any]) -> str:
     lines = [f"{'scenario':<28}" + "".join(f"{c:>16}" for c in cols)]
     rows = [
         *res["policies"].items(),
-        *((f"walk {k}", v) for k, v in res["shared_prompt"].items()),
+        *((f"{DEFAULT_SPILL} {k}", v) for k, v in res["shared_prompt"].items()),
+        *((f"{DEFAULT_SPILL} {k}", v) for k, v in res["eps"].items()),
     ]
     for name, r in rows:
         lines.append(f"{name:<28}" + "".join(f"{r[c]:>16}" for c in cols))
     lines.append("")
     lines.append("4 workers, offered load 1.3x: peak global in-flight per engine / cap (<= 1.1?)")
-    for name in ("off", "on", "on_least_loaded"):
+    for name in ("off", "on", "on_walk"):
         r = res["multi_worker"][name]
         lines.append(
             f"  loadshare {name:<16} {r['peak_global_over_cap']:>6}  "
-            f"p99 queue {r['p99_queue_ms']} ms, cache hits {r['cache_hit_rate']}"
+            f"utilization {r['utilization']}, cache hits {r['cache_hit_rate']}"
         )
     return "\n".join(lines)
 

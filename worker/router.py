@@ -29,7 +29,9 @@ Spill: when the preferred engine refuses, ``"walk"`` takes the next acceptable *
 engine clockwise (each vnode carries its precomputed list of distinct successors, so a full
 cluster is detected in O(engines)); ``"least_loaded"`` takes the acceptable engine with the
 lowest load/cap ratio (what the SGLang gateway does), ties broken in ring order. The routing
-simulator (bench/router_sim.py) picked the default, see docs/ROUTING.md.
+simulator (bench/router_sim.py) picked least-loaded as the default: the walk sends every
+key spilled from a hot arc to the same clockwise neighbour, which fills and spills in turn;
+least-loaded spreads them, and spilled keys then spill less (docs/ROUTING.md).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ __all__ = [
 ]
 
 SPILL_POLICIES: Final = ("walk", "least_loaded")
-DEFAULT_SPILL: Final = "walk"
+DEFAULT_SPILL: Final = "least_loaded"  # chosen by bench/router_sim.py, see docs/ROUTING.md
 _RETRY_MIN_S: Final = 0.05
 _RETRY_MAX_S: Final = 30.0
 _HOLD_PRIOR_S: Final = 2.0  # assumed lease duration before any lease was released
