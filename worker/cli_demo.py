@@ -1,0 +1,136 @@
+"""``tokenrelay demo``: the whole stack behind one URL, stopped by Ctrl-C.
+
+Starts a local Redis Cluster (3 masters + 3 replicas), 3 mock engines (or the engine
+URLs given with ``--engine``), 2 relays, 2 workers (each a child process, stopped by
+pid) and, in this process, the front door that serves the page and spreads requests
+over relays and workers without stickiness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from worker.frontdoor import FrontDoor, make_frontdoor_app
+from worker.stack import Stack, StackSpec
+
+__all__ = ["register", "run_demo", "stack_view"]
+
+
+async def stack_view(stack: Stack, http: aiohttp.ClientSession) -> dict[str, Any]:
+    """Processes, engines' in-flight against their caps (summed over workers), and the
+    most recent placements of sessions on the ring."""
+    processes = [
+        {"name": p.name, "kind": p.kind, "pid": p.pid, "alive": p.alive, "url": p.url}
+        for p in stack.procs.values()
+    ]
+    engines: dict[str, dict[str, Any]] = {}
+    placements: list[dict[str, Any]] = []
+    for proc in stack.of_kind("worker"):
+        if not proc.alive:
+            continue
+        try:
+            async with http.get(
+                proc.url + "/v1/router", timeout=aiohttp.ClientTimeout(total=1)
+            ) as resp:
+                snap = await resp.json()
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            continue
+        for e in snap.get("engines", []):
+            agg = engines.setdefault(
+                e["id"], {"id": e["id"], "in_flight": 0, "cap": e.get("cap", 0), "healthy": True}
+            )
+            agg["in_flight"] += e.get("in_flight", 0)
+            agg["healthy"] = agg["healthy"] and e.get("healthy", True)
+        placements.extend(snap.get("placements", []))
+    placements.sort(key=lambda p: p.get("ts", 0), reverse=True)
+    return {
+        "processes": processes,
+        "engines": sorted(engines.values(), key=lambda e: e["id"]),
+        "placements": placements[:20],
+        "redis": stack.redis_url,
+    }
+
+
+async def run_demo(args: argparse.Namespace) -> int:
+    spec = StackSpec(
+        relays=args.relays,
+        workers=args.workers,
+        engines=args.engines,
+        engine_urls=list(args.engine or []),
+        model=args.model,
+        insecure_no_auth=args.insecure_no_auth,
+        secret=args.secret,
+        engine_cap=args.engine_cap,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print("starting: Redis Cluster, engines, relays, workers ...", flush=True)
+    async with Stack(spec) as stack, aiohttp.ClientSession() as http:
+
+        async def control(action: str, name: str) -> Any:
+            if name not in stack.procs:
+                raise KeyError(f"no process named {name}")
+            if action == "kill":
+                return {"pid": stack.kill(name)}
+            if action == "restart":
+                await stack.restart(name)
+                return {"pid": stack.procs[name].pid}
+            raise ValueError(f"unknown action {action}")
+
+        door = FrontDoor(
+            lambda: [p.url for p in stack.of_kind("relay") if p.alive],
+            lambda: [p.url for p in stack.of_kind("worker") if p.alive],
+            stack_view=lambda: stack_view(stack, http),
+            control=control,
+        )
+        runner = web.AppRunner(make_frontdoor_app(door), handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, args.host, args.port)
+        await site.start()
+        try:
+            for p in stack.procs.values():
+                print(f"  {p.name:<9} pid {p.pid:<7} {p.url}", flush=True)
+            print(f"  redis     {stack.redis_url}", flush=True)
+            print(
+                f"\nopen http://{args.host}:{args.port}/  (Ctrl-C stops everything)\n", flush=True
+            )
+            await stop.wait()
+        finally:
+            print("stopping ...", flush=True)
+            await runner.cleanup()
+    print("stopped: every process this demo started has exited.", flush=True)
+    return 0
+
+
+def _main(args: argparse.Namespace) -> int:
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+    return asyncio.run(run_demo(args))
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("demo", help="the whole stack behind one URL (Ctrl-C stops it)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--relays", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--engines", type=int, default=3, help="mock engines (ignored with --engine)")
+    p.add_argument(
+        "--engine", action="append", help="URL of a real OpenAI-compatible engine (repeatable)"
+    )
+    p.add_argument("--model", default="mock", help="model name sent to the engines")
+    p.add_argument("--engine-cap", type=int, default=8, help="in-flight cap per engine")
+    p.add_argument("--secret", default="demo-secret-change-me")
+    p.add_argument("--insecure-no-auth", action="store_true")
+    p.set_defaults(func=_main)

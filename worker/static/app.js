@@ -1,0 +1,239 @@
+// tokenrelay multi-screen page: no build step, no dependencies.
+// The URL fragment carries the session and its watch token: #session=<sid>&token=<token>.
+// Every screen on the same fragment watches the same session; anyone may send a message.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const state = {
+  sid: null, token: null, transport: "sse", source: null, ws: null,
+  last: 0, frames: 0, dups: 0, ooo: 0, gaps: 0, reconnects: 0, turns: new Map(),
+  retryTimer: null,
+};
+
+function params() {
+  const p = new URLSearchParams(location.hash.slice(1));
+  return { sid: p.get("session"), token: p.get("token"), transport: p.get("transport") };
+}
+
+function setState(text) {
+  const el = $("state");
+  el.textContent = text;
+  el.className = "state " + text.split(" ")[0];
+}
+
+function counters() {
+  $("offset").textContent = state.last;
+  $("frames").textContent = state.frames;
+  $("dups").textContent = state.dups;
+  $("ooo").textContent = state.ooo;
+  $("gaps").textContent = state.gaps;
+  $("reconnects").textContent = state.reconnects;
+}
+
+function turnEl(turn) {
+  let t = state.turns.get(turn);
+  if (!t) {
+    const root = document.createElement("div");
+    root.className = "turn";
+    root.dataset.turn = turn;
+    const user = document.createElement("div");
+    user.className = "user";
+    user.hidden = true;
+    const reply = document.createElement("div");
+    reply.className = "assistant streaming";
+    const footer = document.createElement("div");
+    footer.className = "footer";
+    root.append(user, reply, footer);
+    $("log").append(root);
+    t = { root, user, reply, footer, engine: "", preferred: "", cached: null };
+    state.turns.set(turn, t);
+  }
+  return t;
+}
+
+function describe(t, extra) {
+  const parts = [];
+  if (t.engine) parts.push(`engine <b>${t.engine}</b>`);
+  if (t.preferred && t.preferred !== t.engine) parts.push(`(ring preferred ${t.preferred}: spilled)`);
+  if (t.cached !== null) {
+    parts.push(t.cached > 0 ? `<span class="hit">cache hit</span> (${t.cached} tokens)`
+                            : `<span class="miss">cache miss</span>`);
+  }
+  if (extra) parts.push(extra);
+  t.footer.innerHTML = parts.join(" · ");
+}
+
+function onFrame(f) {
+  state.frames += 1;
+  if (f.kind !== "gap" && f.offset <= state.last) { state.dups += 1; counters(); return; }
+  if (f.kind !== "gap" && f.offset !== state.last + 1 && state.last !== 0) state.ooo += 1;
+  state.last = Math.max(state.last, f.offset);
+  const m = f.meta || {};
+  if (f.kind === "meta") {
+    const t = turnEl(f.turn);
+    const msg = m.message ?? m.user ?? "";
+    if (msg) { t.user.textContent = msg; t.user.hidden = false; }
+    t.engine = m.engine || t.engine;
+    t.preferred = m.preferred || t.preferred;
+    if (m.cached_tokens !== undefined) t.cached = m.cached_tokens;
+    describe(t, "generating…");
+  } else if (f.kind === "token") {
+    turnEl(f.turn).reply.textContent += f.text;
+  } else if (f.kind === "done") {
+    const t = turnEl(f.turn);
+    t.reply.classList.remove("streaming");
+    t.engine = m.engine || t.engine;
+    if (m.cached_tokens !== undefined) t.cached = m.cached_tokens;
+    if (m.cache_hit !== undefined && t.cached === null) t.cached = m.cache_hit ? 1 : 0;
+    const ttft = m.ttft_ms !== undefined ? `TTFT ${Math.round(m.ttft_ms)} ms` : "";
+    describe(t, [ttft, m.finish_reason ? `finish: ${m.finish_reason}` : ""].filter(Boolean).join(" · "));
+  } else if (f.kind === "error") {
+    const t = turnEl(f.turn);
+    t.reply.classList.remove("streaming");
+    t.reply.classList.add("error");
+    describe(t, `<span class="gap">error: ${escapeHtml(f.text)}</span>`);
+  } else if (f.kind === "gap") {
+    state.gaps += 1;
+    const p = document.createElement("div");
+    p.className = "gap";
+    p.textContent = `⚠ ${f.text}`;
+    $("log").append(p);
+  }
+  $("log").scrollTop = $("log").scrollHeight;
+  counters();
+}
+
+function escapeHtml(s) {
+  return String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
+}
+
+function disconnect() {
+  clearTimeout(state.retryTimer);
+  if (state.source) { state.source.close(); state.source = null; }
+  if (state.ws) { state.ws.onclose = null; state.ws.close(); state.ws = null; }
+}
+
+function scheduleReconnect(why) {
+  disconnect();
+  state.reconnects += 1;
+  setState(`reconnecting (${why})`);
+  counters();
+  state.retryTimer = setTimeout(connect, 300 + Math.random() * 700);
+}
+
+function connect() {
+  disconnect();
+  if (!state.sid) return;
+  setState("connecting");
+  const q = new URLSearchParams({ token: state.token || "" });
+  if (state.transport === "ws") {
+    q.set("from", String(state.last));
+    const proto = location.protocol === "https:" ? "wss" : "ws";
+    const ws = new WebSocket(`${proto}://${location.host}/v1/sessions/${state.sid}/ws?${q}`);
+    state.ws = ws;
+    ws.onmessage = (ev) => {
+      const msg = JSON.parse(ev.data);
+      if (msg.type === "hello") { $("relay").textContent = msg.relay; setState("live"); return; }
+      if (msg.kind) onFrame(msg);
+    };
+    ws.onclose = (ev) => scheduleReconnect(`ws close ${ev.code}${ev.reason ? " " + ev.reason : ""}`);
+  } else {
+    q.set("last_event_id", String(state.last));
+    const es = new EventSource(`/v1/sessions/${state.sid}/events?${q}`);
+    state.source = es;
+    es.addEventListener("hello", (ev) => {
+      const msg = JSON.parse(ev.data);
+      $("relay").textContent = msg.relay;
+      setState("live");
+    });
+    for (const kind of ["token", "done", "error", "presence", "gap", "meta"]) {
+      es.addEventListener(kind, (ev) => onFrame(JSON.parse(ev.data)));
+    }
+    // Reconnect ourselves (not EventSource's built-in retry) so that the resume point is
+    // the last offset *this page* rendered and a refused connection does not end it all.
+    es.onerror = () => scheduleReconnect("stream ended");
+  }
+}
+
+async function newSession() {
+  const r = await fetch("/v1/sessions", { method: "POST" });
+  const body = await r.json();
+  if (!r.ok) { $("notice").textContent = `could not create a session: ${body.reason || r.status}`; return; }
+  location.hash = `session=${body.session}&token=${encodeURIComponent(body.token)}`;
+}
+
+async function send(ev) {
+  ev.preventDefault();
+  const text = $("message").value.trim();
+  if (!text || !state.sid) return;
+  $("notice").textContent = "";
+  const key = crypto.randomUUID ? crypto.randomUUID() : String(Math.random()).slice(2);
+  for (let attempt = 0; attempt < 3; attempt++) {
+    try {
+      const r = await fetch(`/v1/sessions/${state.sid}/turns`, {
+        method: "POST",
+        headers: { "Content-Type": "application/json", "Authorization": `Bearer ${state.token}`, "Idempotency-Key": key },
+        body: JSON.stringify({ message: text }),
+      });
+      const body = await r.json().catch(() => ({}));
+      if (r.status === 202) { $("message").value = ""; return; }
+      const wait = r.headers.get("Retry-After");
+      $("notice").textContent = `${r.status}: ${body.reason || body.error || "refused"}${wait ? ` (retry after ${wait}s)` : ""}`;
+      return;
+    } catch (e) {
+      $("notice").textContent = `network error, retrying with the same Idempotency-Key…`;
+      await new Promise((res) => setTimeout(res, 500));
+    }
+  }
+}
+
+function bar(inFlight, cap) {
+  const pct = cap > 0 ? Math.min(100, (100 * inFlight) / cap) : 0;
+  return `<div class="bar ${inFlight >= cap ? "full" : ""}"><div style="width:${pct}%"></div></div>`;
+}
+
+async function refreshPanel() {
+  try {
+    const r = await fetch("/api/stack");
+    if (!r.ok) return;
+    const s = await r.json();
+    $("engines").tBodies[0].innerHTML = (s.engines || []).map((e) =>
+      `<tr><td>${escapeHtml(e.id)}${e.healthy === false ? " (down)" : ""}</td><td>${e.in_flight} / ${e.cap}</td><td>${bar(e.in_flight, e.cap)}</td></tr>`).join("");
+    $("placements").tBodies[0].innerHTML = (s.placements || []).slice(0, 12).map((p) =>
+      `<tr><td><code>${escapeHtml(String(p.session).slice(0, 10))}</code></td><td>${escapeHtml(p.preferred)}</td><td>${escapeHtml(p.engine)}${p.spilled ? " (spill)" : ""}</td></tr>`).join("");
+    $("procs").tBodies[0].innerHTML = (s.processes || []).map((p) =>
+      `<tr><td>${escapeHtml(p.name)}</td><td>${p.pid}</td><td>${p.alive ? "running" : "stopped"}</td><td>${
+        p.alive ? `<button class="kill" data-action="kill" data-name="${escapeHtml(p.name)}">kill -9</button>`
+                : `<button data-action="restart" data-name="${escapeHtml(p.name)}">start</button>`}</td></tr>`).join("");
+  } catch (e) { /* the panel is best effort */ }
+}
+
+document.addEventListener("click", async (ev) => {
+  const b = ev.target.closest("button[data-action]");
+  if (!b) return;
+  await fetch(`/api/${b.dataset.action}/${b.dataset.name}`, { method: "POST" });
+  refreshPanel();
+});
+
+function load() {
+  const p = params();
+  state.sid = p.sid; state.token = p.token;
+  state.transport = p.transport === "ws" ? "ws" : $("transport").value;
+  $("transport").value = state.transport;
+  state.last = 0; state.turns.clear(); $("log").innerHTML = "";
+  $("sid").textContent = state.sid || "—";
+  $("share").href = location.href;
+  if (state.sid) connect(); else setState("idle");
+}
+
+$("new-session").addEventListener("click", newSession);
+$("composer").addEventListener("submit", send);
+$("transport").addEventListener("change", () => {
+  state.transport = $("transport").value;
+  state.reconnects = 0;
+  connect();
+});
+window.addEventListener("hashchange", load);
+load();
+refreshPanel();
+setInterval(refreshPanel, 1000);
