@@ -1,0 +1,168 @@
+"""The edge server's configuration: one frozen struct, filled from flags and environment.
+
+Precedence: command-line flag > environment variable > default. Every field has one
+environment variable, ``TOKENRELAY_<FIELD>`` (upper case), listed in :data:`ENV`.
+
+Order of use: the CLI builds its parser with :func:`add_arguments`, then calls
+:func:`from_args` (which reads ``os.environ`` unless given a mapping) and gets a
+validated :class:`RelayConfig`, or :class:`ConfigError` with a reason. Tests build
+``RelayConfig(...)`` directly and call :meth:`RelayConfig.validate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any, Final
+
+import msgspec
+
+__all__ = [
+    "ENV",
+    "ConfigError",
+    "RelayConfig",
+    "add_arguments",
+    "default_relay_id",
+    "from_args",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration the relay refuses to start with; the message says why."""
+
+
+def default_relay_id() -> str:
+    """``<hostname>-<pid>``: unique per process, readable on the demo page."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything the edge server needs. Times in seconds unless the name says ms."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    redis_url: str = "redis://127.0.0.1:7000"
+    secret: str = ""
+    insecure_no_auth: bool = False
+    relay_id: str = ""
+    heartbeat_s: float = 15.0
+    retry_ms: int = 1000
+    queue_frames: int = 1024
+    hard_limit_frames: int = 4096
+    unsubscribe_delay_s: float = 2.0
+    drain_deadline_s: float = 10.0
+    max_connections: int = 10_000
+    ws_max_message_bytes: int = 4096
+    cors_origin: str = "*"
+
+    @property
+    def auth_enabled(self) -> bool:
+        """Tokens are required unless ``insecure_no_auth`` (which allows an empty secret)."""
+        return not self.insecure_no_auth
+
+    def validate(self) -> RelayConfig:
+        """Return self, or raise :class:`ConfigError`; fills ``relay_id`` if empty."""
+        if not self.secret and not self.insecure_no_auth:
+            raise ConfigError(
+                "no token secret: set --secret or TOKENRELAY_SECRET "
+                "(or --insecure-no-auth for local experiments)"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port {self.port} out of range")
+        if self.heartbeat_s <= 0 or self.drain_deadline_s < 0 or self.unsubscribe_delay_s < 0:
+            raise ConfigError("heartbeat_s must be > 0, drain and unsubscribe delays >= 0")
+        if self.retry_ms < 0:
+            raise ConfigError("retry_ms must be >= 0")
+        if not 1 <= self.queue_frames <= self.hard_limit_frames:
+            raise ConfigError("need 1 <= queue_frames <= hard_limit_frames")
+        if self.max_connections < 1 or self.ws_max_message_bytes < 16:
+            raise ConfigError("max_connections must be >= 1, ws_max_message_bytes >= 16")
+        if not self.redis_url.startswith(("redis://", "rediss://")):
+            raise ConfigError("redis_url must start with redis:// or rediss://")
+        if not self.relay_id:
+            return msgspec.structs.replace(self, relay_id=default_relay_id())
+        return self
+
+
+_FIELDS: Final[dict[str, type]] = {
+    "host": str,
+    "port": int,
+    "redis_url": str,
+    "secret": str,
+    "insecure_no_auth": bool,
+    "relay_id": str,
+    "heartbeat_s": float,
+    "retry_ms": int,
+    "queue_frames": int,
+    "hard_limit_frames": int,
+    "unsubscribe_delay_s": float,
+    "drain_deadline_s": float,
+    "max_connections": int,
+    "ws_max_message_bytes": int,
+    "cors_origin": str,
+}
+ENV: Final[dict[str, str]] = {name: f"TOKENRELAY_{name.upper()}" for name in _FIELDS}
+_TRUE: Final = frozenset(("1", "true", "yes", "on"))
+_FALSE: Final = frozenset(("0", "false", "no", "off", ""))
+
+
+def _from_env(name: str, text: str) -> Any:
+    kind = _FIELDS[name]
+    if kind is bool:
+        low = text.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ConfigError(f"{ENV[name]}={text!r}: expected true/false")
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"{ENV[name]}={text!r}: expected {kind.__name__}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per field (``--redis`` for ``redis_url``); every default is None so
+    that an absent flag falls back to the environment, then to the struct's default."""
+    d = RelayConfig()
+    a = parser.add_argument
+    a("--host", help=f"address to bind (default {d.host})")
+    a("--port", type=int, help=f"port to bind (default {d.port})")
+    a("--redis", dest="redis_url", help=f"a Redis Cluster node URL (default {d.redis_url})")
+    auth = parser.add_mutually_exclusive_group()
+    auth.add_argument("--secret", help="HMAC secret of watch tokens (or TOKENRELAY_SECRET)")
+    auth.add_argument(
+        "--insecure-no-auth",
+        action="store_const",
+        const=True,
+        help="accept every request without a token (local experiments only)",
+    )
+    a("--relay-id", help="name shown to clients (default <hostname>-<pid>)")
+    a("--heartbeat-s", type=float, help=f"SSE comment / WS idle interval ({d.heartbeat_s})")
+    a("--retry-ms", type=int, help=f"SSE retry: hint ({d.retry_ms})")
+    a("--queue-frames", type=int, help=f"per-watch queue before conflation ({d.queue_frames})")
+    a("--hard-limit-frames", type=int, help=f"slow-client cutoff ({d.hard_limit_frames})")
+    a("--unsubscribe-delay-s", type=float, help=f"linger before SUNSUBSCRIBE ({d.unsubscribe_delay_s})")  # noqa: E501  # fmt: skip
+    a("--drain-deadline-s", type=float, help=f"SIGTERM drain deadline ({d.drain_deadline_s})")
+    a("--max-connections", type=int, help=f"streams at once; more get 503 ({d.max_connections})")
+    a("--ws-max-message-bytes", type=int, help=f"largest WS client message ({d.ws_max_message_bytes})")  # noqa: E501  # fmt: skip
+    a("--cors-origin", help=f"Access-Control-Allow-Origin ({d.cors_origin!r})")
+
+
+def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> RelayConfig:
+    """Merge flags over environment over defaults and validate."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for name in _FIELDS:
+        flag = getattr(args, name, None)
+        if flag is not None:
+            values[name] = flag
+        elif ENV[name] in env:
+            values[name] = _from_env(name, env[ENV[name]])
+    if getattr(args, "insecure_no_auth", None):
+        values.pop("secret", None)  # the flag overrides a secret from the environment
+    elif getattr(args, "secret", None):
+        values["insecure_no_auth"] = False  # and --secret overrides an insecure environment
+    return RelayConfig(**values).validate()

@@ -1,0 +1,148 @@
+"""Prometheus metrics of one edge server, on its own ``CollectorRegistry``.
+
+Several relays run in one test process, so nothing registers on the global registry:
+each app builds one :class:`RelayMetrics` and serves :meth:`RelayMetrics.render` on
+``GET /metrics``. Every name starts with ``tokenrelay_relay_``.
+
+Two sources:
+
+- counters / gauges / the latency histogram that the server updates as it goes
+  (connections, frames written, resumes, gaps, slow-client disconnects, auth
+  failures, rejections, per-hop latency frame ``ts`` -> written to the socket);
+- :class:`HubCollector`, which reads ``hub.stats()`` at scrape time (watches,
+  subscriptions per shard, conflations, ...): the hub keeps its own numbers and is
+  never called on the hot path for metrics.
+
+Order of use: ``m = RelayMetrics(relay_id)``; ``m.bind_hub(hub.stats)`` once the hub
+exists; the server calls the ``m.<metric>.labels(...).inc()`` etc.;
+``body, content_type = m.render()``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Final
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
+
+__all__ = ["PREFIX", "HubCollector", "RelayMetrics"]
+
+PREFIX: Final = "tokenrelay_relay_"
+# 1 ms .. 10 s: local hops are sub-millisecond, a stalled shard is seconds.
+LATENCY_BUCKETS: Final = (
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+)  # fmt: skip
+
+StatsFn = Callable[[], Mapping[str, Any]]
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, int | float) and math.isfinite(v):
+        return float(v)
+    return None
+
+
+class HubCollector(Collector):
+    """Turns ``hub.stats()`` into gauges at scrape time.
+
+    Every numeric top-level entry ``k`` becomes ``tokenrelay_relay_hub_<k>``; every
+    mapping of numbers ``k -> {label: n}`` becomes ``tokenrelay_relay_hub_<k>{key=label}``
+    (e.g. subscriptions per shard). Other values are skipped. A failing ``stats()`` yields
+    nothing rather than breaking the scrape.
+    """
+
+    def __init__(self) -> None:
+        self.stats: StatsFn | None = None
+
+    def describe(self) -> list[Metric]:
+        return []  # dynamic: do not let the registry probe collect() at registration
+
+    def collect(self) -> Iterator[Metric]:
+        if self.stats is None:
+            return
+        try:
+            stats = dict(self.stats())
+        except Exception:  # a scrape must not fail because of the hub
+            return
+        for name, value in sorted(stats.items()):
+            metric = PREFIX + "hub_" + _clean(name)
+            n = _number(value)
+            if n is not None:
+                yield GaugeMetricFamily(metric, f"hub.stats()[{name!r}]", value=n)
+            elif isinstance(value, Mapping):
+                fam = GaugeMetricFamily(metric, f"hub.stats()[{name!r}] by key", labels=["key"])
+                for k, v in sorted(value.items(), key=lambda kv: str(kv[0])):
+                    n = _number(v)
+                    if n is not None:
+                        fam.add_metric([str(k)], n)
+                yield fam
+
+
+def _clean(name: str) -> str:
+    return "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in name)
+
+
+class RelayMetrics:
+    """The server's metrics. Label values: ``transport`` is ``sse`` or ``ws``."""
+
+    def __init__(self, relay_id: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, p = self.registry, PREFIX
+        Info(p[:-1], "this relay", registry=r).info({"relay_id": relay_id})
+        self.connections = Gauge(p + "connections", "open streams", ["transport"], registry=r)
+        self.accepted = Counter(p + "accepted", "streams accepted", ["transport"], registry=r)
+        self.watches = Gauge(p + "watches", "hub watches held by this server", registry=r)
+        self.frames_out = Counter(
+            p + "frames_out", "frames written to sockets", ["transport"], registry=r
+        )
+        self.bytes_out = Counter(
+            p + "bytes_out", "frame bytes written to sockets", ["transport"], registry=r
+        )
+        self.resumes = Counter(
+            p + "resume_replays", "streams that resumed from an offset", ["transport"], registry=r
+        )
+        self.gaps = Counter(p + "gaps", "gap frames written (frames lost for good)", registry=r)
+        self.conflated = Counter(
+            p + "conflated_frames", "deliveries that carried merged token frames", registry=r
+        )
+        self.slow_disconnects = Counter(
+            p + "slow_disconnects", "streams closed as slow consumers", ["transport"], registry=r
+        )
+        self.closes = Counter(
+            p + "closes", "streams closed by the server, by code", ["transport", "code"], registry=r
+        )
+        self.auth_failures = Counter(
+            p + "auth_failures", "requests refused by token checks", ["reason"], registry=r
+        )
+        self.rejected = Counter(
+            p + "rejected", "requests refused before streaming", ["reason"], registry=r
+        )
+        self.draining = Gauge(p + "draining", "1 while the server drains", registry=r)
+        self.hop_latency = Histogram(
+            p + "hop_latency_seconds",
+            "frame ts (producer clock) to written to the client socket",
+            ["transport"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.hub = HubCollector()
+        r.register(self.hub)
+
+    def bind_hub(self, stats: StatsFn | None) -> None:
+        self.hub.stats = stats
+
+    def render(self) -> tuple[bytes, str]:
+        """The text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
