@@ -101,6 +101,41 @@ def _cluster_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster_form(args: argparse.Namespace) -> int:
+    """Form a cluster of already running nodes (docker-compose's init service)."""
+    import socket
+
+    from relay.cluster import Node, form_cluster
+
+    addrs = [a for arg in args.node for a in arg.split(",") if a]
+    per_shard = 1 + args.replicas
+    if len(addrs) % per_shard:
+        print(f"error: {len(addrs)} nodes do not split into shards of {per_shard}", file=sys.stderr)
+        return 2
+    masters = len(addrs) // per_shard
+    nodes = []
+    for i, addr in enumerate(addrs):
+        host, _, port = addr.rpartition(":")
+        try:
+            ip = socket.gethostbyname(host)  # CLUSTER MEET takes an IP address
+        except OSError as exc:
+            print(f"error: cannot resolve {host}: {exc}", file=sys.stderr)
+            return 1
+        nodes.append(Node(ip, int(port), "master" if i < masters else "replica"))
+    if len({n.port for n in nodes}) != len(nodes):
+        print("error: give every node its own port (nodes are told apart by port)", file=sys.stderr)
+        return 2
+    for i, node in enumerate(nodes[masters:]):
+        node.master_port = nodes[i % masters].port
+    try:
+        asyncio.run(form_cluster(nodes))
+    except ClusterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"cluster formed: {masters} masters, {len(nodes) - masters} replicas")
+    return 0
+
+
 def _add_cluster(sub: Any) -> None:
     p = sub.add_parser("cluster", help="a local Redis Cluster on loopback ports")
     csub = p.add_subparsers(dest="cluster_cmd", required=True)
@@ -111,6 +146,10 @@ def _add_cluster(sub: Any) -> None:
     up.add_argument("--port", type=int, default=7000, help="first port (default 7000)")
     up.add_argument("--dir", default=default_dir, help="state and data directory")
     up.set_defaults(func=_cluster_up)
+    form = csub.add_parser("form", help="form a cluster of running nodes (containers)")
+    form.add_argument("--node", action="append", required=True, help="host:port (repeatable)")
+    form.add_argument("--replicas", type=int, default=1)
+    form.set_defaults(func=_cluster_form)
     for name, func, text in (
         ("status", _cluster_status, "health of every node"),
         ("down", _cluster_down, "stop the nodes (by pid) and remove their data"),

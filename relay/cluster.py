@@ -242,7 +242,8 @@ class LocalCluster:
         self.info: ClusterInfo | None = None
 
     # -- lifecycle ---------------------------------------------------------------
-    async def start(self, *, timeout_s: float = 60.0) -> ClusterInfo:
+    async def start(self, *, timeout_s: float = 60.0, form: bool = True) -> ClusterInfo:
+        """Start the nodes and (unless ``form`` is false) form the cluster."""
         binary = self.binary or find_server_binary()
         base = self.base_port or find_free_base_port(self.count)
         ports = list(range(base, base + self.count))
@@ -265,7 +266,8 @@ class LocalCluster:
         try:
             for node in nodes:
                 self._spawn(binary, node)
-            await asyncio.wait_for(self._form(nodes), timeout_s)
+            if form:
+                await asyncio.wait_for(self._form(nodes), timeout_s)
         except BaseException:
             await self.stop()
             raise

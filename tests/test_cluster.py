@@ -269,3 +269,20 @@ def test_state_file_round_trips(tmp_path: Path) -> None:
     back = cl.read_state(tmp_path / "s.json")
     assert back.nodes[0].port == 7000
     assert back.url == "redis://127.0.0.1:7000"
+
+
+@pytest.mark.slow
+async def test_cli_form_joins_running_nodes_into_a_cluster() -> None:
+    local = LocalCluster(masters=3, replicas=1)
+    info = await local.start(form=False)
+    try:
+        for node in info.nodes:  # started, answering, but not a cluster yet
+            await cl._wait_ping(aioredis.Redis(host=node.host, port=node.port), node, None)
+        flags = [a for n in info.nodes for a in ("--node", n.addr)]
+        formed = await asyncio.to_thread(_cli, "cluster", "form", "--replicas", "1", *flags)
+        assert formed.returncode == 0, formed.stderr
+        view = cl._topology(await _nodes_view(info))
+        assert sum(hi - lo + 1 for lo, hi, _m, _r in view) == cl.TOTAL_SLOTS
+        assert all(len(r) == 1 for _lo, _hi, _m, r in view)
+    finally:
+        await local.stop()
