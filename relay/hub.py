@@ -1,0 +1,493 @@
+"""The per-relay fan-out that the edge server uses: one subscription per session,
+any number of local watchers, each resumed from its own offset, each with a bounded queue.
+
+Pieces: :class:`relay.subscriber.ShardedSubscriber` (one pubsub connection per node)
+hands every ``smessage`` to :meth:`Hub._on_message` (synchronous: the reader task never
+awaits a consumer). Per channel, a :class:`relay.resume.Resume` keeps channel-level
+order (duplicates dropped; a hole -> one backlog read for all watchers); per watcher,
+another :class:`~relay.resume.Resume` merges that watcher's replay with the live feed.
+Watchers' queues are bounded: past ``queue_frames`` pending token frames of one turn
+are merged (:func:`relay.frame.merge_tokens`); past ``hard_limit_frames`` the watcher
+is closed with code ``slow_consumer``.
+
+Reference counts without races (centrifuge ``node.go``): the first watcher of a session
+subscribes (all other watchers await the same future; a failure rolls back); the last
+one leaving schedules an unsubscribe after ``unsubscribe_delay_s`` that re-checks the
+count. Presence: one background task refreshes ``presence_key(sid)`` (member
+``relay_id``, score now in ms) every ``presence_interval_s`` for every watched
+session, batched in one cluster pipeline, and removes the member when the last local
+watcher leaves.
+
+Order of use::
+
+    hub = Hub(redis, relay_id="edge-1"); await hub.start()
+    watch = await hub.watch(sid, from_offset)   # None: live only; 0: whole backlog; n: after n
+    while True: deliveries = await watch.next() # raises WatchClosed(reason, code)
+    await watch.close(); await hub.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgspec
+from redis.asyncio.cluster import RedisCluster
+
+from relay.errors import RelayError, WatchClosed, map_redis_errors
+from relay.frame import Frame, FrameError, decode, encode, merge_tokens, now_ms
+from relay.keys import live_channel, parse_session, presence_key
+from relay.publisher import read_backlog
+from relay.resume import Delivery, Fetch, Resume, Step
+from relay.subscriber import ShardedSubscriber
+
+__all__ = ["Delivery", "Hub", "Watch", "WatchClosed", "conflate"]
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[list[Delivery]], None]
+
+
+def _delivery(data: bytes) -> Delivery | None:
+    try:
+        f = decode(data)
+    except FrameError as exc:
+        log.warning("dropping undecodable frame: %s", exc)
+        return None
+    return Delivery(f.offset, f.kind, data)
+
+
+def conflate(pending: Iterable[Delivery]) -> tuple[list[Delivery], int]:
+    """Merge each run of consecutive token frames of one turn into one frame.
+
+    Returns the new list and how many runs were merged. Same concatenated text, same
+    order; a merged frame carries the offset of the last frame it replaces, and
+    ``meta = {"merged": n, "from": first offset}`` (cumulative across merges).
+    """
+    out: list[Delivery] = []
+    run: list[tuple[Frame, Delivery]] = []
+    merged = 0
+
+    def flush() -> None:
+        nonlocal merged
+        if len(run) == 1:
+            out.append(run[0][1])
+        elif run:
+            frames = [f for f, _ in run]
+            m = merge_tokens(frames)
+            first = frames[0]
+            count = sum(int((f.meta or {}).get("merged", 1)) for f in frames)
+            start = int((first.meta or {}).get("from", first.offset))
+            m = msgspec.structs.replace(m, meta={"merged": count, "from": start})
+            out.append(Delivery(m.offset, "token", encode(m)))
+            merged += 1
+        run.clear()
+
+    for d in pending:
+        if d.kind != "token":
+            flush()
+            out.append(d)
+            continue
+        f = decode(d.data)
+        if run and (f.turn != run[-1][0].turn or f.offset != run[-1][0].offset + 1):
+            flush()
+        run.append((f, d))
+    flush()
+    return out, merged
+
+
+class Watch:
+    """One local watcher of a session. Use :meth:`next` until it raises WatchClosed."""
+
+    def __init__(self, hub: Hub, channel: _Channel, after: int | None) -> None:
+        self.hub = hub
+        self.session = channel.sid
+        self._channel = channel
+        self.resume = Resume(channel.sid, after, max_buffer=hub.hard_limit_frames)
+        self._pending: deque[Delivery] = deque()
+        self._wake = asyncio.Event()
+        self._closed: WatchClosed | None = None
+        self._fetch_task: asyncio.Task[None] | None = None
+        self._conflate_at = hub.queue_frames
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def next(self) -> list[Delivery]:
+        """Wait for at least one delivery; return everything pending, in order."""
+        while True:
+            if self._closed is not None:
+                raise self._closed
+            if self._pending:
+                out = list(self._pending)
+                self._pending.clear()
+                self._conflate_at = self.hub.queue_frames
+                self.hub._stats["frames_out"] += len(out)
+                return out
+            self._wake.clear()
+            await self._wake.wait()
+
+    async def close(self) -> None:
+        self._shut("watch closed", "closed")
+
+    # -- driven by the hub (synchronous) -----------------------------------------------
+
+    def _live(self, ds: list[Delivery]) -> None:
+        out: list[Delivery] = []
+        for d in ds:
+            step = self.resume.live(d)
+            out.extend(step.emit)
+            if step.fetch is not None:
+                self._start_fetch(step.fetch)
+        if out:
+            self._push(out)
+
+    def _start_fetch(self, fetch: Fetch) -> None:
+        self.hub._stats["repairs"] += 1
+        self._fetch_task = asyncio.create_task(
+            self.hub._fetch_loop(self.session, self.resume, fetch, self._push, self._alive)
+        )
+
+    def _alive(self) -> bool:
+        return self._closed is None
+
+    def _push(self, ds: list[Delivery]) -> None:
+        if self._closed is not None or not ds:
+            return
+        hub = self.hub
+        hub._stats["gaps"] += sum(1 for d in ds if d.kind == "gap")
+        self._pending.extend(ds)
+        if len(self._pending) > self._conflate_at:
+            merged_list, merged = conflate(self._pending)
+            if merged:
+                hub._stats["conflations"] += merged
+                self._pending = deque(merged_list)
+            self._conflate_at = len(self._pending) + max(hub.queue_frames // 4, 1)
+            if len(self._pending) > hub.hard_limit_frames:
+                hub._stats["slow_disconnects"] += 1
+                self._shut(
+                    f"more than {hub.hard_limit_frames} frames pending after merging",
+                    "slow_consumer",
+                )
+                return
+        self._wake.set()
+
+    def _shut(self, reason: str, code: str) -> None:
+        if self._closed is not None:
+            return
+        self._closed = WatchClosed(reason, code)
+        self._pending.clear()
+        self.resume.close()
+        self._wake.set()
+        task, self._fetch_task = self._fetch_task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        self.hub._detach(self)
+
+
+class _Channel:
+    """Hub state of one subscribed session channel."""
+
+    def __init__(self, sid: str) -> None:
+        self.sid = sid
+        self.name = live_channel(sid)
+        self.watches: set[Watch] = set()
+        self.resume = Resume(sid, None)
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.ready.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self.dead = False
+        self.unsub_handle: asyncio.TimerHandle | None = None
+        self.fetch_task: asyncio.Task[None] | None = None
+
+    def alive(self) -> bool:
+        return not self.dead
+
+
+class Hub:
+    """Fan-out of session channels to local watchers. See the module docstring."""
+
+    def __init__(
+        self,
+        redis: RedisCluster,
+        *,
+        queue_frames: int = 1024,
+        hard_limit_frames: int = 4096,
+        unsubscribe_delay_s: float = 2.0,
+        relay_id: str,
+        read_from_replicas: bool = False,
+        backlog_page: int = 512,
+        presence_interval_s: float = 1.0,
+        presence_ttl_s: float = 10.0,
+    ) -> None:
+        if not 0 < queue_frames <= hard_limit_frames:
+            raise ValueError("need 0 < queue_frames <= hard_limit_frames")
+        self.redis = redis
+        self.queue_frames = queue_frames
+        self.hard_limit_frames = hard_limit_frames
+        self.unsubscribe_delay_s = unsubscribe_delay_s
+        self.relay_id = relay_id
+        self.backlog_page = backlog_page
+        self.presence_interval_s = presence_interval_s
+        self.presence_ttl_s = presence_ttl_s
+        self.subscriber = ShardedSubscriber(
+            redis,
+            on_message=self._on_message,
+            on_resubscribed=self._on_resubscribed,
+            relay_id=relay_id,
+            read_from_replicas=read_from_replicas,
+        )
+        self._channels: dict[str, _Channel] = {}
+        self._by_bytes: dict[bytes, _Channel] = {}
+        self._presence_gone: set[str] = set()
+        self._presence_kick = asyncio.Event()
+        self._presence_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        self._stats: dict[str, int] = dict.fromkeys(
+            (
+                "watches_opened",
+                "frames_in",
+                "frames_out",
+                "bad_frames",
+                "conflations",
+                "slow_disconnects",
+                "replays",
+                "gaps",
+                "repairs",
+                "subscribes",
+                "unsubscribes",
+                "presence_errors",
+            ),
+            0,
+        )
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.subscriber.start()
+        self._presence_task = asyncio.create_task(self._presence_loop(), name="hub-presence")
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._presence_gone.update(self._channels)
+        for ch in list(self._channels.values()):
+            for w in list(ch.watches):
+                w._shut("the relay is shutting down", "relay_shutdown")
+        for ch in list(self._channels.values()):
+            self._drop_channel(ch)
+        if self._presence_task is not None:
+            self._presence_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._presence_task
+        with contextlib.suppress(Exception):
+            await self._presence_flush()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.subscriber.close()
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self._stats)
+        out["watches"] = sum(len(ch.watches) for ch in self._channels.values())
+        out["channels"] = len(self._channels)
+        out["channels_per_node"] = self.subscriber.channels_per_node()
+        out["resubscribes"] = self.subscriber.stats["resubscribes"]
+        out["subscriber"] = dict(self.subscriber.stats)
+        return out
+
+    # -- watchers ----------------------------------------------------------------------
+
+    async def watch(self, sid: str, from_offset: int | None) -> Watch:
+        """Subscribe (shared), replay after ``from_offset``, then follow live."""
+        if self._closed:
+            raise WatchClosed("the relay is shutting down", "relay_shutdown")
+        sid = parse_session(sid)
+        if from_offset is not None and from_offset < 0:
+            raise ValueError("from_offset must be >= 0 or None")
+        ch = self._channels.get(sid)
+        if ch is None:
+            ch = self._open_channel(sid)
+        if ch.unsub_handle is not None:
+            ch.unsub_handle.cancel()
+            ch.unsub_handle = None
+        self._presence_gone.discard(sid)
+        w = Watch(self, ch, from_offset)
+        ch.watches.add(w)  # counted (and fed live frames) before any await
+        self._stats["watches_opened"] += 1
+        try:
+            await asyncio.shield(ch.ready)
+            if from_offset is not None:
+                self._stats["replays"] += 1
+            step = w.resume.subscribed()
+            await self._fetch_loop(sid, w.resume, step.fetch, w._push, w._alive)
+        except BaseException:
+            w._shut("watch setup failed", "closed")
+            raise
+        self._presence_kick.set()
+        return w
+
+    def _open_channel(self, sid: str) -> _Channel:
+        ch = _Channel(sid)
+        self._channels[sid] = ch
+        self._by_bytes[ch.name.encode()] = ch
+        self._spawn(self._subscribe_channel(ch))
+        return ch
+
+    async def _subscribe_channel(self, ch: _Channel) -> None:
+        try:
+            await self.subscriber.subscribe([ch.name])
+            self._stats["subscribes"] += 1
+            step = ch.resume.subscribed()  # channel level: start at the current end
+            await self._fetch_loop(ch.sid, ch.resume, step.fetch, self._fanout(ch), ch.alive)
+        except BaseException as exc:  # roll back; every waiting watcher gets the error
+            self._drop_channel(ch)
+            if not ch.ready.done():
+                ch.ready.set_exception(exc if isinstance(exc, Exception) else RelayError("closed"))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        if not ch.ready.done():
+            ch.ready.set_result(None)
+
+    def _detach(self, w: Watch) -> None:
+        ch = w._channel
+        ch.watches.discard(w)
+        if ch.watches or ch.dead or self._closed:
+            return
+        self._presence_gone.add(ch.sid)
+        self._presence_kick.set()
+        loop = asyncio.get_running_loop()
+        ch.unsub_handle = loop.call_later(self.unsubscribe_delay_s, self._maybe_unsubscribe, ch)
+
+    def _maybe_unsubscribe(self, ch: _Channel) -> None:
+        ch.unsub_handle = None
+        if ch.watches or self._channels.get(ch.sid) is not ch:
+            return  # someone came back during the delay
+        self._drop_channel(ch)
+
+    def _drop_channel(self, ch: _Channel) -> None:
+        if ch.dead:
+            return
+        ch.dead = True
+        if ch.unsub_handle is not None:
+            ch.unsub_handle.cancel()
+        if self._channels.get(ch.sid) is ch:
+            del self._channels[ch.sid]
+            self._by_bytes.pop(ch.name.encode(), None)
+        if ch.resume.state.name != "CLOSED":
+            ch.resume.close()
+        if ch.fetch_task is not None and ch.fetch_task is not asyncio.current_task():
+            ch.fetch_task.cancel()
+        self._stats["unsubscribes"] += 1
+        self._spawn(self.subscriber.unsubscribe([ch.name]))
+
+    # -- live path (synchronous, called by the subscriber's reader tasks) -----------------
+
+    def _on_message(self, channel: bytes, data: bytes) -> None:
+        ch = self._by_bytes.get(channel)
+        if ch is None:
+            return
+        self._stats["frames_in"] += 1
+        d = _delivery(data)
+        if d is None:
+            self._stats["bad_frames"] += 1
+            return
+        self._channel_step(ch, ch.resume.live(d))
+
+    def _channel_step(self, ch: _Channel, step: Step) -> None:
+        if step.emit:
+            self._fanout(ch)(step.emit)
+        if step.fetch is not None:
+            self._stats["repairs"] += 1
+            ch.fetch_task = self._spawn(
+                self._fetch_loop(ch.sid, ch.resume, step.fetch, self._fanout(ch), ch.alive)
+            )
+
+    def _fanout(self, ch: _Channel) -> Sink:
+        def sink(ds: list[Delivery]) -> None:
+            for w in list(ch.watches):
+                w._live(ds)
+
+        return sink
+
+    def _on_resubscribed(self, channels: list[str]) -> None:
+        for name in channels:
+            ch = self._by_bytes.get(name.encode())
+            if ch is not None and ch.ready.done():
+                self._channel_step(ch, ch.resume.repair())
+
+    # -- backlog reads -------------------------------------------------------------------
+
+    async def _fetch_loop(
+        self,
+        sid: str,
+        resume: Resume,
+        fetch: Fetch | None,
+        sink: Sink,
+        alive: Callable[[], bool],
+    ) -> None:
+        """Answer ``resume``'s fetches until it needs none; retry on Redis errors."""
+        backoff = 0.05
+        while fetch is not None and alive():
+            count = 0 if fetch.after is None else self.backlog_page
+            try:
+                frames, first, last = await read_backlog(self.redis, sid, fetch.after or 0, count)
+            except RelayError as exc:
+                log.info("backlog read for %s failed: %s", sid, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            if not alive():
+                return
+            entries = [d for d in map(_delivery, frames) if d is not None]
+            step = resume.backlog(entries, first, last)
+            sink(step.emit)
+            fetch = step.fetch
+
+    # -- presence ------------------------------------------------------------------------
+
+    async def _presence_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.presence_interval_s):
+                    await self._presence_kick.wait()
+            self._presence_kick.clear()
+            try:
+                await self._presence_flush()
+            except RelayError as exc:
+                self._stats["presence_errors"] += 1
+                log.info("presence refresh failed: %s", exc)
+
+    async def _presence_flush(self) -> None:
+        watched = [sid for sid, ch in self._channels.items() if ch.watches and not self._closed]
+        gone = [s for s in self._presence_gone if self._closed or s not in watched]
+        self._presence_gone.clear()
+        if not watched and not gone:
+            return
+        now = now_ms()
+        ttl_ms = int(self.presence_ttl_s * 1000)
+        with map_redis_errors():
+            async with self.redis.pipeline(transaction=False) as p:
+                for sid in watched:
+                    p.zadd(presence_key(sid), {self.relay_id: now})
+                    p.pexpire(presence_key(sid), ttl_ms)
+                for sid in gone:
+                    p.zrem(presence_key(sid), self.relay_id)
+                await p.execute()
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t

@@ -1,0 +1,261 @@
+"""The hub against a real cluster: shared subscriptions, resume, slow consumers,
+presence, and recovery after the relay's pubsub connection is killed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+
+from relay.errors import WatchClosed
+from relay.frame import decode
+from relay.hub import Delivery, Hub, Watch
+from relay.keys import live_channel, new_session_id, presence_key
+from relay.publisher import Draft, Publisher
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def hub(redis: RedisCluster) -> AsyncIterator[Hub]:
+    h = Hub(redis, relay_id=f"test-{new_session_id()[:8]}", unsubscribe_delay_s=0.3)
+    await h.start()
+    try:
+        yield h
+    finally:
+        await h.close()
+
+
+async def collect(watch: Watch, until: int, within_s: float = 10.0) -> list[Delivery]:
+    """Read deliveries until one has an offset >= until."""
+    out: list[Delivery] = []
+    async with asyncio.timeout(within_s):
+        while not out or out[-1].offset < until:
+            out.extend(await watch.next())
+    return out
+
+
+def token_offsets(ds: list[Delivery]) -> list[int]:
+    return [d.offset for d in ds]
+
+
+def covered(ds: list[Delivery]) -> list[int]:
+    """Offsets delivered, merged token frames expanded to the range they replace."""
+    out: list[int] = []
+    for d in ds:
+        meta = decode(d.data).meta or {}
+        start = int(meta["from"]) if "merged" in meta else d.offset
+        out.extend(range(start, d.offset + 1))
+    return out
+
+
+async def _node_clients(redis: RedisCluster, key: str) -> aioredis.Redis:
+    node = redis.get_node_from_key(key)
+    assert node is not None
+    return aioredis.Redis(host=node.host, port=node.port)
+
+
+async def _sub_clients(redis: RedisCluster, relay_id: str) -> list[tuple[aioredis.Redis, str]]:
+    """(node client, CLIENT LIST line) for every tokenrelay-sub connection of relay_id."""
+    found = []
+    for node in redis.get_nodes():
+        c = aioredis.Redis(host=node.host, port=node.port)
+        for line in (await c.execute_command("CLIENT", "LIST")).decode().splitlines():
+            if f"name=tokenrelay-sub:{relay_id} " in line + " ":
+                found.append((c, line))
+    return found
+
+
+async def test_many_watchers_of_one_session_share_one_subscription(
+    hub: Hub, redis: RedisCluster
+) -> None:
+    sid = new_session_id()
+    watches = await asyncio.gather(*(hub.watch(sid, None) for _ in range(20)))
+    assert hub.stats()["subscribes"] == 1
+    assert sum(hub.stats()["channels_per_node"].values()) == 1
+    node = await _node_clients(redis, live_channel(sid))
+    try:
+        numsub = await node.execute_command("PUBSUB", "SHARDNUMSUB", live_channel(sid))
+        assert numsub[1] == 1
+    finally:
+        await node.aclose()
+    gen = await Publisher(redis).open_generation(sid)
+    await gen.publish([Draft(kind="token", text="a"), Draft(kind="token", text="b")])
+    for w in watches:
+        got = await collect(w, 2)
+        assert token_offsets(got) == [1, 2]
+        assert got[0].data == (await collect_bytes(redis, sid))[0]
+    assert hub.stats()["watches"] == 20
+
+
+async def collect_bytes(redis: RedisCluster, sid: str) -> list[bytes]:
+    from relay.publisher import read_backlog
+
+    frames, _, _ = await read_backlog(redis, sid, 0, 100_000)
+    return frames
+
+
+async def test_resume_from_offset_gives_the_rest_then_live_under_concurrent_publish(
+    hub: Hub, redis: RedisCluster
+) -> None:
+    sid = new_session_id()
+    gen = await Publisher(redis).open_generation(sid)
+    await gen.publish([Draft(kind="token", text=f"{i} ") for i in range(50)])
+    stop = asyncio.Event()
+
+    async def produce() -> None:
+        i = 0
+        while not stop.is_set() and i < 400:
+            await gen.publish([Draft(kind="token", text=f"x{i} ") for _ in range(3)])
+            i += 1
+            await asyncio.sleep(0)
+
+    producer = asyncio.create_task(produce())
+    watchers = [await hub.watch(sid, n) for n in (0, 7, 30, 49)]
+    await producer
+    stop.set()
+    last = gen.offset
+    for n, w in zip((0, 7, 30, 49), watchers, strict=True):
+        got = await collect(w, last)  # nobody read while producing: merged frames
+        assert covered(got) == list(range(n + 1, last + 1)), f"from {n}"
+        assert all(d.kind == "token" for d in got)
+        texts = [decode(f).text for f in await collect_bytes(redis, sid)]
+        assert "".join(decode(d.data).text for d in got) == "".join(texts[n:])
+
+
+async def test_live_only_watch_starts_at_the_current_end(hub: Hub, redis: RedisCluster) -> None:
+    sid = new_session_id()
+    gen = await Publisher(redis).open_generation(sid)
+    await gen.publish([Draft(kind="token", text="old")] * 5)
+    w = await hub.watch(sid, None)
+    await gen.token("new")
+    got = await collect(w, 6)
+    assert token_offsets(got) == [6]
+
+
+async def test_offset_older_than_backlog_gives_gap_frame(hub: Hub, redis: RedisCluster) -> None:
+    sid = new_session_id()
+    gen = await Publisher(redis, maxlen=5).open_generation(sid)
+    for _ in range(10):
+        await gen.publish([Draft(kind="token", text="t")] * 50)
+    w = await hub.watch(sid, 0)
+    got = await collect(w, 500)
+    assert got[0].kind == "gap"
+    gap = json.loads(got[0].data)
+    assert gap["meta"]["from"] == 1
+    first = gap["meta"]["to"] + 1
+    assert token_offsets(got[1:]) == list(range(first, 501))
+    assert hub.stats()["gaps"] >= 1
+
+
+async def test_slow_watcher_gets_merged_frames_then_is_closed_fast_one_unaffected(
+    redis: RedisCluster,
+) -> None:
+    hub = Hub(redis, relay_id="slow-test", queue_frames=20, hard_limit_frames=60)
+    await hub.start()
+    try:
+        sid = new_session_id()
+        slow = await hub.watch(sid, None)
+        fast = await hub.watch(sid, None)
+        gen = await Publisher(redis).open_generation(sid)
+        texts = [f"w{i} " for i in range(200)]
+        fast_reader = asyncio.create_task(collect(fast, 200))
+        for chunk in range(0, 200, 10):
+            await gen.publish([Draft(kind="token", text=t) for t in texts[chunk : chunk + 10]])
+            await asyncio.sleep(0.005)  # the fast watcher reads as it goes
+        fast_got = await fast_reader
+        slow_got = await collect(slow, 200)
+        assert token_offsets(fast_got) == list(range(1, 201))
+        assert len(slow_got) < 200
+        assert hub.stats()["conflations"] >= 1
+        assert "".join(decode(d.data).text for d in slow_got) == "".join(texts)
+        offs = token_offsets(slow_got)
+        assert offs == sorted(offs)
+        assert covered(slow_got) == list(range(1, 201))
+        # now frames that cannot merge (one per turn) push the slow watcher past the limit
+        fast_reader = asyncio.create_task(collect(fast, 270))
+        for _ in range(70):
+            await gen.meta({"n": 1})
+        assert token_offsets(await fast_reader) == list(range(201, 271))
+        async with asyncio.timeout(5):
+            with pytest.raises(WatchClosed) as info:
+                await slow.next()
+        assert info.value.code == "slow_consumer"
+        assert hub.stats()["slow_disconnects"] == 1
+        await gen.token("after")
+        assert token_offsets(await collect(fast, gen.offset)) == [gen.offset]
+    finally:
+        await hub.close()
+
+
+async def test_last_watcher_leaving_unsubscribes_after_the_delay(
+    hub: Hub, redis: RedisCluster
+) -> None:
+    sid = new_session_id()
+    w1 = await hub.watch(sid, None)
+    w2 = await hub.watch(sid, None)
+    await w1.close()
+    await w2.close()
+    assert hub.stats()["channels"] == 1  # still subscribed during the delay
+    # a watcher coming back within the delay reuses the subscription
+    w3 = await hub.watch(sid, None)
+    await asyncio.sleep(0.5)
+    assert hub.stats()["subscribes"] == 1
+    await w3.close()
+    await asyncio.sleep(0.6)
+    assert hub.stats()["channels"] == 0
+    node = await _node_clients(redis, live_channel(sid))
+    try:
+        numsub = await node.execute_command("PUBSUB", "SHARDNUMSUB", live_channel(sid))
+        assert numsub[1] == 0
+    finally:
+        await node.aclose()
+    with pytest.raises(WatchClosed):
+        await w3.next()
+
+
+async def test_presence_is_refreshed_while_watched_and_removed_after(
+    hub: Hub, redis: RedisCluster
+) -> None:
+    sid = new_session_id()
+    w = await hub.watch(sid, None)
+    await asyncio.sleep(0.3)
+    score = await redis.zscore(presence_key(sid), hub.relay_id)
+    assert score is not None
+    assert 0 < await redis.pttl(presence_key(sid)) <= 10_000
+    await asyncio.sleep(1.2)
+    assert await redis.zscore(presence_key(sid), hub.relay_id) > score
+    await w.close()
+    await asyncio.sleep(0.3)
+    assert await redis.zscore(presence_key(sid), hub.relay_id) is None
+
+
+async def test_killed_pubsub_connection_is_repaired_from_the_backlog(
+    hub: Hub, redis: RedisCluster
+) -> None:
+    sid = new_session_id()
+    w = await hub.watch(sid, 0)
+    gen = await Publisher(redis).open_generation(sid)
+    await gen.publish([Draft(kind="token", text="a")] * 5)
+    assert token_offsets(await collect(w, 5)) == [1, 2, 3, 4, 5]
+    conns = await _sub_clients(redis, hub.relay_id)
+    assert conns, "the relay's pubsub connections are named"
+    try:
+        for client, line in conns:
+            cid = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)["id"]
+            await client.execute_command("CLIENT", "KILL", "ID", cid)
+        # published while the relay is reconnecting: only the backlog has these
+        await gen.publish([Draft(kind="token", text="b")] * 5)
+        got = await collect(w, 10)
+        assert token_offsets(got) == [6, 7, 8, 9, 10]
+        await gen.publish([Draft(kind="token", text="c")] * 2)
+        assert token_offsets(await collect(w, 12)) == [11, 12]
+        assert hub.stats()["subscriber"]["connections_lost"] >= 1
+        assert hub.stats()["resubscribes"] >= 1
+    finally:
+        for client, _ in conns:
+            await client.aclose()
