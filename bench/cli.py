@@ -1,0 +1,36 @@
+"""``tokenrelay bench ...``: the benchmark subcommands, registered through the
+``tokenrelay.commands`` entry-point group (``bench = "bench.cli:register"``).
+
+Order of use: :func:`relay.cli.build_parser` calls :func:`register` with its
+subparsers; ``register`` adds a ``bench`` parser and one subcommand per entry of
+:data:`BENCHMARKS` (today ``pubsub``; ``router``, ``loadtest`` and others are added as
+one more entry). Each benchmark module provides ``add_arguments(parser)`` and
+``run_from_args(args) -> int``; it is imported when the parser is built and its heavy
+dependencies (matplotlib) only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["BENCHMARKS", "register"]
+
+# subcommand -> (help text, module with add_arguments / run_from_args)
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "pubsub": ("PUBLISH vs SPUBLISH cost on local Redis Clusters", "bench.pubsub_cluster"),
+}
+
+
+def register(subparsers: Any) -> None:
+    """Add ``bench`` and its subcommands to the ``tokenrelay`` parser."""
+    p = subparsers.add_parser("bench", help="benchmarks (see bench/README.md)")
+    bsub = p.add_subparsers(dest="bench_cmd", required=True)
+    for name, (text, module) in BENCHMARKS.items():
+        mod = importlib.import_module(module)
+        bp: argparse.ArgumentParser = bsub.add_parser(name, help=text, description=text)
+        mod.add_arguments(bp)
+        run: Callable[[argparse.Namespace], int] = mod.run_from_args
+        bp.set_defaults(func=run)
