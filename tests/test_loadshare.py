@@ -111,7 +111,11 @@ async def test_exchange_shares_cap_between_workers_through_redis(redis: RedisClu
         assert snap_b["others"] == 7
         assert snap_b["effective_cap"] <= 12 - 7
         raw = await redis.hgetall(worker_key("wa", ns))
-        assert {k.decode() for k in raw} == {"in_flight", "demand", "allowance"}
+        assert {k.decode() if isinstance(k, bytes) else k for k in raw} == {
+            "in_flight",
+            "demand",
+            "allowance",
+        }
         assert 0 < await redis.pttl(worker_key("wa", ns)) <= 1500
         # a worker that stops is forgotten by its peers at their next exchange
         for lease in held:

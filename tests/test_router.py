@@ -147,7 +147,7 @@ def test_lease_released_exactly_once_second_is_counted_noop() -> None:
     assert lease.state is LeaseState.HELD
     assert lease.release() is True
     assert lease.release() is False
-    assert lease.state is LeaseState.RELEASED
+    assert lease.state in {LeaseState.RELEASED}
     snap = r.snapshot()
     assert snap["counters"]["double_releases"] == 1
     assert sum(e["in_flight"] for e in snap["engines"].values()) == 0
@@ -245,6 +245,10 @@ def test_routing_key_stable_across_turns_and_distinct_across_sessions() -> None:
 
 def test_routing_key_ignores_the_reply_after_a_short_first_message() -> None:
     turn1 = [{"role": "user", "content": "hi"}]
-    turn2 = [*turn1, {"role": "assistant", "content": "Hello! How can I help?"}, "explain"]
+    turn2: list[dict[str, str] | str] = [
+        *turn1,
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        "explain",
+    ]
     assert routing_key("sys", turn1) == routing_key("sys", turn2)
     assert routing_key("sys", turn1).endswith("user:hi\x1f")
