@@ -1,0 +1,393 @@
+"""Load test: many screens watching many sessions while turns stream.
+
+``python -m bench.loadtest [--quick] [--duration S] [--viewers K] [--screens-per-session F]
+[--turns-per-s R] [--ws-share X] [--json PATH] [--relay URL ... --worker URL ...]``
+
+Without URLs it starts its own stack (local Redis Cluster, 2 relays, 2 workers, 3 mock
+engines) and stops it, by pid, at the end. K viewers over SSE and WebSocket (a share X
+on WebSocket), F viewers per session, R new turns per second on idle sessions. Every
+viewer checks every frame: lost, duplicated and out of order must all be 0.
+
+Reported: TTFT p50/p99 (POST sent -> first token at the viewer), inter-token latency
+p50/p99 at the viewer, token frames/s delivered, per-viewer lost/duplicated/out of
+order, errors, CPU seconds of relays and workers, RSS, and at the end the leases still
+held by workers and the subscriptions still open on relays (both must be 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.viewer import Viewer
+from worker.stack import Stack, StackSpec
+
+__all__ = ["LoadConfig", "main", "percentile", "run_loadtest"]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))
+    return ordered[k]
+
+
+@dataclass
+class LoadConfig:
+    duration_s: float = 60.0
+    viewers: int = 500
+    screens_per_session: int = 5
+    turns_per_s: float = 5.0
+    ws_share: float = 0.5
+    max_tokens: int = 48
+    relays: list[str] = field(default_factory=list)
+    workers: list[str] = field(default_factory=list)
+    drain_s: float = 30.0
+    progress: bool = True
+
+
+def _proc_stats(pid: int) -> tuple[float, int]:
+    """(CPU seconds, RSS bytes) of a process from /proc."""
+    import os
+
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = os.sysconf("SC_CLK_TCK")
+        cpu = (int(fields[11]) + int(fields[12])) / ticks
+        rss = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+        return cpu, rss
+    except (OSError, IndexError, ValueError):
+        return 0.0, 0
+
+
+_METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$")
+
+
+async def _metric_sum(http: aiohttp.ClientSession, url: str, names: tuple[str, ...]) -> float:
+    """Sum of the samples of the given metric names on one /metrics page."""
+    try:
+        async with http.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            text = await r.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return float("nan")
+    total = 0.0
+    for line in text.splitlines():
+        m = _METRIC.match(line)
+        if m and m.group(1) in names:
+            total += float(m.group(3))
+    return total
+
+
+class LoadTest:
+    def __init__(self, cfg: LoadConfig, stack: Stack | None) -> None:
+        self.cfg = cfg
+        self.stack = stack
+        self.viewers: list[Viewer] = []
+        self.sessions: list[tuple[str, str]] = []
+        self.busy: set[str] = set()
+        self.posted: dict[tuple[str, int], float] = {}
+        self.errors: dict[str, int] = {}
+        self.turns_started = 0
+        self.rejected = 0
+
+    def relays(self) -> list[str]:
+        if self.stack is not None:
+            return [p.url for p in self.stack.of_kind("relay") if p.alive]
+        return self.cfg.relays
+
+    def workers(self) -> list[str]:
+        if self.stack is not None:
+            return [p.url for p in self.stack.of_kind("worker") if p.alive]
+        return self.cfg.workers
+
+    def _error(self, what: str) -> None:
+        self.errors[what] = self.errors.get(what, 0) + 1
+
+    async def create_sessions(self, http: aiohttp.ClientSession, count: int) -> None:
+        async def one() -> None:
+            base = random.choice(self.workers())
+            async with http.post(base + "/v1/sessions") as resp:
+                body = await resp.json()
+                if resp.status != 201:
+                    raise RuntimeError(f"POST /v1/sessions -> {resp.status}: {body}")
+                self.sessions.append((body["session"], body["token"]))
+
+        for start in range(0, count, 50):
+            await asyncio.gather(*(one() for _ in range(min(50, count - start))))
+
+    def _on_frame(self, viewer: Viewer, frame: dict[str, Any]) -> None:
+        if frame["kind"] in ("done", "error") and viewer is self._first_viewer[viewer.sid]:
+            self.busy.discard(viewer.sid)
+
+    async def post_turn(self, http: aiohttp.ClientSession, sid: str, token: str) -> None:
+        base = random.choice(self.workers())
+        sent = time.monotonic()
+        body = {"message": f"load test turn at {sent:.3f}", "max_tokens": self.cfg.max_tokens}
+        headers = {"Authorization": f"Bearer {token}"}
+        try:
+            async with http.post(
+                f"{base}/v1/sessions/{sid}/turns", json=body, headers=headers
+            ) as resp:
+                data = await resp.json(content_type=None)
+                if resp.status == 202:
+                    self.posted[(sid, int(data["turn"]))] = sent
+                    self.turns_started += 1
+                    return
+                if resp.status in (409, 429):
+                    self.rejected += 1
+                else:
+                    self._error(f"POST turn {resp.status}")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self._error(f"POST turn {type(exc).__name__}")
+        self.busy.discard(sid)
+
+    async def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        n_sessions = max(1, math.ceil(cfg.viewers / cfg.screens_per_session))
+        conn = aiohttp.TCPConnector(limit=0, force_close=False)
+        async with aiohttp.ClientSession(connector=conn) as http:
+            await self.create_sessions(http, n_sessions)
+            stop = asyncio.Event()
+            self._first_viewer: dict[str, Viewer] = {}
+            for i in range(cfg.viewers):
+                sid, token = self.sessions[i % n_sessions]
+                transport = "ws" if random.random() < cfg.ws_share else "sse"
+                v = Viewer(http, self.relays, sid, token, transport=transport)
+                v.on_frame = self._on_frame
+                self._first_viewer.setdefault(sid, v)
+                self.viewers.append(v)
+            tasks = [asyncio.create_task(v.run(stop)) for v in self.viewers]
+            await asyncio.sleep(min(3.0, 0.5 + cfg.viewers / 500))  # let viewers connect
+            procs = self.stack.procs.values() if self.stack else []
+            cpu0 = {p.name: _proc_stats(p.pid) for p in procs}
+            t0 = time.monotonic()
+            token_frames0 = sum(len(t) for v in self.viewers for t in v.turn_text.values())
+            await self._drive(http, t0)
+            ran_s = time.monotonic() - t0
+            drain_deadline = time.monotonic() + cfg.drain_s
+            while self.busy and time.monotonic() < drain_deadline:
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(1.0)  # the last frames reach every screen
+            cpu1 = {p.name: _proc_stats(p.pid) for p in procs}
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.sleep(3.0)  # relays unsubscribe after their delay
+            leases = sum(
+                [
+                    await _metric_sum(http, w, ("tokenrelay_worker_engine_in_flight",))
+                    for w in self.workers()
+                ]
+            )
+            subs = sum(
+                [
+                    await _metric_sum(http, r, ("tokenrelay_relay_subscriptions",))
+                    for r in self.relays()
+                ]
+            )
+        token_frames = sum(len(t) for v in self.viewers for t in v.turn_text.values())
+        return self._report(ran_s, token_frames - token_frames0, cpu0, cpu1, leases, subs)
+
+    async def _drive(self, http: aiohttp.ClientSession, t0: float) -> None:
+        cfg = self.cfg
+        interval = 1.0 / cfg.turns_per_s if cfg.turns_per_s > 0 else math.inf
+        bar = None
+        if cfg.progress:
+            with contextlib.suppress(ImportError):
+                from tqdm import tqdm
+
+                bar = tqdm(total=int(cfg.duration_s), unit="s", desc="load", file=sys.stderr)
+        pending: set[asyncio.Task[None]] = set()
+        next_at = t0
+        shown = 0
+        while (now := time.monotonic()) < t0 + cfg.duration_s:
+            if now >= next_at:
+                next_at += interval
+                idle = [s for s in self.sessions if s[0] not in self.busy]
+                if idle:
+                    sid, token = random.choice(idle)
+                    self.busy.add(sid)
+                    task = asyncio.create_task(self.post_turn(http, sid, token))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+            if bar is not None and int(now - t0) > shown:
+                bar.update(int(now - t0) - shown)
+                shown = int(now - t0)
+                bar.set_postfix(
+                    turns=self.turns_started, busy=len(self.busy), rejected=self.rejected
+                )
+            await asyncio.sleep(min(0.05, max(0.0, next_at - time.monotonic())))
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        if bar is not None:
+            bar.close()
+
+    def _report(
+        self,
+        ran_s: float,
+        token_frames: int,
+        cpu0: dict[str, tuple[float, int]],
+        cpu1: dict[str, tuple[float, int]],
+        leases: float,
+        subs: float,
+    ) -> dict[str, Any]:
+        ttft: list[float] = []
+        itl: list[float] = []
+        for v in self.viewers:
+            itl.extend(v.itl_ms)
+            for turn, first in v.turn_first_token.items():
+                sent = self.posted.get((v.sid, turn))
+                if sent is not None:
+                    ttft.append((first - sent) * 1000)
+            for e in v.errors:
+                self._error("viewer " + e.split(":")[0])
+        errors = sum(self.errors.values()) + sum(v.error_frames for v in self.viewers)
+
+        def cpu(kind: str) -> float:
+            return round(sum(cpu1[n][0] - cpu0[n][0] for n in cpu0 if n.startswith(kind + "-")), 2)
+
+        def rss_mb(kind: str) -> float:
+            return round(sum(cpu1[n][1] for n in cpu1 if n.startswith(kind + "-")) / 2**20, 1)
+
+        return {
+            "viewers": len(self.viewers),
+            "sessions": len(self.sessions),
+            "duration_s": round(ran_s, 1),
+            "turns": self.turns_started,
+            "turns_rejected": self.rejected,
+            "ttft_p50_ms": round(percentile(ttft, 50), 1),
+            "ttft_p99_ms": round(percentile(ttft, 99), 1),
+            "itl_p50_ms": round(percentile(itl, 50), 1),
+            "itl_p99_ms": round(percentile(itl, 99), 1),
+            "tokens_per_s": round(token_frames / ran_s, 1) if ran_s else 0.0,
+            "lost": sum(v.tally.lost for v in self.viewers),
+            "duplicated": sum(v.tally.duplicated for v in self.viewers),
+            "out_of_order": sum(v.tally.out_of_order for v in self.viewers),
+            "gaps_reported": sum(v.tally.gaps_reported for v in self.viewers),
+            "errors": errors,
+            "error_detail": self.errors,
+            "error_frames": sum(v.error_frames for v in self.viewers),
+            "reconnects": sum(max(0, v.connects - 1) for v in self.viewers),
+            "relay_cpu_s": cpu("relay"),
+            "worker_cpu_s": cpu("worker"),
+            "engine_cpu_s": cpu("engine"),
+            "relay_rss_mb": rss_mb("relay"),
+            "worker_rss_mb": rss_mb("worker"),
+            "leases_held_end": leases,
+            "subscriptions_end": subs,
+        }
+
+
+async def run_loadtest(cfg: LoadConfig, spec: StackSpec | None = None) -> dict[str, Any]:
+    if cfg.relays and cfg.workers:
+        return await LoadTest(cfg, None).run()
+    spec = spec or StackSpec(relays=2, workers=2, engines=3)
+    async with Stack(spec) as stack:
+        return await LoadTest(cfg, stack).run()
+
+
+def _print(report: dict[str, Any]) -> None:
+    keys = [
+        "viewers",
+        "sessions",
+        "duration_s",
+        "turns",
+        "turns_rejected",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "itl_p50_ms",
+        "itl_p99_ms",
+        "tokens_per_s",
+        "lost",
+        "duplicated",
+        "out_of_order",
+        "gaps_reported",
+        "errors",
+        "reconnects",
+        "relay_cpu_s",
+        "worker_cpu_s",
+        "relay_rss_mb",
+        "worker_rss_mb",
+        "leases_held_end",
+        "subscriptions_end",
+    ]
+    width = max(map(len, keys))
+    for k in keys:
+        print(f"{k:<{width}}  {report[k]}")
+    if report["error_detail"]:
+        print(f"{'error_detail':<{width}}  {report['error_detail']}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bench.loadtest", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="20 s, 60 viewers, 3 turns/s")
+    p.add_argument("--duration", type=float, default=None, help="seconds of load (default 60)")
+    p.add_argument("--viewers", type=int, default=None, help="concurrent viewers (default 500)")
+    p.add_argument("--screens-per-session", type=int, default=5)
+    p.add_argument("--turns-per-s", type=float, default=None, help="new turns per second")
+    p.add_argument("--ws-share", type=float, default=0.5, help="share of viewers on WebSocket")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--relay", action="append", default=[], help="relay URL of a running stack")
+    p.add_argument("--worker", action="append", default=[], help="worker URL of a running stack")
+    p.add_argument("--engine-cap", type=int, default=16, help="in-flight cap per engine")
+    p.add_argument("--json", type=Path, help="write the report here")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def config_from_args(args: argparse.Namespace) -> LoadConfig:
+    quick = args.quick
+    return LoadConfig(
+        duration_s=args.duration or (20.0 if quick else 60.0),
+        viewers=args.viewers or (60 if quick else 500),
+        screens_per_session=args.screens_per_session,
+        turns_per_s=args.turns_per_s or (3.0 if quick else 5.0),
+        ws_share=args.ws_share,
+        max_tokens=args.max_tokens,
+        relays=args.relay,
+        workers=args.worker,
+        progress=not args.no_progress,
+    )
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    if bool(args.relay) != bool(args.worker):
+        print("error: give both --relay and --worker URLs, or neither", file=sys.stderr)
+        return 2
+    cfg = config_from_args(args)
+    spec = StackSpec(relays=2, workers=2, engines=3, engine_cap=args.engine_cap)
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+    report = asyncio.run(run_loadtest(cfg, spec))
+    _print(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    ok = report["lost"] == 0 and report["duplicated"] == 0 and report["out_of_order"] == 0
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_from_args(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
