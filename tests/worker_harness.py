@@ -1,0 +1,135 @@
+"""Helpers for the worker's integration tests: mock engines and a worker app in-process.
+
+``Harness`` starts mock engines (``worker.mock_engine.start_engine``, 127.0.0.1, port 0)
+and a worker app on an aiohttp ``TestServer`` against the test's real Redis Cluster
+client; ``stop()`` tears everything down in reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import aiohttp
+from aiohttp.test_utils import TestServer
+from multidict import CIMultiDictProxy
+from redis.asyncio.cluster import RedisCluster
+
+from relay.frame import Frame, decode
+from relay.publisher import read_backlog
+from worker import prefix_cache as pc
+from worker.api import STATE, WorkerConfig, WorkerState, make_app
+from worker.coalesce import CoalescePolicy
+from worker.mock_engine import EngineConfig, RunningEngine, start_engine
+from worker.presence import PresencePolicy
+from worker.router import EngineSpec
+
+__all__ = ["SECRET", "Harness", "expected_reply", "wait_turn"]
+
+SECRET = "test-secret"
+
+
+def expected_reply(messages: list[dict[str, str]], max_tokens: int, max_len: int = 48) -> str:
+    pieces, _ = pc.reply_pieces(pc.prompt_tokens(messages), max_tokens, max_len=max_len)
+    return "".join(pieces)
+
+
+async def wait_turn(
+    redis: RedisCluster, sid: str, turn: int, timeout_s: float = 15.0
+) -> list[Frame]:
+    """Frames of ``turn`` from the backlog once its terminal frame is there."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        raw, _, _ = await read_backlog(redis, sid, 0, 10_000)
+        frames = [f for f in (decode(x) for x in raw) if f.turn == turn]
+        if frames and frames[-1].kind in ("done", "error"):
+            return frames
+        if time.monotonic() > deadline:
+            raise AssertionError(f"turn {turn} did not end: {[f.kind for f in frames]}")
+        await asyncio.sleep(0.05)
+
+
+@dataclass
+class Harness:
+    redis: RedisCluster
+    engines: list[RunningEngine] = field(default_factory=list)
+    server: TestServer | None = None
+    http: aiohttp.ClientSession | None = None
+
+    async def start_engines(self, n: int, **kw: Any) -> list[RunningEngine]:
+        kw.setdefault("decode_tok_per_s", 400.0)
+        kw.setdefault("prefill_tok_per_s", 50_000.0)
+        for _ in range(n):
+            eid = f"eng-{len(self.engines)}"
+            self.engines.append(await start_engine(EngineConfig(port=0, engine_id=eid, **kw)))
+        return self.engines[-n:]
+
+    async def start_worker(self, cap: int = 8, **kw: Any) -> WorkerState:
+        cfg = WorkerConfig(
+            redis_url="",
+            engines=[
+                EngineSpec(id=e.engine.cfg.engine_id, url=e.url, cap=cap) for e in self.engines
+            ],
+            secret=SECRET,
+            worker_id="test-worker",
+            load_exchange=False,
+            coalesce=CoalescePolicy(4, 0.02),
+            presence=PresencePolicy(grace_s=30.0),
+            shutdown_deadline_s=1.0,
+        )
+        cfg = replace(cfg, **kw)
+        self.server = TestServer(make_app(cfg, redis=self.redis), host="127.0.0.1")
+        await self.server.start_server()
+        self.http = aiohttp.ClientSession()
+        return self.state
+
+    @property
+    def state(self) -> WorkerState:
+        assert self.server is not None
+        return self.server.app[STATE]
+
+    def url(self, path: str) -> str:
+        assert self.server is not None
+        return str(self.server.make_url(path))
+
+    async def session(self) -> tuple[str, str]:
+        assert self.http is not None
+        async with self.http.post(self.url("/v1/sessions")) as r:
+            assert r.status == 201, await r.text()
+            body = await r.json()
+        return body["session"], body["token"]
+
+    async def post_turn(
+        self,
+        sid: str,
+        token: str | None,
+        body: Any,
+        *,
+        headers: dict[str, str] | None = None,
+        raw: bytes | None = None,
+    ) -> tuple[int, dict[str, Any], CIMultiDictProxy[str]]:
+        assert self.http is not None
+        hdrs = dict(headers or {})
+        if token is not None:
+            hdrs.setdefault("Authorization", f"Bearer {token}")
+        kwargs: dict[str, Any] = {"headers": hdrs}
+        if raw is not None:
+            kwargs["data"] = raw
+        else:
+            kwargs["json"] = body
+        async with self.http.post(self.url(f"/v1/sessions/{sid}/turns"), **kwargs) as r:
+            try:
+                data = await r.json(content_type=None)
+            except ValueError:
+                data = {"text": await r.text()}
+            return r.status, data, r.headers
+
+    async def stop(self) -> None:
+        if self.http is not None:
+            await self.http.close()
+        if self.server is not None:
+            await self.server.close()
+        for e in self.engines:
+            await e.stop()

@@ -1,0 +1,353 @@
+"""The worker's HTTP API (aiohttp): sessions, turns, health and metrics.
+
+Routes (DESIGN.md section 4, kept exactly):
+
+* ``POST /v1/sessions`` -> ``201 {"session": sid, "token": token}`` (a ``write`` token:
+  it lets the holder post turns and watch the session on any relay);
+* ``POST /v1/sessions/{sid}/turns`` with ``{"message": str, "system"?: str,
+  "max_tokens"?: int}`` and the token (``Authorization: Bearer`` or ``?token=``) ->
+  ``202 {"session", "turn", "offset"}``; then frames flow on the session's channel.
+  Errors, each with a JSON body ``{"error": code, "reason": sentence}``: 400 (malformed
+  JSON, missing/empty ``message``, wrong types, ``max_tokens`` out of range, bad
+  session id or Idempotency-Key), 401/403 (token), 409 (a turn is generating: the body
+  names it, ``turn`` and ``offset``, so the client can watch it; we answer 409 rather
+  than queueing because a queued turn would be generated against a history that does
+  not yet hold the running turn's reply, and a queue hides load from the client),
+  413 (body or message too large), 415 (not ``application/json``), 429 + Retry-After
+  (every engine full), 503 (draining, or Redis unavailable);
+* ``GET /healthz`` (the process lives), ``GET /readyz`` (Redis answers, some engine is
+  routable, not draining), ``GET /metrics`` (Prometheus text).
+
+Order of use: ``app = make_app(WorkerConfig(...))`` (optionally with an existing Redis
+client); the app's startup builds the router, engine client, control plane, load
+exchange and :class:`worker.turns.TurnManager`; :func:`begin_drain` + the app's cleanup
+end it (see ``worker.cli_worker``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import aiohttp
+import orjson
+from aiohttp import web
+from redis.asyncio.cluster import RedisCluster
+
+from relay.auth import AuthError, extract_token, issue_token, verify_token
+from relay.errors import RelayError, map_redis_errors
+from relay.keys import InvalidSessionId, idem_key, new_session_id, parse_session
+from relay.publisher import Publisher
+from worker.coalesce import DEFAULT_POLICY, CoalescePolicy
+from worker.control import ControlPlane
+from worker.engine_client import EngineClient
+from worker.loadshare import LoadExchange
+from worker.metrics import CONTENT_TYPE_LATEST, WorkerMetrics
+from worker.presence import PresencePolicy
+from worker.router import AllEnginesFull, EngineSpec, Router
+from worker.store import SessionStore
+from worker.turns import (
+    Draining,
+    IdempotencyPending,
+    TurnBusy,
+    TurnConfig,
+    TurnManager,
+)
+
+__all__ = ["STATE", "WorkerConfig", "WorkerState", "begin_drain", "default_worker_id", "make_app"]
+
+_log = logging.getLogger(__name__)
+_JSON: Final = "application/json"
+
+
+def default_worker_id() -> str:
+    raw = f"{socket.gethostname()}-{os.getpid()}"
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in raw)[:64]
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """Everything the worker needs; the CLI fills it from flags."""
+
+    redis_url: str = ""
+    engines: list[EngineSpec] = field(default_factory=list)
+    secret: str | None = None  # None: --insecure-no-auth
+    model: str = "tokenrelay-mock"
+    worker_id: str = field(default_factory=default_worker_id)
+    token_ttl_s: int = 86_400
+    max_body_bytes: int = 64 * 1024
+    max_message_chars: int = 32 * 1024
+    max_tokens_limit: int = 4096
+    history_messages: int = 64
+    session_ttl_s: int = 86_400
+    backlog_maxlen: int = 10_000
+    coalesce: CoalescePolicy = DEFAULT_POLICY
+    presence: PresencePolicy = field(default_factory=PresencePolicy)
+    vnodes: int = 160
+    eps: float = 0.25
+    spill: str = "walk"
+    discover_engines: bool = False
+    control_interval_s: float = 1.0
+    load_exchange: bool = True
+    connect_timeout_s: float = 3.0
+    first_token_timeout_s: float = 60.0
+    idle_timeout_s: float = 30.0
+    shutdown_deadline_s: float = 20.0
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """What the app's handlers share (built at startup)."""
+
+    cfg: WorkerConfig
+    redis: RedisCluster
+    http: aiohttp.ClientSession
+    router: Router
+    metrics: WorkerMetrics
+    turns: TurnManager
+    control: ControlPlane
+    exchange: LoadExchange | None
+    own_redis: bool
+
+
+STATE: Final = web.AppKey("tokenrelay_worker", WorkerState)
+_CFG: Final = web.AppKey("tokenrelay_worker_cfg", WorkerConfig)
+_REDIS: Final = web.AppKey("tokenrelay_worker_redis", object)
+
+
+def _err(status: int, code: str, reason: str, **extra: Any) -> web.Response:
+    headers = extra.pop("headers", None)
+    body = {"error": code, "reason": reason, **extra}
+    return web.Response(status=status, body=orjson.dumps(body), content_type=_JSON,
+                        headers=headers)  # fmt: skip
+
+
+def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(body), content_type=_JSON,
+                        headers=headers)  # fmt: skip
+
+
+async def _create_session(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    if st.turns.draining:
+        return _err(503, "draining", "worker is shutting down", headers={"Retry-After": "1"})
+    sid = new_session_id()
+    if st.cfg.secret is None:
+        token = "insecure-no-auth"
+    else:
+        token = issue_token(st.cfg.secret, sid, st.cfg.token_ttl_s, time.time(), scope="write")
+    return _json(201, {"session": sid, "token": token})
+
+
+class _BadRequest(Exception):
+    def __init__(self, status: int, code: str, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.code, self.reason = status, code, reason
+
+
+def _parse_turn(raw: bytes, cfg: WorkerConfig) -> tuple[str, str | None, int | None]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _BadRequest(400, "malformed_json", f"body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise _BadRequest(400, "invalid_body", "body must be a JSON object")
+    message = body.get("message")
+    if not isinstance(message, str):
+        raise _BadRequest(400, "invalid_message", "'message' must be a string")
+    if not message.strip():
+        raise _BadRequest(400, "invalid_message", "'message' must not be empty")
+    if len(message) > cfg.max_message_chars:
+        raise _BadRequest(
+            413, "message_too_large", f"'message' longer than {cfg.max_message_chars} characters"
+        )
+    system = body.get("system")
+    if system is not None and not isinstance(system, str):
+        raise _BadRequest(400, "invalid_system", "'system' must be a string")
+    if system is not None and len(system) > cfg.max_message_chars:
+        raise _BadRequest(
+            413, "system_too_large", f"'system' longer than {cfg.max_message_chars} characters"
+        )
+    max_tokens = body.get("max_tokens")
+    if max_tokens is not None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+            raise _BadRequest(400, "invalid_max_tokens", "'max_tokens' must be an integer")
+        if not 1 <= max_tokens <= cfg.max_tokens_limit:
+            raise _BadRequest(
+                400,
+                "invalid_max_tokens",
+                f"'max_tokens' must be between 1 and {cfg.max_tokens_limit}",
+            )
+    return message, system or None, max_tokens
+
+
+async def _post_turn(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    cfg = st.cfg
+    try:
+        sid = parse_session(request.match_info["sid"])
+    except InvalidSessionId as exc:
+        return _err(400, "invalid_session", str(exc))
+    if cfg.secret is not None:
+        try:
+            token = extract_token(request.headers.get("Authorization"), request.query.get("token"))
+            verify_token(cfg.secret, token, sid, time.time(), need="write")
+        except AuthError as exc:
+            return _err(exc.status, exc.error, exc.reason)
+    if request.content_type != _JSON:
+        return _err(415, "unsupported_media_type", "send the body as application/json")
+    if request.content_length is not None and request.content_length > cfg.max_body_bytes:
+        return _err(413, "body_too_large", f"body larger than {cfg.max_body_bytes} bytes")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return _err(413, "body_too_large", f"body larger than {cfg.max_body_bytes} bytes")
+    try:
+        message, system, max_tokens = _parse_turn(raw, cfg)
+    except _BadRequest as exc:
+        st.metrics.rejected.labels(status=str(exc.status)).inc()
+        return _err(exc.status, exc.code, exc.reason)
+    idem = request.headers.get("Idempotency-Key")
+    if idem is not None:
+        try:
+            idem_key(sid, idem)
+        except ValueError as exc:
+            return _err(400, "invalid_idempotency_key", str(exc))
+    try:
+        started = await st.turns.start_turn(
+            sid, message, system=system, max_tokens=max_tokens, idempotency_key=idem
+        )
+    except Draining:
+        st.metrics.rejected.labels(status="503").inc()
+        return _err(503, "draining", "worker is shutting down", headers={"Retry-After": "1"})
+    except TurnBusy as exc:
+        st.metrics.rejected.labels(status="409").inc()
+        return _err(
+            409,
+            "turn_in_progress",
+            "a turn of this session is generating; watch it, then post again",
+            turn=exc.holder.turn,
+            offset=exc.holder.offset,
+        )
+    except IdempotencyPending as exc:
+        st.metrics.rejected.labels(status="409").inc()
+        return _err(409, "idempotency_pending", str(exc))
+    except AllEnginesFull as exc:
+        st.metrics.rejected.labels(status="429").inc()
+        retry = str(max(1, math.ceil(exc.retry_after_s)))
+        return _err(429, "engines_full", exc.reason, headers={"Retry-After": retry},
+                    retry_after_s=round(exc.retry_after_s, 3))  # fmt: skip
+    except RelayError as exc:
+        st.metrics.rejected.labels(status="503").inc()
+        return _err(503, "redis_unavailable", str(exc), headers={"Retry-After": "1"})
+    headers = {"Idempotent-Replayed": "true"} if started.replayed else None
+    return _json(202, started.body(), headers)
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return _json(200, {"status": "ok", "worker": request.app[STATE].cfg.worker_id})
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    if st.turns.draining:
+        return _err(503, "draining", "worker is shutting down")
+    if not st.router.engines():
+        return _err(503, "no_engines", "no engine is routable")
+    try:
+        with map_redis_errors():
+            await st.redis.ping()
+    except RelayError as exc:
+        return _err(503, "redis_unavailable", str(exc))
+    return _json(200, {"status": "ready", "engines": [s.id for s in st.router.engines()]})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    cfg = app[_CFG]
+    given = app.get(_REDIS)
+    own = given is None
+    redis = RedisCluster.from_url(cfg.redis_url) if own else given
+    assert isinstance(redis, RedisCluster)
+    if own:
+        with map_redis_errors():
+            await redis.initialize()
+    http = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+    )
+    router = Router(cfg.engines, vnodes=cfg.vnodes, eps=cfg.eps, spill=cfg.spill)
+    metrics = WorkerMetrics()
+    metrics.bind_router(router)
+    engine = EngineClient(
+        http,
+        connect_timeout_s=cfg.connect_timeout_s,
+        first_token_timeout_s=cfg.first_token_timeout_s,
+        idle_timeout_s=cfg.idle_timeout_s,
+    )
+    store = SessionStore(redis, max_messages=cfg.history_messages, ttl_s=cfg.session_ttl_s)
+    publisher = Publisher(redis, maxlen=cfg.backlog_maxlen, ttl_s=cfg.session_ttl_s)
+    turns = TurnManager(
+        publisher=publisher,
+        store=store,
+        router=router,
+        engine=engine,
+        metrics=metrics,
+        worker_id=cfg.worker_id,
+        config=TurnConfig(model=cfg.model, coalesce=cfg.coalesce, presence=cfg.presence),
+    )
+    control = ControlPlane(
+        router,
+        http,
+        cfg.engines,
+        redis=redis,
+        discover=cfg.discover_engines,
+        interval_s=cfg.control_interval_s,
+        on_engine_down=turns.abort_engine,
+    )
+    exchange = LoadExchange(redis, router, cfg.worker_id) if cfg.load_exchange else None
+    app[STATE] = WorkerState(cfg, redis, http, router, metrics, turns, control, exchange, own)
+    await control.start()
+    if exchange is not None:
+        await exchange.start()
+    try:
+        yield
+    finally:
+        await turns.drain(cfg.shutdown_deadline_s)
+        await control.stop()
+        if exchange is not None:
+            await exchange.stop()
+        await http.close()
+        if own:
+            with contextlib.suppress(Exception):
+                await redis.aclose()
+
+
+def begin_drain(app: web.Application) -> None:
+    """Stop taking turns (POSTs get 503, /readyz 503); the cleanup finishes the drain."""
+    app[STATE].turns.draining = True
+
+
+def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.Application:
+    """The worker application. Pass ``redis`` to share a client (it is not closed)."""
+    app = web.Application(client_max_size=cfg.max_body_bytes)
+    app[_CFG] = cfg
+    if redis is not None:
+        app[_REDIS] = redis
+    app.cleanup_ctx.append(_lifecycle)
+    app.router.add_post("/v1/sessions", _create_session)
+    app.router.add_post("/v1/sessions/{sid}/turns", _post_turn)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    app.router.add_get("/metrics", _metrics)
+    return app

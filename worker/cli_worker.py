@@ -1,0 +1,144 @@
+"""The ``tokenrelay worker`` subcommand: serve the turn API.
+
+``register(subparsers)`` is the entry point of the group ``tokenrelay.commands``
+(``worker = "worker.cli_worker:register"``); ``relay.cli`` calls it to add the parser and
+then the parser's default ``func`` (:func:`run`) with the parsed arguments. ``run``
+builds a :class:`worker.api.WorkerConfig` (:func:`config_from_args`) and serves
+:func:`serve` on uvloop when available. Works the same against a real vLLM / SGLang /
+Ollama (``--engine http://gpu-1:8000 --model <served name> --engine-cap <max seqs>``).
+
+Shutdown on SIGTERM/SIGINT: the worker stops taking turns at once (POSTs and /readyz
+answer 503 while the listener is still open, so a load balancer drains it), lets running
+turns finish for ``--shutdown-deadline-s``, ends the rest with an ``error`` frame
+"worker shutdown", then closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from typing import Any
+
+from aiohttp import web
+
+from worker.api import STATE, WorkerConfig, begin_drain, default_worker_id, make_app
+from worker.coalesce import DEFAULT_POLICY, CoalescePolicy
+from worker.control import parse_engine_arg
+from worker.presence import PresencePolicy
+
+__all__ = ["config_from_args", "register", "run", "serve"]
+
+
+def register(subparsers: Any) -> None:
+    """Add ``worker`` to the ``tokenrelay`` subcommands."""
+    d = WorkerConfig()
+    p = subparsers.add_parser(
+        "worker",
+        help="run a worker: turn API, cache-affine routing to engines, token publishing",
+        description="Stateless worker pod: keeps chat history in Redis, routes each turn "
+        "to an OpenAI-compatible engine with bounded-load consistent hashing and "
+        "publishes the streamed tokens to the session's shard channel.",
+    )
+    p.add_argument("--port", type=int, required=True, help="TCP port (0 picks a free one)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--redis", required=True, help="redis://host:port of a cluster node")
+    p.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="[ID=]URL",
+        help="an OpenAI-compatible engine (repeat); id defaults to host:port",
+    )
+    p.add_argument("--engine-cap", type=int, default=8, help="in-flight requests per engine")
+    p.add_argument(
+        "--discover-engines",
+        action="store_true",
+        help="also use engines announced in Redis (tr:engines heartbeats)",
+    )
+    auth = p.add_mutually_exclusive_group(required=True)
+    auth.add_argument("--secret", help="HMAC secret for session tokens (shared with relays)")
+    auth.add_argument("--insecure-no-auth", action="store_true", help="no tokens (dev only)")
+    p.add_argument("--model", default=d.model, help=f"model name sent to engines ({d.model})")
+    p.add_argument("--worker-id", default=None, help="unique id (default hostname-pid)")
+    p.add_argument("--coalesce-tokens", type=int, default=DEFAULT_POLICY.max_tokens)
+    p.add_argument(
+        "--coalesce-ms", type=float, default=DEFAULT_POLICY.max_delay_s * 1000, help="flush after"
+    )
+    p.add_argument("--presence-grace-s", type=float, default=d.presence.grace_s)
+    p.add_argument("--history-messages", type=int, default=d.history_messages)
+    p.add_argument("--session-ttl-s", type=int, default=d.session_ttl_s)
+    p.add_argument("--max-tokens-limit", type=int, default=d.max_tokens_limit)
+    p.add_argument("--first-token-timeout-s", type=float, default=d.first_token_timeout_s)
+    p.add_argument("--idle-timeout-s", type=float, default=d.idle_timeout_s)
+    p.add_argument("--shutdown-deadline-s", type=float, default=d.shutdown_deadline_s)
+    p.add_argument("--spill", choices=("walk", "least_loaded"), default=d.spill)
+    p.add_argument("--no-load-exchange", action="store_true", help="do not share load")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    engines = [parse_engine_arg(e, args.engine_cap) for e in args.engine]
+    if not engines and not args.discover_engines:
+        raise ValueError("give at least one --engine (or --discover-engines)")
+    return WorkerConfig(
+        redis_url=args.redis,
+        engines=engines,
+        secret=None if args.insecure_no_auth else args.secret,
+        model=args.model,
+        worker_id=args.worker_id or default_worker_id(),
+        coalesce=CoalescePolicy(args.coalesce_tokens, args.coalesce_ms / 1000),
+        presence=PresencePolicy(grace_s=args.presence_grace_s),
+        history_messages=args.history_messages,
+        session_ttl_s=args.session_ttl_s,
+        max_tokens_limit=args.max_tokens_limit,
+        first_token_timeout_s=args.first_token_timeout_s,
+        idle_timeout_s=args.idle_timeout_s,
+        shutdown_deadline_s=args.shutdown_deadline_s,
+        spill=args.spill,
+        discover_engines=args.discover_engines,
+        load_exchange=not args.no_load_exchange,
+    )
+
+
+async def serve(cfg: WorkerConfig, host: str, port: int) -> None:
+    """Serve until SIGTERM/SIGINT, then drain (see the module docstring)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+    app = make_app(cfg)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=cfg.shutdown_deadline_s + 5)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0][1] if runner.addresses else port
+        print(f"worker {cfg.worker_id} listening on http://{host}:{bound}", flush=True)
+        await stop.wait()
+        begin_drain(app)  # 503 from here on, while running turns finish
+        await app[STATE].turns.drain(cfg.shutdown_deadline_s)
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()  # the app's cleanup drains the turns within the deadline
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(cfg, args.host, args.port))
+    else:
+        uvloop.run(serve(cfg, args.host, args.port))
+    return 0

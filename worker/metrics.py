@@ -1,0 +1,116 @@
+"""The worker's Prometheus metrics, in a per-app registry (tests run several workers).
+
+Order of use: ``m = WorkerMetrics()`` once per app; the turn runner increments the
+counters; ``m.bind_router(router)`` makes the per-engine gauges read the router at scrape
+time; ``m.render()`` is the body of ``GET /metrics``.
+
+``tokenrelay_worker_publishes_total / tokenrelay_worker_tokens_published_total`` is the
+number of Redis operations per token (coalescing lowers it);
+``..._cache_affinity_available_total`` counts turns whose previous turn's engine is still
+in the ring (its KV cache could be reused), ``..._cache_affinity_captured_total`` those
+that routing actually sent there, and ``..._cached_prompt_tokens_total`` what the engines
+reported as served from cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from worker.router import Router
+
+__all__ = ["CONTENT_TYPE_LATEST", "WorkerMetrics"]
+
+_P = "tokenrelay_worker_"
+
+
+class _RouterCollector(Collector):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        snap = self.router.snapshot()
+        inflight = GaugeMetricFamily(
+            _P + "engine_in_flight", "Leases this worker holds per engine.", labels=["engine"]
+        )
+        cap = GaugeMetricFamily(_P + "engine_cap", "Engine cap (cluster-wide).", labels=["engine"])
+        eff = GaugeMetricFamily(
+            _P + "engine_effective_cap",
+            "What this worker may hold on the engine (its load-exchange allowance).",
+            labels=["engine"],
+        )
+        for eid, e in snap["engines"].items():
+            inflight.add_metric([eid], e["in_flight"])
+            cap.add_metric([eid], e["cap"])
+            eff.add_metric([eid], e["effective_cap"])
+        c = snap["counters"]
+        routes = GaugeMetricFamily(_P + "router_routes", "Routes decided (monotonic).")
+        routes.add_metric([], c["routes"])
+        spills = GaugeMetricFamily(_P + "router_spills", "Routes spilled off the preferred engine.")
+        spills.add_metric([], c["spills"])
+        rejections = GaugeMetricFamily(_P + "router_rejections", "Routes refused (all full).")
+        rejections.add_metric([], c["rejections"])
+        double = GaugeMetricFamily(_P + "router_double_releases", "Leases released twice.")
+        double.add_metric([], c["double_releases"])
+        yield from (inflight, cap, eff, routes, spills, rejections, double)
+
+
+class WorkerMetrics:
+    """Counters and histograms of one worker app."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        self.turns = Counter(_P + "turns", "Turns by outcome.", ["outcome"], registry=reg)
+        self.rejected = Counter(
+            _P + "rejected_requests", "Turn POSTs refused, by status.", ["status"], registry=reg
+        )
+        self.ttft = Histogram(
+            _P + "ttft_seconds",
+            "Time from the POST to the first token from the engine.",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=reg,
+        )
+        self.tokens = Counter(_P + "tokens_published", "Engine tokens published.", registry=reg)
+        self.publishes = Counter(
+            _P + "publishes", "Publish round trips to Redis (one Lua call each).", registry=reg
+        )
+        self.coalesce_wait = Histogram(
+            _P + "coalesce_wait_seconds",
+            "Time a token waited in the coalescing buffer.",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
+            registry=reg,
+        )
+        self.spills = Counter(_P + "route_spills", "Turns routed off their preferred engine.",
+                              registry=reg)  # fmt: skip
+        self.affinity_available = Counter(
+            _P + "cache_affinity_available",
+            "Turns whose previous engine (holding their prefix) was in the ring.",
+            registry=reg,
+        )
+        self.affinity_captured = Counter(
+            _P + "cache_affinity_captured",
+            "Turns routed to the engine that served their previous turn.",
+            registry=reg,
+        )
+        self.cached_tokens = Counter(
+            _P + "cached_prompt_tokens", "Prompt tokens the engines served from cache.",
+            registry=reg,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            _P + "prompt_tokens", "Prompt tokens sent to engines.", registry=reg
+        )
+        self.cancellations = Counter(
+            _P + "cancellations", "Turns aborted before the end, by reason.", ["reason"],
+            registry=reg,
+        )  # fmt: skip
+
+    def bind_router(self, router: Router) -> None:
+        self.registry.register(_RouterCollector(router))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,476 @@
+"""The turn runner: admit a turn, stream it from the engine into the session, end it.
+
+Admission (:meth:`TurnManager.start_turn`, while the POST waits):
+
+1. the ``Idempotency-Key`` is claimed (SET NX); a key seen before returns its turn;
+2. the session's turn lock is taken (one turn generates at a time per session; a second
+   POST gets :class:`TurnBusy` -> 409 with the running turn);
+3. history and system prompt are read; the prompt is system + history + the new message;
+4. the router picks the engine from the routing key (:class:`AllEnginesFull` -> 429);
+5. a fenced generation is opened and the ``meta`` frame published (the user's message,
+   engine, preferred engine, spilled): its offset is the turn's first offset (the 202).
+
+Generation (a task per turn, :meth:`TurnManager._run`): an engine-reader task pushes
+deltas into a :class:`worker.coalesce.TokenPump` whose task publishes coalesced ``token``
+frames; a presence task (:func:`worker.presence.watch_presence`) refreshes the lock and
+aborts the reader when nobody watched for the grace period. The first token frame's meta
+carries the TTFT and the engine's cached-prefix tokens (known only when the engine
+answers, so not in the ``meta`` frame). The turn ends with exactly one terminal frame:
+
+====================  ==========  =============================================
+exit path             outcome     terminal frame
+====================  ==========  =============================================
+engine finished       done        ``done`` (ttft, engine, cache hit/miss, tokens,
+                                  finish reason); history appended
+engine error          engine_error ``error`` (the engine's message)
+engine timeout        timeout     ``error``
+nobody watching       no_viewers  ``error`` "no viewers"
+engine left the ring  engine_down ``error`` "engine down"
+worker shutdown       shutdown    ``error`` "worker shutdown"
+fenced                fenced      none: a newer generation owns the stream and the
+                                  publisher refuses our writes by design
+Redis unavailable     redis_error ``error`` if Redis takes it
+====================  ==========  =============================================
+
+and on every path the lease is released exactly once and the lock given back. Aborts
+cancel only the engine reader (closing the upstream response, so the engine stops);
+the pump is then closed and drained, never cancelled mid-publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from relay.errors import Fenced, RelayError
+from relay.publisher import Draft, Generation, Publisher
+from worker.coalesce import DEFAULT_POLICY, Batch, CoalescePolicy, TokenPump
+from worker.engine_client import Delta
+from worker.engine_errors import EngineError, EngineTimeout
+from worker.metrics import WorkerMetrics
+from worker.presence import PresencePolicy, watch_presence
+from worker.router import Lease, Router
+from worker.routing_key import routing_key
+from worker.store import LockHolder, SessionStore
+
+__all__ = [
+    "Draining",
+    "IdempotencyPending",
+    "StreamChat",
+    "TurnBusy",
+    "TurnConfig",
+    "TurnManager",
+    "TurnStarted",
+]
+
+_log = logging.getLogger(__name__)
+
+
+class StreamChat(Protocol):
+    """What the runner needs from :class:`worker.engine_client.EngineClient`."""
+
+    def stream_chat(
+        self,
+        engine_url: str,
+        model: str,
+        messages: Sequence[Mapping[str, Any]],
+        max_tokens: int | None = None,
+    ) -> AsyncIterator[Delta]: ...
+
+
+class TurnBusy(Exception):
+    """Another turn of the session is generating (-> 409)."""
+
+    def __init__(self, holder: LockHolder) -> None:
+        super().__init__(f"turn {holder.turn} is generating")
+        self.holder = holder
+
+
+class IdempotencyPending(Exception):
+    """A request with the same Idempotency-Key is being admitted right now (-> 409)."""
+
+
+class Draining(Exception):
+    """The worker is shutting down and takes no new turns (-> 503)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TurnConfig:
+    model: str = "tokenrelay-mock"
+    coalesce: CoalescePolicy = DEFAULT_POLICY
+    presence: PresencePolicy = field(default_factory=PresencePolicy)
+    lock_retry: int = 3  # a turn that is ending may still hold the lock for a round trip
+    lock_retry_s: float = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class TurnStarted:
+    """The 202 body: ``turn`` and ``offset`` (``replayed`` for an idempotent retry)."""
+
+    session: str
+    turn: int
+    offset: int
+    replayed: bool = False
+
+    def body(self) -> dict[str, Any]:
+        return {"session": self.session, "turn": self.turn, "offset": self.offset}
+
+
+@dataclass(slots=True, eq=False)
+class _Turn:
+    sid: str
+    gen: Generation
+    lease: Lease
+    owner: str
+    prompt: list[dict[str, str]]
+    message: str
+    max_tokens: int | None
+    t0: float
+    reader: asyncio.Task[None] | None = None
+    task: asyncio.Task[None] | None = None
+    abort_reason: str | None = None
+    reply: list[str] = field(default_factory=list)
+    first_meta: dict[str, Any] | None = None
+    sent_first_meta: bool = False
+    finish_reason: str | None = None
+    ttft_s: float | None = None
+    cached_tokens: int | None = None
+    prompt_tokens: int | None = None
+    engine_reported: str | None = None
+
+    def abort(self, reason: str) -> None:
+        if self.abort_reason is None:
+            self.abort_reason = reason
+        if self.reader is not None and not self.reader.done():
+            self.reader.cancel()
+
+
+_ABORT_OUTCOME = {
+    "no viewers": "no_viewers",
+    "engine down": "engine_down",
+    "worker shutdown": "shutdown",
+}
+
+
+class TurnManager:
+    """Admits turns and runs them; one per worker app."""
+
+    def __init__(
+        self,
+        *,
+        publisher: Publisher,
+        store: SessionStore,
+        router: Router,
+        engine: StreamChat,
+        metrics: WorkerMetrics,
+        worker_id: str,
+        config: TurnConfig | None = None,
+    ) -> None:
+        self.publisher = publisher
+        self.store = store
+        self.router = router
+        self.engine = engine
+        self.metrics = metrics
+        self.worker_id = worker_id
+        self.cfg = config or TurnConfig()
+        self.running: dict[str, _Turn] = {}
+        self.draining = False
+        self.outcomes: list[tuple[str, int, str]] = []  # (sid, turn, outcome), for tests
+
+    # ---- admission -------------------------------------------------------------------------
+
+    async def start_turn(
+        self,
+        sid: str,
+        message: str,
+        *,
+        system: str | None = None,
+        max_tokens: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> TurnStarted:
+        if self.draining:
+            raise Draining("worker is shutting down")
+        owner = f"{self.worker_id}:{uuid.uuid4().hex[:16]}"
+        if idempotency_key is not None:
+            seen = await self.store.claim_idempotency(sid, idempotency_key, owner)
+            if isinstance(seen, dict):
+                return TurnStarted(sid, int(seen["turn"]), int(seen["offset"]), replayed=True)
+            if seen == "pending":
+                raise IdempotencyPending("a request with this Idempotency-Key is in progress")
+        try:
+            return await self._admit(sid, owner, message, system, max_tokens, idempotency_key)
+        except BaseException:
+            if idempotency_key is not None:
+                with contextlib.suppress(RelayError):
+                    await self.store.drop_idempotency(sid, idempotency_key, owner)
+            raise
+
+    async def _admit(
+        self,
+        sid: str,
+        owner: str,
+        message: str,
+        system: str | None,
+        max_tokens: int | None,
+        idem: str | None,
+    ) -> TurnStarted:
+        t0 = time.monotonic()
+        for attempt in range(self.cfg.lock_retry + 1):
+            holder = await self.store.acquire_lock(sid, owner)
+            if holder is None:
+                break
+            if attempt == self.cfg.lock_retry:
+                raise TurnBusy(holder)
+            await asyncio.sleep(self.cfg.lock_retry_s)
+        lease: Lease | None = None
+        try:
+            hist = await self.store.load(sid)
+            sys_prompt = system if system else hist.system
+            convo = [*hist.messages, {"role": "user", "content": message}]
+            lease = self.router.route(routing_key(sys_prompt, convo))
+            if hist.last_engine is not None and any(
+                s.id == hist.last_engine for s in self.router.engines()
+            ):
+                self.metrics.affinity_available.inc()
+                if lease.engine.id == hist.last_engine:
+                    self.metrics.affinity_captured.inc()
+            if lease.spilled:
+                self.metrics.spills.inc()
+            if system and system != hist.system:
+                await self.store.save_system(sid, system)
+            gen = await self.publisher.open_generation(sid)
+            offset = (
+                await gen.publish(
+                    [
+                        Draft(
+                            kind="meta",
+                            meta={
+                                "role": "user",
+                                "message": message,
+                                "engine": lease.engine.id,
+                                "preferred": lease.preferred,
+                                "spilled": lease.spilled,
+                                "model": self.cfg.model,
+                                "worker": self.worker_id,
+                            },
+                        )
+                    ]
+                )
+            )[0]
+            started = TurnStarted(sid, gen.turn, offset)
+            await self.store.set_lock_turn(sid, owner, gen.turn, offset)
+            if idem is not None:
+                await self.store.resolve_idempotency(sid, idem, started.body())
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            with contextlib.suppress(RelayError):
+                await self.store.release_lock(sid, owner)
+            raise
+        prompt = [{"role": "system", "content": sys_prompt}] if sys_prompt else []
+        prompt += convo
+        turn = _Turn(sid, gen, lease, owner, prompt, message, max_tokens, t0)
+        self.running[sid] = turn
+        turn.task = asyncio.create_task(self._run(turn), name=f"turn-{sid}-{gen.turn}")
+        return started
+
+    # ---- aborts ------------------------------------------------------------------------------
+
+    def abort_engine(self, engine_id: str, reason: str = "engine down") -> int:
+        """End every running turn on ``engine_id`` (the control plane saw it leave)."""
+        n = 0
+        for t in list(self.running.values()):
+            if t.lease.engine.id == engine_id:
+                t.abort(reason)
+                n += 1
+        return n
+
+    async def drain(self, deadline_s: float) -> None:
+        """Stop admitting; let running turns finish for ``deadline_s``, then abort them
+        with "worker shutdown" and wait for their terminal frames."""
+        self.draining = True
+        tasks = [t.task for t in self.running.values() if t.task is not None]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=deadline_s)
+            if pending:
+                for t in list(self.running.values()):
+                    t.abort("worker shutdown")
+                await asyncio.wait(pending, timeout=5.0)
+
+    # ---- generation --------------------------------------------------------------------------
+
+    async def _run(self, t: _Turn) -> None:
+        outcome = "done"
+        error: str | None = None
+        pump = TokenPump(lambda b: self._publish_batch(t, b), self.cfg.coalesce)
+        t.reader = asyncio.create_task(self._read_engine(t, pump), name=f"read-{t.sid}")
+        pump_task = asyncio.create_task(pump.run(), name=f"pump-{t.sid}")
+
+        async def refresh() -> None:
+            with contextlib.suppress(RelayError):
+                await self.store.refresh_lock(t.sid, t.owner)
+
+        presence = asyncio.create_task(
+            watch_presence(
+                self.store.redis,
+                t.sid,
+                self.cfg.presence,
+                lambda: t.abort("no viewers"),
+                on_tick=refresh,
+            ),
+            name=f"presence-{t.sid}",
+        )
+        try:
+            done, _ = await asyncio.wait({t.reader, pump_task}, return_when=asyncio.FIRST_COMPLETED)
+            if pump_task in done:  # the pump only ends early on an error: stop the engine
+                t.reader.cancel()
+                with contextlib.suppress(BaseException):
+                    await t.reader
+                t.lease.release()
+                await pump_task  # raises what stopped it
+                raise RuntimeError("token pump stopped early")
+            try:
+                await t.reader
+            except asyncio.CancelledError:
+                if t.abort_reason is None:
+                    raise  # we are being cancelled ourselves
+                outcome, error = _ABORT_OUTCOME.get(t.abort_reason, "cancelled"), t.abort_reason
+            except EngineTimeout as exc:
+                outcome, error = "timeout", exc.message
+            except EngineError as exc:
+                outcome, error = "engine_error", exc.message
+            finally:
+                t.lease.release()  # the engine is done with us, whatever happens next
+                pump.close()
+            await pump_task
+        except Fenced as exc:
+            outcome, error = "fenced", None
+            _log.warning("turn %s/%d fenced: %s", t.sid, t.gen.turn, exc)
+        except RelayError as exc:
+            outcome, error = "redis_error", f"redis unavailable: {exc}"
+        except asyncio.CancelledError:
+            outcome, error = "shutdown", "worker shutdown"
+            t.abort("worker shutdown")
+            await self._end(t, outcome, error, pump, pump_task, presence)
+            raise
+        except Exception as exc:
+            _log.exception("turn %s/%d failed", t.sid, t.gen.turn)
+            outcome, error = "internal_error", f"internal error: {type(exc).__name__}"
+        await self._end(t, outcome, error, pump, pump_task, presence)
+
+    async def _end(
+        self,
+        t: _Turn,
+        outcome: str,
+        error: str | None,
+        pump: TokenPump,
+        pump_task: asyncio.Task[None],
+        presence: asyncio.Task[None],
+    ) -> None:
+        presence.cancel()
+        if t.reader is not None and not t.reader.done():
+            t.reader.cancel()
+        if not pump_task.done():  # let a publish in flight land: never cancel mid-publish
+            pump.close()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(asyncio.shield(pump_task), 5.0)
+            pump_task.cancel()
+        await asyncio.gather(presence, pump_task, return_exceptions=True)
+        t.lease.release()  # a no-op when already released (counted by the router if double)
+        try:
+            if outcome == "done":
+                await self.store.append_exchange(
+                    t.sid,
+                    [
+                        {"role": "user", "content": t.message},
+                        {"role": "assistant", "content": "".join(t.reply)},
+                    ],
+                    t.lease.engine.id,
+                )
+                await t.gen.publish([Draft(kind="done", meta=self._done_meta(t))])
+            elif outcome != "fenced":
+                meta = {"code": outcome, "engine": t.lease.engine.id, "tokens": len(t.reply)}
+                await t.gen.publish([Draft(kind="error", text=error or outcome, meta=meta)])
+        except Fenced:
+            outcome = "fenced"
+        except RelayError as exc:
+            _log.warning("turn %s/%d: terminal frame lost: %s", t.sid, t.gen.turn, exc)
+        finally:
+            with contextlib.suppress(RelayError):
+                await self.store.release_lock(t.sid, t.owner)
+            if self.running.get(t.sid) is t:
+                del self.running[t.sid]
+            self.metrics.turns.labels(outcome=outcome).inc()
+            if outcome in ("no_viewers", "engine_down", "shutdown"):
+                self.metrics.cancellations.labels(reason=outcome).inc()
+            self.outcomes.append((t.sid, t.gen.turn, outcome))
+
+    def _done_meta(self, t: _Turn) -> dict[str, Any]:
+        cached = t.cached_tokens or 0
+        return {
+            "engine": t.lease.engine.id,
+            "engine_reported": t.engine_reported,
+            "preferred": t.lease.preferred,
+            "spilled": t.lease.spilled,
+            "ttft_ms": round(t.ttft_s * 1000, 1) if t.ttft_s is not None else None,
+            "cache": "hit" if cached > 0 else "miss",
+            "cached_tokens": t.cached_tokens,
+            "prompt_tokens": t.prompt_tokens,
+            "tokens": len(t.reply),
+            "finish_reason": t.finish_reason,
+            "duration_ms": round((time.monotonic() - t.t0) * 1000, 1),
+        }
+
+    async def _read_engine(self, t: _Turn, pump: TokenPump) -> None:
+        stream = self.engine.stream_chat(t.lease.engine.url, self.cfg.model, t.prompt, t.max_tokens)
+        try:
+            async for d in stream:
+                if d.meta is not None and t.first_meta is None:
+                    t.engine_reported = d.meta.engine_id
+                    t.cached_tokens = d.meta.cached_tokens
+                    t.prompt_tokens = d.meta.prompt_tokens
+                if d.usage is not None:
+                    if d.usage.cached_tokens is not None and t.cached_tokens is None:
+                        t.cached_tokens = d.usage.cached_tokens
+                    if t.prompt_tokens is None:
+                        t.prompt_tokens = d.usage.prompt_tokens
+                if d.text:
+                    if t.ttft_s is None:
+                        t.ttft_s = time.monotonic() - t.t0
+                        self.metrics.ttft.observe(t.ttft_s)
+                        t.first_meta = {
+                            "ttft_ms": round(t.ttft_s * 1000, 1),
+                            "cached_tokens": t.cached_tokens,
+                            "prompt_tokens": t.prompt_tokens,
+                            "engine_reported": t.engine_reported,
+                        }
+                    t.reply.append(d.text)
+                    pump.push(d.text)
+                if d.finish_reason is not None:
+                    t.finish_reason = d.finish_reason
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:  # closes the upstream response: the engine aborts
+                await aclose()
+        if t.cached_tokens:
+            self.metrics.cached_tokens.inc(t.cached_tokens)
+        if t.prompt_tokens:
+            self.metrics.prompt_tokens.inc(t.prompt_tokens)
+
+    async def _publish_batch(self, t: _Turn, b: Batch) -> None:
+        meta: dict[str, Any] | None = None
+        if not t.sent_first_meta:
+            meta, t.sent_first_meta = t.first_meta, True
+        if b.count > 1:
+            meta = {**(meta or {}), "n": b.count}
+        await t.gen.publish([Draft(kind="token", text=b.text, meta=meta)])
+        self.metrics.publishes.inc()
+        self.metrics.tokens.inc(b.count)
+        for w in b.waits:
+            self.metrics.coalesce_wait.observe(w)
