@@ -347,6 +347,7 @@ class ShardedSubscriber:
     def _give_up(self, c: str) -> None:
         self._wanted.discard(c)
         self._pending.discard(c)
+        self._confirmed_once.discard(c)
         addr = self._where.pop(c, None)
         conn = self._conns.get(addr) if addr is not None else None
         if conn is not None and conn.alive:

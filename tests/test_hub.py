@@ -259,3 +259,67 @@ async def test_killed_pubsub_connection_is_repaired_from_the_backlog(
     finally:
         for client, _ in conns:
             await client.aclose()
+
+
+async def test_watch_can_read_from_replicas(cluster, redis: RedisCluster) -> None:
+    hub = Hub(redis, relay_id="replica-reader", read_from_replicas=True)
+    await hub.start()
+    try:
+        sid = new_session_id()
+        w = await hub.watch(sid, 0)
+        addr = hub.subscriber.node_of(live_channel(sid))
+        assert addr is not None
+        assert addr.port in {n.port for n in cluster.replicas}
+        gen = await Publisher(redis).open_generation(sid)
+        await gen.publish([Draft(kind="token", text="r")] * 3)
+        assert token_offsets(await collect(w, 3)) == [1, 2, 3]
+    finally:
+        await hub.close()
+
+
+@pytest.mark.slow
+async def test_failover_resubscribes_on_the_new_master_and_repairs(private_cluster) -> None:
+    """CLUSTER FAILOVER pushes an unsolicited sunsubscribe; nothing is lost or duplicated."""
+    local = await private_cluster(masters=3, replicas=1)
+    info = local.info
+    host, port = info.startup_nodes[0]
+    redis = RedisCluster(host=host, port=port)
+    await redis.initialize()
+    hub = Hub(redis, relay_id="failover-test")
+    await hub.start()
+    try:
+        sid = new_session_id()
+        w = await hub.watch(sid, 0)
+        pub = Publisher(redis)
+        gen = await pub.open_generation(sid)
+        await gen.publish([Draft(kind="token", text="a")] * 5)
+        assert token_offsets(await collect(w, 5)) == [1, 2, 3, 4, 5]
+        owner = redis.get_node_from_key(live_channel(sid))
+        assert owner is not None
+        replica = next(n for n in info.replicas if n.master_port == owner.port)
+        rc = aioredis.Redis(host=replica.host, port=replica.port)
+        try:
+            await rc.execute_command("CLUSTER", "FAILOVER")
+            async with asyncio.timeout(20):
+                while (await rc.info("replication"))["role"] != "master":
+                    await asyncio.sleep(0.1)
+        finally:
+            await rc.aclose()
+        async with asyncio.timeout(20):  # publish through the failover; retry MOVED/down
+            while True:
+                try:
+                    await gen.publish([Draft(kind="token", text="b")] * 5)
+                    break
+                except Exception:
+                    await asyncio.sleep(0.2)
+        got = await collect(w, 10, within_s=20)
+        assert token_offsets(got) == [6, 7, 8, 9, 10]
+        async with asyncio.timeout(10):
+            while hub.subscriber.node_of(live_channel(sid)) != (replica.host, replica.port):
+                await asyncio.sleep(0.1)
+        assert hub.stats()["resubscribes"] >= 1
+        await gen.publish([Draft(kind="token", text="c")] * 2)
+        assert token_offsets(await collect(w, 12)) == [11, 12]
+    finally:
+        await hub.close()
+        await redis.aclose()
