@@ -53,6 +53,7 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     hard_limit_frames: int = 4096
     unsubscribe_delay_s: float = 2.0
     drain_deadline_s: float = 10.0
+    write_timeout_s: float = 10.0
     max_connections: int = 10_000
     ws_max_message_bytes: int = 4096
     cors_origin: str = "*"
@@ -71,8 +72,15 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
             )
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port {self.port} out of range")
-        if self.heartbeat_s <= 0 or self.drain_deadline_s < 0 or self.unsubscribe_delay_s < 0:
-            raise ConfigError("heartbeat_s must be > 0, drain and unsubscribe delays >= 0")
+        if (
+            self.heartbeat_s <= 0
+            or self.write_timeout_s <= 0
+            or self.drain_deadline_s < 0
+            or self.unsubscribe_delay_s < 0
+        ):
+            raise ConfigError(
+                "heartbeat_s and write_timeout_s must be > 0, drain and unsubscribe delays >= 0"
+            )
         if self.retry_ms < 0:
             raise ConfigError("retry_ms must be >= 0")
         if not 1 <= self.queue_frames <= self.hard_limit_frames:
@@ -99,6 +107,7 @@ _FIELDS: Final[dict[str, type]] = {
     "hard_limit_frames": int,
     "unsubscribe_delay_s": float,
     "drain_deadline_s": float,
+    "write_timeout_s": float,
     "max_connections": int,
     "ws_max_message_bytes": int,
     "cors_origin": str,
@@ -146,6 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--hard-limit-frames", type=int, help=f"slow-client cutoff ({d.hard_limit_frames})")
     a("--unsubscribe-delay-s", type=float, help=f"linger before SUNSUBSCRIBE ({d.unsubscribe_delay_s})")  # noqa: E501  # fmt: skip
     a("--drain-deadline-s", type=float, help=f"SIGTERM drain deadline ({d.drain_deadline_s})")
+    a("--write-timeout-s", type=float, help=f"slow-client write cutoff ({d.write_timeout_s})")
     a("--max-connections", type=int, help=f"streams at once; more get 503 ({d.max_connections})")
     a("--ws-max-message-bytes", type=int, help=f"largest WS client message ({d.ws_max_message_bytes})")  # noqa: E501  # fmt: skip
     a("--cors-origin", help=f"Access-Control-Allow-Origin ({d.cors_origin!r})")

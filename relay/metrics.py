@@ -31,13 +31,14 @@ from prometheus_client import (
     Histogram,
     Info,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-__all__ = ["PREFIX", "HubCollector", "RelayMetrics"]
+__all__ = ["PREFIX", "TRANSPORTS", "HubCollector", "RelayMetrics"]
 
 PREFIX: Final = "tokenrelay_relay_"
+TRANSPORTS: Final = ("sse", "ws")
 # 1 ms .. 10 s: local hops are sub-millisecond, a stalled shard is seconds.
 LATENCY_BUCKETS: Final = (
     0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
@@ -54,13 +55,26 @@ def _number(v: Any) -> float | None:
     return None
 
 
-class HubCollector(Collector):
-    """Turns ``hub.stats()`` into gauges at scrape time.
+# hub.stats() keys that only grow: exported as counters (``..._total``).
+HUB_COUNTERS: Final = frozenset(
+    (
+        "watches_opened", "frames_in", "frames_out", "bad_frames", "conflations",
+        "slow_disconnects", "replays", "gaps", "repairs", "subscribes", "unsubscribes",
+        "presence_errors", "resubscribes",
+    )
+)  # fmt: skip
+# hub.stats() keys exported under a name of their own: key -> (metric, label name).
+HUB_RENAMED: Final = {"channels_per_node": ("subscriptions", "shard")}
 
-    Every numeric top-level entry ``k`` becomes ``tokenrelay_relay_hub_<k>``; every
-    mapping of numbers ``k -> {label: n}`` becomes ``tokenrelay_relay_hub_<k>{key=label}``
-    (e.g. subscriptions per shard). Other values are skipped. A failing ``stats()`` yields
-    nothing rather than breaking the scrape.
+
+class HubCollector(Collector):
+    """Turns ``hub.stats()`` into metrics at scrape time.
+
+    A numeric entry ``k`` becomes ``tokenrelay_relay_hub_<k>`` (a counter ``..._total``
+    if ``k`` is in :data:`HUB_COUNTERS`, else a gauge); a mapping of numbers becomes one
+    gauge with a ``key`` label, except ``channels_per_node``, which is
+    ``tokenrelay_relay_subscriptions{shard="host:port"}``. Other values are skipped, and
+    a failing ``stats()`` yields nothing rather than breaking the scrape.
     """
 
     def __init__(self) -> None:
@@ -80,9 +94,15 @@ class HubCollector(Collector):
             metric = PREFIX + "hub_" + _clean(name)
             n = _number(value)
             if n is not None:
-                yield GaugeMetricFamily(metric, f"hub.stats()[{name!r}]", value=n)
+                if name in HUB_COUNTERS:
+                    yield CounterMetricFamily(metric, f"hub.stats()[{name!r}]", value=n)
+                else:
+                    yield GaugeMetricFamily(metric, f"hub.stats()[{name!r}]", value=n)
             elif isinstance(value, Mapping):
-                fam = GaugeMetricFamily(metric, f"hub.stats()[{name!r}] by key", labels=["key"])
+                label = "key"
+                if name in HUB_RENAMED:
+                    metric, label = PREFIX + HUB_RENAMED[name][0], HUB_RENAMED[name][1]
+                fam = GaugeMetricFamily(metric, f"hub.stats()[{name!r}] by {label}", labels=[label])
                 for k, v in sorted(value.items(), key=lambda kv: str(kv[0])):
                     n = _number(v)
                     if n is not None:
@@ -114,9 +134,6 @@ class RelayMetrics:
             p + "resume_replays", "streams that resumed from an offset", ["transport"], registry=r
         )
         self.gaps = Counter(p + "gaps", "gap frames written (frames lost for good)", registry=r)
-        self.conflated = Counter(
-            p + "conflated_frames", "deliveries that carried merged token frames", registry=r
-        )
         self.slow_disconnects = Counter(
             p + "slow_disconnects", "streams closed as slow consumers", ["transport"], registry=r
         )
@@ -137,6 +154,12 @@ class RelayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        for transport in TRANSPORTS:  # export zeros from the start, not after first use
+            for family in (
+                self.connections, self.accepted, self.frames_out, self.bytes_out,
+                self.resumes, self.slow_disconnects, self.hop_latency,
+            ):  # fmt: skip
+                family.labels(transport)
         self.hub = HubCollector()
         r.register(self.hub)
 

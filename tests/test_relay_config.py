@@ -9,7 +9,7 @@ import pytest
 from relay.config import ConfigError, RelayConfig, add_arguments, from_args
 
 
-def parse(argv, env):
+def parse(argv: list[str], env: dict[str, str]) -> RelayConfig:
     p = argparse.ArgumentParser()
     add_arguments(p)
     return from_args(p.parse_args(argv), env)

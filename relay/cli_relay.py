@@ -1,0 +1,85 @@
+"""``tokenrelay relay``: run one edge server (SSE + WebSocket) on uvloop.
+
+Registered through the entry-point group ``tokenrelay.commands``
+(``relay = "relay.cli_relay:register"``). Flags override ``TOKENRELAY_*`` environment
+variables (see :mod:`relay.config`).
+
+Order of use: :func:`register` adds the parser; ``tokenrelay relay ...`` calls
+:func:`run`, which builds the config, serves the app and, on SIGTERM or SIGINT,
+drains (readyz 503, clients told to reconnect, at most ``--drain-deadline-s``), closes
+the hub and Redis, and returns 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from typing import Any
+
+from aiohttp import web
+
+from relay.config import ConfigError, RelayConfig, add_arguments, from_args
+from relay.server import SERVER, make_app
+
+__all__ = ["register", "run", "serve"]
+
+log = logging.getLogger("tokenrelay.relay")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "relay",
+        help="run an edge server: SSE and WebSocket streams of sessions",
+        description="Edge server. Every flag also reads TOKENRELAY_<NAME> from the environment.",
+    )
+    add_arguments(p)
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    p.set_defaults(func=run)
+
+
+async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> int:
+    """Serve until ``stop`` is set or SIGTERM / SIGINT arrives; drain; return 0."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    app = make_app(config)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
+        await site.start()
+        log.info(
+            "relay %s listening on http://%s:%d (redis %s, auth %s)",
+            config.relay_id, config.host, config.port, config.redis_url,
+            "on" if config.auth_enabled else "OFF",
+        )  # fmt: skip
+        await stop.wait()
+        log.info("draining (deadline %.1fs)", config.drain_deadline_s)
+        await app[SERVER].drain()
+    finally:
+        await runner.cleanup()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    log.info("relay %s stopped", config.relay_id)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=getattr(args, "log_level", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = from_args(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+    except ImportError:  # Windows: the default loop
+        return asyncio.run(serve(config))
+    return uvloop.run(serve(config))

@@ -1,0 +1,493 @@
+"""The edge server: SSE and WebSocket streams of a session's frames, health, metrics.
+
+HTTP contract (DESIGN.md section 4; close codes and error bodies in docs/PROTOCOL.md):
+
+- ``GET /v1/sessions/{sid}/events``: SSE. ``retry:`` and a ``: hello`` comment first,
+  then per frame ``id: <offset>`` / ``event: <kind>`` / ``data: <frame JSON>``, a
+  heartbeat comment after ``heartbeat_s`` of silence, a ``: close <code> <reason>``
+  comment last. Resume: ``Last-Event-ID`` header or ``last_event_id`` query.
+- ``GET /v1/sessions/{sid}/ws``: WebSocket. ``{"type":"hello",...}`` first, then one
+  text message per frame (the frame JSON as published). Resume: ``?from=<offset>``.
+- Token: ``Authorization: Bearer <t>`` or ``?token=<t>`` (see :mod:`relay.auth`).
+- ``GET /healthz``, ``GET /readyz``, ``GET /metrics``.
+
+Refusals before a stream starts are JSON ``{"error": code, "reason": sentence}`` with
+400 / 401 / 403 / 503. Every stream's socket writes happen in a task of its own (the
+SSE handler task; the WebSocket writer task, while the handler task reads), fed by its
+hub :class:`~relay.hub.Watch` (bounded, conflating queue): the hub never waits on a
+socket, and a socket that does not take a write within ``write_timeout_s`` is closed
+as a slow consumer.
+
+Order of use: ``app = make_app(config)`` (creates the RedisCluster client and the hub
+on startup, closes them on cleanup; pass ``hub=`` to use one you own), run it;
+on SIGTERM ``await app[SERVER].drain()`` then clean up (see :mod:`relay.cli_relay`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+import msgspec
+import orjson
+from aiohttp import WSMsgType, web
+from redis.asyncio.cluster import RedisCluster
+
+from relay import sse
+from relay.auth import AuthError, extract_token, verify_token
+from relay.config import RelayConfig
+from relay.errors import RelayError, WatchClosed
+from relay.frame import now_ms
+from relay.hub import Delivery, Hub, Watch
+from relay.keys import InvalidSessionId, parse_session
+from relay.metrics import RelayMetrics
+
+__all__ = ["SERVER", "WS_CLOSE", "EdgeServer", "Reject", "make_app"]
+
+log = logging.getLogger(__name__)
+
+# WebSocket close codes the server uses, by WatchClosed / server stop code.
+WS_CLOSE: Final[dict[str, tuple[int, str]]] = {
+    "relay_shutdown": (1012, "service restart"),
+    "slow_consumer": (4008, "slow consumer"),
+    "bad_message": (4400, "bad message"),
+    "binary": (1003, "binary messages are not supported"),
+    "too_big": (1009, "message too big"),
+    "internal": (1011, "internal error"),
+    "closed": (1000, "closed"),
+}
+CORS_HEADERS: Final = {
+    "Access-Control-Allow-Headers": "Authorization, Last-Event-ID, Content-Type",
+    "Access-Control-Allow-Methods": "GET, OPTIONS",
+    "Access-Control-Expose-Headers": "X-Relay-Id",
+    "Access-Control-Max-Age": "600",
+}
+
+
+class _Ts(msgspec.Struct):
+    ts: int = 0
+
+
+_ts_decoder = msgspec.json.Decoder(_Ts)
+
+
+class Reject(Exception):
+    """A request refused before streaming; becomes ``{"error", "reason"}`` JSON."""
+
+    def __init__(
+        self, status: int, error: str, reason: str, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(f"{status} {error}: {reason}")
+        self.status, self.error, self.reason = status, error, reason
+        self.headers = headers or {}
+
+    def response(self) -> web.Response:
+        body = orjson.dumps({"error": self.error, "reason": self.reason})
+        return web.Response(
+            status=self.status, body=body, content_type="application/json", headers=self.headers
+        )
+
+
+class _Stream:
+    """One open SSE or WebSocket stream: its watch, its task, why the server ends it."""
+
+    __slots__ = ("offset", "sid", "stop", "task", "transport", "watch")
+
+    def __init__(self, transport: str, sid: str, offset: int | None, watch: Watch) -> None:
+        self.transport, self.sid, self.offset, self.watch = transport, sid, offset, watch
+        self.stop: tuple[str, str] | None = None
+        self.task: asyncio.Task[Any] | None = asyncio.current_task()
+
+    async def kick(self, code: str, reason: str) -> None:
+        """End the stream from outside: its writer wakes with WatchClosed and says why."""
+        if self.stop is None:
+            self.stop = (code, reason)
+        await self.watch.close()
+
+    def ended(self, exc: WatchClosed) -> tuple[str, str]:
+        return self.stop if self.stop is not None else (exc.code, exc.reason)
+
+
+class EdgeServer:
+    """State of one edge server app: config, hub, metrics, open streams, drain flag."""
+
+    def __init__(self, config: RelayConfig, hub: Hub | None = None) -> None:
+        self.config = config
+        self.metrics = RelayMetrics(config.relay_id)
+        self.hub: Hub | None = hub
+        self.redis: RedisCluster | None = hub.redis if hub is not None else None
+        self._owns_hub = hub is None
+        self.started = hub is not None
+        self.draining = False
+        self.streams: set[_Stream] = set()
+        self.admitted = 0  # streams past admission (includes those still opening)
+        if hub is not None:
+            self.metrics.bind_hub(hub.stats)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def startup(self, app: web.Application) -> None:
+        if self.hub is None:
+            cfg = self.config
+            self.redis = RedisCluster.from_url(cfg.redis_url)
+            await self.redis.initialize()
+            self.hub = Hub(
+                self.redis,
+                queue_frames=cfg.queue_frames,
+                hard_limit_frames=cfg.hard_limit_frames,
+                unsubscribe_delay_s=cfg.unsubscribe_delay_s,
+                relay_id=cfg.relay_id,
+            )
+            await self.hub.start()
+            self.metrics.bind_hub(self.hub.stats)
+        self.started = True
+
+    async def on_shutdown(self, app: web.Application) -> None:
+        await self.drain()
+
+    async def cleanup(self, app: web.Application) -> None:
+        self.started = False
+        self.metrics.bind_hub(None)
+        if self._owns_hub:
+            if self.hub is not None:
+                await self.hub.close()
+            if self.redis is not None:
+                await self.redis.aclose()
+
+    async def drain(self, deadline_s: float | None = None) -> None:
+        """readyz -> 503, refuse new streams, tell every client to reconnect (SSE: retry
+        hint + close comment; WS: close 1012), wait up to the deadline, then cancel."""
+        deadline = self.config.drain_deadline_s if deadline_s is None else deadline_s
+        self.draining = True
+        self.metrics.draining.set(1)
+        for s in list(self.streams):
+            await s.kick("relay_shutdown", "the relay is restarting; reconnect")
+        tasks = {s.task for s in self.streams if s.task is not None}
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=deadline)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
+
+    # -- admission -----------------------------------------------------------------------
+
+    def _session(self, request: web.Request) -> str:
+        try:
+            return parse_session(request.match_info["sid"])
+        except InvalidSessionId as exc:
+            raise Reject(400, "bad_session", str(exc)) from None
+
+    def _authorize(self, request: web.Request, sid: str) -> None:
+        if not self.config.auth_enabled:
+            return
+        try:
+            token = extract_token(request.headers.get("Authorization"), request.query.get("token"))
+            verify_token(self.config.secret, token, sid, time.time())
+        except AuthError as exc:
+            self.metrics.auth_failures.labels(exc.error).inc()
+            headers = {"WWW-Authenticate": 'Bearer realm="tokenrelay"'} if exc.status == 401 else {}
+            raise Reject(exc.status, exc.error, exc.reason, headers) from None
+
+    def _offset(self, parse: Callable[[], int | None]) -> int | None:
+        try:
+            return parse()
+        except sse.OffsetError as exc:
+            raise Reject(400, "bad_offset", str(exc)) from None
+
+    def _check_capacity(self) -> None:
+        if self.draining or not self.started or self.hub is None:
+            raise Reject(503, "draining", "the relay is restarting; connect again", _RETRY)
+        if self.admitted >= self.config.max_connections:
+            raise Reject(503, "overloaded", "too many streams on this relay", _RETRY)
+
+    async def _open(self, transport: str, sid: str, offset: int | None) -> _Stream:
+        """Admit and watch; the caller must call :meth:`_close` once done."""
+        self._check_capacity()
+        assert self.hub is not None
+        self.admitted += 1
+        try:
+            watch = await self.hub.watch(sid, offset)
+        except WatchClosed as exc:
+            self.admitted -= 1
+            raise Reject(503, "draining", exc.reason, _RETRY) from None
+        except RelayError as exc:
+            self.admitted -= 1
+            raise Reject(503, "unavailable", f"cannot watch the session: {exc}", _RETRY) from None
+        except BaseException:
+            self.admitted -= 1
+            raise
+        stream = _Stream(transport, sid, offset, watch)
+        self.streams.add(stream)
+        m = self.metrics
+        m.accepted.labels(transport).inc()
+        m.connections.labels(transport).inc()
+        m.watches.inc()
+        if offset is not None:
+            m.resumes.labels(transport).inc()
+        if self.draining:  # drain began while the watch was opening
+            await stream.kick("relay_shutdown", "the relay is restarting; reconnect")
+        return stream
+
+    async def _close(self, stream: _Stream, code: str) -> None:
+        self.streams.discard(stream)
+        self.admitted -= 1
+        await stream.watch.close()
+        m = self.metrics
+        m.connections.labels(stream.transport).dec()
+        m.watches.dec()
+        m.closes.labels(stream.transport, code).inc()
+        if code == "slow_consumer":
+            m.slow_disconnects.labels(stream.transport).inc()
+
+    def _sent(self, transport: str, batch: list[Delivery], nbytes: int) -> None:
+        m = self.metrics
+        m.frames_out.labels(transport).inc(len(batch))
+        m.bytes_out.labels(transport).inc(nbytes)
+        hist = m.hop_latency.labels(transport)
+        now = now_ms()
+        for d in batch:
+            if d.kind == "gap":
+                m.gaps.inc()
+            try:
+                ts = _ts_decoder.decode(d.data).ts
+            except msgspec.DecodeError:
+                continue
+            if ts > 0:
+                hist.observe(max(now - ts, 0) / 1000.0)
+
+    async def _write(self, write: Awaitable[None]) -> None:
+        """One socket write; a client that does not take it in time is a slow consumer."""
+        try:
+            async with asyncio.timeout(self.config.write_timeout_s):
+                await write
+        except TimeoutError:
+            raise WatchClosed("the client does not read fast enough", "slow_consumer") from None
+
+    # -- SSE -----------------------------------------------------------------------------
+
+    async def sse_handler(self, request: web.Request) -> web.StreamResponse:
+        sid = self._session(request)
+        self._authorize(request, sid)
+        offset = self._offset(
+            lambda: sse.resume_offset(
+                request.headers.get("Last-Event-ID"), request.query.get("last_event_id")
+            )
+        )
+        stream = await self._open("sse", sid, offset)
+        code = "closed"
+        try:
+            resp = web.StreamResponse(
+                headers={
+                    "Content-Type": "text/event-stream; charset=utf-8",
+                    "Cache-Control": "no-cache",
+                    "X-Accel-Buffering": "no",
+                }
+            )
+            await resp.prepare(request)
+            code = await self._sse_loop(resp, stream)
+            return resp
+        finally:
+            await self._close(stream, code)
+
+    async def _sse_loop(self, resp: web.StreamResponse, stream: _Stream) -> str:
+        cfg = self.config
+        try:
+            await self._write(resp.write(sse.preamble(cfg.retry_ms, cfg.relay_id, stream.offset)))
+            while True:
+                try:
+                    async with asyncio.timeout(cfg.heartbeat_s):
+                        batch = await stream.watch.next()
+                except TimeoutError:
+                    await self._write(resp.write(sse.comment("heartbeat")))
+                    continue
+                data = b"".join(sse.event(d.data, id=d.offset, kind=d.kind) for d in batch)
+                await self._write(resp.write(data))
+                self._sent("sse", batch, len(data))
+        except WatchClosed as exc:
+            code, reason = stream.ended(exc)
+        except (ConnectionError, RuntimeError):  # the client went away
+            return "client_gone"
+        retry = _jitter(cfg.retry_ms) if code == "relay_shutdown" else cfg.retry_ms
+        with contextlib.suppress(ConnectionError, RuntimeError, TimeoutError):
+            async with asyncio.timeout(_GOODBYE_S):  # a slow client gets no second chance
+                await resp.write(sse.goodbye(code, reason, retry))
+                await resp.write_eof()
+        return code
+
+    # -- WebSocket -----------------------------------------------------------------------
+
+    async def ws_handler(self, request: web.Request) -> web.StreamResponse:
+        sid = self._session(request)
+        self._authorize(request, sid)
+        offset = self._offset(lambda: sse.parse_offset(request.query.get("from"), name="from"))
+        cfg = self.config
+        ws = web.WebSocketResponse(
+            heartbeat=cfg.heartbeat_s,
+            max_msg_size=cfg.ws_max_message_bytes,
+            compress=False,
+            timeout=2.0,
+        )
+        if not ws.can_prepare(request).ok:
+            raise Reject(400, "not_websocket", "this endpoint needs a WebSocket upgrade")
+        stream = await self._open("ws", sid, offset)
+        code = "closed"
+        writer: asyncio.Task[str] | None = None
+        try:
+            await ws.prepare(request)
+            writer = asyncio.create_task(self._ws_writer(ws, stream), name=f"ws-writer:{sid}")
+            code = await self._ws_reader(ws, stream)
+            if code != "writer_done":
+                writer.cancel()
+                if code != "client_gone":  # the client broke the protocol: we close
+                    await self._ws_close(ws, code, _client_reason(code))
+            await asyncio.wait([writer])
+            if code == "writer_done":
+                code = writer.result() if not writer.cancelled() else "closed"
+            return ws
+        finally:
+            if writer is not None and not writer.done():
+                writer.cancel()
+            await self._close(stream, code)
+
+    async def _ws_reader(self, ws: web.WebSocketResponse, stream: _Stream) -> str:
+        """Read the client's messages in the handler task (aiohttp requires it)."""
+        while True:
+            msg = await ws.receive()
+            if msg.type is WSMsgType.TEXT:
+                if not _is_ping(msg.data):
+                    return "bad_message"
+            elif msg.type is WSMsgType.BINARY:
+                return "binary"
+            elif msg.type is WSMsgType.ERROR:  # aiohttp already closed (1009 for too big)
+                return "too_big" if ws.close_code == 1009 else "client_gone"
+            elif msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
+                return "writer_done" if stream.stop is not None else "client_gone"
+
+    async def _ws_writer(self, ws: web.WebSocketResponse, stream: _Stream) -> str:
+        cfg = self.config
+        hello = {"type": "hello", "relay": cfg.relay_id, "from": stream.offset}
+        try:
+            await self._write(ws.send_frame(orjson.dumps(hello), WSMsgType.TEXT))
+            while True:
+                batch = await stream.watch.next()
+                nbytes = 0
+                for d in batch:
+                    await self._write(ws.send_frame(d.data, WSMsgType.TEXT))
+                    nbytes += len(d.data)
+                self._sent("ws", batch, nbytes)
+        except WatchClosed as exc:
+            code, reason = stream.ended(exc)
+        except (ConnectionError, RuntimeError):
+            return "client_gone"
+        except Exception:  # never leave the reader waiting on a socket nobody closes
+            log.exception("WebSocket writer of %s failed", stream.sid)
+            code, reason = "internal", "internal error"
+        if stream.stop is None:
+            stream.stop = (code, reason)
+        await self._ws_close(ws, code, reason)
+        return code
+
+    async def _ws_close(self, ws: web.WebSocketResponse, code: str, reason: str) -> None:
+        num, default = WS_CLOSE.get(code, WS_CLOSE["internal"])
+        message = (reason or default).encode()[:120]  # a close reason fits in 123 bytes
+        with contextlib.suppress(ConnectionError, RuntimeError, TimeoutError):
+            async with asyncio.timeout(_GOODBYE_S + 2.0):
+                await ws.close(code=num, message=message)
+
+    # -- health, metrics, CORS -----------------------------------------------------------
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "alive", "relay": self.config.relay_id})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        relay = self.config.relay_id
+        if self.draining:
+            return web.json_response({"status": "draining", "relay": relay}, status=503)
+        if not self.started or self.redis is None:
+            return web.json_response({"status": "starting", "relay": relay}, status=503)
+        try:
+            async with asyncio.timeout(1.0):
+                await self.redis.ping()
+        except Exception as exc:  # any failure means "not ready", with the reason
+            body = {"status": "redis_unreachable", "reason": str(exc) or type(exc).__name__}
+            return web.json_response({**body, "relay": relay}, status=503)
+        return web.json_response({"status": "ready", "relay": relay})
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        body, ctype = self.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": ctype})
+
+    async def preflight(self, request: web.Request) -> web.Response:
+        return web.Response(status=204, headers=CORS_HEADERS)
+
+    async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers["X-Relay-Id"] = self.config.relay_id
+        response.headers["Access-Control-Allow-Origin"] = self.config.cors_origin
+        response.headers.setdefault("Access-Control-Expose-Headers", "X-Relay-Id")
+
+
+_RETRY: Final = {"Retry-After": "1"}
+_GOODBYE_S: Final = 1.0
+
+
+def _jitter(retry_ms: int) -> int:
+    """Spread reconnects after a drain over [retry/2, retry] so peers are not stampeded."""
+    return retry_ms // 2 + random.randint(0, max(retry_ms // 2, 0))
+
+
+def _is_ping(text: str) -> bool:
+    if len(text) > 64:
+        return False
+    try:
+        obj = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(obj, dict) and obj.get("type") == "ping"
+
+
+def _client_reason(code: str) -> str:
+    if code == "bad_message":
+        return 'client messages must be {"type":"ping"}'
+    return WS_CLOSE.get(code, WS_CLOSE["internal"])[1]
+
+
+@web.middleware
+async def _reject_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except Reject as r:
+        server = request.app[SERVER]
+        server.metrics.rejected.labels(r.error).inc()
+        return r.response()
+
+
+SERVER: Final = web.AppKey("tokenrelay_edge", EdgeServer)
+
+
+def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
+    """The aiohttp app of one edge server. ``hub``: use this started hub (the caller
+    closes it); otherwise the app creates and closes a RedisCluster client and a hub."""
+    config = config.validate()
+    server = EdgeServer(config, hub)
+    app = web.Application(middlewares=[_reject_middleware])
+    app[SERVER] = server
+    app.on_startup.append(server.startup)
+    app.on_shutdown.append(server.on_shutdown)
+    app.on_cleanup.append(server.cleanup)
+    app.on_response_prepare.append(server.on_prepare)
+    app.router.add_get("/v1/sessions/{sid:[^/]+}/events", server.sse_handler)
+    app.router.add_get("/v1/sessions/{sid:[^/]+}/ws", server.ws_handler)
+    app.router.add_route("OPTIONS", "/v1/sessions/{sid:[^/]+}/events", server.preflight)
+    app.router.add_route("OPTIONS", "/v1/sessions/{sid:[^/]+}/ws", server.preflight)
+    app.router.add_get("/healthz", server.healthz)
+    app.router.add_get("/readyz", server.readyz)
+    app.router.add_get("/metrics", server.metrics_handler)
+    return app

@@ -1,0 +1,371 @@
+"""The edge server against a real Redis Cluster: SSE and WebSocket streams, resume,
+fan-out, refusals, metrics, drain and misbehaving WebSocket clients.
+
+Each test runs its own relay app (``make_app``) on a free 127.0.0.1 port; frames are
+published with :class:`relay.publisher.Publisher`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import WSMsgType, web
+from prometheus_client.parser import text_string_to_metric_families
+from redis.asyncio.cluster import RedisCluster
+
+from relay.auth import issue_token
+from relay.cluster import ClusterInfo
+from relay.config import RelayConfig
+from relay.keys import new_session_id
+from relay.publisher import Publisher
+from relay.server import SERVER, EdgeServer, make_app
+
+pytestmark = pytest.mark.integration
+
+SECRET = "test-secret"
+STEP = 10.0  # seconds any single expectation may take
+
+
+class Relay:
+    def __init__(self, base: str, server: EdgeServer, http: aiohttp.ClientSession) -> None:
+        self.base, self.server, self.http = base, server, http
+
+    def url(self, sid: str, path: str = "events") -> str:
+        return f"{self.base}/v1/sessions/{sid}/{path}"
+
+    def auth(self, sid: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {issue_token(SECRET, sid, 300, time.time())}"}
+
+
+@asynccontextmanager
+async def running(cluster: ClusterInfo, **overrides: Any) -> AsyncIterator[Relay]:
+    fields: dict[str, Any] = {"secret": SECRET, "relay_id": "edge-test", **overrides}
+    cfg = RelayConfig(port=0, redis_url=cluster.url, **fields)
+    app = make_app(cfg)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with aiohttp.ClientSession() as http:
+            yield Relay(f"http://127.0.0.1:{port}", app[SERVER], http)
+    finally:
+        await runner.cleanup()
+
+
+class SSEClient:
+    """A minimal WHATWG SSE reader over an aiohttp response."""
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self.resp = resp
+        self.comments: list[str] = []
+        self.retry: int | None = None
+        self.last_id = ""
+
+    async def events(self, n: int) -> list[tuple[str, str, dict[str, Any]]]:
+        out: list[tuple[str, str, dict[str, Any]]] = []
+        async with asyncio.timeout(STEP):
+            while len(out) < n:
+                ev = await self.next_event()
+                assert ev is not None, f"stream ended after {len(out)} events"
+                out.append(ev)
+        return out
+
+    async def next_event(self) -> tuple[str, str, dict[str, Any]] | None:
+        kind, data = "", list[str]()
+        while True:
+            raw = await self.resp.content.readline()
+            if not raw:
+                return None
+            line = raw.decode().rstrip("\n")
+            if line == "":
+                if data:
+                    return self.last_id, kind or "message", json.loads("\n".join(data))
+                kind = ""
+                continue
+            if line.startswith(":"):
+                self.comments.append(line[1:].strip())
+                continue
+            name, _, value = line.partition(":")
+            value = value.removeprefix(" ")
+            if name == "data":
+                data.append(value)
+            elif name == "event":
+                kind = value
+            elif name == "id":
+                self.last_id = value
+            elif name == "retry":
+                self.retry = int(value)
+
+    async def until_end(self) -> None:
+        async with asyncio.timeout(STEP):
+            while await self.next_event() is not None:
+                pass
+
+
+@asynccontextmanager
+async def sse(relay: Relay, sid: str, **kw: Any) -> AsyncIterator[SSEClient]:
+    headers = {**relay.auth(sid), **kw.pop("headers", {})}
+    async with relay.http.get(relay.url(sid), headers=headers, **kw) as resp:
+        assert resp.status == 200, await resp.text()
+        client = SSEClient(resp)
+        first = await resp.content.readline()
+        assert first.startswith(b"retry: "), first
+        client.retry = int(first.split()[1])
+        yield client
+
+
+async def ws_frames(ws: aiohttp.ClientWebSocketResponse, n: int) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    async with asyncio.timeout(STEP):
+        while len(out) < n:
+            msg = await ws.receive()
+            assert msg.type is WSMsgType.TEXT, (msg.type, msg.data, ws.close_code)
+            out.append(json.loads(msg.data))
+    return out
+
+
+async def publish_turn(redis: RedisCluster, sid: str, texts: list[str]) -> list[int]:
+    gen = await Publisher(redis).open_generation(sid)
+    offsets = [await gen.token(t) for t in texts]
+    offsets.append(await gen.done())
+    return offsets
+
+
+async def test_sse_stream_carries_published_frames_as_id_event_data(cluster, redis):
+    sid = new_session_id()
+    async with running(cluster) as relay, sse(relay, sid) as client:
+        h = client.resp.headers
+        assert h["Content-Type"].startswith("text/event-stream")
+        assert h["Cache-Control"] == "no-cache"
+        assert h["X-Accel-Buffering"] == "no"
+        assert h["X-Relay-Id"] == "edge-test"
+        assert client.retry == 1000
+        offsets = await publish_turn(redis, sid, ["Hel", "lo", "!"])
+        events = await client.events(4)
+        assert client.comments[0] == "hello relay=edge-test from=live"
+        assert [int(i) for i, _, _ in events] == offsets
+        assert [k for _, k, _ in events] == ["token", "token", "token", "done"]
+        assert all(d["offset"] == int(i) and d["session"] == sid for i, _, d in events)
+        assert "".join(d["text"] for _, k, d in events if k == "token") == "Hello!"
+
+
+async def test_last_event_id_resume_gives_exactly_the_rest(cluster, redis):
+    sid = new_session_id()
+    first = await publish_turn(redis, sid, [f"t{i}" for i in range(9)])  # offsets 1..10
+    async with running(cluster) as relay:
+        async with sse(relay, sid, headers={"Last-Event-ID": "4"}) as client:
+            events = await client.events(6)
+            assert [int(i) for i, _, _ in events] == first[4:]
+            more = await publish_turn(redis, sid, ["x", "y"])
+            events = await client.events(3)
+            assert [int(i) for i, _, _ in events] == more
+        # the query form, for clients that cannot set headers; 0 = the whole backlog
+        async with sse(relay, sid, params={"last_event_id": "0"}) as client:
+            events = await client.events(13)
+            assert [int(i) for i, _, _ in events] == list(range(1, 14))
+            assert client.comments[0] == "hello relay=edge-test from=0"
+
+
+async def test_websocket_from_resumes_after_the_offset(cluster, redis):
+    sid = new_session_id()
+    offsets = await publish_turn(redis, sid, ["a", "b", "c", "d"])  # 1..5
+    async with (
+        running(cluster) as relay,
+        relay.http.ws_connect(relay.url(sid, "ws"), params={"from": "2", "token": _tok(sid)}) as ws,
+    ):
+        hello, *frames = await ws_frames(ws, 4)
+        assert hello == {"type": "hello", "relay": "edge-test", "from": 2}
+        assert [f["offset"] for f in frames] == offsets[2:]
+        assert ws._response.headers["X-Relay-Id"] == "edge-test"
+        live = await publish_turn(redis, sid, ["e"])
+        assert [f["offset"] for f in await ws_frames(ws, 2)] == live
+
+
+async def test_two_clients_on_one_session_both_get_everything(cluster, redis):
+    sid = new_session_id()
+    async with (
+        running(cluster) as relay,
+        sse(relay, sid) as a,
+        relay.http.ws_connect(relay.url(sid, "ws"), headers=relay.auth(sid)) as b,
+    ):
+        assert (await ws_frames(b, 1))[0]["type"] == "hello"
+        offsets = await publish_turn(redis, sid, [str(i) for i in range(20)])
+        got_a = [int(i) for i, _, _ in await a.events(21)]
+        got_b = [f["offset"] for f in await ws_frames(b, 21)]
+        assert got_a == got_b == offsets
+        assert relay.server.hub is not None
+        assert relay.server.hub.stats()["channels"] == 1  # one subscription, two sockets
+
+
+def _tok(sid: str, **kw: Any) -> str:
+    return issue_token(SECRET, sid, kw.pop("ttl", 300), kw.pop("now", time.time()), **kw)
+
+
+async def test_refusals_are_json_with_a_reason(cluster):
+    sid = new_session_id()
+    cases = [
+        (f"/v1/sessions/{sid}/events", {}, {}, 401, "token_missing"),
+        (f"/v1/sessions/{sid}/events", {"token": "junk"}, {}, 403, "token_invalid"),
+        (f"/v1/sessions/{sid}/events", {"token": _tok("other")}, {}, 403, "token_wrong_session"),
+        (
+            f"/v1/sessions/{sid}/events",
+            {"token": _tok(sid, ttl=1, now=time.time() - 60)},
+            {},
+            403,
+            "token_expired",
+        ),
+        (f"/v1/sessions/{sid}/events", {}, {"Authorization": "Basic eDp5"}, 403, "token_invalid"),
+        ("/v1/sessions/bad%7Bslot%7D/events", {}, {}, 400, "bad_session"),
+        ("/v1/sessions/" + "x" * 65 + "/ws", {}, {}, 400, "bad_session"),
+        (
+            f"/v1/sessions/{sid}/events",
+            {"token": _tok(sid)},
+            {"Last-Event-ID": "-1"},
+            400,
+            "bad_offset",
+        ),
+        (
+            f"/v1/sessions/{sid}/events",
+            {"token": _tok(sid), "last_event_id": "x"},
+            {},
+            400,
+            "bad_offset",
+        ),
+        (f"/v1/sessions/{sid}/ws", {"token": _tok(sid), "from": "1.5"}, {}, 400, "bad_offset"),
+        (f"/v1/sessions/{sid}/ws", {"token": _tok(sid)}, {}, 400, "not_websocket"),
+        (f"/v1/sessions/{sid}/ws", {}, {}, 401, "token_missing"),
+    ]
+    async with running(cluster) as relay:
+        for path, params, headers, status, error in cases:
+            async with relay.http.get(relay.base + path, params=params, headers=headers) as r:
+                body = await r.json()
+                assert (r.status, body["error"]) == (status, error), (path, params, body)
+                assert body["reason"]
+                assert r.headers["Access-Control-Allow-Origin"] == "*"
+                if status == 401:
+                    assert r.headers["WWW-Authenticate"].startswith("Bearer")
+
+
+async def test_insecure_relay_needs_no_token(cluster, redis):
+    sid = new_session_id()
+    await publish_turn(redis, sid, ["a"])
+    async with running(cluster, secret="", insecure_no_auth=True) as relay:
+        url = relay.url(sid)
+        async with relay.http.get(url, params={"last_event_id": "0"}) as resp:
+            assert resp.status == 200
+            assert len(await SSEClient(resp).events(2)) == 2
+
+
+async def test_health_ready_and_metrics(cluster, redis):
+    sid = new_session_id()
+    async with running(cluster) as relay:
+        async with relay.http.get(relay.base + "/healthz") as r:
+            assert r.status == 200
+        async with relay.http.get(relay.base + "/readyz") as r:
+            assert (r.status, (await r.json())["status"]) == (200, "ready")
+        async with sse(relay, sid) as client:
+            await publish_turn(redis, sid, ["a", "b"])
+            await client.events(3)
+            await relay.http.get(relay.url(sid), params={"token": "junk"})
+            async with relay.http.get(relay.base + "/metrics") as r:
+                assert r.status == 200
+                text = await r.text()
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        }
+        assert samples[("tokenrelay_relay_frames_out_total", (("transport", "sse"),))] == 3
+        assert samples[("tokenrelay_relay_connections", (("transport", "sse"),))] == 1
+        assert (
+            samples[("tokenrelay_relay_auth_failures_total", (("reason", "token_invalid"),))] == 1
+        )
+        assert samples[("tokenrelay_relay_hop_latency_seconds_count", (("transport", "sse"),))] == 3
+        assert samples[("tokenrelay_relay_hub_watches", ())] == 1
+        assert sum(v for (n, _), v in samples.items() if n == "tokenrelay_relay_subscriptions") == 1
+        for name in (
+            "tokenrelay_relay_slow_disconnects_total",
+            "tokenrelay_relay_resume_replays_total",
+            "tokenrelay_relay_gaps_total",
+            "tokenrelay_relay_hub_conflations_total",
+        ):
+            assert any(n == name for n, _ in samples), name
+
+
+async def test_drain_fails_readiness_and_tells_every_client_to_reconnect(cluster, redis):
+    sid = new_session_id()
+    async with (
+        running(cluster, retry_ms=400) as relay,
+        sse(relay, sid) as a,
+        relay.http.ws_connect(relay.url(sid, "ws"), headers=relay.auth(sid)) as b,
+    ):
+        await ws_frames(b, 1)
+        await publish_turn(redis, sid, ["a"])
+        await a.events(2)
+        await ws_frames(b, 2)
+        drain = asyncio.create_task(relay.server.drain(5.0))
+        await a.until_end()
+        assert any(c.startswith("close relay_shutdown") for c in a.comments)
+        assert a.retry is not None
+        assert 200 <= a.retry <= 400  # jittered retry hint
+        msg = await asyncio.wait_for(b.receive(), STEP)
+        assert msg.type is WSMsgType.CLOSE
+        assert (b.close_code, msg.extra) == (1012, "the relay is restarting; reconnect")
+        await asyncio.wait_for(drain, STEP)
+        async with relay.http.get(relay.base + "/readyz") as r:
+            assert (r.status, (await r.json())["status"]) == (503, "draining")
+        async with relay.http.get(relay.url(sid), headers=relay.auth(sid)) as r:
+            assert (r.status, (await r.json())["error"]) == (503, "draining")
+            assert r.headers["Retry-After"] == "1"
+        assert not relay.server.streams
+
+
+async def test_misbehaving_websockets_are_closed_and_others_unaffected(cluster, redis):
+    sid, other = new_session_id(), new_session_id()
+    async with (
+        running(cluster, ws_max_message_bytes=256) as relay,
+        relay.http.ws_connect(relay.url(other, "ws"), headers=relay.auth(other)) as good,
+    ):
+        await ws_frames(good, 1)
+        await good.send_str('{"type":"ping"}')  # ignored
+        cases: list[tuple[str | bytes, int]] = [
+            ("not json", 4400),
+            ('{"type":"subscribe"}', 4400),
+            (b"\x00\x01", 1003),
+            ("x" * 1000, 1009),
+        ]
+        for payload, code in cases:
+            async with relay.http.ws_connect(relay.url(sid, "ws"), headers=relay.auth(sid)) as ws:
+                await ws_frames(ws, 1)
+                if isinstance(payload, bytes):
+                    await ws.send_bytes(payload)
+                else:
+                    await ws.send_str(payload)
+                msg = await asyncio.wait_for(ws.receive(), STEP)
+                assert msg.type is WSMsgType.CLOSE, msg
+                assert ws.close_code == code
+        offsets = await publish_turn(redis, other, ["still", "here"])
+        assert [f["offset"] for f in await ws_frames(good, 3)] == offsets
+        async with asyncio.timeout(STEP):
+            while relay.server.streams and len(relay.server.streams) > 1:
+                await asyncio.sleep(0.01)
+        assert len(relay.server.streams) == 1
+
+
+async def test_max_connections_gives_503(cluster):
+    sid = new_session_id()
+    async with (
+        running(cluster, max_connections=1) as relay,
+        sse(relay, sid),
+        relay.http.get(relay.url(sid), headers=relay.auth(sid)) as r,
+    ):
+        assert (r.status, (await r.json())["error"]) == (503, "overloaded")
