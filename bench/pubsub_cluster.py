@@ -28,6 +28,7 @@ import multiprocessing
 import os
 import platform
 import random
+import shutil
 import sys
 import time
 from concurrent.futures import Executor, ProcessPoolExecutor
@@ -42,7 +43,9 @@ from bench.pubsub_io import (
     command,
     publish,
     read_counters,
+    redis_benchmark,
     run_publisher,
+    warm_worker,
 )
 from relay.cluster import ClusterInfo, LocalCluster
 from relay.keys import live_channel
@@ -96,6 +99,7 @@ class Workload:
     conns_per_node: int = 2  # per publisher process, per master
     publisher_procs: int = 2  # 0: publish from this process (tests)
     seed: int = 1
+    redis_benchmark: bool = False  # also cross-check the max rate with redis-benchmark
 
 
 def _verbs(mode: str) -> tuple[str, str]:
@@ -169,7 +173,7 @@ def _pct(values: list[int], q: float) -> float | None:
     if not values:
         return None
     s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] / 1e6
+    return round(s[min(len(s) - 1, int(q * len(s)))] / 1e6, 3)
 
 
 async def measure(
@@ -183,8 +187,9 @@ async def measure(
     nodes = sorted(smap.nodes())
     channels = [live_channel(f"bench{i:05d}") for i in range(wl.channels)]
     sub_plan, targets = _plan(channels, smap, nodes, mode, rng)
+    local = {(h, p): set(chs) for h, p, chs in targets}
     subs = SubscriberSet()
-    await subs.start(sub_plan, sub_verb)
+    await subs.start(sub_plan, sub_verb, local)
     try:
         # Fixed rate: latency. One paced publisher.
         c0 = await read_counters(addrs)
@@ -200,7 +205,8 @@ async def measure(
         await _drain(subs, fixed["published"])
         subs.record = False
         c1 = await read_counters(addrs)
-        fixed_received, latencies = subs.received, subs.latencies_ns
+        fixed_received, local_ns, bus_ns = subs.received, subs.local_ns, subs.bus_ns
+        latencies = local_ns + bus_ns
         subs.reset()
         # Max rate: throughput, bus sends, CPU.
         procs = max(1, wl.publisher_procs)
@@ -215,6 +221,9 @@ async def measure(
         c2 = await read_counters(addrs)
     finally:
         await subs.close()
+    rb: dict[str, Any] = {}
+    if wl.redis_benchmark:
+        rb = await _cross_check(info, pub_verb, top, wl)
     f_pub, f_shard, f_cpu = _deltas(c0, c1)
     m_pub, m_shard, m_cpu = _deltas(c1, c2)
     n_max = top["published"] or 1.0
@@ -239,6 +248,12 @@ async def measure(
         "latency_p50_ms": _pct(latencies, 0.50),
         "latency_p99_ms": _pct(latencies, 0.99),
         "latency_samples": len(latencies),
+        # Subscribers on the node the message was published to vs. reached over the bus.
+        "latency_local_p50_ms": _pct(local_ns, 0.50),
+        "latency_local_p99_ms": _pct(local_ns, 0.99),
+        "latency_bus_p50_ms": _pct(bus_ns, 0.50),
+        "latency_bus_p99_ms": _pct(bus_ns, 0.99),
+        "latency_bus_share": round(len(bus_ns) / max(1, len(latencies)), 3),
         "fixed_rate": wl.fixed_rate,
         "fixed_published": int(fixed["published"]),
         "fixed_delivered_ratio": round(fixed_received / n_fixed, 4),
@@ -250,6 +265,28 @@ async def measure(
         "unsolicited_pushes": subs.unsolicited,
         "publisher_procs": procs if pool is not None else 0,
         "payload_bytes": PAYLOAD_LEN,
+        **rb,
+    }
+
+
+async def _cross_check(
+    info: ClusterInfo, verb: str, top: dict[str, float], wl: Workload
+) -> dict[str, Any]:
+    """redis-benchmark (C, pipelined, no subscribers) for about as long as the max phase."""
+    addrs = [(n.host, n.port) for n in info.nodes]
+    rate = top["published"] / max(1e-9, top["t_end"] - top["t_start"])
+    requests = max(20_000, int(rate * wl.max_s))
+    m = info.masters[0]
+    before = await read_counters(addrs)
+    rps = await redis_benchmark(m.host, m.port, verb, requests)
+    after = await read_counters(addrs)
+    if rps is None:
+        return {"rb_msgs_per_s": None}
+    pub, shard, cpu = _deltas(before, after)
+    return {
+        "rb_msgs_per_s": round(rps),
+        "rb_bus_sends_per_msg": round((pub if verb == "PUBLISH" else shard) / requests, 3),
+        "rb_cpu_s_per_100k": round(cpu / requests * 1e5, 3),
     }
 
 
@@ -276,8 +313,12 @@ async def run_all(masters: list[int], replicas: int, wl: Workload) -> dict[str, 
     runs: list[dict[str, Any]] = []
     server = ""
     ctx = multiprocessing.get_context("spawn")
-    pool = ProcessPoolExecutor(max_workers=max(1, wl.publisher_procs), mp_context=ctx)
+    procs = max(1, wl.publisher_procs)
+    pool = ProcessPoolExecutor(max_workers=procs, mp_context=ctx)
     try:
+        # Start every worker process now, not in the middle of a measured phase.
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(pool, warm_worker, 0.5) for _ in range(procs)))
         for m in masters:
             log(f"starting {m} masters x {replicas} replica(s)")
             cluster = LocalCluster(
@@ -322,13 +363,15 @@ def _fmt(v: Any, digits: int = 2) -> str:
 def markdown(result: dict[str, Any]) -> str:
     head = (
         "| masters | nodes | mode | bus sends/msg | CPU s/100k msg | max msg/s | "
-        "delivered msg/s | p50 ms | p99 ms |\n|---|---|---|---|---|---|---|---|---|\n"
+        "delivered msg/s | p50 ms | p99 ms | p50 local / via bus ms | "
+        "redis-benchmark msg/s (no subs) |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = "".join(
         f"| {r['masters']} | {r['nodes']} | {r['mode'].upper()} | {_fmt(r['bus_sends_per_msg'])} | "
         f"{_fmt(r['cpu_s_per_100k'])} | {_fmt(r['max_msgs_per_s'])} | "
         f"{_fmt(r['delivered_msgs_per_s'])} | {_fmt(r['latency_p50_ms'])} | "
-        f"{_fmt(r['latency_p99_ms'])} |\n"
+        f"{_fmt(r['latency_p99_ms'])} | {_fmt(r.get('latency_local_p50_ms'))} / "
+        f"{_fmt(r.get('latency_bus_p50_ms'))} | {_fmt(r.get('rb_msgs_per_s'))} |\n"
         for r in result["runs"]
     )
     wl = result["workload"]
@@ -337,7 +380,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"{wl['channels']} channels `tr:{{<sid>}}:live` with one subscriber each, "
         f"{PAYLOAD_LEN}-byte payload; latency at {wl['fixed_rate']:.0f} msg/s; max rate: "
         f"{wl['publisher_procs']} publisher processes x {wl['conns_per_node']} connections "
-        f"per master, pipeline {wl['pipeline']}. Note: {result['note']}.\n"
+        f'per master, pipeline {wl["pipeline"]}. "local": subscriber on the node the '
+        f'message was published to; "via bus": it crossed the cluster bus. '
+        f"redis-benchmark: `--cluster -P 32 -c 16`, no subscribers. Note: {result['note']}.\n"
     )
     return head + rows + foot
 
@@ -374,6 +419,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--plot", metavar="PATH", help="write a PNG of cost against masters")
     ap.add_argument("--md", metavar="PATH", help="write the Markdown table")
+    ap.add_argument(
+        "--redis-benchmark",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="cross-check the max rate with redis-benchmark, no subscribers "
+        "(auto: when it is on PATH)",
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -383,6 +435,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         sizes, wl = [3, 6, 9], Workload()
     if args.masters:
         sizes = [int(x) for x in args.masters.split(",") if x.strip()]
+    if args.redis_benchmark == "on" and shutil.which("redis-benchmark") is None:
+        log("redis-benchmark is not on PATH")
+        return 2
+    wl.redis_benchmark = args.redis_benchmark == "on" or (
+        args.redis_benchmark == "auto" and shutil.which("redis-benchmark") is not None
+    )
     t0 = time.monotonic()
     result = asyncio.run(run_all(sizes, args.replicas, wl))
     log(f"done in {time.monotonic() - t0:.0f} s")

@@ -13,6 +13,7 @@ Order of use::
     run_publisher(spec)                                  # in a worker process, or
     await publish(spec)                                  # in this one; returns counts
     await subs.close()
+    await redis_benchmark(host, port, verb, n)          # optional cross-check (C client)
 
 A payload is 32 bytes: the send time (``time.time_ns()``, 19 digits) then padding, so a
 subscriber in another process computes the end-to-end latency.
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +41,9 @@ __all__ = [
     "payload",
     "publish",
     "read_counters",
+    "redis_benchmark",
     "run_publisher",
+    "warm_worker",
 ]
 
 PAYLOAD_LEN = 32
@@ -243,19 +248,31 @@ def run_publisher(spec: PublishSpec) -> dict[str, float]:
         return asyncio.run(publish(spec))
 
 
+def warm_worker(hold_s: float) -> int:
+    """Process-pool warm-up: import what a publisher needs and hold the worker busy,
+    so that N concurrent calls start N worker processes before any measurement."""
+    with contextlib.suppress(ImportError):
+        import uvloop  # noqa: F401
+    time.sleep(hold_s)
+    return 0
+
+
 # -- subscribers -----------------------------------------------------------------------
 @dataclass
 class SubscriberSet:
     """One subscriber connection per node, each subscribed to its planned channels.
 
     ``received`` counts messages since the last :meth:`reset`; while ``record`` is true
-    every message's latency (ns, chunk arrival minus payload time) is kept.
+    every message's latency (ns, chunk arrival minus payload time) is kept, in
+    ``local_ns`` when the subscriber sits on the node the message was published to
+    (``local`` in :meth:`start`), else in ``bus_ns`` (it crossed the cluster bus).
     """
 
     received: int = 0
     last_ns: int = 0
     record: bool = False
-    latencies_ns: list[int] = field(default_factory=list)
+    local_ns: list[int] = field(default_factory=list)
+    bus_ns: list[int] = field(default_factory=list)
     disconnects: int = 0
     unsolicited: int = 0
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -264,14 +281,28 @@ class SubscriberSet:
     def reset(self) -> None:
         self.received = 0
         self.last_ns = 0
-        self.latencies_ns = []
+        self.local_ns = []
+        self.bus_ns = []
 
-    async def start(self, plan: dict[tuple[str, int], list[str]], verb: str) -> None:
-        """Subscribe (one command per channel: SSUBSCRIBE channels must share a slot)."""
-        ready = [self._subscribe(h, p, chans, verb) for (h, p), chans in plan.items() if chans]
+    async def start(
+        self,
+        plan: dict[tuple[str, int], list[str]],
+        verb: str,
+        local: dict[tuple[str, int], set[str]] | None = None,
+    ) -> None:
+        """Subscribe (one command per channel: SSUBSCRIBE channels must share a slot).
+        ``local``: per node, the channels whose publisher writes to that very node."""
+        local = local or {}
+        ready = [
+            self._subscribe(h, p, chans, verb, {c.encode() for c in local.get((h, p), ())})
+            for (h, p), chans in plan.items()
+            if chans
+        ]
         await asyncio.gather(*ready)
 
-    async def _subscribe(self, host: str, port: int, channels: list[str], verb: str) -> None:
+    async def _subscribe(
+        self, host: str, port: int, channels: list[str], verb: str, local: set[bytes]
+    ) -> None:
         reader, writer = await asyncio.open_connection(host, port)
         self._writers.append(writer)
         writer.write(b"".join(encode(verb, ch) for ch in channels))
@@ -286,9 +317,9 @@ class SubscriberSet:
                 if isinstance(m, hiredis.ReplyError):
                     raise RuntimeError(f"{verb} on {host}:{port}: {m}")
                 confirmed += 1
-        self._tasks.append(asyncio.create_task(self._read(reader, parser)))
+        self._tasks.append(asyncio.create_task(self._read(reader, parser, local)))
 
-    async def _read(self, reader: asyncio.StreamReader, parser: Any) -> None:
+    async def _read(self, reader: asyncio.StreamReader, parser: Any, local: set[bytes]) -> None:
         while True:
             data = await reader.read(_READ_CHUNK)
             if not data:
@@ -298,11 +329,11 @@ class SubscriberSet:
             parser.feed(data)
             n = 0
             record = self.record
-            lat = self.latencies_ns
             while (m := parser.gets()) is not False:
                 if m[0] == b"message" or m[0] == b"smessage":
                     n += 1
                     if record:
+                        lat = self.local_ns if m[1] in local else self.bus_ns
                         lat.append(now - int(m[2][:_TS_DIGITS]))
                 else:
                     self.unsolicited += 1  # e.g. a server-pushed sunsubscribe
@@ -317,3 +348,33 @@ class SubscriberSet:
             w.close()
         self._tasks.clear()
         self._writers.clear()
+
+
+# -- cross-check with redis-benchmark (C client, no subscribers) --------------------------
+_RPS_RE = re.compile(rb"([0-9.]+) requests per second")
+
+
+async def redis_benchmark(
+    host: str, port: int, verb: str, requests: int, *, clients: int = 16, pipeline: int = 32
+) -> float | None:
+    """Run ``redis-benchmark --cluster`` for ``verb`` on ``tr:{tag}:live`` (the tool
+    rewrites ``{tag}`` so that every master gets its share); return requests/s, or
+    None when the tool is not on PATH. The process is stopped by pid on timeout."""
+    exe = shutil.which("redis-benchmark")
+    if exe is None:
+        return None
+    proc = await asyncio.create_subprocess_exec(
+        exe, "--cluster", "-h", host, "-p", str(port), "-n", str(requests),
+        "-c", str(clients), "-P", str(pipeline), "-q",
+        verb, "tr:{tag}:live", "x" * PAYLOAD_LEN,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        stdin=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return None
+    found = _RPS_RE.findall(out)
+    return float(found[-1]) if found else None
