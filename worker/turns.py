@@ -55,7 +55,7 @@ from worker.engine_client import Delta
 from worker.engine_errors import EngineError, EngineTimeout
 from worker.metrics import WorkerMetrics
 from worker.presence import PresencePolicy, watch_presence
-from worker.router import Lease, Router
+from worker.router import Lease, LeaseState, Router
 from worker.routing_key import routing_key
 from worker.store import LockHolder, SessionStore
 
@@ -149,6 +149,12 @@ class _Turn:
             self.abort_reason = reason
         if self.reader is not None and not self.reader.done():
             self.reader.cancel()
+
+
+def _release(lease: Lease) -> None:
+    """Release once: every path calls this, only the first one gives the slot back."""
+    if lease.state is LeaseState.HELD:
+        lease.release()
 
 
 _ABORT_OUTCOME = {
@@ -332,7 +338,7 @@ class TurnManager:
                 t.reader.cancel()
                 with contextlib.suppress(BaseException):
                     await t.reader
-                t.lease.release()
+                _release(t.lease)
                 await pump_task  # raises what stopped it
                 raise RuntimeError("token pump stopped early")
             try:
@@ -346,7 +352,7 @@ class TurnManager:
             except EngineError as exc:
                 outcome, error = "engine_error", exc.message
             finally:
-                t.lease.release()  # the engine is done with us, whatever happens next
+                _release(t.lease)  # the engine is done with us, whatever happens next
                 pump.close()
             await pump_task
         except Fenced as exc:
@@ -382,7 +388,7 @@ class TurnManager:
                 await asyncio.wait_for(asyncio.shield(pump_task), 5.0)
             pump_task.cancel()
         await asyncio.gather(presence, pump_task, return_exceptions=True)
-        t.lease.release()  # a no-op when already released (counted by the router if double)
+        _release(t.lease)
         try:
             if outcome == "done":
                 await self.store.append_exchange(
