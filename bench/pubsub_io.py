@@ -94,6 +94,8 @@ class Counters:
     publish_sent: int
     publishshard_sent: int
     cpu_s: float
+    publish_received: int = 0
+    publishshard_received: int = 0
 
 
 def _fields(text: bytes | str) -> dict[str, str]:
@@ -108,6 +110,8 @@ async def _node_counters(host: str, port: int) -> Counters:
         publish_sent=int(ci.get("cluster_stats_messages_publish_sent", 0)),
         publishshard_sent=int(ci.get("cluster_stats_messages_publishshard_sent", 0)),
         cpu_s=float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]),
+        publish_received=int(ci.get("cluster_stats_messages_publish_received", 0)),
+        publishshard_received=int(ci.get("cluster_stats_messages_publishshard_received", 0)),
     )
 
 

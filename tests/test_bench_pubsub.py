@@ -17,7 +17,7 @@ from relay.cluster import ClusterInfo
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-TINY = Workload(channels=16, fixed_rate=1000, fixed_s=0.3, max_s=0.5, publisher_procs=0)
+TINY = Workload(channels=16, fixed_rate=1000, fixed_s=0.3, max_s=0.5, publisher_procs=0, repeats=1)
 
 
 def _replicas_per_master(cluster: ClusterInfo) -> float:
@@ -30,6 +30,7 @@ async def test_publish_is_broadcast_to_every_other_node(cluster: ClusterInfo) ->
     assert run["max_published"] > 1000
     assert run["bus_sends_per_msg"] == pytest.approx(len(cluster.nodes) - 1, abs=0.05)
     assert run["fixed_bus_sends_per_msg"] == pytest.approx(len(cluster.nodes) - 1, abs=0.05)
+    assert run["bus_received_per_msg"] == pytest.approx(run["bus_sends_per_msg"], abs=0.05)
     assert run["delivered_ratio"] == pytest.approx(1.0, abs=0.01)
     assert run["fixed_delivered_ratio"] == pytest.approx(1.0, abs=0.01)
 
