@@ -309,7 +309,12 @@ class Hub:
     # -- watchers ----------------------------------------------------------------------
 
     async def watch(self, sid: str, from_offset: int | None) -> Watch:
-        """Subscribe (shared), replay after ``from_offset``, then follow live."""
+        """Subscribe (shared), replay after ``from_offset``, then follow live.
+
+        Raises :class:`relay.errors.SubscribeError` if the channel cannot be subscribed
+        (after the subscriber's timeout). Backlog reads are retried while Redis is
+        unreachable: wrap the call in ``asyncio.timeout`` to bound the wait.
+        """
         if self._closed:
             raise WatchClosed("the relay is shutting down", "relay_shutdown")
         sid = parse_session(sid)

@@ -12,9 +12,9 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from relay.errors import WatchClosed
-from relay.frame import decode
+from relay.frame import Frame, decode, encode
 from relay.hub import Delivery, Hub, Watch
-from relay.keys import live_channel, new_session_id, presence_key
+from relay.keys import live_channel, log_key, meta_key, new_session_id, presence_key
 from relay.publisher import Draft, Publisher
 
 pytestmark = pytest.mark.integration
@@ -56,14 +56,14 @@ def covered(ds: list[Delivery]) -> list[int]:
 async def _node_clients(redis: RedisCluster, key: str) -> aioredis.Redis:
     node = redis.get_node_from_key(key)
     assert node is not None
-    return aioredis.Redis(host=node.host, port=node.port)
+    return aioredis.Redis(host=node.host, port=int(node.port))
 
 
 async def _sub_clients(redis: RedisCluster, relay_id: str) -> list[tuple[aioredis.Redis, str]]:
     """(node client, CLIENT LIST line) for every tokenrelay-sub connection of relay_id."""
     found = []
     for node in redis.get_nodes():
-        c = aioredis.Redis(host=node.host, port=node.port)
+        c = aioredis.Redis(host=node.host, port=int(node.port))
         for line in (await c.execute_command("CLIENT", "LIST")).decode().splitlines():
             if f"name=tokenrelay-sub:{relay_id} " in line + " ":
                 found.append((c, line))
@@ -228,7 +228,9 @@ async def test_presence_is_refreshed_while_watched_and_removed_after(
     assert score is not None
     assert 0 < await redis.pttl(presence_key(sid)) <= 10_000
     await asyncio.sleep(1.2)
-    assert await redis.zscore(presence_key(sid), hub.relay_id) > score
+    later = await redis.zscore(presence_key(sid), hub.relay_id)
+    assert later is not None
+    assert later > score
     await w.close()
     await asyncio.sleep(0.3)
     assert await redis.zscore(presence_key(sid), hub.relay_id) is None
@@ -323,3 +325,26 @@ async def test_failover_resubscribes_on_the_new_master_and_repairs(private_clust
     finally:
         await hub.close()
         await redis.aclose()
+
+
+async def test_lost_pubsub_message_is_repaired_from_the_backlog_once_per_channel(
+    hub: Hub, redis: RedisCluster
+) -> None:
+    sid = new_session_id()
+    watches = [await hub.watch(sid, None) for _ in range(5)]
+    gen = await Publisher(redis).open_generation(sid)
+    await gen.token("a")
+    for w in watches:
+        assert token_offsets(await collect(w, 1)) == [1]
+    # offset 2 reaches the backlog but its live message is "lost" (never SPUBLISHed)
+    lost = Frame(session=sid, turn=gen.turn, offset=2, kind="token", text="b", epoch=gen.epoch)
+    await redis.xadd(log_key(sid), {"f": encode(lost)}, id="2-1")
+    await redis.hset(meta_key(sid), "offset", 2)
+    gen.offset = 2
+    repairs = hub.stats()["repairs"]
+    await gen.token("c")
+    for w in watches:
+        got = await collect(w, 3)
+        assert token_offsets(got) == [2, 3]
+        assert [decode(d.data).text for d in got] == ["b", "c"]
+    assert hub.stats()["repairs"] == repairs + 1  # one backlog read for all five watchers

@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from relay.errors import Fenced
-from relay.frame import decode
+from relay.frame import Frame, decode
 from relay.keys import live_channel, log_key, meta_key, new_session_id
 from relay.publisher import Draft, Publisher, read_backlog
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 async def _node_for(redis: RedisCluster, key: str) -> aioredis.Redis:
     node = redis.get_node_from_key(key)
     assert node is not None
-    return aioredis.Redis(host=node.host, port=node.port)
+    return aioredis.Redis(host=node.host, port=int(node.port))
 
 
 async def _cmdstat(node: aioredis.Redis, name: str) -> int:
@@ -54,6 +54,7 @@ async def test_publish_returns_offsets_and_fills_the_frame(redis: RedisCluster) 
     assert all(f.epoch == gen.epoch and f.turn == gen.turn and f.session == sid for f in decoded)
     assert "".join(f.text for f in decoded) == "ab"
     ids = await redis.xrange(log_key(sid))
+    assert ids is not None
     assert [i for i, _ in ids] == [b"1-1", b"2-1", b"3-1", b"4-1"]
     # the next generation continues the offsets
     gen2 = await pub.open_generation(sid)
@@ -87,7 +88,7 @@ async def test_stale_generation_is_fenced_and_writes_nothing(redis: RedisCluster
         await old.publish([Draft(kind="token", text="late")])
     assert info.value.current == new.epoch
     assert await redis.xlen(log_key(sid)) == 1
-    assert int(await redis.hget(meta_key(sid), "offset")) == 1
+    assert await redis.hget(meta_key(sid), "offset") == b"1"
     assert await new.token("y") == 2
 
 
@@ -134,7 +135,7 @@ async def test_spublish_inside_the_script_reaches_a_shard_subscriber(redis: Redi
         assert msg[0] == b"ssubscribe"
         gen = await pub.open_generation(sid)
         await gen.publish([Draft(kind="token", text="a"), Draft(kind="token", text="b")])
-        got = []
+        got: list[Frame] = []
         async with asyncio.timeout(3):
             while len(got) < 2:
                 m = await ps.parse_response(block=True, timeout=2)

@@ -49,7 +49,7 @@ async def _sub(redis: RedisCluster, inbox: Inbox) -> ShardedSubscriber:
 async def _numsub(redis: RedisCluster, channel: str) -> int:
     node = redis.get_node_from_key(channel)
     assert node is not None
-    c = aioredis.Redis(host=node.host, port=node.port)
+    c = aioredis.Redis(host=node.host, port=int(node.port))
     try:
         return int((await c.execute_command("PUBSUB", "SHARDNUMSUB", channel))[1])
     finally:
