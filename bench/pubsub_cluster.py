@@ -42,6 +42,7 @@ from bench.pubsub_io import (
     PublishSpec,
     SubscriberSet,
     command,
+    links_created_since,
     publish,
     read_counters,
     redis_benchmark,
@@ -203,6 +204,7 @@ async def measure(
     local = {(h, p): set(chs) for h, p, chs in targets}
     subs = SubscriberSet()
     await subs.start(sub_plan, sub_verb, local)
+    run_start_ms = int(time.time() * 1000)
     try:
         # Fixed rate: latency. One paced publisher.
         c0 = await read_counters(addrs)
@@ -243,6 +245,7 @@ async def measure(
         c2 = await read_counters(addrs)
     finally:
         await subs.close()
+    relinked = await links_created_since(addrs, run_start_ms)
     rb: dict[str, Any] = {}
     if wl.redis_benchmark:
         rb = await _cross_check(info, pub_verb, statistics.median(rates), wl)
@@ -285,6 +288,7 @@ async def measure(
         "publish_sent_delta": m_pub,
         "publishshard_sent_delta": m_shard,
         "subscriber_disconnects": subs.disconnects,
+        "bus_links_recreated": relinked,
         "unsolicited_pushes": subs.unsolicited,
         "publisher_procs": procs if pool is not None else 0,
         "payload_bytes": PAYLOAD_LEN,

@@ -38,6 +38,7 @@ __all__ = [
     "SubscriberSet",
     "command",
     "encode",
+    "links_created_since",
     "payload",
     "publish",
     "read_counters",
@@ -117,6 +118,21 @@ async def _node_counters(host: str, port: int) -> Counters:
 
 async def read_counters(addrs: list[tuple[str, int]]) -> list[Counters]:
     return list(await asyncio.gather(*(_node_counters(h, p) for h, p in addrs)))
+
+
+async def links_created_since(addrs: list[tuple[str, int]], since_ms: int) -> int | None:
+    """Cluster-bus links (CLUSTER LINKS, Redis >= 7.0) created after ``since_ms``: a
+    link dropped and reconnected during a run loses the bus messages it held."""
+    total = 0
+    for host, port in addrs:
+        try:
+            links = await command(host, port, "CLUSTER", "LINKS")
+        except (RuntimeError, OSError):
+            return None
+        for raw in links:
+            fields = dict(zip(raw[::2], raw[1::2], strict=True))
+            total += int(fields.get(b"create-time", 0)) > since_ms
+    return total
 
 
 # -- publishers ------------------------------------------------------------------------
