@@ -96,12 +96,22 @@ class Reject(Exception):
 class _Stream:
     """One open SSE or WebSocket stream: its watch, its task, why the server ends it."""
 
-    __slots__ = ("offset", "sid", "stop", "task", "transport", "watch")
+    __slots__ = ("offset", "sid", "sock", "stop", "task", "transport", "watch")
 
     def __init__(self, transport: str, sid: str, offset: int | None, watch: Watch) -> None:
         self.transport, self.sid, self.offset, self.watch = transport, sid, offset, watch
         self.stop: tuple[str, str] | None = None
         self.task: asyncio.Task[Any] | None = asyncio.current_task()
+        self.sock: asyncio.Transport | None = None
+
+    def cut(self) -> None:
+        """A write did not finish in time: the client is slow. Abort the connection
+        (its buffers are full: no goodbye would get through); the pending write fails
+        with ConnectionResetError in the stream's task. No task is cancelled."""
+        if self.stop is None:
+            self.stop = ("slow_consumer", "the client does not read fast enough")
+        if self.sock is not None:
+            self.sock.abort()
 
     async def kick(self, code: str, reason: str) -> None:
         """End the stream from outside: its writer wakes with WatchClosed and says why."""
@@ -261,13 +271,15 @@ class EdgeServer:
             if ts > 0:
                 hist.observe(max(now - ts, 0) / 1000.0)
 
-    async def _write(self, write: Awaitable[None]) -> None:
-        """One socket write; a client that does not take it in time is a slow consumer."""
+    async def _guarded(self, stream: _Stream, write: Awaitable[Any], timeout_s: float) -> None:
+        """One socket write; if it does not finish in ``timeout_s`` the connection is cut
+        (:meth:`_Stream.cut`). A timer, not ``asyncio.timeout``: a cancellation racing a
+        completed write would leak into the task's next await (Python 3.11)."""
+        handle = asyncio.get_running_loop().call_later(timeout_s, stream.cut)
         try:
-            async with asyncio.timeout(self.config.write_timeout_s):
-                await write
-        except TimeoutError:
-            raise WatchClosed("the client does not read fast enough", "slow_consumer") from None
+            await write
+        finally:
+            handle.cancel()
 
     # -- SSE -----------------------------------------------------------------------------
 
@@ -290,6 +302,7 @@ class EdgeServer:
                 }
             )
             await resp.prepare(request)
+            stream.sock = request.transport
             code = await self._sse_loop(resp, stream)
             return resp
         finally:
@@ -297,27 +310,36 @@ class EdgeServer:
 
     async def _sse_loop(self, resp: web.StreamResponse, stream: _Stream) -> str:
         cfg = self.config
+
+        async def put(data: bytes, timeout_s: float = cfg.write_timeout_s) -> None:
+            await self._guarded(stream, resp.write(data), timeout_s)
+
+        # One task waits for the next batch across heartbeats: asyncio.wait never
+        # cancels it, so a batch is never lost to a timeout.
+        nxt: asyncio.Task[list[Delivery]] | None = None
         try:
-            await self._write(resp.write(sse.preamble(cfg.retry_ms, cfg.relay_id, stream.offset)))
+            await put(sse.preamble(cfg.retry_ms, cfg.relay_id, stream.offset))
+            nxt = asyncio.create_task(stream.watch.next())
             while True:
-                try:
-                    async with asyncio.timeout(cfg.heartbeat_s):
-                        batch = await stream.watch.next()
-                except TimeoutError:
-                    await self._write(resp.write(sse.comment("heartbeat")))
+                done, _ = await asyncio.wait((nxt,), timeout=cfg.heartbeat_s)
+                if not done:
+                    await put(sse.comment("heartbeat"))
                     continue
+                batch = nxt.result()
+                nxt = asyncio.create_task(stream.watch.next())
                 data = b"".join(sse.event(d.data, id=d.offset, kind=d.kind) for d in batch)
-                await self._write(resp.write(data))
+                await put(data)
                 self._sent("sse", batch, len(data))
         except WatchClosed as exc:
             code, reason = stream.ended(exc)
-        except (ConnectionError, RuntimeError):  # the client went away
-            return "client_gone"
+        except (ConnectionError, RuntimeError):  # the client went away, or was cut
+            return stream.stop[0] if stream.stop is not None else "client_gone"
+        finally:
+            _discard(nxt)
         retry = _jitter(cfg.retry_ms) if code == "relay_shutdown" else cfg.retry_ms
-        with contextlib.suppress(ConnectionError, RuntimeError, TimeoutError):
-            async with asyncio.timeout(_GOODBYE_S):  # a slow client gets no second chance
-                await resp.write(sse.goodbye(code, reason, retry))
-                await resp.write_eof()
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await put(sse.goodbye(code, reason, retry), _GOODBYE_S)
+            await self._guarded(stream, resp.write_eof(), _GOODBYE_S)
         return code
 
     # -- WebSocket -----------------------------------------------------------------------
@@ -340,12 +362,13 @@ class EdgeServer:
         writer: asyncio.Task[str] | None = None
         try:
             await ws.prepare(request)
+            stream.sock = request.transport
             writer = asyncio.create_task(self._ws_writer(ws, stream), name=f"ws-writer:{sid}")
             code = await self._ws_reader(ws, stream)
             if code != "writer_done":
                 writer.cancel()
                 if code != "client_gone":  # the client broke the protocol: we close
-                    await self._ws_close(ws, code, _client_reason(code))
+                    await self._ws_close(ws, stream, code, _client_reason(code))
             await asyncio.wait([writer])
             if code == "writer_done":
                 code = writer.result() if not writer.cancelled() else "closed"
@@ -372,33 +395,38 @@ class EdgeServer:
     async def _ws_writer(self, ws: web.WebSocketResponse, stream: _Stream) -> str:
         cfg = self.config
         hello = {"type": "hello", "relay": cfg.relay_id, "from": stream.offset}
+        timeout_s = cfg.write_timeout_s
         try:
-            await self._write(ws.send_frame(orjson.dumps(hello), WSMsgType.TEXT))
+            await self._guarded(
+                stream, ws.send_frame(orjson.dumps(hello), WSMsgType.TEXT), timeout_s
+            )
             while True:
                 batch = await stream.watch.next()
                 nbytes = 0
                 for d in batch:
-                    await self._write(ws.send_frame(d.data, WSMsgType.TEXT))
+                    await self._guarded(stream, ws.send_frame(d.data, WSMsgType.TEXT), timeout_s)
                     nbytes += len(d.data)
                 self._sent("ws", batch, nbytes)
         except WatchClosed as exc:
             code, reason = stream.ended(exc)
-        except (ConnectionError, RuntimeError):
-            return "client_gone"
+        except (ConnectionError, RuntimeError):  # the client went away, or was cut
+            return stream.stop[0] if stream.stop is not None else "client_gone"
         except Exception:  # never leave the reader waiting on a socket nobody closes
             log.exception("WebSocket writer of %s failed", stream.sid)
             code, reason = "internal", "internal error"
         if stream.stop is None:
             stream.stop = (code, reason)
-        await self._ws_close(ws, code, reason)
+        await self._ws_close(ws, stream, code, reason)
         return code
 
-    async def _ws_close(self, ws: web.WebSocketResponse, code: str, reason: str) -> None:
+    async def _ws_close(
+        self, ws: web.WebSocketResponse, stream: _Stream, code: str, reason: str
+    ) -> None:
         num, default = WS_CLOSE.get(code, WS_CLOSE["internal"])
         message = (reason or default).encode()[:120]  # a close reason fits in 123 bytes
-        with contextlib.suppress(ConnectionError, RuntimeError, TimeoutError):
-            async with asyncio.timeout(_GOODBYE_S + 2.0):
-                await ws.close(code=num, message=message)
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            # ws.close waits up to its own timeout (2 s) for the client's close frame
+            await self._guarded(stream, ws.close(code=num, message=message), _GOODBYE_S + 2.0)
 
     # -- health, metrics, CORS -----------------------------------------------------------
 
@@ -439,6 +467,16 @@ _GOODBYE_S: Final = 1.0
 def _jitter(retry_ms: int) -> int:
     """Spread reconnects after a drain over [retry/2, retry] so peers are not stampeded."""
     return retry_ms // 2 + random.randint(0, max(retry_ms // 2, 0))
+
+
+def _discard(task: asyncio.Task[Any] | None) -> None:
+    """Cancel a helper task, or consume its outcome if it already finished."""
+    if task is None:
+        return
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()
 
 
 def _is_ping(text: str) -> bool:

@@ -8,7 +8,11 @@ published with :class:`relay.publisher.Publisher`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import signal
+import socket
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -319,7 +323,10 @@ async def test_drain_fails_readiness_and_tells_every_client_to_reconnect(cluster
         assert 200 <= a.retry <= 400  # jittered retry hint
         msg = await asyncio.wait_for(b.receive(), STEP)
         assert msg.type is WSMsgType.CLOSE
-        assert (b.close_code, msg.extra) == (1012, "the relay is restarting; reconnect")
+        # what the server sent (the client's own close_code may read 1006 when the server
+        # drops TCP right after its close frame, as aiohttp does when closing from a task
+        # other than the reader)
+        assert (msg.data, msg.extra) == (1012, "the relay is restarting; reconnect")
         await asyncio.wait_for(drain, STEP)
         async with relay.http.get(relay.base + "/readyz") as r:
             assert (r.status, (await r.json())["status"]) == (503, "draining")
@@ -352,7 +359,7 @@ async def test_misbehaving_websockets_are_closed_and_others_unaffected(cluster, 
                     await ws.send_str(payload)
                 msg = await asyncio.wait_for(ws.receive(), STEP)
                 assert msg.type is WSMsgType.CLOSE, msg
-                assert ws.close_code == code
+                assert msg.data == code
         offsets = await publish_turn(redis, other, ["still", "here"])
         assert [f["offset"] for f in await ws_frames(good, 3)] == offsets
         async with asyncio.timeout(STEP):
@@ -369,3 +376,94 @@ async def test_max_connections_gives_503(cluster):
         relay.http.get(relay.url(sid), headers=relay.auth(sid)) as r,
     ):
         assert (r.status, (await r.json())["error"]) == (503, "overloaded")
+
+
+async def test_idle_sse_stream_gets_heartbeat_comments(cluster):
+    sid = new_session_id()
+    async with running(cluster, heartbeat_s=0.1) as relay, sse(relay, sid) as client:
+        async with asyncio.timeout(STEP):
+            while "heartbeat" not in client.comments:
+                line = await client.resp.content.readline()
+                if line.startswith(b":"):
+                    client.comments.append(line[1:].decode().strip())
+
+
+async def test_preflight_allows_the_demo_page(cluster):
+    async with (
+        running(cluster) as relay,
+        relay.http.options(relay.url(new_session_id())) as r,
+    ):
+        assert r.status == 204
+        assert "Authorization" in r.headers["Access-Control-Allow-Headers"]
+        assert r.headers["Access-Control-Allow-Origin"] == "*"
+
+
+async def test_a_client_that_stops_reading_is_cut_as_slow_consumer(cluster, redis):
+    sid, other = new_session_id(), new_session_id()
+    async with (
+        running(cluster, write_timeout_s=0.3, queue_frames=4, hard_limit_frames=8) as relay,
+        sse(relay, other) as bystander,
+    ):
+        host, port = relay.base.removeprefix("http://").split(":")
+        token = _tok(sid)
+        _reader, writer = await asyncio.open_connection(host, int(port), limit=1024)
+        writer.write(
+            f"GET /v1/sessions/{sid}/events?token={token} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+        )
+        await writer.drain()
+        try:
+            async with asyncio.timeout(STEP):
+                while not relay.server.streams or len(relay.server.streams) < 2:
+                    await asyncio.sleep(0.01)
+            gen = await Publisher(redis).open_generation(sid)
+            pad = "x" * 100_000
+            m = relay.server.metrics
+            async with asyncio.timeout(STEP * 2):
+                while m.slow_disconnects.labels("sse")._value.get() < 1:
+                    await gen.meta({"pad": pad})
+            assert len(relay.server.streams) == 1  # the reader that keeps up stays
+            offsets = await publish_turn(redis, other, ["ok"])
+            assert [int(i) for i, _, _ in await bystander.events(2)] == offsets
+        finally:
+            writer.close()
+
+
+async def test_sigterm_drains_and_exits_zero(cluster):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = (
+        "import argparse, sys\n"
+        "from relay.cli_relay import register\n"
+        "p = argparse.ArgumentParser(); register(p.add_subparsers())\n"
+        "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))\n"
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, "relay", "--port", str(port), "--redis", cluster.url,
+        "--secret", SECRET, "--relay-id", "edge-sig", "--drain-deadline-s", "3",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    sid = new_session_id()
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with asyncio.timeout(20):
+                while True:
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with http.get(base + "/readyz") as r:
+                            if r.status == 200:
+                                break
+                    await asyncio.sleep(0.1)
+            relay = Relay(base, None, http)  # type: ignore[arg-type]
+            async with sse(relay, sid) as client:
+                assert client.resp.headers["X-Relay-Id"] == "edge-sig"
+                proc.send_signal(signal.SIGTERM)
+                await client.until_end()
+                assert any(c.startswith("close relay_shutdown") for c in client.comments)
+        _, err = await asyncio.wait_for(proc.communicate(), 15)
+        assert proc.returncode == 0, err.decode()
+        assert b"draining" in err
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
