@@ -178,10 +178,13 @@ class NodeConn:
                     break
                 parser.feed(data)
                 while (msg := parser.gets()) is not False:
-                    if type(msg) is list and msg[0] == b"smessage":
-                        on_message(msg[1], msg[2])
-                    else:
-                        self._control(msg)
+                    try:
+                        if type(msg) is list and msg[0] == b"smessage":
+                            on_message(msg[1], msg[2])
+                        else:
+                            self._control(msg)
+                    except Exception:  # a consumer bug must not kill the node's reader
+                        log.exception("subscriber callback failed on %s", self.addr)
         except (OSError, hiredis.ProtocolError) as exc:
             log.warning("subscriber connection to %s failed: %r", self.addr, exc)
         except asyncio.CancelledError:
