@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
@@ -43,30 +42,25 @@ from relay.auth import AuthError, extract_token, verify_token
 from relay.config import RelayConfig
 from relay.errors import RelayError, WatchClosed
 from relay.frame import now_ms
-from relay.hub import Delivery, Hub, Watch
+from relay.hub import Delivery, Hub
 from relay.keys import InvalidSessionId, parse_session
 from relay.metrics import RelayMetrics
+from relay.streams import (
+    CORS_HEADERS,
+    GOODBYE_S,
+    RETRY_AFTER,
+    WS_CLOSE,
+    Reject,
+    Stream,
+    client_reason,
+    discard,
+    is_ping,
+    jitter,
+)
 
-__all__ = ["SERVER", "WS_CLOSE", "EdgeServer", "Reject", "make_app"]
+__all__ = ["SERVER", "EdgeServer", "make_app"]
 
 log = logging.getLogger(__name__)
-
-# WebSocket close codes the server uses, by WatchClosed / server stop code.
-WS_CLOSE: Final[dict[str, tuple[int, str]]] = {
-    "relay_shutdown": (1012, "service restart"),
-    "slow_consumer": (4008, "slow consumer"),
-    "bad_message": (4400, "bad message"),
-    "binary": (1003, "binary messages are not supported"),
-    "too_big": (1009, "message too big"),
-    "internal": (1011, "internal error"),
-    "closed": (1000, "closed"),
-}
-CORS_HEADERS: Final = {
-    "Access-Control-Allow-Headers": "Authorization, Last-Event-ID, Content-Type",
-    "Access-Control-Allow-Methods": "GET, OPTIONS",
-    "Access-Control-Expose-Headers": "X-Relay-Id",
-    "Access-Control-Max-Age": "600",
-}
 
 
 class _Ts(msgspec.Struct):
@@ -74,53 +68,6 @@ class _Ts(msgspec.Struct):
 
 
 _ts_decoder = msgspec.json.Decoder(_Ts)
-
-
-class Reject(Exception):
-    """A request refused before streaming; becomes ``{"error", "reason"}`` JSON."""
-
-    def __init__(
-        self, status: int, error: str, reason: str, headers: dict[str, str] | None = None
-    ) -> None:
-        super().__init__(f"{status} {error}: {reason}")
-        self.status, self.error, self.reason = status, error, reason
-        self.headers = headers or {}
-
-    def response(self) -> web.Response:
-        body = orjson.dumps({"error": self.error, "reason": self.reason})
-        return web.Response(
-            status=self.status, body=body, content_type="application/json", headers=self.headers
-        )
-
-
-class _Stream:
-    """One open SSE or WebSocket stream: its watch, its task, why the server ends it."""
-
-    __slots__ = ("offset", "sid", "sock", "stop", "task", "transport", "watch")
-
-    def __init__(self, transport: str, sid: str, offset: int | None, watch: Watch) -> None:
-        self.transport, self.sid, self.offset, self.watch = transport, sid, offset, watch
-        self.stop: tuple[str, str] | None = None
-        self.task: asyncio.Task[Any] | None = asyncio.current_task()
-        self.sock: asyncio.Transport | None = None
-
-    def cut(self) -> None:
-        """A write did not finish in time: the client is slow. Abort the connection
-        (its buffers are full: no goodbye would get through); the pending write fails
-        with ConnectionResetError in the stream's task. No task is cancelled."""
-        if self.stop is None:
-            self.stop = ("slow_consumer", "the client does not read fast enough")
-        if self.sock is not None:
-            self.sock.abort()
-
-    async def kick(self, code: str, reason: str) -> None:
-        """End the stream from outside: its writer wakes with WatchClosed and says why."""
-        if self.stop is None:
-            self.stop = (code, reason)
-        await self.watch.close()
-
-    def ended(self, exc: WatchClosed) -> tuple[str, str]:
-        return self.stop if self.stop is not None else (exc.code, exc.reason)
 
 
 class EdgeServer:
@@ -134,7 +81,7 @@ class EdgeServer:
         self._owns_hub = hub is None
         self.started = hub is not None
         self.draining = False
-        self.streams: set[_Stream] = set()
+        self.streams: set[Stream] = set()
         self.admitted = 0  # streams past admission (includes those still opening)
         if hub is not None:
             self.metrics.bind_hub(hub.stats)
@@ -212,11 +159,11 @@ class EdgeServer:
 
     def _check_capacity(self) -> None:
         if self.draining or not self.started or self.hub is None:
-            raise Reject(503, "draining", "the relay is restarting; connect again", _RETRY)
+            raise Reject(503, "draining", "the relay is restarting; connect again", RETRY_AFTER)
         if self.admitted >= self.config.max_connections:
-            raise Reject(503, "overloaded", "too many streams on this relay", _RETRY)
+            raise Reject(503, "overloaded", "too many streams on this relay", RETRY_AFTER)
 
-    async def _open(self, transport: str, sid: str, offset: int | None) -> _Stream:
+    async def _open(self, transport: str, sid: str, offset: int | None) -> Stream:
         """Admit and watch; the caller must call :meth:`_close` once done."""
         self._check_capacity()
         assert self.hub is not None
@@ -225,14 +172,16 @@ class EdgeServer:
             watch = await self.hub.watch(sid, offset)
         except WatchClosed as exc:
             self.admitted -= 1
-            raise Reject(503, "draining", exc.reason, _RETRY) from None
+            raise Reject(503, "draining", exc.reason, RETRY_AFTER) from None
         except RelayError as exc:
             self.admitted -= 1
-            raise Reject(503, "unavailable", f"cannot watch the session: {exc}", _RETRY) from None
+            raise Reject(
+                503, "unavailable", f"cannot watch the session: {exc}", RETRY_AFTER
+            ) from None
         except BaseException:
             self.admitted -= 1
             raise
-        stream = _Stream(transport, sid, offset, watch)
+        stream = Stream(transport, sid, offset, watch)
         self.streams.add(stream)
         m = self.metrics
         m.accepted.labels(transport).inc()
@@ -244,7 +193,7 @@ class EdgeServer:
             await stream.kick("relay_shutdown", "the relay is restarting; reconnect")
         return stream
 
-    async def _close(self, stream: _Stream, code: str) -> None:
+    async def _close(self, stream: Stream, code: str) -> None:
         self.streams.discard(stream)
         self.admitted -= 1
         await stream.watch.close()
@@ -271,9 +220,9 @@ class EdgeServer:
             if ts > 0:
                 hist.observe(max(now - ts, 0) / 1000.0)
 
-    async def _guarded(self, stream: _Stream, write: Awaitable[Any], timeout_s: float) -> None:
+    async def _guarded(self, stream: Stream, write: Awaitable[Any], timeout_s: float) -> None:
         """One socket write; if it does not finish in ``timeout_s`` the connection is cut
-        (:meth:`_Stream.cut`). A timer, not ``asyncio.timeout``: a cancellation racing a
+        (:meth:`Stream.cut`). A timer, not ``asyncio.timeout``: a cancellation racing a
         completed write would leak into the task's next await (Python 3.11)."""
         handle = asyncio.get_running_loop().call_later(timeout_s, stream.cut)
         try:
@@ -305,10 +254,13 @@ class EdgeServer:
             stream.sock = request.transport
             code = await self._sse_loop(resp, stream)
             return resp
+        except Exception:
+            code = "internal"
+            raise
         finally:
             await self._close(stream, code)
 
-    async def _sse_loop(self, resp: web.StreamResponse, stream: _Stream) -> str:
+    async def _sse_loop(self, resp: web.StreamResponse, stream: Stream) -> str:
         cfg = self.config
 
         async def put(data: bytes, timeout_s: float = cfg.write_timeout_s) -> None:
@@ -335,11 +287,11 @@ class EdgeServer:
         except (ConnectionError, RuntimeError):  # the client went away, or was cut
             return stream.stop[0] if stream.stop is not None else "client_gone"
         finally:
-            _discard(nxt)
-        retry = _jitter(cfg.retry_ms) if code == "relay_shutdown" else cfg.retry_ms
+            discard(nxt)
+        retry = jitter(cfg.retry_ms) if code == "relay_shutdown" else cfg.retry_ms
         with contextlib.suppress(ConnectionError, RuntimeError):
-            await put(sse.goodbye(code, reason, retry), _GOODBYE_S)
-            await self._guarded(stream, resp.write_eof(), _GOODBYE_S)
+            await put(sse.goodbye(code, reason, retry), GOODBYE_S)
+            await self._guarded(stream, resp.write_eof(), GOODBYE_S)
         return code
 
     # -- WebSocket -----------------------------------------------------------------------
@@ -368,7 +320,7 @@ class EdgeServer:
             if code != "writer_done":
                 writer.cancel()
                 if code != "client_gone":  # the client broke the protocol: we close
-                    await self._ws_close(ws, stream, code, _client_reason(code))
+                    await self._ws_close(ws, stream, code, client_reason(code))
             await asyncio.wait([writer])
             if code == "writer_done":
                 code = writer.result() if not writer.cancelled() else "closed"
@@ -378,12 +330,12 @@ class EdgeServer:
                 writer.cancel()
             await self._close(stream, code)
 
-    async def _ws_reader(self, ws: web.WebSocketResponse, stream: _Stream) -> str:
+    async def _ws_reader(self, ws: web.WebSocketResponse, stream: Stream) -> str:
         """Read the client's messages in the handler task (aiohttp requires it)."""
         while True:
             msg = await ws.receive()
             if msg.type is WSMsgType.TEXT:
-                if not _is_ping(msg.data):
+                if not is_ping(msg.data):
                     return "bad_message"
             elif msg.type is WSMsgType.BINARY:
                 return "binary"
@@ -392,7 +344,7 @@ class EdgeServer:
             elif msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
                 return "writer_done" if stream.stop is not None else "client_gone"
 
-    async def _ws_writer(self, ws: web.WebSocketResponse, stream: _Stream) -> str:
+    async def _ws_writer(self, ws: web.WebSocketResponse, stream: Stream) -> str:
         cfg = self.config
         hello = {"type": "hello", "relay": cfg.relay_id, "from": stream.offset}
         timeout_s = cfg.write_timeout_s
@@ -420,13 +372,13 @@ class EdgeServer:
         return code
 
     async def _ws_close(
-        self, ws: web.WebSocketResponse, stream: _Stream, code: str, reason: str
+        self, ws: web.WebSocketResponse, stream: Stream, code: str, reason: str
     ) -> None:
         num, default = WS_CLOSE.get(code, WS_CLOSE["internal"])
         message = (reason or default).encode()[:120]  # a close reason fits in 123 bytes
         with contextlib.suppress(ConnectionError, RuntimeError):
             # ws.close waits up to its own timeout (2 s) for the client's close frame
-            await self._guarded(stream, ws.close(code=num, message=message), _GOODBYE_S + 2.0)
+            await self._guarded(stream, ws.close(code=num, message=message), GOODBYE_S + 2.0)
 
     # -- health, metrics, CORS -----------------------------------------------------------
 
@@ -458,41 +410,6 @@ class EdgeServer:
         response.headers["X-Relay-Id"] = self.config.relay_id
         response.headers["Access-Control-Allow-Origin"] = self.config.cors_origin
         response.headers.setdefault("Access-Control-Expose-Headers", "X-Relay-Id")
-
-
-_RETRY: Final = {"Retry-After": "1"}
-_GOODBYE_S: Final = 1.0
-
-
-def _jitter(retry_ms: int) -> int:
-    """Spread reconnects after a drain over [retry/2, retry] so peers are not stampeded."""
-    return retry_ms // 2 + random.randint(0, max(retry_ms // 2, 0))
-
-
-def _discard(task: asyncio.Task[Any] | None) -> None:
-    """Cancel a helper task, or consume its outcome if it already finished."""
-    if task is None:
-        return
-    if not task.done():
-        task.cancel()
-    elif not task.cancelled():
-        task.exception()
-
-
-def _is_ping(text: str) -> bool:
-    if len(text) > 64:
-        return False
-    try:
-        obj = orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return False
-    return isinstance(obj, dict) and obj.get("type") == "ping"
-
-
-def _client_reason(code: str) -> str:
-    if code == "bad_message":
-        return 'client messages must be {"type":"ping"}'
-    return WS_CLOSE.get(code, WS_CLOSE["internal"])[1]
 
 
 @web.middleware

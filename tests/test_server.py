@@ -27,6 +27,7 @@ from redis.asyncio.cluster import RedisCluster
 from relay.auth import issue_token
 from relay.cluster import ClusterInfo
 from relay.config import RelayConfig
+from relay.hub import Hub
 from relay.keys import new_session_id
 from relay.publisher import Publisher
 from relay.server import SERVER, EdgeServer, make_app
@@ -467,3 +468,30 @@ async def test_sigterm_drains_and_exits_zero(cluster):
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_an_app_given_a_hub_uses_it_and_leaves_it_open(cluster, redis):
+    sid = new_session_id()
+    hub = Hub(redis, relay_id="shared-hub")
+    await hub.start()
+    try:
+        cfg = RelayConfig(port=0, redis_url=cluster.url, secret=SECRET, relay_id="edge-hub")
+        app = make_app(cfg, hub=hub)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            async with aiohttp.ClientSession() as http:
+                relay = Relay(base, app[SERVER], http)
+                async with sse(relay, sid) as client:
+                    offsets = await publish_turn(redis, sid, ["a"])
+                    assert [int(i) for i, _, _ in await client.events(2)] == offsets
+        finally:
+            await runner.cleanup()
+        watch = await hub.watch(sid, 0)  # still running after the app is gone
+        assert [d.offset for d in await watch.next()] == offsets
+        await watch.close()
+    finally:
+        await hub.close()
