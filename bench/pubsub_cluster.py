@@ -399,6 +399,9 @@ def markdown(result: dict[str, Any]) -> str:
         for r in result["runs"]
     )
     wl = result["workload"]
+    rb = ""
+    if any(r.get("rb_msgs_per_s") for r in result["runs"]):
+        rb = "redis-benchmark: `--cluster -P 32 -c 16`, no subscribers. "
     foot = (
         f"\n{result['server']}, {result['replicas_per_master']} replica(s) per master, "
         f"{wl['channels']} channels `tr:{{<sid>}}:live` with one subscriber each, "
@@ -406,7 +409,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{wl['publisher_procs']} publisher processes x {wl['conns_per_node']} connections "
         f'per master, pipeline {wl["pipeline"]}. "local": subscriber on the node the '
         f'message was published to; "via bus": it crossed the cluster bus. '
-        f"redis-benchmark: `--cluster -P 32 -c 16`, no subscribers. Note: {result['note']}.\n"
+        f"{rb}Note: {result['note']}.\n"
     )
     return head + rows + foot
 

@@ -259,13 +259,19 @@ async def publish(spec: PublishSpec) -> dict[str, float]:
 
 
 def run_publisher(spec: PublishSpec) -> dict[str, float]:
-    """Process-pool entry point: one event loop per worker process."""
+    """Process-pool entry point: one event loop per worker process, bounded in time
+    (a node that stops answering cannot hold the worker, or the pool's shutdown)."""
+    limit = max(0.0, spec.start_at - time.time()) + spec.duration_s + 30.0
+
+    async def bounded() -> dict[str, float]:
+        return await asyncio.wait_for(publish(spec), limit)
+
     try:
         import uvloop
 
-        return uvloop.run(publish(spec))
+        return uvloop.run(bounded())
     except ImportError:
-        return asyncio.run(publish(spec))
+        return asyncio.run(bounded())
 
 
 def warm_worker(hold_s: float) -> int:
