@@ -63,6 +63,9 @@ __all__ = ["SERVER", "EdgeServer", "make_app"]
 log = logging.getLogger(__name__)
 
 
+WATCH_TIMEOUT_S: Final = 10.0  # subscribe + replay; past it the client gets 503 unavailable
+
+
 class _Ts(msgspec.Struct):
     ts: int = 0
 
@@ -169,11 +172,11 @@ class EdgeServer:
         assert self.hub is not None
         self.admitted += 1
         try:
-            watch = await self.hub.watch(sid, offset)
+            watch = await asyncio.wait_for(self.hub.watch(sid, offset), WATCH_TIMEOUT_S)
         except WatchClosed as exc:
             self.admitted -= 1
             raise Reject(503, "draining", exc.reason, RETRY_AFTER) from None
-        except RelayError as exc:
+        except (RelayError, TimeoutError) as exc:
             self.admitted -= 1
             raise Reject(
                 503, "unavailable", f"cannot watch the session: {exc}", RETRY_AFTER
@@ -392,8 +395,7 @@ class EdgeServer:
         if not self.started or self.redis is None:
             return web.json_response({"status": "starting", "relay": relay}, status=503)
         try:
-            async with asyncio.timeout(1.0):
-                await self.redis.ping()
+            await asyncio.wait_for(self.redis.ping(), 1.0)  # cancels only the ping
         except Exception as exc:  # any failure means "not ready", with the reason
             body = {"status": "redis_unreachable", "reason": str(exc) or type(exc).__name__}
             return web.json_response({**body, "relay": relay}, status=503)

@@ -495,3 +495,19 @@ async def test_an_app_given_a_hub_uses_it_and_leaves_it_open(cluster, redis):
         await watch.close()
     finally:
         await hub.close()
+
+
+@pytest.mark.slow
+async def test_readyz_is_503_when_redis_is_gone(private_cluster):
+    local = await private_cluster(masters=3, replicas=0)
+    assert local.info is not None
+    async with running(local.info) as relay:
+        async with relay.http.get(relay.base + "/readyz") as r:
+            assert r.status == 200
+        await local.stop()
+        async with relay.http.get(relay.base + "/readyz") as r:
+            body = await r.json()
+            assert (r.status, body["status"]) == (503, "redis_unreachable")
+            assert body["reason"]
+        async with relay.http.get(relay.base + "/healthz") as r:
+            assert r.status == 200  # alive, just not ready
