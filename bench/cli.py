@@ -16,11 +16,12 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["BENCHMARKS", "register"]
+__all__ = ["BENCHMARKS", "register", "register_loadtest"]
 
 # subcommand -> (help text, module with add_arguments / run_from_args)
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "pubsub": ("PUBLISH vs SPUBLISH cost on local Redis Clusters", "bench.pubsub_cluster"),
+    "loadtest": ("many screens per session while turns stream (SSE + WS)", "bench.loadtest"),
 }
 
 
@@ -34,3 +35,14 @@ def register(subparsers: Any) -> None:
         mod.add_arguments(bp)
         run: Callable[[argparse.Namespace], int] = mod.run_from_args
         bp.set_defaults(func=run)
+
+
+def register_loadtest(subparsers: Any) -> None:
+    """``tokenrelay loadtest``: the load test as a top-level command too."""
+    mod = importlib.import_module("bench.loadtest")
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "loadtest", help="load test: many screens per session while turns stream"
+    )
+    mod.add_arguments(p)
+    run: Callable[[argparse.Namespace], int] = mod.run_from_args
+    p.set_defaults(func=run)
