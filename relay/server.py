@@ -2,7 +2,7 @@
 
 HTTP contract (DESIGN.md section 4; close codes and error bodies in docs/PROTOCOL.md):
 
-- ``GET /v1/sessions/{sid}/events``: SSE. ``retry:`` and a ``: hello`` comment first,
+- ``GET /v1/sessions/{sid}/events``: SSE. ``retry:`` and an ``event: hello`` first,
   then per frame ``id: <offset>`` / ``event: <kind>`` / ``data: <frame JSON>``, a
   heartbeat comment after ``heartbeat_s`` of silence, a ``: close <code> <reason>``
   comment last. Resume: ``Last-Event-ID`` header or ``last_event_id`` query.
@@ -223,6 +223,10 @@ class EdgeServer:
             if ts > 0:
                 hist.observe(max(now - ts, 0) / 1000.0)
 
+    def _hello(self, stream: Stream) -> bytes:
+        """First message of every stream: which relay, resuming after which offset."""
+        return orjson.dumps({"type": "hello", "relay": self.config.relay_id, "from": stream.offset})
+
     async def _guarded(self, stream: Stream, write: Awaitable[Any], timeout_s: float) -> None:
         """One socket write; if it does not finish in ``timeout_s`` the connection is cut
         (:meth:`Stream.cut`). A timer, not ``asyncio.timeout``: a cancellation racing a
@@ -273,7 +277,7 @@ class EdgeServer:
         # cancels it, so a batch is never lost to a timeout.
         nxt: asyncio.Task[list[Delivery]] | None = None
         try:
-            await put(sse.preamble(cfg.retry_ms, cfg.relay_id, stream.offset))
+            await put(sse.preamble(cfg.retry_ms, self._hello(stream)))
             nxt = asyncio.create_task(stream.watch.next())
             while True:
                 done, _ = await asyncio.wait((nxt,), timeout=cfg.heartbeat_s)
@@ -349,11 +353,10 @@ class EdgeServer:
 
     async def _ws_writer(self, ws: web.WebSocketResponse, stream: Stream) -> str:
         cfg = self.config
-        hello = {"type": "hello", "relay": cfg.relay_id, "from": stream.offset}
         timeout_s = cfg.write_timeout_s
         try:
             await self._guarded(
-                stream, ws.send_frame(orjson.dumps(hello), WSMsgType.TEXT), timeout_s
+                stream, ws.send_frame(self._hello(stream), WSMsgType.TEXT), timeout_s
             )
             while True:
                 batch = await stream.watch.next()

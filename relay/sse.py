@@ -11,14 +11,14 @@ Encoding rules kept here:
   not CR or LF; violations raise :class:`ValueError` (they are bugs, not client input);
 - ``retry:`` is a decimal integer (ms); a block with only ``retry:`` / comments
   dispatches nothing, so hints and heartbeats never show up as events;
-- comments (``: text``) are heartbeats, the ``hello`` line and the goodbye line.
+- comments (``: text``) are heartbeats and the goodbye line.
 
 Resume offsets come from clients: ``Last-Event-ID`` (header, or ``last_event_id`` query
 for clients that cannot set headers) on SSE, ``from`` on WebSocket. :func:`parse_offset`
 accepts a decimal integer in ``0 ..`` :data:`MAX_OFFSET` and raises :class:`OffsetError`
 (a 400 with its reason) for anything else.
 
-Order of use per SSE response: :func:`preamble` (``retry:`` + hello comment) once, then
+Order of use per SSE response: :func:`preamble` (``retry:`` + hello event) once, then
 :func:`event` per delivery and :func:`comment` per heartbeat, :func:`goodbye` last.
 """
 
@@ -89,10 +89,14 @@ def comment(text: str = "") -> bytes:
     return body + b"\n"
 
 
-def preamble(retry_ms: int, relay_id: str, from_offset: int | None) -> bytes:
-    """The first bytes of every SSE response: ``retry:`` and the ``hello`` comment."""
-    where = "live" if from_offset is None else str(from_offset)
-    return retry(retry_ms) + comment(f"hello relay={relay_id} from={where}")
+def preamble(retry_ms: int, hello: bytes) -> bytes:
+    """The first bytes of every SSE response: ``retry:`` and the ``hello`` event.
+
+    The hello is an event (``event: hello``, ``data:`` = ``hello`` JSON) because an
+    ``EventSource`` cannot read comments; it has no ``id:`` so the client's last event
+    id (its resume point) stays the last frame's offset.
+    """
+    return retry(retry_ms) + event(hello, kind="hello")
 
 
 def goodbye(code: str, reason: str, retry_ms: int | None = None) -> bytes:

@@ -61,13 +61,14 @@ def test_id_and_event_may_not_break_the_framing():
         sse.event(b"x", kind="a\rb")
 
 
-def test_preamble_is_retry_then_hello_comment_and_dispatches_nothing():
-    raw = sse.preamble(1500, "relay-1", 42)
+def test_preamble_is_retry_then_a_hello_event_without_id():
+    raw = sse.preamble(1500, b'{"type":"hello","relay":"relay-1","from":42}')
     assert raw.startswith(b"retry: 1500\n")
-    assert b": hello relay=relay-1 from=42\n" in raw
-    assert raw.endswith(b"\n\n")
-    assert whatwg_parse(raw) == []
-    assert b"from=live" in sse.preamble(0, "r", None)
+    assert b"id:" not in raw  # the client's resume point is untouched
+    assert whatwg_parse(raw) == [("", "hello", '{"type":"hello","relay":"relay-1","from":42}')]
+    # the last event id before the hello survives it
+    stream = sse.event(b"x", id=7, kind="token") + raw
+    assert [i for i, _, _ in whatwg_parse(stream)] == ["7", "7"]
 
 
 def test_comments_and_goodbye_dispatch_nothing():
@@ -89,7 +90,7 @@ def test_comments_and_goodbye_dispatch_nothing():
     )
 )
 def test_any_payload_roundtrips_through_a_whatwg_parser(events):
-    stream = sse.preamble(1000, "r", None)
+    stream = b""
     for i, (off, kind, text) in enumerate(events):
         stream += sse.event(text.encode(), id=off, kind=kind)
         if i % 2:

@@ -72,6 +72,7 @@ class SSEClient:
     def __init__(self, resp: aiohttp.ClientResponse) -> None:
         self.resp = resp
         self.comments: list[str] = []
+        self.hello: dict[str, Any] | None = None
         self.retry: int | None = None
         self.last_id = ""
 
@@ -92,9 +93,11 @@ class SSEClient:
                 return None
             line = raw.decode().rstrip("\n")
             if line == "":
-                if data:
+                if data and kind == "hello":
+                    self.hello = json.loads("\n".join(data))
+                elif data:
                     return self.last_id, kind or "message", json.loads("\n".join(data))
-                kind = ""
+                kind, data = "", []
                 continue
             if line.startswith(":"):
                 self.comments.append(line[1:].strip())
@@ -156,7 +159,7 @@ async def test_sse_stream_carries_published_frames_as_id_event_data(cluster, red
         assert client.retry == 1000
         offsets = await publish_turn(redis, sid, ["Hel", "lo", "!"])
         events = await client.events(4)
-        assert client.comments[0] == "hello relay=edge-test from=live"
+        assert client.hello == {"type": "hello", "relay": "edge-test", "from": None}
         assert [int(i) for i, _, _ in events] == offsets
         assert [k for _, k, _ in events] == ["token", "token", "token", "done"]
         assert all(d["offset"] == int(i) and d["session"] == sid for i, _, d in events)
@@ -177,7 +180,7 @@ async def test_last_event_id_resume_gives_exactly_the_rest(cluster, redis):
         async with sse(relay, sid, params={"last_event_id": "0"}) as client:
             events = await client.events(13)
             assert [int(i) for i, _, _ in events] == list(range(1, 14))
-            assert client.comments[0] == "hello relay=edge-test from=0"
+            assert client.hello == {"type": "hello", "relay": "edge-test", "from": 0}
 
 
 async def test_websocket_from_resumes_after_the_offset(cluster, redis):
