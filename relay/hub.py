@@ -13,10 +13,14 @@ is closed with code ``slow_consumer``.
 Reference counts without races (centrifuge ``node.go``): the first watcher of a session
 subscribes (all other watchers await the same future; a failure rolls back); the last
 one leaving schedules an unsubscribe after ``unsubscribe_delay_s`` that re-checks the
-count. Presence: one background task refreshes ``presence_key(sid)`` (member
-``relay_id``, score now in ms) every ``presence_interval_s`` for every watched
-session, batched in one cluster pipeline, and removes the member when the last local
-watcher leaves.
+count. Worker death: a watched channel whose turn is open (its last frame was not
+``done``/``error``) and silent for ``reap_after_s`` gets :func:`relay.publisher.reap`
+(every ``reap_interval_s``, off the reader task): once the worker's turn lock has
+expired, the turn ends with an ``error`` frame "worker lost", written exactly once
+whichever relay gets there first. Presence: one background task refreshes
+``presence_key(sid)`` (member ``relay_id``, score now in ms) every
+``presence_interval_s`` for every watched session, batched in one cluster pipeline,
+and removes the member when the last local watcher leaves.
 
 Order of use::
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -41,7 +46,7 @@ from redis.asyncio.cluster import RedisCluster
 from relay.errors import RelayError, WatchClosed, map_redis_errors
 from relay.frame import Frame, FrameError, decode, encode, merge_tokens, now_ms
 from relay.keys import live_channel, parse_session, presence_key
-from relay.publisher import read_backlog
+from relay.publisher import read_backlog, reap
 from relay.resume import Delivery, Fetch, Resume, Step
 from relay.subscriber import ShardedSubscriber
 
@@ -207,6 +212,19 @@ class _Channel:
         self.dead = False
         self.unsub_handle: asyncio.TimerHandle | None = None
         self.fetch_task: asyncio.Task[None] | None = None
+        # reaper state: a turn may be open until a done/error frame says otherwise
+        self.turn_open = True
+        self.last_frame = time.monotonic()
+        self.reap_next = 0.0
+        self.reaping = False
+
+    def saw(self, ds: list[Delivery]) -> None:
+        for d in ds:
+            if d.kind in ("done", "error"):
+                self.turn_open = False
+            elif d.kind in ("token", "meta"):
+                self.turn_open = True
+        self.last_frame = time.monotonic()
 
     def alive(self) -> bool:
         return not self.dead
@@ -227,6 +245,10 @@ class Hub:
         backlog_page: int = 512,
         presence_interval_s: float = 1.0,
         presence_ttl_s: float = 10.0,
+        reap_after_s: float = 2.0,
+        reap_interval_s: float = 1.0,
+        backlog_maxlen: int = 10_000,
+        session_ttl_s: int = 86_400,
     ) -> None:
         if not 0 < queue_frames <= hard_limit_frames:
             raise ValueError("need 0 < queue_frames <= hard_limit_frames")
@@ -238,6 +260,10 @@ class Hub:
         self.backlog_page = backlog_page
         self.presence_interval_s = presence_interval_s
         self.presence_ttl_s = presence_ttl_s
+        self.reap_after_s = reap_after_s
+        self.reap_interval_s = reap_interval_s
+        self.backlog_maxlen = backlog_maxlen
+        self.session_ttl_s = session_ttl_s
         self.subscriber = ShardedSubscriber(
             redis,
             on_message=self._on_message,
@@ -250,6 +276,7 @@ class Hub:
         self._presence_gone: set[str] = set()
         self._presence_kick = asyncio.Event()
         self._presence_task: asyncio.Task[None] | None = None
+        self._reaper_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         self._stats: dict[str, int] = dict.fromkeys(
@@ -266,6 +293,9 @@ class Hub:
                 "subscribes",
                 "unsubscribes",
                 "presence_errors",
+                "reap_checks",
+                "reaped",
+                "reap_errors",
             ),
             0,
         )
@@ -275,6 +305,8 @@ class Hub:
     async def start(self) -> None:
         await self.subscriber.start()
         self._presence_task = asyncio.create_task(self._presence_loop(), name="hub-presence")
+        if self.reap_interval_s > 0:
+            self._reaper_task = asyncio.create_task(self._reaper_loop(), name="hub-reaper")
 
     async def close(self) -> None:
         if self._closed:
@@ -286,10 +318,11 @@ class Hub:
                 w._shut("the relay is shutting down", "relay_shutdown")
         for ch in list(self._channels.values()):
             self._drop_channel(ch)
-        if self._presence_task is not None:
-            self._presence_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._presence_task
+        for bg in (self._presence_task, self._reaper_task):
+            if bg is not None:
+                bg.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await bg
         with contextlib.suppress(Exception):
             await self._presence_flush()
         for t in list(self._tasks):
@@ -421,6 +454,8 @@ class Hub:
 
     def _fanout(self, ch: _Channel) -> Sink:
         def sink(ds: list[Delivery]) -> None:
+            if ds:
+                ch.saw(ds)
             for w in list(ch.watches):
                 w._live(ds)
 
@@ -459,6 +494,50 @@ class Hub:
             step = resume.backlog(entries, first, last)
             sink(step.emit)
             fetch = step.fetch
+
+    # -- reaper ---------------------------------------------------------------------------
+
+    async def _reaper_loop(self) -> None:
+        """Every ``reap_interval_s``: each watched channel whose turn is open and silent
+        for ``reap_after_s`` gets one :func:`relay.publisher.reap` (in a task of its own,
+        at most one in flight per channel, then not before the next interval)."""
+        while True:
+            await asyncio.sleep(self.reap_interval_s)
+            now = time.monotonic()
+            for ch in list(self._channels.values()):
+                if (
+                    ch.watches
+                    and ch.turn_open
+                    and not ch.reaping
+                    and ch.ready.done()
+                    and now - ch.last_frame >= self.reap_after_s
+                    and now >= ch.reap_next
+                ):
+                    ch.reaping = True
+                    self._spawn(self._reap(ch))
+
+    async def _reap(self, ch: _Channel) -> None:
+        self._stats["reap_checks"] += 1
+        try:
+            res = await reap(
+                self.redis,
+                ch.sid,
+                reaper=self.relay_id,
+                maxlen=self.backlog_maxlen,
+                ttl_s=self.session_ttl_s,
+            )
+        except RelayError as exc:
+            self._stats["reap_errors"] += 1
+            log.info("reap of %s failed: %s", ch.sid, exc)
+        else:
+            if res.status == "idle":
+                ch.turn_open = False  # until the next token/meta frame
+            elif res.status == "reaped":
+                self._stats["reaped"] += 1
+                log.warning("session %s: turn %d reaped (worker lost)", ch.sid, res.turn)
+        finally:
+            ch.reaping = False
+            ch.reap_next = time.monotonic() + self.reap_interval_s
 
     # -- presence ------------------------------------------------------------------------
 

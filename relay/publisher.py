@@ -3,8 +3,10 @@ round trip, and read the backlog back.
 
 Per session, everything sits in the session's hash slot (see :mod:`relay.keys`):
 
-- ``meta_key(sid)`` hash: ``epoch`` (bumped by every generation), ``turn`` (bumped by
-  every generation), ``offset`` (the last offset written);
+- ``meta_key(sid)`` hash: ``epoch`` (bumped by every generation and by a reap),
+  ``turn`` (bumped by every generation), ``offset`` (the last offset written), ``open``
+  (the turn that is generating: set by ``open_generation``, cleared by a ``done`` or
+  ``error`` frame and by :func:`reap`);
 - ``log_key(sid)`` stream: the backlog, one entry per frame with the explicit ID
   ``<offset>-1`` and one field ``f`` = the encoded frame, trimmed with ``MAXLEN ~``;
 - ``live_channel(sid)`` shard channel: every frame is SPUBLISHed there too.
@@ -22,6 +24,7 @@ Order of use::
     await gen.meta({...}); await gen.token("Hel"); await gen.publish([Draft(...), ...])
     await gen.done({...})                  # or gen.error("reason")
     frames, first, last = await read_backlog(redis, sid, after_offset, count)
+    await reap(redis, sid, reaper="edge-1")  # relays: end a turn whose worker died
 
 ``gen.publish`` runs one Lua script (EVALSHA, EVAL on NOSCRIPT): it checks the epoch
 (a stale generation gets :class:`relay.errors.Fenced` and writes nothing) and the
@@ -35,23 +38,33 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import msgspec
 import redis.exceptions as rex
 from redis.asyncio.cluster import RedisCluster
 
-from relay.errors import Fenced, OffsetConflict, RedisCommandError, map_redis_errors
+from relay.errors import (
+    Fenced,
+    OffsetConflict,
+    RedisCommandError,
+    RedisUnavailable,
+    map_redis_errors,
+)
 from relay.frame import Frame, Kind, encode, now_ms
-from relay.keys import live_channel, log_key, meta_key, parse_session
+from relay.keys import KeyKind, key, live_channel, log_key, meta_key, parse_session
 
 __all__ = [
+    "WORKER_LOST",
     "Draft",
     "Generation",
     "Publisher",
+    "ReapResult",
     "read_backlog",
+    "reap",
 ]
 
 _OPEN_LUA: Final = """
@@ -65,6 +78,7 @@ if off == 0 then
     redis.call('HSET', KEYS[1], 'offset', off)
   end
 end
+redis.call('HSET', KEYS[1], 'open', turn)
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 redis.call('EXPIRE', KEYS[2], ARGV[1])
 return {epoch, turn, off}
@@ -74,17 +88,44 @@ _PUBLISH_LUA: Final = """
 local cur = redis.call('HMGET', KEYS[1], 'epoch', 'offset')
 local epoch = tonumber(cur[1] or '0')
 local off = tonumber(cur[2] or '0')
-if epoch ~= tonumber(ARGV[1]) then return redis.error_reply('FENCED ' .. epoch) end
+if epoch > tonumber(ARGV[1]) then return redis.error_reply('FENCED ' .. epoch) end
 if off ~= tonumber(ARGV[2]) then return redis.error_reply('OFFSET ' .. off) end
-for i = 5, #ARGV do
+if epoch < tonumber(ARGV[1]) then
+  -- a failover lost our open_generation (asynchronous replication): restore it
+  redis.call('HSET', KEYS[1], 'epoch', ARGV[1], 'open', ARGV[6])
+  local turn = tonumber(redis.call('HGET', KEYS[1], 'turn') or '0')
+  if turn < tonumber(ARGV[6]) then redis.call('HSET', KEYS[1], 'turn', ARGV[6]) end
+end
+for i = 7, #ARGV do
   off = off + 1
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], string.format('%d-1', off), 'f', ARGV[i])
   redis.call('SPUBLISH', KEYS[3], ARGV[i])
 end
 redis.call('HSET', KEYS[1], 'offset', off)
+if ARGV[5] == '1' then redis.call('HDEL', KEYS[1], 'open') end
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 redis.call('EXPIRE', KEYS[2], ARGV[4])
 return off
+"""
+
+_REAP_LUA: Final = """
+if redis.call('EXISTS', KEYS[4]) == 1 then return {'locked', 0, 0} end
+local turn = tonumber(redis.call('HGET', KEYS[1], 'open') or '0')
+if turn == 0 then return {'idle', 0, 0} end
+local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+local off = tonumber(redis.call('HGET', KEYS[1], 'offset') or '0') + 1
+local frame = string.format(
+  '{"v":1,"session":%s,"turn":%d,"offset":%d,"kind":"error","text":%s,"epoch":%d,' ..
+  '"ts":%s,"meta":{"code":"worker_lost","reaped_by":%s}}',
+  cjson.encode(ARGV[3]), turn, off, cjson.encode(ARGV[5]), epoch, ARGV[4],
+  cjson.encode(ARGV[6]))
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], string.format('%d-1', off), 'f', frame)
+redis.call('SPUBLISH', KEYS[3], frame)
+redis.call('HSET', KEYS[1], 'offset', off)
+redis.call('HDEL', KEYS[1], 'open')
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return {'reaped', off, turn}
 """
 
 _READ_LUA: Final = """
@@ -119,6 +160,9 @@ class _Script:
 OPEN: Final = _Script(_OPEN_LUA)
 PUBLISH: Final = _Script(_PUBLISH_LUA)
 READ: Final = _Script(_READ_LUA)
+REAP: Final = _Script(_REAP_LUA)
+
+WORKER_LOST: Final = "worker lost"
 
 
 class Draft(msgspec.Struct, frozen=True, kw_only=True):
@@ -138,7 +182,9 @@ class Generation:
     """One producer's right to append to a session, fenced by ``epoch``.
 
     ``offset`` is the last offset this generation wrote (or found); the next frame gets
-    ``offset + 1``. Publishes of one generation are serialized.
+    ``offset + 1``. Publishes of one generation are serialized. The generation keeps
+    the encoded frames it wrote (at most ``publisher.keep_frames``) so that it can write
+    them again when a failover lost them (see :meth:`publish`).
     """
 
     publisher: Publisher
@@ -147,6 +193,9 @@ class Generation:
     turn: int
     offset: int
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
+    _written: dict[int, bytes] = field(default_factory=dict, repr=False, compare=False)
+    rewritten: int = 0  # frames written again after a failover lost them
+    retries: int = 0  # publish attempts repeated while Redis was unreachable
 
     @property
     def next_offset(self) -> int:
@@ -156,8 +205,16 @@ class Generation:
         """Append and SPUBLISH ``drafts`` in one round trip; return their offsets.
 
         Raises :class:`Fenced` (a newer generation exists: nothing written) or
-        :class:`OffsetConflict`; :class:`relay.errors.RedisUnavailable` if Redis is down
-        (the batch may or may not have been written: a retry is safe, see below).
+        :class:`OffsetConflict`; :class:`relay.errors.RedisUnavailable` if Redis stays
+        unreachable for ``publisher.retry_s`` (the batch may or may not have been
+        written).
+
+        Retries are safe: the script checks the epoch and the expected offset, so a
+        batch that landed before its reply was lost is recognised (``OFFSET`` equal to
+        our end) and never written twice. After a failover whose new master lacks our
+        last frames (asynchronous replication: ``OFFSET`` below ours), the frames this
+        generation wrote are written again, same bytes at the same offsets, before the
+        new batch: readers dedupe by offset, and the backlog has no hole.
         """
         if not drafts:
             return []
@@ -180,25 +237,52 @@ class Generation:
                 )
                 for i, d in enumerate(drafts)
             ]
-            keys = (meta_key(self.session), log_key(self.session), live_channel(self.session))
-            args: list[Any] = [self.epoch, base, pub.maxlen, pub.ttl_s, *payload]
+            terminal = drafts[-1].kind in ("done", "error")
+            last = await self._write(base, payload, terminal)
+            for i, data in enumerate(payload):
+                self._written[base + i + 1] = data
+            while len(self._written) > pub.keep_frames:
+                del self._written[next(iter(self._written))]
+            self.offset = last
+            return list(range(base + 1, last + 1))
+
+    async def _write(self, base: int, payload: list[bytes], terminal: bool) -> int:
+        """Run the publish script until it answers (retrying while Redis is away)."""
+        pub = self.publisher
+        keys = (meta_key(self.session), log_key(self.session), live_channel(self.session))
+        deadline = time.monotonic() + pub.retry_s
+        backoff = 0.05
+        while True:
+            args: list[Any] = [
+                self.epoch, base, pub.maxlen, pub.ttl_s, int(terminal), self.turn, *payload
+            ]  # fmt: skip
             try:
-                last = int(await PUBLISH(pub.redis, keys, args))
+                return int(await PUBLISH(pub.redis, keys, args))
+            except RedisUnavailable:
+                if time.monotonic() + backoff > deadline:
+                    raise
+                self.retries += 1
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 0.5)
+                continue
             except RedisCommandError as exc:
                 msg = str(exc)
                 if msg.startswith("FENCED "):
                     raise Fenced(self.session, self.epoch, int(msg.split()[1])) from None
-                if msg.startswith("OFFSET "):
-                    current = int(msg.split()[1])
-                    if current != base + len(drafts):
-                        raise OffsetConflict(self.session, base, current) from None
-                    # redis-py retried a script whose reply was lost: our batch landed
-                    # (no one else writes with our epoch).
-                    last = current
-                else:
+                if not msg.startswith("OFFSET "):
                     raise
-            self.offset = last
-            return list(range(base + 1, last + 1))
+                current = int(msg.split()[1])
+            if current == base + len(payload):
+                # a retry of a script whose reply was lost: our batch landed (no one
+                # else writes with our epoch)
+                return current
+            lost = range(current + 1, base + 1)
+            if current < base and all(o in self._written for o in lost):
+                # the new master lacks frames we wrote: write them again, same bytes
+                self.rewritten += len(lost)
+                await self._write(current, [self._written[o] for o in lost], False)
+                continue
+            raise OffsetConflict(self.session, base, current)
 
     async def token(self, text: str) -> int:
         return (await self.publish([Draft(kind="token", text=text)]))[0]
@@ -216,12 +300,22 @@ class Generation:
 class Publisher:
     """Opens generations on sessions. One per process; safe to share between tasks."""
 
-    def __init__(self, redis: RedisCluster, *, maxlen: int = 10_000, ttl_s: int = 86_400) -> None:
-        if maxlen < 1 or ttl_s < 1:
-            raise ValueError("maxlen and ttl_s must be positive")
+    def __init__(
+        self,
+        redis: RedisCluster,
+        *,
+        maxlen: int = 10_000,
+        ttl_s: int = 86_400,
+        retry_s: float = 10.0,
+        keep_frames: int = 4096,
+    ) -> None:
+        if maxlen < 1 or ttl_s < 1 or keep_frames < 1 or retry_s < 0:
+            raise ValueError("maxlen, ttl_s and keep_frames must be positive")
         self.redis = redis
         self.maxlen = maxlen
         self.ttl_s = ttl_s
+        self.retry_s = retry_s  # how long a publish retries while Redis is unreachable
+        self.keep_frames = keep_frames  # frames a generation keeps to rewrite after failover
 
     async def open_generation(self, sid: str) -> Generation:
         """Bump epoch and turn atomically; the returned generation fences all older ones."""
@@ -229,6 +323,40 @@ class Publisher:
         reply = await OPEN(self.redis, (meta_key(sid), log_key(sid)), (self.ttl_s,))
         epoch, turn, offset = (int(x) for x in reply)
         return Generation(self, sid, epoch, turn, offset)
+
+
+class ReapResult(NamedTuple):
+    """What :func:`reap` did: ``status`` is ``"reaped"`` (an ``error`` frame was written
+    at ``offset`` for ``turn``), ``"locked"`` (a worker still holds the turn lock) or
+    ``"idle"`` (no turn is open)."""
+
+    status: str
+    offset: int
+    turn: int
+
+
+async def reap(
+    redis: RedisCluster,
+    sid: str,
+    *,
+    reaper: str,
+    maxlen: int = 10_000,
+    ttl_s: int = 86_400,
+    reason: str = WORKER_LOST,
+) -> ReapResult:
+    """End a session's open turn whose worker is gone (its turn lock expired).
+
+    One Lua script on the session's slot, so any number of relays may race: while the
+    lock ``key(sid, LOCK)`` exists nothing happens; otherwise, if a turn is open, the
+    epoch is bumped (the dead producer, should it wake up, gets :class:`Fenced`), an
+    ``error`` frame (``text`` = ``reason``, ``meta.code`` = ``"worker_lost"``) is appended
+    and SPUBLISHed at the next offset, and the turn is marked closed: exactly once.
+    """
+    sid = parse_session(sid)
+    keys = (meta_key(sid), log_key(sid), live_channel(sid), key(sid, KeyKind.LOCK))
+    reply = await REAP(redis, keys, (maxlen, ttl_s, sid, now_ms(), reason, reaper))
+    status = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+    return ReapResult(status, int(reply[1]), int(reply[2]))
 
 
 async def read_backlog(

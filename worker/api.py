@@ -88,6 +88,7 @@ class WorkerConfig:
     history_messages: int = 64
     session_ttl_s: int = 86_400
     backlog_maxlen: int = 10_000
+    lock_ttl_s: float = 5.0  # refreshed every second; a dead worker's turn is reaped after it
     coalesce: CoalescePolicy = DEFAULT_POLICY
     presence: PresencePolicy = field(default_factory=PresencePolicy)
     vnodes: int = 160
@@ -295,7 +296,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         first_token_timeout_s=cfg.first_token_timeout_s,
         idle_timeout_s=cfg.idle_timeout_s,
     )
-    store = SessionStore(redis, max_messages=cfg.history_messages, ttl_s=cfg.session_ttl_s)
+    store = SessionStore(
+        redis,
+        max_messages=cfg.history_messages,
+        ttl_s=cfg.session_ttl_s,
+        lock_ttl_s=cfg.lock_ttl_s,
+    )
     publisher = Publisher(redis, maxlen=cfg.backlog_maxlen, ttl_s=cfg.session_ttl_s)
     turns = TurnManager(
         publisher=publisher,
