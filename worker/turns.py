@@ -235,6 +235,7 @@ class TurnManager:
                 raise TurnBusy(holder)
             await asyncio.sleep(self.cfg.lock_retry_s)
         lease: Lease | None = None
+        opened: Generation | None = None
         try:
             hist = await self.store.load(sid)
             sys_prompt = system if system else hist.system
@@ -269,6 +270,7 @@ class TurnManager:
                     ]
                 )
             )[0]
+            opened = gen  # its meta frame is out: a failure from here on needs an error frame
             started = TurnStarted(sid, gen.turn, offset)
             await self.store.set_lock_turn(sid, owner, gen.turn, offset)
             if idem is not None:
@@ -276,6 +278,9 @@ class TurnManager:
         except BaseException:
             if lease is not None:
                 lease.release()
+            if opened is not None:
+                with contextlib.suppress(RelayError):
+                    await opened.error("turn failed to start")
             with contextlib.suppress(RelayError):
                 await self.store.release_lock(sid, owner)
             raise
