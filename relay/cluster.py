@@ -351,6 +351,66 @@ class LocalCluster:
     def resume_node(self, port: int) -> None:
         os.kill(self.procs[port].pid, signal.SIGCONT)
 
+    async def masters_now(self) -> dict[int, list[int]]:
+        """Current master port -> slots it serves, from the first node that answers
+        (after a failover the roles differ from ``info``)."""
+        assert self.info is not None
+        for node in self.info.nodes:
+            if node.port not in self.procs or self.procs[node.port].poll() is not None:
+                continue
+            c = aioredis.Redis(host=node.host, port=node.port)
+            try:
+                text = (await c.execute_command("CLUSTER", "NODES")).decode()
+            except (aioredis.ConnectionError, OSError):
+                continue
+            finally:
+                await c.aclose()
+            out: dict[int, list[int]] = {}
+            for lo, hi, master, _replicas in _topology(text):
+                out.setdefault(master, []).extend(range(lo, hi + 1))
+            return out
+        raise ClusterError("no node answered CLUSTER NODES")
+
+    async def migrate_slot(
+        self, slot: int, src: int, dst: int, *, batch: int = 100, timeout_ms: int = 5000
+    ) -> int:
+        """Move ``slot`` from the master on port ``src`` to the master on port ``dst``
+        while clients keep using it; return the number of keys moved.
+
+        The standard resharding steps: SETSLOT IMPORTING on dst, SETSLOT MIGRATING on
+        src, MIGRATE the keys in batches (clients meanwhile get ASK / TRYAGAIN), then
+        SETSLOT NODE on dst, src and every other master. The servers then push an
+        unsolicited ``sunsubscribe`` to the slot's shard subscribers.
+        """
+        if not 0 <= slot < TOTAL_SLOTS or src == dst:
+            raise ClusterError(f"cannot move slot {slot} from {src} to {dst}")
+        masters = await self.masters_now()
+        if src not in masters or dst not in masters:
+            raise ClusterError(f"{src} and {dst} must both be masters (masters: {list(masters)})")
+        clients = {p: aioredis.Redis(host=HOST, port=p) for p in masters}
+        try:
+            ids = {
+                p: (await c.execute_command("CLUSTER", "MYID")).decode() for p, c in clients.items()
+            }
+            await clients[dst].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
+            await clients[src].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
+            moved = 0
+            while True:
+                keys = await clients[src].execute_command("CLUSTER", "GETKEYSINSLOT", slot, batch)
+                if not keys:
+                    break
+                await clients[src].execute_command(
+                    "MIGRATE", HOST, dst, "", 0, timeout_ms, "REPLACE", "KEYS", *keys
+                )
+                moved += len(keys)
+            order = [dst, src, *(p for p in masters if p not in (src, dst))]
+            for p in order:
+                await clients[p].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+            return moved
+        finally:
+            for c in clients.values():
+                await c.aclose()
+
 
 async def form_cluster(
     nodes: list[Node], procs: dict[int, subprocess.Popen[bytes]] | None = None

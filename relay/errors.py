@@ -83,12 +83,22 @@ class WatchClosed(RelayError):
 
 
 def convert(exc: BaseException) -> RelayError:
-    """The relay exception for a redis-py exception (or any OSError / timeout)."""
+    """The relay exception for a redis-py exception (or any OSError / timeout).
+
+    Failover states are :class:`RedisUnavailable` (retry later), including redis-py's
+    ``SlotNotCoveredError``, which is not a ``RedisError`` subclass."""
     if isinstance(exc, RelayError):
         return exc
     if isinstance(exc, rex.ConnectionError | rex.TimeoutError | OSError | TimeoutError):
         return RedisUnavailable(str(exc) or type(exc).__name__)
-    if isinstance(exc, rex.ClusterDownError | rex.TryAgainError | rex.MasterDownError):
+    if isinstance(
+        exc,
+        rex.ClusterDownError
+        | rex.TryAgainError
+        | rex.MasterDownError
+        | rex.ReadOnlyError  # a demoted master, before the client's map catches up
+        | rex.SlotNotCoveredError,  # mid-failover: no node serves the slot yet
+    ):
         return RedisUnavailable(str(exc) or type(exc).__name__)
     return RedisCommandError(str(exc) or type(exc).__name__)
 
@@ -100,5 +110,5 @@ def map_redis_errors() -> Iterator[None]:
         yield
     except RelayError:
         raise
-    except (rex.RedisError, OSError, TimeoutError) as exc:
+    except (rex.RedisError, rex.RedisClusterException, OSError, TimeoutError) as exc:
         raise convert(exc) from exc
