@@ -223,3 +223,15 @@ async def test_turn_request_ends_the_engine_stream_when_the_worker_shuts_down(
     assert (await h.post_turn(sid, token, {"message": "more"}))[0] == 503
     await asyncio.sleep(0.2)
     assert engines[0].engine.gate.running == 0
+
+
+async def test_the_load_exchange_runs_beside_the_worker(h: Harness, redis: RedisCluster):
+    await h.start_engines(1)
+    await h.start_worker(load_exchange=True, worker_id="api-test-exchange")
+    exchange = h.state.exchange
+    assert exchange is not None
+    deadline = asyncio.get_running_loop().time() + 5
+    while exchange.ticks == 0:
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.05)
+    assert await redis.zscore("tr:workers", "api-test-exchange") is not None
