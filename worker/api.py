@@ -256,6 +256,25 @@ async def _healthz(request: web.Request) -> web.Response:
     return _json(200, {"status": "ok", "worker": request.app[STATE].cfg.worker_id})
 
 
+async def _router_view(request: web.Request) -> web.Response:
+    """The router as this worker sees it: engines (in-flight, caps, health) and recent
+    placements of sessions on the ring. Read by the demo's live panel."""
+    st = request.app[STATE]
+    snap = st.router.snapshot()
+    alive = {s.id for s in st.control.alive()}
+    engines = [
+        {"id": eid, "healthy": eid in alive, **view} for eid, view in snap["engines"].items()
+    ]
+    body = {
+        "worker": st.cfg.worker_id,
+        "engines": engines,
+        "counters": snap["counters"],
+        "spill": snap["spill"],
+        "placements": list(st.turns.placements),
+    }
+    return _json(200, body)
+
+
 async def _readyz(request: web.Request) -> web.Response:
     st = request.app[STATE]
     if st.turns.draining:
@@ -352,8 +371,9 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
         app[_REDIS] = redis
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/sessions", _create_session)
-    app.router.add_post("/v1/sessions/{sid}/turns", _post_turn)
+    app.router.add_post("/v1/sessions/{sid:[^/]+}/turns", _post_turn)  # a bad id: 400, not 404
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/v1/router", _router_view)
     return app

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 from typing import Any
@@ -44,7 +45,11 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--port", type=int, required=True, help="TCP port (0 picks a free one)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--redis", required=True, help="redis://host:port of a cluster node")
+    p.add_argument(
+        "--redis",
+        default=os.environ.get("TOKENRELAY_REDIS_URL"),
+        help="redis://host:port of a cluster node (or TOKENRELAY_REDIS_URL)",
+    )
     p.add_argument(
         "--engine",
         action="append",
@@ -58,8 +63,12 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="also use engines announced in Redis (tr:engines heartbeats)",
     )
-    auth = p.add_mutually_exclusive_group(required=True)
-    auth.add_argument("--secret", help="HMAC secret for session tokens (shared with relays)")
+    auth = p.add_mutually_exclusive_group()
+    auth.add_argument(
+        "--secret",
+        default=os.environ.get("TOKENRELAY_SECRET"),
+        help="HMAC secret for session tokens, shared with relays (or TOKENRELAY_SECRET)",
+    )
     auth.add_argument("--insecure-no-auth", action="store_true", help="no tokens (dev only)")
     p.add_argument("--model", default=d.model, help=f"model name sent to engines ({d.model})")
     p.add_argument("--worker-id", default=None, help="unique id (default hostname-pid)")
@@ -80,6 +89,10 @@ def register(subparsers: Any) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    if not args.redis:
+        raise ValueError("give --redis (or set TOKENRELAY_REDIS_URL)")
+    if not args.insecure_no_auth and not args.secret:
+        raise ValueError("give --secret (or TOKENRELAY_SECRET), or --insecure-no-auth")
     engines = [parse_engine_arg(e, args.engine_cap) for e in args.engine]
     if not engines and not args.discover_engines:
         raise ValueError("give at least one --engine (or --discover-engines)")

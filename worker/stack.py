@@ -150,7 +150,11 @@ class Stack:
                 port = free_port()
                 argv = _cli("engine", "--port", str(port), "--id", name, *spec.engine_args)
                 self._add(name, "engine", port, argv)
-        engine_flags = [x for url in self.engine_urls for x in ("--engine", url)]
+        if spec.engine_urls:
+            named = list(spec.engine_urls)
+        else:
+            named = [f"{p.name}={p.url}" for p in self.of_kind("engine")]
+        engine_flags = [x for engine in named for x in ("--engine", engine)]
         for i in range(spec.relays):
             name = f"relay-{i + 1}"
             port = free_port()

@@ -44,6 +44,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -52,10 +53,10 @@ from relay.errors import Fenced, RelayError
 from relay.publisher import Draft, Generation, Publisher
 from worker.coalesce import DEFAULT_POLICY, Batch, CoalescePolicy, TokenPump
 from worker.engine_client import Delta
-from worker.engine_errors import EngineError, EngineTimeout
+from worker.engine_errors import EngineError, EngineTimeout, EngineUnavailable
 from worker.metrics import WorkerMetrics
 from worker.presence import PresencePolicy, watch_presence
-from worker.router import Lease, LeaseState, Router
+from worker.router import AllEnginesFull, Lease, LeaseState, Router
 from worker.routing_key import routing_key
 from worker.store import LockHolder, SessionStore
 
@@ -132,6 +133,7 @@ class _Turn:
     message: str
     max_tokens: int | None
     t0: float
+    route_key: str = ""
     reader: asyncio.Task[None] | None = None
     task: asyncio.Task[None] | None = None
     abort_reason: str | None = None
@@ -188,6 +190,8 @@ class TurnManager:
         self.running: dict[str, _Turn] = {}
         self.draining = False
         self.outcomes: list[tuple[str, int, str]] = []  # (sid, turn, outcome), for tests
+        # Recent placements on the ring, for the demo's live panel (GET /v1/router).
+        self.placements: deque[dict[str, Any]] = deque(maxlen=50)
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -240,7 +244,8 @@ class TurnManager:
             hist = await self.store.load(sid)
             sys_prompt = system if system else hist.system
             convo = [*hist.messages, {"role": "user", "content": message}]
-            lease = self.router.route(routing_key(sys_prompt, convo))
+            rkey = routing_key(sys_prompt, convo)
+            lease = self.router.route(rkey)
             if hist.last_engine is not None and any(
                 s.id == hist.last_engine for s in self.router.engines()
             ):
@@ -249,6 +254,15 @@ class TurnManager:
                     self.metrics.affinity_captured.inc()
             if lease.spilled:
                 self.metrics.spills.inc()
+            self.placements.appendleft(
+                {
+                    "session": sid,
+                    "engine": lease.engine.id,
+                    "preferred": lease.preferred,
+                    "spilled": lease.spilled,
+                    "ts": time.time(),
+                }
+            )
             if system and system != hist.system:
                 await self.store.save_system(sid, system)
             gen = await self.publisher.open_generation(sid)
@@ -286,7 +300,7 @@ class TurnManager:
             raise
         prompt = [{"role": "system", "content": sys_prompt}] if sys_prompt else []
         prompt += convo
-        turn = _Turn(sid, gen, lease, owner, prompt, message, max_tokens, t0)
+        turn = _Turn(sid, gen, lease, owner, prompt, message, max_tokens, t0, rkey)
         self.running[sid] = turn
         turn.task = asyncio.create_task(self._run(turn), name=f"turn-{sid}-{gen.turn}")
         return started
@@ -439,6 +453,24 @@ class TurnManager:
         }
 
     async def _read_engine(self, t: _Turn, pump: TokenPump) -> None:
+        """Stream the reply. An engine that refuses the connection before answering
+        (killed, restarting; the control plane has not seen it leave yet) is skipped
+        once: the lease moves to the next engine for the routing key."""
+        try:
+            await self._read_engine_once(t, pump)
+        except EngineUnavailable as exc:
+            if exc.mid_stream or t.reply:
+                raise
+            try:
+                lease = self.router.route(t.route_key, avoid=t.lease.engine.id)
+            except AllEnginesFull:
+                raise exc from None
+            _log.warning("turn %s/%d: %s; retrying on %s", t.sid, t.gen.turn, exc, lease.engine.id)
+            _release(t.lease)
+            t.lease = lease
+            await self._read_engine_once(t, pump)
+
+    async def _read_engine_once(self, t: _Turn, pump: TokenPump) -> None:
         stream = self.engine.stream_chat(t.lease.engine.url, self.cfg.model, t.prompt, t.max_tokens)
         try:
             async for d in stream:
