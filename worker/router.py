@@ -230,8 +230,11 @@ class Router:
 
     # ---- the hot path -------------------------------------------------------------------
 
-    def route(self, key: str) -> Lease:
-        """Admit a request for ``key``; raise :class:`AllEnginesFull` when nothing accepts."""
+    def route(self, key: str, avoid: str | None = None) -> Lease:
+        """Admit a request for ``key``; raise :class:`AllEnginesFull` when nothing accepts.
+
+        ``avoid``: an engine id not to use (it just refused a connection); the request
+        spills past it as if it were full."""
         hashes = self._hashes
         if not hashes:
             self._rejections += 1
@@ -242,7 +245,8 @@ class Router:
         first = succ[0]
         total1 = self._total + self._others_total + 1
         if (
-            not first.draining
+            first.spec.id != avoid
+            and not first.draining
             and first.in_flight < first.allowance
             and first.in_flight + first.others < math.ceil(first.factor * total1)
         ):
@@ -252,7 +256,8 @@ class Router:
         if self.spill == "walk":
             for e in succ:
                 if (
-                    not e.draining
+                    e.spec.id != avoid
+                    and not e.draining
                     and e.in_flight < e.allowance
                     and e.in_flight + e.others < math.ceil(e.factor * total1)
                 ):
@@ -262,7 +267,8 @@ class Router:
             best = math.inf
             for e in succ:
                 if (
-                    not e.draining
+                    e.spec.id != avoid
+                    and not e.draining
                     and e.in_flight < e.allowance
                     and e.in_flight + e.others < math.ceil(e.factor * total1)
                 ):
