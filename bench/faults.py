@@ -92,7 +92,9 @@ class _Run:
         self.ended: dict[str, int] = {}  # sid -> highest turn with a done/error frame
         self.error_at: dict[str, list[tuple[float, str]]] = {}
         self.posted = 0
+        self.last_posted: dict[str, int] = {}
         self.post_errors = 0
+        self.post_status: dict[str, int] = {}
         self.fault_at = 0.0
         self.notes: dict[str, Any] = {}
 
@@ -139,11 +141,14 @@ class _Run:
                     timeout=aiohttp.ClientTimeout(total=10),
                 ) as r:
                     data = await r.json(content_type=None)
+                    self.post_status[str(r.status)] = self.post_status.get(str(r.status), 0) + 1
                     if r.status == 202:
                         turn = int(data["turn"])
                         self.posted += 1
-            except (aiohttp.ClientError, TimeoutError, IndexError, ValueError):
-                pass
+                        self.last_posted[sid] = turn
+            except (aiohttp.ClientError, TimeoutError, IndexError, ValueError) as exc:
+                what = type(exc).__name__
+                self.post_status[what] = self.post_status.get(what, 0) + 1
             if turn == 0:
                 self.post_errors += 1
                 await asyncio.sleep(0.3)
@@ -184,7 +189,10 @@ class _Run:
             "sessions": len(self.sessions),
             "turns": self.posted,
             "turn_post_failures": self.post_errors,
-            "unfinished_turns": sum(1 for v in vs if v.tally.last == 0),
+            "turn_post_status": dict(sorted(self.post_status.items())),
+            "unended_turns": sum(
+                1 for sid, t in self.last_posted.items() if self.ended.get(sid, 0) < t
+            ),
             **self.notes,
         }
 
@@ -219,6 +227,44 @@ async def _each_node(stack: Stack, *args: Any) -> None:
                 await c.execute_command(*args)
             finally:
                 await c.aclose()
+
+
+_WANTED = ("reaped", "repairs", "connections_lost", "resubscribes", "topology_changes", "gaps")
+
+
+async def _relay_stats(http: aiohttp.ClientSession, stack: Stack) -> dict[str, float]:
+    """A few hub counters summed over the relays still alive (from /metrics)."""
+    out: dict[str, float] = {}
+    for p in stack.of_kind("relay"):
+        if not p.alive:
+            continue
+        try:
+            async with http.get(p.url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                text = await r.text()
+        except (aiohttp.ClientError, TimeoutError):
+            continue
+        for line in text.splitlines():
+            if line.startswith("#") or " " not in line:
+                continue
+            name, _, value = line.rpartition(" ")
+            name = name.removesuffix("_total")
+            for w in _WANTED:
+                if name.endswith("hub_" + w) or f'key="{w}"' in name:
+                    out[w] = out.get(w, 0.0) + float(value)
+    return out
+
+
+async def _sub_connections(stack: Stack, relay: str, masters: dict[int, list[int]]) -> int:
+    """How many masters still hold the relay's subscriber connection (CLIENT LIST)."""
+    n = 0
+    for port in masters:
+        c = aioredis.Redis(host="127.0.0.1", port=port)
+        try:
+            text = (await c.execute_command("CLIENT", "LIST")).decode()
+        finally:
+            await c.aclose()
+        n += f"name=tokenrelay-sub:{relay} " in text
+    return n
 
 
 # -- the faults -----------------------------------------------------------------------
@@ -289,15 +335,21 @@ async def _fault_relay_stall_buffer(run: _Run) -> None:
         await asyncio.sleep(1.0)  # filler subscriptions in place
         assert relay.popen is not None
         relay.popen.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
         pub = Publisher(redis)
         filler = "x" * 32_000
         gens = [await pub.open_generation(sid) for sid in fillers.values()]
-        for _ in range(40):  # ~1.3 MB per master: past kernel buffers and the limit
-            await asyncio.gather(*(g.publish([Draft(kind="token", text=filler)]) for g in gens))
+        rounds = 0
+        while rounds < 800 and await _sub_connections(run.stack, "relay-1", masters):
+            for _ in range(10):  # past the kernel socket buffers, then the limit
+                await asyncio.gather(*(g.publish([Draft(kind="token", text=filler)]) for g in gens))
+            rounds += 10
+        run.notes["filler_mb_per_master"] = round(rounds * len(filler) / 2**20, 1)
+        run.notes["dropped_by_redis"] = not await _sub_connections(run.stack, "relay-1", masters)
         await asyncio.gather(*(g.done() for g in gens))
         await asyncio.sleep(1.0)
         relay.popen.send_signal(signal.SIGCONT)
-        run.notes["stalled_s"] = 2.0
+        run.notes["stalled_s"] = round(time.monotonic() - stopped_at, 2)
     finally:
         if relay.popen is not None and relay.popen.poll() is None:
             relay.popen.send_signal(signal.SIGCONT)
@@ -365,6 +417,8 @@ async def run_fault(name: str, cfg: FaultConfig) -> dict[str, Any]:
             for d in drivers:
                 d.cancel()
             await asyncio.sleep(1.0)  # the last frames reach every screen
+            run.notes["relay_stats"] = await _relay_stats(http, stack)
+            run.notes["log_dir"] = stack._tmp
             stop_view.set()
             await asyncio.gather(*viewers, return_exceptions=True)
             return run.report()

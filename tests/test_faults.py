@@ -28,7 +28,7 @@ SMALL = FaultConfig(
 def _clean(r: dict[str, object]) -> None:
     assert r["frames"], r
     assert (r["lost"], r["duplicated"], r["out_of_order"]) == (0, 0, 0), r
-    assert r["unfinished_turns"] == 0, r
+    assert r["unended_turns"] == 0, r
 
 
 async def test_relay_kill_viewers_resume_on_the_other_relay() -> None:
