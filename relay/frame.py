@@ -88,6 +88,8 @@ def decode(data: bytes | bytearray | memoryview | str) -> Frame:
         raise FrameError(f"invalid frame: {exc}") from None
     except msgspec.DecodeError as exc:
         raise FrameError(f"malformed frame: {exc}") from None
+    except UnicodeEncodeError:  # a str with lone surrogates: no UTF-8 spelling
+        raise FrameError("malformed frame: text is not valid UTF-8") from None
     if frame.v != VERSION:
         raise FrameError(f"unsupported frame version {frame.v}")
     if frame.offset < 0 or frame.turn < 0:
