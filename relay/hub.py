@@ -46,7 +46,7 @@ from redis.asyncio.cluster import RedisCluster
 from relay.errors import RelayError, WatchClosed, map_redis_errors
 from relay.frame import Frame, FrameError, decode, encode, merge_tokens, now_ms
 from relay.keys import live_channel, parse_session, presence_key
-from relay.publisher import read_backlog, reap
+from relay.publisher import read_backlog, reap, seal
 from relay.resume import Delivery, Fetch, Resume, Step
 from relay.subscriber import ShardedSubscriber
 
@@ -277,6 +277,7 @@ class Hub:
         self._presence_kick = asyncio.Event()
         self._presence_task: asyncio.Task[None] | None = None
         self._reaper_task: asyncio.Task[None] | None = None
+        self._sealing: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         self._stats: dict[str, int] = dict.fromkeys(
@@ -296,6 +297,7 @@ class Hub:
                 "reap_checks",
                 "reaped",
                 "reap_errors",
+                "sealed",
             ),
             0,
         )
@@ -490,10 +492,37 @@ class Hub:
                 continue
             if not alive():
                 return
+            if resume.started and resume.last is not None and last < resume.last:
+                self._seal_later(sid, resume.last)  # a failover lost offsets we delivered
             entries = [d for d in map(_delivery, frames) if d is not None]
             step = resume.backlog(entries, first, last)
             sink(step.emit)
             fetch = step.fetch
+
+    def _seal_later(self, sid: str, seen: int) -> None:
+        if sid in self._sealing:
+            return
+        self._sealing.add(sid)
+
+        async def run() -> None:
+            try:
+                n = await seal(
+                    self.redis,
+                    sid,
+                    seen,
+                    sealer=self.relay_id,
+                    maxlen=self.backlog_maxlen,
+                    ttl_s=self.session_ttl_s,
+                )
+                if n:
+                    self._stats["sealed"] += n
+                    log.warning("session %s: %d offset(s) up to %d lost", sid, n, seen)
+            except RelayError as exc:
+                log.info("seal of %s failed: %s", sid, exc)
+            finally:
+                self._sealing.discard(sid)
+
+        self._spawn(run())
 
     # -- reaper ---------------------------------------------------------------------------
 

@@ -65,6 +65,7 @@ __all__ = [
     "ReapResult",
     "read_backlog",
     "reap",
+    "seal",
 ]
 
 _OPEN_LUA: Final = """
@@ -128,6 +129,23 @@ redis.call('EXPIRE', KEYS[2], ARGV[2])
 return {'reaped', off, turn}
 """
 
+_SEAL_LUA: Final = """
+local off = tonumber(redis.call('HGET', KEYS[1], 'offset') or '0')
+local seen = tonumber(ARGV[1])
+if off >= seen then return 0 end
+local frame = string.format(
+  '{"v":1,"session":%s,"turn":0,"offset":%d,"kind":"gap","text":%s,"ts":%s,' ..
+  '"meta":{"from":%d,"to":%d,"code":"lost_in_failover","sealed_by":%s}}',
+  cjson.encode(ARGV[4]), seen, cjson.encode('frames lost in a Redis failover'), ARGV[5],
+  off + 1, seen, cjson.encode(ARGV[6]))
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], string.format('%d-1', seen), 'f', frame)
+redis.call('SPUBLISH', KEYS[3], frame)
+redis.call('HSET', KEYS[1], 'offset', seen)
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return seen - off
+"""
+
 _READ_LUA: Final = """
 local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
 local last = tonumber(redis.call('HGET', KEYS[2], 'offset') or '0')
@@ -161,6 +179,7 @@ OPEN: Final = _Script(_OPEN_LUA)
 PUBLISH: Final = _Script(_PUBLISH_LUA)
 READ: Final = _Script(_READ_LUA)
 REAP: Final = _Script(_REAP_LUA)
+SEAL: Final = _Script(_SEAL_LUA)
 
 WORKER_LOST: Final = "worker lost"
 
@@ -357,6 +376,26 @@ async def reap(
     reply = await REAP(redis, keys, (maxlen, ttl_s, sid, now_ms(), reason, reaper))
     status = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
     return ReapResult(status, int(reply[1]), int(reply[2]))
+
+
+async def seal(
+    redis: RedisCluster,
+    sid: str,
+    seen: int,
+    *,
+    sealer: str,
+    maxlen: int = 10_000,
+    ttl_s: int = 86_400,
+) -> int:
+    """A relay delivered offsets up to ``seen`` but the session now ends before them: a
+    failover promoted a replica that never got them (asynchronous replication) and no
+    producer wrote them again. Write one ``gap`` frame at ``seen`` (``meta.from`` ..
+    ``meta.to`` = the lost range, ``code`` "lost_in_failover") so that no offset a
+    client already holds is ever reused for another frame, and readers that lack the
+    range are told. Returns how many offsets were sealed (0: nothing was missing)."""
+    sid = parse_session(sid)
+    keys = (meta_key(sid), log_key(sid), live_channel(sid))
+    return int(await SEAL(redis, keys, (seen, maxlen, ttl_s, sid, now_ms(), sealer)))
 
 
 async def read_backlog(

@@ -141,6 +141,11 @@ class Resume:
     def fetching(self) -> bool:
         return self._fetching
 
+    @property
+    def started(self) -> bool:
+        """True once the first backlog answer was taken (``last`` is then a real offset)."""
+        return not self._first_read
+
     # -- events --------------------------------------------------------------------------
 
     def subscribed(self) -> Step:

@@ -3,12 +3,15 @@ simulated on a real cluster by rolling the session's keys back by hand."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from relay.errors import OffsetConflict
 from relay.frame import decode
-from relay.keys import log_key, meta_key, new_session_id
+from relay.hub import Hub
+from relay.keys import live_channel, log_key, meta_key, new_session_id
 from relay.publisher import Publisher, read_backlog
 
 pytestmark = pytest.mark.integration
@@ -67,3 +70,40 @@ async def test_frames_of_another_generation_cannot_be_rewritten(redis: RedisClus
     await _roll_back(redis, sid, 1)  # g1's done frame is gone
     with pytest.raises(OffsetConflict):
         await g2.token("b")
+
+
+async def test_offsets_a_relay_delivered_but_a_failover_lost_are_sealed_with_a_gap(
+    redis: RedisCluster,
+) -> None:
+    hub = Hub(redis, relay_id="sealer", reap_interval_s=0)
+    await hub.start()
+    try:
+        sid = new_session_id()
+        w = await hub.watch(sid, 0)
+        pub = Publisher(redis)
+        gen = await pub.open_generation(sid)
+        for t in "abcd":
+            await gen.token(t)
+        await gen.done()  # offsets 1..5, all delivered
+        got: list[int] = []
+        async with asyncio.timeout(5):
+            while len(got) < 5:
+                got.extend(d.offset for d in await w.next())
+        await _roll_back(redis, sid, 3)  # the producer is gone: nobody rewrites 4, 5
+        hub._on_resubscribed([live_channel(sid)])  # what a failover does to the hub
+        async with asyncio.timeout(5):
+            while (await read_backlog(redis, sid, 0, 0))[2] != 5:
+                await asyncio.sleep(0.05)
+        frames, _, _ = await read_backlog(redis, sid, 3, 10)
+        gap = decode(frames[0])
+        assert (gap.offset, gap.kind) == (5, "gap")
+        assert gap.meta is not None
+        assert (gap.meta["from"], gap.meta["to"]) == (4, 5)
+        nxt = await pub.open_generation(sid)
+        assert await nxt.token("e") == 6  # never reuses an offset a client holds
+        async with asyncio.timeout(5):
+            while got[-1] != 6:
+                got.extend(d.offset for d in await w.next())
+        assert got == [1, 2, 3, 4, 5, 6]
+    finally:
+        await hub.close()
