@@ -22,6 +22,7 @@ import msgspec
 __all__ = [
     "KINDS",
     "MAX_FRAME_BYTES",
+    "MAX_INT",
     "VERSION",
     "Frame",
     "FrameError",
@@ -35,6 +36,7 @@ __all__ = [
 
 VERSION: Final = 1
 MAX_FRAME_BYTES: Final = 256 * 1024
+MAX_INT: Final = 2**53 - 1  # offsets and turns: exact in JSON everywhere, = relay.sse.MAX_OFFSET
 
 Kind = Literal["token", "done", "error", "presence", "gap", "meta"]
 KINDS: Final[frozenset[str]] = frozenset(("token", "done", "error", "presence", "gap", "meta"))
@@ -92,8 +94,8 @@ def decode(data: bytes | bytearray | memoryview | str) -> Frame:
         raise FrameError("malformed frame: text is not valid UTF-8") from None
     if frame.v != VERSION:
         raise FrameError(f"unsupported frame version {frame.v}")
-    if frame.offset < 0 or frame.turn < 0:
-        raise FrameError("negative offset or turn")
+    if not (0 <= frame.offset <= MAX_INT and 0 <= frame.turn <= MAX_INT):
+        raise FrameError(f"offset or turn outside 0..{MAX_INT}")
     return frame
 
 

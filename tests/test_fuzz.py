@@ -11,21 +11,12 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, settings
 
 from bench.fuzz_props import (
-    NOW,
-    SECRET,
-    VALID_SID,
-    VALID_TOKEN,
     check_frame,
-    check_offset,
-    check_session,
-    check_token,
-    hash_tag,
 )
-from relay import auth, frame, keys, sse
+from relay import frame, sse
 
 EXAMPLES = int(os.environ.get("TOKENRELAY_FUZZ_EXAMPLES", "500"))
 fuzz = settings(
@@ -41,3 +32,20 @@ def test_frame_decode_of_a_str_with_lone_surrogates_is_a_frame_error():
     with pytest.raises(frame.FrameError):
         frame.decode('{"v":1,"session":"\ud800","turn":0,"offset":1,"kind":"token"}')
     check_frame(b"\xf7s")
+
+
+def _raw_frame(offset: int, turn: int) -> bytes:
+    return (f'{{"v":1,"session":"s","turn":{turn},"offset":{offset},"kind":"token"}}').encode()
+
+
+@pytest.mark.parametrize("field", ["offset", "turn"])
+def test_frame_offsets_past_2_53_are_refused(field):
+    """Regression (fuzz): an offset no client can resume from (``Last-Event-ID`` /
+    ``from`` stop at 2**53-1, relay.sse.MAX_OFFSET) decoded as a valid frame."""
+    assert frame.MAX_INT == sse.MAX_OFFSET
+    for value in (2**53, 10**23):
+        args = {"offset": 1, "turn": 1, field: value}
+        with pytest.raises(frame.FrameError, match="outside"):
+            frame.decode(_raw_frame(**args))
+    args = {"offset": 1, "turn": 1, field: 2**53 - 1}
+    assert getattr(frame.decode(_raw_frame(**args)), field) == 2**53 - 1
