@@ -126,7 +126,7 @@ def check_session(data: bytes) -> None:
 # -- resume offsets ---------------------------------------------------------------------
 
 
-def _expected_offset(raw: str) -> int | None | str:
+def _expected_offset(raw: str) -> int | str | None:
     text = raw.strip(" \t")
     if not text:
         return None
@@ -141,7 +141,7 @@ def check_offset(data: bytes) -> None:
     cases = ((raw, None), (None, raw), (raw[:half], raw[half:]))
     for header, query in cases:
         try:
-            got: int | None | str = sse.resume_offset(header, query)
+            got: int | str | None = sse.resume_offset(header, query)
         except sse.OffsetError:
             got = "error"
         hv = None if header is None else _expected_offset(header)
@@ -162,7 +162,7 @@ def check_token(data: bytes) -> None:
     token = data.decode("utf-8", "surrogateescape")
     for need in ("watch", "write"):
         try:
-            auth.verify_token(SECRET, token, VALID_SID, NOW, need=need)  # type: ignore[arg-type]
+            auth.verify_token(SECRET, token, VALID_SID, NOW, need=need)
         except auth.AuthError as exc:
             _require(exc.status in (401, 403) and bool(exc.reason), "bad AuthError")
             continue
