@@ -90,7 +90,8 @@ def decode(data: bytes | bytearray | memoryview | str) -> Frame:
         raise FrameError(f"invalid frame: {exc}") from None
     except msgspec.DecodeError as exc:
         raise FrameError(f"malformed frame: {exc}") from None
-    except UnicodeEncodeError:  # a str with lone surrogates: no UTF-8 spelling
+    except UnicodeError:  # bytes that are not UTF-8 inside a string; a str with lone
+        # surrogates: msgspec lets both escape as UnicodeDecodeError / UnicodeEncodeError
         raise FrameError("malformed frame: text is not valid UTF-8") from None
     if frame.v != VERSION:
         raise FrameError(f"unsupported frame version {frame.v}")

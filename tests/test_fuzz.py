@@ -44,6 +44,15 @@ def test_frame_decode_of_a_str_with_lone_surrogates_is_a_frame_error():
     check_frame(b"\xf7s")
 
 
+def test_frame_decode_of_invalid_utf8_in_a_string_is_a_frame_error():
+    """Regression (fuzz): msgspec raised UnicodeDecodeError for non-UTF-8 bytes inside a
+    JSON string, which the hub (it catches FrameError only) would not have caught."""
+    with pytest.raises(frame.FrameError, match="UTF-8"):
+        frame.decode(b'{"v":1,"session":"S\xa2s","turn":1,"offset":7,"kind":"token"}')
+    with pytest.raises(frame.FrameError):
+        frame.decode(b'{"v":1,"session":"s","turn":1,"offset":7,"kind":"token","text":"\x80"}')
+
+
 def _raw_frame(offset: int, turn: int) -> bytes:
     return (f'{{"v":1,"session":"s","turn":{turn},"offset":{offset},"kind":"token"}}').encode()
 
