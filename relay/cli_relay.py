@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from relay.config import ConfigError, RelayConfig, add_arguments, from_args
-from relay.server import SERVER, make_app
+from relay.server import SERVER, make_app, make_runner
 
 __all__ = ["register", "run", "serve"]
 
@@ -47,7 +47,7 @@ async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     app = make_app(config)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+    runner = make_runner(app, shutdown_timeout=1.0)
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, config.port, reuse_address=True)

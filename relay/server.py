@@ -58,7 +58,7 @@ from relay.streams import (
     jitter,
 )
 
-__all__ = ["SERVER", "EdgeServer", "make_app"]
+__all__ = ["SERVER", "EdgeServer", "make_app", "make_runner"]
 
 log = logging.getLogger(__name__)
 
@@ -261,6 +261,9 @@ class EdgeServer:
             stream.sock = request.transport
             code = await self._sse_loop(resp, stream)
             return resp
+        except asyncio.CancelledError:  # the connection was lost (make_runner cancels)
+            code = lost_code(stream, code)
+            raise
         except Exception:
             code = "internal"
             raise
@@ -332,6 +335,9 @@ class EdgeServer:
             if code == "writer_done":
                 code = writer.result() if not writer.cancelled() else "closed"
             return ws
+        except asyncio.CancelledError:  # the connection was lost (make_runner cancels)
+            code = lost_code(stream, code)
+            raise
         finally:
             if writer is not None and not writer.done():
                 writer.cancel()
@@ -451,3 +457,19 @@ def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
     app.router.add_get("/readyz", server.readyz)
     app.router.add_get("/metrics", server.metrics_handler)
     return app
+
+
+def lost_code(stream: Stream, code: str) -> str:
+    """Why a stream whose handler was cancelled by a lost connection ended: the reason
+    the server had already decided (slow consumer cut, protocol close) or client_gone."""
+    if stream.stop is not None:
+        return stream.stop[0]
+    return "client_gone" if code == "closed" else code
+
+
+def make_runner(app: web.Application, **kwargs: Any) -> web.AppRunner:
+    """The runner every relay uses. ``handler_cancellation``: a client that goes away
+    cancels its stream handler at once, so an idle SSE stream does not hold its watch
+    (and the shard subscription) until the next heartbeat write fails."""
+    kwargs.setdefault("access_log", None)
+    return web.AppRunner(app, handler_cancellation=True, **kwargs)

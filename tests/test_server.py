@@ -30,7 +30,7 @@ from relay.config import RelayConfig
 from relay.hub import Hub
 from relay.keys import new_session_id
 from relay.publisher import Publisher
-from relay.server import SERVER, EdgeServer, make_app
+from relay.server import SERVER, EdgeServer, make_app, make_runner
 
 pytestmark = pytest.mark.integration
 
@@ -54,7 +54,7 @@ async def running(cluster: ClusterInfo, **overrides: Any) -> AsyncIterator[Relay
     fields: dict[str, Any] = {"secret": SECRET, "relay_id": "edge-test", **overrides}
     cfg = RelayConfig(port=0, redis_url=cluster.url, **fields)
     app = make_app(cfg)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+    runner = make_runner(app, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -514,3 +514,21 @@ async def test_readyz_is_503_when_redis_is_gone(private_cluster):
             assert body["reason"]
         async with relay.http.get(relay.base + "/healthz") as r:
             assert r.status == 200  # alive, just not ready
+
+
+async def test_an_idle_sse_client_that_leaves_releases_its_watch_before_any_heartbeat(
+    cluster, redis
+):
+    sid = new_session_id()
+    async with running(cluster, heartbeat_s=120.0, unsubscribe_delay_s=0.2) as relay:
+        hub = relay.server.hub
+        assert hub is not None
+        async with sse(relay, sid) as client:
+            await publish_turn(redis, sid, ["x"])
+            await client.events(2)
+            assert hub.stats()["watches"] == 1
+        # The client hung up while idle: nothing is written for 120 s, so only the
+        # handler's cancellation can release the watch and, after the delay, the channel.
+        async with asyncio.timeout(STEP):
+            while hub.stats()["watches"] or hub.stats()["channels"]:
+                await asyncio.sleep(0.05)

@@ -92,7 +92,9 @@ async def run_demo(args: argparse.Namespace) -> int:
             stack_view=lambda: stack_view(stack, http),
             control=control,
         )
-        runner = web.AppRunner(make_frontdoor_app(door), handle_signals=False)
+        runner = web.AppRunner(
+            make_frontdoor_app(door), handle_signals=False, handler_cancellation=True
+        )
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
