@@ -51,6 +51,7 @@ class LoadConfig:
     viewers: int = 500
     screens_per_session: int = 5
     turns_per_s: float = 5.0
+    generations: int = 0  # > 0: closed loop, keep this many turns generating at all times
     ws_share: float = 0.5
     max_tokens: int = 48
     relays: list[str] = field(default_factory=list)
@@ -102,6 +103,7 @@ class LoadTest:
         self.errors: dict[str, int] = {}
         self.turns_started = 0
         self.rejected = 0
+        self.peak_busy = 0
 
     def relays(self) -> list[str]:
         if self.stack is not None:
@@ -213,7 +215,17 @@ class LoadTest:
         next_at = t0
         shown = 0
         while (now := time.monotonic()) < t0 + cfg.duration_s:
-            if now >= next_at:
+            while cfg.generations and len(self.busy) < cfg.generations:
+                idle = [s for s in self.sessions if s[0] not in self.busy]
+                if not idle:
+                    break
+                sid, token = random.choice(idle)
+                self.busy.add(sid)
+                task = asyncio.create_task(self.post_turn(http, sid, token))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+            self.peak_busy = max(self.peak_busy, len(self.busy))
+            if not cfg.generations and now >= next_at:
                 next_at += interval
                 idle = [s for s in self.sessions if s[0] not in self.busy]
                 if idle:
@@ -267,6 +279,7 @@ class LoadTest:
             "duration_s": round(ran_s, 1),
             "turns": self.turns_started,
             "turns_rejected": self.rejected,
+            "peak_generations": self.peak_busy,
             "ttft_p50_ms": round(percentile(ttft, 50), 1),
             "ttft_p99_ms": round(percentile(ttft, 99), 1),
             "itl_p50_ms": round(percentile(itl, 50), 1),
@@ -278,6 +291,7 @@ class LoadTest:
             "gaps_reported": sum(v.tally.gaps_reported for v in self.viewers),
             "errors": errors,
             "error_detail": self.errors,
+            "error_samples": sorted({e[:160] for v in self.viewers for e in v.errors})[:8],
             "error_frames": sum(v.error_frames for v in self.viewers),
             "reconnects": sum(max(0, v.connects - 1) for v in self.viewers),
             "relay_cpu_s": cpu("relay"),
@@ -305,6 +319,7 @@ def _print(report: dict[str, Any]) -> None:
         "duration_s",
         "turns",
         "turns_rejected",
+        "peak_generations",
         "ttft_p50_ms",
         "ttft_p99_ms",
         "itl_p50_ms",
@@ -342,11 +357,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--viewers", type=int, default=None, help="concurrent viewers (default 500)")
     p.add_argument("--screens-per-session", type=int, default=5)
     p.add_argument("--turns-per-s", type=float, default=None, help="new turns per second")
+    p.add_argument(
+        "--generations",
+        type=int,
+        default=0,
+        help="closed loop: keep N turns generating at all times (instead of --turns-per-s)",
+    )
     p.add_argument("--ws-share", type=float, default=0.5, help="share of viewers on WebSocket")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--relay", action="append", default=[], help="relay URL of a running stack")
     p.add_argument("--worker", action="append", default=[], help="worker URL of a running stack")
     p.add_argument("--engine-cap", type=int, default=16, help="in-flight cap per engine")
+    p.add_argument(
+        "--engine-concurrency", type=int, default=32, help="mock engines' --max-concurrency"
+    )
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--no-progress", action="store_true")
 
@@ -358,6 +382,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         viewers=args.viewers or (60 if quick else 500),
         screens_per_session=args.screens_per_session,
         turns_per_s=args.turns_per_s or (3.0 if quick else 5.0),
+        generations=args.generations,
         ws_share=args.ws_share,
         max_tokens=args.max_tokens,
         relays=args.relay,
@@ -371,7 +396,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         print("error: give both --relay and --worker URLs, or neither", file=sys.stderr)
         return 2
     cfg = config_from_args(args)
-    spec = StackSpec(relays=2, workers=2, engines=3, engine_cap=args.engine_cap)
+    spec = StackSpec(
+        relays=2,
+        workers=2,
+        engines=3,
+        engine_cap=args.engine_cap,
+        engine_args=["--max-concurrency", str(args.engine_concurrency)],
+    )
     with contextlib.suppress(ImportError):
         import uvloop
 
