@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: all demo test test-fast lint format bench browser-deps clean
+.PHONY: all demo test test-fast lint format bench fuzz browser-deps clean
 
 all: test
 
@@ -45,13 +45,23 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-## bench: the quick version of every benchmark; JSON lands in artifacts/.
+## bench: the quick version of every benchmark; JSON (and the plot) land in artifacts/.
 bench: $(STAMP)
 	mkdir -p artifacts
 	$(BIN)/python -m bench.router_micro --quick --json artifacts/router_micro.json
 	$(BIN)/python -m bench.router_sim --quick --json artifacts/router_sim.json
 	$(BIN)/python -m bench.pubsub_cluster --quick --json artifacts/pubsub_cluster.json --plot artifacts/pubsub_cluster.png
-	$(BIN)/python -m bench.loadtest --quick --json artifacts/loadtest.json
+	$(BIN)/python -m bench.subscriber_compare --quick --json artifacts/subscriber_compare.json
+	$(BIN)/python -m bench.coalesce --quick --json artifacts/coalesce.json
+	$(BIN)/python -m bench.loadtest --quick --no-progress --json artifacts/loadtest.json
+	$(BIN)/python -m bench.faults --quick --json artifacts/faults.json
+	$(BIN)/python -m bench.fuzz --quick --json artifacts/fuzz.json
+
+## fuzz: the full fuzz run (>= 1M cases; atheris too where it installs).
+fuzz: $(STAMP)
+	mkdir -p artifacts
+	-$(BIN)/python -m pip install -q atheris
+	$(BIN)/python -m bench.fuzz --json artifacts/fuzz.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache artifacts
