@@ -57,13 +57,13 @@ log = logging.getLogger(__name__)
 Sink = Callable[[list[Delivery]], None]
 
 
-def _delivery(data: bytes) -> Delivery | None:
+def _delivery(data: bytes, received_ms: int = 0) -> Delivery | None:
     try:
         f = decode(data)
     except FrameError as exc:
         log.warning("dropping undecodable frame: %s", exc)
         return None
-    return Delivery(f.offset, f.kind, data)
+    return Delivery(f.offset, f.kind, data, f.ts, received_ms)
 
 
 def conflate(pending: Iterable[Delivery]) -> tuple[list[Delivery], int]:
@@ -88,7 +88,8 @@ def conflate(pending: Iterable[Delivery]) -> tuple[list[Delivery], int]:
             count = sum(int((f.meta or {}).get("merged", 1)) for f in frames)
             start = int((first.meta or {}).get("from", first.offset))
             m = msgspec.structs.replace(m, meta={"merged": count, "from": start})
-            out.append(Delivery(m.offset, "token", encode(m)))
+            last = run[-1][1]
+            out.append(Delivery(m.offset, "token", encode(m), last.ts, last.received_ms))
             merged += 1
         run.clear()
 
@@ -439,7 +440,7 @@ class Hub:
         if ch is None:
             return
         self._stats["frames_in"] += 1
-        d = _delivery(data)
+        d = _delivery(data, now_ms())
         if d is None:
             self._stats["bad_frames"] += 1
             return

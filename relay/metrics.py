@@ -147,9 +147,22 @@ class RelayMetrics:
             p + "rejected", "requests refused before streaming", ["reason"], registry=r
         )
         self.draining = Gauge(p + "draining", "1 while the server drains", registry=r)
+        self.publish_to_edge = Histogram(
+            p + "publish_to_edge_seconds",
+            "live frames: frame ts (producer clock) to read by the relay from Redis",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.edge_to_socket = Histogram(
+            p + "edge_to_socket_seconds",
+            "live frames: read from Redis to written to the client socket (relay queueing)",
+            ["transport"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.hop_latency = Histogram(
             p + "hop_latency_seconds",
-            "frame ts (producer clock) to written to the client socket",
+            "live frames: frame ts (producer clock) to written to the client socket",
             ["transport"],
             buckets=LATENCY_BUCKETS,
             registry=r,
@@ -157,7 +170,7 @@ class RelayMetrics:
         for transport in TRANSPORTS:  # export zeros from the start, not after first use
             for family in (
                 self.connections, self.accepted, self.frames_out, self.bytes_out,
-                self.resumes, self.slow_disconnects, self.hop_latency,
+                self.resumes, self.slow_disconnects, self.hop_latency, self.edge_to_socket,
             ):  # fmt: skip
                 family.labels(transport)
         self.hub = HubCollector()

@@ -53,11 +53,18 @@ __all__ = [
 
 
 class Delivery(NamedTuple):
-    """One frame for a socket: its offset, its kind and the encoded bytes as published."""
+    """One frame for a socket: its offset, its kind and the encoded bytes as published.
+
+    ``ts`` is the producer's timestamp (ms) and ``received_ms`` when the relay read the
+    frame from its live subscription (0 for frames replayed from the backlog): together
+    they split the per-hop latency into publish -> edge and edge -> socket.
+    """
 
     offset: int
     kind: str
     data: bytes
+    ts: int = 0
+    received_ms: int = 0
 
 
 class ResumeState(Enum):

@@ -32,7 +32,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
-import msgspec
 import orjson
 from aiohttp import WSMsgType, web
 from redis.asyncio.cluster import RedisCluster
@@ -64,13 +63,6 @@ log = logging.getLogger(__name__)
 
 
 WATCH_TIMEOUT_S: Final = 10.0  # subscribe + replay; past it the client gets 503 unavailable
-
-
-class _Ts(msgspec.Struct):
-    ts: int = 0
-
-
-_ts_decoder = msgspec.json.Decoder(_Ts)
 
 
 class EdgeServer:
@@ -211,17 +203,18 @@ class EdgeServer:
         m = self.metrics
         m.frames_out.labels(transport).inc(len(batch))
         m.bytes_out.labels(transport).inc(nbytes)
-        hist = m.hop_latency.labels(transport)
+        total = m.hop_latency.labels(transport)
+        queued = m.edge_to_socket.labels(transport)
         now = now_ms()
         for d in batch:
             if d.kind == "gap":
                 m.gaps.inc()
-            try:
-                ts = _ts_decoder.decode(d.data).ts
-            except msgspec.DecodeError:
-                continue
-            if ts > 0:
-                hist.observe(max(now - ts, 0) / 1000.0)
+            if d.received_ms <= 0:
+                continue  # replayed from the backlog: not a hop of the live path
+            queued.observe(max(now - d.received_ms, 0) / 1000.0)
+            if d.ts > 0:
+                m.publish_to_edge.observe(max(d.received_ms - d.ts, 0) / 1000.0)
+                total.observe(max(now - d.ts, 0) / 1000.0)
 
     def _hello(self, stream: Stream) -> bytes:
         """First message of every stream: which relay, resuming after which offset."""

@@ -532,3 +532,25 @@ async def test_an_idle_sse_client_that_leaves_releases_its_watch_before_any_hear
         async with asyncio.timeout(STEP):
             while hub.stats()["watches"] or hub.stats()["channels"]:
                 await asyncio.sleep(0.05)
+
+
+async def test_per_hop_latency_counts_live_frames_and_not_replays(cluster, redis):
+    sid = new_session_id()
+    async with running(cluster) as relay:
+        m = relay.server.metrics
+        await publish_turn(redis, sid, ["old", "er"])  # in the backlog before anyone watches
+        async with sse(relay, sid, headers={"Last-Event-ID": "0"}) as client:
+            await client.events(3)  # replayed: no hop of the live path
+            assert m.edge_to_socket.labels("sse")._sum.get() == 0
+            assert m.hop_latency.labels("sse")._sum.get() == 0
+            await publish_turn(redis, sid, ["live"])
+            await client.events(2)
+        counts = {
+            s.name: s.value
+            for metric in m.registry.collect()
+            for s in metric.samples
+            if s.name.endswith("_count") and s.labels.get("transport", "sse") == "sse"
+        }
+        assert counts["tokenrelay_relay_edge_to_socket_seconds_count"] == 2
+        assert counts["tokenrelay_relay_publish_to_edge_seconds_count"] == 2
+        assert counts["tokenrelay_relay_hop_latency_seconds_count"] == 2
