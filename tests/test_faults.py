@@ -67,11 +67,6 @@ async def test_relay_dropped_for_its_output_buffer_repairs_from_the_backlog() ->
     _clean(r)
 
 
-@pytest.mark.xfail(
-    reason="open finding (RELIABILITY.md): during a 1.5 s master stall a worker marks both "
-    "engines down and never back up; a turn then never ends",
-    strict=False,
-)
 async def test_redis_stall_below_node_timeout_loses_nothing() -> None:
     r = await run_fault("redis_stall", SMALL)
     _clean(r)

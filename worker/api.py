@@ -77,6 +77,11 @@ class WorkerConfig:
     """Everything the worker needs; the CLI fills it from flags."""
 
     redis_url: str = ""
+    # Every command on the worker's own client is bounded: with no socket timeout a reply
+    # from a stalled (SIGSTOPped, partitioned) master is awaited forever. Above a short
+    # stall, below a failover; callers see RedisUnavailable and retry (publisher) or
+    # end the turn with an error frame.
+    redis_timeout_s: float = 2.0
     engines: list[EngineSpec] = field(default_factory=list)
     secret: str | None = None  # None: --insecure-no-auth
     model: str = "tokenrelay-mock"
@@ -298,7 +303,15 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     cfg = app[_CFG]
     given = app.get(_REDIS)
     own = given is None
-    redis = RedisCluster.from_url(cfg.redis_url) if own else given
+    redis = (
+        RedisCluster.from_url(
+            cfg.redis_url,
+            socket_timeout=cfg.redis_timeout_s,
+            socket_connect_timeout=cfg.redis_timeout_s,
+        )
+        if own
+        else given
+    )
     assert isinstance(redis, RedisCluster)
     if own:
         with map_redis_errors():

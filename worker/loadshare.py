@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from redis.asyncio import RedisCluster
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from worker.router import LoadView, Router
 
@@ -220,7 +220,7 @@ class LoadExchange:
         while True:
             try:
                 await self.tick()
-            except (RedisError, OSError) as exc:
+            except (RedisError, RedisClusterException, OSError) as exc:  # SlotNotCovered too
                 self.errors += 1
                 if time.monotonic() - self._last_ok > self.stale_s:
                     caps = {spec.id: spec.cap for spec in self._router.engines()}

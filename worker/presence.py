@@ -13,8 +13,9 @@ about once a second. While a turn generates, the worker looks at it off the hot 
   clock skew between pods).
 * :func:`watch_presence` — the loop the turn runner starts as a task: every
   ``interval_s`` it counts watchers, feeds the tracker and, on ``abandoned``, calls
-  ``on_abandoned()`` and returns. A Redis error counts as "watched" (never cancel a
-  turn because the control read failed).
+  ``on_abandoned()`` and returns; it also returns once its ``stop`` event is set (the
+  turn ended). A Redis error counts as "watched" (never cancel a turn because the
+  control read failed).
 """
 
 from __future__ import annotations
@@ -84,19 +85,35 @@ async def watch_presence(
     *,
     on_tick: Callable[[], Awaitable[None]] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Run until the turn is abandoned (then call ``on_abandoned`` and return) or until
-    cancelled. ``on_tick`` runs every interval too (the turn runner refreshes its lock)."""
+    """Run until the turn is abandoned (then call ``on_abandoned`` and return), until
+    ``stop`` is set or until cancelled. ``on_tick`` runs every interval too (the turn
+    runner refreshes its lock).
+
+    ``stop`` is checked after every await: a cancellation can be lost when it lands on a
+    Redis call whose reply arrives in the same loop iteration (seen after a master
+    stall), and the loop must end anyway, or the turn never ends and its lock lives on."""
     tracker = PresenceTracker(policy.grace_s, clock())
-    while True:
+
+    def stopped() -> bool:
+        return stop is not None and stop.is_set()
+
+    while not stopped():
         await asyncio.sleep(policy.interval_s)
+        if stopped():
+            return
         if on_tick is not None:
             await on_tick()
+        if stopped():
+            return
         try:
             watchers = await count_watchers(redis, sid, policy.window_s)
         except RelayError as exc:
             _log.warning("presence check of %s failed: %s", sid, exc)
             watchers = 1
+        if stopped():
+            return
         if tracker.observe(clock(), watchers):
             res = on_abandoned()
             if res is not None:

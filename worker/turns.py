@@ -145,6 +145,7 @@ class _Turn:
     cached_tokens: int | None = None
     prompt_tokens: int | None = None
     engine_reported: str | None = None
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # stops the presence loop
 
     def abort(self, reason: str) -> None:
         if self.abort_reason is None:
@@ -158,6 +159,8 @@ def _release(lease: Lease) -> None:
     if lease.state is LeaseState.HELD:
         lease.release()
 
+
+_HELPER_EXIT_S = 2.0  # how long _end waits for the presence and pump tasks to stop
 
 _ABORT_OUTCOME = {
     "no viewers": "no_viewers",
@@ -338,6 +341,8 @@ class TurnManager:
         pump_task = asyncio.create_task(pump.run(), name=f"pump-{t.sid}")
 
         async def refresh() -> None:
+            if t.ended.is_set():
+                return
             with contextlib.suppress(RelayError):
                 await self.store.refresh_lock(t.sid, t.owner)
 
@@ -348,6 +353,7 @@ class TurnManager:
                 self.cfg.presence,
                 lambda: t.abort("no viewers"),
                 on_tick=refresh,
+                stop=t.ended,
             ),
             name=f"presence-{t.sid}",
         )
@@ -398,6 +404,7 @@ class TurnManager:
         pump_task: asyncio.Task[None],
         presence: asyncio.Task[None],
     ) -> None:
+        t.ended.set()  # the presence loop returns even if its cancellation is lost
         presence.cancel()
         if t.reader is not None and not t.reader.done():
             t.reader.cancel()
@@ -406,7 +413,14 @@ class TurnManager:
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(asyncio.shield(pump_task), 5.0)
             pump_task.cancel()
-        await asyncio.gather(presence, pump_task, return_exceptions=True)
+        # Bounded: a helper task that swallowed its cancellation must not keep the turn
+        # from its terminal frame and its lock from being released.
+        _, stuck = await asyncio.wait({presence, pump_task}, timeout=_HELPER_EXIT_S)
+        for task in stuck:
+            _log.warning("turn %s/%d: %s did not stop", t.sid, t.gen.turn, task.get_name())
+        for task in {presence, pump_task} - stuck:
+            if not task.cancelled():
+                task.exception()  # retrieved: no "never retrieved" warning
         _release(t.lease)
         try:
             if outcome == "done":
