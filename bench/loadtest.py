@@ -23,6 +23,7 @@ import json
 import math
 import random
 import re
+import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ class LoadConfig:
     turns_per_s: float = 5.0
     generations: int = 0  # > 0: closed loop, keep this many turns generating at all times
     ws_share: float = 0.5
+    connects_per_s: float = 500.0
     max_tokens: int = 48
     relays: list[str] = field(default_factory=list)
     workers: list[str] = field(default_factory=list)
@@ -104,6 +106,11 @@ class LoadTest:
         self.turns_started = 0
         self.rejected = 0
         self.peak_busy = 0
+        self.turn_of: dict[str, int] = {}
+        self.connected_at_start = 0
+        self.ramp_errors = 0
+        self._errors_at_start: list[int] = []
+        self.loadgen_cpu_s = 0.0
 
     def relays(self) -> list[str]:
         if self.stack is not None:
@@ -131,7 +138,11 @@ class LoadTest:
             await asyncio.gather(*(one() for _ in range(min(50, count - start))))
 
     def _on_frame(self, viewer: Viewer, frame: dict[str, Any]) -> None:
-        if frame["kind"] in ("done", "error") and viewer is self._first_viewer[viewer.sid]:
+        # Any screen of the session that sees the turn end frees the session (a screen
+        # that has not connected yet must not hold it busy forever).
+        if frame["kind"] in ("done", "error") and int(frame.get("turn", 0)) >= self.turn_of.get(
+            viewer.sid, 0
+        ):
             self.busy.discard(viewer.sid)
 
     async def post_turn(self, http: aiohttp.ClientSession, sid: str, token: str) -> None:
@@ -146,6 +157,7 @@ class LoadTest:
                 data = await resp.json(content_type=None)
                 if resp.status == 202:
                     self.posted[(sid, int(data["turn"]))] = sent
+                    self.turn_of[sid] = int(data["turn"])
                     self.turns_started += 1
                     return
                 if resp.status in (409, 429):
@@ -163,18 +175,28 @@ class LoadTest:
         async with aiohttp.ClientSession(connector=conn) as http:
             await self.create_sessions(http, n_sessions)
             stop = asyncio.Event()
-            self._first_viewer: dict[str, Viewer] = {}
             for i in range(cfg.viewers):
                 sid, token = self.sessions[i % n_sessions]
                 transport = "ws" if random.random() < cfg.ws_share else "sse"
                 v = Viewer(http, self.relays, sid, token, transport=transport)
                 v.on_frame = self._on_frame
-                self._first_viewer.setdefault(sid, v)
                 self.viewers.append(v)
-            tasks = [asyncio.create_task(v.run(stop)) for v in self.viewers]
-            await asyncio.sleep(min(3.0, 0.5 + cfg.viewers / 500))  # let viewers connect
+            # Ramp up like real screens (not one SYN storm), then wait until every viewer
+            # is connected before the measured phase starts.
+            tasks = []
+            for i, v in enumerate(self.viewers):
+                tasks.append(asyncio.create_task(v.run(stop)))
+                if i % 100 == 99:
+                    await asyncio.sleep(100 / cfg.connects_per_s)
+            ramp_deadline = time.monotonic() + 60
+            while time.monotonic() < ramp_deadline and any(v.connects == 0 for v in self.viewers):
+                await asyncio.sleep(0.2)
+            self.connected_at_start = sum(1 for v in self.viewers if v.connects > 0)
+            self.ramp_errors = sum(len(v.errors) for v in self.viewers)
+            self._errors_at_start = [len(v.errors) for v in self.viewers]
             procs = self.stack.procs.values() if self.stack else []
             cpu0 = {p.name: _proc_stats(p.pid) for p in procs}
+            gen0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.monotonic()
             token_frames0 = sum(len(t) for v in self.viewers for t in v.turn_text.values())
             await self._drive(http, t0)
@@ -184,6 +206,8 @@ class LoadTest:
                 await asyncio.sleep(0.2)
             await asyncio.sleep(1.0)  # the last frames reach every screen
             cpu1 = {p.name: _proc_stats(p.pid) for p in procs}
+            gen1 = resource.getrusage(resource.RUSAGE_SELF)
+            self.loadgen_cpu_s = (gen1.ru_utime + gen1.ru_stime) - (gen0.ru_utime + gen0.ru_stime)
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
             await asyncio.sleep(3.0)  # relays unsubscribe after their delay
@@ -263,15 +287,16 @@ class LoadTest:
                 sent = self.posted.get((v.sid, turn))
                 if sent is not None:
                     ttft.append((first - sent) * 1000)
-            for e in v.errors:
+        for v, skip in zip(self.viewers, self._errors_at_start, strict=False):
+            for e in v.errors[skip:]:
                 self._error("viewer " + e.split(":")[0])
         errors = sum(self.errors.values()) + sum(v.error_frames for v in self.viewers)
 
         def cpu(kind: str) -> float:
             return round(sum(cpu1[n][0] - cpu0[n][0] for n in cpu0 if n.startswith(kind + "-")), 2)
 
-        def rss_mb(kind: str) -> float:
-            return round(sum(cpu1[n][1] for n in cpu1 if n.startswith(kind + "-")) / 2**20, 1)
+        def rss_mb(kind: str, at: dict[str, tuple[float, int]]) -> float:
+            return round(sum(at[n][1] for n in at if n.startswith(kind + "-")) / 2**20, 1)
 
         return {
             "viewers": len(self.viewers),
@@ -297,8 +322,13 @@ class LoadTest:
             "relay_cpu_s": cpu("relay"),
             "worker_cpu_s": cpu("worker"),
             "engine_cpu_s": cpu("engine"),
-            "relay_rss_mb": rss_mb("relay"),
-            "worker_rss_mb": rss_mb("worker"),
+            "relay_rss_mb": rss_mb("relay", cpu1),
+            "worker_rss_mb": rss_mb("worker", cpu1),
+            "relay_rss_drift_mb": round(rss_mb("relay", cpu1) - rss_mb("relay", cpu0), 1),
+            "worker_rss_drift_mb": round(rss_mb("worker", cpu1) - rss_mb("worker", cpu0), 1),
+            "loadgen_cpu_s": round(self.loadgen_cpu_s, 2),
+            "connected_at_start": self.connected_at_start,
+            "ramp_errors": self.ramp_errors,
             "leases_held_end": leases,
             "subscriptions_end": subs,
         }
@@ -335,6 +365,11 @@ def _print(report: dict[str, Any]) -> None:
         "worker_cpu_s",
         "relay_rss_mb",
         "worker_rss_mb",
+        "relay_rss_drift_mb",
+        "worker_rss_drift_mb",
+        "loadgen_cpu_s",
+        "connected_at_start",
+        "ramp_errors",
         "leases_held_end",
         "subscriptions_end",
     ]
@@ -364,6 +399,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="closed loop: keep N turns generating at all times (instead of --turns-per-s)",
     )
     p.add_argument("--ws-share", type=float, default=0.5, help="share of viewers on WebSocket")
+    p.add_argument(
+        "--connects-per-s", type=float, default=500.0, help="ramp-up rate of new viewers"
+    )
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--relay", action="append", default=[], help="relay URL of a running stack")
     p.add_argument("--worker", action="append", default=[], help="worker URL of a running stack")
@@ -383,6 +421,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         screens_per_session=args.screens_per_session,
         turns_per_s=args.turns_per_s or (3.0 if quick else 5.0),
         generations=args.generations,
+        connects_per_s=args.connects_per_s,
         ws_share=args.ws_share,
         max_tokens=args.max_tokens,
         relays=args.relay,

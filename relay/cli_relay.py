@@ -50,7 +50,9 @@ async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> int:
     runner = make_runner(app, shutdown_timeout=1.0)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
+        # A reconnect storm (a relay died, its clients come here) arrives as one burst:
+        # aiohttp's default listen backlog of 128 would drop SYNs and cost clients seconds.
+        site = web.TCPSite(runner, config.host, config.port, reuse_address=True, backlog=4096)
         await site.start()
         log.info(
             "relay %s listening on http://%s:%d (redis %s, auth %s)",

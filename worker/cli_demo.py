@@ -96,7 +96,7 @@ async def run_demo(args: argparse.Namespace) -> int:
             make_frontdoor_app(door), handle_signals=False, handler_cancellation=True
         )
         await runner.setup()
-        site = web.TCPSite(runner, args.host, args.port)
+        site = web.TCPSite(runner, args.host, args.port, backlog=4096)
         await site.start()
         try:
             for p in stack.procs.values():
