@@ -117,3 +117,27 @@ async def test_control_plane_follows_probes_and_heartbeats(redis: RedisCluster):
         finally:
             await other.stop()
             await ann.stop()
+
+
+@pytest.mark.integration
+async def test_engine_cli_announces_itself_and_withdraws_on_sigterm(cluster, redis: RedisCluster):
+    import signal
+    import subprocess
+    import sys
+
+    from worker.stack import free_port
+
+    port = free_port()
+    argv = [sys.executable, "-m", "relay.cli", "engine", "--port", str(port)]
+    argv += ["--id", "announced-1", "--redis", cluster.url, "--cap", "5"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        want = EngineSpec(id="announced-1", url=f"http://127.0.0.1:{port}", cap=5)
+        async with asyncio.timeout(30):
+            while want not in await read_announced(redis, 3.0):
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                await asyncio.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 30) == 0
+    assert want not in await read_announced(redis, 3.0)  # withdrawn, not left to expire

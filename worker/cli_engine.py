@@ -18,7 +18,7 @@ from typing import Any
 
 from worker.mock_engine import EngineConfig, run_engine
 
-__all__ = ["config_from_args", "main", "register", "run"]
+__all__ = ["config_from_args", "main", "register", "run", "serve"]
 
 
 def register(subparsers: Any) -> None:
@@ -39,6 +39,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
     p.add_argument("--id", dest="engine_id", default=d.engine_id, help="engine id")
     p.add_argument("--model", default=d.model, help="model name served")
+    p.add_argument(
+        "--redis",
+        default=None,
+        help="announce this engine to workers (tr:engines heartbeats) on this cluster",
+    )
+    p.add_argument(
+        "--announce-url", default=None, help="URL workers should use (default http://HOST:PORT)"
+    )
+    p.add_argument("--cap", type=int, default=None, help="announced in-flight cap (default C)")
     p.set_defaults(func=run)
 
 
@@ -55,15 +64,46 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+async def serve(cfg: EngineConfig, args: argparse.Namespace) -> None:
+    """Run the engine; with ``--redis``, announce it with expiring heartbeats meanwhile
+    (withdrawn on a clean stop; after a crash the heartbeat expires by itself)."""
+    if not getattr(args, "redis", None):
+        await run_engine(cfg)
+        return
+    from redis.asyncio.cluster import RedisCluster
+
+    from worker.control import EngineAnnouncer
+    from worker.router import EngineSpec
+
+    url = args.announce_url or f"http://{cfg.host}:{cfg.port}"
+    redis = RedisCluster.from_url(args.redis)
+    announcer = EngineAnnouncer(
+        redis, EngineSpec(id=cfg.engine_id, url=url, cap=args.cap or cfg.max_concurrency)
+    )
+    try:
+        await redis.initialize()
+        engine = asyncio.create_task(run_engine(cfg))
+        await asyncio.sleep(0.2)  # listening before workers are told about it
+        if not engine.done():
+            await announcer.start()
+        await engine
+    finally:
+        await announcer.stop()
+        await redis.aclose()
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code."""
     cfg = config_from_args(args)
+    if getattr(args, "redis", None) and cfg.port == 0 and not args.announce_url:
+        print("error: --redis needs a fixed --port (or --announce-url)", file=sys.stderr)
+        return 2
     try:
         import uvloop
     except ImportError:
-        asyncio.run(run_engine(cfg))
+        asyncio.run(serve(cfg, args))
     else:
-        uvloop.run(run_engine(cfg))
+        uvloop.run(serve(cfg, args))
     return 0
 
 
