@@ -28,12 +28,17 @@ test: $(STAMP) browser-deps
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not integration and not browser" $(PYTEST_ARGS)
 
-## browser-deps: Debian's chromium for the browser test, where we may install it (root + apt).
+## browser-deps: Debian's chromium (browser test) and docker-compose (compose file
+## validation, no engine needed), where we may install them (root + apt). Best effort:
+## without them those checks skip with a reason.
 browser-deps:
-	@if ! command -v chromium >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "installing Debian's chromium for the browser test"; \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-			|| echo "chromium could not be installed: the browser test will skip"; \
+	@missing=""; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	command -v docker-compose >/dev/null 2>&1 || missing="$$missing docker-compose"; \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing Debian packages for the tests:$$missing"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
+			|| echo "could not install$$missing: the checks that need them will skip"; \
 	fi
 
 lint: $(STAMP)
