@@ -33,6 +33,7 @@ from typing import Any
 import aiohttp
 
 from bench.viewer import Viewer
+from relay import runtime
 from worker.stack import Stack, StackSpec
 
 __all__ = ["LoadConfig", "main", "percentile", "run_loadtest"]
@@ -442,11 +443,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         engine_cap=args.engine_cap,
         engine_args=["--max-concurrency", str(args.engine_concurrency)],
     )
-    with contextlib.suppress(ImportError):
-        import uvloop
-
-        uvloop.install()
-    report = asyncio.run(run_loadtest(cfg, spec))
+    report = runtime.run(run_loadtest(cfg, spec))
     _print(report)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

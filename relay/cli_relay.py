@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 from typing import Any
 
 from aiohttp import web
 
+from relay import runtime
 from relay.config import ConfigError, RelayConfig, add_arguments, from_args
 from relay.server import SERVER, make_app, make_runner
 
@@ -42,30 +42,25 @@ def register(subparsers: Any) -> None:
 
 async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> int:
     """Serve until ``stop`` is set or SIGTERM / SIGINT arrives; drain; return 0."""
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     app = make_app(config)
     runner = make_runner(app, shutdown_timeout=1.0)
-    await runner.setup()
-    try:
-        # A reconnect storm (a relay died, its clients come here) arrives as one burst:
-        # aiohttp's default listen backlog of 128 would drop SYNs and cost clients seconds.
-        site = web.TCPSite(runner, config.host, config.port, reuse_address=True, backlog=4096)
-        await site.start()
-        log.info(
-            "relay %s listening on http://%s:%d (redis %s, auth %s)",
-            config.relay_id, config.host, config.port, config.redis_url,
-            "on" if config.auth_enabled else "OFF",
-        )  # fmt: skip
-        await stop.wait()
-        log.info("draining (deadline %.1fs)", config.drain_deadline_s)
-        await app[SERVER].drain()
-    finally:
-        await runner.cleanup()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+    async with runtime.stop_on_signals(event=stop) as stopped:
+        await runner.setup()
+        try:
+            # A reconnect storm (a relay died, its clients come here) arrives as one
+            # burst: aiohttp's default listen backlog of 128 would drop SYNs.
+            site = web.TCPSite(runner, config.host, config.port, reuse_address=True, backlog=4096)
+            await site.start()
+            log.info(
+                "relay %s listening on http://%s:%d (redis %s, auth %s)",
+                config.relay_id, config.host, config.port, config.redis_url,
+                "on" if config.auth_enabled else "OFF",
+            )  # fmt: skip
+            await stopped.wait()
+            log.info("draining (deadline %.1fs)", config.drain_deadline_s)
+            await app[SERVER].drain()
+        finally:
+            await runner.cleanup()
     log.info("relay %s stopped", config.relay_id)
     return 0
 
@@ -80,8 +75,4 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:
-        import uvloop
-    except ImportError:  # Windows: the default loop
-        return asyncio.run(serve(config))
-    return uvloop.run(serve(config))
+    return runtime.run(serve(config))

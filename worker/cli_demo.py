@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import signal
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from relay import runtime
 from worker.frontdoor import FrontDoor, make_frontdoor_app
 from worker.stack import Stack, StackSpec
 
@@ -114,11 +114,7 @@ async def run_demo(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    with contextlib.suppress(ImportError):
-        import uvloop
-
-        uvloop.install()
-    return asyncio.run(run_demo(args))
+    return runtime.run(run_demo(args))
 
 
 def register(subparsers: Any) -> None:

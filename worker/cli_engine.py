@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from relay import runtime
 from worker.mock_engine import EngineConfig, run_engine
 
 __all__ = ["config_from_args", "main", "register", "run", "serve"]
@@ -98,12 +99,7 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "redis", None) and cfg.port == 0 and not args.announce_url:
         print("error: --redis needs a fixed --port (or --announce-url)", file=sys.stderr)
         return 2
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(serve(cfg, args))
-    else:
-        uvloop.run(serve(cfg, args))
+    runtime.run(serve(cfg, args))
     return 0
 
 

@@ -16,15 +16,13 @@ turns finish for ``--shutdown-deadline-s``, ends the rest with an ``error`` fram
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import os
-import signal
 import sys
 from typing import Any
 
 from aiohttp import web
 
+from relay import runtime
 from worker.api import STATE, WorkerConfig, begin_drain, default_worker_id, make_app
 from worker.coalesce import DEFAULT_POLICY, CoalescePolicy
 from worker.control import parse_engine_arg
@@ -118,28 +116,20 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
 
 async def serve(cfg: WorkerConfig, host: str, port: int) -> None:
     """Serve until SIGTERM/SIGINT, then drain (see the module docstring)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    installed: list[signal.Signals] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-            installed.append(sig)
     app = make_app(cfg)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=cfg.shutdown_deadline_s + 5)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        bound = runner.addresses[0][1] if runner.addresses else port
-        print(f"worker {cfg.worker_id} listening on http://{host}:{bound}", flush=True)
-        await stop.wait()
-        begin_drain(app)  # 503 from here on, while running turns finish
-        await app[STATE].turns.drain(cfg.shutdown_deadline_s)
-    finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
-        await runner.cleanup()  # the app's cleanup drains the turns within the deadline
+    async with runtime.stop_on_signals() as stop:
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, host, port, backlog=4096)
+            await site.start()
+            bound = runner.addresses[0][1] if runner.addresses else port
+            print(f"worker {cfg.worker_id} listening on http://{host}:{bound}", flush=True)
+            await stop.wait()
+            begin_drain(app)  # 503 from here on, while running turns finish
+            await app[STATE].turns.drain(cfg.shutdown_deadline_s)
+        finally:
+            await runner.cleanup()  # the app's cleanup drains the turns within the deadline
 
 
 def run(args: argparse.Namespace) -> int:
@@ -148,10 +138,5 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(serve(cfg, args.host, args.port))
-    else:
-        uvloop.run(serve(cfg, args.host, args.port))
+    runtime.run(serve(cfg, args.host, args.port))
     return 0

@@ -29,8 +29,6 @@ Lets the whole stack run without a GPU. The simulation itself is pure and lives 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
 import time
 import uuid
 from collections import deque
@@ -43,6 +41,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import generate_latest
 
+from relay import runtime
 from worker import prefix_cache as pc
 
 __all__ = [
@@ -453,18 +452,10 @@ async def start_engine(cfg: EngineConfig) -> RunningEngine:
 
 async def run_engine(cfg: EngineConfig) -> None:
     """Serve the engine until SIGTERM or SIGINT, then shut down cleanly."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    installed: list[signal.Signals] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-            installed.append(sig)
-    running = await start_engine(cfg)
-    print(f"mock engine {cfg.engine_id} listening on {running.url}", flush=True)
-    try:
-        await stop.wait()
-    finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
-        await running.stop()
+    async with runtime.stop_on_signals() as stop:
+        running = await start_engine(cfg)
+        print(f"mock engine {cfg.engine_id} listening on {running.url}", flush=True)
+        try:
+            await stop.wait()
+        finally:
+            await running.stop()
