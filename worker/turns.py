@@ -192,7 +192,9 @@ class TurnManager:
         self.cfg = config or TurnConfig()
         self.running: dict[str, _Turn] = {}
         self.draining = False
-        self.outcomes: list[tuple[str, int, str]] = []  # (sid, turn, outcome), for tests
+        # The most recent (sid, turn, outcome), for tests and debugging; bounded, so a
+        # long-running worker does not keep one entry per turn it ever ran.
+        self.outcomes: deque[tuple[str, int, str]] = deque(maxlen=1000)
         # Recent placements on the ring, for the demo's live panel (GET /v1/router).
         self.placements: deque[dict[str, Any]] = deque(maxlen=50)
 
