@@ -301,24 +301,25 @@ class ShardedSubscriber:
         new = [c for c in channels if c not in self._wanted]
         self._wanted.update(new)
         self._pending.update(new)
-        futs = []
+        mine: list[tuple[str, asyncio.Future[None]]] = []
         for c in channels:
             if c not in self._where:
                 fut: asyncio.Future[None] = loop.create_future()
                 self._waiters.setdefault(c, []).append(fut)
-                futs.append(fut)
-        if not futs:
+                mine.append((c, fut))
+        if not mine:
             return
         self._kick.set()
         try:
             async with asyncio.timeout(self.subscribe_timeout_s):
-                await asyncio.gather(*futs)
+                await asyncio.gather(*(f for _, f in mine))
         except (TimeoutError, asyncio.CancelledError) as exc:
+            self._forget_waiters(mine)  # else a channel never confirmed keeps an entry
             for c in new:
                 self._give_up(c)
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            raise SubscribeError(f"no confirmation for {len(futs)} channel(s)") from None
+            raise SubscribeError(f"no confirmation for {len(mine)} channel(s)") from None
 
     async def unsubscribe(self, channels: Iterable[str]) -> None:
         for c in channels:
@@ -346,6 +347,14 @@ class ShardedSubscriber:
         self._waiters.clear()
 
     # -- internals -------------------------------------------------------------------------
+
+    def _forget_waiters(self, mine: list[tuple[str, asyncio.Future[None]]]) -> None:
+        for c, fut in mine:
+            waiting = self._waiters.get(c)
+            if waiting is not None and fut in waiting:
+                waiting.remove(fut)
+                if not waiting:
+                    del self._waiters[c]
 
     def _give_up(self, c: str) -> None:
         self._wanted.discard(c)

@@ -8,6 +8,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
+from relay.errors import SubscribeError
 from relay.keys import live_channel, new_session_id
 from relay.slotmap import SLOTS, SlotMap, group_by_slot
 from relay.subscriber import ShardedSubscriber
@@ -110,5 +111,24 @@ async def test_unsubscribe_then_subscribe_again_ends_subscribed(redis: RedisClus
         await sub.unsubscribe([ch])
         await asyncio.sleep(0.1)
         assert await _numsub(redis, ch) == 0
+    finally:
+        await sub.close()
+
+
+async def test_timed_out_subscribes_leave_no_waiters(redis: RedisCluster) -> None:
+    """A subscribe that times out forgets its waiters: many sessions, no growth."""
+    sub = ShardedSubscriber(
+        redis,
+        on_message=lambda c, d: None,
+        on_resubscribed=lambda cs: None,
+        relay_id="waiters",
+        subscribe_timeout_s=0.0,
+    )
+    await sub.start()
+    try:
+        for _ in range(50):
+            with pytest.raises(SubscribeError):
+                await sub.subscribe([live_channel(new_session_id())])
+        assert sub._waiters == {}
     finally:
         await sub.close()
