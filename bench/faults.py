@@ -43,6 +43,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from bench.loadtest import percentile
 from bench.viewer import Viewer
+from relay import runtime
 from relay.auth import issue_token
 from relay.cluster import LocalCluster
 from relay.keys import live_channel, new_session_id
@@ -447,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--only", action="append", choices=FAULTS, help="run only this fault")
     args = p.parse_args(argv)
+    runtime.exit_on_sigterm()  # a killed run still stops its clusters and processes
     cfg = FaultConfig.quick() if args.quick else FaultConfig()
     names = args.only or list(FAULTS)
     report = asyncio.run(run_all(names, cfg))

@@ -432,6 +432,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    runtime.exit_on_sigterm()  # a killed run still stops its clusters and processes
     if bool(args.relay) != bool(args.worker):
         print("error: give both --relay and --worker URLs, or neither", file=sys.stderr)
         return 2

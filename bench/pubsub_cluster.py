@@ -49,6 +49,7 @@ from bench.pubsub_io import (
     run_publisher,
     warm_worker,
 )
+from relay import runtime
 from relay.cluster import ClusterInfo, LocalCluster
 from relay.keys import live_channel
 from relay.slotmap import Addr, SlotMap, parse_shards, parse_slots, slot_of
@@ -457,6 +458,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    runtime.exit_on_sigterm()  # a killed run still stops its clusters and processes
     if args.quick:
         sizes, wl = [3, 6], Workload(fixed_s=1.0, max_s=1.5, repeats=1)
     else:

@@ -20,6 +20,7 @@ detected before any process starts.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import json
 import os
@@ -240,6 +241,7 @@ class LocalCluster:
         self.extra_args = list(extra_args)
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.info: ClusterInfo | None = None
+        atexit.register(self.kill_now)  # a caller that dies before stop() leaks nothing
 
     # -- lifecycle ---------------------------------------------------------------
     async def start(self, *, timeout_s: float = 60.0, form: bool = True) -> ClusterInfo:
@@ -314,8 +316,21 @@ class LocalCluster:
     async def _form(self, nodes: list[Node]) -> None:
         await form_cluster(nodes, self.procs)
 
+    def kill_now(self) -> None:
+        """Last resort at interpreter exit: SIGKILL what is still running, by pid."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGCONT)
+                    proc.kill()
+                proc.wait()
+        self.procs.clear()
+        if self._own_dir and self.data_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
     async def stop(self, *, timeout_s: float = 10.0) -> None:
         """Stop every process this object started (SIGTERM, then SIGKILL), remove data."""
+        atexit.unregister(self.kill_now)
         procs = list(self.procs.values())
         for proc in procs:
             if proc.poll() is None:

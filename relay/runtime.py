@@ -20,7 +20,7 @@ import signal
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["run", "stop_on_signals"]
+__all__ = ["exit_on_sigterm", "run", "stop_on_signals"]
 
 T = TypeVar("T")
 
@@ -52,3 +52,14 @@ async def stop_on_signals(
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into ``SystemExit`` for one-shot commands (benchmarks, load tests):
+    their ``finally`` blocks and atexit hooks then stop the processes they started,
+    where the default action would leave those children running."""
+
+    def _exit(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)

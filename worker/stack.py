@@ -15,6 +15,7 @@ Order of use::
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import os
 import signal
@@ -100,6 +101,7 @@ class Stack:
         self.cluster_info: ClusterInfo | None = None
         self.redis_url = spec.redis_url or ""
         self._tmp = spec.log_dir or tempfile.mkdtemp(prefix="tokenrelay-stack-")
+        atexit.register(self.kill_now)  # a caller that dies before stop() leaks nothing
 
     # -- views --------------------------------------------------------------------
     def _urls(self, kind: str) -> list[str]:
@@ -229,8 +231,19 @@ class Stack:
         self._spawn(proc)
         await self._wait_healthy(proc)
 
+    def kill_now(self) -> None:
+        """Last resort at interpreter exit: SIGKILL every child still running, by pid."""
+        for proc in self.procs.values():
+            if proc.popen is not None and proc.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.popen.kill()
+                proc.popen.wait()
+        if self.cluster is not None:
+            self.cluster.kill_now()
+
     async def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM every child (workers first, so turns end with a frame), then SIGKILL."""
+        atexit.unregister(self.kill_now)
         order = {"worker": 0, "relay": 1, "engine": 2}
         procs = sorted(self.procs.values(), key=lambda p: order.get(p.kind, 3))
         for proc in procs:
