@@ -52,6 +52,7 @@ def _cluster_up(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     write_state(info, state)
+    cluster.detach()  # the nodes outlive this command; `cluster down` stops them by pid
     print(f"cluster up: {info.flavor} {info.version}, {len(info.masters)} masters, "
           f"{len(info.replicas)} replicas")  # fmt: skip
     for node in info.nodes:

@@ -316,6 +316,11 @@ class LocalCluster:
     async def _form(self, nodes: list[Node]) -> None:
         await form_cluster(nodes, self.procs)
 
+    def detach(self) -> None:
+        """Let the nodes outlive this process (``tokenrelay cluster up``): from here on
+        they are stopped from the state file (:func:`stop_from_state`), not at exit."""
+        atexit.unregister(self.kill_now)
+
     def kill_now(self) -> None:
         """Last resort at interpreter exit: SIGKILL what is still running, by pid."""
         for proc in self.procs.values():
