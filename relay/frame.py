@@ -29,6 +29,7 @@ __all__ = [
     "Kind",
     "decode",
     "encode",
+    "first_offset",
     "gap_frame",
     "merge_tokens",
     "now_ms",
@@ -117,25 +118,33 @@ def gap_frame(session: str, first_missing: int, first_available: int) -> Frame:
     )
 
 
+def first_offset(frame: Frame) -> int:
+    """The first offset a frame covers: its own, or for a merged token frame the first
+    of the frames it replaced (``meta["from"]``)."""
+    if frame.meta and frame.kind == "token" and "merged" in frame.meta:
+        return int(frame.meta.get("from", frame.offset))
+    return frame.offset
+
+
 def merge_tokens(frames: Sequence[Frame]) -> Frame:
     """Merge consecutive token frames of one turn into one (text only appends).
 
-    The result carries the offset of the last frame, so a client that resumes from it
-    continues right after everything it received.
+    Frames that are themselves merges merge again: the result's ``meta`` is
+    ``{"merged": frames covered, "from": first offset covered}``, cumulative. It carries
+    the offset of the last frame, so a client that resumes from it continues right after
+    everything it received.
     """
     if not frames:
         raise ValueError("nothing to merge")
     first, last = frames[0], frames[-1]
-    for prev, cur in itertools.pairwise(frames):
-        if cur.kind != "token" or prev.kind != "token":
-            raise ValueError("only token frames merge")
-        if cur.turn != first.turn or cur.offset != prev.offset + 1:
-            raise ValueError("only consecutive frames of one turn merge")
-    if first.kind != "token":
+    if any(f.kind != "token" for f in frames):
         raise ValueError("only token frames merge")
+    for prev, cur in itertools.pairwise(frames):
+        if cur.turn != first.turn or first_offset(cur) != prev.offset + 1:
+            raise ValueError("only consecutive frames of one turn merge")
+    start = first_offset(first)
     return msgspec.structs.replace(
         last,
-        offset=last.offset,
         text="".join(f.text for f in frames),
-        meta={"merged": len(frames), "from": first.offset},
+        meta={"merged": last.offset - start + 1, "from": start},
     )

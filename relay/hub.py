@@ -40,11 +40,18 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import msgspec
 from redis.asyncio.cluster import RedisCluster
 
 from relay.errors import RelayError, WatchClosed, map_redis_errors
-from relay.frame import Frame, FrameError, decode, encode, merge_tokens, now_ms
+from relay.frame import (
+    Frame,
+    FrameError,
+    decode,
+    encode,
+    first_offset,
+    merge_tokens,
+    now_ms,
+)
 from relay.keys import live_channel, parse_session, presence_key
 from relay.publisher import read_backlog, reap, seal
 from relay.resume import Delivery, Fetch, Resume, Step
@@ -82,12 +89,7 @@ def conflate(pending: Iterable[Delivery]) -> tuple[list[Delivery], int]:
         if len(run) == 1:
             out.append(run[0][1])
         elif run:
-            frames = [f for f, _ in run]
-            m = merge_tokens(frames)
-            first = frames[0]
-            count = sum(int((f.meta or {}).get("merged", 1)) for f in frames)
-            start = int((first.meta or {}).get("from", first.offset))
-            m = msgspec.structs.replace(m, meta={"merged": count, "from": start})
+            m = merge_tokens([f for f, _ in run])
             last = run[-1][1]
             out.append(Delivery(m.offset, "token", encode(m), last.ts, last.received_ms))
             merged += 1
@@ -99,7 +101,7 @@ def conflate(pending: Iterable[Delivery]) -> tuple[list[Delivery], int]:
             out.append(d)
             continue
         f = decode(d.data)
-        if run and (f.turn != run[-1][0].turn or f.offset != run[-1][0].offset + 1):
+        if run and (f.turn != run[-1][0].turn or first_offset(f) != run[-1][0].offset + 1):
             flush()
         run.append((f, d))
     flush()
