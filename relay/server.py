@@ -41,7 +41,7 @@ from relay.auth import AuthError, extract_token, verify_token
 from relay.config import RelayConfig
 from relay.errors import RelayError, WatchClosed
 from relay.frame import now_ms
-from relay.hub import Delivery, Hub
+from relay.hub import Delivery, Hub, Watch
 from relay.keys import InvalidSessionId, parse_session
 from relay.metrics import RelayMetrics
 from relay.streams import (
@@ -77,6 +77,7 @@ class EdgeServer:
         self.started = hub is not None
         self.draining = False
         self.streams: set[Stream] = set()
+        self._closing: set[asyncio.Future[None]] = set()  # abandoned watches being closed
         self.admitted = 0  # streams past admission (includes those still opening)
         if hub is not None:
             self.metrics.bind_hub(hub.stats)
@@ -163,18 +164,25 @@ class EdgeServer:
         self._check_capacity()
         assert self.hub is not None
         self.admitted += 1
+        # The watch opens in a task of its own: a client that hangs up (its handler is
+        # cancelled) or a timeout must not cancel redis-py mid-command, which breaks the
+        # pooled connection for other requests. An abandoned watch is closed once open.
+        opening = asyncio.ensure_future(self.hub.watch(sid, offset))
         try:
-            watch = await asyncio.wait_for(self.hub.watch(sid, offset), WATCH_TIMEOUT_S)
+            watch = await asyncio.wait_for(asyncio.shield(opening), WATCH_TIMEOUT_S)
         except WatchClosed as exc:
             self.admitted -= 1
             raise Reject(503, "draining", exc.reason, RETRY_AFTER) from None
         except (RelayError, TimeoutError) as exc:
             self.admitted -= 1
+            if not opening.done():
+                opening.add_done_callback(self._close_abandoned)
             raise Reject(
                 503, "unavailable", f"cannot watch the session: {exc}", RETRY_AFTER
             ) from None
         except BaseException:
             self.admitted -= 1
+            opening.add_done_callback(self._close_abandoned)
             raise
         stream = Stream(transport, sid, offset, watch)
         self.streams.add(stream)
@@ -187,6 +195,14 @@ class EdgeServer:
         if self.draining:  # drain began while the watch was opening
             await stream.kick("relay_shutdown", "the relay is restarting; reconnect")
         return stream
+
+    def _close_abandoned(self, opening: asyncio.Future[Watch]) -> None:
+        """A watch whose client left (or timed out) while it opened: close it once open."""
+        if opening.cancelled() or opening.exception() is not None:
+            return
+        task = asyncio.ensure_future(opening.result().close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def _close(self, stream: Stream, code: str) -> None:
         self.streams.discard(stream)
