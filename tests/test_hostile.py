@@ -45,7 +45,7 @@ from relay.cluster import ClusterInfo
 from relay.frame import decode
 from relay.keys import new_session_id
 from relay.publisher import Publisher, read_backlog
-from tests.test_server import STEP, Relay, SSEClient, running, ws_frames
+from tests.test_server import STEP, Relay, SSEClient, running, wait_ready, ws_frames
 from tests.worker_harness import SECRET, Harness
 
 pytestmark = pytest.mark.integration
@@ -776,13 +776,7 @@ async def test_ten_thousand_connection_attempts_in_a_burst(cluster, redis):
     t = tok(sid)
     try:
         async with aiohttp.ClientSession() as http:
-            async with asyncio.timeout(30):
-                while True:
-                    with contextlib.suppress(aiohttp.ClientError):
-                        async with http.get(base + "/readyz") as r:
-                            if r.status == 200:
-                                break
-                    await asyncio.sleep(0.1)
+            await wait_ready(http, base, 30)
             # warm up: one stream, so the relay's Redis connections exist before counting
             async with http.get(base + f"/v1/sessions/{sid}/events", params={"token": t}) as r:
                 assert r.status == 200

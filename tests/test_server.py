@@ -131,6 +131,17 @@ async def sse(relay: Relay, sid: str, **kw: Any) -> AsyncIterator[SSEClient]:
         yield client
 
 
+async def wait_ready(http: aiohttp.ClientSession, base: str, within_s: float) -> None:
+    """Poll a process's /readyz until it answers 200 (a started subprocess)."""
+    async with asyncio.timeout(within_s):
+        while True:
+            with contextlib.suppress(aiohttp.ClientError):
+                async with http.get(base + "/readyz") as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.1)
+
+
 async def ws_frames(ws: aiohttp.ClientWebSocketResponse, n: int) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     async with asyncio.timeout(STEP):
@@ -451,13 +462,7 @@ async def test_sigterm_drains_and_exits_zero(cluster):
     sid = new_session_id()
     try:
         async with aiohttp.ClientSession() as http:
-            async with asyncio.timeout(20):
-                while True:
-                    with contextlib.suppress(aiohttp.ClientError):
-                        async with http.get(base + "/readyz") as r:
-                            if r.status == 200:
-                                break
-                    await asyncio.sleep(0.1)
+            await wait_ready(http, base, 20)
             relay = Relay(base, None, http)  # type: ignore[arg-type]
             async with sse(relay, sid) as client:
                 assert client.resp.headers["X-Relay-Id"] == "edge-sig"
