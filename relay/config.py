@@ -52,6 +52,7 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     queue_frames: int = 1024
     hard_limit_frames: int = 4096
     unsubscribe_delay_s: float = 2.0
+    reap_after_s: float = 2.0  # an open turn silent this long and unlocked is reaped; 0: never
     drain_deadline_s: float = 10.0
     write_timeout_s: float = 10.0
     max_connections: int = 10_000
@@ -77,9 +78,11 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
             or self.write_timeout_s <= 0
             or self.drain_deadline_s < 0
             or self.unsubscribe_delay_s < 0
+            or self.reap_after_s < 0
         ):
             raise ConfigError(
-                "heartbeat_s and write_timeout_s must be > 0, drain and unsubscribe delays >= 0"
+                "heartbeat_s and write_timeout_s must be > 0; "
+                "drain, unsubscribe and reap delays must be >= 0"
             )
         if self.retry_ms < 0:
             raise ConfigError("retry_ms must be >= 0")
@@ -106,6 +109,7 @@ _FIELDS: Final[dict[str, type]] = {
     "queue_frames": int,
     "hard_limit_frames": int,
     "unsubscribe_delay_s": float,
+    "reap_after_s": float,
     "drain_deadline_s": float,
     "write_timeout_s": float,
     "max_connections": int,
@@ -154,6 +158,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--queue-frames", type=int, help=f"per-watch queue before conflation ({d.queue_frames})")
     a("--hard-limit-frames", type=int, help=f"slow-client cutoff ({d.hard_limit_frames})")
     a("--unsubscribe-delay-s", type=float, help=f"linger before SUNSUBSCRIBE ({d.unsubscribe_delay_s})")  # noqa: E501  # fmt: skip
+    a("--reap-after-s", type=float, help=f"end a silent turn whose worker is gone after this; 0: never ({d.reap_after_s})")  # noqa: E501  # fmt: skip
     a("--drain-deadline-s", type=float, help=f"SIGTERM drain deadline ({d.drain_deadline_s})")
     a("--write-timeout-s", type=float, help=f"slow-client write cutoff ({d.write_timeout_s})")
     a("--max-connections", type=int, help=f"streams at once; more get 503 ({d.max_connections})")

@@ -94,6 +94,8 @@ class EdgeServer:
                 queue_frames=cfg.queue_frames,
                 hard_limit_frames=cfg.hard_limit_frames,
                 unsubscribe_delay_s=cfg.unsubscribe_delay_s,
+                reap_after_s=cfg.reap_after_s,
+                reap_interval_s=min(cfg.reap_after_s, 1.0),  # 0 disables the reaper
                 relay_id=cfg.relay_id,
             )
             await self.hub.start()

@@ -80,7 +80,7 @@ async def test_migrate_slot_moves_a_live_session_and_the_hub_follows(
     host, port = cluster.info.startup_nodes[0]
     redis = RedisCluster(host=host, port=port)
     await redis.initialize()
-    hub = Hub(redis, relay_id="mig")
+    hub = Hub(redis, relay_id="mig", reap_interval_s=0)
     await hub.start()
     try:
         sid = new_session_id()

@@ -22,7 +22,12 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 async def hub(redis: RedisCluster) -> AsyncIterator[Hub]:
-    h = Hub(redis, relay_id=f"test-{new_session_id()[:8]}", unsubscribe_delay_s=0.3)
+    h = Hub(
+        redis,
+        relay_id=f"test-{new_session_id()[:8]}",
+        unsubscribe_delay_s=0.3,
+        reap_interval_s=0,  # bare generations hold no turn lock: never reap them
+    )
     await h.start()
     try:
         yield h
@@ -155,7 +160,7 @@ async def test_offset_older_than_backlog_gives_gap_frame(hub: Hub, redis: RedisC
 async def test_slow_watcher_gets_merged_frames_then_is_closed_fast_one_unaffected(
     redis: RedisCluster,
 ) -> None:
-    hub = Hub(redis, relay_id="slow-test", queue_frames=20, hard_limit_frames=60)
+    hub = Hub(redis, relay_id="slow-test", queue_frames=20, hard_limit_frames=60, reap_interval_s=0)
     await hub.start()
     try:
         sid = new_session_id()
@@ -264,7 +269,7 @@ async def test_killed_pubsub_connection_is_repaired_from_the_backlog(
 
 
 async def test_watch_can_read_from_replicas(cluster, redis: RedisCluster) -> None:
-    hub = Hub(redis, relay_id="replica-reader", read_from_replicas=True)
+    hub = Hub(redis, relay_id="replica-reader", read_from_replicas=True, reap_interval_s=0)
     await hub.start()
     try:
         sid = new_session_id()
@@ -287,7 +292,7 @@ async def test_failover_resubscribes_on_the_new_master_and_repairs(private_clust
     host, port = info.startup_nodes[0]
     redis = RedisCluster(host=host, port=port)
     await redis.initialize()
-    hub = Hub(redis, relay_id="failover-test")
+    hub = Hub(redis, relay_id="failover-test", reap_interval_s=0)  # no turn lock: no reaper
     await hub.start()
     try:
         sid = new_session_id()

@@ -64,3 +64,12 @@ def test_limits_are_validated():
         RelayConfig(secret="k", queue_frames=10, hard_limit_frames=5).validate()
     with pytest.raises(ConfigError, match="redis"):
         RelayConfig(secret="k", redis_url="http://x").validate()
+
+
+def test_reaper_delay_from_flag_and_environment_zero_disables_negative_refused():
+    assert parse([], {"TOKENRELAY_SECRET": "k"}).reap_after_s == 2.0
+    assert parse(["--reap-after-s", "0"], {"TOKENRELAY_SECRET": "k"}).reap_after_s == 0.0
+    env = {"TOKENRELAY_SECRET": "k", "TOKENRELAY_REAP_AFTER_S": "5"}
+    assert parse([], env).reap_after_s == 5.0
+    with pytest.raises(ConfigError, match="reap"):
+        parse(["--reap-after-s", "-1"], {"TOKENRELAY_SECRET": "k"})

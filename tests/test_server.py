@@ -51,7 +51,10 @@ class Relay:
 
 @asynccontextmanager
 async def running(cluster: ClusterInfo, **overrides: Any) -> AsyncIterator[Relay]:
-    fields: dict[str, Any] = {"secret": SECRET, "relay_id": "edge-test", **overrides}
+    # these tests publish with bare generations (no worker, no turn lock): no reaper
+    fields: dict[str, Any] = {
+        "secret": SECRET, "relay_id": "edge-test", "reap_after_s": 0, **overrides
+    }  # fmt: skip
     cfg = RelayConfig(port=0, redis_url=cluster.url, **fields)
     app = make_app(cfg)
     runner = make_runner(app, shutdown_timeout=2.0)
@@ -480,7 +483,7 @@ async def test_sigterm_drains_and_exits_zero(cluster):
 
 async def test_an_app_given_a_hub_uses_it_and_leaves_it_open(cluster, redis):
     sid = new_session_id()
-    hub = Hub(redis, relay_id="shared-hub")
+    hub = Hub(redis, relay_id="shared-hub", reap_interval_s=0)
     await hub.start()
     try:
         cfg = RelayConfig(port=0, redis_url=cluster.url, secret=SECRET, relay_id="edge-hub")
