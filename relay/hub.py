@@ -22,6 +22,11 @@ whichever relay gets there first. Presence: one background task refreshes
 ``presence_interval_s`` for every watched session, batched in one cluster pipeline,
 and removes the member when the last local watcher leaves.
 
+Redis concurrency: backlog reads, reaps and seals hold one of ``redis_concurrency``
+permits, so a reconnect storm queues here instead of failing: redis-py's cluster
+client raises ``MaxConnectionsError`` at once, without waiting, past ``max_connections``
+(100) connections to one node.
+
 Order of use::
 
     hub = Hub(redis, relay_id="edge-1"); await hub.start()
@@ -252,9 +257,12 @@ class Hub:
         reap_interval_s: float = 1.0,
         backlog_maxlen: int = 10_000,
         session_ttl_s: int = 86_400,
+        redis_concurrency: int = 48,
     ) -> None:
         if not 0 < queue_frames <= hard_limit_frames:
             raise ValueError("need 0 < queue_frames <= hard_limit_frames")
+        if redis_concurrency < 1:
+            raise ValueError("redis_concurrency must be >= 1")
         self.redis = redis
         self.queue_frames = queue_frames
         self.hard_limit_frames = hard_limit_frames
@@ -267,6 +275,7 @@ class Hub:
         self.reap_interval_s = reap_interval_s
         self.backlog_maxlen = backlog_maxlen
         self.session_ttl_s = session_ttl_s
+        self._permits = asyncio.Semaphore(redis_concurrency)
         self.subscriber = ShardedSubscriber(
             redis,
             on_message=self._on_message,
@@ -487,7 +496,10 @@ class Hub:
         while fetch is not None and alive():
             count = 0 if fetch.after is None else self.backlog_page
             try:
-                frames, first, last = await read_backlog(self.redis, sid, fetch.after or 0, count)
+                async with self._permits:
+                    frames, first, last = await read_backlog(
+                        self.redis, sid, fetch.after or 0, count
+                    )
             except RelayError as exc:
                 log.info("backlog read for %s failed: %s", sid, exc)
                 await asyncio.sleep(backoff)
@@ -509,14 +521,15 @@ class Hub:
 
         async def run() -> None:
             try:
-                n = await seal(
-                    self.redis,
-                    sid,
-                    seen,
-                    sealer=self.relay_id,
-                    maxlen=self.backlog_maxlen,
-                    ttl_s=self.session_ttl_s,
-                )
+                async with self._permits:
+                    n = await seal(
+                        self.redis,
+                        sid,
+                        seen,
+                        sealer=self.relay_id,
+                        maxlen=self.backlog_maxlen,
+                        ttl_s=self.session_ttl_s,
+                    )
                 if n:
                     self._stats["sealed"] += n
                     log.warning("session %s: %d offset(s) up to %d lost", sid, n, seen)
@@ -551,13 +564,14 @@ class Hub:
     async def _reap(self, ch: _Channel) -> None:
         self._stats["reap_checks"] += 1
         try:
-            res = await reap(
-                self.redis,
-                ch.sid,
-                reaper=self.relay_id,
-                maxlen=self.backlog_maxlen,
-                ttl_s=self.session_ttl_s,
-            )
+            async with self._permits:
+                res = await reap(
+                    self.redis,
+                    ch.sid,
+                    reaper=self.relay_id,
+                    maxlen=self.backlog_maxlen,
+                    ttl_s=self.session_ttl_s,
+                )
         except RelayError as exc:
             self._stats["reap_errors"] += 1
             log.info("reap of %s failed: %s", ch.sid, exc)
