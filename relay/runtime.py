@@ -10,23 +10,58 @@ and inside ``serve``::
         ... start ...
         await stop.wait()
         ... drain ...
+
+:func:`run` also calls :func:`quiet_client_errors`: aiohttp logs every malformed
+request (a bad request line, an oversized header) at ERROR with a full traceback, so
+anyone who can open a socket could flood the logs with them. They are the client's
+fault and are answered with a 4xx; they become one INFO line without a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["exit_on_sigterm", "run", "stop_on_signals"]
+from aiohttp.http_exceptions import HttpProcessingError
+
+__all__ = ["ClientErrorFilter", "exit_on_sigterm", "quiet_client_errors", "run", "stop_on_signals"]
 
 T = TypeVar("T")
 
 
+class ClientErrorFilter(logging.Filter):
+    """Turns aiohttp's ERROR + traceback for a malformed request into one INFO line
+    (dropped unless the logger is enabled for INFO); other records pass untouched."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        first = (exc.message or type(exc).__name__).strip().splitlines()[0][:200]
+        record.msg = f"{record.getMessage()}: {exc.code} {type(exc).__name__}: {first}"
+        record.args = None
+        record.exc_info = record.exc_text = None
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        return logging.getLogger(record.name).isEnabledFor(logging.INFO)
+
+
+_CLIENT_ERRORS = ClientErrorFilter()
+
+
+def quiet_client_errors() -> None:
+    """Install :class:`ClientErrorFilter` on aiohttp's server logger (idempotent)."""
+    logger = logging.getLogger("aiohttp.server")
+    if _CLIENT_ERRORS not in logger.filters:
+        logger.addFilter(_CLIENT_ERRORS)
+
+
 def run(main: Coroutine[Any, Any, T]) -> T:
     """Run ``main`` to completion on uvloop (plain asyncio where uvloop is missing)."""
+    quiet_client_errors()
     try:
         import uvloop
     except ImportError:  # not on this platform: the default loop

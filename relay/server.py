@@ -36,7 +36,7 @@ import orjson
 from aiohttp import WSMsgType, web
 from redis.asyncio.cluster import RedisCluster
 
-from relay import sse
+from relay import runtime, sse
 from relay.auth import AuthError, extract_token, verify_token
 from relay.config import RelayConfig
 from relay.errors import RelayError, WatchClosed
@@ -483,4 +483,5 @@ def make_runner(app: web.Application, **kwargs: Any) -> web.AppRunner:
     cancels its stream handler at once, so an idle SSE stream does not hold its watch
     (and the shard subscription) until the next heartbeat write fails."""
     kwargs.setdefault("access_log", None)
+    runtime.quiet_client_errors()
     return web.AppRunner(app, handler_cancellation=True, **kwargs)
