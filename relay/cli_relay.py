@@ -18,10 +18,9 @@ import logging
 import sys
 from typing import Any
 
-from aiohttp import web
-
 from relay import runtime
 from relay.config import ConfigError, RelayConfig, add_arguments, from_args
+from relay.httpguard import GuardedSite
 from relay.server import SERVER, make_app, make_runner
 
 __all__ = ["register", "run", "serve"]
@@ -48,8 +47,17 @@ async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> int:
         await runner.setup()
         try:
             # A reconnect storm (a relay died, its clients come here) arrives as one
-            # burst: aiohttp's default listen backlog of 128 would drop SYNs.
-            site = web.TCPSite(runner, config.host, config.port, reuse_address=True, backlog=4096)
+            # burst: aiohttp's default listen backlog of 128 would drop SYNs. A client
+            # that never finishes its request head gets 408 (slowloris).
+            rejected = app[SERVER].metrics.rejected.labels("head_timeout")
+            site = GuardedSite(
+                runner,
+                config.host,
+                config.port,
+                head_timeout_s=config.head_timeout_s,
+                backlog=4096,
+                on_timeout=rejected.inc,
+            )
             await site.start()
             log.info(
                 "relay %s listening on http://%s:%d (redis %s, auth %s)",

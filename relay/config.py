@@ -55,6 +55,7 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     reap_after_s: float = 2.0  # an open turn silent this long and unlocked is reaped; 0: never
     drain_deadline_s: float = 10.0
     write_timeout_s: float = 10.0
+    head_timeout_s: float = 10.0  # a connection's first request head must arrive this fast
     max_connections: int = 10_000
     ws_max_message_bytes: int = 4096
     cors_origin: str = "*"
@@ -76,12 +77,13 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
         if (
             self.heartbeat_s <= 0
             or self.write_timeout_s <= 0
+            or self.head_timeout_s <= 0
             or self.drain_deadline_s < 0
             or self.unsubscribe_delay_s < 0
             or self.reap_after_s < 0
         ):
             raise ConfigError(
-                "heartbeat_s and write_timeout_s must be > 0; "
+                "heartbeat_s, write_timeout_s and head_timeout_s must be > 0; "
                 "drain, unsubscribe and reap delays must be >= 0"
             )
         if self.retry_ms < 0:
@@ -112,6 +114,7 @@ _FIELDS: Final[dict[str, type]] = {
     "reap_after_s": float,
     "drain_deadline_s": float,
     "write_timeout_s": float,
+    "head_timeout_s": float,
     "max_connections": int,
     "ws_max_message_bytes": int,
     "cors_origin": str,
@@ -161,6 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--reap-after-s", type=float, help=f"end a silent turn whose worker is gone after this; 0: never ({d.reap_after_s})")  # noqa: E501  # fmt: skip
     a("--drain-deadline-s", type=float, help=f"SIGTERM drain deadline ({d.drain_deadline_s})")
     a("--write-timeout-s", type=float, help=f"slow-client write cutoff ({d.write_timeout_s})")
+    a("--head-timeout-s", type=float, help=f"408 for a request head slower than this ({d.head_timeout_s})")  # noqa: E501  # fmt: skip
     a("--max-connections", type=int, help=f"streams at once; more get 503 ({d.max_connections})")
     a("--ws-max-message-bytes", type=int, help=f"largest WS client message ({d.ws_max_message_bytes})")  # noqa: E501  # fmt: skip
     a("--cors-origin", help=f"Access-Control-Allow-Origin ({d.cors_origin!r})")

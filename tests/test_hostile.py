@@ -884,6 +884,61 @@ def _tail(path: Path, n: int = 4000) -> str:
     return path.read_bytes()[-n:].decode(errors="replace")
 
 
+@pytest.mark.timeout(120)
+async def test_unfinished_request_heads_get_408_and_free_their_sockets(cluster, tmp_path):
+    """Slowloris on the head: 500 connections each send part of a request head and
+    stall. Each gets 408 with the reason at the head deadline and is closed (the relay's
+    client sockets go back to 0); a normal request is served meanwhile; the relay counts
+    them as rejected{reason="head_timeout"}."""
+    n, deadline_s = 500, 1.0
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "relay.log"
+    with open(log_path, "wb") as log_file:  # noqa: ASYNC230 (a local file, opened once)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "relay.cli", "relay", "--port", str(port),
+            "--redis", cluster.url, "--secret", SECRET, "--relay-id", "edge-heads",
+            "--head-timeout-s", str(deadline_s), "--log-level", "INFO",
+            stdout=asyncio.subprocess.DEVNULL, stderr=log_file,
+        )  # fmt: skip
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+            await wait_ready(http, base, 30)
+            partial = [b"", b"GET /v1/sessio", b"GET /healthz HTTP/1.1\r\nHost: x\r\n"]
+            conns = []
+            for i in range(n):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(partial[i % len(partial)])
+                conns.append((reader, writer))
+            started = time.monotonic()
+            async with http.get(base + "/healthz") as r:  # served while they stall
+                assert r.status == 200
+            async with asyncio.timeout(30):
+                answers = await asyncio.gather(*(r.read() for r, _ in conns))
+            took = time.monotonic() - started
+            for _, w in conns:
+                w.close()
+            assert all(a.startswith(b"HTTP/1.1 408 Request Timeout\r\n") for a in answers)
+            assert all(a.endswith(b"request head not received in time\n") for a in answers)
+            assert took < deadline_s + 15
+            async with asyncio.timeout(10):
+                while _fds(proc.pid)[1] > 1:  # 1: this test's keep-alive connection
+                    await asyncio.sleep(0.1)
+            async with http.get(base + "/metrics") as r:
+                text = await r.text()
+            line = next(ln for ln in text.splitlines() if 'reason="head_timeout"' in ln)
+            assert float(line.rsplit(" ", 1)[1]) == n
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 15)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+    assert b"Traceback" not in log_path.read_bytes(), _tail(log_path)
+
+
 # -- 8. Last-Event-ID / from: malformed and from the future -----------------------------
 
 BAD_OFFSETS = [

@@ -17,6 +17,7 @@ import aiohttp
 from aiohttp import web
 
 from relay import runtime
+from relay.httpguard import GuardedSite
 from worker.frontdoor import FrontDoor, make_frontdoor_app
 from worker.stack import Stack, StackSpec
 
@@ -96,7 +97,7 @@ async def run_demo(args: argparse.Namespace) -> int:
             make_frontdoor_app(door), handle_signals=False, handler_cancellation=True
         )
         await runner.setup()
-        site = web.TCPSite(runner, args.host, args.port, backlog=4096)
+        site = GuardedSite(runner, args.host, args.port, backlog=4096)
         await site.start()
         try:
             for p in stack.procs.values():

@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from relay import runtime
+from relay.httpguard import GuardedSite
 from worker.api import STATE, WorkerConfig, begin_drain, default_worker_id, make_app
 from worker.coalesce import DEFAULT_POLICY, CoalescePolicy
 from worker.control import parse_engine_arg
@@ -121,7 +122,7 @@ async def serve(cfg: WorkerConfig, host: str, port: int) -> None:
     async with runtime.stop_on_signals() as stop:
         await runner.setup()
         try:
-            site = web.TCPSite(runner, host, port, backlog=4096)
+            site = GuardedSite(runner, host, port, backlog=4096)  # 408 for slowloris heads
             await site.start()
             bound = runner.addresses[0][1] if runner.addresses else port
             print(f"worker {cfg.worker_id} listening on http://{host}:{bound}", flush=True)
