@@ -755,6 +755,53 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass
+class RelayProcess:
+    proc: asyncio.subprocess.Process
+    base: str
+    port: int
+    log_path: Path
+
+
+@asynccontextmanager
+async def relay_process(
+    cluster: ClusterInfo, log_dir: Path, relay_id: str, *flags: str
+) -> AsyncIterator[RelayProcess]:
+    """``tokenrelay relay`` as a subprocess (so that its fds can be counted), ready to
+    serve; stopped by pid on the way out; its log must hold no traceback. The log goes
+    to a file, not a pipe: a pipe nobody drains fills up, blocks the relay's event loop
+    on a log write, and makes ``proc.wait()`` wait for the pipe forever."""
+    port = _free_port()
+    log_path = log_dir / f"{relay_id}.log"
+    with open(log_path, "wb") as log_file:  # noqa: ASYNC230 (a local file, opened once)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "relay.cli", "relay", "--port", str(port),
+            "--redis", cluster.url, "--secret", SECRET, "--relay-id", relay_id,
+            "--log-level", "INFO", *flags,
+            stdout=asyncio.subprocess.DEVNULL, stderr=log_file,
+        )  # fmt: skip
+    relay = RelayProcess(proc, f"http://127.0.0.1:{port}", port, log_path)
+    try:
+        async with aiohttp.ClientSession() as http:
+            await wait_ready(http, relay.base, 30)
+        yield relay
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 15)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+    err = log_path.read_bytes()
+    print(f"relay log: {len(err)} bytes, {err.count(b'Traceback')} tracebacks")
+    assert b"Traceback" not in err, _tail(log_path)
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    return path.read_bytes()[-n:].decode(errors="replace")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_ten_thousand_connection_attempts_in_a_burst(cluster, redis, tmp_path):
@@ -765,123 +812,99 @@ async def test_ten_thousand_connection_attempts_in_a_burst(cluster, redis, tmp_p
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(max(need, soft), hard), hard))
     if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < need:
         pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {need}")
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    # the relay logs to a file, not a pipe: a pipe nobody drains fills up, blocks the
-    # relay's event loop on a log write, and makes proc.wait() wait for the pipe forever
-    log_path = tmp_path / "relay.log"
-    with open(log_path, "wb") as log_file:  # noqa: ASYNC230 (a local file, opened once)
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "relay.cli", "relay", "--port", str(port),
-            "--redis", cluster.url, "--secret", SECRET, "--relay-id", "edge-burst",
-            "--max-connections", str(max_conn), "--heartbeat-s", "1", "--log-level", "INFO",
-            stdout=asyncio.subprocess.DEVNULL, stderr=log_file,
-        )  # fmt: skip
     sid = new_session_id()
     t = tok(sid)
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
-            await wait_ready(http, base, 30)
-            # warm up: one stream, so the relay's Redis connections exist before counting
-            async with http.get(base + f"/v1/sessions/{sid}/events", params={"token": t}) as r:
-                assert r.status == 200
-                await r.content.readline()
-            await asyncio.sleep(1.5)
-            before = _fds(proc.pid)
+    flags = ("--max-connections", str(max_conn), "--heartbeat-s", "1")
+    async with (
+        relay_process(cluster, tmp_path, "edge-burst", *flags) as relay,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http,
+    ):
+        proc, base, port, log_path = relay.proc, relay.base, relay.port, relay.log_path
+        # warm up: one stream, so the relay's Redis connections exist before counting
+        async with http.get(base + f"/v1/sessions/{sid}/events", params={"token": t}) as r:
+            assert r.status == 200
+            await r.content.readline()
+        await asyncio.sleep(1.5)
+        before = _fds(proc.pid)
 
-            outcomes: dict[str, int] = {}
-            sem = asyncio.Semaphore(window)
-            requests = [
-                b"",  # connect and hang up
-                b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
-                f"GET /v1/sessions/{sid}/events?token={t} HTTP/1.1\r\nHost: x\r\n\r\n".encode(),
-                b"GET /v1/sessions/%7Bx%7D/events HTTP/1.1\r\nHost: x\r\n\r\n",
-                b"GET /v1/sessio",  # half a request line, then hang up
-            ]
+        outcomes: dict[str, int] = {}
+        sem = asyncio.Semaphore(window)
+        requests = [
+            b"",  # connect and hang up
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
+            f"GET /v1/sessions/{sid}/events?token={t} HTTP/1.1\r\nHost: x\r\n\r\n".encode(),
+            b"GET /v1/sessions/%7Bx%7D/events HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"GET /v1/sessio",  # half a request line, then hang up
+        ]
 
-            async def attempt(i: int) -> None:
-                req = requests[i % len(requests)]
-                async with sem:
-                    key = "?"
-                    writer = None
-                    try:
-                        async with asyncio.timeout(10):
-                            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                            if not req or not req.endswith(b"\r\n\r\n"):
-                                writer.write(req)
-                                key = "hung_up"
-                            else:
-                                writer.write(req)
-                                line = await reader.readline()
-                                key = line.split(b" ")[1].decode() if line else "eof"
-                    except TimeoutError:
-                        key = "timeout"
-                    except OSError as exc:
-                        key = type(exc).__name__
-                    finally:
-                        if writer is not None:
-                            writer.close()
-                    outcomes[key] = outcomes.get(key, 0) + 1
+        async def attempt(i: int) -> None:
+            req = requests[i % len(requests)]
+            async with sem:
+                key = "?"
+                writer = None
+                try:
+                    async with asyncio.timeout(10):
+                        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                        if not req or not req.endswith(b"\r\n\r\n"):
+                            writer.write(req)
+                            key = "hung_up"
+                        else:
+                            writer.write(req)
+                            line = await reader.readline()
+                            key = line.split(b" ")[1].decode() if line else "eof"
+                except TimeoutError:
+                    key = "timeout"
+                except OSError as exc:
+                    key = type(exc).__name__
+                finally:
+                    if writer is not None:
+                        writer.close()
+                outcomes[key] = outcomes.get(key, 0) + 1
 
-            started = time.monotonic()
-            async with asyncio.timeout(180):
-                await asyncio.gather(*(attempt(i) for i in range(attempts)))
-            took = time.monotonic() - started
-            assert sum(outcomes.values()) == attempts
-            assert proc.returncode is None, "the relay died"
-            served = outcomes.get("200", 0) + outcomes.get("503", 0) + outcomes.get("400", 0)
-            print(f"burst: {attempts} attempts in {took:.1f}s: {outcomes}")
-            assert outcomes.get("500", 0) == 0, _tail(log_path)
-            assert served >= attempts * 3 // 5 * 0.9, outcomes  # 3 of 5 kinds get an answer
-            # every stream ends (heartbeat 1 s finds the closed sockets) and every fd goes
-            live: list[str] = []
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                async with http.get(base + "/metrics") as r:
-                    text = await r.text()
-                live = [
-                    ln for ln in text.splitlines()
-                    if ln.startswith("tokenrelay_relay_connections{")
-                ]  # fmt: skip
-                if all(ln.endswith(" 0.0") for ln in live) and _fds(proc.pid)[1] <= 1:
-                    break
-                await asyncio.sleep(0.5)
-            assert all(ln.endswith(" 0.0") for ln in live), live
-            after = _fds(proc.pid)
-            print(f"relay fds before {before}, after {after} (all, client sockets)")
-            # no client socket is left (1: this test's keep-alive connection); the other
-            # fds may grow by the Redis connections opened for concurrent watches, which
-            # redis-py keeps pooled: at most one per admitted stream (max_connections)
-            assert after[1] <= 1, (before, after)
-            assert after[0] - after[1] <= before[0] - before[1] + max_conn, (before, after)
-            # and a normal client works right after
-            async with http.get(base + "/healthz") as r:
-                assert r.status == 200
-            async with http.get(
-                base + f"/v1/sessions/{sid}/events", params={"token": t, "last_event_id": "0"}
-            ) as r:
-                assert r.status == 200
-                client = SSEClient(r)
-                gen = await Publisher(redis).open_generation(sid)
-                off = await gen.token("after the burst")
-                ev = await asyncio.wait_for(client.next_event(), STEP)
-                assert ev is not None
-                assert int(ev[0]) == off
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), 15)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-        err = log_path.read_bytes()
-        print(f"relay log: {len(err)} bytes, {err.count(b'Traceback')} tracebacks")
-        assert b"Traceback" not in err, _tail(log_path)
-
-
-def _tail(path: Path, n: int = 4000) -> str:
-    return path.read_bytes()[-n:].decode(errors="replace")
+        started = time.monotonic()
+        async with asyncio.timeout(180):
+            await asyncio.gather(*(attempt(i) for i in range(attempts)))
+        took = time.monotonic() - started
+        assert sum(outcomes.values()) == attempts
+        assert proc.returncode is None, "the relay died"
+        served = outcomes.get("200", 0) + outcomes.get("503", 0) + outcomes.get("400", 0)
+        print(f"burst: {attempts} attempts in {took:.1f}s: {outcomes}")
+        assert outcomes.get("500", 0) == 0, _tail(log_path)
+        assert served >= attempts * 3 // 5 * 0.9, outcomes  # 3 of 5 kinds get an answer
+        # every stream ends (heartbeat 1 s finds the closed sockets) and every fd goes
+        live: list[str] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            async with http.get(base + "/metrics") as r:
+                text = await r.text()
+            live = [
+                ln for ln in text.splitlines()
+                if ln.startswith("tokenrelay_relay_connections{")
+            ]  # fmt: skip
+            if all(ln.endswith(" 0.0") for ln in live) and _fds(proc.pid)[1] <= 1:
+                break
+            await asyncio.sleep(0.5)
+        assert all(ln.endswith(" 0.0") for ln in live), live
+        after = _fds(proc.pid)
+        print(f"relay fds before {before}, after {after} (all, client sockets)")
+        # no client socket is left (1: this test's keep-alive connection); the other
+        # fds may grow by the Redis connections opened for concurrent watches, which
+        # redis-py keeps pooled: at most one per admitted stream (max_connections)
+        assert after[1] <= 1, (before, after)
+        assert after[0] - after[1] <= before[0] - before[1] + max_conn, (before, after)
+        # and a normal client works right after
+        async with http.get(base + "/healthz") as r:
+            assert r.status == 200
+        async with http.get(
+            base + f"/v1/sessions/{sid}/events", params={"token": t, "last_event_id": "0"}
+        ) as r:
+            assert r.status == 200
+            client = SSEClient(r)
+            gen = await Publisher(redis).open_generation(sid)
+            off = await gen.token("after the burst")
+            ev = await asyncio.wait_for(client.next_event(), STEP)
+            assert ev is not None
+            assert int(ev[0]) == off
 
 
 @pytest.mark.timeout(120)
@@ -891,52 +914,35 @@ async def test_unfinished_request_heads_get_408_and_free_their_sockets(cluster, 
     client sockets go back to 0); a normal request is served meanwhile; the relay counts
     them as rejected{reason="head_timeout"}."""
     n, deadline_s = 500, 1.0
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    log_path = tmp_path / "relay.log"
-    with open(log_path, "wb") as log_file:  # noqa: ASYNC230 (a local file, opened once)
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "relay.cli", "relay", "--port", str(port),
-            "--redis", cluster.url, "--secret", SECRET, "--relay-id", "edge-heads",
-            "--head-timeout-s", str(deadline_s), "--log-level", "INFO",
-            stdout=asyncio.subprocess.DEVNULL, stderr=log_file,
-        )  # fmt: skip
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
-            await wait_ready(http, base, 30)
-            partial = [b"", b"GET /v1/sessio", b"GET /healthz HTTP/1.1\r\nHost: x\r\n"]
-            conns = []
-            for i in range(n):
-                reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.write(partial[i % len(partial)])
-                conns.append((reader, writer))
-            started = time.monotonic()
-            async with http.get(base + "/healthz") as r:  # served while they stall
-                assert r.status == 200
-            async with asyncio.timeout(30):
-                answers = await asyncio.gather(*(r.read() for r, _ in conns))
-            took = time.monotonic() - started
-            for _, w in conns:
-                w.close()
-            assert all(a.startswith(b"HTTP/1.1 408 Request Timeout\r\n") for a in answers)
-            assert all(a.endswith(b"request head not received in time\n") for a in answers)
-            assert took < deadline_s + 15
-            async with asyncio.timeout(10):
-                while _fds(proc.pid)[1] > 1:  # 1: this test's keep-alive connection
-                    await asyncio.sleep(0.1)
-            async with http.get(base + "/metrics") as r:
-                text = await r.text()
-            line = next(ln for ln in text.splitlines() if 'reason="head_timeout"' in ln)
-            assert float(line.rsplit(" ", 1)[1]) == n
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), 15)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-    assert b"Traceback" not in log_path.read_bytes(), _tail(log_path)
+    flags = ("--head-timeout-s", str(deadline_s))
+    async with (
+        relay_process(cluster, tmp_path, "edge-heads", *flags) as relay,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http,
+    ):
+        partial = [b"", b"GET /v1/sessio", b"GET /healthz HTTP/1.1\r\nHost: x\r\n"]
+        conns = []
+        for i in range(n):
+            reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+            writer.write(partial[i % len(partial)])
+            conns.append((reader, writer))
+        started = time.monotonic()
+        async with http.get(relay.base + "/healthz") as r:  # served while they stall
+            assert r.status == 200
+        async with asyncio.timeout(30):
+            answers = await asyncio.gather(*(r.read() for r, _ in conns))
+        took = time.monotonic() - started
+        for _, w in conns:
+            w.close()
+        assert all(a.startswith(b"HTTP/1.1 408 Request Timeout\r\n") for a in answers)
+        assert all(a.endswith(b"request head not received in time\n") for a in answers)
+        assert took < deadline_s + 15
+        async with asyncio.timeout(10):
+            while _fds(relay.proc.pid)[1] > 1:  # 1: this test's keep-alive connection
+                await asyncio.sleep(0.1)
+        async with http.get(relay.base + "/metrics") as r:
+            text = await r.text()
+        line = next(ln for ln in text.splitlines() if 'reason="head_timeout"' in ln)
+        assert float(line.rsplit(" ", 1)[1]) == n
 
 
 # -- 8. Last-Event-ID / from: malformed and from the future -----------------------------
