@@ -44,6 +44,7 @@ from relay.frame import now_ms
 from relay.hub import Delivery, Hub, Watch
 from relay.keys import InvalidSessionId, parse_session
 from relay.metrics import RelayMetrics
+from relay.redis_client import connect
 from relay.streams import (
     CORS_HEADERS,
     GOODBYE_S,
@@ -87,7 +88,7 @@ class EdgeServer:
     async def startup(self, app: web.Application) -> None:
         if self.hub is None:
             cfg = self.config
-            self.redis = RedisCluster.from_url(cfg.redis_url)
+            self.redis = connect(cfg.redis_url)  # a burst waits for connections
             await self.redis.initialize()
             self.hub = Hub(
                 self.redis,

@@ -24,6 +24,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from relay.cluster import ClusterInfo, LocalCluster, Node
+from relay.redis_client import GatedRedisCluster
 
 
 def _raise_on_sigterm(signum: int, frame: Any) -> None:
@@ -78,9 +79,10 @@ async def cluster() -> AsyncIterator[ClusterInfo]:
 
 @pytest.fixture
 async def redis(cluster: ClusterInfo) -> AsyncIterator[RedisCluster]:
-    """A fresh cluster client per test (tests may leave it in any state)."""
+    """A fresh cluster client per test (tests may leave it in any state): the gated
+    client the relay and the worker use (see relay.redis_client)."""
     host, port = cluster.startup_nodes[0]
-    client = RedisCluster(host=host, port=port)
+    client = GatedRedisCluster(host=host, port=port)
     await client.initialize()
     try:
         yield client

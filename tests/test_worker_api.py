@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import AsyncIterator
 
+import aiohttp
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
+from relay.cluster import ClusterInfo
 from tests.worker_harness import Harness, expected_reply, wait_turn
 
 pytestmark = pytest.mark.integration
@@ -235,3 +238,30 @@ async def test_the_load_exchange_runs_beside_the_worker(h: Harness, redis: Redis
         assert asyncio.get_running_loop().time() < deadline
         await asyncio.sleep(0.05)
     assert await redis.zscore("tr:workers", "api-test-exchange") is not None
+
+
+async def test_a_burst_of_turns_waits_for_redis_connections_instead_of_failing(
+    h: Harness, cluster: ClusterInfo
+) -> None:
+    """300 sessions created and 300 turns posted at once on one worker: every one is
+    accepted. Before the worker's client was gated (relay.redis_client), redis-py
+    refused past 100 connections per node: 100 of 400 such turns got 503."""
+    await h.start_engines(2)
+    await h.start_worker(cap=1000, own_redis_url=cluster.url)
+    n = 800
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+
+        async def one(i: int) -> int:
+            async with http.post(h.url("/v1/sessions")) as r:
+                if r.status != 201:
+                    return r.status
+                body = await r.json()
+            async with http.post(
+                h.url(f"/v1/sessions/{body['session']}/turns"),
+                json={"message": f"burst {i}", "max_tokens": 4},
+                headers={"Authorization": f"Bearer {body['token']}"},
+            ) as r:
+                return r.status
+
+        statuses = await asyncio.gather(*(one(i) for i in range(n)))
+    assert Counter(statuses) == {202: n}

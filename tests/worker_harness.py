@@ -66,7 +66,11 @@ class Harness:
             self.engines.append(await start_engine(EngineConfig(port=0, engine_id=eid, **kw)))
         return self.engines[-n:]
 
-    async def start_worker(self, cap: int = 8, **kw: Any) -> WorkerState:
+    async def start_worker(
+        self, cap: int = 8, *, own_redis_url: str = "", **kw: Any
+    ) -> WorkerState:
+        """An in-process worker; it shares the test's Redis client unless
+        ``own_redis_url`` is given (then it connects like a worker process does)."""
         cfg = WorkerConfig(
             redis_url="",
             engines=[
@@ -80,7 +84,11 @@ class Harness:
             shutdown_deadline_s=1.0,
         )
         cfg = replace(cfg, **kw)
-        self.server = TestServer(make_app(cfg, redis=self.redis), host="127.0.0.1")
+        if own_redis_url:
+            app = make_app(replace(cfg, redis_url=own_redis_url))
+        else:
+            app = make_app(cfg, redis=self.redis)
+        self.server = TestServer(app, host="127.0.0.1")
         await self.server.start_server()
         self.http = aiohttp.ClientSession()
         return self.state

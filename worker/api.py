@@ -45,6 +45,7 @@ from relay.auth import AuthError, extract_token, issue_token, verify_token
 from relay.errors import RelayError, map_redis_errors
 from relay.keys import InvalidSessionId, idem_key, new_session_id, parse_session
 from relay.publisher import Publisher
+from relay.redis_client import connect
 from worker.coalesce import DEFAULT_POLICY, CoalescePolicy
 from worker.control import ControlPlane
 from worker.engine_client import EngineClient
@@ -304,7 +305,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     given = app.get(_REDIS)
     own = given is None
     redis = (
-        RedisCluster.from_url(
+        connect(  # waits for a pooled connection in a burst instead of failing
             cfg.redis_url,
             socket_timeout=cfg.redis_timeout_s,
             socket_connect_timeout=cfg.redis_timeout_s,

@@ -71,13 +71,12 @@ async def serve(cfg: EngineConfig, args: argparse.Namespace) -> None:
     if not getattr(args, "redis", None):
         await run_engine(cfg)
         return
-    from redis.asyncio.cluster import RedisCluster
-
+    from relay.redis_client import connect
     from worker.control import EngineAnnouncer
     from worker.router import EngineSpec
 
     url = args.announce_url or f"http://{cfg.host}:{cfg.port}"
-    redis = RedisCluster.from_url(args.redis)
+    redis = connect(args.redis)
     announcer = EngineAnnouncer(
         redis, EngineSpec(id=cfg.engine_id, url=url, cap=args.cap or cfg.max_concurrency)
     )

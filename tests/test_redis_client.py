@@ -1,0 +1,80 @@
+"""The gated cluster client: a burst waits for connections instead of failing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import MaxConnectionsError
+
+from relay.cluster import ClusterInfo
+from relay.redis_client import GatedRedisCluster, connect
+
+pytestmark = pytest.mark.integration
+
+BURST = 300
+
+
+async def _burst(client: RedisCluster) -> list[object]:
+    async def one(i: int) -> object:
+        # a Lua script that takes a moment, so that the burst overlaps
+        return await client.execute_command(
+            "EVAL", "for i = 1, 20000 do end return ARGV[1]", 1, f"k{i}", str(i)
+        )
+
+    return await asyncio.gather(*(one(i) for i in range(BURST)), return_exceptions=True)
+
+
+async def test_plain_redis_py_fails_a_burst_at_its_pool_limit(cluster: ClusterInfo) -> None:
+    """The behaviour the gate exists for: redis-py raises instead of waiting."""
+    client = RedisCluster.from_url(cluster.url, max_connections=4)
+    try:
+        await client.initialize()
+        results = await _burst(client)
+    finally:
+        await client.aclose()
+    assert any(isinstance(r, MaxConnectionsError) for r in results)
+
+
+async def test_the_gated_client_serves_the_same_burst_within_its_bound(
+    cluster: ClusterInfo,
+) -> None:
+    client = connect(cluster.url, concurrency=4)
+    try:
+        await client.initialize()
+        results = await _burst(client)
+        assert results == [str(i).encode() for i in range(BURST)]
+        for node in client.get_nodes():
+            assert len(node._connections) <= 4, node.name
+        assert client.waiting == 0
+    finally:
+        await client.aclose()
+
+
+async def test_pipelines_over_every_node_are_gated_too(cluster: ClusterInfo) -> None:
+    client = connect(cluster.url, concurrency=2)
+    try:
+        await client.initialize()
+
+        async def pipe(i: int) -> list[object]:
+            p = client.pipeline(transaction=False)
+            for k in range(12):  # keys in slots of every master
+                p.set(f"pipe:{i}:{k}", i)
+            for k in range(12):
+                p.get(f"pipe:{i}:{k}")
+            return list(await p.execute())
+
+        results = await asyncio.gather(*(pipe(i) for i in range(100)))
+        assert all(r[12:] == [str(i).encode()] * 12 for i, r in enumerate(results))
+        for node in client.get_nodes():
+            assert len(node._connections) <= 2, node.name
+    finally:
+        await client.aclose()
+
+
+def test_bounds_are_checked() -> None:
+    with pytest.raises(ValueError, match="concurrency"):
+        GatedRedisCluster(host="127.0.0.1", port=1, concurrency=0)
+    with pytest.raises(ValueError, match="max_connections"):
+        GatedRedisCluster(host="127.0.0.1", port=1, concurrency=8, max_connections=4)
