@@ -158,6 +158,10 @@ class SessionStore:
             if ok:
                 return None
             cur = await self.redis.get(lk)
+        if cur is not None and _s(cur).startswith(owner + " "):
+            # our own SET landed but its reply was lost and redis-py sent it again
+            # (it retries a command on a connection error): the lock is ours
+            return None
         if cur is None:  # expired in between: try once more
             with map_redis_errors():
                 ok = await self.redis.set(lk, value, nx=True, px=self.lock_ttl_ms)
@@ -199,6 +203,8 @@ class SessionStore:
         if cur is None:
             return await self.claim_idempotency(sid, idem, owner)
         text = _s(cur)
+        if text == f"pending {owner}":
+            return None  # our own claim, sent again after its reply was lost
         if text.startswith("pending "):
             return "pending"
         try:

@@ -1,0 +1,41 @@
+"""The worker's session store against a real cluster: the turn lock and idempotency
+claims survive a retried SET NX (redis-py sends a command again after a connection
+error; when the first one had landed, the second finds the key set)."""
+
+from __future__ import annotations
+
+import pytest
+from redis.asyncio.cluster import RedisCluster
+
+from relay.keys import KeyKind, key, new_session_id
+from worker.store import SessionStore
+
+pytestmark = pytest.mark.integration
+
+
+async def test_the_lock_is_ours_when_our_own_set_landed_before(redis: RedisCluster) -> None:
+    store = SessionStore(redis)
+    sid = new_session_id()
+    assert await store.acquire_lock(sid, "w1:aaaa") is None
+    # the same SET NX again (what a retry after a lost reply does): still ours
+    assert await store.acquire_lock(sid, "w1:aaaa") is None
+    holder = await store.acquire_lock(sid, "w1:bbbb")  # another attempt: refused
+    assert holder is not None
+    assert holder.owner == "w1:aaaa"
+    # an owner that is a prefix of the holder's is not the holder
+    assert await store.acquire_lock(sid, "w1:aa") is not None
+    stored = await redis.get(key(sid, KeyKind.LOCK))
+    assert isinstance(stored, bytes)
+    assert stored.startswith(b"w1:aaaa ")
+
+
+async def test_an_idempotency_claim_is_ours_when_our_own_set_landed_before(
+    redis: RedisCluster,
+) -> None:
+    store = SessionStore(redis)
+    sid = new_session_id()
+    assert await store.claim_idempotency(sid, "key-1", "w1:aaaa") is None
+    assert await store.claim_idempotency(sid, "key-1", "w1:aaaa") is None
+    assert await store.claim_idempotency(sid, "key-1", "w1:bbbb") == "pending"
+    await store.resolve_idempotency(sid, "key-1", {"turn": 1})
+    assert await store.claim_idempotency(sid, "key-1", "w1:aaaa") == {"turn": 1}
