@@ -16,6 +16,14 @@ to pending and mark the slot map stale: the sync task refreshes the map (``CLUST
 SHARDS``, fallback ``CLUSTER SLOTS``), re-subscribes on the new owner and then calls
 ``on_resubscribed(channels)`` so the hub repairs the gap from the backlog.
 
+A map can lag: the node asked may not have heard of a failover yet. A channel that a
+node unsubscribed us from is therefore not re-subscribed on that node while a fresh
+map still lists it as the slot's master; the map is refreshed again (with backoff)
+until it has caught up, for at most ``settle_s``. Otherwise the channel could land on
+the demoted master before its new master knows it as a replica, which gets no shard
+messages meanwhile: the frames of that window would reach no one until the next frame
+revealed the hole (and a lost ``done`` never would).
+
 Order of use::
 
     sub = ShardedSubscriber(redis, on_message=..., on_resubscribed=..., relay_id="r1")
@@ -251,6 +259,7 @@ class ShardedSubscriber:
         read_from_replicas: bool = False,
         subscribe_timeout_s: float = 5.0,
         connect_timeout_s: float = 2.0,
+        settle_s: float = 5.0,
     ) -> None:
         self.redis = redis
         self.on_message = on_message
@@ -259,6 +268,7 @@ class ShardedSubscriber:
         self.read_from_replicas = read_from_replicas
         self.subscribe_timeout_s = subscribe_timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.settle_s = settle_s
         kw = redis.get_connection_kwargs()
         user, password = kw.get("username"), kw.get("password")
         self._auth: tuple[str, ...] = ()
@@ -271,6 +281,8 @@ class ShardedSubscriber:
         self._pending: set[str] = set()
         self._where: dict[str, Addr] = {}
         self._confirmed_once: set[str] = set()
+        # channel -> (node that unsubscribed us, until when its map entry is suspect)
+        self._left: dict[str, tuple[Addr, float]] = {}
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -281,6 +293,7 @@ class ShardedSubscriber:
             "map_refreshes": 0,
             "connections_lost": 0,
             "ssubscribe_commands": 0,
+            "stale_maps": 0,
         }
 
     # -- public API ------------------------------------------------------------------------
@@ -357,6 +370,7 @@ class ShardedSubscriber:
                     del self._waiters[c]
 
     def _give_up(self, c: str) -> None:
+        self._left.pop(c, None)
         self._wanted.discard(c)
         self._pending.discard(c)
         self._confirmed_once.discard(c)
@@ -374,6 +388,7 @@ class ShardedSubscriber:
                     conn.sunsubscribe([c])
             return
         self._pending.discard(c)
+        self._left.pop(c, None)
         self._where[c] = addr
         if c in self._confirmed_once:
             resub.append(c)
@@ -394,7 +409,20 @@ class ShardedSubscriber:
 
     def _on_unsolicited(self, conn: NodeConn, channel: str) -> None:
         log.info("unsolicited sunsubscribe of %s on %s", channel, conn.addr)
+        self._left[channel] = (conn.addr, asyncio.get_running_loop().time() + self.settle_s)
         self._lose([channel], conn.addr)
+
+    def _lagging(self, c: str, slot: int) -> bool:
+        """The map still names as master of ``slot`` the node that unsubscribed us
+        from ``c`` (within ``settle_s`` of it): the map has not caught up."""
+        left = self._left.get(c)
+        if left is None or self._map is None:
+            return False
+        node, until = left
+        if asyncio.get_running_loop().time() >= until:
+            del self._left[c]  # it really is the master again (or the map never learns)
+            return False
+        return self._map.node_for(slot) == node
 
     def _on_lost(self, conn: NodeConn, channels: set[str]) -> None:
         if self._conns.get(conn.addr) is conn:
@@ -464,9 +492,12 @@ class ShardedSubscriber:
         if not todo:
             return
         by_node: dict[Addr, list[str]] = {}
+        lagging = False
         for c in todo:
-            addr = self._map.node_for(slot_of(c), replica=self.read_from_replicas)
-            if addr is None:
+            slot = slot_of(c)
+            addr = self._map.node_for(slot, replica=self.read_from_replicas)
+            if addr is None or self._lagging(c, slot):
+                lagging = lagging or addr is not None
                 self._stale = True
                 continue
             by_node.setdefault(addr, []).append(c)
@@ -479,6 +510,8 @@ class ShardedSubscriber:
             if isinstance(r, BaseException):
                 log.info("subscribe round failed: %r", r)
                 self._stale = True
+        if lagging:
+            self.stats["stale_maps"] += 1
         if resub:
             self.stats["resubscribes"] += len(resub)
             self.on_resubscribed(resub)

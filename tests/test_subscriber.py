@@ -132,3 +132,55 @@ async def test_timed_out_subscribes_leave_no_waiters(redis: RedisCluster) -> Non
         assert sub._waiters == {}
     finally:
         await sub.close()
+
+
+@pytest.mark.slow
+async def test_a_lagging_slot_map_after_failover_is_refreshed_until_it_catches_up(
+    private_cluster,
+) -> None:
+    """After CLUSTER FAILOVER the old master unsubscribes us. The first maps fetched
+    here are the pre-failover map (a node that has not heard yet): the subscriber must
+    not settle on the demoted master it names, but refresh until the map names the new
+    master, subscribe there, and get what is published there."""
+    local = await private_cluster(masters=3, replicas=1)
+    info = local.info
+    host, port = info.startup_nodes[0]
+    redis = RedisCluster(host=host, port=port)
+    await redis.initialize()
+    inbox = Inbox()
+    sub = await _sub(redis, inbox)
+    try:
+        ch = live_channel(new_session_id())
+        await sub.subscribe([ch])
+        old = sub.node_of(ch)
+        assert old is not None
+        replica = next(n for n in info.replicas if n.master_port == old.port)
+        stale = sub._map
+        real_refresh = sub._refresh_map
+        served_stale = 0
+
+        async def lagging_refresh() -> None:
+            nonlocal served_stale
+            if served_stale < 3:  # the next three maps come from a node that lags
+                served_stale += 1
+                sub._map, sub._stale = stale, False
+                return
+            await real_refresh()
+
+        sub._refresh_map = lagging_refresh  # type: ignore[method-assign]
+        rc = aioredis.Redis(host=replica.host, port=replica.port)
+        try:
+            await rc.execute_command("CLUSTER", "FAILOVER")
+            async with asyncio.timeout(20):
+                while sub.node_of(ch) != (replica.host, replica.port):
+                    await asyncio.sleep(0.05)
+            assert served_stale == 3
+            assert sub.stats["stale_maps"] >= 1
+            await rc.execute_command("SPUBLISH", ch, b"on the new master")
+        finally:
+            await rc.aclose()
+        await inbox.wait_for(1)
+        assert inbox.got[-1] == (ch.encode(), b"on the new master")
+    finally:
+        await sub.close()
+        await redis.aclose()
