@@ -38,9 +38,13 @@ async def hub(redis: RedisCluster) -> AsyncIterator[Hub]:
 async def collect(watch: Watch, until: int, within_s: float = 10.0) -> list[Delivery]:
     """Read deliveries until one has an offset >= until."""
     out: list[Delivery] = []
-    async with asyncio.timeout(within_s):
-        while not out or out[-1].offset < until:
-            out.extend(await watch.next())
+    try:
+        async with asyncio.timeout(within_s):
+            while not out or out[-1].offset < until:
+                out.extend(await watch.next())
+    except TimeoutError:  # say what the hub saw, for a failure that does not reproduce
+        stats = {**watch.hub.stats(), **watch.hub.subscriber.stats}
+        raise AssertionError(f"offsets {token_offsets(out)}, not {until}: {stats}") from None
     return out
 
 
