@@ -23,7 +23,9 @@ Order of use::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
+from collections.abc import AsyncIterator
 from typing import Any, Final
 
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
@@ -46,23 +48,30 @@ class GatedRedisCluster(RedisCluster):
             raise ValueError("max_connections per node must be >= concurrency")
         super().__init__(*args, **kwargs)
         self.concurrency = concurrency
+        self.waiting = 0  # callers waiting for a permit now
         self._permits = asyncio.Semaphore(concurrency)
 
-    @property
-    def waiting(self) -> int:
-        """Callers waiting for a permit now (for metrics and tests)."""
-        waiters = getattr(self._permits, "_waiters", None)
-        return len(waiters) if waiters else 0
+    @contextlib.asynccontextmanager
+    async def permit(self) -> AsyncIterator[None]:
+        """Hold one permit for the block; inside a holder's context, hold nothing more."""
+        if _holding.get():
+            yield
+            return
+        self.waiting += 1
+        try:
+            await self._permits.acquire()
+        finally:
+            self.waiting -= 1
+        token = _holding.set(True)
+        try:
+            yield
+        finally:
+            _holding.reset(token)
+            self._permits.release()
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        if _holding.get():
+        async with self.permit():
             return await super().execute_command(*args, **kwargs)
-        async with self._permits:
-            token = _holding.set(True)
-            try:
-                return await super().execute_command(*args, **kwargs)
-            finally:
-                _holding.reset(token)
 
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> Any:
         if shard_hint:  # what redis-py refuses, refused the same way
@@ -75,14 +84,9 @@ class _GatedPipeline(ClusterPipeline):
 
     async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> Any:
         client = self.cluster_client
-        if _holding.get() or not isinstance(client, GatedRedisCluster):
+        assert isinstance(client, GatedRedisCluster)
+        async with client.permit():
             return await super().execute(raise_on_error, allow_redirections)
-        async with client._permits:
-            token = _holding.set(True)
-            try:
-                return await super().execute(raise_on_error, allow_redirections)
-            finally:
-                _holding.reset(token)
 
 
 def connect(

@@ -78,3 +78,24 @@ def test_bounds_are_checked() -> None:
         GatedRedisCluster(host="127.0.0.1", port=1, concurrency=0)
     with pytest.raises(ValueError, match="max_connections"):
         GatedRedisCluster(host="127.0.0.1", port=1, concurrency=8, max_connections=4)
+
+
+async def test_waiters_are_counted_and_a_cancelled_waiter_leaves_no_trace(
+    cluster: ClusterInfo,
+) -> None:
+    client = connect(cluster.url, concurrency=1)
+    try:
+        await client.initialize()
+        slow = "for i = 1, 3000000 do end return 1"  # ~0.1 s of server time
+        tasks = [asyncio.create_task(client.execute_command("EVAL", slow, 0)) for _ in range(3)]
+        async with asyncio.timeout(10):
+            while client.waiting < 2:
+                await asyncio.sleep(0.005)
+        tasks[2].cancel()  # a waiter gives up
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert results[:2] == [1, 1]
+        assert isinstance(results[2], asyncio.CancelledError)
+        assert client.waiting == 0
+        assert await client.execute_command("PING")  # the permit was not leaked
+    finally:
+        await client.aclose()
