@@ -303,9 +303,42 @@ async def _fault_engine_kill(run: _Run) -> None:
     run.stack.kill("engine-1")
 
 
+async def _worker_leases(run: _Run) -> dict[str, float]:
+    """Leases (= turns generating) each live worker holds, from its /metrics."""
+    out: dict[str, float] = {}
+    for p in run.stack.of_kind("worker"):
+        if not p.alive:
+            continue
+        try:
+            async with run.http.get(
+                p.url + "/metrics", timeout=aiohttp.ClientTimeout(total=2)
+            ) as r:
+                text = await r.text()
+        except (aiohttp.ClientError, TimeoutError):
+            continue
+        out[p.name] = sum(
+            float(line.rpartition(" ")[2])
+            for line in text.splitlines()
+            if line.startswith("tokenrelay_worker_engine_in_flight{")
+        )
+    return out
+
+
 async def _fault_worker_kill(run: _Run) -> None:
-    """kill -9 worker-1 mid-generation: relays reap its turns once the lock expires."""
-    run.stack.kill("worker-1")
+    """kill -9 a worker mid-generation, the one holding the most leases (waiting up to
+    5 s for one to hold any, so that the drill always kills running turns): relays reap
+    its turns once their locks expire."""
+    leases: dict[str, float] = {}
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        leases = await _worker_leases(run)
+        if any(n > 0 for n in leases.values()):
+            break
+        await asyncio.sleep(0.05)
+    victim = max(sorted(leases), key=lambda name: leases[name], default="worker-1")
+    run.stack.kill(victim)
+    run.notes["killed"] = victim
+    run.notes["killed_leases"] = leases.get(victim, 0.0)
 
 
 async def _fault_relay_stall_buffer(run: _Run) -> None:
