@@ -1,0 +1,102 @@
+"""`tokenrelay demo` end to end, as `make demo` runs it: one URL serves the page and the
+whole HTTP contract; a turn streams through the front door; Ctrl-C (SIGINT) stops every
+process the demo started."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.test_server import SSEClient
+from worker.stack import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.timeout(240)
+async def test_make_demo_serves_one_url_streams_a_turn_and_stops_everything(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    out_path = tmp_path / "demo.out"
+    with open(out_path, "wb") as out:  # noqa: ASYNC230 (a local file, opened once)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "relay.cli", "demo", "--port", str(port),
+            stdout=out, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    pids: list[int] = []
+    redis_url = ""
+    try:
+        async with asyncio.timeout(120):
+            while f"open {base}/".encode() not in out_path.read_bytes():
+                assert proc.returncode is None, out_path.read_text()[-3000:]
+                await asyncio.sleep(0.2)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+            async with http.get(base + "/") as r:
+                assert r.status == 200
+                assert "text/html" in r.headers["Content-Type"]
+            async with http.post(base + "/v1/sessions") as r:
+                assert r.status == 201, await r.text()
+                session = await r.json()
+            sid, token = session["session"], session["token"]
+            auth = {"Authorization": f"Bearer {token}"}
+            async with http.get(
+                f"{base}/v1/sessions/{sid}/events", params={"token": token}
+            ) as stream:
+                assert stream.status == 200
+                sse = SSEClient(stream)
+                async with http.post(
+                    f"{base}/v1/sessions/{sid}/turns",
+                    json={"message": "hello demo", "max_tokens": 12},
+                    headers=auth,
+                ) as r:
+                    assert r.status == 202, await r.text()
+                kinds: list[str] = []
+                async with asyncio.timeout(30):
+                    while not kinds or kinds[-1] not in ("done", "error"):
+                        ev = await sse.next_event()
+                        assert ev is not None
+                        kinds.append(ev[1])
+                assert kinds[-1] == "done", kinds
+                assert "token" in kinds
+            async with http.get(base + "/api/stack") as r:
+                view = await r.json()
+            pids = [p["pid"] for p in view["processes"]]
+            redis_url = view["redis"]
+            kinds_running = sorted({p["kind"] for p in view["processes"] if p["alive"]})
+            assert kinds_running == ["engine", "relay", "worker"], view["processes"]
+        proc.send_signal(signal.SIGINT)
+        async with asyncio.timeout(60):
+            assert await proc.wait() == 0, out_path.read_text()[-3000:]
+        assert b"stopped: every process this demo started has exited" in out_path.read_bytes()
+        deadline = time.monotonic() + 5
+        while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert [p for p in pids if not _gone(p)] == []
+        redis_port = int(redis_url.rsplit(":", 1)[1])
+        with pytest.raises(OSError):  # the first master, like every node, has stopped
+            await asyncio.open_connection("127.0.0.1", redis_port)
+    finally:
+        if proc.returncode is None:  # stop it by pid, whatever failed
+            proc.send_signal(signal.SIGINT)
+            try:
+                await asyncio.wait_for(proc.wait(), 30)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
