@@ -233,25 +233,34 @@ async def _each_node(stack: Stack, *args: Any) -> None:
 _WANTED = ("reaped", "repairs", "connections_lost", "resubscribes", "topology_changes", "gaps")
 
 
+async def _samples(
+    http: aiohttp.ClientSession, url: str, timeout_s: float
+) -> list[tuple[str, float]] | None:
+    """(name with labels, value) of every sample on ``url``/metrics; None if unreachable."""
+    try:
+        async with http.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            text = await r.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    out = []
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, _, value = line.rpartition(" ")
+        out.append((name, float(value)))
+    return out
+
+
 async def _relay_stats(http: aiohttp.ClientSession, stack: Stack) -> dict[str, float]:
     """A few hub counters summed over the relays still alive (from /metrics)."""
     out: dict[str, float] = {}
     for p in stack.of_kind("relay"):
-        if not p.alive:
-            continue
-        try:
-            async with http.get(p.url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                text = await r.text()
-        except (aiohttp.ClientError, TimeoutError):
-            continue
-        for line in text.splitlines():
-            if line.startswith("#") or " " not in line:
-                continue
-            name, _, value = line.rpartition(" ")
+        samples = await _samples(http, p.url, 5) if p.alive else None
+        for name, value in samples or []:
             name = name.removesuffix("_total")
             for w in _WANTED:
                 if name.endswith("hub_" + w) or f'key="{w}"' in name:
-                    out[w] = out.get(w, 0.0) + float(value)
+                    out[w] = out.get(w, 0.0) + value
     return out
 
 
@@ -307,20 +316,11 @@ async def _worker_leases(run: _Run) -> dict[str, float]:
     """Leases (= turns generating) each live worker holds, from its /metrics."""
     out: dict[str, float] = {}
     for p in run.stack.of_kind("worker"):
-        if not p.alive:
-            continue
-        try:
-            async with run.http.get(
-                p.url + "/metrics", timeout=aiohttp.ClientTimeout(total=2)
-            ) as r:
-                text = await r.text()
-        except (aiohttp.ClientError, TimeoutError):
-            continue
-        out[p.name] = sum(
-            float(line.rpartition(" ")[2])
-            for line in text.splitlines()
-            if line.startswith("tokenrelay_worker_engine_in_flight{")
-        )
+        samples = await _samples(run.http, p.url, 2) if p.alive else None
+        if samples is not None:
+            out[p.name] = sum(
+                v for name, v in samples if name.startswith("tokenrelay_worker_engine_in_flight{")
+            )
     return out
 
 

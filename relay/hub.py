@@ -21,11 +21,6 @@ whichever relay gets there first. Presence: one background task refreshes
 ``presence_interval_s`` for every watched session, batched in one cluster pipeline,
 and removes the member when the last local watcher leaves.
 
-Redis concurrency: backlog reads, reaps and seals hold one of ``redis_concurrency``
-permits, so a reconnect storm queues here instead of failing: redis-py's cluster
-client raises ``MaxConnectionsError`` at once, without waiting, past ``max_connections``
-(100) connections to one node.
-
 Order of use::
 
     hub = Hub(redis, relay_id="edge-1"); await hub.start()
@@ -46,11 +41,7 @@ from typing import Any
 from redis.asyncio.cluster import RedisCluster
 
 from relay.errors import RelayError, WatchClosed, map_redis_errors
-from relay.frame import (
-    FrameError,
-    decode,
-    now_ms,
-)
+from relay.frame import FrameError, decode, now_ms
 from relay.keys import live_channel, parse_session, presence_key
 from relay.publisher import read_backlog, reap, seal
 from relay.resume import Delivery, Fetch, Resume, Step
@@ -123,12 +114,9 @@ class Hub:
         reap_interval_s: float = 1.0,
         backlog_maxlen: int = 10_000,
         session_ttl_s: int = 86_400,
-        redis_concurrency: int = 48,
     ) -> None:
         if not 0 < queue_frames <= hard_limit_frames:
             raise ValueError("need 0 < queue_frames <= hard_limit_frames")
-        if redis_concurrency < 1:
-            raise ValueError("redis_concurrency must be >= 1")
         self.redis = redis
         self.queue_frames = queue_frames
         self.hard_limit_frames = hard_limit_frames
@@ -141,7 +129,6 @@ class Hub:
         self.reap_interval_s = reap_interval_s
         self.backlog_maxlen = backlog_maxlen
         self.session_ttl_s = session_ttl_s
-        self._permits = asyncio.Semaphore(redis_concurrency)
         self.subscriber = ShardedSubscriber(
             redis,
             on_message=self._on_message,
@@ -362,10 +349,7 @@ class Hub:
         while fetch is not None and alive():
             count = 0 if fetch.after is None else self.backlog_page
             try:
-                async with self._permits:
-                    frames, first, last = await read_backlog(
-                        self.redis, sid, fetch.after or 0, count
-                    )
+                frames, first, last = await read_backlog(self.redis, sid, fetch.after or 0, count)
             except RelayError as exc:
                 log.info("backlog read for %s failed: %s", sid, exc)
                 await asyncio.sleep(backoff)
@@ -387,15 +371,14 @@ class Hub:
 
         async def run() -> None:
             try:
-                async with self._permits:
-                    n = await seal(
-                        self.redis,
-                        sid,
-                        seen,
-                        sealer=self.relay_id,
-                        maxlen=self.backlog_maxlen,
-                        ttl_s=self.session_ttl_s,
-                    )
+                n = await seal(
+                    self.redis,
+                    sid,
+                    seen,
+                    sealer=self.relay_id,
+                    maxlen=self.backlog_maxlen,
+                    ttl_s=self.session_ttl_s,
+                )
                 if n:
                     self._stats["sealed"] += n
                     log.warning("session %s: %d offset(s) up to %d lost", sid, n, seen)
@@ -430,14 +413,13 @@ class Hub:
     async def _reap(self, ch: _Channel) -> None:
         self._stats["reap_checks"] += 1
         try:
-            async with self._permits:
-                res = await reap(
-                    self.redis,
-                    ch.sid,
-                    reaper=self.relay_id,
-                    maxlen=self.backlog_maxlen,
-                    ttl_s=self.session_ttl_s,
-                )
+            res = await reap(
+                self.redis,
+                ch.sid,
+                reaper=self.relay_id,
+                maxlen=self.backlog_maxlen,
+                ttl_s=self.session_ttl_s,
+            )
         except RelayError as exc:
             self._stats["reap_errors"] += 1
             log.info("reap of %s failed: %s", ch.sid, exc)

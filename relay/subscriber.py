@@ -496,9 +496,11 @@ class ShardedSubscriber:
         for c in todo:
             slot = slot_of(c)
             addr = self._map.node_for(slot, replica=self.read_from_replicas)
-            if addr is None or self._lagging(c, slot):
-                lagging = lagging or addr is not None
+            if addr is None:  # nobody serves the slot yet (mid-failover)
                 self._stale = True
+                continue
+            if self._lagging(c, slot):
+                lagging = self._stale = True
                 continue
             by_node.setdefault(addr, []).append(c)
         resub: list[str] = []

@@ -25,6 +25,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from relay.cluster import ClusterInfo, LocalCluster, Node
 from relay.redis_client import GatedRedisCluster
+from tests.worker_harness import Harness
 
 
 def _raise_on_sigterm(signum: int, frame: Any) -> None:
@@ -88,6 +89,14 @@ async def redis(cluster: ClusterInfo) -> AsyncIterator[RedisCluster]:
         yield client
     finally:
         await client.aclose()
+
+
+@pytest.fixture
+async def h(redis: RedisCluster) -> AsyncIterator[Harness]:
+    """In-process mock engines and a worker (tests/worker_harness.py), stopped after."""
+    harness = Harness(redis)
+    yield harness
+    await harness.stop()
 
 
 PrivateClusterFactory = Callable[..., Awaitable[LocalCluster]]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio.cluster import RedisCluster
@@ -27,13 +26,6 @@ from tests.worker_harness import Harness, wait_turn
 from worker.presence import PresencePolicy
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-async def h(redis: RedisCluster) -> AsyncIterator[Harness]:
-    harness = Harness(redis)
-    yield harness
-    await harness.stop()
 
 
 async def test_a_lost_cancellation_of_the_presence_loop_does_not_hang_the_turn(

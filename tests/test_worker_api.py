@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -14,13 +13,6 @@ from relay.cluster import ClusterInfo
 from tests.worker_harness import Harness, expected_reply, wait_turn
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-async def h(redis: RedisCluster) -> AsyncIterator[Harness]:
-    harness = Harness(redis)
-    yield harness
-    await harness.stop()
 
 
 async def test_turn_streams_meta_then_tokens_then_done(h: Harness, redis: RedisCluster):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio.cluster import RedisCluster
@@ -27,13 +26,6 @@ from worker.router import EngineSpec
 pytestmark = pytest.mark.integration
 
 FAST_PRESENCE = PresencePolicy(grace_s=1.0, interval_s=0.2, window_s=2.0)
-
-
-@pytest.fixture
-async def h(redis: RedisCluster) -> AsyncIterator[Harness]:
-    harness = Harness(redis)
-    yield harness
-    await harness.stop()
 
 
 async def _until_tokens(redis: RedisCluster, sid: str, n: int, timeout_s: float = 10.0) -> None:
