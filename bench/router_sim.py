@@ -4,7 +4,8 @@ What it is for: a deterministic discrete-event simulation of multi-turn chat tra
 fleet of engines, driving the real ``worker.router.Router`` and ``worker.loadshare`` rule with
 a simulated clock. It compares round-robin, sticky hash (ring preference, no cap), bounded
 loads with the clockwise walk, and bounded loads with least-loaded spill; then runs 4 worker
-pods against one fleet with the load-sharing design off and on.
+pods against one fleet with the load-sharing design off and on, and 1, cap and 2 x cap
+worker pods at the usual load (does every worker get its share of the caps?).
 
 Model: sessions arrive as a Poisson process; each picks a system prompt from a Zipf
 distribution (a few prompts are shared by hundreds of sessions) and has a geometric number of
@@ -39,7 +40,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from worker.loadshare import WorkerReport, compute_view
-from worker.router import DEFAULT_SPILL, AllEnginesFull, EngineSpec, Lease, Router
+from worker.router import DEFAULT_SPILL, EngineSpec, Lease, Router
 from worker.routing_key import routing_key
 
 __all__ = ["POLICIES", "SimConfig", "main", "run", "run_all"]
@@ -55,6 +56,7 @@ class SimConfig:
     workers: int = 1
     loadshare: bool = True  # multi-worker: exchange load reports (else every worker uses cap)
     exchange_s: float = 0.25
+    rotate_s: float = 1.0  # LoadExchange.rotate_s: how long one order among equal workers lasts
     load: float = 0.85  # offered load / estimated fleet capacity
     duration_s: float = 300.0
     system_prompts: int = 40
@@ -89,6 +91,7 @@ class _Req:
     worker: int
     lease: Lease | None = None
     engine: int = -1
+    wanted: str = ""  # the engine it waits for (Router.add_waiter), while pending
 
 
 class _Engine:
@@ -202,9 +205,8 @@ def run(cfg: SimConfig) -> dict[str, Any]:
         if cfg.policy == "sticky":
             assign(r, index[router.preferred(r.key)])
             return True
-        try:
-            lease = router.route(r.key)
-        except AllEnginesFull:
+        lease = router.try_route(r.key)
+        if lease is None:
             return False
         spills += lease.spilled
         r.lease = lease
@@ -214,17 +216,17 @@ def run(cfg: SimConfig) -> dict[str, Any]:
     def drain_pending(w: int) -> None:
         q = pending[w]
         while q and try_route(q[0]):
-            q.popleft()
+            routers[w].remove_waiter(q.popleft().wanted)
 
     def exchange(w: int) -> None:
         router = routers[w]
         mine = router.in_flight()
-        pressure = router.take_pressure()
+        unmet = router.take_unmet()
         others = [rep for ow, rep in reports.items() if ow != w]
         caps = {s.id: s.cap for s in specs}
-        view = compute_view(caps, mine, pressure, others)
+        view = compute_view(caps, mine, unmet, others, f"w{w}", int(now // cfg.rotate_s))
         router.apply_load_view(view)
-        demand = {k: mine[k] + pressure.get(k, 0) for k in mine}
+        demand = {k: mine[k] + unmet.get(k, 0) for k in mine}
         reports[w] = WorkerReport(f"w{w}", mine, demand, view.allowance)
         drain_pending(w)
 
@@ -260,6 +262,8 @@ def run(cfg: SimConfig) -> dict[str, Any]:
             r = _Req(s, now, key, sys_len[s.system] + s.history, out, next_worker)
             next_worker = (next_worker + 1) % cfg.workers
             if pending[r.worker] or not try_route(r):
+                if bounded:  # a request waiting for a slot is this worker's unmet demand
+                    r.wanted = routers[r.worker].add_waiter(r.key)
                 pending[r.worker].append(r)
         elif kind == "finish":
             r = data
@@ -310,6 +314,11 @@ def run_all(quick: bool = False) -> dict[str, Any]:
         "on": run(over),
         "on_walk": run(replace(over, policy="walk")),
     }
+    # As many or more worker pods than an engine has slots, at the usual load: each
+    # worker's share of an engine is a slot or none, and shares must follow demand.
+    out["many_workers"] = {
+        str(n): run(replace(base, workers=n)) for n in (1, base.cap, 2 * base.cap)
+    }
     return out
 
 
@@ -337,6 +346,14 @@ def _table(res: dict[str, Any]) -> str:
         lines.append(
             f"  loadshare {name:<16} {r['peak_global_over_cap']:>6}  "
             f"utilization {r['utilization']}, cache hits {r['cache_hit_rate']}"
+        )
+    lines.append("")
+    lines.append("N workers, load sharing on, usual load: does every worker get its share?")
+    for n, r in res["many_workers"].items():
+        lines.append(
+            f"  {n:>3} workers  requests {r['requests']}  utilization {r['utilization']}  "
+            f"p99 queueing {r['p99_queue_ms']} ms  peak/cap {r['peak_global_over_cap']}  "
+            f"cache hits {r['cache_hit_rate']}"
         )
     return "\n".join(lines)
 

@@ -7,10 +7,19 @@ import random
 import uuid
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from redis.asyncio import RedisCluster
 
-from worker.loadshare import LoadExchange, WorkerReport, compute_view, static_view, worker_key
-from worker.router import AllEnginesFull, EngineSpec, Router
+from worker.loadshare import (
+    LoadExchange,
+    WorkerReport,
+    compute_view,
+    split_cap,
+    static_view,
+    worker_key,
+)
+from worker.router import AllEnginesFull, EngineSpec, Router, route_wait
 
 CAPS = {"e0": 16, "e1": 16}
 
@@ -42,8 +51,91 @@ def test_idle_workers_split_free_capacity() -> None:
 
 def test_demand_takes_the_free_capacity() -> None:
     busy_peer = WorkerReport("b", {"e": 0}, {"e": 20}, {"e": 0})
-    mine = compute_view({"e": 32}, {"e": 0}, {}, [busy_peer])
-    assert mine.allowance["e"] <= 2  # the peer that wants it gets nearly all of it
+    mine = compute_view({"e": 32}, {"e": 0}, {}, [busy_peer], "a")
+    assert mine.allowance["e"] == 6  # the peer's 20 first, the other 12 split as footholds
+    theirs = compute_view({"e": 32}, {"e": 0}, {"e": 20}, [WorkerReport("a", {}, {}, {})], "b")
+    assert theirs.allowance["e"] == 26
+
+
+def test_split_cap_meets_every_demand_that_fits_and_spreads_the_rest() -> None:
+    assert split_cap(10, {"a": 2, "b": 0, "c": 0}, {"a": 1, "b": 4}) == {"a": 4, "b": 5, "c": 1}
+    assert split_cap(8, {}, {}) == {}
+    assert split_cap(8, {"a": 0}, {}) == {"a": 8}
+
+
+def test_split_cap_under_overload_is_max_min_fair_and_rotates_with_the_epoch() -> None:
+    assert split_cap(9, {"a": 0, "b": 0}, {"a": 2, "b": 30}) == {"a": 2, "b": 7}
+    # cap 2, four workers all wanting: two of them per epoch, a different two over time
+    held = {"a": 1, "b": 1, "c": 0, "d": 0}
+    chosen = {w: 0 for w in held}
+    for epoch in range(20):
+        t = split_cap(2, held, dict.fromkeys(held, 1), epoch)
+        assert sorted(t.values()) == [0, 0, 1, 1]
+        assert t == split_cap(2, held, dict.fromkeys(held, 1), epoch)  # the same for all
+        for w, v in t.items():
+            chosen[w] += v
+    assert min(chosen.values()) >= 4, chosen
+
+
+@given(
+    cap=st.integers(1, 64),
+    workers=st.dictionaries(
+        st.text("abcdefgh", min_size=1, max_size=3),
+        st.tuples(st.integers(0, 40), st.integers(0, 40)),
+        min_size=1,
+        max_size=8,
+    ),
+)
+def test_split_cap_properties(cap: int, workers: dict[str, tuple[int, int]]) -> None:
+    held = {w: h for w, (h, _) in workers.items()}
+    unmet = {w: u for w, (_, u) in workers.items()}
+    t = split_cap(cap, held, unmet)
+    demand = {w: held[w] + unmet[w] for w in workers}
+    assert sum(t.values()) == cap
+    assert all(v >= 0 for v in t.values())
+    if sum(demand.values()) <= cap:
+        assert all(t[w] >= demand[w] for w in workers)
+    else:  # max-min fair: nobody short of its demand is more than one slot behind anyone
+        assert all(t[w] <= demand[w] for w in workers)
+        for w in workers:
+            if t[w] < demand[w]:
+                assert max(t.values()) <= t[w] + 1
+
+
+def _rounds(cap: int, n: int, wants: list[int], rounds: int) -> list[list[int]]:
+    """Sequential exchanges of ``n`` workers with constant unmet demand ``wants``; each
+    admits up to its allowance and finishes its requests at the end of each round.
+    Returns per round what each worker admitted."""
+    allowance = [0] * n
+    reports: dict[int, WorkerReport] = {}
+    admitted: list[list[int]] = []
+    for i in range(rounds):
+        got = [0] * n
+        for w in range(n):
+            others = [r for j, r in reports.items() if j != w]
+            view = compute_view({"e": cap}, {"e": 0}, {"e": wants[w]}, others, f"w{w}", i // 4)
+            allowance[w] = view.allowance["e"]
+            got[w] = min(wants[w], allowance[w])
+            reports[w] = WorkerReport(f"w{w}", {"e": got[w]}, {"e": wants[w]}, {"e": allowance[w]})
+            assert sum(r.allowance["e"] for r in reports.values()) <= cap
+        admitted.append(got)
+        for w in range(n):  # the round's requests finish
+            r = reports[w]
+            reports[w] = WorkerReport(r.worker_id, {"e": 0}, r.demand, r.allowance)
+    return admitted
+
+
+def test_an_idle_worker_among_more_workers_than_slots_gets_a_slot_in_two_rounds() -> None:
+    # 4 workers, cap 2: the idle footholds sit with two of them; w3 wants one slot
+    admitted = _rounds(2, 4, [0, 0, 0, 1], rounds=3)
+    assert admitted[1][3] == 1, admitted
+
+
+def test_under_overload_the_slots_rotate_and_nobody_starves() -> None:
+    admitted = _rounds(2, 4, [5, 5, 5, 5], rounds=40)
+    per_worker = [sum(r[w] for r in admitted) for w in range(4)]
+    assert all(n >= 3 for n in per_worker), (per_worker, admitted)
+    assert all(sum(r) <= 2 for r in admitted)
 
 
 def test_others_reservations_are_respected() -> None:
@@ -145,3 +237,31 @@ async def test_exchange_loop_runs_in_background(redis: RedisCluster) -> None:
     finally:
         await ex.stop()
     assert await redis.exists(worker_key("wloop", ns)) == 0
+
+
+@pytest.mark.integration
+async def test_a_newcomer_holds_no_share_for_a_round_and_a_waiting_route_gets_one(
+    redis: RedisCluster,
+) -> None:
+    """The worker that ticked first reserved the whole cap; a worker that joins sees no
+    free slot until its peer's next round. A turn there must wait, not fail."""
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    specs = [EngineSpec(id="e0", url="http://e0", cap=2)]
+    ra, rb = Router(specs, eps=100.0), Router(specs, eps=100.0)
+    xa = LoadExchange(redis, ra, "wa", namespace=ns, interval_s=0.05)
+    xb = LoadExchange(redis, rb, "wb", namespace=ns, interval_s=0.05)
+    try:
+        await xa.tick()
+        await xb.tick()
+        assert rb.snapshot()["engines"]["e0"]["effective_cap"] == 0
+        with pytest.raises(AllEnginesFull):
+            rb.route("k")  # the transient a bare 429 would expose
+        await xa.start()
+        await xb.start()
+        lease = await route_wait(rb, "k", deadline_s=3.0)
+        caps = [r.snapshot()["engines"]["e0"]["effective_cap"] for r in (ra, rb)]
+        assert sum(caps) <= 2, caps  # the bound holds while the share moves
+        lease.release()
+    finally:
+        await xa.stop()
+        await xb.stop()

@@ -212,6 +212,32 @@ async def test_route_wait_gets_slot_when_lease_released() -> None:
     lease.release()
 
 
+def test_a_load_view_that_frees_room_wakes_the_waiters() -> None:
+    r = Router(specs(2, cap=4), eps=100.0)
+    woken: list[int] = []
+    r.add_release_listener(lambda: woken.append(1))
+    r.apply_load_view(LoadView(others={"e0": 1}, allowance={"e0": 0, "e1": 0}))
+    assert woken == []  # less room: nobody to wake
+    r.apply_load_view(LoadView(others={"e0": 1}, allowance={"e0": 0, "e1": 0}))
+    assert woken == []  # the same view: nothing changed
+    r.apply_load_view(LoadView(others={"e0": 1}, allowance={"e0": 0, "e1": 1}))
+    assert woken == [1]  # a larger allowance
+    r.apply_load_view(LoadView(others={}, allowance={"e0": 0, "e1": 1}))
+    assert woken == [1, 1]  # another worker released its slot
+
+
+async def test_route_wait_is_admitted_when_the_load_view_grants_a_share() -> None:
+    r = Router(specs(1, cap=4), eps=100.0)
+    r.apply_load_view(LoadView(others={}, allowance={"e0": 0}))  # a newcomer's first view
+    with pytest.raises(AllEnginesFull):
+        r.route("b")
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.05, r.apply_load_view, LoadView(others={}, allowance={"e0": 2}))
+    lease = await route_wait(r, "b", deadline_s=5.0)
+    assert lease.engine.id == "e0"
+    lease.release()
+
+
 async def test_route_wait_raises_after_deadline() -> None:
     r = Router(specs(1, cap=1), eps=100.0)
     held = r.route("a")

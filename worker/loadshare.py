@@ -8,23 +8,31 @@ which then decides every route in memory.
 
 The rule (pure, :func:`compute_view`), per engine with cap C, evaluated every ~250 ms:
 
-* ``others`` = sum of the in-flight counts the other live workers last reported (used by the
-  bounded-load rule and least-loaded spill);
-* ``reserved`` = sum over the other workers of max(in-flight, allowance) they last reported:
-  an allowance is a reservation a worker may fill until its next report;
-* ``free`` = max(0, C - mine - reserved), what nobody holds or may take;
-* each worker may take a share of ``free`` proportional to its demand (its in-flight count
-  plus the routes refused there since its last report), smoothed by +1 so an idle worker
-  keeps a foothold: ``share = (d_me + 1) / (D + M)`` where D sums every live worker's
-  demand; the shares of all workers sum to 1 when they see the same reports;
-* ``allowance = mine + floor(free * share)``: a worker never has to drop what it holds.
+* every worker reports its in-flight count ``h`` and its unmet demand ``u`` (routes
+  refused since its last report plus requests waiting for a slot now, see
+  :func:`worker.router.route_wait`); its demand is ``d = h + u``;
+* the *target* of each worker (:func:`split_cap`, computed identically by every worker
+  from the same reports) is an integer max-min fair split of C over the demands: one
+  slot at a time to the worker with the smallest target so far whose demand is not met,
+  ties in an order that changes every ``rotate_s`` (1 s: the epoch of the wall clock
+  hashed with the worker id), so under overload the slots rotate between workers
+  instead of staying with the first ids; what no demand needs is
+  then spread evenly over all workers as footholds (the remainder to the smallest
+  targets), so an idle worker admits its next request without waiting for a round;
+* ``reserved`` = sum over the other workers of max(in-flight, allowance) they last
+  reported: an allowance is a reservation a worker may fill until its next report;
+* ``allowance = max(mine, min(target, C - reserved))``: never above what the others
+  leave free, never below what this worker holds (it never has to drop a request).
 
 Why this bounds the global in-flight by C: a worker's in-flight never exceeds its allowance,
 and when worker i recomputes its allowance it leaves room for every other worker's current
 reservation, so the sum of all allowances stays <= C as long as each worker sees the others'
 latest reports. The only overshoot comes from two workers recomputing within the same Redis
-round trip (each missing the other's new reservation), and each of them takes only its
-demand share of ``free``. The simulator (bench/router_sim.py) measures the peak.
+round trip (each missing the other's new reservation). The targets only decide who gets
+the room: a worker above its target stops admitting and its reservation shrinks to its
+in-flight, so a slot moves to a starved worker within about two rounds (its demand is
+reported, the holder shrinks, it grows). The simulator (bench/router_sim.py) measures the
+peak and the convergence.
 
 If the exchange is stale (Redis unreachable for longer than ``stale_s``), each worker
 falls back to a static split of the cap over the last known live workers
@@ -43,9 +51,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import json
 import logging
-import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -54,13 +62,14 @@ from typing import Final
 from redis.asyncio import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
-from worker.router import LoadView, Router
+from worker.router import LoadView, Router, key_hash
 
 __all__ = [
     "REGISTRY_KEY",
     "LoadExchange",
     "WorkerReport",
     "compute_view",
+    "split_cap",
     "static_view",
     "worker_key",
 ]
@@ -79,7 +88,7 @@ def worker_key(worker_id: str, namespace: str = "tr") -> str:
 @dataclass(frozen=True, slots=True)
 class WorkerReport:
     """What one worker published, per engine id: its in-flight count, its demand (in-flight +
-    refused routes) and the allowance it reserved until its next report."""
+    unmet: refused and waiting routes) and the allowance it reserved until its next report."""
 
     worker_id: str
     in_flight: Mapping[str, int] = field(default_factory=dict)
@@ -96,31 +105,66 @@ def static_view(caps: Mapping[str, int], workers: Iterable[str], me: str) -> Loa
     return LoadView(others={}, allowance=allowance)
 
 
+def split_cap(
+    cap: int, held: Mapping[str, int], unmet: Mapping[str, int], epoch: int = 0
+) -> dict[str, int]:
+    """Each worker's target share of one engine's ``cap`` (see the module docstring): an
+    integer max-min fair split over the demands ``held + unmet``, ties in an order that
+    changes with ``epoch``; the rest spread as footholds. Sums to ``cap``. Pure and
+    deterministic: every worker that sees the same reports in the same epoch computes
+    the same split."""
+    ids = sorted({*held, *unmet})
+    if not ids:
+        return {}
+    demand = {w: held.get(w, 0) + max(0, unmet.get(w, 0)) for w in ids}
+    turn = {w: key_hash(f"{epoch}:{w}") for w in ids}  # who goes first among equals
+    target = dict.fromkeys(ids, 0)
+    left = cap
+    # heap entries: (target so far, turn, id); a worker leaves when its demand is met
+    heap = [(0, turn[w], w) for w in ids if demand[w] > 0]
+    heapq.heapify(heap)
+    while left > 0 and heap:
+        t, r, w = heapq.heappop(heap)
+        target[w] = t + 1
+        left -= 1
+        if t + 1 < demand[w]:
+            heapq.heappush(heap, (t + 1, r, w))
+    if left > 0:  # footholds: the same number each, the remainder to the smallest targets
+        each, extra = divmod(left, len(ids))
+        for rank, w in enumerate(sorted(ids, key=lambda w: (target[w], turn[w], w))):
+            target[w] += each + (1 if rank < extra else 0)
+    return target
+
+
 def compute_view(
     caps: Mapping[str, int],
     mine: Mapping[str, int],
-    my_pressure: Mapping[str, int],
+    my_unmet: Mapping[str, int],
     others: Iterable[WorkerReport],
+    me: str = "",
+    epoch: int = 0,
 ) -> LoadView:
-    """The load view of this worker from its own counters and the others' fresh reports
-    (see the module docstring for the rule). Pure."""
-    reports = list(others)
-    m = len(reports) + 1
+    """The load view of worker ``me`` from its own counters and the others' fresh reports
+    (see the module docstring for the rule); ``epoch`` rotates the order among equals
+    (:func:`split_cap`). Pure."""
+    reports = [r for r in others if r.worker_id != me]
     held: dict[str, int] = {}
     allowance: dict[str, int] = {}
     for eid, cap in caps.items():
-        o = sum(r.in_flight.get(eid, 0) for r in reports)
+        in_flight = {r.worker_id: r.in_flight.get(eid, 0) for r in reports}
+        unmet = {
+            r.worker_id: max(0, r.demand.get(eid, 0) - r.in_flight.get(eid, 0)) for r in reports
+        }
+        m = mine.get(eid, 0)
+        in_flight[me] = m
+        unmet[me] = my_unmet.get(eid, 0)
+        target = split_cap(cap, in_flight, unmet, epoch)[me]
         reserved = sum(
             max(r.in_flight.get(eid, 0), r.allowance.get(eid, r.in_flight.get(eid, 0)))
             for r in reports
         )
-        me = mine.get(eid, 0)
-        d_me = me + my_pressure.get(eid, 0)
-        d_all = d_me + sum(r.demand.get(eid, 0) for r in reports)
-        free = max(0, cap - me - reserved)
-        share = (d_me + 1) / (d_all + m)
-        held[eid] = o
-        allowance[eid] = min(cap, me + math.floor(free * share))
+        held[eid] = sum(r.in_flight.get(eid, 0) for r in reports)
+        allowance[eid] = max(m, min(target, cap - reserved))
     return LoadView(others=held, allowance=allowance)
 
 
@@ -139,6 +183,7 @@ class LoadExchange:
         interval_s: float = 0.25,
         ttl_s: float = 1.5,
         stale_s: float = 2.0,
+        rotate_s: float = 1.0,
         namespace: str = "tr",
     ) -> None:
         self._redis = redis
@@ -150,6 +195,7 @@ class LoadExchange:
         self.interval_s = interval_s
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.stale_s = stale_s
+        self.rotate_s = rotate_s  # how long one order among equal workers lasts
         self._task: asyncio.Task[None] | None = None
         self._last_ok = time.monotonic()
         self.peers: list[str] = []  # other live workers at the last successful tick
@@ -180,10 +226,11 @@ class LoadExchange:
         self.peers = [r.worker_id for r in reports]
         caps = {spec.id: spec.cap for spec in self._router.engines()}
         mine = self._router.in_flight()
-        pressure = self._router.take_pressure()
-        view = compute_view(caps, mine, pressure, reports)
+        unmet = self._router.take_unmet()
+        epoch = int(now // self.rotate_s)
+        view = compute_view(caps, mine, unmet, reports, self.worker_id, epoch)
         self._router.apply_load_view(view)
-        demand = {eid: mine.get(eid, 0) + pressure.get(eid, 0) for eid in mine}
+        demand = {eid: mine.get(eid, 0) + unmet.get(eid, 0) for eid in mine}
         write = self._redis.pipeline(transaction=False)
         write.hset(
             self._key,

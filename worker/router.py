@@ -131,9 +131,10 @@ class _Engine:
         "factor",
         "in_flight",
         "others",
-        "pressure",
+        "refused",
         "removed",
         "spec",
+        "waiting",
     )
 
     def __init__(self, spec: EngineSpec) -> None:
@@ -144,7 +145,8 @@ class _Engine:
         self.draining = False
         self.removed = False
         self.factor = 0.0  # (1 + eps) * weight / total weight; 0 when not routable
-        self.pressure = 0  # routes that preferred this engine but were refused
+        self.refused = 0  # routes refused since the last take_unmet() that wanted it
+        self.waiting = 0  # requests in route_wait that want it
 
 
 class Lease:
@@ -234,14 +236,26 @@ class Router:
         """Admit a request for ``key``; raise :class:`AllEnginesFull` when nothing accepts.
 
         ``avoid``: an engine id not to use (it just refused a connection); the request
-        spills past it as if it were full."""
+        spills past it as if it were full. A refusal counts as unmet demand on the engine
+        the request would have used (:meth:`take_unmet`)."""
+        lease = self.try_route(key, avoid)
+        if lease is None:
+            self._routes += 1
+            self._rejections += 1
+            if not self._hashes:
+                raise AllEnginesFull(self.retry_after(), "no routable engine")
+            self._engine_wanted(key).refused += 1
+            raise AllEnginesFull(self.retry_after())
+        return lease
+
+    def try_route(self, key: str, avoid: str | None = None) -> Lease | None:
+        """:meth:`route` without the exception and without counting demand: ``None`` when
+        nothing accepts (:func:`route_wait` counts its waiter once instead)."""
         hashes = self._hashes
         if not hashes:
-            self._rejections += 1
-            raise AllEnginesFull(self._retry_after(), "no routable engine")
+            return None
         i = bisect_left(hashes, key_hash(key))
         succ = self._succ[i if i < len(hashes) else 0]
-        self._routes += 1
         first = succ[0]
         total1 = self._total + self._others_total + 1
         if (
@@ -251,7 +265,6 @@ class Router:
             and first.in_flight + first.others < math.ceil(first.factor * total1)
         ):
             return self._admit(first, first, False)
-        first.pressure += 1
         chosen: _Engine | None = None
         if self.spill == "walk":
             for e in succ:
@@ -276,12 +289,38 @@ class Router:
                     if ratio < best:
                         best, chosen = ratio, e
         if chosen is None:
-            self._rejections += 1
-            raise AllEnginesFull(self._retry_after())
+            return None
         self._spills += 1
         return self._admit(chosen, first, True)
 
+    def _engine_wanted(self, key: str) -> _Engine:
+        """Where a refused request would go if this worker's share allowed it: the first
+        engine clockwise that is not draining and has room cluster-wide, else the first
+        engine that is not draining (everything is full: wait for the preferred one)."""
+        i = bisect_left(self._hashes, key_hash(key))
+        succ = self._succ[i if i < len(self._hashes) else 0]
+        live = [e for e in succ if not e.draining] or list(succ)
+        for e in live:
+            if e.in_flight + e.others < e.spec.cap:
+                return e
+        return live[0]
+
+    def add_waiter(self, key: str) -> str:
+        """Count a request that waits for a slot as unmet demand (on the engine it wants)
+        until :meth:`remove_waiter`; returns that engine's id."""
+        if not self._hashes:
+            return ""
+        e = self._engine_wanted(key)
+        e.waiting += 1
+        return e.spec.id
+
+    def remove_waiter(self, engine_id: str) -> None:
+        e = self._engines.get(engine_id)
+        if e is not None and e.waiting > 0:
+            e.waiting -= 1
+
     def _admit(self, slot: _Engine, preferred: _Engine, spilled: bool) -> Lease:
+        self._routes += 1
         slot.in_flight += 1
         self._total += 1
         return Lease(self, slot, preferred.spec.id, spilled)
@@ -295,7 +334,7 @@ class Router:
             for cb in tuple(self._listeners):
                 cb()
 
-    def _retry_after(self) -> float:
+    def retry_after(self) -> float:
         """Expected wait until a slot frees: with n leases of mean duration h in flight,
         one ends every h / n seconds on average."""
         n = max(1, self._total)
@@ -306,7 +345,7 @@ class Router:
     def preferred(self, key: str) -> str:
         """The engine the ring prefers for ``key`` regardless of load (draining included)."""
         if not self._hashes:
-            raise AllEnginesFull(self._retry_after(), "no routable engine")
+            raise AllEnginesFull(self.retry_after(), "no routable engine")
         i = bisect_left(self._hashes, key_hash(key))
         return self._succ[i if i < len(self._hashes) else 0][0].spec.id
 
@@ -317,11 +356,12 @@ class Router:
         """This worker's in-flight leases per engine (what the load exchange reports)."""
         return {eid: e.in_flight for eid, e in self._engines.items()}
 
-    def take_pressure(self) -> dict[str, int]:
-        """Per engine, routes that preferred it but were refused since the last call."""
-        out = {eid: e.pressure for eid, e in self._engines.items()}
+    def take_unmet(self) -> dict[str, int]:
+        """Per engine, the demand this worker could not place: routes refused since the
+        last call plus requests waiting now (what the load exchange reports as want)."""
+        out = {eid: e.refused + e.waiting for eid, e in self._engines.items()}
         for e in self._engines.values():
-            e.pressure = 0
+            e.refused = 0
         return out
 
     def snapshot(self) -> dict[str, Any]:
@@ -331,6 +371,7 @@ class Router:
                 "others": e.others,
                 "cap": e.spec.cap,
                 "effective_cap": min(e.spec.cap, e.allowance),
+                "waiting": e.waiting,
                 "weight": e.spec.weight,
                 "draining": e.draining,
             }
@@ -398,16 +439,24 @@ class Router:
             self._rebuild()
 
     def apply_load_view(self, view: LoadView | None) -> None:
-        """Install what other workers hold (``None``: this worker is alone)."""
+        """Install what other workers hold (``None``: this worker is alone). Wakes the
+        release listeners when the view frees room (a larger allowance, fewer held by
+        others), so a route waiting in :func:`route_wait` retries at once."""
         others_total = 0
+        freed = False
         for eid, e in self._engines.items():
+            before = (e.allowance, e.others)
             if view is None:
                 e.others, e.allowance = 0, e.spec.cap
             else:
                 e.others = max(0, view.others.get(eid, 0))
                 e.allowance = min(e.spec.cap, max(0, view.allowance.get(eid, e.spec.cap)))
+            freed = freed or e.allowance > before[0] or e.others < before[1]
             others_total += e.others
         self._others_total = others_total
+        if freed and self._listeners:
+            for cb in tuple(self._listeners):
+                cb()
 
     def add_release_listener(self, cb: Callable[[], None]) -> None:
         self._listeners.append(cb)
@@ -451,22 +500,32 @@ class Router:
 async def route_wait(router: Router, key: str, deadline_s: float) -> Lease:
     """Route ``key``, waiting up to ``deadline_s`` seconds for a slot when all are full.
 
-    Wakes on every lease release (and at the retry-after hint, for load-view changes);
-    raises the last :class:`AllEnginesFull` when the deadline passes. Not FIFO-fair."""
+    While it waits the request counts as unmet demand (:meth:`Router.add_waiter`), which
+    the load exchange turns into a share of the cap for this worker. Wakes on every lease
+    release and every load view that frees room (at the retry-after hint at the latest);
+    raises :class:`AllEnginesFull` when the deadline passes (``deadline_s=0``: one try,
+    the same as :meth:`Router.route`). Not FIFO-fair."""
+    if deadline_s <= 0:
+        return router.route(key)
+    lease = router.try_route(key)
+    if lease is not None:
+        return lease
     loop = asyncio.get_running_loop()
     end = loop.time() + deadline_s
-    released = asyncio.Event()
-    router.add_release_listener(released.set)
+    wake = asyncio.Event()
+    wanted = router.add_waiter(key)
+    router.add_release_listener(wake.set)
     try:
         while True:
-            try:
-                return router.route(key)
-            except AllEnginesFull as full:
-                left = end - loop.time()
-                if left <= 0:
-                    raise
-                released.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(released.wait(), min(left, full.retry_after_s))
+            left = end - loop.time()
+            if left <= 0:
+                return router.route(key)  # a last try: a lease, or the refusal's reason
+            wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), min(left, router.retry_after()))
+            lease = router.try_route(key)
+            if lease is not None:
+                return lease
     finally:
-        router.remove_release_listener(released.set)
+        router.remove_release_listener(wake.set)
+        router.remove_waiter(wanted)
