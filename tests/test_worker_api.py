@@ -86,7 +86,7 @@ async def test_second_turn_goes_to_the_same_engine_and_hits_its_cache(
 
 async def test_all_engines_full_is_429_with_integer_retry_after(h: Harness, redis: RedisCluster):
     await h.start_engines(2, decode_tok_per_s=20.0)
-    await h.start_worker(cap=1)
+    await h.start_worker(cap=1, admit_wait_s=0.2)
     running = []
     for i in range(2):
         sid, token = await h.session()
@@ -103,6 +103,20 @@ async def test_all_engines_full_is_429_with_integer_retry_after(h: Harness, redi
     assert int(headers["Retry-After"]) >= 1
     for s, t in running:
         await wait_turn(redis, s, t, timeout_s=20)
+
+
+async def test_a_turn_waits_for_a_slot_instead_of_429(h: Harness, redis: RedisCluster):
+    await h.start_engines(1, decode_tok_per_s=20.0)  # 10 tokens: about half a second
+    await h.start_worker(cap=1, admit_wait_s=4.0)
+    sid1, token1 = await h.session()
+    status, first, _ = await h.post_turn(sid1, token1, {"message": "a", "max_tokens": 10})
+    assert status == 202, first
+    assert h.state.router.in_flight() == {"eng-0": 1}  # the only slot is held
+    sid2, token2 = await h.session()
+    status, second, _ = await h.post_turn(sid2, token2, {"message": "b", "max_tokens": 10})
+    assert status == 202, second  # admitted when the first turn released its slot
+    await wait_turn(redis, sid1, first["turn"], timeout_s=20)
+    await wait_turn(redis, sid2, second["turn"], timeout_s=20)
 
 
 async def test_idempotency_key_returns_the_same_turn(h: Harness, redis: RedisCluster):

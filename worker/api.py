@@ -107,6 +107,7 @@ class WorkerConfig:
     first_token_timeout_s: float = 60.0
     idle_timeout_s: float = 30.0
     shutdown_deadline_s: float = 20.0
+    admit_wait_s: float = 2.0  # a turn waits this long for an engine slot before 429
 
 
 @dataclass(slots=True)
@@ -343,7 +344,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         engine=engine,
         metrics=metrics,
         worker_id=cfg.worker_id,
-        config=TurnConfig(model=cfg.model, coalesce=cfg.coalesce, presence=cfg.presence),
+        config=TurnConfig(
+            model=cfg.model,
+            coalesce=cfg.coalesce,
+            presence=cfg.presence,
+            admit_wait_s=cfg.admit_wait_s,
+        ),
     )
     control = ControlPlane(
         router,

@@ -84,6 +84,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--shutdown-deadline-s", type=float, default=d.shutdown_deadline_s)
     p.add_argument("--spill", choices=("walk", "least_loaded"), default=d.spill)
     p.add_argument("--no-load-exchange", action="store_true", help="do not share load")
+    p.add_argument(
+        "--admit-wait-s",
+        type=float,
+        default=d.admit_wait_s,
+        help=f"how long a turn waits for an engine slot before 429 ({d.admit_wait_s})",
+    )
     p.set_defaults(func=run)
 
 
@@ -95,7 +101,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     engines = [parse_engine_arg(e, args.engine_cap) for e in args.engine]
     if not engines and not args.discover_engines:
         raise ValueError("give at least one --engine (or --discover-engines)")
-    return WorkerConfig(
+    cfg = WorkerConfig(
         redis_url=args.redis,
         engines=engines,
         secret=None if args.insecure_no_auth else args.secret,
@@ -112,7 +118,11 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         spill=args.spill,
         discover_engines=args.discover_engines,
         load_exchange=not args.no_load_exchange,
+        admit_wait_s=args.admit_wait_s,
     )
+    if not 0 <= cfg.admit_wait_s < cfg.lock_ttl_s:  # the session lock is held while waiting
+        raise ValueError(f"--admit-wait-s must be in [0, {cfg.lock_ttl_s:g})")
+    return cfg
 
 
 async def serve(cfg: WorkerConfig, host: str, port: int) -> None:

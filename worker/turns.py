@@ -6,7 +6,8 @@ Admission (:meth:`TurnManager.start_turn`, while the POST waits):
 2. the session's turn lock is taken (one turn generates at a time per session; a second
    POST gets :class:`TurnBusy` -> 409 with the running turn);
 3. history and system prompt are read; the prompt is system + history + the new message;
-4. the router picks the engine from the routing key (:class:`AllEnginesFull` -> 429);
+4. the router picks the engine from the routing key, waiting up to ``admit_wait_s`` for a
+   slot (:class:`AllEnginesFull` after it -> 429);
 5. a fenced generation is opened and the ``meta`` frame published (the user's message,
    engine, preferred engine, spilled): its offset is the turn's first offset (the 202).
 
@@ -56,7 +57,7 @@ from worker.engine_client import Delta
 from worker.engine_errors import EngineError, EngineTimeout, EngineUnavailable
 from worker.metrics import WorkerMetrics
 from worker.presence import PresencePolicy, watch_presence
-from worker.router import AllEnginesFull, Lease, LeaseState, Router
+from worker.router import AllEnginesFull, Lease, LeaseState, Router, route_wait
 from worker.routing_key import routing_key
 from worker.store import LockHolder, SessionStore
 
@@ -108,6 +109,11 @@ class TurnConfig:
     presence: PresencePolicy = field(default_factory=PresencePolicy)
     lock_retry: int = 3  # a turn that is ending may still hold the lock for a round trip
     lock_retry_s: float = 0.05
+    # How long a turn waits for an engine slot before 429. This worker's share of the
+    # engines' caps follows its demand one load-exchange round (~250 ms) behind: a worker
+    # that just started, or one of more workers than an engine has slots, holds no share
+    # until its refused routes are reported. A full cluster still answers 429 after it.
+    admit_wait_s: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,7 +256,7 @@ class TurnManager:
             sys_prompt = system if system else hist.system
             convo = [*hist.messages, {"role": "user", "content": message}]
             rkey = routing_key(sys_prompt, convo)
-            lease = self.router.route(rkey)
+            lease = await route_wait(self.router, rkey, self.cfg.admit_wait_s)
             if hist.last_engine is not None and any(
                 s.id == hist.last_engine for s in self.router.engines()
             ):

@@ -1,0 +1,35 @@
+"""`tokenrelay worker` flags become a WorkerConfig; bad values are refused with a reason."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from worker.cli_worker import config_from_args, register
+
+BASE = ["worker", "--port", "0", "--redis", "redis://127.0.0.1:7000", "--insecure-no-auth"]
+
+
+def _parse(*extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    return parser.parse_args([*BASE, "--engine", "e1=http://127.0.0.1:9000", *extra])
+
+
+def test_defaults_wait_two_seconds_for_a_slot() -> None:
+    cfg = config_from_args(_parse())
+    assert cfg.admit_wait_s == 2.0
+    assert cfg.admit_wait_s < cfg.lock_ttl_s
+    assert [e.id for e in cfg.engines] == ["e1"]
+
+
+def test_admit_wait_is_configurable_and_zero_means_no_wait() -> None:
+    assert config_from_args(_parse("--admit-wait-s", "0")).admit_wait_s == 0.0
+    assert config_from_args(_parse("--admit-wait-s", "0.5")).admit_wait_s == 0.5
+
+
+@pytest.mark.parametrize("value", ["-1", "5", "60"])
+def test_an_admit_wait_outside_the_lock_ttl_is_refused(value: str) -> None:
+    with pytest.raises(ValueError, match="--admit-wait-s must be in"):
+        config_from_args(_parse("--admit-wait-s", value))
