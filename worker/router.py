@@ -296,14 +296,14 @@ class Router:
     def _engine_wanted(self, key: str) -> _Engine:
         """Where a refused request would go if this worker's share allowed it: the first
         engine clockwise that is not draining and has room cluster-wide, else the first
-        engine that is not draining (everything is full: wait for the preferred one)."""
+        engine that is not draining (everything is full: wait for the preferred one).
+        Only on the refusal path; the ring is not empty."""
         i = bisect_left(self._hashes, key_hash(key))
         succ = self._succ[i if i < len(self._hashes) else 0]
-        live = [e for e in succ if not e.draining] or list(succ)
-        for e in live:
-            if e.in_flight + e.others < e.spec.cap:
+        for e in succ:
+            if not e.draining and e.in_flight + e.others < e.spec.cap:
                 return e
-        return live[0]
+        return next((e for e in succ if not e.draining), succ[0])
 
     def add_waiter(self, key: str) -> str:
         """Count a request that waits for a slot as unmet demand (on the engine it wants)
