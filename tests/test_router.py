@@ -278,3 +278,20 @@ def test_routing_key_ignores_the_reply_after_a_short_first_message() -> None:
     ]
     assert routing_key("sys", turn1) == routing_key("sys", turn2)
     assert routing_key("sys", turn1).endswith("user:hi\x1f")
+
+
+def test_round_robin_baseline_ignores_the_key_but_keeps_the_caps() -> None:
+    r = Router(specs(3, cap=2), policy="round_robin")
+    leases = [r.route("same key") for _ in range(6)]
+    assert [lease.engine.id for lease in leases] == ["e0", "e1", "e2"] * 2
+    with pytest.raises(AllEnginesFull):
+        r.route("same key")
+    leases[1].release()
+    again = r.route("other key")
+    assert again.engine.id == "e1"
+    r.drain_engine("e0")
+    for lease in [*leases, again]:
+        lease.release()
+    assert {r.route(f"k{i}").engine.id for i in range(4)} == {"e1", "e2"}
+    with pytest.raises(ValueError, match="policy"):
+        Router(specs(1), policy="random")

@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from worker.cli_worker import config_from_args, register
+from worker.router import DEFAULT_SPILL
 
 BASE = ["worker", "--port", "0", "--redis", "redis://127.0.0.1:7000", "--insecure-no-auth"]
 
@@ -17,8 +18,10 @@ def _parse(*extra: str) -> argparse.Namespace:
     return parser.parse_args([*BASE, "--engine", "e1=http://127.0.0.1:9000", *extra])
 
 
-def test_defaults_wait_two_seconds_for_a_slot() -> None:
+def test_defaults_wait_two_seconds_for_a_slot_and_route_on_the_ring() -> None:
     cfg = config_from_args(_parse())
+    assert cfg.routing == "ring"
+    assert cfg.spill == DEFAULT_SPILL == "least_loaded"  # what the simulator chose
     assert cfg.admit_wait_s == 2.0
     assert cfg.admit_wait_s < cfg.lock_ttl_s
     assert [e.id for e in cfg.engines] == ["e1"]
@@ -33,3 +36,10 @@ def test_admit_wait_is_configurable_and_zero_means_no_wait() -> None:
 def test_an_admit_wait_outside_the_lock_ttl_is_refused(value: str) -> None:
     with pytest.raises(ValueError, match="--admit-wait-s must be in"):
         config_from_args(_parse("--admit-wait-s", value))
+
+
+def test_the_round_robin_baseline_and_the_walk_are_flags() -> None:
+    cfg = config_from_args(_parse("--routing", "round_robin", "--spill", "walk"))
+    assert (cfg.routing, cfg.spill) == ("round_robin", "walk")
+    with pytest.raises(SystemExit):
+        _parse("--routing", "random")

@@ -52,7 +52,7 @@ from worker.engine_client import EngineClient
 from worker.loadshare import LoadExchange
 from worker.metrics import CONTENT_TYPE_LATEST, WorkerMetrics
 from worker.presence import PresencePolicy
-from worker.router import AllEnginesFull, EngineSpec, Router
+from worker.router import DEFAULT_SPILL, AllEnginesFull, EngineSpec, Router
 from worker.store import SessionStore
 from worker.turns import (
     Draining,
@@ -99,7 +99,8 @@ class WorkerConfig:
     presence: PresencePolicy = field(default_factory=PresencePolicy)
     vnodes: int = 160
     eps: float = 0.25
-    spill: str = "walk"
+    spill: str = DEFAULT_SPILL
+    routing: str = "ring"  # "round_robin": the cache-blind baseline, for measurements
     discover_engines: bool = False
     control_interval_s: float = 1.0
     load_exchange: bool = True
@@ -321,7 +322,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     http = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
     )
-    router = Router(cfg.engines, vnodes=cfg.vnodes, eps=cfg.eps, spill=cfg.spill)
+    router = Router(
+        cfg.engines, vnodes=cfg.vnodes, eps=cfg.eps, spill=cfg.spill, policy=cfg.routing
+    )
     metrics = WorkerMetrics()
     metrics.bind_router(router)
     engine = EngineClient(

@@ -28,6 +28,7 @@ from worker.api import STATE, WorkerConfig, begin_drain, default_worker_id, make
 from worker.coalesce import DEFAULT_POLICY, CoalescePolicy
 from worker.control import parse_engine_arg
 from worker.presence import PresencePolicy
+from worker.router import ROUTING_POLICIES, SPILL_POLICIES
 
 __all__ = ["config_from_args", "register", "run", "serve"]
 
@@ -82,7 +83,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--first-token-timeout-s", type=float, default=d.first_token_timeout_s)
     p.add_argument("--idle-timeout-s", type=float, default=d.idle_timeout_s)
     p.add_argument("--shutdown-deadline-s", type=float, default=d.shutdown_deadline_s)
-    p.add_argument("--spill", choices=("walk", "least_loaded"), default=d.spill)
+    p.add_argument("--spill", choices=SPILL_POLICIES, default=d.spill, help=f"({d.spill})")
+    p.add_argument(
+        "--routing",
+        choices=ROUTING_POLICIES,
+        default=d.routing,
+        help="ring: prefix-aware consistent hashing (default); round_robin: a cache-blind "
+        "baseline for measurements",
+    )
     p.add_argument("--no-load-exchange", action="store_true", help="do not share load")
     p.add_argument(
         "--admit-wait-s",
@@ -116,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         idle_timeout_s=args.idle_timeout_s,
         shutdown_deadline_s=args.shutdown_deadline_s,
         spill=args.spill,
+        routing=args.routing,
         discover_engines=args.discover_engines,
         load_exchange=not args.no_load_exchange,
         admit_wait_s=args.admit_wait_s,

@@ -51,6 +51,7 @@ import mmh3
 
 __all__ = [
     "DEFAULT_SPILL",
+    "ROUTING_POLICIES",
     "SPILL_POLICIES",
     "AllEnginesFull",
     "EngineSpec",
@@ -63,6 +64,8 @@ __all__ = [
 ]
 
 SPILL_POLICIES: Final = ("walk", "least_loaded")
+# "round_robin" ignores the key (and so every KV cache): a baseline for measurements only
+ROUTING_POLICIES: Final = ("ring", "round_robin")
 DEFAULT_SPILL: Final = "least_loaded"  # chosen by bench/router_sim.py, see docs/ROUTING.md
 _RETRY_MIN_S: Final = 0.05
 _RETRY_MAX_S: Final = 30.0
@@ -201,8 +204,11 @@ class Router:
         vnodes: int = 160,
         eps: float = 0.25,
         spill: str = DEFAULT_SPILL,
+        policy: str = "ring",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"policy must be one of {ROUTING_POLICIES}, got {policy!r}")
         if vnodes < 1:
             raise ValueError("vnodes must be >= 1")
         if eps < 0:
@@ -212,6 +218,8 @@ class Router:
         self.vnodes = vnodes
         self.eps = eps
         self.spill = spill
+        self.policy = policy
+        self._rr = 0  # next index for the round-robin baseline
         self._clock = clock
         self._engines: dict[str, _Engine] = {}
         self._hashes: list[int] = []
@@ -254,6 +262,8 @@ class Router:
         hashes = self._hashes
         if not hashes:
             return None
+        if self.policy == "round_robin":
+            return self._try_round_robin(avoid)
         i = bisect_left(hashes, key_hash(key))
         succ = self._succ[i if i < len(hashes) else 0]
         first = succ[0]
@@ -292,6 +302,18 @@ class Router:
             return None
         self._spills += 1
         return self._admit(chosen, first, True)
+
+    def _try_round_robin(self, avoid: str | None) -> Lease | None:
+        """The baseline that ignores the key: the next engine in turn that is not
+        draining and has room in this worker's allowance (the same caps as the ring)."""
+        engines = [e for e in self._engines.values() if not e.draining]
+        n = len(engines)
+        for j in range(n):
+            e = engines[(self._rr + j) % n]
+            if e.spec.id != avoid and e.in_flight < e.allowance:
+                self._rr = (self._rr + j + 1) % n
+                return self._admit(e, e, False)
+        return None
 
     def _engine_wanted(self, key: str) -> _Engine:
         """Where a refused request would go if this worker's share allowed it: the first
@@ -380,6 +402,7 @@ class Router:
         return {
             "engines": engines,
             "spill": self.spill,
+            "policy": self.policy,
             "vnodes": self.vnodes,
             "eps": self.eps,
             "counters": {
