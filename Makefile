@@ -58,6 +58,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.pubsub_cluster --quick --json artifacts/pubsub_cluster.json --plot artifacts/pubsub_cluster.png
 	$(BIN)/python -m bench.subscriber_compare --quick --json artifacts/subscriber_compare.json
 	$(BIN)/python -m bench.coalesce --quick --json artifacts/coalesce.json
+	$(BIN)/python -m bench.affinity --quick --json artifacts/affinity.json
 	$(BIN)/python -m bench.loadtest --quick --no-progress --json artifacts/loadtest.json
 	$(BIN)/python -m bench.faults --quick --json artifacts/faults.json
 	$(BIN)/python -m bench.fuzz --quick --json artifacts/fuzz.json

@@ -22,6 +22,7 @@ __all__ = ["BENCHMARKS", "register", "register_loadtest"]
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "pubsub": ("PUBLISH vs SPUBLISH cost on local Redis Clusters", "bench.pubsub_cluster"),
     "loadtest": ("many screens per session while turns stream (SSE + WS)", "bench.loadtest"),
+    "affinity": ("engines' prefix-cache hit rate: ring routing vs round robin", "bench.affinity"),
 }
 
 
