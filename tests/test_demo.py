@@ -10,11 +10,13 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 
 from tests.test_server import SSEClient
+from tests.worker_harness import expected_reply
 from worker.stack import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -67,14 +69,28 @@ async def test_make_demo_serves_one_url_streams_a_turn_and_stops_everything(
                     headers=auth,
                 ) as r:
                     assert r.status == 202, await r.text()
-                kinds: list[str] = []
+                events: list[tuple[str, str, dict[str, Any]]] = []
                 async with asyncio.timeout(30):
-                    while not kinds or kinds[-1] not in ("done", "error"):
+                    while not events or events[-1][1] not in ("done", "error"):
                         ev = await sse.next_event()
                         assert ev is not None
-                        kinds.append(ev[1])
+                        events.append(ev)
+                kinds = [kind for _, kind, _ in events]
+                assert kinds[0] == "meta", kinds
                 assert kinds[-1] == "done", kinds
-                assert "token" in kinds
+                assert set(kinds[1:-1]) == {"token"}, kinds
+                ids = [int(i) for i, _, _ in events]
+                assert ids == list(range(ids[0], ids[0] + len(ids)))  # in order, no gap
+                text = "".join(d["text"] for _, kind, d in events if kind == "token")
+                prompt = [{"role": "user", "content": "hello demo"}]
+                assert text == expected_reply(prompt, 12)  # every token, exactly once
+            # the rest of the contract at the same URL: readiness, and a relay's refusal
+            # of a WebSocket passed on with its status
+            async with http.get(base + "/readyz") as r:
+                assert r.status == 200, await r.text()
+            with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                await http.ws_connect(f"{base}/v1/sessions/{sid}/ws?token=forged")
+            assert refused.value.status == 403
             async with http.get(base + "/api/stack") as r:
                 view = await r.json()
             pids = [p["pid"] for p in view["processes"]]

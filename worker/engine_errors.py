@@ -12,9 +12,14 @@ The tree::
           |                       ``retry_after_s``, ``retryable``)
           +-- EngineStreamError   an error object inside a 200 stream
 
-Order of use: ``worker.engine_client`` raises them; the worker's router decides from
-the type whether to release the lease and try another engine (``EngineUnavailable``,
-a retryable ``EngineHTTPError``) or fail the turn.
+Order of use: ``worker.engine_client`` raises them; the turn runner
+(``worker.turns``) moves the turn once to the next engine for its key on an
+``EngineUnavailable`` raised before the first token (the connection was refused: the
+engine died before the control plane noticed), and ends the turn with an ``error``
+frame on every other error. ``retryable`` and ``retry_after_s`` of an
+``EngineHTTPError`` (429/503 from an overloaded engine) are carried in the error for
+callers that want to retry; the runner does not, since the engine was admitted by
+the router's caps and a busy answer means those caps are wrong for it.
 """
 
 from __future__ import annotations

@@ -124,10 +124,13 @@ class FrontDoor:
                     url, headers=self._headers(request), timeout=aiohttp.ClientWSTimeout(ws_close=5)
                 )
             except aiohttp.WSServerHandshakeError as exc:
-                raise web.HTTPException(
-                    text=f'{{"error": "refused by relay", "reason": "{exc.message}"}}',
-                    content_type="application/json",
-                ) from None
+                if exc.status == 503:  # draining or full: another relay may take it
+                    last_error = f"{base}: 503 {exc.message}"
+                    continue
+                # the relay's own answer (400 bad session, 401/403 token, ...), passed on
+                return web.json_response(
+                    {"error": "refused by relay", "reason": exc.message}, status=exc.status
+                )
             except (TimeoutError, aiohttp.ClientConnectionError) as exc:
                 last_error = f"{base}: {exc}"
                 continue
@@ -197,6 +200,21 @@ class FrontDoor:
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
+    async def readyz(self, request: web.Request) -> web.Response:
+        """Ready when some relay and some worker answer their own ``/readyz``."""
+        assert self.http is not None
+        ready: dict[str, list[str]] = {"relays": [], "workers": []}
+        for kind, bases in (("relays", self._relays()), ("workers", self._workers())):
+            for base in bases:
+                with contextlib.suppress(TimeoutError, aiohttp.ClientError):
+                    async with self.http.get(
+                        base + "/readyz", timeout=aiohttp.ClientTimeout(total=2)
+                    ) as resp:
+                        if resp.status == 200:
+                            ready[kind].append(base)
+        ok = bool(ready["relays"]) and bool(ready["workers"])
+        return web.json_response({"ready": ok, **ready}, status=200 if ok else 503)
+
     async def on_startup(self, app: web.Application) -> None:
         self.http = aiohttp.ClientSession(auto_decompress=False)
 
@@ -210,6 +228,7 @@ def make_frontdoor_app(door: FrontDoor) -> web.Application:
     app.router.add_get("/", door.index)
     app.router.add_static("/static/", STATIC_DIR)
     app.router.add_get("/healthz", door.healthz)
+    app.router.add_get("/readyz", door.readyz)
     app.router.add_get("/api/stack", door.stack)
     app.router.add_post("/api/{action}/{name}", door.control)
     app.router.add_get("/v1/sessions/{sid}/events", door.events)

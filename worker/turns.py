@@ -459,14 +459,15 @@ class TurnManager:
             self.outcomes.append((t.sid, t.gen.turn, outcome))
 
     def _done_meta(self, t: _Turn) -> dict[str, Any]:
-        cached = t.cached_tokens or 0
+        cached = t.cached_tokens
+        cache = "unknown" if cached is None else ("hit" if cached > 0 else "miss")
         return {
             "engine": t.lease.engine.id,
             "engine_reported": t.engine_reported,
             "preferred": t.lease.preferred,
             "spilled": t.lease.spilled,
             "ttft_ms": round(t.ttft_s * 1000, 1) if t.ttft_s is not None else None,
-            "cache": "hit" if cached > 0 else "miss",
+            "cache": cache,  # "unknown": the engine did not report cached tokens
             "cached_tokens": t.cached_tokens,
             "prompt_tokens": t.prompt_tokens,
             "tokens": len(t.reply),

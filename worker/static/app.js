@@ -45,7 +45,7 @@ function turnEl(turn) {
     footer.className = "footer";
     root.append(user, reply, footer);
     $("log").append(root);
-    t = { root, user, reply, footer, engine: "", preferred: "", cached: null };
+    t = { root, user, reply, footer, engine: "", preferred: "", cached: null, cache: "" };
     state.turns.set(turn, t);
   }
   return t;
@@ -58,6 +58,8 @@ function describe(t, extra) {
   if (t.cached !== null) {
     parts.push(t.cached > 0 ? `<span class="hit">cache hit</span> (${t.cached} tokens)`
                             : `<span class="miss">cache miss</span>`);
+  } else if (t.cache === "unknown") {
+    parts.push(`cache: not reported by the engine`);
   }
   if (extra) parts.push(extra);
   t.footer.innerHTML = parts.join(" · ");
@@ -75,7 +77,7 @@ function onFrame(f) {
     if (msg) { t.user.textContent = msg; t.user.hidden = false; }
     t.engine = m.engine || t.engine;
     t.preferred = m.preferred || t.preferred;
-    if (m.cached_tokens !== undefined) t.cached = m.cached_tokens;
+    if (typeof m.cached_tokens === "number") t.cached = m.cached_tokens;
     describe(t, "generating…");
   } else if (f.kind === "token") {
     turnEl(f.turn).reply.textContent += f.text;
@@ -83,8 +85,8 @@ function onFrame(f) {
     const t = turnEl(f.turn);
     t.reply.classList.remove("streaming");
     t.engine = m.engine || t.engine;
-    if (m.cached_tokens !== undefined) t.cached = m.cached_tokens;
-    if (m.cache_hit !== undefined && t.cached === null) t.cached = m.cache_hit ? 1 : 0;
+    if (typeof m.cached_tokens === "number") t.cached = m.cached_tokens;
+    t.cache = m.cache || t.cache;  // "hit" | "miss" | "unknown" (engine did not say)
     const ttft = m.ttft_ms !== undefined ? `TTFT ${Math.round(m.ttft_ms)} ms` : "";
     describe(t, [ttft, m.finish_reason ? `finish: ${m.finish_reason}` : ""].filter(Boolean).join(" · "));
   } else if (f.kind === "error") {
