@@ -11,7 +11,9 @@ after a warm-up the fault is injected, the load runs on, then new turns stop and
 running ones finish. Per fault: ``frames``, ``lost``, ``duplicated``, ``out_of_order``
 (summed over viewers), ``gaps_reported`` (explicit gap frames), ``error_frames``,
 ``reconnects`` and ``recovery_p99_ms``: per viewer, the longest wait for a frame from
-the moment of the fault on (a disconnect or a stall both count), p99 over viewers.
+the moment of the fault on (a disconnect or a stall both count), p99 over viewers;
+``stalled_viewers`` got nothing at all after the fault; ``viewers_behind`` had not
+received their session's last frame at the end (those frames count as ``lost``).
 
 Faults (:data:`FAULTS`): ``relay_kill``, ``master_kill``, ``reshard``, ``engine_kill``,
 ``worker_kill``, ``relay_stall_buffer``, ``redis_stall`` (see each ``_fault_*``).
@@ -42,7 +44,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from bench.loadtest import percentile
-from bench.viewer import Viewer
+from bench.viewer import Viewer, settle_sessions
 from relay import runtime
 from relay.auth import issue_token
 from relay.cluster import LocalCluster
@@ -98,6 +100,8 @@ class _Run:
         self.post_status: dict[str, int] = {}
         self.fault_at = 0.0
         self.notes: dict[str, Any] = {}
+        self.placed: dict[tuple[str, int], tuple[float, str]] = {}  # turn -> (at, engine)
+        self.after_drill: Callable[[_Run], Awaitable[None]] | None = None
 
     def relays(self) -> list[str]:
         return [p.url for p in self.stack.of_kind("relay") if p.alive]
@@ -108,6 +112,9 @@ class _Run:
     def _on_frame(self, v: Viewer, frame: dict[str, Any]) -> None:
         now = time.monotonic()
         self.arrivals.setdefault(id(v), []).append(now)
+        if frame["kind"] == "meta":
+            engine = str((frame.get("meta") or {}).get("engine", ""))
+            self.placed.setdefault((v.sid, int(frame.get("turn", 0))), (now, engine))
         if frame["kind"] in ("done", "error"):
             sid, turn = v.sid, int(frame.get("turn", 0))
             if turn > self.ended.get(sid, 0):
@@ -161,12 +168,17 @@ class _Run:
 
     def report(self) -> dict[str, Any]:
         vs = self.viewers
+        behind = settle_sessions(vs)  # a viewer missing its session's last frames: lost
         recov: list[float] = []
+        stalled = 0  # viewers that got nothing at all after the fault
         for v in vs:
             times = [t for t in self.arrivals.get(id(v), []) if t >= self.fault_at]
             marks = [self.fault_at, *times]
             gaps = [(b - a) * 1000 for a, b in itertools.pairwise(marks)]
-            recov.append(max(gaps) if gaps else float("nan"))
+            if gaps:
+                recov.append(max(gaps))
+            else:
+                stalled += 1
         err_ms = [
             (t - self.fault_at) * 1000
             for errs in self.error_at.values()
@@ -184,6 +196,8 @@ class _Run:
             "first_error_after_fault_ms": round(min(err_ms), 1) if err_ms else None,
             "last_error_after_fault_ms": round(max(err_ms), 1) if err_ms else None,
             "reconnects": sum(max(0, v.connects - 1) for v in vs),
+            "viewers_behind": behind,
+            "stalled_viewers": stalled,
             "recovery_p99_ms": round(percentile(recov, 99), 1),
             "recovery_p50_ms": round(percentile(recov, 50), 1),
             "viewers": len(vs),
@@ -307,20 +321,48 @@ async def _fault_reshard(run: _Run) -> None:
 
 
 async def _fault_engine_kill(run: _Run) -> None:
-    """kill -9 engine-1 mid-generation: its turns end with an error frame, the
-    lease is released, later turns go to engine-2."""
+    """kill -9 engine-1 mid-generation (waiting up to 5 s for it to hold leases, so the
+    drill always kills running turns): its turns end with an error frame, the leases
+    are released, later turns go to engine-2. The report counts the leases killed, the
+    leases still held on engine-1 at the end and the turns placed on it after the
+    control plane's grace (``ENGINE_GONE_S``)."""
+    deadline = time.monotonic() + 5
+    held = 0.0
+    while time.monotonic() < deadline:
+        held = sum((await _worker_leases(run, engine="engine-1")).values())
+        if held > 0:
+            break
+        await asyncio.sleep(0.05)
+    run.fault_at = time.monotonic()
     run.stack.kill("engine-1")
+    run.notes["killed_engine_leases"] = held
+    run.after_drill = _engine_kill_after
 
 
-async def _worker_leases(run: _Run) -> dict[str, float]:
-    """Leases (= turns generating) each live worker holds, from its /metrics."""
+ENGINE_GONE_S = 3.0  # probes every 1 s: the ring has dropped a dead engine by then
+
+
+async def _engine_kill_after(run: _Run) -> None:
+    run.notes["leases_on_killed_engine_end"] = sum(
+        (await _worker_leases(run, engine="engine-1")).values()
+    )
+    run.notes["turns_on_killed_engine_later"] = sum(
+        1
+        for (_, _), (at, engine) in run.placed.items()
+        if engine == "engine-1" and at > run.fault_at + ENGINE_GONE_S
+    )
+
+
+async def _worker_leases(run: _Run, engine: str | None = None) -> dict[str, float]:
+    """Leases (= turns generating) each live worker holds, from its /metrics; on
+    ``engine`` only when given."""
+    prefix = "tokenrelay_worker_engine_in_flight{"
+    label = f'engine="{engine}"' if engine else ""
     out: dict[str, float] = {}
     for p in run.stack.of_kind("worker"):
         samples = await _samples(run.http, p.url, 2) if p.alive else None
         if samples is not None:
-            out[p.name] = sum(
-                v for name, v in samples if name.startswith("tokenrelay_worker_engine_in_flight{")
-            )
+            out[p.name] = sum(v for name, v in samples if name.startswith(prefix) and label in name)
     return out
 
 
@@ -451,6 +493,8 @@ async def run_fault(name: str, cfg: FaultConfig) -> dict[str, Any]:
             for d in drivers:
                 d.cancel()
             await asyncio.sleep(1.0)  # the last frames reach every screen
+            if run.after_drill is not None:
+                await run.after_drill(run)
             run.notes["relay_stats"] = await _relay_stats(http, stack)
             run.notes["log_dir"] = stack._tmp
             stop_view.set()

@@ -32,7 +32,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.viewer import Viewer
+from bench.viewer import Viewer, settle_sessions
 from relay import runtime
 from worker.stack import Stack, StackSpec
 
@@ -61,6 +61,7 @@ class LoadConfig:
     workers: list[str] = field(default_factory=list)
     drain_s: float = 30.0
     progress: bool = True
+    max_turns: int = 0  # > 0: post at most this many turns (a bound on requests)
 
 
 def _proc_stats(pid: int) -> tuple[float, int]:
@@ -200,8 +201,12 @@ class LoadTest:
             gen0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.monotonic()
             token_frames0 = sum(len(t) for v in self.viewers for t in v.turn_text.values())
+            tokens0 = sum(v.tokens for v in self.viewers)
             await self._drive(http, t0)
             ran_s = time.monotonic() - t0
+            # delivered during the measured phase only (not the drain after it)
+            token_frames = sum(len(t) for v in self.viewers for t in v.turn_text.values())
+            tokens = sum(v.tokens for v in self.viewers) - tokens0
             drain_deadline = time.monotonic() + cfg.drain_s
             while self.busy and time.monotonic() < drain_deadline:
                 await asyncio.sleep(0.2)
@@ -211,6 +216,7 @@ class LoadTest:
             self.loadgen_cpu_s = (gen1.ru_utime + gen1.ru_stime) - (gen0.ru_utime + gen0.ru_stime)
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
+            behind = settle_sessions(self.viewers)  # a missing tail is lost too
             await asyncio.sleep(3.0)  # relays unsubscribe after their delay
             leases = sum(
                 [
@@ -224,8 +230,9 @@ class LoadTest:
                     for r in self.relays()
                 ]
             )
-        token_frames = sum(len(t) for v in self.viewers for t in v.turn_text.values())
-        return self._report(ran_s, token_frames - token_frames0, cpu0, cpu1, leases, subs)
+        return self._report(
+            ran_s, tokens, token_frames - token_frames0, behind, cpu0, cpu1, leases, subs
+        )
 
     async def _drive(self, http: aiohttp.ClientSession, t0: float) -> None:
         cfg = self.cfg
@@ -240,6 +247,9 @@ class LoadTest:
         next_at = t0
         shown = 0
         while (now := time.monotonic()) < t0 + cfg.duration_s:
+            if cfg.max_turns and self.turns_started + len(pending) >= cfg.max_turns:
+                await asyncio.sleep(0.05)  # the request budget is spent: load ends here
+                continue
             while cfg.generations and len(self.busy) < cfg.generations:
                 idle = [s for s in self.sessions if s[0] not in self.busy]
                 if not idle:
@@ -274,7 +284,9 @@ class LoadTest:
     def _report(
         self,
         ran_s: float,
+        tokens: int,
         token_frames: int,
+        behind: int,
         cpu0: dict[str, tuple[float, int]],
         cpu1: dict[str, tuple[float, int]],
         leases: float,
@@ -293,11 +305,21 @@ class LoadTest:
                 self._error("viewer " + e.split(":")[0])
         errors = sum(self.errors.values()) + sum(v.error_frames for v in self.viewers)
 
-        def cpu(kind: str) -> float:
+        # None when the stack is not ours (--relay/--worker URLs): its processes are not
+        # visible from here, and 0.0 would read as "measured, and idle"
+        def cpu(kind: str) -> float | None:
+            if not cpu0:
+                return None
             return round(sum(cpu1[n][0] - cpu0[n][0] for n in cpu0 if n.startswith(kind + "-")), 2)
 
-        def rss_mb(kind: str, at: dict[str, tuple[float, int]]) -> float:
+        def rss_mb(kind: str, at: dict[str, tuple[float, int]]) -> float | None:
+            if not at:
+                return None
             return round(sum(at[n][1] for n in at if n.startswith(kind + "-")) / 2**20, 1)
+
+        def drift(kind: str) -> float | None:
+            end, start = rss_mb(kind, cpu1), rss_mb(kind, cpu0)
+            return None if end is None or start is None else round(end - start, 1)
 
         return {
             "viewers": len(self.viewers),
@@ -310,7 +332,8 @@ class LoadTest:
             "ttft_p99_ms": round(percentile(ttft, 99), 1),
             "itl_p50_ms": round(percentile(itl, 50), 1),
             "itl_p99_ms": round(percentile(itl, 99), 1),
-            "tokens_per_s": round(token_frames / ran_s, 1) if ran_s else 0.0,
+            "tokens_per_s": round(tokens / ran_s, 1) if ran_s else 0.0,
+            "token_frames_per_s": round(token_frames / ran_s, 1) if ran_s else 0.0,
             "lost": sum(v.tally.lost for v in self.viewers),
             "duplicated": sum(v.tally.duplicated for v in self.viewers),
             "out_of_order": sum(v.tally.out_of_order for v in self.viewers),
@@ -320,13 +343,14 @@ class LoadTest:
             "error_samples": sorted({e[:160] for v in self.viewers for e in v.errors})[:8],
             "error_frames": sum(v.error_frames for v in self.viewers),
             "reconnects": sum(max(0, v.connects - 1) for v in self.viewers),
+            "viewers_behind": behind,
             "relay_cpu_s": cpu("relay"),
             "worker_cpu_s": cpu("worker"),
             "engine_cpu_s": cpu("engine"),
             "relay_rss_mb": rss_mb("relay", cpu1),
             "worker_rss_mb": rss_mb("worker", cpu1),
-            "relay_rss_drift_mb": round(rss_mb("relay", cpu1) - rss_mb("relay", cpu0), 1),
-            "worker_rss_drift_mb": round(rss_mb("worker", cpu1) - rss_mb("worker", cpu0), 1),
+            "relay_rss_drift_mb": drift("relay"),
+            "worker_rss_drift_mb": drift("worker"),
             "loadgen_cpu_s": round(self.loadgen_cpu_s, 2),
             "connected_at_start": self.connected_at_start,
             "ramp_errors": self.ramp_errors,
@@ -356,12 +380,14 @@ def _print(report: dict[str, Any]) -> None:
         "itl_p50_ms",
         "itl_p99_ms",
         "tokens_per_s",
+        "token_frames_per_s",
         "lost",
         "duplicated",
         "out_of_order",
         "gaps_reported",
         "errors",
         "reconnects",
+        "viewers_behind",
         "relay_cpu_s",
         "worker_cpu_s",
         "relay_rss_mb",
@@ -401,6 +427,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ws-share", type=float, default=0.5, help="share of viewers on WebSocket")
     p.add_argument(
+        "--max-turns", type=int, default=0, help="post at most N turns (default: no bound)"
+    )
+    p.add_argument(
         "--connects-per-s", type=float, default=500.0, help="ramp-up rate of new viewers"
     )
     p.add_argument("--max-tokens", type=int, default=48)
@@ -416,11 +445,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
     quick = args.quick
+
+    def given(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    if args.duration is not None and args.duration <= 0:
+        raise ValueError("--duration must be > 0")
+    if args.viewers is not None and args.viewers < 1:
+        raise ValueError("--viewers must be >= 1")
+    if args.turns_per_s is not None and args.turns_per_s < 0:
+        raise ValueError("--turns-per-s must be >= 0 (0: no open-loop turns)")
     return LoadConfig(
-        duration_s=args.duration or (20.0 if quick else 60.0),
-        viewers=args.viewers or (60 if quick else 500),
+        duration_s=given(args.duration, 20.0 if quick else 60.0),
+        viewers=given(args.viewers, 60 if quick else 500),
         screens_per_session=args.screens_per_session,
-        turns_per_s=args.turns_per_s or (3.0 if quick else 5.0),
+        turns_per_s=given(args.turns_per_s, 3.0 if quick else 5.0),
+        max_turns=args.max_turns,
         generations=args.generations,
         connects_per_s=args.connects_per_s,
         ws_share=args.ws_share,
@@ -436,7 +476,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     if bool(args.relay) != bool(args.worker):
         print("error: give both --relay and --worker URLs, or neither", file=sys.stderr)
         return 2
-    cfg = config_from_args(args)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     spec = StackSpec(
         relays=2,
         workers=2,
@@ -449,8 +493,15 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
-    ok = report["lost"] == 0 and report["duplicated"] == 0 and report["out_of_order"] == 0
-    return 0 if ok else 1
+    # the promise (nothing lost, duplicated or reordered, no error) and a clean end state
+    bad = [
+        k for k in ("lost", "duplicated", "out_of_order", "errors", "leases_held_end") if report[k]
+    ]
+    if report["subscriptions_end"]:
+        bad.append("subscriptions_end")
+    if bad:
+        print(f"FAILED: non-zero {', '.join(bad)}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,7 @@ import orjson
 
 from worker.sse import SSEDecoder
 
-__all__ = ["OffsetTally", "Viewer"]
+__all__ = ["OffsetTally", "Viewer", "settle_sessions"]
 
 
 @dataclass
@@ -65,9 +65,27 @@ class OffsetTally:
         self.holes.difference_update(range(first, last + 1))
         self.last = max(self.last, resume_at)
 
+    def settle(self, end: int) -> int:
+        """At the end of a run: frames up to ``end`` (the last offset the session is known
+        to have) that never arrived are lost too, not only holes between arrivals.
+        Returns how many were missing at the tail."""
+        missing = max(0, end - self.last)
+        self.holes.update(range(self.last + 1, end + 1))
+        self.last = max(self.last, end)
+        return missing
+
     @property
     def lost(self) -> int:
         return len(self.holes)
+
+
+def settle_sessions(viewers: Sequence[Viewer]) -> int:
+    """Settle every viewer against the furthest offset any viewer of its session
+    received (call once the streams are idle); returns how many viewers were behind."""
+    end: dict[str, int] = {}
+    for v in viewers:
+        end[v.sid] = max(end.get(v.sid, 0), v.tally.last)
+    return sum(1 for v in viewers if v.tally.settle(end[v.sid]) > 0)
 
 
 class Viewer:
@@ -98,6 +116,7 @@ class Viewer:
         self.itl_ms: list[float] = []
         self._last_token_at: dict[int, float] = {}
         self.error_frames = 0
+        self.tokens = 0  # engine tokens received (a coalesced frame's meta ``n``)
         self.disconnected_at: float | None = None
         self.recoveries_ms: list[float] = []
 
@@ -123,6 +142,7 @@ class Viewer:
                 self.itl_ms.append((now - prev) * 1000)
             self._last_token_at[turn] = now
             self.turn_text.setdefault(turn, []).append(frame.get("text", ""))
+            self.tokens += int((frame.get("meta") or {}).get("n", 1))
         elif kind in ("done", "error"):
             self.turn_done[turn] = now
             if kind == "error":

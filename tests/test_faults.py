@@ -26,9 +26,13 @@ SMALL = FaultConfig(
 
 
 def _clean(r: dict[str, object]) -> None:
+    """Nothing lost (a gap the server reported is not lost: it is counted apart),
+    duplicated or reordered; every turn ended; every viewer got its session's last
+    frame and something after the fault."""
     assert r["frames"], r
     assert (r["lost"], r["duplicated"], r["out_of_order"]) == (0, 0, 0), r
     assert r["unended_turns"] == 0, r
+    assert (r["viewers_behind"], r["stalled_viewers"]) == (0, 0), r
 
 
 async def test_relay_kill_viewers_resume_on_the_other_relay() -> None:
@@ -39,9 +43,9 @@ async def test_relay_kill_viewers_resume_on_the_other_relay() -> None:
 
 async def test_master_kill_no_frame_lost_after_failover() -> None:
     r = await run_fault("master_kill", SMALL)
-    # with asynchronous replication a frame may be lost; it must then be reported
-    assert r["lost"] == 0 or r["gaps_reported"] > 0, r
-    assert (r["duplicated"], r["out_of_order"]) == (0, 0), r
+    # with asynchronous replication a frame may be lost; it must then be reported as a
+    # gap (gaps_reported), never silently: `lost` counts only the silent ones
+    _clean(r)
 
 
 async def test_reshard_of_live_sessions_loses_nothing() -> None:
@@ -53,6 +57,10 @@ async def test_reshard_of_live_sessions_loses_nothing() -> None:
 async def test_engine_kill_ends_its_turns_with_an_error_frame() -> None:
     r = await run_fault("engine_kill", SMALL)
     _clean(r)
+    assert r["killed_engine_leases"] > 0, r  # the drill kills an engine with turns on it
+    assert r["error_frames"] > 0, r
+    assert r["leases_on_killed_engine_end"] == 0, r  # released
+    assert r["turns_on_killed_engine_later"] == 0, r  # later turns went elsewhere
 
 
 async def test_worker_kill_ends_its_turns_with_an_error_within_the_deadline() -> None:
@@ -66,6 +74,7 @@ async def test_worker_kill_ends_its_turns_with_an_error_within_the_deadline() ->
 async def test_relay_dropped_for_its_output_buffer_repairs_from_the_backlog() -> None:
     r = await run_fault("relay_stall_buffer", SMALL)
     _clean(r)
+    assert r["dropped_by_redis"] is True, r  # the fault really happened
 
 
 async def test_redis_stall_below_node_timeout_loses_nothing() -> None:
