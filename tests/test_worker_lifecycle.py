@@ -215,3 +215,111 @@ async def test_fenced_turn_releases_and_writes_nothing_more(h: Harness, redis: R
     assert all(f.epoch <= newer.epoch for f in frames)
     assert frames[-1].epoch == newer.epoch
     assert [f for f in frames if f.epoch == newer.epoch - 1 and f.kind in ("done", "error")] == []
+
+
+async def test_engine_killed_mid_stream_the_next_turn_goes_to_the_other_engine(
+    h: Harness, redis: RedisCluster
+):
+    engines = await h.start_engines(2, decode_tok_per_s=10.0)
+    await h.start_worker(control_interval_s=0.2)
+    sid, token = await h.session()
+    status, body, _ = await h.post_turn(sid, token, {"message": "a long story, please"})
+    assert status == 202
+    await _until_tokens(redis, sid, 2)
+    raw, _, _ = await read_backlog(redis, sid, 0, 10_000)
+    meta = next(decode(x) for x in raw if decode(x).kind == "meta").meta
+    assert meta is not None
+    victim = meta["engine"]
+    await next(e for e in engines if e.engine.cfg.engine_id == victim).stop()  # kill it
+    frames = await wait_turn(redis, sid, body["turn"])
+    assert frames[-1].kind == "error"
+    assert frames[-1].meta is not None
+    # the broken stream or the control plane's probe, whichever notices first
+    assert frames[-1].meta["code"] in ("engine_error", "engine_down")
+    assert h.state.router.in_flight().get(victim, 0) == 0  # its lease was released
+    status, body2, _ = await h.post_turn(sid, token, {"message": "and now?", "max_tokens": 8})
+    assert status == 202, body2
+    frames2 = await wait_turn(redis, sid, body2["turn"])
+    assert frames2[-1].kind == "done", [f.kind for f in frames2]
+    assert frames2[-1].meta is not None
+    assert frames2[-1].meta["engine"] != victim  # routed elsewhere
+    assert h.state.router.snapshot()["counters"]["double_releases"] == 0
+    h.engines[:] = [e for e in h.engines if e.engine.cfg.engine_id != victim]
+
+
+async def _read_turn(watch: object, until: int | None = None) -> list[tuple[int, str, str]]:
+    """(offset, kind, text) from a hub watch: up to the terminal frame, or ``until``
+    token frames."""
+    from relay.watch import Watch
+
+    assert isinstance(watch, Watch)
+    out: list[tuple[int, str, str]] = []
+    async with asyncio.timeout(20):
+        while True:
+            for d in await watch.next():
+                f = decode(d.data)
+                out.append((f.offset, f.kind, f.text))
+                if f.kind in ("done", "error"):
+                    return out
+                if until is not None and sum(1 for _, k, _ in out if k == "token") >= until:
+                    return out
+
+
+async def test_the_last_viewer_leaving_releases_the_engine_slot_after_the_grace(
+    h: Harness, redis: RedisCluster
+):
+    engines = await h.start_engines(1, decode_tok_per_s=10.0)
+    await h.start_worker(presence=FAST_PRESENCE)  # grace 1 s
+    hub = Hub(redis, relay_id="leaving-hub", presence_interval_s=0.3)
+    await hub.start()
+    try:
+        sid, token = await h.session()
+        status, body, _ = await h.post_turn(sid, token, {"message": "a long story, please"})
+        assert status == 202
+        watch = await hub.watch(sid, 0)
+        await _read_turn(watch, until=2)
+        assert engines[0].engine.gate.running == 1
+        left_at = time.monotonic()
+        await watch.close()  # the last (only) viewer leaves
+        frames = await wait_turn(redis, sid, body["turn"])
+        ended_after = time.monotonic() - left_at
+    finally:
+        await hub.close()
+    assert frames[-1].kind == "error"
+    assert frames[-1].text == "no viewers"
+    # not before the grace period, counted from the hub's last presence refresh (every
+    # 0.3 s, so up to 0.3 s before the close)
+    assert ended_after >= FAST_PRESENCE.grace_s - 0.3
+    assert h.state.router.in_flight() == {"eng-0": 0}  # the slot is back
+    async with asyncio.timeout(5):
+        while engines[0].engine.gate.running:  # the engine request was aborted too
+            await asyncio.sleep(0.05)
+
+
+async def test_a_viewer_back_within_the_grace_resumes_from_the_backlog(
+    h: Harness, redis: RedisCluster
+):
+    await h.start_engines(1, decode_tok_per_s=20.0)
+    await h.start_worker(presence=FAST_PRESENCE)  # grace 1 s
+    hub = Hub(redis, relay_id="returning-hub", presence_interval_s=0.3)
+    await hub.start()
+    try:
+        sid, token = await h.session()
+        status, body, _ = await h.post_turn(sid, token, {"message": "a long story, please"})
+        assert status == 202
+        watch = await hub.watch(sid, 0)
+        first = await _read_turn(watch, until=3)
+        await watch.close()
+        await asyncio.sleep(0.4)  # away for less than the grace period
+        watch = await hub.watch(sid, first[-1][0])  # resume after the last offset seen
+        rest = await _read_turn(watch)
+        await watch.close()
+    finally:
+        await hub.close()
+    offsets = [o for o, _, _ in first + rest]
+    assert offsets == list(range(offsets[0], offsets[0] + len(offsets)))  # no gap, no dup
+    assert rest[-1][1] == "done"
+    frames = await wait_turn(redis, sid, body["turn"])
+    assert "".join(t for _, k, t in first + rest if k == "token") == "".join(
+        f.text for f in frames if f.kind == "token"
+    )
