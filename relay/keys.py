@@ -5,7 +5,8 @@ Everything about one session lives in one hash slot: the session id is the hash 
 can never pick a slot (or break out of the tag) by smuggling braces, CR/LF or NUL.
 
 Order of use: :func:`parse_session` on every id that arrives from outside, then
-:func:`key` (or the named helpers) to build names. Nothing else in the project formats
+:func:`key` (or the named helpers) to build names. The control plane's names (worker
+load reports, engine heartbeats) are here too. Nothing else in the project formats
 ``tr:`` strings.
 """
 
@@ -16,9 +17,12 @@ import secrets
 from enum import StrEnum
 
 __all__ = [
+    "ENGINES_REGISTRY",
     "SESSION_ID_MAX_LEN",
+    "WORKERS_REGISTRY",
     "InvalidSessionId",
     "KeyKind",
+    "engine_key",
     "hist_key",
     "idem_key",
     "key",
@@ -104,7 +108,25 @@ def idem_key(sid: str, idempotency_key: str) -> str:
     return key(sid, KeyKind.IDEM, idempotency_key)
 
 
-def worker_key(worker_id: str) -> str:
-    """Per-worker control-plane hash (load reports); the worker id is its own hash tag."""
-    parse_session(worker_id)
-    return f"tr:workers:{{{worker_id}}}"
+# -- control plane (not per session) -------------------------------------------------
+
+WORKERS_REGISTRY = "tr:workers"  # sorted set: worker id -> last load report (s)
+ENGINES_REGISTRY = "tr:engines"  # sorted set: engine id -> last heartbeat (ms)
+
+
+def _check_member_id(what: str, ident: str) -> str:
+    """A worker or engine id is its own hash tag: no braces, no whitespace, <= 128."""
+    if not ident or len(ident) > 128 or any(c in ident for c in "{} \t\r\n\x00"):
+        raise ValueError(f"invalid {what} id {ident!r}")
+    return ident
+
+
+def worker_key(worker_id: str, namespace: str = "tr") -> str:
+    """Per-worker load-report hash (worker.loadshare); the worker id is its hash tag.
+    ``namespace`` other than "tr" isolates tests sharing one cluster."""
+    return f"{namespace}:workers:{{{_check_member_id('worker', worker_id)}}}"
+
+
+def engine_key(engine_id: str) -> str:
+    """Per-engine heartbeat hash (worker.control); the engine id is its hash tag."""
+    return f"{ENGINES_REGISTRY}:{{{_check_member_id('engine', engine_id)}}}"

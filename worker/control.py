@@ -40,13 +40,13 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Final
 from urllib.parse import urlsplit
 
 import aiohttp
 from redis.asyncio.cluster import RedisCluster
 
 from relay.errors import RelayError, map_redis_errors
+from relay.keys import ENGINES_REGISTRY, engine_key
 from worker.router import EngineSpec, Router
 
 __all__ = [
@@ -59,19 +59,7 @@ __all__ = [
     "read_announced",
 ]
 
-ENGINES_REGISTRY: Final = "tr:engines"
 _log = logging.getLogger(__name__)
-
-
-def _check_id(engine_id: str) -> str:
-    if not engine_id or len(engine_id) > 128 or any(c in engine_id for c in "{} \t\r\n"):
-        raise ValueError(f"invalid engine id {engine_id!r}")
-    return engine_id
-
-
-def engine_key(engine_id: str) -> str:
-    """The heartbeat hash of one engine (its id is the hash tag)."""
-    return f"{ENGINES_REGISTRY}:{{{_check_id(engine_id)}}}"
 
 
 def parse_engine_arg(arg: str, cap: int, weight: float = 1.0) -> EngineSpec:
@@ -85,7 +73,8 @@ def parse_engine_arg(arg: str, cap: int, weight: float = 1.0) -> EngineSpec:
     if not eid:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         eid = f"{parts.hostname}:{port}"
-    return EngineSpec(id=_check_id(eid), url=url.rstrip("/"), cap=cap, weight=weight)
+    engine_key(eid)  # the id must be usable as a hash tag: raises ValueError if not
+    return EngineSpec(id=eid, url=url.rstrip("/"), cap=cap, weight=weight)
 
 
 def _base(url: str) -> str:

@@ -62,6 +62,7 @@ from typing import Final
 from redis.asyncio import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
+from relay.keys import WORKERS_REGISTRY, worker_key
 from worker.router import LoadView, Router, key_hash
 
 __all__ = [
@@ -74,15 +75,8 @@ __all__ = [
     "worker_key",
 ]
 
-REGISTRY_KEY: Final = "tr:workers"
+REGISTRY_KEY: Final = WORKERS_REGISTRY
 _log = logging.getLogger(__name__)
-
-
-def worker_key(worker_id: str, namespace: str = "tr") -> str:
-    """The Redis hash holding one worker's report (its id is the hash tag)."""
-    if not worker_id or any(c in worker_id for c in "{}"):
-        raise ValueError(f"invalid worker id {worker_id!r}")
-    return f"{namespace}:workers:{{{worker_id}}}"
 
 
 @dataclass(frozen=True, slots=True)
