@@ -6,7 +6,7 @@ in-process) on the session's real Redis Cluster, throws one kind of hostile inpu
 them and checks:
 
 - the status / close code AND the documented ``error`` / reason (docs/PROTOCOL.md,
-  docs/HOSTILE.md);
+  the hostile-input table of RELIABILITY.md);
 - a well-behaved session (:class:`Bystander`: created on the worker, watched over SSE
   on the relay, one turn posted before the hostile input and one after) receives every
   frame of both turns, in order, and only its own;
