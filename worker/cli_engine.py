@@ -38,7 +38,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--prefill-tok-per-s", type=float, default=d.prefill_tok_per_s)
     p.add_argument("--decode-tok-per-s", type=float, default=d.decode_tok_per_s)
     p.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
-    p.add_argument("--id", dest="engine_id", default=d.engine_id, help="engine id")
+    p.add_argument(
+        "--id", dest="engine_id", default=None, help="engine id (default mock-PORT: unique)"
+    )
     p.add_argument("--model", default=d.model, help="model name served")
     p.add_argument(
         "--redis",
@@ -60,7 +62,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefill_tok_per_s=args.prefill_tok_per_s,
         decode_tok_per_s=args.decode_tok_per_s,
         max_concurrency=args.max_concurrency,
-        engine_id=args.engine_id,
+        engine_id=args.engine_id or f"mock-{args.port}",
         model=args.model,
     )
 
