@@ -271,3 +271,20 @@ async def test_a_burst_of_turns_waits_for_redis_connections_instead_of_failing(
 
         statuses = await asyncio.gather(*(one(i) for i in range(n)))
     assert Counter(statuses) == {202: n}
+
+
+async def test_prefix_chars_zero_keys_sessions_by_their_system_prompt(
+    h: Harness, redis: RedisCluster
+):
+    await h.start_engines(3)
+    await h.start_worker(prefix_chars=0)  # the routing key is the system prompt alone
+    engines = set()
+    for i in range(6):
+        sid, token = await h.session()
+        body = {"message": f"question {i}", "system": "one shared prompt", "max_tokens": 4}
+        status, started, _ = await h.post_turn(sid, token, body)
+        assert status == 202, started
+        frames = await wait_turn(redis, sid, started["turn"])
+        assert frames[0].meta is not None
+        engines.add(frames[0].meta["engine"])
+    assert len(engines) == 1  # every session on the prompt's engine (no load to spill)

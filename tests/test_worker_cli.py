@@ -43,3 +43,28 @@ def test_the_round_robin_baseline_and_the_walk_are_flags() -> None:
     assert (cfg.routing, cfg.spill) == ("round_robin", "walk")
     with pytest.raises(SystemExit):
         _parse("--routing", "random")
+
+
+def test_ring_flags_and_engine_weights() -> None:
+    args = _parse(
+        "--engine", "e2=http://127.0.0.1:9001", "--engine-weight", "e2=2.5",
+        "--vnodes", "64", "--eps", "0.5", "--prefix-chars", "128",
+    )  # fmt: skip
+    cfg = config_from_args(args)
+    assert (cfg.vnodes, cfg.eps, cfg.prefix_chars) == (64, 0.5, 128)
+    assert {e.id: e.weight for e in cfg.engines} == {"e1": 1.0, "e2": 2.5}
+
+
+@pytest.mark.parametrize(
+    ("flags", "reason"),
+    [
+        (["--engine-weight", "e1=0"], "ID=W with W > 0"),
+        (["--engine-weight", "e1=heavy"], "ID=W with W > 0"),
+        (["--engine-weight", "nope=2"], "names no --engine"),
+        (["--vnodes", "0"], "--vnodes must be >= 1"),
+        (["--eps", "-1"], "--vnodes must be >= 1"),
+    ],
+)
+def test_bad_ring_flags_are_refused_with_a_reason(flags: list[str], reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        config_from_args(_parse(*flags))

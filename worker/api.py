@@ -53,6 +53,7 @@ from worker.loadshare import LoadExchange
 from worker.metrics import CONTENT_TYPE_LATEST, WorkerMetrics
 from worker.presence import PresencePolicy
 from worker.router import DEFAULT_SPILL, AllEnginesFull, EngineSpec, Router
+from worker.routing_key import DEFAULT_PREFIX_CHARS
 from worker.store import SessionStore
 from worker.turns import (
     Draining,
@@ -109,6 +110,7 @@ class WorkerConfig:
     idle_timeout_s: float = 30.0
     shutdown_deadline_s: float = 20.0
     admit_wait_s: float = 2.0  # a turn waits this long for an engine slot before 429
+    prefix_chars: int = DEFAULT_PREFIX_CHARS  # of the conversation in the routing key
 
 
 @dataclass(slots=True)
@@ -352,6 +354,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             coalesce=cfg.coalesce,
             presence=cfg.presence,
             admit_wait_s=cfg.admit_wait_s,
+            prefix_chars=cfg.prefix_chars,
         ),
     )
     control = ControlPlane(

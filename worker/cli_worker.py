@@ -84,6 +84,21 @@ def register(subparsers: Any) -> None:
     p.add_argument("--idle-timeout-s", type=float, default=d.idle_timeout_s)
     p.add_argument("--shutdown-deadline-s", type=float, default=d.shutdown_deadline_s)
     p.add_argument("--spill", choices=SPILL_POLICIES, default=d.spill, help=f"({d.spill})")
+    p.add_argument("--vnodes", type=int, default=d.vnodes, help=f"per engine ({d.vnodes})")
+    p.add_argument("--eps", type=float, default=d.eps, help=f"bounded-load slack ({d.eps})")
+    p.add_argument(
+        "--prefix-chars",
+        type=int,
+        default=d.prefix_chars,
+        help=f"characters of the conversation in the routing key ({d.prefix_chars})",
+    )
+    p.add_argument(
+        "--engine-weight",
+        action="append",
+        default=[],
+        metavar="ID=W",
+        help="share of the ring and of the load for one engine (default 1; repeatable)",
+    )
     p.add_argument(
         "--routing",
         choices=ROUTING_POLICIES,
@@ -101,12 +116,31 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def _engine_id(arg: str, cap: int) -> str:
+    return parse_engine_arg(arg, cap).id
+
+
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     if not args.redis:
         raise ValueError("give --redis (or set TOKENRELAY_REDIS_URL)")
     if not args.insecure_no_auth and not args.secret:
         raise ValueError("give --secret (or TOKENRELAY_SECRET), or --insecure-no-auth")
-    engines = [parse_engine_arg(e, args.engine_cap) for e in args.engine]
+    weights: dict[str, float] = {}
+    for item in args.engine_weight:
+        eid, sep, w = item.partition("=")
+        try:
+            weights[eid] = float(w)
+        except ValueError:
+            sep = ""
+        if not sep or not eid or not weights.get(eid, 0) > 0:
+            raise ValueError(f"--engine-weight wants ID=W with W > 0, got {item!r}")
+    engines = [
+        parse_engine_arg(e, args.engine_cap, weights.get(_engine_id(e, args.engine_cap), 1.0))
+        for e in args.engine
+    ]
+    unknown = set(weights) - {e.id for e in engines}
+    if unknown and not args.discover_engines:
+        raise ValueError(f"--engine-weight names no --engine: {', '.join(sorted(unknown))}")
     if not engines and not args.discover_engines:
         raise ValueError("give at least one --engine (or --discover-engines)")
     cfg = WorkerConfig(
@@ -128,7 +162,12 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         discover_engines=args.discover_engines,
         load_exchange=not args.no_load_exchange,
         admit_wait_s=args.admit_wait_s,
+        vnodes=args.vnodes,
+        eps=args.eps,
+        prefix_chars=args.prefix_chars,
     )
+    if cfg.vnodes < 1 or cfg.eps < 0 or cfg.prefix_chars < 0:
+        raise ValueError("--vnodes must be >= 1, --eps and --prefix-chars >= 0")
     if not 0 <= cfg.admit_wait_s < cfg.lock_ttl_s:  # the session lock is held while waiting
         raise ValueError(f"--admit-wait-s must be in [0, {cfg.lock_ttl_s:g})")
     return cfg

@@ -58,7 +58,7 @@ from worker.engine_errors import EngineError, EngineTimeout, EngineUnavailable
 from worker.metrics import WorkerMetrics
 from worker.presence import PresencePolicy, watch_presence
 from worker.router import AllEnginesFull, Lease, LeaseState, Router, route_wait
-from worker.routing_key import routing_key
+from worker.routing_key import DEFAULT_PREFIX_CHARS, routing_key
 from worker.store import LockHolder, SessionStore
 
 __all__ = [
@@ -114,6 +114,7 @@ class TurnConfig:
     # that just started, or one of more workers than an engine has slots, holds no share
     # until its refused routes are reported. A full cluster still answers 429 after it.
     admit_wait_s: float = 2.0
+    prefix_chars: int = DEFAULT_PREFIX_CHARS  # of the conversation in the routing key
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +256,7 @@ class TurnManager:
             hist = await self.store.load(sid)
             sys_prompt = system if system else hist.system
             convo = [*hist.messages, {"role": "user", "content": message}]
-            rkey = routing_key(sys_prompt, convo)
+            rkey = routing_key(sys_prompt, convo, prefix_chars=self.cfg.prefix_chars)
             lease = await route_wait(self.router, rkey, self.cfg.admit_wait_s)
             if hist.last_engine is not None and any(
                 s.id == hist.last_engine for s in self.router.engines()
