@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
@@ -48,8 +49,10 @@ def _cluster_up(args: argparse.Namespace) -> int:
     )
     try:
         info = asyncio.run(cluster.start())
-    except ClusterError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (ClusterError, TimeoutError) as exc:  # start() stopped what it had started
+        shutil.rmtree(data_dir, ignore_errors=True)  # and nothing is left half-built
+        why = str(exc) or "the cluster did not form in time (every node was stopped)"
+        print(f"error: {why}", file=sys.stderr)
         return 1
     write_state(info, state)
     cluster.detach()  # the nodes outlive this command; `cluster down` stops them by pid

@@ -172,6 +172,7 @@ def test_cli_up_status_down_leaves_no_process_behind(tmp_path: Path) -> None:
         assert busy.returncode == 1
         assert "busy" in busy.stderr
         assert not (tmp_path / "other" / "cluster.json").exists()
+        assert not (tmp_path / "other" / "data").exists()  # nothing half-built left
     finally:
         down = _cli("cluster", "down", "--dir", str(state_dir))
     assert down.returncode == 0, down.stderr
