@@ -121,3 +121,45 @@ def test_compose_config_validates_where_a_compose_binary_exists() -> None:
         pytest.skip("no compose binary on PATH; the file was checked by parsing above")
     result = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def _get_paths(app: Any) -> set[str]:
+    return {
+        r.resource.canonical
+        for r in app.router.routes()
+        if r.method in ("GET", "*") and r.resource is not None
+    }
+
+
+def test_healthchecks_probe_routes_the_services_really_serve() -> None:
+    from relay.config import RelayConfig
+    from relay.server import make_app as relay_app
+    from worker.api import WorkerConfig
+    from worker.api import make_app as worker_app
+    from worker.mock_engine import EngineConfig
+    from worker.mock_engine import make_app as engine_app
+    from worker.router import EngineSpec
+
+    paths = {
+        "relay": _get_paths(relay_app(RelayConfig(secret="x" * 32))),
+        "worker": _get_paths(
+            worker_app(WorkerConfig(engines=[EngineSpec(id="e", url="http://e", cap=1)]))
+        ),
+        "engine": _get_paths(engine_app(EngineConfig())),
+    }
+    checked = 0
+    for name, svc in _services().items():
+        test = " ".join(svc.get("healthcheck", {}).get("test", []))
+        url = re.search(r"http://127\.0\.0\.1:8000(/[a-z/]*)", test)
+        if url is None or not svc.get("command"):
+            continue
+        kind = svc["command"][0]
+        assert url.group(1) in paths[kind], f"{name}: {url.group(1)} is not a {kind} route"
+        checked += 1
+    assert checked == 7  # 3 engines, 2 workers, 2 relays
+
+
+def test_the_ingress_answers_health_itself_and_404s_unknown_paths() -> None:
+    conf = NGINX.read_text()
+    assert "location = /healthz" in conf
+    assert "try_files $uri /index.html" not in conf  # no HTML page for /metrics & co.

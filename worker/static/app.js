@@ -197,7 +197,11 @@ function bar(inFlight, cap) {
 async function refreshPanel() {
   try {
     const r = await fetch("/api/stack");
-    if (!r.ok) return;
+    if (!r.ok) {  // behind a plain ingress (docker-compose): no view of the processes
+      $("engines").tBodies[0].innerHTML =
+        `<tr><td colspan="3">live panel: served by <code>tokenrelay demo</code> only</td></tr>`;
+      return;
+    }
     const s = await r.json();
     $("engines").tBodies[0].innerHTML = (s.engines || []).map((e) =>
       `<tr><td>${escapeHtml(e.id)}${e.healthy === false ? " (down)" : ""}</td><td>${e.in_flight} / ${e.cap}</td><td>${bar(e.in_flight, e.cap)}</td></tr>`).join("");
