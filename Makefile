@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 ## demo: the whole stack on an embedded local Redis Cluster; Ctrl-C stops everything.
+## Real engines: make demo DEMO_ARGS="--engine http://gpu-a:8000 --model NAME --engine-cap 32"
+DEMO_ARGS ?=
 demo: $(STAMP)
-	$(BIN)/tokenrelay demo
+	$(BIN)/tokenrelay demo $(DEMO_ARGS)
 
 ## test: the whole suite against a real local Redis Cluster (started and stopped by the suite).
 test: $(STAMP) browser-deps
