@@ -129,7 +129,12 @@ def register(subparsers: Any) -> None:
         "--engine", action="append", help="URL of a real OpenAI-compatible engine (repeatable)"
     )
     p.add_argument("--model", default="mock", help="model name sent to the engines")
-    p.add_argument("--engine-cap", type=int, default=8, help="in-flight cap per engine")
+    p.add_argument(
+        "--engine-cap",
+        type=int,
+        default=12,
+        help="in-flight cap per engine: 1.5 x its concurrent sequences (the mocks run 8)",
+    )
     p.add_argument("--secret", default="demo-secret-change-me")
     p.add_argument("--insecure-no-auth", action="store_true")
     p.set_defaults(func=_main)

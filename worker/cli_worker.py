@@ -57,7 +57,13 @@ def register(subparsers: Any) -> None:
         metavar="[ID=]URL",
         help="an OpenAI-compatible engine (repeat); id defaults to host:port",
     )
-    p.add_argument("--engine-cap", type=int, default=8, help="in-flight requests per engine")
+    p.add_argument(
+        "--engine-cap",
+        type=int,
+        default=12,
+        help="in-flight requests per engine (12): about 1.5 x the engine's concurrent "
+        "sequences (vLLM --max-num-seqs; the mock engine runs 8), see docs/ROUTING.md",
+    )
     p.add_argument(
         "--discover-engines",
         action="store_true",

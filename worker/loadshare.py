@@ -31,7 +31,7 @@ latest reports. The only overshoot comes from two workers recomputing within the
 round trip (each missing the other's new reservation). The targets only decide who gets
 the room: a worker above its target stops admitting and its reservation shrinks to its
 in-flight, so a slot moves to a starved worker within about two rounds (its demand is
-reported, the holder shrinks, it grows). The simulator (bench/router_sim.py) measures the
+reported, the holder shrinks, it grows). The simulator (bench/routing_sim.py) measures the
 peak and the convergence.
 
 If the exchange is stale (Redis unreachable for longer than ``stale_s``), each worker

@@ -57,7 +57,7 @@ class StackSpec:
     insecure_no_auth: bool = False
     engine_urls: list[str] = field(default_factory=list)  # real engines instead of mocks
     model: str = "mock"
-    engine_cap: int = 8
+    engine_cap: int = 12  # 1.5 x the mock engines' 8 concurrent requests (docs/ROUTING.md)
     engine_args: list[str] = field(default_factory=list)
     relay_args: list[str] = field(default_factory=list)
     worker_args: list[str] = field(default_factory=list)
