@@ -56,7 +56,7 @@ format: $(STAMP)
 bench: $(STAMP)
 	mkdir -p artifacts
 	$(BIN)/python -m bench.router_micro --quick --json artifacts/router_micro.json
-	$(BIN)/python -m bench.router_sim --quick --json artifacts/router_sim.json
+	$(BIN)/python -m bench.routing_sim --quick --json artifacts/routing_sim.json --plot artifacts/routing_sim.png
 	$(BIN)/python -m bench.pubsub_cluster --quick --json artifacts/pubsub_cluster.json --plot artifacts/pubsub_cluster.png
 	$(BIN)/python -m bench.subscriber_compare --quick --json artifacts/subscriber_compare.json
 	$(BIN)/python -m bench.coalesce --quick --json artifacts/coalesce.json
