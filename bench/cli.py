@@ -23,6 +23,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "pubsub": ("PUBLISH vs SPUBLISH cost on local Redis Clusters", "bench.pubsub_cluster"),
     "loadtest": ("many screens per session while turns stream (SSE + WS)", "bench.loadtest"),
     "affinity": ("engines' prefix-cache hit rate: ring routing vs round robin", "bench.affinity"),
+    "relay_throughput": (
+        "one relay process: frames/s vs a raw Redis reader, fan-out, latency, RSS per idle conn",
+        "bench.relay_throughput",
+    ),
 }
 
 
