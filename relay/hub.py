@@ -145,6 +145,9 @@ class Hub:
         self._sealing: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
+        # called once per live frame read from Redis (servers time publish -> edge here,
+        # once per frame, not once per socket)
+        self.live_observers: list[Callable[[Delivery], None]] = []
         self._stats: dict[str, int] = dict.fromkeys(
             (
                 "watches_opened",
@@ -308,6 +311,8 @@ class Hub:
         if d is None:
             self._stats["bad_frames"] += 1
             return
+        for observe in self.live_observers:
+            observe(d)
         self._channel_step(ch, ch.resume.live(d))
 
     def _channel_step(self, ch: _Channel, step: Step) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -63,6 +64,13 @@ __all__ = ["SERVER", "EdgeServer", "make_app", "make_runner"]
 log = logging.getLogger(__name__)
 
 
+@functools.lru_cache(maxsize=4096)
+def _sse_event(data: bytes, offset: int, kind: str) -> bytes:
+    """One frame's SSE event, encoded once per relay however many screens watch it (the
+    frame's bytes object is shared by every watch, and bytes cache their hash)."""
+    return sse.event(data, id=offset, kind=kind)
+
+
 WATCH_TIMEOUT_S: Final = 10.0  # subscribe + replay; past it the client gets 503 unavailable
 
 
@@ -82,6 +90,7 @@ class EdgeServer:
         self.admitted = 0  # streams past admission (includes those still opening)
         if hub is not None:
             self.metrics.bind_hub(hub.stats)
+            hub.live_observers.append(self._on_live)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -101,6 +110,7 @@ class EdgeServer:
             )
             await self.hub.start()
             self.metrics.bind_hub(self.hub.stats)
+            self.hub.live_observers.append(self._on_live)
         self.started = True
 
     async def on_shutdown(self, app: web.Application) -> None:
@@ -109,6 +119,8 @@ class EdgeServer:
     async def cleanup(self, app: web.Application) -> None:
         self.started = False
         self.metrics.bind_hub(None)
+        if self.hub is not None and self._on_live in self.hub.live_observers:
+            self.hub.live_observers.remove(self._on_live)
         if self._owns_hub:
             if self.hub is not None:
                 await self.hub.close()
@@ -218,6 +230,11 @@ class EdgeServer:
         if code == "slow_consumer":
             m.slow_disconnects.labels(stream.transport).inc()
 
+    def _on_live(self, d: Delivery) -> None:
+        """A live frame read from Redis (once per frame, however many sockets watch)."""
+        if d.ts > 0:
+            self.metrics.publish_to_edge.observe(max(d.received_ms - d.ts, 0) / 1000.0)
+
     def _sent(self, transport: str, batch: list[Delivery], nbytes: int) -> None:
         m = self.metrics
         m.frames_out.labels(transport).inc(len(batch))
@@ -232,7 +249,6 @@ class EdgeServer:
                 continue  # replayed from the backlog: not a hop of the live path
             queued.observe(max(now - d.received_ms, 0) / 1000.0)
             if d.ts > 0:
-                m.publish_to_edge.observe(max(d.received_ms - d.ts, 0) / 1000.0)
                 total.observe(max(now - d.ts, 0) / 1000.0)
 
     def _hello(self, stream: Stream) -> bytes:
@@ -301,7 +317,7 @@ class EdgeServer:
                     continue
                 batch = nxt.result()
                 nxt = asyncio.create_task(stream.watch.next())
-                data = b"".join(sse.event(d.data, id=d.offset, kind=d.kind) for d in batch)
+                data = b"".join(_sse_event(d.data, d.offset, d.kind) for d in batch)
                 await put(data)
                 self._sent("sse", batch, len(data))
         except WatchClosed as exc:
