@@ -52,6 +52,8 @@ __all__ = ["Delivery", "Hub", "Watch", "WatchClosed", "conflate"]
 
 log = logging.getLogger(__name__)
 
+_PRESENCE_CHUNK = 500  # sessions per presence pipeline (2 commands each)
+
 Sink = Callable[[list[Delivery]], None]
 
 
@@ -139,6 +141,7 @@ class Hub:
         self._channels: dict[str, _Channel] = {}
         self._by_bytes: dict[bytes, _Channel] = {}
         self._presence_gone: set[str] = set()
+        self._presence_new: set[str] = set()  # watched since the last flush: write at once
         self._presence_kick = asyncio.Event()
         self._presence_task: asyncio.Task[None] | None = None
         self._reaper_task: asyncio.Task[None] | None = None
@@ -162,6 +165,7 @@ class Hub:
                 "subscribes",
                 "unsubscribes",
                 "presence_errors",
+                "presence_writes",
                 "reap_checks",
                 "reaped",
                 "reap_errors",
@@ -242,7 +246,9 @@ class Hub:
         except BaseException:
             w._shut("watch setup failed", "closed")
             raise
-        self._presence_kick.set()
+        if len(ch.watches) == 1:  # a newly watched session: announce it now, alone
+            self._presence_new.add(sid)
+            self._presence_kick.set()
         return w
 
     def _open_channel(self, sid: str) -> _Channel:
@@ -441,33 +447,60 @@ class Hub:
     # -- presence ------------------------------------------------------------------------
 
     async def _presence_loop(self) -> None:
+        """Every ``presence_interval_s``: refresh every watched session. In between, a
+        kick writes only what changed (sessions newly watched or left), so opening
+        n watches costs O(n) writes, not a full refresh each (O(n^2))."""
+        next_full = time.monotonic()
         while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.presence_interval_s):
-                    await self._presence_kick.wait()
+            left = next_full - time.monotonic()
+            if left > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(left):
+                        await self._presence_kick.wait()
             self._presence_kick.clear()
+            full = time.monotonic() >= next_full
+            if full:
+                next_full = time.monotonic() + self.presence_interval_s
             try:
-                await self._presence_flush()
+                await self._presence_flush(full=full)
             except RelayError as exc:
                 self._stats["presence_errors"] += 1
                 log.info("presence refresh failed: %s", exc)
 
-    async def _presence_flush(self) -> None:
-        watched = [sid for sid, ch in self._channels.items() if ch.watches and not self._closed]
-        gone = [s for s in self._presence_gone if self._closed or s not in watched]
+    async def _presence_flush(self, *, full: bool = True) -> None:
+        """Write presence: every watched session (``full``) or only the new ones, and
+        remove it for sessions no longer watched here. Pipelines of at most
+        ``_PRESENCE_CHUNK`` sessions, yielding between them, so a large refresh never
+        holds the event loop (and the frames waiting on it) for long."""
+        if self._closed:
+            watched: list[str] = []
+        elif full:
+            watched = [sid for sid, ch in self._channels.items() if ch.watches]
+        else:
+            watched = [
+                s for s in self._presence_new if (ch := self._channels.get(s)) and ch.watches
+            ]
+        self._presence_new.clear()
+        gone = [
+            s
+            for s in self._presence_gone
+            if self._closed or not ((ch := self._channels.get(s)) and ch.watches)
+        ]
         self._presence_gone.clear()
-        if not watched and not gone:
-            return
         now = now_ms()
         ttl_ms = int(self.presence_ttl_s * 1000)
-        with map_redis_errors():
-            async with self.redis.pipeline(transaction=False) as p:
-                for sid in watched:
-                    p.zadd(presence_key(sid), {self.relay_id: now})
-                    p.pexpire(presence_key(sid), ttl_ms)
-                for sid in gone:
-                    p.zrem(presence_key(sid), self.relay_id)
-                await p.execute()
+        self._stats["presence_writes"] += len(watched)
+        for i in range(0, max(len(watched), 1 if gone else 0), _PRESENCE_CHUNK):
+            with map_redis_errors():
+                async with self.redis.pipeline(transaction=False) as p:
+                    for sid in watched[i : i + _PRESENCE_CHUNK]:
+                        p.zadd(presence_key(sid), {self.relay_id: now})
+                        p.pexpire(presence_key(sid), ttl_ms)
+                    if i == 0:
+                        for sid in gone:
+                            p.zrem(presence_key(sid), self.relay_id)
+                    await p.execute()
+            await asyncio.sleep(0)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         t = asyncio.create_task(coro)

@@ -125,7 +125,7 @@ HUB_COUNTERS: Final = frozenset(
     (
         "watches_opened", "frames_in", "frames_out", "bad_frames", "conflations",
         "slow_disconnects", "replays", "gaps", "repairs", "subscribes", "unsubscribes",
-        "presence_errors", "resubscribes",
+        "presence_errors", "presence_writes", "resubscribes",
     )
 )  # fmt: skip
 # hub.stats() keys exported under a name of their own: key -> (metric, label name).

@@ -245,6 +245,30 @@ async def test_presence_is_refreshed_while_watched_and_removed_after(
     assert await redis.zscore(presence_key(sid), hub.relay_id) is None
 
 
+async def test_opening_many_watches_writes_each_session_once_not_all_each_time(
+    redis: RedisCluster,
+) -> None:
+    # a long interval: only the writes for new sessions happen during the test
+    hub = Hub(redis, relay_id="presence-n", presence_interval_s=60.0, reap_interval_s=0)
+    await hub.start()
+    try:
+        await asyncio.sleep(0.1)  # the first (empty) full refresh is done
+        sids = [new_session_id() for _ in range(120)]
+        watches = [await hub.watch(sid, None) for sid in sids]
+        await asyncio.sleep(0.3)
+        writes = hub.stats()["presence_writes"]
+        assert len(sids) <= writes <= len(sids) + 5  # O(n), not a full refresh per watch
+        for sid in sids[:3]:
+            assert await redis.zscore(presence_key(sid), hub.relay_id) is not None
+        second = await hub.watch(sids[0], None)  # not a new session: no write
+        await asyncio.sleep(0.2)
+        assert hub.stats()["presence_writes"] == writes
+        for w in [*watches, second]:
+            await w.close()
+    finally:
+        await hub.close()
+
+
 async def test_killed_pubsub_connection_is_repaired_from_the_backlog(
     hub: Hub, redis: RedisCluster
 ) -> None:
