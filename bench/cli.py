@@ -3,8 +3,8 @@
 
 Order of use: :func:`relay.cli.build_parser` calls :func:`register` with its
 subparsers; ``register`` adds a ``bench`` parser and one subcommand per entry of
-:data:`BENCHMARKS` (today ``pubsub``; ``router``, ``loadtest`` and others are added as
-one more entry). Each benchmark module provides ``add_arguments(parser)`` and
+:data:`BENCHMARKS` (``pubsub``, ``loadtest``, ``affinity``, ``relay_throughput``; another
+benchmark is one more entry). Each benchmark module provides ``add_arguments(parser)`` and
 ``run_from_args(args) -> int``; it is imported when the parser is built and its heavy
 dependencies (matplotlib) only when it runs.
 """
