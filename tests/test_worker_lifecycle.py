@@ -19,6 +19,7 @@ from relay.frame import decode
 from relay.hub import Hub
 from relay.keys import presence_key
 from relay.publisher import Publisher, read_backlog
+from relay.watch import Watch
 from tests.worker_harness import Harness, wait_turn
 from worker.presence import PresencePolicy, count_watchers
 from worker.router import EngineSpec
@@ -227,7 +228,7 @@ async def test_engine_killed_mid_stream_the_next_turn_goes_to_the_other_engine(
     assert status == 202
     await _until_tokens(redis, sid, 2)
     raw, _, _ = await read_backlog(redis, sid, 0, 10_000)
-    meta = next(decode(x) for x in raw if decode(x).kind == "meta").meta
+    meta = next(f for f in map(decode, raw) if f.kind == "meta").meta
     assert meta is not None
     victim = meta["engine"]
     await next(e for e in engines if e.engine.cfg.engine_id == victim).stop()  # kill it
@@ -247,12 +248,9 @@ async def test_engine_killed_mid_stream_the_next_turn_goes_to_the_other_engine(
     h.engines[:] = [e for e in h.engines if e.engine.cfg.engine_id != victim]
 
 
-async def _read_turn(watch: object, until: int | None = None) -> list[tuple[int, str, str]]:
+async def _read_turn(watch: Watch, until: int | None = None) -> list[tuple[int, str, str]]:
     """(offset, kind, text) from a hub watch: up to the terminal frame, or ``until``
     token frames."""
-    from relay.watch import Watch
-
-    assert isinstance(watch, Watch)
     out: list[tuple[int, str, str]] = []
     async with asyncio.timeout(20):
         while True:

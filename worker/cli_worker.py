@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -122,10 +123,6 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _engine_id(arg: str, cap: int) -> str:
-    return parse_engine_arg(arg, cap).id
-
-
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     if not args.redis:
         raise ValueError("give --redis (or set TOKENRELAY_REDIS_URL)")
@@ -140,10 +137,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
             sep = ""
         if not sep or not eid or not weights.get(eid, 0) > 0:
             raise ValueError(f"--engine-weight wants ID=W with W > 0, got {item!r}")
-    engines = [
-        parse_engine_arg(e, args.engine_cap, weights.get(_engine_id(e, args.engine_cap), 1.0))
-        for e in args.engine
-    ]
+    engines = [parse_engine_arg(e, args.engine_cap) for e in args.engine]
+    engines = [replace(e, weight=weights.get(e.id, e.weight)) for e in engines]
     unknown = set(weights) - {e.id for e in engines}
     if unknown and not args.discover_engines:
         raise ValueError(f"--engine-weight names no --engine: {', '.join(sorted(unknown))}")
