@@ -27,6 +27,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "one relay process: frames/s vs a raw Redis reader, fan-out, latency, RSS per idle conn",
         "bench.relay_throughput",
     ),
+    "mq_vs_pubsub": (
+        "token streaming: Redis sharded Pub/Sub vs RabbitMQ (queue per connection, topic)",
+        "bench.mq_vs_pubsub",
+    ),
 }
 
 
