@@ -15,6 +15,8 @@ Routes (DESIGN.md section 4, kept exactly):
   not yet hold the running turn's reply, and a queue hides load from the client),
   413 (body or message too large), 415 (not ``application/json``), 429 + Retry-After
   (every engine full), 503 (draining, or Redis unavailable);
+* ``POST /v1/chat/completions`` and ``GET /v1/models``: the OpenAI-compatible gateway
+  (:mod:`worker.gateway`), routed by the same router, no session;
 * ``GET /healthz`` (the process lives), ``GET /readyz`` (Redis answers, some engine is
   routable, not draining), ``GET /metrics`` (Prometheus text).
 
@@ -46,9 +48,11 @@ from relay.errors import RelayError, map_redis_errors
 from relay.keys import InvalidSessionId, idem_key, new_session_id, parse_session
 from relay.publisher import Publisher
 from relay.redis_client import connect
+from worker import gateway
 from worker.coalesce import DEFAULT_POLICY, CoalescePolicy
 from worker.control import ControlPlane
 from worker.engine_client import EngineClient
+from worker.gateway import GATEWAY, Gateway, GatewayConfig
 from worker.loadshare import LoadExchange
 from worker.metrics import CONTENT_TYPE_LATEST, WorkerMetrics
 from worker.presence import PresencePolicy
@@ -111,6 +115,7 @@ class WorkerConfig:
     shutdown_deadline_s: float = 20.0
     admit_wait_s: float = 2.0  # a turn waits this long for an engine slot before 429
     prefix_chars: int = DEFAULT_PREFIX_CHARS  # of the conversation in the routing key
+    gateway_keys: tuple[str, ...] = ()  # bearer keys of the OpenAI gateway (worker.gateway)
 
 
 @dataclass(slots=True)
@@ -368,6 +373,21 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     )
     exchange = LoadExchange(redis, router, cfg.worker_id) if cfg.load_exchange else None
     app[STATE] = WorkerState(cfg, redis, http, router, metrics, turns, control, exchange, own)
+    app[GATEWAY] = Gateway(
+        GatewayConfig(
+            model=cfg.model,
+            keys=cfg.gateway_keys,
+            auth=cfg.secret is not None,
+            default_max_tokens=min(1024, cfg.max_tokens_limit),
+            max_tokens_limit=cfg.max_tokens_limit,
+            admit_wait_s=cfg.admit_wait_s,
+            prefix_chars=cfg.prefix_chars,
+        ),
+        router,
+        engine,
+        metrics,
+        draining=lambda: turns.draining,
+    )
     await control.start()
     if exchange is not None:
         await exchange.start()
@@ -402,4 +422,5 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/router", _router_view)
+    gateway.add_routes(app)  # POST /v1/chat/completions, GET /v1/models
     return app

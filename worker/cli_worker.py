@@ -115,6 +115,14 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--no-load-exchange", action="store_true", help="do not share load")
     p.add_argument(
+        "--gateway-key",
+        action="append",
+        default=[k for k in os.environ.get("TOKENRELAY_GATEWAY_KEYS", "").split(",") if k],
+        metavar="KEY",
+        help="a bearer key for the OpenAI-compatible /v1/chat/completions (repeatable; env "
+        "TOKENRELAY_GATEWAY_KEYS, comma-separated); without one the gateway answers 401",
+    )
+    p.add_argument(
         "--admit-wait-s",
         type=float,
         default=d.admit_wait_s,
@@ -166,7 +174,10 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         vnodes=args.vnodes,
         eps=args.eps,
         prefix_chars=args.prefix_chars,
+        gateway_keys=tuple(args.gateway_key),
     )
+    if any(len(k) < 16 for k in cfg.gateway_keys):
+        raise ValueError("a --gateway-key must be at least 16 characters")
     if cfg.vnodes < 1 or cfg.eps < 0 or cfg.prefix_chars < 0:
         raise ValueError("--vnodes must be >= 1, --eps and --prefix-chars >= 0")
     if not 0 <= cfg.admit_wait_s < cfg.lock_ttl_s:  # the session lock is held while waiting
