@@ -17,6 +17,8 @@ Routes (DESIGN.md section 4, kept exactly):
   (every engine full), 503 (draining, or Redis unavailable);
 * ``POST /v1/chat/completions`` and ``GET /v1/models``: the OpenAI-compatible gateway
   (:mod:`worker.gateway`), routed by the same router, no session;
+* ``POST /v1/jobs``, ``GET /v1/jobs/{id}``: offline jobs on RabbitMQ when ``--amqp`` is
+  given (:mod:`worker.jobs_api`; ``tokenrelay jobworker`` runs them);
 * ``GET /healthz`` (the process lives), ``GET /readyz`` (Redis answers, some engine is
   routable, not draining), ``GET /metrics`` (Prometheus text).
 
@@ -48,11 +50,14 @@ from relay.errors import RelayError, map_redis_errors
 from relay.keys import InvalidSessionId, idem_key, new_session_id, parse_session
 from relay.publisher import Publisher
 from relay.redis_client import connect
-from worker import gateway
+from worker import gateway, jobs_api
 from worker.coalesce import DEFAULT_POLICY, CoalescePolicy
 from worker.control import ControlPlane
 from worker.engine_client import EngineClient
 from worker.gateway import GATEWAY, Gateway, GatewayConfig
+from worker.jobqueue import JobSubmitter, QueueNames
+from worker.jobs import JobStore
+from worker.jobs_api import JOBS, JobsApi
 from worker.loadshare import LoadExchange
 from worker.metrics import CONTENT_TYPE_LATEST, WorkerMetrics
 from worker.presence import PresencePolicy
@@ -116,6 +121,9 @@ class WorkerConfig:
     admit_wait_s: float = 2.0  # a turn waits this long for an engine slot before 429
     prefix_chars: int = DEFAULT_PREFIX_CHARS  # of the conversation in the routing key
     gateway_keys: tuple[str, ...] = ()  # bearer keys of the OpenAI gateway (worker.gateway)
+    amqp_url: str = ""  # RabbitMQ: enables /v1/jobs (worker.jobs_api)
+    jobs_queue: str = "tokenrelay.jobs"
+    job_ttl_s: int = 86_400
 
 
 @dataclass(slots=True)
@@ -388,6 +396,17 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         metrics,
         draining=lambda: turns.draining,
     )
+    submitter = JobSubmitter(cfg.amqp_url, QueueNames(cfg.jobs_queue)) if cfg.amqp_url else None
+    if submitter is not None:
+        app[JOBS] = JobsApi(
+            store=JobStore(redis, ttl_s=cfg.job_ttl_s),
+            submitter=submitter,
+            secret=cfg.secret,
+            api_keys=cfg.gateway_keys,
+            default_max_tokens=min(1024, cfg.max_tokens_limit),
+            max_tokens_limit=cfg.max_tokens_limit,
+            max_prompt_chars=cfg.max_message_chars,
+        )
     await control.start()
     if exchange is not None:
         await exchange.start()
@@ -399,6 +418,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         if exchange is not None:
             await exchange.stop()
         await http.close()
+        if submitter is not None:
+            await submitter.close()
         if own:
             with contextlib.suppress(Exception):
                 await redis.aclose()
@@ -423,4 +444,6 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/router", _router_view)
     gateway.add_routes(app)  # POST /v1/chat/completions, GET /v1/models
+    if cfg.amqp_url:
+        jobs_api.add_routes(app)  # POST /v1/jobs, GET /v1/jobs/{id}
     return app

@@ -115,6 +115,14 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--no-load-exchange", action="store_true", help="do not share load")
     p.add_argument(
+        "--amqp",
+        default=os.environ.get("TOKENRELAY_AMQP_URL", ""),
+        metavar="URL",
+        help="RabbitMQ URL (amqp://user:pass@host:5672/): enables POST/GET /v1/jobs "
+        "(env TOKENRELAY_AMQP_URL); `tokenrelay jobworker` runs the jobs",
+    )
+    p.add_argument("--jobs-queue", default=d.jobs_queue, help=f"queue name ({d.jobs_queue})")
+    p.add_argument(
         "--gateway-key",
         action="append",
         default=[k for k in os.environ.get("TOKENRELAY_GATEWAY_KEYS", "").split(",") if k],
@@ -175,6 +183,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         eps=args.eps,
         prefix_chars=args.prefix_chars,
         gateway_keys=tuple(args.gateway_key),
+        amqp_url=args.amqp,
+        jobs_queue=args.jobs_queue,
     )
     if any(len(k) < 16 for k in cfg.gateway_keys):
         raise ValueError("a --gateway-key must be at least 16 characters")

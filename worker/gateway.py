@@ -27,7 +27,6 @@ at startup (``worker.api`` does both).
 
 from __future__ import annotations
 
-import hmac
 import logging
 import math
 import time
@@ -38,6 +37,7 @@ from typing import Any, Final
 import orjson
 from aiohttp import web
 
+from worker.apikeys import check_api_key
 from worker.engine_client import EngineClient
 from worker.engine_errors import (
     EngineError,
@@ -105,22 +105,14 @@ class Gateway:
     def authorized(self, header: str | None) -> WireError | None:
         if not self.cfg.auth:
             return None
-        if not self.cfg.keys:
-            return WireError(401, "the OpenAI gateway is off: start the worker with "
-                             "--gateway-key KEY", kind="authentication_error",
-                             code="gateway_disabled")  # fmt: skip
-        scheme, _, key = (header or "").partition(" ")
-        if scheme.lower() != "bearer" or not key:
-            return WireError(401, "send 'Authorization: Bearer <gateway key>'",
-                             kind="authentication_error", code="missing_api_key")  # fmt: skip
-        candidate = key.strip().encode()
-        ok = False
-        for k in self.cfg.keys:  # every key compared: the time does not say which matched
-            ok |= hmac.compare_digest(candidate, k.encode())
-        if not ok:
-            return WireError(401, "invalid gateway key", kind="authentication_error",
-                             code="invalid_api_key")  # fmt: skip
-        return None
+        code = check_api_key(self.cfg.keys, header)
+        if code is None:
+            return None
+        reason = {
+            "gateway_disabled": "the OpenAI gateway is off: start the worker with --gateway-key",
+            "missing_api_key": "send 'Authorization: Bearer <gateway key>'",
+        }.get(code, "invalid gateway key")
+        return WireError(401, reason, kind="authentication_error", code=code)
 
     async def lease(self, req: ChatRequest) -> Lease:
         key = routing_key(req.system, req.conversation, prefix_chars=self.cfg.prefix_chars)

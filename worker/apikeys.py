@@ -1,0 +1,32 @@
+"""Bearer API keys for the worker's session-less endpoints (OpenAI gateway, jobs).
+
+Session endpoints take a session token (``relay.auth``); endpoints that belong to no
+session (``/v1/chat/completions``, ``/v1/jobs`` without a session) take one of the
+operator's API keys (``--gateway-key``). Every configured key is compared, in constant
+time, so the time taken does not tell which key (or how much of one) matched.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Sequence
+
+__all__ = ["MIN_KEY_CHARS", "check_api_key"]
+
+MIN_KEY_CHARS = 16
+
+
+def check_api_key(keys: Sequence[str], authorization: str | None) -> str | None:
+    """None when ``Authorization: Bearer <key>`` names one of ``keys``; else the error
+    code: ``gateway_disabled`` (no key configured), ``missing_api_key``,
+    ``invalid_api_key``."""
+    if not keys:
+        return "gateway_disabled"
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        return "missing_api_key"
+    candidate = given.strip().encode()
+    ok = False
+    for k in keys:
+        ok |= hmac.compare_digest(candidate, k.encode())
+    return None if ok else "invalid_api_key"

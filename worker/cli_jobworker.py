@@ -1,0 +1,121 @@
+"""The ``tokenrelay jobworker`` subcommand: run offline jobs from RabbitMQ.
+
+``tokenrelay jobworker --redis URL --amqp URL --engine URL [--engine URL ...]`` consumes
+the job queue (:mod:`worker.jobqueue`) with a bounded prefetch and runs each job on the
+engines through the same prefix-aware router as chat, with every engine's cap lowered by
+``--chat-reserve`` slots that only interactive turns may use (the job worker takes part
+in the load exchange, so chat workers see its requests and the cap holds cluster-wide).
+SIGTERM/SIGINT: stop taking jobs, let running ones finish for ``--shutdown-deadline-s``;
+an unfinished job is not acked, so the broker hands it to another job worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+
+from relay import runtime
+from relay.errors import RelayError, map_redis_errors
+from relay.publisher import Publisher
+from relay.redis_client import connect
+from worker.api import default_worker_id
+from worker.control import parse_engine_arg
+from worker.engine_client import EngineClient
+from worker.jobqueue import BROKER_DELIVERY_LIMIT, JobRunner, QueueNames, RunnerConfig, safe_url
+from worker.jobs import JobStore
+from worker.loadshare import LoadExchange
+from worker.router import EngineSpec, Router
+from worker.store import SessionStore
+
+__all__ = ["register", "reserved_caps", "run"]
+
+_log = logging.getLogger(__name__)
+
+
+def reserved_caps(engines: list[EngineSpec], reserve: int) -> list[EngineSpec]:
+    """Caps lowered by ``reserve`` (at least 1 left): jobs never take the last slots."""
+    return [replace(e, cap=max(1, e.cap - reserve)) for e in engines]
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "jobworker",
+        help="run offline jobs from RabbitMQ on the engines (below a chat reserve)",
+        description="Consume the job queue, run each job on the engines through the "
+        "cache-affine router, store the result in Redis, then ack.",
+    )
+    p.add_argument("--redis", default=os.environ.get("TOKENRELAY_REDIS_URL"), help="cluster URL")
+    p.add_argument("--amqp", default=os.environ.get("TOKENRELAY_AMQP_URL"), help="RabbitMQ URL")
+    p.add_argument("--engine", action="append", default=[], help="engine URL or ID=URL")
+    p.add_argument("--engine-cap", type=int, default=8, help="in-flight requests per engine")
+    p.add_argument("--chat-reserve", type=int, default=2, help="slots per engine kept for chat")
+    p.add_argument("--model", default="tokenrelay-mock", help="model name sent to engines")
+    p.add_argument("--queue", default="tokenrelay.jobs", help="job queue name")
+    p.add_argument("--max-attempts", type=int, default=3, help="then the dead-letter queue")
+    p.add_argument("--prefetch", type=int, default=2, help="jobs in flight per job worker")
+    p.add_argument("--worker-id", default=None, help="unique id (default hostname-pid)")
+    p.add_argument("--shutdown-deadline-s", type=float, default=30.0)
+    p.set_defaults(func=run)
+
+
+async def serve(args: argparse.Namespace, engines: list[EngineSpec]) -> None:
+    worker_id = args.worker_id or f"job-{default_worker_id()}"
+    redis = connect(args.redis, socket_timeout=2.0, socket_connect_timeout=2.0)
+    with map_redis_errors():
+        await redis.initialize()
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    router = Router(reserved_caps(engines, args.chat_reserve))
+    exchange = LoadExchange(redis, router, worker_id)
+    runner = JobRunner(
+        args.amqp,
+        QueueNames(args.queue, args.max_attempts),
+        jobs=JobStore(redis),
+        router=router,
+        engine=EngineClient(http),
+        publisher=Publisher(redis),
+        sessions=SessionStore(redis),
+        cfg=RunnerConfig(worker_id=worker_id, model=args.model, prefetch=args.prefetch),
+    )
+    try:
+        async with runtime.stop_on_signals() as stop:
+            await exchange.start()
+            await runner.start()
+            print(f"jobworker {worker_id} consuming {args.queue} on {safe_url(args.amqp)}",
+                  flush=True)  # fmt: skip
+            await stop.wait()
+    finally:
+        await runner.stop(args.shutdown_deadline_s)
+        with contextlib.suppress(Exception):
+            await exchange.stop()
+        await http.close()
+        with contextlib.suppress(Exception):
+            await redis.aclose()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if not args.redis or not args.amqp:
+            raise ValueError("give --redis and --amqp (or TOKENRELAY_REDIS_URL / _AMQP_URL)")
+        if not args.engine:
+            raise ValueError("give at least one --engine")
+        if args.engine_cap < 1 or args.chat_reserve < 0 or args.prefetch < 1:
+            raise ValueError("--engine-cap and --prefetch must be >= 1, --chat-reserve >= 0")
+        if not 1 <= args.max_attempts < BROKER_DELIVERY_LIMIT:
+            raise ValueError(f"--max-attempts must be in 1..{BROKER_DELIVERY_LIMIT - 1}")
+        engines = [parse_engine_arg(e, args.engine_cap) for e in args.engine]
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        runtime.run(serve(args, engines))
+    except (TimeoutError, RelayError, OSError) as exc:
+        print(f"error: cannot start: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+        return 1
+    return 0
