@@ -6,6 +6,7 @@ binary exists, ``config -q`` validates it too (it needs no engine).
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -42,6 +43,7 @@ def test_the_stack_has_every_service() -> None:
     assert {f"redis-{i}" for i in range(1, 7)} <= names
     assert {"redis-init", "engine-1", "engine-2", "engine-3"} <= names
     assert {"worker-1", "worker-2", "relay-1", "relay-2", "ingress"} <= names
+    assert {"rabbitmq", "jobworker"} <= names
 
 
 def test_every_tokenrelay_command_parses_with_the_real_cli() -> None:
@@ -52,7 +54,7 @@ def test_every_tokenrelay_command_parses_with_the_real_cli() -> None:
             args = parser.parse_args(_argv(svc["command"]))
             assert callable(args.func), name
             checked += 1
-    assert checked == 1 + 3 + 2 + 2  # init, engines, workers, relays
+    assert checked == 1 + 3 + 2 + 1 + 2  # init, engines, workers, job worker, relays
 
 
 def test_redis_init_forms_exactly_the_nodes_that_run() -> None:
@@ -119,8 +121,15 @@ def test_compose_config_validates_where_a_compose_binary_exists() -> None:
         cmd = ["docker", "compose", "-f", str(COMPOSE), "config", "-q"]
     else:
         pytest.skip("no compose binary on PATH; the file was checked by parsing above")
-    result = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60)
+    # The file refuses to start without its secrets (no default password): give some.
+    env = {**os.environ, "RABBITMQ_PASSWORD": "compose-config-check-only"}
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60, env=env)
     assert result.returncode == 0, result.stderr
+    unset = {k: v for k, v in env.items() if k != "RABBITMQ_PASSWORD"}
+    refused = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60,
+                             env=unset)  # fmt: skip
+    assert refused.returncode != 0
+    assert "RABBITMQ_PASSWORD" in refused.stderr
 
 
 def _get_paths(app: Any) -> set[str]:

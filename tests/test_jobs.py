@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aio_pika
@@ -19,6 +23,7 @@ import aiohttp
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
+from relay.cluster import ClusterInfo
 from relay.frame import decode
 from relay.publisher import Publisher, read_backlog
 from tests.worker_harness import Harness, expected_reply
@@ -270,3 +275,40 @@ async def test_store_rules_make_redelivery_safe(redis: RedisCluster) -> None:
     assert await store.start(job, "w") == ("done", 0)  # a duplicate delivery is a no-op
     assert await store.fail(job, "late failure") is False
     assert (await store.get(job) or {})["result"] == "one"
+
+
+async def test_the_jobworker_command_runs_jobs_and_stops_cleanly_on_sigterm(
+    h: Harness, names: QueueNames, cluster: ClusterInfo, tmp_path: Path
+) -> None:
+    await h.start_engines(1)
+    await _worker(h, names)
+    alive = tmp_path / "alive"
+    argv = [sys.executable, "-m", "relay.cli", "jobworker", "--redis", cluster.url,
+            "--amqp", AMQP, "--queue", names.queue, "--max-attempts", "2",
+            "--engine", f"eng-0={h.engines[0].url}", "--health-file", str(alive)]  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        _, body = await _submit(h, {"prompt": "from the command", "max_tokens": 8})
+        done = await _poll(h, body["job"], "done", timeout_s=30)
+        assert done["result"] == expected_reply(
+            [{"role": "user", "content": "from the command"}], 8
+        )
+        assert alive.exists()
+    finally:
+        proc.send_signal(signal.SIGTERM)  # by pid: the process this test started
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, err.decode()
+    assert b"consuming" in out
+
+
+def test_jobworker_bad_flags_exit_2_with_one_line() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "relay.cli", "jobworker", "--redis", "redis://127.0.0.1:1",
+         "--amqp", AMQP, "--engine", "not-a-url"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1
+    assert r.stderr.startswith("error:")

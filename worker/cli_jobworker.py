@@ -12,6 +12,7 @@ an unfinished job is not acked, so the broker hands it to another job worker.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -62,6 +63,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--prefetch", type=int, default=2, help="jobs in flight per job worker")
     p.add_argument("--worker-id", default=None, help="unique id (default hostname-pid)")
     p.add_argument("--shutdown-deadline-s", type=float, default=30.0)
+    p.add_argument(
+        "--health-file",
+        default="",
+        help="touched every 5 s while the broker connection is up (a container healthcheck "
+        "reads its age)",
+    )
     p.set_defaults(func=run)
 
 
@@ -89,7 +96,9 @@ async def serve(args: argparse.Namespace, engines: list[EngineSpec]) -> None:
             await runner.start()
             print(f"jobworker {worker_id} consuming {args.queue} on {safe_url(args.amqp)}",
                   flush=True)  # fmt: skip
+            beat = asyncio.create_task(_heartbeat(args.health_file, runner, stop))
             await stop.wait()
+            beat.cancel()
     finally:
         await runner.stop(args.shutdown_deadline_s)
         with contextlib.suppress(Exception):
@@ -97,6 +106,19 @@ async def serve(args: argparse.Namespace, engines: list[EngineSpec]) -> None:
         await http.close()
         with contextlib.suppress(Exception):
             await redis.aclose()
+
+
+def _touch(path: str) -> None:
+    with contextlib.suppress(OSError), open(path, "a", encoding="utf-8"):
+        os.utime(path)
+
+
+async def _heartbeat(path: str, runner: JobRunner, stop: asyncio.Event) -> None:
+    while path and not stop.is_set():
+        if runner.connected:
+            _touch(path)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 5.0)
 
 
 def run(args: argparse.Namespace) -> int:

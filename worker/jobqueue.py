@@ -200,6 +200,11 @@ class JobRunner:
         self._queue = await declare(channel, self.names)
         self._tag = await self._queue.consume(self._on_message)
 
+    @property
+    def connected(self) -> bool:
+        """The broker connection is up (the robust connection reconnects by itself)."""
+        return self._conn is not None and not self._conn.is_closed and self._conn.connected.is_set()
+
     async def stop(self, deadline_s: float = 10.0) -> None:
         """Stop taking jobs; let running ones finish for ``deadline_s``; never raises,
         and a second call does nothing. A job still running after the deadline is not
