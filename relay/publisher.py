@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
 
@@ -215,6 +215,12 @@ class Generation:
     _written: dict[int, bytes] = field(default_factory=dict, repr=False, compare=False)
     rewritten: int = 0  # frames written again after a failover lost them
     retries: int = 0  # publish attempts repeated while Redis was unreachable
+    # Called with (offset, kind, encoded frame) for every frame once Redis took it, in
+    # offset order: a producer that also streams the frames itself (the worker's
+    # closed loop) sends exactly the bytes that relays send. Must not block or raise.
+    observers: list[Callable[[int, str, bytes], None]] = field(
+        default_factory=list, repr=False, compare=False
+    )
 
     @property
     def next_offset(self) -> int:
@@ -263,6 +269,9 @@ class Generation:
             while len(self._written) > pub.keep_frames:
                 del self._written[next(iter(self._written))]
             self.offset = last
+            for obs in self.observers:
+                for i, data in enumerate(payload):
+                    obs(base + i + 1, drafts[i].kind, data)
             return list(range(base + 1, last + 1))
 
     async def _write(self, base: int, payload: list[bytes], terminal: bool) -> int:

@@ -50,7 +50,7 @@ from relay.errors import RelayError, map_redis_errors
 from relay.keys import InvalidSessionId, idem_key, new_session_id, parse_session
 from relay.publisher import Publisher
 from relay.redis_client import connect
-from worker import gateway, jobs_api
+from worker import direct, gateway, jobs_api
 from worker.coalesce import DEFAULT_POLICY, CoalescePolicy
 from worker.control import ControlPlane
 from worker.engine_client import EngineClient
@@ -212,7 +212,7 @@ def _parse_turn(raw: bytes, cfg: WorkerConfig) -> tuple[str, str | None, int | N
     return message, system or None, max_tokens
 
 
-async def _post_turn(request: web.Request) -> web.Response:
+async def _post_turn(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     cfg = st.cfg
     try:
@@ -235,9 +235,14 @@ async def _post_turn(request: web.Request) -> web.Response:
         return _err(413, "body_too_large", f"body larger than {cfg.max_body_bytes} bytes")
     try:
         message, system, max_tokens = _parse_turn(raw, cfg)
+        stream = direct.wants_stream(request.headers.get("Accept"), orjson.loads(raw))
     except _BadRequest as exc:
         st.metrics.rejected.labels(status=str(exc.status)).inc()
         return _err(exc.status, exc.code, exc.reason)
+    except ValueError as exc:  # 'stream' of the wrong type
+        st.metrics.rejected.labels(status="400").inc()
+        return _err(400, "invalid_stream", str(exc))
+    viewer = direct.DirectViewer() if stream else None
     idem = request.headers.get("Idempotency-Key")
     if idem is not None:
         try:
@@ -246,8 +251,9 @@ async def _post_turn(request: web.Request) -> web.Response:
             return _err(400, "invalid_idempotency_key", str(exc))
     try:
         started = await st.turns.start_turn(
-            sid, message, system=system, max_tokens=max_tokens, idempotency_key=idem
-        )
+            sid, message, system=system, max_tokens=max_tokens, idempotency_key=idem,
+            viewer=viewer,
+        )  # fmt: skip
     except Draining:
         st.metrics.rejected.labels(status="503").inc()
         return _err(503, "draining", "worker is shutting down", headers={"Retry-After": "1"})
@@ -271,6 +277,10 @@ async def _post_turn(request: web.Request) -> web.Response:
     except RelayError as exc:
         st.metrics.rejected.labels(status="503").inc()
         return _err(503, "redis_unavailable", str(exc), headers={"Retry-After": "1"})
+    if viewer is not None and not started.replayed:  # the closed loop: frames right here
+        hello = {"type": "hello", "worker": cfg.worker_id, "from": started.offset - 1,
+                 **started.body()}  # fmt: skip
+        return await direct.respond(request, viewer, orjson.dumps(hello))
     headers = {"Idempotent-Replayed": "true"} if started.replayed else None
     return _json(202, started.body(), headers)
 

@@ -86,10 +86,12 @@ async def watch_presence(
     on_tick: Callable[[], Awaitable[None]] | None = None,
     clock: Callable[[], float] = time.monotonic,
     stop: asyncio.Event | None = None,
+    local_watchers: Callable[[], int] | None = None,
 ) -> None:
     """Run until the turn is abandoned (then call ``on_abandoned`` and return), until
     ``stop`` is set or until cancelled. ``on_tick`` runs every interval too (the turn
-    runner refreshes its lock).
+    runner refreshes its lock). ``local_watchers`` counts viewers attached to this very
+    process (the worker's closed loop), which no relay reports.
 
     ``stop`` is checked after every await: a cancellation can be lost when it lands on a
     Redis call whose reply arrives in the same loop iteration (seen after a master
@@ -114,6 +116,8 @@ async def watch_presence(
             watchers = 1
         if stopped():
             return
+        if local_watchers is not None:
+            watchers += local_watchers()
         if tracker.observe(clock(), watchers):
             res = on_abandoned()
             if res is not None:

@@ -53,6 +53,7 @@ from typing import Any, Protocol
 from relay.errors import Fenced, RelayError
 from relay.publisher import Draft, Generation, Publisher
 from worker.coalesce import DEFAULT_POLICY, Batch, CoalescePolicy, TokenPump
+from worker.direct import DirectViewer
 from worker.engine_client import Delta
 from worker.engine_errors import EngineError, EngineTimeout, EngineUnavailable
 from worker.metrics import WorkerMetrics
@@ -153,6 +154,10 @@ class _Turn:
     prompt_tokens: int | None = None
     engine_reported: str | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # stops the presence loop
+    viewer: DirectViewer | None = None  # the closed-loop client, while it is attached
+
+    def local_watchers(self) -> int:
+        return 1 if self.viewer is not None and self.viewer.attached else 0
 
     def abort(self, reason: str) -> None:
         if self.abort_reason is None:
@@ -215,7 +220,9 @@ class TurnManager:
         system: str | None = None,
         max_tokens: int | None = None,
         idempotency_key: str | None = None,
+        viewer: DirectViewer | None = None,
     ) -> TurnStarted:
+        """Admit a turn and start it; ``viewer`` (closed loop) receives its frames."""
         if self.draining:
             raise Draining("worker is shutting down")
         owner = f"{self.worker_id}:{uuid.uuid4().hex[:16]}"
@@ -226,7 +233,9 @@ class TurnManager:
             if seen == "pending":
                 raise IdempotencyPending("a request with this Idempotency-Key is in progress")
         try:
-            return await self._admit(sid, owner, message, system, max_tokens, idempotency_key)
+            return await self._admit(
+                sid, owner, message, system, max_tokens, idempotency_key, viewer
+            )
         except BaseException:
             if idempotency_key is not None:
                 with contextlib.suppress(RelayError):
@@ -241,6 +250,7 @@ class TurnManager:
         system: str | None,
         max_tokens: int | None,
         idem: str | None,
+        viewer: DirectViewer | None = None,
     ) -> TurnStarted:
         t0 = time.monotonic()
         for attempt in range(self.cfg.lock_retry + 1):
@@ -278,6 +288,8 @@ class TurnManager:
             if system and system != hist.system:
                 await self.store.save_system(sid, system)
             gen = await self.publisher.open_generation(sid)
+            if viewer is not None:
+                gen.observers.append(viewer)
             offset = (
                 await gen.publish(
                     [
@@ -312,7 +324,7 @@ class TurnManager:
             raise
         prompt = [{"role": "system", "content": sys_prompt}] if sys_prompt else []
         prompt += convo
-        turn = _Turn(sid, gen, lease, owner, prompt, message, max_tokens, t0, rkey)
+        turn = _Turn(sid, gen, lease, owner, prompt, message, max_tokens, t0, rkey, viewer=viewer)
         self.running[sid] = turn
         turn.task = asyncio.create_task(self._run(turn), name=f"turn-{sid}-{gen.turn}")
         return started
@@ -363,6 +375,7 @@ class TurnManager:
                 lambda: t.abort("no viewers"),
                 on_tick=refresh,
                 stop=t.ended,
+                local_watchers=t.local_watchers,
             ),
             name=f"presence-{t.sid}",
         )
