@@ -65,6 +65,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.faults --quick --json artifacts/faults.json
 	$(BIN)/python -m bench.fuzz --quick --json artifacts/fuzz.json
 	$(BIN)/python -m bench.mq_vs_pubsub --quick --json artifacts/mq_vs_pubsub.json
+	$(BIN)/python -m bench.closed_loop --quick --json artifacts/closed_loop.json
 
 ## fuzz: the full fuzz run (>= 1M cases; atheris too where it installs).
 fuzz: $(STAMP)
