@@ -151,6 +151,8 @@ class Hub:
                 "subscribes",
                 "unsubscribes",
                 "sealed",
+                "writes_direct",
+                "writes_queued",
             ),
             0,
         )

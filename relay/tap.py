@@ -210,7 +210,9 @@ class Tap:
             if closed is not None:
                 raise WatchClosed(closed.reason, closed.code)
             if self.watch.pending:
-                return self._take()
+                ds = self._take()
+                self._settle(None)
+                return ds
             self._wake.clear()
             await self._wake.wait()
 
@@ -229,8 +231,9 @@ class Tap:
                     await self._wake.wait()
                 elif not out.room():
                     await out.drain()
+                    self._settle(out)
                 else:
-                    out.send(self._take())
+                    self._send(out, "writes_queued")
         finally:
             self._out = None
 
@@ -245,20 +248,33 @@ class Tap:
     # -- internals ---------------------------------------------------------------------
 
     def _take(self) -> list[Delivery]:
+        """Everything pending; performs the watch's intents (the next replay page)."""
         ds, intents = self.watch.take()
-        if self._held:
-            self._budget.release(self._held)
-            self._held = 0
         if intents:
             self._apply(intents)
         return ds
 
+    def _send(self, out: Out, counter: str) -> None:
+        ds, intents = self.watch.take()
+        if ds:
+            out.send(ds)
+            c = self.watch.counters
+            c[counter] = c.get(counter, 0) + 1
+        self._settle(out)  # before the next page is asked for: its budget may be ours
+        if intents:
+            self._apply(intents)
+
+    def _settle(self, out: Out | None) -> None:
+        """Replay bytes stop counting against the budget once the transport took them
+        below its high-water mark (or a plain consumer took them)."""
+        if self._held and (out is None or out.room()):
+            self._budget.release(self._held)
+            self._held = 0
+
     def _flush(self) -> None:
         out = self._out
         if out is not None and out.room():
-            ds = self._take()
-            if ds:
-                out.send(ds)
+            self._send(out, "writes_direct")
         else:
             self._wake.set()
 
