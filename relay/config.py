@@ -51,6 +51,8 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     retry_ms: int = 1000
     queue_frames: int = 1024
     hard_limit_frames: int = 4096
+    max_pending_bytes: int = 1 << 20  # per stream, after merging; past it: slow_consumer
+    replay_budget_bytes: int = 64 << 20  # replay pages in memory, relay-wide; past it: wait
     unsubscribe_delay_s: float = 2.0
     reap_after_s: float = 2.0  # an open turn silent this long and unlocked is reaped; 0: never
     drain_deadline_s: float = 10.0
@@ -90,6 +92,8 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError("retry_ms must be >= 0")
         if not 1 <= self.queue_frames <= self.hard_limit_frames:
             raise ConfigError("need 1 <= queue_frames <= hard_limit_frames")
+        if self.max_pending_bytes < 512 * 1024 or self.replay_budget_bytes < 512 * 1024:
+            raise ConfigError("max_pending_bytes and replay_budget_bytes must be >= 524288")
         if self.max_connections < 1 or self.ws_max_message_bytes < 16:
             raise ConfigError("max_connections must be >= 1, ws_max_message_bytes >= 16")
         if not self.redis_url.startswith(("redis://", "rediss://")):
@@ -110,6 +114,8 @@ _FIELDS: Final[dict[str, type]] = {
     "retry_ms": int,
     "queue_frames": int,
     "hard_limit_frames": int,
+    "max_pending_bytes": int,
+    "replay_budget_bytes": int,
     "unsubscribe_delay_s": float,
     "reap_after_s": float,
     "drain_deadline_s": float,
@@ -160,6 +166,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--retry-ms", type=int, help=f"SSE retry: hint ({d.retry_ms})")
     a("--queue-frames", type=int, help=f"per-watch queue before conflation ({d.queue_frames})")
     a("--hard-limit-frames", type=int, help=f"slow-client cutoff ({d.hard_limit_frames})")
+    a("--max-pending-bytes", type=int, help=f"per-stream bytes pending before the slow-client cutoff ({d.max_pending_bytes})")  # noqa: E501  # fmt: skip
+    a("--replay-budget-bytes", type=int, help=f"replay pages in memory, relay-wide; more replays wait ({d.replay_budget_bytes})")  # noqa: E501  # fmt: skip
     a("--unsubscribe-delay-s", type=float, help=f"linger before SUNSUBSCRIBE ({d.unsubscribe_delay_s})")  # noqa: E501  # fmt: skip
     a("--reap-after-s", type=float, help=f"end a silent turn whose worker is gone after this; 0: never ({d.reap_after_s})")  # noqa: E501  # fmt: skip
     a("--drain-deadline-s", type=float, help=f"SIGTERM drain deadline ({d.drain_deadline_s})")

@@ -226,9 +226,14 @@ class RelayMetrics:
             "live frames: frame ts (producer clock) to written to the client socket",
             ("transport",),
         )
-        for hist in (self.publish_to_edge, self.edge_to_socket, self.hop_latency):
+        self.loop_lag = LoopHistogram(
+            p + "loop_lag_seconds",
+            "how late a 10 ms timer fires: the event loop's longest turns, sampled",
+        )
+        for hist in (self.publish_to_edge, self.edge_to_socket, self.hop_latency, self.loop_lag):
             r.register(hist)
         self.publish_to_edge.labels()
+        self.loop_lag.labels()
         for transport in TRANSPORTS:  # export zeros from the start, not after first use
             for family in (
                 self.connections, self.accepted, self.frames_out, self.bytes_out,

@@ -154,7 +154,13 @@ if first[1] then firstoff = tonumber(string.match(first[1][1], '^(%d+)')) end
 local out = {firstoff, last}
 if tonumber(ARGV[2]) > 0 then
   local entries = redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])
-  for _, e in ipairs(entries) do out[#out + 1] = e[2][2] end
+  local budget = tonumber(ARGV[3] or '0')
+  local size = 0
+  for _, e in ipairs(entries) do
+    if budget > 0 and size > 0 and size + #e[2][2] > budget then break end
+    size = size + #e[2][2]
+    out[#out + 1] = e[2][2]
+  end
 end
 return out
 """
@@ -408,16 +414,18 @@ async def seal(
 
 
 async def read_backlog(
-    redis: RedisCluster, sid: str, after_offset: int, count: int
+    redis: RedisCluster, sid: str, after_offset: int, count: int, max_bytes: int = 0
 ) -> tuple[list[bytes], int, int]:
     """Up to ``count`` encoded frames with offsets > ``after_offset``, in order, plus the
     backlog's first available offset (``last + 1`` if empty) and the last offset written.
 
     One round trip (a read-only Lua script), so the three answers are consistent.
-    ``count=0`` only reads the bounds.
+    ``count=0`` only reads the bounds. ``max_bytes`` > 0: stop before the frame that
+    would take the reply past that many bytes (the first frame always comes back).
     """
     sid = parse_session(sid)
     start = f"{max(after_offset, 0) + 1}-0"
-    reply = await READ(redis, (log_key(sid), meta_key(sid)), (start, max(count, 0)))
+    args = (start, max(count, 0), max(max_bytes, 0))
+    reply = await READ(redis, (log_key(sid), meta_key(sid)), args)
     first, last = int(reply[0]), int(reply[1])
     return [_b(x) for x in reply[2:]], first, last

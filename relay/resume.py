@@ -114,13 +114,17 @@ def gap_delivery(session: str, first_missing: int, first_available: int) -> Deli
 class Resume:
     """Merge state of one reader. See the module docstring for the call order."""
 
-    def __init__(self, session: str, after: int | None, *, max_buffer: int = 4096) -> None:
+    def __init__(
+        self, session: str, after: int | None, *, max_buffer: int = 4096, max_buffer_bytes: int = 0
+    ) -> None:
         if after is not None and after < 0:
             raise ValueError("after must be >= 0 or None")
         self.session = session
         self.state = ResumeState.SUBSCRIBING
         self.last: int | None = after  # last offset emitted (or known to the reader)
         self.max_buffer = max_buffer
+        self.max_buffer_bytes = max_buffer_bytes  # 0: bounded by frames only
+        self._buffer_bytes = 0
         self._buffer: dict[int, Delivery] = {}
         self._fetching = False
         self._refetch = False  # a repair or a dropped buffered frame needs one more read
@@ -241,6 +245,7 @@ class Resume:
     def close(self) -> None:
         self._fire("close")
         self._buffer.clear()
+        self._buffer_bytes = 0
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -248,12 +253,15 @@ class Resume:
         if d.offset in self._buffer:
             self.duplicates += 1
             return
-        if len(self._buffer) >= self.max_buffer:
+        if len(self._buffer) >= self.max_buffer or (
+            self.max_buffer_bytes and self._buffer_bytes + len(d.data) > self.max_buffer_bytes
+        ):
             # safe to forget: every published frame is in the backlog; read it again later
             self.overflow += 1
             self._refetch = True
             return
         self._buffer[d.offset] = d
+        self._buffer_bytes += len(d.data)
 
     def _drain(self, out: list[Delivery]) -> None:
         if not self._buffer:
@@ -261,10 +269,12 @@ class Resume:
         assert self.last is not None
         for off in sorted(self._buffer):
             if off <= self.last:
-                del self._buffer[off]
+                self._buffer_bytes -= len(self._buffer.pop(off).data)
                 self.duplicates += 1
             elif off == self.last + 1:
-                out.append(self._buffer.pop(off))
+                d = self._buffer.pop(off)
+                self._buffer_bytes -= len(d.data)
+                out.append(d)
                 self.last = off
             else:
                 break

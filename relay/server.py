@@ -12,11 +12,12 @@ HTTP contract (DESIGN.md section 4; close codes and error bodies in docs/PROTOCO
 - ``GET /healthz``, ``GET /readyz``, ``GET /metrics``.
 
 Refusals before a stream starts are JSON ``{"error": code, "reason": sentence}`` with
-400 / 401 / 403 / 503. Every stream's socket writes happen in a task of its own (the
-SSE handler task; the WebSocket writer task, while the handler task reads), fed by its
-hub :class:`~relay.hub.Watch` (bounded, conflating queue): the hub never waits on a
-socket, and a socket that does not take a write within ``write_timeout_s`` is closed
-as a slow consumer.
+400 / 401 / 403 / 503. Frames reach a socket through its hub :class:`~relay.tap.Tap`:
+written straight from the hub's reader while the transport has room, queued (bounded,
+conflating) while it pushes back and drained by the stream's own task (the SSE handler
+task; the WebSocket writer task, while the handler task reads); the hub never waits on
+a socket, and a socket that does not drain within ``write_timeout_s`` is closed as a
+slow consumer. SSE heartbeats come from one timer for all streams.
 
 Order of use: ``app = make_app(config)`` (creates the RedisCluster client and the hub
 on startup, closes them on cleanup; pass ``hub=`` to use one you own), run it;
@@ -35,6 +36,7 @@ from typing import Any, Final
 
 import orjson
 from aiohttp import WSMsgType, web
+from aiohttp.abc import AbstractStreamWriter
 from redis.asyncio.cluster import RedisCluster
 
 from relay import runtime, sse
@@ -42,7 +44,7 @@ from relay.auth import AuthError, extract_token, verify_token
 from relay.config import RelayConfig
 from relay.errors import RelayError, WatchClosed
 from relay.frame import now_ms
-from relay.hub import Delivery, Hub, Watch
+from relay.hub import Delivery, Hub, Tap
 from relay.keys import InvalidSessionId, parse_session
 from relay.metrics import RelayMetrics
 from relay.redis_client import connect
@@ -50,8 +52,11 @@ from relay.streams import (
     CORS_HEADERS,
     GOODBYE_S,
     RETRY_AFTER,
+    SSE_FRAMES,
     WS_CLOSE,
+    WS_FRAMES,
     Reject,
+    SocketOut,
     Stream,
     client_reason,
     discard,
@@ -64,11 +69,8 @@ __all__ = ["SERVER", "EdgeServer", "make_app", "make_runner"]
 log = logging.getLogger(__name__)
 
 
-@functools.lru_cache(maxsize=4096)
-def _sse_event(data: bytes, offset: int, kind: str) -> bytes:
-    """One frame's SSE event, encoded once per relay however many screens watch it (the
-    frame's bytes object is shared by every watch, and bytes cache their hash)."""
-    return sse.event(data, id=offset, kind=kind)
+_HEARTBEAT: Final = sse.comment("heartbeat")
+_BEAT_SLICE: Final = 500  # streams looked at per event-loop turn by the heartbeat timer
 
 
 WATCH_TIMEOUT_S: Final = 10.0  # subscribe + replay; past it the client gets 503 unavailable
@@ -88,6 +90,8 @@ class EdgeServer:
         self.streams: set[Stream] = set()
         self._closing: set[asyncio.Future[None]] = set()  # abandoned watches being closed
         self.admitted = 0  # streams past admission (includes those still opening)
+        self._beat_task: asyncio.Task[None] | None = None
+        self._lag_task: asyncio.Task[None] | None = None
         if hub is not None:
             self.metrics.bind_hub(hub.stats)
             hub.live_observers.append(self._on_live)
@@ -103,6 +107,8 @@ class EdgeServer:
                 self.redis,
                 queue_frames=cfg.queue_frames,
                 hard_limit_frames=cfg.hard_limit_frames,
+                max_pending_bytes=cfg.max_pending_bytes,
+                replay_budget_bytes=cfg.replay_budget_bytes,
                 unsubscribe_delay_s=cfg.unsubscribe_delay_s,
                 reap_after_s=cfg.reap_after_s,
                 reap_interval_s=min(cfg.reap_after_s, 1.0),  # 0 disables the reaper
@@ -111,6 +117,8 @@ class EdgeServer:
             await self.hub.start()
             self.metrics.bind_hub(self.hub.stats)
             self.hub.live_observers.append(self._on_live)
+        self._beat_task = asyncio.create_task(self._heartbeats(), name="sse-heartbeats")
+        self._lag_task = asyncio.create_task(self._loop_lag(), name="loop-lag")
         self.started = True
 
     async def on_shutdown(self, app: web.Application) -> None:
@@ -118,6 +126,8 @@ class EdgeServer:
 
     async def cleanup(self, app: web.Application) -> None:
         self.started = False
+        discard(self._beat_task)
+        discard(self._lag_task)
         self.metrics.bind_hub(None)
         if self.hub is not None and self._on_live in self.hub.live_observers:
             self.hub.live_observers.remove(self._on_live)
@@ -211,7 +221,7 @@ class EdgeServer:
             await stream.kick("relay_shutdown", "the relay is restarting; reconnect")
         return stream
 
-    def _close_abandoned(self, opening: asyncio.Future[Watch]) -> None:
+    def _close_abandoned(self, opening: asyncio.Future[Tap]) -> None:
         """A watch whose client left (or timed out) while it opened: close it once open."""
         if opening.cancelled() or opening.exception() is not None:
             return
@@ -285,9 +295,10 @@ class EdgeServer:
                     "X-Accel-Buffering": "no",
                 }
             )
-            await resp.prepare(request)
+            writer = await resp.prepare(request)
             stream.sock = request.transport
-            code = await self._sse_loop(resp, stream)
+            assert writer is not None
+            code = await self._sse_loop(resp, writer, stream)
             return resp
         except asyncio.CancelledError:  # the connection was lost (make_runner cancels)
             code = lost_code(stream, code)
@@ -298,39 +309,61 @@ class EdgeServer:
         finally:
             await self._close(stream, code)
 
-    async def _sse_loop(self, resp: web.StreamResponse, stream: Stream) -> str:
+    async def _sse_loop(
+        self, resp: web.StreamResponse, writer: AbstractStreamWriter, stream: Stream
+    ) -> str:
         cfg = self.config
 
         async def put(data: bytes, timeout_s: float = cfg.write_timeout_s) -> None:
             await self._guarded(stream, resp.write(data), timeout_s)
 
-        # One task waits for the next batch across heartbeats: asyncio.wait never
-        # cancels it, so a batch is never lost to a timeout.
-        nxt: asyncio.Task[list[Delivery]] | None = None
         try:
-            await put(sse.preamble(cfg.retry_ms, self._hello(stream)))
-            nxt = asyncio.create_task(stream.watch.next())
-            while True:
-                done, _ = await asyncio.wait((nxt,), timeout=cfg.heartbeat_s)
-                if not done:
-                    await put(sse.comment("heartbeat"))
-                    continue
-                batch = nxt.result()
-                nxt = asyncio.create_task(stream.watch.next())
-                data = b"".join(_sse_event(d.data, d.offset, d.kind) for d in batch)
-                await put(data)
-                self._sent("sse", batch, len(data))
+            await put(sse.preamble(cfg.retry_ms, self._hello(stream)))  # sends the head too
+            assert stream.sock is not None
+            stream.out = SocketOut(
+                stream,
+                stream.sock,
+                writer,
+                SSE_FRAMES,
+                functools.partial(self._sent, "sse"),
+                cfg.write_timeout_s,
+            )
+            await stream.watch.run(stream.out)
         except WatchClosed as exc:
             code, reason = stream.ended(exc)
         except (ConnectionError, RuntimeError):  # the client went away, or was cut
             return stream.stop[0] if stream.stop is not None else "client_gone"
         finally:
-            discard(nxt)
+            stream.out = None
         retry = jitter(cfg.retry_ms) if code == "relay_shutdown" else cfg.retry_ms
         with contextlib.suppress(ConnectionError, RuntimeError):
             await put(sse.goodbye(code, reason, retry), GOODBYE_S)
             await self._guarded(stream, resp.write_eof(), GOODBYE_S)
         return code
+
+    async def _loop_lag(self) -> None:
+        """Every 10 ms, how late the timer fired: a sample of the loop's longest turns."""
+        loop = asyncio.get_running_loop()
+        observe = self.metrics.loop_lag.labels().observe
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(0.01)
+            observe(max(loop.time() - t0 - 0.01, 0.0))
+
+    async def _heartbeats(self) -> None:
+        """One timer for every SSE stream: a comment on each stream silent for
+        ``heartbeat_s`` (written only if nothing is queued and the socket has room)."""
+        period = self.config.heartbeat_s
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(period / 2)
+            due = loop.time() - period
+            for i, s in enumerate(list(self.streams)):
+                out = s.out
+                if out is not None and s.transport == "sse" and out.last_write <= due:
+                    s.watch.try_write(lambda o=out: o.write(_HEARTBEAT))  # type: ignore[misc]
+                if i % _BEAT_SLICE == _BEAT_SLICE - 1:
+                    await asyncio.sleep(0)
 
     # -- WebSocket -----------------------------------------------------------------------
 
@@ -351,9 +384,9 @@ class EdgeServer:
         code = "closed"
         writer: asyncio.Task[str] | None = None
         try:
-            await ws.prepare(request)
+            pw = await ws.prepare(request)
             stream.sock = request.transport
-            writer = asyncio.create_task(self._ws_writer(ws, stream), name=f"ws-writer:{sid}")
+            writer = asyncio.create_task(self._ws_writer(ws, pw, stream), name=f"ws-writer:{sid}")
             code = await self._ws_reader(ws, stream)
             if code != "writer_done":
                 writer.cancel()
@@ -385,20 +418,25 @@ class EdgeServer:
             elif msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
                 return "writer_done" if stream.stop is not None else "client_gone"
 
-    async def _ws_writer(self, ws: web.WebSocketResponse, stream: Stream) -> str:
+    async def _ws_writer(
+        self, ws: web.WebSocketResponse, writer: AbstractStreamWriter, stream: Stream
+    ) -> str:
         cfg = self.config
         timeout_s = cfg.write_timeout_s
         try:
             await self._guarded(
                 stream, ws.send_frame(self._hello(stream), WSMsgType.TEXT), timeout_s
             )
-            while True:
-                batch = await stream.watch.next()
-                nbytes = 0
-                for d in batch:
-                    await self._guarded(stream, ws.send_frame(d.data, WSMsgType.TEXT), timeout_s)
-                    nbytes += len(d.data)
-                self._sent("ws", batch, nbytes)
+            assert stream.sock is not None
+            stream.out = SocketOut(
+                stream,
+                stream.sock,
+                writer,
+                WS_FRAMES,
+                functools.partial(self._sent, "ws"),
+                timeout_s,
+            )
+            await stream.watch.run(stream.out)
         except WatchClosed as exc:
             code, reason = stream.ended(exc)
         except (ConnectionError, RuntimeError):  # the client went away, or was cut
@@ -406,6 +444,8 @@ class EdgeServer:
         except Exception:  # never leave the reader waiting on a socket nobody closes
             log.exception("WebSocket writer of %s failed", stream.sid)
             code, reason = "internal", "internal error"
+        finally:
+            stream.out = None
         if stream.stop is None:
             stream.stop = (code, reason)
         await self._ws_close(ws, stream, code, reason)

@@ -1,38 +1,54 @@
-"""Per-connection pieces of the edge server: the stream record, refusals, close codes.
+"""Per-connection pieces of the edge server: the stream record, the socket port,
+refusals, close codes.
 
 Used by :mod:`relay.server` only. :class:`Stream` is one open SSE / WebSocket stream
-(its hub watch, its task, why the server ends it); :class:`Reject` is a refusal before
+(its hub tap, its task, why the server ends it); :class:`SocketOut` is the socket as a
+:class:`relay.tap.Tap` writes to it (pre-encoded bytes straight to the transport, one
+write per batch; SSE events and WebSocket text frames encoded once per relay in
+byte-bounded caches, :class:`FrameCache`); :class:`Reject` is a refusal before
 streaming (JSON ``{"error", "reason"}``); :data:`WS_CLOSE` maps every stop code to its
 WebSocket close code (the table of docs/PROTOCOL.md).
 
-Order of use: the server builds a :class:`Stream` once the watch is open, calls
-:meth:`Stream.kick` to end it from outside (drain) and :meth:`Stream.cut` from a write
-timer; the stream's task reads :meth:`Stream.ended` to learn why it ended.
+Order of use: the server builds a :class:`Stream` once the watch is open and a
+:class:`SocketOut` once the response is prepared, calls :meth:`Stream.kick` to end it
+from outside (drain) and :meth:`Stream.cut` from a write timer; the stream's task reads
+:meth:`Stream.ended` to learn why it ended.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import struct
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, Final
 
 import orjson
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
 
+from relay import sse
 from relay.errors import WatchClosed
-from relay.hub import Watch
+from relay.resume import Delivery
+from relay.tap import Tap
 
 __all__ = [
     "CORS_HEADERS",
     "GOODBYE_S",
     "RETRY_AFTER",
+    "SSE_FRAMES",
     "WS_CLOSE",
+    "WS_FRAMES",
+    "FrameCache",
     "Reject",
+    "SocketOut",
     "Stream",
     "client_reason",
     "discard",
     "is_ping",
     "jitter",
+    "ws_text_frame",
 ]
 
 # WebSocket close codes the server uses, by WatchClosed / server stop code.
@@ -73,13 +89,14 @@ class Reject(Exception):
 class Stream:
     """One open SSE or WebSocket stream: its watch, its task, why the server ends it."""
 
-    __slots__ = ("offset", "sid", "sock", "stop", "task", "transport", "watch")
+    __slots__ = ("offset", "out", "sid", "sock", "stop", "task", "transport", "watch")
 
-    def __init__(self, transport: str, sid: str, offset: int | None, watch: Watch) -> None:
+    def __init__(self, transport: str, sid: str, offset: int | None, watch: Tap) -> None:
         self.transport, self.sid, self.offset, self.watch = transport, sid, offset, watch
         self.stop: tuple[str, str] | None = None
         self.task: asyncio.Task[Any] | None = asyncio.current_task()
         self.sock: asyncio.Transport | None = None
+        self.out: SocketOut | None = None  # set while frames stream
 
     def cut(self) -> None:
         """A write did not finish in time: the client is slow. Abort the connection
@@ -98,6 +115,115 @@ class Stream:
 
     def ended(self, exc: WatchClosed) -> tuple[str, str]:
         return self.stop if self.stop is not None else (exc.code, exc.reason)
+
+
+class FrameCache:
+    """Encoded bytes per frame (keyed by the frame's bytes object, shared by every watch
+    of the session), least recently used first out, bounded in bytes. A frame larger than
+    an eighth of the bound is encoded each time instead of evicting everything."""
+
+    def __init__(self, encode: Callable[[Delivery], bytes], max_bytes: int) -> None:
+        self._encode = encode
+        self.max_bytes = max_bytes
+        self.size = 0
+        self._items: OrderedDict[bytes, bytes] = OrderedDict()
+
+    def get(self, d: Delivery) -> bytes:
+        items = self._items
+        hit = items.get(d.data)
+        if hit is not None:
+            return hit
+        out = self._encode(d)
+        n = len(out) + len(d.data)
+        if n <= self.max_bytes // 8:
+            items[d.data] = out
+            self.size += n
+            while self.size > self.max_bytes:
+                k, v = items.popitem(last=False)
+                self.size -= len(k) + len(v)
+        return out
+
+
+def ws_text_frame(payload: bytes) -> bytes:
+    """One unmasked, final WebSocket text frame (RFC 6455 section 5.2), as a server sends."""
+    n = len(payload)
+    if n < 126:
+        return bytes((0x81, n)) + payload
+    if n < 65536:
+        return struct.pack("!BBH", 0x81, 126, n) + payload
+    return struct.pack("!BBQ", 0x81, 127, n) + payload
+
+
+SSE_FRAMES: Final = FrameCache(lambda d: sse.event(d.data, id=d.offset, kind=d.kind), 8 << 20)
+WS_FRAMES: Final = FrameCache(lambda d: ws_text_frame(d.data), 8 << 20)
+
+
+class SocketOut:
+    """A prepared SSE response or WebSocket as a :class:`relay.tap.Tap` writes to it.
+
+    :meth:`send` writes a batch's pre-encoded bytes in one ``transport.write`` (for a
+    chunked HTTP response, inside one chunk), :meth:`room` says whether the transport is
+    below its write high-water mark, :meth:`drain` waits for it to resume writing (past
+    ``timeout_s`` the stream is cut as a slow consumer)."""
+
+    __slots__ = (
+        "_chunked",
+        "_frames",
+        "_high",
+        "_loop",
+        "_on_sent",
+        "_stream",
+        "_timeout_s",
+        "_transport",
+        "_writer",
+        "last_write",
+    )
+
+    def __init__(
+        self,
+        stream: Stream,
+        transport: asyncio.Transport,
+        writer: AbstractStreamWriter,
+        frames: FrameCache,
+        on_sent: Callable[[list[Delivery], int], None],
+        timeout_s: float,
+    ) -> None:
+        self._stream = stream
+        self._transport = transport
+        self._writer = writer
+        self._frames = frames
+        self._on_sent = on_sent
+        self._timeout_s = timeout_s
+        self._chunked = bool(getattr(writer, "chunked", False))
+        self._high = transport.get_write_buffer_limits()[1]
+        self._loop = asyncio.get_running_loop()
+        self.last_write = self._loop.time()
+
+    def room(self) -> bool:
+        t = self._transport
+        return not t.is_closing() and t.get_write_buffer_size() <= self._high
+
+    def write(self, data: bytes) -> None:
+        """Raw bytes (a heartbeat), framed as one HTTP chunk when the response is chunked."""
+        if self._chunked:
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        self._transport.write(data)
+        self.last_write = self._loop.time()
+
+    def send(self, ds: list[Delivery]) -> None:
+        get = self._frames.get
+        data = get(ds[0]) if len(ds) == 1 else b"".join([get(d) for d in ds])
+        self.write(data)
+        self._on_sent(ds, len(data))
+
+    async def drain(self) -> None:
+        if self._transport.is_closing():
+            raise ConnectionResetError("the connection is closing")
+        handle = self._loop.call_later(self._timeout_s, self._stream.cut)
+        try:
+            await self._writer.drain()
+        finally:
+            handle.cancel()
 
 
 RETRY_AFTER: Final = {"Retry-After": "1"}

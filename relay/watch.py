@@ -1,37 +1,88 @@
-"""A session's local watcher and its bounded queue: what :class:`relay.hub.Hub` hands
-to each SSE / WebSocket stream.
+"""One local watcher of a session, as a pure state machine: a bounded queue, the resume
+merge and conflation, fed by method calls, answering with intents. No asyncio, no
+sockets, no clock: the caller (:class:`relay.tap.Tap`) does every read and write.
 
-A :class:`Watch` gets its deliveries from the hub, synchronously, on the reader task
-(``_live`` for live frames, ``_push`` for frames read back from the backlog); its own
-:class:`relay.resume.Resume` merges the replay from the client's offset with the live
-feed (in order, no gap, no duplicate). The stream awaits :meth:`Watch.next`, which
-returns everything pending. The queue is bounded: past ``hub.queue_frames`` pending
-frames, each run of consecutive token frames of one turn is merged into one frame
-(:func:`conflate`, text only appends); past ``hub.hard_limit_frames`` after merging the
-watch is closed with code ``slow_consumer``. The hub never waits on a watcher.
+What it holds: its own :class:`relay.resume.Resume` (the client's replay merged with the
+live feed, in order, once each) and the frames not yet taken by the socket. Bounds:
 
-Order of use (the hub creates watches; streams only read them)::
+- past ``queue_frames`` pending frames, each run of consecutive token frames of one turn
+  is merged into one frame (:func:`conflate`, text only appends);
+- past ``hard_limit_frames`` frames or ``max_pending_bytes`` bytes after merging, the
+  watch closes with code ``slow_consumer``;
+- the backlog is read page by page: the next page is asked for only while the queue is
+  below its low-water mark (half of ``queue_frames`` and a quarter of the bytes), so a
+  replay of any length reaches the client at the socket's own speed and never trips the
+  slow-consumer cutoff (a page is at most ``page_frames`` frames).
 
-    watch = await hub.watch(sid, from_offset)
-    while True: deliveries = await watch.next()   # raises WatchClosed(reason, code)
-    await watch.close()
+Intents (what the driver must do): :class:`relay.resume.Fetch` (read the backlog after
+``after``; at most one outstanding) and :class:`Closed` (stop; the code says why).
+
+Order of calls::
+
+    w = Watch(sid, after, limits, counters)
+    intents = w.subscribed()                   # once the channel is subscribed
+    intents = w.live(deliveries)               # every live frame, in channel order
+    intents = w.backlog(entries, first, last)  # the answer to a Fetch
+    frames, intents = w.take()                 # the socket has room: everything pending
+    intents = w.close(code, reason)
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections import deque
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
-from relay.errors import WatchClosed
 from relay.frame import Frame, decode, encode, first_offset, merge_tokens
 from relay.resume import Delivery, Fetch, Resume
 
-if TYPE_CHECKING:
-    from relay.hub import Hub, _Channel
+__all__ = ["Closed", "Intent", "Limits", "Watch", "conflate"]
 
-__all__ = ["Watch", "conflate"]
+
+class Closed(NamedTuple):
+    """The watch is closed: stop writing and tell the client ``code`` / ``reason``."""
+
+    code: str
+    reason: str
+
+
+Intent = Fetch | Closed
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-watch bounds. ``page_frames`` / ``page_bytes``: one backlog read at most."""
+
+    queue_frames: int = 1024
+    hard_limit_frames: int = 4096
+    max_pending_bytes: int = 1 << 20
+    page_frames: int = 512
+    page_bytes: int = 256 * 1024
+
+    def __post_init__(self) -> None:
+        if not 0 < self.queue_frames <= self.hard_limit_frames:
+            raise ValueError("need 0 < queue_frames <= hard_limit_frames")
+        if self.page_frames < 1 or self.page_bytes < 1 or self.max_pending_bytes < 1:
+            raise ValueError("page sizes and max_pending_bytes must be >= 1")
+
+    @property
+    def low_water_frames(self) -> int:
+        return max(self.queue_frames // 2, 1)
+
+    @property
+    def low_water_bytes(self) -> int:
+        return max(self.max_pending_bytes // 4, 1)
+
+    @property
+    def replay_page_bytes(self) -> int:
+        """A page's byte budget (one frame more at most, so every page makes progress)."""
+        return max(min(self.page_bytes, self.low_water_bytes), 1)
+
+    @property
+    def replay_page_frames(self) -> int:
+        """A page never pushes the queue past ``queue_frames`` (no merge of a replay)."""
+        return max(min(self.page_frames, self.queue_frames - self.low_water_frames), 1)
 
 
 def conflate(pending: Iterable[Delivery]) -> tuple[list[Delivery], int]:
@@ -69,95 +120,146 @@ def conflate(pending: Iterable[Delivery]) -> tuple[list[Delivery], int]:
     return out, merged
 
 
+_NONE: tuple[Intent, ...] = ()
+
+
 class Watch:
-    """One local watcher of a session. Use :meth:`next` until it raises WatchClosed."""
+    """One watcher's queue and merge state. See the module docstring for the call order.
 
-    def __init__(self, hub: Hub, channel: _Channel, after: int | None) -> None:
-        self.hub = hub
-        self.session = channel.sid
-        self._channel = channel
-        self.resume = Resume(channel.sid, after, max_buffer=hub.hard_limit_frames)
+    ``counters`` (a plain dict the owner reads) gets ``conflations``, ``gaps``,
+    ``frames_out`` and ``slow_disconnects`` added to it."""
+
+    def __init__(
+        self,
+        session: str,
+        after: int | None,
+        limits: Limits,
+        counters: MutableMapping[str, int] | None = None,
+    ) -> None:
+        self.session = session
+        self.limits = limits
+        self.resume = Resume(
+            session,
+            after,
+            max_buffer=limits.hard_limit_frames,
+            max_buffer_bytes=limits.max_pending_bytes,
+        )
+        self.counters: MutableMapping[str, int] = counters if counters is not None else {}
         self._pending: deque[Delivery] = deque()
-        self._wake = asyncio.Event()
-        self._closed: WatchClosed | None = None
-        self._fetch_task: asyncio.Task[None] | None = None
-        self._conflate_at = hub.queue_frames
-
-    @property
-    def closed(self) -> bool:
-        return self._closed is not None
+        self.pending_bytes = 0
+        self.closed: Closed | None = None
+        self._deferred: Fetch | None = None  # the next replay page, held until the queue drains
+        self._conflate_at = limits.queue_frames
 
     @property
     def pending(self) -> int:
         return len(self._pending)
 
-    async def next(self) -> list[Delivery]:
-        """Wait for at least one delivery; return everything pending, in order."""
-        while True:
-            if self._closed is not None:
-                raise self._closed
-            if self._pending:
-                out = list(self._pending)
-                self._pending.clear()
-                self._conflate_at = self.hub.queue_frames
-                self.hub._stats["frames_out"] += len(out)
-                return out
-            self._wake.clear()
-            await self._wake.wait()
+    @property
+    def page_frames(self) -> int:
+        return self.limits.replay_page_frames
 
-    async def close(self) -> None:
-        self._shut("watch closed", "closed")
+    # -- events ------------------------------------------------------------------------
 
-    # -- driven by the hub (synchronous) -----------------------------------------------
+    def subscribed(self) -> Sequence[Intent]:
+        if self.closed is not None:
+            return _NONE
+        return self._fetch_or_defer(self.resume.subscribed().fetch, replay=False)
 
-    def _live(self, ds: list[Delivery]) -> None:
+    def live(self, ds: Iterable[Delivery]) -> Sequence[Intent]:
+        if self.closed is not None:
+            return _NONE
+        resume = self.resume
+        intents: list[Intent] = []
         out: list[Delivery] = []
         for d in ds:
-            step = self.resume.live(d)
-            out.extend(step.emit)
+            step = resume.live(d)
+            if step.emit:
+                out.extend(step.emit)
             if step.fetch is not None:
-                self._start_fetch(step.fetch)
+                intents.append(step.fetch)
         if out:
-            self._push(out)
+            intents.extend(self._push(out))
+        return intents
 
-    def _start_fetch(self, fetch: Fetch) -> None:
-        self.hub._stats["repairs"] += 1
-        self._fetch_task = asyncio.create_task(
-            self.hub._fetch_loop(self.session, self.resume, fetch, self._push, self._alive)
+    def backlog(
+        self, entries: Sequence[Delivery], first_available: int, last_offset: int
+    ) -> Sequence[Intent]:
+        """The answer to the outstanding fetch: frames go to the queue, the next page is
+        asked for now or held until :meth:`take` brings the queue below low water."""
+        if self.closed is not None:
+            self.resume.backlog(entries, first_available, last_offset)
+            return _NONE
+        step = self.resume.backlog(entries, first_available, last_offset)
+        intents = list(self._push(step.emit)) if step.emit else []
+        if self.closed is None:
+            intents.extend(self._fetch_or_defer(step.fetch, replay=True))
+        return intents
+
+    def take(self) -> tuple[list[Delivery], Sequence[Intent]]:
+        """Everything pending, in order (the socket has room), and the held page fetch."""
+        if self.closed is not None or not self._pending:
+            return [], self._release()
+        out = list(self._pending)
+        self._pending.clear()
+        self.pending_bytes = 0
+        self._conflate_at = self.limits.queue_frames
+        self.counters["frames_out"] = self.counters.get("frames_out", 0) + len(out)
+        return out, self._release()
+
+    def close(self, code: str, reason: str) -> Sequence[Intent]:
+        if self.closed is not None:
+            return _NONE
+        self.closed = Closed(code, reason)
+        self._pending.clear()
+        self.pending_bytes = 0
+        self._deferred = None
+        self.resume.close()
+        return (self.closed,)
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _below_low_water(self) -> bool:
+        lim = self.limits
+        return len(self._pending) < lim.low_water_frames and self.pending_bytes < (
+            lim.low_water_bytes
         )
 
-    def _alive(self) -> bool:
-        return self._closed is None
+    def _fetch_or_defer(self, fetch: Fetch | None, *, replay: bool) -> Sequence[Intent]:
+        if fetch is None:
+            return _NONE
+        if replay and not self._below_low_water():
+            self._deferred = fetch
+            return _NONE
+        return (fetch,)
 
-    def _push(self, ds: list[Delivery]) -> None:
-        if self._closed is not None or not ds:
-            return
-        hub = self.hub
-        hub._stats["gaps"] += sum(1 for d in ds if d.kind == "gap")
+    def _release(self) -> Sequence[Intent]:
+        if self._deferred is not None and self._below_low_water():
+            fetch, self._deferred = self._deferred, None
+            return (fetch,)
+        return _NONE
+
+    def _push(self, ds: list[Delivery]) -> Sequence[Intent]:
+        c = self.counters
+        gaps = sum(1 for d in ds if d.kind == "gap")
+        if gaps:
+            c["gaps"] = c.get("gaps", 0) + gaps
         self._pending.extend(ds)
-        if len(self._pending) > self._conflate_at:
+        self.pending_bytes += sum(len(d.data) for d in ds)
+        lim = self.limits
+        if len(self._pending) > self._conflate_at or self.pending_bytes > lim.max_pending_bytes:
             merged_list, merged = conflate(self._pending)
             if merged:
-                hub._stats["conflations"] += merged
+                c["conflations"] = c.get("conflations", 0) + merged
                 self._pending = deque(merged_list)
-            self._conflate_at = len(self._pending) + max(hub.queue_frames // 4, 1)
-            if len(self._pending) > hub.hard_limit_frames:
-                hub._stats["slow_disconnects"] += 1
-                self._shut(
-                    f"more than {hub.hard_limit_frames} frames pending after merging",
-                    "slow_consumer",
-                )
-                return
-        self._wake.set()
+                self.pending_bytes = sum(len(d.data) for d in merged_list)
+            self._conflate_at = len(self._pending) + max(lim.queue_frames // 4, 1)
+            if len(self._pending) > lim.hard_limit_frames:
+                return self._slow(f"more than {lim.hard_limit_frames} frames pending after merging")
+            if self.pending_bytes > lim.max_pending_bytes:
+                return self._slow(f"more than {lim.max_pending_bytes} bytes pending after merging")
+        return _NONE
 
-    def _shut(self, reason: str, code: str) -> None:
-        if self._closed is not None:
-            return
-        self._closed = WatchClosed(reason, code)
-        self._pending.clear()
-        self.resume.close()
-        self._wake.set()
-        task, self._fetch_task = self._fetch_task, None
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
-        self.hub._detach(self)
+    def _slow(self, reason: str) -> Sequence[Intent]:
+        self.counters["slow_disconnects"] = self.counters.get("slow_disconnects", 0) + 1
+        return self.close("slow_consumer", reason)

@@ -13,7 +13,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from relay.errors import WatchClosed
 from relay.frame import Frame, decode, encode
-from relay.hub import Delivery, Hub, Watch
+from relay.hub import Delivery, Hub, Tap
 from relay.keys import live_channel, log_key, meta_key, new_session_id, presence_key
 from relay.publisher import Draft, Publisher
 
@@ -35,7 +35,9 @@ async def hub(redis: RedisCluster) -> AsyncIterator[Hub]:
         await h.close()
 
 
-async def collect(watch: Watch, until: int, within_s: float = 10.0) -> list[Delivery]:
+async def collect(
+    watch: Tap, until: int, within_s: float = 10.0, hub: Hub | None = None
+) -> list[Delivery]:
     """Read deliveries until one has an offset >= until."""
     out: list[Delivery] = []
     try:
@@ -43,7 +45,7 @@ async def collect(watch: Watch, until: int, within_s: float = 10.0) -> list[Deli
             while not out or out[-1].offset < until:
                 out.extend(await watch.next())
     except TimeoutError:  # say what the hub saw, for a failure that does not reproduce
-        stats = {**watch.hub.stats(), **watch.hub.subscriber.stats}
+        stats = hub.stats() if hub is not None else {}
         raise AssertionError(f"offsets {token_offsets(out)}, not {until}: {stats}") from None
     return out
 
@@ -228,28 +230,42 @@ async def test_last_watcher_leaving_unsubscribes_after_the_delay(
 
 
 async def test_presence_is_refreshed_while_watched_and_removed_after(
-    hub: Hub, redis: RedisCluster
+    redis: RedisCluster,
 ) -> None:
-    sid = new_session_id()
-    w = await hub.watch(sid, None)
-    await asyncio.sleep(0.3)
-    score = await redis.zscore(presence_key(sid), hub.relay_id)
-    assert score is not None
-    assert 0 < await redis.pttl(presence_key(sid)) <= 10_000
-    await asyncio.sleep(1.2)
-    later = await redis.zscore(presence_key(sid), hub.relay_id)
-    assert later is not None
-    assert later > score
-    await w.close()
-    await asyncio.sleep(0.3)
-    assert await redis.zscore(presence_key(sid), hub.relay_id) is None
+    hub = Hub(redis, relay_id="presence-ttl", presence_ttl_s=1.5, reap_interval_s=0)
+    await hub.start()
+    try:
+        sid = new_session_id()
+        w = await hub.watch(sid, None)
+        await asyncio.sleep(0.3)
+        score = await redis.zscore(presence_key(sid), hub.relay_id)
+        assert score is not None  # the entry's expiry, in Redis server ms
+        server_ms = await _server_ms(redis, sid)
+        assert server_ms < score <= server_ms + 1_500
+        assert 0 < await redis.pttl(presence_key(sid)) <= 1_500
+        await asyncio.sleep(1.2)  # refreshed every third of the TTL
+        later = await redis.zscore(presence_key(sid), hub.relay_id)
+        assert later is not None
+        assert later > score
+        assert later > await _server_ms(redis, sid)  # never lapses while watched
+        await w.close()
+        await asyncio.sleep(0.3)
+        assert await redis.zscore(presence_key(sid), hub.relay_id) is None
+    finally:
+        await hub.close()
+
+
+async def _server_ms(redis: RedisCluster, sid: str) -> int:
+    """TIME of the node that holds the session's slot, in ms."""
+    lua = "local t = redis.call('TIME') return t[1] * 1000 + math.floor(t[2] / 1000)"
+    return int(await redis.eval(lua, 1, presence_key(sid)))
 
 
 async def test_opening_many_watches_writes_each_session_once_not_all_each_time(
     redis: RedisCluster,
 ) -> None:
     # a long interval: only the writes for new sessions happen during the test
-    hub = Hub(redis, relay_id="presence-n", presence_interval_s=60.0, reap_interval_s=0)
+    hub = Hub(redis, relay_id="presence-n", presence_ttl_s=180.0, reap_interval_s=0)
     await hub.start()
     try:
         await asyncio.sleep(0.1)  # the first (empty) full refresh is done

@@ -12,7 +12,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from relay.errors import Fenced
 from relay.frame import decode
-from relay.hub import Hub, Watch
+from relay.hub import Hub, Tap
 from relay.keys import KeyKind, key, meta_key, new_session_id
 from relay.publisher import WORKER_LOST, Publisher, read_backlog, reap
 
@@ -26,7 +26,7 @@ async def _take_lock(redis: RedisCluster, sid: str) -> None:
     assert await redis.set(key(sid, KeyKind.LOCK), "w1:abc {}", nx=True, px=LOCK_TTL_MS)
 
 
-async def _kinds_until_terminal(w: Watch, timeout_s: float) -> list[tuple[int, str]]:
+async def _kinds_until_terminal(w: Tap, timeout_s: float) -> list[tuple[int, str]]:
     seen: list[tuple[int, str]] = []
     async with asyncio.timeout(timeout_s):
         while not seen or seen[-1][1] not in ("done", "error"):

@@ -18,15 +18,16 @@ from redis.asyncio.cluster import RedisCluster
 from relay.frame import decode
 from relay.hub import Hub
 from relay.keys import presence_key
+from relay.presence import WRITE_LUA
 from relay.publisher import Publisher, read_backlog
-from relay.watch import Watch
+from relay.tap import Tap
 from tests.worker_harness import Harness, wait_turn
 from worker.presence import PresencePolicy, count_watchers
 from worker.router import EngineSpec
 
 pytestmark = pytest.mark.integration
 
-FAST_PRESENCE = PresencePolicy(grace_s=1.0, interval_s=0.2, window_s=2.0)
+FAST_PRESENCE = PresencePolicy(grace_s=1.0, interval_s=0.2)
 
 
 async def _until_tokens(redis: RedisCluster, sid: str, n: int, timeout_s: float = 10.0) -> None:
@@ -44,10 +45,9 @@ def _outcome(h: Harness, sid: str) -> str:
 
 
 async def _watched(redis: RedisCluster, sid: str, stop: asyncio.Event, relay: str = "r1") -> None:
-    """Refresh presence like relay/hub.py: ZADD relay id -> now ms, PEXPIRE, every 0.3 s."""
+    """Refresh presence like relay.presence: expiry = Redis TIME + 2 s, every 0.3 s."""
     while not stop.is_set():
-        await redis.zadd(presence_key(sid), {relay: time.time_ns() // 1_000_000})
-        await redis.pexpire(presence_key(sid), 10_000)
+        await redis.eval(WRITE_LUA, 1, presence_key(sid), relay, 2_000)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.3)
 
@@ -118,7 +118,7 @@ async def test_a_watched_turn_runs_to_the_end(h: Harness, redis: RedisCluster):
     watcher = asyncio.create_task(_watched(redis, sid, stop))
     try:
         await asyncio.sleep(0.1)
-        assert await count_watchers(redis, sid, 2.0) == 1
+        assert await count_watchers(redis, sid) == 1
         frames = await wait_turn(redis, sid, body["turn"])
     finally:
         stop.set()
@@ -147,7 +147,10 @@ async def test_a_viewer_leaving_for_longer_than_the_grace_cancels(h: Harness, re
 async def test_a_real_hub_watch_keeps_the_turn_alive(h: Harness, redis: RedisCluster):
     await h.start_engines(1, decode_tok_per_s=20.0)
     await h.start_worker(presence=FAST_PRESENCE)
-    hub = Hub(redis, relay_id="lifecycle-hub", presence_interval_s=0.3)
+    hub = Hub(
+        redis,
+        relay_id="lifecycle-hub",
+    )
     await hub.start()
     try:
         sid, token = await h.session()
@@ -248,7 +251,7 @@ async def test_engine_killed_mid_stream_the_next_turn_goes_to_the_other_engine(
     h.engines[:] = [e for e in h.engines if e.engine.cfg.engine_id != victim]
 
 
-async def _read_turn(watch: Watch, until: int | None = None) -> list[tuple[int, str, str]]:
+async def _read_turn(watch: Tap, until: int | None = None) -> list[tuple[int, str, str]]:
     """(offset, kind, text) from a hub watch: up to the terminal frame, or ``until``
     token frames."""
     out: list[tuple[int, str, str]] = []
@@ -268,7 +271,10 @@ async def test_the_last_viewer_leaving_releases_the_engine_slot_after_the_grace(
 ):
     engines = await h.start_engines(1, decode_tok_per_s=10.0)
     await h.start_worker(presence=FAST_PRESENCE)  # grace 1 s
-    hub = Hub(redis, relay_id="leaving-hub", presence_interval_s=0.3)
+    hub = Hub(
+        redis,
+        relay_id="leaving-hub",
+    )
     await hub.start()
     try:
         sid, token = await h.session()
@@ -285,9 +291,9 @@ async def test_the_last_viewer_leaving_releases_the_engine_slot_after_the_grace(
         await hub.close()
     assert frames[-1].kind == "error"
     assert frames[-1].text == "no viewers"
-    # not before the grace period, counted from the hub's last presence refresh (every
-    # 0.3 s, so up to 0.3 s before the close)
-    assert ended_after >= FAST_PRESENCE.grace_s - 0.3
+    # not before the grace period, counted from the worker's last look that found the
+    # viewer (every 0.2 s, so up to 0.2 s before the close removed the entry)
+    assert ended_after >= FAST_PRESENCE.grace_s - 0.2
     assert h.state.router.in_flight() == {"eng-0": 0}  # the slot is back
     async with asyncio.timeout(5):
         while engines[0].engine.gate.running:  # the engine request was aborted too
@@ -299,7 +305,10 @@ async def test_a_viewer_back_within_the_grace_resumes_from_the_backlog(
 ):
     await h.start_engines(1, decode_tok_per_s=20.0)
     await h.start_worker(presence=FAST_PRESENCE)  # grace 1 s
-    hub = Hub(redis, relay_id="returning-hub", presence_interval_s=0.3)
+    hub = Hub(
+        redis,
+        relay_id="returning-hub",
+    )
     await hub.start()
     try:
         sid, token = await h.session()

@@ -61,7 +61,7 @@ from worker.jobs_api import JOBS, JobsApi
 from worker.loadshare import LoadExchange
 from worker.metrics import CONTENT_TYPE_LATEST, WorkerMetrics
 from worker.presence import PresencePolicy
-from worker.router import DEFAULT_SPILL, AllEnginesFull, EngineSpec, Router
+from worker.router import DEFAULT_ROUTING, DEFAULT_SPILL, AllEnginesFull, EngineSpec, Router
 from worker.routing_key import DEFAULT_PREFIX_CHARS
 from worker.store import SessionStore
 from worker.turns import (
@@ -110,7 +110,7 @@ class WorkerConfig:
     vnodes: int = 160
     eps: float = 0.25
     spill: str = DEFAULT_SPILL
-    routing: str = "ring"  # "round_robin": the cache-blind baseline, for measurements
+    routing: str = DEFAULT_ROUTING  # "ring", or "round_robin": the cache-blind baseline
     discover_engines: bool = False
     control_interval_s: float = 1.0
     load_exchange: bool = True

@@ -87,6 +87,11 @@ class WorkerMetrics:
         )
         self.spills = Counter(_P + "route_spills", "Turns routed off their preferred engine.",
                               registry=reg)  # fmt: skip
+        self.route_decisions = Counter(
+            _P + "route_decisions", "Turns routed, by routing policy and the reason for the "
+            "engine (preferred, spilled, spilled_cost, least_cost, round_robin).",
+            ["policy", "reason"], registry=reg,
+        )  # fmt: skip
         self.affinity_available = Counter(
             _P + "cache_affinity_available",
             "Turns whose previous engine (holding their prefix) was in the ring.",

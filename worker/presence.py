@@ -1,16 +1,18 @@
 """Presence-driven cancellation: stop generating for a session nobody watches.
 
-The relay (``relay/hub.py``) keeps, per session with watchers, a sorted set
-``presence_key(sid)``: member = relay id, score = last-seen Unix milliseconds, refreshed
-about once a second. While a turn generates, the worker looks at it off the hot path:
+The relay (:mod:`relay.presence`) keeps, per session with watchers, a sorted set
+``presence_key(sid)``: member = relay id, score = when that entry expires in Redis server
+milliseconds (written when the relay's first watcher opens, refreshed every third of its
+TTL, removed when the last watcher leaves). While a turn generates, the worker looks at
+it off the hot path:
 
 * :class:`PresenceTracker` — the pure rule. The grace timer starts at turn start (the
   viewer that POSTed may not have connected yet); every observation that finds a watcher
   resets it; when ``grace_s`` passes with no watcher the verdict is ``abandoned``. A
   viewer that comes back within the grace period simply resumes from the backlog.
-* :func:`count_watchers` — one ``ZCOUNT presence_key(sid) (now - window_ms) +inf``: relays
-  seen within the last ``window_s`` seconds (a few refresh periods, which also absorbs
-  clock skew between pods).
+* :func:`count_watchers` — relays whose entry has not expired, compared with Redis
+  server ``TIME`` inside a script (:func:`relay.presence.count_present`): no host clock
+  is involved, so clock skew between pods changes nothing.
 * :func:`watch_presence` — the loop the turn runner starts as a task: every
   ``interval_s`` it counts watchers, feeds the tracker and, on ``abandoned``, calls
   ``on_abandoned()`` and returns; it also returns once its ``stop`` event is set (the
@@ -28,8 +30,8 @@ from dataclasses import dataclass
 
 from redis.asyncio.cluster import RedisCluster
 
-from relay.errors import RelayError, map_redis_errors
-from relay.keys import presence_key
+from relay.errors import RelayError
+from relay.presence import count_present
 
 __all__ = ["PresencePolicy", "PresenceTracker", "count_watchers", "watch_presence"]
 
@@ -39,15 +41,14 @@ _log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class PresencePolicy:
     """``grace_s``: how long a turn may generate unwatched; ``interval_s``: how often the
-    worker looks; ``window_s``: how recent a relay's last-seen must be to count."""
+    worker looks. How long a relay's entry counts is the relay's to say (its TTL)."""
 
     grace_s: float = 10.0
     interval_s: float = 1.0
-    window_s: float = 3.0
 
     def __post_init__(self) -> None:
-        if self.grace_s <= 0 or self.interval_s <= 0 or self.window_s <= 0:
-            raise ValueError("presence grace, interval and window must be positive")
+        if self.grace_s <= 0 or self.interval_s <= 0:
+            raise ValueError("presence grace and interval must be positive")
 
 
 class PresenceTracker:
@@ -70,11 +71,9 @@ class PresenceTracker:
         return max(0.0, now - self.last_watched)
 
 
-async def count_watchers(redis: RedisCluster, sid: str, window_s: float) -> int:
-    """Relays that reported watchers of ``sid`` within the last ``window_s`` seconds."""
-    floor_ms = time.time_ns() // 1_000_000 - int(window_s * 1000)
-    with map_redis_errors():
-        return int(await redis.zcount(presence_key(sid), f"({floor_ms}", "+inf"))
+async def count_watchers(redis: RedisCluster, sid: str) -> int:
+    """Relays with watchers of ``sid`` now (entries not expired, by Redis server time)."""
+    return await count_present(redis, sid)
 
 
 async def watch_presence(
@@ -110,7 +109,7 @@ async def watch_presence(
         if stopped():
             return
         try:
-            watchers = await count_watchers(redis, sid, policy.window_s)
+            watchers = await count_watchers(redis, sid)
         except RelayError as exc:
             _log.warning("presence check of %s failed: %s", sid, exc)
             watchers = 1

@@ -45,13 +45,16 @@ import math
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, Final
 
 import mmh3
 
+from worker.cost_router import CostModel, CostProfile, TurnInfo
+
 __all__ = [
+    "DEFAULT_ROUTING",
     "DEFAULT_SPILL",
     "ROUTING_POLICIES",
     "SPILL_POLICIES",
@@ -66,8 +69,11 @@ __all__ = [
 ]
 
 SPILL_POLICIES: Final = ("walk", "least_loaded")
-# "round_robin" ignores the key (and so every KV cache): a baseline for measurements only
-ROUTING_POLICIES: Final = ("ring", "round_robin")
+# "ring": prefix-aware consistent hashing with bounded loads; "cost_aware": least expected
+# queue wait + prefill of what the engine probably does not hold (worker/cost_router.py),
+# within the same caps; "round_robin" ignores the key (and so every KV cache): a baseline
+ROUTING_POLICIES: Final = ("ring", "cost_aware", "round_robin")
+DEFAULT_ROUTING: Final = "ring"  # the worker's default (WorkerConfig.routing)
 DEFAULT_SPILL: Final = "least_loaded"  # chosen by bench/routing_sim.py, see docs/ROUTING.md
 _RETRY_MIN_S: Final = 0.05
 _RETRY_MAX_S: Final = 30.0
@@ -157,16 +163,38 @@ class _Engine:
 class Lease:
     """One admitted request on one engine. Release exactly once (``with`` does it)."""
 
-    __slots__ = ("_router", "_slot", "_t0", "engine", "preferred", "spilled", "state")
+    __slots__ = (
+        "_id",
+        "_router",
+        "_slot",
+        "_t0",
+        "engine",
+        "preferred",
+        "reason",
+        "spilled",
+        "state",
+    )
 
-    def __init__(self, router: Router, slot: _Engine, preferred: str, spilled: bool) -> None:
+    def __init__(
+        self, router: Router, slot: _Engine, preferred: str, spilled: bool, reason: str = ""
+    ) -> None:
         self._router = router
         self._slot = slot
         self._t0 = router._clock()
+        self._id = router._lease_ids
+        router._lease_ids += 1
         self.engine: EngineSpec = slot.spec
         self.preferred = preferred
         self.spilled = spilled
+        # why this engine: "preferred" / "spilled" (ring), "preferred" / "spilled_cost" /
+        # "least_cost" (cost_aware), "round_robin"
+        self.reason = reason or ("spilled" if spilled else "preferred")
         self.state = LeaseState.HELD
+
+    def first_token(self) -> None:
+        """The engine sent the first token: its prefill is done (cost_aware's queue)."""
+        if self._router._cost is not None:
+            self._router._cost.first_token(self._id)
 
     def release(self) -> bool:
         """Give the slot back. Returns False (and counts it) when already released."""
@@ -174,7 +202,7 @@ class Lease:
             self._router._double_releases += 1
             return False
         self.state = LeaseState.RELEASED
-        self._router._release(self._slot, self._t0)
+        self._router._release(self._slot, self._t0, self._id)
         return True
 
     def __enter__(self) -> Lease:
@@ -208,6 +236,7 @@ class Router:
         spill: str = DEFAULT_SPILL,
         policy: str = "ring",
         clock: Callable[[], float] = time.monotonic,
+        cost_profile: CostProfile | None = None,
     ) -> None:
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"policy must be one of {ROUTING_POLICIES}, got {policy!r}")
@@ -234,6 +263,9 @@ class Router:
         self._rejections = 0
         self._double_releases = 0
         self._listeners: list[Callable[[], None]] = []
+        self._lease_ids = 0
+        self._cost_profile = cost_profile or CostProfile()
+        self._cost: CostModel | None = None
         for spec in engines:
             if spec.id in self._engines:
                 raise ValueError(f"duplicate engine id {spec.id!r}")
@@ -242,13 +274,13 @@ class Router:
 
     # ---- the hot path -------------------------------------------------------------------
 
-    def route(self, key: str, avoid: str | None = None) -> Lease:
+    def route(self, key: str, avoid: str | None = None, turn: TurnInfo | None = None) -> Lease:
         """Admit a request for ``key``; raise :class:`AllEnginesFull` when nothing accepts.
 
         ``avoid``: an engine id not to use (it just refused a connection); the request
         spills past it as if it were full. A refusal counts as unmet demand on the engine
         the request would have used (:meth:`take_unmet`)."""
-        lease = self.try_route(key, avoid)
+        lease = self.try_route(key, avoid, turn)
         if lease is None:
             self._routes += 1
             self._rejections += 1
@@ -258,14 +290,19 @@ class Router:
             raise AllEnginesFull(self.retry_after())
         return lease
 
-    def try_route(self, key: str, avoid: str | None = None) -> Lease | None:
+    def try_route(
+        self, key: str, avoid: str | None = None, turn: TurnInfo | None = None
+    ) -> Lease | None:
         """:meth:`route` without the exception and without counting demand: ``None`` when
-        nothing accepts (:func:`route_wait` counts its waiter once instead)."""
+        nothing accepts (:func:`route_wait` counts its waiter once instead). ``turn``:
+        what the worker knows of the turn (cost_aware; the ring ignores it)."""
         hashes = self._hashes
         if not hashes:
             return None
         if self.policy == "round_robin":
             return self._try_round_robin(avoid)
+        if self._cost is not None:
+            return self._try_cost(key, avoid, turn)
         i = bisect_left(hashes, key_hash(key))
         succ = self._succ[i if i < len(hashes) else 0]
         first = succ[0]
@@ -305,6 +342,32 @@ class Router:
         self._spills += 1
         return self._admit(chosen, first, True)
 
+    def _try_cost(self, key: str, avoid: str | None, turn: TurnInfo | None) -> Lease | None:
+        """cost_aware: the cheapest engine by :class:`CostModel` among those under this
+        worker's cap (the same capacity rules (a) and (b) as the ring; no eps bound: the
+        queue estimate balances)."""
+        cost = self._cost
+        assert cost is not None
+        ok = [
+            eid
+            for eid, e in self._engines.items()
+            if eid != avoid and not e.draining and e.in_flight < e.allowance
+        ]
+        if not ok:
+            return None
+        info = TurnInfo(prompt_tokens=1) if turn is None else turn
+        if not info.key:
+            info = replace(info, key=key)
+        others = {eid: e.others for eid, e in self._engines.items()}
+        choice = cost.choose(info, others, ok)
+        slot = self._engines[choice.engine]
+        spilled = choice.reason == "spilled_cost"
+        if spilled:
+            self._spills += 1
+        lease = self._admit(slot, slot, spilled, choice.reason)
+        cost.admitted(lease._id, choice, cost.resolve(info))
+        return lease
+
     def _try_round_robin(self, avoid: str | None) -> Lease | None:
         """The baseline that ignores the key: the next engine in turn that is not
         draining and has room in this worker's allowance (the same caps as the ring)."""
@@ -314,7 +377,7 @@ class Router:
             e = engines[(self._rr + j) % n]
             if e.spec.id != avoid and e.in_flight < e.allowance:
                 self._rr = (self._rr + j + 1) % n
-                return self._admit(e, e, False)
+                return self._admit(e, e, False, "round_robin")
         return None
 
     def _engine_wanted(self, key: str) -> _Engine:
@@ -343,13 +406,15 @@ class Router:
         if e is not None and e.waiting > 0:
             e.waiting -= 1
 
-    def _admit(self, slot: _Engine, preferred: _Engine, spilled: bool) -> Lease:
+    def _admit(self, slot: _Engine, preferred: _Engine, spilled: bool, reason: str = "") -> Lease:
         self._routes += 1
         slot.in_flight += 1
         self._total += 1
-        return Lease(self, slot, preferred.spec.id, spilled)
+        return Lease(self, slot, preferred.spec.id, spilled, reason)
 
-    def _release(self, slot: _Engine, t0: float) -> None:
+    def _release(self, slot: _Engine, t0: float, lease_id: int) -> None:
+        if self._cost is not None:
+            self._cost.finished(lease_id)
         slot.in_flight -= 1
         if not slot.removed:
             self._total -= 1
@@ -520,9 +585,16 @@ class Router:
         self._total = sum(e.in_flight for e in self._engines.values())
         self._others_total = sum(e.others for e in self._engines.values())
         self._reweigh()
+        if self.policy == "cost_aware":
+            if self._cost is None:
+                self._cost = CostModel(list(self._engines), self._cost_profile)
+            else:
+                self._cost.engines = list(self._engines)
 
 
-async def route_wait(router: Router, key: str, deadline_s: float) -> Lease:
+async def route_wait(
+    router: Router, key: str, deadline_s: float, turn: TurnInfo | None = None
+) -> Lease:
     """Route ``key``, waiting up to ``deadline_s`` seconds for a slot when all are full.
 
     While it waits the request counts as unmet demand (:meth:`Router.add_waiter`), which
@@ -531,8 +603,8 @@ async def route_wait(router: Router, key: str, deadline_s: float) -> Lease:
     raises :class:`AllEnginesFull` when the deadline passes (``deadline_s=0``: one try,
     the same as :meth:`Router.route`). Not FIFO-fair."""
     if deadline_s <= 0:
-        return router.route(key)
-    lease = router.try_route(key)
+        return router.route(key, turn=turn)
+    lease = router.try_route(key, turn=turn)
     if lease is not None:
         return lease
     loop = asyncio.get_running_loop()
@@ -544,11 +616,11 @@ async def route_wait(router: Router, key: str, deadline_s: float) -> Lease:
         while True:
             left = end - loop.time()
             if left <= 0:
-                return router.route(key)  # a last try: a lease, or the refusal's reason
+                return router.route(key, turn=turn)  # a last try: a lease, or the refusal
             wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), min(left, router.retry_after()))
-            lease = router.try_route(key)
+            lease = router.try_route(key, turn=turn)
             if lease is not None:
                 return lease
     finally:

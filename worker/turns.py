@@ -58,6 +58,7 @@ from worker.engine_client import Delta
 from worker.engine_errors import EngineError, EngineTimeout, EngineUnavailable
 from worker.metrics import WorkerMetrics
 from worker.presence import PresencePolicy, watch_presence
+from worker.cost_router import turn_info
 from worker.router import AllEnginesFull, Lease, LeaseState, Router, route_wait
 from worker.routing_key import DEFAULT_PREFIX_CHARS, routing_key
 from worker.store import LockHolder, SessionStore
@@ -267,7 +268,9 @@ class TurnManager:
             sys_prompt = system if system else hist.system
             convo = [*hist.messages, {"role": "user", "content": message}]
             rkey = routing_key(sys_prompt, convo, prefix_chars=self.cfg.prefix_chars)
-            lease = await route_wait(self.router, rkey, self.cfg.admit_wait_s)
+            info = turn_info(rkey, sys_prompt, hist.messages, message, hist.last_engine)
+            lease = await route_wait(self.router, rkey, self.cfg.admit_wait_s, info)
+            self.metrics.route_decisions.labels(self.router.policy, lease.reason).inc()
             if hist.last_engine is not None and any(
                 s.id == hist.last_engine for s in self.router.engines()
             ):
@@ -522,6 +525,7 @@ class TurnManager:
                         t.prompt_tokens = d.usage.prompt_tokens
                 if d.text:
                     if t.ttft_s is None:
+                        t.lease.first_token()  # cost_aware: this engine's prefill is done
                         t.ttft_s = time.monotonic() - t.t0
                         self.metrics.ttft.observe(t.ttft_s)
                         t.first_meta = {

@@ -1,0 +1,321 @@
+"""The newer phases of :mod:`bench.relay_throughput`, in a module of their own.
+
+- :func:`raw_hiredis_phase`: the project's own per-node hiredis reader
+  (:class:`relay.subscriber.ShardedSubscriber`, nothing behind it: no hub, no sockets) in
+  a child process, SSUBSCRIBEd to K sessions of one master, SIGSTOPped while a publisher
+  writes F frames per session, then continued: messages / seconds from its first read to
+  its last (the same drain as the redis-py ceiling).
+- :func:`idle_ws_phase`: VmRSS of a fresh relay before and after N idle WebSocket
+  connections (a raw-socket handshake each, one session each), per connection.
+- :func:`replay_phase`: one session of 10,000 frames, replayed from offset 0 by 50 SSE
+  clients at once: frames delivered / wall seconds, and the relay's peak VmRSS
+  (``VmHWM`` of a relay process started for this phase).
+- :func:`loop_lag` reads the relay's ``tokenrelay_relay_loop_lag_seconds`` histogram
+  (how late a 10 ms timer fired) and, given the buckets before and after a phase, says
+  the longest event-loop turn seen during it (as the bucket bound it falls under).
+
+Each takes the relay process and the publisher runner of :mod:`bench.relay_throughput`
+(no import back: that module imports this one). Child processes are stopped by pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import re
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from relay.auth import issue_token
+from relay.keys import live_channel
+from relay.publisher import Draft, Publisher
+from relay.redis_client import connect
+from relay.subscriber import ShardedSubscriber
+
+__all__ = ["idle_ws_phase", "loop_lag", "main", "raw_hiredis_phase", "replay_phase"]
+
+Publish = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+_LAG = re.compile(r'^tokenrelay_relay_loop_lag_seconds_bucket\{le="([^"]+)"\} ([0-9.e+]+)$')
+
+
+def _rss_kb(pid: int, field: str = "VmRSS") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} for pid {pid}")
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()
+    try:
+        await asyncio.wait_for(proc.wait(), 15)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+
+
+# -- the hiredis reader alone ----------------------------------------------------------------
+
+
+async def _hiredis_reader(url: str, sids: list[str], expected: int) -> None:
+    """Child process: subscribe, say ``ready``, count messages until ``expected``."""
+    redis = connect(url)
+    await redis.initialize()
+    got = 0
+    first = last = 0.0
+    done = asyncio.Event()
+
+    def on_message(channel: bytes, data: bytes) -> None:
+        nonlocal got, first, last
+        now = time.perf_counter()
+        if got == 0:
+            first = now
+        got += 1
+        last = now
+        if got >= expected:
+            done.set()
+
+    sub = ShardedSubscriber(
+        redis, on_message=on_message, on_resubscribed=lambda _: None, relay_id="bench-hiredis"
+    )
+    await sub.start()
+    try:
+        await sub.subscribe([live_channel(s) for s in sids])
+        print("ready", flush=True)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(120):
+                await done.wait()
+        print(json.dumps({"received": got, "seconds": last - first}), flush=True)
+    finally:
+        await sub.close()
+        await redis.aclose()
+
+
+async def raw_hiredis_phase(
+    url: str, sids: list[str], frames: int, publish: Publish
+) -> dict[str, Any]:
+    expected = len(sids) * frames
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"url": url, "sids": sids, "expected": expected}, f)
+        path = f.name
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.relay_phases", "--_hiredis", path,
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(60):
+            line = await proc.stdout.readline()
+        if line.strip() != b"ready":
+            raise RuntimeError(f"hiredis reader did not start: {line!r}")
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            pub = await publish(
+                {"mode": "flood", "url": url, "sids": sids, "frames": frames, "batch": 50}
+            )
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        async with asyncio.timeout(150):
+            out = json.loads((await proc.stdout.readline()).decode())
+    finally:
+        await _stop(proc)
+        os.unlink(path)
+    took = float(out["seconds"])
+    return {
+        "sessions": len(sids),
+        "sent": pub["sent"],
+        "received": out["received"],
+        "lost": pub["sent"] - out["received"],
+        "seconds": round(took, 3),
+        "msgs_per_s": round(out["received"] / took) if took > 0 else 0,
+    }
+
+
+# -- idle WebSocket connections ---------------------------------------------------------------
+
+
+async def _ws_open(port: int, sid: str, secret: str) -> asyncio.StreamWriter:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    token = issue_token(secret, sid, 3600, time.time())
+    key = base64.b64encode(os.urandom(16)).decode()
+    writer.write(
+        f"GET /v1/sessions/{sid}/ws?token={token} HTTP/1.1\r\nHost: bench\r\n"
+        "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+        f"Sec-WebSocket-Key: {key}\r\n\r\n".encode()
+    )
+    async with asyncio.timeout(30):
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 101"):
+            raise ConnectionError(head[:200].decode(errors="replace"))
+        b0, b1 = await reader.readexactly(2)  # the hello: one unmasked text frame
+        n = b1 & 0x7F
+        if n == 126:
+            n = int.from_bytes(await reader.readexactly(2), "big")
+        hello = await reader.readexactly(n)
+    if b0 != 0x81 or b'"hello"' not in hello:
+        raise ConnectionError(f"no hello: {hello[:100]!r}")
+    return writer
+
+
+async def idle_ws_phase(
+    pid: int, port: int, sids: Sequence[str], secret: str, window: int
+) -> dict[str, Any]:
+    warm = await _ws_open(port, sids[0], secret)
+    await asyncio.sleep(1.5)
+    before = _rss_kb(pid)
+    sem = asyncio.Semaphore(window)
+
+    async def one(sid: str) -> asyncio.StreamWriter:
+        async with sem:
+            return await _ws_open(port, sid, secret)
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(one(s) for s in sids[1:]), return_exceptions=True)
+    took = time.perf_counter() - t0
+    writers = [r for r in results if isinstance(r, asyncio.StreamWriter)]
+    try:
+        bad = [r for r in results if isinstance(r, BaseException)]
+        if bad:
+            raise RuntimeError(f"{len(bad)} of {len(results)} WebSockets failed: {bad[0]!r}")
+        await asyncio.sleep(2.0)
+        after = _rss_kb(pid)
+    finally:
+        for w in [warm, *writers]:
+            w.transport.abort()
+    n = len(writers)
+    return {
+        "connections": n,
+        "open_seconds": round(took, 2),
+        "rss_before_kb": before,
+        "rss_after_kb": after,
+        "kb_per_conn": round((after - before) / n, 2) if n else 0.0,
+    }
+
+
+# -- replay --------------------------------------------------------------------------------------
+
+
+async def _publish_session(url: str, sid: str, frames: int) -> int:
+    redis = connect(url)
+    await redis.initialize()
+    try:
+        gen = await Publisher(redis).open_generation(sid)
+        last = 0
+        for i in range(0, frames, 100):
+            drafts = [
+                Draft(kind="token", text=f"token {j} ") for j in range(i, min(i + 100, frames))
+            ]
+            last = (await gen.publish(drafts))[-1]
+        return last
+    finally:
+        await redis.aclose()
+
+
+async def _replay_client(port: int, sid: str, secret: str, last: int) -> tuple[int, str]:
+    """Read an SSE replay from 0 until ``id: last``; (events seen, how it ended)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
+    token = issue_token(secret, sid, 3600, time.time())
+    writer.write(
+        f"GET /v1/sessions/{sid}/events?token={token} HTTP/1.1\r\nHost: bench\r\n"
+        "Last-Event-ID: 0\r\n\r\n".encode()
+    )
+    end = f"id: {last}\n".encode()
+    events = 0
+    tail = b""
+    try:
+        while True:
+            chunk = await reader.read(1 << 16)
+            if not chunk:
+                return events, "closed by the relay"
+            buf = tail + chunk
+            events += buf.count(b"\nid: ") - tail.count(b"\nid: ")
+            if end in buf:
+                return events, "complete"
+            if b": close " in buf:
+                return events, buf[buf.index(b": close ") :].split(b"\n", 1)[0].decode()
+            tail = buf[-64:]
+    finally:
+        writer.transport.abort()
+
+
+async def replay_phase(
+    url: str, pid: int, port: int, sid: str, secret: str, frames: int, clients: int
+) -> dict[str, Any]:
+    last = await _publish_session(url, sid, frames)
+    before = _rss_kb(pid)
+    t0 = time.perf_counter()
+    async with asyncio.timeout(180):
+        results = await asyncio.gather(
+            *(_replay_client(port, sid, secret, last) for _ in range(clients))
+        )
+    took = time.perf_counter() - t0
+    delivered = sum(n for n, _ in results)
+    ends: dict[str, int] = {}
+    for _, how in results:
+        ends[how] = ends.get(how, 0) + 1
+    return {
+        "frames": last,
+        "clients": clients,
+        "complete": ends.get("complete", 0),
+        "endings": ends,
+        "delivered": delivered,
+        "seconds": round(took, 3),
+        "frames_per_s": round(delivered / took) if took > 0 else 0,
+        "rss_before_kb": before,
+        "rss_peak_kb": _rss_kb(pid, "VmHWM"),
+    }
+
+
+# -- the relay's event-loop lag ----------------------------------------------------------------------  # noqa: E501
+
+
+def loop_lag(before: str, after: str) -> dict[str, Any]:
+    """From two ``/metrics`` texts: timer samples during the phase, how many were more than
+    1 ms late, and the bucket bound (ms) under which the latest one fell."""
+
+    def buckets(text: str) -> dict[float, float]:
+        out: dict[float, float] = {}
+        for line in text.splitlines():
+            m = _LAG.match(line)
+            if m:
+                out[float(m.group(1))] = float(m.group(2))
+        return out
+
+    b, a = buckets(before), buckets(after)
+    if not a:
+        return {"samples": 0, "over_1ms": 0, "max_ms_at_most": None}
+    bounds = sorted(a)
+    diff = {le: a[le] - b.get(le, 0.0) for le in bounds}
+    total = diff[bounds[-1]]
+    over_1ms = total - diff.get(0.001, 0.0)
+    top = next((le for le in bounds if diff[le] >= total), bounds[-1])
+    return {
+        "samples": int(total),
+        "over_1ms": int(over_1ms),
+        "max_ms_at_most": None if top == float("inf") else top * 1000,
+    }
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--_hiredis":
+        spec = json.loads(Path(sys.argv[2]).read_text())
+        asyncio.run(_hiredis_reader(spec["url"], spec["sids"], spec["expected"]))
+        return
+    raise SystemExit("usage: this module is run by bench.relay_throughput")
+
+
+if __name__ == "__main__":
+    main()
