@@ -41,7 +41,7 @@ from typing import Any
 from redis.asyncio.cluster import RedisCluster
 
 from relay.errors import RelayError, WatchClosed, map_redis_errors
-from relay.frame import FrameError, decode, now_ms
+from relay.frame import FrameError, decode, frame_gen, now_ms
 from relay.keys import live_channel, parse_session, presence_key
 from relay.publisher import read_backlog, reap, seal
 from relay.resume import Delivery, Fetch, Resume, Step
@@ -63,7 +63,7 @@ def _delivery(data: bytes, received_ms: int = 0) -> Delivery | None:
     except FrameError as exc:
         log.warning("dropping undecodable frame: %s", exc)
         return None
-    return Delivery(f.offset, f.kind, data, f.ts, received_ms)
+    return Delivery(f.offset, f.kind, data, f.ts, received_ms, frame_gen(f))
 
 
 class _Channel:
@@ -369,13 +369,13 @@ class Hub:
             if not alive():
                 return
             if resume.started and resume.last is not None and last < resume.last:
-                self._seal_later(sid, resume.last)  # a failover lost offsets we delivered
+                self._seal_later(sid, resume.last, resume.gen)  # a failover lost offsets
             entries = [d for d in map(_delivery, frames) if d is not None]
             step = resume.backlog(entries, first, last)
             sink(step.emit)
             fetch = step.fetch
 
-    def _seal_later(self, sid: str, seen: int) -> None:
+    def _seal_later(self, sid: str, seen: int, gen: str = "") -> None:
         if sid in self._sealing:
             return
         self._sealing.add(sid)
@@ -389,6 +389,7 @@ class Hub:
                     sealer=self.relay_id,
                     maxlen=self.backlog_maxlen,
                     ttl_s=self.session_ttl_s,
+                    gen=gen,
                 )
                 if n:
                     self._stats["sealed"] += n
