@@ -81,6 +81,15 @@ EVIDENCE: Final[dict[str, tuple[tuple[str, ...], Check]]] = {
         ("partition_ping", "healed_ping", "partition_s"),
         lambda r: r.get("partition_ping") == "no answer" and r.get("healed_ping") == "PONG",
     ),
+    "session_expiry": (
+        ("gen_before", "gen_after", "first_offset_after", "resets_seen", "viewers_of_it"),
+        lambda r: (
+            bool(r.get("gen_after"))
+            and r.get("gen_after") != r.get("gen_before")
+            and r.get("first_offset_after") == 1
+            and _get(r, "resets_seen") >= _get(r, "viewers_of_it") > 0
+        ),
+    ),
 }
 
 

@@ -24,7 +24,7 @@ drill's random choices (each fault seeded from the seed and its name).
 
 Faults (:data:`FAULTS`): ``relay_kill``, ``master_kill``, ``reshard``, ``engine_kill``,
 ``worker_kill``, ``relay_stall_buffer``, ``redis_stall``, ``partition`` (skipped with
-the reason where iptables cannot run) (see each ``_fault_*``).
+the reason where iptables cannot run), ``session_expiry`` (see each ``_fault_*``).
 
 Order of use: :func:`run_fault` (one fault, one stack) or :func:`run_all`; ``main``
 is the CLI. Every process is started and stopped by :class:`~worker.stack.Stack` /
@@ -59,10 +59,12 @@ from bench.viewer import Viewer
 from relay import runtime
 from relay.auth import issue_token
 from relay.cluster import LocalCluster
-from relay.keys import live_channel, new_session_id
-from relay.publisher import Draft, Publisher
+from relay.frame import decode
+from relay.keys import hist_key, live_channel, log_key, meta_key, new_session_id
+from relay.publisher import Draft, Publisher, read_backlog
 from relay.slotmap import slot_of
 from worker.stack import Stack, StackSpec
+from worker.store import state_key
 
 __all__ = ["FAULTS", "MUST_BE_ZERO", "FaultConfig", "main", "run_all", "run_fault"]
 
@@ -75,6 +77,7 @@ FAULTS = (
     "relay_stall_buffer",
     "redis_stall",
     "partition",
+    "session_expiry",
 )
 
 
@@ -113,6 +116,7 @@ class _Run:
         self.last_posted: dict[str, int] = {}
         self.posted_turns: set[tuple[str, int]] = set()
         self.paused: set[str] = set()  # sessions whose driver posts nothing for now
+        self.session_gen: dict[str, str] = {}  # the generation a reset announced
         self.post_errors = 0
         self.post_status: dict[str, int] = {}
         self.fault_at = 0.0
@@ -128,6 +132,12 @@ class _Run:
 
     def _on_frame(self, v: Viewer, frame: dict[str, Any]) -> None:
         now = time.monotonic()
+        if frame["kind"] == "reset":  # turns number from 1 again in the new generation
+            gen = str((frame.get("meta") or {}).get("gen", ""))
+            if self.session_gen.get(v.sid) != gen:
+                self.session_gen[v.sid] = gen
+                self.ended[v.sid] = 0
+            return
         self.arrivals.setdefault(id(v), []).append(now)
         if frame["kind"] == "meta":
             engine = str((frame.get("meta") or {}).get("engine", ""))
@@ -452,6 +462,51 @@ async def _fault_partition(run: _Run) -> None:
     run.notes["healed_ping"], _ = await ping(port, 5.0)
 
 
+async def _fault_session_expiry(run: _Run) -> None:
+    """The keys of one watched session expire (what the session TTL does after an idle
+    period) while its viewers stay connected, then its next turn starts a new
+    generation. Evidence: the generation id changed, the new stream starts at offset 1,
+    and the session's viewers got a ``reset`` frame (not the new frames dropped as
+    duplicates)."""
+    sid = run.sessions[0][0]
+    run.paused.add(sid)
+    deadline = time.monotonic() + 90  # its running turn ends first (an idle session)
+    while run.ended.get(sid, 0) < run.last_posted.get(sid, 0) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    redis = RedisCluster.from_url(run.stack.redis_url)
+    try:
+        before = await redis.hget(meta_key(sid), "gen")
+        for k in (meta_key(sid), log_key(sid), hist_key(sid), state_key(sid)):
+            await redis.pexpire(k, 1)
+        await asyncio.sleep(0.05)
+        run.notes["keys_left"] = sum([await redis.exists(meta_key(sid), log_key(sid))])
+        run.posted_turns = {(s, t) for s, t in run.posted_turns if s != sid}  # gone with them
+        run.last_posted.pop(sid, None)
+        run.paused.discard(sid)
+        after = None
+        while after is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            after = await redis.hget(meta_key(sid), "gen")
+        frames, _, _ = await read_backlog(redis, sid, 0, 1)
+    finally:
+        await redis.aclose()
+    run.notes["expired_session"] = sid
+    run.notes["gen_before"] = _text(before)
+    run.notes["gen_after"] = _text(after)
+    run.notes["first_offset_after"] = decode(frames[0]).offset if frames else None
+    run.after_drill = _resets_seen
+
+
+def _text(v: bytes | str | None) -> str | None:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+async def _resets_seen(run: _Run) -> None:
+    sid = run.notes["expired_session"]
+    run.notes["resets_seen"] = sum(v.resets for v in run.viewers if v.sid == sid)
+    run.notes["viewers_of_it"] = sum(1 for v in run.viewers if v.sid == sid)
+
+
 _INJECT: dict[str, Callable[[_Run], Awaitable[None]]] = {
     "relay_kill": _fault_relay_kill,
     "master_kill": _fault_master_kill,
@@ -461,6 +516,7 @@ _INJECT: dict[str, Callable[[_Run], Awaitable[None]]] = {
     "relay_stall_buffer": _fault_relay_stall_buffer,
     "redis_stall": _fault_redis_stall,
     "partition": _fault_partition,
+    "session_expiry": _fault_session_expiry,
 }
 
 # faults that cannot run everywhere: name -> the reason they cannot run here, or None

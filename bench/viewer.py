@@ -163,6 +163,8 @@ class Viewer:
         self.done_checked = 0  # done frames whose tokens / chars / sha256 were checked
         self.done_mismatches: list[str] = []  # "turn N: sha256,chars"
         self._after_gap = False
+        self.resets = 0  # reset frames: the session's keys expired and restarted
+        self.gens: list[str] = []  # the generations a reset announced
         self.disconnected_at: float | None = None
         self.recoveries_ms: list[float] = []
 
@@ -175,6 +177,11 @@ class Viewer:
             self.disconnected_at = None
         kind, offset = frame["kind"], int(frame["offset"])
         meta = frame.get("meta") or {}
+        if kind == "reset":  # the session restarted: a new stream from offset 1
+            self._reset(str(meta.get("gen", "")))
+            if self.on_frame is not None:
+                self.on_frame(self, frame)
+            return
         if kind == "gap":
             self.tally.gap(int(meta.get("from", offset)), int(meta.get("to", offset)), offset)
             # which turns it cut is not known here: the ones seen so far and the next one
@@ -212,6 +219,23 @@ class Viewer:
                     self.done_mismatches.append(f"turn {turn}: {','.join(bad)}")
         if self.on_frame is not None:
             self.on_frame(self, frame)
+
+    def _reset(self, gen: str) -> None:
+        """Forget the old generation's offsets and texts (its keys are gone from Redis,
+        so only the new one can be accounted); keep the counts."""
+        self.resets += 1
+        self.gens.append(gen)
+        dup, ooo, frames, gaps = (
+            self.tally.duplicated, self.tally.out_of_order, self.tally.frames,
+            self.tally.gaps_reported,
+        )  # fmt: skip
+        self.tally = OffsetTally(
+            frames=frames, duplicated=dup, out_of_order=ooo, gaps_reported=gaps
+        )
+        self.turn_text.clear()
+        self.turn_tokens.clear()
+        self.gap_turns.clear()
+        self._after_gap = False
 
     # -- transports ---------------------------------------------------------------
     def _pick(self) -> str:

@@ -162,3 +162,10 @@ async def test_migrate_slot_moves_a_live_session_and_the_hub_follows(
     finally:
         await hub.close()
         await redis.aclose()
+
+
+async def test_session_expiry_under_watch_is_a_reset_not_dropped_frames() -> None:
+    r = await run_fault("session_expiry", SMALL)
+    _clean(r)
+    assert r["gen_after"] != r["gen_before"], r
+    assert r["resets_seen"] == r["viewers_of_it"] == SMALL.viewers_per_session, r
