@@ -36,14 +36,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import random
 import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +49,9 @@ import aiohttp
 from redis.asyncio.cluster import RedisCluster
 
 from bench import partition
-from bench.accounting import account, read_logs
 from bench.fault_evidence import MUST_BE_ZERO, judge
 from bench.fault_probes import each_node, ping, relay_stats, samples, sub_connections
-from bench.loadtest import percentile
+from bench.fault_run import FaultConfig, Run
 from bench.viewer import Viewer
 from relay import runtime
 from relay.auth import issue_token
@@ -81,172 +78,6 @@ FAULTS = (
 )
 
 
-@dataclass
-class FaultConfig:
-    sessions: int = 6
-    viewers_per_session: int = 4
-    ws_share: float = 0.5
-    warm_s: float = 3.0
-    after_s: float = 10.0  # load keeps running this long after the fault
-    drain_s: float = 60.0  # then running turns get this long to end (a reply runs to 2,000)
-    max_tokens: int = 0  # 0: not sent, the engine's natural reply length
-    decode_tok_per_s: float = 40.0
-    seed: int | None = None
-    partition_s: float = 8.0
-    stall_s: float = 1.5
-
-    @classmethod
-    def quick(cls) -> FaultConfig:
-        return cls(sessions=4, viewers_per_session=3, warm_s=2.0, after_s=7.0)
-
-
-class _Run:
-    """One fault run: sessions, viewers, the turn driver and the counts."""
-
-    def __init__(self, cfg: FaultConfig, stack: Stack, http: aiohttp.ClientSession) -> None:
-        self.cfg = cfg
-        self.stack = stack
-        self.http = http
-        self.sessions: list[tuple[str, str]] = []
-        self.viewers: list[Viewer] = []
-        self.arrivals: dict[int, list[float]] = {}  # id(viewer) -> arrival times
-        self.ended: dict[str, int] = {}  # sid -> highest turn with a done/error frame
-        self.error_at: dict[str, list[tuple[float, str]]] = {}
-        self.posted = 0
-        self.last_posted: dict[str, int] = {}
-        self.posted_turns: set[tuple[str, int]] = set()
-        self.paused: set[str] = set()  # sessions whose driver posts nothing for now
-        self.session_gen: dict[str, str] = {}  # the generation a reset announced
-        self.post_errors = 0
-        self.post_status: dict[str, int] = {}
-        self.fault_at = 0.0
-        self.notes: dict[str, Any] = {}
-        self.placed: dict[tuple[str, int], tuple[float, str]] = {}  # turn -> (at, engine)
-        self.after_drill: Callable[[_Run], Awaitable[None]] | None = None
-
-    def relays(self) -> list[str]:
-        return [p.url for p in self.stack.of_kind("relay") if p.alive]
-
-    def workers(self) -> list[str]:
-        return [p.url for p in self.stack.of_kind("worker") if p.alive]
-
-    def _on_frame(self, v: Viewer, frame: dict[str, Any]) -> None:
-        now = time.monotonic()
-        if frame["kind"] == "reset":  # turns number from 1 again in the new generation
-            gen = str((frame.get("meta") or {}).get("gen", ""))
-            if self.session_gen.get(v.sid) != gen:
-                self.session_gen[v.sid] = gen
-                self.ended[v.sid] = 0
-            return
-        self.arrivals.setdefault(id(v), []).append(now)
-        if frame["kind"] == "meta":
-            engine = str((frame.get("meta") or {}).get("engine", ""))
-            self.placed.setdefault((v.sid, int(frame.get("turn", 0))), (now, engine))
-        if frame["kind"] in ("done", "error"):
-            sid, turn = v.sid, int(frame.get("turn", 0))
-            if turn > self.ended.get(sid, 0):
-                self.ended[sid] = turn
-                if frame["kind"] == "error":
-                    self.error_at.setdefault(sid, []).append((now, str(frame.get("text"))))
-
-    async def setup(self) -> None:
-        for _ in range(self.cfg.sessions):
-            async with self.http.post(random.choice(self.workers()) + "/v1/sessions") as r:
-                body = await r.json()
-                self.sessions.append((body["session"], body["token"]))
-        for i in range(self.cfg.sessions * self.cfg.viewers_per_session):
-            sid, token = self.sessions[i % len(self.sessions)]
-            transport = "ws" if (i // len(self.sessions)) % 2 else "sse"
-            v = Viewer(self.http, self.relays, sid, token, transport=transport)
-            v.on_frame = self._on_frame
-            self.viewers.append(v)
-
-    async def drive(self, sid: str, token: str, stop: asyncio.Event) -> None:
-        """Post a turn, wait for its done/error frame, repeat until ``stop``."""
-        headers = {"Authorization": f"Bearer {token}"}
-        while not stop.is_set():
-            if sid in self.paused:
-                await asyncio.sleep(0.05)
-                continue
-            body: dict[str, Any] = {"message": f"fault drill {random.randrange(1 << 30)}"}
-            if self.cfg.max_tokens:
-                body["max_tokens"] = self.cfg.max_tokens
-            turn = 0
-            try:
-                base = random.choice(self.workers())
-                async with self.http.post(
-                    f"{base}/v1/sessions/{sid}/turns",
-                    json=body,
-                    headers=headers,
-                    timeout=aiohttp.ClientTimeout(total=10),
-                ) as r:
-                    data = await r.json(content_type=None)
-                    self.post_status[str(r.status)] = self.post_status.get(str(r.status), 0) + 1
-                    if r.status == 202:
-                        turn = int(data["turn"])
-                        self.posted += 1
-                        self.last_posted[sid] = turn
-                        self.posted_turns.add((sid, turn))
-            except (aiohttp.ClientError, TimeoutError, IndexError, ValueError) as exc:
-                what = type(exc).__name__
-                self.post_status[what] = self.post_status.get(what, 0) + 1
-            if turn == 0:
-                self.post_errors += 1
-                await asyncio.sleep(0.3)
-                continue
-            deadline = time.monotonic() + 90  # the longest reply: 2,000 tokens at 40/s
-            while self.ended.get(sid, 0) < turn and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(random.uniform(0.05, 0.3))
-
-    async def account(self) -> dict[str, Any]:
-        """Every viewer against its session's backlog in Redis (bench.accounting)."""
-        redis = RedisCluster.from_url(self.stack.redis_url)
-        try:
-            logs = await read_logs(redis, [sid for sid, _ in self.sessions])
-        finally:
-            await redis.aclose()
-        return account(logs, self.viewers, self.posted_turns)
-
-    def report(self, counts: dict[str, Any]) -> dict[str, Any]:
-        vs = self.viewers
-        recov: list[float] = []
-        stalled = 0  # viewers that got nothing at all after the fault
-        for v in vs:
-            times = [t for t in self.arrivals.get(id(v), []) if t >= self.fault_at]
-            marks = [self.fault_at, *times]
-            gaps = [(b - a) * 1000 for a, b in itertools.pairwise(marks)]
-            if gaps:
-                recov.append(max(gaps))
-            else:
-                stalled += 1
-        err_ms = [
-            (t - self.fault_at) * 1000
-            for errs in self.error_at.values()
-            for t, _ in errs
-            if t >= self.fault_at
-        ]
-        return {
-            "frames": sum(v.tally.frames for v in vs),
-            **counts,
-            "gaps_reported": sum(v.tally.gaps_reported for v in vs),
-            "error_frames": sum(v.error_frames for v in vs),
-            "error_reasons": sorted({r for errs in self.error_at.values() for _, r in errs}),
-            "first_error_after_fault_ms": round(min(err_ms), 1) if err_ms else None,
-            "last_error_after_fault_ms": round(max(err_ms), 1) if err_ms else None,
-            "reconnects": sum(max(0, v.connects - 1) for v in vs),
-            "stalled_viewers": stalled,
-            "recovery_p99_ms": round(percentile(recov, 99), 1),
-            "recovery_p50_ms": round(percentile(recov, 50), 1),
-            "viewers": len(vs),
-            "sessions": len(self.sessions),
-            "turns": self.posted,
-            "turn_post_failures": self.post_errors,
-            "turn_post_status": dict(sorted(self.post_status.items())),
-            **self.notes,
-        }
-
-
 # -- helpers --------------------------------------------------------------------------
 
 
@@ -255,7 +86,7 @@ def _cluster(stack: Stack) -> LocalCluster:
     return stack.cluster
 
 
-async def _busiest_master(run: _Run) -> tuple[int, list[int]]:
+async def _busiest_master(run: Run) -> tuple[int, list[int]]:
     """The master that holds most sessions, and the slots of those sessions."""
     masters = await _cluster(run.stack).masters_now()
     owner = {s: port for port, slots in masters.items() for s in slots}
@@ -270,7 +101,7 @@ async def _busiest_master(run: _Run) -> tuple[int, list[int]]:
 # -- the faults -----------------------------------------------------------------------
 
 
-async def _fault_relay_kill(run: _Run) -> None:
+async def _fault_relay_kill(run: Run) -> None:
     """kill -9 relay-1: its clients reconnect to relay-2 with their offset. Evidence:
     relay-1's exit status and the viewers' reconnects."""
     run.stack.kill("relay-1")
@@ -278,7 +109,7 @@ async def _fault_relay_kill(run: _Run) -> None:
     run.notes["killed_relay_exit"] = None if popen is None else popen.wait(timeout=5)
 
 
-async def _fault_master_kill(run: _Run) -> None:
+async def _fault_master_kill(run: Run) -> None:
     """kill -9 the master with most live sessions; its replica is promoted (node
     timeout 2 s); relays re-subscribe and repair; workers' publishes retry."""
     port, slots = await _busiest_master(run)
@@ -290,14 +121,14 @@ async def _fault_master_kill(run: _Run) -> None:
     run.after_drill = _slot_master_after
 
 
-async def _slot_master_after(run: _Run) -> None:
+async def _slot_master_after(run: Run) -> None:
     """Evidence of a failover: who serves the killed master's first slot now."""
     masters = await _cluster(run.stack).masters_now()
     slot = run.notes["watched_slot"]
     run.notes["slot_master_after"] = next((p for p, ss in masters.items() if slot in ss), None)
 
 
-async def _fault_reshard(run: _Run) -> None:
+async def _fault_reshard(run: Run) -> None:
     """Move the slots of the live sessions of one master to another master."""
     port, slots = await _busiest_master(run)
     masters = await _cluster(run.stack).masters_now()
@@ -314,7 +145,7 @@ async def _fault_reshard(run: _Run) -> None:
     ]
 
 
-async def _fault_engine_kill(run: _Run) -> None:
+async def _fault_engine_kill(run: Run) -> None:
     """kill -9 engine-1 mid-generation (waiting up to 5 s for it to hold leases, so the
     drill always kills running turns): its turns end with an error frame, the leases
     are released, later turns go to engine-2. The report counts the leases killed, the
@@ -336,7 +167,7 @@ async def _fault_engine_kill(run: _Run) -> None:
 ENGINE_GONE_S = 3.0  # probes every 1 s: the ring has dropped a dead engine by then
 
 
-async def _engine_kill_after(run: _Run) -> None:
+async def _engine_kill_after(run: Run) -> None:
     run.notes["leases_on_killed_engine_end"] = sum(
         (await _worker_leases(run, engine="engine-1")).values()
     )
@@ -347,7 +178,7 @@ async def _engine_kill_after(run: _Run) -> None:
     )
 
 
-async def _worker_leases(run: _Run, engine: str | None = None) -> dict[str, float]:
+async def _worker_leases(run: Run, engine: str | None = None) -> dict[str, float]:
     """Leases (= turns generating) each live worker holds, from its /metrics; on
     ``engine`` only when given."""
     prefix = "tokenrelay_worker_engine_in_flight{"
@@ -360,7 +191,7 @@ async def _worker_leases(run: _Run, engine: str | None = None) -> dict[str, floa
     return out
 
 
-async def _fault_worker_kill(run: _Run) -> None:
+async def _fault_worker_kill(run: Run) -> None:
     """kill -9 a worker mid-generation, the one holding the most leases (waiting up to
     5 s for one to hold any, so that the drill always kills running turns): relays reap
     its turns once their locks expire."""
@@ -377,7 +208,7 @@ async def _fault_worker_kill(run: _Run) -> None:
     run.notes["killed_leases"] = leases.get(victim, 0.0)
 
 
-async def _fault_relay_stall_buffer(run: _Run) -> None:
+async def _fault_relay_stall_buffer(run: Run) -> None:
     """SIGSTOP relay-1, overflow its pubsub output buffer (lowered with CONFIG SET)
     until Redis drops it, SIGCONT: it reconnects and repairs from the backlog."""
     relay = run.stack.procs["relay-1"]
@@ -429,7 +260,7 @@ async def _fault_relay_stall_buffer(run: _Run) -> None:
         await asyncio.gather(*watchers, return_exceptions=True)
 
 
-async def _fault_redis_stall(run: _Run) -> None:
+async def _fault_redis_stall(run: Run) -> None:
     """SIGSTOP the busiest master for ``stall_s`` (1.5 s, below the 2 s node timeout),
     SIGCONT. Evidence: a PING sent to it right after the SIGSTOP waits out the stall."""
     port, _ = await _busiest_master(run)
@@ -446,7 +277,7 @@ async def _fault_redis_stall(run: _Run) -> None:
     run.notes["stall_seen_ms"] = round(took * 1000, 1) if answer == "PONG" else None
 
 
-async def _fault_partition(run: _Run) -> None:
+async def _fault_partition(run: Run) -> None:
     """Drop every loopback packet to and from the busiest master's client port for
     ``partition_s`` (8 s), both directions (iptables; rules removed in a finally). The
     cluster bus is untouched, so no failover: clients wait, retry and repair. Evidence:
@@ -462,7 +293,7 @@ async def _fault_partition(run: _Run) -> None:
     run.notes["healed_ping"], _ = await ping(port, 5.0)
 
 
-async def _fault_session_expiry(run: _Run) -> None:
+async def _fault_session_expiry(run: Run) -> None:
     """The keys of one watched session expire (what the session TTL does after an idle
     period) while its viewers stay connected, then its next turn starts a new
     generation. Evidence: the generation id changed, the new stream starts at offset 1,
@@ -501,13 +332,13 @@ def _text(v: bytes | str | None) -> str | None:
     return v.decode() if isinstance(v, bytes) else v
 
 
-async def _resets_seen(run: _Run) -> None:
+async def _resets_seen(run: Run) -> None:
     sid = run.notes["expired_session"]
     run.notes["resets_seen"] = sum(v.resets for v in run.viewers if v.sid == sid)
     run.notes["viewers_of_it"] = sum(1 for v in run.viewers if v.sid == sid)
 
 
-_INJECT: dict[str, Callable[[_Run], Awaitable[None]]] = {
+_INJECT: dict[str, Callable[[Run], Awaitable[None]]] = {
     "relay_kill": _fault_relay_kill,
     "master_kill": _fault_master_kill,
     "reshard": _fault_reshard,
@@ -544,7 +375,7 @@ async def run_fault(name: str, cfg: FaultConfig) -> dict[str, Any]:
     async with Stack(spec) as stack:
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn) as http:
-            run = _Run(cfg, stack, http)
+            run = Run(cfg, stack, http)
             await run.setup()
             stop_view, stop_turns = asyncio.Event(), asyncio.Event()
             viewers = [asyncio.create_task(v.run(stop_view)) for v in run.viewers]
