@@ -1,22 +1,30 @@
 """Fault injection: break one piece of a running stack while streams flow, and count
 what every viewer got.
 
-``python -m bench.faults [--quick] [--json PATH] [--only NAME ...]``
+``python -m bench.faults [--quick] [--seed N] [--json PATH] [--only NAME ...]``
 
 Each fault gets a stack of its own (local Redis Cluster 3 masters + 3 replicas, 2
 relays, 2 workers, 2 mock engines; :class:`worker.stack.Stack`), because it damages
 it. Several sessions, several viewers each (SSE and WebSocket, :class:`bench.viewer.Viewer`,
 which resumes from its last offset after any disconnect), turns posted continuously;
 after a warm-up the fault is injected, the load runs on, then new turns stop and the
-running ones finish. Per fault: ``frames``, ``lost``, ``duplicated``, ``out_of_order``
-(summed over viewers), ``gaps_reported`` (explicit gap frames), ``error_frames``,
-``reconnects`` and ``recovery_p99_ms``: per viewer, the longest wait for a frame from
-the moment of the fault on (a disconnect or a stall both count), p99 over viewers;
-``stalled_viewers`` got nothing at all after the fault; ``viewers_behind`` had not
-received their session's last frame at the end (those frames count as ``lost``).
+running ones finish. Replies have the mock engine's natural lengths (mean 300 tokens,
+a tail to 2,000) unless ``max_tokens`` caps them. Then every viewer is compared with its
+session's backlog in Redis (:mod:`bench.accounting`): ``lost``, ``duplicated``,
+``out_of_order``, ``content_mismatches``, ``unended_turns``, ``viewers_behind`` (had
+not received their session's last frame: those frames count as ``lost``); and per
+fault ``gaps_reported`` (explicit gap frames), ``error_frames``, ``reconnects``,
+``recovery_p99_ms`` (per viewer, the longest wait for a frame from the moment of the
+fault on, p99 over viewers) and ``stalled_viewers`` (got nothing at all after it).
+
+Every fault proves it happened: ``took_effect`` with its ``evidence``
+(:mod:`bench.fault_evidence`); a drill whose fault did not take effect fails, and so
+does one with any of :data:`MUST_BE_ZERO` non-zero (exit 1). ``--seed`` fixes the
+drill's random choices (each fault seeded from the seed and its name).
 
 Faults (:data:`FAULTS`): ``relay_kill``, ``master_kill``, ``reshard``, ``engine_kill``,
-``worker_kill``, ``relay_stall_buffer``, ``redis_stall`` (see each ``_fault_*``).
+``worker_kill``, ``relay_stall_buffer``, ``redis_stall``, ``partition`` (skipped with
+the reason where iptables cannot run), ``session_expiry`` (see each ``_fault_*``).
 
 Order of use: :func:`run_fault` (one fault, one stack) or :func:`run_all`; ``main``
 is the CLI. Every process is started and stopped by :class:`~worker.stack.Stack` /
@@ -28,32 +36,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import random
 import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
-from bench.loadtest import percentile
-from bench.viewer import Viewer, settle_sessions
+from bench import partition
+from bench.fault_evidence import MUST_BE_ZERO, judge
+from bench.fault_probes import each_node, ping, relay_stats, samples, sub_connections
+from bench.fault_run import FaultConfig, Run
+from bench.viewer import Viewer
 from relay import runtime
 from relay.auth import issue_token
 from relay.cluster import LocalCluster
-from relay.keys import live_channel, new_session_id
-from relay.publisher import Draft, Publisher
+from relay.frame import decode
+from relay.keys import hist_key, live_channel, log_key, meta_key, new_session_id
+from relay.publisher import Draft, Publisher, read_backlog
 from relay.slotmap import slot_of
 from worker.stack import Stack, StackSpec
+from worker.store import state_key
 
-__all__ = ["FAULTS", "FaultConfig", "main", "run_all", "run_fault"]
+__all__ = ["FAULTS", "MUST_BE_ZERO", "FaultConfig", "main", "run_all", "run_fault"]
 
 FAULTS = (
     "relay_kill",
@@ -63,153 +73,9 @@ FAULTS = (
     "worker_kill",
     "relay_stall_buffer",
     "redis_stall",
+    "partition",
+    "session_expiry",
 )
-
-
-@dataclass
-class FaultConfig:
-    sessions: int = 6
-    viewers_per_session: int = 4
-    ws_share: float = 0.5
-    warm_s: float = 3.0
-    after_s: float = 10.0  # load keeps running this long after the fault
-    drain_s: float = 25.0  # then running turns get this long to end
-    max_tokens: int = 60
-    decode_tok_per_s: float = 40.0
-
-    @classmethod
-    def quick(cls) -> FaultConfig:
-        return cls(sessions=4, viewers_per_session=3, warm_s=2.0, after_s=7.0, max_tokens=40)
-
-
-class _Run:
-    """One fault run: sessions, viewers, the turn driver and the counts."""
-
-    def __init__(self, cfg: FaultConfig, stack: Stack, http: aiohttp.ClientSession) -> None:
-        self.cfg = cfg
-        self.stack = stack
-        self.http = http
-        self.sessions: list[tuple[str, str]] = []
-        self.viewers: list[Viewer] = []
-        self.arrivals: dict[int, list[float]] = {}  # id(viewer) -> arrival times
-        self.ended: dict[str, int] = {}  # sid -> highest turn with a done/error frame
-        self.error_at: dict[str, list[tuple[float, str]]] = {}
-        self.posted = 0
-        self.last_posted: dict[str, int] = {}
-        self.post_errors = 0
-        self.post_status: dict[str, int] = {}
-        self.fault_at = 0.0
-        self.notes: dict[str, Any] = {}
-        self.placed: dict[tuple[str, int], tuple[float, str]] = {}  # turn -> (at, engine)
-        self.after_drill: Callable[[_Run], Awaitable[None]] | None = None
-
-    def relays(self) -> list[str]:
-        return [p.url for p in self.stack.of_kind("relay") if p.alive]
-
-    def workers(self) -> list[str]:
-        return [p.url for p in self.stack.of_kind("worker") if p.alive]
-
-    def _on_frame(self, v: Viewer, frame: dict[str, Any]) -> None:
-        now = time.monotonic()
-        self.arrivals.setdefault(id(v), []).append(now)
-        if frame["kind"] == "meta":
-            engine = str((frame.get("meta") or {}).get("engine", ""))
-            self.placed.setdefault((v.sid, int(frame.get("turn", 0))), (now, engine))
-        if frame["kind"] in ("done", "error"):
-            sid, turn = v.sid, int(frame.get("turn", 0))
-            if turn > self.ended.get(sid, 0):
-                self.ended[sid] = turn
-                if frame["kind"] == "error":
-                    self.error_at.setdefault(sid, []).append((now, str(frame.get("text"))))
-
-    async def setup(self) -> None:
-        for _ in range(self.cfg.sessions):
-            async with self.http.post(random.choice(self.workers()) + "/v1/sessions") as r:
-                body = await r.json()
-                self.sessions.append((body["session"], body["token"]))
-        for i in range(self.cfg.sessions * self.cfg.viewers_per_session):
-            sid, token = self.sessions[i % len(self.sessions)]
-            transport = "ws" if (i // len(self.sessions)) % 2 else "sse"
-            v = Viewer(self.http, self.relays, sid, token, transport=transport)
-            v.on_frame = self._on_frame
-            self.viewers.append(v)
-
-    async def drive(self, sid: str, token: str, stop: asyncio.Event) -> None:
-        """Post a turn, wait for its done/error frame, repeat until ``stop``."""
-        body = {"message": "fault drill", "max_tokens": self.cfg.max_tokens}
-        headers = {"Authorization": f"Bearer {token}"}
-        while not stop.is_set():
-            turn = 0
-            try:
-                base = random.choice(self.workers())
-                async with self.http.post(
-                    f"{base}/v1/sessions/{sid}/turns",
-                    json=body,
-                    headers=headers,
-                    timeout=aiohttp.ClientTimeout(total=10),
-                ) as r:
-                    data = await r.json(content_type=None)
-                    self.post_status[str(r.status)] = self.post_status.get(str(r.status), 0) + 1
-                    if r.status == 202:
-                        turn = int(data["turn"])
-                        self.posted += 1
-                        self.last_posted[sid] = turn
-            except (aiohttp.ClientError, TimeoutError, IndexError, ValueError) as exc:
-                what = type(exc).__name__
-                self.post_status[what] = self.post_status.get(what, 0) + 1
-            if turn == 0:
-                self.post_errors += 1
-                await asyncio.sleep(0.3)
-                continue
-            deadline = time.monotonic() + 60
-            while self.ended.get(sid, 0) < turn and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(random.uniform(0.05, 0.3))
-
-    def report(self) -> dict[str, Any]:
-        vs = self.viewers
-        behind = settle_sessions(vs)  # a viewer missing its session's last frames: lost
-        recov: list[float] = []
-        stalled = 0  # viewers that got nothing at all after the fault
-        for v in vs:
-            times = [t for t in self.arrivals.get(id(v), []) if t >= self.fault_at]
-            marks = [self.fault_at, *times]
-            gaps = [(b - a) * 1000 for a, b in itertools.pairwise(marks)]
-            if gaps:
-                recov.append(max(gaps))
-            else:
-                stalled += 1
-        err_ms = [
-            (t - self.fault_at) * 1000
-            for errs in self.error_at.values()
-            for t, _ in errs
-            if t >= self.fault_at
-        ]
-        return {
-            "frames": sum(v.tally.frames for v in vs),
-            "lost": sum(v.tally.lost for v in vs),
-            "duplicated": sum(v.tally.duplicated for v in vs),
-            "out_of_order": sum(v.tally.out_of_order for v in vs),
-            "gaps_reported": sum(v.tally.gaps_reported for v in vs),
-            "error_frames": sum(v.error_frames for v in vs),
-            "error_reasons": sorted({r for errs in self.error_at.values() for _, r in errs}),
-            "first_error_after_fault_ms": round(min(err_ms), 1) if err_ms else None,
-            "last_error_after_fault_ms": round(max(err_ms), 1) if err_ms else None,
-            "reconnects": sum(max(0, v.connects - 1) for v in vs),
-            "viewers_behind": behind,
-            "stalled_viewers": stalled,
-            "recovery_p99_ms": round(percentile(recov, 99), 1),
-            "recovery_p50_ms": round(percentile(recov, 50), 1),
-            "viewers": len(vs),
-            "sessions": len(self.sessions),
-            "turns": self.posted,
-            "turn_post_failures": self.post_errors,
-            "turn_post_status": dict(sorted(self.post_status.items())),
-            "unended_turns": sum(
-                1 for sid, t in self.last_posted.items() if self.ended.get(sid, 0) < t
-            ),
-            **self.notes,
-        }
 
 
 # -- helpers --------------------------------------------------------------------------
@@ -220,7 +86,7 @@ def _cluster(stack: Stack) -> LocalCluster:
     return stack.cluster
 
 
-async def _busiest_master(run: _Run) -> tuple[int, list[int]]:
+async def _busiest_master(run: Run) -> tuple[int, list[int]]:
     """The master that holds most sessions, and the slots of those sessions."""
     masters = await _cluster(run.stack).masters_now()
     owner = {s: port for port, slots in masters.items() for s in slots}
@@ -232,83 +98,37 @@ async def _busiest_master(run: _Run) -> tuple[int, list[int]]:
     return port, sorted(set(by_master[port]))
 
 
-async def _each_node(stack: Stack, *args: Any) -> None:
-    cluster = _cluster(stack)
-    assert cluster.info is not None
-    for node in cluster.info.nodes:
-        if cluster.procs[node.port].poll() is None:
-            c = aioredis.Redis(host=node.host, port=node.port)
-            try:
-                await c.execute_command(*args)
-            finally:
-                await c.aclose()
-
-
-_WANTED = ("reaped", "repairs", "connections_lost", "resubscribes", "topology_changes", "gaps")
-
-
-async def _samples(
-    http: aiohttp.ClientSession, url: str, timeout_s: float
-) -> list[tuple[str, float]] | None:
-    """(name with labels, value) of every sample on ``url``/metrics; None if unreachable."""
-    try:
-        async with http.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-            text = await r.text()
-    except (aiohttp.ClientError, TimeoutError):
-        return None
-    out = []
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name, _, value = line.rpartition(" ")
-        out.append((name, float(value)))
-    return out
-
-
-async def _relay_stats(http: aiohttp.ClientSession, stack: Stack) -> dict[str, float]:
-    """A few hub counters summed over the relays still alive (from /metrics)."""
-    out: dict[str, float] = {}
-    for p in stack.of_kind("relay"):
-        samples = await _samples(http, p.url, 5) if p.alive else None
-        for name, value in samples or []:
-            name = name.removesuffix("_total")
-            for w in _WANTED:
-                if name.endswith("hub_" + w) or f'key="{w}"' in name:
-                    out[w] = out.get(w, 0.0) + value
-    return out
-
-
-async def _sub_connections(stack: Stack, relay: str, masters: dict[int, list[int]]) -> int:
-    """How many masters still hold the relay's subscriber connection (CLIENT LIST)."""
-    n = 0
-    for port in masters:
-        c = aioredis.Redis(host="127.0.0.1", port=port)
-        try:
-            text = (await c.execute_command("CLIENT", "LIST")).decode()
-        finally:
-            await c.aclose()
-        n += f"name=tokenrelay-sub:{relay} " in text
-    return n
-
-
 # -- the faults -----------------------------------------------------------------------
 
 
-async def _fault_relay_kill(run: _Run) -> None:
-    """kill -9 relay-1: its clients reconnect to relay-2 with their offset."""
+async def _fault_relay_kill(run: Run) -> None:
+    """kill -9 relay-1: its clients reconnect to relay-2 with their offset. Evidence:
+    relay-1's exit status and the viewers' reconnects."""
     run.stack.kill("relay-1")
+    popen = run.stack.procs["relay-1"].popen
+    run.notes["killed_relay_exit"] = None if popen is None else popen.wait(timeout=5)
 
 
-async def _fault_master_kill(run: _Run) -> None:
+async def _fault_master_kill(run: Run) -> None:
     """kill -9 the master with most live sessions; its replica is promoted (node
     timeout 2 s); relays re-subscribe and repair; workers' publishes retry."""
     port, slots = await _busiest_master(run)
     _cluster(run.stack).kill_node(port)
     run.notes["killed_master"] = port
     run.notes["sessions_on_it"] = len(slots)
+    run.notes["slot_master_before"] = port
+    run.notes["watched_slot"] = slots[0]
+    run.after_drill = _slot_master_after
 
 
-async def _fault_reshard(run: _Run) -> None:
+async def _slot_master_after(run: Run) -> None:
+    """Evidence of a failover: who serves the killed master's first slot now."""
+    masters = await _cluster(run.stack).masters_now()
+    slot = run.notes["watched_slot"]
+    run.notes["slot_master_after"] = next((p for p, ss in masters.items() if slot in ss), None)
+
+
+async def _fault_reshard(run: Run) -> None:
     """Move the slots of the live sessions of one master to another master."""
     port, slots = await _busiest_master(run)
     masters = await _cluster(run.stack).masters_now()
@@ -316,11 +136,16 @@ async def _fault_reshard(run: _Run) -> None:
     moved = 0
     for slot in slots:
         moved += await _cluster(run.stack).migrate_slot(slot, port, dst)
+    after = await _cluster(run.stack).masters_now()
     run.notes["slots_moved"] = len(slots)
     run.notes["keys_moved"] = moved
+    run.notes["slot_owner_before"] = [port] * len(slots)
+    run.notes["slot_owner_after"] = [
+        next((p for p, ss in after.items() if slot in ss), None) for slot in slots
+    ]
 
 
-async def _fault_engine_kill(run: _Run) -> None:
+async def _fault_engine_kill(run: Run) -> None:
     """kill -9 engine-1 mid-generation (waiting up to 5 s for it to hold leases, so the
     drill always kills running turns): its turns end with an error frame, the leases
     are released, later turns go to engine-2. The report counts the leases killed, the
@@ -342,7 +167,7 @@ async def _fault_engine_kill(run: _Run) -> None:
 ENGINE_GONE_S = 3.0  # probes every 1 s: the ring has dropped a dead engine by then
 
 
-async def _engine_kill_after(run: _Run) -> None:
+async def _engine_kill_after(run: Run) -> None:
     run.notes["leases_on_killed_engine_end"] = sum(
         (await _worker_leases(run, engine="engine-1")).values()
     )
@@ -353,20 +178,20 @@ async def _engine_kill_after(run: _Run) -> None:
     )
 
 
-async def _worker_leases(run: _Run, engine: str | None = None) -> dict[str, float]:
+async def _worker_leases(run: Run, engine: str | None = None) -> dict[str, float]:
     """Leases (= turns generating) each live worker holds, from its /metrics; on
     ``engine`` only when given."""
     prefix = "tokenrelay_worker_engine_in_flight{"
     label = f'engine="{engine}"' if engine else ""
     out: dict[str, float] = {}
     for p in run.stack.of_kind("worker"):
-        samples = await _samples(run.http, p.url, 2) if p.alive else None
-        if samples is not None:
-            out[p.name] = sum(v for name, v in samples if name.startswith(prefix) and label in name)
+        got = await samples(run.http, p.url, 2) if p.alive else None
+        if got is not None:
+            out[p.name] = sum(v for name, v in got if name.startswith(prefix) and label in name)
     return out
 
 
-async def _fault_worker_kill(run: _Run) -> None:
+async def _fault_worker_kill(run: Run) -> None:
     """kill -9 a worker mid-generation, the one holding the most leases (waiting up to
     5 s for one to hold any, so that the drill always kills running turns): relays reap
     its turns once their locks expire."""
@@ -383,11 +208,11 @@ async def _fault_worker_kill(run: _Run) -> None:
     run.notes["killed_leases"] = leases.get(victim, 0.0)
 
 
-async def _fault_relay_stall_buffer(run: _Run) -> None:
+async def _fault_relay_stall_buffer(run: Run) -> None:
     """SIGSTOP relay-1, overflow its pubsub output buffer (lowered with CONFIG SET)
     until Redis drops it, SIGCONT: it reconnects and repairs from the backlog."""
     relay = run.stack.procs["relay-1"]
-    await _each_node(
+    await each_node(
         run.stack, "CONFIG", "SET", "client-output-buffer-limit", "pubsub 256kb 128kb 1"
     )
     # one filler session per master, watched through relay-1 only, so that relay-1
@@ -416,12 +241,12 @@ async def _fault_relay_stall_buffer(run: _Run) -> None:
         filler = "x" * 32_000
         gens = [await pub.open_generation(sid) for sid in fillers.values()]
         rounds = 0
-        while rounds < 800 and await _sub_connections(run.stack, "relay-1", masters):
+        while rounds < 800 and await sub_connections(run.stack, "relay-1", masters):
             for _ in range(10):  # past the kernel socket buffers, then the limit
                 await asyncio.gather(*(g.publish([Draft(kind="token", text=filler)]) for g in gens))
             rounds += 10
         run.notes["filler_mb_per_master"] = round(rounds * len(filler) / 2**20, 1)
-        run.notes["dropped_by_redis"] = not await _sub_connections(run.stack, "relay-1", masters)
+        run.notes["dropped_by_redis"] = not await sub_connections(run.stack, "relay-1", masters)
         await asyncio.gather(*(g.done() for g in gens))
         await asyncio.sleep(1.0)
         relay.popen.send_signal(signal.SIGCONT)
@@ -435,18 +260,85 @@ async def _fault_relay_stall_buffer(run: _Run) -> None:
         await asyncio.gather(*watchers, return_exceptions=True)
 
 
-async def _fault_redis_stall(run: _Run) -> None:
-    """SIGSTOP the busiest master for 1.5 s (below the 2 s node timeout), SIGCONT."""
+async def _fault_redis_stall(run: Run) -> None:
+    """SIGSTOP the busiest master for ``stall_s`` (1.5 s, below the 2 s node timeout),
+    SIGCONT. Evidence: a PING sent to it right after the SIGSTOP waits out the stall."""
     port, _ = await _busiest_master(run)
     cluster = _cluster(run.stack)
+    stall = run.cfg.stall_s
     cluster.pause_node(port)
     try:
-        await asyncio.sleep(1.5)
+        pinged = asyncio.create_task(ping(port, stall + 5))
+        await asyncio.sleep(stall)
     finally:
         cluster.resume_node(port)
+    answer, took = await pinged
+    run.notes["stall_s"] = stall
+    run.notes["stall_seen_ms"] = round(took * 1000, 1) if answer == "PONG" else None
 
 
-_INJECT: dict[str, Callable[[_Run], Awaitable[None]]] = {
+async def _fault_partition(run: Run) -> None:
+    """Drop every loopback packet to and from the busiest master's client port for
+    ``partition_s`` (8 s), both directions (iptables; rules removed in a finally). The
+    cluster bus is untouched, so no failover: clients wait, retry and repair. Evidence:
+    a PING during the partition gets no answer, one after it PONG."""
+    port, _ = await _busiest_master(run)
+    run.notes["partitioned_master"] = port
+    run.notes["partition_s"] = run.cfg.partition_s
+    t0 = time.monotonic()
+    with partition.dropped(port):
+        answer, _ = await ping(port, 1.0)
+        run.notes["partition_ping"] = answer
+        await asyncio.sleep(max(0.0, run.cfg.partition_s - (time.monotonic() - t0)))
+    run.notes["healed_ping"], _ = await ping(port, 5.0)
+
+
+async def _fault_session_expiry(run: Run) -> None:
+    """The keys of one watched session expire (what the session TTL does after an idle
+    period) while its viewers stay connected, then its next turn starts a new
+    generation. Evidence: the generation id changed, the new stream starts at offset 1,
+    and the session's viewers got a ``reset`` frame (not the new frames dropped as
+    duplicates)."""
+    sid = run.sessions[0][0]
+    run.paused.add(sid)
+    deadline = time.monotonic() + 90  # its running turn ends first (an idle session)
+    while run.ended.get(sid, 0) < run.last_posted.get(sid, 0) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    redis = RedisCluster.from_url(run.stack.redis_url)
+    try:
+        before = await redis.hget(meta_key(sid), "gen")
+        for k in (meta_key(sid), log_key(sid), hist_key(sid), state_key(sid)):
+            await redis.pexpire(k, 1)
+        await asyncio.sleep(0.05)
+        run.notes["keys_left"] = sum([await redis.exists(meta_key(sid), log_key(sid))])
+        run.posted_turns = {(s, t) for s, t in run.posted_turns if s != sid}  # gone with them
+        run.last_posted.pop(sid, None)
+        run.paused.discard(sid)
+        after = None
+        while after is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            after = await redis.hget(meta_key(sid), "gen")
+        frames, _, _ = await read_backlog(redis, sid, 0, 1)
+    finally:
+        await redis.aclose()
+    run.notes["expired_session"] = sid
+    run.notes["gen_before"] = _text(before)
+    run.notes["gen_after"] = _text(after)
+    run.notes["first_offset_after"] = decode(frames[0]).offset if frames else None
+    run.after_drill = _resets_seen
+
+
+def _text(v: bytes | str | None) -> str | None:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+async def _resets_seen(run: Run) -> None:
+    sid = run.notes["expired_session"]
+    run.notes["resets_seen"] = sum(v.resets for v in run.viewers if v.sid == sid)
+    run.notes["viewers_of_it"] = sum(1 for v in run.viewers if v.sid == sid)
+
+
+_INJECT: dict[str, Callable[[Run], Awaitable[None]]] = {
     "relay_kill": _fault_relay_kill,
     "master_kill": _fault_master_kill,
     "reshard": _fault_reshard,
@@ -454,15 +346,26 @@ _INJECT: dict[str, Callable[[_Run], Awaitable[None]]] = {
     "worker_kill": _fault_worker_kill,
     "relay_stall_buffer": _fault_relay_stall_buffer,
     "redis_stall": _fault_redis_stall,
+    "partition": _fault_partition,
+    "session_expiry": _fault_session_expiry,
 }
+
+# faults that cannot run everywhere: name -> the reason they cannot run here, or None
+_SUPPORTED: dict[str, Callable[[], str | None]] = {"partition": partition.unsupported}
 
 
 # -- running --------------------------------------------------------------------------
 
 
 async def run_fault(name: str, cfg: FaultConfig) -> dict[str, Any]:
-    """Start a stack, stream, inject ``name``, stream on, drain; return the counts."""
+    """Start a stack, stream, inject ``name``, stream on, drain; return the counts, the
+    evidence and ``took_effect``. A fault that cannot run here returns ``skipped``."""
     inject = _INJECT[name]
+    reason = _SUPPORTED.get(name, lambda: None)()
+    if reason is not None:
+        return {"skipped": reason, "took_effect": None}
+    if cfg.seed is not None:
+        random.seed(f"{cfg.seed}:{name}")
     spec = StackSpec(
         relays=2,
         workers=2,
@@ -472,7 +375,7 @@ async def run_fault(name: str, cfg: FaultConfig) -> dict[str, Any]:
     async with Stack(spec) as stack:
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=conn) as http:
-            run = _Run(cfg, stack, http)
+            run = Run(cfg, stack, http)
             await run.setup()
             stop_view, stop_turns = asyncio.Event(), asyncio.Event()
             viewers = [asyncio.create_task(v.run(stop_view)) for v in run.viewers]
@@ -495,11 +398,13 @@ async def run_fault(name: str, cfg: FaultConfig) -> dict[str, Any]:
             await asyncio.sleep(1.0)  # the last frames reach every screen
             if run.after_drill is not None:
                 await run.after_drill(run)
-            run.notes["relay_stats"] = await _relay_stats(http, stack)
+            run.notes["relay_stats"] = await relay_stats(http, stack)
             run.notes["log_dir"] = stack._tmp
             stop_view.set()
             await asyncio.gather(*viewers, return_exceptions=True)
-            return run.report()
+            report = run.report(await run.account())
+            report["took_effect"], report["evidence"] = judge(name, report)
+            return report
 
 
 async def run_all(names: list[str], cfg: FaultConfig) -> dict[str, Any]:
@@ -509,9 +414,14 @@ async def run_all(names: list[str], cfg: FaultConfig) -> dict[str, Any]:
         out[name] = await run_fault(name, cfg)
         out[name]["run_s"] = round(time.monotonic() - t0, 1)
         r = out[name]
+        if "skipped" in r:
+            print(f"{name:<20} skipped: {r['skipped']}", file=sys.stderr, flush=True)
+            continue
         print(
-            f"{name:<20} frames={r['frames']:<6} lost={r['lost']} dup={r['duplicated']} "
-            f"ooo={r['out_of_order']} gaps={r['gaps_reported']} errors={r['error_frames']} "
+            f"{name:<20} took_effect={r['took_effect']} frames={r['frames']:<6} "
+            f"lost={r['lost']} dup={r['duplicated']} ooo={r['out_of_order']} "
+            f"mismatch={r['content_mismatches']} unended={r['unended_turns']} "
+            f"gaps={r['gaps_reported']} errors={r['error_frames']} "
             f"reconnects={r['reconnects']} recovery_p99={r['recovery_p99_ms']}ms",
             file=sys.stderr,
             flush=True,
@@ -519,14 +429,36 @@ async def run_all(names: list[str], cfg: FaultConfig) -> dict[str, Any]:
     return {"faults": out}
 
 
+def failures(report: dict[str, Any]) -> list[str]:
+    """``fault: why`` for every drill that failed: its fault did not take effect, or a
+    counter of :data:`MUST_BE_ZERO` is not 0. A skipped drill is not a failure."""
+    bad = []
+    for name, r in report["faults"].items():
+        if "skipped" in r:
+            continue
+        if not r["took_effect"]:
+            bad.append(f"{name}: the fault did not take effect ({r['evidence']})")
+        nonzero = [k for k in MUST_BE_ZERO if r.get(k)]
+        if nonzero:
+            bad.append(f"{name}: non-zero {', '.join(nonzero)}")
+    return bad
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.faults", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer sessions, shorter phases")
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--only", action="append", choices=FAULTS, help="run only this fault")
+    p.add_argument("--seed", type=int, default=None, help="seed each drill's random choices")
+    p.add_argument(
+        "--max-tokens", type=int, default=0, help="cap every reply (default 0: natural length)"
+    )
     args = p.parse_args(argv)
+    if args.max_tokens < 0:
+        p.error("--max-tokens must be >= 0")
     runtime.exit_on_sigterm()  # a killed run still stops its clusters and processes
     cfg = FaultConfig.quick() if args.quick else FaultConfig()
+    cfg.seed, cfg.max_tokens = args.seed, args.max_tokens
     names = args.only or list(FAULTS)
     report = asyncio.run(run_all(names, cfg))
     report["config"] = vars(cfg)
@@ -535,11 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(text)
-    bad = [
-        n
-        for n, r in report["faults"].items()
-        if r["duplicated"] or r["out_of_order"] or (r["lost"] and n != "master_kill")
-    ]
+    bad = failures(report)
+    for line in bad:
+        print(f"FAILED {line}", file=sys.stderr)
     return 1 if bad else 0
 
 

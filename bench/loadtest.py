@@ -1,12 +1,18 @@
 """Load test: many screens watching many sessions while turns stream.
 
-``python -m bench.loadtest [--quick] [--duration S] [--viewers K] [--screens-per-session F]
-[--turns-per-s R] [--ws-share X] [--json PATH] [--relay URL ... --worker URL ...]``
+``python -m bench.loadtest [--quick] [--seed N] [--duration S] [--viewers K]
+[--screens-per-session F] [--turns-per-s R] [--ws-share X] [--json PATH]
+[--relay URL ... --worker URL ... --redis URL]``
 
 Without URLs it starts its own stack (local Redis Cluster, 2 relays, 2 workers, 3 mock
 engines) and stops it, by pid, at the end. K viewers over SSE and WebSocket (a share X
-on WebSocket), F viewers per session, R new turns per second on idle sessions. Every
-viewer checks every frame: lost, duplicated and out of order must all be 0.
+on WebSocket), F viewers per session, R new turns per second on idle sessions. Replies
+have the engine's natural length (the mock engine: mean 300 tokens, a tail to 2,000)
+unless ``--max-tokens`` caps them. Every viewer checks every frame and every ``done``
+frame's hash; after the drain every viewer is compared with its session's backlog in
+Redis (:mod:`bench.accounting`): lost, duplicated, out of order, content mismatches and
+unended turns must all be 0, or the command exits 1. ``--seed`` fixes the load
+generator's choices (sessions, transports, relays); the timing is the machine's.
 
 Reported: TTFT p50/p99 (POST sent -> first token at the viewer), inter-token latency
 p50/p99 at the viewer, token frames/s delivered, per-viewer lost/duplicated/out of
@@ -32,11 +38,13 @@ from typing import Any
 
 import aiohttp
 
-from bench.viewer import Viewer, settle_sessions
+from bench.accounting import account, read_logs
+from bench.viewer import Viewer
 from relay import runtime
+from relay.redis_client import connect
 from worker.stack import Stack, StackSpec
 
-__all__ = ["LoadConfig", "main", "percentile", "run_loadtest"]
+__all__ = ["MUST_BE_ZERO", "LoadConfig", "main", "percentile", "run_loadtest"]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -56,10 +64,12 @@ class LoadConfig:
     generations: int = 0  # > 0: closed loop, keep this many turns generating at all times
     ws_share: float = 0.5
     connects_per_s: float = 500.0
-    max_tokens: int = 48
+    max_tokens: int = 0  # 0: not sent, the engine's natural reply length
     relays: list[str] = field(default_factory=list)
     workers: list[str] = field(default_factory=list)
-    drain_s: float = 30.0
+    redis: str = ""  # the cluster of a running stack given by URLs (for the accounting)
+    seed: int | None = None
+    drain_s: float = 75.0  # running turns get this long to end (2,000 tokens at 40/s: 50 s)
     progress: bool = True
     max_turns: int = 0  # > 0: post at most this many turns (a bound on requests)
 
@@ -150,7 +160,10 @@ class LoadTest:
     async def post_turn(self, http: aiohttp.ClientSession, sid: str, token: str) -> None:
         base = random.choice(self.workers())
         sent = time.monotonic()
-        body = {"message": f"load test turn at {sent:.3f}", "max_tokens": self.cfg.max_tokens}
+        n = self.turns_started + len(self.posted) + random.randrange(1 << 30)
+        body: dict[str, Any] = {"message": f"load test turn {n}"}
+        if self.cfg.max_tokens:
+            body["max_tokens"] = self.cfg.max_tokens
         headers = {"Authorization": f"Bearer {token}"}
         try:
             async with http.post(
@@ -216,7 +229,7 @@ class LoadTest:
             self.loadgen_cpu_s = (gen1.ru_utime + gen1.ru_stime) - (gen0.ru_utime + gen0.ru_stime)
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
-            behind = settle_sessions(self.viewers)  # a missing tail is lost too
+            counts = await self._account()
             await asyncio.sleep(3.0)  # relays unsubscribe after their delay
             leases = sum(
                 [
@@ -231,8 +244,19 @@ class LoadTest:
                 ]
             )
         return self._report(
-            ran_s, tokens, token_frames - token_frames0, behind, cpu0, cpu1, leases, subs
+            ran_s, tokens, token_frames - token_frames0, counts, cpu0, cpu1, leases, subs
         )
+
+    async def _account(self) -> dict[str, Any]:
+        """Every viewer against its session's backlog in Redis (bench.accounting)."""
+        url = self.stack.redis_url if self.stack is not None else self.cfg.redis
+        redis = connect(url)
+        try:
+            await redis.initialize()
+            logs = await read_logs(redis, [sid for sid, _ in self.sessions])
+        finally:
+            await redis.aclose()
+        return account(logs, self.viewers, self.posted)
 
     async def _drive(self, http: aiohttp.ClientSession, t0: float) -> None:
         cfg = self.cfg
@@ -286,7 +310,7 @@ class LoadTest:
         ran_s: float,
         tokens: int,
         token_frames: int,
-        behind: int,
+        counts: dict[str, Any],
         cpu0: dict[str, tuple[float, int]],
         cpu1: dict[str, tuple[float, int]],
         leases: float,
@@ -334,16 +358,14 @@ class LoadTest:
             "itl_p99_ms": round(percentile(itl, 99), 1),
             "tokens_per_s": round(tokens / ran_s, 1) if ran_s else 0.0,
             "token_frames_per_s": round(token_frames / ran_s, 1) if ran_s else 0.0,
-            "lost": sum(v.tally.lost for v in self.viewers),
-            "duplicated": sum(v.tally.duplicated for v in self.viewers),
-            "out_of_order": sum(v.tally.out_of_order for v in self.viewers),
+            **counts,
             "gaps_reported": sum(v.tally.gaps_reported for v in self.viewers),
             "errors": errors,
             "error_detail": self.errors,
             "error_samples": sorted({e[:160] for v in self.viewers for e in v.errors})[:8],
             "error_frames": sum(v.error_frames for v in self.viewers),
             "reconnects": sum(max(0, v.connects - 1) for v in self.viewers),
-            "viewers_behind": behind,
+            "seed": self.cfg.seed,
             "relay_cpu_s": cpu("relay"),
             "worker_cpu_s": cpu("worker"),
             "engine_cpu_s": cpu("engine"),
@@ -360,7 +382,9 @@ class LoadTest:
 
 
 async def run_loadtest(cfg: LoadConfig, spec: StackSpec | None = None) -> dict[str, Any]:
-    if cfg.relays and cfg.workers:
+    if cfg.seed is not None:
+        random.seed(cfg.seed)
+    if cfg.relays and cfg.workers and cfg.redis:
         return await LoadTest(cfg, None).run()
     spec = spec or StackSpec(relays=2, workers=2, engines=3)
     async with Stack(spec) as stack:
@@ -381,9 +405,15 @@ def _print(report: dict[str, Any]) -> None:
         "itl_p99_ms",
         "tokens_per_s",
         "token_frames_per_s",
+        "reply_tokens_mean",
+        "reply_tokens_max",
         "lost",
         "duplicated",
         "out_of_order",
+        "content_mismatches",
+        "unended_turns",
+        "turns_checked",
+        "done_frames_checked",
         "gaps_reported",
         "errors",
         "reconnects",
@@ -405,6 +435,20 @@ def _print(report: dict[str, Any]) -> None:
         print(f"{k:<{width}}  {report[k]}")
     if report["error_detail"]:
         print(f"{'error_detail':<{width}}  {report['error_detail']}")
+
+
+# the promise (nothing lost, duplicated, reordered or altered, every turn ended, no
+# error) and a clean end state: any of these non-zero makes the command exit 1
+MUST_BE_ZERO = (
+    "lost",
+    "duplicated",
+    "out_of_order",
+    "content_mismatches",
+    "unended_turns",
+    "errors",
+    "leases_held_end",
+    "subscriptions_end",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -432,7 +476,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--connects-per-s", type=float, default=500.0, help="ramp-up rate of new viewers"
     )
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=0,
+        help="cap every reply (default 0: not sent; the engine's natural length)",
+    )
+    p.add_argument("--seed", type=int, default=None, help="seed the load generator's choices")
+    p.add_argument("--redis", default="", help="the Redis Cluster of a running stack (URLs)")
     p.add_argument("--relay", action="append", default=[], help="relay URL of a running stack")
     p.add_argument("--worker", action="append", default=[], help="worker URL of a running stack")
     p.add_argument("--engine-cap", type=int, default=16, help="in-flight cap per engine")
@@ -453,6 +504,8 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         raise ValueError("--duration must be > 0")
     if args.viewers is not None and args.viewers < 1:
         raise ValueError("--viewers must be >= 1")
+    if args.max_tokens < 0:
+        raise ValueError("--max-tokens must be >= 0 (0: not sent)")
     if args.turns_per_s is not None and args.turns_per_s < 0:
         raise ValueError("--turns-per-s must be >= 0 (0: no open-loop turns)")
     return LoadConfig(
@@ -467,14 +520,16 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         max_tokens=args.max_tokens,
         relays=args.relay,
         workers=args.worker,
+        redis=args.redis,
+        seed=args.seed,
         progress=not args.no_progress,
     )
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     runtime.exit_on_sigterm()  # a killed run still stops its clusters and processes
-    if bool(args.relay) != bool(args.worker):
-        print("error: give both --relay and --worker URLs, or neither", file=sys.stderr)
+    if bool(args.relay) != bool(args.worker) or bool(args.relay) != bool(args.redis):
+        print("error: give --relay, --worker and --redis URLs, or none", file=sys.stderr)
         return 2
     try:
         cfg = config_from_args(args)
@@ -494,11 +549,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
     # the promise (nothing lost, duplicated or reordered, no error) and a clean end state
-    bad = [
-        k for k in ("lost", "duplicated", "out_of_order", "errors", "leases_held_end") if report[k]
-    ]
-    if report["subscriptions_end"]:
-        bad.append("subscriptions_end")
+    bad = [k for k in MUST_BE_ZERO if report[k]]
     if bad:
         print(f"FAILED: non-zero {', '.join(bad)}", file=sys.stderr)
     return 1 if bad else 0

@@ -2,8 +2,11 @@
 
 It behaves like a real client (resumes from the last offset it received after any
 disconnect, on whichever relay it lands) and counts what the delivery guarantee
-promises: frames lost, duplicated and out of order, gaps the server reported, and per
-turn the time of the first token and the gaps between tokens.
+promises: frames lost, duplicated and out of order (a merged token frame covers the
+offsets ``meta.from`` .. ``offset``), gaps the server reported, per turn the time of
+the first token and the gaps between tokens, and every ``done`` frame checked against
+the text the viewer assembled (``meta.tokens``, ``meta.chars``, ``meta.sha256``).
+:mod:`bench.accounting` then compares each viewer with the session's backlog in Redis.
 
 Order of use::
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -28,7 +32,7 @@ import orjson
 
 from worker.sse import SSEDecoder
 
-__all__ = ["OffsetTally", "Viewer", "settle_sessions"]
+__all__ = ["OffsetTally", "Viewer", "check_done", "settle_sessions"]
 
 
 @dataclass
@@ -42,9 +46,12 @@ class OffsetTally:
     holes: set[int] = field(default_factory=set)
     gaps_reported: int = 0
 
-    def feed(self, offset: int) -> bool:
-        """Record one frame; True when it is new (not a duplicate)."""
+    def feed(self, offset: int, first: int | None = None) -> bool:
+        """Record one frame covering ``first`` .. ``offset`` (a merged token frame covers
+        several; default just ``offset``); True when it brings anything new."""
         self.frames += 1
+        if first is not None and first < offset:
+            return self._feed_range(first, offset)
         if offset == self.last + 1:
             self.last = offset
             return True
@@ -56,6 +63,25 @@ class OffsetTally:
             self.duplicated += 1
             return False
         self.holes.update(range(self.last + 1, offset))
+        self.last = offset
+        return True
+
+    def _feed_range(self, first: int, offset: int) -> bool:
+        if first == self.last + 1:
+            self.last = offset
+            return True
+        if offset <= self.last:
+            filled = self.holes.intersection(range(first, offset + 1))
+            if not filled:
+                self.duplicated += 1
+                return False
+            self.holes.difference_update(filled)
+            self.out_of_order += 1
+            return True
+        if first > self.last + 1:
+            self.holes.update(range(self.last + 1, first))
+        else:  # overlaps what we had: its head is a duplicate delivery
+            self.duplicated += 1
         self.last = offset
         return True
 
@@ -88,6 +114,21 @@ def settle_sessions(viewers: Sequence[Viewer]) -> int:
     return sum(1 for v in viewers if v.tally.settle(end[v.sid]) > 0)
 
 
+def check_done(meta: dict[str, Any], pieces: Sequence[str], tokens: int | None) -> list[str]:
+    """What disagrees between a ``done`` frame's meta and the reply a client assembled
+    (``pieces``: the turn's token texts in order; ``tokens``: the token count when known,
+    ``None`` when a merged frame hid it). Empty when everything matches."""
+    text = "".join(pieces)
+    bad = []
+    if "sha256" in meta and hashlib.sha256(text.encode()).hexdigest() != meta["sha256"]:
+        bad.append("sha256")
+    if "chars" in meta and len(text) != meta["chars"]:
+        bad.append("chars")
+    if tokens is not None and "tokens" in meta and tokens != meta["tokens"]:
+        bad.append("tokens")
+    return bad
+
+
 class Viewer:
     def __init__(
         self,
@@ -117,6 +158,13 @@ class Viewer:
         self._last_token_at: dict[int, float] = {}
         self.error_frames = 0
         self.tokens = 0  # engine tokens received (a coalesced frame's meta ``n``)
+        self.turn_tokens: dict[int, int | None] = {}  # None once a merged frame hid n
+        self.gap_turns: set[int] = set()  # turns a reported gap cut into: not checkable
+        self.done_checked = 0  # done frames whose tokens / chars / sha256 were checked
+        self.done_mismatches: list[str] = []  # "turn N: sha256,chars"
+        self._after_gap = False
+        self.resets = 0  # reset frames: the session's keys expired and restarted
+        self.gens: list[str] = []  # the generations a reset announced
         self.disconnected_at: float | None = None
         self.recoveries_ms: list[float] = []
 
@@ -128,13 +176,26 @@ class Viewer:
             self.recoveries_ms.append((now - self.disconnected_at) * 1000)
             self.disconnected_at = None
         kind, offset = frame["kind"], int(frame["offset"])
-        if kind == "gap":
-            meta = frame.get("meta") or {}
-            self.tally.gap(int(meta.get("from", offset)), int(meta.get("to", offset)), offset)
+        meta = frame.get("meta") or {}
+        if kind == "reset":  # the session restarted: a new stream from offset 1
+            self._reset(str(meta.get("gen", "")))
+            if self.on_frame is not None:
+                self.on_frame(self, frame)
             return
-        if not self.tally.feed(offset):
+        if kind == "gap":
+            self.tally.gap(int(meta.get("from", offset)), int(meta.get("to", offset)), offset)
+            # which turns it cut is not known here: the ones seen so far and the next one
+            self.gap_turns.update(self.turn_text)
+            self._after_gap = True
+            return
+        merged = kind == "token" and "merged" in meta
+        first = int(meta.get("from", offset)) if merged else None
+        if not self.tally.feed(offset, first):
             return
         turn = int(frame.get("turn", 0))
+        if self._after_gap:
+            self.gap_turns.add(turn)
+            self._after_gap = False
         if kind == "token":
             self.turn_first_token.setdefault(turn, now)
             prev = self._last_token_at.get(turn)
@@ -142,13 +203,39 @@ class Viewer:
                 self.itl_ms.append((now - prev) * 1000)
             self._last_token_at[turn] = now
             self.turn_text.setdefault(turn, []).append(frame.get("text", ""))
-            self.tokens += int((frame.get("meta") or {}).get("n", 1))
+            n = None if merged else int(meta.get("n", 1))
+            self.tokens += 1 if n is None else n
+            had = self.turn_tokens.get(turn, 0)
+            self.turn_tokens[turn] = None if had is None or n is None else had + n
         elif kind in ("done", "error"):
             self.turn_done[turn] = now
             if kind == "error":
                 self.error_frames += 1
+            elif turn not in self.gap_turns:
+                self.done_checked += 1
+                pieces = self.turn_text.get(turn, [])
+                bad = check_done(meta, pieces, self.turn_tokens.get(turn, 0))
+                if bad:
+                    self.done_mismatches.append(f"turn {turn}: {','.join(bad)}")
         if self.on_frame is not None:
             self.on_frame(self, frame)
+
+    def _reset(self, gen: str) -> None:
+        """Forget the old generation's offsets and texts (its keys are gone from Redis,
+        so only the new one can be accounted); keep the counts."""
+        self.resets += 1
+        self.gens.append(gen)
+        dup, ooo, frames, gaps = (
+            self.tally.duplicated, self.tally.out_of_order, self.tally.frames,
+            self.tally.gaps_reported,
+        )  # fmt: skip
+        self.tally = OffsetTally(
+            frames=frames, duplicated=dup, out_of_order=ooo, gaps_reported=gaps
+        )
+        self.turn_text.clear()
+        self.turn_tokens.clear()
+        self.gap_turns.clear()
+        self._after_gap = False
 
     # -- transports ---------------------------------------------------------------
     def _pick(self) -> str:

@@ -30,17 +30,21 @@ __all__ = [
     "decode",
     "encode",
     "first_offset",
+    "frame_gen",
     "gap_frame",
     "merge_tokens",
     "now_ms",
+    "reset_frame",
 ]
 
 VERSION: Final = 1
 MAX_FRAME_BYTES: Final = 256 * 1024
 MAX_INT: Final = 2**53 - 1  # offsets and turns: exact in JSON everywhere, = relay.sse.MAX_OFFSET
 
-Kind = Literal["token", "done", "error", "presence", "gap", "meta"]
-KINDS: Final[frozenset[str]] = frozenset(("token", "done", "error", "presence", "gap", "meta"))
+Kind = Literal["token", "done", "error", "presence", "gap", "meta", "reset"]
+KINDS: Final[frozenset[str]] = frozenset(
+    ("token", "done", "error", "presence", "gap", "meta", "reset")
+)
 
 
 class Frame(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,6 +122,27 @@ def gap_frame(session: str, first_missing: int, first_available: int) -> Frame:
     )
 
 
+def frame_gen(frame: Frame) -> str:
+    """The session generation a frame belongs to (``meta.gen``; "" when it has none)."""
+    gen = frame.meta.get("gen") if frame.meta else None
+    return gen if isinstance(gen, str) else ""
+
+
+def reset_frame(session: str, gen: str, previous: str) -> Frame:
+    """The explicit frame a client gets when the session's keys expired and restarted
+    (a new generation ``gen``): offsets start again at 1, so the client forgets its
+    resume point (the frame's offset is 0) and takes what follows as a new stream."""
+    return Frame(
+        session=session,
+        turn=0,
+        offset=0,
+        kind="reset",
+        text="the session restarted (its keys expired): offsets start again at 1",
+        ts=now_ms(),
+        meta={"gen": gen, "previous_gen": previous, "code": "session_reset"},
+    )
+
+
 def first_offset(frame: Frame) -> int:
     """The first offset a frame covers: its own, or for a merged token frame the first
     of the frames it replaced (``meta["from"]``)."""
@@ -130,7 +155,8 @@ def merge_tokens(frames: Sequence[Frame]) -> Frame:
     """Merge consecutive token frames of one turn into one (text only appends).
 
     Frames that are themselves merges merge again: the result's ``meta`` is
-    ``{"merged": frames covered, "from": first offset covered}``, cumulative. It carries
+    ``{"merged": frames covered, "from": first offset covered}`` (and the frames'
+    ``gen``), cumulative. It carries
     the offset of the last frame, so a client that resumes from it continues right after
     everything it received.
     """
@@ -143,8 +169,7 @@ def merge_tokens(frames: Sequence[Frame]) -> Frame:
         if cur.turn != first.turn or first_offset(cur) != prev.offset + 1:
             raise ValueError("only consecutive frames of one turn merge")
     start = first_offset(first)
-    return msgspec.structs.replace(
-        last,
-        text="".join(f.text for f in frames),
-        meta={"merged": last.offset - start + 1, "from": start},
-    )
+    meta: dict[str, Any] = {"merged": last.offset - start + 1, "from": start}
+    if gen := frame_gen(last):
+        meta["gen"] = gen
+    return msgspec.structs.replace(last, text="".join(f.text for f in frames), meta=meta)

@@ -342,14 +342,14 @@ class Hub:
                 return
             frames, first, last = page
             if resume.started and resume.last is not None and last < resume.last:
-                self._seal_later(ch.sid, resume.last)  # a failover lost offsets we delivered
+                self._seal_later(ch.sid, resume.last, resume.gen)  # a failover lost offsets
             entries = [d for d in map(delivery, frames) if d is not None]
             step = resume.backlog(entries, first, last)
             if step.emit:
                 self._fanout(ch, step.emit)
             fetch = step.fetch
 
-    def _seal_later(self, sid: str, seen: int) -> None:
+    def _seal_later(self, sid: str, seen: int, gen: str = "") -> None:
         if sid in self._sealing:
             return
         self._sealing.add(sid)
@@ -363,6 +363,7 @@ class Hub:
                     sealer=self.relay_id,
                     maxlen=self.backlog_maxlen,
                     ttl_s=self.session_ttl_s,
+                    gen=gen,
                 )
                 if n:
                     self._stats["sealed"] += n

@@ -3,7 +3,9 @@ round trip, and read the backlog back.
 
 Per session, everything sits in the session's hash slot (see :mod:`relay.keys`):
 
-- ``meta_key(sid)`` hash: ``epoch`` (bumped by every generation and by a reap),
+- ``meta_key(sid)`` hash: ``gen`` (the session's generation id: random, set when the
+  hash is created, so a session whose keys expired and restarted has a new one; every
+  frame carries it as ``meta.gen``), ``epoch`` (bumped by every generation and by a reap),
   ``turn`` (bumped by every generation), ``offset`` (the last offset written), ``open``
   (the turn that is generating: set by ``open_generation``, cleared by a ``done`` or
   ``error`` frame and by :func:`reap`);
@@ -13,9 +15,11 @@ Per session, everything sits in the session's hash slot (see :mod:`relay.keys`):
 
 Retention: the backlog keeps at most about ``maxlen`` frames, and every key of the
 session expires ``ttl_s`` seconds after the last write (each publish and each
-``open_generation`` refreshes the TTL): the age cap *is* the idle TTL. When the keys
-expire, offsets and epochs restart at 0 (a generation idle for ``ttl_s`` cannot be
-fenced any more; it must not live that long).
+``open_generation`` refreshes the TTL; a reap or a seal keeps the TTL the session has):
+the age cap *is* the idle TTL. When the keys expire, offsets and epochs restart at 0
+under a new ``gen``: a producer of the old generation is fenced by it, and a relay
+that sees frames of a new ``gen`` tells its clients with a ``reset`` frame
+(:mod:`relay.resume`).
 
 Order of use::
 
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -69,6 +74,7 @@ __all__ = [
 ]
 
 _OPEN_LUA: Final = """
+local gen = redis.call('HGET', KEYS[1], 'gen')
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 local turn = redis.call('HINCRBY', KEYS[1], 'turn', 1)
 local off = tonumber(redis.call('HGET', KEYS[1], 'offset') or '0')
@@ -77,27 +83,33 @@ if off == 0 then
   if top[1] then
     off = tonumber(string.match(top[1][1], '^(%d+)'))
     redis.call('HSET', KEYS[1], 'offset', off)
+    if not gen then  -- a failover lost the hash, not the backlog: same generation
+      local ok, f = pcall(cjson.decode, top[1][2][2])
+      if ok and type(f.meta) == 'table' and type(f.meta.gen) == 'string' then gen = f.meta.gen end
+    end
   end
 end
-redis.call('HSET', KEYS[1], 'open', turn)
+if not gen then gen = ARGV[2] end
+redis.call('HSET', KEYS[1], 'open', turn, 'gen', gen)
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 redis.call('EXPIRE', KEYS[2], ARGV[1])
-return {epoch, turn, off}
+return {epoch, turn, off, gen}
 """
 
 _PUBLISH_LUA: Final = """
-local cur = redis.call('HMGET', KEYS[1], 'epoch', 'offset')
+local cur = redis.call('HMGET', KEYS[1], 'epoch', 'offset', 'gen')
 local epoch = tonumber(cur[1] or '0')
 local off = tonumber(cur[2] or '0')
 if epoch > tonumber(ARGV[1]) then return redis.error_reply('FENCED ' .. epoch) end
+if cur[3] and cur[3] ~= ARGV[7] then return redis.error_reply('FENCED ' .. epoch) end
 if off ~= tonumber(ARGV[2]) then return redis.error_reply('OFFSET ' .. off) end
 if epoch < tonumber(ARGV[1]) then
   -- a failover lost our open_generation (asynchronous replication): restore it
-  redis.call('HSET', KEYS[1], 'epoch', ARGV[1], 'open', ARGV[6])
+  redis.call('HSET', KEYS[1], 'epoch', ARGV[1], 'open', ARGV[6], 'gen', ARGV[7])
   local turn = tonumber(redis.call('HGET', KEYS[1], 'turn') or '0')
   if turn < tonumber(ARGV[6]) then redis.call('HSET', KEYS[1], 'turn', ARGV[6]) end
 end
-for i = 7, #ARGV do
+for i = 8, #ARGV do
   off = off + 1
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], string.format('%d-1', off), 'f', ARGV[i])
   redis.call('SPUBLISH', KEYS[3], ARGV[i])
@@ -115,34 +127,46 @@ local turn = tonumber(redis.call('HGET', KEYS[1], 'open') or '0')
 if turn == 0 then return {'idle', 0, 0} end
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 local off = tonumber(redis.call('HGET', KEYS[1], 'offset') or '0') + 1
+local gen = redis.call('HGET', KEYS[1], 'gen')
+local g = ''
+if gen then g = ',"gen":' .. cjson.encode(gen) end
 local frame = string.format(
   '{"v":1,"session":%s,"turn":%d,"offset":%d,"kind":"error","text":%s,"epoch":%d,' ..
-  '"ts":%s,"meta":{"code":"worker_lost","reaped_by":%s}}',
+  '"ts":%s,"meta":{"code":"worker_lost","reaped_by":%s%s}}',
   cjson.encode(ARGV[3]), turn, off, cjson.encode(ARGV[5]), epoch, ARGV[4],
-  cjson.encode(ARGV[6]))
+  cjson.encode(ARGV[6]), g)
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], string.format('%d-1', off), 'f', frame)
 redis.call('SPUBLISH', KEYS[3], frame)
 redis.call('HSET', KEYS[1], 'offset', off)
 redis.call('HDEL', KEYS[1], 'open')
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('EXPIRE', KEYS[2], ARGV[2])
+local ttl = redis.call('TTL', KEYS[1])  -- keep the session's own lifetime
+if ttl < 1 then ttl = tonumber(ARGV[2]) end
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('EXPIRE', KEYS[2], ttl)
 return {'reaped', off, turn}
 """
 
 _SEAL_LUA: Final = """
-local off = tonumber(redis.call('HGET', KEYS[1], 'offset') or '0')
+local cur = redis.call('HMGET', KEYS[1], 'offset', 'gen')
+local off = tonumber(cur[1] or '0')
 local seen = tonumber(ARGV[1])
 if off >= seen then return 0 end
+-- another generation (the keys expired and restarted), or none: nothing to seal
+if ARGV[7] ~= '' and cur[2] ~= ARGV[7] then return 0 end
+local g = ''
+if cur[2] then g = ',"gen":' .. cjson.encode(cur[2]) end
 local frame = string.format(
   '{"v":1,"session":%s,"turn":0,"offset":%d,"kind":"gap","text":%s,"ts":%s,' ..
-  '"meta":{"from":%d,"to":%d,"code":"lost_in_failover","sealed_by":%s}}',
+  '"meta":{"from":%d,"to":%d,"code":"lost_in_failover","sealed_by":%s%s}}',
   cjson.encode(ARGV[4]), seen, cjson.encode('frames lost in a Redis failover'), ARGV[5],
-  off + 1, seen, cjson.encode(ARGV[6]))
+  off + 1, seen, cjson.encode(ARGV[6]), g)
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], string.format('%d-1', seen), 'f', frame)
 redis.call('SPUBLISH', KEYS[3], frame)
 redis.call('HSET', KEYS[1], 'offset', seen)
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
+local ttl = redis.call('TTL', KEYS[1])  -- keep the session's own lifetime
+if ttl < 1 then ttl = tonumber(ARGV[3]) end
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('EXPIRE', KEYS[2], ttl)
 return seen - off
 """
 
@@ -217,6 +241,7 @@ class Generation:
     epoch: int
     turn: int
     offset: int
+    gen: str = ""  # the session's generation id, in every frame's meta
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
     _written: dict[int, bytes] = field(default_factory=dict, repr=False, compare=False)
     rewritten: int = 0  # frames written again after a failover lost them
@@ -263,7 +288,7 @@ class Generation:
                         text=d.text,
                         epoch=self.epoch,
                         ts=ts,
-                        meta=d.meta,
+                        meta={**d.meta, "gen": self.gen} if d.meta else {"gen": self.gen},
                     )
                 )
                 for i, d in enumerate(drafts)
@@ -288,7 +313,8 @@ class Generation:
         backoff = 0.05
         while True:
             args: list[Any] = [
-                self.epoch, base, pub.maxlen, pub.ttl_s, int(terminal), self.turn, *payload
+                self.epoch, base, pub.maxlen, pub.ttl_s, int(terminal), self.turn, self.gen,
+                *payload,
             ]  # fmt: skip
             try:
                 return int(await PUBLISH(pub.redis, keys, args))
@@ -354,9 +380,10 @@ class Publisher:
     async def open_generation(self, sid: str) -> Generation:
         """Bump epoch and turn atomically; the returned generation fences all older ones."""
         sid = parse_session(sid)
-        reply = await OPEN(self.redis, (meta_key(sid), log_key(sid)), (self.ttl_s,))
-        epoch, turn, offset = (int(x) for x in reply)
-        return Generation(self, sid, epoch, turn, offset)
+        fresh = secrets.token_hex(6)  # the session's gen if this call creates it
+        reply = await OPEN(self.redis, (meta_key(sid), log_key(sid)), (self.ttl_s, fresh))
+        epoch, turn, offset = (int(x) for x in reply[:3])
+        return Generation(self, sid, epoch, turn, offset, _b(reply[3]).decode())
 
 
 class ReapResult(NamedTuple):
@@ -401,16 +428,22 @@ async def seal(
     sealer: str,
     maxlen: int = 10_000,
     ttl_s: int = 86_400,
+    gen: str = "",
 ) -> int:
     """A relay delivered offsets up to ``seen`` but the session now ends before them: a
     failover promoted a replica that never got them (asynchronous replication) and no
     producer wrote them again. Write one ``gap`` frame at ``seen`` (``meta.from`` ..
     ``meta.to`` = the lost range, ``code`` "lost_in_failover") so that no offset a
     client already holds is ever reused for another frame, and readers that lack the
-    range are told. Returns how many offsets were sealed (0: nothing was missing)."""
+    range are told. Returns how many offsets were sealed (0: nothing was missing).
+    ``gen``: the generation the relay delivered ``seen`` in; when the session now has
+    another one (its keys expired and restarted) or none, nothing is sealed (a seal
+    would write an old offset into a new generation, or bring an expired session back).
+    """
     sid = parse_session(sid)
     keys = (meta_key(sid), log_key(sid), live_channel(sid))
-    return int(await SEAL(redis, keys, (seen, maxlen, ttl_s, sid, now_ms(), sealer)))
+    args = (seen, maxlen, ttl_s, sid, now_ms(), sealer, gen)
+    return int(await SEAL(redis, keys, args))
 
 
 async def read_backlog(

@@ -29,6 +29,14 @@ Rules: a frame at or below the last emitted offset is a duplicate and is dropped
 frame above ``last + 1`` is a hole: it is buffered and the machine asks for the backlog
 after ``last`` instead of emitting; frames that the backlog no longer holds become one
 explicit ``gap`` delivery (see :func:`relay.frame.gap_frame`), never a silent skip.
+
+Session generations: every frame carries its session's generation id (``gen``). A
+frame of another generation than the last one emitted (the session's keys expired and
+restarted, offsets begin again at 1) is not a duplicate: the reader emits one
+``reset`` delivery (:func:`relay.frame.reset_frame`, offset 0), forgets its offsets
+and buffer, and continues with the new generation from offset 1 (reading the backlog
+when the frame is not offset 1). A ``reset`` delivery from upstream (the channel's
+reader, for a watcher's) does the same.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final, NamedTuple
 
-from relay.frame import encode, gap_frame
+from relay.frame import encode, gap_frame, reset_frame
 
 __all__ = [
     "TRANSITIONS",
@@ -49,6 +57,7 @@ __all__ = [
     "ResumeState",
     "Step",
     "gap_delivery",
+    "reset_delivery",
 ]
 
 
@@ -65,6 +74,7 @@ class Delivery(NamedTuple):
     data: bytes
     ts: int = 0
     received_ms: int = 0
+    gen: str = ""  # the session generation (frame meta ``gen``), "" when unknown
 
 
 class ResumeState(Enum):
@@ -111,6 +121,11 @@ def gap_delivery(session: str, first_missing: int, first_available: int) -> Deli
     return Delivery(gap.offset, "gap", encode(gap))
 
 
+def reset_delivery(session: str, gen: str, previous: str) -> Delivery:
+    """The explicit delivery for a session that restarted under generation ``gen``."""
+    return Delivery(0, "reset", encode(reset_frame(session, gen, previous)), gen=gen)
+
+
 class Resume:
     """Merge state of one reader. See the module docstring for the call order."""
 
@@ -134,6 +149,8 @@ class Resume:
         self.gaps = 0
         self.holes = 0
         self.overflow = 0
+        self.resets = 0
+        self.gen = ""  # generation of the frames emitted last ("" until one says)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -166,6 +183,8 @@ class Resume:
     def live(self, d: Delivery) -> Step:
         if self.state is ResumeState.CLOSED:
             return Step()
+        if d.kind == "reset" or self._new_gen(d):
+            return self._reset(d)
         if self.last is not None and d.offset <= self.last:
             self.duplicates += 1
             return Step()
@@ -177,6 +196,7 @@ class Resume:
             self.last = d.offset
             out = [d]
             self._drain(out)
+            self._saw_gen(out)
             return Step(out)
         self.holes += 1
         self._stash(d)
@@ -211,7 +231,19 @@ class Resume:
             # live only (start at the current end), or a reader that claims offsets the
             # session never wrote (its keys expired and restarted): start at the end.
             self.last = last_offset
+            if not self.gen and last_offset > 0 and not entries and not self._buffer:
+                # read the last frame once, only to learn the session's generation: a
+                # reader that does not know it could not tell a restart from duplicates
+                self._first_read = False
+                self._fetching = True
+                return Step(out, Fetch(last_offset - 1))
         self._first_read = False
+        if entries and self._new_gen(entries[0]):
+            # the session restarted since our last read: read the new one from its start
+            out.append(self._restart(entries[0].gen))
+            return Step(out, self._fetch())
+        if entries and not self.gen:
+            self.gen = entries[0].gen
         before = self.last
         if self.last + 1 < first_available and self.last < last_offset:
             self._gap(out, first_available)
@@ -222,6 +254,7 @@ class Resume:
                 self._gap(out, e.offset)  # the backlog itself has a hole: report it
             out.append(e)
             self.last = e.offset
+        self._saw_gen(out)
         if self.last < last_offset:
             if entries:
                 return Step(out, self._fetch())  # next page
@@ -248,6 +281,42 @@ class Resume:
         self._buffer_bytes = 0
 
     # -- helpers -------------------------------------------------------------------------
+
+    def _new_gen(self, d: Delivery) -> bool:
+        return bool(d.gen) and bool(self.gen) and d.gen != self.gen
+
+    def _saw_gen(self, out: Sequence[Delivery]) -> None:
+        for d in reversed(out):
+            if d.gen:
+                self.gen = d.gen
+                return
+
+    def _restart(self, gen: str) -> Delivery:
+        """Forget the old generation: offsets, buffer; the reset delivery to emit."""
+        reset = reset_delivery(self.session, gen, self.gen)
+        self.gen = gen
+        self.last = 0
+        self._buffer.clear()
+        self.resets += 1
+        return reset
+
+    def _reset(self, d: Delivery) -> Step:
+        """A new generation (or an upstream reset): emit a reset, then take ``d`` as the
+        first frame of the new stream (a reset delivery itself carries no frame)."""
+        out = [self._restart(d.gen)]
+        if d.kind == "reset":
+            return Step(out)
+        if self.state is ResumeState.LIVE and d.offset == 1:
+            self.last = 1
+            out.append(d)
+            return Step(out)
+        self._stash(d)
+        if self.state is ResumeState.LIVE:
+            self._fire("hole")
+            return Step(out, self._fetch())
+        if self._fetching:
+            self._refetch = True  # the answer in flight may be of the old generation
+        return Step(out)
 
     def _stash(self, d: Delivery) -> None:
         if d.offset in self._buffer:

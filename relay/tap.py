@@ -37,7 +37,7 @@ from typing import Any, NoReturn, Protocol
 from redis.asyncio.cluster import RedisCluster
 
 from relay.errors import RelayError, WatchClosed
-from relay.frame import FrameError, decode
+from relay.frame import FrameError, decode, frame_gen
 from relay.publisher import read_backlog
 from relay.resume import Delivery, Fetch
 from relay.watch import Closed, Intent, Watch
@@ -54,7 +54,7 @@ def delivery(data: bytes, received_ms: int = 0) -> Delivery | None:
     except FrameError as exc:
         log.warning("dropping undecodable frame: %s", exc)
         return None
-    return Delivery(f.offset, f.kind, data, f.ts, received_ms)
+    return Delivery(f.offset, f.kind, data, f.ts, received_ms, frame_gen(f))
 
 
 async def read_page(

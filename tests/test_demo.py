@@ -17,6 +17,7 @@ import pytest
 
 from tests.test_server import SSEClient
 from tests.worker_harness import expected_reply
+from worker.reply_length import ReplyLength
 from worker.stack import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -83,7 +84,8 @@ async def test_make_demo_serves_one_url_streams_a_turn_and_stops_everything(
                 assert ids == list(range(ids[0], ids[0] + len(ids)))  # in order, no gap
                 text = "".join(d["text"] for _, kind, d in events if kind == "token")
                 prompt = [{"role": "user", "content": "hello demo"}]
-                assert text == expected_reply(prompt, 12)  # every token, exactly once
+                # every token, exactly once (the demo's engines: default reply lengths)
+                assert text == expected_reply(prompt, 12, ReplyLength())
             # the rest of the contract at the same URL: readiness, and a relay's refusal
             # of a WebSocket passed on with its status
             async with http.get(base + "/readyz") as r:

@@ -7,11 +7,14 @@ Small versions of ``python -m bench.faults``: 3 sessions x 2 viewers, short phas
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from bench.faults import FaultConfig, run_fault
+from bench.fault_evidence import judge
+from bench.faults import FaultConfig, failures, run_fault
+from bench.partition import unsupported
 from relay.hub import Hub
 from relay.keys import live_channel, new_session_id
 from relay.publisher import Publisher
@@ -20,19 +23,26 @@ from tests.conftest import PrivateClusterFactory
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
+# replies of 30 tokens at most: the drills' own runs use the natural lengths
 SMALL = FaultConfig(
-    sessions=3, viewers_per_session=2, warm_s=1.5, after_s=6.0, drain_s=20.0, max_tokens=30
-)
+    sessions=3, viewers_per_session=2, warm_s=1.5, after_s=6.0, drain_s=20.0, max_tokens=30,
+    seed=1,
+)  # fmt: skip
 
 
-def _clean(r: dict[str, object]) -> None:
-    """Nothing lost (a gap the server reported is not lost: it is counted apart),
-    duplicated or reordered; every turn ended; every viewer got its session's last
-    frame and something after the fault."""
+def _clean(r: dict[str, Any]) -> None:
+    """The fault took effect; nothing lost (a gap the server reported is not lost: it is
+    counted apart), duplicated, reordered or altered, against the backlog in Redis;
+    every turn ended; every viewer got its session's last frame and something after the
+    fault."""
+    assert r["took_effect"] is True, r["evidence"]
     assert r["frames"], r
     assert (r["lost"], r["duplicated"], r["out_of_order"]) == (0, 0, 0), r
-    assert r["unended_turns"] == 0, r
+    assert (r["content_mismatches"], r["unended_turns"]) == (0, 0), r
     assert (r["viewers_behind"], r["stalled_viewers"]) == (0, 0), r
+    assert r["turns_checked"] > 0, r
+    assert r["done_frames_checked"] > 0, r
+    assert failures({"faults": {"x": r}}) == []
 
 
 async def test_relay_kill_viewers_resume_on_the_other_relay() -> None:
@@ -51,7 +61,8 @@ async def test_master_kill_no_frame_lost_after_failover() -> None:
 async def test_reshard_of_live_sessions_loses_nothing() -> None:
     r = await run_fault("reshard", SMALL)
     _clean(r)
-    assert r["slots_moved"] >= 1, r
+    assert r["keys_moved"] > 0, r
+    assert all(dst != r["slot_owner_before"][0] for dst in r["slot_owner_after"]), r
 
 
 async def test_engine_kill_ends_its_turns_with_an_error_frame() -> None:
@@ -80,6 +91,37 @@ async def test_relay_dropped_for_its_output_buffer_repairs_from_the_backlog() ->
 async def test_redis_stall_below_node_timeout_loses_nothing() -> None:
     r = await run_fault("redis_stall", SMALL)
     _clean(r)
+    assert r["stall_seen_ms"] >= 1000, r  # a client saw the master stall
+
+
+@pytest.mark.skipif(unsupported() is not None, reason=f"partition: {unsupported()}")
+async def test_partition_of_a_master_loses_nothing_and_the_rules_go_away() -> None:
+    r = await run_fault("partition", SMALL)
+    _clean(r)
+    assert (r["partition_ping"], r["healed_ping"]) == ("no answer", "PONG"), r
+
+
+def test_a_fault_that_did_not_take_effect_fails_the_drill() -> None:
+    clean = dict.fromkeys(
+        ("lost", "duplicated", "out_of_order", "content_mismatches", "unended_turns",
+         "viewers_behind", "stalled_viewers"), 0,
+    )  # fmt: skip
+    same = {**clean, "slot_master_before": 7001, "slot_master_after": 7001}
+    ok, evidence = judge("master_kill", same)
+    assert not ok
+    assert evidence == {"slot_master_before": 7001, "slot_master_after": 7001}
+    assert judge("master_kill", {**same, "slot_master_after": 7004})[0]
+    nothing_moved = {**clean, "slots_moved": 1, "keys_moved": 0,
+                     "slot_owner_before": [7001], "slot_owner_after": [7002]}  # fmt: skip
+    assert not judge("reshard", nothing_moved)[0]
+    assert not judge("redis_stall", {"stall_s": 1.5, "stall_seen_ms": None})[0]
+    assert not judge("relay_kill", {"killed_relay_exit": -9, "reconnects": 0})[0]
+    failed = {**same, "took_effect": False, "evidence": evidence}
+    skipped = {"skipped": "needs root", "took_effect": None}
+    report: dict[str, Any] = {"faults": {"master_kill": failed, "partition": skipped}}
+    assert failures(report) == [f"master_kill: the fault did not take effect ({evidence})"]
+    report["faults"]["master_kill"].update(took_effect=True, lost=2)
+    assert failures(report) == ["master_kill: non-zero lost"]
 
 
 async def test_migrate_slot_moves_a_live_session_and_the_hub_follows(
@@ -120,3 +162,10 @@ async def test_migrate_slot_moves_a_live_session_and_the_hub_follows(
     finally:
         await hub.close()
         await redis.aclose()
+
+
+async def test_session_expiry_under_watch_is_a_reset_not_dropped_frames() -> None:
+    r = await run_fault("session_expiry", SMALL)
+    _clean(r)
+    assert r["gen_after"] != r["gen_before"], r
+    assert r["resets_seen"] == r["viewers_of_it"] == SMALL.viewers_per_session, r

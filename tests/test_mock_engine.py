@@ -13,7 +13,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from worker import prefix_cache as pc
 from worker.mock_engine import EngineConfig, FifoGate, RunningEngine, start_engine
+from worker.reply_length import ReplyLength
 
 StartEngine = Callable[..., Awaitable[RunningEngine]]
 
@@ -328,3 +330,30 @@ async def test_cli_engine_serves_and_stops_cleanly_on_sigterm(http) -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_replies_take_their_length_from_the_distribution(start: StartEngine, http) -> None:
+    eng = await start(**FAST)  # default lengths: mean 300, a tail to 2,000
+    dist = ReplyLength()
+    for i in range(3):
+        body = chat(f"tell me a story {i}")
+        r = await stream(http, eng.url, body)
+        pieces = [c["choices"][0]["delta"].get("content", "") for c in r["chunks"]]
+        natural = dist.length(pc.prompt_tokens(body["messages"]))
+        assert sum(1 for p in pieces if p) == natural
+        assert r["chunks"][-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_cli_reply_flags_reach_the_engine_and_bad_ones_exit_2() -> None:
+    import argparse
+
+    from worker.cli_engine import config_from_args, register, run
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(
+        ["engine", "--port", "0", "--reply-mean-tokens", "50", "--reply-max-tokens", "80"]
+    )
+    assert config_from_args(args).reply == ReplyLength(mean=50, max_tokens=80)
+    bad = parser.parse_args(["engine", "--port", "0", "--reply-max-tokens", "0"])
+    assert run(bad) == 2

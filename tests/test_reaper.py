@@ -56,7 +56,7 @@ async def test_a_silent_turn_whose_lock_expired_ends_with_one_error_frame(
         frames, _, last = await read_backlog(redis, sid, 4, 10)
         err = decode(frames[0])
         assert (last, err.kind, err.text, err.turn) == (5, "error", WORKER_LOST, gen.turn)
-        assert err.meta == {"code": "worker_lost", "reaped_by": "reaper-1"}
+        assert err.meta == {"code": "worker_lost", "reaped_by": "reaper-1", "gen": gen.gen}
         assert err.epoch == gen.epoch + 1
         assert hub.stats()["reaped"] == 1
         assert await redis.hget(meta_key(sid), "open") is None

@@ -24,15 +24,23 @@ from worker.api import STATE, WorkerConfig, WorkerState, make_app
 from worker.coalesce import CoalescePolicy
 from worker.mock_engine import EngineConfig, RunningEngine, start_engine
 from worker.presence import PresencePolicy
+from worker.reply_length import ReplyLength
 from worker.router import EngineSpec
 
-__all__ = ["SECRET", "Harness", "expected_reply", "wait_turn"]
+__all__ = ["SECRET", "SHORT_REPLIES", "Harness", "expected_reply", "wait_turn"]
 
 SECRET = "test-secret"
+# the harness's engines answer short (8..48 tokens): tests of the API, not of long replies
+SHORT_REPLIES = ReplyLength(mean=28.0, max_tokens=48, min_tokens=8, sigma=0.5)
 
 
-def expected_reply(messages: list[dict[str, str]], max_tokens: int, max_len: int = 48) -> str:
-    pieces, _ = pc.reply_pieces(pc.prompt_tokens(messages), max_tokens, max_len=max_len)
+def expected_reply(
+    messages: list[dict[str, str]], max_tokens: int, reply: ReplyLength = SHORT_REPLIES
+) -> str:
+    """The mock engine's reply to ``messages`` (engines with the ``reply`` lengths)."""
+    tokens = pc.prompt_tokens(messages)
+    n = reply.length(tokens)
+    pieces, _ = pc.reply_pieces(tokens, max_tokens, min_len=n, max_len=n)
     return "".join(pieces)
 
 
@@ -60,6 +68,7 @@ class Harness:
 
     async def start_engines(self, n: int, **kw: Any) -> list[RunningEngine]:
         kw.setdefault("decode_tok_per_s", 400.0)
+        kw.setdefault("reply", SHORT_REPLIES)
         kw.setdefault("prefill_tok_per_s", 50_000.0)
         for _ in range(n):
             eid = f"eng-{len(self.engines)}"

@@ -66,6 +66,7 @@ from worker.routing_key import DEFAULT_PREFIX_CHARS
 from worker.store import SessionStore
 from worker.turns import (
     Draining,
+    IdempotencyKeyReused,
     IdempotencyPending,
     TurnBusy,
     TurnConfig,
@@ -166,7 +167,9 @@ async def _create_session(request: web.Request) -> web.Response:
     if st.cfg.secret is None:
         token = "insecure-no-auth"
     else:
-        token = issue_token(st.cfg.secret, sid, st.cfg.token_ttl_s, time.time(), scope="write")
+        # never longer than the session: its keys expire session_ttl_s after the last write
+        ttl = min(st.cfg.token_ttl_s, st.cfg.session_ttl_s)
+        token = issue_token(st.cfg.secret, sid, ttl, time.time(), scope="write")
     return _json(201, {"session": sid, "token": token})
 
 
@@ -269,6 +272,9 @@ async def _post_turn(request: web.Request) -> web.StreamResponse:
     except IdempotencyPending as exc:
         st.metrics.rejected.labels(status="409").inc()
         return _err(409, "idempotency_pending", str(exc))
+    except IdempotencyKeyReused as exc:
+        st.metrics.rejected.labels(status="422").inc()
+        return _err(422, "idempotency_key_reused", str(exc))
     except AllEnginesFull as exc:
         st.metrics.rejected.labels(status="429").inc()
         retry = str(max(1, math.ceil(exc.retry_after_s)))

@@ -18,6 +18,7 @@ from typing import Any
 
 from relay import runtime
 from worker.mock_engine import EngineConfig, run_engine
+from worker.reply_length import ReplyLength
 
 __all__ = ["config_from_args", "main", "register", "run", "serve"]
 
@@ -43,6 +44,25 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--model", default=d.model, help="model name served")
     p.add_argument(
+        "--reply-mean-tokens",
+        type=float,
+        default=d.reply.mean,
+        help=f"mean natural reply length, log-normal per prompt (default {d.reply.mean:g})",
+    )
+    p.add_argument(
+        "--reply-max-tokens",
+        type=int,
+        default=d.reply.max_tokens,
+        help=f"longest natural reply, the tail's end (default {d.reply.max_tokens})",
+    )
+    p.add_argument("--reply-min-tokens", type=int, default=d.reply.min_tokens)
+    p.add_argument(
+        "--reply-sigma",
+        type=float,
+        default=d.reply.sigma,
+        help=f"spread of the log-normal (default {d.reply.sigma:g}; 0: every reply the mean)",
+    )
+    p.add_argument(
         "--redis",
         default=None,
         help="announce this engine to workers (tr:engines heartbeats) on this cluster",
@@ -64,6 +84,12 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_concurrency=args.max_concurrency,
         engine_id=args.engine_id or f"mock-{args.port}",
         model=args.model,
+        reply=ReplyLength(
+            mean=args.reply_mean_tokens,
+            max_tokens=args.reply_max_tokens,
+            min_tokens=args.reply_min_tokens,
+            sigma=args.reply_sigma,
+        ),
     )
 
 
@@ -96,7 +122,11 @@ async def serve(cfg: EngineConfig, args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code."""
-    cfg = config_from_args(args)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if getattr(args, "redis", None) and cfg.port == 0 and not args.announce_url:
         print("error: --redis needs a fixed --port (or --announce-url)", file=sys.stderr)
         return 2

@@ -43,6 +43,7 @@ from prometheus_client.exposition import generate_latest
 
 from relay import runtime
 from worker import prefix_cache as pc
+from worker.reply_length import ReplyLength
 
 __all__ = [
     "ENGINE_KEY",
@@ -70,7 +71,8 @@ class EngineConfig:
     model: str = "tokenrelay-mock"
     block_size: int = pc.DEFAULT_BLOCK_SIZE
     max_body_bytes: int = 1 << 20
-    max_reply_tokens: int = 48
+    # natural reply lengths (tokens): log-normal, mean 300, tail to 2,000, per prompt
+    reply: ReplyLength = field(default_factory=ReplyLength)
 
 
 class FifoGate:
@@ -239,7 +241,7 @@ def _parse_chat(raw: bytes, cfg: EngineConfig) -> _ChatRequest:
         raise _RequestError(400, "'stream' must be a boolean", "stream")
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
     if max_tokens is None:
-        max_tokens = cfg.max_reply_tokens
+        max_tokens = cfg.reply.max_tokens
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise _RequestError(400, "'max_tokens' must be a positive integer", "max_tokens")
     opts = body.get("stream_options")
@@ -296,7 +298,8 @@ async def _generate(
     engine.metrics.hits.inc(cached)
     engine.metrics.prompt_tokens.inc(len(tokens))
     prefill_s = pc.prefill_seconds(len(tokens) - cached, cfg.prefill_tok_per_s)
-    pieces, finish = pc.reply_pieces(tokens, req.max_tokens, max_len=cfg.max_reply_tokens)
+    natural = cfg.reply.length(tokens)
+    pieces, finish = pc.reply_pieces(tokens, req.max_tokens, min_len=natural, max_len=natural)
     meta = {
         "engine_id": cfg.engine_id,
         "cached_tokens": cached,

@@ -12,7 +12,10 @@ operation below is one round trip to one shard (pipelines and Lua stay single-sl
 * ``key(sid, LOCK)`` string: the turn that currently generates (``<owner> <json>``),
   with a TTL the turn runner refreshes; one turn at a time per session;
 * ``idem_key(sid, k)`` string: ``Idempotency-Key`` -> the 202 body of the turn it
-  started (``pending <owner>`` while that turn is being admitted).
+  started and the request's fingerprint (``{"turn", "offset", "session", "fp"}``, kept
+  ``idem_ttl_s``); while that turn is being admitted, ``pending <owner> <fp>`` with the
+  turn lock's TTL: a worker that dies between claim and resolve holds the key no
+  longer than its lock, and a retry after that starts the turn.
 
 Order of use for one turn: :meth:`SessionStore.claim_idempotency` (when the client sent
 a key) -> :meth:`acquire_lock` -> :meth:`load` -> (route, open the generation) ->
@@ -40,6 +43,15 @@ local v = redis.call('GET', KEYS[1])
 if v and string.sub(v, 1, #ARGV[1]) == ARGV[1] then
   if ARGV[3] ~= '' then redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[2])
   else redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+  return 1
+end
+return 0
+"""
+
+_SET_TURN_LUA: Final = """
+local v = redis.call('GET', KEYS[1])
+if (not v) or string.sub(v, 1, #ARGV[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[2])
   return 1
 end
 return 0
@@ -169,8 +181,11 @@ class SessionStore:
         return _parse_lock(_s(cur))
 
     async def set_lock_turn(self, sid: str, owner: str, turn: int, offset: int) -> bool:
+        """Name the turn in our lock; False if another owner holds it. A lock that
+        expired during a slow admission (nobody took it) is taken again: the generation
+        just opened fences every older producer anyway."""
         value = f"{owner} " + json.dumps({"turn": turn, "offset": offset})
-        return await self._lock_script(_REFRESH_LUA, sid, owner, value)
+        return await self._lock_script(_SET_TURN_LUA, sid, owner, value)
 
     async def refresh_lock(self, sid: str, owner: str) -> bool:
         """Extend the lock's TTL; False if it is no longer ours."""
@@ -189,38 +204,53 @@ class SessionStore:
     # ---- idempotency ---------------------------------------------------------------------
 
     async def claim_idempotency(
-        self, sid: str, idem: str, owner: str
+        self, sid: str, idem: str, owner: str, fp: str = ""
     ) -> dict[str, Any] | str | None:
-        """SET NX a pending record. ``None``: claimed, go ahead; a dict: the stored 202
-        body of the turn this key already started; ``"pending"``: another request with
-        this key is being admitted right now."""
+        """SET NX a pending record (expiring with the turn lock's TTL). ``None``: claimed,
+        go ahead; a dict: the stored 202 body of the turn this key already started;
+        ``"pending"``: another request with this key is being admitted right now;
+        ``"reused"``: the key was used with another request (fingerprint ``fp``)."""
         k = idem_key(sid, idem)
-        with map_redis_errors():
-            ok = await self.redis.set(k, f"pending {owner}", nx=True, ex=self.idem_ttl_s)
-            if ok:
-                return None
-            cur = await self.redis.get(k)
-        if cur is None:
-            return await self.claim_idempotency(sid, idem, owner)
-        text = _s(cur)
-        if text == f"pending {owner}":
-            return None  # our own claim, sent again after its reply was lost
-        if text.startswith("pending "):
-            return "pending"
-        try:
-            body = json.loads(text)
-        except ValueError:
-            return "pending"
-        return body if isinstance(body, dict) else "pending"
+        for _ in range(3):  # the record may expire between SET NX and GET
+            with map_redis_errors():
+                ok = await self.redis.set(k, f"pending {owner} {fp}", nx=True, px=self.lock_ttl_ms)
+                if ok:
+                    return None
+                cur = await self.redis.get(k)
+            if cur is not None:
+                return _idem_state(_s(cur), owner, fp)
+        return "pending"
 
-    async def resolve_idempotency(self, sid: str, idem: str, body: Mapping[str, Any]) -> None:
+    async def resolve_idempotency(
+        self, sid: str, idem: str, body: Mapping[str, Any], fp: str = ""
+    ) -> None:
+        record = json.dumps({**dict(body), "fp": fp})
         with map_redis_errors():
-            await self.redis.set(idem_key(sid, idem), json.dumps(dict(body)), ex=self.idem_ttl_s)
+            await self.redis.set(idem_key(sid, idem), record, ex=self.idem_ttl_s)
 
     async def drop_idempotency(self, sid: str, idem: str, owner: str) -> None:
         """Forget a pending claim (the turn was not admitted: 409, 429, 503)."""
         with map_redis_errors():
-            await self.redis.eval(_RELEASE_LUA, 1, idem_key(sid, idem), f"pending {owner}")
+            await self.redis.eval(_RELEASE_LUA, 1, idem_key(sid, idem), f"pending {owner} ")
+
+
+def _idem_state(text: str, owner: str, fp: str) -> dict[str, Any] | str | None:
+    """What a stored Idempotency-Key record means for a request (see claim_idempotency)."""
+    if text.startswith("pending "):
+        _, who, theirs = [*text.split(" ", 2), ""][:3]
+        if theirs and fp and theirs != fp:
+            return "reused"
+        return None if who == owner else "pending"  # ours: the SET was sent again
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return "pending"
+    if not isinstance(body, dict):
+        return "pending"
+    theirs = body.pop("fp", "")
+    if theirs and fp and theirs != fp:
+        return "reused"
+    return body
 
 
 def _parse_lock(text: str) -> LockHolder:

@@ -2,7 +2,9 @@
 
 Admission (:meth:`TurnManager.start_turn`, while the POST waits):
 
-1. the ``Idempotency-Key`` is claimed (SET NX); a key seen before returns its turn;
+1. the ``Idempotency-Key`` is claimed (SET NX, for the turn lock's TTL, with a
+   fingerprint of the request); a key seen before returns its turn, a key seen with
+   another request is :class:`IdempotencyKeyReused` (-> 422);
 2. the session's turn lock is taken (one turn generates at a time per session; a second
    POST gets :class:`TurnBusy` -> 409 with the running turn);
 3. history and system prompt are read; the prompt is system + history + the new message;
@@ -14,15 +16,20 @@ Admission (:meth:`TurnManager.start_turn`, while the POST waits):
 Generation (a task per turn, :meth:`TurnManager._run`): an engine-reader task pushes
 deltas into a :class:`worker.coalesce.TokenPump` whose task publishes coalesced ``token``
 frames; a presence task (:func:`worker.presence.watch_presence`) refreshes the lock and
-aborts the reader when nobody watched for the grace period. The first token frame's meta
+aborts the reader when nobody watched for the grace period. A runner whose lock refresh
+finds the lock no longer its own (expired during an outage and taken or reaped) stops:
+it aborts the engine request and publishes nothing more, not even a terminal frame
+(the reaper or the newer turn ends the stream; the epoch fencing stays as the second
+line). The first token frame's meta
 carries the TTFT and the engine's cached-prefix tokens (known only when the engine
 answers, so not in the ``meta`` frame). The turn ends with exactly one terminal frame:
 
 ====================  ==========  =============================================
 exit path             outcome     terminal frame
 ====================  ==========  =============================================
-engine finished       done        ``done`` (ttft, engine, cache hit/miss, tokens,
-                                  finish reason); history appended
+engine finished       done        ``done`` (ttft, engine, cache hit/miss, finish
+                                  reason, and the reply's integrity: ``tokens``,
+                                  ``chars``, ``sha256``); history appended
 engine error          engine_error ``error`` (the engine's message)
 engine timeout        timeout     ``error``
 nobody watching       no_viewers  ``error`` "no viewers"
@@ -30,6 +37,8 @@ engine left the ring  engine_down ``error`` "engine down"
 worker shutdown       shutdown    ``error`` "worker shutdown"
 fenced                fenced      none: a newer generation owns the stream and the
                                   publisher refuses our writes by design
+turn lock lost        lock_lost   none: the lock is no longer ours (the relay's
+                                  reaper or the newer turn ends the stream)
 Redis unavailable     redis_error ``error`` if Redis takes it
 ====================  ==========  =============================================
 
@@ -42,6 +51,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import time
 import uuid
@@ -53,24 +64,28 @@ from typing import Any, Protocol
 from relay.errors import Fenced, RelayError
 from relay.publisher import Draft, Generation, Publisher
 from worker.coalesce import DEFAULT_POLICY, Batch, CoalescePolicy, TokenPump
+from worker.cost_router import turn_info
 from worker.direct import DirectViewer
 from worker.engine_client import Delta
 from worker.engine_errors import EngineError, EngineTimeout, EngineUnavailable
 from worker.metrics import WorkerMetrics
 from worker.presence import PresencePolicy, watch_presence
-from worker.cost_router import turn_info
 from worker.router import AllEnginesFull, Lease, LeaseState, Router, route_wait
 from worker.routing_key import DEFAULT_PREFIX_CHARS, routing_key
 from worker.store import LockHolder, SessionStore
 
 __all__ = [
     "Draining",
+    "IdempotencyKeyReused",
     "IdempotencyPending",
+    "LockLost",
     "StreamChat",
     "TurnBusy",
     "TurnConfig",
     "TurnManager",
     "TurnStarted",
+    "reply_integrity",
+    "request_fingerprint",
 ]
 
 _log = logging.getLogger(__name__)
@@ -98,6 +113,21 @@ class TurnBusy(Exception):
 
 class IdempotencyPending(Exception):
     """A request with the same Idempotency-Key is being admitted right now (-> 409)."""
+
+
+class IdempotencyKeyReused(Exception):
+    """The Idempotency-Key was used before with a different request (-> 422)."""
+
+
+class LockLost(RelayError):
+    """The turn lock stopped being ours while the turn was admitted (-> 503, retry)."""
+
+
+def request_fingerprint(message: str, system: str | None, max_tokens: int | None) -> str:
+    """What identifies a turn request for its Idempotency-Key: the same key with another
+    message, system prompt or max_tokens is a different request."""
+    raw = json.dumps([message, system, max_tokens], ensure_ascii=False)
+    return hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 class Draining(Exception):
@@ -146,6 +176,7 @@ class _Turn:
     reader: asyncio.Task[None] | None = None
     task: asyncio.Task[None] | None = None
     abort_reason: str | None = None
+    lock_lost: bool = False  # the turn lock is no longer ours: publish nothing more
     reply: list[str] = field(default_factory=list)
     first_meta: dict[str, Any] | None = None
     sent_first_meta: bool = False
@@ -167,6 +198,17 @@ class _Turn:
             self.reader.cancel()
 
 
+def reply_integrity(text: str, tokens: int) -> dict[str, Any]:
+    """What a ``done`` frame says about the reply, so that a client can check the text it
+    assembled: ``tokens`` (engine token deltas), ``chars`` (Unicode code points) and
+    ``sha256`` (lowercase hex of the UTF-8 bytes)."""
+    return {
+        "tokens": tokens,
+        "chars": len(text),
+        "sha256": hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest(),
+    }
+
+
 def _release(lease: Lease) -> None:
     """Release once: every path calls this, only the first one gives the slot back."""
     if lease.state is LeaseState.HELD:
@@ -175,7 +217,10 @@ def _release(lease: Lease) -> None:
 
 _HELPER_EXIT_S = 2.0  # how long _end waits for the presence and pump tasks to stop
 
+LOCK_LOST = "lock lost"
+
 _ABORT_OUTCOME = {
+    LOCK_LOST: "lock_lost",
     "no viewers": "no_viewers",
     "engine down": "engine_down",
     "worker shutdown": "shutdown",
@@ -227,16 +272,20 @@ class TurnManager:
         if self.draining:
             raise Draining("worker is shutting down")
         owner = f"{self.worker_id}:{uuid.uuid4().hex[:16]}"
+        fp = request_fingerprint(message, system, max_tokens)
         if idempotency_key is not None:
-            seen = await self.store.claim_idempotency(sid, idempotency_key, owner)
+            seen = await self.store.claim_idempotency(sid, idempotency_key, owner, fp)
             if isinstance(seen, dict):
                 return TurnStarted(sid, int(seen["turn"]), int(seen["offset"]), replayed=True)
+            if seen == "reused":
+                raise IdempotencyKeyReused(
+                    "this Idempotency-Key was used with a different request body"
+                )
             if seen == "pending":
                 raise IdempotencyPending("a request with this Idempotency-Key is in progress")
         try:
-            return await self._admit(
-                sid, owner, message, system, max_tokens, idempotency_key, viewer
-            )
+            idem = (idempotency_key, fp) if idempotency_key is not None else None
+            return await self._admit(sid, owner, message, system, max_tokens, idem, viewer)
         except BaseException:
             if idempotency_key is not None:
                 with contextlib.suppress(RelayError):
@@ -250,7 +299,7 @@ class TurnManager:
         message: str,
         system: str | None,
         max_tokens: int | None,
-        idem: str | None,
+        idem: tuple[str, str] | None,
         viewer: DirectViewer | None = None,
     ) -> TurnStarted:
         t0 = time.monotonic()
@@ -313,9 +362,10 @@ class TurnManager:
             )[0]
             opened = gen  # its meta frame is out: a failure from here on needs an error frame
             started = TurnStarted(sid, gen.turn, offset)
-            await self.store.set_lock_turn(sid, owner, gen.turn, offset)
+            if not await self.store.set_lock_turn(sid, owner, gen.turn, offset):
+                raise LockLost("the turn lock expired while the turn was admitted")
             if idem is not None:
-                await self.store.resolve_idempotency(sid, idem, started.body())
+                await self.store.resolve_idempotency(sid, idem[0], started.body(), idem[1])
         except BaseException:
             if lease is not None:
                 lease.release()
@@ -367,8 +417,14 @@ class TurnManager:
         async def refresh() -> None:
             if t.ended.is_set():
                 return
-            with contextlib.suppress(RelayError):
-                await self.store.refresh_lock(t.sid, t.owner)
+            try:
+                ours = await self.store.refresh_lock(t.sid, t.owner)
+            except RelayError:
+                return  # unknown (Redis away): keep going, the publisher retries or fails
+            if not ours:
+                _log.warning("turn %s/%d: turn lock lost; stopping", t.sid, t.gen.turn)
+                t.lock_lost = True
+                t.abort(LOCK_LOST)
 
         presence = asyncio.create_task(
             watch_presence(
@@ -429,6 +485,8 @@ class TurnManager:
         pump_task: asyncio.Task[None],
         presence: asyncio.Task[None],
     ) -> None:
+        if t.lock_lost and outcome != "fenced":
+            outcome, error = "lock_lost", None
         t.ended.set()  # the presence loop returns even if its cancellation is lost
         presence.cancel()
         if t.reader is not None and not t.reader.done():
@@ -458,7 +516,7 @@ class TurnManager:
                     t.lease.engine.id,
                 )
                 await t.gen.publish([Draft(kind="done", meta=self._done_meta(t))])
-            elif outcome != "fenced":
+            elif outcome not in ("fenced", "lock_lost"):
                 meta = {"code": outcome, "engine": t.lease.engine.id, "tokens": len(t.reply)}
                 await t.gen.publish([Draft(kind="error", text=error or outcome, meta=meta)])
         except Fenced:
@@ -476,6 +534,7 @@ class TurnManager:
             self.outcomes.append((t.sid, t.gen.turn, outcome))
 
     def _done_meta(self, t: _Turn) -> dict[str, Any]:
+        text = "".join(t.reply)
         cached = t.cached_tokens
         cache = "unknown" if cached is None else ("hit" if cached > 0 else "miss")
         return {
@@ -487,7 +546,7 @@ class TurnManager:
             "cache": cache,  # "unknown": the engine did not report cached tokens
             "cached_tokens": t.cached_tokens,
             "prompt_tokens": t.prompt_tokens,
-            "tokens": len(t.reply),
+            **reply_integrity(text, len(t.reply)),
             "finish_reason": t.finish_reason,
             "duration_ms": round((time.monotonic() - t.t0) * 1000, 1),
         }
@@ -548,6 +607,8 @@ class TurnManager:
             self.metrics.prompt_tokens.inc(t.prompt_tokens)
 
     async def _publish_batch(self, t: _Turn, b: Batch) -> None:
+        if t.lock_lost:
+            return  # the stream is no longer ours: publish nothing more
         meta: dict[str, Any] | None = None
         if not t.sent_first_meta:
             meta, t.sent_first_meta = t.first_meta, True
