@@ -23,11 +23,13 @@ from relay.publisher import Publisher, read_backlog
 from relay.tap import Tap
 from tests.worker_harness import Harness, wait_turn
 from worker.presence import PresencePolicy, count_watchers
+from worker.reply_length import ReplyLength
 from worker.router import EngineSpec
 
 pytestmark = pytest.mark.integration
 
 FAST_PRESENCE = PresencePolicy(grace_s=1.0, interval_s=0.2)
+LONG_48 = ReplyLength(mean=48, max_tokens=48, min_tokens=48, sigma=0)  # every reply 48 tokens
 
 
 async def _until_tokens(redis: RedisCluster, sid: str, n: int, timeout_s: float = 10.0) -> None:
@@ -108,7 +110,7 @@ async def test_nobody_watching_aborts_the_engine_request(h: Harness, redis: Redi
 
 
 async def test_a_watched_turn_runs_to_the_end(h: Harness, redis: RedisCluster):
-    await h.start_engines(1, decode_tok_per_s=20.0)  # ~2.4 s for 48 tokens > grace
+    await h.start_engines(1, decode_tok_per_s=20.0, reply=LONG_48)  # 2.4 s > grace
     await h.start_worker(presence=FAST_PRESENCE)
     sid, token = await h.session()
     stop = asyncio.Event()
@@ -128,7 +130,7 @@ async def test_a_watched_turn_runs_to_the_end(h: Harness, redis: RedisCluster):
 
 
 async def test_a_viewer_leaving_for_longer_than_the_grace_cancels(h: Harness, redis: RedisCluster):
-    await h.start_engines(1, decode_tok_per_s=10.0)
+    await h.start_engines(1, decode_tok_per_s=10.0, reply=LONG_48)  # 4.8 s: outlives the grace
     await h.start_worker(presence=FAST_PRESENCE)
     sid, token = await h.session()
     stop = asyncio.Event()
