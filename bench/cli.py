@@ -27,6 +27,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "one relay process: frames/s vs a raw Redis reader, fan-out, latency, RSS per idle conn",
         "bench.relay_throughput",
     ),
+    "peer_socketio": (
+        "the relay beside Socket.IO with the sharded Redis adapter: CPU/msg, latency, RSS/conn",
+        "bench.peer_socketio",
+    ),
 }
 
 
