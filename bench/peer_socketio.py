@@ -251,6 +251,7 @@ async def _round(
         "machine_capacity_cpu_s": round(wall_s * (os.cpu_count() or 1), 2),
         "publish_errors": int(pub.get("errors", 0)) + int(pub.get("failed", 0)),
         "client_errors": len(tally.errors),
+        "handshake_retries": tally.retries,
         "samples": len(lat),
     }
 
@@ -305,6 +306,7 @@ async def _idle(side: Side, smap: SlotMap, n: int, window: int) -> dict[str, Any
         "cpu_share_when_idle": round(idle_share, 3),
         "open_seconds": round(opened, 2),
         "client_errors": len(tally.errors),
+        "handshake_retries": tally.retries,
     }
 
 

@@ -38,7 +38,8 @@ from relay.auth import issue_token
 __all__ = ["Kind", "Tally", "WsClient", "close_clients", "open_clients"]
 
 Kind = Literal["tokenrelay", "socketio"]
-_OPEN_TIMEOUT_S = 30.0
+_OPEN_TIMEOUT_S = 60.0
+_RETRIES = 5
 _STAMP = re.compile(STAMP.pattern.decode())  # the same pattern, on str
 
 
@@ -54,6 +55,7 @@ class Tally:
     stamps: array[int] = field(default_factory=lambda: array("q"))
     arrivals: array[int] = field(default_factory=lambda: array("q"))
     errors: list[str] = field(default_factory=list)
+    retries: int = 0  # handshakes refused with 503 + Retry-After and tried again
 
     def note(self, text: str) -> None:
         stamps = _STAMP.findall(text)
@@ -97,7 +99,7 @@ class WsClient:
         else:
             url = f"ws://127.0.0.1:{port}/socket.io/?EIO=4&transport=websocket&room={self.sid}"
         async with asyncio.timeout(_OPEN_TIMEOUT_S):
-            ws = self.ws = await http.ws_connect(url, autoclose=False, max_msg_size=0)
+            ws = self.ws = await self._connect(http, url)
             if self.kind == "tokenrelay":
                 first = await ws.receive_str()
                 if '"hello"' not in first:
@@ -111,6 +113,22 @@ class WsClient:
                 if not ack.startswith("40"):
                     raise ConnectionError(f"expected a namespace connect ack, got {ack[:200]!r}")
         self.task = asyncio.create_task(self._pump(ws))
+
+    async def _connect(
+        self, http: aiohttp.ClientSession, url: str
+    ) -> aiohttp.ClientWebSocketResponse:
+        """The handshake; a 503 with ``Retry-After`` (a busy server) is tried again after
+        that many seconds, as a browser client would, up to :data:`_RETRIES` times."""
+        for attempt in range(_RETRIES + 1):
+            try:
+                return await http.ws_connect(url, autoclose=False, max_msg_size=0)
+            except aiohttp.WSServerHandshakeError as exc:
+                after = exc.headers.get("Retry-After", "") if exc.headers else ""
+                if exc.status != 503 or not after.isdigit() or attempt == _RETRIES:
+                    raise
+                self.tally.retries += 1
+                await asyncio.sleep(int(after))
+        raise AssertionError("unreachable")
 
     async def _pump(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         tally = self.tally
