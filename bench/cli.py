@@ -31,6 +31,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "token streaming: Redis sharded Pub/Sub vs RabbitMQ (queue per connection, topic)",
         "bench.mq_vs_pubsub",
     ),
+    "peer_socketio": (
+        "the relay beside Socket.IO with the sharded Redis adapter: CPU/msg, latency, RSS/conn",
+        "bench.peer_socketio",
+    ),
 }
 
 

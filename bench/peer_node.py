@@ -1,0 +1,137 @@
+"""The Socket.IO side of :mod:`bench.peer_socketio`: its npm install and its two node
+processes (the scripts are in ``bench/peer/``).
+
+- :func:`ensure_socketio`: ``npm install`` of :data:`PINS` into
+  ``~/.cache/tokenrelay/peer-socketio`` (``$XDG_CACHE_HOME`` is honoured) once per cache;
+  returns the ``node_modules`` directory, or the reason it cannot (no node or npm, node
+  older than 18, the install failed or timed out: no access to the npm registry).
+- :func:`socketio_server`: ``node bench/peer/socketio_server.cjs`` listening on a free
+  loopback port (one process: Socket.IO 4.8, WebSocket transport, the sharded Redis
+  adapter); stopped by its pid.
+- :func:`emit`: ``node bench/peer/socketio_emit.cjs``, the paced publisher (a second
+  Socket.IO instance broadcasting with ``io.to(room).emit``); stopped by its pid.
+
+Node finds the packages through ``NODE_PATH``; nothing is installed in the repository.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from bench.relay_throughput import RelayProc, _free_port, _stop
+from relay.slotmap import Addr
+
+__all__ = ["PINS", "cache_dir", "emit", "ensure_socketio", "installed_versions", "socketio_server"]
+
+PINS = {"socket.io": "4.8.4", "@socket.io/redis-adapter": "8.3.0", "redis": "4.7.1"}
+SCRIPTS = Path(__file__).resolve().parent / "peer"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tokenrelay" / "peer-socketio"
+
+
+def ensure_socketio(cache: Path | None = None) -> Path | str:
+    """The ``node_modules`` directory with :data:`PINS` installed (npm, once per cache),
+    or the reason it cannot be had (no node, no npm, the install failed)."""
+    cache = cache or cache_dir()
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        return "node and npm are needed for the Socket.IO side (not on PATH)"
+    version = subprocess.run([node, "--version"], capture_output=True, text=True, check=False)
+    major = version.stdout.strip().lstrip("v").split(".")[0]
+    if not major.isdigit() or int(major) < 18:
+        return f"node >= 18 is needed, found {version.stdout.strip() or 'no version'}"
+    modules = cache / "node_modules"
+    stamp = cache / "installed.json"
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(stamp.read_text()) == PINS and modules.is_dir():
+            return modules
+    cache.mkdir(parents=True, exist_ok=True)
+    manifest = {"name": "tokenrelay-peer-socketio", "private": True, "dependencies": PINS}
+    (cache / "package.json").write_text(json.dumps(manifest, indent=2))
+    try:
+        done = subprocess.run(
+            [npm, "install", "--no-audit", "--no-fund", "--omit=dev", "--loglevel=error",
+             "--fetch-retries=2", "--fetch-timeout=30000"],
+            cwd=cache, capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return "npm install took more than 300 s (no access to the npm registry?)"
+    if done.returncode != 0:
+        tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or ["no output"]
+        return f"npm install failed ({done.returncode}): {tail[0][:200]}"
+    stamp.write_text(json.dumps(PINS))
+    return modules
+
+
+def installed_versions(modules: Path) -> dict[str, str]:
+    out = {}
+    for name in [*PINS, "engine.io", "ws"]:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            out[name] = json.loads((modules / name / "package.json").read_text())["version"]
+    return out
+
+
+def _node_env(modules: Path) -> dict[str, str]:
+    return {**os.environ, "NODE_PATH": str(modules)}
+
+
+@contextlib.asynccontextmanager
+async def socketio_server(modules: Path, seed: Addr, log_dir: Path) -> AsyncIterator[RelayProc]:
+    """``socketio_server.cjs`` as its own process, listening; stopped by pid."""
+    port = _free_port()
+    log_path = log_dir / f"socketio-{port}.log"
+    with open(log_path, "wb") as log:  # noqa: ASYNC230 (a local file, opened once)
+        proc = await asyncio.create_subprocess_exec(
+            "node", str(SCRIPTS / "socketio_server.cjs"), str(port), f"{seed.host}:{seed.port}",
+            stdout=log, stderr=log, env=_node_env(modules),
+        )  # fmt: skip
+    server = RelayProc(proc, port, log_path)
+    try:
+        deadline = time.monotonic() + 30
+        while f"ready {port}" not in log_path.read_text(errors="replace"):
+            if proc.returncode is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"Socket.IO server not ready; log: {log_path.read_text()[-2000:]}"
+                )
+            await asyncio.sleep(0.05)
+        yield server
+    finally:
+        await _stop(proc)
+
+
+async def emit(
+    modules: Path, seed: Addr, sids: list[str], rate: float, secs: float
+) -> dict[str, Any]:
+    """Run ``socketio_emit.cjs`` (a child process) and return its JSON line."""
+    spec = {"seed": f"{seed.host}:{seed.port}", "rooms": sids, "rate": rate, "seconds": secs}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+        path = f.name
+    proc = await asyncio.create_subprocess_exec(
+        "node", str(SCRIPTS / "socketio_emit.cjs"), path,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=_node_env(modules),
+    )  # fmt: skip
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), secs + 60)
+    finally:
+        await _stop(proc)
+        os.unlink(path)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"Socket.IO emitter exited with {proc.returncode}: {err.decode()[-500:]}"
+        )
+    res: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
+    return res
