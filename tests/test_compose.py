@@ -6,7 +6,9 @@ binary exists, ``config -q`` validates it too (it needs no engine).
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
 import shutil
 import subprocess
 from pathlib import Path
@@ -119,8 +121,19 @@ def test_compose_config_validates_where_a_compose_binary_exists() -> None:
         cmd = ["docker", "compose", "-f", str(COMPOSE), "config", "-q"]
     else:
         pytest.skip("no compose binary on PATH; the file was checked by parsing above")
-    result = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60)
+    env = dict(os.environ, TOKENRELAY_SECRET=secrets.token_urlsafe(32))
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60, env=env)
     assert result.returncode == 0, result.stderr
+    env.pop("TOKENRELAY_SECRET")  # no default secret: compose refuses to start without one
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60, env=env)
+    assert result.returncode != 0
+    assert "set TOKENRELAY_SECRET" in result.stderr
+
+
+def test_compose_has_no_default_secret() -> None:
+    text = COMPOSE.read_text()
+    assert "${TOKENRELAY_SECRET:?set TOKENRELAY_SECRET}" in text
+    assert "TOKENRELAY_SECRET:-" not in text
 
 
 def _get_paths(app: Any) -> set[str]:
@@ -141,7 +154,7 @@ def test_healthchecks_probe_routes_the_services_really_serve() -> None:
     from worker.router import EngineSpec
 
     paths = {
-        "relay": _get_paths(relay_app(RelayConfig(secret="x" * 32))),
+        "relay": _get_paths(relay_app(RelayConfig(secret=secrets.token_urlsafe(32)))),
         "worker": _get_paths(
             worker_app(WorkerConfig(engines=[EngineSpec(id="e", url="http://e", cap=1)]))
         ),

@@ -28,7 +28,7 @@ from worker.router import EngineSpec
 
 __all__ = ["SECRET", "Harness", "expected_reply", "wait_turn"]
 
-SECRET = "test-secret"
+SECRET = "test-secret-9d41c7e2b8a05f36c1d4e7a2b9f0"
 
 
 def expected_reply(messages: list[dict[str, str]], max_tokens: int, max_len: int = 48) -> str:
@@ -82,6 +82,7 @@ class Harness:
             coalesce=CoalescePolicy(4, 0.02),
             presence=PresencePolicy(grace_s=30.0),
             shutdown_deadline_s=1.0,
+            session_rate_per_s=0.0,  # every test client is 127.0.0.1; limit tests set it
         )
         cfg = replace(cfg, **kw)
         if own_redis_url:
