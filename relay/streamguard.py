@@ -75,7 +75,6 @@ class StreamGuard:
         self.per_token, self.per_address = per_token, per_address
         self.by_token: Counter[str] = Counter()
         self.by_address: Counter[str] = Counter()
-        self.expired = 0  # streams ended because their token expired
         self._kicks: set[asyncio.Task[None]] = set()
 
     def admit(self, access: Access) -> Ticket:
@@ -110,7 +109,6 @@ class StreamGuard:
         _decrement(self.by_address, access.address)
 
     def expire(self, stream: Stream) -> None:
-        self.expired += 1
         task = asyncio.ensure_future(stream.kick("token_expired", EXPIRED_REASON))
         self._kicks.add(task)
         task.add_done_callback(self._kicks.discard)

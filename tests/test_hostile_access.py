@@ -40,6 +40,7 @@ from relay.streams import WS_CLOSE
 from tests.test_hostile import Env, bystander, no_crash
 from tests.test_server import STEP, SSEClient, running
 from tests.worker_harness import SECRET, Harness
+from worker.engine_client import EngineClient
 from worker.router import EngineSpec
 from worker.store import SessionStore
 
@@ -328,7 +329,8 @@ class EndlessEngine:
 
     CHUNK = ("lorem ipsum dolor sit amet " * 4)[:100]
 
-    def __init__(self) -> None:
+    def __init__(self, chunk: str = CHUNK) -> None:
+        self.chunk = chunk
         self.bodies: list[dict[str, Any]] = []
         self.hung_up = 0
         self.runner: web.AppRunner | None = None
@@ -338,7 +340,7 @@ class EndlessEngine:
         self.bodies.append(await request.json())
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        chunk = {"id": "endless", "choices": [{"index": 0, "delta": {"content": self.CHUNK}}]}
+        chunk = {"id": "endless", "choices": [{"index": 0, "delta": {"content": self.chunk}}]}
         data = b"data: " + json.dumps(chunk).encode() + b"\n\n"
         try:
             while True:
@@ -409,6 +411,30 @@ async def test_a_turn_without_max_tokens_ends_at_the_bound_of_an_endless_engine(
             async with asyncio.timeout(STEP):  # the engine saw every cut stream hang up
                 while engine.hung_up < len(engine.bodies):
                     await asyncio.sleep(0.05)
+    finally:
+        await engine.stop()
+
+
+async def test_the_engine_client_cuts_an_endless_reply_on_a_character_boundary():
+    """Bystander-free (no relay, no Redis): the engine client alone, against an engine
+    sending 3-byte characters that never stops; the cut keeps whole characters."""
+    engine = EndlessEngine(chunk="€" * 7)  # 21 bytes a chunk
+    await engine.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            client = EngineClient(http, max_reply_bytes=1000)
+            deltas = [d async for d in client.stream_chat(engine.url, "m", [], 10_000)]
+        text = "".join(d.text for d in deltas)
+        assert deltas[-1].finish_reason == "length"
+        assert text == "€" * 333  # 999 bytes: the 334th character would pass 1000
+        async with aiohttp.ClientSession() as http:
+            client = EngineClient(http, max_reply_bytes=10**6)
+            deltas = [d async for d in client.stream_chat(engine.url, "m", [], 5)]
+        assert "".join(d.text for d in deltas) == "€" * 35  # 5 chunks
+        assert deltas[-1].finish_reason == "length"
+        async with asyncio.timeout(STEP):
+            while engine.hung_up < 2:
+                await asyncio.sleep(0.05)
     finally:
         await engine.stop()
 
