@@ -18,9 +18,11 @@ $(STAMP): pyproject.toml
 
 ## demo: the whole stack on an embedded local Redis Cluster; Ctrl-C stops everything.
 ## Real engines: make demo DEMO_ARGS="--engine http://gpu-a:8000 --model NAME --engine-cap 32"
+## A random token secret per run, passed in the environment (never on a command line).
 DEMO_ARGS ?=
 demo: $(STAMP)
-	$(BIN)/tokenrelay demo $(DEMO_ARGS)
+	TOKENRELAY_SECRET="$$($(BIN)/python -c 'import secrets; print(secrets.token_urlsafe(32))')" \
+		$(BIN)/tokenrelay demo $(DEMO_ARGS)
 
 ## test: the whole suite against a real local Redis Cluster (started and stopped by the suite).
 test: $(STAMP) browser-deps

@@ -99,6 +99,7 @@ class _Run:
             engines=cfg.engines,
             redis_url=url,
             insecure_no_auth=True,
+            abuse_limits=False,  # sessions and turns driven as fast as the engines take them
             engine_cap=cfg.engine_cap,
             engine_args=[
                 "--kv-tokens", str(cfg.kv_tokens),

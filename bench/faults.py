@@ -370,6 +370,7 @@ async def run_fault(name: str, cfg: FaultConfig) -> dict[str, Any]:
         relays=2,
         workers=2,
         engines=2,
+        abuse_limits=False,  # every simulated client is 127.0.0.1, turns back to back
         engine_args=["--decode-tok-per-s", str(cfg.decode_tok_per_s)],
     )
     async with Stack(spec) as stack:

@@ -55,7 +55,7 @@ __all__ = [
     "mutate",
 ]
 
-SECRET: Final = b"fuzz-secret"
+SECRET: Final = b"fuzz-secret-7f3a9c1e5b2d8046a1c3e5f7b9d0"
 NOW: Final = 1_800_000_000.0
 VALID_SID: Final = "Sess_ion-42"
 VALID_TOKEN: Final = auth.issue_token(SECRET, VALID_SID, 3600, NOW, scope="write")

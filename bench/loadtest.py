@@ -386,7 +386,7 @@ async def run_loadtest(cfg: LoadConfig, spec: StackSpec | None = None) -> dict[s
         random.seed(cfg.seed)
     if cfg.relays and cfg.workers and cfg.redis:
         return await LoadTest(cfg, None).run()
-    spec = spec or StackSpec(relays=2, workers=2, engines=3)
+    spec = spec or StackSpec(relays=2, workers=2, engines=3, abuse_limits=False)
     async with Stack(spec) as stack:
         return await LoadTest(cfg, stack).run()
 
@@ -540,6 +540,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         relays=2,
         workers=2,
         engines=3,
+        abuse_limits=False,  # every simulated client is 127.0.0.1
         engine_cap=args.engine_cap,
         engine_args=["--max-concurrency", str(args.engine_concurrency)],
     )

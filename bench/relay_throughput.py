@@ -82,7 +82,7 @@ from relay.subscriber import raw_command
 
 __all__ = ["Config", "add_arguments", "main", "run", "run_from_args"]
 
-SECRET = "relay-throughput-bench-secret"
+SECRET = "relay-throughput-bench-5e8c1a7f3d9b2064"
 STAMP = re.compile(rb"(\d{19});")
 TARGETS = {
     "ratio_hiredis": ">= 0.7",
@@ -525,6 +525,7 @@ async def relay_process(
             sys.executable, "-m", "relay.cli", "relay", "--port", str(port),
             "--redis", url, "--secret", SECRET, "--relay-id", name,
             "--max-connections", str(max_conn), "--reap-after-s", "0",
+            "--max-streams-per-address", "0",  # every client of the bench is 127.0.0.1
             "--log-level", "WARNING",
             stdout=asyncio.subprocess.DEVNULL, stderr=log_file,
         )  # fmt: skip

@@ -19,6 +19,9 @@ from typing import Any, Final
 
 import msgspec
 
+from relay.auth import DEFAULT_KID, KeySet, WeakSecret, load_keys
+from relay.clientaddr import parse_networks
+
 __all__ = [
     "ENV",
     "ConfigError",
@@ -44,7 +47,9 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8080
     redis_url: str = "redis://127.0.0.1:7000"
-    secret: str = ""
+    secret: str = ""  # HS256 secret of key ``kid``; prefer TOKENRELAY_SECRET to the flag
+    kid: str = DEFAULT_KID
+    keys_file: str = ""  # a JWK Set: more HS256 secrets (rotation), ES256/RS256 public keys
     insecure_no_auth: bool = False
     relay_id: str = ""
     heartbeat_s: float = 15.0
@@ -61,19 +66,50 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_connections: int = 10_000
     ws_max_message_bytes: int = 4096
     cors_origin: str = "*"
+    max_streams_per_token: int = 16  # 0: no limit
+    max_streams_per_address: int = 256  # 0: no limit
+    trusted_proxies: str = ""  # comma-separated addresses / CIDRs allowed to set X-Forwarded-For
 
     @property
     def auth_enabled(self) -> bool:
         """Tokens are required unless ``insecure_no_auth`` (which allows an empty secret)."""
         return not self.insecure_no_auth
 
+    def keyset(self) -> KeySet | None:
+        """The keys tokens are verified with; None when auth is off. Raises ConfigError."""
+        if self.insecure_no_auth:
+            return None
+        try:
+            keys = load_keys(self.secret or None, self.kid, self.keys_file or None)
+        except WeakSecret as exc:
+            raise ConfigError(str(exc)) from None
+        private = keys.has_private_keys()
+        if private:
+            raise ConfigError(
+                f"the key file holds the private key {private[0]!r}: a relay verifies "
+                "tokens and needs only public keys"
+            )
+        return keys
+
     def validate(self) -> RelayConfig:
         """Return self, or raise :class:`ConfigError`; fills ``relay_id`` if empty."""
-        if not self.secret and not self.insecure_no_auth:
+        if self.insecure_no_auth and (self.secret or self.keys_file):
             raise ConfigError(
-                "no token secret: set --secret or TOKENRELAY_SECRET "
-                "(or --insecure-no-auth for local experiments)"
+                "a token secret and --insecure-no-auth (TOKENRELAY_INSECURE_NO_AUTH) are both "
+                "set: choose one"
             )
+        if not self.secret and not self.keys_file and not self.insecure_no_auth:
+            raise ConfigError(
+                "no token secret: set TOKENRELAY_SECRET (or --keys FILE), "
+                "or --insecure-no-auth for local experiments"
+            )
+        self.keyset()
+        if self.max_streams_per_token < 0 or self.max_streams_per_address < 0:
+            raise ConfigError("max_streams_per_token and max_streams_per_address must be >= 0")
+        try:
+            parse_networks(self.trusted_proxies)
+        except ValueError as exc:
+            raise ConfigError(f"trusted_proxies: {exc}") from None
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port {self.port} out of range")
         if (
@@ -108,6 +144,8 @@ _FIELDS: Final[dict[str, type]] = {
     "port": int,
     "redis_url": str,
     "secret": str,
+    "kid": str,
+    "keys_file": str,
     "insecure_no_auth": bool,
     "relay_id": str,
     "heartbeat_s": float,
@@ -124,6 +162,9 @@ _FIELDS: Final[dict[str, type]] = {
     "max_connections": int,
     "ws_max_message_bytes": int,
     "cors_origin": str,
+    "max_streams_per_token": int,
+    "max_streams_per_address": int,
+    "trusted_proxies": str,
 }
 ENV: Final[dict[str, str]] = {name: f"TOKENRELAY_{name.upper()}" for name in _FIELDS}
 _TRUE: Final = frozenset(("1", "true", "yes", "on"))
@@ -153,9 +194,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--host", help=f"address to bind (default {d.host})")
     a("--port", type=int, help=f"port to bind (default {d.port})")
     a("--redis", dest="redis_url", help=f"a Redis Cluster node URL (default {d.redis_url})")
-    auth = parser.add_mutually_exclusive_group()
-    auth.add_argument("--secret", help="HMAC secret of watch tokens (or TOKENRELAY_SECRET)")
-    auth.add_argument(
+    a("--secret", help="HS256 secret of tokens, >= 32 bytes; prefer TOKENRELAY_SECRET "
+      "(a flag is visible in ps)")  # fmt: skip
+    a("--kid", help=f"key id of --secret in token headers ({d.kid})")
+    a("--keys", dest="keys_file", help="JWK Set file: more HS256 secrets (rotation), "
+      "ES256 / RS256 public keys")  # fmt: skip
+    a(
         "--insecure-no-auth",
         action="store_const",
         const=True,
@@ -176,6 +220,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-connections", type=int, help=f"streams at once; more get 503 ({d.max_connections})")
     a("--ws-max-message-bytes", type=int, help=f"largest WS client message ({d.ws_max_message_bytes})")  # noqa: E501  # fmt: skip
     a("--cors-origin", help=f"Access-Control-Allow-Origin ({d.cors_origin!r})")
+    a("--max-streams-per-token", type=int, help=f"open streams per token; more get 429; 0: no limit ({d.max_streams_per_token})")  # noqa: E501  # fmt: skip
+    a("--max-streams-per-address", type=int, help=f"open streams per client address; 0: no limit ({d.max_streams_per_address})")  # noqa: E501  # fmt: skip
+    a("--trusted-proxy", dest="trusted_proxies", help="addresses / CIDRs (comma-separated) whose X-Forwarded-For is believed (none)")  # noqa: E501  # fmt: skip
 
 
 def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> RelayConfig:
@@ -188,8 +235,4 @@ def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None
             values[name] = flag
         elif ENV[name] in env:
             values[name] = _from_env(name, env[ENV[name]])
-    if getattr(args, "insecure_no_auth", None):
-        values.pop("secret", None)  # the flag overrides a secret from the environment
-    elif getattr(args, "secret", None):
-        values["insecure_no_auth"] = False  # and --secret overrides an insecure environment
     return RelayConfig(**values).validate()

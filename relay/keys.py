@@ -32,6 +32,7 @@ __all__ = [
     "new_session_id",
     "parse_session",
     "presence_key",
+    "turn_rate_key",
     "worker_key",
 ]
 
@@ -54,6 +55,7 @@ class KeyKind(StrEnum):
     PRESENCE = "presence"  # sorted set: relay id -> last seen (ms), who watches
     LOCK = "lock"  # string: the turn that currently generates
     IDEM = "idem"  # string: Idempotency-Key -> turn
+    RATE = "rate"  # string: turn requests in one minute (worker abuse limit)
 
 
 def parse_session(raw: object) -> str:
@@ -106,6 +108,11 @@ def idem_key(sid: str, idempotency_key: str) -> str:
     if _IDEM_RE.fullmatch(idempotency_key) is None:
         raise ValueError("Idempotency-Key must be 1-128 printable ASCII characters")
     return key(sid, KeyKind.IDEM, idempotency_key)
+
+
+def turn_rate_key(sid: str, minute: int) -> str:
+    """Counter of turn requests of ``sid`` in the minute ``minute`` (Unix s // 60)."""
+    return key(sid, KeyKind.RATE, str(minute))
 
 
 # -- control plane (not per session) -------------------------------------------------

@@ -41,6 +41,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from relay import runtime, sse
 from relay.auth import AuthError, extract_token, verify_token
+from relay.clientaddr import client_address, parse_networks
 from relay.config import RelayConfig
 from relay.errors import RelayError, WatchClosed
 from relay.frame import now_ms
@@ -48,6 +49,7 @@ from relay.hub import Delivery, Hub, Tap
 from relay.keys import InvalidSessionId, parse_session
 from relay.metrics import RelayMetrics
 from relay.redis_client import connect
+from relay.streamguard import Access, StreamGuard, Ticket
 from relay.streams import (
     CORS_HEADERS,
     GOODBYE_S,
@@ -92,6 +94,10 @@ class EdgeServer:
         self.admitted = 0  # streams past admission (includes those still opening)
         self._beat_task: asyncio.Task[None] | None = None
         self._lag_task: asyncio.Task[None] | None = None
+        self.keys = config.keyset()  # None: auth off
+        self.trusted = parse_networks(config.trusted_proxies)
+        self.guard = StreamGuard(config.max_streams_per_token, config.max_streams_per_address)
+        self._tickets: dict[Stream, Ticket] = {}
         if hub is not None:
             self.metrics.bind_hub(hub.stats)
             hub.live_observers.append(self._on_live)
@@ -161,16 +167,21 @@ class EdgeServer:
         except InvalidSessionId as exc:
             raise Reject(400, "bad_session", str(exc)) from None
 
-    def _authorize(self, request: web.Request, sid: str) -> None:
-        if not self.config.auth_enabled:
-            return
+    def _authorize(self, request: web.Request, sid: str) -> Access:
+        """The verified token (limits and expiry are applied to it in :meth:`_open`)."""
+        address = client_address(
+            request.remote, request.headers.get("X-Forwarded-For"), self.trusted
+        )
+        if self.keys is None:
+            return Access(None, "", address)
         try:
             token = extract_token(request.headers.get("Authorization"), request.query.get("token"))
-            verify_token(self.config.secret, token, sid, time.time())
+            claims = verify_token(self.keys, token, sid, time.time())
         except AuthError as exc:
             self.metrics.auth_failures.labels(exc.error).inc()
             headers = {"WWW-Authenticate": 'Bearer realm="tokenrelay"'} if exc.status == 401 else {}
             raise Reject(exc.status, exc.error, exc.reason, headers) from None
+        return Access(claims, token, address)
 
     def _offset(self, parse: Callable[[], int | None]) -> int | None:
         try:
@@ -184,10 +195,11 @@ class EdgeServer:
         if self.admitted >= self.config.max_connections:
             raise Reject(503, "overloaded", "too many streams on this relay", RETRY_AFTER)
 
-    async def _open(self, transport: str, sid: str, offset: int | None) -> Stream:
+    async def _open(self, transport: str, sid: str, offset: int | None, access: Access) -> Stream:
         """Admit and watch; the caller must call :meth:`_close` once done."""
         self._check_capacity()
         assert self.hub is not None
+        ticket = self.guard.admit(access)  # 429 past the per-token / per-address limits
         self.admitted += 1
         # The watch opens in a task of its own: a client that hangs up (its handler is
         # cancelled) or a timeout must not cancel redis-py mid-command, which breaks the
@@ -197,9 +209,11 @@ class EdgeServer:
             watch = await asyncio.wait_for(asyncio.shield(opening), WATCH_TIMEOUT_S)
         except WatchClosed as exc:
             self.admitted -= 1
+            ticket.release()
             raise Reject(503, "draining", exc.reason, RETRY_AFTER) from None
         except (RelayError, TimeoutError) as exc:
             self.admitted -= 1
+            ticket.release()
             if not opening.done():
                 opening.add_done_callback(self._close_abandoned)
             raise Reject(
@@ -207,10 +221,13 @@ class EdgeServer:
             ) from None
         except BaseException:
             self.admitted -= 1
+            ticket.release()
             opening.add_done_callback(self._close_abandoned)
             raise
         stream = Stream(transport, sid, offset, watch)
         self.streams.add(stream)
+        self._tickets[stream] = ticket
+        ticket.bind(stream)  # ends the stream (token_expired) when the token expires
         m = self.metrics
         m.accepted.labels(transport).inc()
         m.connections.labels(transport).inc()
@@ -232,6 +249,9 @@ class EdgeServer:
     async def _close(self, stream: Stream, code: str) -> None:
         self.streams.discard(stream)
         self.admitted -= 1
+        ticket = self._tickets.pop(stream, None)
+        if ticket is not None:
+            ticket.release()
         await stream.watch.close()
         m = self.metrics
         m.connections.labels(stream.transport).dec()
@@ -279,13 +299,13 @@ class EdgeServer:
 
     async def sse_handler(self, request: web.Request) -> web.StreamResponse:
         sid = self._session(request)
-        self._authorize(request, sid)
+        access = self._authorize(request, sid)
         offset = self._offset(
             lambda: sse.resume_offset(
                 request.headers.get("Last-Event-ID"), request.query.get("last_event_id")
             )
         )
-        stream = await self._open("sse", sid, offset)
+        stream = await self._open("sse", sid, offset, access)
         code = "closed"
         try:
             resp = web.StreamResponse(
@@ -369,7 +389,7 @@ class EdgeServer:
 
     async def ws_handler(self, request: web.Request) -> web.StreamResponse:
         sid = self._session(request)
-        self._authorize(request, sid)
+        access = self._authorize(request, sid)
         offset = self._offset(lambda: sse.parse_offset(request.query.get("from"), name="from"))
         cfg = self.config
         ws = web.WebSocketResponse(
@@ -380,7 +400,7 @@ class EdgeServer:
         )
         if not ws.can_prepare(request).ok:
             raise Reject(400, "not_websocket", "this endpoint needs a WebSocket upgrade")
-        stream = await self._open("ws", sid, offset)
+        stream = await self._open("ws", sid, offset, access)
         code = "closed"
         writer: asyncio.Task[str] | None = None
         try:

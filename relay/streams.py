@@ -55,6 +55,7 @@ __all__ = [
 WS_CLOSE: Final[dict[str, tuple[int, str]]] = {
     "relay_shutdown": (1012, "service restart"),
     "slow_consumer": (4008, "slow consumer"),
+    "token_expired": (4401, "token expired"),
     "bad_message": (4400, "bad message"),
     "binary": (1003, "binary messages are not supported"),
     "too_big": (1009, "message too big"),

@@ -13,7 +13,9 @@ import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
+import jwt
 import pytest
 from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
@@ -100,6 +102,13 @@ async def test_two_screens_see_the_same_reply_and_survive_a_relay_kill(
             await one.click("#new-session")
             await one.wait_for_function("location.hash.includes('session=')")
             session_url = one.url
+            # "open on another screen" carries a watch token minted for it, not ours
+            await one.wait_for_function("document.getElementById('share').href !== location.href")
+            share = await one.get_attribute("#share", "href") or ""
+            shared = share.split("token=")[1].split("&")[0]
+            claims = jwt.decode(unquote(shared), options={"verify_signature": False})
+            assert claims["scope"] == "watch", claims
+            assert claims["sub"] == session_url.split("session=")[1].split("&")[0]
             two = await browser.new_page(viewport={"width": 1200, "height": 800})
             await two.goto(session_url.replace("#", "#transport=ws&"))
             for page in (one, two):

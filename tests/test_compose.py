@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import subprocess
 from pathlib import Path
@@ -121,15 +122,28 @@ def test_compose_config_validates_where_a_compose_binary_exists() -> None:
         cmd = ["docker", "compose", "-f", str(COMPOSE), "config", "-q"]
     else:
         pytest.skip("no compose binary on PATH; the file was checked by parsing above")
-    # The file refuses to start without its secrets (no default password): give some.
-    env = {**os.environ, "RABBITMQ_PASSWORD": "compose-config-check-only"}
+    # The file refuses to start without its secrets (no default secret or password).
+    env = dict(
+        os.environ,
+        TOKENRELAY_SECRET=secrets.token_urlsafe(32),
+        RABBITMQ_PASSWORD=secrets.token_urlsafe(16),
+    )
     result = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60, env=env)
     assert result.returncode == 0, result.stderr
-    unset = {k: v for k, v in env.items() if k != "RABBITMQ_PASSWORD"}
-    refused = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60,
-                             env=unset)  # fmt: skip
-    assert refused.returncode != 0
-    assert "RABBITMQ_PASSWORD" in refused.stderr
+    for name in ("TOKENRELAY_SECRET", "RABBITMQ_PASSWORD"):
+        unset = {k: v for k, v in env.items() if k != name}
+        result = subprocess.run(
+            cmd, capture_output=True, text=True, check=False, timeout=60, env=unset
+        )
+        assert result.returncode != 0, name
+        assert f"set {name}" in result.stderr, name
+
+
+def test_compose_has_no_default_secret() -> None:
+    text = COMPOSE.read_text()
+    assert "${TOKENRELAY_SECRET:?set TOKENRELAY_SECRET}" in text
+    assert "TOKENRELAY_SECRET:-" not in text
+    assert "${RABBITMQ_PASSWORD:?set RABBITMQ_PASSWORD}" in text
 
 
 def _get_paths(app: Any) -> set[str]:
@@ -150,7 +164,7 @@ def test_healthchecks_probe_routes_the_services_really_serve() -> None:
     from worker.router import EngineSpec
 
     paths = {
-        "relay": _get_paths(relay_app(RelayConfig(secret="x" * 32))),
+        "relay": _get_paths(relay_app(RelayConfig(secret=secrets.token_urlsafe(32)))),
         "worker": _get_paths(
             worker_app(WorkerConfig(engines=[EngineSpec(id="e", url="http://e", cap=1)]))
         ),

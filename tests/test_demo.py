@@ -99,6 +99,26 @@ async def test_make_demo_serves_one_url_streams_a_turn_and_stops_everything(
             redis_url = view["redis"]
             kinds_running = sorted({p["kind"] for p in view["processes"] if p["alive"]})
             assert kinds_running == ["engine", "relay", "worker"], view["processes"]
+            # the secret is random per run and reaches the children by environment only
+            for p in view["processes"]:
+                argv = Path(f"/proc/{p['pid']}/cmdline").read_bytes().split(b"\0")
+                assert b"--secret" not in argv, argv
+                environ = Path(f"/proc/{p['pid']}/environ").read_bytes().split(b"\0")
+                has_secret = any(e.startswith(b"TOKENRELAY_SECRET=") for e in environ)
+                assert has_secret == (p["kind"] != "engine"), p
+            # the share link's watch token, minted through the front door, cannot write
+            async with http.post(
+                f"{base}/v1/sessions/{sid}/tokens", json={"scope": "watch"}, headers=auth
+            ) as r:
+                assert r.status == 201, await r.text()
+                watch = (await r.json())["token"]
+            async with http.post(
+                f"{base}/v1/sessions/{sid}/turns",
+                json={"message": "from a viewer"},
+                headers={"Authorization": f"Bearer {watch}"},
+            ) as r:
+                assert r.status == 403
+                assert (await r.json())["error"] == "token_wrong_scope"
         proc.send_signal(signal.SIGINT)
         async with asyncio.timeout(60):
             assert await proc.wait() == 0, out_path.read_text()[-3000:]

@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import jwt
+import orjson
 import pytest
 from aiohttp import WSMsgType
 from aiohttp.http_exceptions import HttpProcessingError
@@ -408,6 +410,26 @@ def _flip(token: str, i: int) -> str:
     return token[:i] + alphabet[(alphabet.index(c) + 1) % 64] + token[i + 1 :]
 
 
+OTHER_SECRET = "not-the-secret-but-as-strong-3f9a1c7e5b2d"
+
+
+def _jwt(sid: str, header: dict[str, Any]) -> str:
+    """A token signed with the real secret but a hostile header (``None`` drops a field)."""
+    now = int(time.time())
+    claims = {"sub": sid, "scope": "write", "iat": now, "exp": now + 300}
+    head = {k: v for k, v in {"alg": "HS256", "kid": "k1", **header}.items() if v is not None}
+    if head["alg"] == "none":
+        b64 = base64.urlsafe_b64encode
+        parts = [b64(orjson.dumps(x)).rstrip(b"=").decode() for x in (head, claims)]
+        return ".".join([*parts, ""])
+    extra = {k: v for k, v in head.items() if k != "alg"}
+    key = SECRET * 2 if head["alg"] == "HS512" else SECRET  # HS512 wants 64 bytes
+    token: str = jwt.encode(claims, key, algorithm=head["alg"], headers=extra)
+    if "kid" not in head:  # PyJWT keeps no kid unless given one; make sure
+        assert "kid" not in jwt.get_unverified_header(token)
+    return token
+
+
 def bad_tokens(sid: str, other: str) -> list[tuple[dict[str, str], dict[str, str], int, str]]:
     """(query, headers, status, error) for every kind of wrong token."""
     good = tok(sid)
@@ -415,7 +437,11 @@ def bad_tokens(sid: str, other: str) -> list[tuple[dict[str, str], dict[str, str
     return [
         ({}, {}, 401, "token_missing"),
         ({"token": ""}, {}, 401, "token_missing"),
-        ({"token": tok(sid, secret="not-the-secret")}, {}, 403, "token_invalid"),  # forged
+        ({"token": tok(sid, secret=OTHER_SECRET)}, {}, 403, "token_invalid"),  # forged, kid k1
+        ({"token": _jwt(sid, {"alg": "none"})}, {}, 403, "token_invalid"),  # alg none
+        ({"token": _jwt(sid, {"alg": "HS512"})}, {}, 403, "token_invalid"),  # not the key's alg
+        ({"token": _jwt(sid, {"kid": "k9"})}, {}, 403, "token_unknown_key"),
+        ({"token": _jwt(sid, {"kid": None})}, {}, 403, "token_unknown_key"),  # no kid at all
         ({"token": "abc.def"}, {}, 403, "token_invalid"),
         ({"token": good[:-3]}, {}, 403, "token_invalid"),  # truncated
         ({"token": _flip(good, 5)}, {}, 403, "token_invalid"),  # payload bit flip
@@ -429,6 +455,7 @@ def bad_tokens(sid: str, other: str) -> list[tuple[dict[str, str], dict[str, str
         ({}, {bearer: "Bearer"}, 403, "token_invalid"),
         ({"token": good}, {bearer: "Bearer junk"}, 403, "token_invalid"),  # the header wins
         ({"token": tok(sid, ttl=1, now=time.time() - 60)}, {}, 403, "token_expired"),
+        ({"token": tok(sid, now=time.time() + 3600)}, {}, 403, "token_not_yet_valid"),
         ({"token": tok(other)}, {}, 403, "token_wrong_session"),
         ({}, {bearer: f"Bearer {tok(other, scope='write')}"}, 403, "token_wrong_session"),
     ]
@@ -814,7 +841,10 @@ async def test_ten_thousand_connection_attempts_in_a_burst(cluster, redis, tmp_p
         pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {need}")
     sid = new_session_id()
     t = tok(sid)
-    flags = ("--max-connections", str(max_conn), "--heartbeat-s", "1")
+    # one token, one address for every attempt: this measures the relay's capacity, so
+    # the per-token and per-address limits (tests/test_hostile_access.py) are lifted
+    flags = ("--max-connections", str(max_conn), "--heartbeat-s", "1",
+             "--max-streams-per-address", "0", "--max-streams-per-token", "0")  # fmt: skip
     async with (
         relay_process(cluster, tmp_path, "edge-burst", *flags) as relay,
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http,
@@ -960,7 +990,7 @@ BAD_OFFSETS = [
     "９",  # fullwidth
     "9" * 17,
     str(2**53),
-    "1" * 8000,
+    "1" * 7800,  # with the token, just under aiohttp's 8190-byte request line
 ]
 
 

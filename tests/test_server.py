@@ -34,7 +34,7 @@ from relay.server import SERVER, EdgeServer, make_app, make_runner
 
 pytestmark = pytest.mark.integration
 
-SECRET = "test-secret"
+SECRET = "test-secret-9d41c7e2b8a05f36c1d4e7a2b9f0"
 STEP = 10.0  # seconds any single expectation may take
 
 

@@ -29,7 +29,7 @@ from worker.router import EngineSpec
 
 __all__ = ["SECRET", "SHORT_REPLIES", "Harness", "expected_reply", "wait_turn"]
 
-SECRET = "test-secret"
+SECRET = "test-secret-9d41c7e2b8a05f36c1d4e7a2b9f0"
 # the harness's engines answer short (8..48 tokens): tests of the API, not of long replies
 SHORT_REPLIES = ReplyLength(mean=28.0, max_tokens=48, min_tokens=8, sigma=0.5)
 
@@ -91,6 +91,7 @@ class Harness:
             coalesce=CoalescePolicy(4, 0.02),
             presence=PresencePolicy(grace_s=30.0),
             shutdown_deadline_s=1.0,
+            session_rate_per_s=0.0,  # every test client is 127.0.0.1; limit tests set it
         )
         cfg = replace(cfg, **kw)
         if own_redis_url:

@@ -2,8 +2,12 @@
 
 Routes (DESIGN.md section 4, kept exactly):
 
-* ``POST /v1/sessions`` -> ``201 {"session": sid, "token": token}`` (a ``write`` token:
-  it lets the holder post turns and watch the session on any relay);
+* ``POST /v1/sessions`` -> ``201 {"session": sid, "token": token, "expires_at"}`` (a
+  ``write`` token: it lets the holder post turns, mint tokens and watch the session on
+  any relay); 429 + Retry-After when this client address creates sessions too fast;
+* ``POST /v1/sessions/{sid}/tokens`` with a write token and ``{"scope": "watch"|"write",
+  "ttl_s"?: int}`` -> ``201 {"session", "token", "scope", "expires_at"}`` (the lifetime
+  capped by ``max_token_ttl_s`` and the session's; see :mod:`worker.access`);
 * ``POST /v1/sessions/{sid}/turns`` with ``{"message": str, "system"?: str,
   "max_tokens"?: int}`` and the token (``Authorization: Bearer`` or ``?token=``) ->
   ``202 {"session", "turn", "offset"}``; then frames flow on the session's channel.
@@ -14,7 +18,8 @@ Routes (DESIGN.md section 4, kept exactly):
   than queueing because a queued turn would be generated against a history that does
   not yet hold the running turn's reply, and a queue hides load from the client),
   413 (body or message too large), 415 (not ``application/json``), 429 + Retry-After
-  (every engine full), 503 (draining, or Redis unavailable);
+  (every engine full, or ``turns_per_minute`` of this session used), 503 (draining, or
+  Redis unavailable). Without ``max_tokens`` the turn gets ``default_max_tokens``;
 * ``POST /v1/chat/completions`` and ``GET /v1/models``: the OpenAI-compatible gateway
   (:mod:`worker.gateway`), routed by the same router, no session;
 * ``POST /v1/jobs``, ``GET /v1/jobs/{id}``: offline jobs on RabbitMQ when ``--amqp`` is
@@ -35,7 +40,6 @@ import logging
 import math
 import os
 import socket
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -45,12 +49,13 @@ import orjson
 from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
 
-from relay.auth import AuthError, extract_token, issue_token, verify_token
+from relay.auth import AuthError, load_keys
 from relay.errors import RelayError, map_redis_errors
 from relay.keys import InvalidSessionId, idem_key, new_session_id, parse_session
 from relay.publisher import Publisher
 from relay.redis_client import connect
 from worker import direct, gateway, jobs_api
+from worker.access import BadTokenRequest, Refusal, WorkerAccess, parse_token_request
 from worker.coalesce import DEFAULT_POLICY, CoalescePolicy
 from worker.control import ControlPlane
 from worker.engine_client import EngineClient
@@ -73,7 +78,15 @@ from worker.turns import (
     TurnManager,
 )
 
-__all__ = ["STATE", "WorkerConfig", "WorkerState", "begin_drain", "default_worker_id", "make_app"]
+__all__ = [
+    "STATE",
+    "WorkerConfig",
+    "WorkerState",
+    "access_check",
+    "begin_drain",
+    "default_worker_id",
+    "make_app",
+]
 
 _log = logging.getLogger(__name__)
 _JSON: Final = "application/json"
@@ -95,7 +108,16 @@ class WorkerConfig:
     # end the turn with an error frame.
     redis_timeout_s: float = 2.0
     engines: list[EngineSpec] = field(default_factory=list)
-    secret: str | None = None  # None: --insecure-no-auth
+    secret: str | None = None  # HS256 secret of key ``kid``; None (and no keys_file): no auth
+    kid: str = "k1"  # the key the worker signs with (an HS256 secret or a private JWK)
+    keys_file: str | None = None  # JWK Set: previous secrets (rotation), an ES256/RS256 key
+    trusted_proxies: str = ""  # whose X-Forwarded-For names the client (comma-separated CIDRs)
+    max_token_ttl_s: int = 86_400  # and never past the session's lifetime (session_ttl_s)
+    session_rate_per_s: float = 1.0  # new sessions per client address, after the burst; 0: off
+    session_burst: int = 20
+    turns_per_minute: int = 30  # turn requests per session per minute; 0: off
+    default_max_tokens: int = 1024  # a turn without max_tokens gets this
+    max_reply_bytes: int = 256 * 1024  # the engine's reply is cut here (and stored so)
     model: str = "tokenrelay-mock"
     worker_id: str = field(default_factory=default_worker_id)
     token_ttl_s: int = 86_400
@@ -140,6 +162,7 @@ class WorkerState:
     control: ControlPlane
     exchange: LoadExchange | None
     own_redis: bool
+    access: WorkerAccess
 
 
 STATE: Final = web.AppKey("tokenrelay_worker", WorkerState)
@@ -159,18 +182,42 @@ def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = No
                         headers=headers)  # fmt: skip
 
 
+def _refused(st: WorkerState, exc: Refusal) -> web.Response:
+    st.metrics.rejected.labels(status="429").inc()
+    return _err(429, exc.code, exc.reason, headers={"Retry-After": exc.retry_after})
+
+
 async def _create_session(request: web.Request) -> web.Response:
     st = request.app[STATE]
     if st.turns.draining:
         return _err(503, "draining", "worker is shutting down", headers={"Retry-After": "1"})
+    try:
+        st.access.check_creation(request)
+    except Refusal as exc:
+        return _refused(st, exc)
     sid = new_session_id()
-    if st.cfg.secret is None:
-        token = "insecure-no-auth"
-    else:
-        # never longer than the session: its keys expire session_ttl_s after the last write
-        ttl = min(st.cfg.token_ttl_s, st.cfg.session_ttl_s)
-        token = issue_token(st.cfg.secret, sid, ttl, time.time(), scope="write")
-    return _json(201, {"session": sid, "token": token})
+    minted = st.access.mint(sid, "write", st.cfg.token_ttl_s)
+    return _json(201, {"session": sid, "token": minted.token, "expires_at": minted.expires_at})
+
+
+async def _mint_token(request: web.Request) -> web.Response:
+    """A watch (share link) or write (refresh) token for a session, given a write token."""
+    st = request.app[STATE]
+    try:
+        sid = parse_session(request.match_info["sid"])
+    except InvalidSessionId as exc:
+        return _err(400, "invalid_session", str(exc))
+    try:
+        st.access.authorize(request, sid, "write")
+    except AuthError as exc:
+        return _err(exc.status, exc.error, exc.reason)
+    try:
+        scope, ttl_s = parse_token_request(await request.read())
+    except BadTokenRequest as exc:
+        return _err(400, "invalid_token_request", str(exc))
+    except web.HTTPRequestEntityTooLarge:
+        return _err(413, "body_too_large", f"body larger than {st.cfg.max_body_bytes} bytes")
+    return _json(201, st.access.mint(sid, scope, ttl_s).body(sid))
 
 
 class _BadRequest(Exception):
@@ -179,7 +226,7 @@ class _BadRequest(Exception):
         self.status, self.code, self.reason = status, code, reason
 
 
-def _parse_turn(raw: bytes, cfg: WorkerConfig) -> tuple[str, str | None, int | None]:
+def _parse_turn(raw: bytes, cfg: WorkerConfig) -> tuple[str, str | None, int]:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -212,7 +259,7 @@ def _parse_turn(raw: bytes, cfg: WorkerConfig) -> tuple[str, str | None, int | N
                 "invalid_max_tokens",
                 f"'max_tokens' must be between 1 and {cfg.max_tokens_limit}",
             )
-    return message, system or None, max_tokens
+    return message, system or None, max_tokens or cfg.default_max_tokens
 
 
 async def _post_turn(request: web.Request) -> web.StreamResponse:
@@ -222,12 +269,10 @@ async def _post_turn(request: web.Request) -> web.StreamResponse:
         sid = parse_session(request.match_info["sid"])
     except InvalidSessionId as exc:
         return _err(400, "invalid_session", str(exc))
-    if cfg.secret is not None:
-        try:
-            token = extract_token(request.headers.get("Authorization"), request.query.get("token"))
-            verify_token(cfg.secret, token, sid, time.time(), need="write")
-        except AuthError as exc:
-            return _err(exc.status, exc.error, exc.reason)
+    try:
+        st.access.authorize(request, sid, "write")
+    except AuthError as exc:
+        return _err(exc.status, exc.error, exc.reason)
     if request.content_type != _JSON:
         return _err(415, "unsupported_media_type", "send the body as application/json")
     if request.content_length is not None and request.content_length > cfg.max_body_bytes:
@@ -252,6 +297,13 @@ async def _post_turn(request: web.Request) -> web.StreamResponse:
             idem_key(sid, idem)
         except ValueError as exc:
             return _err(400, "invalid_idempotency_key", str(exc))
+    try:
+        await st.access.check_turn_rate(st.redis, sid)
+    except Refusal as exc:
+        return _refused(st, exc)
+    except RelayError as exc:
+        st.metrics.rejected.labels(status="503").inc()
+        return _err(503, "redis_unavailable", str(exc), headers={"Retry-After": "1"})
     try:
         started = await st.turns.start_turn(
             sid, message, system=system, max_tokens=max_tokens, idempotency_key=idem,
@@ -360,6 +412,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     metrics.bind_router(router)
     engine = EngineClient(
         http,
+        max_reply_bytes=cfg.max_reply_bytes,
         connect_timeout_s=cfg.connect_timeout_s,
         first_token_timeout_s=cfg.first_token_timeout_s,
         idle_timeout_s=cfg.idle_timeout_s,
@@ -396,13 +449,15 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         on_engine_down=turns.abort_engine,
     )
     exchange = LoadExchange(redis, router, cfg.worker_id) if cfg.load_exchange else None
-    app[STATE] = WorkerState(cfg, redis, http, router, metrics, turns, control, exchange, own)
+    app[STATE] = WorkerState(
+        cfg, redis, http, router, metrics, turns, control, exchange, own, access_check(cfg)
+    )
     app[GATEWAY] = Gateway(
         GatewayConfig(
             model=cfg.model,
             keys=cfg.gateway_keys,
-            auth=cfg.secret is not None,
-            default_max_tokens=min(1024, cfg.max_tokens_limit),
+            auth=app[STATE].access.keys is not None,
+            default_max_tokens=cfg.default_max_tokens,
             max_tokens_limit=cfg.max_tokens_limit,
             admit_wait_s=cfg.admit_wait_s,
             prefix_chars=cfg.prefix_chars,
@@ -417,9 +472,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         app[JOBS] = JobsApi(
             store=JobStore(redis, ttl_s=cfg.job_ttl_s),
             submitter=submitter,
-            secret=cfg.secret,
+            access=app[STATE].access,
             api_keys=cfg.gateway_keys,
-            default_max_tokens=min(1024, cfg.max_tokens_limit),
+            default_max_tokens=cfg.default_max_tokens,
             max_tokens_limit=cfg.max_tokens_limit,
             max_prompt_chars=cfg.max_message_chars,
         )
@@ -441,6 +496,24 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
                 await redis.aclose()
 
 
+def access_check(cfg: WorkerConfig) -> WorkerAccess:
+    """The worker's access rules from ``cfg``; ValueError (one line) for weak or default
+    secrets, an unreadable key file, no signing key, a bad trusted-proxy list."""
+    auth = cfg.secret is not None or bool(cfg.keys_file)
+    keys = load_keys(cfg.secret, cfg.kid, cfg.keys_file) if auth else None
+    if keys is not None and keys.signing is None:
+        raise ValueError(f"no signing key {cfg.kid!r}: the worker mints tokens with it")
+    return WorkerAccess(
+        keys,
+        trusted_proxies=cfg.trusted_proxies,
+        max_token_ttl_s=cfg.max_token_ttl_s,
+        session_ttl_s=cfg.session_ttl_s,
+        session_rate_per_s=cfg.session_rate_per_s,
+        session_burst=cfg.session_burst,
+        turns_per_minute=cfg.turns_per_minute,
+    )
+
+
 def begin_drain(app: web.Application) -> None:
     """Stop taking turns (POSTs get 503, /readyz 503); the cleanup finishes the drain."""
     app[STATE].turns.draining = True
@@ -455,6 +528,7 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/sessions", _create_session)
     app.router.add_post("/v1/sessions/{sid:[^/]+}/turns", _post_turn)  # a bad id: 400, not 404
+    app.router.add_post("/v1/sessions/{sid:[^/]+}/tokens", _mint_token)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)

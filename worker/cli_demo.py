@@ -4,19 +4,27 @@ Starts a local Redis Cluster (3 masters + 3 replicas), 3 mock engines (or the en
 URLs given with ``--engine``), 2 relays, 2 workers (each a child process, stopped by
 pid) and, in this process, the front door that serves the page and spreads requests
 over relays and workers without stickiness.
+
+The token secret comes from ``TOKENRELAY_SECRET`` when set (``make demo`` sets a random
+one per run), else is generated here; either way the children get it in their
+environment, never on a command line. A weak or example secret is refused (exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import secrets
 import signal
+import sys
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from relay import runtime
+from relay.auth import WeakSecret, check_secret
 from relay.httpguard import GuardedSite
 from worker.frontdoor import FrontDoor, make_frontdoor_app
 from worker.stack import Stack, StackSpec
@@ -115,6 +123,16 @@ async def run_demo(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    secret = os.environ.get("TOKENRELAY_SECRET", "")
+    if args.insecure_no_auth and secret:
+        print("error: TOKENRELAY_SECRET and --insecure-no-auth are both set: choose one",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        args.secret = check_secret(secret).decode() if secret else secrets.token_urlsafe(32)
+    except (WeakSecret, UnicodeDecodeError) as exc:
+        print(f"error: TOKENRELAY_SECRET: {exc}", file=sys.stderr)
+        return 2
     return runtime.run(run_demo(args))
 
 
@@ -135,6 +153,5 @@ def register(subparsers: Any) -> None:
         default=12,
         help="in-flight cap per engine: 1.5 x its concurrent sequences (the mocks run 8)",
     )
-    p.add_argument("--secret", default="demo-secret-change-me")
     p.add_argument("--insecure-no-auth", action="store_true")
     p.set_defaults(func=_main)

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from relay import runtime
 from relay.httpguard import GuardedSite
-from worker.api import STATE, WorkerConfig, begin_drain, default_worker_id, make_app
+from worker.api import STATE, WorkerConfig, access_check, begin_drain, default_worker_id, make_app
 from worker.coalesce import DEFAULT_POLICY, CoalescePolicy
 from worker.control import parse_engine_arg
 from worker.presence import PresencePolicy
@@ -70,13 +70,52 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="also use engines announced in Redis (tr:engines heartbeats)",
     )
-    auth = p.add_mutually_exclusive_group()
-    auth.add_argument(
+    env = os.environ.get
+    p.add_argument(
         "--secret",
-        default=os.environ.get("TOKENRELAY_SECRET"),
-        help="HMAC secret for session tokens, shared with relays (or TOKENRELAY_SECRET)",
+        default=env("TOKENRELAY_SECRET"),
+        help="HS256 secret of session tokens (>= 32 bytes), shared with relays; prefer "
+        "TOKENRELAY_SECRET (a flag is visible in ps)",
     )
-    auth.add_argument("--insecure-no-auth", action="store_true", help="no tokens (dev only)")
+    p.add_argument(
+        "--kid",
+        default=env("TOKENRELAY_KID", d.kid),
+        help=f"id of the key tokens are signed with (or TOKENRELAY_KID; {d.kid})",
+    )
+    p.add_argument(
+        "--keys",
+        dest="keys_file",
+        default=env("TOKENRELAY_KEYS_FILE"),
+        help="JWK Set file: previous HS256 secrets (rotation) or an ES256/RS256 private key "
+        "named by --kid (or TOKENRELAY_KEYS_FILE)",
+    )
+    p.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        default=env("TOKENRELAY_INSECURE_NO_AUTH", "").lower() in ("1", "true", "yes", "on"),
+        help="no tokens (dev only; or TOKENRELAY_INSECURE_NO_AUTH=1)",
+    )
+    p.add_argument(
+        "--trusted-proxy",
+        dest="trusted_proxies",
+        default=env("TOKENRELAY_TRUSTED_PROXIES", ""),
+        help="addresses / CIDRs whose X-Forwarded-For names the client (none)",
+    )
+    limits = (
+        ("--max-token-ttl-s", int, d.max_token_ttl_s,
+         "longest token lifetime, also capped by --session-ttl-s"),
+        ("--session-rate", float, d.session_rate_per_s,
+         "new sessions per second per client address after the burst; 0: off"),
+        ("--session-burst", int, d.session_burst, "new sessions at once per client address"),
+        ("--turns-per-minute", int, d.turns_per_minute,
+         "turn requests per session per minute; 0: off"),
+        ("--default-max-tokens", int, d.default_max_tokens,
+         "max_tokens of a turn that gives none"),
+        ("--max-reply-bytes", int, d.max_reply_bytes,
+         "an engine reply is cut (and stored) at this many bytes"),
+    )  # fmt: skip
+    for flag, kind, default, text in limits:
+        p.add_argument(flag, type=kind, default=default, help=f"{text} ({default:g})")
     p.add_argument("--model", default=d.model, help=f"model name sent to engines ({d.model})")
     p.add_argument("--worker-id", default=None, help="unique id (default hostname-pid)")
     p.add_argument("--coalesce-tokens", type=int, default=DEFAULT_POLICY.max_tokens)
@@ -142,8 +181,13 @@ def register(subparsers: Any) -> None:
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     if not args.redis:
         raise ValueError("give --redis (or set TOKENRELAY_REDIS_URL)")
-    if not args.insecure_no_auth and not args.secret:
-        raise ValueError("give --secret (or TOKENRELAY_SECRET), or --insecure-no-auth")
+    if args.insecure_no_auth and (args.secret or args.keys_file):
+        raise ValueError(
+            "a token secret and --insecure-no-auth (TOKENRELAY_INSECURE_NO_AUTH) are both set: "
+            "choose one"
+        )
+    if not args.insecure_no_auth and not (args.secret or args.keys_file):
+        raise ValueError("set TOKENRELAY_SECRET (or --keys FILE), or --insecure-no-auth")
     weights: dict[str, float] = {}
     for item in args.engine_weight:
         eid, sep, w = item.partition("=")
@@ -163,7 +207,16 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     cfg = WorkerConfig(
         redis_url=args.redis,
         engines=engines,
-        secret=None if args.insecure_no_auth else args.secret,
+        secret=None if args.insecure_no_auth else (args.secret or None),
+        kid=args.kid,
+        keys_file=None if args.insecure_no_auth else args.keys_file,
+        trusted_proxies=args.trusted_proxies,
+        max_token_ttl_s=args.max_token_ttl_s,
+        session_rate_per_s=args.session_rate,
+        session_burst=args.session_burst,
+        turns_per_minute=args.turns_per_minute,
+        default_max_tokens=args.default_max_tokens,
+        max_reply_bytes=args.max_reply_bytes,
         model=args.model,
         worker_id=args.worker_id or default_worker_id(),
         coalesce=CoalescePolicy(args.coalesce_tokens, args.coalesce_ms / 1000),
@@ -190,6 +243,13 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         raise ValueError("a --gateway-key must be at least 16 characters")
     if cfg.vnodes < 1 or cfg.eps < 0 or cfg.prefix_chars < 0:
         raise ValueError("--vnodes must be >= 1, --eps and --prefix-chars >= 0")
+    if not 1 <= cfg.default_max_tokens <= cfg.max_tokens_limit:
+        raise ValueError("--default-max-tokens must be in [1, --max-tokens-limit]")
+    if cfg.max_reply_bytes < 1024 or cfg.max_token_ttl_s < 1:
+        raise ValueError("--max-reply-bytes must be >= 1024, --max-token-ttl-s >= 1")
+    if cfg.session_rate_per_s < 0 or cfg.session_burst < 1 or cfg.turns_per_minute < 0:
+        raise ValueError("--session-rate and --turns-per-minute must be >= 0, --session-burst >= 1")
+    access_check(cfg)  # weak or default secrets, bad key files, bad proxy lists: refused here
     if not 0 <= cfg.admit_wait_s < cfg.lock_ttl_s:  # the session lock is held while waiting
         raise ValueError(f"--admit-wait-s must be in [0, {cfg.lock_ttl_s:g})")
     return cfg

@@ -23,6 +23,13 @@ role-only or reasoning chunk that engines send after prefill counts), ``idle_tim
 for any gap between bytes after that (SSE keep-alive comments count as bytes).
 A 200 answer with a JSON body (a server that ignored ``stream``) is accepted as a
 single delta.
+
+Bounds, whatever the engine does: the request always carries ``max_tokens`` when the
+caller gives one, and the client itself stops reading after ``max_tokens`` content
+chunks (engines send about one token per chunk) or ``max_reply_bytes`` of text, closes
+the connection (the engine aborts the request) and ends the stream with
+``finish_reason`` ``"length"``: an engine that ignores ``max_tokens`` (or never stops)
+cannot make a turn, or the reply stored in history, unbounded.
 """
 
 from __future__ import annotations
@@ -182,12 +189,14 @@ class EngineClient:
         first_token_timeout_s: float = 60.0,
         idle_timeout_s: float = 30.0,
         include_usage: bool = True,
+        max_reply_bytes: int = 256 * 1024,
     ) -> None:
         self._session = session
         self.connect_timeout_s = connect_timeout_s
         self.first_token_timeout_s = first_token_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.include_usage = include_usage
+        self.max_reply_bytes = max_reply_bytes
 
     async def stream_chat(
         self,
@@ -221,8 +230,11 @@ class EngineClient:
                 async for d in self._whole(url, resp, meta, first_deadline):
                     yield d
             else:
-                async for d in self._events(url, resp, meta, first_deadline):
+                cut: list[bool] = []
+                async for d in self._events(url, resp, meta, first_deadline, max_tokens, cut):
                     yield d
+                if cut:
+                    return  # cut by us: ``completed`` stays False, the connection closes
             completed = True
         finally:
             if completed:
@@ -324,9 +336,17 @@ class EngineClient:
         return obj
 
     async def _events(
-        self, url: str, resp: aiohttp.ClientResponse, meta: EngineMeta, first_deadline: float
+        self,
+        url: str,
+        resp: aiohttp.ClientResponse,
+        meta: EngineMeta,
+        first_deadline: float,
+        max_tokens: int | None,
+        cut: list[bool],
     ) -> AsyncGenerator[Delta, None]:
+        """The stream's deltas; appends to ``cut`` when it stops at a bound (see above)."""
         loop = asyncio.get_running_loop()
+        chunks = nbytes = 0
         decoder = SSEDecoder()
         pending_meta: EngineMeta | None = meta
         got_first = False
@@ -376,8 +396,23 @@ class EngineClient:
                 if isinstance(reason, str) and reason:
                     finish = reason
                 if isinstance(content, str) and content:
-                    yield Delta(content, meta=pending_meta)
-                    pending_meta = None
+                    room = self.max_reply_bytes - nbytes
+                    data = content.encode()
+                    if len(data) > room:  # keep whole characters within the byte bound
+                        content = data[:room].decode("utf-8", "ignore")
+                    if content:
+                        yield Delta(content, meta=pending_meta)
+                        pending_meta = None
+                    chunks += 1
+                    nbytes += len(content.encode())
+                    if finish is None and (
+                        len(data) > room
+                        or nbytes >= self.max_reply_bytes
+                        or (max_tokens is not None and chunks >= max_tokens)
+                    ):
+                        cut.append(True)
+                        yield Delta("", "length", pending_meta, usage)
+                        return
         if finish is None:
             if not done:
                 raise EngineProtocolError(

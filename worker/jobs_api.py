@@ -17,16 +17,16 @@ read); a job without a session takes a worker API key (``--gateway-key``). With
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Final
 
 import orjson
 from aiohttp import web
 
-from relay.auth import AuthError, Scope, extract_token, verify_token
+from relay.auth import AuthError, Scope
 from relay.errors import RelayError
 from relay.keys import InvalidSessionId, parse_session
+from worker.access import WorkerAccess
 from worker.apikeys import check_api_key
 from worker.jobqueue import JobSubmitter
 from worker.jobs import JobSpec, JobStore, new_job_id, parse_job_id, public_view
@@ -41,7 +41,7 @@ _JSON: Final = "application/json"
 class JobsApi:
     store: JobStore
     submitter: JobSubmitter
-    secret: str | None  # None: --insecure-no-auth
+    access: WorkerAccess  # the worker's token rules (keys None: --insecure-no-auth)
     api_keys: tuple[str, ...]
     default_max_tokens: int
     max_tokens_limit: int
@@ -61,22 +61,19 @@ def _err(
 def _auth(
     api: JobsApi, request: web.Request, session: str | None, need: Scope
 ) -> web.Response | None:
-    if api.secret is None:
+    if api.access.keys is None:
         return None
     header = request.headers.get("Authorization")
+    if check_api_key(api.api_keys, header) is None:
+        return None  # the operator's key may submit and read any job
     if session is not None:
         try:
-            token = extract_token(header, request.query.get("token"))
-            verify_token(api.secret, token, session, time.time(), need=need)
+            api.access.authorize(request, session, need)
             return None
         except AuthError as exc:
-            if check_api_key(api.api_keys, header) is None:
-                return None  # the operator's key may read and write any job
             return _err(exc.status, exc.error, exc.reason)
-    code = check_api_key(api.api_keys, header)
-    if code is None:
-        return None
-    return _err(401, code, "a job without a session needs a worker API key (--gateway-key)")
+    return _err(401, "missing_api_key", "a job without a session needs a worker API key "
+                "(--gateway-key)")  # fmt: skip
 
 
 def _spec(body: Any, api: JobsApi) -> JobSpec:

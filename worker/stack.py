@@ -2,7 +2,11 @@
 
 Used by ``tokenrelay demo``, ``bench.loadtest`` and ``bench.faults``. Every process is
 a child started here and stopped here, by pid (SIGTERM, then SIGKILL after a
-deadline); nothing is ever killed by name.
+deadline); nothing is ever killed by name. The token secret (random per stack unless
+given) reaches the children in their environment (``TOKENRELAY_SECRET``), never on a
+command line that ``ps`` shows. Relays and workers believe ``X-Forwarded-For`` from
+127.0.0.1 (the demo's front door); ``abuse_limits=False`` lifts the per-address and
+per-session limits for load generators that are all one loopback address.
 
 Order of use::
 
@@ -18,6 +22,7 @@ import asyncio
 import atexit
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -53,11 +58,12 @@ class StackSpec:
     engines: int = 3
     masters: int = 3
     replicas: int = 1
-    secret: str = "demo-secret-change-me"
+    secret: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     insecure_no_auth: bool = False
     engine_urls: list[str] = field(default_factory=list)  # real engines instead of mocks
     model: str = "mock"
     engine_cap: int = 12  # 1.5 x the mock engines' 8 concurrent requests (docs/ROUTING.md)
+    abuse_limits: bool = True  # False: no per-address / per-session limits (load tests)
     engine_args: list[str] = field(default_factory=list)
     relay_args: list[str] = field(default_factory=list)
     worker_args: list[str] = field(default_factory=list)
@@ -145,7 +151,12 @@ class Stack:
             self.cluster = LocalCluster(masters=spec.masters, replicas=spec.replicas)
             self.cluster_info = await self.cluster.start()
             self.redis_url = self.cluster_info.url
-        auth = ["--insecure-no-auth"] if spec.insecure_no_auth else ["--secret", spec.secret]
+        auth = ["--insecure-no-auth"] if spec.insecure_no_auth else []
+        auth += ["--trusted-proxy", "127.0.0.1"]  # the front door sets X-Forwarded-For
+        relay_limits = worker_limits = []
+        if not spec.abuse_limits:
+            relay_limits = ["--max-streams-per-address", "0"]
+            worker_limits = ["--session-rate", "0", "--turns-per-minute", "0"]
         if not spec.engine_urls:
             for i in range(spec.engines):
                 name = f"engine-{i + 1}"
@@ -162,7 +173,7 @@ class Stack:
             port = free_port()
             argv = _cli(
                 "relay", "--port", str(port), "--redis", self.redis_url,
-                "--relay-id", name, *auth, *spec.relay_args,
+                "--relay-id", name, *auth, *relay_limits, *spec.relay_args,
             )  # fmt: skip
             self._add(name, "relay", port, argv)
         for i in range(spec.workers):
@@ -171,7 +182,8 @@ class Stack:
             argv = _cli(
                 "worker", "--port", str(port), "--redis", self.redis_url,
                 "--worker-id", name, "--model", spec.model,
-                "--engine-cap", str(spec.engine_cap), *engine_flags, *auth, *spec.worker_args,
+                "--engine-cap", str(spec.engine_cap), *engine_flags, *auth, *worker_limits,
+                *spec.worker_args,
             )  # fmt: skip
             self._add(name, "worker", port, argv)
         for proc in self.procs.values():
@@ -184,6 +196,11 @@ class Stack:
 
     def _spawn(self, proc: Proc) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("TOKENRELAY_INSECURE_NO_AUTH", None)
+        if self.spec.insecure_no_auth or proc.kind == "engine":
+            env.pop("TOKENRELAY_SECRET", None)  # a secret with --insecure-no-auth: exit 2
+        else:
+            env["TOKENRELAY_SECRET"] = self.spec.secret
         with open(proc.log_path, "ab") as log:
             proc.popen = subprocess.Popen(
                 proc.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env

@@ -1,14 +1,56 @@
 // tokenrelay multi-screen page: no build step, no dependencies.
-// The URL fragment carries the session and its watch token: #session=<sid>&token=<token>.
-// Every screen on the same fragment watches the same session; anyone may send a message.
+// The URL fragment carries the session and its token: #session=<sid>&token=<token>.
+// The creator's page holds a write token (it may send, and refreshes its token before it
+// expires); "open on another screen" links carry a watch token minted for them: a
+// screen opened from it watches and cannot send.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const state = {
   sid: null, token: null, transport: "sse", source: null, ws: null,
   last: 0, frames: 0, dups: 0, ooo: 0, gaps: 0, reconnects: 0, turns: new Map(),
-  retryTimer: null,
+  retryTimer: null, refreshTimer: null,
 };
+
+// The claims of a JWT (not verified here: the servers do), or null.
+function claims(token) {
+  try {
+    const part = token.split(".")[1].replace(/-/g, "+").replace(/_/g, "/");
+    return JSON.parse(atob(part + "=".repeat((4 - (part.length % 4)) % 4)));
+  } catch (e) { return null; }
+}
+
+async function mint(scope) {
+  const r = await fetch(`/v1/sessions/${state.sid}/tokens`, {
+    method: "POST",
+    headers: { "Content-Type": "application/json", "Authorization": `Bearer ${state.token}` },
+    body: JSON.stringify({ scope }),
+  });
+  return r.status === 201 ? (await r.json()).token : null;
+}
+
+// A write token: a watch-only share link, and a fresh write token a minute before expiry.
+async function manageTokens() {
+  clearTimeout(state.refreshTimer);
+  const c = claims(state.token || "");
+  $("share").href = location.href;
+  if (!c || c.scope !== "write") return;
+  const watch = await mint("watch");
+  if (watch) $("share").href = `${location.pathname}#session=${state.sid}&token=${encodeURIComponent(watch)}`;
+  const wait = Math.max(5, c.exp - 60 - Date.now() / 1000) * 1000;
+  state.refreshTimer = setTimeout(async () => {
+    const fresh = await mint("write");
+    if (!fresh) return;
+    state.token = fresh;  // the open stream ends at the old token's expiry; reconnects use this
+    history.replaceState(null, "", `#session=${state.sid}&token=${encodeURIComponent(fresh)}`);
+    manageTokens();
+  }, Math.min(wait, 2 ** 31 - 1));
+}
+
+function expired() {
+  const c = claims(state.token || "");
+  return c !== null && typeof c.exp === "number" && c.exp <= Date.now() / 1000;
+}
 
 function params() {
   const p = new URLSearchParams(location.hash.slice(1));
@@ -117,6 +159,7 @@ function disconnect() {
 
 function scheduleReconnect(why) {
   disconnect();
+  if (expired()) { setState("token expired: ask for a new link"); return; }
   state.reconnects += 1;
   setState(`reconnecting (${why})`);
   counters();
@@ -228,7 +271,7 @@ function load() {
   $("transport").value = state.transport;
   state.last = 0; state.turns.clear(); $("log").innerHTML = "";
   $("sid").textContent = state.sid || "—";
-  $("share").href = location.href;
+  manageTokens();
   if (state.sid) connect(); else setState("idle");
 }
 

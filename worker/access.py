@@ -1,0 +1,161 @@
+"""The worker's access rules: who may write, which tokens it mints, how often a client may
+create sessions and a session may post turns.
+
+- Tokens (:mod:`relay.auth`): ``POST /v1/sessions`` answers a ``write`` token;
+  ``POST /v1/sessions/{sid}/tokens`` with a write token mints a ``watch`` or ``write``
+  token whose lifetime is bounded by ``max_token_ttl_s`` and by the session's lifetime
+  (the store's ``ttl_s``: a session lives that long after its last turn).
+- Session creation: a token bucket per client address (``session_rate_per_s``,
+  ``session_burst``), per worker process.
+- Turns: at most ``turns_per_minute`` turn requests per session per clock minute,
+  counted in Redis (one ``INCR`` on the session's slot), so shared by every worker.
+- The client address is the peer, or ``X-Forwarded-For`` from a trusted proxy
+  (:mod:`relay.clientaddr`).
+
+Every refusal is a :class:`Refusal` the API turns into 429 + ``Retry-After`` + a reason.
+
+Order of use: the app builds one :class:`WorkerAccess` at startup; handlers call
+:meth:`~WorkerAccess.authorize`, :meth:`~WorkerAccess.check_creation`,
+:meth:`~WorkerAccess.check_turn_rate` and :meth:`~WorkerAccess.mint`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Final
+
+import orjson
+from aiohttp import web
+from redis.asyncio.cluster import RedisCluster
+
+from relay.auth import (
+    SCOPES,
+    Claims,
+    KeySet,
+    Scope,
+    extract_token,
+    issue_token,
+    verify_token,
+)
+from relay.clientaddr import client_address, parse_networks
+from relay.errors import map_redis_errors
+from relay.keys import turn_rate_key
+from relay.ratelimit import Buckets
+
+__all__ = ["INSECURE_TOKEN", "BadTokenRequest", "Refusal", "WorkerAccess", "parse_token_request"]
+
+INSECURE_TOKEN: Final = "insecure-no-auth"
+
+
+class Refusal(Exception):
+    """A request over an abuse limit: 429 with ``Retry-After`` and this reason."""
+
+    def __init__(self, code: str, reason: str, retry_after_s: float) -> None:
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+        self.retry_after = str(max(1, math.ceil(retry_after_s)))
+
+
+class BadTokenRequest(ValueError):
+    """A ``POST .../tokens`` body the worker cannot serve (400)."""
+
+
+def parse_token_request(raw: bytes) -> tuple[Scope, int | None]:
+    """``{"scope": "watch"|"write", "ttl_s"?: int}`` -> (scope, ttl_s or None)."""
+    try:
+        body = orjson.loads(raw) if raw.strip() else {}
+    except orjson.JSONDecodeError as exc:
+        raise BadTokenRequest(f"body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadTokenRequest("body must be a JSON object")
+    scope = body.get("scope", "watch")
+    if scope not in SCOPES:
+        raise BadTokenRequest("'scope' must be 'watch' or 'write'")
+    ttl = body.get("ttl_s")
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1):
+        raise BadTokenRequest("'ttl_s' must be a positive integer (seconds)")
+    return scope, ttl
+
+
+@dataclass(frozen=True, slots=True)
+class Minted:
+    token: str
+    scope: Scope
+    expires_at: int
+
+    def body(self, sid: str) -> dict[str, Any]:
+        return {"session": sid, "token": self.token, "scope": self.scope,
+                "expires_at": self.expires_at}  # fmt: skip
+
+
+class WorkerAccess:
+    """Tokens and abuse limits of one worker process (see the module docstring)."""
+
+    def __init__(
+        self,
+        keys: KeySet | None,
+        *,
+        trusted_proxies: str = "",
+        max_token_ttl_s: int = 86_400,
+        session_ttl_s: int = 86_400,
+        session_rate_per_s: float = 1.0,
+        session_burst: int = 20,
+        turns_per_minute: int = 30,
+    ) -> None:
+        self.keys = keys
+        self.trusted = parse_networks(trusted_proxies)
+        self.max_ttl_s = max(1, min(max_token_ttl_s, session_ttl_s))
+        self.creations = Buckets(session_rate_per_s, session_burst)
+        self.turns_per_minute = turns_per_minute
+
+    def address(self, request: web.Request) -> str:
+        return client_address(request.remote, request.headers.get("X-Forwarded-For"), self.trusted)
+
+    def authorize(self, request: web.Request, sid: str, need: Scope) -> Claims | None:
+        """The request's verified claims (None with auth off); raises AuthError."""
+        if self.keys is None:
+            return None
+        token = extract_token(request.headers.get("Authorization"), request.query.get("token"))
+        return verify_token(self.keys, token, sid, time.time(), need=need)
+
+    def mint(self, sid: str, scope: Scope, ttl_s: int | None = None) -> Minted:
+        """A token for ``sid``; its lifetime is ``ttl_s`` capped by config and session."""
+        ttl = self.max_ttl_s if ttl_s is None else min(ttl_s, self.max_ttl_s)
+        now = time.time()
+        if self.keys is None:
+            return Minted(INSECURE_TOKEN, scope, int(now + ttl))
+        token = issue_token(self.keys, sid, ttl, now, scope=scope)
+        return Minted(token, scope, int(now + ttl))
+
+    def check_creation(self, request: web.Request) -> None:
+        """Raise :class:`Refusal` when this address creates sessions too fast."""
+        wait = self.creations.take(self.address(request), time.monotonic())
+        if wait > 0:
+            raise Refusal(
+                "session_rate",
+                f"too many new sessions from this address; at most {self.creations.burst} at "
+                f"once and {self.creations.rate:g} per second",
+                wait,
+            )
+
+    async def check_turn_rate(self, redis: RedisCluster, sid: str) -> None:
+        """Count one turn request of ``sid``; :class:`Refusal` past the minute's budget.
+        Redis errors surface as RelayError (the API answers 503)."""
+        if self.turns_per_minute <= 0:
+            return
+        now = time.time()
+        minute = int(now // 60)
+        name = turn_rate_key(sid, minute)
+        with map_redis_errors():
+            async with redis.pipeline(transaction=False) as pipe:
+                pipe.incr(name)
+                pipe.expire(name, 120)
+                count, _ = await pipe.execute()
+        if int(count) > self.turns_per_minute:
+            raise Refusal(
+                "turn_rate",
+                f"at most {self.turns_per_minute} turns per session per minute",
+                (minute + 1) * 60 - now,
+            )
