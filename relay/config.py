@@ -19,6 +19,8 @@ from typing import Any, Final
 
 import msgspec
 
+from relay.redis_client import RedisTLS
+
 __all__ = [
     "ENV",
     "ConfigError",
@@ -44,6 +46,9 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8080
     redis_url: str = "redis://127.0.0.1:7000"
+    redis_ca: str = ""  # TLS (rediss://): CA bundle, client certificate and key files
+    redis_cert: str = ""
+    redis_key: str = ""
     secret: str = ""
     insecure_no_auth: bool = False
     relay_id: str = ""
@@ -59,6 +64,10 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_connections: int = 10_000
     ws_max_message_bytes: int = 4096
     cors_origin: str = "*"
+
+    @property
+    def redis_tls(self) -> RedisTLS:
+        return RedisTLS(ca=self.redis_ca, cert=self.redis_cert, key=self.redis_key)
 
     @property
     def auth_enabled(self) -> bool:
@@ -92,8 +101,10 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError("need 1 <= queue_frames <= hard_limit_frames")
         if self.max_connections < 1 or self.ws_max_message_bytes < 16:
             raise ConfigError("max_connections must be >= 1, ws_max_message_bytes >= 16")
-        if not self.redis_url.startswith(("redis://", "rediss://")):
-            raise ConfigError("redis_url must start with redis:// or rediss://")
+        try:
+            self.redis_tls.check(self.redis_url)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if not self.relay_id:
             return msgspec.structs.replace(self, relay_id=default_relay_id())
         return self
@@ -103,6 +114,9 @@ _FIELDS: Final[dict[str, type]] = {
     "host": str,
     "port": int,
     "redis_url": str,
+    "redis_ca": str,
+    "redis_cert": str,
+    "redis_key": str,
     "secret": str,
     "insecure_no_auth": bool,
     "relay_id": str,
@@ -146,7 +160,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--host", help=f"address to bind (default {d.host})")
     a("--port", type=int, help=f"port to bind (default {d.port})")
-    a("--redis", dest="redis_url", help=f"a Redis Cluster node URL (default {d.redis_url})")
+    a("--redis", dest="redis_url", help=f"a Redis Cluster node URL, rediss:// for TLS (default {d.redis_url})")  # noqa: E501  # fmt: skip
+    a("--redis-ca", help="rediss://: CA bundle (PEM) of the servers' certificates (default: system store)")  # noqa: E501  # fmt: skip
+    a("--redis-cert", help="rediss://: client certificate (PEM), with --redis-key")
+    a("--redis-key", help="rediss://: the client certificate's private key (PEM)")
     auth = parser.add_mutually_exclusive_group()
     auth.add_argument("--secret", help="HMAC secret of watch tokens (or TOKENRELAY_SECRET)")
     auth.add_argument(

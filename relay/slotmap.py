@@ -97,9 +97,12 @@ def _pairs(flat: Sequence[Any]) -> dict[str, Any]:
     return {_s(flat[i]): flat[i + 1] for i in range(0, len(flat) - 1, 2)}
 
 
-def _addr(node: dict[str, Any]) -> Addr | None:
+def _addr(node: dict[str, Any], tls: bool) -> Addr | None:
     host = node.get("ip") or node.get("endpoint") or node.get("hostname")
-    port = node.get("port") or node.get("tls-port")
+    if tls:  # a TLS client must use the TLS port where a node has both
+        port = node.get("tls-port") or node.get("port")
+    else:
+        port = node.get("port") or node.get("tls-port")
     if host is None or port is None:
         return None
     h = _s(host)
@@ -108,8 +111,9 @@ def _addr(node: dict[str, Any]) -> Addr | None:
     return Addr(h, int(port))
 
 
-def parse_shards(reply: Sequence[Any]) -> SlotMap:
-    """Parse ``CLUSTER SHARDS`` (RESP2 flat lists or RESP3 maps)."""
+def parse_shards(reply: Sequence[Any], *, tls: bool = False) -> SlotMap:
+    """Parse ``CLUSTER SHARDS`` (RESP2 flat lists or RESP3 maps); ``tls``: the addresses
+    of the nodes' TLS ports (``tls-port``) where they have one."""
     m = SlotMap()
     for raw in reply:
         shard = _pairs(raw)
@@ -119,7 +123,7 @@ def parse_shards(reply: Sequence[Any]) -> SlotMap:
             node = {k: v for k, v in _pairs(rn).items()}
             if _s(node.get("health", "online")) != "online":
                 continue
-            addr = _addr(node)
+            addr = _addr(node, tls)
             if addr is None:
                 continue
             if _s(node.get("role", "")) == "master":

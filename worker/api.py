@@ -45,7 +45,7 @@ from relay.auth import AuthError, extract_token, issue_token, verify_token
 from relay.errors import RelayError, map_redis_errors
 from relay.keys import InvalidSessionId, idem_key, new_session_id, parse_session
 from relay.publisher import Publisher
-from relay.redis_client import connect
+from relay.redis_client import RedisTLS, connect
 from worker.coalesce import DEFAULT_POLICY, CoalescePolicy
 from worker.control import ControlPlane
 from worker.engine_client import EngineClient
@@ -79,6 +79,7 @@ class WorkerConfig:
     """Everything the worker needs; the CLI fills it from flags."""
 
     redis_url: str = ""
+    redis_tls: RedisTLS = field(default_factory=RedisTLS)  # rediss://: CA, client cert, key
     # Every command on the worker's own client is bounded: with no socket timeout a reply
     # from a stalled (SIGSTOPped, partitioned) master is awaited forever. Above a short
     # stall, below a failover; callers see RedisUnavailable and retry (publisher) or
@@ -257,7 +258,8 @@ async def _post_turn(request: web.Request) -> web.Response:
                     retry_after_s=round(exc.retry_after_s, 3))  # fmt: skip
     except RelayError as exc:
         st.metrics.rejected.labels(status="503").inc()
-        return _err(503, "redis_unavailable", str(exc), headers={"Retry-After": "1"})
+        _log.warning("turn of %s refused, redis: %r", sid, exc)  # details here, not to clients
+        return _err(503, "redis_unavailable", "redis did not answer", headers={"Retry-After": "1"})
     headers = {"Idempotent-Replayed": "true"} if started.replayed else None
     return _json(202, started.body(), headers)
 
@@ -295,7 +297,8 @@ async def _readyz(request: web.Request) -> web.Response:
         with map_redis_errors():
             await st.redis.ping()
     except RelayError as exc:
-        return _err(503, "redis_unavailable", str(exc))
+        _log.warning("readyz: redis ping failed: %r", exc)
+        return _err(503, "redis_unavailable", "redis did not answer a ping")
     return _json(200, {"status": "ready", "engines": [s.id for s in st.router.engines()]})
 
 
@@ -311,6 +314,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     redis = (
         connect(  # waits for a pooled connection in a burst instead of failing
             cfg.redis_url,
+            tls=cfg.redis_tls,
             socket_timeout=cfg.redis_timeout_s,
             socket_connect_timeout=cfg.redis_timeout_s,
         )
