@@ -18,7 +18,7 @@ import logging
 import sys
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from relay import runtime
 from relay.config import ConfigError, RelayConfig, add_arguments, from_args
@@ -50,7 +50,7 @@ async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> int:
     async with runtime.stop_on_signals(event=stop) as stopped:
         try:
             await runner.setup()  # connects to Redis (TLS handshake included)
-        except (RedisError, RelayError, OSError) as exc:
+        except (RedisError, RedisClusterException, RelayError, OSError) as exc:
             print(f"error: {startup_error(config.redis_url, exc)}", file=sys.stderr)
             await runner.cleanup()
             return 1

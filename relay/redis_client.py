@@ -210,7 +210,7 @@ def mask_url(url: str) -> str:
 def startup_error(url: str, exc: BaseException) -> str:
     """The one line a process prints when it cannot reach Redis at start: the masked URL
     and the first line of the error, with the password scrubbed wherever it appears."""
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:500]
     try:
         password = urlsplit(url).password
     except ValueError:

@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from relay import runtime
 from relay.errors import RelayError
@@ -189,7 +189,7 @@ async def serve(cfg: WorkerConfig, host: str, port: int) -> int:
     async with runtime.stop_on_signals() as stop:
         try:
             await runner.setup()  # connects to Redis (TLS handshake included)
-        except (RedisError, RelayError, OSError) as exc:
+        except (RedisError, RedisClusterException, RelayError, OSError) as exc:
             print(f"error: {startup_error(cfg.redis_url, exc)}", file=sys.stderr)
             await runner.cleanup()
             return 1
