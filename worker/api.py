@@ -42,7 +42,7 @@ from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
 
 from relay.auth import AuthError, extract_token, issue_token, verify_token
-from relay.errors import RelayError, map_redis_errors
+from relay.errors import RedisCommandError, RelayError, map_redis_errors
 from relay.keys import InvalidSessionId, idem_key, new_session_id, parse_session
 from relay.publisher import Publisher
 from relay.redis_client import RedisTLS, connect
@@ -259,7 +259,9 @@ async def _post_turn(request: web.Request) -> web.Response:
     except RelayError as exc:
         st.metrics.rejected.labels(status="503").inc()
         _log.warning("turn of %s refused, redis: %r", sid, exc)  # details here, not to clients
-        return _err(503, "redis_unavailable", "redis did not answer", headers={"Retry-After": "1"})
+        # a refusal (out of memory at maxmemory with noeviction) or no answer at all
+        reason = "redis refused the command" if isinstance(exc, RedisCommandError) else "redis did not answer"  # noqa: E501  # fmt: skip
+        return _err(503, "redis_unavailable", reason, headers={"Retry-After": "1"})
     headers = {"Idempotent-Replayed": "true"} if started.replayed else None
     return _json(202, started.body(), headers)
 
