@@ -460,12 +460,12 @@ class ShardedSubscriber:
                     reply = await raw_command(
                         addr, "CLUSTER", "SHARDS", auth=self._auth, tls=self._tls
                     )
-                    m = parse_shards(reply, tls=self._tls is not None)
+                    m = parse_shards(reply, tls=self._tls is not None, asked=addr.host)
                 except RedisCommandError:  # CLUSTER SLOTS answers a TLS client's port
                     reply = await raw_command(
                         addr, "CLUSTER", "SLOTS", auth=self._auth, tls=self._tls
                     )
-                    m = parse_slots(reply)
+                    m = parse_slots(reply, asked=addr.host)
             except (RedisUnavailable, RedisCommandError) as exc:
                 last_exc = exc
                 continue
