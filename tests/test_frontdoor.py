@@ -98,6 +98,8 @@ async def test_process_control_needs_same_origin_and_the_run_token(cluster: Clus
                     assert r.status == 200, await r.text()
                 assert calls == [("kill", "engine-1")]
                 assert not stack.procs["engine-1"].alive
+                async with http.get(base + "/readyz") as r:  # counts, not addresses
+                    assert await r.json() == {"ready": True, "relays": 1, "workers": 1}
             finally:
                 bystander.close()
 

@@ -3,7 +3,9 @@
 Starts a local Redis Cluster (3 masters + 3 replicas), 3 mock engines (or the engine
 URLs given with ``--engine``), 2 relays, 2 workers (each a child process, stopped by
 pid) and, in this process, the front door that serves the page and spreads requests
-over relays and workers without stickiness.
+over relays and workers without stickiness. The front door's process control
+(the page's kill/restart buttons) needs a token made per run and printed only here, on
+the terminal (see :mod:`worker.frontdoor`).
 """
 
 from __future__ import annotations

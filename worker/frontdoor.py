@@ -251,7 +251,8 @@ class FrontDoor:
         return web.json_response({"ok": True})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        """Ready when some relay and some worker answer their own ``/readyz``."""
+        """Ready when some relay and some worker answer their own ``/readyz``; the body
+        counts them (their addresses are internal: they stay out of answers)."""
         assert self.http is not None
         ready: dict[str, list[str]] = {"relays": [], "workers": []}
         for kind, bases in (("relays", self._relays()), ("workers", self._workers())):
@@ -263,7 +264,8 @@ class FrontDoor:
                         if resp.status == 200:
                             ready[kind].append(base)
         ok = bool(ready["relays"]) and bool(ready["workers"])
-        return web.json_response({"ready": ok, **ready}, status=200 if ok else 503)
+        counts = {kind: len(bases) for kind, bases in ready.items()}
+        return web.json_response({"ready": ok, **counts}, status=200 if ok else 503)
 
     async def on_startup(self, app: web.Application) -> None:
         self.http = aiohttp.ClientSession(auto_decompress=False)
