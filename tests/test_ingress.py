@@ -365,6 +365,8 @@ def test_connection_limits_hold_tens_of_thousands_of_streams() -> None:
     compose = yaml.safe_load(COMPOSE.read_text())
     volumes = compose["services"]["ingress"]["volumes"]
     assert "./deploy/nginx.conf:/etc/nginx/nginx.conf:ro" in volumes  # the events block
+    limit = compose["services"]["ingress"]["ulimits"]["nofile"]
+    assert limit["soft"] >= nofile  # the container lets nginx raise its limit that far
 
 
 def test_every_redis_node_caps_memory_and_never_evicts() -> None:
