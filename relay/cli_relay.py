@@ -18,9 +18,13 @@ import logging
 import sys
 from typing import Any
 
+from redis.exceptions import RedisClusterException, RedisError
+
 from relay import runtime
 from relay.config import ConfigError, RelayConfig, add_arguments, from_args
+from relay.errors import RelayError
 from relay.httpguard import GuardedSite
+from relay.redis_client import mask_url, startup_error
 from relay.server import SERVER, make_app, make_runner
 
 __all__ = ["register", "run", "serve"]
@@ -44,7 +48,12 @@ async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> int:
     app = make_app(config)
     runner = make_runner(app, shutdown_timeout=1.0)
     async with runtime.stop_on_signals(event=stop) as stopped:
-        await runner.setup()
+        try:
+            await runner.setup()  # connects to Redis (TLS handshake included)
+        except (RedisError, RedisClusterException, RelayError, OSError) as exc:
+            print(f"error: {startup_error(config.redis_url, exc)}", file=sys.stderr)
+            await runner.cleanup()
+            return 1
         try:
             # A reconnect storm (a relay died, its clients come here) arrives as one
             # burst: aiohttp's default listen backlog of 128 would drop SYNs. A client
@@ -61,7 +70,7 @@ async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> int:
             await site.start()
             log.info(
                 "relay %s listening on http://%s:%d (redis %s, auth %s)",
-                config.relay_id, config.host, config.port, config.redis_url,
+                config.relay_id, config.host, config.port, mask_url(config.redis_url),
                 "on" if config.auth_enabled else "OFF",
             )  # fmt: skip
             await stopped.wait()

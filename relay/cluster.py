@@ -7,6 +7,11 @@ Order of use::
         ...                                    # info.nodes, info.url, info.startup_nodes
     # every process it started is stopped, by pid, and its data removed
 
+With ``tls=ClusterTLS(...)`` every node listens on TLS only (``--port 0 --tls-port``,
+``tls-cluster yes`` for the cluster bus, ``tls-replication yes``, clients must present
+a certificate signed by the CA) and ``info.url`` is ``rediss://``; :func:`tls_support`
+says first whether the binary was built with TLS at all.
+
 or, for processes that outlive the caller (``tokenrelay cluster up``): build a
 :class:`LocalCluster`, ``await cluster.start()``, :func:`write_state`; later
 :func:`read_state` and :func:`stop_from_state`.
@@ -35,6 +40,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from relay import cluster_form
 from relay.cluster_form import TOTAL_SLOTS as TOTAL_SLOTS
@@ -47,6 +53,7 @@ __all__ = [
     "EMBEDDED_ENV",
     "ClusterError",
     "ClusterInfo",
+    "ClusterTLS",
     "LocalCluster",
     "Node",
     "ServerBinary",
@@ -55,6 +62,7 @@ __all__ = [
     "local_cluster",
     "read_state",
     "stop_from_state",
+    "tls_support",
     "write_state",
 ]
 
@@ -75,6 +83,40 @@ class ServerBinary:
         return ".".join(map(str, self.version))
 
 
+@dataclass(frozen=True)
+class ClusterTLS:
+    """PEM files for a TLS-only local cluster: the CA that signed everything, the
+    servers' certificate and key (also presented by a node to the others on the bus and
+    to its master, so it carries both serverAuth and clientAuth), and a client
+    certificate and key for the clients the cluster code itself opens."""
+
+    ca: str
+    server_cert: str
+    server_key: str
+    client_cert: str
+    client_key: str
+
+    def server_args(self) -> list[str]:
+        return [
+            "--tls-cert-file", self.server_cert,
+            "--tls-key-file", self.server_key,
+            "--tls-ca-cert-file", self.ca,
+            "--tls-cluster", "yes",
+            "--tls-replication", "yes",
+            "--tls-auth-clients", "yes",
+        ]  # fmt: skip
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """redis-py keyword arguments of a client of this cluster."""
+        return {
+            "ssl": True,
+            "ssl_ca_certs": self.ca,
+            "ssl_certfile": self.client_cert,
+            "ssl_keyfile": self.client_key,
+            "ssl_check_hostname": True,
+        }
+
+
 @dataclass
 class ClusterInfo:
     nodes: list[Node]
@@ -83,6 +125,7 @@ class ClusterInfo:
     flavor: str
     version: str
     started_at: float = field(default_factory=time.time)
+    tls: bool = False  # TLS-only nodes: connect with rediss://
 
     @property
     def masters(self) -> list[Node]:
@@ -95,7 +138,7 @@ class ClusterInfo:
     @property
     def url(self) -> str:
         first = self.masters[0]
-        return f"redis://{first.host}:{first.port}"
+        return f"{'rediss' if self.tls else 'redis'}://{first.host}:{first.port}"
 
     @property
     def startup_nodes(self) -> list[tuple[str, int]]:
@@ -156,6 +199,30 @@ def find_server_binary(*, force_embedded: bool | None = None) -> ServerBinary:
         raise ClusterError(refused + str(exc)) from None
 
 
+def tls_support(binary: ServerBinary) -> str | None:
+    """None when ``binary`` was built with TLS, else why not (its own words).
+
+    A TLS build started with a TLS port and no certificate stops at once with "No
+    tls-cert-file configured"; a build without TLS stops with another complaint.
+    """
+    port = find_free_base_port(1)
+    try:
+        out = subprocess.run(
+            [binary.path, "--port", "0", "--tls-port", str(port), "--bind", HOST,
+             "--save", "", "--appendonly", "no"],
+            capture_output=True, text=True, timeout=10, check=False,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:  # it started: it took the port, so TLS is there
+        return None
+    text = out.stdout + out.stderr
+    if "tls-cert-file" in text:
+        return None
+    last = [ln.split("#", 1)[-1].strip() for ln in text.splitlines() if ln.strip()]
+    return f"{binary.path} ({binary.flavor} {binary.version_text}) has no TLS: " + (
+        last[-1] if last else f"exit {out.returncode}"
+    )
+
+
 def _port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         # Redis binds with SO_REUSEADDR too, so a port in TIME_WAIT is free for it.
@@ -209,6 +276,8 @@ class LocalCluster:
         binary: ServerBinary | None = None,
         node_timeout_ms: int = 2000,
         extra_args: Sequence[str] = (),
+        tls: ClusterTLS | None = None,
+        password: str = "",
     ) -> None:
         if masters < 1:
             raise ClusterError("a cluster needs at least one master")
@@ -223,6 +292,8 @@ class LocalCluster:
         self.binary = binary
         self.node_timeout_ms = node_timeout_ms
         self.extra_args = list(extra_args)
+        self.tls = tls
+        self.password = password  # requirepass and masterauth of every node
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.info: ClusterInfo | None = None
         atexit.register(self.kill_now)  # a caller that dies before stop() leaks nothing
@@ -248,6 +319,7 @@ class LocalCluster:
             binary=binary.path,
             flavor=binary.flavor,
             version=binary.version_text,
+            tls=self.tls is not None,
         )
         try:
             for node in nodes:
@@ -264,9 +336,15 @@ class LocalCluster:
         node_dir = Path(self.data_dir) / str(node.port)
         node_dir.mkdir(parents=True, exist_ok=True)
         node.data_dir = str(node_dir)
+        if self.tls is not None:
+            ports = ["--port", "0", "--tls-port", str(node.port), *self.tls.server_args()]
+        else:
+            ports = ["--port", str(node.port)]
+        if self.password:
+            ports += ["--requirepass", self.password, "--masterauth", self.password]
         args = [
             binary.path,
-            "--port", str(node.port),
+            *ports,
             "--bind", HOST,
             "--protected-mode", "no",
             "--cluster-enabled", "yes",
@@ -298,7 +376,14 @@ class LocalCluster:
         node.start_ticks = _start_ticks(proc.pid)
 
     async def _form(self, nodes: list[Node]) -> None:
-        await form_cluster(nodes, self.procs)
+        await form_cluster(nodes, self.procs, self.client_kwargs())
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """redis-py keyword arguments of a client of these nodes (TLS files, password)."""
+        kw = self.tls.client_kwargs() if self.tls is not None else {}
+        if self.password:
+            kw["password"] = self.password
+        return kw
 
     def detach(self) -> None:
         """Let the nodes outlive this process (``tokenrelay cluster up``): from here on
@@ -359,7 +444,7 @@ class LocalCluster:
         """Current master port -> slots it serves, from the first node that answers
         (after a failover the roles differ from ``info``)."""
         assert self.info is not None
-        return await cluster_form.masters_now(self.info.nodes, self.procs)
+        return await cluster_form.masters_now(self.info.nodes, self.procs, self.client_kwargs())
 
     async def migrate_slot(
         self, slot: int, src: int, dst: int, *, batch: int = 100, timeout_ms: int = 5000
@@ -370,8 +455,9 @@ class LocalCluster:
         assert self.info is not None
         nodes, procs = self.info.nodes, self.procs
         return await cluster_form.migrate_slot(
-            nodes, procs, slot, src, dst, host=HOST, batch=batch, timeout_ms=timeout_ms
-        )
+            nodes, procs, slot, src, dst, host=HOST, batch=batch, timeout_ms=timeout_ms,
+            client_kwargs=self.client_kwargs(),
+        )  # fmt: skip
 
 
 @contextlib.asynccontextmanager

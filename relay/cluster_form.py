@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,13 +65,17 @@ class Node:
 
 
 async def form_cluster(
-    nodes: list[Node], procs: dict[int, subprocess.Popen[bytes]] | None = None
+    nodes: list[Node],
+    procs: dict[int, subprocess.Popen[bytes]] | None = None,
+    client_kwargs: Mapping[str, Any] | None = None,
 ) -> None:
     """Form a cluster of fresh cluster-enabled nodes with CLUSTER commands; wait until
     every node agrees. Nodes with role "replica" replicate the node at ``master_port``.
+    ``client_kwargs`` go to every redis-py client opened here (TLS files, a password).
     """
     procs = procs or {}
-    clients = {n.port: aioredis.Redis(host=n.host, port=n.port) for n in nodes}
+    kw = dict(client_kwargs or {})
+    clients = {n.port: aioredis.Redis(host=n.host, port=n.port, **kw) for n in nodes}
     try:
         for node in nodes:
             await _wait_ping(clients[node.port], node, procs.get(node.port))
@@ -206,7 +211,9 @@ async def _converged(clients: dict[int, aioredis.Redis], nodes: list[Node]) -> b
 
 
 async def masters_now(
-    nodes: list[Node], procs: dict[int, subprocess.Popen[bytes]]
+    nodes: list[Node],
+    procs: dict[int, subprocess.Popen[bytes]],
+    client_kwargs: Mapping[str, Any] | None = None,
 ) -> dict[int, list[int]]:
     """Current master port -> slots it serves, from the first of ``nodes`` whose process
     in ``procs`` is running and answers (after a failover the roles differ from
@@ -214,7 +221,7 @@ async def masters_now(
     for node in nodes:
         if node.port not in procs or procs[node.port].poll() is not None:
             continue
-        c = aioredis.Redis(host=node.host, port=node.port)
+        c = aioredis.Redis(host=node.host, port=node.port, **dict(client_kwargs or {}))
         try:
             text = (await c.execute_command("CLUSTER", "NODES")).decode()
         except (aioredis.ConnectionError, OSError):
@@ -238,6 +245,7 @@ async def migrate_slot(
     host: str,
     batch: int = 100,
     timeout_ms: int = 5000,
+    client_kwargs: Mapping[str, Any] | None = None,
 ) -> int:
     """Move ``slot`` from the master on port ``src`` to the master on port ``dst`` (all
     masters on ``host``) while clients keep using it; return the number of keys moved.
@@ -249,10 +257,11 @@ async def migrate_slot(
     """
     if not 0 <= slot < TOTAL_SLOTS or src == dst:
         raise ClusterError(f"cannot move slot {slot} from {src} to {dst}")
-    masters = await masters_now(nodes, procs)
+    kw = dict(client_kwargs or {})
+    masters = await masters_now(nodes, procs, kw)
     if src not in masters or dst not in masters:
         raise ClusterError(f"{src} and {dst} must both be masters (masters: {list(masters)})")
-    clients = {p: aioredis.Redis(host=host, port=p) for p in masters}
+    clients = {p: aioredis.Redis(host=host, port=p, **kw) for p in masters}
     try:
         ids = {p: (await c.execute_command("CLUSTER", "MYID")).decode() for p, c in clients.items()}
         await clients[dst].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])

@@ -21,6 +21,7 @@ import msgspec
 
 from relay.auth import DEFAULT_KID, KeySet, WeakSecret, load_keys
 from relay.clientaddr import parse_networks
+from relay.redis_client import RedisTLS
 
 __all__ = [
     "ENV",
@@ -47,6 +48,9 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8080
     redis_url: str = "redis://127.0.0.1:7000"
+    redis_ca: str = ""  # TLS (rediss://): CA bundle, client certificate and key files
+    redis_cert: str = ""
+    redis_key: str = ""
     secret: str = ""  # HS256 secret of key ``kid``; prefer TOKENRELAY_SECRET to the flag
     kid: str = DEFAULT_KID
     keys_file: str = ""  # a JWK Set: more HS256 secrets (rotation), ES256/RS256 public keys
@@ -69,6 +73,10 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_streams_per_token: int = 16  # 0: no limit
     max_streams_per_address: int = 256  # 0: no limit
     trusted_proxies: str = ""  # comma-separated addresses / CIDRs allowed to set X-Forwarded-For
+
+    @property
+    def redis_tls(self) -> RedisTLS:
+        return RedisTLS(ca=self.redis_ca, cert=self.redis_cert, key=self.redis_key)
 
     @property
     def auth_enabled(self) -> bool:
@@ -132,8 +140,10 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError("max_pending_bytes and replay_budget_bytes must be >= 524288")
         if self.max_connections < 1 or self.ws_max_message_bytes < 16:
             raise ConfigError("max_connections must be >= 1, ws_max_message_bytes >= 16")
-        if not self.redis_url.startswith(("redis://", "rediss://")):
-            raise ConfigError("redis_url must start with redis:// or rediss://")
+        try:
+            self.redis_tls.check(self.redis_url)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if not self.relay_id:
             return msgspec.structs.replace(self, relay_id=default_relay_id())
         return self
@@ -143,6 +153,9 @@ _FIELDS: Final[dict[str, type]] = {
     "host": str,
     "port": int,
     "redis_url": str,
+    "redis_ca": str,
+    "redis_cert": str,
+    "redis_key": str,
     "secret": str,
     "kid": str,
     "keys_file": str,
@@ -193,7 +206,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--host", help=f"address to bind (default {d.host})")
     a("--port", type=int, help=f"port to bind (default {d.port})")
-    a("--redis", dest="redis_url", help=f"a Redis Cluster node URL (default {d.redis_url})")
+    a("--redis", dest="redis_url", help=f"a Redis Cluster node URL, rediss:// for TLS (default {d.redis_url})")  # noqa: E501  # fmt: skip
+    a("--redis-ca", help="rediss://: CA bundle (PEM) of the servers' certificates (default: system store)")  # noqa: E501  # fmt: skip
+    a("--redis-cert", help="rediss://: client certificate (PEM), with --redis-key")
+    a("--redis-key", help="rediss://: the client certificate's private key (PEM)")
     a("--secret", help="HS256 secret of tokens, >= 32 bytes; prefer TOKENRELAY_SECRET "
       "(a flag is visible in ps)")  # fmt: skip
     a("--kid", help=f"key id of --secret in token headers ({d.kid})")

@@ -14,23 +14,51 @@ starts itself (a pipeline retrying a redirected command through the client, in t
 same task or in tasks it spawns) runs under the holder's permit (a context variable),
 so a permit never waits for another permit.
 
+TLS: a ``rediss://`` URL makes every connection of the client TLS; :class:`RedisTLS`
+names the files (CA bundle, client certificate and key) the relay's and the worker's
+``--redis-ca`` / ``--redis-cert`` / ``--redis-key`` flags give, :meth:`RedisTLS.check`
+refuses a combination that cannot work (a file with a plain ``redis://`` URL, a
+certificate without its key, a file that cannot be read) with a one-line reason, and
+:func:`ssl_context_of` rebuilds the client's TLS context for the connections that do
+not go through redis-py (the relay's shard subscriber). :func:`mask_url` is the URL
+as it may be logged: the password replaced by ``***``.
+
 Order of use::
 
-    redis = connect("redis://127.0.0.1:7000", concurrency=128)
+    tls = RedisTLS(ca="ca.pem", cert="client.pem", key="client.key")
+    tls.check(url)                             # ValueError: a one-line reason
+    redis = connect("rediss://127.0.0.1:7000", tls=tls, concurrency=128)
     await redis.initialize(); ...; await redis.aclose()
+    log.info("redis %s", mask_url(url))
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import contextvars
+import os
+import ssl
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Final
+from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
+from redis.asyncio.connection import RedisSSLContext, SSLConnection
 
-__all__ = ["DEFAULT_CONCURRENCY", "GatedRedisCluster", "connect"]
+__all__ = [
+    "DEFAULT_CONCURRENCY",
+    "TLS_ENV",
+    "GatedRedisCluster",
+    "RedisTLS",
+    "add_tls_arguments",
+    "connect",
+    "mask_url",
+    "ssl_context_of",
+    "startup_error",
+]
 
 DEFAULT_CONCURRENCY: Final = 128
 
@@ -89,11 +117,144 @@ class _GatedPipeline(ClusterPipeline):
             return await super().execute(raise_on_error, allow_redirections)
 
 
+# The environment variables of the three TLS flags (the relay and the worker read the same).
+TLS_ENV: Final = {
+    "ca": "TOKENRELAY_REDIS_CA",
+    "cert": "TOKENRELAY_REDIS_CERT",
+    "key": "TOKENRELAY_REDIS_KEY",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTLS:
+    """Files for TLS to Redis; empty means "not given". With none given, a ``rediss://``
+    URL still encrypts and verifies the servers against the system's CA store."""
+
+    ca: str = ""  # CA bundle (PEM) that signed the servers' certificates
+    cert: str = ""  # client certificate (PEM), for servers with tls-auth-clients yes
+    key: str = ""  # its private key (PEM, unencrypted)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RedisTLS:
+        """From the flags of :func:`add_tls_arguments`."""
+        return cls(ca=args.redis_ca or "", cert=args.redis_cert or "", key=args.redis_key or "")
+
+    @property
+    def given(self) -> bool:
+        return bool(self.ca or self.cert or self.key)
+
+    def check(self, url: str) -> None:
+        """Raise ``ValueError`` with a one-line reason where TLS cannot work as asked."""
+        scheme = urlsplit(url).scheme
+        if scheme not in ("redis", "rediss"):
+            raise ValueError(
+                f"the Redis URL must start with redis:// or rediss://, not {scheme}://"
+            )
+        if self.given and scheme != "rediss":
+            raise ValueError(
+                "--redis-ca/--redis-cert/--redis-key need a rediss:// URL "
+                "(redis:// is plain TCP; the files would be ignored)"
+            )
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("--redis-cert and --redis-key go together (a client certificate and its key)")  # noqa: E501  # fmt: skip
+        for flag, path in (("--redis-ca", self.ca), ("--redis-cert", self.cert), ("--redis-key", self.key)):  # noqa: E501  # fmt: skip
+            if path and not os.access(path, os.R_OK):
+                raise ValueError(f"{flag} {path}: no such readable file")
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """redis-py keyword arguments for these files (``ssl_*``), none for empty ones;
+        server certificates are always verified, host names included."""
+        kw: dict[str, Any] = {"ssl_cert_reqs": "required", "ssl_check_hostname": True}
+        if self.ca:
+            kw["ssl_ca_certs"] = self.ca
+        if self.cert:
+            kw["ssl_certfile"] = self.cert
+            kw["ssl_keyfile"] = self.key
+        return kw
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--redis-ca``, ``--redis-cert``, ``--redis-key`` (defaults from :data:`TLS_ENV`);
+    :meth:`RedisTLS.from_args` reads them back."""
+    env = os.environ
+    parser.add_argument(
+        "--redis-ca",
+        default=env.get(TLS_ENV["ca"], ""),
+        help="rediss://: CA bundle (PEM) of the servers' certificates (default: system store)",
+    )
+    parser.add_argument(
+        "--redis-cert",
+        default=env.get(TLS_ENV["cert"], ""),
+        help="rediss://: client certificate (PEM), with --redis-key",
+    )
+    parser.add_argument(
+        "--redis-key",
+        default=env.get(TLS_ENV["key"], ""),
+        help="rediss://: the client certificate's private key (PEM)",
+    )
+
+
+def mask_url(url: str) -> str:
+    """``url`` with its password (if any) replaced by ``***``: the URL as it may be logged."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        user = parts.username or ""
+        host = parts.netloc.rsplit("@", 1)[1]
+        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    except ValueError:  # not a URL at all: say nothing of it
+        return "<unparsable url>"
+
+
+def startup_error(url: str, exc: BaseException) -> str:
+    """The one line a process prints when it cannot reach Redis at start: the masked URL
+    and the first line of the error, with the password scrubbed wherever it appears."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:500]
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        password = None
+    if password:
+        first = first.replace(password, "***")
+    return f"cannot connect to Redis at {mask_url(url)}: {first}"
+
+
+def ssl_context_of(redis: RedisCluster) -> ssl.SSLContext | None:
+    """The TLS context of ``redis``'s connections (None for plain TCP), for connections
+    opened outside redis-py: the same CA, client certificate and checks."""
+    kw = redis.get_connection_kwargs()
+    cls = kw.get("connection_class")
+    if not (isinstance(cls, type) and issubclass(cls, SSLConnection)):
+        return None
+    return RedisSSLContext(
+        keyfile=kw.get("ssl_keyfile"),
+        certfile=kw.get("ssl_certfile"),
+        cert_reqs=kw.get("ssl_cert_reqs", "required"),
+        ca_certs=kw.get("ssl_ca_certs"),
+        ca_data=kw.get("ssl_ca_data"),
+        ca_path=kw.get("ssl_ca_path"),
+        check_hostname=bool(kw.get("ssl_check_hostname", True)),
+        min_version=kw.get("ssl_min_version"),
+        ciphers=kw.get("ssl_ciphers"),
+        password=kw.get("ssl_password"),
+    ).get()
+
+
 def connect(
-    url: str, *, concurrency: int = DEFAULT_CONCURRENCY, **kwargs: Any
+    url: str,
+    *,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    tls: RedisTLS | None = None,
+    **kwargs: Any,
 ) -> GatedRedisCluster:
-    """A :class:`GatedRedisCluster` for ``url`` (``redis://host:port``); call
-    ``await client.initialize()`` before use, ``await client.aclose()`` after."""
+    """A :class:`GatedRedisCluster` for ``url`` (``redis://host:port``, or ``rediss://``
+    for TLS with ``tls``'s files); call ``await client.initialize()`` before use,
+    ``await client.aclose()`` after. Raises ``ValueError`` as :meth:`RedisTLS.check`."""
+    tls = tls or RedisTLS()
+    tls.check(url)
+    if urlsplit(url).scheme == "rediss":
+        kwargs = {**tls.client_kwargs(), **kwargs}
     client = GatedRedisCluster.from_url(url, concurrency=concurrency, **kwargs)
     assert isinstance(client, GatedRedisCluster)
     return client

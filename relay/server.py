@@ -107,7 +107,7 @@ class EdgeServer:
     async def startup(self, app: web.Application) -> None:
         if self.hub is None:
             cfg = self.config
-            self.redis = connect(cfg.redis_url)  # a burst waits for connections
+            self.redis = connect(cfg.redis_url, tls=cfg.redis_tls)  # a burst waits
             await self.redis.initialize()
             self.hub = Hub(
                 self.redis,
@@ -216,9 +216,8 @@ class EdgeServer:
             ticket.release()
             if not opening.done():
                 opening.add_done_callback(self._close_abandoned)
-            raise Reject(
-                503, "unavailable", f"cannot watch the session: {exc}", RETRY_AFTER
-            ) from None
+            log.warning("watch of %s failed: %r", sid, exc)  # details here, not to clients
+            raise Reject(503, "unavailable", "cannot watch the session", RETRY_AFTER) from None
         except BaseException:
             self.admitted -= 1
             ticket.release()
@@ -493,8 +492,9 @@ class EdgeServer:
             return web.json_response({"status": "starting", "relay": relay}, status=503)
         try:
             await asyncio.wait_for(self.redis.ping(), 1.0)  # cancels only the ping
-        except Exception as exc:  # any failure means "not ready", with the reason
-            body = {"status": "redis_unreachable", "reason": str(exc) or type(exc).__name__}
+        except Exception as exc:  # any failure means "not ready"; details only in the log
+            log.warning("readyz: redis ping failed: %r", exc)
+            body = {"status": "redis_unreachable", "reason": "redis did not answer a ping"}
             return web.json_response({**body, "relay": relay}, status=503)
         return web.json_response({"status": "ready", "relay": relay})
 

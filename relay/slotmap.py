@@ -97,9 +97,12 @@ def _pairs(flat: Sequence[Any]) -> dict[str, Any]:
     return {_s(flat[i]): flat[i + 1] for i in range(0, len(flat) - 1, 2)}
 
 
-def _addr(node: dict[str, Any]) -> Addr | None:
-    host = node.get("ip") or node.get("endpoint") or node.get("hostname")
-    port = node.get("port") or node.get("tls-port")
+def _addr(node: dict[str, Any], tls: bool, asked: str | None) -> Addr | None:
+    host = node.get("ip") or node.get("endpoint") or node.get("hostname") or asked
+    if tls:  # a TLS client must use the TLS port where a node has both
+        port = node.get("tls-port") or node.get("port")
+    else:
+        port = node.get("port") or node.get("tls-port")
     if host is None or port is None:
         return None
     h = _s(host)
@@ -108,8 +111,12 @@ def _addr(node: dict[str, Any]) -> Addr | None:
     return Addr(h, int(port))
 
 
-def parse_shards(reply: Sequence[Any]) -> SlotMap:
-    """Parse ``CLUSTER SHARDS`` (RESP2 flat lists or RESP3 maps)."""
+def parse_shards(reply: Sequence[Any], *, tls: bool = False, asked: str | None = None) -> SlotMap:
+    """Parse ``CLUSTER SHARDS`` (RESP2 flat lists or RESP3 maps); ``tls``: the addresses
+    of the nodes' TLS ports (``tls-port``) where they have one. ``asked``: the host the
+    command was sent to, for a node that does not know its own address yet (an empty
+    ``ip``, as a node that never met another one reports itself): Redis means "the
+    host you asked"."""
     m = SlotMap()
     for raw in reply:
         shard = _pairs(raw)
@@ -119,7 +126,7 @@ def parse_shards(reply: Sequence[Any]) -> SlotMap:
             node = {k: v for k, v in _pairs(rn).items()}
             if _s(node.get("health", "online")) != "online":
                 continue
-            addr = _addr(node)
+            addr = _addr(node, tls, asked)
             if addr is None:
                 continue
             if _s(node.get("role", "")) == "master":
@@ -136,13 +143,17 @@ def parse_shards(reply: Sequence[Any]) -> SlotMap:
     return m
 
 
-def parse_slots(reply: Sequence[Any]) -> SlotMap:
-    """Parse ``CLUSTER SLOTS``: ``[[start, end, [ip, port, id], replica...], ...]``."""
+def parse_slots(reply: Sequence[Any], *, asked: str | None = None) -> SlotMap:
+    """Parse ``CLUSTER SLOTS``: ``[[start, end, [ip, port, id], replica...], ...]``;
+    an empty ip is ``asked`` (see :func:`parse_shards`)."""
     m = SlotMap()
+
+    def addr(node: Sequence[Any]) -> Addr:
+        return Addr(_s(node[0]) or asked or "", int(node[1]))
+
     for entry in reply:
         start, end, master, *reps = entry
-        ma = Addr(_s(master[0]), int(master[1]))
-        sh = Shard(ma, tuple(sorted(Addr(_s(r[0]), int(r[1])) for r in reps)))
+        sh = Shard(addr(master), tuple(sorted(addr(r) for r in reps)))
         for s in range(int(start), int(end) + 1):
             m.slots[s] = sh
     return m

@@ -34,6 +34,9 @@ Order of use::
     await sub.close()
 
 Connections are named ``tokenrelay-sub:<relay_id>`` (``CLIENT LIST`` finds them).
+They are TLS when the cluster client's are (a ``rediss://`` URL): the same CA, client
+certificate and host name check (:func:`relay.redis_client.ssl_context_of`), and the
+nodes' TLS ports from ``CLUSTER SHARDS``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +54,7 @@ import hiredis
 from redis.asyncio.cluster import RedisCluster
 
 from relay.errors import RedisCommandError, RedisUnavailable, SubscribeError
+from relay.redis_client import ssl_context_of
 from relay.slotmap import Addr, SlotMap, group_by_slot, parse_shards, parse_slots, slot_of
 
 __all__ = ["NodeConn", "ShardedSubscriber", "pack_command", "raw_command"]
@@ -70,11 +75,15 @@ def pack_command(*args: str | bytes | int) -> bytes:
 
 
 async def _open(
-    addr: Addr, timeout_s: float, auth: Sequence[str], name: str | None
+    addr: Addr,
+    timeout_s: float,
+    auth: Sequence[str],
+    name: str | None,
+    tls: ssl.SSLContext | None = None,
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, hiredis.Reader]:
     try:
         async with asyncio.timeout(timeout_s):
-            reader, writer = await asyncio.open_connection(addr.host, addr.port)
+            reader, writer = await asyncio.open_connection(addr.host, addr.port, ssl=tls)
             parser = hiredis.Reader()
             hello: list[bytes] = []
             if auth:
@@ -105,10 +114,14 @@ async def _read_one(reader: asyncio.StreamReader, parser: hiredis.Reader) -> Any
 
 
 async def raw_command(
-    addr: Addr, *args: str | int, timeout_s: float = 2.0, auth: Sequence[str] = ()
+    addr: Addr,
+    *args: str | int,
+    timeout_s: float = 2.0,
+    auth: Sequence[str] = (),
+    tls: ssl.SSLContext | None = None,
 ) -> Any:
     """One command on a short-lived connection (CLUSTER SHARDS for the slot map)."""
-    reader, writer, parser = await _open(addr, timeout_s, auth, None)
+    reader, writer, parser = await _open(addr, timeout_s, auth, None, tls)
     try:
         writer.write(pack_command(*args))
         async with asyncio.timeout(timeout_s):
@@ -143,8 +156,10 @@ class NodeConn:
     _task: asyncio.Task[None] | None = None
     _cmds: deque[_Cmd] = field(default_factory=deque)
 
-    async def connect(self, name: str, auth: Sequence[str], timeout_s: float) -> None:
-        reader, writer, parser = await _open(self.addr, timeout_s, auth, name)
+    async def connect(
+        self, name: str, auth: Sequence[str], timeout_s: float, tls: ssl.SSLContext | None = None
+    ) -> None:
+        reader, writer, parser = await _open(self.addr, timeout_s, auth, name, tls)
         self._writer = writer
         self.alive = True
         self._task = asyncio.create_task(self._read_loop(reader, parser), name=f"sub:{self.addr}")
@@ -274,6 +289,7 @@ class ShardedSubscriber:
         self._auth: tuple[str, ...] = ()
         if password:
             self._auth = (str(user), str(password)) if user else (str(password),)
+        self._tls = ssl_context_of(redis)  # None: plain TCP, like the cluster client
         self._map: SlotMap | None = None
         self._stale = True
         self._conns: dict[Addr, NodeConn] = {}
@@ -441,11 +457,15 @@ class ShardedSubscriber:
         for addr in dict.fromkeys(seeds):
             try:
                 try:
-                    reply = await raw_command(addr, "CLUSTER", "SHARDS", auth=self._auth)
-                    m = parse_shards(reply)
-                except RedisCommandError:
-                    reply = await raw_command(addr, "CLUSTER", "SLOTS", auth=self._auth)
-                    m = parse_slots(reply)
+                    reply = await raw_command(
+                        addr, "CLUSTER", "SHARDS", auth=self._auth, tls=self._tls
+                    )
+                    m = parse_shards(reply, tls=self._tls is not None, asked=addr.host)
+                except RedisCommandError:  # CLUSTER SLOTS answers a TLS client's port
+                    reply = await raw_command(
+                        addr, "CLUSTER", "SLOTS", auth=self._auth, tls=self._tls
+                    )
+                    m = parse_slots(reply, asked=addr.host)
             except (RedisUnavailable, RedisCommandError) as exc:
                 last_exc = exc
                 continue
@@ -463,7 +483,7 @@ class ShardedSubscriber:
         if conn is not None and conn.alive:
             return conn
         conn = NodeConn(addr, self.on_message, self._on_unsolicited, self._on_lost)
-        await conn.connect(self.client_name, self._auth, self.connect_timeout_s)
+        await conn.connect(self.client_name, self._auth, self.connect_timeout_s, self._tls)
         self._conns[addr] = conn
         return conn
 

@@ -92,3 +92,26 @@ def test_group_by_slot_batches_channels_of_one_slot() -> None:
     assert sum(len(v) for v in groups.values()) == 50
     for slot, members in groups.items():
         assert all(slot_of(c) == slot for c in members)
+
+
+def test_a_node_that_does_not_know_its_address_is_the_host_asked() -> None:
+    # what a single-node cluster (it never met a peer) answers about itself
+    shards = [
+        [b"slots", [0, 16383], b"nodes",
+         [[b"id", b"x", b"port", 7000, b"ip", b"", b"endpoint", b"", b"role", b"master",
+           b"health", b"online"]]],
+    ]  # fmt: skip
+    assert not parse_shards(shards).complete()
+    assert parse_shards(shards, asked="127.0.0.1").node_for(5) == Addr("127.0.0.1", 7000)
+    slots = [[0, 16383, [b"", 7000, b"x"]]]
+    assert parse_slots(slots, asked="10.1.2.3").node_for(16383) == Addr("10.1.2.3", 7000)
+
+
+def test_a_tls_client_gets_the_tls_port_where_a_node_has_both() -> None:
+    n = [b"ip", b"10.0.0.1", b"port", 6379, b"tls-port", 6380, b"role", b"master"]
+    reply = [[b"slots", [0, 16383], b"nodes", [n]]]
+    assert parse_shards(reply).node_for(0) == Addr("10.0.0.1", 6379)
+    assert parse_shards(reply, tls=True).node_for(0) == Addr("10.0.0.1", 6380)
+    tls_only = [[b"slots", [0, 16383], b"nodes", [[b"ip", b"10.0.0.1", b"tls-port", 6380,
+                                                    b"role", b"master"]]]]  # fmt: skip
+    assert parse_shards(tls_only).node_for(0) == Addr("10.0.0.1", 6380)

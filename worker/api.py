@@ -50,10 +50,10 @@ from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
 
 from relay.auth import AuthError, load_keys
-from relay.errors import RelayError, map_redis_errors
+from relay.errors import RedisCommandError, RelayError, map_redis_errors
 from relay.keys import InvalidSessionId, idem_key, new_session_id, parse_session
 from relay.publisher import Publisher
-from relay.redis_client import connect
+from relay.redis_client import RedisTLS, connect
 from worker import direct, gateway, jobs_api
 from worker.access import BadTokenRequest, Refusal, WorkerAccess, parse_token_request
 from worker.coalesce import DEFAULT_POLICY, CoalescePolicy
@@ -102,6 +102,7 @@ class WorkerConfig:
     """Everything the worker needs; the CLI fills it from flags."""
 
     redis_url: str = ""
+    redis_tls: RedisTLS = field(default_factory=RedisTLS)  # rediss://: CA, client cert, key
     # Every command on the worker's own client is bounded: with no socket timeout a reply
     # from a stalled (SIGSTOPped, partitioned) master is awaited forever. Above a short
     # stall, below a failover; callers see RedisUnavailable and retry (publisher) or
@@ -334,7 +335,10 @@ async def _post_turn(request: web.Request) -> web.StreamResponse:
                     retry_after_s=round(exc.retry_after_s, 3))  # fmt: skip
     except RelayError as exc:
         st.metrics.rejected.labels(status="503").inc()
-        return _err(503, "redis_unavailable", str(exc), headers={"Retry-After": "1"})
+        _log.warning("turn of %s refused, redis: %r", sid, exc)  # details here, not to clients
+        # a refusal (out of memory at maxmemory with noeviction) or no answer at all
+        reason = "redis refused the command" if isinstance(exc, RedisCommandError) else "redis did not answer"  # noqa: E501  # fmt: skip
+        return _err(503, "redis_unavailable", reason, headers={"Retry-After": "1"})
     if viewer is not None and not started.replayed:  # the closed loop: frames right here
         hello = {"type": "hello", "worker": cfg.worker_id, "from": started.offset - 1,
                  **started.body()}  # fmt: skip
@@ -376,7 +380,8 @@ async def _readyz(request: web.Request) -> web.Response:
         with map_redis_errors():
             await st.redis.ping()
     except RelayError as exc:
-        return _err(503, "redis_unavailable", str(exc))
+        _log.warning("readyz: redis ping failed: %r", exc)
+        return _err(503, "redis_unavailable", "redis did not answer a ping")
     return _json(200, {"status": "ready", "engines": [s.id for s in st.router.engines()]})
 
 
@@ -392,6 +397,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     redis = (
         connect(  # waits for a pooled connection in a burst instead of failing
             cfg.redis_url,
+            tls=cfg.redis_tls,
             socket_timeout=cfg.redis_timeout_s,
             socket_connect_timeout=cfg.redis_timeout_s,
         )

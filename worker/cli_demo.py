@@ -8,6 +8,9 @@ over relays and workers without stickiness.
 The token secret comes from ``TOKENRELAY_SECRET`` when set (``make demo`` sets a random
 one per run), else is generated here; either way the children get it in their
 environment, never on a command line. A weak or example secret is refused (exit 2).
+
+The front door's process control (the page's kill/restart buttons) needs a token made per
+run and printed only here, on the terminal (see :mod:`worker.frontdoor`).
 """
 
 from __future__ import annotations
@@ -111,9 +114,11 @@ async def run_demo(args: argparse.Namespace) -> int:
             for p in stack.procs.values():
                 print(f"  {p.name:<9} pid {p.pid:<7} {p.url}", flush=True)
             print(f"  redis     {stack.redis_url}", flush=True)
-            print(
-                f"\nopen http://{args.host}:{args.port}/  (Ctrl-C stops everything)\n", flush=True
-            )
+            page = f"http://{args.host}:{args.port}/"
+            print(f"\nopen {page}  (Ctrl-C stops everything)", flush=True)
+            # The kill/restart buttons need this run's control token; it is printed here
+            # only (the page keeps it from the #fragment, which no request carries).
+            print(f"kill/restart buttons: open {page}#control={door.control_token}\n", flush=True)
             await stop.wait()
         finally:
             print("stopping ...", flush=True)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from relay import runtime
+from relay.redis_client import RedisTLS, add_tls_arguments
 from worker.mock_engine import EngineConfig, run_engine
 from worker.reply_length import ReplyLength
 
@@ -67,6 +68,7 @@ def register(subparsers: Any) -> None:
         default=None,
         help="announce this engine to workers (tr:engines heartbeats) on this cluster",
     )
+    add_tls_arguments(p)
     p.add_argument(
         "--announce-url", default=None, help="URL workers should use (default http://HOST:PORT)"
     )
@@ -104,7 +106,7 @@ async def serve(cfg: EngineConfig, args: argparse.Namespace) -> None:
     from worker.router import EngineSpec
 
     url = args.announce_url or f"http://{cfg.host}:{cfg.port}"
-    redis = connect(args.redis)
+    redis = connect(args.redis, tls=RedisTLS.from_args(args))
     announcer = EngineAnnouncer(
         redis, EngineSpec(id=cfg.engine_id, url=url, cap=args.cap or cfg.max_concurrency)
     )
@@ -130,6 +132,12 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "redis", None) and cfg.port == 0 and not args.announce_url:
         print("error: --redis needs a fixed --port (or --announce-url)", file=sys.stderr)
         return 2
+    if getattr(args, "redis", None):
+        try:
+            RedisTLS.from_args(args).check(args.redis)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     runtime.run(serve(cfg, args))
     return 0
 

@@ -25,7 +25,7 @@ import aiohttp
 from relay import runtime
 from relay.errors import RelayError, map_redis_errors
 from relay.publisher import Publisher
-from relay.redis_client import connect
+from relay.redis_client import RedisTLS, add_tls_arguments, connect
 from worker.api import default_worker_id
 from worker.control import parse_engine_arg
 from worker.engine_client import EngineClient
@@ -52,7 +52,12 @@ def register(subparsers: Any) -> None:
         description="Consume the job queue, run each job on the engines through the "
         "cache-affine router, store the result in Redis, then ack.",
     )
-    p.add_argument("--redis", default=os.environ.get("TOKENRELAY_REDIS_URL"), help="cluster URL")
+    p.add_argument(
+        "--redis",
+        default=os.environ.get("TOKENRELAY_REDIS_URL"),
+        help="cluster URL (rediss://: TLS)",
+    )
+    add_tls_arguments(p)
     p.add_argument("--amqp", default=os.environ.get("TOKENRELAY_AMQP_URL"), help="RabbitMQ URL")
     p.add_argument("--engine", action="append", default=[], help="engine URL or ID=URL")
     p.add_argument("--engine-cap", type=int, default=8, help="in-flight requests per engine")
@@ -74,7 +79,8 @@ def register(subparsers: Any) -> None:
 
 async def serve(args: argparse.Namespace, engines: list[EngineSpec]) -> None:
     worker_id = args.worker_id or f"job-{default_worker_id()}"
-    redis = connect(args.redis, socket_timeout=2.0, socket_connect_timeout=2.0)
+    tls = RedisTLS.from_args(args)
+    redis = connect(args.redis, tls=tls, socket_timeout=2.0, socket_connect_timeout=2.0)
     with map_redis_errors():
         await redis.initialize()
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
@@ -132,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         if not 1 <= args.max_attempts < BROKER_DELIVERY_LIMIT:
             raise ValueError(f"--max-attempts must be in 1..{BROKER_DELIVERY_LIMIT - 1}")
         engines = [parse_engine_arg(e, args.engine_cap) for e in args.engine]
+        RedisTLS.from_args(args).check(args.redis)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -22,9 +22,12 @@ from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
+from redis.exceptions import RedisClusterException, RedisError
 
 from relay import runtime
+from relay.errors import RelayError
 from relay.httpguard import GuardedSite
+from relay.redis_client import RedisTLS, add_tls_arguments, startup_error
 from worker.api import STATE, WorkerConfig, access_check, begin_drain, default_worker_id, make_app
 from worker.coalesce import DEFAULT_POLICY, CoalescePolicy
 from worker.control import parse_engine_arg
@@ -49,8 +52,9 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--redis",
         default=os.environ.get("TOKENRELAY_REDIS_URL"),
-        help="redis://host:port of a cluster node (or TOKENRELAY_REDIS_URL)",
+        help="redis://host:port (rediss:// for TLS) of a cluster node (or TOKENRELAY_REDIS_URL)",
     )
+    add_tls_arguments(p)
     p.add_argument(
         "--engine",
         action="append",
@@ -188,6 +192,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         )
     if not args.insecure_no_auth and not (args.secret or args.keys_file):
         raise ValueError("set TOKENRELAY_SECRET (or --keys FILE), or --insecure-no-auth")
+    tls = RedisTLS.from_args(args)
+    tls.check(args.redis)  # ValueError: a one-line reason
     weights: dict[str, float] = {}
     for item in args.engine_weight:
         eid, sep, w = item.partition("=")
@@ -206,6 +212,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         raise ValueError("give at least one --engine (or --discover-engines)")
     cfg = WorkerConfig(
         redis_url=args.redis,
+        redis_tls=tls,
         engines=engines,
         secret=None if args.insecure_no_auth else (args.secret or None),
         kid=args.kid,
@@ -255,12 +262,18 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     return cfg
 
 
-async def serve(cfg: WorkerConfig, host: str, port: int) -> None:
-    """Serve until SIGTERM/SIGINT, then drain (see the module docstring)."""
+async def serve(cfg: WorkerConfig, host: str, port: int) -> int:
+    """Serve until SIGTERM/SIGINT, then drain (see the module docstring); 1 when Redis
+    cannot be reached at start."""
     app = make_app(cfg)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=cfg.shutdown_deadline_s + 5)
     async with runtime.stop_on_signals() as stop:
-        await runner.setup()
+        try:
+            await runner.setup()  # connects to Redis (TLS handshake included)
+        except (RedisError, RedisClusterException, RelayError, OSError) as exc:
+            print(f"error: {startup_error(cfg.redis_url, exc)}", file=sys.stderr)
+            await runner.cleanup()
+            return 1
         try:
             site = GuardedSite(runner, host, port, backlog=4096)  # 408 for slowloris heads
             await site.start()
@@ -271,6 +284,7 @@ async def serve(cfg: WorkerConfig, host: str, port: int) -> None:
             await app[STATE].turns.drain(cfg.shutdown_deadline_s)
         finally:
             await runner.cleanup()  # the app's cleanup drains the turns within the deadline
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -279,5 +293,4 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    runtime.run(serve(cfg, args.host, args.port))
-    return 0
+    return runtime.run(serve(cfg, args.host, args.port))

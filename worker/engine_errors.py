@@ -12,6 +12,9 @@ The tree::
           |                       ``retry_after_s``, ``retryable``)
           +-- EngineStreamError   an error object inside a 200 stream
 
+``message`` is for the worker's log (it names the engine's URL); ``public_reason`` is
+what a client may read in the turn's ``error`` frame: a short reason, no address.
+
 Order of use: ``worker.engine_client`` raises them; the turn runner
 (``worker.turns``) moves the turn once to the next engine for its key on an
 ``EngineUnavailable`` raised before the first token (the connection was refused: the
@@ -44,6 +47,11 @@ class EngineError(Exception):
         self.message = message
         self.engine_url = engine_url
 
+    @property
+    def public_reason(self) -> str:
+        """A short reason without internal addresses (the ``error`` frame's text)."""
+        return "engine error"
+
 
 class EngineUnavailable(EngineError):
     """The engine could not be reached, or the connection broke."""
@@ -54,6 +62,10 @@ class EngineUnavailable(EngineError):
         super().__init__(message, engine_url=engine_url)
         self.mid_stream = mid_stream
 
+    @property
+    def public_reason(self) -> str:
+        return "engine connection lost mid-stream" if self.mid_stream else "engine unreachable"
+
 
 class EngineTimeout(EngineError):
     """No first token within the deadline, or no bytes for the idle timeout."""
@@ -63,9 +75,17 @@ class EngineTimeout(EngineError):
         self.phase = phase
         self.timeout_s = timeout_s
 
+    @property
+    def public_reason(self) -> str:
+        return self.message  # "engine <phase> timeout after <n>s": nothing internal
+
 
 class EngineProtocolError(EngineError):
     """The engine's answer does not follow the OpenAI streaming protocol."""
+
+    @property
+    def public_reason(self) -> str:
+        return "engine answered with an invalid stream"
 
 
 class EngineHTTPError(EngineError):
@@ -84,6 +104,10 @@ class EngineHTTPError(EngineError):
         self.status = status
         self.body = body
         self.retry_after_s = retry_after_s
+
+    @property
+    def public_reason(self) -> str:
+        return f"engine answered HTTP {self.status}"
 
     @property
     def retryable(self) -> bool:

@@ -8,15 +8,30 @@ connection. Streams pass through unbuffered, WebSocket close codes pass through.
 It also serves the multi-screen page (``/``) and ``/api/stack``, the live panel's view of
 the stack (processes, engines' in-flight against their caps, recent placements).
 
+Process control (``POST /api/{kill,restart}/{name}``, the live panel's buttons) is for
+the person at the terminal only: a request must be same-origin (its ``Origin`` names
+the ``Host`` it was sent to, so a page on another site cannot post it from a visitor's
+browser) and carry the per-run control token (``X-Control-Token``), which ``tokenrelay
+demo`` prints to its terminal and nowhere else; otherwise 403 with a code.
+
+A POST is never sent twice: a worker that accepted the connection and then failed
+(died mid-request) gets 502 back to the client, which retries with its
+``Idempotency-Key`` if it wants to; only a refused connection, when no byte of the
+request left, moves on to the next worker. Error bodies carry a code and a short
+reason; the upstream's address and the exception go to the log.
+
 This is a demo ingress, not a production one: in production use nginx or Envoy
-(docker-compose.yml has an nginx example).
+(deploy/nginx.conf is the docker-compose example).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import logging
 import random
+import secrets
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +39,9 @@ from typing import Any
 import aiohttp
 from aiohttp import WSMsgType, web
 
-__all__ = ["FrontDoor", "make_frontdoor_app"]
+__all__ = ["CONTROL_HEADER", "FrontDoor", "make_frontdoor_app", "same_origin"]
+
+log = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).with_name("static")
 HOP_HEADERS = frozenset(
@@ -43,9 +60,29 @@ HOP_HEADERS = frozenset(
     )
 )
 FORWARD_REQUEST_HEADERS = ("Authorization", "Last-Event-ID", "Idempotency-Key", "Content-Type")
+CONTROL_HEADER = "X-Control-Token"
+IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS"})
 
 StackView = Callable[[], Any]
 Control = Callable[[str, str], Any]
+
+
+def same_origin(request: web.Request) -> bool:
+    """True when the browser says the request comes from the page it is sent to: an
+    ``Origin`` whose host[:port] is the request's ``Host`` (and, where the browser sends
+    it, ``Sec-Fetch-Site: same-origin``). No ``Origin`` at all is not same-origin."""
+    origin = request.headers.get("Origin", "")
+    scheme, sep, authority = origin.partition("://")
+    host = request.headers.get("Host", "")
+    if not sep or scheme not in ("http", "https") or not host:
+        return False
+    if authority.lower() != host.lower():
+        return False
+    return request.headers.get("Sec-Fetch-Site", "same-origin") == "same-origin"
+
+
+def _error(status: int, code: str, reason: str) -> web.Response:
+    return web.json_response({"error": code, "reason": reason}, status=status)
 
 
 class FrontDoor:
@@ -56,11 +93,14 @@ class FrontDoor:
         *,
         stack_view: StackView | None = None,
         control: Control | None = None,
+        control_token: str | None = None,
     ) -> None:
         self._relays = relays
         self._workers = workers
         self._stack_view = stack_view
         self._control = control
+        # per run: given, or made here; whoever starts the door prints it to its terminal
+        self.control_token = control_token or secrets.token_urlsafe(24)
         self.http: aiohttp.ClientSession | None = None
 
     def _order(self, urls: Sequence[str]) -> list[str]:
@@ -75,9 +115,11 @@ class FrontDoor:
 
     async def _open(
         self, request: web.Request, upstreams: Sequence[str], body: bytes | None
-    ) -> aiohttp.ClientResponse:
+    ) -> aiohttp.ClientResponse | web.Response:
+        """The first upstream's answer; the next upstream is tried when the connection
+        was refused, or (idempotent methods only) when it failed after being made."""
         assert self.http is not None
-        last_error = "no upstream configured"
+        idempotent = request.method in IDEMPOTENT
         for base in self._order(upstreams):
             try:
                 return await self.http.request(
@@ -87,18 +129,22 @@ class FrontDoor:
                     data=body,
                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=2),
                 )
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                # the connection was never made, so nothing was sent: try the next
+                log.info("upstream %s refused %s: %r", base, request.method, exc)
             except (TimeoutError, aiohttp.ClientConnectionError) as exc:
-                last_error = f"{base}: {exc}"
-        raise web.HTTPBadGateway(
-            text=f'{{"error": "no upstream answered", "reason": "{last_error}"}}',
-            content_type="application/json",
-        )
+                log.warning("upstream %s failed %s %s: %r", base, request.method, request.path, exc)
+                if not idempotent:  # it may have acted on the request: never send it twice
+                    return _error(502, "upstream_failed", "the upstream failed mid-request")
+        return _error(502, "no_upstream", "no upstream answered")
 
     async def proxy_http(
         self, request: web.Request, upstreams: Sequence[str]
     ) -> web.StreamResponse:
         body = await request.read() if request.can_read_body else None
         upstream = await self._open(request, upstreams, body)
+        if isinstance(upstream, web.Response):
+            return upstream
         try:
             headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
             resp = web.StreamResponse(status=upstream.status, headers=headers)
@@ -116,7 +162,6 @@ class FrontDoor:
 
     async def proxy_ws(self, request: web.Request) -> web.StreamResponse:
         assert self.http is not None
-        last_error = "no relay configured"
         for base in self._order(self._relays()):
             url = base.replace("http", "ws", 1) + request.rel_url.path_qs
             try:
@@ -125,18 +170,15 @@ class FrontDoor:
                 )
             except aiohttp.WSServerHandshakeError as exc:
                 if exc.status == 503:  # draining or full: another relay may take it
-                    last_error = f"{base}: 503 {exc.message}"
                     continue
                 # the relay's own answer (400 bad session, 401/403 token, ...), passed on
-                return web.json_response(
-                    {"error": "refused by relay", "reason": exc.message}, status=exc.status
-                )
+                return _error(exc.status, "refused_by_relay", exc.message)
             except (TimeoutError, aiohttp.ClientConnectionError) as exc:
-                last_error = f"{base}: {exc}"
+                log.info("relay %s: websocket failed: %r", base, exc)
                 continue
             break
         else:
-            raise web.HTTPBadGateway(text=last_error)
+            return _error(502, "no_upstream", "no relay took the stream")
         client = web.WebSocketResponse(max_msg_size=64 * 1024)
         await client.prepare(request)
 
@@ -187,21 +229,30 @@ class FrontDoor:
 
     async def control(self, request: web.Request) -> web.Response:
         if self._control is None:
-            raise web.HTTPNotFound(text="no process control in this front door")
+            return _error(404, "not_found", "no process control in this front door")
+        if not same_origin(request):
+            return _error(403, "cross_origin", "process control takes same-origin requests only")
+        given = request.headers.get(CONTROL_HEADER, "").encode()
+        if not hmac.compare_digest(given, self.control_token.encode()):
+            return _error(403, "bad_control_token", "needs the control token from the terminal")
         action, name = request.match_info["action"], request.match_info["name"]
         try:
             result = self._control(action, name)
             if asyncio.iscoroutine(result):
                 result = await result
-        except (KeyError, ValueError, RuntimeError) as exc:
-            return web.json_response({"error": "control failed", "reason": str(exc)}, status=400)
+        except KeyError:
+            return _error(404, "no_such_process", "no process of that name")
+        except (ValueError, RuntimeError) as exc:
+            log.warning("control %s %s failed: %r", action, name, exc)
+            return _error(400, "control_failed", f"cannot {action} that process")
         return web.json_response({"ok": True, "action": action, "name": name, "result": result})
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        """Ready when some relay and some worker answer their own ``/readyz``."""
+        """Ready when some relay and some worker answer their own ``/readyz``; the body
+        counts them (their addresses are internal: they stay out of answers)."""
         assert self.http is not None
         ready: dict[str, list[str]] = {"relays": [], "workers": []}
         for kind, bases in (("relays", self._relays()), ("workers", self._workers())):
@@ -213,7 +264,8 @@ class FrontDoor:
                         if resp.status == 200:
                             ready[kind].append(base)
         ok = bool(ready["relays"]) and bool(ready["workers"])
-        return web.json_response({"ready": ok, **ready}, status=200 if ok else 503)
+        counts = {kind: len(bases) for kind, bases in ready.items()}
+        return web.json_response({"ready": ok, **counts}, status=200 if ok else 503)
 
     async def on_startup(self, app: web.Application) -> None:
         self.http = aiohttp.ClientSession(auto_decompress=False)

@@ -455,8 +455,9 @@ class TurnManager:
                 outcome, error = _ABORT_OUTCOME.get(t.abort_reason, "cancelled"), t.abort_reason
             except EngineTimeout as exc:
                 outcome, error = "timeout", exc.message
-            except EngineError as exc:
-                outcome, error = "engine_error", exc.message
+            except EngineError as exc:  # the frame gets a short reason, the log the URL
+                _log.warning("turn %s/%d: %s", t.sid, t.gen.turn, exc.message)
+                outcome, error = "engine_error", exc.public_reason
             finally:
                 _release(t.lease)  # the engine is done with us, whatever happens next
                 pump.close()
@@ -465,7 +466,8 @@ class TurnManager:
             outcome, error = "fenced", None
             _log.warning("turn %s/%d fenced: %s", t.sid, t.gen.turn, exc)
         except RelayError as exc:
-            outcome, error = "redis_error", f"redis unavailable: {exc}"
+            _log.warning("turn %s/%d: redis: %r", t.sid, t.gen.turn, exc)
+            outcome, error = "redis_error", "redis unavailable"
         except asyncio.CancelledError:
             outcome, error = "shutdown", "worker shutdown"
             t.abort("worker shutdown")

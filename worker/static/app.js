@@ -257,14 +257,42 @@ async function refreshPanel() {
   } catch (e) { /* the panel is best effort */ }
 }
 
+// Process control needs the per-run token that `tokenrelay demo` prints to its terminal:
+// opened as #control=..., it is kept for this tab and taken out of the address (the
+// share link must not carry it); otherwise the first click asks for it.
+const CONTROL = "tokenrelay-control";
+
+function takeControlToken() {
+  const p = new URLSearchParams(location.hash.slice(1));
+  const token = p.get("control");
+  if (!token) return;
+  sessionStorage.setItem(CONTROL, token);
+  p.delete("control");
+  history.replaceState(null, "", location.pathname + location.search + (p.toString() ? `#${p}` : ""));
+}
+
 document.addEventListener("click", async (ev) => {
   const b = ev.target.closest("button[data-action]");
   if (!b) return;
-  await fetch(`/api/${b.dataset.action}/${b.dataset.name}`, { method: "POST" });
+  let token = sessionStorage.getItem(CONTROL);
+  if (!token) {
+    token = prompt("Control token (printed in the terminal running tokenrelay demo):");
+    if (!token) return;
+    sessionStorage.setItem(CONTROL, token.trim());
+  }
+  const r = await fetch(`/api/${b.dataset.action}/${b.dataset.name}`, {
+    method: "POST", headers: { "X-Control-Token": sessionStorage.getItem(CONTROL) },
+  });
+  if (r.status === 403) {
+    sessionStorage.removeItem(CONTROL);
+    const body = await r.json().catch(() => ({}));
+    $("notice").textContent = `control refused: ${body.reason || r.status}`;
+  }
   refreshPanel();
 });
 
 function load() {
+  takeControlToken();
   const p = params();
   state.sid = p.sid; state.token = p.token;
   state.transport = p.transport === "ws" ? "ws" : $("transport").value;
