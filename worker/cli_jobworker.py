@@ -25,7 +25,7 @@ import aiohttp
 from relay import runtime
 from relay.errors import RelayError, map_redis_errors
 from relay.publisher import Publisher
-from relay.redis_client import RedisTLS, add_tls_arguments, connect
+from relay.redis_client import RedisTLS, add_tls_arguments, connect, startup_error
 from worker.api import default_worker_id
 from worker.control import parse_engine_arg
 from worker.engine_client import EngineClient
@@ -145,6 +145,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         runtime.run(serve(args, engines))
     except (TimeoutError, RelayError, OSError) as exc:
-        print(f"error: cannot start: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+        print(f"error: {startup_error(args.redis, exc)}", file=sys.stderr)
         return 1
     return 0
