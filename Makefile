@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: all demo test test-fast lint format bench fuzz browser-deps promtool clean
+.PHONY: all demo test test-fast lint format bench fuzz browser-deps promtool openapi clean
 
 all: test
 
@@ -42,6 +42,11 @@ browser-deps:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
 			|| echo "could not install$$missing: the checks that need them will skip"; \
 	fi
+
+## openapi: refresh the packaged copy of docs/openapi.yaml (relay/openapi.json), which
+## the relay and the worker serve at /openapi.json.
+openapi: $(STAMP)
+	$(BIN)/python -m relay.openapi docs/openapi.yaml relay/openapi.json
 
 ## promtool: Prometheus's rule checker for deploy/prometheus/alerts.yml, unpacked from
 ## Debian's prometheus package into .venv/tools (apt-get download + dpkg-deb -x: nothing

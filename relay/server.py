@@ -9,7 +9,8 @@ HTTP contract (DESIGN.md section 4; close codes and error bodies in docs/PROTOCO
 - ``GET /v1/sessions/{sid}/ws``: WebSocket. ``{"type":"hello",...}`` first, then one
   text message per frame (the frame JSON as published). Resume: ``?from=<offset>``.
 - Token: ``Authorization: Bearer <t>`` or ``?token=<t>`` (see :mod:`relay.auth`).
-- ``GET /healthz``, ``GET /readyz``, ``GET /metrics``.
+- ``GET /healthz``, ``GET /readyz``, ``GET /metrics``, ``GET /openapi.json``
+  (docs/openapi.yaml, the relay's part).
 
 Refusals before a stream starts are JSON ``{"error": code, "reason": sentence}`` with
 400 / 401 / 403 / 503. Every stream's socket writes happen in a task of its own (the
@@ -37,7 +38,7 @@ import orjson
 from aiohttp import WSMsgType, web
 from redis.asyncio.cluster import RedisCluster
 
-from relay import runtime, sse
+from relay import openapi, runtime, sse
 from relay.auth import AuthError, extract_token, verify_token
 from relay.config import RelayConfig
 from relay.errors import RelayError, WatchClosed
@@ -484,6 +485,7 @@ def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
     app.router.add_get("/healthz", server.healthz)
     app.router.add_get("/readyz", server.readyz)
     app.router.add_get("/metrics", server.metrics_handler)
+    app.router.add_get("/openapi.json", openapi.handler("relay"))  # docs/openapi.yaml
     return app
 
 

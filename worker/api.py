@@ -16,7 +16,8 @@ Routes (DESIGN.md section 4, kept exactly):
   413 (body or message too large), 415 (not ``application/json``), 429 + Retry-After
   (every engine full), 503 (draining, or Redis unavailable);
 * ``GET /healthz`` (the process lives), ``GET /readyz`` (Redis answers, some engine is
-  routable, not draining), ``GET /metrics`` (Prometheus text).
+  routable, not draining), ``GET /metrics`` (Prometheus text), ``GET /openapi.json``
+  (docs/openapi.yaml, the worker's part).
 
 Order of use: ``app = make_app(WorkerConfig(...))`` (optionally with an existing Redis
 client); the app's startup builds the router, engine client, control plane, load
@@ -41,6 +42,7 @@ import orjson
 from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
 
+from relay import openapi
 from relay.auth import AuthError, extract_token, issue_token, verify_token
 from relay.errors import RelayError, map_redis_errors
 from relay.keys import InvalidSessionId, idem_key, new_session_id, parse_session
@@ -187,6 +189,8 @@ def _parse_turn(raw: bytes, cfg: WorkerConfig) -> tuple[str, str | None, int | N
             413, "system_too_large", f"'system' longer than {cfg.max_message_chars} characters"
         )
     max_tokens = body.get("max_tokens")
+    if isinstance(max_tokens, float) and max_tokens.is_integer():
+        max_tokens = int(max_tokens)  # JSON has one number type: 256.0 is the integer 256
     if max_tokens is not None:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
             raise _BadRequest(400, "invalid_max_tokens", "'max_tokens' must be an integer")
@@ -402,4 +406,5 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/router", _router_view)
+    app.router.add_get("/openapi.json", openapi.handler("worker"))  # docs/openapi.yaml
     return app
