@@ -106,7 +106,10 @@ def test_the_document_and_each_part_are_valid_openapi_3_1() -> None:
 def test_every_route_is_documented_and_every_operation_routed(service: str) -> None:
     routed = set(_routed(_apps()[service]))
     documented = set(_documented(service))
-    assert routed - documented == set(), f"routes of the {service} missing from the doc"
+    assert routed - documented == set(), (
+        f"routes of the {service} missing from docs/openapi.yaml: document them there "
+        f"(tags: [{service}]), then run `make openapi`"
+    )
     assert documented - routed == set(), f"documented for the {service} but not routed"
 
 
@@ -160,7 +163,9 @@ def test_every_status_a_handler_answers_is_documented(service: str) -> None:
             continue  # a handler from another module (relay.openapi): nothing to scan
         found = _codes(scope[name], scope, {name})
         codes = {int(c) for c in documented[key]["responses"]}
-        assert found - codes == set(), f"{key}: answers {sorted(found - codes)} undocumented"
+        assert found - codes == set(), (
+            f"{key} answers {sorted(found - codes)}, not in docs/openapi.yaml's responses"
+        )
         checked += 1
     assert checked >= 5
 
