@@ -213,7 +213,8 @@ def test_autoscalers_target_deployments_and_an_exported_gauge() -> None:
     worker = _find(OBJECTS, "HorizontalPodAutoscaler", "tokenrelay-worker")["spec"]
     for spec, name in ((relay, "tokenrelay-relay"), (worker, "tokenrelay-worker")):
         assert spec["scaleTargetRef"]["name"] == name
-        _find(OBJECTS, "Deployment", name)
+        target = _find(OBJECTS, "Deployment", name)
+        assert "replicas" not in target["spec"], f"{name}: the HPA owns replicas"
         assert 2 <= spec["minReplicas"] < spec["maxReplicas"]
     (metric,) = relay["metrics"]
     name = metric["pods"]["metric"]["name"]
