@@ -10,7 +10,8 @@
 - An installed wheel carries the packaged copy.
 - schemathesis, as a user would run it, fuzzes a live relay and a live worker from
   their own ``/openapi.json`` with a bounded number of examples: no 5xx, no response
-  outside the contract.
+  outside the contract. An authorized SSE and WebSocket stream, which schemathesis cannot
+  open (it never holds the token of the session it picks), is checked by hand.
 """
 
 from __future__ import annotations
@@ -21,18 +22,22 @@ import json
 import re
 import shutil
 import sys
+import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
 
 from relay import openapi
+from relay.auth import issue_token
 from relay.cluster import ClusterInfo
 from relay.config import RelayConfig
+from relay.keys import new_session_id
 from relay.server import EdgeServer, make_runner
 from relay.server import make_app as relay_app
 from tests.worker_harness import SECRET, Harness
@@ -240,10 +245,37 @@ async def test_schemathesis_against_a_live_relay(cluster: ClusterInfo, tmp_path:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = runner.addresses[0][1]
-        code, out = await _schemathesis(f"http://127.0.0.1:{port}", tmp_path / "relay.xml")
+        base = f"http://127.0.0.1:{port}"
+        code, out = await _schemathesis(base, tmp_path / "relay.xml")
+        await _streams_keep_to_the_contract(base)
     finally:
         await runner.cleanup()
     assert code == 0, out[-6000:]
+
+
+async def _streams_keep_to_the_contract(base: str) -> None:
+    """What schemathesis cannot reach (it never holds a valid token for the session it
+    picks): an authorized stream's status, media type and headers are the documented
+    ones, on SSE and WebSocket."""
+    sid = new_session_id()
+    token = issue_token(SECRET, sid, 60, time.time(), scope="watch")
+    ops = _documented("relay")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+        sse = ops[("GET", "/v1/sessions/{sid}/events")]["responses"]
+        async with http.get(
+            f"{base}/v1/sessions/{sid}/events",
+            headers={"Authorization": f"Bearer {token}", "Last-Event-ID": "0"},
+        ) as r:
+            assert str(r.status) in sse
+            doc = sse[str(r.status)]
+            assert r.content_type in doc["content"]
+            assert set(doc.get("headers", {})) <= set(r.headers)
+            assert (await r.content.readline()).startswith(b"retry:")
+        ws_doc = ops[("GET", "/v1/sessions/{sid}/ws")]["responses"]
+        async with http.ws_connect(f"{base}/v1/sessions/{sid}/ws?token={token}&from=0") as ws:
+            assert "101" in ws_doc
+            hello = await ws.receive_json()
+            assert hello["type"] == "hello"
 
 
 @pytest.mark.integration
