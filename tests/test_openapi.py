@@ -177,6 +177,7 @@ def test_every_status_a_handler_answers_is_documented(service: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_the_wheel_ships_the_contract(tmp_path: Path) -> None:
     import subprocess
 
