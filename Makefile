@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: all demo test test-fast lint format bench fuzz browser-deps clean
+.PHONY: all demo test test-fast lint format bench fuzz browser-deps promtool openapi clean
 
 all: test
 
@@ -25,7 +25,7 @@ demo: $(STAMP)
 		$(BIN)/tokenrelay demo $(DEMO_ARGS)
 
 ## test: the whole suite against a real local Redis Cluster (started and stopped by the suite).
-test: $(STAMP) browser-deps
+test: $(STAMP) browser-deps promtool
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 ## test-fast: pure-core tests only (no Redis, no browser).
@@ -44,6 +44,22 @@ browser-deps:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
 			|| echo "could not install$$missing: the checks that need them will skip"; \
 	fi
+
+## openapi: refresh the packaged copy of docs/openapi.yaml (relay/openapi.json), which
+## the relay and the worker serve at /openapi.json.
+openapi: $(STAMP)
+	$(BIN)/python -m relay.openapi docs/openapi.yaml relay/openapi.json
+
+## promtool: Prometheus's rule checker for deploy/prometheus/alerts.yml, unpacked from
+## Debian's prometheus package into .venv/tools (apt-get download + dpkg-deb -x: nothing
+## is installed system-wide and no server starts). Best effort: else that check skips.
+promtool: $(STAMP)
+	@command -v promtool >/dev/null 2>&1 || test -x $(VENV)/tools/usr/bin/promtool || { \
+		mkdir -p $(VENV)/tools && cd $(VENV)/tools && \
+		{ apt-get download prometheus >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && \
+		  apt-get update -qq && apt-get download prometheus >/dev/null 2>&1; }; } && \
+		dpkg-deb -x prometheus_*.deb . && rm -f prometheus_*.deb; \
+	} || echo "could not unpack promtool: the alert rules check will skip"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -9,7 +9,8 @@ HTTP contract (DESIGN.md section 4; close codes and error bodies in docs/PROTOCO
 - ``GET /v1/sessions/{sid}/ws``: WebSocket. ``{"type":"hello",...}`` first, then one
   text message per frame (the frame JSON as published). Resume: ``?from=<offset>``.
 - Token: ``Authorization: Bearer <t>`` or ``?token=<t>`` (see :mod:`relay.auth`).
-- ``GET /healthz``, ``GET /readyz``, ``GET /metrics``.
+- ``GET /healthz``, ``GET /readyz``, ``GET /metrics``, ``GET /openapi.json``
+  (docs/openapi.yaml, the relay's part).
 
 Refusals before a stream starts are JSON ``{"error": code, "reason": sentence}`` with
 400 / 401 / 403 / 503. Frames reach a socket through its hub :class:`~relay.tap.Tap`:
@@ -39,7 +40,7 @@ from aiohttp import WSMsgType, web
 from aiohttp.abc import AbstractStreamWriter
 from redis.asyncio.cluster import RedisCluster
 
-from relay import runtime, sse
+from relay import openapi, runtime, sse
 from relay.auth import AuthError, extract_token, verify_token
 from relay.clientaddr import client_address, parse_networks
 from relay.config import RelayConfig
@@ -544,6 +545,7 @@ def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
     app.router.add_get("/healthz", server.healthz)
     app.router.add_get("/readyz", server.readyz)
     app.router.add_get("/metrics", server.metrics_handler)
+    app.router.add_get("/openapi.json", openapi.handler("relay"))  # docs/openapi.yaml
     return app
 
 

@@ -255,7 +255,7 @@ async def test_malformed_json_bodies_get_400_with_the_documented_error(cluster, 
         (b'{"message": "hi", "system": 5}', "invalid_system"),
         (b'{"message": "hi", "max_tokens": true}', "invalid_max_tokens"),
         (b'{"message": "hi", "max_tokens": 0}', "invalid_max_tokens"),
-        (b'{"message": "hi", "max_tokens": 5.0}', "invalid_max_tokens"),
+        (b'{"message": "hi", "max_tokens": 5.5}', "invalid_max_tokens"),  # 5.0 is 5 (JSON)
         (b'{"message": "hi", "max_tokens": "5"}', "invalid_max_tokens"),
         (b'{"message": "hi", "max_tokens": 99999999999999999999999}', "invalid_max_tokens"),
         (b'{"message": "hi", "max_tokens": -1}', "invalid_max_tokens"),

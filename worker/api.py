@@ -25,7 +25,8 @@ Routes (DESIGN.md section 4, kept exactly):
 * ``POST /v1/jobs``, ``GET /v1/jobs/{id}``: offline jobs on RabbitMQ when ``--amqp`` is
   given (:mod:`worker.jobs_api`; ``tokenrelay jobworker`` runs them);
 * ``GET /healthz`` (the process lives), ``GET /readyz`` (Redis answers, some engine is
-  routable, not draining), ``GET /metrics`` (Prometheus text).
+  routable, not draining), ``GET /metrics`` (Prometheus text), ``GET /openapi.json``
+  (docs/openapi.yaml, the worker's part).
 
 Order of use: ``app = make_app(WorkerConfig(...))`` (optionally with an existing Redis
 client); the app's startup builds the router, engine client, control plane, load
@@ -49,6 +50,7 @@ import orjson
 from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
 
+from relay import openapi
 from relay.auth import AuthError, load_keys
 from relay.errors import RedisCommandError, RelayError, map_redis_errors
 from relay.keys import InvalidSessionId, idem_key, new_session_id, parse_session
@@ -251,6 +253,8 @@ def _parse_turn(raw: bytes, cfg: WorkerConfig) -> tuple[str, str | None, int]:
             413, "system_too_large", f"'system' longer than {cfg.max_message_chars} characters"
         )
     max_tokens = body.get("max_tokens")
+    if isinstance(max_tokens, float) and max_tokens.is_integer():
+        max_tokens = int(max_tokens)  # JSON has one number type: 256.0 is the integer 256
     if max_tokens is not None:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
             raise _BadRequest(400, "invalid_max_tokens", "'max_tokens' must be an integer")
@@ -542,4 +546,5 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
     gateway.add_routes(app)  # POST /v1/chat/completions, GET /v1/models
     if cfg.amqp_url:
         jobs_api.add_routes(app)  # POST /v1/jobs, GET /v1/jobs/{id}
+    app.router.add_get("/openapi.json", openapi.handler("worker"))  # docs/openapi.yaml
     return app
