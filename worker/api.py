@@ -544,7 +544,6 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/router", _router_view)
     gateway.add_routes(app)  # POST /v1/chat/completions, GET /v1/models
-    if cfg.amqp_url:
-        jobs_api.add_routes(app)  # POST /v1/jobs, GET /v1/jobs/{id}
+    jobs_api.add_routes(app)  # POST /v1/jobs, GET /v1/jobs/{id} (404 without --amqp)
     app.router.add_get("/openapi.json", openapi.handler("worker"))  # docs/openapi.yaml
     return app

@@ -8,6 +8,8 @@
   ``running`` (with ``progress_tokens``), ``done`` (with ``result``, ``tokens``,
   ``chars``, ``sha256``) or ``failed`` (with ``error``).
 
+Without ``--amqp`` both answer 404 ``jobs_disabled`` with the reason.
+
 Auth: a job of a session takes that session's token (``write`` to submit; any scope to
 read); a job without a session takes a worker API key (``--gateway-key``). With
 ``--insecure-no-auth`` nothing is checked. Errors: ``{"error": code, "reason"}`` with 400,
@@ -99,7 +101,13 @@ def _spec(body: Any, api: JobsApi) -> JobSpec:
     return JobSpec(prompt=prompt, system=system or None, max_tokens=mt, session=session)
 
 
+def _disabled() -> web.Response:
+    return _err(404, "jobs_disabled", "this worker has no job queue: start it with --amqp URL")
+
+
 async def submit_job(request: web.Request) -> web.Response:
+    if JOBS not in request.app:
+        return _disabled()
     api = request.app[JOBS]
     if request.content_type != _JSON:
         return _err(415, "unsupported_media_type", "send the body as application/json")
@@ -156,6 +164,8 @@ async def submit_job(request: web.Request) -> web.Response:
 
 
 async def get_job(request: web.Request) -> web.Response:
+    if JOBS not in request.app:
+        return _disabled()
     api = request.app[JOBS]
     try:
         job_id = parse_job_id(request.match_info["job"])
