@@ -42,8 +42,15 @@ async def _until_tokens(redis: RedisCluster, sid: str, n: int, timeout_s: float 
         await asyncio.sleep(0.05)
 
 
-def _outcome(h: Harness, sid: str) -> str:
-    return next(o for s, _, o in h.state.turns.outcomes if s == sid)
+async def _outcome(h: Harness, sid: str, timeout_s: float = 5.0) -> str:
+    """The turn's recorded outcome: recorded just after its terminal frame is out (and
+    the lock given back), so a test that saw the frame may have to wait a moment."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = [o for s, _, o in h.state.turns.outcomes if s == sid]
+        if found or time.monotonic() > deadline:
+            return found[0] if found else "none recorded"
+        await asyncio.sleep(0.01)
 
 
 async def _watched(redis: RedisCluster, sid: str, stop: asyncio.Event, relay: str = "r1") -> None:
@@ -68,7 +75,7 @@ async def test_engine_killed_mid_stream_ends_with_error_and_releases(
     assert frames[-1].kind == "error"
     assert frames[-1].meta is not None
     assert frames[-1].meta["code"] == "engine_error"
-    assert _outcome(h, sid) == "engine_error"
+    assert await _outcome(h, sid) == "engine_error"
     assert h.state.router.in_flight() == {"eng-0": 0}
     assert h.state.router.snapshot()["counters"]["double_releases"] == 0
     h.engines.clear()
@@ -83,7 +90,7 @@ async def test_first_token_timeout_ends_with_error(h: Harness, redis: RedisClust
     frames = await wait_turn(redis, sid, body["turn"])
     assert frames[-1].kind == "error"
     assert "timeout" in frames[-1].text
-    assert _outcome(h, sid) == "timeout"
+    assert await _outcome(h, sid) == "timeout"
     assert h.state.router.in_flight() == {"eng-0": 0}
 
 
@@ -99,7 +106,7 @@ async def test_nobody_watching_aborts_the_engine_request(h: Harness, redis: Redi
     assert frames[-1].kind == "error"
     assert frames[-1].text == "no viewers"
     assert 1.0 <= elapsed < 3.0
-    assert _outcome(h, sid) == "no_viewers"
+    assert await _outcome(h, sid) == "no_viewers"
     assert h.state.router.in_flight() == {"eng-0": 0}
     await asyncio.sleep(0.2)
     assert engines[0].engine.gate.running == 0  # the engine saw the disconnect
@@ -126,7 +133,7 @@ async def test_a_watched_turn_runs_to_the_end(h: Harness, redis: RedisCluster):
         stop.set()
         await watcher
     assert frames[-1].kind == "done"
-    assert _outcome(h, sid) == "done"
+    assert await _outcome(h, sid) == "done"
 
 
 async def test_a_viewer_leaving_for_longer_than_the_grace_cancels(h: Harness, redis: RedisCluster):
@@ -190,7 +197,7 @@ async def test_engine_leaving_the_ring_ends_its_streams(h: Harness, redis: Redis
     frames = await wait_turn(redis, sid, body["turn"])
     assert frames[-1].kind == "error"
     assert frames[-1].text == "engine down"
-    assert _outcome(h, sid) == "engine_down"
+    assert await _outcome(h, sid) == "engine_down"
     assert [s.id for s in st.router.engines()] == [survivor.engine.cfg.engine_id]
     assert st.router.in_flight().get(doomed, 0) == 0
     sid2, token2 = await h.session()
@@ -213,7 +220,7 @@ async def test_fenced_turn_releases_and_writes_nothing_more(h: Harness, redis: R
     while not h.state.turns.outcomes:
         assert time.monotonic() < deadline
         await asyncio.sleep(0.05)
-    assert _outcome(h, sid) == "fenced"
+    assert await _outcome(h, sid) == "fenced"
     assert h.state.router.in_flight() == {"eng-0": 0}
     await newer.done({"by": "newer"})
     raw, _, _ = await read_backlog(redis, sid, 0, 10_000)
