@@ -226,7 +226,7 @@ class FrontDoor:
 def make_frontdoor_app(door: FrontDoor) -> web.Application:
     app = web.Application(client_max_size=1024 * 1024)
     app.router.add_get("/", door.index)
-    app.router.add_static("/static/", STATIC_DIR)
+    app.router.add_static("/static/", STATIC_DIR, follow_symlinks=True)  # tokenrelay.js
     app.router.add_get("/healthz", door.healthz)
     app.router.add_get("/readyz", door.readyz)
     app.router.add_get("/api/stack", door.stack)
