@@ -37,7 +37,7 @@ import orjson
 from aiohttp import WSMsgType, web
 from redis.asyncio.cluster import RedisCluster
 
-from relay import runtime, sse
+from relay import runtime, sse, uistream
 from relay.auth import AuthError, extract_token, verify_token
 from relay.config import RelayConfig
 from relay.errors import RelayError, WatchClosed
@@ -484,6 +484,7 @@ def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
     app.router.add_get("/healthz", server.healthz)
     app.router.add_get("/readyz", server.readyz)
     app.router.add_get("/metrics", server.metrics_handler)
+    uistream.register(app, server)  # the AI SDK's UI message stream (relay/uistream.py)
     return app
 
 

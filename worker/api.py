@@ -46,6 +46,7 @@ from relay.errors import RelayError, map_redis_errors
 from relay.keys import InvalidSessionId, idem_key, new_session_id, parse_session
 from relay.publisher import Publisher
 from relay.redis_client import connect
+from worker import aisdk
 from worker.coalesce import DEFAULT_POLICY, CoalescePolicy
 from worker.control import ControlPlane
 from worker.engine_client import EngineClient
@@ -402,4 +403,5 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/router", _router_view)
+    aisdk.register(app, STATE)  # POST /v1/chat: the Vercel AI SDK's chat (worker/aisdk.py)
     return app
