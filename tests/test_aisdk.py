@@ -22,14 +22,12 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from relay.cluster import ClusterInfo
 from relay.frame import Frame
 from relay.uistream import UiTurn, encode_chunk
+from tests import demo_harness
 from worker.aisdk import ChatError, parse_chat
-from worker.frontdoor import FrontDoor, make_frontdoor_app
-from worker.stack import Stack, StackSpec, free_port
 
 AISDK = Path(__file__).resolve().parent.parent / "clients" / "aisdk"
 NODE, NPM = shutil.which("node"), shutil.which("npm")
@@ -131,21 +129,8 @@ def _npm_ready() -> str | None:
 @pytest.fixture(scope="module")
 async def front_door(cluster: ClusterInfo) -> AsyncIterator[str]:
     """Two relays, a worker and slow mock engines behind the demo's front door."""
-    spec = StackSpec(relays=2, workers=1, engines=2, redis_url=cluster.url,
-                     engine_args=["--decode-tok-per-s", "40"])  # fmt: skip
-    async with Stack(spec) as stack:
-        door = FrontDoor(
-            lambda: [p.url for p in stack.of_kind("relay") if p.alive],
-            lambda: [p.url for p in stack.of_kind("worker") if p.alive],
-        )
-        runner = web.AppRunner(make_frontdoor_app(door))
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            await runner.cleanup()
+    async with demo_harness.front_door(cluster) as (url, _stack):
+        yield url
 
 
 @pytest.mark.integration
