@@ -178,3 +178,101 @@ async def test_ui_stream_refusals_and_204(front_door: str) -> None:
             **auth, "Content-Type": "application/json"}) as r:  # fmt: skip
             assert r.status == 400
             assert (await r.json())["error"] == "invalid_session"
+
+
+async def _bundle(out: Path) -> str | None:
+    """Bundle page/chat.js with the SDK (esbuild from the lockfile); None, or why not."""
+    esbuild = AISDK / "node_modules" / ".bin" / "esbuild"
+    if not esbuild.exists():
+        return "esbuild is not installed in clients/aisdk (npm ci)"
+    proc = await asyncio.create_subprocess_exec(
+        str(esbuild), "page/chat.js", "--bundle", "--format=esm", "--platform=browser",
+        f"--outfile={out}", "--log-level=warning", cwd=AISDK,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    text, _ = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, text.decode()
+    return None
+
+
+@pytest.mark.integration
+@pytest.mark.browser
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_a_page_on_the_sdk_chat_client_streams_and_resumes_on_another_screen(
+    front_door: str, cluster: ClusterInfo, tmp_path: Path
+) -> None:
+    """Two screens run the SDK's own chat client: one sends, the other opens mid-reply
+    and resumes the running turn (like useChat({resume: true})); both end with the text
+    the backlog holds."""
+    from tests.test_browser import CHROMIUM, LAUNCH_ARGS
+
+    if not CHROMIUM:
+        pytest.skip("no Chromium: apt-get install chromium (make test does it as root)")
+    pytest.importorskip("playwright.async_api", reason="pip install playwright")
+    why = _npm_ready() or await _bundle(tmp_path / "chat.bundle.js")
+    if why is not None:
+        pytest.skip(why)
+    from playwright.async_api import Route, async_playwright
+
+    html = (AISDK / "page" / "chat.html").read_bytes()
+    bundle = (tmp_path / "chat.bundle.js").read_bytes()
+
+    async def serve(route: Route) -> None:
+        if route.request.url.split("#")[0].endswith("/sdk/chat.bundle.js"):
+            await route.fulfill(body=bundle, content_type="text/javascript")
+        else:
+            await route.fulfill(body=html, content_type="text/html")
+
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        try:
+            ctx = await browser.new_context()
+            await ctx.route(f"{front_door}/sdk/*", serve)
+            one = await ctx.new_page()
+            await one.goto(f"{front_door}/sdk/chat.html")
+            await one.wait_for_function("document.body.dataset.ready === '1'", timeout=15_000)
+            await one.fill("#message", "Tell me about resumable streams")
+            await one.press("#message", "Enter")
+            await one.wait_for_function(
+                "(document.querySelector('.msg.assistant')?.textContent || '').length > 5",
+                timeout=20_000,
+            )
+            two = await ctx.new_page()  # opens mid-reply: resumes the running turn
+            await two.goto(one.url)
+            for page in (one, two):
+                await page.wait_for_function(
+                    "document.body.dataset.ready === '1' && "
+                    "document.getElementById('status').textContent === 'ready' && "
+                    "document.querySelector('.msg.assistant') !== null",
+                    timeout=60_000,
+                )
+            texts = [
+                await p.eval_on_selector_all(".msg.assistant", "els => els.map(e => e.textContent)")
+                for p in (one, two)
+            ]
+            errors = [await p.text_content("#error") for p in (one, two)]
+            sid = one.url.split("session=")[1].split("&")[0]
+        finally:
+            await browser.close()
+    assert errors == ["", ""]
+    assert len(texts[0]) == 1
+    assert texts[0] == texts[1]
+    assert texts[0][0] == await _reply(cluster, sid, 1)
+
+
+async def _reply(cluster: ClusterInfo, sid: str, turn: int) -> str:
+    """A turn's reply as the session's backlog holds it."""
+    from redis.asyncio.cluster import RedisCluster
+
+    from relay.frame import decode
+    from relay.publisher import read_backlog
+
+    host, port = cluster.startup_nodes[0]
+    redis = RedisCluster(host=host, port=port)
+    try:
+        raw, _first, _last = await read_backlog(redis, sid, 0, 10_000)
+    finally:
+        await redis.aclose()
+    frames = [decode(x) for x in raw]
+    return "".join(f.text for f in frames if f.kind == "token" and f.turn == turn)
