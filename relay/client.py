@@ -275,8 +275,10 @@ def watch(
     """Watch ``session`` on the relay at ``url`` (see the module docstring).
 
     ``from_offset``: the last offset you already have (0 = the whole backlog, None =
-    live from now). ``http``: a session to reuse (not closed). ``max_reconnects``:
-    consecutive failed reconnects before :class:`ConnectionError` (None = forever).
+    live from now; a live watch that reconnects before its first frame is live again,
+    so pass an offset when nothing may be missed). ``http``: a session to reuse (not
+    closed). ``max_reconnects``: consecutive failed reconnects before
+    :class:`ConnectionError` (None = forever).
     """
     return Watch(url, session, token, from_offset, transport=transport, http=http,
                  on_problem=on_problem, refresh_token=refresh_token, base_s=base_s,

@@ -352,6 +352,7 @@ export class Watcher {
     if (this.token) headers.Authorization = `Bearer ${this.token}`;
     if (this.check.last !== null) headers["Last-Event-ID"] = String(this.check.last);
     const doFetch = this.opts.fetch || globalThis.fetch;
+    if (typeof doFetch !== "function") throw new Fatal("no fetch in this runtime: pass options.fetch");
     const resp = await doFetch(this.url("events", {}), { headers, signal: abort.signal });
     if (gen !== this.gen) return;
     if (!resp.ok) {
@@ -386,6 +387,7 @@ export class Watcher {
 
   async connectWs(gen) {
     const WS = this.opts.WebSocket || globalThis.WebSocket;
+    if (typeof WS !== "function") throw new Fatal("no WebSocket in this runtime: pass options.WebSocket");
     const query = {};
     if (this.token) query.token = this.token;
     if (this.check.last !== null) query.from = String(this.check.last);

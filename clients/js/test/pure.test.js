@@ -117,3 +117,14 @@ test("done frame integrity is not checked for a turn joined mid-way or broken by
   assert.deepEqual(d.accept(frame(4, "token", { text: "c" })).problems.map((p) => p.reason), ["missing"]);
   assert.deepEqual(d.accept(frame(5, "done", { meta: { chars: 3, sha256: node256("abc") } })).problems, []);
 });
+
+test("a runtime without WebSocket ends the watch in state error instead of retrying", async () => {
+  const { watch } = await import("../tokenrelay.js");
+  const states = [];
+  // Not a constructor (as where a runtime has none; Node 22 has a global one).
+  const w = watch("http://127.0.0.1:9", "s1", "t", { transport: "ws", WebSocket: {}, onState: (s) => states.push(s) });
+  const outcome = await w.closed;
+  assert.equal(outcome.state, "error");
+  assert.match(outcome.reason, /no WebSocket/);
+  assert.deepEqual(states, ["connecting", "error"]);
+});
