@@ -25,7 +25,7 @@ function counters() {
   $("offset").textContent = w && w.last !== null ? w.last : 0;
   $("frames").textContent = st.frames;
   $("dups").textContent = st.duplicates;
-  $("ooo").textContent = state.problems;  // holes, overlaps, bad merges, integrity
+  $("problems").textContent = state.problems;  // skipped offsets, overlaps, bad merges, integrity
   $("gaps").textContent = st.gaps;
   $("reconnects").textContent = st.reconnects;
 }
