@@ -29,7 +29,8 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+import random
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -79,7 +80,7 @@ class Watch:
 
     def __init__(
         self,
-        url: str,
+        url: str | Sequence[str],
         session: str,
         token: str | None,
         from_offset: int | None,
@@ -94,7 +95,10 @@ class Watch:
     ) -> None:
         if transport not in ("sse", "ws"):
             raise ValueError("transport must be 'sse' or 'ws'")
-        self.url = url.rstrip("/")
+        self._urls = [u.rstrip("/") for u in ([url] if isinstance(url, str) else url)]
+        if not self._urls:
+            raise ValueError("no relay URL")
+        self.url = self._urls[0]  # the relay of the current connection
         self.session = session
         self.token = token
         self.transport = transport
@@ -130,6 +134,7 @@ class Watch:
         attempt = 0
         try:
             while True:
+                self.url = random.choice(self._urls)  # like an ingress: any relay will do
                 try:
                     reader = self._sse(http) if self.transport == "sse" else self._ws(http)
                     async for frame in reader:
@@ -259,7 +264,7 @@ def _decode(data: str) -> Frame | None:
 
 
 def watch(
-    url: str,
+    url: str | Sequence[str],
     session: str,
     token: str | None,
     from_offset: int | None = None,
@@ -272,7 +277,8 @@ def watch(
     max_s: float = 10.0,
     max_reconnects: int | None = None,
 ) -> Watch:
-    """Watch ``session`` on the relay at ``url`` (see the module docstring).
+    """Watch ``session`` on the relay at ``url`` (see the module docstring); a list of
+    relay URLs: each (re)connect picks one at random.
 
     ``from_offset``: the last offset you already have (0 = the whole backlog, None =
     live from now; a live watch that reconnects before its first frame is live again,

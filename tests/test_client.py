@@ -252,3 +252,19 @@ async def test_refusals_and_token_refresh(relay: Relay) -> None:
     await w.aclose()
     assert len(asked) == 1
     assert "token_expired" in asked[0]
+
+
+@pytest.mark.integration
+async def test_a_list_of_relays_skips_a_dead_one(relay: Relay, redis: object) -> None:
+    sid = new_session_id()
+    token = issue_token(SECRET, sid, 300, time.time())
+    gen = await Publisher(redis).open_generation(sid)  # type: ignore[arg-type]
+    sent = await produce_turn(gen, PIECES[:20], pause_s=0, halfway=asyncio.Event())
+    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    w = watch([dead, relay.base], sid, token, 0, base_s=0.05, max_s=0.2)
+    async with asyncio.timeout(30):
+        got, offsets = await read_turn(w)
+    await w.aclose()
+    assert got == sent
+    assert offsets == list(range(1, 23))
+    assert w.url == relay.base

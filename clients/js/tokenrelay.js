@@ -230,7 +230,8 @@ const FATAL_WS_CLOSE = new Set([1003, 1009, 4400]);  // the client broke the pro
 
 class Fatal extends Error {}
 
-/** Watch `session` on the relay(s) behind `baseUrl`. Returns a Watcher: `.close()`,
+/** Watch `session` on the relay(s) behind `baseUrl` (an ingress, or an array of relay
+ * URLs: each (re)connect picks one at random). Returns a Watcher: `.close()`,
  * `.last` (resume point), `.relay`, `.stats`, `.closed` (a promise settled at the end). */
 export function watch(baseUrl, session, token, options = {}) {
   return new Watcher(baseUrl, session, token, options);
@@ -239,7 +240,11 @@ export function watch(baseUrl, session, token, options = {}) {
 export class Watcher {
   constructor(baseUrl, session, token, options = {}) {
     if (!/^[A-Za-z0-9_-]{1,64}$/.test(session || "")) throw new TypeError("session id must match [A-Za-z0-9_-]{1,64}");
-    this.base = String(baseUrl || (typeof location !== "undefined" ? location.origin : "")).replace(/\/+$/, "");
+    const bases = (Array.isArray(baseUrl) ? baseUrl : [baseUrl])
+      .map((b) => String(b || (typeof location !== "undefined" ? location.origin : "")).replace(/\/+$/, ""));
+    if (!bases.length) throw new TypeError("no relay URL");
+    this.bases = bases;
+    this.base = bases[0];  // the relay of the current connection
     this.session = session;
     this.token = token;
     this.opts = options;
@@ -336,6 +341,7 @@ export class Watcher {
   connect() {
     if (this.stopped) return;
     const gen = ++this.gen;
+    this.base = this.bases[Math.floor(Math.random() * this.bases.length)];  // any relay will do
     this.setState("connecting", { attempt: this.attempt });
     const run = this.transport === "ws" ? this.connectWs(gen) : this.connectSse(gen);
     run.catch((err) => {
