@@ -4,6 +4,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY relay ./relay
 COPY worker ./worker
+COPY clients ./clients
 COPY bench ./bench
 RUN pip install --no-cache-dir .
 USER nobody

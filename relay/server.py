@@ -40,7 +40,7 @@ from aiohttp import WSMsgType, web
 from aiohttp.abc import AbstractStreamWriter
 from redis.asyncio.cluster import RedisCluster
 
-from relay import openapi, runtime, sse
+from relay import openapi, runtime, sse, uistream
 from relay.auth import AuthError, extract_token, verify_token
 from relay.clientaddr import client_address, parse_networks
 from relay.config import RelayConfig
@@ -546,6 +546,7 @@ def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
     app.router.add_get("/readyz", server.readyz)
     app.router.add_get("/metrics", server.metrics_handler)
     app.router.add_get("/openapi.json", openapi.handler("relay"))  # docs/openapi.yaml
+    uistream.register(app, server)  # the AI SDK's UI message stream (relay/uistream.py)
     return app
 
 

@@ -145,7 +145,7 @@ async def test_two_screens_see_the_same_reply_and_survive_a_relay_kill(
             assert await one.text_content("#relay") != relay_id
             assert await _counter(one, "reconnects") >= 1
             for page in (one, two):
-                for name in ("dups", "ooo", "gaps"):
+                for name in ("dups", "problems", "gaps"):
                     assert await _counter(page, name) == 0, name
         finally:
             await browser.close()

@@ -56,7 +56,7 @@ from relay.errors import RedisCommandError, RelayError, map_redis_errors
 from relay.keys import InvalidSessionId, idem_key, new_session_id, parse_session
 from relay.publisher import Publisher
 from relay.redis_client import RedisTLS, connect
-from worker import direct, gateway, jobs_api
+from worker import aisdk, direct, gateway, jobs_api
 from worker.access import BadTokenRequest, Refusal, WorkerAccess, parse_token_request
 from worker.coalesce import DEFAULT_POLICY, CoalescePolicy
 from worker.control import ControlPlane
@@ -546,4 +546,5 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
     gateway.add_routes(app)  # POST /v1/chat/completions, GET /v1/models
     jobs_api.add_routes(app)  # POST /v1/jobs, GET /v1/jobs/{id} (404 without --amqp)
     app.router.add_get("/openapi.json", openapi.handler("worker"))  # docs/openapi.yaml
+    aisdk.register(app, STATE)  # POST /v1/chat: the Vercel AI SDK's chat (worker/aisdk.py)
     return app

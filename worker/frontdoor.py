@@ -278,7 +278,7 @@ class FrontDoor:
 def make_frontdoor_app(door: FrontDoor) -> web.Application:
     app = web.Application(client_max_size=1024 * 1024)
     app.router.add_get("/", door.index)
-    app.router.add_static("/static/", STATIC_DIR)
+    app.router.add_static("/static/", STATIC_DIR, follow_symlinks=True)  # tokenrelay.js
     app.router.add_get("/healthz", door.healthz)
     app.router.add_get("/readyz", door.readyz)
     app.router.add_get("/api/stack", door.stack)
@@ -288,6 +288,10 @@ def make_frontdoor_app(door: FrontDoor) -> web.Application:
     app.router.add_post("/v1/sessions", door.to_worker)
     app.router.add_route("*", "/v1/sessions/{sid}/turns", door.to_worker)
     app.router.add_post("/v1/sessions/{sid}/tokens", door.to_worker)
+    # The Vercel AI SDK: its chat POST to a worker, its resume GET (and ui-stream) to a relay.
+    app.router.add_post("/v1/chat", door.to_worker)
+    app.router.add_get("/v1/chat/{sid}/stream", door.events)
+    app.router.add_get("/v1/sessions/{sid}/ui-stream", door.events)
     app.on_startup.append(door.on_startup)
     app.on_cleanup.append(door.on_cleanup)
     return app

@@ -1,15 +1,16 @@
-// tokenrelay multi-screen page: no build step, no dependencies.
+// tokenrelay multi-screen page: no build step. The stream comes from the browser client
+// (tokenrelay.js, the same file as clients/js/tokenrelay.js): resume, reconnect with
+// jittered backoff, duplicate and hole checks, the done frame's integrity check.
 // The URL fragment carries the session and its token: #session=<sid>&token=<token>.
 // The creator's page holds a write token (it may send, and refreshes its token before it
 // expires); "open on another screen" links carry a watch token minted for them: a
 // screen opened from it watches and cannot send.
-"use strict";
+import { watch } from "./tokenrelay.js";
 
 const $ = (id) => document.getElementById(id);
 const state = {
-  sid: null, token: null, transport: "sse", source: null, ws: null,
-  last: 0, frames: 0, dups: 0, ooo: 0, gaps: 0, reconnects: 0, turns: new Map(),
-  retryTimer: null, refreshTimer: null,
+  sid: null, token: null, transport: "sse", watcher: null, problems: 0, turns: new Map(),
+  refreshTimer: null,
 };
 
 // The claims of a JWT (not verified here: the servers do), or null.
@@ -47,11 +48,6 @@ async function manageTokens() {
   }, Math.min(wait, 2 ** 31 - 1));
 }
 
-function expired() {
-  const c = claims(state.token || "");
-  return c !== null && typeof c.exp === "number" && c.exp <= Date.now() / 1000;
-}
-
 function params() {
   const p = new URLSearchParams(location.hash.slice(1));
   return { sid: p.get("session"), token: p.get("token"), transport: p.get("transport") };
@@ -64,12 +60,14 @@ function setState(text) {
 }
 
 function counters() {
-  $("offset").textContent = state.last;
-  $("frames").textContent = state.frames;
-  $("dups").textContent = state.dups;
-  $("ooo").textContent = state.ooo;
-  $("gaps").textContent = state.gaps;
-  $("reconnects").textContent = state.reconnects;
+  const w = state.watcher;
+  const st = w ? w.stats : { frames: 0, duplicates: 0, gaps: 0, reconnects: 0 };
+  $("offset").textContent = w && w.last !== null ? w.last : 0;
+  $("frames").textContent = st.frames;
+  $("dups").textContent = st.duplicates;
+  $("problems").textContent = state.problems;  // skipped offsets, overlaps, bad merges, integrity
+  $("gaps").textContent = st.gaps;
+  $("reconnects").textContent = st.reconnects;
 }
 
 function turnEl(turn) {
@@ -108,10 +106,6 @@ function describe(t, extra) {
 }
 
 function onFrame(f) {
-  state.frames += 1;
-  if (f.kind !== "gap" && f.offset <= state.last) { state.dups += 1; counters(); return; }
-  if (f.kind !== "gap" && f.offset !== state.last + 1 && state.last !== 0) state.ooo += 1;
-  state.last = Math.max(state.last, f.offset);
   const m = f.meta || {};
   if (f.kind === "meta") {
     const t = turnEl(f.turn);
@@ -137,7 +131,6 @@ function onFrame(f) {
     t.reply.classList.add("error");
     describe(t, `<span class="gap">error: ${escapeHtml(f.text)}</span>`);
   } else if (f.kind === "gap") {
-    state.gaps += 1;
     const p = document.createElement("div");
     p.className = "gap";
     p.textContent = `⚠ ${f.text}`;
@@ -151,53 +144,38 @@ function escapeHtml(s) {
   return String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
 }
 
-function disconnect() {
-  clearTimeout(state.retryTimer);
-  if (state.source) { state.source.close(); state.source = null; }
-  if (state.ws) { state.ws.onclose = null; state.ws.close(); state.ws = null; }
-}
-
-function scheduleReconnect(why) {
-  disconnect();
-  if (expired()) { setState("token expired: ask for a new link"); return; }
-  state.reconnects += 1;
-  setState(`reconnecting (${why})`);
+function onGap(g) {
+  if (g.reason === "gap") return;  // the gap frame itself is shown by onFrame
+  state.problems += 1;
+  const p = document.createElement("div");
+  p.className = "gap";
+  p.textContent = `⚠ ${g.reason}: ${g.detail}${g.from !== null ? ` (offsets ${g.from}..${g.to})` : ""}`;
+  $("log").append(p);
   counters();
-  state.retryTimer = setTimeout(connect, 300 + Math.random() * 700);
 }
 
-function connect() {
-  disconnect();
+function onState(s, info) {
+  if (info.relay) $("relay").textContent = info.relay;
+  setState(s === "reconnecting" ? `reconnecting (${info.reason})` : s === "error" ? `error (${info.reason})` : s);
+  counters();
+}
+
+function connect(from = 0) {
+  if (state.watcher) state.watcher.close();
+  state.watcher = null;
   if (!state.sid) return;
-  setState("connecting");
-  const q = new URLSearchParams({ token: state.token || "" });
-  if (state.transport === "ws") {
-    q.set("from", String(state.last));
-    const proto = location.protocol === "https:" ? "wss" : "ws";
-    const ws = new WebSocket(`${proto}://${location.host}/v1/sessions/${state.sid}/ws?${q}`);
-    state.ws = ws;
-    ws.onmessage = (ev) => {
-      const msg = JSON.parse(ev.data);
-      if (msg.type === "hello") { $("relay").textContent = msg.relay; setState("live"); return; }
-      if (msg.kind) onFrame(msg);
-    };
-    ws.onclose = (ev) => scheduleReconnect(`ws close ${ev.code}${ev.reason ? " " + ev.reason : ""}`);
-  } else {
-    q.set("last_event_id", String(state.last));
-    const es = new EventSource(`/v1/sessions/${state.sid}/events?${q}`);
-    state.source = es;
-    es.addEventListener("hello", (ev) => {
-      const msg = JSON.parse(ev.data);
-      $("relay").textContent = msg.relay;
-      setState("live");
-    });
-    for (const kind of ["token", "done", "error", "presence", "gap", "meta"]) {
-      es.addEventListener(kind, (ev) => onFrame(JSON.parse(ev.data)));
-    }
-    // Reconnect ourselves (not EventSource's built-in retry) so that the resume point is
-    // the last offset *this page* rendered and a refused connection does not end it all.
-    es.onerror = () => scheduleReconnect("stream ended");
-  }
+  state.watcher = watch(location.origin, state.sid, state.token, {
+    transport: state.transport, from, onFrame, onGap, onState,
+    // a refused or expired token: a write-token page mints a fresh one; a watch link
+    // cannot, and says so
+    refreshToken: async () => {
+      const c = claims(state.token || "");
+      if (!c || c.scope !== "write") { setState("token expired: ask for a new link"); return null; }
+      const fresh = await mint("write");
+      if (fresh) state.token = fresh;
+      return fresh;
+    },
+  });
 }
 
 async function newSession() {
@@ -297,7 +275,7 @@ function load() {
   state.sid = p.sid; state.token = p.token;
   state.transport = p.transport === "ws" ? "ws" : $("transport").value;
   $("transport").value = state.transport;
-  state.last = 0; state.turns.clear(); $("log").innerHTML = "";
+  state.problems = 0; state.turns.clear(); $("log").innerHTML = "";
   $("sid").textContent = state.sid || "—";
   manageTokens();
   if (state.sid) connect(); else setState("idle");
@@ -307,8 +285,7 @@ $("new-session").addEventListener("click", newSession);
 $("composer").addEventListener("submit", send);
 $("transport").addEventListener("change", () => {
   state.transport = $("transport").value;
-  state.reconnects = 0;
-  connect();
+  connect(state.watcher && state.watcher.last !== null ? state.watcher.last : 0);  // resume there
 });
 window.addEventListener("hashchange", load);
 load();

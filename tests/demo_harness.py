@@ -1,0 +1,37 @@
+"""A live demo stack for client tests: relays, workers and mock engines on the session's
+cluster behind the demo's front door (one URL, no stickiness), stopped by pid on exit."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from aiohttp import web
+
+from relay.cluster import ClusterInfo
+from worker.frontdoor import FrontDoor, make_frontdoor_app
+from worker.stack import Stack, StackSpec, free_port
+
+__all__ = ["front_door"]
+
+
+@asynccontextmanager
+async def front_door(
+    cluster: ClusterInfo, *, relays: int = 2, decode_tok_per_s: int = 40
+) -> AsyncIterator[tuple[str, Stack]]:
+    """The front door's base URL and the stack behind it."""
+    spec = StackSpec(relays=relays, workers=1, engines=2, redis_url=cluster.url,
+                     engine_args=["--decode-tok-per-s", str(decode_tok_per_s)])  # fmt: skip
+    async with Stack(spec) as stack:
+        door = FrontDoor(
+            lambda: [p.url for p in stack.of_kind("relay") if p.alive],
+            lambda: [p.url for p in stack.of_kind("worker") if p.alive],
+        )
+        runner = web.AppRunner(make_frontdoor_app(door))
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            yield f"http://127.0.0.1:{port}", stack
+        finally:
+            await runner.cleanup()

@@ -1,0 +1,270 @@
+"""The Python client (relay.client): its pure core, and watching a real relay on the real
+cluster while the relay is killed (-9) and restarted mid-turn, over SSE and WebSocket.
+
+The relay runs as a ``tokenrelay relay`` subprocess on a fixed port (so a restart comes
+back at the same URL), stopped by pid. The producer is a bare generation of
+relay.publisher (no worker), so the relay runs with ``--reap-after-s 0``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import random
+import sys
+import time
+from collections.abc import AsyncIterable, AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from relay.auth import issue_token
+from relay.client import ContinuityError, WatchRefused, watch
+from relay.client_core import Continuity, Problem, SseParser, backoff_s, check_done
+from relay.cluster import ClusterInfo
+from relay.frame import Frame
+from relay.keys import new_session_id
+from relay.publisher import Generation, Publisher
+from tests.test_hostile import _free_port
+from tests.test_server import wait_ready
+from tests.worker_harness import SECRET
+
+# -- pure core -----------------------------------------------------------------------------
+
+
+def frame(offset: int, kind: str, text: str = "", meta: dict[str, object] | None = None) -> Frame:
+    return Frame(session="s", turn=1, offset=offset, kind=kind, text=text, meta=meta)  # type: ignore[arg-type]
+
+
+def turn_problems(text: str, done_meta: dict[str, object]) -> list[Problem]:
+    c = Continuity(0)
+    frames = [frame(1, "meta")]
+    frames += [frame(2 + i, "token", ch) for i, ch in enumerate(text)]
+    frames.append(frame(2 + len(text), "done", meta=done_meta))
+    return [p for f in frames for p in c.accept(f)[1]]
+
+
+def test_done_integrity_correct_and_wrong_values() -> None:
+    text = "Hello, 世界 🙂!"
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    assert turn_problems(text, {"tokens": 3, "chars": len(text), "sha256": digest}) == []
+    assert turn_problems(text, {"tokens": 3}) == []  # absent: not checked
+    wrong_chars = turn_problems(text, {"chars": len(text) + 1, "sha256": digest})
+    assert [p.reason for p in wrong_chars] == ["integrity"]
+    assert "chars" in wrong_chars[0].detail
+    wrong_hash = turn_problems(text, {"chars": len(text), "sha256": "0" * 64})
+    assert [p.reason for p in wrong_hash] == ["integrity"]
+    assert "sha256" in wrong_hash[0].detail
+    assert check_done(frame(9, "done", meta={"sha256": digest.upper()}), text) is None
+
+
+def test_continuity_duplicates_holes_merges_gaps() -> None:
+    c = Continuity(0)
+    assert c.accept(frame(1, "meta")) == (True, [])
+    assert c.accept(frame(2, "token", "a")) == (True, [])
+    assert c.accept(frame(2, "token", "a")) == (False, [])
+    assert c.duplicates == 1
+    ok, problems = c.accept(frame(5, "token", "bcd", {"merged": 2, "from": 3}))
+    assert ok
+    assert [(p.reason, p.from_offset, p.to_offset) for p in problems] == [("merge", 3, 5)]
+    ok, problems = c.accept(frame(8, "token", "x"))
+    assert [(p.reason, p.from_offset, p.to_offset) for p in problems] == [("missing", 6, 7)]
+    gap = Frame(session="s", turn=0, offset=20, kind="gap", text="gone", meta={"from": 9, "to": 20})
+    ok, problems = c.accept(gap)
+    assert ok
+    assert [(p.reason, p.from_offset, p.to_offset) for p in problems] == [("gap", 9, 20)]
+    assert c.last == 20
+    live = Continuity(None)
+    assert live.accept(frame(40, "token", "x")) == (True, [])
+
+
+def test_sse_parser_across_chunks() -> None:
+    text = (
+        'retry: 900\r\nevent: hello\r\ndata: {"type":"hello"}\r\n\r\n'
+        "id: 3\nevent: token\ndata: a\ndata: b\n\n: close relay_shutdown bye\n\n"
+    )
+    p = SseParser()
+    got = [ev for i in range(0, len(text), 2) for ev in p.feed(text[i : i + 2])]
+    assert [(e.kind, e.event, e.data, e.id, e.retry_ms) for e in got] == [
+        ("retry", "", "", None, 900),
+        ("event", "hello", '{"type":"hello"}', None, 0),
+        ("event", "token", "a\nb", "3", 0),
+        ("comment", "", "close relay_shutdown bye", None, 0),
+    ]
+
+
+def test_backoff_is_capped_and_jittered() -> None:
+    rng = random.Random(7)
+    delays = [backoff_s(3, base_s=0.1, rand=rng) for _ in range(50)]
+    assert all(0.4 <= d <= 0.8 for d in delays)
+    assert len(set(delays)) > 10
+    assert backoff_s(40, base_s=0.1, max_s=2.0, rand=random.Random(1)) <= 2.0
+
+
+# -- a real relay, killed and restarted mid-turn ---------------------------------------------
+
+
+class Relay:
+    """A ``tokenrelay relay`` subprocess on a fixed port: kill -9 and start again."""
+
+    def __init__(self, cluster: ClusterInfo, log_dir: Path) -> None:
+        self.cluster, self.log_dir = cluster, log_dir
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.proc: asyncio.subprocess.Process | None = None
+        self.starts = 0
+
+    async def start(self) -> None:
+        self.starts += 1
+        log = self.log_dir / f"relay-{self.starts}.log"
+        with open(log, "wb") as out:  # noqa: ASYNC230 (a local file, opened once)
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "relay.cli", "relay", "--port", str(self.port),
+                "--redis", self.cluster.url, "--secret", SECRET,
+                "--relay-id", f"client-edge-{self.starts}", "--reap-after-s", "0",
+                stdout=asyncio.subprocess.DEVNULL, stderr=out,
+            )  # fmt: skip
+        async with aiohttp.ClientSession() as http:
+            await wait_ready(http, self.base, 30)
+
+    async def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        await self.proc.wait()
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.terminate()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 15)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+
+
+@pytest.fixture
+async def relay(cluster: ClusterInfo, tmp_path: Path) -> AsyncIterator[Relay]:
+    r = Relay(cluster, tmp_path)
+    await r.start()
+    try:
+        yield r
+    finally:
+        await r.stop()
+
+
+async def produce_turn(gen: Generation, pieces: list[str], *, pause_s: float,
+                       halfway: asyncio.Event, wrong_hash: bool = False) -> str:  # fmt: skip
+    """A turn (meta, tokens, done with chars/sha256) published at a pace; sets
+    ``halfway`` after half the tokens."""
+    await gen.meta({"message": "hi"})
+    for i, piece in enumerate(pieces):
+        await gen.token(piece)
+        if i == len(pieces) // 2:
+            halfway.set()
+        await asyncio.sleep(pause_s)
+    text = "".join(pieces)
+    digest = hashlib.sha256((text + ("x" if wrong_hash else "")).encode()).hexdigest()
+    await gen.done({"tokens": len(pieces), "chars": len(text), "sha256": digest})
+    return text
+
+
+async def read_turn(w: AsyncIterable[Frame]) -> tuple[str, list[int]]:
+    text, offsets = [], []
+    async for f in w:
+        offsets.append(f.offset)
+        if f.kind == "token":
+            text.append(f.text)
+        if f.kind in ("done", "error"):
+            break
+    return "".join(text), offsets
+
+
+PIECES = [("tok", " é中🙂", "a\nb", ": x", "\r\n", "id: 9")[i % 6] + f"#{i}" for i in range(120)]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("transport", ["sse", "ws"])
+async def test_watch_survives_a_relay_restart_mid_turn(
+    relay: Relay, redis: object, transport: str
+) -> None:
+    sid = new_session_id()
+    token = issue_token(SECRET, sid, 300, time.time())
+    gen = await Publisher(redis).open_generation(sid)  # type: ignore[arg-type]
+    problems: list[Problem] = []
+    w = watch(relay.base, sid, token, 0, transport=transport,  # type: ignore[arg-type]
+              on_problem=problems.append, base_s=0.1, max_s=0.5)  # fmt: skip
+    halfway = asyncio.Event()
+    reader = asyncio.create_task(read_turn(w))
+    producer = asyncio.create_task(produce_turn(gen, PIECES, pause_s=0.01, halfway=halfway))
+    async with asyncio.timeout(60):
+        await halfway.wait()
+        await relay.kill()
+        await asyncio.sleep(0.3)  # frames published while no relay runs
+        await relay.start()
+        sent = await producer
+        got, offsets = await reader
+    await w.aclose()
+    assert got == sent
+    assert offsets == list(range(1, len(PIECES) + 3))  # meta, tokens, done: once, in order
+    assert problems == []
+    assert w.stats.reconnects >= 1
+    assert w.relay == "client-edge-2"
+
+
+@pytest.mark.integration
+async def test_a_wrong_done_hash_raises_without_a_handler(relay: Relay, redis: object) -> None:
+    sid = new_session_id()
+    token = issue_token(SECRET, sid, 300, time.time())
+    gen = await Publisher(redis).open_generation(sid)  # type: ignore[arg-type]
+    await produce_turn(gen, PIECES[:5], pause_s=0, halfway=asyncio.Event(), wrong_hash=True)
+    w = watch(relay.base, sid, token, 0)
+    with pytest.raises(ContinuityError, match="integrity: sha256 differs"):
+        async with asyncio.timeout(20):
+            await read_turn(w)
+    await w.aclose()
+
+
+@pytest.mark.integration
+async def test_refusals_and_token_refresh(relay: Relay) -> None:
+    sid = new_session_id()
+    with pytest.raises(WatchRefused, match="403 token_invalid"):
+        await read_turn(watch(relay.base, sid, "forged.token"))
+    with pytest.raises(WatchRefused, match="400 bad_session"):
+        await read_turn(watch(relay.base, "bad!id", "x"))
+    asked: list[str] = []
+
+    async def refresh(why: str) -> str:
+        asked.append(why)
+        return issue_token(SECRET, sid, 300, time.time())
+
+    expired = issue_token(SECRET, sid, 1, time.time() - 10)
+    w = watch(relay.base, sid, expired, None, refresh_token=refresh)
+    it = w.__aiter__()
+    nxt = asyncio.ensure_future(it.__anext__())
+    async with asyncio.timeout(10):
+        while w.relay is None:  # the refreshed token got a hello
+            await asyncio.sleep(0.05)
+    nxt.cancel()
+    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+        await nxt
+    await w.aclose()
+    assert len(asked) == 1
+    assert "token_expired" in asked[0]
+
+
+@pytest.mark.integration
+async def test_a_list_of_relays_skips_a_dead_one(relay: Relay, redis: object) -> None:
+    sid = new_session_id()
+    token = issue_token(SECRET, sid, 300, time.time())
+    gen = await Publisher(redis).open_generation(sid)  # type: ignore[arg-type]
+    sent = await produce_turn(gen, PIECES[:20], pause_s=0, halfway=asyncio.Event())
+    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    w = watch([dead, relay.base], sid, token, 0, base_s=0.05, max_s=0.2)
+    async with asyncio.timeout(30):
+        got, offsets = await read_turn(w)
+    await w.aclose()
+    assert got == sent
+    assert offsets == list(range(1, 23))
+    assert w.url == relay.base
