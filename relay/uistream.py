@@ -24,6 +24,7 @@ AI SDK chat POST (worker.aisdk) uses them to answer with the same stream.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING, Any, Final
 
 import orjson
@@ -46,6 +47,8 @@ __all__ = [
     "encode_chunk",
     "register",
 ]
+
+log = logging.getLogger(__name__)
 
 UI_HEADERS: Final = {
     "Content-Type": "text/event-stream; charset=utf-8",
@@ -161,21 +164,22 @@ async def ui_stream_handler(request: web.Request) -> web.StreamResponse:
 
     server: EdgeServer = request.app[SERVER]
     sid = server._session(request)
-    server._authorize(request, sid)
+    access = server._authorize(request, sid)
     server._check_capacity()
     assert server.redis is not None
     try:
         found = await active_turn(server.redis, sid)
     except RelayError as exc:
+        log.warning("ui-stream of %s: backlog read failed: %r", sid, exc)  # not to clients
         return web.json_response(
-            {"error": "unavailable", "reason": f"cannot read the session: {exc}"},
+            {"error": "unavailable", "reason": "cannot read the session"},
             status=503,
             headers={"Retry-After": "1"},
         )
     if found is None:
         return web.Response(status=204)
     turn, after = found
-    stream = await server._open("ui", sid, after)
+    stream = await server._open("ui", sid, after, access)
     code = "closed"
     ui = UiTurn(sid, turn)
     try:

@@ -24,6 +24,7 @@ Order of use: ``register(app, STATE)`` in :func:`worker.api.make_app`.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import TYPE_CHECKING, Any, Final
@@ -31,18 +32,22 @@ from typing import TYPE_CHECKING, Any, Final
 import orjson
 from aiohttp import web
 
-from relay.auth import AuthError, extract_token, verify_token
+from relay.auth import AuthError
 from relay.errors import RelayError, map_redis_errors
 from relay.frame import FrameError, decode
 from relay.keys import InvalidSessionId, log_key, parse_session
 from relay.uistream import DONE, UI_HEADERS, UiTurn, encode_chunk
+from worker.access import Refusal
 from worker.router import AllEnginesFull
 from worker.turns import Draining, IdempotencyPending, TurnBusy
 
 if TYPE_CHECKING:
-    from worker.api import WorkerState
+    from worker.access import Refusal
+from worker.api import WorkerState
 
 __all__ = ["ChatRequest", "parse_chat", "register"]
+
+_log = logging.getLogger(__name__)
 
 _BLOCK_MS: Final = 1000  # below the worker's Redis socket timeout
 _IDLE_S: Final = 120.0  # no frame of the turn for this long: end the stream with an error
@@ -134,15 +139,20 @@ def register(app: web.Application, state: web.AppKey[WorkerState]) -> None:
         except ChatError as exc:
             st.metrics.rejected.labels(status=str(exc.status)).inc()
             return _err(exc.status, exc.code, exc.reason)
-        if cfg.secret is not None:
-            try:
-                auth, query = request.headers.get("Authorization"), request.query.get("token")
-                token = extract_token(auth, query)
-                verify_token(cfg.secret, token, req.session, time.time(), need="write")
-            except AuthError as exc:
-                return _err(exc.status, exc.error, exc.reason)
         try:
-            started = await st.turns.start_turn(req.session, req.message, system=req.system)
+            st.access.authorize(request, req.session, "write")
+        except AuthError as exc:
+            return _err(exc.status, exc.error, exc.reason)
+        try:
+            await st.access.check_turn_rate(st.redis, req.session)
+        except Refusal as exc:
+            return _err(429, exc.code, exc.reason, {"Retry-After": exc.retry_after})
+        except RelayError:
+            return _err(503, "redis_unavailable", "redis did not answer", {"Retry-After": "1"})
+        try:
+            started = await st.turns.start_turn(
+                req.session, req.message, system=req.system, max_tokens=cfg.default_max_tokens
+            )
         except Draining:
             return _err(503, "draining", "worker is shutting down", {"Retry-After": "1"})
         except TurnBusy:
@@ -154,7 +164,8 @@ def register(app: web.Application, state: web.AppKey[WorkerState]) -> None:
             retry = str(max(1, math.ceil(exc.retry_after_s)))
             return _err(429, "engines_full", exc.reason, {"Retry-After": retry})
         except RelayError as exc:
-            return _err(503, "redis_unavailable", str(exc), {"Retry-After": "1"})
+            _log.warning("chat of %s refused, redis: %r", req.session, exc)
+            return _err(503, "redis_unavailable", "redis did not answer", {"Retry-After": "1"})
         resp = web.StreamResponse(headers=UI_HEADERS)
         await resp.prepare(request)
         ui = UiTurn(req.session, started.turn)
