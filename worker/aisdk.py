@@ -42,8 +42,7 @@ from worker.router import AllEnginesFull
 from worker.turns import Draining, IdempotencyPending, TurnBusy
 
 if TYPE_CHECKING:
-    from worker.access import Refusal
-from worker.api import WorkerState
+    from worker.api import WorkerState
 
 __all__ = ["ChatRequest", "parse_chat", "register"]
 
