@@ -95,7 +95,7 @@ def test_the_chat_body_of_the_sdk() -> None:
         b'{"id":"a b","messages":[]}': "invalid_session",
         b'{"id":"a","messages":[]}': "invalid_messages",
         b'{"id":"a","trigger":"regenerate-message","messages":[]}': "unsupported_trigger",
-        b'{"id":"a","messages":[{"role":"assistant","parts":[]}]}': "invalid_messages",
+        b'{"id":"a","messages":[{"role":"assistant","parts":[]}]}': "invalid_message",
         b'{"id":"a","messages":[{"role":"user","parts":[{"type":"file"}]}]}': "invalid_message",
         b'{"id":"a","messages":[{"role":"user","content":"' + b"x" * 101 + b'"}]}': (
             "message_too_large"

@@ -96,14 +96,20 @@ def parse_chat(raw: bytes, max_chars: int) -> ChatRequest:
         reason = "only 'submit-message' is supported: a session's history only grows"
         raise ChatError(400, "unsupported_trigger", reason)
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
+    if not isinstance(messages, list) or not messages:
         raise ChatError(400, "invalid_messages", "'messages' must be a non-empty list")
-    last = messages[-1]
-    if last.get("role") != "user":
-        raise ChatError(400, "invalid_messages", "the last message must be the user's")
-    message = _text(last)
-    if not message.strip():
-        raise ChatError(400, "invalid_message", "the last message has no text part")
+    # The SDK sends the whole history, its last entry the new user message: the turn's
+    # message is the last user message with text (the session keeps the history itself).
+    message = next(
+        (
+            t
+            for m in reversed(messages)
+            if isinstance(m, dict) and m.get("role") == "user" and (t := _text(m)).strip()
+        ),
+        "",
+    )
+    if not message:
+        raise ChatError(400, "invalid_message", "no user message with a text part")
     system = next(
         (_text(m) for m in messages if isinstance(m, dict) and m.get("role") == "system"), None
     )
