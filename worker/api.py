@@ -259,8 +259,8 @@ async def _post_turn(request: web.Request) -> web.Response:
     except RelayError as exc:
         st.metrics.rejected.labels(status="503").inc()
         _log.warning("turn of %s refused, redis: %r", sid, exc)  # details here, not to clients
-        # a refusal (out of memory at maxmemory with noeviction) or no answer at all
-        reason = "redis refused the command" if isinstance(exc, RedisCommandError) else "redis did not answer"  # noqa: E501  # fmt: skip
+        refused = isinstance(exc, RedisCommandError)  # e.g. out of memory, noeviction
+        reason = "redis refused the command" if refused else "redis did not answer"
         return _err(503, "redis_unavailable", reason, headers={"Retry-After": "1"})
     headers = {"Idempotent-Replayed": "true"} if started.replayed else None
     return _json(202, started.body(), headers)
