@@ -32,13 +32,16 @@ test: $(STAMP) browser-deps promtool
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not integration and not browser" $(PYTEST_ARGS)
 
-## browser-deps: Debian's chromium (browser test) and docker-compose (compose file
-## validation, no engine needed), where we may install them (root + apt). Best effort:
+## browser-deps: Debian's chromium (browser test), docker-compose (compose file
+## validation, no engine needed), nginx-light (deploy/nginx.conf, run) and openssl
+## (the TLS test's throwaway CA), where we may install them (root + apt). Best effort:
 ## without them those checks skip with a reason.
 browser-deps:
 	@missing=""; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	command -v docker-compose >/dev/null 2>&1 || missing="$$missing docker-compose"; \
+	command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing="$$missing nginx-light"; \
+	command -v openssl >/dev/null 2>&1 || missing="$$missing openssl"; \
 	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		echo "installing Debian packages for the tests:$$missing"; \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \

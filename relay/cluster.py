@@ -7,10 +7,11 @@ Order of use::
         ...                                    # info.nodes, info.url, info.startup_nodes
     # every process it started is stopped, by pid, and its data removed
 
-With ``tls=ClusterTLS(...)`` every node listens on TLS only (``--port 0 --tls-port``,
-``tls-cluster yes`` for the cluster bus, ``tls-replication yes``, clients must present
-a certificate signed by the CA) and ``info.url`` is ``rediss://``; :func:`tls_support`
-says first whether the binary was built with TLS at all.
+With ``tls=ClusterTLS(...)`` (:mod:`relay.cluster_tls`, re-exported here) every node
+listens on TLS only (``--port 0 --tls-port``, ``tls-cluster yes`` for the cluster bus,
+``tls-replication yes``, clients must present a certificate signed by the CA) and
+``info.url`` is ``rediss://``; :func:`tls_support` says first whether the binary was
+built with TLS at all.
 
 or, for processes that outlive the caller (``tokenrelay cluster up``): build a
 :class:`LocalCluster`, ``await cluster.start()``, :func:`write_state`; later
@@ -48,6 +49,7 @@ from relay.cluster_form import ClusterError, Node
 from relay.cluster_form import _topology as _topology
 from relay.cluster_form import _wait_ping as _wait_ping
 from relay.cluster_form import form_cluster as form_cluster
+from relay.cluster_tls import ClusterTLS, tls_support
 
 __all__ = [
     "EMBEDDED_ENV",
@@ -81,40 +83,6 @@ class ServerBinary:
     @property
     def version_text(self) -> str:
         return ".".join(map(str, self.version))
-
-
-@dataclass(frozen=True)
-class ClusterTLS:
-    """PEM files for a TLS-only local cluster: the CA that signed everything, the
-    servers' certificate and key (also presented by a node to the others on the bus and
-    to its master, so it carries both serverAuth and clientAuth), and a client
-    certificate and key for the clients the cluster code itself opens."""
-
-    ca: str
-    server_cert: str
-    server_key: str
-    client_cert: str
-    client_key: str
-
-    def server_args(self) -> list[str]:
-        return [
-            "--tls-cert-file", self.server_cert,
-            "--tls-key-file", self.server_key,
-            "--tls-ca-cert-file", self.ca,
-            "--tls-cluster", "yes",
-            "--tls-replication", "yes",
-            "--tls-auth-clients", "yes",
-        ]  # fmt: skip
-
-    def client_kwargs(self) -> dict[str, Any]:
-        """redis-py keyword arguments of a client of this cluster."""
-        return {
-            "ssl": True,
-            "ssl_ca_certs": self.ca,
-            "ssl_certfile": self.client_cert,
-            "ssl_keyfile": self.client_key,
-            "ssl_check_hostname": True,
-        }
 
 
 @dataclass
@@ -197,30 +165,6 @@ def find_server_binary(*, force_embedded: bool | None = None) -> ServerBinary:
         return _embedded_binary()
     except ClusterError as exc:
         raise ClusterError(refused + str(exc)) from None
-
-
-def tls_support(binary: ServerBinary) -> str | None:
-    """None when ``binary`` was built with TLS, else why not (its own words).
-
-    A TLS build started with a TLS port and no certificate stops at once with "No
-    tls-cert-file configured"; a build without TLS stops with another complaint.
-    """
-    port = find_free_base_port(1)
-    try:
-        out = subprocess.run(
-            [binary.path, "--port", "0", "--tls-port", str(port), "--bind", HOST,
-             "--save", "", "--appendonly", "no"],
-            capture_output=True, text=True, timeout=10, check=False,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired:  # it started: it took the port, so TLS is there
-        return None
-    text = out.stdout + out.stderr
-    if "tls-cert-file" in text:
-        return None
-    last = [ln.split("#", 1)[-1].strip() for ln in text.splitlines() if ln.strip()]
-    return f"{binary.path} ({binary.flavor} {binary.version_text}) has no TLS: " + (
-        last[-1] if last else f"exit {out.returncode}"
-    )
 
 
 def _port_free(port: int) -> bool:

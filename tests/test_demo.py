@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import sys
 import time
@@ -119,6 +120,20 @@ async def test_make_demo_serves_one_url_streams_a_turn_and_stops_everything(
             ) as r:
                 assert r.status == 403
                 assert (await r.json())["error"] == "token_wrong_scope"
+            # process control: the token printed to the terminal, same origin only
+            printed = re.search(rb"#control=([A-Za-z0-9_-]+)", out_path.read_bytes())
+            assert printed is not None, out_path.read_text()[-3000:]
+            control = printed.group(1).decode()
+            assert control not in str(view)
+            kill = base + "/api/kill/engine-1"
+            async with http.post(
+                kill, headers={"Origin": "http://evil.example", "X-Control-Token": control}
+            ) as r:
+                assert (r.status, (await r.json())["error"]) == (403, "cross_origin")
+            async with http.post(kill, headers={"Origin": base}) as r:
+                assert (r.status, (await r.json())["error"]) == (403, "bad_control_token")
+            async with http.post(kill, headers={"Origin": base, "X-Control-Token": control}) as r:
+                assert r.status == 200, await r.text()
         proc.send_signal(signal.SIGINT)
         async with asyncio.timeout(60):
             assert await proc.wait() == 0, out_path.read_text()[-3000:]

@@ -9,6 +9,9 @@
 2. A POST is never sent twice: upstreams that take the request and die mid-request
    see it once in all and the client gets 502 with a code; a refused connection (no
    byte sent) moves on to the next upstream; a GET that fails mid-request is retried.
+3. In Chromium: another site's page that posts a form and a fetch at the kill URL gets
+   403 and kills nothing; the demo's page without the token asks for it; opened from
+   the terminal's ``#control=`` link, its button kills and the token leaves the URL.
 """
 
 from __future__ import annotations
@@ -163,3 +166,73 @@ async def test_a_post_is_never_sent_twice_a_refused_connection_moves_on() -> Non
                 for _ in range(3):
                     async with http.get(base2 + "/v1/sessions/s1/events") as r:
                         assert r.status == 201, await r.text()
+
+
+_CSRF_PAGE = """<!doctype html><html><body>
+<form id="f" method="POST" action="{target}/api/kill/engine-1"></form>
+<script>
+  fetch("{target}/api/kill/engine-1", {{method: "POST", mode: "no-cors",
+        headers: {{"X-Control-Token": "guessed"}}}}).catch(() => {{}});
+  document.getElementById("f").submit();
+</script></body></html>"""
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(120)
+async def test_in_a_browser_the_page_kills_with_the_token_and_another_site_cannot() -> None:
+    from tests.test_browser import CHROMIUM, LAUNCH_ARGS
+
+    if not CHROMIUM:
+        pytest.skip("no Chromium: apt-get install chromium (make test does it as root)")
+    pytest.importorskip("playwright.async_api", reason="pip install playwright")
+    from playwright.async_api import async_playwright
+
+    calls: list[tuple[str, str]] = []
+    view = {
+        "processes": [{"name": "engine-1", "kind": "engine", "pid": 1, "alive": True, "url": ""}],
+        "engines": [],
+        "placements": [],
+    }
+
+    def control(action: str, name: str) -> Any:
+        calls.append((action, name))
+        return {"pid": 1}
+
+    door = FrontDoor(lambda: [], lambda: [], stack_view=lambda: view, control=control)
+    evil = web.Application()
+    async with serving(make_frontdoor_app(door)) as base:
+        page_html = _CSRF_PAGE.format(target=base)
+
+        async def attack(request: web.Request) -> web.Response:
+            return web.Response(text=page_html, content_type="text/html")
+
+        evil.router.add_get("/", attack)
+        async with serving(evil) as evil_base, async_playwright() as pw:
+            evil_base = evil_base.replace("127.0.0.1", "localhost")  # another origin
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+            try:
+                # another site's page posts a form and a fetch at the kill button's URL
+                attacker = await browser.new_page()
+                async with attacker.expect_response(lambda r: "/api/kill/" in r.url) as got:
+                    await attacker.goto(evil_base + "/")
+                assert (await got.value).status == 403
+                await asyncio.sleep(0.5)
+                assert calls == []
+                # the demo's page without the token asks for it; dismissed: nothing sent
+                page = await browser.new_page()
+                await page.goto(base + "/")
+                page.once("dialog", lambda d: asyncio.ensure_future(d.dismiss()))
+                await page.click("button[data-action=kill][data-name=engine-1]")
+                await asyncio.sleep(0.5)
+                assert calls == []
+                # opened from the terminal's link: the click kills, the token leaves the URL
+                await page.goto(f"{base}/#control={door.control_token}")
+                await page.wait_for_function("!location.hash.includes('control=')")
+                await page.click("button[data-action=kill][data-name=engine-1]")
+                async with asyncio.timeout(10):
+                    while not calls:
+                        await asyncio.sleep(0.05)
+                assert calls == [("kill", "engine-1")]
+                assert door.control_token not in page.url
+            finally:
+                await browser.close()

@@ -256,9 +256,11 @@ async def test_a_draining_relay_is_skipped_and_a_post_is_never_retried(tmp_path:
         seen = dying.bodies + dying2.bodies
         assert 1 <= len(seen) == len(set(seen)) <= 4, seen
         assert set(dying.methods + dying2.methods) == {"POST"}
-        # a stream location takes GET only
+        # a stream location takes GET (and a CORS preflight) only
         async with http.post(f"{ng.base}/v1/sessions/s0/events") as r:
             assert r.status == 403
+        async with http.options(f"{ng.base}/v1/sessions/s0/events") as r:
+            assert r.status != 403
         # tokens in query strings stay out of the access log
         async with http.get(f"{ng.base}/v1/sessions/s9/events?token=SECRET-TOKEN") as r:
             assert r.status == 200
@@ -346,7 +348,7 @@ def test_only_stream_locations_retry_5xx_and_no_location_retries_a_post() -> Non
     conf = NGINX_CONF.read_text()
     stream = _location(conf, "~ ^/v1/sessions/[A-Za-z0-9_-]+/(events|ws)$")
     assert "proxy_next_upstream error timeout http_502 http_503 http_504;" in stream
-    assert "limit_except GET" in stream
+    assert "limit_except GET OPTIONS { deny all; }" in stream
     assert "limit_conn streams_per_addr 16;" in stream
     for pattern in ("= /v1/sessions", "/v1/sessions/ "):
         loc = _location(conf, pattern.strip() + " ")

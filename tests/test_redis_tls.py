@@ -36,7 +36,7 @@ from relay.cluster import (
     find_server_binary,
     tls_support,
 )
-from relay.keys import live_channel
+from relay.keys import engine_key, live_channel
 from relay.slotmap import slot_of
 from tests.test_server import STEP, SSEClient, wait_ready
 from tests.tls_certs import make_ca, make_pki, openssl_missing
@@ -205,7 +205,10 @@ class Viewer:
 async def _stack(ps: Procs, c: TLSCluster) -> tuple[Proc, Proc]:
     """A mock engine, a worker and a relay on the TLS cluster; (worker, relay), ready."""
     e_port, w_port, r_port = free_port(), free_port(), free_port()
-    await ps.start("engine", "engine", "--port", str(e_port), "--id", "tls-engine")
+    await ps.start(  # announces itself over TLS too (its heartbeat is checked below)
+        "engine", "engine", "--port", str(e_port), "--id", "tls-engine",
+        "--redis", c.url, *c.flags(),
+    )  # fmt: skip
     worker = await ps.start(
         "worker", "worker", "--port", str(w_port), "--worker-id", "tls-worker",
         "--engine", f"http://127.0.0.1:{e_port}", *c.flags(), port=w_port,
@@ -237,6 +240,17 @@ async def _subscriber_nodes(c: TLSCluster, relay_id: str) -> set[int]:
     return ports
 
 
+async def _heartbeat(c: TLSCluster, engine_id: str) -> bool:
+    """The mock engine's heartbeat hash, written over TLS, is in the cluster."""
+    client = aioredis.RedisCluster(
+        host=c.info.masters[0].host, port=c.info.masters[0].port, **c.local.client_kwargs()
+    )
+    try:
+        return bool(await client.exists(engine_key(engine_id)))
+    finally:
+        await client.aclose()
+
+
 async def _master_of(c: TLSCluster, sid: str) -> int:
     masters = await c.local.masters_now()
     slot = slot_of(live_channel(sid))
@@ -264,6 +278,7 @@ async def test_a_turn_streams_over_tls_and_what_cannot_do_tls_refuses_to_start(
             await bystander.until_done()
             # the relay's shard subscriber reads each session's channel on its master,
             # over TLS: the nodes have no plain port at all
+            assert await _heartbeat(c, "tls-engine")
             subscribed = await _subscriber_nodes(c, "tls-edge")
             assert await _master_of(c, viewer.sid) in subscribed
             assert await _master_of(c, bystander.sid) in subscribed

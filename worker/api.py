@@ -340,8 +340,8 @@ async def _post_turn(request: web.Request) -> web.StreamResponse:
     except RelayError as exc:
         st.metrics.rejected.labels(status="503").inc()
         _log.warning("turn of %s refused, redis: %r", sid, exc)  # details here, not to clients
-        # a refusal (out of memory at maxmemory with noeviction) or no answer at all
-        reason = "redis refused the command" if isinstance(exc, RedisCommandError) else "redis did not answer"  # noqa: E501  # fmt: skip
+        refused = isinstance(exc, RedisCommandError)  # e.g. out of memory, noeviction
+        reason = "redis refused the command" if refused else "redis did not answer"
         return _err(503, "redis_unavailable", reason, headers={"Retry-After": "1"})
     if viewer is not None and not started.replayed:  # the closed loop: frames right here
         hello = {"type": "hello", "worker": cfg.worker_id, "from": started.offset - 1,
