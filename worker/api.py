@@ -20,7 +20,6 @@ Routes (DESIGN.md section 4, kept exactly):
   413 (body or message too large), 415 (not ``application/json``), 429 + Retry-After
   (every engine full, or ``turns_per_minute`` of this session used), 503 (draining, or
   Redis unavailable). Without ``max_tokens`` the turn gets ``default_max_tokens``;
-
 * ``GET /healthz`` (the process lives), ``GET /readyz`` (Redis answers, some engine is
   routable, not draining), ``GET /metrics`` (Prometheus text).
 
