@@ -7,9 +7,11 @@ A token is a JWS compact serialisation signed with one key of a :class:`KeySet`:
     header  = {"alg": "HS256" | "ES256" | "RS256", "typ": "JWT", "kid": <key id>}
     claims  = {"sub": <session id>, "scope": "watch" | "write", "iat": <s>, "exp": <s>}
 
-``nbf`` is honoured when present; other claims are ignored. Any JWT library mints
-them (docs/PROTOCOL.md has a Python and a shell example). A ``write`` token also allows
-watching; a ``watch`` token does not allow writing (posting a turn, minting a token).
+``nbf`` is honoured when present; other claims are ignored (tokens minted here carry a
+random ``jti`` so that no two are the same string: streams are counted per token). Any
+JWT library mints them (docs/PROTOCOL.md has a Python and a Node example). A ``write``
+token also allows watching; a ``watch`` token does not allow writing (posting a turn,
+minting a token).
 
 Keys: HS256 secrets by key id (several at once: tokens signed with the previous secret
 keep verifying during a rotation, and removing a kid revokes every token signed with
@@ -46,6 +48,7 @@ import binascii
 import hmac
 import json
 import re
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -310,7 +313,8 @@ def issue_token(
     if scope not in SCOPES:
         raise ValueError(f"unknown scope {scope!r}")
     iat = int(now)
-    claims = {"sub": sid, "scope": scope, "iat": iat, "exp": int(now + ttl_s)}
+    jti = secrets.token_urlsafe(9)  # two tokens minted in one second differ (per-token limits)
+    claims = {"sub": sid, "scope": scope, "iat": iat, "exp": int(now + ttl_s), "jti": jti}
     key = ks.signing
     return jwt.encode(claims, key.signer, algorithm=key.alg, headers={"kid": key.kid})
 

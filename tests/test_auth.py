@@ -69,7 +69,10 @@ def test_a_fresh_token_is_a_standard_jwt_with_its_claims() -> None:
     assert jwt.get_unverified_header(tok) == {"alg": "HS256", "typ": "JWT", "kid": "k1"}
     off: jwt.types.Options = {"verify_exp": False, "verify_iat": False}  # NOW: not the clock
     body = jwt.decode(tok, SECRET, algorithms=["HS256"], options=off)
+    jti = body.pop("jti")
     assert body == {"sub": "abc", "scope": "write", "iat": int(NOW), "exp": int(NOW) + 60}
+    twin = issue_token(SECRET, "abc", 60, NOW, scope="write")  # same claims, same second
+    assert jwt.decode(twin, SECRET, ["HS256"], options=off)["jti"] != jti
     got = verify_token(SECRET, tok, "abc", NOW + 59, need="write")
     assert got == Claims("abc", int(NOW) + 60, "write", int(NOW), "k1")
 

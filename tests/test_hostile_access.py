@@ -31,7 +31,7 @@ import jwt
 import pytest
 from aiohttp import web
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from relay.cluster import ClusterInfo
 from relay.frame import decode
@@ -216,6 +216,34 @@ async def test_hs256_signed_with_the_relays_rsa_public_key_is_refused(cluster, r
         resp = await open_sse(env, sid, genuine)
         assert resp.status == 200
         resp.close()
+
+
+async def test_an_es256_worker_and_relays_holding_only_the_public_key(cluster, redis, tmp_path):
+    """The asymmetric option end to end: the worker signs with a private P-256 key, the
+    relay verifies with the public half (and could not mint); an HS256 token under the
+    shared secret's kid is still accepted where the relay holds that secret."""
+    private = ec.generate_private_key(ec.SECP256R1())
+    for name, key in (("worker", private), ("relay", private.public_key())):
+        jwk = json.loads(jwt.algorithms.ECAlgorithm.to_jwk(key))
+        (tmp_path / f"{name}.json").write_text(json.dumps({"keys": [{**jwk, "kid": "e1"}]}))
+    worker = {"secret": None, "keys_file": str(tmp_path / "worker.json"), "kid": "e1"}
+    relay = {"keys_file": str(tmp_path / "relay.json")}
+    async with access_stack(cluster, redis, worker=worker, relay=relay) as env, bystander(env):
+        assert env.relay.server.keys is not None
+        assert env.relay.server.keys.has_private_keys() == []
+        sid, token = await env.worker.session()
+        assert jwt.get_unverified_header(token) == {"alg": "ES256", "typ": "JWT", "kid": "e1"}
+        resp = await open_sse(env, sid, token)
+        assert resp.status == 200
+        resp.close()
+        # an ES256 token signed by another key under the same kid
+        other = ec.generate_private_key(ec.SECP256R1())
+        now = int(time.time())
+        claims = {"sub": sid, "scope": "write", "iat": now, "exp": now + 300}
+        forged = jwt.encode(claims, other, algorithm="ES256", headers={"kid": "e1"})
+        assert await refused(await open_sse(env, sid, forged)) == (403, "token_invalid", None)
+        status, body, _ = await env.worker.post_turn(sid, forged, {"message": "hi"})
+        assert (status, body["error"]) == (403, "token_invalid")
 
 
 # -- stream limits ------------------------------------------------------------------------

@@ -68,3 +68,26 @@ def test_ring_flags_and_engine_weights() -> None:
 def test_bad_ring_flags_are_refused_with_a_reason(flags: list[str], reason: str) -> None:
     with pytest.raises(ValueError, match=reason):
         config_from_args(_parse(*flags))
+
+
+def test_token_and_limit_flags_become_the_config_and_bad_values_are_refused() -> None:
+    cfg = config_from_args(
+        _parse("--default-max-tokens", "64", "--max-tokens-limit", "128",
+               "--max-reply-bytes", "4096", "--session-rate", "0.5", "--session-burst", "3",
+               "--turns-per-minute", "0", "--trusted-proxy", "10.0.0.0/8")
+    )  # fmt: skip
+    assert (cfg.default_max_tokens, cfg.max_tokens_limit, cfg.max_reply_bytes) == (64, 128, 4096)
+    assert (cfg.session_rate_per_s, cfg.session_burst, cfg.turns_per_minute) == (0.5, 3, 0)
+    assert cfg.trusted_proxies == "10.0.0.0/8"
+    assert cfg.secret is None  # --insecure-no-auth
+    bad = [
+        (("--default-max-tokens", "9000"), "--default-max-tokens"),
+        (("--default-max-tokens", "0"), "--default-max-tokens"),
+        (("--max-reply-bytes", "10"), "--max-reply-bytes"),
+        (("--session-burst", "0"), "--session-burst"),
+        (("--turns-per-minute", "-1"), "--turns-per-minute"),
+        (("--trusted-proxy", "not-an-address"), "not-an-address"),
+    ]
+    for flags, why in bad:
+        with pytest.raises(ValueError, match=why):
+            config_from_args(_parse(*flags))
