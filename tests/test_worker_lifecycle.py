@@ -22,6 +22,7 @@ from relay.publisher import Publisher, read_backlog
 from relay.watch import Watch
 from tests.worker_harness import Harness, wait_turn
 from worker.presence import PresencePolicy, count_watchers
+from worker.reply_length import ReplyLength
 from worker.router import EngineSpec
 
 pytestmark = pytest.mark.integration
@@ -128,7 +129,10 @@ async def test_a_watched_turn_runs_to_the_end(h: Harness, redis: RedisCluster):
 
 
 async def test_a_viewer_leaving_for_longer_than_the_grace_cancels(h: Harness, redis: RedisCluster):
-    await h.start_engines(1, decode_tok_per_s=10.0)
+    # 48 tokens at 10/s: still generating when the viewer has been gone for the grace
+    await h.start_engines(
+        1, decode_tok_per_s=10.0, reply=ReplyLength(mean=48, min_tokens=48, sigma=0)
+    )
     await h.start_worker(presence=FAST_PRESENCE)
     sid, token = await h.session()
     stop = asyncio.Event()
