@@ -329,10 +329,11 @@ async def _publish_paced(url: str, sids: list[str], rate: float, seconds: float)
                     text=f"{time.time_ns():019d};",
                     epoch=g.epoch,
                     ts=time.time_ns() // 1_000_000,
+                    meta={"gen": g.gen},
                 )
             )
             keys = (meta_key(g.session), log_key(g.session), live_channel(g.session))
-            args = (g.epoch, g.offset, pub.maxlen, pub.ttl_s, 0, g.turn, frame)
+            args = (g.epoch, g.offset, pub.maxlen, pub.ttl_s, 0, g.turn, g.gen, frame)
             bufs[node_of[i]].append(
                 hiredis.pack_command(cast(Any, ("EVALSHA", PUBLISH.sha, 3, *keys, *args)))
             )

@@ -52,7 +52,11 @@ async def demo(cluster: ClusterInfo) -> AsyncIterator[tuple[str, Stack]]:
         workers=1,
         engines=2,
         redis_url=cluster.url,
-        engine_args=["--decode-tok-per-s", "20"],  # a reply streams for a couple of seconds
+        # a reply streams for a couple of seconds
+        engine_args=[
+            *("--decode-tok-per-s", "20"),
+            *("--reply-mean-tokens", "40", "--reply-max-tokens", "60"),
+        ],
     )
     async with Stack(spec) as stack:
         door = FrontDoor(

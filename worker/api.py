@@ -19,7 +19,7 @@ Routes (DESIGN.md section 4, kept exactly):
   not yet hold the running turn's reply, and a queue hides load from the client),
   413 (body or message too large), 415 (not ``application/json``), 429 + Retry-After
   (every engine full, or ``turns_per_minute`` of this session used), 503 (draining, or
-  Redis unavailable). Without ``max_tokens`` the turn gets ``default_max_tokens``;
+  Redis unavailable). Without ``max_tokens`` the turn gets ``default_max_tokens``.
 * ``POST /v1/chat/completions`` and ``GET /v1/models``: the OpenAI-compatible gateway
   (:mod:`worker.gateway`), routed by the same router, no session;
 * ``POST /v1/jobs``, ``GET /v1/jobs/{id}``: offline jobs on RabbitMQ when ``--amqp`` is
