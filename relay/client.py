@@ -111,6 +111,7 @@ class Watch:
         self._base_s, self._max_s = base_s, max_s
         self._max_reconnects = max_reconnects
         self._gen: AsyncGenerator[Frame, None] | None = None
+        self._greeted = False  # the current connection got its hello
 
     @property
     def last(self) -> int | None:
@@ -135,6 +136,7 @@ class Watch:
         try:
             while True:
                 self.url = random.choice(self._urls)  # like an ingress: any relay will do
+                self._greeted = False
                 try:
                     reader = self._sse(http) if self.transport == "sse" else self._ws(http)
                     async for frame in reader:
@@ -145,6 +147,8 @@ class Watch:
                     why, delay = str(r), r.delay_s
                 except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
                     why, delay = f"{type(exc).__name__}: {exc}", None
+                if self._greeted:  # the relay took us: a new run of failures starts
+                    attempt = 0
                 if self._max_reconnects is not None and attempt >= self._max_reconnects:
                     raise ConnectionError(f"gave up after {attempt} reconnects: {why}")
                 if delay is None:
@@ -186,7 +190,7 @@ class Watch:
             if self._refresh is None:
                 raise WatchRefused(why)
             self.token = await self._refresh(why)
-            raise _Retry(why, 0.0)
+            raise _Retry(why)  # backoff as usual: a hook that keeps failing must not spin
         delay = None
         if retry_after is not None and retry_after.isdigit():
             delay = float(retry_after)
@@ -212,6 +216,7 @@ class Watch:
                         goodbye = ev.data[6:]
                     elif ev.kind == "event" and ev.event == "hello":
                         self.relay = json.loads(ev.data).get("relay")
+                        self._greeted = True
                     elif ev.kind == "event":
                         frame = _decode(ev.data)
                         if frame is not None and self._deliver(frame):
@@ -236,6 +241,7 @@ class Watch:
                     break
                 if msg.data.startswith('{"type"'):  # the hello (frames start with "v")
                     self.relay = json.loads(msg.data).get("relay")
+                    self._greeted = True
                     continue
                 frame = _decode(msg.data)
                 if frame is not None and self._deliver(frame):

@@ -129,7 +129,8 @@ def _npm_ready() -> str | None:
 @pytest.fixture(scope="module")
 async def front_door(cluster: ClusterInfo) -> AsyncIterator[str]:
     """Two relays, a worker and slow mock engines behind the demo's front door."""
-    async with demo_harness.front_door(cluster) as (url, _stack):
+    # 15 tokens/s: a reply (<= 48 tokens) lasts ~3 s, so a reconnect lands mid-turn
+    async with demo_harness.front_door(cluster, decode_tok_per_s=15) as (url, _stack):
         yield url
 
 
@@ -200,7 +201,7 @@ async def _bundle(out: Path) -> str | None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_a_page_on_the_sdk_chat_client_streams_and_resumes_on_another_screen(
-    front_door: str, cluster: ClusterInfo, tmp_path: Path
+    cluster: ClusterInfo, tmp_path: Path
 ) -> None:
     """Two screens run the SDK's own chat client: one sends, the other opens mid-reply
     and resumes the running turn (like useChat({resume: true})); both end with the text
@@ -224,7 +225,12 @@ async def test_a_page_on_the_sdk_chat_client_streams_and_resumes_on_another_scre
         else:
             await route.fulfill(body=html, content_type="text/html")
 
-    async with async_playwright() as pw:
+    # 5 tokens/s: the reply streams for several seconds, long enough for a second
+    # screen to load the page (a 1 MB bundle) on a busy machine and resume it
+    async with (
+        demo_harness.front_door(cluster, decode_tok_per_s=5) as (front_door, _stack),
+        async_playwright() as pw,
+    ):
         browser = await pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
         try:
             ctx = await browser.new_context()

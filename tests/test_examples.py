@@ -25,7 +25,7 @@ from tests import demo_harness
 from tests.test_aisdk import AISDK, _npm_ready
 from tests.test_browser import CHROMIUM, LAUNCH_ARGS
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_BASE = "http://127.0.0.1:8080"

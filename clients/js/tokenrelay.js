@@ -367,7 +367,7 @@ export class Watcher {
       if (FATAL_STATUS.has(resp.status)) throw new Fatal(why);
       if (AUTH_STATUS.has(resp.status)) {
         await this.authFailed(why);
-        if (gen === this.gen) this.retry(why, 0);
+        if (gen === this.gen) this.retry(why);  // backoff as usual: a failing hook must not spin
         return;
       }
       const after = Number(resp.headers.get("Retry-After"));
