@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 
 from bench.accounting import account, read_logs
 from bench.loadtest import percentile
@@ -148,7 +148,14 @@ class Run:
 
     async def account(self) -> dict[str, Any]:
         """Every viewer against its session's backlog in Redis (bench.accounting)."""
-        redis = RedisCluster.from_url(self.stack.redis_url)
+        # every node the stack started: the first master may be the one a drill killed
+        info = self.stack.cluster_info
+        nodes = [ClusterNode(n.host, n.port) for n in info.nodes] if info is not None else []
+        redis = (
+            RedisCluster(startup_nodes=nodes)
+            if nodes
+            else RedisCluster.from_url(self.stack.redis_url)
+        )
         try:
             logs = await read_logs(redis, [sid for sid, _ in self.sessions])
         finally:

@@ -24,7 +24,7 @@ from relay.slotmap import slot_of
 from tests.conftest import PrivateClusterFactory
 from tests.test_redis_tls import Viewer
 from tests.test_server import STEP, running
-from tests.worker_harness import Harness
+from tests.worker_harness import SHORT_REPLIES, Harness
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -66,11 +66,11 @@ async def test_redis_and_engine_failures_answer_a_code_and_a_short_reason_only(
             running(local.info, reap_after_s=0) as relay,
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http,
         ):
-            bystander = await Viewer(http, worker, relay.base).open()
+            bystander = await Viewer(http, worker, relay.base, SHORT_REPLIES).open()
             healthy = await _master_of(local, bystander.sid)
             victims: list[Viewer] = []
             for _ in range(40):  # a session on another master: about 1 in 3 per try
-                v = await Viewer(http, worker, relay.base).open()
+                v = await Viewer(http, worker, relay.base, SHORT_REPLIES).open()
                 if await _master_of(local, v.sid) != healthy:
                     victims.append(v)
                     break

@@ -346,7 +346,8 @@ def _location(conf: str, pattern: str) -> str:
 
 def test_only_stream_locations_retry_5xx_and_no_location_retries_a_post() -> None:
     conf = NGINX_CONF.read_text()
-    stream = _location(conf, "~ ^/v1/sessions/[A-Za-z0-9_-]+/(events|ws)$")
+    streams = "~ ^/v1/(sessions/[A-Za-z0-9_-]+/(events|ws|ui-stream)|chat/[A-Za-z0-9_-]+/stream)$"
+    stream = _location(conf, streams)
     assert "proxy_next_upstream error timeout http_502 http_503 http_504;" in stream
     assert "limit_except GET OPTIONS { deny all; }" in stream
     assert "limit_conn streams_per_addr 16;" in stream

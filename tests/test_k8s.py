@@ -41,6 +41,10 @@ CONFIG_ENV = K8S / "base" / "config.env"
 MARGIN_S = 5  # cleanup after the drain: hub, Redis, HTTP runner
 
 
+# what the Secret would hold (never committed as a manifest): a strong random value
+POD_SECRET = "k8s-test-secret-4f1c9a7e2d6b8053c1e9a4d7"
+
+
 def _objects(paths: list[Path]) -> list[dict[str, Any]]:
     out = []
     for p in paths:
@@ -85,7 +89,7 @@ def _pod_env(container: dict[str, Any]) -> dict[str, str]:
         elif "configMapKeyRef" in src:
             env[e["name"]] = _config()[src["configMapKeyRef"]["key"]]
         elif "secretKeyRef" in src:
-            env[e["name"]] = "s3cret"
+            env[e["name"]] = POD_SECRET
     return env
 
 
@@ -126,7 +130,7 @@ def test_relay_command_and_environment_make_a_valid_config() -> None:
     assert (cfg.host, cfg.port, cfg.relay_id) == ("0.0.0.0", 8000, "pod-0")
     assert cfg.redis_url == _config()["TOKENRELAY_REDIS_URL"]
     assert cfg.auth_enabled
-    assert cfg.secret == "s3cret"
+    assert cfg.secret == POD_SECRET
 
 
 def test_worker_command_parses_with_the_real_cli(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -138,7 +142,7 @@ def test_worker_command_parses_with_the_real_cli(monkeypatch: pytest.MonkeyPatch
         monkeypatch.setenv(k, v)
     cfg = config_from_args(build_parser().parse_args(_expand(c["args"], env)))
     assert cfg.worker_id == "pod-0"
-    assert cfg.secret == "s3cret"
+    assert cfg.secret == POD_SECRET
     assert cfg.redis_url == _config()["TOKENRELAY_REDIS_URL"]
     assert cfg.shutdown_deadline_s == float(_config()["TOKENRELAY_SHUTDOWN_DEADLINE_S"])
     assert cfg.discover_engines, "the base finds engines that announce themselves"

@@ -22,7 +22,7 @@ from relay.redis_client import GatedRedisCluster
 from tests.conftest import PrivateClusterFactory
 from tests.test_redis_tls import Viewer
 from tests.test_server import STEP, SSEClient, running
-from tests.worker_harness import Harness
+from tests.worker_harness import SHORT_REPLIES, Harness
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -46,8 +46,8 @@ async def test_at_the_memory_cap_writes_are_refused_and_nothing_is_evicted(
             running(local.info, reap_after_s=0) as relay,
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http,
         ):
-            bystander = await Viewer(http, worker, relay.base).open()
-            victim = await Viewer(http, worker, relay.base).open()
+            bystander = await Viewer(http, worker, relay.base, SHORT_REPLIES).open()
+            victim = await Viewer(http, worker, relay.base, SHORT_REPLIES).open()
             late: Viewer | None = None
             try:
                 await bystander.post("a turn before the cap", max_tokens=24)
@@ -81,7 +81,7 @@ async def test_at_the_memory_cap_writes_are_refused_and_nothing_is_evicted(
                 )
                 try:
                     assert resp.status == 200, await resp.text()
-                    late = Viewer(http, worker, relay.base)
+                    late = Viewer(http, worker, relay.base, SHORT_REPLIES)
                     late.resp = resp
                     late.sid, late.token = bystander.sid, bystander.token
                     late.prompt = bystander.prompt[:1]

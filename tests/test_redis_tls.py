@@ -41,6 +41,7 @@ from relay.slotmap import slot_of
 from tests.test_server import STEP, SSEClient, wait_ready
 from tests.tls_certs import make_ca, make_pki, openssl_missing
 from tests.worker_harness import expected_reply
+from worker.reply_length import ReplyLength
 from worker.stack import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -145,11 +146,20 @@ async def procs(tmp: Path, env: dict[str, str]) -> AsyncIterator[Procs]:
         await ps.stop()
 
 
+ENGINE_REPLIES = ReplyLength()  # engine processes answer at their default lengths
+
+
 class Viewer:
     """One session: created on the worker, watched over SSE on the relay from offset 0."""
 
-    def __init__(self, http: aiohttp.ClientSession, worker: str, relay: str) -> None:
-        self.http, self.worker, self.relay = http, worker, relay
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        worker: str,
+        relay: str,
+        reply: ReplyLength = ENGINE_REPLIES,  # the engines' reply lengths
+    ) -> None:
+        self.http, self.worker, self.relay, self.reply = http, worker, relay, reply
         self.sid = self.token = ""
         self.resp: aiohttp.ClientResponse | None = None
         self.sse: SSEClient | None = None
@@ -193,7 +203,7 @@ class Viewer:
                 text += ev[2].get("text", "") if ev[1] == "token" else ""
         assert kinds[0] == "meta", kinds
         assert kinds[-1] == "done", kinds
-        assert text == expected_reply(self.prompt, self._max_tokens)
+        assert text == expected_reply(self.prompt, self._max_tokens, self.reply)
         self.prompt.append({"role": "assistant", "content": text})
         self.texts.append(text)
 

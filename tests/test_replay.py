@@ -26,6 +26,7 @@ from relay.keys import new_session_id
 from relay.publisher import Draft, Publisher
 from relay.redis_client import GatedRedisCluster
 from tests.test_hostile import relay_process
+from tests.test_server import SECRET as SERVER_SECRET
 from tests.test_server import running
 from tests.worker_harness import SECRET as PROCESS_SECRET
 
@@ -135,7 +136,7 @@ async def test_a_1450_turn_session_replays_from_0_over_sse_and_websocket(
     assert last > 9_000
     async with running(cluster) as relay:
         port = int(relay.base.rsplit(":", 1)[1])
-        client = await RawSSE.open(port, sid, _token(sid, "test-secret"), 0)
+        client = await RawSSE.open(port, sid, _token(sid, SERVER_SECRET), 0)
         try:
             frames = await client.read_until_offset(last, 60)
         finally:
@@ -208,10 +209,10 @@ async def test_a_socket_that_stops_reading_mid_replay_is_cut_and_stalls_nobody(
         last = (await gen.publish([*drafts, Draft(kind="token", text="a"), Draft(kind="done")]))[-1]
     async with running(cluster, write_timeout_s=0.5) as relay:
         port = int(relay.base.rsplit(":", 1)[1])
-        stuck = await RawSSE.open(port, sid, _token(sid, "test-secret"), 0, rcvbuf=4096)
+        stuck = await RawSSE.open(port, sid, _token(sid, SERVER_SECRET), 0, rcvbuf=4096)
         await stuck.read_chunk()  # the hello, then it stops reading
-        reader = await RawSSE.open(port, sid, _token(sid, "test-secret"), 0)
-        live = await RawSSE.open(port, live_sid, _token(live_sid, "test-secret"), None)
+        reader = await RawSSE.open(port, sid, _token(sid, SERVER_SECRET), 0)
+        live = await RawSSE.open(port, live_sid, _token(live_sid, SERVER_SECRET), None)
         await live.read_chunk()
         gen = await Publisher(redis).open_generation(live_sid)
         metrics = relay.server.metrics
@@ -242,7 +243,7 @@ async def test_direct_and_queued_writes_put_the_same_bytes_on_the_wire(
     roomy = {"queue_frames": 100_000, "hard_limit_frames": 200_000}
     async with running(cluster, max_pending_bytes=64 << 20, **roomy) as relay:
         port = int(relay.base.rsplit(":", 1)[1])
-        token = _token(sid, "test-secret")
+        token = _token(sid, SERVER_SECRET)
         fast = await RawSSE.open(port, sid, token, None)
         slow = await RawSSE.open(port, sid, token, None, rcvbuf=4096)
         for c in (fast, slow):

@@ -45,7 +45,8 @@ async def test_a_claim_whose_worker_died_expires_with_the_lock_and_a_retry_start
     body = {"message": "retry me"}
     # a worker claimed the key and died before resolving it (nothing else of it left)
     dead = SessionStore(redis, lock_ttl_s=1.0)
-    fp = request_fingerprint("retry me", None, None)
+    # a turn without max_tokens is a turn with the worker's default (the fingerprint's)
+    fp = request_fingerprint("retry me", None, h.state.cfg.default_max_tokens)
     assert await dead.claim_idempotency(sid, "k-2", "dead:0000", fp) is None
     ttl_ms = await redis.pttl(idem_key(sid, "k-2"))
     assert 0 < ttl_ms <= 1000  # the lock's lifetime, not a day

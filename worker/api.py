@@ -185,6 +185,15 @@ def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = No
                         headers=headers)  # fmt: skip
 
 
+def _redis_refusal(st: WorkerState, sid: str, exc: RelayError) -> web.Response:
+    """503 for a turn Redis did not take: a code and a short reason; details to the log."""
+    st.metrics.rejected.labels(status="503").inc()
+    _log.warning("turn of %s refused, redis: %r", sid, exc)
+    refused = isinstance(exc, RedisCommandError)  # e.g. out of memory, noeviction
+    reason = "redis refused the command" if refused else "redis did not answer"
+    return _err(503, "redis_unavailable", reason, headers={"Retry-After": "1"})
+
+
 def _refused(st: WorkerState, exc: Refusal) -> web.Response:
     st.metrics.rejected.labels(status="429").inc()
     return _err(429, exc.code, exc.reason, headers={"Retry-After": exc.retry_after})
@@ -307,8 +316,7 @@ async def _post_turn(request: web.Request) -> web.StreamResponse:
     except Refusal as exc:
         return _refused(st, exc)
     except RelayError as exc:
-        st.metrics.rejected.labels(status="503").inc()
-        return _err(503, "redis_unavailable", str(exc), headers={"Retry-After": "1"})
+        return _redis_refusal(st, sid, exc)
     try:
         started = await st.turns.start_turn(
             sid, message, system=system, max_tokens=max_tokens, idempotency_key=idem,
@@ -338,11 +346,7 @@ async def _post_turn(request: web.Request) -> web.StreamResponse:
         return _err(429, "engines_full", exc.reason, headers={"Retry-After": retry},
                     retry_after_s=round(exc.retry_after_s, 3))  # fmt: skip
     except RelayError as exc:
-        st.metrics.rejected.labels(status="503").inc()
-        _log.warning("turn of %s refused, redis: %r", sid, exc)  # details here, not to clients
-        refused = isinstance(exc, RedisCommandError)  # e.g. out of memory, noeviction
-        reason = "redis refused the command" if refused else "redis did not answer"
-        return _err(503, "redis_unavailable", reason, headers={"Retry-After": "1"})
+        return _redis_refusal(st, sid, exc)
     if viewer is not None and not started.replayed:  # the closed loop: frames right here
         hello = {"type": "hello", "worker": cfg.worker_id, "from": started.offset - 1,
                  **started.body()}  # fmt: skip
