@@ -53,11 +53,11 @@ from typing import Any, Protocol
 from relay.errors import Fenced, RelayError
 from relay.publisher import Draft, Generation, Publisher
 from worker.coalesce import DEFAULT_POLICY, Batch, CoalescePolicy, TokenPump
+from worker.cost_router import turn_info
 from worker.engine_client import Delta
 from worker.engine_errors import EngineError, EngineTimeout, EngineUnavailable
 from worker.metrics import WorkerMetrics
 from worker.presence import PresencePolicy, watch_presence
-from worker.cost_router import turn_info
 from worker.router import AllEnginesFull, Lease, LeaseState, Router, route_wait
 from worker.routing_key import DEFAULT_PREFIX_CHARS, routing_key
 from worker.store import LockHolder, SessionStore
