@@ -11,8 +11,10 @@ the policies, ``bench/workloads.py`` the workloads. Policies: ``round_robin``,
 
 Workloads: ``trace`` (the Mooncake conversation trace, ``--trace PATH``; replayed at its
 own timing as ``native`` and time-scaled to 0.5, 0.75, 1.0 and 1.5 x the fleet's capacity);
-``synthetic`` (multi-turn chat over Zipf-popular system prompts, same load levels); ``pulse``
-(the synthetic mix at 0.5 x plus 200 sessions on one 8k-token system prompt within 10 s).
+``synthetic`` (multi-turn chat over Zipf-popular system prompts, one session a second,
+time-scaled to the same load levels); ``pulse`` (the synthetic mix plus 200 sessions on one
+8k-token system prompt within 10 s, time-scaled so that the mix offers 0.5 x: the burst is
+compressed by the same factor).
 Capacity: the saturated completion rate under ``least_loaded`` (the workload's arrivals
 compressed in time until they come at least 2 x faster than the fleet serves them;
 completions per second until the last one), per seed for the trace, once (seed 0, at
@@ -20,7 +22,7 @@ completions per second until the last one), per seed for the trace, once (seed 0
 ``--seeds`` seeds (the seed moves every arrival by up to 1 s of trace time, names the
 engines on the ring and draws the synthetic sessions), with its min and max under ``spread``.
 
-``--quick``: the first 1,500 trace requests (about 7 minutes of the trace) and 180 s of
+``--quick``: the first 1,500 trace requests (about 7 minutes of the trace) and 90 s of
 synthetic sessions, instead of all 12,031 requests and 600 s. ``--workloads`` runs a
 subset (results of separate runs are separate JSON files).
 
@@ -68,7 +70,7 @@ def _trace(path: str, limit: int) -> tuple[Request, ...]:
 
 
 def _synth_cfg(quick: bool) -> SynthConfig:
-    return SynthConfig(duration_s=180.0 if quick else 600.0)
+    return SynthConfig(duration_s=90.0 if quick else 600.0)
 
 
 def _native_rps(reqs: Sequence[Request]) -> float:
@@ -113,14 +115,14 @@ def workload(
             return scale(base, 1.0, seed=seed)
         cap = capacity("trace", path, quick, seed, engines)
         return scale(base, float(level) * cap / _native_rps(base), seed=seed)
+    # sessions at 1/s, then time-scaled like the trace (think times included)
     cap = capacity("synthetic", path, quick, 0, engines)
-    probe = _base("synthetic", path, quick, seed, 1.0)
-    per_session = len(probe) / max(1, len({r.conv for r in probe}))
-    rate = float(level) * cap / per_session
-    cfg = replace(_synth_cfg(quick), rate=rate)
+    base = list(_base("synthetic", path, quick, seed, 1.0))
+    factor = float(level) * cap / _native_rps(base)
     if kind == "pulse":
-        return pulse(cfg, seed=seed, at_s=cfg.duration_s / 3)
-    return synthetic(cfg, seed=seed)
+        cfg = replace(_synth_cfg(quick), rate=1.0)
+        return scale(pulse(cfg, seed=seed, at_s=cfg.duration_s / 3), factor, seed=seed)
+    return scale(base, factor, seed=seed)
 
 
 def _task(
@@ -257,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--quick", action="store_true", help="1,500 trace requests, 180 s synthetic")
+    ap.add_argument("--quick", action="store_true", help="1,500 trace requests, 90 s synthetic")
     ap.add_argument("--seed", type=int, default=7, help="first seed (default 7)")
     ap.add_argument("--seeds", type=int, default=3, help="seeds averaged (default 3)")
     ap.add_argument("--trace", default=str(TRACE), help="a Mooncake-format JSONL trace")
