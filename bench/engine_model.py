@@ -237,6 +237,7 @@ class Engine:
         run: the engine stays idle). Call only when not busy."""
         assert self.step is None, "a step is already running"
         p = self.params
+        bt = p.block_tokens
         decodes: list[Seq] = []
         preempted = False  # no admissions in a step that had to preempt
         # decodes first: each needs one token, and a block when it crosses a boundary
@@ -246,7 +247,9 @@ class Engine:
             if not s.decoding:  # still prefilling
                 i += 1
                 continue
-            need = self._private_needed(s, s.context + 1)
+            # a new block only when the next token starts one (checked cheaply first)
+            ctx = s.prompt + s.generated
+            need = self._private_needed(s, ctx + 1) if ctx % bt == 0 else 0
             if need > 0 and not self._evict(need):
                 victim = self._preempt_newest()
                 preempted = True
@@ -279,7 +282,7 @@ class Engine:
         if not decodes and not chunks:
             return 0.0
         tokens = len(decodes) + sum(c for _, c in chunks)
-        kv = sum(s.context for s in decodes) + sum(s.computed + c for s, c in chunks)
+        kv = sum([s.prompt + s.generated for s in decodes]) + sum(s.computed + c for s, c in chunks)
         dur = p.step_base_s + p.per_token_s * (tokens - 1) + p.per_kv_token_s * kv
         self.step = _Step(decodes, chunks, dur)
         return dur

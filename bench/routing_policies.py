@@ -2,7 +2,7 @@
 
 Every policy sees only what a worker can know without I/O on the hot path: its own leases,
 the other workers' in-flight counts as of their last delayed report (``view``), the
-session meta (the previous turn's engine, length and sent-token mark) and its own past
+session meta (the previous turn's engine and length) and its own past
 decisions. None reads an engine's cache.
 
 - ``round_robin``: the next engine in turn.
@@ -57,7 +57,6 @@ class Session:
 
     engine: int = -1
     tokens: int = 0  # previous turn's prompt + reply
-    mark: int = 0
 
 
 @dataclass(slots=True)

@@ -11,16 +11,20 @@ the policies, ``bench/workloads.py`` the workloads. Policies: ``round_robin``,
 
 Workloads: ``trace`` (the Mooncake conversation trace, ``--trace PATH``; replayed at its
 own timing as ``native`` and time-scaled to 0.5, 0.75, 1.0 and 1.5 x the fleet's capacity);
-``synthetic`` (multi-turn chat over Zipf-popular system prompts, same load levels); ``pulse``
-(the synthetic mix at 0.5 x plus 200 sessions on one 8k-token system prompt within 10 s).
-Capacity: the saturated completion rate under ``least_loaded`` (the workload offered at
-least 2 x faster than the fleet serves it; completions per second until the last one), per
-seed for the trace, once (seed 0) for the synthetic mix. Each figure is the mean of
+``synthetic`` (multi-turn chat over Zipf-popular system prompts, one session a second,
+time-scaled to the same load levels); ``pulse`` (the synthetic mix plus 200 sessions on one
+8k-token system prompt within 10 s, time-scaled so that the mix offers 0.5 x: the burst is
+compressed by the same factor).
+Capacity: the saturated completion rate under ``least_loaded`` (the workload's arrivals
+compressed in time until they come at least 2 x faster than the fleet serves them;
+completions per second until the last one), per seed for the trace, once (seed 0, at
+1 session/s before compression) for the synthetic mix. Each figure is the mean of
 ``--seeds`` seeds (the seed moves every arrival by up to 1 s of trace time, names the
 engines on the ring and draws the synthetic sessions), with its min and max under ``spread``.
 
-``--quick``: the first 2,000 trace requests (about 9 minutes of the trace) and 240 s of
-synthetic sessions, instead of all 12,031 requests and 600 s.
+``--quick``: the first 1,500 trace requests (about 7 minutes of the trace) and 90 s of
+synthetic sessions, instead of all 12,031 requests and 600 s. ``--workloads`` runs a
+subset (results of separate runs are separate JSON files).
 
 CLI: ``python -m bench.routing_sim [--quick] [--seed N] [--seeds K] [--trace PATH]
 [--json PATH] [--plot PREFIX] [--procs N]``.
@@ -46,6 +50,7 @@ from bench.workloads import Request, SynthConfig, TraceError, load_trace, pulse,
 __all__ = ["DEFAULT_POLICY", "LEVELS", "POLICIES", "capacity", "main", "run_all", "workload"]
 
 LEVELS: Final = (0.5, 0.75, 1.0, 1.5)
+WORKLOADS: Final = ("trace", "synthetic", "pulse")
 TRACE: Final = Path(__file__).parent / "traces" / "mooncake_conversation.jsonl"
 _METRICS: Final = (
     "goodput_rps",
@@ -65,7 +70,7 @@ def _trace(path: str, limit: int) -> tuple[Request, ...]:
 
 
 def _synth_cfg(quick: bool) -> SynthConfig:
-    return SynthConfig(duration_s=240.0 if quick else 600.0)
+    return SynthConfig(duration_s=90.0 if quick else 600.0)
 
 
 def _native_rps(reqs: Sequence[Request]) -> float:
@@ -81,12 +86,8 @@ def capacity(kind: str, path: str, quick: bool, seed: int, engines: int) -> floa
     offered = 2.0 * engines  # a first guess above what the engines serve
     served = 0.0
     for _ in range(4):
-        if kind == "trace":
-            base = list(_trace(path, 2000 if quick else 0))
-            probe = scale(base, offered / _native_rps(base), seed=seed, jitter_s=0.0)
-        else:
-            rate = offered / _synth_cfg(quick).mean_turns
-            probe = list(_base(kind, path, quick, seed, rate))
+        base = list(_base(kind, path, quick, seed, 1.0))
+        probe = scale(base, offered / _native_rps(base), seed=seed, jitter_s=0.0)
         res = run(
             SimConfig(policy="least_loaded", engines=engines, seed=seed, drain_s=36_000.0), probe
         )
@@ -99,7 +100,7 @@ def capacity(kind: str, path: str, quick: bool, seed: int, engines: int) -> floa
 
 def _base(kind: str, path: str, quick: bool, seed: int, rate: float) -> tuple[Request, ...]:
     if kind == "trace":
-        return _trace(path, 2000 if quick else 0)
+        return _trace(path, 1500 if quick else 0)
     cfg = replace(_synth_cfg(quick), rate=rate)
     return tuple(synthetic(cfg, seed=seed))
 
@@ -109,19 +110,19 @@ def workload(
 ) -> list[Request]:
     """The requests of one workload at one load level (a capacity fraction or native)."""
     if kind == "trace":
-        base = list(_trace(path, 2000 if quick else 0))
+        base = list(_trace(path, 1500 if quick else 0))
         if level == "native":
             return scale(base, 1.0, seed=seed)
         cap = capacity("trace", path, quick, seed, engines)
         return scale(base, float(level) * cap / _native_rps(base), seed=seed)
+    # sessions at 1/s, then time-scaled like the trace (think times included)
     cap = capacity("synthetic", path, quick, 0, engines)
-    probe = _base("synthetic", path, quick, seed, 1.0)
-    per_session = len(probe) / max(1, len({r.conv for r in probe}))
-    rate = float(level) * cap / per_session
-    cfg = replace(_synth_cfg(quick), rate=rate)
+    base = list(_base("synthetic", path, quick, seed, 1.0))
+    factor = float(level) * cap / _native_rps(base)
     if kind == "pulse":
-        return pulse(cfg, seed=seed, at_s=cfg.duration_s / 3)
-    return synthetic(cfg, seed=seed)
+        cfg = replace(_synth_cfg(quick), rate=1.0)
+        return scale(pulse(cfg, seed=seed, at_s=cfg.duration_s / 3), factor, seed=seed)
+    return scale(base, factor, seed=seed)
 
 
 def _task(
@@ -141,12 +142,15 @@ def run_all(
     engines: int = 8,
     procs: int = 2,
     policies: Sequence[str] = POLICIES,
+    workloads: Sequence[str] = WORKLOADS,
 ) -> dict[str, Any]:
-    plan: dict[str, list[str]] = {
-        "trace": ["native", *(f"{x:g}" if x != 1.0 else "1.0" for x in LEVELS)],
-        "synthetic": [f"{x:g}" if x != 1.0 else "1.0" for x in LEVELS],
+    levels = [f"{x:g}" if x != 1.0 else "1.0" for x in LEVELS]
+    full: dict[str, list[str]] = {
+        "trace": ["native", *levels],
+        "synthetic": levels,
         "pulse": ["0.5"],
     }
+    plan = {k: v for k, v in full.items() if k in workloads}
     tasks = [
         (kind, level, pol, s, path, quick, engines)
         for kind, levels in plan.items()
@@ -155,8 +159,10 @@ def run_all(
         for pol in policies
     ]
     for s in seeds:  # calibrate once, before the pool forks (the children inherit the cache)
-        capacity("trace", path, quick, s, engines)
-    capacity("synthetic", path, quick, 0, engines)
+        if "trace" in plan:
+            capacity("trace", path, quick, s, engines)
+    if "synthetic" in plan or "pulse" in plan:
+        capacity("synthetic", path, quick, 0, engines)
     if procs > 1:
         with get_context("fork").Pool(procs) as pool:
             results = dict(pool.imap_unordered(_task, tasks, chunksize=1))
@@ -253,17 +259,25 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--quick", action="store_true", help="2,000 trace requests, 240 s synthetic")
+    ap.add_argument("--quick", action="store_true", help="1,500 trace requests, 90 s synthetic")
     ap.add_argument("--seed", type=int, default=7, help="first seed (default 7)")
     ap.add_argument("--seeds", type=int, default=3, help="seeds averaged (default 3)")
     ap.add_argument("--trace", default=str(TRACE), help="a Mooncake-format JSONL trace")
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--procs", type=int, default=2, help="worker processes (default 2)")
+    ap.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help="comma-separated subset (default: all)"
+    )
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--plot", metavar="PREFIX", help="write PREFIX_<workload>.png")
     args = ap.parse_args(argv)
     if args.seeds < 1 or args.engines < 1 or args.procs < 1:
         sys.exit("routing_sim: --seeds, --engines and --procs must be >= 1")
+    workloads = [w for w in args.workloads.split(",") if w]
+    if not workloads or any(w not in WORKLOADS for w in workloads):
+        sys.exit(
+            f"routing_sim: --workloads takes a comma-separated subset of {','.join(WORKLOADS)}"
+        )
     try:
         load_trace(args.trace, limit=1)
     except TraceError as exc:
@@ -275,6 +289,7 @@ def main(argv: list[str] | None = None) -> None:
         path=args.trace,
         engines=args.engines,
         procs=args.procs,
+        workloads=workloads,
     )
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     print(table(res))

@@ -18,9 +18,9 @@ def _parse(*extra: str) -> argparse.Namespace:
     return parser.parse_args([*BASE, "--engine", "e1=http://127.0.0.1:9000", *extra])
 
 
-def test_defaults_wait_two_seconds_for_a_slot_and_route_on_the_ring() -> None:
+def test_defaults_wait_two_seconds_for_a_slot_and_route_by_cost() -> None:
     cfg = config_from_args(_parse())
-    assert cfg.routing == "ring"
+    assert cfg.routing == "cost_aware"  # what the routing simulator chose
     assert cfg.spill == DEFAULT_SPILL == "least_loaded"  # what the simulator chose
     assert cfg.admit_wait_s == 2.0
     assert cfg.admit_wait_s < cfg.lock_ttl_s

@@ -34,6 +34,13 @@ least-loaded spills fewer turns (11 vs 14 % at 0.5 and 0.8 load), so it is the d
 Sizing matters more than the rule: give an engine a cap of about 1.5 x the requests it
 runs at once, or the bounded policies spill into a recompute spiral near saturation
 (docs/ROUTING.md).
+
+``policy="cost_aware"`` replaces the ring's choice (not the caps): among the engines that
+accept by rules (a) and (b), the one with the least expected queue wait + prefill of the
+part of the prompt it probably does not hold (:mod:`worker.cost_router`), from the
+``TurnInfo`` the worker passes (its session's previous engine, lengths) and this router's
+own leases and decisions. ``Lease.reason`` says why (``preferred``, ``spilled_cost``,
+``least_cost``); ``Lease.first_token()`` tells it the engine's prefill is done.
 """
 
 from __future__ import annotations
@@ -73,7 +80,9 @@ SPILL_POLICIES: Final = ("walk", "least_loaded")
 # queue wait + prefill of what the engine probably does not hold (worker/cost_router.py),
 # within the same caps; "round_robin" ignores the key (and so every KV cache): a baseline
 ROUTING_POLICIES: Final = ("ring", "cost_aware", "round_robin")
-DEFAULT_ROUTING: Final = "ring"  # the worker's default (WorkerConfig.routing)
+# the worker's default (WorkerConfig.routing): chosen by bench/routing_sim.py on the
+# Mooncake trace (best goodput at every load up to capacity), see docs/ROUTING.md
+DEFAULT_ROUTING: Final = "cost_aware"
 DEFAULT_SPILL: Final = "least_loaded"  # chosen by bench/routing_sim.py, see docs/ROUTING.md
 _RETRY_MIN_S: Final = 0.05
 _RETRY_MAX_S: Final = 30.0
