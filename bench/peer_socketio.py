@@ -252,6 +252,7 @@ async def _round(
         "publish_errors": int(pub.get("errors", 0)) + int(pub.get("failed", 0)),
         "client_errors": len(tally.errors),
         "handshake_retries": tally.retries,
+        "resumes": tally.resumes,
         "samples": len(lat),
     }
 
