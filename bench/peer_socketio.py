@@ -128,10 +128,13 @@ class CpuSampler:
             self.samples.append((time.perf_counter(), _cpu_s(self.pid)))
 
     async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
+        """Stop sampling (once; later calls do nothing) and take a last sample."""
+        if self.task is None:
+            return
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        self.task = None
         self.samples.append((time.perf_counter(), _cpu_s(self.pid)))
 
     def _at(self, t: float) -> float:
