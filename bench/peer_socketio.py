@@ -264,15 +264,15 @@ def _pct_ms(sorted_ms: list[float], p: float) -> float:
     return _pct([int(x * 1e6) for x in sorted_ms], p) if sorted_ms else float("nan")
 
 
+_SUMMED = frozenset({"lost", "client_errors", "publish_errors", "handshake_retries", "resumes"})
+
+
 def _medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the rounds; counts of trouble (:data:`_SUMMED`) summed."""
     out: dict[str, Any] = {}
     for key in rounds[0]:
         vals = [r[key] for r in rounds]
-        out[key] = (
-            sum(vals)
-            if key in ("lost", "client_errors", "publish_errors")
-            else (statistics.median(vals))
-        )
+        out[key] = sum(vals) if key in _SUMMED else statistics.median(vals)
     out["rounds"] = rounds
     return out
 
