@@ -128,10 +128,13 @@ class CpuSampler:
             self.samples.append((time.perf_counter(), _cpu_s(self.pid)))
 
     async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
+        """Stop sampling (once; later calls do nothing) and take a last sample."""
+        if self.task is None:
+            return
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        self.task = None
         self.samples.append((time.perf_counter(), _cpu_s(self.pid)))
 
     def _at(self, t: float) -> float:
@@ -252,6 +255,7 @@ async def _round(
         "publish_errors": int(pub.get("errors", 0)) + int(pub.get("failed", 0)),
         "client_errors": len(tally.errors),
         "handshake_retries": tally.retries,
+        "resumes": tally.resumes,
         "samples": len(lat),
     }
 
@@ -260,15 +264,15 @@ def _pct_ms(sorted_ms: list[float], p: float) -> float:
     return _pct([int(x * 1e6) for x in sorted_ms], p) if sorted_ms else float("nan")
 
 
+_SUMMED = frozenset({"lost", "client_errors", "publish_errors", "handshake_retries", "resumes"})
+
+
 def _medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the rounds; counts of trouble (:data:`_SUMMED`) summed."""
     out: dict[str, Any] = {}
     for key in rounds[0]:
         vals = [r[key] for r in rounds]
-        out[key] = (
-            sum(vals)
-            if key in ("lost", "client_errors", "publish_errors")
-            else (statistics.median(vals))
-        )
+        out[key] = sum(vals) if key in _SUMMED else statistics.median(vals)
     out["rounds"] = rounds
     return out
 

@@ -3,6 +3,8 @@ one aiohttp WebSocket per viewer, one text message per delivered message.
 
 - tokenrelay: ``GET /v1/sessions/{sid}/ws?token=...`` (live, no ``from``); ready once the
   relay's ``{"type":"hello",...}`` message arrived. Each later message is a frame JSON.
+  Closed as a slow consumer (4008) or by a restarting relay (1012), the client does what
+  the protocol tells it: reconnect with ``from=<its last offset>`` (``Tally.resumes``).
 - Socket.IO: ``GET /socket.io/?EIO=4&transport=websocket&room={sid}`` with the Engine.IO
   framing done here: the server's open packet (``0{...}``), our namespace connect
   (``40``), its acknowledgement (``40{...}``); then event packets (``42["m",{...}]``), and
@@ -40,6 +42,10 @@ __all__ = ["Kind", "Tally", "WsClient", "close_clients", "open_clients"]
 Kind = Literal["tokenrelay", "socketio"]
 _OPEN_TIMEOUT_S = 60.0
 _RETRIES = 5
+# the relay's close codes after which a client reconnects with its last offset (and
+# loses nothing): 1012 relay_shutdown, 4008 slow_consumer (docs/PROTOCOL.md)
+_RESUME_CODES = frozenset({1012, 4008})
+_OFFSET = re.compile(r'"offset":(\d+)')
 _STAMP = re.compile(STAMP.pattern.decode())  # the same pattern, on str
 
 
@@ -56,11 +62,13 @@ class Tally:
     arrivals: array[int] = field(default_factory=lambda: array("q"))
     errors: list[str] = field(default_factory=list)
     retries: int = 0  # handshakes refused with 503 + Retry-After and tried again
+    resumes: int = 0  # tokenrelay clients cut (slow, restart) that reconnected from their offset
 
-    def note(self, text: str) -> None:
+    def note(self, text: str) -> bool:
+        """Count the stamps of one message; False when it has none."""
         stamps = _STAMP.findall(text)
         if not stamps:
-            return
+            return False
         now = self.clock()
         t = time.perf_counter()
         if self.received == 0:
@@ -71,6 +79,7 @@ class Tally:
         for s in stamps:
             self.stamps.append(int(s))
             self.arrivals.append(now)
+        return True
 
     def latencies_ms(self, warm_s: float) -> list[float]:
         """Sorted latencies of the messages sent ``warm_s`` or more after the first."""
@@ -91,28 +100,38 @@ class WsClient:
         self.sid = sid
         self.ws: aiohttp.ClientWebSocketResponse | None = None
         self.task: asyncio.Task[None] | None = None
+        self.http: aiohttp.ClientSession | None = None
+        self.port = 0
+        self.last = ""  # the last message with a stamp: its offset is the resume point
 
     async def open(self, http: aiohttp.ClientSession, port: int) -> None:
+        self.task = asyncio.create_task(self._pump(await self._handshake(http, port, None)))
+
+    async def _handshake(
+        self, http: aiohttp.ClientSession, port: int, resume_from: int | None
+    ) -> aiohttp.ClientWebSocketResponse:
+        """Connect; return once the server will send this client its room's messages."""
         if self.kind == "tokenrelay":
             token = issue_token(SECRET, self.sid, 3600, time.time())
             url = f"ws://127.0.0.1:{port}/v1/sessions/{self.sid}/ws?token={token}"
+            url += "" if resume_from is None else f"&from={resume_from}"
         else:
             url = f"ws://127.0.0.1:{port}/socket.io/?EIO=4&transport=websocket&room={self.sid}"
         async with asyncio.timeout(_OPEN_TIMEOUT_S):
             ws = self.ws = await self._connect(http, url)
+            first = await ws.receive_str()
             if self.kind == "tokenrelay":
-                first = await ws.receive_str()
                 if '"hello"' not in first:
                     raise ConnectionError(f"expected the relay's hello, got {first[:200]!r}")
             else:
-                first = await ws.receive_str()
                 if not first.startswith("0{"):
                     raise ConnectionError(f"expected an Engine.IO open packet, got {first[:200]!r}")
                 await ws.send_str("40")
                 ack = await ws.receive_str()
                 if not ack.startswith("40"):
                     raise ConnectionError(f"expected a namespace connect ack, got {ack[:200]!r}")
-        self.task = asyncio.create_task(self._pump(ws))
+        self.http, self.port = http, port
+        return ws
 
     async def _connect(
         self, http: aiohttp.ClientSession, url: str
@@ -139,15 +158,23 @@ class WsClient:
                 if msg.type == aiohttp.WSMsgType.TEXT:
                     if pong and msg.data == "2":
                         await ws.send_str("3")
-                    else:
-                        tally.note(msg.data)
+                    elif tally.note(msg.data):
+                        self.last = msg.data
                 elif msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED):
-                    tally.errors.append(f"{self.kind} closed: {ws.close_code} {msg.extra}")
+                    code = msg.data if msg.type == aiohttp.WSMsgType.CLOSE else ws.close_code
+                    if self.kind == "tokenrelay" and code in _RESUME_CODES and self.http:
+                        await ws.close()
+                        found = _OFFSET.search(self.last)
+                        offset = int(found.group(1)) if found else 0
+                        ws = await self._handshake(self.http, self.port, offset)
+                        tally.resumes += 1
+                        continue
+                    tally.errors.append(f"{self.kind} closed: {code} {msg.extra}")
                     return
                 elif msg.type == aiohttp.WSMsgType.ERROR:
                     tally.errors.append(f"{self.kind} error: {ws.exception()!r}")
                     return
-        except (ConnectionError, OSError) as exc:
+        except (ConnectionError, OSError, TimeoutError) as exc:
             tally.errors.append(f"{type(exc).__name__}: {exc}")
 
     async def close(self) -> None:
