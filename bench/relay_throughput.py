@@ -111,6 +111,7 @@ class Config:
     lat_rate_5k: float = 5.0  # tokens/s per session of the second latency phase (5,000/s)
     replay_frames: int = 10_000  # one session, replayed from 0 by replay_clients at once
     replay_clients: int = 50
+    profile: str = ""  # a directory: py-spy samples the relay during the 5,000/s phase
 
     @classmethod
     def quick(cls) -> Config:
@@ -828,9 +829,13 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
             )
             cfg5k = Config(**{**asdict(cfg), "lat_rate": cfg.lat_rate_5k})
             progress(f"latency: {cfg.lat_sessions} sessions x {cfg.lat_rate_5k:g} tokens/s")
-            lat5k = await _latency_phase(
-                relay, url, smap, _sessions(cfg.lat_sessions, smap, None), cfg5k
-            )
+            prof = Path(cfg.profile) / "relay-5k.txt" if cfg.profile else None
+            async with relay_phases.profiled(relay.pid, prof, cfg.lat_seconds + 3):
+                lat5k = await _latency_phase(
+                    relay, url, smap, _sessions(cfg.lat_sessions, smap, None), cfg5k
+                )
+            if prof is not None:
+                lat5k["profile"] = relay_phases.summarize_profile(prof)
             log_a = relay.log_path.read_text(errors="replace")
         async with relay_process(url, log_dir, "bench-relay-b", cfg.idle + 100) as relay:
             progress(f"idle: {cfg.idle} idle SSE connections")
@@ -976,11 +981,22 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--lat-rate", type=float, help=f"tokens/s per session in the latency phase ({d.lat_rate:g})"
     )
     ap.add_argument("--idle", type=int, help=f"idle SSE connections ({d.idle})")
+    ap.add_argument(
+        "--profile", metavar="DIR", help="sample the relay with py-spy in the 5,000/s phase"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
     cfg = Config.quick() if args.quick else Config()
-    for name in ("sessions", "frames", "lat_sessions", "lat_rate", "lat_seconds", "idle"):
+    for name in (
+        "sessions",
+        "frames",
+        "lat_sessions",
+        "lat_rate",
+        "lat_seconds",
+        "idle",
+        "profile",
+    ):
         v = getattr(args, name, None)
         if v is not None:
             setattr(cfg, name, v)
