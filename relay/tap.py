@@ -188,7 +188,7 @@ class Tap:
         self._budget = budget
         self._on_close = on_close
         self._on_lost = on_lost
-        self._wake = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None  # made only while a consumer waits
         self._out: Out | None = None
         self._fetch_task: asyncio.Task[None] | None = None
         self._held = 0  # budget bytes of replay frames read and not yet taken
@@ -244,8 +244,7 @@ class Tap:
                 ds = self._take()
                 self._settle(None)
                 return ds
-            self._wake.clear()
-            await self._wake.wait()
+            await self._wait()
 
     async def run(self, out: Out) -> NoReturn:
         """Write to ``out`` until the watch closes (raises WatchClosed) or the socket fails
@@ -258,8 +257,7 @@ class Tap:
                 if closed is not None:
                     raise WatchClosed(closed.reason, closed.code)
                 if not self.watch.pending:
-                    self._wake.clear()
-                    await self._wake.wait()
+                    await self._wait()
                 elif not out.room():
                     await out.drain()
                     self._settle(out)
@@ -277,6 +275,18 @@ class Tap:
         return True
 
     # -- internals ---------------------------------------------------------------------
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def _take(self) -> list[Delivery]:
         """Everything pending; performs the watch's intents (the next replay page)."""
@@ -307,7 +317,7 @@ class Tap:
         if out is not None and out.room():
             self._send(out, "writes_direct")
         else:
-            self._wake.set()
+            self._wake()
 
     def _apply(self, intents: Iterable[Intent]) -> None:
         for it in intents:
@@ -320,7 +330,7 @@ class Tap:
                 self._fetch_task.add_done_callback(_consume)
 
     def _closed(self) -> None:
-        self._wake.set()
+        self._wake()
         if self._held:
             self._budget.release(self._held)
             self._held = 0
