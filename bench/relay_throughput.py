@@ -653,8 +653,15 @@ async def _metrics_text(relay: RelayProc) -> str:
 
 
 async def _latency_phase(
-    relay: RelayProc, url: str, smap: SlotMap, sids: list[str], cfg: Config
+    relay: RelayProc,
+    url: str,
+    smap: SlotMap,
+    sids: list[str],
+    cfg: Config,
+    profile: Path | None = None,
 ) -> dict[str, Any]:
+    """Paced publisher, one SSE client per session; ``profile``: py-spy samples the relay
+    while the publisher runs (not while the clients connect)."""
     tally = Tally(record_latency=True)
     clients = await _open_clients(relay.port, sids, tally, cfg.connect_window)
     try:
@@ -670,7 +677,8 @@ async def _latency_phase(
             "rate": cfg.lat_rate,
             "seconds": warm + cfg.lat_seconds,
         }
-        pub = await _run_publisher(spec)
+        async with relay_phases.profiled(relay.pid, profile, warm + cfg.lat_seconds):
+            pub = await _run_publisher(spec)
         tally.expected = pub["sent"]
         backlog_s = await _wait_all(tally)
         cpu = await meter.stop(pub["cpu_s"])
@@ -830,10 +838,9 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
             cfg5k = Config(**{**asdict(cfg), "lat_rate": cfg.lat_rate_5k})
             progress(f"latency: {cfg.lat_sessions} sessions x {cfg.lat_rate_5k:g} tokens/s")
             prof = Path(cfg.profile) / "relay-5k.txt" if cfg.profile else None
-            async with relay_phases.profiled(relay.pid, prof, cfg.lat_seconds + 3):
-                lat5k = await _latency_phase(
-                    relay, url, smap, _sessions(cfg.lat_sessions, smap, None), cfg5k
-                )
+            lat5k = await _latency_phase(
+                relay, url, smap, _sessions(cfg.lat_sessions, smap, None), cfg5k, prof
+            )
             if prof is not None:
                 lat5k["profile"] = relay_phases.summarize_profile(prof)
             log_a = relay.log_path.read_text(errors="replace")
