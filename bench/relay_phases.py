@@ -10,6 +10,9 @@
 - :func:`replay_phase`: one session of 10,000 frames, replayed from offset 0 by 50 SSE
   clients at once: frames delivered / wall seconds, and the relay's peak VmRSS
   (``VmHWM`` of a relay process started for this phase).
+- :func:`profiled` samples the relay with py-spy while a phase runs (``--profile DIR``)
+  and :func:`summarize_profile` ranks functions by the share of samples in which they
+  are on the CPU themselves (self) and on the stack (total).
 - :func:`loop_lag` reads the relay's ``tokenrelay_relay_loop_lag_seconds`` histogram
   (how late a 10 ms timer fired) and, given the buckets before and after a phase, says
   the longest event-loop turn seen during it (as the bucket bound it falls under).
@@ -40,7 +43,15 @@ from relay.publisher import Draft, Publisher
 from relay.redis_client import connect
 from relay.subscriber import ShardedSubscriber
 
-__all__ = ["idle_ws_phase", "loop_lag", "main", "raw_hiredis_phase", "replay_phase"]
+__all__ = [
+    "idle_ws_phase",
+    "loop_lag",
+    "main",
+    "profiled",
+    "raw_hiredis_phase",
+    "replay_phase",
+    "summarize_profile",
+]
 
 Publish = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 _LAG = re.compile(r'^tokenrelay_relay_loop_lag_seconds_bucket\{le="([^"]+)"\} ([0-9.e+]+)$')
@@ -307,6 +318,57 @@ def loop_lag(before: str, after: str) -> dict[str, Any]:
         "over_1ms": int(over_1ms),
         "max_ms_at_most": None if top == float("inf") else top * 1000,
     }
+
+
+@contextlib.asynccontextmanager
+async def profiled(pid: int, path: Path | None, seconds: float) -> Any:
+    """Sample ``pid`` with py-spy (raw collapsed stacks to ``path``) while the body runs."""
+    if path is None:
+        yield
+        return
+    spy = Path(sys.executable).with_name("py-spy")
+    proc = await asyncio.create_subprocess_exec(
+        str(spy), "record", "--format", "raw", "--rate", "250",
+        "--duration", str(int(seconds)), "--nonblocking", "--pid", str(pid),
+        "--output", str(path),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        yield
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), seconds + 15)
+    finally:
+        await _stop(proc)
+
+
+def summarize_profile(path: Path, top: int = 12) -> list[dict[str, Any]]:
+    """Functions by self share of samples (idle waits in the selector included)."""
+    self_n: dict[str, int] = {}
+    total_n: dict[str, int] = {}
+    samples = 0
+    if not path.exists():
+        return []
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        samples += n
+        frames = [
+            f.split(" (")[0] + " " + f.rsplit("/", 1)[-1].rstrip(")") for f in stack.split(";")
+        ]
+        self_n[frames[-1]] = self_n.get(frames[-1], 0) + n
+        for f in set(frames):
+            total_n[f] = total_n.get(f, 0) + n
+    ranked = sorted(self_n, key=lambda f: -self_n[f])[:top]
+    return [
+        {
+            "function": f,
+            "self_pct": round(100 * self_n[f] / samples, 1),
+            "total_pct": round(100 * total_n[f] / samples, 1),
+        }
+        for f in ranked
+    ]
 
 
 def main() -> None:

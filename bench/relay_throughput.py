@@ -111,6 +111,7 @@ class Config:
     lat_rate_5k: float = 5.0  # tokens/s per session of the second latency phase (5,000/s)
     replay_frames: int = 10_000  # one session, replayed from 0 by replay_clients at once
     replay_clients: int = 50
+    profile: str = ""  # a directory: py-spy samples the relay during the 5,000/s phase
 
     @classmethod
     def quick(cls) -> Config:
@@ -655,8 +656,15 @@ async def _metrics_text(relay: RelayProc) -> str:
 
 
 async def _latency_phase(
-    relay: RelayProc, url: str, smap: SlotMap, sids: list[str], cfg: Config
+    relay: RelayProc,
+    url: str,
+    smap: SlotMap,
+    sids: list[str],
+    cfg: Config,
+    profile: Path | None = None,
 ) -> dict[str, Any]:
+    """Paced publisher, one SSE client per session; ``profile``: py-spy samples the relay
+    while the publisher runs (not while the clients connect)."""
     tally = Tally(record_latency=True)
     clients = await _open_clients(relay.port, sids, tally, cfg.connect_window)
     try:
@@ -672,7 +680,8 @@ async def _latency_phase(
             "rate": cfg.lat_rate,
             "seconds": warm + cfg.lat_seconds,
         }
-        pub = await _run_publisher(spec)
+        async with relay_phases.profiled(relay.pid, profile, warm + cfg.lat_seconds):
+            pub = await _run_publisher(spec)
         tally.expected = pub["sent"]
         backlog_s = await _wait_all(tally)
         cpu = await meter.stop(pub["cpu_s"])
@@ -831,9 +840,12 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
             )
             cfg5k = Config(**{**asdict(cfg), "lat_rate": cfg.lat_rate_5k})
             progress(f"latency: {cfg.lat_sessions} sessions x {cfg.lat_rate_5k:g} tokens/s")
+            prof = Path(cfg.profile) / "relay-5k.txt" if cfg.profile else None
             lat5k = await _latency_phase(
-                relay, url, smap, _sessions(cfg.lat_sessions, smap, None), cfg5k
+                relay, url, smap, _sessions(cfg.lat_sessions, smap, None), cfg5k, prof
             )
+            if prof is not None:
+                lat5k["profile"] = relay_phases.summarize_profile(prof)
             log_a = relay.log_path.read_text(errors="replace")
         async with relay_process(url, log_dir, "bench-relay-b", cfg.idle + 100) as relay:
             progress(f"idle: {cfg.idle} idle SSE connections")
@@ -979,11 +991,22 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--lat-rate", type=float, help=f"tokens/s per session in the latency phase ({d.lat_rate:g})"
     )
     ap.add_argument("--idle", type=int, help=f"idle SSE connections ({d.idle})")
+    ap.add_argument(
+        "--profile", metavar="DIR", help="sample the relay with py-spy in the 5,000/s phase"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
     cfg = Config.quick() if args.quick else Config()
-    for name in ("sessions", "frames", "lat_sessions", "lat_rate", "lat_seconds", "idle"):
+    for name in (
+        "sessions",
+        "frames",
+        "lat_sessions",
+        "lat_rate",
+        "lat_seconds",
+        "idle",
+        "profile",
+    ):
         v = getattr(args, name, None)
         if v is not None:
             setattr(cfg, name, v)

@@ -45,7 +45,7 @@ from relay.publisher import seal
 from relay.reaper import Reaper, ReapState
 from relay.resume import Delivery, Fetch, Resume, Step
 from relay.subscriber import ShardedSubscriber
-from relay.tap import ByteBudget, Tap, delivery, read_page
+from relay.tap import ByteBudget, Flusher, Tap, delivery, read_page
 from relay.watch import Limits, Watch, conflate
 
 __all__ = ["Delivery", "Hub", "Tap", "Watch", "WatchClosed", "conflate"]
@@ -112,6 +112,7 @@ class Hub:
         self.backlog_maxlen = backlog_maxlen
         self.session_ttl_s = session_ttl_s
         self.budget = ByteBudget(replay_budget_bytes)
+        self.flusher = Flusher()  # one write per socket per read chunk
         self.subscriber = ShardedSubscriber(
             redis,
             on_message=self._on_message,
@@ -217,7 +218,7 @@ class Hub:
             ch.unsub_handle.cancel()
             ch.unsub_handle = None
         watch = Watch(sid, from_offset, self.limits, self._stats)
-        tap = Tap(sid, watch, self.redis, self.budget, self._detach, self._seal_later)
+        tap = Tap(sid, watch, self.redis, self.budget, self._detach, self._seal_later, self.flusher)
         ch.taps.add(tap)  # counted (and fed live frames) before any await
         self._stats["watches_opened"] += 1
         try:

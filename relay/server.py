@@ -85,6 +85,12 @@ class EdgeServer:
     def __init__(self, config: RelayConfig, hub: Hub | None = None) -> None:
         self.config = config
         self.metrics = RelayMetrics(config.relay_id)
+        m = self.metrics
+        self._out_metrics = {  # label children bound once: _sent runs per socket write
+            t: (m.frames_out.labels(t), m.bytes_out.labels(t), m.hop_latency.labels(t),
+                m.edge_to_socket.labels(t))
+            for t in ("sse", "ws")
+        }  # fmt: skip
         self.hub: Hub | None = hub
         self.redis: RedisCluster | None = hub.redis if hub is not None else None
         self._owns_hub = hub is None
@@ -267,10 +273,9 @@ class EdgeServer:
 
     def _sent(self, transport: str, batch: list[Delivery], nbytes: int) -> None:
         m = self.metrics
-        m.frames_out.labels(transport).inc(len(batch))
-        m.bytes_out.labels(transport).inc(nbytes)
-        total = m.hop_latency.labels(transport)
-        queued = m.edge_to_socket.labels(transport)
+        frames, sent_bytes, total, queued = self._out_metrics[transport]
+        frames.inc(len(batch))
+        sent_bytes.inc(nbytes)
         now = now_ms()
         for d in batch:
             if d.kind == "gap":

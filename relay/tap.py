@@ -9,10 +9,12 @@ and bytes, under the relay-wide :class:`ByteBudget` for replay pages in memory),
 Two consumers:
 
 - a socket (:meth:`Tap.run` with an :class:`Out`): the fast path writes frames straight
-  from the hub's reader to the transport while it has room and nothing is queued (no task
-  switch, one write per read chunk); a socket that pushes back (transport above its
-  write high-water mark) gets its frames queued in the watch (conflation, slow-consumer
-  cutoff) and drained by the stream's own task when the transport resumes;
+  from the hub's reader to the transport while it has room (no task switch): the frames
+  a socket got from one read chunk go out in one write, by a :class:`Flusher` callback
+  that runs right after the reader has parsed the chunk; a socket that pushes back
+  (transport above its write high-water mark) keeps its frames queued in the watch
+  (conflation, slow-consumer cutoff), drained by the stream's own task when the
+  transport resumes;
 - plain code and tests (:meth:`Tap.next`): everything pending, awaited.
 
 The next replay page is read when the watch says its queue is below low water, that is
@@ -42,7 +44,7 @@ from relay.publisher import read_backlog
 from relay.resume import Delivery, Fetch
 from relay.watch import Closed, Intent, Watch
 
-__all__ = ["ByteBudget", "Out", "Tap", "delivery", "read_page"]
+__all__ = ["ByteBudget", "Flusher", "Out", "Tap", "delivery", "read_page"]
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +145,28 @@ class Out(Protocol):
         """Wait until the transport has room again (raise ConnectionError if it is gone)."""
 
 
+class Flusher:
+    """Taps fed during one read chunk, written once each when the chunk is done (one
+    ``call_soon`` per chunk: it runs after the reader's synchronous parse loop)."""
+
+    def __init__(self) -> None:
+        self._dirty: list[Tap] = []
+        self._scheduled = False
+
+    def add(self, tap: Tap) -> None:
+        self._dirty.append(tap)
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._run)
+
+    def _run(self) -> None:
+        self._scheduled = False
+        dirty, self._dirty = self._dirty, []
+        for tap in dirty:
+            tap._dirty = False
+            tap._flush()
+
+
 class Tap:
     """One watcher as the hub and the server see it. See the module docstring."""
 
@@ -154,14 +178,17 @@ class Tap:
         budget: ByteBudget,
         on_close: Callable[[Tap], None],
         on_lost: Callable[[str, int], None],
+        flusher: Flusher | None = None,
     ) -> None:
         self.session = sid
+        self._flusher = flusher
+        self._dirty = False
         self.watch = watch
         self._redis = redis
         self._budget = budget
         self._on_close = on_close
         self._on_lost = on_lost
-        self._wake = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None  # made only while a consumer waits
         self._out: Out | None = None
         self._fetch_task: asyncio.Task[None] | None = None
         self._held = 0  # budget bytes of replay frames read and not yet taken
@@ -186,8 +213,12 @@ class Tap:
         intents = self.watch.live(ds)
         if intents:
             self._apply(intents)
-        if self.watch.pending:
-            self._flush()
+        if self.watch.pending and not self._dirty:
+            if self._flusher is not None and self._out is not None:
+                self._dirty = True
+                self._flusher.add(self)
+            else:
+                self._flush()
 
     def shut(self, reason: str, code: str) -> None:
         self._apply(self.watch.close(code, reason))
@@ -213,8 +244,7 @@ class Tap:
                 ds = self._take()
                 self._settle(None)
                 return ds
-            self._wake.clear()
-            await self._wake.wait()
+            await self._wait()
 
     async def run(self, out: Out) -> NoReturn:
         """Write to ``out`` until the watch closes (raises WatchClosed) or the socket fails
@@ -227,8 +257,7 @@ class Tap:
                 if closed is not None:
                     raise WatchClosed(closed.reason, closed.code)
                 if not self.watch.pending:
-                    self._wake.clear()
-                    await self._wake.wait()
+                    await self._wait()
                 elif not out.room():
                     await out.drain()
                     self._settle(out)
@@ -246,6 +275,18 @@ class Tap:
         return True
 
     # -- internals ---------------------------------------------------------------------
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def _take(self) -> list[Delivery]:
         """Everything pending; performs the watch's intents (the next replay page)."""
@@ -276,7 +317,7 @@ class Tap:
         if out is not None and out.room():
             self._send(out, "writes_direct")
         else:
-            self._wake.set()
+            self._wake()
 
     def _apply(self, intents: Iterable[Intent]) -> None:
         for it in intents:
@@ -289,7 +330,7 @@ class Tap:
                 self._fetch_task.add_done_callback(_consume)
 
     def _closed(self) -> None:
-        self._wake.set()
+        self._wake()
         if self._held:
             self._budget.release(self._held)
             self._held = 0

@@ -29,7 +29,6 @@ Order of calls::
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -145,7 +144,7 @@ class Watch:
             max_buffer_bytes=limits.max_pending_bytes,
         )
         self.counters: MutableMapping[str, int] = counters if counters is not None else {}
-        self._pending: deque[Delivery] = deque()
+        self._pending: list[Delivery] = []
         self.pending_bytes = 0
         self.closed: Closed | None = None
         self._deferred: Fetch | None = None  # the next replay page, held until the queue drains
@@ -200,8 +199,7 @@ class Watch:
         """Everything pending, in order (the socket has room), and the held page fetch."""
         if self.closed is not None or not self._pending:
             return [], self._release()
-        out = list(self._pending)
-        self._pending.clear()
+        out, self._pending = self._pending, []
         self.pending_bytes = 0
         self._conflate_at = self.limits.queue_frames
         self.counters["frames_out"] = self.counters.get("frames_out", 0) + len(out)
@@ -251,7 +249,7 @@ class Watch:
             merged_list, merged = conflate(self._pending)
             if merged:
                 c["conflations"] = c.get("conflations", 0) + merged
-                self._pending = deque(merged_list)
+                self._pending = merged_list
                 self.pending_bytes = sum(len(d.data) for d in merged_list)
             self._conflate_at = len(self._pending) + max(lim.queue_frames // 4, 1)
             if len(self._pending) > lim.hard_limit_frames:

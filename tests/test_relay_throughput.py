@@ -24,6 +24,14 @@ KEYS = (
     "latency_p50_ms",
     "latency_p99_ms",
     "rss_kb_per_idle_conn",
+    "raw_hiredis_msgs_per_s",
+    "ratio_hiredis",
+    "relay_cpu_us_per_frame",
+    "latency_5k_p50_ms",
+    "latency_5k_p99_ms",
+    "rss_kb_per_idle_ws_conn",
+    "replay_frames_per_s",
+    "replay_rss_peak_mb",
 )
 
 TINY = Config(
@@ -37,10 +45,12 @@ TINY = Config(
     idle=300,
     connect_window=50,
     repeats=2,
+    replay_frames=2_000,
+    replay_clients=5,
 )
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 async def test_tiny_run_delivers_every_frame(cluster: ClusterInfo) -> None:
     res = await run(TINY, cluster.url)
     json.dumps(res)  # what --json writes
@@ -88,3 +98,10 @@ async def test_tiny_run_delivers_every_frame(cluster: ClusterInfo) -> None:
     assert ph["idle"]["sessions"] == TINY.idle
     assert ph["idle_one_session"]["sessions"] == 1
     assert res["relay_log_tracebacks"] == 0
+    hi, l5, ws, rp = ph["raw_hiredis"], ph["latency_5k"], ph["idle_ws"], ph["replay"]
+    assert hi["received"] == hi["sent"] == TINY.sessions * TINY.frames
+    assert l5["received"] == l5["sent"] > 0
+    assert l5["relay_loop_lag"]["samples"] > 0  # the relay samples its loop
+    assert ws["connections"] == TINY.idle
+    assert rp["complete"] == TINY.replay_clients  # every replay reached the last offset
+    assert rp["delivered"] == TINY.replay_frames * TINY.replay_clients
