@@ -99,7 +99,30 @@ async def test_make_demo_serves_one_url_streams_a_turn_and_stops_everything(
             pids = [p["pid"] for p in view["processes"]]
             redis_url = view["redis"]
             kinds_running = sorted({p["kind"] for p in view["processes"] if p["alive"]})
-            assert kinds_running == ["engine", "relay", "worker"], view["processes"]
+            jobs_on = b"offline jobs: on" in out_path.read_bytes()  # a RabbitMQ answered
+            want = ["engine", *(["jobworker"] if jobs_on else []), "relay", "worker"]
+            assert kinds_running == want, view["processes"]
+            if jobs_on:  # a job through the front door: queued, run, its whole result
+                async with http.post(
+                    f"{base}/v1/jobs",
+                    json={"prompt": "a report", "session": sid, "max_tokens": 20},
+                    headers=auth,
+                ) as r:
+                    assert r.status == 202, await r.text()
+                    job = (await r.json())["job"]
+                last_status: dict[str, Any] = {}
+                deadline = time.monotonic() + 60
+                while True:
+                    assert time.monotonic() < deadline, last_status
+                    async with http.get(f"{base}/v1/jobs/{job}", headers=auth) as r:
+                        status = await r.json()
+                    if status["status"] == "done":
+                        break
+                    assert status["status"] in ("queued", "running"), status
+                    last_status = status
+                    await asyncio.sleep(0.2)
+                prompt = [{"role": "user", "content": "a report"}]
+                assert status["result"] == expected_reply(prompt, 20, ReplyLength())
             # the secret is random per run and reaches the children by environment only
             for p in view["processes"]:
                 argv = Path(f"/proc/{p['pid']}/cmdline").read_bytes().split(b"\0")

@@ -27,10 +27,9 @@ from relay.cluster import ClusterInfo
 from relay.frame import decode
 from relay.publisher import Publisher, read_backlog
 from tests.worker_harness import Harness, expected_reply
-from worker.cli_jobworker import reserved_caps
 from worker.engine_client import EngineClient
 from worker.jobqueue import JobRunner, QueueNames, RunnerConfig
-from worker.jobs import JobSpec, JobStore, new_job_id
+from worker.jobs import JobSpec, JobStore, new_job_id, within_reserve
 from worker.router import EngineSpec, Router
 from worker.store import SessionStore
 
@@ -258,11 +257,32 @@ async def test_bad_requests_and_an_unreachable_broker_are_clear_refusals(
 
 
 def test_jobs_never_take_the_slots_reserved_for_chat() -> None:
-    engines = [EngineSpec(id="a", url="http://a", cap=4), EngineSpec(id="b", url="http://b", cap=1)]
-    assert [e.cap for e in reserved_caps(engines, 2)] == [2, 1]
-    router = Router(reserved_caps(engines[:1], 2))
-    leases = [router.try_route(f"k{i}") for i in range(3)]
-    assert sum(lease is not None for lease in leases) == 2
+    # cap 4, reserve 2: a job may hold a slot while the engine holds at most 2 in all
+    assert within_reserve(1, 0, 4, 2)
+    assert within_reserve(1, 1, 4, 2)
+    assert not within_reserve(1, 2, 4, 2)  # chat holds 2: the job would eat the reserve
+    assert not within_reserve(3, 0, 4, 2)
+    assert within_reserve(1, 0, 1, 5)  # at least one slot, whatever the reserve
+
+
+async def test_a_job_waits_while_chat_holds_the_reserve(
+    h: Harness, names: QueueNames, runners: Runners
+) -> None:
+    await h.start_engines(1)
+    await _worker(h, names)
+    spec = [EngineSpec(id=h.engines[0].engine.cfg.engine_id, url=h.engines[0].url, cap=2)]
+    runner = await runners.start(engines=spec, chat_reserve=1, route_wait_s=30.0)
+    chat = runner.router.route("chat-key")  # chat holds the engine's last slot above 1
+    try:
+        _, body = await _submit(h, {"prompt": "waits for chat", "max_tokens": 8})
+        await asyncio.sleep(1.0)
+        rec = await JobStore(h.redis).get(body["job"]) or {}
+        assert rec.get("status") == "running"  # picked up, waiting for room
+        assert "result" not in rec
+    finally:
+        chat.release()
+    done = await _poll(h, body["job"], "done")
+    assert done["attempts"] == 1
 
 
 async def test_store_rules_make_redelivery_safe(redis: RedisCluster) -> None:

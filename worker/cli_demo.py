@@ -1,8 +1,9 @@
 """``tokenrelay demo``: the whole stack behind one URL, stopped by Ctrl-C.
 
 Starts a local Redis Cluster (3 masters + 3 replicas), 3 mock engines (or the engine
-URLs given with ``--engine``), 2 relays, 2 workers (each a child process, stopped by
-pid) and, in this process, the front door that serves the page and spreads requests
+URLs given with ``--engine``), 2 relays, 2 workers, and, where a RabbitMQ broker answers
+(``--amqp``, default the local one), a job worker for offline jobs (each a child process,
+stopped by pid) and, in this process, the front door that serves the page and spreads requests
 over relays and workers without stickiness.
 
 The token secret comes from ``TOKENRELAY_SECRET`` when set (``make demo`` sets a random
@@ -30,6 +31,7 @@ from relay import runtime
 from relay.auth import WeakSecret, check_secret
 from relay.httpguard import GuardedSite
 from worker.frontdoor import FrontDoor, make_frontdoor_app
+from worker.jobqueue import safe_url
 from worker.stack import Stack, StackSpec
 
 __all__ = ["register", "run_demo", "stack_view"]
@@ -70,8 +72,35 @@ async def stack_view(stack: Stack, http: aiohttp.ClientSession) -> dict[str, Any
     }
 
 
+DEFAULT_AMQP = "amqp://guest:guest@127.0.0.1:5672/"
+
+
+async def _broker_answers(url: str) -> bool:
+    """True when an AMQP broker accepts a connection at ``url`` (3 s at most)."""
+    import aio_pika
+
+    try:
+        conn = await asyncio.wait_for(aio_pika.connect(url), 3.0)
+    except Exception:  # unreachable, refused, bad credentials: no jobs in this demo
+        return False
+    await conn.close()
+    return True
+
+
 async def run_demo(args: argparse.Namespace) -> int:
+    amqp = None
+    if not args.no_jobs:
+        wanted = args.amqp or DEFAULT_AMQP
+        if await _broker_answers(wanted):
+            amqp = wanted
+            print(f"offline jobs: on (RabbitMQ at {safe_url(wanted)})", flush=True)
+        elif args.amqp:
+            print(f"error: no RabbitMQ answers at {safe_url(wanted)} (--amqp)", file=sys.stderr)
+            return 1
+        else:
+            print(f"offline jobs: off (no RabbitMQ at {safe_url(wanted)}; --amqp URL)", flush=True)
     spec = StackSpec(
+        amqp_url=amqp,
         relays=args.relays,
         workers=args.workers,
         engines=args.engines,
@@ -159,4 +188,11 @@ def register(subparsers: Any) -> None:
         help="in-flight cap per engine: 1.5 x its concurrent sequences (the mocks run 8)",
     )
     p.add_argument("--insecure-no-auth", action="store_true")
+    p.add_argument(
+        "--amqp",
+        default=None,
+        metavar="URL",
+        help=f"RabbitMQ for offline jobs (default: {DEFAULT_AMQP} when it answers)",
+    )
+    p.add_argument("--no-jobs", action="store_true", help="no offline jobs (no RabbitMQ)")
     p.set_defaults(func=_main)

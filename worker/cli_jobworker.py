@@ -2,9 +2,10 @@
 
 ``tokenrelay jobworker --redis URL --amqp URL --engine URL [--engine URL ...]`` consumes
 the job queue (:mod:`worker.jobqueue`) with a bounded prefetch and runs each job on the
-engines through the same prefix-aware router as chat, with every engine's cap lowered by
-``--chat-reserve`` slots that only interactive turns may use (the job worker takes part
-in the load exchange, so chat workers see its requests and the cap holds cluster-wide).
+engines through the same prefix-aware router as chat, taking a slot only while the
+engine's load stays within its cap less ``--chat-reserve`` slots that only interactive
+turns may use (the job worker takes part in the load exchange: it sees the chat workers'
+load, they see its requests, and the cap holds cluster-wide).
 SIGTERM/SIGINT: stop taking jobs, let running ones finish for ``--shutdown-deadline-s``;
 an unfinished job is not acked, so the broker hands it to another job worker.
 """
@@ -17,7 +18,6 @@ import contextlib
 import logging
 import os
 import sys
-from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -35,14 +35,9 @@ from worker.loadshare import LoadExchange
 from worker.router import EngineSpec, Router
 from worker.store import SessionStore
 
-__all__ = ["register", "reserved_caps", "run"]
+__all__ = ["register", "run"]
 
 _log = logging.getLogger(__name__)
-
-
-def reserved_caps(engines: list[EngineSpec], reserve: int) -> list[EngineSpec]:
-    """Caps lowered by ``reserve`` (at least 1 left): jobs never take the last slots."""
-    return [replace(e, cap=max(1, e.cap - reserve)) for e in engines]
 
 
 def register(subparsers: Any) -> None:
@@ -84,7 +79,7 @@ async def serve(args: argparse.Namespace, engines: list[EngineSpec]) -> None:
     with map_redis_errors():
         await redis.initialize()
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-    router = Router(reserved_caps(engines, args.chat_reserve))
+    router = Router(engines)
     exchange = LoadExchange(redis, router, worker_id)
     runner = JobRunner(
         args.amqp,
@@ -94,7 +89,12 @@ async def serve(args: argparse.Namespace, engines: list[EngineSpec]) -> None:
         engine=EngineClient(http),
         publisher=Publisher(redis),
         sessions=SessionStore(redis),
-        cfg=RunnerConfig(worker_id=worker_id, model=args.model, prefetch=args.prefetch),
+        cfg=RunnerConfig(
+            worker_id=worker_id,
+            model=args.model,
+            prefetch=args.prefetch,
+            chat_reserve=args.chat_reserve,
+        ),
     )
     try:
         async with runtime.stop_on_signals() as stop:

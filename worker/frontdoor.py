@@ -290,6 +290,11 @@ def make_frontdoor_app(door: FrontDoor) -> web.Application:
     app.router.add_post("/v1/sessions/{sid}/tokens", door.to_worker)
     # The Vercel AI SDK: its chat POST to a worker, its resume GET (and ui-stream) to a relay.
     app.router.add_post("/v1/chat", door.to_worker)
+    # Offline jobs, the OpenAI-compatible gateway: workers.
+    app.router.add_post("/v1/jobs", door.to_worker)
+    app.router.add_get("/v1/jobs/{job}", door.to_worker)
+    app.router.add_post("/v1/chat/completions", door.to_worker)
+    app.router.add_get("/v1/models", door.to_worker)
     app.router.add_get("/v1/chat/{sid}/stream", door.events)
     app.router.add_get("/v1/sessions/{sid}/ui-stream", door.events)
     app.on_startup.append(door.on_startup)

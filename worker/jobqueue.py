@@ -17,7 +17,8 @@ its Redis record (:class:`worker.jobs.JobStore`), so a redelivery reads the same
 :class:`JobRunner` consumes with a bounded prefetch. Per delivery: ``start`` the record
 (a finished job's duplicate is acked and skipped); past ``max_attempts`` the job is
 marked failed and rejected to the dead-letter queue; else it is routed by the same
-prefix-aware router as chat (given caps reduced by a reserve that only chat may use),
+prefix-aware router as chat, taking a slot only while the engine's load (every worker's,
+through the load exchange) stays below its cap less a reserve that only chat may use,
 generated, its result stored, a whole-reply message published on its session when it
 has one, and only then acked. A runner killed mid-job never acks: the broker redelivers
 to another runner, and the record keeps exactly one result.
@@ -50,8 +51,8 @@ from relay.errors import Fenced, RelayError
 from relay.publisher import Draft, Publisher
 from worker.engine_client import EngineClient
 from worker.engine_errors import EngineError
-from worker.jobs import JobSpec, JobStore
-from worker.router import AllEnginesFull, LeaseState, Router, route_wait
+from worker.jobs import JobSpec, JobStore, within_reserve
+from worker.router import AllEnginesFull, Lease, LeaseState, Router, route_wait
 from worker.routing_key import routing_key
 from worker.store import SessionStore
 
@@ -154,6 +155,7 @@ class RunnerConfig:
     model: str = "tokenrelay-mock"
     prefetch: int = 2
     route_wait_s: float = 30.0  # then the job goes back to the queue
+    chat_reserve: int = 0  # slots per engine that only chat may use
     backoff_s: float = 1.0  # before a failed attempt is handed back
     progress_every_s: float = 1.0
     notify_lock_wait_s: float = 30.0  # waiting for a session's running chat turn to end
@@ -284,7 +286,7 @@ class JobRunner:
     async def _generate(self, job_id: str, spec: JobSpec) -> dict[str, Any]:
         msgs = spec.messages()
         key = routing_key(spec.system, msgs[-1:], prefix_chars=2048)
-        lease = await route_wait(self.router, key, self.cfg.route_wait_s)
+        lease = await self._lease(key)
         parts: list[str] = []
         finish: str | None = None
         last = time.monotonic()
@@ -315,6 +317,23 @@ class JobRunner:
             "engine": lease.engine.id,
             "finish_reason": finish,
         }
+
+    async def _lease(self, key: str) -> Lease:
+        """A lease on an engine with room above the chat reserve (the router sees every
+        worker's load through the load exchange), waiting up to ``route_wait_s``; else
+        :class:`AllEnginesFull` (the job goes back to the queue)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.cfg.route_wait_s
+        while True:
+            lease = await route_wait(self.router, key, max(0.0, end - loop.time()))
+            e = self.router.snapshot()["engines"].get(lease.engine.id, {})
+            held, others = int(e.get("in_flight", 0)), int(e.get("others", 0))
+            if within_reserve(held, others, lease.engine.cap, self.cfg.chat_reserve):
+                return lease
+            lease.release()  # chat's reserve: wait for room, do not take it
+            if loop.time() >= end:
+                raise AllEnginesFull(self.router.retry_after(), "engines busy with chat")
+            await asyncio.sleep(min(0.25, max(0.0, end - loop.time())))
 
     async def _notify(self, job_id: str, spec: JobSpec, result: dict[str, Any]) -> None:
         """The whole report on the job's session: meta, the text, done. Waits for a

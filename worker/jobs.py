@@ -47,10 +47,18 @@ __all__ = [
     "job_key",
     "new_job_id",
     "parse_job_id",
+    "within_reserve",
 ]
 
 JOB_ID_RE: Final = "[A-Za-z0-9_-]{22}"
 _ALPHABET: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+
+
+def within_reserve(held_here: int, held_elsewhere: int, cap: int, reserve: int) -> bool:
+    """Jobs run only in an engine's slots above the ``reserve`` kept for chat: a job may
+    hold a slot while everything held on the engine (this job's included, by every
+    worker) stays within ``cap - reserve`` (at least 1)."""
+    return held_here + held_elsewhere <= max(1, cap - reserve)
 
 
 def new_job_id() -> str:

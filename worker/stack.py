@@ -69,12 +69,14 @@ class StackSpec:
     worker_args: list[str] = field(default_factory=list)
     redis_url: str | None = None  # use an existing cluster instead of starting one
     log_dir: str | None = None
+    amqp_url: str | None = None  # RabbitMQ: workers take /v1/jobs and a job worker runs them
+    jobs_queue: str = "tokenrelay.demo.jobs"
 
 
 @dataclass
 class Proc:
     name: str
-    kind: str  # "relay", "worker" or "engine"
+    kind: str  # "relay", "worker", "engine" or "jobworker"
     port: int
     argv: list[str]
     log_path: str
@@ -176,6 +178,7 @@ class Stack:
                 "--relay-id", name, *auth, *relay_limits, *spec.relay_args,
             )  # fmt: skip
             self._add(name, "relay", port, argv)
+        jobs = ["--amqp", spec.amqp_url, "--jobs-queue", spec.jobs_queue] if spec.amqp_url else []
         for i in range(spec.workers):
             name = f"worker-{i + 1}"
             port = free_port()
@@ -183,9 +186,17 @@ class Stack:
                 "worker", "--port", str(port), "--redis", self.redis_url,
                 "--worker-id", name, "--model", spec.model,
                 "--engine-cap", str(spec.engine_cap), *engine_flags, *auth, *worker_limits,
-                *spec.worker_args,
+                *jobs, *spec.worker_args,
             )  # fmt: skip
             self._add(name, "worker", port, argv)
+        if spec.amqp_url:  # runs the jobs, below a reserve of each engine's slots for chat
+            argv = _cli(
+                "jobworker", "--redis", self.redis_url, "--amqp", spec.amqp_url,
+                "--queue", spec.jobs_queue, "--worker-id", "jobworker-1", "--model", spec.model,
+                "--engine-cap", str(spec.engine_cap), "--chat-reserve", "4", *engine_flags,
+                "--health-file", str(Path(self._tmp) / "jobworker-1.alive"),
+            )  # fmt: skip
+            self._add("jobworker-1", "jobworker", 0, argv)
         for proc in self.procs.values():
             self._spawn(proc)
         await asyncio.gather(*(self._wait_healthy(p) for p in self.procs.values()))
@@ -207,6 +218,9 @@ class Stack:
             )
 
     async def _wait_healthy(self, proc: Proc, timeout_s: float = 60.0) -> None:
+        if proc.kind == "jobworker":  # no HTTP: it touches its health file once consuming
+            await self._wait_file(proc, Path(self._tmp) / f"{proc.name}.alive", timeout_s)
+            return
         path = "/health" if proc.kind == "engine" else "/readyz"
         deadline = time.monotonic() + timeout_s
         async with aiohttp.ClientSession() as http:
@@ -222,6 +236,15 @@ class Stack:
                 if time.monotonic() > deadline:
                     raise StackError(f"{proc.name} not ready after {timeout_s:.0f}s")
                 await asyncio.sleep(0.1)
+
+    async def _wait_file(self, proc: Proc, path: Path, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not path.exists():
+            if not proc.alive:
+                raise StackError(f"{proc.name} exited: {self.log_tail(proc.name)}")
+            if time.monotonic() > deadline:
+                raise StackError(f"{proc.name} not ready after {timeout_s:.0f}s")
+            await asyncio.sleep(0.1)
 
     def log_tail(self, name: str, chars: int = 2000) -> str:
         try:
@@ -245,6 +268,8 @@ class Stack:
         proc = self.procs[name]
         if proc.alive:
             self.kill(name)
+        if proc.kind == "jobworker":  # ready again once the new process touches it
+            (Path(self._tmp) / f"{proc.name}.alive").unlink(missing_ok=True)
         self._spawn(proc)
         await self._wait_healthy(proc)
 
@@ -261,7 +286,7 @@ class Stack:
     async def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM every child (workers first, so turns end with a frame), then SIGKILL."""
         atexit.unregister(self.kill_now)
-        order = {"worker": 0, "relay": 1, "engine": 2}
+        order = {"worker": 0, "jobworker": 0, "relay": 1, "engine": 2}
         procs = sorted(self.procs.values(), key=lambda p: order.get(p.kind, 3))
         for proc in procs:
             if proc.alive and proc.popen is not None:

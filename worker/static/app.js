@@ -210,6 +210,39 @@ async function send(ev) {
   }
 }
 
+// An offline job: POST /v1/jobs (RabbitMQ), then poll its status; when done, the whole
+// report also arrives on every screen of the session as one message.
+async function submitJob() {
+  const text = $("message").value.trim() || "Write a detailed case report of the last ward round.";
+  if (!state.sid) return;
+  const r = await fetch("/v1/jobs", {
+    method: "POST",
+    headers: { "Content-Type": "application/json", "Authorization": `Bearer ${state.token}` },
+    body: JSON.stringify({ prompt: text, session: state.sid, max_tokens: 800 }),
+  });
+  const body = await r.json().catch(() => ({}));
+  if (r.status !== 202) {
+    $("notice").textContent = `job refused: ${r.status} ${body.reason || body.error || ""}`;
+    return;
+  }
+  $("message").value = "";
+  const row = document.createElement("div");
+  row.className = "job";
+  $("jobs").prepend(row);
+  for (;;) {
+    const g = await fetch(`/v1/jobs/${body.job}`, { headers: { "Authorization": `Bearer ${state.token}` } });
+    const j = await g.json().catch(() => ({}));
+    const progress = j.progress_tokens !== undefined ? `, ${j.progress_tokens} tokens so far` : "";
+    row.textContent = `job ${body.job.slice(0, 8)}: ${j.status || g.status} (attempt ${j.attempts ?? "?"}${progress})`;
+    if (j.status === "done") {
+      row.textContent = `job ${body.job.slice(0, 8)}: done, ${j.tokens} tokens, ${j.chars} chars, sha256 ${String(j.sha256).slice(0, 12)}… on ${j.engine}; delivered on this session as one message`;
+      return;
+    }
+    if (j.status === "failed" || !g.ok) { row.textContent += ` ${j.error || j.reason || ""}`; return; }
+    await new Promise((res) => setTimeout(res, 500));
+  }
+}
+
 function bar(inFlight, cap) {
   const pct = cap > 0 ? Math.min(100, (100 * inFlight) / cap) : 0;
   return `<div class="bar ${inFlight >= cap ? "full" : ""}"><div style="width:${pct}%"></div></div>`;
@@ -283,6 +316,7 @@ function load() {
 
 $("new-session").addEventListener("click", newSession);
 $("composer").addEventListener("submit", send);
+$("job").addEventListener("click", submitJob);
 $("transport").addEventListener("change", () => {
   state.transport = $("transport").value;
   connect(state.watcher && state.watcher.last !== null ? state.watcher.last : 0);  // resume there
