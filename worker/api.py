@@ -128,6 +128,7 @@ class WorkerConfig:
     max_message_chars: int = 32 * 1024
     max_tokens_limit: int = 4096
     history_messages: int = 64
+    history_max_bytes: int = 1 << 20  # what a session's history may store (oldest dropped)
     session_ttl_s: int = 86_400
     backlog_maxlen: int = 10_000
     lock_ttl_s: float = 5.0  # refreshed every second; a dead worker's turn is reaped after it
@@ -434,6 +435,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     store = SessionStore(
         redis,
         max_messages=cfg.history_messages,
+        max_bytes=cfg.history_max_bytes,
         ttl_s=cfg.session_ttl_s,
         lock_ttl_s=cfg.lock_ttl_s,
     )

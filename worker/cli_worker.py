@@ -128,6 +128,13 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--presence-grace-s", type=float, default=d.presence.grace_s)
     p.add_argument("--history-messages", type=int, default=d.history_messages)
+    p.add_argument(
+        "--history-max-bytes",
+        type=int,
+        default=d.history_max_bytes,
+        help=f"bytes a session's history may store; the oldest messages go first "
+        f"({d.history_max_bytes})",
+    )
     p.add_argument("--session-ttl-s", type=int, default=d.session_ttl_s)
     p.add_argument("--max-tokens-limit", type=int, default=d.max_tokens_limit)
     p.add_argument("--first-token-timeout-s", type=float, default=d.first_token_timeout_s)
@@ -229,6 +236,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         coalesce=CoalescePolicy(args.coalesce_tokens, args.coalesce_ms / 1000),
         presence=PresencePolicy(grace_s=args.presence_grace_s),
         history_messages=args.history_messages,
+        history_max_bytes=args.history_max_bytes,
         session_ttl_s=args.session_ttl_s,
         max_tokens_limit=args.max_tokens_limit,
         first_token_timeout_s=args.first_token_timeout_s,
@@ -246,6 +254,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         amqp_url=args.amqp,
         jobs_queue=args.jobs_queue,
     )
+    if cfg.history_max_bytes < 0:
+        raise ValueError("--history-max-bytes must be >= 0 (0: no byte bound)")
     if any(len(k) < 16 for k in cfg.gateway_keys):
         raise ValueError("a --gateway-key must be at least 16 characters")
     if cfg.vnodes < 1 or cfg.eps < 0 or cfg.prefix_chars < 0:

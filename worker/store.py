@@ -63,9 +63,23 @@ if v and string.sub(v, 1, #ARGV[1]) == ARGV[1] then return redis.call('DEL', KEY
 return 0
 """
 
+# ARGV: max messages, TTL, max bytes (0: no byte bound), then the messages to append.
+# The oldest messages go first past either bound; the newest exchange always stays.
 _APPEND_LUA: Final = """
-for i = 3, #ARGV do redis.call('RPUSH', KEYS[1], ARGV[i]) end
+for i = 4, #ARGV do redis.call('RPUSH', KEYS[1], ARGV[i]) end
 redis.call('LTRIM', KEYS[1], -tonumber(ARGV[1]), -1)
+local maxb = tonumber(ARGV[3])
+if maxb > 0 then
+  local items = redis.call('LRANGE', KEYS[1], 0, -1)
+  local total = 0
+  for _, v in ipairs(items) do total = total + #v end
+  local drop, keep = 0, #ARGV - 3
+  while total > maxb and #items - drop > keep do
+    drop = drop + 1
+    total = total - #items[drop]
+  end
+  if drop > 0 then redis.call('LTRIM', KEYS[1], drop, -1) end
+end
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 return redis.call('LLEN', KEYS[1])
 """
@@ -106,14 +120,18 @@ class SessionStore:
         redis: RedisCluster,
         *,
         max_messages: int = 64,
+        max_bytes: int = 0,
         ttl_s: int = 86_400,
         lock_ttl_s: float = 15.0,
         idem_ttl_s: int = 86_400,
     ) -> None:
         if max_messages < 2:
             raise ValueError("max_messages must be >= 2")
+        if max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0 (0: no byte bound)")
         self.redis = redis
         self.max_messages = max_messages
+        self.max_bytes = max_bytes  # the history's stored size; 0: messages only
         self.ttl_s = ttl_s
         self.lock_ttl_ms = max(1, int(lock_ttl_s * 1000))
         self.idem_ttl_s = idem_ttl_s
@@ -148,8 +166,10 @@ class SessionStore:
     async def append_exchange(
         self, sid: str, messages: list[Mapping[str, str]], engine: str | None
     ) -> None:
-        """Append messages (the user's and the assistant's) and remember the engine."""
-        args: list[Any] = [self.max_messages, self.ttl_s]
+        """Append messages (the user's and the assistant's) and remember the engine. The
+        oldest messages are dropped past ``max_messages`` or ``max_bytes`` (stored JSON);
+        the appended exchange itself always stays."""
+        args: list[Any] = [self.max_messages, self.ttl_s, self.max_bytes]
         args += [json.dumps({"role": m["role"], "content": m["content"]}) for m in messages]
         with map_redis_errors():
             await self.redis.eval(_APPEND_LUA, 1, hist_key(sid), *args)
