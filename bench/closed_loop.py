@@ -100,6 +100,8 @@ async def _watch(http: aiohttp.ClientSession, relay: str, sid: str, out: list[in
 async def _session(http: aiohttp.ClientSession, worker: str, relay: str, wl: Workload,
                    s: Samples) -> None:  # fmt: skip
     async with http.post(f"{worker}/v1/sessions") as r:
+        if r.status != 201:
+            raise RuntimeError(f"session refused: {r.status} {await r.text()}")
         sid = (await r.json())["session"]
     watcher = asyncio.create_task(_watch(http, relay, sid, s.relay, wl.turns))
     await asyncio.sleep(0.2)  # the second screen is subscribed before the first token
@@ -134,10 +136,13 @@ async def run(wl: Workload) -> dict[str, Any]:
                 "--insecure-no-auth", "--model", "stamp", "--engine-cap", "10000",
                 "--engine", f"stamp=http://127.0.0.1:{ep}", "--worker-id", "w-bench",
                 "--coalesce-tokens", str(wl.coalesce_tokens), "--coalesce-ms", str(wl.coalesce_ms),
+                # every client of the benchmark is 127.0.0.1: no per-address limits
+                "--session-rate", "0", "--turns-per-minute", "0",
             ]  # fmt: skip
             relay = [
                 *py, "relay.cli", "relay", "--port", str(rp), "--redis", info.url,
                 "--insecure-no-auth", "--relay-id", "r-bench", "--log-level", "WARNING",
+                "--max-streams-per-address", "0",
             ]  # fmt: skip
             async with (
                 serve_process(engine, f"http://127.0.0.1:{ep}/health", logs / "engine.log"),
