@@ -14,8 +14,9 @@ import aiohttp
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
+from redis.asyncio.cluster import RedisCluster
 
-from tests.worker_harness import Harness, expected_reply
+from tests.worker_harness import Harness, expected_reply, wait_turn
 from worker.api import WorkerState
 
 pytestmark = pytest.mark.integration
@@ -202,3 +203,59 @@ async def test_without_a_gateway_key_the_gateway_is_off_not_open(h: Harness) -> 
     ):
         assert r.status == 401
         assert (await r.json())["error"]["code"] == "gateway_disabled"
+
+
+async def test_a_completion_tied_to_a_session_streams_as_one_of_its_turns(
+    gw: tuple[Harness, openai.AsyncOpenAI], redis: RedisCluster
+) -> None:
+    """``X-Session-Id`` (or ``user: session:<sid>``): the request runs as a turn of the
+    session, so its other screens see it in the backlog, and its history grows."""
+    h, _ = gw
+    sid, token = await h.session()
+    tied = openai.AsyncOpenAI(
+        base_url=h.url("/v1"), api_key=token, max_retries=0,
+        default_headers={"X-Session-Id": sid},
+    )  # fmt: skip
+    try:
+        msgs = _msgs("You are terse.", "What is a shard?")
+        stream = await tied.chat.completions.create(
+            model=MODEL, messages=msgs, stream=True, max_tokens=16,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        text: list[str] = []
+        use = None
+        async for ch in stream:
+            use = ch.usage or use
+            text.extend(c.delta.content or "" for c in ch.choices)
+        frames = await wait_turn(redis, sid, 1)
+        assert frames[0].kind == "meta"
+        assert frames[-1].kind == "done"
+        backlog_text = "".join(f.text for f in frames if f.kind == "token")
+        assert "".join(text) == backlog_text == expected_reply(_plain(msgs), 16)
+        assert use is not None
+        assert use.completion_tokens > 0
+        # the same session named in `user`, with a gateway key, whole: the history grew
+        _, keyed = gw
+        whole = await keyed.chat.completions.create(
+            model=MODEL, messages=[*msgs, {"role": "assistant", "content": backlog_text},
+                                   {"role": "user", "content": "And a slot?"}],
+            max_tokens=8, user=f"session:{sid}",
+        )  # fmt: skip
+        assert whole.choices[0].message.content
+        hist = await h.state.turns.store.load(sid)
+        assert [m["content"] for m in hist.messages if m["role"] == "user"] == [
+            "What is a shard?",
+            "And a slot?",
+        ]
+    finally:
+        await tied.close()
+    other_sid, _ = await h.session()
+    wrong = openai.AsyncOpenAI(
+        base_url=h.url("/v1"), api_key=token, max_retries=0,
+        default_headers={"X-Session-Id": other_sid},
+    )  # fmt: skip
+    try:
+        with pytest.raises(openai.PermissionDeniedError):
+            await wrong.chat.completions.create(model=MODEL, messages=msgs)
+    finally:
+        await wrong.close()

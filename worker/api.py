@@ -482,6 +482,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         engine,
         metrics,
         draining=lambda: turns.draining,
+        turns=turns,
+        access=app[STATE].access,
     )
     submitter = JobSubmitter(cfg.amqp_url, QueueNames(cfg.jobs_queue)) if cfg.amqp_url else None
     if submitter is not None:

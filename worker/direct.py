@@ -59,6 +59,17 @@ class DirectViewer:
     def detach(self) -> None:
         self.attached = False
 
+    async def frames(self) -> AsyncIterator[tuple[int, str, bytes]]:
+        """(offset, kind, frame bytes) until the turn's terminal frame; a viewer cut for
+        falling behind ends early (``overflowed``)."""
+        while True:
+            offset, kind, data = await self._q.get()
+            if not kind:
+                return
+            yield offset, kind, data
+            if kind in _TERMINAL:
+                return
+
     async def sse(self, hello: bytes, retry_ms: int = 1000) -> AsyncIterator[bytes]:
         """The response body: preamble + hello, then frames until the terminal one."""
         yield sse.preamble(retry_ms, hello)

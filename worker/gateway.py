@@ -7,6 +7,9 @@ share a prefix land on the engine that holds it), waits up to ``admit_wait_s`` f
 engine slot, and streams from the engine; ``GET /v1/models`` lists the served model.
 Any OpenAI client works: ``OpenAI(base_url="http://worker:8000/v1", api_key=KEY)``.
 
+With ``X-Session-Id: <sid>`` (or ``"user": "session:<sid>"``) the request runs as a turn
+of that session, watched by its other screens (:mod:`worker.gateway_session`).
+
 Auth: ``Authorization: Bearer <key>`` with one of the worker's gateway keys
 (``--gateway-key``, compared in constant time). A worker started with
 ``--insecure-no-auth`` serves everyone; a worker with auth and no gateway key answers
@@ -37,6 +40,8 @@ from typing import Any, Final
 import orjson
 from aiohttp import web
 
+from worker import gateway_session
+from worker.access import WorkerAccess
 from worker.apikeys import check_api_key
 from worker.engine_client import EngineClient
 from worker.engine_errors import (
@@ -59,6 +64,9 @@ from worker.openai_wire import (
 )
 from worker.router import AllEnginesFull, Lease, LeaseState, Router, route_wait
 from worker.routing_key import routing_key
+from worker.turns import TurnManager
+
+SESSION_HEADER = gateway_session.SESSION_HEADER
 
 __all__ = ["GATEWAY", "Gateway", "GatewayConfig", "add_routes"]
 
@@ -92,12 +100,20 @@ class Gateway:
         engine: EngineClient,
         metrics: WorkerMetrics,
         draining: Any = None,
+        turns: TurnManager | None = None,
+        access: WorkerAccess | None = None,
     ) -> None:
         self.cfg = cfg
         self.router = router
         self.engine = engine
         self.metrics = metrics
         self._draining = draining  # a callable returning True while the worker drains
+        self.turns = turns  # for requests tied to a session (worker.gateway_session)
+        self.access = access
+
+    @staticmethod
+    def error(exc: WireError, headers: dict[str, str] | None = None) -> web.Response:
+        return _error(exc, headers)
 
     def draining(self) -> bool:
         return bool(self._draining()) if self._draining is not None else False
@@ -161,9 +177,11 @@ async def models(request: web.Request) -> web.Response:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    refused = gw.authorized(request.headers.get("Authorization"))
-    if refused is not None:
-        return _error(refused)
+    session_asked = bool(request.headers.get(SESSION_HEADER))
+    if not session_asked:  # a session's own token may also authorize (gateway_session)
+        refused = gw.authorized(request.headers.get("Authorization"))
+        if refused is not None:
+            return _error(refused)
     if gw.draining():
         return _error(WireError(503, "the worker is shutting down; retry", kind="api_error",
                                 code="draining"), {"Retry-After": "1"})  # fmt: skip
@@ -183,8 +201,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             max_tokens_limit=gw.cfg.max_tokens_limit,
             max_chars=gw.cfg.max_chars,
         )
+        sid = gateway_session.session_of(request, req)
     except WireError as exc:
         return _error(exc)
+    if sid is not None:
+        return await gateway_session.complete(request, gw, req, sid)
+    if session_asked:  # an empty or user-less header: the usual key is needed
+        refused = gw.authorized(request.headers.get("Authorization"))
+        if refused is not None:
+            return _error(refused)
     try:
         lease = await gw.lease(req)
     except AllEnginesFull as exc:

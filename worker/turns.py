@@ -267,8 +267,11 @@ class TurnManager:
         max_tokens: int | None = None,
         idempotency_key: str | None = None,
         viewer: DirectViewer | None = None,
+        conversation: list[dict[str, str]] | None = None,
     ) -> TurnStarted:
-        """Admit a turn and start it; ``viewer`` (closed loop) receives its frames."""
+        """Admit a turn and start it; ``viewer`` (closed loop) receives its frames.
+        ``conversation`` (the OpenAI gateway's messages, ending with ``message``) is the
+        prompt instead of the session's stored history; the exchange is stored as usual."""
         if self.draining:
             raise Draining("worker is shutting down")
         owner = f"{self.worker_id}:{uuid.uuid4().hex[:16]}"
@@ -285,7 +288,9 @@ class TurnManager:
                 raise IdempotencyPending("a request with this Idempotency-Key is in progress")
         try:
             idem = (idempotency_key, fp) if idempotency_key is not None else None
-            return await self._admit(sid, owner, message, system, max_tokens, idem, viewer)
+            return await self._admit(
+                sid, owner, message, system, max_tokens, idem, viewer, conversation
+            )
         except BaseException:
             if idempotency_key is not None:
                 with contextlib.suppress(RelayError):
@@ -301,6 +306,7 @@ class TurnManager:
         max_tokens: int | None,
         idem: tuple[str, str] | None,
         viewer: DirectViewer | None = None,
+        conversation: list[dict[str, str]] | None = None,
     ) -> TurnStarted:
         t0 = time.monotonic()
         for attempt in range(self.cfg.lock_retry + 1):
@@ -315,9 +321,10 @@ class TurnManager:
         try:
             hist = await self.store.load(sid)
             sys_prompt = system if system else hist.system
-            convo = [*hist.messages, {"role": "user", "content": message}]
+            prior = hist.messages if conversation is None else conversation[:-1]
+            convo = [*prior, {"role": "user", "content": message}]
             rkey = routing_key(sys_prompt, convo, prefix_chars=self.cfg.prefix_chars)
-            info = turn_info(rkey, sys_prompt, hist.messages, message, hist.last_engine)
+            info = turn_info(rkey, sys_prompt, prior, message, hist.last_engine)
             lease = await route_wait(self.router, rkey, self.cfg.admit_wait_s, info)
             self.metrics.route_decisions.labels(self.router.policy, lease.reason).inc()
             if hist.last_engine is not None and any(
