@@ -40,6 +40,7 @@ from typing import Any, Final
 import orjson
 from aiohttp import web
 
+from relay.keys import InvalidSessionId, parse_session
 from worker import gateway_session
 from worker.access import WorkerAccess
 from worker.apikeys import check_api_key
@@ -177,11 +178,18 @@ async def models(request: web.Request) -> web.Response:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    session_asked = bool(request.headers.get(SESSION_HEADER))
-    if not session_asked:  # a session's own token may also authorize (gateway_session)
+    header_sid = request.headers.get(SESSION_HEADER) or None
+    # auth before the body is read: the session's own token (header) or a gateway key
+    if header_sid is not None:
+        try:
+            header_sid = parse_session(header_sid)
+        except InvalidSessionId as exc:
+            return _error(WireError(400, f"bad session id: {exc}", param="session"))
+        refused = gateway_session.authorize(gw, request, header_sid)
+    else:
         refused = gw.authorized(request.headers.get("Authorization"))
-        if refused is not None:
-            return _error(refused)
+    if refused is not None:
+        return _error(refused)
     if gw.draining():
         return _error(WireError(503, "the worker is shutting down; retry", kind="api_error",
                                 code="draining"), {"Retry-After": "1"})  # fmt: skip
@@ -206,10 +214,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return _error(exc)
     if sid is not None:
         return await gateway_session.complete(request, gw, req, sid)
-    if session_asked:  # an empty or user-less header: the usual key is needed
-        refused = gw.authorized(request.headers.get("Authorization"))
-        if refused is not None:
-            return _error(refused)
     try:
         lease = await gw.lease(req)
     except AllEnginesFull as exc:

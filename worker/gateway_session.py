@@ -9,9 +9,9 @@ OpenAI answer is built from the turn's frames as they are published (the closed 
 viewer, :mod:`worker.direct`): ``token`` frames become content deltas, ``done`` the
 finish (``usage`` from its meta), ``error`` an OpenAI error.
 
-Auth: with the header, the session's ``write`` token (``OpenAI(api_key=<token>,
-default_headers={"X-Session-Id": sid})``) or a gateway key; the ``user`` form is checked
-like any gateway request (a gateway key), since the body is read only after auth.
+Auth, before the body is read: with the header, the session's ``write`` token
+(``OpenAI(api_key=<token>, default_headers={"X-Session-Id": sid})``) or a gateway key;
+the ``user`` form is a gateway request like any other (a gateway key).
 
 Order of use: :func:`session_of` on a parsed request; when it names one,
 :func:`complete` answers it (``worker.gateway`` does both).
@@ -46,7 +46,7 @@ from worker.turns import Draining, TurnBusy
 if TYPE_CHECKING:
     from worker.gateway import Gateway
 
-__all__ = ["SESSION_HEADER", "complete", "session_of"]
+__all__ = ["SESSION_HEADER", "authorize", "complete", "session_of"]
 
 SESSION_HEADER = "X-Session-Id"
 _USER_PREFIX = "session:"
@@ -65,7 +65,8 @@ def session_of(request: web.Request, req: ChatRequest) -> str | None:
         raise WireError(400, f"bad session id: {exc}", param="session") from None
 
 
-def _authorize(gw: Gateway, request: web.Request, sid: str) -> WireError | None:
+def authorize(gw: Gateway, request: web.Request, sid: str) -> WireError | None:
+    """None when the request may run on ``sid``: its write token, or a gateway key."""
     if not gw.cfg.auth or check_api_key(gw.cfg.keys, request.headers.get("Authorization")) is None:
         return None
     if gw.access is None:
@@ -94,10 +95,9 @@ def _usage(meta: dict[str, Any], tokens: int) -> dict[str, Any]:
 async def complete(
     request: web.Request, gw: Gateway, req: ChatRequest, sid: str
 ) -> web.StreamResponse:
-    """Run ``req`` as a turn of ``sid`` and answer it in OpenAI's format."""
-    refused = _authorize(gw, request, sid)
-    if refused is not None:
-        return gw.error(refused)
+    """Run ``req`` as a turn of ``sid`` and answer it in OpenAI's format (the caller has
+    authorized it: :func:`authorize` for the header's session, a gateway key for the
+    ``user`` form)."""
     if gw.turns is None:
         return gw.error(WireError(400, "sessions are not available on this gateway"))
     convo = req.conversation

@@ -115,7 +115,7 @@ def _messages(raw: object, max_chars: int) -> list[dict[str, str]]:
         if not isinstance(m, dict):
             raise WireError(400, f"messages[{i}] must be an object", param=f"messages[{i}]")
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise WireError(400, f"messages[{i}].role must be one of {sorted(ROLES)}",
                             param=f"messages[{i}].role")  # fmt: skip
         text = _content(m.get("content"), i)
