@@ -48,6 +48,7 @@ from bench.pubsub_io import PublishSpec, SubscriberSet, publish, run_publisher, 
 from relay import runtime
 from relay.cluster import ClusterInfo, LocalCluster
 from relay.keys import live_channel
+from relay.redis_client import mask_url
 from relay.slotmap import slot_of
 
 __all__ = ["MODES", "Workload", "add_arguments", "main", "markdown", "run_all", "run_from_args"]
@@ -404,7 +405,7 @@ async def run_all(wl: Workload, url: str) -> dict[str, Any]:
             reason = "the broker answers but its process is not on this machine (no CPU figures)"
         for mode in MODES[1:]:
             if reason is not None or pid is None:
-                skipped[mode] = f"RabbitMQ not usable at {_safe(url)}: {reason}"
+                skipped[mode] = f"RabbitMQ not usable at {mask_url(url)}: {reason}"
                 log(f"{mode}: skipped: {skipped[mode]}")
                 continue
             log(f"{mode}: {wl.sessions} sessions x {wl.rate} tokens/s")
@@ -425,15 +426,6 @@ async def run_all(wl: Workload, url: str) -> dict[str, Any]:
         "note": "clients, publishers and brokers share this machine's cores; one publisher "
         "process per mode, raw protocol on both sides (RESP; AMQP 0-9-1 without confirms)",
     }
-
-
-def _safe(url: str) -> str:
-    """The URL without its password."""
-    if "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    cred, host = rest.rsplit("@", 1)
-    return f"{scheme}://{cred.split(':', 1)[0]}:***@{host}"
 
 
 def _fmt(v: Any) -> str:

@@ -1,6 +1,6 @@
 """The edge server: SSE and WebSocket streams of a session's frames, health, metrics.
 
-HTTP contract (DESIGN.md section 4; close codes and error bodies in docs/PROTOCOL.md):
+HTTP contract (docs/openapi.yaml; close codes and error bodies in docs/PROTOCOL.md):
 
 - ``GET /v1/sessions/{sid}/events``: SSE. ``retry:`` and an ``event: hello`` first,
   then per frame ``id: <offset>`` / ``event: <kind>`` / ``data: <frame JSON>``, a

@@ -1,6 +1,6 @@
 """The sharded subscriber: one pubsub connection and one reader task per node.
 
-Not redis-py's ``ClusterPubSub`` (see REDIS_NOTES.md): each node that holds
+Not redis-py's ``ClusterPubSub`` (bench/subscriber_compare.py measures both): each node that holds
 subscriptions gets one raw asyncio connection, parsed with ``hiredis.Reader``; its
 reader task blocks on the socket (no polling), parses every complete reply in each
 chunk and hands each ``smessage`` to a synchronous callback. The reader never awaits a

@@ -1,4 +1,4 @@
-"""Hostile input against a real relay and a real worker (issue 8 part 2).
+"""Hostile input against a real relay and a real worker.
 
 Every test runs a relay app (``relay.server.make_app``, 127.0.0.1, port 0) and a worker
 app (``tests.worker_harness.Harness``: mock engines from ``worker.mock_engine``

@@ -1,6 +1,6 @@
 """The worker's HTTP API (aiohttp): sessions, turns, health and metrics.
 
-Routes (DESIGN.md section 4, kept exactly):
+Routes (the contract: docs/openapi.yaml):
 
 * ``POST /v1/sessions`` -> ``201 {"session": sid, "token": token, "expires_at"}`` (a
   ``write`` token: it lets the holder post turns, mint tokens and watch the session on

@@ -30,8 +30,8 @@ from aiohttp import web
 from relay import runtime
 from relay.auth import WeakSecret, check_secret
 from relay.httpguard import GuardedSite
+from relay.redis_client import mask_url
 from worker.frontdoor import FrontDoor, make_frontdoor_app
-from worker.jobqueue import safe_url
 from worker.stack import Stack, StackSpec
 
 __all__ = ["register", "run_demo", "stack_view"]
@@ -93,12 +93,12 @@ async def run_demo(args: argparse.Namespace) -> int:
         wanted = args.amqp or DEFAULT_AMQP
         if await _broker_answers(wanted):
             amqp = wanted
-            print(f"offline jobs: on (RabbitMQ at {safe_url(wanted)})", flush=True)
+            print(f"offline jobs: on (RabbitMQ at {mask_url(wanted)})", flush=True)
         elif args.amqp:
-            print(f"error: no RabbitMQ answers at {safe_url(wanted)} (--amqp)", file=sys.stderr)
+            print(f"error: no RabbitMQ answers at {mask_url(wanted)} (--amqp)", file=sys.stderr)
             return 1
         else:
-            print(f"offline jobs: off (no RabbitMQ at {safe_url(wanted)}; --amqp URL)", flush=True)
+            print(f"offline jobs: off (no RabbitMQ at {mask_url(wanted)}; --amqp URL)", flush=True)
     spec = StackSpec(
         amqp_url=amqp,
         relays=args.relays,

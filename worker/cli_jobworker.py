@@ -25,11 +25,11 @@ import aiohttp
 from relay import runtime
 from relay.errors import RelayError, map_redis_errors
 from relay.publisher import Publisher
-from relay.redis_client import RedisTLS, add_tls_arguments, connect, startup_error
+from relay.redis_client import RedisTLS, add_tls_arguments, connect, mask_url, startup_error
 from worker.api import default_worker_id
 from worker.control import parse_engine_arg
 from worker.engine_client import EngineClient
-from worker.jobqueue import BROKER_DELIVERY_LIMIT, JobRunner, QueueNames, RunnerConfig, safe_url
+from worker.jobqueue import BROKER_DELIVERY_LIMIT, JobRunner, QueueNames, RunnerConfig
 from worker.jobs import JobStore
 from worker.loadshare import LoadExchange
 from worker.router import EngineSpec, Router
@@ -100,7 +100,7 @@ async def serve(args: argparse.Namespace, engines: list[EngineSpec]) -> None:
         async with runtime.stop_on_signals() as stop:
             await exchange.start()
             await runner.start()
-            print(f"jobworker {worker_id} consuming {args.queue} on {safe_url(args.amqp)}",
+            print(f"jobworker {worker_id} consuming {args.queue} on {mask_url(args.amqp)}",
                   flush=True)  # fmt: skip
             beat = asyncio.create_task(_heartbeat(args.health_file, runner, stop))
             await stop.wait()

@@ -56,7 +56,7 @@ from worker.router import AllEnginesFull, Lease, LeaseState, Router, route_wait
 from worker.routing_key import routing_key
 from worker.store import SessionStore
 
-__all__ = ["JobRunner", "JobSubmitter", "QueueNames", "RunnerConfig", "declare", "safe_url"]
+__all__ = ["JobRunner", "JobSubmitter", "QueueNames", "RunnerConfig", "declare"]
 
 _log = logging.getLogger(__name__)
 BROKER_DELIVERY_LIMIT: Final = 20
@@ -75,15 +75,6 @@ class QueueNames:
     @property
     def dead(self) -> str:
         return f"{self.queue}.dead"
-
-
-def safe_url(url: str) -> str:
-    """``url`` without its password, for logs and errors."""
-    if "@" not in url or "://" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    cred, host = rest.rsplit("@", 1)
-    return f"{scheme}://{cred.split(':', 1)[0]}:***@{host}"
 
 
 async def declare(channel: AbstractChannel, names: QueueNames) -> AbstractQueue:
