@@ -202,13 +202,17 @@ async def test_request_beyond_max_concurrency_waits_in_fifo(start: StartEngine, 
     assert eng.engine.gate.waiting == 0
 
 
-async def test_client_disconnect_aborts_the_generation(start: StartEngine, http) -> None:
-    eng = await start(prefill_tok_per_s=0.0, decode_tok_per_s=2.0)
+async def test_client_disconnect_aborts_the_generation(
+    start: StartEngine, http, caplog: pytest.LogCaptureFixture
+) -> None:
+    eng = await start(prefill_tok_per_s=0.0, decode_tok_per_s=20.0)
     async with http.post(f"{eng.url}/v1/chat/completions", json=chat("x", stream=True)) as r:
         await r.content.readline()
         assert eng.engine.gate.running == 1
         r.close()
     await until(lambda: eng.engine.gate.running == 0, within_s=1.0)
+    # a client that leaves is an abort, never a server error with a traceback in the log
+    assert not [rec for rec in caplog.records if rec.exc_info], caplog.text
     text = await metrics(http, eng.url)
     assert metric(text, "vllm:num_requests_running") == 0
     assert metric(text, "tokenrelay_engine_aborted_requests_total") == 1

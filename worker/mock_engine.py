@@ -361,30 +361,33 @@ async def _generate(
             "choices": [choice],
         }
 
-    await _sleep_until(t0 + prefill_s)
-    engine.cache.insert(tokens)  # the prompt's KV blocks exist once prefill is done
-    first = chunk({"role": "assistant", "content": ""})
-    first["tokenrelay"] = meta
-    await resp.write(_sse(first))
-    t_first = time.monotonic()
-    for i, piece in enumerate(pieces):
-        await _sleep_until(t_first + i * step)
-        await resp.write(_sse(chunk({"content": piece})))
-        engine.metrics.generation_tokens.inc()
-    await resp.write(_sse(chunk({}, finish)))
-    if req.include_usage:
-        tail = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": req.model,
-            "choices": [],
-            "usage": usage,
-        }
-        await resp.write(_sse(tail))
-    await resp.write(b"data: [DONE]\n\n")
-    _finish_cache(engine, tokens, pieces)
-    await resp.write_eof()
+    try:
+        await _sleep_until(t0 + prefill_s)
+        engine.cache.insert(tokens)  # the prompt's KV blocks exist once prefill is done
+        first = chunk({"role": "assistant", "content": ""})
+        first["tokenrelay"] = meta
+        await resp.write(_sse(first))
+        t_first = time.monotonic()
+        for i, piece in enumerate(pieces):
+            await _sleep_until(t_first + i * step)
+            await resp.write(_sse(chunk({"content": piece})))
+            engine.metrics.generation_tokens.inc()
+        await resp.write(_sse(chunk({}, finish)))
+        if req.include_usage:
+            tail = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": req.model,
+                "choices": [],
+                "usage": usage,
+            }
+            await resp.write(_sse(tail))
+        await resp.write(b"data: [DONE]\n\n")
+        _finish_cache(engine, tokens, pieces)
+        await resp.write_eof()
+    except ConnectionResetError:  # the client left mid-stream: an abort, not a server error
+        return resp, "abort"
     return resp, finish
 
 
