@@ -4,6 +4,8 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY relay ./relay
 COPY worker ./worker
+COPY devstack ./devstack
+COPY tokenrelay ./tokenrelay
 COPY clients ./clients
 COPY bench ./bench
 RUN pip install --no-cache-dir .

@@ -48,10 +48,10 @@ browser-deps:
 			|| echo "could not install$$missing: the checks that need them will skip"; \
 	fi
 
-## openapi: refresh the packaged copy of docs/openapi.yaml (relay/openapi.json), which
+## openapi: refresh the packaged copy of docs/openapi.yaml (relay/edge/openapi.json), which
 ## the relay and the worker serve at /openapi.json.
 openapi: $(STAMP)
-	$(BIN)/python -m relay.openapi docs/openapi.yaml relay/openapi.json
+	$(BIN)/python -m relay.edge.openapi docs/openapi.yaml relay/edge/openapi.json
 
 ## promtool: Prometheus's rule checker for deploy/prometheus/alerts.yml, unpacked from
 ## Debian's prometheus package into .venv/tools (apt-get download + dpkg-deb -x: nothing
@@ -67,7 +67,7 @@ promtool: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy relay worker bench tests
+	$(BIN)/mypy relay worker devstack tokenrelay bench tests
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .

@@ -35,7 +35,7 @@ import orjson
 from redis.asyncio.cluster import RedisCluster
 
 from bench.viewer import Viewer
-from relay.publisher import read_backlog
+from relay.redisio.publisher import read_backlog
 
 __all__ = ["SessionLog", "TurnLog", "account", "read_log", "read_logs"]
 

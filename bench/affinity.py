@@ -1,10 +1,10 @@
 """Cache affinity end to end: what the mock engines' prefix caches report under the
 worker's ring routing beside a cache-blind round robin.
 
-What it answers: does routing on the conversation prefix (``worker.router``, bounded
+What it answers: does routing on the conversation prefix (``worker.routing.router``, bounded
 loads) make the engines' KV caches hit, with real worker turns, real engines' caches and a
 real Redis Cluster, not in the simulator? For each routing policy it starts fresh mock
-engines (empty caches) and two workers as processes (``worker.stack``; the workers share
+engines (empty caches) and two workers as processes (``devstack.demo.stack``; the workers share
 the caps through the load exchange), sends ``--sessions`` concurrent multi-turn
 conversations to the workers in turn, without stickiness (each turn waits for the
 previous one's ``done`` in the session's backlog); then it reads
@@ -39,11 +39,11 @@ from typing import Any
 import aiohttp
 from redis.asyncio import RedisCluster
 
-from relay.frame import decode
-from relay.publisher import read_backlog
-from relay.redis_client import connect
-from worker.router import ROUTING_POLICIES
-from worker.stack import Stack, StackSpec
+from devstack.demo.stack import Stack, StackSpec
+from relay.protocol.frame import decode
+from relay.redisio.connect import connect
+from relay.redisio.publisher import read_backlog
+from worker.routing.router import ROUTING_POLICIES
 
 __all__ = ["AffinityConfig", "add_arguments", "main", "run", "run_from_args"]
 
@@ -289,7 +289,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.redis:
         return await _with_client(cfg, args.redis)
-    from relay.cluster import local_cluster
+    from devstack.cluster.launcher import local_cluster
 
     async with local_cluster(masters=3, replicas=1) as info:
         return await _with_client(cfg, info.url)

@@ -1,7 +1,7 @@
 """``tokenrelay bench ...``: the benchmark subcommands, registered through the
 ``tokenrelay.commands`` entry-point group (``bench = "bench.cli:register"``).
 
-Order of use: :func:`relay.cli.build_parser` calls :func:`register` with its
+Order of use: :func:`tokenrelay.cli.build_parser` calls :func:`register` with its
 subparsers; ``register`` adds a ``bench`` parser and one subcommand per entry of
 :data:`BENCHMARKS` (``pubsub``, ``loadtest``, ``affinity``, ``relay_throughput``; another
 benchmark is one more entry). Each benchmark module provides ``add_arguments(parser)`` and

@@ -36,10 +36,10 @@ from typing import Any
 import aiohttp
 
 from bench.procs import free_port, serve_process
-from relay import runtime
-from relay.cluster import LocalCluster
-from worker.coalesce import DEFAULT_POLICY
-from worker.sse import SSEDecoder
+from devstack.cluster.launcher import LocalCluster
+from relay.protocol.sse_reader import SSEDecoder
+from relay.service import runtime
+from worker.chat.coalesce import DEFAULT_POLICY
 
 __all__ = ["Workload", "main", "run", "summary"]
 
@@ -132,7 +132,7 @@ async def run(wl: Workload) -> dict[str, Any]:
             engine = [*py, "bench.stamp_engine", "--port", str(ep),
                       "--tokens-per-s", str(wl.tokens_per_s)]  # fmt: skip
             worker = [
-                *py, "relay.cli", "worker", "--port", str(wp), "--redis", info.url,
+                *py, "tokenrelay", "worker", "--port", str(wp), "--redis", info.url,
                 "--insecure-no-auth", "--model", "stamp", "--engine-cap", "10000",
                 "--engine", f"stamp=http://127.0.0.1:{ep}", "--worker-id", "w-bench",
                 "--coalesce-tokens", str(wl.coalesce_tokens), "--coalesce-ms", str(wl.coalesce_ms),
@@ -140,7 +140,7 @@ async def run(wl: Workload) -> dict[str, Any]:
                 "--session-rate", "0", "--turns-per-minute", "0",
             ]  # fmt: skip
             relay = [
-                *py, "relay.cli", "relay", "--port", str(rp), "--redis", info.url,
+                *py, "tokenrelay", "relay", "--port", str(rp), "--redis", info.url,
                 "--insecure-no-auth", "--relay-id", "r-bench", "--log-level", "WARNING",
                 "--max-streams-per-address", "0",
             ]  # fmt: skip

@@ -3,8 +3,8 @@
 What it is for: choose the worker's default (N tokens, T ms) flush policy from numbers.
 For each setting, ``streams`` concurrent turns stream from a mock engine (run as a child
 process, so the CPU figure is the worker side only) decoding at ``rate`` tokens/s per
-stream, through :class:`worker.coalesce.TokenPump` into the real fenced publisher
-(:class:`relay.publisher.Generation`, one Lua round trip per flush) on a local Redis
+stream, through :class:`worker.chat.coalesce.TokenPump` into the real fenced publisher
+(:class:`relay.redisio.publisher.Generation`, one Lua round trip per flush) on a local Redis
 Cluster. Per setting it reports:
 
 * ``ops_per_token`` — publish round trips per engine token (1.0 without coalescing);
@@ -36,11 +36,11 @@ from typing import Any
 import aiohttp
 from redis.asyncio.cluster import RedisCluster
 
-from relay.cluster import LocalCluster
-from relay.keys import new_session_id
-from relay.publisher import Draft, Publisher
-from worker.coalesce import Batch, CoalescePolicy, TokenPump
-from worker.engine_client import EngineClient
+from devstack.cluster.launcher import LocalCluster
+from relay.protocol.keys import new_session_id
+from relay.redisio.publisher import Draft, Publisher
+from worker.chat.coalesce import Batch, CoalescePolicy, TokenPump
+from worker.engines.client import EngineClient
 
 __all__ = ["SETTINGS", "main", "run_setting"]
 
@@ -64,7 +64,7 @@ def _free_port() -> int:
 
 def _start_engine(port: int, rate: float, concurrency: int, reply: int) -> subprocess.Popen[bytes]:
     code = (
-        "import asyncio; from worker.mock_engine import EngineConfig, run_engine; "
+        "import asyncio; from devstack.mockengine.server import EngineConfig, run_engine; "
         f"asyncio.run(run_engine(EngineConfig(port={port}, decode_tok_per_s={rate}, "
         f"max_concurrency={concurrency}, max_reply_tokens={reply}, "
         "prefill_tok_per_s=0.0, engine_id='bench')))"

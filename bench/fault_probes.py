@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import redis.asyncio as aioredis
 
-from worker.stack import Stack
+from devstack.demo.stack import Stack
 
 __all__ = ["each_node", "ping", "relay_stats", "samples", "sub_connections"]
 

@@ -23,7 +23,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from bench.accounting import account, read_logs
 from bench.loadtest import percentile
 from bench.viewer import Viewer
-from worker.stack import Stack
+from devstack.demo.stack import Stack
 
 __all__ = ["FaultConfig", "Run"]
 

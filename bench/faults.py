@@ -4,7 +4,7 @@ what every viewer got.
 ``python -m bench.faults [--quick] [--seed N] [--json PATH] [--only NAME ...]``
 
 Each fault gets a stack of its own (local Redis Cluster 3 masters + 3 replicas, 2
-relays, 2 workers, 2 mock engines; :class:`worker.stack.Stack`), because it damages
+relays, 2 workers, 2 mock engines; :class:`devstack.demo.stack.Stack`), because it damages
 it. Several sessions, several viewers each (SSE and WebSocket, :class:`bench.viewer.Viewer`,
 which resumes from its last offset after any disconnect), turns posted continuously;
 after a warm-up the fault is injected, the load runs on, then new turns stop and the
@@ -27,8 +27,8 @@ Faults (:data:`FAULTS`): ``relay_kill``, ``master_kill``, ``reshard``, ``engine_
 the reason where iptables cannot run), ``session_expiry`` (see each ``_fault_*``).
 
 Order of use: :func:`run_fault` (one fault, one stack) or :func:`run_all`; ``main``
-is the CLI. Every process is started and stopped by :class:`~worker.stack.Stack` /
-:class:`~relay.cluster.LocalCluster`, by pid.
+is the CLI. Every process is started and stopped by :class:`~devstack.demo.stack.Stack` /
+:class:`~devstack.cluster.launcher.LocalCluster`, by pid.
 """
 
 from __future__ import annotations
@@ -53,15 +53,15 @@ from bench.fault_evidence import MUST_BE_ZERO, judge
 from bench.fault_probes import each_node, ping, relay_stats, samples, sub_connections
 from bench.fault_run import FaultConfig, Run
 from bench.viewer import Viewer
-from relay import runtime
-from relay.auth import issue_token
-from relay.cluster import LocalCluster
-from relay.frame import decode
-from relay.keys import hist_key, live_channel, log_key, meta_key, new_session_id
-from relay.publisher import Draft, Publisher, read_backlog
-from relay.slotmap import slot_of
-from worker.stack import Stack, StackSpec
-from worker.store import state_key
+from devstack.cluster.launcher import LocalCluster
+from devstack.demo.stack import Stack, StackSpec
+from relay.protocol.auth import issue_token
+from relay.protocol.frame import decode
+from relay.protocol.keys import hist_key, live_channel, log_key, meta_key, new_session_id
+from relay.protocol.slotmap import slot_of
+from relay.redisio.publisher import Draft, Publisher, read_backlog
+from relay.service import runtime
+from worker.chat.store import state_key
 
 __all__ = ["FAULTS", "MUST_BE_ZERO", "FaultConfig", "main", "run_all", "run_fault"]
 

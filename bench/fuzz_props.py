@@ -2,26 +2,22 @@
 
 Pure (standard library + relay): no I/O, no clock except the fixed ``NOW``. Used by
 ``bench.fuzz`` (the throughput run, random + mutation loops and atheris) and by
-``tests/test_fuzz.py`` (hypothesis). One target per parser that reads hostile input:
+``tests/test_fuzz.py`` (hypothesis). One target per parser that reads hostile input,
+each with the contract ``check(data)`` checks:
 
-=========  ===============================  ===============================================
-target     function                         contract checked by ``check(data)``
-=========  ===============================  ===============================================
-frame      :func:`relay.frame.decode`       a :class:`~relay.frame.Frame` (version 1,
-                                            ``0 <= offset, turn <= 2**53-1``, known kind,
-                                            re-encodes to an equal frame) or
-                                            :class:`~relay.frame.FrameError`; nothing else
-session    :func:`relay.keys.parse_session` the id itself, in ``[A-Za-z0-9_-]{1,64}``, or
-                                            :class:`~relay.keys.InvalidSessionId`; every
-                                            key built from it has one ``{...}`` hash tag,
-                                            the id (Redis's first-brace rule)
-offset     :func:`relay.sse.resume_offset`, ``None`` (absent / blank), an int in
-           :func:`relay.sse.parse_offset`   ``0 .. MAX_OFFSET`` equal to the stripped ASCII
-                                            digits, or :class:`~relay.sse.OffsetError`
-token      :func:`relay.auth.verify_token`, never verifies (an :class:`AuthError` with a
-           :func:`relay.auth.extract_token` 401/403 status), unless it is byte for byte
-                                            the token issued for the session
-=========  ===============================  ===============================================
+- ``frame``, :func:`relay.protocol.frame.decode`: a :class:`~relay.protocol.frame.Frame`
+  (version 1, ``0 <= offset, turn <= 2**53-1``, known kind, re-encodes to an equal
+  frame) or :class:`~relay.protocol.frame.FrameError`; nothing else.
+- ``session``, :func:`relay.protocol.keys.parse_session`: the id itself, in
+  ``[A-Za-z0-9_-]{1,64}``, or :class:`~relay.protocol.keys.InvalidSessionId`; every key
+  built from it has one ``{...}`` hash tag, the id (Redis's first-brace rule).
+- ``offset``, :func:`relay.protocol.sse.resume_offset` and
+  :func:`relay.protocol.sse.parse_offset`: ``None`` (absent / blank), an int in
+  ``0 .. MAX_OFFSET`` equal to the stripped ASCII digits, or
+  :class:`~relay.protocol.sse.OffsetError`.
+- ``token``, :func:`relay.protocol.auth.verify_token` and
+  :func:`relay.protocol.auth.extract_token`: never verifies (an :class:`AuthError` with a
+  401/403 status), unless it is byte for byte the token issued for the session.
 
 Order of use: ``TARGETS[name].check(data)`` raises :class:`PropertyFailed` (or any
 unexpected exception) when the contract breaks; ``TARGETS[name].generate(rng)`` makes
@@ -36,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from relay import auth, frame, keys, sse
+from relay.protocol import auth, frame, keys, sse
 
 __all__ = [
     "NOW",

@@ -1,14 +1,14 @@
 """Load-sharing simulator: do several worker pods keep every engine within its cap?
 
 This is the earlier routing simulator, kept for what it measures well: the multi-worker
-load exchange (``worker/loadshare.py``) driving the real Router, with engines reduced to
+load exchange (``worker/routing/loadshare.py``) driving the real Router, with engines reduced to
 slots and an LRU prefix cache. Routing policies are compared in ``bench/routing_sim.py``,
 on a real trace and an engine model with continuous batching; this one's policy tables are
 not evidence for that choice (its engines make overload free).
 
 What it is for: a deterministic discrete-event simulation of multi-turn chat traffic over a
-fleet of E engines, driving the real ``worker.router.Router`` (ring policies) and the real
-``worker.loadshare.compute_view`` rule with a simulated clock. It compares seven routing
+fleet of E engines, driving the real ``worker.routing.router.Router`` (ring policies) and the real
+``worker.routing.loadshare.compute_view`` rule with a simulated clock. It compares seven routing
 policies (plus the clockwise-walk spill variant of the project default) at 50, 80, 95 and
 110 % of the fleet's estimated capacity; then runs 4 worker pods against one fleet at 1.3 x
 overload with the load-sharing design off and on, and 1, cap and 2 x cap worker pods at the
@@ -16,7 +16,8 @@ usual load (does every worker get its share of the caps?).
 
 Engines: each runs at most ``cap`` requests at once and queues the rest FIFO. Its KV cache
 is an LRU of 16-token prefix blocks, as in vLLM's automatic prefix caching (and
-``worker/prefix_cache.py``): a block is identified by its chain (system prompt k, block i)
+``devstack/mockengine/prefix_cache.py``):
+a block is identified by its chain (system prompt k, block i)
 while it lies inside system prompt k -- so sessions sharing a system prompt share those
 blocks -- and by (session, block i) from the first block that holds conversation text. A
 lookup walks the chain from block 0 to the first missing block. A request touches its
@@ -71,9 +72,9 @@ from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Final
 
-from worker.loadshare import WorkerReport, compute_view
-from worker.router import EngineSpec, Lease, Router
-from worker.routing_key import routing_key
+from worker.routing.key import routing_key
+from worker.routing.loadshare import WorkerReport, compute_view
+from worker.routing.router import EngineSpec, Lease, Router
 
 __all__ = ["LEVELS", "POLICIES", "SimConfig", "main", "run", "run_all"]
 

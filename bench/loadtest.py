@@ -40,9 +40,9 @@ import aiohttp
 
 from bench.accounting import account, read_logs
 from bench.viewer import Viewer
-from relay import runtime
-from relay.redis_client import connect
-from worker.stack import Stack, StackSpec
+from devstack.demo.stack import Stack, StackSpec
+from relay.redisio.connect import connect
+from relay.service import runtime
 
 __all__ = ["MUST_BE_ZERO", "LoadConfig", "main", "percentile", "run_loadtest"]
 

@@ -45,11 +45,11 @@ from typing import Any
 
 from bench import amqp_io
 from bench.pubsub_io import PublishSpec, SubscriberSet, publish, run_publisher, warm_worker
-from relay import runtime
-from relay.cluster import ClusterInfo, LocalCluster
-from relay.keys import live_channel
-from relay.redis_client import mask_url
-from relay.slotmap import slot_of
+from devstack.cluster.launcher import ClusterInfo, LocalCluster
+from relay.protocol.keys import live_channel
+from relay.protocol.slotmap import slot_of
+from relay.redisio.connect import mask_url
+from relay.service import runtime
 
 __all__ = ["MODES", "Workload", "add_arguments", "main", "markdown", "run_all", "run_from_args"]
 

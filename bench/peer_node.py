@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.relay_throughput import RelayProc, _free_port, _stop
-from relay.slotmap import Addr
+from relay.protocol.slotmap import Addr
 
 __all__ = ["PINS", "cache_dir", "emit", "ensure_socketio", "installed_versions", "socketio_server"]
 

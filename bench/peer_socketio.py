@@ -14,7 +14,7 @@ Per phase, both systems in alternating rounds (``repeats``, the first system cho
 
 The systems under test, each one process:
 
-- tokenrelay: ``python -m relay.cli relay`` (:func:`bench.relay_throughput.relay_process`),
+- tokenrelay: ``python -m tokenrelay relay`` (:func:`bench.relay_throughput.relay_process`),
   clients on ``/v1/sessions/{sid}/ws``. Publisher: the project's paced publisher
   (``bench.relay_throughput``'s, a child process): one call per message of the producer's
   publish script (fence check, XADD to the backlog, SPUBLISH, offset, TTLs).
@@ -78,9 +78,9 @@ from bench.relay_throughput import (
     _slotmap,
     relay_process,
 )
-from relay.keys import live_channel
-from relay.slotmap import Addr, SlotMap
-from relay.subscriber import raw_command
+from relay.edge.subscriber import raw_command
+from relay.protocol.keys import live_channel
+from relay.protocol.slotmap import Addr, SlotMap
 
 __all__ = ["Config", "add_arguments", "main", "run", "run_from_args"]
 
@@ -342,7 +342,7 @@ async def run(cfg: Config, url: str | None = None, modules: Path | None = None) 
     async with contextlib.AsyncExitStack() as stack:
         own = url is None
         if url is None:
-            from relay.cluster import local_cluster
+            from devstack.cluster.launcher import local_cluster
 
             url = (await stack.enter_async_context(local_cluster(masters=3, replicas=1))).url
         host, port = url.split("//", 1)[1].rsplit(":", 1)

@@ -35,7 +35,7 @@ from typing import Literal
 import aiohttp
 
 from bench.relay_throughput import SECRET, STAMP
-from relay.auth import issue_token
+from relay.protocol.auth import issue_token
 
 __all__ = ["Kind", "Tally", "WsClient", "close_clients", "open_clients"]
 

@@ -5,7 +5,7 @@ the cluster bus to every node (its cost grows with the cluster) while SPUBLISH r
 only the owning shard (master + replicas), with the project's channel names
 (``tr:{<sid>}:live``) and subscribers spread over the nodes.
 
-For each cluster size (a fresh cluster per size, started by :mod:`relay.cluster`,
+For each cluster size (a fresh cluster per size, started by :mod:`devstack.cluster.launcher`,
 stopped by pid after) and each mode (``publish``, ``spublish``), :func:`measure` runs
 the same workload: C channels, one subscription per channel (SSUBSCRIBE: on a random
 node of the shard that owns the channel, master or replica; SUBSCRIBE: on a random
@@ -49,10 +49,10 @@ from bench.pubsub_io import (
     run_publisher,
     warm_worker,
 )
-from relay import runtime
-from relay.cluster import ClusterInfo, LocalCluster
-from relay.keys import live_channel
-from relay.slotmap import Addr, SlotMap, parse_shards, parse_slots, slot_of
+from devstack.cluster.launcher import ClusterInfo, LocalCluster
+from relay.protocol.keys import live_channel
+from relay.protocol.slotmap import Addr, SlotMap, parse_shards, parse_slots, slot_of
+from relay.service import runtime
 
 __all__ = [
     "MODES",

@@ -1,7 +1,7 @@
 """The newer phases of :mod:`bench.relay_throughput`, in a module of their own.
 
 - :func:`raw_hiredis_phase`: the project's own per-node hiredis reader
-  (:class:`relay.subscriber.ShardedSubscriber`, nothing behind it: no hub, no sockets) in
+  (:class:`relay.edge.subscriber.ShardedSubscriber`, nothing behind it: no hub, no sockets) in
   a child process, SSUBSCRIBEd to K sessions of one master, SIGSTOPped while a publisher
   writes F frames per session, then continued: messages / seconds from its first read to
   its last (the same drain as the redis-py ceiling).
@@ -37,11 +37,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from relay.auth import issue_token
-from relay.keys import live_channel
-from relay.publisher import Draft, Publisher
-from relay.redis_client import connect
-from relay.subscriber import ShardedSubscriber
+from relay.edge.subscriber import ShardedSubscriber
+from relay.protocol.auth import issue_token
+from relay.protocol.keys import live_channel
+from relay.redisio.connect import connect
+from relay.redisio.publisher import Draft, Publisher
 
 __all__ = [
     "idle_ws_phase",

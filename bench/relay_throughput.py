@@ -6,7 +6,7 @@ What it measures, all in one run, on one Redis Cluster (started here unless ``--
 1. ``raw_msgs_per_s`` (the ceiling): one plain redis-py connection (``redis.asyncio.
    Redis(...).pubsub()``) SSUBSCRIBEd to the live channels of K sessions that all sit on
    one master. The reader is idle while a publisher process writes F frames per session
-   (``relay.publisher`` generations: XADD backlog + SPUBLISH in one Lua call, 50
+   (``relay.redisio.publisher`` generations: XADD backlog + SPUBLISH in one Lua call, 50
    frames per call); the frames wait in the socket and in Redis's output buffer. Then
    the reader drains them: messages / seconds from the first read to the last message.
    Draining a backlog takes the publisher out of the measurement (it shares the 2 cores).
@@ -32,10 +32,10 @@ slow watcher's merged token run) still counts every token: ``*_events`` in the J
 how many SSE events carried them. Every client checks it got every token sent (``lost``).
 
 Processes: this one holds the raw reader and the SSE clients (raw asyncio sockets, a
-regex per chunk); the relay runs as ``python -m relay.cli relay`` with its log in a
+regex per chunk); the relay runs as ``python -m tokenrelay relay`` with its log in a
 temporary file; publishers run as ``python -m bench.relay_throughput --_publish ...``.
 Each is stopped by its pid (SIGCONT first if stopped, SIGTERM, SIGKILL after 15 s);
-a cluster started here is stopped by :func:`relay.cluster.local_cluster`. Loopback only.
+a cluster started here is stopped by :func:`devstack.cluster.launcher.local_cluster`. Loopback only.
 
 Phases 1-3 run ``repeats`` (3) rounds side by side (raw, relay1, fanout, raw, ...) and
 report each one's median round (``rounds_per_s`` in the JSON has them all): this
@@ -72,13 +72,13 @@ import hiredis
 import redis.asyncio as aredis
 
 from bench import relay_phases
-from relay.auth import issue_token
-from relay.frame import Frame, encode
-from relay.keys import live_channel, log_key, meta_key, new_session_id
-from relay.publisher import PUBLISH, Draft, Generation, Publisher
-from relay.redis_client import connect
-from relay.slotmap import Addr, SlotMap, parse_shards, slot_of
-from relay.subscriber import raw_command
+from relay.edge.subscriber import raw_command
+from relay.protocol.auth import issue_token
+from relay.protocol.frame import Frame, encode
+from relay.protocol.keys import live_channel, log_key, meta_key, new_session_id
+from relay.protocol.slotmap import Addr, SlotMap, parse_shards, slot_of
+from relay.redisio.connect import connect
+from relay.redisio.publisher import PUBLISH, Draft, Generation, Publisher
 
 __all__ = ["Config", "add_arguments", "main", "run", "run_from_args"]
 
@@ -269,7 +269,7 @@ async def _publish_flood(url: str, sids: list[str], frames: int, batch: int) -> 
 
 async def _publish_paced(url: str, sids: list[str], rate: float, seconds: float) -> dict[str, Any]:
     """``rate`` token frames/s per session for ``seconds``, one frame per call of the
-    publish script (:data:`relay.publisher.PUBLISH`, its argument layout of
+    publish script (:data:`relay.redisio.publisher.PUBLISH`, its argument layout of
     ``Generation._write``), pipelined per master on raw connections: redis-py costs more
     CPU per call than this machine can give to 20,000 calls/s."""
     redis = connect(url)
@@ -524,7 +524,7 @@ async def relay_process(
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as log_file:  # noqa: ASYNC230 (a local file, opened once)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "relay.cli", "relay", "--port", str(port),
+            sys.executable, "-m", "tokenrelay", "relay", "--port", str(port),
             "--redis", url, "--secret", SECRET, "--relay-id", name,
             "--max-connections", str(max_conn), "--reap-after-s", "0",
             "--max-streams-per-address", "0",  # every client of the bench is 127.0.0.1
@@ -788,7 +788,7 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
     async with contextlib.AsyncExitStack() as stack:
         own = url is None
         if url is None:
-            from relay.cluster import local_cluster
+            from devstack.cluster.launcher import local_cluster
 
             info = await stack.enter_async_context(local_cluster(masters=3, replicas=1))
             url = info.url

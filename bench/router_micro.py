@@ -26,7 +26,7 @@ from typing import Any
 
 import mmh3
 
-from worker.router import DEFAULT_SPILL, AllEnginesFull, EngineSpec, Lease, Router
+from worker.routing.router import DEFAULT_SPILL, AllEnginesFull, EngineSpec, Lease, Router
 
 __all__ = ["ENGINE_COUNTS", "MODES", "hash_ns", "main", "measure"]
 

@@ -5,7 +5,7 @@ shared block KV cache with an LRU prefix cache, preemption with recompute). Requ
 the workers round robin (the front door); each worker decides with its own policy state
 (``bench.routing_policies``). Every ``exchange_s`` each worker publishes its in-flight
 counts; the others receive them ``report_delay_s`` later (the load exchange), and the
-capped ring policies install them with ``worker.loadshare.compute_view`` as the worker does.
+capped ring policies install them with ``worker.routing.loadshare.compute_view`` as the worker does.
 A turn a capped policy refuses waits in its worker for a slot (``route_wait``) up to
 ``admit_wait_s``; then it is rejected (a 429) and the client retries after the
 Retry-After the router gives (whole seconds, at least 1): the session goes on.
@@ -38,9 +38,9 @@ from bench.routing_policies import (
     make_policy,
 )
 from bench.workloads import Request
-from worker.cost_router import CostProfile
-from worker.loadshare import WorkerReport, compute_view
-from worker.router import DEFAULT_ROUTING
+from worker.routing.cost import CostProfile
+from worker.routing.loadshare import WorkerReport, compute_view
+from worker.routing.router import DEFAULT_ROUTING
 
 __all__ = ["SimConfig", "derived_cap", "run"]
 

@@ -11,7 +11,7 @@ decisions. None reads an engine's cache.
   the session to the same engine (no cap).
 - ``consistent_hash``: the ring's preferred engine for the routing key (no cap).
 - ``article_fixed_cap``: the article's algorithm: the ring, at most 4 in flight per engine,
-  clockwise walk to the next engine under the cap (the real ``worker.router.Router``).
+  clockwise walk to the next engine under the cap (the real ``worker.routing.router.Router``).
 - ``bounded_load_eps``: the project's ring with Mirrokni et al.'s bound
   ``ceil((1 + eps) * (total + 1) / n)`` (eps 0.25), the KV-derived cap and least-loaded
   spill (the real ``Router`` as the worker configures it).
@@ -21,7 +21,7 @@ decisions. None reads an engine's cache.
   engine with the longest prefix match if it covers > 30 % of the prompt, else the engine
   whose tree is smallest. The tree is not evicted (SGLang's default cap is far above these
   runs' sizes).
-- ``cost_aware``: the real ``Router(policy="cost_aware")`` (``worker.cost_router``: least
+- ``cost_aware``: the real ``Router(policy="cost_aware")`` (``worker.routing.cost``: least
   expected queue wait + prefill of what the engine probably does not hold), under the same
   KV-derived cap and allowance as ``bounded_load_eps``.
 """
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from bench.workloads import Request
-from worker.cost_router import CostProfile, TurnInfo
-from worker.router import EngineSpec, Lease, LoadView, Router
+from worker.routing.cost import CostProfile, TurnInfo
+from worker.routing.router import EngineSpec, Lease, LoadView, Router
 
 __all__ = ["POLICIES", "Decision", "Policy", "Session", "make_policy"]
 
@@ -214,7 +214,7 @@ class SglangCacheAware(Policy):
 
 
 class CostAware(RingPolicy):
-    """The real Router with ``policy="cost_aware"`` (``worker.cost_router``), the
+    """The real Router with ``policy="cost_aware"`` (``worker.routing.cost``), the
     KV-derived cap and this worker's allowance, fed what the worker knows of the turn."""
 
     def __init__(

@@ -14,13 +14,14 @@ local Redis Cluster, received by one subscriber in this process:
   Everything (6 servers, publishers, subscriber) shares this machine's cores: the
   flood figure is a lower bound of a reader's ceiling when it equals the publish rate.
 
-Contenders: ``relay`` = :class:`relay.subscriber.ShardedSubscriber` (one connection and one
+Contenders: ``relay`` = :class:`relay.edge.subscriber.ShardedSubscriber` (one connection and one
 blocking reader task per node, hiredis); ``redispy-t0`` = ``ClusterPubSub.
 get_sharded_message(timeout=0)`` polled in a loop (yielding when idle);
 ``redispy-t10ms`` = the same with ``timeout=0.01`` (the per-node wait the docs suggest).
 
 Call order: ``main()`` parses ``[--quick] [--json PATH] [--url redis://...]``; without
-``--url`` it starts a 3-master/3-replica cluster with :func:`relay.cluster.local_cluster`
+``--url`` it starts a 3-master/3-replica cluster with
+:func:`devstack.cluster.launcher.local_cluster`
 and stops it at the end. ``python -m bench.subscriber_compare --quick``.
 """
 
@@ -39,9 +40,9 @@ from typing import Any
 import hiredis
 from redis.asyncio.cluster import RedisCluster
 
-from relay.keys import live_channel
-from relay.slotmap import Addr, parse_shards, slot_of
-from relay.subscriber import ShardedSubscriber, pack_command, raw_command
+from relay.edge.subscriber import ShardedSubscriber, pack_command, raw_command
+from relay.protocol.keys import live_channel
+from relay.protocol.slotmap import Addr, parse_shards, slot_of
 
 __all__ = ["main", "run"]
 
@@ -245,7 +246,7 @@ async def run(url: str | None, *, quick: bool, publishers: int = 1) -> dict[str,
     paced_n = 5_000 if quick else 25_000
     async with contextlib.AsyncExitStack() as stack:
         if url is None:
-            from relay.cluster import local_cluster
+            from devstack.cluster.launcher import local_cluster
 
             info = await stack.enter_async_context(local_cluster(masters=3, replicas=1))
             host, port = info.startup_nodes[0]

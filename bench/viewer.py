@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from worker.sse import SSEDecoder
+from relay.protocol.sse_reader import SSEDecoder
 
 __all__ = ["OffsetTally", "Viewer", "check_done", "settle_sessions"]
 

@@ -11,7 +11,7 @@ its conversation id and its routing key.
   system prompt, and the second block is the conversation's own; a later turn's chain
   extends the earlier one, sharing a median 92 % of its blocks). Routing key: the first
   ``key_blocks`` (2) block ids, the analogue of the worker's "system prompt + first user
-  message" key (``worker/routing_key.py``).
+  message" key (``worker/routing/key.py``).
 - :func:`scale` replays a trace at another rate: arrival times divided by a factor, each
   nudged by a seeded jitter of up to ``jitter_s`` of trace time (so seeds differ).
 - :func:`synthetic`: Poisson sessions over Zipf-popular system prompts, multi-turn with

@@ -2,7 +2,7 @@
 
 Backends, by environment:
 - default: a local cluster (3 masters + 3 replicas) on free loopback ports, started by
-  :mod:`relay.cluster` and stopped by pid at the end of the session, even on failure;
+  :mod:`devstack.cluster.launcher` and stopped by pid at the end of the session, even on failure;
 - ``TOKENRELAY_REDIS_URL=redis://host:port``: an existing cluster (never torn down);
 - ``TOKENRELAY_TEST_BACKEND=docker``: a Redis 7 cluster in containers (testcontainers);
   skipped with a reason when no Docker engine answers.
@@ -23,8 +23,8 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
-from relay.cluster import ClusterInfo, LocalCluster, Node
-from relay.redis_client import GatedRedisCluster
+from devstack.cluster.launcher import ClusterInfo, LocalCluster, Node
+from relay.redisio.connect import GatedRedisCluster
 from tests.worker_harness import Harness
 
 
@@ -81,7 +81,7 @@ async def cluster() -> AsyncIterator[ClusterInfo]:
 @pytest.fixture
 async def redis(cluster: ClusterInfo) -> AsyncIterator[RedisCluster]:
     """A fresh cluster client per test (tests may leave it in any state): the gated
-    client the relay and the worker use (see relay.redis_client)."""
+    client the relay and the worker use (see relay.redisio.connect)."""
     host, port = cluster.startup_nodes[0]
     client = GatedRedisCluster(host=host, port=port)
     await client.initialize()

@@ -8,9 +8,9 @@ from contextlib import asynccontextmanager
 
 from aiohttp import web
 
-from relay.cluster import ClusterInfo
-from worker.frontdoor import FrontDoor, make_frontdoor_app
-from worker.stack import Stack, StackSpec, free_port
+from devstack.cluster.launcher import ClusterInfo
+from devstack.demo.frontdoor import FrontDoor, make_frontdoor_app
+from devstack.demo.stack import Stack, StackSpec, free_port
 
 __all__ = ["front_door"]
 

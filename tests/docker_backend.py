@@ -1,7 +1,7 @@
 """``TOKENRELAY_TEST_BACKEND=docker``: a Redis 7 cluster in containers via testcontainers.
 
 Six ``redis:7.2`` containers on the host network (so the addresses the nodes announce
-are the ones the tests dial), formed by :func:`relay.cluster.form_cluster`, the same
+are the ones the tests dial), formed by :func:`devstack.cluster.launcher.form_cluster`, the same
 code that forms local clusters. Skips with a reason when no Docker engine answers.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from relay.cluster import ClusterInfo, Node, find_free_base_port, form_cluster
+from devstack.cluster.launcher import ClusterInfo, Node, find_free_base_port, form_cluster
 
 IMAGE = "redis:7.2"
 

@@ -7,7 +7,7 @@ import pytest
 from redis.asyncio import RedisCluster
 
 from bench.affinity import AffinityConfig, run
-from relay.cluster import ClusterInfo
+from devstack.cluster.launcher import ClusterInfo
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -23,11 +23,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from relay.cluster import ClusterInfo
-from relay.frame import Frame
-from relay.uistream import UiTurn, encode_chunk
+from devstack.cluster.launcher import ClusterInfo
+from relay.edge.uistream import UiTurn, encode_chunk
+from relay.protocol.frame import Frame
 from tests import demo_harness
-from worker.aisdk import ChatError, parse_chat
+from worker.gateway.aisdk import ChatError, parse_chat
 
 AISDK = Path(__file__).resolve().parent.parent / "clients" / "aisdk"
 NODE, NPM = shutil.which("node"), shutil.which("npm")
@@ -271,8 +271,8 @@ async def _reply(cluster: ClusterInfo, sid: str, turn: int) -> str:
     """A turn's reply as the session's backlog holds it."""
     from redis.asyncio.cluster import RedisCluster
 
-    from relay.frame import decode
-    from relay.publisher import read_backlog
+    from relay.protocol.frame import decode
+    from relay.redisio.publisher import read_backlog
 
     host, port = cluster.startup_nodes[0]
     redis = RedisCluster(host=host, port=port)
@@ -288,9 +288,9 @@ async def _reply(cluster: ClusterInfo, sid: str, turn: int) -> str:
 async def test_active_turn_finds_the_running_turns_start_across_pages(redis: Any) -> None:
     """The resume point of a running turn of 700 frames (three pages of the backwards
     scan) behind a finished turn; none once it is done."""
-    from relay.keys import new_session_id
-    from relay.publisher import Draft, Publisher
-    from relay.uistream import active_turn
+    from relay.edge.uistream import active_turn
+    from relay.protocol.keys import new_session_id
+    from relay.redisio.publisher import Draft, Publisher
 
     sid = new_session_id()
     pub = Publisher(redis)

@@ -1,4 +1,4 @@
-"""Pure tests of session tokens (relay.auth): JWTs issued and verified, key sets and
+"""Pure tests of session tokens (relay.protocol.auth): JWTs issued and verified, key sets and
 rotation, pinned algorithms, weak secrets refused, and no forgery verifies. The minting
 examples of docs/PROTOCOL.md are run here, so the documentation cannot drift."""
 
@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay.auth import (
+from relay.protocol.auth import (
     MAX_TOKEN_LEN,
     Claims,
     Key,

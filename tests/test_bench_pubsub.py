@@ -13,7 +13,7 @@ import json
 import pytest
 
 from bench.pubsub_cluster import RUN_KEYS, Workload, markdown, measure
-from relay.cluster import ClusterInfo
+from devstack.cluster.launcher import ClusterInfo
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

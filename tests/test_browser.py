@@ -20,11 +20,11 @@ import pytest
 from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
 
-from relay.cluster import ClusterInfo
-from relay.frame import decode
-from relay.publisher import read_backlog
-from worker.frontdoor import FrontDoor, make_frontdoor_app
-from worker.stack import Stack, StackSpec, free_port
+from devstack.cluster.launcher import ClusterInfo
+from devstack.demo.frontdoor import FrontDoor, make_frontdoor_app
+from devstack.demo.stack import Stack, StackSpec, free_port
+from relay.protocol.frame import decode
+from relay.redisio.publisher import read_backlog
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser, pytest.mark.slow]
 

@@ -1,9 +1,9 @@
-"""The Python client (relay.client): its pure core, and watching a real relay on the real
+"""The Python client (relay.client.stream): its pure core, and watching a real relay on the real
 cluster while the relay is killed (-9) and restarted mid-turn, over SSE and WebSocket.
 
 The relay runs as a ``tokenrelay relay`` subprocess on a fixed port (so a restart comes
 back at the same URL), stopped by pid. The producer is a bare generation of
-relay.publisher (no worker), so the relay runs with ``--reap-after-s 0``.
+relay.redisio.publisher (no worker), so the relay runs with ``--reap-after-s 0``.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from relay.auth import issue_token
-from relay.client import ContinuityError, WatchRefused, watch
-from relay.client_core import Continuity, Problem, SseParser, backoff_s, check_done
-from relay.cluster import ClusterInfo
-from relay.frame import Frame
-from relay.keys import new_session_id
-from relay.publisher import Generation, Publisher
+from devstack.cluster.launcher import ClusterInfo
+from relay.client.core import Continuity, Problem, SseParser, backoff_s, check_done
+from relay.client.stream import ContinuityError, WatchRefused, watch
+from relay.protocol.auth import issue_token
+from relay.protocol.frame import Frame
+from relay.protocol.keys import new_session_id
+from relay.redisio.publisher import Generation, Publisher
 from tests.test_hostile import _free_port
 from tests.test_server import wait_ready
 from tests.worker_harness import SECRET
@@ -121,7 +121,7 @@ class Relay:
         log = self.log_dir / f"relay-{self.starts}.log"
         with open(log, "wb") as out:  # noqa: ASYNC230 (a local file, opened once)
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "relay.cli", "relay", "--port", str(self.port),
+                sys.executable, "-m", "tokenrelay", "relay", "--port", str(self.port),
                 "--redis", self.cluster.url, "--secret", SECRET,
                 "--relay-id", f"client-edge-{self.starts}", "--reap-after-s", "0",
                 stdout=asyncio.subprocess.DEVNULL, stderr=out,

@@ -18,13 +18,13 @@ import aiohttp
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from relay.cluster import ClusterInfo
-from relay.frame import decode
-from relay.publisher import read_backlog
+from devstack.cluster.launcher import ClusterInfo
+from relay.protocol.frame import decode
+from relay.protocol.sse_reader import SSEDecoder, SSEEvent
+from relay.redisio.publisher import read_backlog
 from tests.test_hostile import RelayProcess, relay_process
 from tests.worker_harness import Harness, expected_reply, wait_turn
-from worker.presence import PresencePolicy
-from worker.sse import SSEDecoder, SSEEvent
+from worker.chat.presence import PresencePolicy
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,8 @@ import redis.asyncio as aioredis
 from redis.crc import key_slot
 from redis.exceptions import MovedError
 
-from relay import cluster as cl
-from relay.cluster import ClusterError, ClusterInfo, LocalCluster, Node
+from devstack.cluster import launcher as cl
+from devstack.cluster.launcher import ClusterError, ClusterInfo, LocalCluster, Node
 
 pytestmark = pytest.mark.integration
 
@@ -139,7 +139,7 @@ async def test_spublish_on_a_non_owner_is_moved(cluster: ClusterInfo) -> None:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "relay.cli", *args],
+        [sys.executable, "-m", "tokenrelay", *args],
         capture_output=True,
         text=True,
         timeout=120,

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from relay.cli import build_parser
+from tokenrelay.cli import build_parser
 
 yaml = pytest.importorskip("yaml")
 
@@ -155,13 +155,13 @@ def _get_paths(app: Any) -> set[str]:
 
 
 def test_healthchecks_probe_routes_the_services_really_serve() -> None:
-    from relay.config import RelayConfig
-    from relay.server import make_app as relay_app
+    from devstack.mockengine.server import EngineConfig
+    from devstack.mockengine.server import make_app as engine_app
+    from relay.edge.config import RelayConfig
+    from relay.edge.server import make_app as relay_app
     from worker.api import WorkerConfig
     from worker.api import make_app as worker_app
-    from worker.mock_engine import EngineConfig
-    from worker.mock_engine import make_app as engine_app
-    from worker.router import EngineSpec
+    from worker.routing.router import EngineSpec
 
     paths = {
         "relay": _get_paths(relay_app(RelayConfig(secret=secrets.token_urlsafe(32)))),

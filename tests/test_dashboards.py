@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 from redis.asyncio import RedisCluster
 
-from relay.hub import Hub
-from relay.metrics import RelayMetrics
+from relay.edge.hub import Hub
+from relay.edge.metrics import RelayMetrics
 from worker.metrics import WorkerMetrics
-from worker.router import EngineSpec, Router
+from worker.routing.router import EngineSpec, Router
 
 yaml = pytest.importorskip("yaml")
 

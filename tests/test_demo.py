@@ -16,10 +16,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from devstack.demo.stack import free_port
+from devstack.mockengine.reply_length import ReplyLength
 from tests.test_server import SSEClient
 from tests.worker_harness import expected_reply
-from worker.reply_length import ReplyLength
-from worker.stack import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -40,7 +40,7 @@ async def test_make_demo_serves_one_url_streams_a_turn_and_stops_everything(
     out_path = tmp_path / "demo.out"
     with open(out_path, "wb") as out:  # noqa: ASYNC230 (a local file, opened once)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "relay.cli", "demo", "--port", str(port),
+            sys.executable, "-m", "tokenrelay", "demo", "--port", str(port),
             stdout=out, stderr=asyncio.subprocess.STDOUT,
         )  # fmt: skip
     base = f"http://127.0.0.1:{port}"

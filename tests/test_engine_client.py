@@ -13,8 +13,9 @@ import orjson
 import pytest
 from aiohttp import web
 
-from worker.engine_client import Delta, EngineClient, chat_completions_url
-from worker.engine_errors import (
+from devstack.mockengine.server import EngineConfig, RunningEngine, start_engine
+from worker.engines.client import Delta, EngineClient, chat_completions_url
+from worker.engines.errors import (
     EngineError,
     EngineHTTPError,
     EngineProtocolError,
@@ -22,7 +23,6 @@ from worker.engine_errors import (
     EngineTimeout,
     EngineUnavailable,
 )
-from worker.mock_engine import EngineConfig, RunningEngine, start_engine
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MESSAGES = [{"role": "user", "content": "Tell me about prefix caches."}]

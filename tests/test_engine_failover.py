@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.router import EngineSpec, Router
+from worker.routing.router import EngineSpec, Router
 
 
 def test_route_avoiding_an_engine_spills_to_the_next_one() -> None:

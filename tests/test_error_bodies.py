@@ -17,10 +17,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from relay.cluster import LocalCluster
-from relay.keys import live_channel
-from relay.redis_client import GatedRedisCluster
-from relay.slotmap import slot_of
+from devstack.cluster.launcher import LocalCluster
+from relay.protocol.keys import live_channel
+from relay.protocol.slotmap import slot_of
+from relay.redisio.connect import GatedRedisCluster
 from tests.conftest import PrivateClusterFactory
 from tests.test_redis_tls import Viewer
 from tests.test_server import STEP, running

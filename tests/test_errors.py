@@ -6,7 +6,7 @@ import pytest
 import redis.exceptions as rex
 from redis.asyncio.connection import Connection
 
-from relay.errors import (
+from relay.redisio.errors import (
     RedisCommandError,
     RedisUnavailable,
     is_closed_connection_race,

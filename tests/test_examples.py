@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from relay.cluster import ClusterInfo
-from relay.frame import decode
-from relay.publisher import read_backlog
+from devstack.cluster.launcher import ClusterInfo
+from relay.protocol.frame import decode
+from relay.redisio.publisher import read_backlog
 from tests import demo_harness
 from tests.test_aisdk import AISDK, _npm_ready
 from tests.test_browser import CHROMIUM, LAUNCH_ARGS

@@ -15,10 +15,10 @@ from redis.asyncio.cluster import RedisCluster
 from bench.fault_evidence import judge
 from bench.faults import FaultConfig, failures, run_fault
 from bench.partition import unsupported
-from relay.hub import Hub
-from relay.keys import live_channel, new_session_id
-from relay.publisher import Publisher
-from relay.slotmap import slot_of
+from relay.edge.hub import Hub
+from relay.protocol.keys import live_channel, new_session_id
+from relay.protocol.slotmap import slot_of
+from relay.redisio.publisher import Publisher
 from tests.conftest import PrivateClusterFactory
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

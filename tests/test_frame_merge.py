@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from relay.frame import Frame, decode, encode, first_offset, merge_tokens
-from relay.hub import conflate
-from relay.resume import Delivery
+from relay.edge.hub import conflate
+from relay.edge.resume import Delivery
+from relay.protocol.frame import Frame, decode, encode, first_offset, merge_tokens
 
 
 def tok(offset: int, text: str, turn: int = 1) -> Frame:

@@ -4,7 +4,7 @@
    without or with a wrong control token all get 403 with a code and kill nothing; the
    same-origin request with this run's token does. Meanwhile a bystander session
    streams through the same front door from the real relay and worker (a
-   :class:`worker.stack.Stack` of processes on the session's cluster) and receives every
+   :class:`devstack.demo.stack.Stack` of processes on the session's cluster) and receives every
    frame of both of its turns.
 2. A POST is never sent twice: upstreams that take the request and die mid-request
    see it once in all and the client gets 502 with a code; a refused connection (no
@@ -25,10 +25,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from relay.cluster import ClusterInfo
+from devstack.cluster.launcher import ClusterInfo
+from devstack.demo.frontdoor import CONTROL_HEADER, FrontDoor, make_frontdoor_app
+from devstack.demo.stack import Stack, StackSpec, free_port
 from tests.test_redis_tls import Viewer
-from worker.frontdoor import CONTROL_HEADER, FrontDoor, make_frontdoor_app
-from worker.stack import Stack, StackSpec, free_port
 
 
 @asynccontextmanager

@@ -27,7 +27,7 @@ from bench.fuzz_props import (
     check_token,
     hash_tag,
 )
-from relay import auth, frame, keys, sse
+from relay.protocol import auth, frame, keys, sse
 
 EXAMPLES = int(os.environ.get("TOKENRELAY_FUZZ_EXAMPLES", "500"))
 fuzz = settings(
@@ -61,7 +61,7 @@ def _raw_frame(offset: int, turn: int) -> bytes:
 @pytest.mark.parametrize("field", ["offset", "turn"])
 def test_frame_offsets_past_2_53_are_refused(field):
     """Regression (fuzz): an offset no client can resume from (``Last-Event-ID`` /
-    ``from`` stop at 2**53-1, relay.sse.MAX_OFFSET) decoded as a valid frame."""
+    ``from`` stop at 2**53-1, relay.protocol.sse.MAX_OFFSET) decoded as a valid frame."""
     assert frame.MAX_INT == sse.MAX_OFFSET
     for value in (2**53, 10**23):
         args = {"offset": 1, "turn": 1, field: value}

@@ -1,7 +1,7 @@
 """Hostile input against a real relay and a real worker.
 
-Every test runs a relay app (``relay.server.make_app``, 127.0.0.1, port 0) and a worker
-app (``tests.worker_harness.Harness``: mock engines from ``worker.mock_engine``
+Every test runs a relay app (``relay.edge.server.make_app``, 127.0.0.1, port 0) and a worker
+app (``tests.worker_harness.Harness``: mock engines from ``devstack.mockengine.server``
 in-process) on the session's real Redis Cluster, throws one kind of hostile input at
 them and checks:
 
@@ -43,11 +43,11 @@ from aiohttp import WSMsgType
 from aiohttp.http_exceptions import HttpProcessingError
 from yarl import URL
 
-from relay.auth import issue_token
-from relay.cluster import ClusterInfo
-from relay.frame import decode
-from relay.keys import new_session_id
-from relay.publisher import Publisher, read_backlog
+from devstack.cluster.launcher import ClusterInfo
+from relay.protocol.auth import issue_token
+from relay.protocol.frame import decode
+from relay.protocol.keys import new_session_id
+from relay.redisio.publisher import Publisher, read_backlog
 from tests.test_server import STEP, Relay, SSEClient, running, wait_ready, ws_frames
 from tests.worker_harness import SECRET, Harness
 
@@ -802,7 +802,7 @@ async def relay_process(
     log_path = log_dir / f"{relay_id}.log"
     with open(log_path, "wb") as log_file:  # noqa: ASYNC230 (a local file, opened once)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "relay.cli", "relay", "--port", str(port),
+            sys.executable, "-m", "tokenrelay", "relay", "--port", str(port),
             "--redis", cluster.url, "--secret", SECRET, "--relay-id", relay_id,
             "--log-level", "INFO", *flags,
             stdout=asyncio.subprocess.DEVNULL, stderr=log_file,

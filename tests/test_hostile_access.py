@@ -33,16 +33,16 @@ from aiohttp import web
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from relay.cluster import ClusterInfo
-from relay.frame import decode
-from relay.publisher import read_backlog
-from relay.streams import WS_CLOSE
+from devstack.cluster.launcher import ClusterInfo
+from relay.edge.streams import WS_CLOSE
+from relay.protocol.frame import decode
+from relay.redisio.publisher import read_backlog
 from tests.test_hostile import Env, bystander, no_crash
 from tests.test_server import STEP, SSEClient, running
 from tests.worker_harness import SECRET, Harness
-from worker.engine_client import EngineClient
-from worker.router import EngineSpec
-from worker.store import SessionStore
+from worker.chat.store import SessionStore
+from worker.engines.client import EngineClient
+from worker.routing.router import EngineSpec
 
 pytestmark = pytest.mark.integration
 
@@ -478,7 +478,7 @@ STRONG = "hostile-access-strong-secret-6d2f8b4a1c9e7035"
 async def _exit_of(argv: list[str], env: dict[str, str]) -> tuple[int, str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "relay.cli", *argv,
+        sys.executable, "-m", "tokenrelay", *argv,
         env={**base, **env}, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:

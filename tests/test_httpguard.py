@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from relay.httpguard import GuardedSite
-from relay.server import make_runner
+from relay.edge.server import make_runner
+from relay.service.httpguard import GuardedSite
 
 HEAD_TIMEOUT = 0.5
 

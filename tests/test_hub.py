@@ -11,11 +11,11 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
-from relay.errors import WatchClosed
-from relay.frame import Frame, decode, encode
-from relay.hub import Delivery, Hub, Tap
-from relay.keys import live_channel, log_key, meta_key, new_session_id, presence_key
-from relay.publisher import Draft, Publisher
+from relay.edge.hub import Delivery, Hub, Tap
+from relay.protocol.frame import Frame, decode, encode
+from relay.protocol.keys import live_channel, log_key, meta_key, new_session_id, presence_key
+from relay.redisio.errors import WatchClosed
+from relay.redisio.publisher import Draft, Publisher
 
 pytestmark = pytest.mark.integration
 
@@ -104,7 +104,7 @@ async def test_many_watchers_of_one_session_share_one_subscription(
 
 
 async def collect_bytes(redis: RedisCluster, sid: str) -> list[bytes]:
-    from relay.publisher import read_backlog
+    from relay.redisio.publisher import read_backlog
 
     frames, _, _ = await read_backlog(redis, sid, 0, 100_000)
     return frames

@@ -35,7 +35,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from worker.stack import free_port
+from devstack.demo.stack import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 NGINX_CONF = ROOT / "deploy" / "nginx.conf"

@@ -23,15 +23,15 @@ import aiohttp
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from relay.cluster import ClusterInfo
-from relay.frame import decode
-from relay.publisher import Publisher, read_backlog
+from devstack.cluster.launcher import ClusterInfo
+from relay.protocol.frame import decode
+from relay.redisio.publisher import Publisher, read_backlog
 from tests.worker_harness import Harness, expected_reply
-from worker.engine_client import EngineClient
-from worker.jobqueue import JobRunner, QueueNames, RunnerConfig
-from worker.jobs import JobSpec, JobStore, new_job_id, within_reserve
-from worker.router import EngineSpec, Router
-from worker.store import SessionStore
+from worker.chat.store import SessionStore
+from worker.engines.client import EngineClient
+from worker.jobs.queue import JobRunner, QueueNames, RunnerConfig
+from worker.jobs.record import JobSpec, JobStore, new_job_id, within_reserve
+from worker.routing.router import EngineSpec, Router
 
 pytestmark = pytest.mark.integration
 
@@ -303,7 +303,7 @@ async def test_the_jobworker_command_runs_jobs_and_stops_cleanly_on_sigterm(
     await h.start_engines(1)
     await _worker(h, names)
     alive = tmp_path / "alive"
-    argv = [sys.executable, "-m", "relay.cli", "jobworker", "--redis", cluster.url,
+    argv = [sys.executable, "-m", "tokenrelay", "jobworker", "--redis", cluster.url,
             "--amqp", AMQP, "--queue", names.queue, "--max-attempts", "2",
             "--engine", f"eng-0={h.engines[0].url}", "--health-file", str(alive)]  # fmt: skip
     proc = await asyncio.create_subprocess_exec(
@@ -325,7 +325,7 @@ async def test_the_jobworker_command_runs_jobs_and_stops_cleanly_on_sigterm(
 
 def test_jobworker_bad_flags_exit_2_with_one_line() -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "relay.cli", "jobworker", "--redis", "redis://127.0.0.1:1",
+        [sys.executable, "-m", "tokenrelay", "jobworker", "--redis", "redis://127.0.0.1:1",
          "--amqp", AMQP, "--engine", "not-a-url"],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip

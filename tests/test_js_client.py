@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.cluster import ClusterInfo
+from devstack.cluster.launcher import ClusterInfo
 from tests import demo_harness
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,11 +81,11 @@ async def test_io_shell_against_a_live_stack(base: str) -> None:
 def test_demo_page_serves_the_client_itself() -> None:
     """The page imports the client from /static/tokenrelay.js, which is the published
     file (a link into the package data), not a copy that could drift."""
-    served = ROOT / "worker" / "static" / "tokenrelay.js"
+    served = ROOT / "devstack" / "demo" / "static" / "tokenrelay.js"
     assert served.resolve() == (CLIENT / "tokenrelay.js").resolve()
-    app = (ROOT / "worker" / "static" / "app.js").read_text()
+    app = (ROOT / "devstack" / "demo" / "static" / "app.js").read_text()
     assert 'import { watch } from "./tokenrelay.js";' in app
     assert "new EventSource" not in app
     assert "new WebSocket" not in app
-    index = (ROOT / "worker" / "static" / "index.html").read_text()
+    index = (ROOT / "devstack" / "demo" / "static" / "index.html").read_text()
     assert '<script type="module" src="/static/app.js">' in index

@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 
-from relay.cli import build_parser
-from relay.config import ENV, from_args
-from relay.keys import new_session_id
-from relay.metrics import RelayMetrics
+from relay.edge.config import ENV, from_args
+from relay.edge.metrics import RelayMetrics
+from relay.protocol.keys import new_session_id
+from tokenrelay.cli import build_parser
 
 yaml = pytest.importorskip("yaml")
 kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
@@ -134,7 +134,7 @@ def test_relay_command_and_environment_make_a_valid_config() -> None:
 
 
 def test_worker_command_parses_with_the_real_cli(monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.cli_worker import config_from_args
+    from worker.cli import config_from_args
 
     c = _container(_find(OBJECTS, "Deployment", "tokenrelay-worker"))
     env = _pod_env(c)
@@ -162,8 +162,8 @@ def _routes(app: Any) -> set[tuple[str, str]]:
 
 
 def test_probes_hit_routes_the_apps_serve() -> None:
-    from relay.config import RelayConfig
-    from relay.server import make_app as relay_app
+    from relay.edge.config import RelayConfig
+    from relay.edge.server import make_app as relay_app
     from worker.api import WorkerConfig
     from worker.api import make_app as worker_app
 
@@ -320,7 +320,7 @@ def _refs(container: dict[str, Any]) -> list[dict[str, Any]]:
 def test_real_engines_patch_gives_the_workers_their_engines(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from worker.cli_worker import config_from_args
+    from worker.cli import config_from_args
 
     overlay = tmp_path / "overlay"
     overlay.mkdir()

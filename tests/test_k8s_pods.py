@@ -26,9 +26,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from relay.cluster import ClusterInfo
+from devstack.cluster.launcher import ClusterInfo
+from devstack.demo.stack import free_port
 from tests.test_k8s import OBJECTS, _container, _expand, _find, _pod_env, _prestop_s
-from worker.stack import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -41,7 +41,7 @@ def _argv(container: dict[str, Any], env: dict[str, str], port: int) -> list[str
     if "--announce-url" in args:  # the pod's port 8000 is this process's free port
         i = args.index("--announce-url") + 1
         args[i] = args[i].replace(":8000", f":{port}")
-    return [sys.executable, "-m", "relay.cli", *args]
+    return [sys.executable, "-m", "tokenrelay", *args]
 
 
 class Pod:

@@ -1,5 +1,5 @@
-"""Pure tests of the client address rule (relay.clientaddr) and the per-address token
-buckets (relay.ratelimit): who is counted, and how fast a bucket refills."""
+"""Pure tests of the client address rule (relay.service.clientaddr) and the per-address token
+buckets (relay.service.ratelimit): who is counted, and how fast a bucket refills."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relay.clientaddr import client_address, parse_networks
-from relay.ratelimit import Buckets
+from relay.service.clientaddr import client_address, parse_networks
+from relay.service.ratelimit import Buckets
 
 PROXIES = parse_networks("10.0.0.0/8, 127.0.0.1, ::1")
 

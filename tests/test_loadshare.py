@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from redis.asyncio import RedisCluster
 
-from worker.loadshare import (
+from worker.routing.loadshare import (
     LoadExchange,
     WorkerReport,
     compute_view,
@@ -19,7 +19,7 @@ from worker.loadshare import (
     static_view,
     worker_key,
 )
-from worker.router import AllEnginesFull, EngineSpec, Router, route_wait
+from worker.routing.router import AllEnginesFull, EngineSpec, Router, route_wait
 
 CAPS = {"e0": 16, "e1": 16}
 

@@ -11,8 +11,8 @@ import pytest
 from bench.accounting import SessionLog, account
 from bench.loadtest import LoadConfig, run_loadtest
 from bench.viewer import OffsetTally, Viewer, check_done
-from worker.stack import StackSpec
-from worker.turns import reply_integrity
+from devstack.demo.stack import StackSpec
+from worker.chat.turn import reply_integrity
 
 
 def test_a_missing_tail_is_lost_not_silently_ignored() -> None:

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from redis.asyncio import RedisCluster
 
-from relay.hub import Hub
-from relay.metrics import RelayMetrics
+from relay.edge.hub import Hub
+from relay.edge.metrics import RelayMetrics
 from worker.metrics import WorkerMetrics
-from worker.router import EngineSpec, Router
+from worker.routing.router import EngineSpec, Router
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

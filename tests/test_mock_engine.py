@@ -13,9 +13,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from worker import prefix_cache as pc
-from worker.mock_engine import EngineConfig, FifoGate, RunningEngine, start_engine
-from worker.reply_length import ReplyLength
+from devstack.mockengine import prefix_cache as pc
+from devstack.mockengine.reply_length import ReplyLength
+from devstack.mockengine.server import EngineConfig, FifoGate, RunningEngine, start_engine
 
 StartEngine = Callable[..., Awaitable[RunningEngine]]
 
@@ -316,7 +316,7 @@ async def test_fifo_gate_passes_on_a_slot_handed_to_a_cancelled_waiter() -> None
 
 async def test_cli_engine_serves_and_stops_cleanly_on_sigterm(http) -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "worker.cli_engine", "--port", "0", "--id", "cli-1",
+        sys.executable, "-m", "devstack.mockengine.cli", "--port", "0", "--id", "cli-1",
         stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
@@ -351,7 +351,7 @@ async def test_replies_take_their_length_from_the_distribution(start: StartEngin
 def test_cli_reply_flags_reach_the_engine_and_bad_ones_exit_2() -> None:
     import argparse
 
-    from worker.cli_engine import config_from_args, register, run
+    from devstack.mockengine.cli import config_from_args, register, run
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))

@@ -1,6 +1,6 @@
 """docs/openapi.yaml stays equal to the code, and the live services keep to it.
 
-- The packaged copy (relay/openapi.json, what the services serve) equals the YAML.
+- The packaged copy (relay/edge/openapi.json, what the services serve) equals the YAML.
 - The document, and each service's part, is valid OpenAPI 3.1.
 - Every route of the relay's and the worker's aiohttp router is documented for that
   service, and every documented operation is routed: a new route fails here until it
@@ -33,13 +33,13 @@ import pytest
 from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
 
-from relay import openapi
-from relay.auth import issue_token
-from relay.cluster import ClusterInfo
-from relay.config import RelayConfig
-from relay.keys import new_session_id
-from relay.server import EdgeServer, make_runner
-from relay.server import make_app as relay_app
+from devstack.cluster.launcher import ClusterInfo
+from relay.edge import openapi
+from relay.edge.config import RelayConfig
+from relay.edge.server import EdgeServer, make_runner
+from relay.edge.server import make_app as relay_app
+from relay.protocol.auth import issue_token
+from relay.protocol.keys import new_session_id
 from tests.worker_harness import SECRET, Harness
 from worker import api as worker_api
 from worker.api import WorkerConfig
@@ -90,8 +90,8 @@ def _documented(service: str) -> dict[tuple[str, str], dict[str, Any]]:
 
 
 def test_packaged_copy_equals_the_yaml() -> None:
-    packaged = json.loads((ROOT / "relay" / "openapi.json").read_text())
-    assert packaged == _yaml_doc(), "relay/openapi.json is stale: run `make openapi`"
+    packaged = json.loads((ROOT / "relay" / "edge" / "openapi.json").read_text())
+    assert packaged == _yaml_doc(), "relay/edge/openapi.json is stale: run `make openapi`"
     assert openapi.full_document() == packaged
 
 
@@ -120,7 +120,7 @@ def test_every_route_is_documented_and_every_operation_routed(service: str) -> N
 
 
 # Status codes in handler sources: _err(409, ...), Reject(503, ...), _json(201, ...),
-# _BadRequest(413, ...), status=503. AuthError statuses come from relay.auth.
+# _BadRequest(413, ...), status=503. AuthError statuses come from relay.protocol.auth.
 _STATUS = re.compile(r"\b(?:_err|Reject|_json|_BadRequest)\(\s*(\d{3})|\bstatus=(\d{3})")
 _CALL = re.compile(r"(?:self\.)?\b([A-Za-z_]\w*)\(")
 
@@ -166,7 +166,7 @@ def test_every_status_a_handler_answers_is_documented(service: str) -> None:
     for key, handler in _routed(_apps()[service]).items():
         name = getattr(handler, "__name__", "")
         if name not in scope:
-            continue  # a handler from another module (relay.openapi): nothing to scan
+            continue  # a handler from another module (relay.edge.openapi): nothing to scan
         found = _codes(scope[name], scope, {name})
         codes = {int(c) for c in documented[key]["responses"]}
         assert found - codes == set(), (
@@ -185,7 +185,7 @@ def test_the_wheel_ships_the_contract(tmp_path: Path) -> None:
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    for pkg in ("relay", "worker", "bench"):
+    for pkg in ("relay", "worker", "devstack", "tokenrelay", "bench"):
         shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     out = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(src)],
@@ -194,7 +194,7 @@ def test_the_wheel_ships_the_contract(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     (wheel,) = tmp_path.glob("tokenrelay-*.whl")
     with zipfile.ZipFile(wheel) as z:
-        packaged = json.loads(z.read("relay/openapi.json"))
+        packaged = json.loads(z.read("relay/edge/openapi.json"))
     assert packaged == _yaml_doc()
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from bench.peer_node import ensure_socketio
 from bench.peer_socketio import Config, run
-from relay.cluster import ClusterInfo
+from devstack.cluster.launcher import ClusterInfo
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

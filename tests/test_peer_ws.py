@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from bench.peer_ws import Tally, close_clients, open_clients
-from relay.frame import Frame, encode
+from relay.protocol.frame import Frame, encode
 
 
 def _frame(offset: int) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.prefix_cache import (
+from devstack.mockengine.prefix_cache import (
     PrefixCache,
     block_hashes,
     message_text,

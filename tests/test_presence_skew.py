@@ -11,10 +11,10 @@ import sys
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from relay.cluster import ClusterInfo
-from relay.keys import presence_key
+from devstack.cluster.launcher import ClusterInfo
+from relay.protocol.keys import presence_key
 from tests.worker_harness import Harness, wait_turn
-from worker.presence import PresencePolicy
+from worker.chat.presence import PresencePolicy
 
 pytestmark = pytest.mark.integration
 
@@ -26,8 +26,8 @@ skew = float(sys.argv[2])
 _ns, _t = time.time_ns, time.time
 time.time_ns = lambda: _ns() + int(skew * 1e9)
 time.time = lambda: _t() + skew
-from relay.hub import Hub
-from relay.redis_client import connect
+from relay.edge.hub import Hub
+from relay.redisio.connect import connect
 
 async def main() -> None:
     redis = connect(sys.argv[1])

@@ -8,10 +8,10 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
-from relay.errors import Fenced
-from relay.frame import Frame, decode
-from relay.keys import live_channel, log_key, meta_key, new_session_id
-from relay.publisher import Draft, Publisher, read_backlog
+from relay.protocol.frame import Frame, decode
+from relay.protocol.keys import live_channel, log_key, meta_key, new_session_id
+from relay.redisio.errors import Fenced
+from relay.redisio.publisher import Draft, Publisher, read_backlog
 
 pytestmark = pytest.mark.integration
 

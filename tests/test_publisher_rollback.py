@@ -8,11 +8,11 @@ import asyncio
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from relay.errors import OffsetConflict
-from relay.frame import decode
-from relay.hub import Hub
-from relay.keys import live_channel, log_key, meta_key, new_session_id
-from relay.publisher import Publisher, read_backlog
+from relay.edge.hub import Hub
+from relay.protocol.frame import decode
+from relay.protocol.keys import live_channel, log_key, meta_key, new_session_id
+from relay.redisio.errors import OffsetConflict
+from relay.redisio.publisher import Publisher, read_backlog
 
 pytestmark = pytest.mark.integration
 

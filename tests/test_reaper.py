@@ -10,11 +10,11 @@ import time
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from relay.errors import Fenced
-from relay.frame import decode
-from relay.hub import Hub, Tap
-from relay.keys import KeyKind, key, meta_key, new_session_id
-from relay.publisher import WORKER_LOST, Publisher, read_backlog, reap
+from relay.edge.hub import Hub, Tap
+from relay.protocol.frame import decode
+from relay.protocol.keys import KeyKind, key, meta_key, new_session_id
+from relay.redisio.errors import Fenced
+from relay.redisio.publisher import WORKER_LOST, Publisher, read_backlog, reap
 
 pytestmark = pytest.mark.integration
 
@@ -22,7 +22,7 @@ LOCK_TTL_MS = 1500  # the test's "worker" lock; production uses 5 s (worker/api.
 
 
 async def _take_lock(redis: RedisCluster, sid: str) -> None:
-    """What worker.store.SessionStore.acquire_lock does (SET NX PX)."""
+    """What worker.chat.store.SessionStore.acquire_lock does (SET NX PX)."""
     assert await redis.set(key(sid, KeyKind.LOCK), "w1:abc {}", nx=True, px=LOCK_TTL_MS)
 
 

@@ -8,8 +8,8 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import MaxConnectionsError
 
-from relay.cluster import ClusterInfo
-from relay.redis_client import GatedRedisCluster, connect
+from devstack.cluster.launcher import ClusterInfo
+from relay.redisio.connect import GatedRedisCluster, connect
 
 pytestmark = pytest.mark.integration
 

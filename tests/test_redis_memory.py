@@ -17,8 +17,8 @@ import asyncio
 import aiohttp
 import pytest
 
-from relay.publisher import read_backlog
-from relay.redis_client import GatedRedisCluster
+from relay.redisio.connect import GatedRedisCluster
+from relay.redisio.publisher import read_backlog
 from tests.conftest import PrivateClusterFactory
 from tests.test_redis_tls import Viewer
 from tests.test_server import STEP, SSEClient, running

@@ -3,7 +3,7 @@
 A TLS-only local cluster (``LocalCluster(tls=...)``: no plain port, TLS on the cluster
 bus and for replication, client certificates required, a password) with certificates
 from a throwaway CA made in the test (``tests.tls_certs``). The relay, the worker and a
-mock engine run as subprocesses (``python -m relay.cli ...``), stopped by pid; the Redis
+mock engine run as subprocesses (``python -m tokenrelay ...``), stopped by pid; the Redis
 URL with its password reaches them through the environment, the TLS files through the
 ``--redis-ca`` / ``--redis-cert`` / ``--redis-key`` flags.
 
@@ -28,7 +28,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from relay.cluster import (
+from devstack.cluster.launcher import (
     ClusterError,
     ClusterInfo,
     ClusterTLS,
@@ -36,13 +36,13 @@ from relay.cluster import (
     find_server_binary,
     tls_support,
 )
-from relay.keys import engine_key, live_channel
-from relay.slotmap import slot_of
+from devstack.demo.stack import free_port
+from devstack.mockengine.reply_length import ReplyLength
+from relay.protocol.keys import engine_key, live_channel
+from relay.protocol.slotmap import slot_of
 from tests.test_server import STEP, SSEClient, wait_ready
 from tests.tls_certs import make_ca, make_pki, openssl_missing
 from tests.worker_harness import expected_reply
-from worker.reply_length import ReplyLength
-from worker.stack import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -112,7 +112,7 @@ class Procs:
         log = self.tmp / f"{name}.log"
         with open(log, "wb") as out:  # noqa: ASYNC230 (a local file, opened once)
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "relay.cli", *args,
+                sys.executable, "-m", "tokenrelay", *args,
                 stdout=out, stderr=asyncio.subprocess.STDOUT, env=self.env,
             )  # fmt: skip
         p = Proc(name, proc, log, f"http://127.0.0.1:{port}" if port else "")

@@ -31,11 +31,11 @@ from aiohttp import WSMsgType
 from httpx_sse import ServerSentEvent, aconnect_sse
 from redis.asyncio.cluster import RedisCluster
 
-from relay.auth import issue_token
-from relay.cluster import ClusterInfo
-from relay.frame import decode
-from relay.keys import new_session_id
-from relay.publisher import Generation, Publisher, read_backlog
+from devstack.cluster.launcher import ClusterInfo
+from relay.protocol.auth import issue_token
+from relay.protocol.frame import decode
+from relay.protocol.keys import new_session_id
+from relay.redisio.publisher import Generation, Publisher, read_backlog
 from tests.test_hostile import RelayProcess, relay_process
 from tests.worker_harness import SECRET
 

@@ -7,7 +7,7 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from relay.metrics import LATENCY_BUCKETS, LoopHistogram
+from relay.edge.metrics import LATENCY_BUCKETS, LoopHistogram
 
 
 def _lines(registry: CollectorRegistry) -> list[str]:

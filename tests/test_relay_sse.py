@@ -1,8 +1,8 @@
-"""Pure tests of the relay's SSE encoder and resume-offset parsing (relay.sse).
+"""Pure tests of the relay's SSE encoder and resume-offset parsing (relay.protocol.sse).
 
-Encoded streams are decoded back with the WHATWG algorithm (worker.sse.SSEDecoder when
-present, else a small reference parser below) so that what we write is what a browser
-reads.
+Encoded streams are decoded back with the WHATWG algorithm
+(relay.protocol.sse_reader.SSEDecoder when present, else a small reference parser
+below) so that what we write is what a browser reads.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay import sse
-from relay.sse import MAX_OFFSET, OffsetError, parse_offset, resume_offset
+from relay.protocol import sse
+from relay.protocol.sse import MAX_OFFSET, OffsetError, parse_offset, resume_offset
 
 
 def whatwg_parse(stream: bytes) -> list[tuple[str, str, str]]:

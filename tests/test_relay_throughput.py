@@ -12,7 +12,7 @@ import json
 import pytest
 
 from bench.relay_throughput import Config, run
-from relay.cluster import ClusterInfo
+from devstack.cluster.launcher import ClusterInfo
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

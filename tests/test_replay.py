@@ -20,11 +20,11 @@ import pytest
 from aiohttp import WSMsgType
 from redis.asyncio.cluster import RedisCluster
 
-from relay.auth import issue_token
-from relay.cluster import ClusterInfo
-from relay.keys import new_session_id
-from relay.publisher import Draft, Publisher
-from relay.redis_client import GatedRedisCluster
+from devstack.cluster.launcher import ClusterInfo
+from relay.protocol.auth import issue_token
+from relay.protocol.keys import new_session_id
+from relay.redisio.connect import GatedRedisCluster
+from relay.redisio.publisher import Draft, Publisher
 from tests.test_hostile import relay_process
 from tests.test_server import SECRET as SERVER_SECRET
 from tests.test_server import running

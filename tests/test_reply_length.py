@@ -6,8 +6,8 @@ import statistics
 
 import pytest
 
-from worker.prefix_cache import prompt_tokens
-from worker.reply_length import ReplyLength
+from devstack.mockengine.prefix_cache import prompt_tokens
+from devstack.mockengine.reply_length import ReplyLength
 
 
 def _prompt(i: int) -> list[str]:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay.resume import (
+from relay.edge.resume import (
     TRANSITIONS,
     Delivery,
     Fetch,

@@ -8,7 +8,8 @@ import math
 import mmh3
 import pytest
 
-from worker.router import (
+from worker.routing.key import routing_key
+from worker.routing.router import (
     AllEnginesFull,
     EngineSpec,
     LeaseState,
@@ -17,7 +18,6 @@ from worker.router import (
     key_hash,
     route_wait,
 )
-from worker.routing_key import routing_key
 
 
 def specs(n: int, cap: int = 100, weight: float = 1.0) -> list[EngineSpec]:

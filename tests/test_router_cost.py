@@ -1,12 +1,12 @@
-"""The Router's cost_aware policy: the product side of worker/cost_router.py."""
+"""The Router's cost_aware policy: the product side of worker/routing/cost.py."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.cost_router import CostModel, TurnInfo, turn_info
-from worker.router import EngineSpec, Lease, LeaseState, LoadView, Router
+from worker.routing.cost import CostModel, TurnInfo, turn_info
+from worker.routing.router import EngineSpec, Lease, LeaseState, LoadView, Router
 
 
 def _router(n: int = 3, cap: int = 4) -> Router:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.router import (
+from worker.routing.router import (
     SPILL_POLICIES,
     AllEnginesFull,
     EngineSpec,

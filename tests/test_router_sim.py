@@ -17,7 +17,7 @@ from bench.routing_core import DEFAULT_POLICY, SimConfig, run
 from bench.routing_policies import POLICIES
 from bench.routing_sim import TRACE, main, run_all
 from bench.workloads import Request, SynthConfig, TraceError, load_trace, pulse, scale, synthetic
-from worker.cost_router import CostModel, TurnInfo
+from worker.routing.cost import CostModel, TurnInfo
 
 SEEDS = st.integers(0, 10_000)
 FEW = settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))

@@ -7,7 +7,7 @@ import sys
 
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 
-from relay.runtime import ClientErrorFilter
+from relay.service.runtime import ClientErrorFilter
 
 
 def record(exc: BaseException, name: str = "aiohttp.server") -> logging.LogRecord:

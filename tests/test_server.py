@@ -2,7 +2,7 @@
 fan-out, refusals, metrics, drain and misbehaving WebSocket clients.
 
 Each test runs its own relay app (``make_app``) on a free 127.0.0.1 port; frames are
-published with :class:`relay.publisher.Publisher`.
+published with :class:`relay.redisio.publisher.Publisher`.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from aiohttp import WSMsgType, web
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio.cluster import RedisCluster
 
-from relay.auth import issue_token
-from relay.cluster import ClusterInfo
-from relay.config import RelayConfig
-from relay.hub import Hub
-from relay.keys import new_session_id
-from relay.publisher import Publisher
-from relay.server import SERVER, EdgeServer, make_app, make_runner
+from devstack.cluster.launcher import ClusterInfo
+from relay.edge.config import RelayConfig
+from relay.edge.hub import Hub
+from relay.edge.server import SERVER, EdgeServer, make_app, make_runner
+from relay.protocol.auth import issue_token
+from relay.protocol.keys import new_session_id
+from relay.redisio.publisher import Publisher
 
 pytestmark = pytest.mark.integration
 
@@ -452,7 +452,7 @@ async def test_sigterm_drains_and_exits_zero(cluster):
         port = s.getsockname()[1]
     script = (
         "import argparse, sys\n"
-        "from relay.cli_relay import register\n"
+        "from relay.edge.cli import register\n"
         "p = argparse.ArgumentParser(); register(p.add_subparsers())\n"
         "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))\n"
     )

@@ -10,12 +10,12 @@ import orjson
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from relay.errors import Fenced
-from relay.frame import decode
-from relay.hub import Hub
-from relay.keys import KeyKind, key, log_key, meta_key, new_session_id
-from relay.publisher import Publisher, read_backlog, seal
-from relay.resume import Delivery, Fetch, Resume, ResumeState
+from relay.edge.hub import Hub
+from relay.edge.resume import Delivery, Fetch, Resume, ResumeState
+from relay.protocol.frame import decode
+from relay.protocol.keys import KeyKind, key, log_key, meta_key, new_session_id
+from relay.redisio.errors import Fenced
+from relay.redisio.publisher import Publisher, read_backlog, seal
 
 
 def g(off: int, gen: str, kind: str = "token") -> Delivery:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from relay.keys import live_channel, log_key, meta_key
-from relay.slotmap import Addr, group_by_slot, parse_shards, parse_slots, slot_of
+from relay.protocol.keys import live_channel, log_key, meta_key
+from relay.protocol.slotmap import Addr, group_by_slot, parse_shards, parse_slots, slot_of
 
 
 def node(port: int, role: str, health: str = "online") -> list[object]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.sse import SSEDecoder, SSEError, SSEEvent
+from relay.protocol.sse_reader import SSEDecoder, SSEError, SSEEvent
 
 STREAM = (
     "\ufeff: comment first\r\n"

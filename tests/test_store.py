@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from relay.keys import KeyKind, key, new_session_id
-from worker.store import SessionStore
+from relay.protocol.keys import KeyKind, key, new_session_id
+from worker.chat.store import SessionStore
 
 pytestmark = pytest.mark.integration
 

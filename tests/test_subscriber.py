@@ -8,10 +8,10 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
-from relay.errors import SubscribeError
-from relay.keys import live_channel, new_session_id
-from relay.slotmap import SLOTS, SlotMap, group_by_slot
-from relay.subscriber import ShardedSubscriber
+from relay.edge.subscriber import ShardedSubscriber
+from relay.protocol.keys import live_channel, new_session_id
+from relay.protocol.slotmap import SLOTS, SlotMap, group_by_slot
+from relay.redisio.errors import SubscribeError
 
 pytestmark = pytest.mark.integration
 

@@ -10,13 +10,13 @@ import time
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from relay.auth import verify_token
-from relay.keys import KeyKind, idem_key, key
-from relay.publisher import read_backlog
+from devstack.mockengine.reply_length import ReplyLength
+from relay.protocol.auth import verify_token
+from relay.protocol.keys import KeyKind, idem_key, key
+from relay.redisio.publisher import read_backlog
 from tests.worker_harness import SECRET, Harness, wait_turn
-from worker.reply_length import ReplyLength
-from worker.store import SessionStore
-from worker.turns import request_fingerprint
+from worker.chat.store import SessionStore
+from worker.chat.turn import request_fingerprint
 
 pytestmark = pytest.mark.integration
 

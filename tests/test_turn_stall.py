@@ -21,9 +21,9 @@ import time
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from relay.keys import KeyKind, key
+from relay.protocol.keys import KeyKind, key
 from tests.worker_harness import Harness, wait_turn
-from worker.presence import PresencePolicy
+from worker.chat.presence import PresencePolicy
 
 pytestmark = pytest.mark.integration
 

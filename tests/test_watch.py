@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from relay.frame import Frame, decode, encode
-from relay.resume import Delivery, Fetch
-from relay.watch import Closed, Intent, Limits, Watch
+from relay.edge.resume import Delivery, Fetch
+from relay.edge.watch import Closed, Intent, Limits, Watch
+from relay.protocol.frame import Frame, decode, encode
 
 SID = "s" * 22
 

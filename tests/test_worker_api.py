@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from relay.cluster import ClusterInfo
+from devstack.cluster.launcher import ClusterInfo
 from tests.worker_harness import Harness, expected_reply, wait_turn
 
 pytestmark = pytest.mark.integration
@@ -250,7 +250,7 @@ async def test_a_burst_of_turns_waits_for_redis_connections_instead_of_failing(
     h: Harness, cluster: ClusterInfo
 ) -> None:
     """300 sessions created and 300 turns posted at once on one worker: every one is
-    accepted. Before the worker's client was gated (relay.redis_client), redis-py
+    accepted. Before the worker's client was gated (relay.redisio.connect), redis-py
     refused past 100 connections per node: 100 of 400 such turns got 503."""
     await h.start_engines(2)
     await h.start_worker(cap=1000, own_redis_url=cluster.url)

@@ -8,7 +8,9 @@ import aiohttp
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from worker.control import (
+from devstack.mockengine.server import EngineConfig, start_engine
+from worker.chat.presence import PresenceTracker
+from worker.routing.control import (
     ControlPlane,
     EngineAnnouncer,
     ProbeState,
@@ -16,9 +18,7 @@ from worker.control import (
     parse_engine_arg,
     read_announced,
 )
-from worker.mock_engine import EngineConfig, start_engine
-from worker.presence import PresenceTracker
-from worker.router import EngineSpec, Router
+from worker.routing.router import EngineSpec, Router
 
 
 def test_grace_timer_starts_at_turn_start():
@@ -125,10 +125,10 @@ async def test_engine_cli_announces_itself_and_withdraws_on_sigterm(cluster, red
     import subprocess
     import sys
 
-    from worker.stack import free_port
+    from devstack.demo.stack import free_port
 
     port = free_port()
-    argv = [sys.executable, "-m", "relay.cli", "engine", "--port", str(port)]
+    argv = [sys.executable, "-m", "tokenrelay", "engine", "--port", str(port)]
     argv += ["--id", "announced-1", "--redis", cluster.url, "--cap", "5"]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

@@ -2,7 +2,7 @@
 
 Paths: done (test_worker_api), engine killed mid-stream, engine timeout, no viewers
 (presence), engine left the ring (control plane), fenced, worker shutdown. Real Redis
-Cluster, in-process mock engines; presence is written the way relay/hub.py writes it, and
+Cluster, in-process mock engines; presence is written the way relay/edge/hub.py writes it, and
 once through a real Hub watch.
 """
 
@@ -15,16 +15,16 @@ import time
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from relay.frame import decode
-from relay.hub import Hub
-from relay.keys import presence_key
-from relay.presence import WRITE_LUA
-from relay.publisher import Publisher, read_backlog
-from relay.tap import Tap
+from devstack.mockengine.reply_length import ReplyLength
+from relay.edge.hub import Hub
+from relay.edge.tap import Tap
+from relay.protocol.frame import decode
+from relay.protocol.keys import presence_key
+from relay.redisio.presence import WRITE_LUA
+from relay.redisio.publisher import Publisher, read_backlog
 from tests.worker_harness import Harness, wait_turn
-from worker.presence import PresencePolicy, count_watchers
-from worker.reply_length import ReplyLength
-from worker.router import EngineSpec
+from worker.chat.presence import PresencePolicy, count_watchers
+from worker.routing.router import EngineSpec
 
 pytestmark = pytest.mark.integration
 
@@ -54,7 +54,7 @@ async def _outcome(h: Harness, sid: str, timeout_s: float = 5.0) -> str:
 
 
 async def _watched(redis: RedisCluster, sid: str, stop: asyncio.Event, relay: str = "r1") -> None:
-    """Refresh presence like relay.presence: expiry = Redis TIME + 2 s, every 0.3 s."""
+    """Refresh presence like relay.redisio.presence: expiry = Redis TIME + 2 s, every 0.3 s."""
     while not stop.is_set():
         await redis.eval(WRITE_LUA, 1, presence_key(sid), relay, 2_000)
         with contextlib.suppress(TimeoutError):

@@ -7,9 +7,9 @@ import aiohttp
 import pytest
 from redis.asyncio import RedisCluster
 
-from relay.cluster import ClusterInfo
+from devstack.cluster.launcher import ClusterInfo
+from devstack.demo.stack import Stack, StackSpec
 from tests.worker_harness import expected_reply, wait_turn
-from worker.stack import Stack, StackSpec
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

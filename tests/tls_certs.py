@@ -3,7 +3,7 @@
 :func:`make_pki` writes into a directory a CA, a server certificate for 127.0.0.1 /
 localhost (serverAuth and clientAuth: a Redis node presents it to its peers too) and a
 client certificate, all signed by that CA and valid for one day, and returns them as a
-:class:`relay.cluster.ClusterTLS`. :func:`openssl_missing` says why it cannot run.
+:class:`devstack.cluster.launcher.ClusterTLS`. :func:`openssl_missing` says why it cannot run.
 Keys are P-256 EC keys; nothing leaves the directory.
 """
 
@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from relay.cluster import ClusterTLS
+from devstack.cluster.launcher import ClusterTLS
 
 __all__ = ["make_ca", "make_pki", "openssl_missing"]
 

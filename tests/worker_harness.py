@@ -1,6 +1,6 @@
 """Helpers for the worker's integration tests: mock engines and a worker app in-process.
 
-``Harness`` starts mock engines (``worker.mock_engine.start_engine``, 127.0.0.1, port 0)
+``Harness`` starts mock engines (``devstack.mockengine.server.start_engine``, 127.0.0.1, port 0)
 and a worker app on an aiohttp ``TestServer`` against the test's real Redis Cluster
 client; ``stop()`` tears everything down in reverse order.
 """
@@ -17,15 +17,15 @@ from aiohttp.test_utils import TestServer
 from multidict import CIMultiDictProxy
 from redis.asyncio.cluster import RedisCluster
 
-from relay.frame import Frame, decode
-from relay.publisher import read_backlog
-from worker import prefix_cache as pc
+from devstack.mockengine import prefix_cache as pc
+from devstack.mockengine.reply_length import ReplyLength
+from devstack.mockengine.server import EngineConfig, RunningEngine, start_engine
+from relay.protocol.frame import Frame, decode
+from relay.redisio.publisher import read_backlog
 from worker.api import STATE, WorkerConfig, WorkerState, make_app
-from worker.coalesce import CoalescePolicy
-from worker.mock_engine import EngineConfig, RunningEngine, start_engine
-from worker.presence import PresencePolicy
-from worker.reply_length import ReplyLength
-from worker.router import EngineSpec
+from worker.chat.coalesce import CoalescePolicy
+from worker.chat.presence import PresencePolicy
+from worker.routing.router import EngineSpec
 
 __all__ = ["SECRET", "SHORT_REPLIES", "Harness", "expected_reply", "wait_turn"]
 

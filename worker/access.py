@@ -1,7 +1,7 @@
 """The worker's access rules: who may write, which tokens it mints, how often a client may
 create sessions and a session may post turns.
 
-- Tokens (:mod:`relay.auth`): ``POST /v1/sessions`` answers a ``write`` token;
+- Tokens (:mod:`relay.protocol.auth`): ``POST /v1/sessions`` answers a ``write`` token;
   ``POST /v1/sessions/{sid}/tokens`` with a write token mints a ``watch`` or ``write``
   token whose lifetime is bounded by ``max_token_ttl_s`` and by the session's lifetime
   (the store's ``ttl_s``: a session lives that long after its last turn).
@@ -10,7 +10,7 @@ create sessions and a session may post turns.
 - Turns: at most ``turns_per_minute`` turn requests per session per clock minute,
   counted in Redis (one ``INCR`` on the session's slot), so shared by every worker.
 - The client address is the peer, or ``X-Forwarded-For`` from a trusted proxy
-  (:mod:`relay.clientaddr`).
+  (:mod:`relay.service.clientaddr`).
 
 Every refusal is a :class:`Refusal` the API turns into 429 + ``Retry-After`` + a reason.
 
@@ -30,7 +30,7 @@ import orjson
 from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
 
-from relay.auth import (
+from relay.protocol.auth import (
     SCOPES,
     Claims,
     KeySet,
@@ -39,10 +39,10 @@ from relay.auth import (
     issue_token,
     verify_token,
 )
-from relay.clientaddr import client_address, parse_networks
-from relay.errors import map_redis_errors
-from relay.keys import turn_rate_key
-from relay.ratelimit import Buckets
+from relay.protocol.keys import turn_rate_key
+from relay.redisio.errors import map_redis_errors
+from relay.service.clientaddr import client_address, parse_networks
+from relay.service.ratelimit import Buckets
 
 __all__ = ["INSECURE_TOKEN", "BadTokenRequest", "Refusal", "WorkerAccess", "parse_token_request"]
 

@@ -21,17 +21,17 @@ Routes (the contract: docs/openapi.yaml):
   (every engine full, or ``turns_per_minute`` of this session used), 503 (draining, or
   Redis unavailable). Without ``max_tokens`` the turn gets ``default_max_tokens``.
 * ``POST /v1/chat/completions`` and ``GET /v1/models``: the OpenAI-compatible gateway
-  (:mod:`worker.gateway`), routed by the same router, no session;
+  (:mod:`worker.gateway.openai`), routed by the same router, no session;
 * ``POST /v1/jobs``, ``GET /v1/jobs/{id}``: offline jobs on RabbitMQ when ``--amqp`` is
-  given (:mod:`worker.jobs_api`; ``tokenrelay jobworker`` runs them);
+  given (:mod:`worker.jobs.api`; ``tokenrelay jobworker`` runs them);
 * ``GET /healthz`` (the process lives), ``GET /readyz`` (Redis answers, some engine is
   routable, not draining), ``GET /metrics`` (Prometheus text), ``GET /openapi.json``
   (docs/openapi.yaml, the worker's part).
 
 Order of use: ``app = make_app(WorkerConfig(...))`` (optionally with an existing Redis
 client); the app's startup builds the router, engine client, control plane, load
-exchange and :class:`worker.turns.TurnManager`; :func:`begin_drain` + the app's cleanup
-end it (see ``worker.cli_worker``).
+exchange and :class:`worker.chat.turn.TurnManager`; :func:`begin_drain` + the app's cleanup
+end it (see ``worker.cli``).
 """
 
 from __future__ import annotations
@@ -50,28 +50,18 @@ import orjson
 from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
 
-from relay import openapi
-from relay.auth import AuthError, load_keys
-from relay.errors import RedisCommandError, RelayError, map_redis_errors
-from relay.keys import InvalidSessionId, idem_key, new_session_id, parse_session
-from relay.publisher import Publisher
-from relay.redis_client import RedisTLS, connect
-from worker import aisdk, direct, gateway, jobs_api
+from relay.edge import openapi
+from relay.protocol.auth import AuthError, load_keys
+from relay.protocol.keys import InvalidSessionId, idem_key, new_session_id, parse_session
+from relay.redisio.connect import RedisTLS, connect
+from relay.redisio.errors import RedisCommandError, RelayError, map_redis_errors
+from relay.redisio.publisher import Publisher
 from worker.access import BadTokenRequest, Refusal, WorkerAccess, parse_token_request
-from worker.coalesce import DEFAULT_POLICY, CoalescePolicy
-from worker.control import ControlPlane
-from worker.engine_client import EngineClient
-from worker.gateway import GATEWAY, Gateway, GatewayConfig
-from worker.jobqueue import JobSubmitter, QueueNames
-from worker.jobs import JobStore
-from worker.jobs_api import JOBS, JobsApi
-from worker.loadshare import LoadExchange
-from worker.metrics import CONTENT_TYPE_LATEST, WorkerMetrics
-from worker.presence import PresencePolicy
-from worker.router import DEFAULT_ROUTING, DEFAULT_SPILL, AllEnginesFull, EngineSpec, Router
-from worker.routing_key import DEFAULT_PREFIX_CHARS
-from worker.store import SessionStore
-from worker.turns import (
+from worker.chat import direct
+from worker.chat.coalesce import DEFAULT_POLICY, CoalescePolicy
+from worker.chat.presence import PresencePolicy
+from worker.chat.store import SessionStore
+from worker.chat.turn import (
     Draining,
     IdempotencyKeyReused,
     IdempotencyPending,
@@ -79,6 +69,19 @@ from worker.turns import (
     TurnConfig,
     TurnManager,
 )
+from worker.engines.client import EngineClient
+from worker.gateway import aisdk
+from worker.gateway import openai as gateway
+from worker.gateway.openai import GATEWAY, Gateway, GatewayConfig
+from worker.jobs import api as jobs_api
+from worker.jobs.api import JOBS, JobsApi
+from worker.jobs.queue import JobSubmitter, QueueNames
+from worker.jobs.record import JobStore
+from worker.metrics import CONTENT_TYPE_LATEST, WorkerMetrics
+from worker.routing.control import ControlPlane
+from worker.routing.key import DEFAULT_PREFIX_CHARS
+from worker.routing.loadshare import LoadExchange
+from worker.routing.router import DEFAULT_ROUTING, DEFAULT_SPILL, AllEnginesFull, EngineSpec, Router
 
 __all__ = [
     "STATE",
@@ -147,8 +150,8 @@ class WorkerConfig:
     shutdown_deadline_s: float = 20.0
     admit_wait_s: float = 2.0  # a turn waits this long for an engine slot before 429
     prefix_chars: int = DEFAULT_PREFIX_CHARS  # of the conversation in the routing key
-    gateway_keys: tuple[str, ...] = ()  # bearer keys of the OpenAI gateway (worker.gateway)
-    amqp_url: str = ""  # RabbitMQ: enables /v1/jobs (worker.jobs_api)
+    gateway_keys: tuple[str, ...] = ()  # bearer keys of the OpenAI gateway (worker.gateway.openai)
+    amqp_url: str = ""  # RabbitMQ: enables /v1/jobs (worker.jobs.api)
     jobs_queue: str = "tokenrelay.jobs"
     job_ttl_s: int = 86_400
 
@@ -554,5 +557,5 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
     gateway.add_routes(app)  # POST /v1/chat/completions, GET /v1/models
     jobs_api.add_routes(app)  # POST /v1/jobs, GET /v1/jobs/{id} (404 without --amqp)
     app.router.add_get("/openapi.json", openapi.handler("worker"))  # docs/openapi.yaml
-    aisdk.register(app, STATE)  # POST /v1/chat: the Vercel AI SDK's chat (worker/aisdk.py)
+    aisdk.register(app, STATE)  # POST /v1/chat: the Vercel AI SDK's chat (worker/gateway/aisdk.py)
     return app

@@ -1,6 +1,6 @@
 """Bearer API keys for the worker's session-less endpoints (OpenAI gateway, jobs).
 
-Session endpoints take a session token (``relay.auth``); endpoints that belong to no
+Session endpoints take a session token (``relay.protocol.auth``); endpoints that belong to no
 session (``/v1/chat/completions``, ``/v1/jobs`` without a session) take one of the
 operator's API keys (``--gateway-key``). Every configured key is compared, in constant
 time, so the time taken does not tell which key (or how much of one) matched.

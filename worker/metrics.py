@@ -21,7 +21,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
-from worker.router import Router
+from worker.routing.router import Router
 
 __all__ = ["CONTENT_TYPE_LATEST", "WorkerMetrics"]
 

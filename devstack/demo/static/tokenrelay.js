@@ -1,0 +1,1 @@
+../../../clients/js/tokenrelay.js

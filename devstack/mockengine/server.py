@@ -1,0 +1,467 @@
+"""Mock inference engine: an OpenAI-compatible streaming server with a simulated prefix cache.
+
+Lets the whole stack run without a GPU. The simulation itself is pure and lives in
+``devstack.mockengine.prefix_cache``; this module is the aiohttp I/O around it. Order of use:
+
+1. ``EngineConfig(...)`` describes one engine (port, cache size, prefill/decode rates,
+   concurrency limit, id).
+2. ``make_app(cfg)`` builds the ``web.Application``; ``start_engine(cfg)`` also binds it
+   (``port=0`` picks a free port) and returns a ``RunningEngine`` whose ``stop()`` shuts it
+   down; ``run_engine(cfg)`` serves until SIGTERM/SIGINT (used by ``tokenrelay engine``).
+3. Per ``POST /v1/chat/completions``: validate the body (400/413 with OpenAI-style error
+   JSON), wait for a slot in a FIFO queue (``max_concurrency`` running at once), look up
+   the cached prefix, send headers ``x-engine-id``, ``x-prefix-cache-hit-tokens``,
+   ``x-prompt-tokens``, ``x-prefill-s``, sleep the prefill time of the *uncached* tokens,
+   then stream one token per ``1/decode_tok_per_s`` seconds as OpenAI
+   ``chat.completion.chunk`` SSE events (the first one also carries a non-standard
+   ``"tokenrelay"`` object with the same metadata), a final chunk with
+   ``finish_reason``, an optional usage chunk (``stream_options.include_usage``), and
+   ``data: [DONE]``. The prompt and reply blocks are then in the cache.
+4. A client that disconnects aborts its request at once: the handler is cancelled
+   (the server runs with ``handler_cancellation=True``), the slot is released and
+   ``vllm:request_success_total{finished_reason="abort"}`` and
+   ``tokenrelay_engine_aborted_requests_total`` count it.
+
+``GET /metrics`` serves vLLM-style Prometheus metrics from a per-engine
+``CollectorRegistry``; ``GET /health`` and ``GET /v1/models`` complete the surface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge
+from prometheus_client.exposition import generate_latest
+
+from devstack.mockengine import prefix_cache as pc
+from devstack.mockengine.reply_length import ReplyLength
+from relay.service import runtime
+
+__all__ = [
+    "ENGINE_KEY",
+    "EngineConfig",
+    "FifoGate",
+    "MockEngine",
+    "RunningEngine",
+    "make_app",
+    "run_engine",
+    "start_engine",
+]
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Options of one mock engine (rates are per second; 0 means instantaneous)."""
+
+    port: int = 8000
+    host: str = "127.0.0.1"
+    kv_tokens: int = 65_536
+    prefill_tok_per_s: float = 4_000.0
+    decode_tok_per_s: float = 40.0
+    max_concurrency: int = 8
+    engine_id: str = "mock-0"
+    model: str = "tokenrelay-mock"
+    block_size: int = pc.DEFAULT_BLOCK_SIZE
+    max_body_bytes: int = 1 << 20
+    # natural reply lengths (tokens): log-normal, mean 300, tail to 2,000, per prompt
+    reply: ReplyLength = field(default_factory=ReplyLength)
+
+
+class FifoGate:
+    """Admission in strict arrival order: at most ``limit`` holders, the rest wait."""
+
+    def __init__(self, limit: int) -> None:
+        if limit <= 0:
+            raise ValueError("limit must be positive")
+        self.limit = limit
+        self.running = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def acquire(self) -> None:
+        if self.running < self.limit and not self._waiters:
+            self.running += 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.release()  # the slot was handed over just as we were cancelled
+            else:
+                self._waiters.remove(fut)
+            raise
+
+    def release(self) -> None:
+        # Hand the slot directly to the next waiter, so ``running`` never drops below
+        # the number of admitted requests.
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.running -= 1
+
+
+class _RequestError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class _ChatRequest:
+    model: str
+    messages: list[Mapping[str, object]]
+    stream: bool
+    max_tokens: int
+    include_usage: bool
+
+
+class _Metrics:
+    def __init__(self, engine_id: str, model: str, engine: MockEngine) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name", "engine"]
+        lv = {"model_name": model, "engine": engine_id}
+        reg = self.registry
+
+        def gauge(name: str, doc: str, fn: Any) -> None:
+            Gauge(name, doc, labels, registry=reg).labels(**lv).set_function(fn)
+
+        gauge(
+            "vllm:num_requests_running",
+            "Requests running on the engine.",
+            lambda: engine.gate.running,
+        )
+        gauge(
+            "vllm:num_requests_waiting",
+            "Requests waiting in the FIFO queue.",
+            lambda: engine.gate.waiting,
+        )
+        gauge(
+            "vllm:gpu_cache_usage_perc",
+            "Fraction of prefix-cache blocks in use (0..1).",
+            lambda: engine.cache.stats().usage,
+        )
+        gauge(
+            "vllm:gpu_prefix_cache_hit_rate",
+            "Cumulative prefix-cache hit rate (tokens).",
+            lambda: engine.cache.stats().hit_rate,
+        )
+        self.queries = Counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up.", labels, registry=reg
+        ).labels(**lv)
+        self.hits = Counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the cache.", labels, registry=reg
+        ).labels(**lv)
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens processed.", labels, registry=reg
+        ).labels(**lv)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Tokens generated.", labels, registry=reg
+        ).labels(**lv)
+        self._success = Counter(
+            "vllm:request_success",
+            "Finished requests by reason.",
+            [*labels, "finished_reason"],
+            registry=reg,
+        )
+        self._lv = lv
+        self.aborted = Counter(
+            "tokenrelay_engine_aborted_requests",
+            "Requests aborted because the client went away.",
+            labels,
+            registry=reg,
+        ).labels(**lv)
+
+    def finished(self, reason: str) -> None:
+        self._success.labels(**self._lv, finished_reason=reason).inc()
+        if reason == "abort":
+            self.aborted.inc()
+
+
+@dataclass(slots=True)
+class MockEngine:
+    """The state of one engine: config, cache, admission gate, metrics."""
+
+    cfg: EngineConfig
+    cache: pc.PrefixCache = field(init=False)
+    gate: FifoGate = field(init=False)
+    metrics: _Metrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cache = pc.PrefixCache(self.cfg.kv_tokens, self.cfg.block_size)
+        self.gate = FifoGate(self.cfg.max_concurrency)
+        self.metrics = _Metrics(self.cfg.engine_id, self.cfg.model, self)
+
+
+ENGINE_KEY = web.AppKey("tokenrelay_mock_engine", MockEngine)
+
+
+def _error(status: int, message: str, param: str | None = None) -> web.Response:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+
+def _parse_chat(raw: bytes, cfg: EngineConfig) -> _ChatRequest:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _RequestError(400, f"malformed JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise _RequestError(400, "body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _RequestError(400, "'messages' must be a non-empty list", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _RequestError(400, f"messages[{i}] needs a string 'role'", "messages")
+        if not isinstance(m.get("content"), str | list):
+            raise _RequestError(400, f"messages[{i}] needs 'content'", "messages")
+    model = body.get("model", cfg.model)
+    if not isinstance(model, str):
+        raise _RequestError(400, "'model' must be a string", "model")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _RequestError(400, "'stream' must be a boolean", "stream")
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    if max_tokens is None:
+        max_tokens = cfg.reply.max_tokens
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise _RequestError(400, "'max_tokens' must be a positive integer", "max_tokens")
+    opts = body.get("stream_options")
+    include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+    return _ChatRequest(model, messages, stream, max_tokens, include_usage)
+
+
+def _sse(obj: object) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def _sleep_until(deadline: float) -> None:
+    delay = deadline - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE_KEY]
+    cfg = engine.cfg
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return _error(413, f"request body larger than {cfg.max_body_bytes} bytes")
+    try:
+        req = _parse_chat(raw, cfg)
+    except _RequestError as exc:
+        return _error(exc.status, exc.message, exc.param)
+
+    finished = "abort"
+    try:
+        await engine.gate.acquire()
+    except asyncio.CancelledError:
+        engine.metrics.finished(finished)
+        raise
+    try:
+        resp, finished = await _generate(request, engine, req)
+        return resp
+    except (asyncio.CancelledError, ConnectionResetError):
+        finished = "abort"
+        raise
+    finally:
+        engine.gate.release()
+        engine.metrics.finished(finished)
+
+
+async def _generate(
+    request: web.Request, engine: MockEngine, req: _ChatRequest
+) -> tuple[web.StreamResponse, str]:
+    cfg = engine.cfg
+    tokens = pc.prompt_tokens(req.messages)
+    cached = engine.cache.lookup(tokens)
+    engine.metrics.queries.inc(len(tokens))
+    engine.metrics.hits.inc(cached)
+    engine.metrics.prompt_tokens.inc(len(tokens))
+    prefill_s = pc.prefill_seconds(len(tokens) - cached, cfg.prefill_tok_per_s)
+    natural = cfg.reply.length(tokens)
+    pieces, finish = pc.reply_pieces(tokens, req.max_tokens, min_len=natural, max_len=natural)
+    meta = {
+        "engine_id": cfg.engine_id,
+        "cached_tokens": cached,
+        "prompt_tokens": len(tokens),
+        "prefill_s": round(prefill_s, 6),
+    }
+    headers = {
+        "x-engine-id": cfg.engine_id,
+        "x-prefix-cache-hit-tokens": str(cached),
+        "x-prompt-tokens": str(len(tokens)),
+        "x-prefill-s": f"{prefill_s:.6f}",
+    }
+    usage = {
+        "prompt_tokens": len(tokens),
+        "completion_tokens": len(pieces),
+        "total_tokens": len(tokens) + len(pieces),
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    step = 1.0 / cfg.decode_tok_per_s if cfg.decode_tok_per_s > 0 else 0.0
+    t0 = time.monotonic()
+
+    if not req.stream:
+        await _sleep_until(t0 + prefill_s + step * max(0, len(pieces) - 1))
+        _finish_cache(engine, tokens, pieces)
+        body = {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": req.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(pieces)},
+                    "finish_reason": finish,
+                }
+            ],
+            "usage": usage,
+            "tokenrelay": meta,
+        }
+        out = web.Response(
+            body=orjson.dumps(body), headers=headers, content_type="application/json"
+        )
+        return out, finish
+
+    resp = web.StreamResponse(
+        headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+
+    def chunk(delta: dict[str, str], reason: str | None = None) -> dict[str, object]:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": req.model,
+            "choices": [choice],
+        }
+
+    try:
+        await _sleep_until(t0 + prefill_s)
+        engine.cache.insert(tokens)  # the prompt's KV blocks exist once prefill is done
+        first = chunk({"role": "assistant", "content": ""})
+        first["tokenrelay"] = meta
+        await resp.write(_sse(first))
+        t_first = time.monotonic()
+        for i, piece in enumerate(pieces):
+            await _sleep_until(t_first + i * step)
+            await resp.write(_sse(chunk({"content": piece})))
+            engine.metrics.generation_tokens.inc()
+        await resp.write(_sse(chunk({}, finish)))
+        if req.include_usage:
+            tail = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": req.model,
+                "choices": [],
+                "usage": usage,
+            }
+            await resp.write(_sse(tail))
+        await resp.write(b"data: [DONE]\n\n")
+        _finish_cache(engine, tokens, pieces)
+        await resp.write_eof()
+    except ConnectionResetError:  # the client left mid-stream: an abort, not a server error
+        return resp, "abort"
+    return resp, finish
+
+
+def _finish_cache(engine: MockEngine, tokens: list[str], pieces: list[str]) -> None:
+    engine.cache.insert(tokens + pc.reply_tokens(pieces))
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    body = generate_latest(engine.metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _health(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    return web.json_response({"status": "ok", "engine_id": engine.cfg.engine_id})
+
+
+async def _models(request: web.Request) -> web.Response:
+    cfg = request.app[ENGINE_KEY].cfg
+    model = {"id": cfg.model, "object": "model", "created": 0, "owned_by": "tokenrelay"}
+    return web.json_response({"object": "list", "data": [model]})
+
+
+def make_app(cfg: EngineConfig) -> web.Application:
+    """The engine's application. Serve it with ``handler_cancellation=True`` (as
+    ``start_engine`` does) so that a client disconnect aborts the generation at once."""
+    app = web.Application(client_max_size=cfg.max_body_bytes)
+    app[ENGINE_KEY] = MockEngine(cfg)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/v1/models", _models)
+    return app
+
+
+@dataclass(slots=True)
+class RunningEngine:
+    """A started engine: its state, bound address, and ``stop()``."""
+
+    engine: MockEngine
+    runner: web.AppRunner
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_engine(cfg: EngineConfig) -> RunningEngine:
+    """Bind and start the engine (``cfg.port == 0`` picks a free port)."""
+    app = make_app(cfg)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    port = int(runner.addresses[0][1]) if runner.addresses else cfg.port
+    return RunningEngine(app[ENGINE_KEY], runner, cfg.host, port)
+
+
+async def run_engine(cfg: EngineConfig) -> None:
+    """Serve the engine until SIGTERM or SIGINT, then shut down cleanly."""
+    async with runtime.stop_on_signals() as stop:
+        running = await start_engine(cfg)
+        print(f"mock engine {cfg.engine_id} listening on {running.url}", flush=True)
+        try:
+            await stop.wait()
+        finally:
+            await running.stop()

@@ -1,0 +1,219 @@
+"""The pure parts of the Python client (:mod:`relay.client.stream`): SSE parsing, continuity and
+integrity checks, reconnect backoff. No sockets, no clock, no asyncio.
+
+The same rules as the browser client (clients/js/tokenrelay.js):
+
+- a frame at or below the last delivered offset is a duplicate: dropped, counted;
+- a frame whose first offset (``meta.from`` for a merged token frame) is above
+  ``last + 1`` leaves a hole: problem ``missing``; a merged frame whose ``meta.merged``
+  is not ``offset - meta.from + 1``: ``merge``; one that starts at or below ``last``:
+  ``overlap``; a ``gap`` frame from the relay: ``gap`` (it is delivered too);
+- for a turn watched from its ``meta`` frame, the ``done`` frame's ``meta.chars``
+  (Unicode code points) and ``meta.sha256`` (hex SHA-256 of the UTF-8 reply) are
+  compared with the text received, when present: ``integrity``.
+
+Order of use: ``c = Continuity(after)``; per decoded frame ``deliver, problems =
+c.accept(frame)``; :class:`SseParser` ``.feed(text)`` per chunk of an SSE body;
+:func:`backoff_s` before each reconnect.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Literal
+
+from relay.protocol.frame import Frame, first_offset
+
+__all__ = [
+    "Continuity",
+    "Problem",
+    "ProblemReason",
+    "SseEvent",
+    "SseParser",
+    "backoff_s",
+    "check_done",
+]
+
+ProblemReason = Literal["gap", "missing", "merge", "overlap", "integrity"]
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """Text that is missing or wrong: ``from_offset..to_offset`` (either may be None)."""
+
+    reason: ProblemReason
+    from_offset: int | None
+    to_offset: int | None
+    turn: int | None
+    detail: str
+
+
+@dataclass(slots=True)
+class _Turn:
+    text: list[str] = field(default_factory=list)
+    whole: bool = True
+
+
+class Continuity:
+    """One session's frames as a client receives them (see the module docstring)."""
+
+    MAX_TURNS = 8  # turns tracked at once (a turn ends with done/error)
+
+    def __init__(self, after: int | None = None) -> None:
+        self.last = after  # last offset delivered; None: nothing yet (live)
+        self.duplicates = 0
+        self.problems = 0
+        self._turns: OrderedDict[int, _Turn] = OrderedDict()
+
+    def accept(self, frame: Frame) -> tuple[bool, list[Problem]]:
+        """Whether to deliver ``frame``, and the problems it reveals."""
+        problems: list[Problem] = []
+        if frame.kind == "gap":
+            m = frame.meta or {}
+            problems.append(
+                Problem("gap", m.get("from"), m.get("to", frame.offset), None, frame.text)
+            )
+            self._break_all()
+            if self.last is None or frame.offset > self.last:
+                self.last = frame.offset
+            return self._done(True, problems)
+        if self.last is not None and frame.offset <= self.last:
+            self.duplicates += 1
+            return False, problems
+        first = first_offset(frame)
+        merged = (frame.meta or {}).get("merged") if frame.kind == "token" else None
+        if isinstance(merged, int) and merged != frame.offset - first + 1:
+            problems.append(
+                Problem("merge", first, frame.offset, frame.turn,
+                        f"meta.merged {merged} but meta.from..offset covers "
+                        f"{frame.offset - first + 1}")
+            )  # fmt: skip
+        if self.last is not None and first > self.last + 1:
+            problems.append(
+                Problem("missing", self.last + 1, first - 1, frame.turn, "offsets skipped")
+            )
+            self._break_all()
+        elif self.last is not None and first <= self.last:
+            problems.append(
+                Problem("overlap", first, self.last, frame.turn,
+                        "merged frame covers offsets already delivered")
+            )  # fmt: skip
+            if (t := self._turns.get(frame.turn)) is not None:
+                t.whole = False
+        self.last = frame.offset
+        self._track(frame, problems)
+        return self._done(True, problems)
+
+    def _track(self, frame: Frame, problems: list[Problem]) -> None:
+        if frame.kind == "meta":
+            self._turns[frame.turn] = _Turn()
+            while len(self._turns) > self.MAX_TURNS:
+                self._turns.popitem(last=False)
+            return
+        t = self._turns.get(frame.turn)
+        if t is None:
+            return  # joined mid-turn: its text cannot be checked
+        if frame.kind == "token":
+            t.text.append(frame.text)
+            return
+        if frame.kind not in ("done", "error"):
+            return
+        del self._turns[frame.turn]
+        if frame.kind == "done" and t.whole:
+            problem = check_done(frame, "".join(t.text))
+            if problem is not None:
+                problems.append(problem)
+
+    def _break_all(self) -> None:
+        for t in self._turns.values():
+            t.whole = False
+
+    def _done(self, deliver: bool, problems: list[Problem]) -> tuple[bool, list[Problem]]:
+        self.problems += len(problems)
+        return deliver, problems
+
+
+def check_done(frame: Frame, text: str) -> Problem | None:
+    """The done frame's ``chars`` / ``sha256`` against ``text``; None if they agree or
+    are absent."""
+    m = frame.meta or {}
+    wrong: list[str] = []
+    chars = m.get("chars")
+    if isinstance(chars, int) and not isinstance(chars, bool) and chars != len(text):
+        wrong.append(f"chars {len(text)} != {chars}")  # a str's len counts code points
+    digest = m.get("sha256")
+    if isinstance(digest, str) and hashlib.sha256(text.encode()).hexdigest() != digest.lower():
+        wrong.append("sha256 differs")
+    if not wrong:
+        return None
+    return Problem("integrity", None, frame.offset, frame.turn, "; ".join(wrong))
+
+
+def backoff_s(
+    attempt: int, *, base_s: float = 0.25, max_s: float = 10.0, rand: random.Random | None = None
+) -> float:
+    """Delay before reconnect ``attempt`` (0-based): exponential, capped, equal jitter
+    (half fixed, half random) so that a relay's clients do not return all at once."""
+    ceiling = min(max_s, base_s * 2.0 ** min(attempt, 30))
+    r = rand.random() if rand is not None else random.random()
+    return ceiling / 2 + r * ceiling / 2
+
+
+@dataclass(frozen=True, slots=True)
+class SseEvent:
+    """A dispatched event (``kind`` "event"), a ``retry:`` hint or a comment."""
+
+    kind: Literal["event", "retry", "comment"]
+    event: str = ""
+    data: str = ""
+    id: str | None = None
+    retry_ms: int = 0
+
+
+_NEWLINE = re.compile(r"\r\n|\r|\n")
+
+
+class SseParser:
+    """Incremental ``text/event-stream`` parser: :meth:`feed` returns the events that
+    the chunk completed."""
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._data: list[str] = []
+        self._event = ""
+        self._id: str | None = None
+
+    def feed(self, chunk: str) -> list[SseEvent]:
+        self._buf += chunk
+        out: list[SseEvent] = []
+        while (m := _NEWLINE.search(self._buf)) is not None:
+            if m.group() == "\r" and m.end() == len(self._buf):
+                break  # the CR may be the first half of a CRLF
+            line, self._buf = self._buf[: m.start()], self._buf[m.end() :]
+            self._line(line, out)
+        return out
+
+    def _line(self, line: str, out: list[SseEvent]) -> None:
+        if not line:
+            if self._data:
+                out.append(SseEvent("event", self._event or "message", "\n".join(self._data),
+                                    self._id))  # fmt: skip
+            self._data, self._event, self._id = [], "", None
+            return
+        if line.startswith(":"):
+            out.append(SseEvent("comment", data=line[1:].lstrip()))
+            return
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "data":
+            self._data.append(value)
+        elif name == "event":
+            self._event = value
+        elif name == "id" and "\0" not in value:
+            self._id = value
+        elif name == "retry" and value.isdigit():
+            out.append(SseEvent("retry", retry_ms=int(value)))

@@ -1,0 +1,95 @@
+"""``tokenrelay relay``: run one edge server (SSE + WebSocket) on uvloop.
+
+Registered through the entry-point group ``tokenrelay.commands``
+(``relay = "relay.edge.cli:register"``). Flags override ``TOKENRELAY_*`` environment
+variables (see :mod:`relay.edge.config`).
+
+Order of use: :func:`register` adds the parser; ``tokenrelay relay ...`` calls
+:func:`run`, which builds the config, serves the app and, on SIGTERM or SIGINT,
+drains (readyz 503, clients told to reconnect, at most ``--drain-deadline-s``), closes
+the hub and Redis, and returns 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Any
+
+from redis.exceptions import RedisClusterException, RedisError
+
+from relay.edge.config import ConfigError, RelayConfig, add_arguments, from_args
+from relay.edge.server import SERVER, make_app, make_runner
+from relay.redisio.connect import mask_url, startup_error
+from relay.redisio.errors import RelayError
+from relay.service import runtime
+from relay.service.httpguard import GuardedSite
+
+__all__ = ["register", "run", "serve"]
+
+log = logging.getLogger("tokenrelay.relay")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "relay",
+        help="run an edge server: SSE and WebSocket streams of sessions",
+        description="Edge server. Every flag also reads TOKENRELAY_<NAME> from the environment.",
+    )
+    add_arguments(p)
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    p.set_defaults(func=run)
+
+
+async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> int:
+    """Serve until ``stop`` is set or SIGTERM / SIGINT arrives; drain; return 0."""
+    app = make_app(config)
+    runner = make_runner(app, shutdown_timeout=1.0)
+    async with runtime.stop_on_signals(event=stop) as stopped:
+        try:
+            await runner.setup()  # connects to Redis (TLS handshake included)
+        except (RedisError, RedisClusterException, RelayError, OSError) as exc:
+            print(f"error: {startup_error(config.redis_url, exc)}", file=sys.stderr)
+            await runner.cleanup()
+            return 1
+        try:
+            # A reconnect storm (a relay died, its clients come here) arrives as one
+            # burst: aiohttp's default listen backlog of 128 would drop SYNs. A client
+            # that never finishes its request head gets 408 (slowloris).
+            rejected = app[SERVER].metrics.rejected.labels("head_timeout")
+            site = GuardedSite(
+                runner,
+                config.host,
+                config.port,
+                head_timeout_s=config.head_timeout_s,
+                backlog=4096,
+                on_timeout=rejected.inc,
+            )
+            await site.start()
+            log.info(
+                "relay %s listening on http://%s:%d (redis %s, auth %s)",
+                config.relay_id, config.host, config.port, mask_url(config.redis_url),
+                "on" if config.auth_enabled else "OFF",
+            )  # fmt: skip
+            await stopped.wait()
+            log.info("draining (deadline %.1fs)", config.drain_deadline_s)
+            await app[SERVER].drain()
+        finally:
+            await runner.cleanup()
+    log.info("relay %s stopped", config.relay_id)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=getattr(args, "log_level", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = from_args(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return runtime.run(serve(config))

@@ -1,0 +1,383 @@
+"""The per-relay fan-out that the edge server uses: one subscription per session,
+any number of local watchers, each resumed from its own offset, each with a bounded queue.
+
+Pieces: :class:`relay.edge.subscriber.ShardedSubscriber` (one pubsub connection per node)
+hands every ``smessage`` to :meth:`Hub._on_message` (synchronous: the reader task never
+awaits a consumer). Per channel, a :class:`relay.edge.resume.Resume` keeps channel-level
+order (duplicates dropped; a hole -> one backlog read for all watchers); per watcher, a
+:class:`relay.edge.tap.Tap` drives a pure :class:`relay.edge.watch.Watch` (replay merged with the
+live feed, bounded queue, conflation, slow-consumer cutoff) and writes to its socket
+straight from the reader while the socket has room. Replays are read page by page as
+the socket drains, under a relay-wide byte budget (:class:`relay.edge.tap.ByteBudget`).
+
+Beside the hub, fed by its set of watched sessions: :class:`relay.redisio.presence.Presence`
+(written when a session's first local watcher opens, removed when its last one leaves,
+refreshed with a long TTL) and :class:`relay.edge.reaper.Reaper` (ends turns whose worker
+died).
+
+Reference counts without races (centrifuge ``node.go``): the first watcher of a session
+subscribes (all other watchers await the same future; a failure rolls back); the last
+one leaving schedules an unsubscribe after ``unsubscribe_delay_s`` that re-checks the
+count.
+
+Order of use::
+
+    hub = Hub(redis, relay_id="edge-1"); await hub.start()
+    tap = await hub.watch(sid, from_offset)   # None: live only; 0: whole backlog; n: after n
+    while True: deliveries = await tap.next() # raises WatchClosed(reason, code)
+    await tap.close(); await hub.close()      # (a server uses tap.run(out) instead of next)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from redis.asyncio.cluster import RedisCluster
+
+from relay.edge.reaper import Reaper, ReapState
+from relay.edge.resume import Delivery, Fetch, Resume, Step
+from relay.edge.subscriber import ShardedSubscriber
+from relay.edge.tap import ByteBudget, Flusher, Tap, delivery, read_page
+from relay.edge.watch import Limits, Watch, conflate
+from relay.protocol.frame import now_ms
+from relay.protocol.keys import live_channel, parse_session
+from relay.redisio.errors import RelayError, WatchClosed
+from relay.redisio.presence import Presence
+from relay.redisio.publisher import seal
+
+__all__ = ["Delivery", "Hub", "Tap", "Watch", "WatchClosed", "conflate"]
+
+log = logging.getLogger(__name__)
+
+
+class _Channel(ReapState):
+    """Hub state of one subscribed session channel (and what the reaper reads of it)."""
+
+    def __init__(self, sid: str) -> None:
+        super().__init__(sid)
+        self.name = live_channel(sid)
+        self.taps: set[Tap] = set()
+        self.resume = Resume(sid, None)
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.ready.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self.dead = False
+        self.unsub_handle: asyncio.TimerHandle | None = None
+        self.fetch_task: asyncio.Task[None] | None = None
+
+    def alive(self) -> bool:
+        return not self.dead
+
+
+class Hub:
+    """Fan-out of session channels to local watchers. See the module docstring.
+
+    Bounds: ``queue_frames`` / ``hard_limit_frames`` / ``max_pending_bytes`` per watcher
+    (conflation, then ``slow_consumer``); ``backlog_page`` frames and ``page_bytes`` bytes
+    per backlog read; ``replay_budget_bytes`` of replay pages in memory relay-wide (past
+    it new replays wait their turn). Presence entries live ``presence_ttl_s``."""
+
+    def __init__(
+        self,
+        redis: RedisCluster,
+        *,
+        queue_frames: int = 1024,
+        hard_limit_frames: int = 4096,
+        max_pending_bytes: int = 1 << 20,
+        unsubscribe_delay_s: float = 2.0,
+        relay_id: str,
+        read_from_replicas: bool = False,
+        backlog_page: int = 512,
+        page_bytes: int = 256 * 1024,
+        replay_budget_bytes: int = 64 << 20,
+        presence_ttl_s: float = 30.0,
+        reap_after_s: float = 2.0,
+        reap_interval_s: float = 1.0,
+        backlog_maxlen: int = 10_000,
+        session_ttl_s: int = 86_400,
+    ) -> None:
+        self.redis = redis
+        self.limits = Limits(
+            queue_frames=queue_frames,
+            hard_limit_frames=hard_limit_frames,
+            max_pending_bytes=max_pending_bytes,
+            page_frames=backlog_page,
+            page_bytes=page_bytes,
+        )
+        self.unsubscribe_delay_s = unsubscribe_delay_s
+        self.relay_id = relay_id
+        self.backlog_page = backlog_page
+        self.backlog_maxlen = backlog_maxlen
+        self.session_ttl_s = session_ttl_s
+        self.budget = ByteBudget(replay_budget_bytes)
+        self.flusher = Flusher()  # one write per socket per read chunk
+        self.subscriber = ShardedSubscriber(
+            redis,
+            on_message=self._on_message,
+            on_resubscribed=self._on_resubscribed,
+            relay_id=relay_id,
+            read_from_replicas=read_from_replicas,
+        )
+        self.presence = Presence(redis, relay_id, ttl_s=presence_ttl_s)
+        self.reaper = Reaper(
+            redis,
+            relay_id,
+            self._reapable,
+            reap_after_s=reap_after_s,
+            interval_s=reap_interval_s,
+            maxlen=backlog_maxlen,
+            ttl_s=session_ttl_s,
+        )
+        self._channels: dict[str, _Channel] = {}
+        self._by_bytes: dict[bytes, _Channel] = {}
+        self._sealing: set[str] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        # called once per live frame read from Redis (servers time publish -> edge here,
+        # once per frame, not once per socket)
+        self.live_observers: list[Callable[[Delivery], None]] = []
+        self._stats: dict[str, int] = dict.fromkeys(
+            (
+                "watches_opened",
+                "frames_in",
+                "frames_out",
+                "bad_frames",
+                "conflations",
+                "slow_disconnects",
+                "replays",
+                "gaps",
+                "repairs",
+                "subscribes",
+                "unsubscribes",
+                "sealed",
+                "writes_direct",
+                "writes_queued",
+            ),
+            0,
+        )
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.subscriber.start()
+        self.presence.start()
+        self.reaper.start()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for ch in list(self._channels.values()):
+            for tap in list(ch.taps):
+                tap.shut("the relay is shutting down", "relay_shutdown")
+        for ch in list(self._channels.values()):
+            self._drop_channel(ch)
+        await self.reaper.close()
+        await self.presence.close()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.subscriber.close()
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self._stats)
+        out.update(self.presence.stats)
+        out.update(self.reaper.stats)
+        out["watches"] = sum(len(ch.taps) for ch in self._channels.values())
+        out["channels"] = len(self._channels)
+        out["channels_per_node"] = self.subscriber.channels_per_node()
+        out["resubscribes"] = self.subscriber.stats["resubscribes"]
+        out["subscriber"] = dict(self.subscriber.stats)
+        out["replay_budget_used"] = self.budget.used
+        out["replay_budget_peak"] = self.budget.peak
+        out["replay_budget_waits"] = self.budget.waits
+        return out
+
+    # -- watchers ----------------------------------------------------------------------
+
+    async def watch(self, sid: str, from_offset: int | None) -> Tap:
+        """Subscribe (shared), then replay after ``from_offset`` (page by page, as the
+        consumer takes frames) and follow live. Live only (``None``): returns once the
+        backlog's bounds are read.
+
+        Raises :class:`relay.redisio.errors.SubscribeError` if the channel cannot be subscribed
+        (after the subscriber's timeout). Backlog reads are retried while Redis is
+        unreachable: wrap the call in ``asyncio.timeout`` to bound the wait.
+        """
+        if self._closed:
+            raise WatchClosed("the relay is shutting down", "relay_shutdown")
+        sid = parse_session(sid)
+        if from_offset is not None and from_offset < 0:
+            raise ValueError("from_offset must be >= 0 or None")
+        ch = self._channels.get(sid)
+        if ch is None:
+            ch = self._open_channel(sid)
+        if ch.unsub_handle is not None:
+            ch.unsub_handle.cancel()
+            ch.unsub_handle = None
+        watch = Watch(sid, from_offset, self.limits, self._stats)
+        tap = Tap(sid, watch, self.redis, self.budget, self._detach, self._seal_later, self.flusher)
+        ch.taps.add(tap)  # counted (and fed live frames) before any await
+        self._stats["watches_opened"] += 1
+        try:
+            await asyncio.shield(ch.ready)
+            if from_offset is not None:
+                self._stats["replays"] += 1
+            tap.subscribed()
+            if from_offset is None:
+                await tap.first_read()
+        except BaseException:
+            tap.shut("watch setup failed", "closed")
+            raise
+        if not tap.closed:
+            self.presence.add(sid)  # a no-op unless this is the session's first watcher
+        return tap
+
+    def _open_channel(self, sid: str) -> _Channel:
+        ch = _Channel(sid)
+        self._channels[sid] = ch
+        self._by_bytes[ch.name.encode()] = ch
+        self._spawn(self._subscribe_channel(ch))
+        return ch
+
+    async def _subscribe_channel(self, ch: _Channel) -> None:
+        try:
+            await self.subscriber.subscribe([ch.name])
+            self._stats["subscribes"] += 1
+            step = ch.resume.subscribed()  # channel level: start at the current end
+            await self._fetch_loop(ch, step.fetch)
+        except BaseException as exc:  # roll back; every waiting watcher gets the error
+            self._drop_channel(ch)
+            if not ch.ready.done():
+                ch.ready.set_exception(exc if isinstance(exc, Exception) else RelayError("closed"))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        if not ch.ready.done():
+            ch.ready.set_result(None)
+
+    def _detach(self, tap: Tap) -> None:
+        ch = self._channels.get(tap.session)
+        if ch is None or tap not in ch.taps:
+            return
+        ch.taps.discard(tap)
+        if ch.taps or ch.dead or self._closed:
+            return
+        self.presence.remove(ch.sid)
+        loop = asyncio.get_running_loop()
+        ch.unsub_handle = loop.call_later(self.unsubscribe_delay_s, self._maybe_unsubscribe, ch)
+
+    def _maybe_unsubscribe(self, ch: _Channel) -> None:
+        ch.unsub_handle = None
+        if ch.taps or self._channels.get(ch.sid) is not ch:
+            return  # someone came back during the delay
+        self._drop_channel(ch)
+
+    def _drop_channel(self, ch: _Channel) -> None:
+        if ch.dead:
+            return
+        ch.dead = True
+        if ch.unsub_handle is not None:
+            ch.unsub_handle.cancel()
+        if self._channels.get(ch.sid) is ch:
+            del self._channels[ch.sid]
+            self._by_bytes.pop(ch.name.encode(), None)
+        if ch.resume.state.name != "CLOSED":
+            ch.resume.close()
+        if ch.fetch_task is not None and ch.fetch_task is not asyncio.current_task():
+            ch.fetch_task.cancel()
+        self._stats["unsubscribes"] += 1
+        self._spawn(self.subscriber.unsubscribe([ch.name]))
+
+    def _reapable(self) -> Iterator[_Channel]:
+        return (ch for ch in self._channels.values() if ch.taps and ch.ready.done())
+
+    # -- live path (synchronous, called by the subscriber's reader tasks) -----------------
+
+    def _on_message(self, channel: bytes, data: bytes) -> None:
+        ch = self._by_bytes.get(channel)
+        if ch is None:
+            return
+        self._stats["frames_in"] += 1
+        d = delivery(data, now_ms())
+        if d is None:
+            self._stats["bad_frames"] += 1
+            return
+        for observe in self.live_observers:
+            observe(d)
+        self._channel_step(ch, ch.resume.live(d))
+
+    def _channel_step(self, ch: _Channel, step: Step) -> None:
+        if step.emit:
+            self._fanout(ch, step.emit)
+        if step.fetch is not None:
+            self._stats["repairs"] += 1
+            ch.fetch_task = self._spawn(self._fetch_loop(ch, step.fetch))
+
+    def _fanout(self, ch: _Channel, ds: list[Delivery]) -> None:
+        ch.saw(ds)
+        taps = ch.taps
+        if len(taps) == 1:
+            for t in taps:
+                t.feed(ds)
+                return
+        for t in list(taps):
+            t.feed(ds)
+
+    def _on_resubscribed(self, channels: list[str]) -> None:
+        for name in channels:
+            ch = self._by_bytes.get(name.encode())
+            if ch is not None and ch.ready.done():
+                self._channel_step(ch, ch.resume.repair())
+
+    # -- backlog reads of a channel (holes and repairs, shared by all its watchers) ------
+
+    async def _fetch_loop(self, ch: _Channel, fetch: Fetch | None) -> None:
+        """Answer the channel resume's fetches until it needs none."""
+        resume = ch.resume
+        while fetch is not None and ch.alive():
+            page = await read_page(self.redis, ch.sid, fetch.after, self.backlog_page, 0, ch.alive)
+            if page is None:
+                return
+            frames, first, last = page
+            if resume.started and resume.last is not None and last < resume.last:
+                self._seal_later(ch.sid, resume.last, resume.gen)  # a failover lost offsets
+            entries = [d for d in map(delivery, frames) if d is not None]
+            step = resume.backlog(entries, first, last)
+            if step.emit:
+                self._fanout(ch, step.emit)
+            fetch = step.fetch
+
+    def _seal_later(self, sid: str, seen: int, gen: str = "") -> None:
+        if sid in self._sealing:
+            return
+        self._sealing.add(sid)
+
+        async def run() -> None:
+            try:
+                n = await seal(
+                    self.redis,
+                    sid,
+                    seen,
+                    sealer=self.relay_id,
+                    maxlen=self.backlog_maxlen,
+                    ttl_s=self.session_ttl_s,
+                    gen=gen,
+                )
+                if n:
+                    self._stats["sealed"] += n
+                    log.warning("session %s: %d offset(s) up to %d lost", sid, n, seen)
+            except RelayError as exc:
+                log.info("seal of %s failed: %s", sid, exc)
+            finally:
+                self._sealing.discard(sid)
+
+        self._spawn(run())
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t

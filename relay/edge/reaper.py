@@ -1,0 +1,127 @@
+"""The reaper: end a watched turn whose worker died, once, whichever relay gets there first.
+
+A watched channel whose turn is open (its last frame was not ``done``/``error``) and
+silent for ``reap_after_s`` gets :func:`relay.redisio.publisher.reap`: once the worker's turn
+lock has expired, the turn ends with an ``error`` frame "worker lost". Every
+``interval_s`` the reaper looks at the channels the hub hands it (``channels()``), at
+most one reap in flight per channel, then not before the next interval.
+
+Order of use::
+
+    r = Reaper(redis, relay_id, channels=hub_channels); r.start()
+    ...                        # the hub keeps each channel's ReapState up to date
+    await r.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from redis.asyncio.cluster import RedisCluster
+
+from relay.edge.resume import Delivery
+from relay.redisio.errors import RelayError
+from relay.redisio.publisher import reap
+
+__all__ = ["ReapState", "Reaper"]
+
+log = logging.getLogger(__name__)
+
+
+class ReapState:
+    """What the reaper needs of one watched channel; the hub calls :meth:`saw`."""
+
+    __slots__ = ("last_frame", "reap_next", "reaping", "sid", "turn_open")
+
+    def __init__(self, sid: str) -> None:
+        self.sid = sid
+        self.turn_open = True  # a turn may be open until a done/error frame says otherwise
+        self.last_frame = time.monotonic()
+        self.reap_next = 0.0
+        self.reaping = False
+
+    def saw(self, ds: list[Delivery]) -> None:
+        for d in ds:
+            if d.kind in ("done", "error"):
+                self.turn_open = False
+            elif d.kind in ("token", "meta"):
+                self.turn_open = True
+        self.last_frame = time.monotonic()
+
+
+class Reaper:
+    """See the module docstring. ``channels()``: the watched, subscribed channels now."""
+
+    def __init__(
+        self,
+        redis: RedisCluster,
+        relay_id: str,
+        channels: Callable[[], Iterable[ReapState]],
+        *,
+        reap_after_s: float = 2.0,
+        interval_s: float = 1.0,
+        maxlen: int = 10_000,
+        ttl_s: int = 86_400,
+    ) -> None:
+        self.redis = redis
+        self.relay_id = relay_id
+        self.channels = channels
+        self.reap_after_s = reap_after_s
+        self.interval_s = interval_s
+        self.maxlen = maxlen
+        self.ttl_s = ttl_s
+        self.stats: dict[str, int] = {"reap_checks": 0, "reaped": 0, "reap_errors": 0}
+        self._task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def start(self) -> None:
+        if self.interval_s > 0:
+            self._task = asyncio.create_task(self._loop(), name="relay-reaper")
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._task, *self._tasks) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            now = time.monotonic()
+            for ch in list(self.channels()):
+                if (
+                    ch.turn_open
+                    and not ch.reaping
+                    and now - ch.last_frame >= self.reap_after_s
+                    and now >= ch.reap_next
+                ):
+                    ch.reaping = True
+                    t = asyncio.create_task(self._reap(ch))
+                    self._tasks.add(t)
+                    t.add_done_callback(self._tasks.discard)
+
+    async def _reap(self, ch: ReapState) -> None:
+        self.stats["reap_checks"] += 1
+        try:
+            res = await reap(
+                self.redis, ch.sid, reaper=self.relay_id, maxlen=self.maxlen, ttl_s=self.ttl_s
+            )
+        except RelayError as exc:
+            self.stats["reap_errors"] += 1
+            log.info("reap of %s failed: %s", ch.sid, exc)
+        else:
+            if res.status == "idle":
+                ch.turn_open = False  # until the next token/meta frame
+            elif res.status == "reaped":
+                self.stats["reaped"] += 1
+                log.warning("session %s: turn %d reaped (worker lost)", ch.sid, res.turn)
+        finally:
+            ch.reaping = False
+            ch.reap_next = time.monotonic() + self.interval_s

@@ -1,0 +1,355 @@
+"""The resume merge for one reader of a session: backlog + live, in order, once each.
+
+Pure (stdlib, msgspec, relay.protocol.frame): no sockets, no clock, no asyncio. The hub drives one
+:class:`Resume` per watcher and one per subscribed channel (channel-level ordering).
+
+Lifecycle (transitions live in :data:`TRANSITIONS`, nowhere else)::
+
+    SUBSCRIBING --subscribed--> REPLAYING --caught_up--> LIVE
+                                   ^  |                    |
+                                   |  +------hole/repair---+ (back to REPLAYING)
+    any state --close--> CLOSED
+
+Order of calls:
+
+1. ``r = Resume(session, after)`` right before the channel is subscribed. ``after`` is the
+   last offset the reader already has (``0`` = everything in the backlog, ``None`` = live
+   only, from the current end). Live frames delivered before :meth:`subscribed` are
+   buffered.
+2. ``step = r.subscribed()`` once the subscription is confirmed: ``step.fetch`` asks the
+   driver to read the backlog after ``step.fetch.after`` (``None``: read no frames, only
+   the stream's bounds).
+3. The driver answers every fetch with :meth:`backlog` and feeds every live frame to
+   :meth:`live`; :meth:`repair` after a topology change. Each call returns a
+   :class:`Step`: frames to emit now (in order) and at most one fetch to perform.
+   There is never more than one fetch outstanding.
+4. :meth:`close`.
+
+Rules: a frame at or below the last emitted offset is a duplicate and is dropped; a
+frame above ``last + 1`` is a hole: it is buffered and the machine asks for the backlog
+after ``last`` instead of emitting; frames that the backlog no longer holds become one
+explicit ``gap`` delivery (see :func:`relay.protocol.frame.gap_frame`), never a silent skip.
+
+Session generations: every frame carries its session's generation id (``gen``). A
+frame of another generation than the last one emitted (the session's keys expired and
+restarted, offsets begin again at 1) is not a duplicate: the reader emits one
+``reset`` delivery (:func:`relay.protocol.frame.reset_frame`, offset 0), forgets its offsets
+and buffer, and continues with the new generation from offset 1 (reading the backlog
+when the frame is not offset 1). A ``reset`` delivery from upstream (the channel's
+reader, for a watcher's) does the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Final, NamedTuple
+
+from relay.protocol.frame import encode, gap_frame, reset_frame
+
+__all__ = [
+    "TRANSITIONS",
+    "Delivery",
+    "Fetch",
+    "InvalidTransition",
+    "Resume",
+    "ResumeState",
+    "Step",
+    "gap_delivery",
+    "reset_delivery",
+]
+
+
+class Delivery(NamedTuple):
+    """One frame for a socket: its offset, its kind and the encoded bytes as published.
+
+    ``ts`` is the producer's timestamp (ms) and ``received_ms`` when the relay read the
+    frame from its live subscription (0 for frames replayed from the backlog): together
+    they split the per-hop latency into publish -> edge and edge -> socket.
+    """
+
+    offset: int
+    kind: str
+    data: bytes
+    ts: int = 0
+    received_ms: int = 0
+    gen: str = ""  # the session generation (frame meta ``gen``), "" when unknown
+
+
+class ResumeState(Enum):
+    SUBSCRIBING = "subscribing"
+    REPLAYING = "replaying"
+    LIVE = "live"
+    CLOSED = "closed"
+
+
+S = ResumeState
+TRANSITIONS: Final[dict[tuple[ResumeState, str], ResumeState]] = {
+    (S.SUBSCRIBING, "subscribed"): S.REPLAYING,
+    (S.REPLAYING, "caught_up"): S.LIVE,
+    (S.REPLAYING, "hole"): S.REPLAYING,
+    (S.REPLAYING, "repair"): S.REPLAYING,
+    (S.LIVE, "hole"): S.REPLAYING,
+    (S.LIVE, "repair"): S.REPLAYING,
+    (S.SUBSCRIBING, "close"): S.CLOSED,
+    (S.REPLAYING, "close"): S.CLOSED,
+    (S.LIVE, "close"): S.CLOSED,
+    (S.CLOSED, "close"): S.CLOSED,
+}
+
+
+class InvalidTransition(RuntimeError):
+    """An event that the current state does not accept (a driver bug)."""
+
+
+class Fetch(NamedTuple):
+    """Read the backlog after ``after`` (``None``: no frames, only first/last offsets)."""
+
+    after: int | None
+
+
+@dataclass(slots=True)
+class Step:
+    emit: list[Delivery] = field(default_factory=list)
+    fetch: Fetch | None = None
+
+
+def gap_delivery(session: str, first_missing: int, first_available: int) -> Delivery:
+    """The explicit delivery for frames ``first_missing .. first_available - 1`` lost for good."""
+    gap = gap_frame(session, first_missing, first_available)
+    return Delivery(gap.offset, "gap", encode(gap))
+
+
+def reset_delivery(session: str, gen: str, previous: str) -> Delivery:
+    """The explicit delivery for a session that restarted under generation ``gen``."""
+    return Delivery(0, "reset", encode(reset_frame(session, gen, previous)), gen=gen)
+
+
+class Resume:
+    """Merge state of one reader. See the module docstring for the call order."""
+
+    def __init__(
+        self, session: str, after: int | None, *, max_buffer: int = 4096, max_buffer_bytes: int = 0
+    ) -> None:
+        if after is not None and after < 0:
+            raise ValueError("after must be >= 0 or None")
+        self.session = session
+        self.state = ResumeState.SUBSCRIBING
+        self.last: int | None = after  # last offset emitted (or known to the reader)
+        self.max_buffer = max_buffer
+        self.max_buffer_bytes = max_buffer_bytes  # 0: bounded by frames only
+        self._buffer_bytes = 0
+        self._buffer: dict[int, Delivery] = {}
+        self._fetching = False
+        self._refetch = False  # a repair or a dropped buffered frame needs one more read
+        self._first_read = True
+        self._stalls = 0
+        self.duplicates = 0
+        self.gaps = 0
+        self.holes = 0
+        self.overflow = 0
+        self.resets = 0
+        self.gen = ""  # generation of the frames emitted last ("" until one says)
+
+    # -- state ---------------------------------------------------------------------------
+
+    def _fire(self, event: str) -> None:
+        new = TRANSITIONS.get((self.state, event))
+        if new is None:
+            raise InvalidTransition(f"{event!r} in state {self.state.name}")
+        self.state = new
+
+    def _fetch(self) -> Fetch:
+        self._fetching = True
+        self._refetch = False
+        return Fetch(self.last if not (self._first_read and self.last is None) else None)
+
+    @property
+    def fetching(self) -> bool:
+        return self._fetching
+
+    @property
+    def started(self) -> bool:
+        """True once the first backlog answer was taken (``last`` is then a real offset)."""
+        return not self._first_read
+
+    # -- events --------------------------------------------------------------------------
+
+    def subscribed(self) -> Step:
+        self._fire("subscribed")
+        return Step(fetch=self._fetch())
+
+    def live(self, d: Delivery) -> Step:
+        if self.state is ResumeState.CLOSED:
+            return Step()
+        if d.kind == "reset" or self._new_gen(d):
+            return self._reset(d)
+        if self.last is not None and d.offset <= self.last:
+            self.duplicates += 1
+            return Step()
+        if self.state is not ResumeState.LIVE:
+            self._stash(d)
+            return Step()
+        assert self.last is not None
+        if d.offset == self.last + 1:
+            self.last = d.offset
+            out = [d]
+            self._drain(out)
+            self._saw_gen(out)
+            return Step(out)
+        self.holes += 1
+        self._stash(d)
+        self._fire("hole")
+        return Step(fetch=self._fetch())
+
+    def repair(self) -> Step:
+        """The live feed may have lost frames (resubscribe, reconnect): re-read the backlog."""
+        if self.state in (ResumeState.CLOSED, ResumeState.SUBSCRIBING):
+            return Step()
+        self._fire("repair")
+        if self._fetching:
+            self._refetch = True
+            return Step()
+        return Step(fetch=self._fetch())
+
+    def backlog(self, entries: Sequence[Delivery], first_available: int, last_offset: int) -> Step:
+        """The answer to the outstanding fetch.
+
+        ``entries`` are backlog frames after the fetch's offset (in order, possibly only a
+        page); ``first_available`` is the oldest offset the backlog still holds (``last
+        offset + 1`` when it is empty); ``last_offset`` the newest offset written.
+        """
+        if self.state is ResumeState.CLOSED:
+            self._fetching = False
+            return Step()
+        if self.state is not ResumeState.REPLAYING or not self._fetching:
+            raise InvalidTransition(f"backlog without a fetch in state {self.state.name}")
+        self._fetching = False
+        out: list[Delivery] = []
+        if self.last is None or (self._first_read and self.last > last_offset):
+            # live only (start at the current end), or a reader that claims offsets the
+            # session never wrote (its keys expired and restarted): start at the end.
+            self.last = last_offset
+            if not self.gen and last_offset > 0 and not entries and not self._buffer:
+                # read the last frame once, only to learn the session's generation: a
+                # reader that does not know it could not tell a restart from duplicates
+                self._first_read = False
+                self._fetching = True
+                return Step(out, Fetch(last_offset - 1))
+        self._first_read = False
+        if entries and self._new_gen(entries[0]):
+            # the session restarted since our last read: read the new one from its start
+            out.append(self._restart(entries[0].gen))
+            return Step(out, self._fetch())
+        if entries and not self.gen:
+            self.gen = entries[0].gen
+        before = self.last
+        if self.last + 1 < first_available and self.last < last_offset:
+            self._gap(out, first_available)
+        for e in entries:
+            if e.offset <= self.last:
+                continue
+            if e.offset != self.last + 1:
+                self._gap(out, e.offset)  # the backlog itself has a hole: report it
+            out.append(e)
+            self.last = e.offset
+        self._saw_gen(out)
+        if self.last < last_offset:
+            if entries:
+                return Step(out, self._fetch())  # next page
+            self._gap(out, last_offset + 1)  # the bounds promised frames that are gone
+        self._drain(out)
+        if self._buffer:
+            nxt = min(self._buffer)
+            self._stalls = 0 if self.last != before else self._stalls + 1
+            if self._stalls >= 2:  # two reads in a row could not fill it: lost for good
+                self._stalls = 0
+                self._gap(out, nxt)
+                self._drain(out)
+            if self._buffer:
+                return Step(out, self._fetch())
+        self._stalls = 0
+        if self._refetch:
+            return Step(out, self._fetch())
+        self._fire("caught_up")
+        return Step(out)
+
+    def close(self) -> None:
+        self._fire("close")
+        self._buffer.clear()
+        self._buffer_bytes = 0
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _new_gen(self, d: Delivery) -> bool:
+        return bool(d.gen) and bool(self.gen) and d.gen != self.gen
+
+    def _saw_gen(self, out: Sequence[Delivery]) -> None:
+        for d in reversed(out):
+            if d.gen:
+                self.gen = d.gen
+                return
+
+    def _restart(self, gen: str) -> Delivery:
+        """Forget the old generation: offsets, buffer; the reset delivery to emit."""
+        reset = reset_delivery(self.session, gen, self.gen)
+        self.gen = gen
+        self.last = 0
+        self._buffer.clear()
+        self.resets += 1
+        return reset
+
+    def _reset(self, d: Delivery) -> Step:
+        """A new generation (or an upstream reset): emit a reset, then take ``d`` as the
+        first frame of the new stream (a reset delivery itself carries no frame)."""
+        out = [self._restart(d.gen)]
+        if d.kind == "reset":
+            return Step(out)
+        if self.state is ResumeState.LIVE and d.offset == 1:
+            self.last = 1
+            out.append(d)
+            return Step(out)
+        self._stash(d)
+        if self.state is ResumeState.LIVE:
+            self._fire("hole")
+            return Step(out, self._fetch())
+        if self._fetching:
+            self._refetch = True  # the answer in flight may be of the old generation
+        return Step(out)
+
+    def _stash(self, d: Delivery) -> None:
+        if d.offset in self._buffer:
+            self.duplicates += 1
+            return
+        if len(self._buffer) >= self.max_buffer or (
+            self.max_buffer_bytes and self._buffer_bytes + len(d.data) > self.max_buffer_bytes
+        ):
+            # safe to forget: every published frame is in the backlog; read it again later
+            self.overflow += 1
+            self._refetch = True
+            return
+        self._buffer[d.offset] = d
+        self._buffer_bytes += len(d.data)
+
+    def _drain(self, out: list[Delivery]) -> None:
+        if not self._buffer:
+            return
+        assert self.last is not None
+        for off in sorted(self._buffer):
+            if off <= self.last:
+                self._buffer_bytes -= len(self._buffer.pop(off).data)
+                self.duplicates += 1
+            elif off == self.last + 1:
+                d = self._buffer.pop(off)
+                self._buffer_bytes -= len(d.data)
+                out.append(d)
+                self.last = off
+            else:
+                break
+
+    def _gap(self, out: list[Delivery], first_available: int) -> None:
+        assert self.last is not None
+        out.append(gap_delivery(self.session, self.last + 1, first_available))
+        self.last = first_available - 1
+        self.gaps += 1

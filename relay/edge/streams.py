@@ -1,0 +1,262 @@
+"""Per-connection pieces of the edge server: the stream record, the socket port,
+refusals, close codes.
+
+Used by :mod:`relay.edge.server` only. :class:`Stream` is one open SSE / WebSocket stream
+(its hub tap, its task, why the server ends it); :class:`SocketOut` is the socket as a
+:class:`relay.edge.tap.Tap` writes to it (pre-encoded bytes straight to the transport, one
+write per batch; SSE events and WebSocket text frames encoded once per relay in
+byte-bounded caches, :class:`FrameCache`); :class:`Reject` is a refusal before
+streaming (JSON ``{"error", "reason"}``); :data:`WS_CLOSE` maps every stop code to its
+WebSocket close code (the table of docs/PROTOCOL.md).
+
+Order of use: the server builds a :class:`Stream` once the watch is open and a
+:class:`SocketOut` once the response is prepared, calls :meth:`Stream.kick` to end it
+from outside (drain) and :meth:`Stream.cut` from a write timer; the stream's task reads
+:meth:`Stream.ended` to learn why it ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import struct
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, Final
+
+import orjson
+from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+
+from relay.edge.resume import Delivery
+from relay.edge.tap import Tap
+from relay.protocol import sse
+from relay.redisio.errors import WatchClosed
+
+__all__ = [
+    "CORS_HEADERS",
+    "GOODBYE_S",
+    "RETRY_AFTER",
+    "SSE_FRAMES",
+    "WS_CLOSE",
+    "WS_FRAMES",
+    "FrameCache",
+    "Reject",
+    "SocketOut",
+    "Stream",
+    "client_reason",
+    "discard",
+    "is_ping",
+    "jitter",
+    "ws_text_frame",
+]
+
+# WebSocket close codes the server uses, by WatchClosed / server stop code.
+WS_CLOSE: Final[dict[str, tuple[int, str]]] = {
+    "relay_shutdown": (1012, "service restart"),
+    "slow_consumer": (4008, "slow consumer"),
+    "token_expired": (4401, "token expired"),
+    "bad_message": (4400, "bad message"),
+    "binary": (1003, "binary messages are not supported"),
+    "too_big": (1009, "message too big"),
+    "internal": (1011, "internal error"),
+    "closed": (1000, "closed"),
+}
+CORS_HEADERS: Final = {
+    "Access-Control-Allow-Headers": "Authorization, Last-Event-ID, Content-Type",
+    "Access-Control-Allow-Methods": "GET, OPTIONS",
+    "Access-Control-Expose-Headers": "X-Relay-Id",
+    "Access-Control-Max-Age": "600",
+}
+
+
+class Reject(Exception):
+    """A request refused before streaming; becomes ``{"error", "reason"}`` JSON."""
+
+    def __init__(
+        self, status: int, error: str, reason: str, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(f"{status} {error}: {reason}")
+        self.status, self.error, self.reason = status, error, reason
+        self.headers = headers or {}
+
+    def response(self) -> web.Response:
+        body = orjson.dumps({"error": self.error, "reason": self.reason})
+        return web.Response(
+            status=self.status, body=body, content_type="application/json", headers=self.headers
+        )
+
+
+class Stream:
+    """One open SSE or WebSocket stream: its watch, its task, why the server ends it."""
+
+    __slots__ = ("offset", "out", "sid", "sock", "stop", "task", "transport", "watch")
+
+    def __init__(self, transport: str, sid: str, offset: int | None, watch: Tap) -> None:
+        self.transport, self.sid, self.offset, self.watch = transport, sid, offset, watch
+        self.stop: tuple[str, str] | None = None
+        self.task: asyncio.Task[Any] | None = asyncio.current_task()
+        self.sock: asyncio.Transport | None = None
+        self.out: SocketOut | None = None  # set while frames stream
+
+    def cut(self) -> None:
+        """A write did not finish in time: the client is slow. Abort the connection
+        (its buffers are full: no goodbye would get through); the pending write fails
+        with ConnectionResetError in the stream's task. No task is cancelled."""
+        if self.stop is None:
+            self.stop = ("slow_consumer", "the client does not read fast enough")
+        if self.sock is not None:
+            self.sock.abort()
+
+    async def kick(self, code: str, reason: str) -> None:
+        """End the stream from outside: its writer wakes with WatchClosed and says why."""
+        if self.stop is None:
+            self.stop = (code, reason)
+        await self.watch.close()
+
+    def ended(self, exc: WatchClosed) -> tuple[str, str]:
+        return self.stop if self.stop is not None else (exc.code, exc.reason)
+
+
+class FrameCache:
+    """Encoded bytes per frame (keyed by the frame's bytes object, shared by every watch
+    of the session), least recently used first out, bounded in bytes. A frame larger than
+    an eighth of the bound is encoded each time instead of evicting everything."""
+
+    def __init__(self, encode: Callable[[Delivery], bytes], max_bytes: int) -> None:
+        self._encode = encode
+        self.max_bytes = max_bytes
+        self.size = 0
+        self._items: OrderedDict[bytes, bytes] = OrderedDict()
+
+    def get(self, d: Delivery) -> bytes:
+        items = self._items
+        hit = items.get(d.data)
+        if hit is not None:
+            return hit
+        out = self._encode(d)
+        n = len(out) + len(d.data)
+        if n <= self.max_bytes // 8:
+            items[d.data] = out
+            self.size += n
+            while self.size > self.max_bytes:
+                k, v = items.popitem(last=False)
+                self.size -= len(k) + len(v)
+        return out
+
+
+def ws_text_frame(payload: bytes) -> bytes:
+    """One unmasked, final WebSocket text frame (RFC 6455 section 5.2), as a server sends."""
+    n = len(payload)
+    if n < 126:
+        return bytes((0x81, n)) + payload
+    if n < 65536:
+        return struct.pack("!BBH", 0x81, 126, n) + payload
+    return struct.pack("!BBQ", 0x81, 127, n) + payload
+
+
+SSE_FRAMES: Final = FrameCache(lambda d: sse.event(d.data, id=d.offset, kind=d.kind), 8 << 20)
+WS_FRAMES: Final = FrameCache(lambda d: ws_text_frame(d.data), 8 << 20)
+
+
+class SocketOut:
+    """A prepared SSE response or WebSocket as a :class:`relay.edge.tap.Tap` writes to it.
+
+    :meth:`send` writes a batch's pre-encoded bytes in one ``transport.write`` (for a
+    chunked HTTP response, inside one chunk), :meth:`room` says whether the transport is
+    below its write high-water mark, :meth:`drain` waits for it to resume writing (past
+    ``timeout_s`` the stream is cut as a slow consumer)."""
+
+    __slots__ = (
+        "_chunked",
+        "_frames",
+        "_high",
+        "_loop",
+        "_on_sent",
+        "_stream",
+        "_timeout_s",
+        "_transport",
+        "_writer",
+        "last_write",
+    )
+
+    def __init__(
+        self,
+        stream: Stream,
+        transport: asyncio.Transport,
+        writer: AbstractStreamWriter,
+        frames: FrameCache,
+        on_sent: Callable[[list[Delivery], int], None],
+        timeout_s: float,
+    ) -> None:
+        self._stream = stream
+        self._transport = transport
+        self._writer = writer
+        self._frames = frames
+        self._on_sent = on_sent
+        self._timeout_s = timeout_s
+        self._chunked = bool(getattr(writer, "chunked", False))
+        self._high = transport.get_write_buffer_limits()[1]
+        self._loop = asyncio.get_running_loop()
+        self.last_write = self._loop.time()
+
+    def room(self) -> bool:
+        t = self._transport
+        return not t.is_closing() and t.get_write_buffer_size() <= self._high
+
+    def write(self, data: bytes) -> None:
+        """Raw bytes (a heartbeat), framed as one HTTP chunk when the response is chunked."""
+        if self._chunked:
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        self._transport.write(data)
+        self.last_write = self._loop.time()
+
+    def send(self, ds: list[Delivery]) -> None:
+        get = self._frames.get
+        data = get(ds[0]) if len(ds) == 1 else b"".join([get(d) for d in ds])
+        self.write(data)
+        self._on_sent(ds, len(data))
+
+    async def drain(self) -> None:
+        if self._transport.is_closing():
+            raise ConnectionResetError("the connection is closing")
+        handle = self._loop.call_later(self._timeout_s, self._stream.cut)
+        try:
+            await self._writer.drain()
+        finally:
+            handle.cancel()
+
+
+RETRY_AFTER: Final = {"Retry-After": "1"}
+GOODBYE_S: Final = 1.0
+
+
+def jitter(retry_ms: int) -> int:
+    """Spread reconnects after a drain over [retry/2, retry] so peers are not stampeded."""
+    return retry_ms // 2 + random.randint(0, max(retry_ms // 2, 0))
+
+
+def discard(task: asyncio.Task[Any] | None) -> None:
+    """Cancel a helper task, or consume its outcome if it already finished."""
+    if task is None:
+        return
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()
+
+
+def is_ping(text: str) -> bool:
+    if len(text) > 64:
+        return False
+    try:
+        obj = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(obj, dict) and obj.get("type") == "ping"
+
+
+def client_reason(code: str) -> str:
+    if code == "bad_message":
+        return 'client messages must be {"type":"ping"}'
+    return WS_CLOSE.get(code, WS_CLOSE["internal"])[1]

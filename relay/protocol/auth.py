@@ -1,0 +1,431 @@
+"""Session tokens: standard JWTs (RFC 7519), bound to one session, with a scope and a lifetime.
+
+Pure (no clock, no I/O): the caller passes ``now`` (Unix seconds) and the key set.
+
+A token is a JWS compact serialisation signed with one key of a :class:`KeySet`::
+
+    header  = {"alg": "HS256" | "ES256" | "RS256", "typ": "JWT", "kid": <key id>}
+    claims  = {"sub": <session id>, "scope": "watch" | "write", "iat": <s>, "exp": <s>}
+
+``nbf`` is honoured when present; other claims are ignored (tokens minted here carry a
+random ``jti`` so that no two are the same string: streams are counted per token). Any
+JWT library mints them (docs/PROTOCOL.md has a Python and a Node example). A ``write``
+token also allows watching; a ``watch`` token does not allow writing (posting a turn,
+minting a token).
+
+Keys: HS256 secrets by key id (several at once: tokens signed with the previous secret
+keep verifying during a rotation, and removing a kid revokes every token signed with
+it), and, as an option, ES256 / RS256 public keys, so that a relay holding only the
+public key can verify tokens but never mint one. The algorithm is pinned per key: the
+header's ``alg`` must be the algorithm of the key its ``kid`` names (no ``none``, no
+HS256 token verified with an RSA key's bytes). HS256 secrets shorter than
+:data:`MIN_SECRET_BYTES`, with too few distinct bytes or a well-known default are
+refused (:func:`check_secret`).
+
+Order of use: a process builds a :class:`KeySet` once (:func:`load_keys` from its
+configuration); the worker calls :func:`issue_token`; the relay and the worker call
+:func:`extract_token` on the request's ``Authorization`` header / ``?token=`` query,
+then :func:`verify_token`, which returns :class:`Claims` or raises:
+
+    AuthError                 .status (HTTP), .error (stable code), .reason (sentence)
+     +-- TokenMissing         401  no token in the request
+     +-- TokenForbidden       403
+          +-- TokenInvalid        malformed, bad signature, algorithm not allowed
+          |    +-- TokenUnknownKey   a kid this process does not hold
+          +-- TokenExpired        past its ``exp``
+          +-- TokenNotYetValid    ``iat`` / ``nbf`` in the future (beyond the leeway)
+          +-- TokenWrongSession   signed for another session
+          +-- TokenWrongScope     a watch token used to write
+
+The signature is checked (constant time, by PyJWT) before any claim is looked at, so a
+forged token never learns which claim was wrong.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import json
+import re
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import jwt
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+
+from relay.protocol.keys import InvalidSessionId, parse_session
+
+__all__ = [
+    "DEFAULT_KID",
+    "MAX_TOKEN_LEN",
+    "MIN_SECRET_BYTES",
+    "AuthError",
+    "Claims",
+    "Key",
+    "KeySet",
+    "Scope",
+    "TokenExpired",
+    "TokenForbidden",
+    "TokenInvalid",
+    "TokenMissing",
+    "TokenNotYetValid",
+    "TokenUnknownKey",
+    "TokenWrongScope",
+    "TokenWrongSession",
+    "WeakSecret",
+    "check_secret",
+    "extract_token",
+    "issue_token",
+    "load_keys",
+    "verify_token",
+]
+
+Scope = Literal["watch", "write"]
+Alg = Literal["HS256", "ES256", "RS256"]
+
+MAX_TOKEN_LEN: Final = 2048  # an RS256 token with a 4096-bit key is about 900 characters
+MIN_SECRET_BYTES: Final = 32
+MIN_RSA_BITS: Final = 2048
+DEFAULT_KID: Final = "k1"
+LEEWAY_S: Final = 30  # clock skew allowed on iat / nbf (never on exp)
+SCOPES: Final[tuple[Scope, ...]] = ("watch", "write")
+# Secrets that have shipped in examples somewhere: refused wherever they appear.
+_KNOWN_DEFAULTS: Final = ("change-me", "changeme", "change_me", "demo-secret", "secret-key")
+_MIN_DISTINCT_BYTES: Final = 8
+_KID_MAX: Final = 64
+_JWS: Final = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+")
+
+
+class AuthError(Exception):
+    """A request that may not watch (or write to) the session. See the module tree."""
+
+    status: int = 403
+    error: str = "forbidden"
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class TokenMissing(AuthError):
+    status = 401
+    error = "token_missing"
+
+
+class TokenForbidden(AuthError):
+    status = 403
+    error = "forbidden"
+
+
+class TokenInvalid(TokenForbidden):
+    error = "token_invalid"
+
+
+class TokenUnknownKey(TokenInvalid):
+    error = "token_unknown_key"
+
+
+class TokenExpired(TokenForbidden):
+    error = "token_expired"
+
+
+class TokenNotYetValid(TokenForbidden):
+    error = "token_not_yet_valid"
+
+
+class TokenWrongSession(TokenForbidden):
+    error = "token_wrong_session"
+
+
+class TokenWrongScope(TokenForbidden):
+    error = "token_wrong_scope"
+
+
+class WeakSecret(ValueError):
+    """A key the process refuses to start with; the message says why (one line)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Claims:
+    """What a verified token says: its session, expiry (Unix seconds) and scope."""
+
+    session: str
+    expires: int
+    scope: Scope
+    issued: int = 0
+    kid: str = ""
+
+    def allows(self, need: Scope) -> bool:
+        return need == "watch" or self.scope == "write"
+
+
+def check_secret(secret: str | bytes, what: str = "the token secret") -> bytes:
+    """``secret`` as bytes if it is strong enough to sign tokens, else :class:`WeakSecret`:
+    shorter than 32 bytes, fewer than 8 distinct bytes, or a well-known example value."""
+    raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+    if len(raw) < MIN_SECRET_BYTES:
+        raise WeakSecret(
+            f"{what} is {len(raw)} bytes; it needs at least {MIN_SECRET_BYTES} "
+            "(generate one: python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
+    low = raw.lower()
+    if any(d.encode() in low for d in _KNOWN_DEFAULTS):
+        raise WeakSecret(f"{what} is a published example value; generate a random one")
+    if len(set(raw)) < _MIN_DISTINCT_BYTES:
+        raise WeakSecret(f"{what} has fewer than {_MIN_DISTINCT_BYTES} distinct bytes")
+    return raw
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """One key of a :class:`KeySet`: its id, its pinned algorithm, what verifies and
+    (if this process may mint tokens with it) what signs."""
+
+    kid: str
+    alg: Alg
+    verifier: Any  # bytes (HS256) or a public key object
+    signer: Any = None  # bytes (HS256) or a private key object; None: verify only
+
+    @classmethod
+    def hs256(cls, kid: str, secret: str | bytes) -> Key:
+        raw = check_secret(secret, f"the secret of key {kid!r}")
+        return cls(_check_kid(kid), "HS256", raw, raw)
+
+
+def _check_kid(kid: object) -> str:
+    if not isinstance(kid, str) or not 1 <= len(kid) <= _KID_MAX or not kid.isprintable():
+        raise WeakSecret(f"key id {kid!r}: 1-{_KID_MAX} printable characters")
+    return kid
+
+
+class KeySet:
+    """The keys one process verifies tokens with, by kid, and the one it signs with."""
+
+    def __init__(self, keys: Sequence[Key], signing_kid: str | None = None) -> None:
+        self.keys: dict[str, Key] = {}
+        for k in keys:
+            if k.kid in self.keys:
+                raise WeakSecret(f"key id {k.kid!r} appears twice")
+            self.keys[k.kid] = k
+        if not self.keys:
+            raise WeakSecret("no token key: give a secret or a key file")
+        self.signing: Key | None = None
+        if signing_kid is not None:
+            key = self.keys.get(signing_kid)
+            if key is None:
+                raise WeakSecret(f"signing key id {signing_kid!r} is not in the key set")
+            if key.signer is None:
+                raise WeakSecret(f"key {signing_kid!r} is a public key: it cannot sign")
+            self.signing = key
+
+    @classmethod
+    def from_secret(cls, secret: str | bytes, kid: str = DEFAULT_KID) -> KeySet:
+        return cls([Key.hs256(kid, secret)], kid)
+
+    def has_private_keys(self) -> list[str]:
+        """Kids of asymmetric keys this set could sign with (a relay should hold none)."""
+        return [k.kid for k in self.keys.values() if k.alg != "HS256" and k.signer is not None]
+
+
+def _jwk_key(obj: Mapping[str, Any]) -> Key:
+    """One JWK (RFC 7517): ``oct`` -> HS256, ``EC`` P-256 -> ES256, ``RSA`` -> RS256."""
+    kid = _check_kid(obj.get("kid"))
+    kty = obj.get("kty")
+    try:
+        if kty == "oct":
+            raw = jwt.utils.base64url_decode(str(obj.get("k", "")))
+            return Key.hs256(kid, raw)
+        text = json.dumps(dict(obj))
+        if kty == "EC":
+            if obj.get("crv") != "P-256":
+                raise WeakSecret(f"key {kid!r}: only EC keys on P-256 (ES256)")
+            ec_key = jwt.algorithms.ECAlgorithm.from_jwk(text)
+            if isinstance(ec_key, ec.EllipticCurvePrivateKey):
+                return Key(kid, "ES256", ec_key.public_key(), ec_key)
+            return Key(kid, "ES256", ec_key)
+        if kty == "RSA":
+            rsa_key = jwt.algorithms.RSAAlgorithm.from_jwk(text)
+            if rsa_key.key_size < MIN_RSA_BITS:
+                raise WeakSecret(f"key {kid!r}: RSA keys need at least {MIN_RSA_BITS} bits")
+            if isinstance(rsa_key, rsa.RSAPrivateKey):
+                return Key(kid, "RS256", rsa_key.public_key(), rsa_key)
+            return Key(kid, "RS256", rsa_key)
+    except (jwt.exceptions.InvalidKeyError, ValueError, TypeError) as exc:
+        if isinstance(exc, WeakSecret):
+            raise
+        raise WeakSecret(f"key {kid!r} is not a valid {kty} JWK: {exc}") from None
+    raise WeakSecret(f"key {kid!r}: kty must be oct, EC or RSA, not {kty!r}")
+
+
+def parse_jwks(text: str) -> list[Key]:
+    """The keys of a JWK Set document ``{"keys": [...]}``."""
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise WeakSecret(f"the key file is not JSON: {exc}") from None
+    keys = doc.get("keys") if isinstance(doc, dict) else None
+    if not isinstance(keys, list) or not all(isinstance(k, dict) for k in keys):
+        raise WeakSecret('the key file must be a JWK Set: {"keys": [{...}, ...]}')
+    return [_jwk_key(k) for k in keys]
+
+
+def load_keys(secret: str | None, kid: str = DEFAULT_KID, keys_file: str | None = None) -> KeySet:
+    """A process's key set: the HS256 ``secret`` as ``kid`` (if given) plus the keys of
+    the JWK Set file ``keys_file`` (if given). Signs with ``kid`` when this process holds
+    a signing key of that id. Raises :class:`WeakSecret` with a one-line reason."""
+    keys: list[Key] = []
+    if secret:
+        keys.append(Key.hs256(kid, secret))
+    if keys_file:
+        try:
+            text = Path(keys_file).read_text()
+        except OSError as exc:
+            raise WeakSecret(f"cannot read the key file {keys_file}: {exc.strerror}") from None
+        keys.extend(parse_jwks(text))
+    signer = next((k for k in keys if k.kid == kid and k.signer is not None), None)
+    return KeySet(keys, signer.kid if signer is not None else None)
+
+
+def _as_keyset(keys: KeySet | str | bytes) -> KeySet:
+    return keys if isinstance(keys, KeySet) else KeySet.from_secret(keys)
+
+
+def issue_token(
+    keys: KeySet | str | bytes,
+    sid: str,
+    ttl_s: float,
+    now: float,
+    *,
+    scope: Scope = "watch",
+) -> str:
+    """A token for ``sid`` valid from ``now`` until ``now + ttl_s`` (whole seconds, down),
+    signed with the key set's signing key (a bare secret is key :data:`DEFAULT_KID`)."""
+    ks = _as_keyset(keys)
+    if ks.signing is None:
+        raise ValueError("this key set holds no signing key")
+    sid = parse_session(sid)
+    if ttl_s < 1:
+        raise ValueError("ttl_s must be at least 1 second")
+    if scope not in SCOPES:
+        raise ValueError(f"unknown scope {scope!r}")
+    iat = int(now)
+    jti = secrets.token_urlsafe(9)  # two tokens minted in one second differ (per-token limits)
+    claims = {"sub": sid, "scope": scope, "iat": iat, "exp": int(now + ttl_s), "jti": jti}
+    key = ks.signing
+    return jwt.encode(claims, key.signer, algorithm=key.alg, headers={"kid": key.kid})
+
+
+# PyJWT's implementations of the three algorithms, called directly: the token's shape is
+# checked here once (three canonical base64url parts), which is 5-10x cheaper than
+# ``jwt.decode`` re-validating every segment character by character; what decides, the
+# signature check (constant time for HS256), is PyJWT's.
+_VERIFIERS: Final[dict[str, Any]] = {
+    "HS256": jwt.algorithms.HMACAlgorithm(jwt.algorithms.HMACAlgorithm.SHA256),
+    "ES256": jwt.algorithms.ECAlgorithm(jwt.algorithms.ECAlgorithm.SHA256),
+    "RS256": jwt.algorithms.RSAAlgorithm(jwt.algorithms.RSAAlgorithm.SHA256),
+}
+
+
+def _segment(part: str) -> bytes:
+    """One base64url part, decoded; TokenInvalid unless it is the canonical spelling
+    (decoders ignore the unused low bits of the last character, which would let several
+    strings verify as one signature)."""
+    if len(part) % 4 == 1:
+        raise TokenInvalid("token is not canonical base64url")
+    try:
+        raw = base64.urlsafe_b64decode(part + "=" * (-len(part) % 4))
+    except (binascii.Error, ValueError):
+        raise TokenInvalid("token is not base64url") from None
+    if base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii") != part:
+        raise TokenInvalid("token is not canonical base64url")
+    return raw
+
+
+def _json_object(raw: bytes, what: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        raise TokenInvalid(f"token {what} is not JSON") from None
+    if not isinstance(obj, dict):
+        raise TokenInvalid(f"token {what} is not a JSON object")
+    return obj
+
+
+def _int_claim(claims: Mapping[str, Any], name: str) -> int:
+    value = claims.get(name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TokenInvalid(f"token claim {name!r} must be an integer (Unix seconds)")
+    return value
+
+
+def verify_token(
+    keys: KeySet | str | bytes, token: str, sid: str, now: float, *, need: Scope = "watch"
+) -> Claims:
+    """The claims of ``token`` if it is genuine, for ``sid``, in its lifetime and allows
+    ``need``. Raises (checked in this order) :class:`TokenMissing`, :class:`TokenInvalid`
+    / :class:`TokenUnknownKey`, :class:`TokenWrongSession`, :class:`TokenNotYetValid`,
+    :class:`TokenExpired`, :class:`TokenWrongScope`."""
+    ks = _as_keyset(keys)
+    if not token:
+        raise TokenMissing("no token: send Authorization: Bearer <token> or ?token=")
+    if len(token) > MAX_TOKEN_LEN:
+        raise TokenInvalid(f"token longer than {MAX_TOKEN_LEN} characters")
+    if _JWS.fullmatch(token) is None:
+        raise TokenInvalid("token is not a JWT (header.claims.signature, base64url)")
+    head_b64, claims_b64, sig_b64 = token.split(".")
+    header = _json_object(_segment(head_b64), "header")
+    kid = header.get("kid")
+    key = ks.keys.get(kid) if isinstance(kid, str) else None
+    if key is None:
+        raise TokenUnknownKey("token names no key id this server holds (kid)")
+    if header.get("alg") != key.alg:  # pinned: no 'none', no HS256 with an RSA key's bytes
+        raise TokenInvalid(f"key {key.kid!r} verifies {key.alg} tokens only")
+    signature, claims_raw = _segment(sig_b64), _segment(claims_b64)
+    signed = f"{head_b64}.{claims_b64}".encode("ascii")
+    if not _VERIFIERS[key.alg].verify(signed, key.verifier, signature):
+        raise TokenInvalid("token signature does not verify")
+    claims = _json_object(claims_raw, "claims")
+    # Genuine from here on: the claims were written by someone holding the key.
+    try:
+        token_sid = parse_session(claims.get("sub"))
+    except InvalidSessionId:
+        raise TokenInvalid("token claim 'sub' is not a session id") from None
+    scope = claims.get("scope")
+    if scope not in SCOPES:
+        raise TokenInvalid("token claim 'scope' must be 'watch' or 'write'")
+    expires = _int_claim(claims, "exp")
+    issued = _int_claim(claims, "iat")
+    not_before = _int_claim(claims, "nbf") if "nbf" in claims else None
+    if not hmac.compare_digest(token_sid.encode(), sid.encode()):
+        raise TokenWrongSession("token was issued for another session")
+    if issued > now + LEEWAY_S or (not_before is not None and not_before > now + LEEWAY_S):
+        raise TokenNotYetValid("token is not valid yet (iat / nbf in the future)")
+    if now >= expires:
+        raise TokenExpired("token has expired")
+    result = Claims(token_sid, expires, scope, issued, key.kid)
+    if not result.allows(need):
+        raise TokenWrongScope(f"token does not allow {need}")
+    return result
+
+
+def extract_token(authorization: str | None, query_token: str | None) -> str:
+    """The token from ``Authorization: Bearer <t>`` (preferred) or the ``token`` query.
+
+    Raises :class:`TokenMissing` when neither carries one, :class:`TokenInvalid` for an
+    ``Authorization`` header of another scheme or shape.
+    """
+    if authorization:
+        scheme, _, value = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer":
+            raise TokenInvalid("Authorization must use the Bearer scheme")
+        value = value.strip()
+        if not value or " " in value:
+            raise TokenInvalid("Authorization: Bearer takes exactly one token")
+        return value
+    if query_token:
+        return query_token
+    raise TokenMissing("no token: send Authorization: Bearer <token> or ?token=")

@@ -1,0 +1,139 @@
+"""Session ids and every Redis key / channel name, in one place.
+
+Everything about one session lives in one hash slot: the session id is the hash tag
+(``tr:{<sid>}:...``). A session id is validated before any name is built, so a client
+can never pick a slot (or break out of the tag) by smuggling braces, CR/LF or NUL.
+
+Order of use: :func:`parse_session` on every id that arrives from outside, then
+:func:`key` (or the named helpers) to build names. The control plane's names (worker
+load reports, engine heartbeats) are here too. Nothing else in the project formats
+``tr:`` strings.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from enum import StrEnum
+
+__all__ = [
+    "ENGINES_REGISTRY",
+    "SESSION_ID_MAX_LEN",
+    "WORKERS_REGISTRY",
+    "InvalidSessionId",
+    "KeyKind",
+    "engine_key",
+    "hist_key",
+    "idem_key",
+    "key",
+    "live_channel",
+    "log_key",
+    "meta_key",
+    "new_session_id",
+    "parse_session",
+    "presence_key",
+    "turn_rate_key",
+    "worker_key",
+]
+
+SESSION_ID_MAX_LEN = 64
+_SESSION_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_IDEM_RE = re.compile(r"[\x21-\x7e]{1,128}")
+
+
+class InvalidSessionId(ValueError):
+    """A session id outside ``[A-Za-z0-9_-]{1,64}``. The message says why."""
+
+
+class KeyKind(StrEnum):
+    """What a per-session name points at."""
+
+    LIVE = "live"  # shard channel: SPUBLISH / SSUBSCRIBE
+    LOG = "log"  # stream: the backlog of frames, for resume
+    META = "meta"  # hash: epoch, next offset, turn counter
+    HIST = "hist"  # list: the chat history (worker)
+    PRESENCE = "presence"  # sorted set: relay id -> last seen (ms), who watches
+    LOCK = "lock"  # string: the turn that currently generates
+    IDEM = "idem"  # string: Idempotency-Key -> turn
+    RATE = "rate"  # string: turn requests in one minute (worker abuse limit)
+
+
+def parse_session(raw: object) -> str:
+    """Return ``raw`` as a session id, or raise :class:`InvalidSessionId` with a reason."""
+    if not isinstance(raw, str):
+        raise InvalidSessionId("session id must be a string")
+    if not raw:
+        raise InvalidSessionId("session id is empty")
+    if len(raw) > SESSION_ID_MAX_LEN:
+        raise InvalidSessionId(f"session id longer than {SESSION_ID_MAX_LEN} characters")
+    if _SESSION_RE.fullmatch(raw) is None:
+        raise InvalidSessionId("session id may contain only A-Z a-z 0-9 _ -")
+    return raw
+
+
+def new_session_id() -> str:
+    """A fresh random session id (128 bits, URL-safe, always valid)."""
+    return secrets.token_urlsafe(16)
+
+
+def key(sid: str, kind: KeyKind, suffix: str = "") -> str:
+    """The one function that builds per-session names: ``tr:{sid}:kind[:suffix]``."""
+    parse_session(sid)
+    name = f"tr:{{{sid}}}:{kind.value}"
+    return f"{name}:{suffix}" if suffix else name
+
+
+def live_channel(sid: str) -> str:
+    return key(sid, KeyKind.LIVE)
+
+
+def log_key(sid: str) -> str:
+    return key(sid, KeyKind.LOG)
+
+
+def meta_key(sid: str) -> str:
+    return key(sid, KeyKind.META)
+
+
+def hist_key(sid: str) -> str:
+    return key(sid, KeyKind.HIST)
+
+
+def presence_key(sid: str) -> str:
+    return key(sid, KeyKind.PRESENCE)
+
+
+def idem_key(sid: str, idempotency_key: str) -> str:
+    """Name for a client's ``Idempotency-Key`` (printable ASCII, at most 128 characters)."""
+    if _IDEM_RE.fullmatch(idempotency_key) is None:
+        raise ValueError("Idempotency-Key must be 1-128 printable ASCII characters")
+    return key(sid, KeyKind.IDEM, idempotency_key)
+
+
+def turn_rate_key(sid: str, minute: int) -> str:
+    """Counter of turn requests of ``sid`` in the minute ``minute`` (Unix s // 60)."""
+    return key(sid, KeyKind.RATE, str(minute))
+
+
+# -- control plane (not per session) -------------------------------------------------
+
+WORKERS_REGISTRY = "tr:workers"  # sorted set: worker id -> last load report (s)
+ENGINES_REGISTRY = "tr:engines"  # sorted set: engine id -> last heartbeat (ms)
+
+
+def _check_member_id(what: str, ident: str) -> str:
+    """A worker or engine id is its own hash tag: no braces, no whitespace, <= 128."""
+    if not ident or len(ident) > 128 or any(c in ident for c in "{} \t\r\n\x00"):
+        raise ValueError(f"invalid {what} id {ident!r}")
+    return ident
+
+
+def worker_key(worker_id: str, namespace: str = "tr") -> str:
+    """Per-worker load-report hash (worker.routing.loadshare); the worker id is its hash tag.
+    ``namespace`` other than "tr" isolates tests sharing one cluster."""
+    return f"{namespace}:workers:{{{_check_member_id('worker', worker_id)}}}"
+
+
+def engine_key(engine_id: str) -> str:
+    """Per-engine heartbeat hash (worker.routing.control); the engine id is its hash tag."""
+    return f"{ENGINES_REGISTRY}:{{{_check_member_id('engine', engine_id)}}}"

@@ -1,0 +1,175 @@
+"""Presence: which relays have viewers of a session, for the workers' "nobody watches" rule.
+
+Per watched session, the sorted set ``presence_key(sid)`` holds one member per relay with
+local watchers; its score is when that entry expires, in Redis server milliseconds
+(``TIME`` taken inside the script, so no host clock is involved: a relay whose clock is
+off by seconds writes the same scores as any other). A worker counts the members whose
+expiry is still ahead of the server's ``TIME`` (:func:`count_present`).
+
+Cost does not grow per second with idle viewers: a session is written when its first
+local watcher opens and removed (``ZREM``) when its last one leaves; in between it is
+refreshed every ``ttl_s / 3`` (with jitter, so refreshes spread over time), by one timer
+that sends at most ``batch`` sessions per pipeline and yields between pipelines, so no
+event-loop turn is spent on more than ``batch`` sessions.
+
+Order of use::
+
+    p = Presence(redis, relay_id="edge-1"); p.start()
+    p.add(sid)      # first local watcher of sid
+    p.remove(sid)   # last local watcher of sid left
+    await p.close() # removes every entry it wrote
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import logging
+import random
+from typing import Final
+
+from redis.asyncio.cluster import RedisCluster
+
+from relay.protocol.keys import presence_key
+from relay.redisio.errors import RelayError, map_redis_errors
+
+__all__ = ["COUNT_LUA", "WRITE_LUA", "Presence", "count_present"]
+
+log = logging.getLogger(__name__)
+
+# KEYS[1] presence key; ARGV[1] relay id, ARGV[2] ttl ms. Score = server now + ttl;
+# entries already expired are dropped; the key lives as long as its newest entry.
+WRITE_LUA: Final = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[2])
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
+return now
+"""
+
+# KEYS[1] presence key: relays whose entry expires after the server's now.
+COUNT_LUA: Final = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+return redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
+"""
+
+
+async def count_present(redis: RedisCluster, sid: str) -> int:
+    """Relays whose presence entry for ``sid`` has not expired (Redis server time)."""
+    with map_redis_errors():
+        return int(await redis.eval(COUNT_LUA, 1, presence_key(sid)))
+
+
+class Presence:
+    """Presence entries of one relay. See the module docstring."""
+
+    def __init__(
+        self,
+        redis: RedisCluster,
+        relay_id: str,
+        *,
+        ttl_s: float = 30.0,
+        batch: int = 50,
+        tick_s: float = 0.1,
+    ) -> None:
+        if ttl_s <= 0 or batch < 1 or tick_s <= 0:
+            raise ValueError("presence ttl, batch and tick must be positive")
+        self.redis = redis
+        self.relay_id = relay_id
+        self.ttl_s = ttl_s
+        self.batch = batch
+        self.tick_s = tick_s
+        self._watched: dict[str, float] = {}  # sid -> when its next refresh is due
+        self._due: list[tuple[float, str]] = []  # heap; stale entries skipped
+        self._new: set[str] = set()
+        self._gone: set[str] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._kick = asyncio.Event()
+        self.stats: dict[str, int] = {"presence_writes": 0, "presence_errors": 0}
+
+    @property
+    def refresh_s(self) -> float:
+        return self.ttl_s / 3
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="relay-presence")
+
+    async def close(self) -> None:
+        """Stop refreshing and remove every entry this relay wrote."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._gone.update(self._watched)
+        self._watched.clear()
+        self._new.clear()
+        with contextlib.suppress(RelayError):
+            await self._flush(0.0)
+
+    def add(self, sid: str) -> None:
+        if sid in self._watched:
+            return
+        self._gone.discard(sid)
+        self._watched[sid] = 0.0
+        self._new.add(sid)
+        self._kick.set()
+
+    def remove(self, sid: str) -> None:
+        if self._watched.pop(sid, None) is None:
+            return
+        self._new.discard(sid)
+        self._gone.add(sid)
+        self._kick.set()
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.tick_s):
+                    await self._kick.wait()
+            self._kick.clear()
+            try:
+                await self._flush(loop.time())
+            except RelayError as exc:
+                self.stats["presence_errors"] += 1
+                log.info("presence write failed: %s", exc)
+                await asyncio.sleep(min(self.refresh_s, 1.0))
+
+    def _schedule(self, sid: str, now: float) -> None:
+        due = now + self.refresh_s * random.uniform(0.8, 1.0)
+        self._watched[sid] = due
+        heapq.heappush(self._due, (due, sid))
+
+    async def _flush(self, now: float) -> None:
+        writes = list(self._new)
+        self._new.clear()
+        while self._due and self._due[0][0] <= now:
+            due, sid = heapq.heappop(self._due)
+            if self._watched.get(sid) == due:
+                writes.append(sid)
+        for sid in writes:
+            if sid in self._watched:
+                self._schedule(sid, now)
+        gone = list(self._gone)
+        self._gone.clear()
+        ttl_ms = int(self.ttl_s * 1000)
+        for i in range(0, max(len(writes), len(gone)), self.batch):
+            try:
+                with map_redis_errors():
+                    async with self.redis.pipeline(transaction=False) as p:
+                        for sid in writes[i : i + self.batch]:
+                            p.eval(WRITE_LUA, 1, presence_key(sid), self.relay_id, ttl_ms)
+                        for sid in gone[i : i + self.batch]:
+                            p.zrem(presence_key(sid), self.relay_id)
+                        await p.execute()
+            except RelayError:  # try again at the next tick: nothing is dropped
+                self._new.update(s for s in writes[i:] if s in self._watched)
+                self._gone.update(s for s in gone[i:] if s not in self._watched)
+                raise
+            self.stats["presence_writes"] += len(writes[i : i + self.batch])
+            await asyncio.sleep(0)

@@ -1,0 +1,1 @@
+"""The ``tokenrelay`` command: one entry point whose subcommands the packages add."""

@@ -1,0 +1,282 @@
+"""The session store: everything a stateless worker keeps about a session, in Redis.
+
+All keys are built by :mod:`relay.protocol.keys` and share the session's hash slot, so each
+operation below is one round trip to one shard (pipelines and Lua stay single-slot):
+
+* ``hist_key(sid)`` list: the chat history, one JSON ``{"role", "content"}`` per
+  message, trimmed to the last ``max_messages`` and expiring ``ttl_s`` after the last
+  write;
+* ``key(sid, HIST, "state")`` hash: ``system`` (the session's system prompt, replaced
+  when a turn sends one) and ``engine`` (the engine that served the last turn, for the
+  cache-affinity metric);
+* ``key(sid, LOCK)`` string: the turn that currently generates (``<owner> <json>``),
+  with a TTL the turn runner refreshes; one turn at a time per session;
+* ``idem_key(sid, k)`` string: ``Idempotency-Key`` -> the 202 body of the turn it
+  started and the request's fingerprint (``{"turn", "offset", "session", "fp"}``, kept
+  ``idem_ttl_s``); while that turn is being admitted, ``pending <owner> <fp>`` with the
+  turn lock's TTL: a worker that dies between claim and resolve holds the key no
+  longer than its lock, and a retry after that starts the turn.
+
+Order of use for one turn: :meth:`SessionStore.claim_idempotency` (when the client sent
+a key) -> :meth:`acquire_lock` -> :meth:`load` -> (route, open the generation) ->
+:meth:`set_lock_turn` and :meth:`resolve_idempotency` -> ... :meth:`refresh_lock` about
+once a second ... -> :meth:`append_exchange` on success -> :meth:`release_lock`.
+redis-py errors become :mod:`relay.redisio.errors` exceptions here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from redis.asyncio.cluster import RedisCluster
+
+from relay.protocol.keys import KeyKind, hist_key, idem_key, key
+from relay.redisio.errors import map_redis_errors
+
+__all__ = ["History", "LockHolder", "SessionStore", "state_key"]
+
+_REFRESH_LUA: Final = """
+local v = redis.call('GET', KEYS[1])
+if v and string.sub(v, 1, #ARGV[1]) == ARGV[1] then
+  if ARGV[3] ~= '' then redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[2])
+  else redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+  return 1
+end
+return 0
+"""
+
+_SET_TURN_LUA: Final = """
+local v = redis.call('GET', KEYS[1])
+if (not v) or string.sub(v, 1, #ARGV[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
+
+_RELEASE_LUA: Final = """
+local v = redis.call('GET', KEYS[1])
+if v and string.sub(v, 1, #ARGV[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+# ARGV: max messages, TTL, max bytes (0: no byte bound), then the messages to append.
+# The oldest messages go first past either bound; the newest exchange always stays.
+_APPEND_LUA: Final = """
+for i = 4, #ARGV do redis.call('RPUSH', KEYS[1], ARGV[i]) end
+redis.call('LTRIM', KEYS[1], -tonumber(ARGV[1]), -1)
+local maxb = tonumber(ARGV[3])
+if maxb > 0 then
+  local items = redis.call('LRANGE', KEYS[1], 0, -1)
+  local total = 0
+  for _, v in ipairs(items) do total = total + #v end
+  local drop, keep = 0, #ARGV - 3
+  while total > maxb and #items - drop > keep do
+    drop = drop + 1
+    total = total - #items[drop]
+  end
+  if drop > 0 then redis.call('LTRIM', KEYS[1], drop, -1) end
+end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return redis.call('LLEN', KEYS[1])
+"""
+
+
+def state_key(sid: str) -> str:
+    """The per-session hash with the system prompt and the last engine."""
+    return key(sid, KeyKind.HIST, "state")
+
+
+@dataclass(frozen=True, slots=True)
+class History:
+    """What the prompt is assembled from."""
+
+    system: str | None
+    messages: list[dict[str, str]]
+    last_engine: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class LockHolder:
+    """Who holds a session's turn lock (``turn``/``offset`` are 0 while being admitted)."""
+
+    owner: str
+    turn: int
+    offset: int
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class SessionStore:
+    """History, turn lock and idempotency records of sessions. Safe to share."""
+
+    def __init__(
+        self,
+        redis: RedisCluster,
+        *,
+        max_messages: int = 64,
+        max_bytes: int = 0,
+        ttl_s: int = 86_400,
+        lock_ttl_s: float = 15.0,
+        idem_ttl_s: int = 86_400,
+    ) -> None:
+        if max_messages < 2:
+            raise ValueError("max_messages must be >= 2")
+        if max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0 (0: no byte bound)")
+        self.redis = redis
+        self.max_messages = max_messages
+        self.max_bytes = max_bytes  # the history's stored size; 0: messages only
+        self.ttl_s = ttl_s
+        self.lock_ttl_ms = max(1, int(lock_ttl_s * 1000))
+        self.idem_ttl_s = idem_ttl_s
+
+    # ---- history -----------------------------------------------------------------------
+
+    async def load(self, sid: str) -> History:
+        """The system prompt, the bounded history and the last engine, in one round trip."""
+        with map_redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.lrange(hist_key(sid), 0, -1)
+            pipe.hgetall(state_key(sid))
+            raw_hist, raw_state = await pipe.execute()
+        messages: list[dict[str, str]] = []
+        for item in raw_hist:
+            try:
+                m = json.loads(item)
+            except ValueError:
+                continue
+            if isinstance(m, dict) and isinstance(m.get("content"), str):
+                messages.append({"role": str(m.get("role", "user")), "content": m["content"]})
+        state = {_s(k): _s(v) for k, v in raw_state.items()}
+        return History(state.get("system") or None, messages, state.get("engine") or None)
+
+    async def save_system(self, sid: str, system: str) -> None:
+        with map_redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hset(state_key(sid), "system", system)
+            pipe.expire(state_key(sid), self.ttl_s)
+            await pipe.execute()
+
+    async def append_exchange(
+        self, sid: str, messages: list[Mapping[str, str]], engine: str | None
+    ) -> None:
+        """Append messages (the user's and the assistant's) and remember the engine. The
+        oldest messages are dropped past ``max_messages`` or ``max_bytes`` (stored JSON);
+        the appended exchange itself always stays."""
+        args: list[Any] = [self.max_messages, self.ttl_s, self.max_bytes]
+        args += [json.dumps({"role": m["role"], "content": m["content"]}) for m in messages]
+        with map_redis_errors():
+            await self.redis.eval(_APPEND_LUA, 1, hist_key(sid), *args)
+            if engine is not None:
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.hset(state_key(sid), "engine", engine)
+                pipe.expire(state_key(sid), self.ttl_s)
+                await pipe.execute()
+
+    # ---- the turn lock -------------------------------------------------------------------
+
+    async def acquire_lock(self, sid: str, owner: str) -> LockHolder | None:
+        """Take the session's turn lock; ``None`` on success, else the current holder."""
+        value = f"{owner} " + json.dumps({"turn": 0, "offset": 0})
+        lk = key(sid, KeyKind.LOCK)
+        with map_redis_errors():
+            ok = await self.redis.set(lk, value, nx=True, px=self.lock_ttl_ms)
+            if ok:
+                return None
+            cur = await self.redis.get(lk)
+        if cur is not None and _s(cur).startswith(owner + " "):
+            # our own SET landed but its reply was lost and redis-py sent it again
+            # (it retries a command on a connection error): the lock is ours
+            return None
+        if cur is None:  # expired in between: try once more
+            with map_redis_errors():
+                ok = await self.redis.set(lk, value, nx=True, px=self.lock_ttl_ms)
+            return None if ok else LockHolder("?", 0, 0)
+        return _parse_lock(_s(cur))
+
+    async def set_lock_turn(self, sid: str, owner: str, turn: int, offset: int) -> bool:
+        """Name the turn in our lock; False if another owner holds it. A lock that
+        expired during a slow admission (nobody took it) is taken again: the generation
+        just opened fences every older producer anyway."""
+        value = f"{owner} " + json.dumps({"turn": turn, "offset": offset})
+        return await self._lock_script(_SET_TURN_LUA, sid, owner, value)
+
+    async def refresh_lock(self, sid: str, owner: str) -> bool:
+        """Extend the lock's TTL; False if it is no longer ours."""
+        return await self._lock_script(_REFRESH_LUA, sid, owner, "")
+
+    async def release_lock(self, sid: str, owner: str) -> bool:
+        return await self._lock_script(_RELEASE_LUA, sid, owner, None)
+
+    async def _lock_script(self, src: str, sid: str, owner: str, value: str | None) -> bool:
+        prefix = owner + " "
+        args: list[Any] = [prefix] if value is None else [prefix, self.lock_ttl_ms, value]
+        with map_redis_errors():
+            res = await self.redis.eval(src, 1, key(sid, KeyKind.LOCK), *args)
+        return bool(int(res))
+
+    # ---- idempotency ---------------------------------------------------------------------
+
+    async def claim_idempotency(
+        self, sid: str, idem: str, owner: str, fp: str = ""
+    ) -> dict[str, Any] | str | None:
+        """SET NX a pending record (expiring with the turn lock's TTL). ``None``: claimed,
+        go ahead; a dict: the stored 202 body of the turn this key already started;
+        ``"pending"``: another request with this key is being admitted right now;
+        ``"reused"``: the key was used with another request (fingerprint ``fp``)."""
+        k = idem_key(sid, idem)
+        for _ in range(3):  # the record may expire between SET NX and GET
+            with map_redis_errors():
+                ok = await self.redis.set(k, f"pending {owner} {fp}", nx=True, px=self.lock_ttl_ms)
+                if ok:
+                    return None
+                cur = await self.redis.get(k)
+            if cur is not None:
+                return _idem_state(_s(cur), owner, fp)
+        return "pending"
+
+    async def resolve_idempotency(
+        self, sid: str, idem: str, body: Mapping[str, Any], fp: str = ""
+    ) -> None:
+        record = json.dumps({**dict(body), "fp": fp})
+        with map_redis_errors():
+            await self.redis.set(idem_key(sid, idem), record, ex=self.idem_ttl_s)
+
+    async def drop_idempotency(self, sid: str, idem: str, owner: str) -> None:
+        """Forget a pending claim (the turn was not admitted: 409, 429, 503)."""
+        with map_redis_errors():
+            await self.redis.eval(_RELEASE_LUA, 1, idem_key(sid, idem), f"pending {owner} ")
+
+
+def _idem_state(text: str, owner: str, fp: str) -> dict[str, Any] | str | None:
+    """What a stored Idempotency-Key record means for a request (see claim_idempotency)."""
+    if text.startswith("pending "):
+        _, who, theirs = [*text.split(" ", 2), ""][:3]
+        if theirs and fp and theirs != fp:
+            return "reused"
+        return None if who == owner else "pending"  # ours: the SET was sent again
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return "pending"
+    if not isinstance(body, dict):
+        return "pending"
+    theirs = body.pop("fp", "")
+    if theirs and fp and theirs != fp:
+        return "reused"
+    return body
+
+
+def _parse_lock(text: str) -> LockHolder:
+    owner, _, rest = text.partition(" ")
+    try:
+        data = json.loads(rest)
+        return LockHolder(owner, int(data.get("turn", 0)), int(data.get("offset", 0)))
+    except (ValueError, AttributeError, TypeError):
+        return LockHolder(owner, 0, 0)

@@ -1,0 +1,630 @@
+"""The turn runner: admit a turn, stream it from the engine into the session, end it.
+
+Admission (:meth:`TurnManager.start_turn`, while the POST waits):
+
+1. the ``Idempotency-Key`` is claimed (SET NX, for the turn lock's TTL, with a
+   fingerprint of the request); a key seen before returns its turn, a key seen with
+   another request is :class:`IdempotencyKeyReused` (-> 422);
+2. the session's turn lock is taken (one turn generates at a time per session; a second
+   POST gets :class:`TurnBusy` -> 409 with the running turn);
+3. history and system prompt are read; the prompt is system + history + the new message;
+4. the router picks the engine from the routing key, waiting up to ``admit_wait_s`` for a
+   slot (:class:`AllEnginesFull` after it -> 429);
+5. a fenced generation is opened and the ``meta`` frame published (the user's message,
+   engine, preferred engine, spilled): its offset is the turn's first offset (the 202).
+
+Generation (a task per turn, :meth:`TurnManager._run`): an engine-reader task pushes
+deltas into a :class:`worker.chat.coalesce.TokenPump` whose task publishes coalesced ``token``
+frames; a presence task (:func:`worker.chat.presence.watch_presence`) refreshes the lock and
+aborts the reader when nobody watched for the grace period. A runner whose lock refresh
+finds the lock no longer its own (expired during an outage and taken or reaped) stops:
+it aborts the engine request and publishes nothing more, not even a terminal frame
+(the reaper or the newer turn ends the stream; the epoch fencing stays as the second
+line). The first token frame's meta
+carries the TTFT and the engine's cached-prefix tokens (known only when the engine
+answers, so not in the ``meta`` frame). The turn ends with exactly one terminal frame:
+
+====================  ==========  =============================================
+exit path             outcome     terminal frame
+====================  ==========  =============================================
+engine finished       done        ``done`` (ttft, engine, cache hit/miss, finish
+                                  reason, and the reply's integrity: ``tokens``,
+                                  ``chars``, ``sha256``); history appended
+engine error          engine_error ``error`` (the engine's message)
+engine timeout        timeout     ``error``
+nobody watching       no_viewers  ``error`` "no viewers"
+engine left the ring  engine_down ``error`` "engine down"
+worker shutdown       shutdown    ``error`` "worker shutdown"
+fenced                fenced      none: a newer generation owns the stream and the
+                                  publisher refuses our writes by design
+turn lock lost        lock_lost   none: the lock is no longer ours (the relay's
+                                  reaper or the newer turn ends the stream)
+Redis unavailable     redis_error ``error`` if Redis takes it
+====================  ==========  =============================================
+
+and on every path the lease is released exactly once and the lock given back. Aborts
+cancel only the engine reader (closing the upstream response, so the engine stops);
+the pump is then closed and drained, never cancelled mid-publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from relay.redisio.errors import Fenced, RelayError
+from relay.redisio.publisher import Draft, Generation, Publisher
+from worker.chat.coalesce import DEFAULT_POLICY, Batch, CoalescePolicy, TokenPump
+from worker.chat.direct import DirectViewer
+from worker.chat.presence import PresencePolicy, watch_presence
+from worker.chat.store import LockHolder, SessionStore
+from worker.engines.client import Delta
+from worker.engines.errors import EngineError, EngineTimeout, EngineUnavailable
+from worker.metrics import WorkerMetrics
+from worker.routing.cost import turn_info
+from worker.routing.key import DEFAULT_PREFIX_CHARS, routing_key
+from worker.routing.router import AllEnginesFull, Lease, LeaseState, Router, route_wait
+
+__all__ = [
+    "Draining",
+    "IdempotencyKeyReused",
+    "IdempotencyPending",
+    "LockLost",
+    "StreamChat",
+    "TurnBusy",
+    "TurnConfig",
+    "TurnManager",
+    "TurnStarted",
+    "reply_integrity",
+    "request_fingerprint",
+]
+
+_log = logging.getLogger(__name__)
+
+
+class StreamChat(Protocol):
+    """What the runner needs from :class:`worker.engines.client.EngineClient`."""
+
+    def stream_chat(
+        self,
+        engine_url: str,
+        model: str,
+        messages: Sequence[Mapping[str, Any]],
+        max_tokens: int | None = None,
+    ) -> AsyncIterator[Delta]: ...
+
+
+class TurnBusy(Exception):
+    """Another turn of the session is generating (-> 409)."""
+
+    def __init__(self, holder: LockHolder) -> None:
+        super().__init__(f"turn {holder.turn} is generating")
+        self.holder = holder
+
+
+class IdempotencyPending(Exception):
+    """A request with the same Idempotency-Key is being admitted right now (-> 409)."""
+
+
+class IdempotencyKeyReused(Exception):
+    """The Idempotency-Key was used before with a different request (-> 422)."""
+
+
+class LockLost(RelayError):
+    """The turn lock stopped being ours while the turn was admitted (-> 503, retry)."""
+
+
+def request_fingerprint(message: str, system: str | None, max_tokens: int | None) -> str:
+    """What identifies a turn request for its Idempotency-Key: the same key with another
+    message, system prompt or max_tokens is a different request."""
+    raw = json.dumps([message, system, max_tokens], ensure_ascii=False)
+    return hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+class Draining(Exception):
+    """The worker is shutting down and takes no new turns (-> 503)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TurnConfig:
+    model: str = "tokenrelay-mock"
+    coalesce: CoalescePolicy = DEFAULT_POLICY
+    presence: PresencePolicy = field(default_factory=PresencePolicy)
+    lock_retry: int = 3  # a turn that is ending may still hold the lock for a round trip
+    lock_retry_s: float = 0.05
+    # How long a turn waits for an engine slot before 429. This worker's share of the
+    # engines' caps follows its demand one load-exchange round (~250 ms) behind: a worker
+    # that just started, or one of more workers than an engine has slots, holds no share
+    # until its refused routes are reported. A full cluster still answers 429 after it.
+    admit_wait_s: float = 2.0
+    prefix_chars: int = DEFAULT_PREFIX_CHARS  # of the conversation in the routing key
+
+
+@dataclass(frozen=True, slots=True)
+class TurnStarted:
+    """The 202 body: ``turn`` and ``offset`` (``replayed`` for an idempotent retry)."""
+
+    session: str
+    turn: int
+    offset: int
+    replayed: bool = False
+
+    def body(self) -> dict[str, Any]:
+        return {"session": self.session, "turn": self.turn, "offset": self.offset}
+
+
+@dataclass(slots=True, eq=False)
+class _Turn:
+    sid: str
+    gen: Generation
+    lease: Lease
+    owner: str
+    prompt: list[dict[str, str]]
+    message: str
+    max_tokens: int | None
+    t0: float
+    route_key: str = ""
+    reader: asyncio.Task[None] | None = None
+    task: asyncio.Task[None] | None = None
+    abort_reason: str | None = None
+    lock_lost: bool = False  # the turn lock is no longer ours: publish nothing more
+    reply: list[str] = field(default_factory=list)
+    first_meta: dict[str, Any] | None = None
+    sent_first_meta: bool = False
+    finish_reason: str | None = None
+    ttft_s: float | None = None
+    cached_tokens: int | None = None
+    prompt_tokens: int | None = None
+    engine_reported: str | None = None
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # stops the presence loop
+    viewer: DirectViewer | None = None  # the closed-loop client, while it is attached
+
+    def local_watchers(self) -> int:
+        return 1 if self.viewer is not None and self.viewer.attached else 0
+
+    def abort(self, reason: str) -> None:
+        if self.abort_reason is None:
+            self.abort_reason = reason
+        if self.reader is not None and not self.reader.done():
+            self.reader.cancel()
+
+
+def reply_integrity(text: str, tokens: int) -> dict[str, Any]:
+    """What a ``done`` frame says about the reply, so that a client can check the text it
+    assembled: ``tokens`` (engine token deltas), ``chars`` (Unicode code points) and
+    ``sha256`` (lowercase hex of the UTF-8 bytes)."""
+    return {
+        "tokens": tokens,
+        "chars": len(text),
+        "sha256": hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest(),
+    }
+
+
+def _release(lease: Lease) -> None:
+    """Release once: every path calls this, only the first one gives the slot back."""
+    if lease.state is LeaseState.HELD:
+        lease.release()
+
+
+_HELPER_EXIT_S = 2.0  # how long _end waits for the presence and pump tasks to stop
+
+LOCK_LOST = "lock lost"
+
+_ABORT_OUTCOME = {
+    LOCK_LOST: "lock_lost",
+    "no viewers": "no_viewers",
+    "engine down": "engine_down",
+    "worker shutdown": "shutdown",
+}
+
+
+class TurnManager:
+    """Admits turns and runs them; one per worker app."""
+
+    def __init__(
+        self,
+        *,
+        publisher: Publisher,
+        store: SessionStore,
+        router: Router,
+        engine: StreamChat,
+        metrics: WorkerMetrics,
+        worker_id: str,
+        config: TurnConfig | None = None,
+    ) -> None:
+        self.publisher = publisher
+        self.store = store
+        self.router = router
+        self.engine = engine
+        self.metrics = metrics
+        self.worker_id = worker_id
+        self.cfg = config or TurnConfig()
+        self.running: dict[str, _Turn] = {}
+        self.draining = False
+        # The most recent (sid, turn, outcome), for tests and debugging; bounded, so a
+        # long-running worker does not keep one entry per turn it ever ran.
+        self.outcomes: deque[tuple[str, int, str]] = deque(maxlen=1000)
+        # Recent placements on the ring, for the demo's live panel (GET /v1/router).
+        self.placements: deque[dict[str, Any]] = deque(maxlen=50)
+
+    # ---- admission -------------------------------------------------------------------------
+
+    async def start_turn(
+        self,
+        sid: str,
+        message: str,
+        *,
+        system: str | None = None,
+        max_tokens: int | None = None,
+        idempotency_key: str | None = None,
+        viewer: DirectViewer | None = None,
+        conversation: list[dict[str, str]] | None = None,
+    ) -> TurnStarted:
+        """Admit a turn and start it; ``viewer`` (closed loop) receives its frames.
+        ``conversation`` (the OpenAI gateway's messages, ending with ``message``) is the
+        prompt instead of the session's stored history; the exchange is stored as usual."""
+        if self.draining:
+            raise Draining("worker is shutting down")
+        owner = f"{self.worker_id}:{uuid.uuid4().hex[:16]}"
+        fp = request_fingerprint(message, system, max_tokens)
+        if idempotency_key is not None:
+            seen = await self.store.claim_idempotency(sid, idempotency_key, owner, fp)
+            if isinstance(seen, dict):
+                return TurnStarted(sid, int(seen["turn"]), int(seen["offset"]), replayed=True)
+            if seen == "reused":
+                raise IdempotencyKeyReused(
+                    "this Idempotency-Key was used with a different request body"
+                )
+            if seen == "pending":
+                raise IdempotencyPending("a request with this Idempotency-Key is in progress")
+        try:
+            idem = (idempotency_key, fp) if idempotency_key is not None else None
+            return await self._admit(
+                sid, owner, message, system, max_tokens, idem, viewer, conversation
+            )
+        except BaseException:
+            if idempotency_key is not None:
+                with contextlib.suppress(RelayError):
+                    await self.store.drop_idempotency(sid, idempotency_key, owner)
+            raise
+
+    async def _admit(
+        self,
+        sid: str,
+        owner: str,
+        message: str,
+        system: str | None,
+        max_tokens: int | None,
+        idem: tuple[str, str] | None,
+        viewer: DirectViewer | None = None,
+        conversation: list[dict[str, str]] | None = None,
+    ) -> TurnStarted:
+        t0 = time.monotonic()
+        for attempt in range(self.cfg.lock_retry + 1):
+            holder = await self.store.acquire_lock(sid, owner)
+            if holder is None:
+                break
+            if attempt == self.cfg.lock_retry:
+                raise TurnBusy(holder)
+            await asyncio.sleep(self.cfg.lock_retry_s)
+        lease: Lease | None = None
+        opened: Generation | None = None
+        try:
+            hist = await self.store.load(sid)
+            sys_prompt = system if system else hist.system
+            prior = hist.messages if conversation is None else conversation[:-1]
+            convo = [*prior, {"role": "user", "content": message}]
+            rkey = routing_key(sys_prompt, convo, prefix_chars=self.cfg.prefix_chars)
+            info = turn_info(rkey, sys_prompt, prior, message, hist.last_engine)
+            lease = await route_wait(self.router, rkey, self.cfg.admit_wait_s, info)
+            self.metrics.route_decisions.labels(self.router.policy, lease.reason).inc()
+            if hist.last_engine is not None and any(
+                s.id == hist.last_engine for s in self.router.engines()
+            ):
+                self.metrics.affinity_available.inc()
+                if lease.engine.id == hist.last_engine:
+                    self.metrics.affinity_captured.inc()
+            if lease.spilled:
+                self.metrics.spills.inc()
+            self.placements.appendleft(
+                {
+                    "session": sid,
+                    "engine": lease.engine.id,
+                    "preferred": lease.preferred,
+                    "spilled": lease.spilled,
+                    "ts": time.time(),
+                }
+            )
+            if system and system != hist.system:
+                await self.store.save_system(sid, system)
+            gen = await self.publisher.open_generation(sid)
+            if viewer is not None:
+                gen.observers.append(viewer)
+            offset = (
+                await gen.publish(
+                    [
+                        Draft(
+                            kind="meta",
+                            meta={
+                                "role": "user",
+                                "message": message,
+                                "engine": lease.engine.id,
+                                "preferred": lease.preferred,
+                                "spilled": lease.spilled,
+                                "model": self.cfg.model,
+                                "worker": self.worker_id,
+                            },
+                        )
+                    ]
+                )
+            )[0]
+            opened = gen  # its meta frame is out: a failure from here on needs an error frame
+            started = TurnStarted(sid, gen.turn, offset)
+            if not await self.store.set_lock_turn(sid, owner, gen.turn, offset):
+                raise LockLost("the turn lock expired while the turn was admitted")
+            if idem is not None:
+                await self.store.resolve_idempotency(sid, idem[0], started.body(), idem[1])
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            if opened is not None:
+                with contextlib.suppress(RelayError):
+                    await opened.error("turn failed to start")
+            with contextlib.suppress(RelayError):
+                await self.store.release_lock(sid, owner)
+            raise
+        prompt = [{"role": "system", "content": sys_prompt}] if sys_prompt else []
+        prompt += convo
+        turn = _Turn(sid, gen, lease, owner, prompt, message, max_tokens, t0, rkey, viewer=viewer)
+        self.running[sid] = turn
+        turn.task = asyncio.create_task(self._run(turn), name=f"turn-{sid}-{gen.turn}")
+        return started
+
+    # ---- aborts ------------------------------------------------------------------------------
+
+    def abort_engine(self, engine_id: str, reason: str = "engine down") -> int:
+        """End every running turn on ``engine_id`` (the control plane saw it leave)."""
+        n = 0
+        for t in list(self.running.values()):
+            if t.lease.engine.id == engine_id:
+                t.abort(reason)
+                n += 1
+        return n
+
+    async def drain(self, deadline_s: float) -> None:
+        """Stop admitting; let running turns finish for ``deadline_s``, then abort them
+        with "worker shutdown" and wait for their terminal frames."""
+        self.draining = True
+        tasks = [t.task for t in self.running.values() if t.task is not None]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=deadline_s)
+            if pending:
+                for t in list(self.running.values()):
+                    t.abort("worker shutdown")
+                await asyncio.wait(pending, timeout=5.0)
+
+    # ---- generation --------------------------------------------------------------------------
+
+    async def _run(self, t: _Turn) -> None:
+        outcome = "done"
+        error: str | None = None
+        pump = TokenPump(lambda b: self._publish_batch(t, b), self.cfg.coalesce)
+        t.reader = asyncio.create_task(self._read_engine(t, pump), name=f"read-{t.sid}")
+        pump_task = asyncio.create_task(pump.run(), name=f"pump-{t.sid}")
+
+        async def refresh() -> None:
+            if t.ended.is_set():
+                return
+            try:
+                ours = await self.store.refresh_lock(t.sid, t.owner)
+            except RelayError:
+                return  # unknown (Redis away): keep going, the publisher retries or fails
+            if not ours:
+                _log.warning("turn %s/%d: turn lock lost; stopping", t.sid, t.gen.turn)
+                t.lock_lost = True
+                t.abort(LOCK_LOST)
+
+        presence = asyncio.create_task(
+            watch_presence(
+                self.store.redis,
+                t.sid,
+                self.cfg.presence,
+                lambda: t.abort("no viewers"),
+                on_tick=refresh,
+                stop=t.ended,
+                local_watchers=t.local_watchers,
+            ),
+            name=f"presence-{t.sid}",
+        )
+        try:
+            done, _ = await asyncio.wait({t.reader, pump_task}, return_when=asyncio.FIRST_COMPLETED)
+            if pump_task in done:  # the pump only ends early on an error: stop the engine
+                t.reader.cancel()
+                with contextlib.suppress(BaseException):
+                    await t.reader
+                _release(t.lease)
+                await pump_task  # raises what stopped it
+                raise RuntimeError("token pump stopped early")
+            try:
+                await t.reader
+            except asyncio.CancelledError:
+                if t.abort_reason is None:
+                    raise  # we are being cancelled ourselves
+                outcome, error = _ABORT_OUTCOME.get(t.abort_reason, "cancelled"), t.abort_reason
+            except EngineTimeout as exc:
+                outcome, error = "timeout", exc.message
+            except EngineError as exc:  # the frame gets a short reason, the log the URL
+                _log.warning("turn %s/%d: %s", t.sid, t.gen.turn, exc.message)
+                outcome, error = "engine_error", exc.public_reason
+            finally:
+                _release(t.lease)  # the engine is done with us, whatever happens next
+                pump.close()
+            await pump_task
+        except Fenced as exc:
+            outcome, error = "fenced", None
+            _log.warning("turn %s/%d fenced: %s", t.sid, t.gen.turn, exc)
+        except RelayError as exc:
+            _log.warning("turn %s/%d: redis: %r", t.sid, t.gen.turn, exc)
+            outcome, error = "redis_error", "redis unavailable"
+        except asyncio.CancelledError:
+            outcome, error = "shutdown", "worker shutdown"
+            t.abort("worker shutdown")
+            await self._end(t, outcome, error, pump, pump_task, presence)
+            raise
+        except Exception as exc:
+            _log.exception("turn %s/%d failed", t.sid, t.gen.turn)
+            outcome, error = "internal_error", f"internal error: {type(exc).__name__}"
+        await self._end(t, outcome, error, pump, pump_task, presence)
+
+    async def _end(
+        self,
+        t: _Turn,
+        outcome: str,
+        error: str | None,
+        pump: TokenPump,
+        pump_task: asyncio.Task[None],
+        presence: asyncio.Task[None],
+    ) -> None:
+        if t.lock_lost and outcome != "fenced":
+            outcome, error = "lock_lost", None
+        t.ended.set()  # the presence loop returns even if its cancellation is lost
+        presence.cancel()
+        if t.reader is not None and not t.reader.done():
+            t.reader.cancel()
+        if not pump_task.done():  # let a publish in flight land: never cancel mid-publish
+            pump.close()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(asyncio.shield(pump_task), 5.0)
+            pump_task.cancel()
+        # Bounded: a helper task that swallowed its cancellation must not keep the turn
+        # from its terminal frame and its lock from being released.
+        _, stuck = await asyncio.wait({presence, pump_task}, timeout=_HELPER_EXIT_S)
+        for task in stuck:
+            _log.warning("turn %s/%d: %s did not stop", t.sid, t.gen.turn, task.get_name())
+        for task in {presence, pump_task} - stuck:
+            if not task.cancelled():
+                task.exception()  # retrieved: no "never retrieved" warning
+        _release(t.lease)
+        try:
+            if outcome == "done":
+                await self.store.append_exchange(
+                    t.sid,
+                    [
+                        {"role": "user", "content": t.message},
+                        {"role": "assistant", "content": "".join(t.reply)},
+                    ],
+                    t.lease.engine.id,
+                )
+                await t.gen.publish([Draft(kind="done", meta=self._done_meta(t))])
+            elif outcome not in ("fenced", "lock_lost"):
+                meta = {"code": outcome, "engine": t.lease.engine.id, "tokens": len(t.reply)}
+                await t.gen.publish([Draft(kind="error", text=error or outcome, meta=meta)])
+        except Fenced:
+            outcome = "fenced"
+        except RelayError as exc:
+            _log.warning("turn %s/%d: terminal frame lost: %s", t.sid, t.gen.turn, exc)
+        finally:
+            with contextlib.suppress(RelayError):
+                await self.store.release_lock(t.sid, t.owner)
+            if self.running.get(t.sid) is t:
+                del self.running[t.sid]
+            self.metrics.turns.labels(outcome=outcome).inc()
+            if outcome in ("no_viewers", "engine_down", "shutdown"):
+                self.metrics.cancellations.labels(reason=outcome).inc()
+            self.outcomes.append((t.sid, t.gen.turn, outcome))
+
+    def _done_meta(self, t: _Turn) -> dict[str, Any]:
+        text = "".join(t.reply)
+        cached = t.cached_tokens
+        cache = "unknown" if cached is None else ("hit" if cached > 0 else "miss")
+        return {
+            "engine": t.lease.engine.id,
+            "engine_reported": t.engine_reported,
+            "preferred": t.lease.preferred,
+            "spilled": t.lease.spilled,
+            "ttft_ms": round(t.ttft_s * 1000, 1) if t.ttft_s is not None else None,
+            "cache": cache,  # "unknown": the engine did not report cached tokens
+            "cached_tokens": t.cached_tokens,
+            "prompt_tokens": t.prompt_tokens,
+            **reply_integrity(text, len(t.reply)),
+            "finish_reason": t.finish_reason,
+            "duration_ms": round((time.monotonic() - t.t0) * 1000, 1),
+        }
+
+    async def _read_engine(self, t: _Turn, pump: TokenPump) -> None:
+        """Stream the reply. An engine that refuses the connection before answering
+        (killed, restarting; the control plane has not seen it leave yet) is skipped
+        once: the lease moves to the next engine for the routing key."""
+        try:
+            await self._read_engine_once(t, pump)
+        except EngineUnavailable as exc:
+            if exc.mid_stream or t.reply:
+                raise
+            try:
+                lease = self.router.route(t.route_key, avoid=t.lease.engine.id)
+            except AllEnginesFull:
+                raise exc from None
+            _log.warning("turn %s/%d: %s; retrying on %s", t.sid, t.gen.turn, exc, lease.engine.id)
+            _release(t.lease)
+            t.lease = lease
+            await self._read_engine_once(t, pump)
+
+    async def _read_engine_once(self, t: _Turn, pump: TokenPump) -> None:
+        stream = self.engine.stream_chat(t.lease.engine.url, self.cfg.model, t.prompt, t.max_tokens)
+        try:
+            async for d in stream:
+                if d.meta is not None and t.first_meta is None:
+                    t.engine_reported = d.meta.engine_id
+                    t.cached_tokens = d.meta.cached_tokens
+                    t.prompt_tokens = d.meta.prompt_tokens
+                if d.usage is not None:
+                    if d.usage.cached_tokens is not None and t.cached_tokens is None:
+                        t.cached_tokens = d.usage.cached_tokens
+                    if t.prompt_tokens is None:
+                        t.prompt_tokens = d.usage.prompt_tokens
+                if d.text:
+                    if t.ttft_s is None:
+                        t.lease.first_token()  # cost_aware: this engine's prefill is done
+                        t.ttft_s = time.monotonic() - t.t0
+                        self.metrics.ttft.observe(t.ttft_s)
+                        t.first_meta = {
+                            "ttft_ms": round(t.ttft_s * 1000, 1),
+                            "cached_tokens": t.cached_tokens,
+                            "prompt_tokens": t.prompt_tokens,
+                            "engine_reported": t.engine_reported,
+                        }
+                    t.reply.append(d.text)
+                    pump.push(d.text)
+                if d.finish_reason is not None:
+                    t.finish_reason = d.finish_reason
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:  # closes the upstream response: the engine aborts
+                await aclose()
+        if t.cached_tokens:
+            self.metrics.cached_tokens.inc(t.cached_tokens)
+        if t.prompt_tokens:
+            self.metrics.prompt_tokens.inc(t.prompt_tokens)
+
+    async def _publish_batch(self, t: _Turn, b: Batch) -> None:
+        if t.lock_lost:
+            return  # the stream is no longer ours: publish nothing more
+        meta: dict[str, Any] | None = None
+        if not t.sent_first_meta:
+            meta, t.sent_first_meta = t.first_meta, True
+        if b.count > 1:
+            meta = {**(meta or {}), "n": b.count}
+        await t.gen.publish([Draft(kind="token", text=b.text, meta=meta)])
+        self.metrics.publishes.inc()
+        self.metrics.tokens.inc(b.count)
+        for w in b.waits:
+            self.metrics.coalesce_wait.observe(w)

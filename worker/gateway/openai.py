@@ -1,0 +1,325 @@
+"""An OpenAI-compatible gateway on the worker: cache-affine routing with no session API.
+
+``POST /v1/chat/completions`` (stream and non-stream, OpenAI's wire format with
+``usage``) goes through the same prefix-aware bounded-load router as chat turns (the
+routing key is the system prompt's digest + the conversation's head, so requests that
+share a prefix land on the engine that holds it), waits up to ``admit_wait_s`` for an
+engine slot, and streams from the engine; ``GET /v1/models`` lists the served model.
+Any OpenAI client works: ``OpenAI(base_url="http://worker:8000/v1", api_key=KEY)``.
+
+With ``X-Session-Id: <sid>`` (or ``"user": "session:<sid>"``) the request runs as a turn
+of that session, watched by its other screens (:mod:`worker.gateway.session`).
+
+Auth: ``Authorization: Bearer <key>`` with one of the worker's gateway keys
+(``--gateway-key``, compared in constant time). A worker started with
+``--insecure-no-auth`` serves everyone; a worker with auth and no gateway key answers
+401 with the reason (the gateway is off rather than open).
+
+Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400/404/413
+for the request (:mod:`worker.gateway.wire`), 401, 429 + ``Retry-After`` when every
+engine is full, 502 for an engine's error answer, 503 when no engine is reachable or the
+worker drains, 504 when the engine times out. An error after the stream started is one
+``data: {"error": ...}`` event, and the stream ends without ``[DONE]``.
+
+Every request holds exactly one lease, released when the engine is done with it, on
+every path (client gone included: the upstream response is closed and the engine aborts).
+
+Order of use: ``add_routes(app)`` when the app is built; ``app[GATEWAY] = Gateway(...)``
+at startup (``worker.api`` does both).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import orjson
+from aiohttp import web
+
+from relay.protocol.keys import InvalidSessionId, parse_session
+from worker.access import WorkerAccess
+from worker.apikeys import check_api_key
+from worker.chat.turn import TurnManager
+from worker.engines.client import EngineClient
+from worker.engines.errors import (
+    EngineError,
+    EngineHTTPError,
+    EngineTimeout,
+    EngineUnavailable,
+)
+from worker.gateway import session as gateway_session
+from worker.gateway.wire import (
+    ChatRequest,
+    WireError,
+    chunk,
+    completion,
+    error_body,
+    new_id,
+    parse_request,
+    usage,
+    usage_chunk,
+)
+from worker.metrics import WorkerMetrics
+from worker.routing.key import routing_key
+from worker.routing.router import AllEnginesFull, Lease, LeaseState, Router, route_wait
+
+SESSION_HEADER = gateway_session.SESSION_HEADER
+
+__all__ = ["GATEWAY", "Gateway", "GatewayConfig", "add_routes"]
+
+_log = logging.getLogger(__name__)
+_SSE_HEADERS: Final = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    model: str
+    keys: tuple[str, ...] = ()
+    auth: bool = True  # False: --insecure-no-auth
+    default_max_tokens: int = 1024
+    max_tokens_limit: int = 4096
+    max_chars: int = 256 * 1024
+    admit_wait_s: float = 2.0
+    prefix_chars: int = 2048
+
+
+class Gateway:
+    """The gateway's state: the worker's router, engine client and metrics."""
+
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        router: Router,
+        engine: EngineClient,
+        metrics: WorkerMetrics,
+        draining: Any = None,
+        turns: TurnManager | None = None,
+        access: WorkerAccess | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.router = router
+        self.engine = engine
+        self.metrics = metrics
+        self._draining = draining  # a callable returning True while the worker drains
+        self.turns = turns  # for requests tied to a session (worker.gateway.session)
+        self.access = access
+
+    @staticmethod
+    def error(exc: WireError, headers: dict[str, str] | None = None) -> web.Response:
+        return _error(exc, headers)
+
+    def draining(self) -> bool:
+        return bool(self._draining()) if self._draining is not None else False
+
+    def authorized(self, header: str | None) -> WireError | None:
+        if not self.cfg.auth:
+            return None
+        code = check_api_key(self.cfg.keys, header)
+        if code is None:
+            return None
+        reason = {
+            "gateway_disabled": "the OpenAI gateway is off: start the worker with --gateway-key",
+            "missing_api_key": "send 'Authorization: Bearer <gateway key>'",
+        }.get(code, "invalid gateway key")
+        return WireError(401, reason, kind="authentication_error", code=code)
+
+    async def lease(self, req: ChatRequest) -> Lease:
+        key = routing_key(req.system, req.conversation, prefix_chars=self.cfg.prefix_chars)
+        lease = await route_wait(self.router, key, self.cfg.admit_wait_s)
+        if lease.spilled:
+            self.metrics.spills.inc()
+        return lease
+
+
+GATEWAY: Final = web.AppKey("tokenrelay_gateway", Gateway)
+
+
+def _error(exc: WireError, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        status=exc.status,
+        body=orjson.dumps(error_body(exc.message, exc.kind, exc.code, exc.param)),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def _engine_wire_error(exc: EngineError) -> WireError:
+    if isinstance(exc, EngineTimeout):
+        return WireError(504, "the engine timed out", kind="api_error", code="engine_timeout")
+    if isinstance(exc, EngineUnavailable):
+        return WireError(503, "no engine could be reached", kind="api_error",
+                         code="engine_unavailable")  # fmt: skip
+    if isinstance(exc, EngineHTTPError) and exc.status == 400:
+        return WireError(400, f"the engine refused the request: {exc.message}"[:500],
+                         code="engine_bad_request")  # fmt: skip
+    return WireError(502, "the engine answered with an error", kind="api_error",
+                     code="engine_error")  # fmt: skip
+
+
+async def models(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    refused = gw.authorized(request.headers.get("Authorization"))
+    if refused is not None:
+        return _error(refused)
+    body = {
+        "object": "list",
+        "data": [{"id": gw.cfg.model, "object": "model", "created": 0, "owned_by": "tokenrelay"}],
+    }
+    return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    header_sid = request.headers.get(SESSION_HEADER) or None
+    # auth before the body is read: the session's own token (header) or a gateway key
+    if header_sid is not None:
+        try:
+            header_sid = parse_session(header_sid)
+        except InvalidSessionId as exc:
+            return _error(WireError(400, f"bad session id: {exc}", param="session"))
+        refused = gateway_session.authorize(gw, request, header_sid)
+    else:
+        refused = gw.authorized(request.headers.get("Authorization"))
+    if refused is not None:
+        return _error(refused)
+    if gw.draining():
+        return _error(WireError(503, "the worker is shutting down; retry", kind="api_error",
+                                code="draining"), {"Retry-After": "1"})  # fmt: skip
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return _error(WireError(413, "the request body is too large", code="body_too_large"))
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return _error(WireError(400, "the body is not valid JSON", code="malformed_json"))
+    try:
+        req = parse_request(
+            body,
+            model=gw.cfg.model,
+            default_max_tokens=gw.cfg.default_max_tokens,
+            max_tokens_limit=gw.cfg.max_tokens_limit,
+            max_chars=gw.cfg.max_chars,
+        )
+        sid = gateway_session.session_of(request, req)
+    except WireError as exc:
+        return _error(exc)
+    if sid is not None:
+        return await gateway_session.complete(request, gw, req, sid)
+    try:
+        lease = await gw.lease(req)
+    except AllEnginesFull as exc:
+        retry = str(max(1, math.ceil(exc.retry_after_s)))
+        return _error(WireError(429, f"every engine is busy ({exc.reason}); retry",
+                                kind="rate_limit_error", code="engines_full"),
+                      {"Retry-After": retry})  # fmt: skip
+    with lease:  # released on leaving, unless the engine path released it first
+        if req.stream:
+            return await _stream(request, gw, req, lease)
+        return await _whole(gw, req, lease)
+
+
+def _release(lease: Lease) -> None:
+    """Give the slot back as soon as the engine is done: once, whatever the path."""
+    if lease.state is LeaseState.HELD:
+        lease.release()
+
+
+async def _whole(gw: Gateway, req: ChatRequest, lease: Lease) -> web.Response:
+    text: list[str] = []
+    finish: str | None = None
+    prompt_tokens = cached = completion_tokens = None
+    stream = gw.engine.stream_chat(
+        lease.engine.url, req.model, req.messages, req.max_tokens, extra_body=req.options
+    )
+    try:
+        async for d in stream:
+            if d.meta is not None and prompt_tokens is None:
+                prompt_tokens, cached = d.meta.prompt_tokens, d.meta.cached_tokens
+            if d.text:
+                text.append(d.text)
+            if d.usage is not None:
+                prompt_tokens = d.usage.prompt_tokens or prompt_tokens
+                completion_tokens = d.usage.completion_tokens
+                cached = d.usage.cached_tokens if d.usage.cached_tokens is not None else cached
+            if d.finish_reason is not None:
+                finish = d.finish_reason
+    except EngineError as exc:
+        return _error(_engine_wire_error(exc))
+    finally:
+        await stream.aclose()
+        _release(lease)
+    use = usage(prompt_tokens, completion_tokens or len(text), cached)
+    body = completion(new_id(), req.model, text, finish, use)
+    return web.Response(body=orjson.dumps(body), content_type="application/json",
+                        headers={"X-Engine-Id": lease.engine.id})  # fmt: skip
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def _stream(
+    request: web.Request, gw: Gateway, req: ChatRequest, lease: Lease
+) -> web.StreamResponse:
+    cid, created = new_id(), int(time.time())
+    resp: web.StreamResponse | None = None
+    n = 0
+    prompt_tokens = cached = completion_tokens = None
+    stream = gw.engine.stream_chat(
+        lease.engine.url, req.model, req.messages, req.max_tokens, extra_body=req.options
+    )
+    try:
+        async for d in stream:
+            if resp is None:  # the engine answered: from here on errors go in the stream
+                resp = web.StreamResponse(headers={**_SSE_HEADERS, "X-Engine-Id": lease.engine.id})
+                await resp.prepare(request)
+                first = {"role": "assistant", "content": ""}
+                await resp.write(_event(chunk(cid, created, req.model, first, None)))
+            if d.meta is not None and prompt_tokens is None:
+                prompt_tokens, cached = d.meta.prompt_tokens, d.meta.cached_tokens
+            if d.usage is not None:
+                prompt_tokens = d.usage.prompt_tokens or prompt_tokens
+                completion_tokens = d.usage.completion_tokens
+                cached = d.usage.cached_tokens if d.usage.cached_tokens is not None else cached
+            if d.text:
+                n += 1
+                await resp.write(_event(chunk(cid, created, req.model, {"content": d.text}, None)))
+            if d.finish_reason is not None:
+                await resp.write(_event(chunk(cid, created, req.model, {}, d.finish_reason)))
+    except EngineError as exc:
+        wire = _engine_wire_error(exc)
+        if resp is None:
+            return _error(wire)
+        await resp.write(_event(error_body(wire.message, wire.kind, wire.code)))
+        return resp
+    except (ConnectionResetError, OSError):
+        _log.debug("gateway client left mid-stream")  # the engine request is closed below
+        return resp or web.StreamResponse()
+    finally:
+        await stream.aclose()
+        _release(lease)
+    if resp is None:  # an engine that ended without a single delta
+        return _error(WireError(502, "the engine sent no answer", kind="api_error",
+                                code="engine_error"))  # fmt: skip
+    if req.include_usage:
+        use = usage(prompt_tokens, completion_tokens or n, cached)
+        await resp.write(_event(usage_chunk(cid, created, req.model, use)))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+def add_routes(app: web.Application, paths: Sequence[str] = ("/v1",)) -> None:
+    """Register the gateway's routes under each prefix of ``paths``."""
+    for p in paths:
+        app.router.add_post(f"{p}/chat/completions", chat_completions)
+        app.router.add_get(f"{p}/models", models)

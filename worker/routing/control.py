@@ -1,0 +1,283 @@
+"""The control plane: which engines are alive, kept off the hot path.
+
+Two sources of engines, usable together:
+
+* **static** (``--engine URL`` or ``--engine ID=URL``): probed about once a second with
+  ``GET <base>/health`` (``GET <base>/v1/models`` when /health answers 404), each probe
+  bounded by ``probe_timeout_s``. ``fail_after`` consecutive failures take the engine out
+  of the ring; one success puts it back.
+* **heartbeats** in Redis (``discover=True``): an engine (or a sidecar next to it)
+  announces itself with :class:`EngineAnnouncer`, which every ``ttl_s / 3`` seconds writes
+
+  - hash ``tr:engines:{<id>}`` fields ``url``, ``cap``, ``weight`` (PEXPIRE ``ttl_s``),
+  - sorted set ``tr:engines``: member ``<id>``, score = last heartbeat Unix ms.
+
+  An engine is alive while its hash exists and its score is within ``ttl_s``; a dead
+  engine's hash simply expires. The mock engine can announce itself by running an
+  ``EngineAnnouncer`` when given ``--redis`` (owned by ``devstack/mockengine/cli.py``).
+
+Engine ids must agree between workers (the ring hashes them): the id of ``--engine URL``
+is the URL's ``host:port``; ``ID=URL`` names it explicitly.
+
+Order of use::
+
+    cp = ControlPlane(router, http, static_specs, redis=r, on_engine_down=turns.abort_engine)
+    await cp.start()     # a task runs cp.tick() every interval_s
+    ... cp.alive() ...
+    await cp.stop()
+
+Each tick reconciles the router (``router.set_engines``) and calls
+``on_engine_down(engine_id, reason)`` for every engine that left, so the turn runner can
+end its in-flight streams with an ``error`` frame (the lease of a removed engine releases
+harmlessly).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import aiohttp
+from redis.asyncio.cluster import RedisCluster
+
+from relay.protocol.keys import ENGINES_REGISTRY, engine_key
+from relay.redisio.errors import RelayError, map_redis_errors
+from worker.routing.router import EngineSpec, Router
+
+__all__ = [
+    "ENGINES_REGISTRY",
+    "ControlPlane",
+    "EngineAnnouncer",
+    "ProbeState",
+    "engine_key",
+    "parse_engine_arg",
+    "read_announced",
+]
+
+_log = logging.getLogger(__name__)
+
+
+def parse_engine_arg(arg: str, cap: int, weight: float = 1.0) -> EngineSpec:
+    """``URL`` or ``ID=URL`` -> EngineSpec (id defaults to the URL's ``host:port``)."""
+    eid, sep, url = arg.partition("=")
+    if not sep or "://" in eid:
+        eid, url = "", arg
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"engine URL must be http(s)://host[:port][/v1], got {url!r}")
+    if not eid:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        eid = f"{parts.hostname}:{port}"
+    engine_key(eid)  # the id must be usable as a hash tag: raises ValueError if not
+    return EngineSpec(id=eid, url=url.rstrip("/"), cap=cap, weight=weight)
+
+
+def _base(url: str) -> str:
+    base = url.rstrip("/")
+    return base[: -len("/v1")] if base.endswith("/v1") else base
+
+
+@dataclass(slots=True)
+class ProbeState:
+    """Pure liveness rule of one static engine: ``fail_after`` failures in a row -> dead,
+    one success -> alive. Starts alive (a fresh worker routes at once)."""
+
+    fail_after: int = 2
+    failures: int = 0
+    alive: bool = True
+
+    def record(self, ok: bool) -> bool:
+        """Record a probe result; return True when ``alive`` changed."""
+        before = self.alive
+        if ok:
+            self.failures = 0
+            self.alive = True
+        else:
+            self.failures += 1
+            if self.failures >= self.fail_after:
+                self.alive = False
+        return before != self.alive
+
+
+async def probe(http: aiohttp.ClientSession, url: str, timeout_s: float) -> bool:
+    """True if the engine answers its health endpoint with 2xx within ``timeout_s``."""
+    base = _base(url)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    try:
+        async with http.get(base + "/health", timeout=timeout) as resp:
+            if resp.status != 404:
+                return 200 <= resp.status < 300
+        async with http.get(base + "/v1/models", timeout=timeout) as resp:
+            return 200 <= resp.status < 300
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return False
+
+
+async def read_announced(redis: RedisCluster, ttl_s: float) -> list[EngineSpec]:
+    """Engines whose heartbeat is fresh, from the registry and their hashes."""
+    now_ms = time.time_ns() // 1_000_000
+    with map_redis_errors():
+        ids = await redis.zrangebyscore(ENGINES_REGISTRY, now_ms - int(ttl_s * 1000), "+inf")
+        names = [x.decode() if isinstance(x, bytes) else str(x) for x in ids]
+        if not names:
+            return []
+        pipe = redis.pipeline(transaction=False)
+        for eid in names:
+            pipe.hgetall(engine_key(eid))
+        rows = await pipe.execute()
+    out: list[EngineSpec] = []
+    for eid, raw in zip(names, rows, strict=True):
+        fields = {
+            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in (raw or {}).items()
+        }
+        try:
+            out.append(
+                EngineSpec(
+                    id=eid,
+                    url=fields["url"],
+                    cap=int(fields["cap"]),
+                    weight=float(fields.get("weight", 1.0)),
+                )
+            )
+        except (KeyError, ValueError):
+            continue  # expired or malformed: not alive
+    return out
+
+
+class EngineAnnouncer:
+    """Writes one engine's heartbeat every ``ttl_s / 3`` seconds until stopped."""
+
+    def __init__(self, redis: RedisCluster, spec: EngineSpec, *, ttl_s: float = 3.0) -> None:
+        self.redis = redis
+        self.spec = spec
+        self.ttl_s = ttl_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def beat(self) -> None:
+        now_ms = time.time_ns() // 1_000_000
+        k = engine_key(self.spec.id)
+        with map_redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hset(
+                k,
+                mapping={
+                    "url": self.spec.url,
+                    "cap": str(self.spec.cap),
+                    "weight": str(self.spec.weight),
+                },
+            )
+            pipe.pexpire(k, int(self.ttl_s * 1000))
+            pipe.zadd(ENGINES_REGISTRY, {self.spec.id: now_ms})
+            pipe.zremrangebyscore(ENGINES_REGISTRY, "-inf", now_ms - 3_600_000)
+            await pipe.execute()
+
+    async def start(self) -> None:
+        await self.beat()
+        self._task = asyncio.create_task(self._run(), name=f"announce-{self.spec.id}")
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl_s / 3)
+            try:
+                await self.beat()
+            except RelayError as exc:
+                _log.warning("engine heartbeat failed: %s", exc)
+
+    async def stop(self, *, withdraw: bool = True) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if withdraw:
+            with contextlib.suppress(RelayError), map_redis_errors():
+                await self.redis.delete(engine_key(self.spec.id))
+                await self.redis.zrem(ENGINES_REGISTRY, self.spec.id)
+
+
+class ControlPlane:
+    """Keeps ``router`` membership equal to the live engines, about once a second."""
+
+    def __init__(
+        self,
+        router: Router,
+        http: aiohttp.ClientSession,
+        static: Iterable[EngineSpec],
+        *,
+        redis: RedisCluster | None = None,
+        discover: bool = False,
+        interval_s: float = 1.0,
+        probe_timeout_s: float = 1.0,
+        fail_after: int = 2,
+        heartbeat_ttl_s: float = 3.0,
+        on_engine_down: Callable[[str, str], object] | None = None,
+    ) -> None:
+        self.router = router
+        self.http = http
+        self.static = {s.id: s for s in static}
+        self.redis = redis
+        self.discover = discover and redis is not None
+        self.interval_s = interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.on_engine_down = on_engine_down
+        self.probes = {eid: ProbeState(fail_after) for eid in self.static}
+        self._announced: dict[str, EngineSpec] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.ticks = 0
+
+    def alive(self) -> list[EngineSpec]:
+        specs = {eid: s for eid, s in self.static.items() if self.probes[eid].alive}
+        for eid, s in self._announced.items():
+            specs.setdefault(eid, s)
+        return list(specs.values())
+
+    async def tick(self) -> list[EngineSpec]:
+        """Probe, read heartbeats, reconcile the router; return the live engines."""
+        before = {s.id for s in self.router.engines()}
+        results = await asyncio.gather(
+            *(probe(self.http, s.url, self.probe_timeout_s) for s in self.static.values())
+        )
+        for eid, ok in zip(self.static, results, strict=True):
+            if self.probes[eid].record(ok):
+                _log.warning("engine %s is %s", eid, "up" if ok else "down")
+        if self.discover and self.redis is not None:
+            try:
+                self._announced = {
+                    s.id: s for s in await read_announced(self.redis, self.heartbeat_ttl_s)
+                }
+            except RelayError as exc:  # keep the last view while Redis is away
+                _log.warning("reading engine heartbeats failed: %s", exc)
+        alive = self.alive()
+        self.router.set_engines(alive)
+        self.ticks += 1
+        gone = before - {s.id for s in alive}
+        if self.on_engine_down is not None:
+            for eid in sorted(gone):
+                self.on_engine_down(eid, "engine down")
+        return alive
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="control-plane")
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except Exception:  # the control loop must survive anything
+                _log.exception("control-plane tick failed")
+            await asyncio.sleep(self.interval_s)
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

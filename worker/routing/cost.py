@@ -1,0 +1,252 @@
+"""Cost-aware engine choice: least expected (queue wait + prefill of what is not cached).
+
+What it is for: the worker picks an engine for a turn from what it already knows, with no
+I/O: its load view (leases it holds, what other workers hold as of their last report),
+the session meta it reads anyway (the engine of the session's previous turn, that turn's
+prompt + reply length, when it ended) and its own recent decisions (how many prompt tokens
+it sent to each engine since, which engines recently served a shared system prompt). For
+each engine it estimates
+
+    cost = (prefill tokens queued there + prompt tokens it probably does not hold)
+           / that engine's prefill rate at its current batch
+
+and takes the cheapest (the article's framing: stay where the cache is unless the queue
+there costs more than recomputing elsewhere). Estimates:
+
+- **held**: the previous turn's tokens on its engine, if fewer tokens than the engine's KV
+  capacity have been sent there since (else the LRU has evicted them); otherwise the shared
+  prefix (system prompt) on engines that served the same prefix key within that horizon.
+- **queue**: the uncached prompt tokens of this worker's leases on the engine whose first
+  token has not arrived, plus the other workers' leases there times this worker's mean.
+- **rate**: chunked prefill: a step of ``chunk_tokens`` carries one token per running
+  request and prefill in the rest; its time grows with the KV tokens the batch reads.
+- **KV pressure**: context tokens beyond the engine's KV capacity are added as recompute
+  work (the engine would preempt and recompute that much).
+
+Pure: no I/O, no clock. Call order per turn:
+``choice = m.choose(turn, others)``; ``m.admitted(lease_id, choice, turn)``; on the first
+token ``m.first_token(lease_id)``; at the end ``m.finished(lease_id)`` (both idempotent).
+``worker.routing.router.Router(policy="cost_aware")`` drives it with caps, draining and leases.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Final
+
+__all__ = [
+    "CHARS_PER_TOKEN",
+    "REASONS",
+    "Choice",
+    "CostModel",
+    "CostProfile",
+    "TurnInfo",
+    "turn_info",
+]
+
+# why an engine was chosen: the session's previous engine (or the shared prefix's) was
+# the cheapest; a cheaper engine won over the one holding the cache; nothing was cached
+REASONS: Final = ("preferred", "spilled_cost", "least_cost")
+
+
+@dataclass(frozen=True, slots=True)
+class CostProfile:
+    """An engine's throughput figures (default: Llama-3.1-8B on one H100, as measured in
+    bench/engine_model.py and docs/ROUTING.md)."""
+
+    kv_tokens: int = 400_000
+    chunk_tokens: int = 2048
+    step_base_s: float = 0.0065
+    per_token_s: float = 0.000035
+    per_kv_token_s: float = 0.000000056
+
+
+@dataclass(frozen=True, slots=True)
+class TurnInfo:
+    """What the worker knows about a turn before routing it."""
+
+    prompt_tokens: int
+    key: str = ""  # the routing key (stable across a session's turns)
+    prev_engine: str = ""  # the engine of the session's previous turn ("" for a first turn)
+    prev_tokens: int = 0  # that turn's prompt + reply tokens
+    prev_mark: int = -1  # sent_tokens(prev_engine) when that turn was routed (-1: unknown)
+    shared_key: str = ""  # the shared-prefix key (system prompt digest)
+    shared_tokens: int = 0  # its length in tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    engine: str
+    reason: str
+    cost_s: float
+    held_tokens: int
+
+
+@dataclass(slots=True)
+class _Lease:
+    engine: str
+    context: int
+    pending: int  # uncached prompt tokens until the first token arrives
+
+
+@dataclass
+class CostModel:
+    engines: Sequence[str]
+    profile: CostProfile = field(default_factory=CostProfile)
+    workers: int = 1  # live workers sharing the engines (scales this worker's token counts)
+    _leases: dict[int, _Lease] = field(default_factory=dict)
+    _sent: dict[str, int] = field(default_factory=dict)  # prompt tokens sent, cumulative
+    _shared: dict[str, dict[str, int]] = field(default_factory=dict)  # key -> engine -> mark
+    _pending: dict[str, int] = field(default_factory=dict)
+    _context: dict[str, int] = field(default_factory=dict)
+    _count: dict[str, int] = field(default_factory=dict)
+    # this worker's recent decisions: routing key -> (engine, mark, prompt tokens)
+    _recent: OrderedDict[str, tuple[str, int, int]] = field(default_factory=OrderedDict)
+    max_recent: int = 65_536
+
+    def sent_tokens(self, engine: str) -> int:
+        return self._sent.get(engine, 0)
+
+    def _fresh(self, engine: str, mark: int) -> bool:
+        """Whether tokens sent to ``engine`` since ``mark`` (scaled to all workers) still
+        fit in its KV capacity: the LRU has probably not evicted what was there."""
+        return (self.sent_tokens(engine) - mark) * self.workers < self.profile.kv_tokens
+
+    def resolve(self, turn: TurnInfo) -> TurnInfo:
+        """Fill what this worker's own decisions know: the previous engine of the key
+        when the session meta has none, and its sent-token mark (unknown: assume fresh)."""
+        seen = self._recent.get(turn.key) if turn.key else None
+        if seen is not None and (not turn.prev_engine or turn.prev_engine == seen[0]):
+            e, mark, tokens = seen
+            return replace(
+                turn, prev_engine=e, prev_mark=mark, prev_tokens=turn.prev_tokens or tokens
+            )
+        if turn.prev_engine and turn.prev_mark < 0:
+            return replace(turn, prev_mark=self.sent_tokens(turn.prev_engine))
+        return turn
+
+    def held(self, engine: str, turn: TurnInfo) -> int:
+        if engine == turn.prev_engine and turn.prev_tokens and self._fresh(engine, turn.prev_mark):
+            return min(turn.prev_tokens, turn.prompt_tokens)
+        marks = self._shared.get(turn.shared_key) if turn.shared_key else None
+        if marks is not None and engine in marks and self._fresh(engine, marks[engine]):
+            return min(turn.shared_tokens, turn.prompt_tokens)
+        return 0
+
+    def costs(self, turn: TurnInfo, others: Mapping[str, int]) -> dict[str, tuple[float, int]]:
+        """Per engine: (expected seconds to the first token, tokens probably held)."""
+        p = self.profile
+        own_n = sum(self._count.values())
+        mean_pending = sum(self._pending.values()) / own_n if own_n else 0.0
+        mean_ctx = sum(self._context.values()) / own_n if own_n else float(turn.prompt_tokens)
+        out: dict[str, tuple[float, int]] = {}
+        turn = self.resolve(turn)
+        for e in self.engines:
+            n_other = max(0, others.get(e, 0))
+            running = self._count.get(e, 0) + n_other
+            ctx = self._context.get(e, 0) + n_other * mean_ctx
+            queue = self._pending.get(e, 0) + n_other * mean_pending
+            held = self.held(e, turn)
+            work = queue + turn.prompt_tokens - held
+            overflow = ctx + turn.prompt_tokens - p.kv_tokens
+            if overflow > 0:
+                work += overflow
+            step = p.step_base_s + p.per_token_s * (p.chunk_tokens - 1) + p.per_kv_token_s * ctx
+            rate = max(1, p.chunk_tokens - running) / step
+            out[e] = (work / rate, held)
+        return out
+
+    def choose(
+        self,
+        turn: TurnInfo,
+        others: Mapping[str, int] | None = None,
+        allowed: Iterable[str] | None = None,
+    ) -> Choice:
+        """The engine of least expected cost among ``allowed`` (default: all); ties go to
+        the fewest in flight, then to the order of ``engines``. ``turn`` is resolved
+        (:meth:`resolve`) first."""
+        names = list(self.engines if allowed is None else allowed)
+        if not names:
+            raise ValueError("no engine to choose from")
+        view = others or {}
+        turn = self.resolve(turn)
+        costs = self.costs(turn, view)
+        best = min(names, key=lambda e: (costs[e][0], self._count.get(e, 0) + view.get(e, 0)))
+        cost, held = costs[best]
+        top = max(costs[e][1] for e in self.engines)
+        if top == 0:
+            reason = "least_cost"
+        elif held == top:
+            reason = "preferred"
+        else:
+            reason = "spilled_cost"
+        return Choice(best, reason, cost, held)
+
+    # ---- what the worker tells it --------------------------------------------------------
+
+    def admitted(self, lease_id: int, choice: Choice, turn: TurnInfo) -> int:
+        """Record a routed turn; returns the engine's sent-token mark for the session meta
+        (``TurnInfo.prev_mark`` of the session's next turn)."""
+        e = choice.engine
+        pending = max(0, turn.prompt_tokens - choice.held_tokens)
+        self._leases[lease_id] = _Lease(e, turn.prompt_tokens, pending)
+        self._pending[e] = self._pending.get(e, 0) + pending
+        self._context[e] = self._context.get(e, 0) + turn.prompt_tokens
+        self._count[e] = self._count.get(e, 0) + 1
+        mark = self._sent.get(e, 0)
+        self._sent[e] = mark + turn.prompt_tokens
+        if turn.shared_key:
+            self._shared.setdefault(turn.shared_key, {})[e] = mark
+            if len(self._shared) > self.max_recent:
+                self._shared.pop(next(iter(self._shared)))
+        if turn.key:
+            self._recent.pop(turn.key, None)
+            self._recent[turn.key] = (e, mark, turn.prompt_tokens)
+            if len(self._recent) > self.max_recent:
+                self._recent.popitem(last=False)
+        return mark
+
+    def first_token(self, lease_id: int) -> None:
+        lease = self._leases.get(lease_id)
+        if lease is not None and lease.pending:
+            self._pending[lease.engine] -= lease.pending
+            lease.pending = 0
+
+    def finished(self, lease_id: int) -> None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return
+        e = lease.engine
+        self._pending[e] -= lease.pending
+        self._context[e] -= lease.context
+        self._count[e] -= 1
+
+    def in_flight(self) -> dict[str, int]:
+        return {e: self._count.get(e, 0) for e in self.engines}
+
+
+CHARS_PER_TOKEN: Final = 4  # the worker has no tokenizer: ~4 characters a token (English)
+
+
+def turn_info(
+    key: str,
+    system: str | None,
+    history: Sequence[Mapping[str, str]],
+    message: str,
+    last_engine: str | None,
+) -> TurnInfo:
+    """A turn as the worker sees it before routing: prompt and history lengths estimated
+    from their characters, the previous engine from the session meta, the system prompt
+    (the part of the key before its first separator) as the shared prefix."""
+    sys_chars = len(system or "")
+    hist_chars = sum(len(m.get("content", "")) for m in history)
+    return TurnInfo(
+        prompt_tokens=max(1, (sys_chars + hist_chars + len(message)) // CHARS_PER_TOKEN),
+        key=key,
+        prev_engine=last_engine or "",
+        prev_tokens=(sys_chars + hist_chars) // CHARS_PER_TOKEN if last_engine else 0,
+        shared_key=key.split("\x1f", 1)[0] if system else "",
+        shared_tokens=sys_chars // CHARS_PER_TOKEN,
+    )

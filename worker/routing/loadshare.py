@@ -1,0 +1,288 @@
+"""One view of engine load across worker pods, without I/O on the routing path.
+
+The problem: M worker pods each route with local counters. If each admits up to an
+engine's cap, one engine can receive M x cap requests. This module computes, for one
+worker, how many in-flight requests it may hold on each engine (its *allowance*) and how
+many the other workers hold, and installs both in its Router (``Router.apply_load_view``),
+which then decides every route in memory.
+
+The rule (pure, :func:`compute_view`), per engine with cap C, evaluated every ~250 ms:
+
+* every worker reports its in-flight count ``h`` and its unmet demand ``u`` (routes
+  refused since its last report plus requests waiting for a slot now, see
+  :func:`worker.routing.router.route_wait`); its demand is ``d = h + u``;
+* the *target* of each worker (:func:`split_cap`, computed identically by every worker
+  from the same reports) is an integer max-min fair split of C over the demands: one
+  slot at a time to the worker with the smallest target so far whose demand is not met,
+  ties in an order that changes every ``rotate_s`` (1 s: the epoch of the wall clock
+  hashed with the worker id), so under overload the slots rotate between workers
+  instead of staying with the first ids; what no demand needs is
+  then spread evenly over all workers as footholds (the remainder to the smallest
+  targets), so an idle worker admits its next request without waiting for a round;
+* ``reserved`` = sum over the other workers of max(in-flight, allowance) they last
+  reported: an allowance is a reservation a worker may fill until its next report;
+* ``allowance = max(mine, min(target, C - reserved))``: never above what the others
+  leave free, never below what this worker holds (it never has to drop a request).
+
+Why this bounds the global in-flight by C: a worker's in-flight never exceeds its allowance,
+and when worker i recomputes its allowance it leaves room for every other worker's current
+reservation, so the sum of all allowances stays <= C as long as each worker sees the others'
+latest reports. The only overshoot comes from two workers recomputing within the same Redis
+round trip (each missing the other's new reservation). The targets only decide who gets
+the room: a worker above its target stops admitting and its reservation shrinks to its
+in-flight, so a slot moves to a starved worker within about two rounds (its demand is
+reported, the holder shrinks, it grows). The simulator (bench/routing_sim.py) measures the
+peak and the convergence.
+
+If the exchange is stale (Redis unreachable for longer than ``stale_s``), each worker
+falls back to a static split of the cap over the last known live workers
+(:func:`static_view`): C // M, the remainder to the lowest-sorted ids, which sums to C
+exactly. A worker alone in the cluster gets the whole cap.
+
+Call order: ``LoadExchange(redis, router, worker_id)`` -> ``await start()`` (a background
+task runs :meth:`LoadExchange.tick` every interval) -> ``await stop()``. Redis layout: one
+hash per worker, ``tr:workers:{<worker_id>}`` (the braces are a hash tag: each worker's hash
+sits in its own slot), fields ``in_flight``, ``demand`` and ``allowance`` (JSON objects
+engine -> count), with a TTL of a few intervals so a dead worker's load vanishes; plus a sorted set
+``tr:workers`` (member = worker id, score = last report time) to discover the peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import json
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Final
+
+from redis.asyncio import RedisCluster
+from redis.exceptions import RedisClusterException, RedisError
+
+from relay.protocol.keys import WORKERS_REGISTRY, worker_key
+from worker.routing.router import LoadView, Router, key_hash
+
+__all__ = [
+    "REGISTRY_KEY",
+    "LoadExchange",
+    "WorkerReport",
+    "compute_view",
+    "split_cap",
+    "static_view",
+    "worker_key",
+]
+
+REGISTRY_KEY: Final = WORKERS_REGISTRY
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReport:
+    """What one worker published, per engine id: its in-flight count, its demand (in-flight +
+    unmet: refused and waiting routes) and the allowance it reserved until its next report."""
+
+    worker_id: str
+    in_flight: Mapping[str, int] = field(default_factory=dict)
+    demand: Mapping[str, int] = field(default_factory=dict)
+    allowance: Mapping[str, int] = field(default_factory=dict)
+
+
+def static_view(caps: Mapping[str, int], workers: Iterable[str], me: str) -> LoadView:
+    """Split each cap over the live workers: C // M each, the remainder to the first ids in
+    sorted order. Safe without any fresh report: the allowances sum to C."""
+    ids = sorted({*workers, me})
+    m, rank = len(ids), ids.index(me)
+    allowance = {eid: cap // m + (1 if rank < cap % m else 0) for eid, cap in caps.items()}
+    return LoadView(others={}, allowance=allowance)
+
+
+def split_cap(
+    cap: int, held: Mapping[str, int], unmet: Mapping[str, int], epoch: int = 0
+) -> dict[str, int]:
+    """Each worker's target share of one engine's ``cap`` (see the module docstring): an
+    integer max-min fair split over the demands ``held + unmet``, ties in an order that
+    changes with ``epoch``; the rest spread as footholds. Sums to ``cap``. Pure and
+    deterministic: every worker that sees the same reports in the same epoch computes
+    the same split."""
+    ids = sorted({*held, *unmet})
+    if not ids:
+        return {}
+    demand = {w: held.get(w, 0) + max(0, unmet.get(w, 0)) for w in ids}
+    turn = {w: key_hash(f"{epoch}:{w}") for w in ids}  # who goes first among equals
+    target = dict.fromkeys(ids, 0)
+    left = cap
+    # heap entries: (target so far, turn, id); a worker leaves when its demand is met
+    heap = [(0, turn[w], w) for w in ids if demand[w] > 0]
+    heapq.heapify(heap)
+    while left > 0 and heap:
+        t, r, w = heapq.heappop(heap)
+        target[w] = t + 1
+        left -= 1
+        if t + 1 < demand[w]:
+            heapq.heappush(heap, (t + 1, r, w))
+    if left > 0:  # footholds: the same number each, the remainder to the smallest targets
+        each, extra = divmod(left, len(ids))
+        for rank, w in enumerate(sorted(ids, key=lambda w: (target[w], turn[w], w))):
+            target[w] += each + (1 if rank < extra else 0)
+    return target
+
+
+def compute_view(
+    caps: Mapping[str, int],
+    mine: Mapping[str, int],
+    my_unmet: Mapping[str, int],
+    others: Iterable[WorkerReport],
+    me: str = "",
+    epoch: int = 0,
+) -> LoadView:
+    """The load view of worker ``me`` from its own counters and the others' fresh reports
+    (see the module docstring for the rule); ``epoch`` rotates the order among equals
+    (:func:`split_cap`). Pure."""
+    reports = [r for r in others if r.worker_id != me]
+    held: dict[str, int] = {}
+    allowance: dict[str, int] = {}
+    for eid, cap in caps.items():
+        in_flight = {r.worker_id: r.in_flight.get(eid, 0) for r in reports}
+        unmet = {
+            r.worker_id: max(0, r.demand.get(eid, 0) - r.in_flight.get(eid, 0)) for r in reports
+        }
+        m = mine.get(eid, 0)
+        in_flight[me] = m
+        unmet[me] = my_unmet.get(eid, 0)
+        target = split_cap(cap, in_flight, unmet, epoch)[me]
+        reserved = sum(
+            max(r.in_flight.get(eid, 0), r.allowance.get(eid, r.in_flight.get(eid, 0)))
+            for r in reports
+        )
+        held[eid] = sum(r.in_flight.get(eid, 0) for r in reports)
+        allowance[eid] = max(m, min(target, cap - reserved))
+    return LoadView(others=held, allowance=allowance)
+
+
+class LoadExchange:
+    """Every ``interval_s``: write this worker's report, read the others', install the view.
+
+    The router is never blocked: the view is computed here, off the hot path, and applied
+    in one synchronous call."""
+
+    def __init__(
+        self,
+        redis: RedisCluster,
+        router: Router,
+        worker_id: str,
+        *,
+        interval_s: float = 0.25,
+        ttl_s: float = 1.5,
+        stale_s: float = 2.0,
+        rotate_s: float = 1.0,
+        namespace: str = "tr",
+    ) -> None:
+        self._redis = redis
+        self._router = router
+        self.worker_id = worker_id
+        self._ns = namespace
+        self._key = worker_key(worker_id, namespace)
+        self._registry = REGISTRY_KEY if namespace == "tr" else f"{namespace}:workers"
+        self.interval_s = interval_s
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.stale_s = stale_s
+        self.rotate_s = rotate_s  # how long one order among equal workers lasts
+        self._task: asyncio.Task[None] | None = None
+        self._last_ok = time.monotonic()
+        self.peers: list[str] = []  # other live workers at the last successful tick
+        self.ticks = 0
+        self.errors = 0
+
+    async def tick(self) -> LoadView:
+        """One exchange round: read the peers, compute and install the view, then publish
+        this worker's report with its new reservation (three pipelined round trips).
+        Raises RedisError on failure."""
+        now = time.time()
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.zadd(self._registry, {self.worker_id: now})
+        pipe.zremrangebyscore(self._registry, "-inf", now - 60.0)
+        pipe.zrange(self._registry, 0, -1)
+        results = await pipe.execute()
+        ids = [_text(x) for x in results[-1]]
+        peers = [w for w in ids if w != self.worker_id]
+        reports: list[WorkerReport] = []
+        if peers:
+            read = self._redis.pipeline(transaction=False)
+            for w in peers:
+                read.hgetall(worker_key(w, self._ns))
+            for w, raw in zip(peers, await read.execute(), strict=True):
+                report = _parse(w, raw)
+                if report is not None:  # an expired hash: that worker is gone
+                    reports.append(report)
+        self.peers = [r.worker_id for r in reports]
+        caps = {spec.id: spec.cap for spec in self._router.engines()}
+        mine = self._router.in_flight()
+        unmet = self._router.take_unmet()
+        epoch = int(now // self.rotate_s)
+        view = compute_view(caps, mine, unmet, reports, self.worker_id, epoch)
+        self._router.apply_load_view(view)
+        demand = {eid: mine.get(eid, 0) + unmet.get(eid, 0) for eid in mine}
+        write = self._redis.pipeline(transaction=False)
+        write.hset(
+            self._key,
+            mapping={
+                "in_flight": json.dumps(mine),
+                "demand": json.dumps(demand),
+                "allowance": json.dumps(dict(view.allowance)),
+            },
+        )
+        write.pexpire(self._key, self.ttl_ms)
+        await write.execute()
+        self._last_ok = time.monotonic()
+        self.ticks += 1
+        return view
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"load-exchange-{self.worker_id}")
+
+    async def stop(self) -> None:
+        """Stop the loop and delete this worker's report so peers reclaim its share."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(RedisError, OSError):
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.delete(self._key)
+            pipe.zrem(self._registry, self.worker_id)
+            await pipe.execute()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except (RedisError, RedisClusterException, OSError) as exc:  # SlotNotCovered too
+                self.errors += 1
+                if time.monotonic() - self._last_ok > self.stale_s:
+                    caps = {spec.id: spec.cap for spec in self._router.engines()}
+                    self._router.apply_load_view(static_view(caps, self.peers, self.worker_id))
+                _log.warning("load exchange failed: %s", exc)
+            await asyncio.sleep(self.interval_s)
+
+
+def _text(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+def _parse(worker_id: str, raw: Mapping[bytes | str, bytes | str]) -> WorkerReport | None:
+    if not raw:
+        return None
+    fields = {_text(k): _text(v) for k, v in raw.items()}
+    try:
+        in_flight = {str(k): int(v) for k, v in json.loads(fields["in_flight"]).items()}
+        demand = {str(k): int(v) for k, v in json.loads(fields.get("demand", "{}")).items()}
+        allowance = {str(k): int(v) for k, v in json.loads(fields.get("allowance", "{}")).items()}
+    except (KeyError, ValueError, TypeError, AttributeError):
+        _log.warning("ignoring malformed load report of worker %s", worker_id)
+        return None
+    return WorkerReport(worker_id, in_flight, demand, allowance)

@@ -1,0 +1,637 @@
+"""Prefix-aware consistent hashing with bounded loads: the pure router core.
+
+What it is for: choose the inference engine for one request, in local memory, in a few
+microseconds, so that a conversation lands on the engine that holds its KV cache while no
+engine takes more than its share. No I/O; it imports only the standard library and mmh3
+(``asyncio`` is used by :func:`route_wait` only).
+
+Call order::
+
+    router = Router(specs, vnodes=160, eps=0.25)       # build the ring
+    with router.route(key) as lease:                    # or lease = route(...); lease.release()
+        ... stream from lease.engine.url ...
+    router.set_engines(specs)                           # control plane, ~1/s
+    router.apply_load_view(view)                        # load exchange, ~4/s (loadshare.py)
+    router.snapshot()                                   # metrics
+
+Hashing: every position on the ring and every key is ``mmh3.hash(text, 0, signed=False)``,
+the 32-bit MurmurHash3 x86 variant, seed 0. Virtual node ``i`` of engine ``E`` is the hash of
+``"E#i"``; an engine of weight ``w`` owns ``max(1, round(vnodes * w))`` of them.
+
+Capacity: an engine accepts a new request when (a) it is not draining, (b) this worker's
+in-flight count on it is below its *effective cap* (the fixed cap derived from the KV-cache
+size, or this worker's allowance of it when a load view is applied), and (c) its estimated
+global in-flight is below ``ceil((1 + eps) * (total + 1) * w / W)``, the bounded-load rule
+of Mirrokni, Thorup and Zadimoghaddam (total = in flight over the cluster including the
+new request, W = sum of the weights of the routable engines).
+
+Spill: when the preferred engine refuses, ``"walk"`` takes the next acceptable *distinct*
+engine clockwise (each vnode carries its precomputed list of distinct successors, so a full
+cluster is detected in O(engines)); ``"least_loaded"`` takes the acceptable engine with the
+lowest load/cap ratio (what the SGLang gateway does), ties broken in ring order. The routing
+simulator (bench/routing_sim.py) finds the two within noise on cache hits and TTFT;
+least-loaded spills fewer turns (11 vs 14 % at 0.5 and 0.8 load), so it is the default.
+Sizing matters more than the rule: give an engine a cap of about 1.5 x the requests it
+runs at once, or the bounded policies spill into a recompute spiral near saturation
+(docs/ROUTING.md).
+
+``policy="cost_aware"`` replaces the ring's choice (not the caps): among the engines that
+accept by rules (a) and (b), the one with the least expected queue wait + prefill of the
+part of the prompt it probably does not hold (:mod:`worker.routing.cost`), from the
+``TurnInfo`` the worker passes (its session's previous engine, lengths) and this router's
+own leases and decisions. ``Lease.reason`` says why (``preferred``, ``spilled_cost``,
+``least_cost``); ``Lease.first_token()`` tells it the engine's prefill is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import math
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from types import TracebackType
+from typing import Any, Final
+
+import mmh3
+
+from worker.routing.cost import CostModel, CostProfile, TurnInfo
+
+__all__ = [
+    "DEFAULT_ROUTING",
+    "DEFAULT_SPILL",
+    "ROUTING_POLICIES",
+    "SPILL_POLICIES",
+    "AllEnginesFull",
+    "EngineSpec",
+    "Lease",
+    "LeaseState",
+    "LoadView",
+    "Router",
+    "key_hash",
+    "route_wait",
+]
+
+SPILL_POLICIES: Final = ("walk", "least_loaded")
+# "ring": prefix-aware consistent hashing with bounded loads; "cost_aware": least expected
+# queue wait + prefill of what the engine probably does not hold (worker/routing/cost.py),
+# within the same caps; "round_robin" ignores the key (and so every KV cache): a baseline
+ROUTING_POLICIES: Final = ("ring", "cost_aware", "round_robin")
+# the worker's default (WorkerConfig.routing): chosen by bench/routing_sim.py on the
+# Mooncake trace (best goodput at every load up to capacity), see docs/ROUTING.md
+DEFAULT_ROUTING: Final = "cost_aware"
+DEFAULT_SPILL: Final = "least_loaded"  # chosen by bench/routing_sim.py, see docs/ROUTING.md
+_RETRY_MIN_S: Final = 0.05
+_RETRY_MAX_S: Final = 30.0
+_HOLD_PRIOR_S: Final = 2.0  # assumed lease duration before any lease was released
+_EWMA_ALPHA: Final = 0.05
+
+
+def key_hash(text: str) -> int:
+    """The 32-bit unsigned MurmurHash3 (seed 0) used for keys and virtual nodes alike."""
+    return mmh3.hash(text, 0, False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSpec:
+    """An inference engine as the control plane sees it. ``cap``: in-flight requests its
+    KV cache can hold (per cluster, not per worker); ``weight`` scales its vnodes and share."""
+
+    id: str
+    url: str
+    cap: int
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise ValueError("engine id must not be empty")
+        if self.cap < 1:
+            raise ValueError(f"engine {self.id}: cap must be >= 1, got {self.cap}")
+        if not self.weight > 0:
+            raise ValueError(f"engine {self.id}: weight must be > 0, got {self.weight}")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadView:
+    """What the other workers hold, as computed off the hot path by ``worker.routing.loadshare``.
+
+    ``others``: per engine id, in-flight requests held by the other workers (their last
+    reports); ``allowance``: per engine id, how many in-flight requests *this* worker may
+    hold. Engines missing from a mapping get 0 others and the full cap."""
+
+    others: Mapping[str, int]
+    allowance: Mapping[str, int]
+
+
+class AllEnginesFull(Exception):
+    """No engine can take the request now. ``retry_after_s`` estimates when one will."""
+
+    def __init__(self, retry_after_s: float, reason: str = "all engines at capacity") -> None:
+        super().__init__(f"{reason}; retry after {retry_after_s:.2f}s")
+        self.retry_after_s = retry_after_s
+        self.reason = reason
+
+
+class LeaseState(enum.Enum):
+    """A lease's whole lifecycle: HELD -> RELEASED, once. Releasing again is a counted no-op."""
+
+    HELD = "held"
+    RELEASED = "released"
+
+
+class _Engine:
+    """Mutable per-engine state, owned by the Router."""
+
+    __slots__ = (
+        "allowance",
+        "draining",
+        "factor",
+        "in_flight",
+        "others",
+        "refused",
+        "removed",
+        "spec",
+        "waiting",
+    )
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.in_flight = 0  # leases held by this worker
+        self.others = 0  # in flight at other workers (load view)
+        self.allowance = spec.cap  # this worker's effective cap
+        self.draining = False
+        self.removed = False
+        self.factor = 0.0  # (1 + eps) * weight / total weight; 0 when not routable
+        self.refused = 0  # routes refused since the last take_unmet() that wanted it
+        self.waiting = 0  # requests in route_wait that want it
+
+
+class Lease:
+    """One admitted request on one engine. Release exactly once (``with`` does it)."""
+
+    __slots__ = (
+        "_id",
+        "_router",
+        "_slot",
+        "_t0",
+        "engine",
+        "preferred",
+        "reason",
+        "spilled",
+        "state",
+    )
+
+    def __init__(
+        self, router: Router, slot: _Engine, preferred: str, spilled: bool, reason: str = ""
+    ) -> None:
+        self._router = router
+        self._slot = slot
+        self._t0 = router._clock()
+        self._id = router._lease_ids
+        router._lease_ids += 1
+        self.engine: EngineSpec = slot.spec
+        self.preferred = preferred
+        self.spilled = spilled
+        # why this engine: "preferred" / "spilled" (ring), "preferred" / "spilled_cost" /
+        # "least_cost" (cost_aware), "round_robin"
+        self.reason = reason or ("spilled" if spilled else "preferred")
+        self.state = LeaseState.HELD
+
+    def first_token(self) -> None:
+        """The engine sent the first token: its prefill is done (cost_aware's queue)."""
+        if self._router._cost is not None:
+            self._router._cost.first_token(self._id)
+
+    def release(self) -> bool:
+        """Give the slot back. Returns False (and counts it) when already released."""
+        if self.state is LeaseState.RELEASED:
+            self._router._double_releases += 1
+            return False
+        self.state = LeaseState.RELEASED
+        self._router._release(self._slot, self._t0, self._id)
+        return True
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.state is LeaseState.HELD:
+            self.release()
+
+    def __repr__(self) -> str:
+        return (
+            f"Lease(engine={self.engine.id!r}, preferred={self.preferred!r}, "
+            f"spilled={self.spilled}, state={self.state.value})"
+        )
+
+
+class Router:
+    """The ring, the capacity rule and the spill policy. Not thread-safe: one event loop."""
+
+    def __init__(
+        self,
+        engines: Iterable[EngineSpec],
+        *,
+        vnodes: int = 160,
+        eps: float = 0.25,
+        spill: str = DEFAULT_SPILL,
+        policy: str = "ring",
+        clock: Callable[[], float] = time.monotonic,
+        cost_profile: CostProfile | None = None,
+    ) -> None:
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"policy must be one of {ROUTING_POLICIES}, got {policy!r}")
+        if vnodes < 1:
+            raise ValueError("vnodes must be >= 1")
+        if eps < 0:
+            raise ValueError("eps must be >= 0")
+        if spill not in SPILL_POLICIES:
+            raise ValueError(f"spill must be one of {SPILL_POLICIES}, got {spill!r}")
+        self.vnodes = vnodes
+        self.eps = eps
+        self.spill = spill
+        self.policy = policy
+        self._rr = 0  # next index for the round-robin baseline
+        self._clock = clock
+        self._engines: dict[str, _Engine] = {}
+        self._hashes: list[int] = []
+        self._succ: list[tuple[_Engine, ...]] = []  # per vnode: distinct engines clockwise
+        self._total = 0  # in flight at this worker on routable engines
+        self._others_total = 0
+        self._hold_s = _HOLD_PRIOR_S
+        self._routes = 0
+        self._spills = 0
+        self._rejections = 0
+        self._double_releases = 0
+        self._listeners: list[Callable[[], None]] = []
+        self._lease_ids = 0
+        self._cost_profile = cost_profile or CostProfile()
+        self._cost: CostModel | None = None
+        for spec in engines:
+            if spec.id in self._engines:
+                raise ValueError(f"duplicate engine id {spec.id!r}")
+            self._engines[spec.id] = _Engine(spec)
+        self._rebuild()
+
+    # ---- the hot path -------------------------------------------------------------------
+
+    def route(self, key: str, avoid: str | None = None, turn: TurnInfo | None = None) -> Lease:
+        """Admit a request for ``key``; raise :class:`AllEnginesFull` when nothing accepts.
+
+        ``avoid``: an engine id not to use (it just refused a connection); the request
+        spills past it as if it were full. A refusal counts as unmet demand on the engine
+        the request would have used (:meth:`take_unmet`)."""
+        lease = self.try_route(key, avoid, turn)
+        if lease is None:
+            self._routes += 1
+            self._rejections += 1
+            if not self._hashes:
+                raise AllEnginesFull(self.retry_after(), "no routable engine")
+            self._engine_wanted(key).refused += 1
+            raise AllEnginesFull(self.retry_after())
+        return lease
+
+    def try_route(
+        self, key: str, avoid: str | None = None, turn: TurnInfo | None = None
+    ) -> Lease | None:
+        """:meth:`route` without the exception and without counting demand: ``None`` when
+        nothing accepts (:func:`route_wait` counts its waiter once instead). ``turn``:
+        what the worker knows of the turn (cost_aware; the ring ignores it)."""
+        hashes = self._hashes
+        if not hashes:
+            return None
+        if self.policy == "round_robin":
+            return self._try_round_robin(avoid)
+        if self._cost is not None:
+            return self._try_cost(key, avoid, turn)
+        i = bisect_left(hashes, key_hash(key))
+        succ = self._succ[i if i < len(hashes) else 0]
+        first = succ[0]
+        total1 = self._total + self._others_total + 1
+        if (
+            first.spec.id != avoid
+            and not first.draining
+            and first.in_flight < first.allowance
+            and first.in_flight + first.others < math.ceil(first.factor * total1)
+        ):
+            return self._admit(first, first, False)
+        chosen: _Engine | None = None
+        if self.spill == "walk":
+            for e in succ:
+                if (
+                    e.spec.id != avoid
+                    and not e.draining
+                    and e.in_flight < e.allowance
+                    and e.in_flight + e.others < math.ceil(e.factor * total1)
+                ):
+                    chosen = e
+                    break
+        else:
+            best = math.inf
+            for e in succ:
+                if (
+                    e.spec.id != avoid
+                    and not e.draining
+                    and e.in_flight < e.allowance
+                    and e.in_flight + e.others < math.ceil(e.factor * total1)
+                ):
+                    ratio = (e.in_flight + e.others) / e.spec.cap
+                    if ratio < best:
+                        best, chosen = ratio, e
+        if chosen is None:
+            return None
+        self._spills += 1
+        return self._admit(chosen, first, True)
+
+    def _try_cost(self, key: str, avoid: str | None, turn: TurnInfo | None) -> Lease | None:
+        """cost_aware: the cheapest engine by :class:`CostModel` among those under this
+        worker's cap (the same capacity rules (a) and (b) as the ring; no eps bound: the
+        queue estimate balances)."""
+        cost = self._cost
+        assert cost is not None
+        ok = [
+            eid
+            for eid, e in self._engines.items()
+            if eid != avoid and not e.draining and e.in_flight < e.allowance
+        ]
+        if not ok:
+            return None
+        info = TurnInfo(prompt_tokens=1) if turn is None else turn
+        if not info.key:
+            info = replace(info, key=key)
+        others = {eid: e.others for eid, e in self._engines.items()}
+        choice = cost.choose(info, others, ok)
+        slot = self._engines[choice.engine]
+        spilled = choice.reason == "spilled_cost"
+        if spilled:
+            self._spills += 1
+        lease = self._admit(slot, slot, spilled, choice.reason)
+        cost.admitted(lease._id, choice, cost.resolve(info))
+        return lease
+
+    def _try_round_robin(self, avoid: str | None) -> Lease | None:
+        """The baseline that ignores the key: the next engine in turn that is not
+        draining and has room in this worker's allowance (the same caps as the ring)."""
+        engines = [e for e in self._engines.values() if not e.draining]
+        n = len(engines)
+        for j in range(n):
+            e = engines[(self._rr + j) % n]
+            if e.spec.id != avoid and e.in_flight < e.allowance:
+                self._rr = (self._rr + j + 1) % n
+                return self._admit(e, e, False, "round_robin")
+        return None
+
+    def _engine_wanted(self, key: str) -> _Engine:
+        """Where a refused request would go if this worker's share allowed it: the first
+        engine clockwise that is not draining and has room cluster-wide, else the first
+        engine that is not draining (everything is full: wait for the preferred one).
+        Only on the refusal path; the ring is not empty."""
+        i = bisect_left(self._hashes, key_hash(key))
+        succ = self._succ[i if i < len(self._hashes) else 0]
+        for e in succ:
+            if not e.draining and e.in_flight + e.others < e.spec.cap:
+                return e
+        return next((e for e in succ if not e.draining), succ[0])
+
+    def add_waiter(self, key: str) -> str:
+        """Count a request that waits for a slot as unmet demand (on the engine it wants)
+        until :meth:`remove_waiter`; returns that engine's id."""
+        if not self._hashes:
+            return ""
+        e = self._engine_wanted(key)
+        e.waiting += 1
+        return e.spec.id
+
+    def remove_waiter(self, engine_id: str) -> None:
+        e = self._engines.get(engine_id)
+        if e is not None and e.waiting > 0:
+            e.waiting -= 1
+
+    def _admit(self, slot: _Engine, preferred: _Engine, spilled: bool, reason: str = "") -> Lease:
+        self._routes += 1
+        slot.in_flight += 1
+        self._total += 1
+        return Lease(self, slot, preferred.spec.id, spilled, reason)
+
+    def _release(self, slot: _Engine, t0: float, lease_id: int) -> None:
+        if self._cost is not None:
+            self._cost.finished(lease_id)
+        slot.in_flight -= 1
+        if not slot.removed:
+            self._total -= 1
+        self._hold_s += _EWMA_ALPHA * ((self._clock() - t0) - self._hold_s)
+        if self._listeners:
+            for cb in tuple(self._listeners):
+                cb()
+
+    def retry_after(self) -> float:
+        """Expected wait until a slot frees: with n leases of mean duration h in flight,
+        one ends every h / n seconds on average."""
+        n = max(1, self._total)
+        return min(_RETRY_MAX_S, max(_RETRY_MIN_S, self._hold_s / n))
+
+    # ---- lookups --------------------------------------------------------------------------
+
+    def preferred(self, key: str) -> str:
+        """The engine the ring prefers for ``key`` regardless of load (draining included)."""
+        if not self._hashes:
+            raise AllEnginesFull(self.retry_after(), "no routable engine")
+        i = bisect_left(self._hashes, key_hash(key))
+        return self._succ[i if i < len(self._hashes) else 0][0].spec.id
+
+    def engines(self) -> list[EngineSpec]:
+        return [e.spec for e in self._engines.values()]
+
+    def in_flight(self) -> dict[str, int]:
+        """This worker's in-flight leases per engine (what the load exchange reports)."""
+        return {eid: e.in_flight for eid, e in self._engines.items()}
+
+    def take_unmet(self) -> dict[str, int]:
+        """Per engine, the demand this worker could not place: routes refused since the
+        last call plus requests waiting now (what the load exchange reports as want)."""
+        out = {eid: e.refused + e.waiting for eid, e in self._engines.items()}
+        for e in self._engines.values():
+            e.refused = 0
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        engines = {
+            eid: {
+                "in_flight": e.in_flight,
+                "others": e.others,
+                "cap": e.spec.cap,
+                "effective_cap": min(e.spec.cap, e.allowance),
+                "waiting": e.waiting,
+                "weight": e.spec.weight,
+                "draining": e.draining,
+            }
+            for eid, e in self._engines.items()
+        }
+        return {
+            "engines": engines,
+            "spill": self.spill,
+            "policy": self.policy,
+            "vnodes": self.vnodes,
+            "eps": self.eps,
+            "counters": {
+                "routes": self._routes,
+                "spills": self._spills,
+                "rejections": self._rejections,
+                "double_releases": self._double_releases,
+                "in_flight": self._total,
+            },
+        }
+
+    # ---- membership (control plane) -----------------------------------------------------
+
+    def add_engine(self, spec: EngineSpec) -> None:
+        if spec.id in self._engines:
+            raise ValueError(f"engine {spec.id!r} already present")
+        self._engines[spec.id] = _Engine(spec)
+        self._rebuild()
+
+    def drain_engine(self, engine_id: str) -> None:
+        """No new routes to ``engine_id``; its leases finish. Its vnodes stay on the ring,
+        so its keys spill exactly where they will go once it is removed."""
+        self._engines[engine_id].draining = True
+        self._reweigh()
+
+    def remove_engine(self, engine_id: str) -> None:
+        """Take the engine off the ring. Leases still held on it release harmlessly."""
+        e = self._engines.pop(engine_id)
+        e.removed = True
+        self._total -= e.in_flight
+        self._others_total -= e.others
+        self._rebuild()
+
+    def set_engines(self, specs: Iterable[EngineSpec]) -> None:
+        """Reconcile to ``specs``: add new ids, update changed specs, remove missing ids.
+        The ring is rebuilt only when ids or weights changed."""
+        wanted = {s.id: s for s in specs}
+        rebuild = False
+        for eid in [eid for eid in self._engines if eid not in wanted]:
+            e = self._engines.pop(eid)
+            e.removed = True
+            self._total -= e.in_flight
+            self._others_total -= e.others
+            rebuild = True
+        for eid, spec in wanted.items():
+            cur = self._engines.get(eid)
+            if cur is None:
+                self._engines[eid] = _Engine(spec)
+                rebuild = True
+            elif cur.spec != spec:
+                rebuild = rebuild or cur.spec.weight != spec.weight
+                if cur.allowance == cur.spec.cap:
+                    cur.allowance = spec.cap
+                cur.allowance = min(cur.allowance, spec.cap)
+                cur.spec = spec
+        if rebuild:
+            self._rebuild()
+
+    def apply_load_view(self, view: LoadView | None) -> None:
+        """Install what other workers hold (``None``: this worker is alone). Wakes the
+        release listeners when the view frees room (a larger allowance, fewer held by
+        others), so a route waiting in :func:`route_wait` retries at once."""
+        others_total = 0
+        freed = False
+        for eid, e in self._engines.items():
+            before = (e.allowance, e.others)
+            if view is None:
+                e.others, e.allowance = 0, e.spec.cap
+            else:
+                e.others = max(0, view.others.get(eid, 0))
+                e.allowance = min(e.spec.cap, max(0, view.allowance.get(eid, e.spec.cap)))
+            freed = freed or e.allowance > before[0] or e.others < before[1]
+            others_total += e.others
+        self._others_total = others_total
+        if freed and self._listeners:
+            for cb in tuple(self._listeners):
+                cb()
+
+    def add_release_listener(self, cb: Callable[[], None]) -> None:
+        self._listeners.append(cb)
+
+    def remove_release_listener(self, cb: Callable[[], None]) -> None:
+        self._listeners.remove(cb)
+
+    # ---- ring construction ----------------------------------------------------------------
+
+    def _reweigh(self) -> None:
+        routable = [e for e in self._engines.values() if not e.draining]
+        wsum = sum(e.spec.weight for e in routable)
+        for e in self._engines.values():
+            e.factor = 0.0 if e.draining else (1.0 + self.eps) * e.spec.weight / wsum
+
+    def _rebuild(self) -> None:
+        points: list[tuple[int, str, _Engine]] = []
+        for eid, e in self._engines.items():
+            n = max(1, round(self.vnodes * e.spec.weight))
+            points.extend((key_hash(f"{eid}#{i}"), eid, e) for i in range(n))
+        points.sort(key=lambda p: (p[0], p[1]))
+        self._hashes = [p[0] for p in points]
+        owners = [p[2] for p in points]
+        n_engines = len(self._engines)
+        # Distinct successors, computed right to left over the doubled ring: the list at
+        # vnode i is owners[i] followed by the list at i + 1 without owners[i].
+        succ: list[tuple[_Engine, ...]] = [()] * len(owners)
+        if owners:
+            nxt: tuple[_Engine, ...] = ()
+            for j in range(2 * len(owners) - 1, -1, -1):
+                o = owners[j % len(owners)]
+                nxt = (o, *(x for x in nxt if x is not o))[:n_engines]
+                if j < len(owners):
+                    succ[j] = nxt
+        self._succ = succ
+        self._total = sum(e.in_flight for e in self._engines.values())
+        self._others_total = sum(e.others for e in self._engines.values())
+        self._reweigh()
+        if self.policy == "cost_aware":
+            if self._cost is None:
+                self._cost = CostModel(list(self._engines), self._cost_profile)
+            else:
+                self._cost.engines = list(self._engines)
+
+
+async def route_wait(
+    router: Router, key: str, deadline_s: float, turn: TurnInfo | None = None
+) -> Lease:
+    """Route ``key``, waiting up to ``deadline_s`` seconds for a slot when all are full.
+
+    While it waits the request counts as unmet demand (:meth:`Router.add_waiter`), which
+    the load exchange turns into a share of the cap for this worker. Wakes on every lease
+    release and every load view that frees room (at the retry-after hint at the latest);
+    raises :class:`AllEnginesFull` when the deadline passes (``deadline_s=0``: one try,
+    the same as :meth:`Router.route`). Not FIFO-fair."""
+    if deadline_s <= 0:
+        return router.route(key, turn=turn)
+    lease = router.try_route(key, turn=turn)
+    if lease is not None:
+        return lease
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    wake = asyncio.Event()
+    wanted = router.add_waiter(key)
+    router.add_release_listener(wake.set)
+    try:
+        while True:
+            left = end - loop.time()
+            if left <= 0:
+                return router.route(key, turn=turn)  # a last try: a lease, or the refusal
+            wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), min(left, router.retry_after()))
+            lease = router.try_route(key, turn=turn)
+            if lease is not None:
+                return lease
+    finally:
+        router.remove_release_listener(wake.set)
+        router.remove_waiter(wanted)

@@ -1,1 +1,0 @@
-../../clients/js/tokenrelay.js
