@@ -183,7 +183,7 @@ def test_alerts_cover_the_failures_that_matter() -> None:
         "TokenrelayRepairsRising": "tokenrelay_relay_hub_repairs_total",
         "TokenrelayRelayNotReady": "kube_pod_status_ready",
         "TokenrelayEngineOverCap": "tokenrelay_worker_engine_in_flight",
-        "TokenrelayDoubleRelease": "tokenrelay_worker_router_double_releases",
+        "TokenrelayDoubleRelease": "tokenrelay_worker_router_double_releases_total",
     }
     for alert, metric in wanted.items():
         assert metric in metric_names(by_name[alert]["expr"]), alert

@@ -25,63 +25,47 @@ Routes (the contract: docs/openapi.yaml):
 * ``POST /v1/jobs``, ``GET /v1/jobs/{id}``: offline jobs on RabbitMQ when ``--amqp`` is
   given (:mod:`worker.jobs.api`; ``tokenrelay jobworker`` runs them);
 * ``GET /healthz`` (the process lives), ``GET /readyz`` (Redis answers, some engine is
-  routable, not draining), ``GET /metrics`` (Prometheus text), ``GET /openapi.json``
-  (docs/openapi.yaml, the worker's part).
+  routable, no critical background loop failing, not draining), ``GET /metrics``
+  (Prometheus text), ``GET /openapi.json`` (docs/openapi.yaml, the worker's part).
 
 Order of use: ``app = make_app(WorkerConfig(...))`` (optionally with an existing Redis
-client); the app's startup builds the router, engine client, control plane, load
-exchange and :class:`worker.chat.turn.TurnManager`; :func:`begin_drain` + the app's cleanup
-end it (see ``worker.cli``).
+client); the app's startup (:mod:`worker.lifecycle`) builds the router, engine client,
+control plane, load exchange and :class:`worker.chat.turn.TurnManager` and runs the
+background loops on one supervisor; :func:`begin_drain` + the app's cleanup end it (see
+``worker.cli``). The configuration is :class:`worker.config.WorkerConfig`, the shared
+state :class:`worker.state.WorkerState` (both re-exported here).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import os
-import socket
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any, Final
 
-import aiohttp
 import orjson
 from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
 
 from relay.edge import openapi
-from relay.protocol.auth import AuthError, load_keys
+from relay.protocol.auth import AuthError
 from relay.protocol.keys import InvalidSessionId, idem_key, new_session_id, parse_session
-from relay.redisio.connect import RedisTLS, connect
 from relay.redisio.errors import RedisCommandError, RelayError, map_redis_errors
-from relay.redisio.publisher import Publisher
-from worker.access import BadTokenRequest, Refusal, WorkerAccess, parse_token_request
+from worker.access import BadTokenRequest, Refusal, parse_token_request
 from worker.chat import direct
-from worker.chat.coalesce import DEFAULT_POLICY, CoalescePolicy
-from worker.chat.presence import PresencePolicy
-from worker.chat.store import SessionStore
 from worker.chat.turn import (
     Draining,
     IdempotencyKeyReused,
     IdempotencyPending,
     TurnBusy,
-    TurnConfig,
-    TurnManager,
 )
-from worker.engines.client import EngineClient
+from worker.config import WorkerConfig, default_worker_id
 from worker.gateway import aisdk
 from worker.gateway import openai as gateway
-from worker.gateway.openai import GATEWAY, Gateway, GatewayConfig
 from worker.jobs import api as jobs_api
-from worker.jobs.api import JOBS, JobsApi
-from worker.jobs.queue import JobSubmitter, QueueNames
-from worker.jobs.record import JobStore
-from worker.metrics import CONTENT_TYPE_LATEST, WorkerMetrics
-from worker.routing.control import ControlPlane
-from worker.routing.key import DEFAULT_PREFIX_CHARS
-from worker.routing.loadshare import LoadExchange
-from worker.routing.router import DEFAULT_ROUTING, DEFAULT_SPILL, AllEnginesFull, EngineSpec, Router
+from worker.lifecycle import CFG, REDIS, lifecycle
+from worker.metrics import CONTENT_TYPE_LATEST
+from worker.routing.lease import AllEnginesFull
+from worker.state import STATE, WorkerState, access_check
 
 __all__ = [
     "STATE",
@@ -95,86 +79,13 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 _JSON: Final = "application/json"
-
-
-def default_worker_id() -> str:
-    raw = f"{socket.gethostname()}-{os.getpid()}"
-    return "".join(c if c.isalnum() or c in "-_" else "-" for c in raw)[:64]
-
-
-@dataclass(slots=True)
-class WorkerConfig:
-    """Everything the worker needs; the CLI fills it from flags."""
-
-    redis_url: str = ""
-    redis_tls: RedisTLS = field(default_factory=RedisTLS)  # rediss://: CA, client cert, key
-    # Every command on the worker's own client is bounded: with no socket timeout a reply
-    # from a stalled (SIGSTOPped, partitioned) master is awaited forever. Above a short
-    # stall, below a failover; callers see RedisUnavailable and retry (publisher) or
-    # end the turn with an error frame.
-    redis_timeout_s: float = 2.0
-    engines: list[EngineSpec] = field(default_factory=list)
-    secret: str | None = None  # HS256 secret of key ``kid``; None (and no keys_file): no auth
-    kid: str = "k1"  # the key the worker signs with (an HS256 secret or a private JWK)
-    keys_file: str | None = None  # JWK Set: previous secrets (rotation), an ES256/RS256 key
-    trusted_proxies: str = ""  # whose X-Forwarded-For names the client (comma-separated CIDRs)
-    max_token_ttl_s: int = 86_400  # and never past the session's lifetime (session_ttl_s)
-    session_rate_per_s: float = 1.0  # new sessions per client address, after the burst; 0: off
-    session_burst: int = 20
-    turns_per_minute: int = 30  # turn requests per session per minute; 0: off
-    default_max_tokens: int = 1024  # a turn without max_tokens gets this
-    max_reply_bytes: int = 256 * 1024  # the engine's reply is cut here (and stored so)
-    model: str = "tokenrelay-mock"
-    worker_id: str = field(default_factory=default_worker_id)
-    token_ttl_s: int = 86_400
-    max_body_bytes: int = 64 * 1024
-    max_message_chars: int = 32 * 1024
-    max_tokens_limit: int = 4096
-    history_messages: int = 64
-    history_max_bytes: int = 1 << 20  # what a session's history may store (oldest dropped)
-    session_ttl_s: int = 86_400
-    backlog_maxlen: int = 10_000
-    lock_ttl_s: float = 5.0  # refreshed every second; a dead worker's turn is reaped after it
-    coalesce: CoalescePolicy = DEFAULT_POLICY
-    presence: PresencePolicy = field(default_factory=PresencePolicy)
-    vnodes: int = 160
-    eps: float = 0.25
-    spill: str = DEFAULT_SPILL
-    routing: str = DEFAULT_ROUTING  # "ring", or "round_robin": the cache-blind baseline
-    discover_engines: bool = False
-    control_interval_s: float = 1.0
-    load_exchange: bool = True
-    connect_timeout_s: float = 3.0
-    first_token_timeout_s: float = 60.0
-    idle_timeout_s: float = 30.0
-    shutdown_deadline_s: float = 20.0
-    admit_wait_s: float = 2.0  # a turn waits this long for an engine slot before 429
-    prefix_chars: int = DEFAULT_PREFIX_CHARS  # of the conversation in the routing key
-    gateway_keys: tuple[str, ...] = ()  # bearer keys of the OpenAI gateway (worker.gateway.openai)
-    amqp_url: str = ""  # RabbitMQ: enables /v1/jobs (worker.jobs.api)
-    jobs_queue: str = "tokenrelay.jobs"
-    job_ttl_s: int = 86_400
-
-
-@dataclass(slots=True)
-class WorkerState:
-    """What the app's handlers share (built at startup)."""
-
-    cfg: WorkerConfig
-    redis: RedisCluster
-    http: aiohttp.ClientSession
-    router: Router
-    metrics: WorkerMetrics
-    turns: TurnManager
-    control: ControlPlane
-    exchange: LoadExchange | None
-    own_redis: bool
-    access: WorkerAccess
-
-
-STATE: Final = web.AppKey("tokenrelay_worker", WorkerState)
-_CFG: Final = web.AppKey("tokenrelay_worker_cfg", WorkerConfig)
-_REDIS: Final = web.AppKey("tokenrelay_worker_redis", object)
+# /readyz: a sentence for each reason not to be ready (a failing loop: its own sentence)
+_NOT_READY: Final = {
+    "draining": "worker is shutting down",
+    "redis_unreachable": "redis has not been reached since start-up",
+    "no_engines": "no engine is routable",
+    "redis_unavailable": "redis did not answer a ping",
+}
 
 
 def _err(status: int, code: str, reason: str, **extra: Any) -> web.Response:
@@ -315,6 +226,10 @@ async def _post_turn(request: web.Request) -> web.StreamResponse:
             idem_key(sid, idem)
         except ValueError as exc:
             return _err(400, "invalid_idempotency_key", str(exc))
+    if not st.turns.redis_ready:  # start-up has not reached Redis yet: refuse at once
+        st.metrics.rejected.labels(status="503").inc()
+        return _err(503, "redis_unavailable", "redis has not been reached yet",
+                    headers={"Retry-After": "1"})  # fmt: skip
     try:
         await st.access.check_turn_rate(st.redis, sid)
     except Refusal as exc:
@@ -382,157 +297,38 @@ async def _router_view(request: web.Request) -> web.Response:
     return _json(200, body)
 
 
+def _not_ready_sentence(reason: str) -> str:
+    if reason in _NOT_READY:
+        return _NOT_READY[reason]
+    loop = reason.removesuffix("_failing")
+    return f"background loop {loop} keeps failing"
+
+
 async def _readyz(request: web.Request) -> web.Response:
+    """200 when the worker can take turns; else 503 ``{"error": <first reason>, "reason":
+    <sentences>, "reasons": [...]}``: draining, the supervisor's reasons (Redis not yet
+    reached, a critical loop failing), no routable engine, Redis not answering a ping."""
     st = request.app[STATE]
-    if st.turns.draining:
-        return _err(503, "draining", "worker is shutting down")
+    reasons = ["draining"] if st.turns.draining else []
+    reasons += st.supervisor.not_ready()
     if not st.router.engines():
-        return _err(503, "no_engines", "no engine is routable")
-    try:
-        with map_redis_errors():
-            await st.redis.ping()
-    except RelayError as exc:
-        _log.warning("readyz: redis ping failed: %r", exc)
-        return _err(503, "redis_unavailable", "redis did not answer a ping")
+        reasons.append("no_engines")
+    if "redis_unreachable" not in reasons:
+        try:
+            with map_redis_errors():
+                await st.redis.ping()
+        except RelayError as exc:
+            _log.warning("readyz: redis ping failed: %r", exc)
+            reasons.append("redis_unavailable")
+    if reasons:
+        sentence = "; ".join(_not_ready_sentence(r) for r in reasons)
+        return _err(503, reasons[0], sentence, reasons=reasons)
     return _json(200, {"status": "ready", "engines": [s.id for s in st.router.engines()]})
 
 
 async def _metrics(request: web.Request) -> web.Response:
     body = request.app[STATE].metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
-    cfg = app[_CFG]
-    given = app.get(_REDIS)
-    own = given is None
-    redis = (
-        connect(  # waits for a pooled connection in a burst instead of failing
-            cfg.redis_url,
-            tls=cfg.redis_tls,
-            socket_timeout=cfg.redis_timeout_s,
-            socket_connect_timeout=cfg.redis_timeout_s,
-        )
-        if own
-        else given
-    )
-    assert isinstance(redis, RedisCluster)
-    if own:
-        with map_redis_errors():
-            await redis.initialize()
-    http = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
-    )
-    router = Router(
-        cfg.engines, vnodes=cfg.vnodes, eps=cfg.eps, spill=cfg.spill, policy=cfg.routing
-    )
-    metrics = WorkerMetrics()
-    metrics.bind_router(router)
-    engine = EngineClient(
-        http,
-        max_reply_bytes=cfg.max_reply_bytes,
-        connect_timeout_s=cfg.connect_timeout_s,
-        first_token_timeout_s=cfg.first_token_timeout_s,
-        idle_timeout_s=cfg.idle_timeout_s,
-    )
-    store = SessionStore(
-        redis,
-        max_messages=cfg.history_messages,
-        max_bytes=cfg.history_max_bytes,
-        ttl_s=cfg.session_ttl_s,
-        lock_ttl_s=cfg.lock_ttl_s,
-    )
-    publisher = Publisher(redis, maxlen=cfg.backlog_maxlen, ttl_s=cfg.session_ttl_s)
-    turns = TurnManager(
-        publisher=publisher,
-        store=store,
-        router=router,
-        engine=engine,
-        metrics=metrics,
-        worker_id=cfg.worker_id,
-        config=TurnConfig(
-            model=cfg.model,
-            coalesce=cfg.coalesce,
-            presence=cfg.presence,
-            admit_wait_s=cfg.admit_wait_s,
-            prefix_chars=cfg.prefix_chars,
-        ),
-    )
-    control = ControlPlane(
-        router,
-        http,
-        cfg.engines,
-        redis=redis,
-        discover=cfg.discover_engines,
-        interval_s=cfg.control_interval_s,
-        on_engine_down=turns.abort_engine,
-    )
-    exchange = LoadExchange(redis, router, cfg.worker_id) if cfg.load_exchange else None
-    app[STATE] = WorkerState(
-        cfg, redis, http, router, metrics, turns, control, exchange, own, access_check(cfg)
-    )
-    app[GATEWAY] = Gateway(
-        GatewayConfig(
-            model=cfg.model,
-            keys=cfg.gateway_keys,
-            auth=app[STATE].access.keys is not None,
-            default_max_tokens=cfg.default_max_tokens,
-            max_tokens_limit=cfg.max_tokens_limit,
-            admit_wait_s=cfg.admit_wait_s,
-            prefix_chars=cfg.prefix_chars,
-        ),
-        router,
-        engine,
-        metrics,
-        draining=lambda: turns.draining,
-        turns=turns,
-        access=app[STATE].access,
-    )
-    submitter = JobSubmitter(cfg.amqp_url, QueueNames(cfg.jobs_queue)) if cfg.amqp_url else None
-    if submitter is not None:
-        app[JOBS] = JobsApi(
-            store=JobStore(redis, ttl_s=cfg.job_ttl_s),
-            submitter=submitter,
-            access=app[STATE].access,
-            api_keys=cfg.gateway_keys,
-            default_max_tokens=cfg.default_max_tokens,
-            max_tokens_limit=cfg.max_tokens_limit,
-            max_prompt_chars=cfg.max_message_chars,
-        )
-    await control.start()
-    if exchange is not None:
-        await exchange.start()
-    try:
-        yield
-    finally:
-        await turns.drain(cfg.shutdown_deadline_s)
-        await control.stop()
-        if exchange is not None:
-            await exchange.stop()
-        await http.close()
-        if submitter is not None:
-            await submitter.close()
-        if own:
-            with contextlib.suppress(Exception):
-                await redis.aclose()
-
-
-def access_check(cfg: WorkerConfig) -> WorkerAccess:
-    """The worker's access rules from ``cfg``; ValueError (one line) for weak or default
-    secrets, an unreadable key file, no signing key, a bad trusted-proxy list."""
-    auth = cfg.secret is not None or bool(cfg.keys_file)
-    keys = load_keys(cfg.secret, cfg.kid, cfg.keys_file) if auth else None
-    if keys is not None and keys.signing is None:
-        raise ValueError(f"no signing key {cfg.kid!r}: the worker mints tokens with it")
-    return WorkerAccess(
-        keys,
-        trusted_proxies=cfg.trusted_proxies,
-        max_token_ttl_s=cfg.max_token_ttl_s,
-        session_ttl_s=cfg.session_ttl_s,
-        session_rate_per_s=cfg.session_rate_per_s,
-        session_burst=cfg.session_burst,
-        turns_per_minute=cfg.turns_per_minute,
-    )
 
 
 def begin_drain(app: web.Application) -> None:
@@ -543,10 +339,10 @@ def begin_drain(app: web.Application) -> None:
 def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.Application:
     """The worker application. Pass ``redis`` to share a client (it is not closed)."""
     app = web.Application(client_max_size=cfg.max_body_bytes)
-    app[_CFG] = cfg
+    app[CFG] = cfg
     if redis is not None:
-        app[_REDIS] = redis
-    app.cleanup_ctx.append(_lifecycle)
+        app[REDIS] = redis
+    app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/sessions", _create_session)
     app.router.add_post("/v1/sessions/{sid:[^/]+}/turns", _post_turn)  # a bad id: 400, not 404
     app.router.add_post("/v1/sessions/{sid:[^/]+}/tokens", _mint_token)
@@ -557,5 +353,5 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
     gateway.add_routes(app)  # POST /v1/chat/completions, GET /v1/models
     jobs_api.add_routes(app)  # POST /v1/jobs, GET /v1/jobs/{id} (404 without --amqp)
     app.router.add_get("/openapi.json", openapi.handler("worker"))  # docs/openapi.yaml
-    aisdk.register(app, STATE)  # POST /v1/chat: the Vercel AI SDK's chat (worker/gateway/aisdk.py)
+    aisdk.register(app)  # POST /v1/chat: the Vercel AI SDK's chat (worker/gateway/aisdk.py)
     return app

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
@@ -32,7 +32,7 @@ class _RouterCollector(Collector):
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         snap = self.router.snapshot()
         inflight = GaugeMetricFamily(
             _P + "engine_in_flight", "Leases this worker holds per engine.", labels=["engine"]
@@ -48,13 +48,14 @@ class _RouterCollector(Collector):
             cap.add_metric([eid], e["cap"])
             eff.add_metric([eid], e["effective_cap"])
         c = snap["counters"]
-        routes = GaugeMetricFamily(_P + "router_routes", "Routes decided (monotonic).")
+        # the router's own counts only grow: counters (exposed with the _total suffix)
+        routes = CounterMetricFamily(_P + "router_routes", "Routes decided by the router.")
         routes.add_metric([], c["routes"])
-        spills = GaugeMetricFamily(_P + "router_spills", "Routes spilled off the preferred engine.")
+        spills = CounterMetricFamily(_P + "router_spills", "Routes off the preferred engine.")
         spills.add_metric([], c["spills"])
-        rejections = GaugeMetricFamily(_P + "router_rejections", "Routes refused (all full).")
+        rejections = CounterMetricFamily(_P + "router_rejections", "Routes refused (all full).")
         rejections.add_metric([], c["rejections"])
-        double = GaugeMetricFamily(_P + "router_double_releases", "Leases released twice.")
+        double = CounterMetricFamily(_P + "router_double_releases", "Leases released twice.")
         double.add_metric([], c["double_releases"])
         yield from (inflight, cap, eff, routes, spills, rejections, double)
 

@@ -51,30 +51,44 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Final
 
-from relay.redisio.errors import Fenced, RelayError
+from relay.redisio.errors import Fenced, RedisUnavailable, RelayError
 from relay.redisio.publisher import Draft, Generation, Publisher
-from worker.chat.coalesce import DEFAULT_POLICY, Batch, CoalescePolicy, TokenPump
+from relay.service.supervise import Supervisor
+from worker.chat.coalesce import Batch, TokenPump
 from worker.chat.direct import DirectViewer
-from worker.chat.presence import PresencePolicy, watch_presence
-from worker.chat.store import LockHolder, SessionStore
-from worker.engines.client import Delta
+from worker.chat.presence import watch_presence
+from worker.chat.store import SessionStore
+from worker.chat.turnstate import (
+    AbortReason,
+    Draining,
+    IdempotencyKeyReused,
+    IdempotencyPending,
+    LockLost,
+    RunningTurn,
+    StreamChat,
+    TurnBusy,
+    TurnConfig,
+    TurnOutcome,
+    TurnStarted,
+    reply_integrity,
+    request_fingerprint,
+)
 from worker.engines.errors import EngineError, EngineTimeout, EngineUnavailable
 from worker.metrics import WorkerMetrics
 from worker.routing.cost import turn_info
-from worker.routing.key import DEFAULT_PREFIX_CHARS, routing_key
-from worker.routing.router import AllEnginesFull, Lease, LeaseState, Router, route_wait
+from worker.routing.key import routing_key
+from worker.routing.lease import AllEnginesFull, Lease, release_once
+from worker.routing.router import Router
+from worker.routing.wait import route_wait
 
 __all__ = [
+    "AbortReason",
     "Draining",
     "IdempotencyKeyReused",
     "IdempotencyPending",
@@ -83,6 +97,7 @@ __all__ = [
     "TurnBusy",
     "TurnConfig",
     "TurnManager",
+    "TurnOutcome",
     "TurnStarted",
     "reply_integrity",
     "request_fingerprint",
@@ -90,141 +105,7 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-
-class StreamChat(Protocol):
-    """What the runner needs from :class:`worker.engines.client.EngineClient`."""
-
-    def stream_chat(
-        self,
-        engine_url: str,
-        model: str,
-        messages: Sequence[Mapping[str, Any]],
-        max_tokens: int | None = None,
-    ) -> AsyncIterator[Delta]: ...
-
-
-class TurnBusy(Exception):
-    """Another turn of the session is generating (-> 409)."""
-
-    def __init__(self, holder: LockHolder) -> None:
-        super().__init__(f"turn {holder.turn} is generating")
-        self.holder = holder
-
-
-class IdempotencyPending(Exception):
-    """A request with the same Idempotency-Key is being admitted right now (-> 409)."""
-
-
-class IdempotencyKeyReused(Exception):
-    """The Idempotency-Key was used before with a different request (-> 422)."""
-
-
-class LockLost(RelayError):
-    """The turn lock stopped being ours while the turn was admitted (-> 503, retry)."""
-
-
-def request_fingerprint(message: str, system: str | None, max_tokens: int | None) -> str:
-    """What identifies a turn request for its Idempotency-Key: the same key with another
-    message, system prompt or max_tokens is a different request."""
-    raw = json.dumps([message, system, max_tokens], ensure_ascii=False)
-    return hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-
-
-class Draining(Exception):
-    """The worker is shutting down and takes no new turns (-> 503)."""
-
-
-@dataclass(frozen=True, slots=True)
-class TurnConfig:
-    model: str = "tokenrelay-mock"
-    coalesce: CoalescePolicy = DEFAULT_POLICY
-    presence: PresencePolicy = field(default_factory=PresencePolicy)
-    lock_retry: int = 3  # a turn that is ending may still hold the lock for a round trip
-    lock_retry_s: float = 0.05
-    # How long a turn waits for an engine slot before 429. This worker's share of the
-    # engines' caps follows its demand one load-exchange round (~250 ms) behind: a worker
-    # that just started, or one of more workers than an engine has slots, holds no share
-    # until its refused routes are reported. A full cluster still answers 429 after it.
-    admit_wait_s: float = 2.0
-    prefix_chars: int = DEFAULT_PREFIX_CHARS  # of the conversation in the routing key
-
-
-@dataclass(frozen=True, slots=True)
-class TurnStarted:
-    """The 202 body: ``turn`` and ``offset`` (``replayed`` for an idempotent retry)."""
-
-    session: str
-    turn: int
-    offset: int
-    replayed: bool = False
-
-    def body(self) -> dict[str, Any]:
-        return {"session": self.session, "turn": self.turn, "offset": self.offset}
-
-
-@dataclass(slots=True, eq=False)
-class _Turn:
-    sid: str
-    gen: Generation
-    lease: Lease
-    owner: str
-    prompt: list[dict[str, str]]
-    message: str
-    max_tokens: int | None
-    t0: float
-    route_key: str = ""
-    reader: asyncio.Task[None] | None = None
-    task: asyncio.Task[None] | None = None
-    abort_reason: str | None = None
-    lock_lost: bool = False  # the turn lock is no longer ours: publish nothing more
-    reply: list[str] = field(default_factory=list)
-    first_meta: dict[str, Any] | None = None
-    sent_first_meta: bool = False
-    finish_reason: str | None = None
-    ttft_s: float | None = None
-    cached_tokens: int | None = None
-    prompt_tokens: int | None = None
-    engine_reported: str | None = None
-    ended: asyncio.Event = field(default_factory=asyncio.Event)  # stops the presence loop
-    viewer: DirectViewer | None = None  # the closed-loop client, while it is attached
-
-    def local_watchers(self) -> int:
-        return 1 if self.viewer is not None and self.viewer.attached else 0
-
-    def abort(self, reason: str) -> None:
-        if self.abort_reason is None:
-            self.abort_reason = reason
-        if self.reader is not None and not self.reader.done():
-            self.reader.cancel()
-
-
-def reply_integrity(text: str, tokens: int) -> dict[str, Any]:
-    """What a ``done`` frame says about the reply, so that a client can check the text it
-    assembled: ``tokens`` (engine token deltas), ``chars`` (Unicode code points) and
-    ``sha256`` (lowercase hex of the UTF-8 bytes)."""
-    return {
-        "tokens": tokens,
-        "chars": len(text),
-        "sha256": hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest(),
-    }
-
-
-def _release(lease: Lease) -> None:
-    """Release once: every path calls this, only the first one gives the slot back."""
-    if lease.state is LeaseState.HELD:
-        lease.release()
-
-
-_HELPER_EXIT_S = 2.0  # how long _end waits for the presence and pump tasks to stop
-
-LOCK_LOST = "lock lost"
-
-_ABORT_OUTCOME = {
-    LOCK_LOST: "lock_lost",
-    "no viewers": "no_viewers",
-    "engine down": "engine_down",
-    "worker shutdown": "shutdown",
-}
+_HELPER_EXIT_S: Final = 2.0  # how long _end waits for the presence and pump tasks to stop
 
 
 class TurnManager:
@@ -240,6 +121,7 @@ class TurnManager:
         metrics: WorkerMetrics,
         worker_id: str,
         config: TurnConfig | None = None,
+        supervisor: Supervisor | None = None,
     ) -> None:
         self.publisher = publisher
         self.store = store
@@ -248,11 +130,15 @@ class TurnManager:
         self.metrics = metrics
         self.worker_id = worker_id
         self.cfg = config or TurnConfig()
-        self.running: dict[str, _Turn] = {}
+        # turns and their presence checks run as the supervisor's tasks: a failure is
+        # logged with its traceback, never lost, and stop() cancels what is left
+        self.supervisor = supervisor or Supervisor()
+        self.running: dict[str, RunningTurn] = {}
         self.draining = False
+        self.redis_ready = True  # False while start-up has not reached Redis yet
         # The most recent (sid, turn, outcome), for tests and debugging; bounded, so a
         # long-running worker does not keep one entry per turn it ever ran.
-        self.outcomes: deque[tuple[str, int, str]] = deque(maxlen=1000)
+        self.outcomes: deque[tuple[str, int, TurnOutcome]] = deque(maxlen=1000)
         # Recent placements on the ring, for the demo's live panel (GET /v1/router).
         self.placements: deque[dict[str, Any]] = deque(maxlen=50)
 
@@ -274,6 +160,8 @@ class TurnManager:
         prompt instead of the session's stored history; the exchange is stored as usual."""
         if self.draining:
             raise Draining("worker is shutting down")
+        if not self.redis_ready:
+            raise RedisUnavailable("redis has not been reached yet")
         owner = f"{self.worker_id}:{uuid.uuid4().hex[:16]}"
         fp = request_fingerprint(message, system, max_tokens)
         if idempotency_key is not None:
@@ -374,8 +262,7 @@ class TurnManager:
             if idem is not None:
                 await self.store.resolve_idempotency(sid, idem[0], started.body(), idem[1])
         except BaseException:
-            if lease is not None:
-                lease.release()
+            release_once(lease)
             if opened is not None:
                 with contextlib.suppress(RelayError):
                     await opened.error("turn failed to start")
@@ -384,19 +271,22 @@ class TurnManager:
             raise
         prompt = [{"role": "system", "content": sys_prompt}] if sys_prompt else []
         prompt += convo
-        turn = _Turn(sid, gen, lease, owner, prompt, message, max_tokens, t0, rkey, viewer=viewer)
+        turn = RunningTurn(
+            sid, gen, lease, owner, prompt, message, max_tokens, t0, rkey, viewer=viewer
+        )
         self.running[sid] = turn
-        turn.task = asyncio.create_task(self._run(turn), name=f"turn-{sid}-{gen.turn}")
+        turn.task = self.supervisor.spawn(f"turn-{sid}-{gen.turn}", self._run(turn))
         return started
 
     # ---- aborts ------------------------------------------------------------------------------
 
-    def abort_engine(self, engine_id: str, reason: str = "engine down") -> int:
+    def abort_engine(self, engine_id: str, reason: str = AbortReason.ENGINE_DOWN) -> int:
         """End every running turn on ``engine_id`` (the control plane saw it leave)."""
+        why = AbortReason(reason)  # ValueError for a reason no outcome stands for
         n = 0
         for t in list(self.running.values()):
             if t.lease.engine.id == engine_id:
-                t.abort(reason)
+                t.abort(why)
                 n += 1
         return n
 
@@ -409,13 +299,13 @@ class TurnManager:
             _, pending = await asyncio.wait(tasks, timeout=deadline_s)
             if pending:
                 for t in list(self.running.values()):
-                    t.abort("worker shutdown")
+                    t.abort(AbortReason.SHUTDOWN)
                 await asyncio.wait(pending, timeout=5.0)
 
     # ---- generation --------------------------------------------------------------------------
 
-    async def _run(self, t: _Turn) -> None:
-        outcome = "done"
+    async def _run(self, t: RunningTurn) -> None:
+        outcome = TurnOutcome.DONE
         error: str | None = None
         pump = TokenPump(lambda b: self._publish_batch(t, b), self.cfg.coalesce)
         t.reader = asyncio.create_task(self._read_engine(t, pump), name=f"read-{t.sid}")
@@ -431,19 +321,19 @@ class TurnManager:
             if not ours:
                 _log.warning("turn %s/%d: turn lock lost; stopping", t.sid, t.gen.turn)
                 t.lock_lost = True
-                t.abort(LOCK_LOST)
+                t.abort(AbortReason.LOCK_LOST)
 
-        presence = asyncio.create_task(
+        presence = self.supervisor.spawn(
+            f"presence-{t.sid}",
             watch_presence(
                 self.store.redis,
                 t.sid,
                 self.cfg.presence,
-                lambda: t.abort("no viewers"),
+                lambda: t.abort(AbortReason.NO_VIEWERS),
                 on_tick=refresh,
                 stop=t.ended,
                 local_watchers=t.local_watchers,
             ),
-            name=f"presence-{t.sid}",
         )
         try:
             done, _ = await asyncio.wait({t.reader, pump_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -451,7 +341,7 @@ class TurnManager:
                 t.reader.cancel()
                 with contextlib.suppress(BaseException):
                     await t.reader
-                _release(t.lease)
+                release_once(t.lease)
                 await pump_task  # raises what stopped it
                 raise RuntimeError("token pump stopped early")
             try:
@@ -459,43 +349,43 @@ class TurnManager:
             except asyncio.CancelledError:
                 if t.abort_reason is None:
                     raise  # we are being cancelled ourselves
-                outcome, error = _ABORT_OUTCOME.get(t.abort_reason, "cancelled"), t.abort_reason
+                outcome, error = t.abort_reason.outcome, t.abort_reason
             except EngineTimeout as exc:
-                outcome, error = "timeout", exc.message
+                outcome, error = TurnOutcome.TIMEOUT, exc.message
             except EngineError as exc:  # the frame gets a short reason, the log the URL
                 _log.warning("turn %s/%d: %s", t.sid, t.gen.turn, exc.message)
-                outcome, error = "engine_error", exc.public_reason
+                outcome, error = TurnOutcome.ENGINE_ERROR, exc.public_reason
             finally:
-                _release(t.lease)  # the engine is done with us, whatever happens next
+                release_once(t.lease)  # the engine is done with us, whatever happens next
                 pump.close()
             await pump_task
         except Fenced as exc:
-            outcome, error = "fenced", None
+            outcome, error = TurnOutcome.FENCED, None
             _log.warning("turn %s/%d fenced: %s", t.sid, t.gen.turn, exc)
         except RelayError as exc:
             _log.warning("turn %s/%d: redis: %r", t.sid, t.gen.turn, exc)
-            outcome, error = "redis_error", "redis unavailable"
+            outcome, error = TurnOutcome.REDIS_ERROR, "redis unavailable"
         except asyncio.CancelledError:
-            outcome, error = "shutdown", "worker shutdown"
-            t.abort("worker shutdown")
+            outcome, error = TurnOutcome.SHUTDOWN, AbortReason.SHUTDOWN
+            t.abort(AbortReason.SHUTDOWN)
             await self._end(t, outcome, error, pump, pump_task, presence)
             raise
         except Exception as exc:
             _log.exception("turn %s/%d failed", t.sid, t.gen.turn)
-            outcome, error = "internal_error", f"internal error: {type(exc).__name__}"
+            outcome, error = TurnOutcome.INTERNAL_ERROR, f"internal error: {type(exc).__name__}"
         await self._end(t, outcome, error, pump, pump_task, presence)
 
     async def _end(
         self,
-        t: _Turn,
-        outcome: str,
+        t: RunningTurn,
+        outcome: TurnOutcome,
         error: str | None,
         pump: TokenPump,
         pump_task: asyncio.Task[None],
         presence: asyncio.Task[None],
     ) -> None:
-        if t.lock_lost and outcome != "fenced":
-            outcome, error = "lock_lost", None
+        if t.lock_lost and outcome is not TurnOutcome.FENCED:
+            outcome, error = TurnOutcome.LOCK_LOST, None
         t.ended.set()  # the presence loop returns even if its cancellation is lost
         presence.cancel()
         if t.reader is not None and not t.reader.done():
@@ -513,9 +403,9 @@ class TurnManager:
         for task in {presence, pump_task} - stuck:
             if not task.cancelled():
                 task.exception()  # retrieved: no "never retrieved" warning
-        _release(t.lease)
+        release_once(t.lease)
         try:
-            if outcome == "done":
+            if outcome is TurnOutcome.DONE:
                 await self.store.append_exchange(
                     t.sid,
                     [
@@ -525,11 +415,11 @@ class TurnManager:
                     t.lease.engine.id,
                 )
                 await t.gen.publish([Draft(kind="done", meta=self._done_meta(t))])
-            elif outcome not in ("fenced", "lock_lost"):
+            elif not outcome.publishes_nothing:
                 meta = {"code": outcome, "engine": t.lease.engine.id, "tokens": len(t.reply)}
                 await t.gen.publish([Draft(kind="error", text=error or outcome, meta=meta)])
         except Fenced:
-            outcome = "fenced"
+            outcome = TurnOutcome.FENCED
         except RelayError as exc:
             _log.warning("turn %s/%d: terminal frame lost: %s", t.sid, t.gen.turn, exc)
         finally:
@@ -538,11 +428,11 @@ class TurnManager:
             if self.running.get(t.sid) is t:
                 del self.running[t.sid]
             self.metrics.turns.labels(outcome=outcome).inc()
-            if outcome in ("no_viewers", "engine_down", "shutdown"):
+            if outcome.is_cancellation:
                 self.metrics.cancellations.labels(reason=outcome).inc()
             self.outcomes.append((t.sid, t.gen.turn, outcome))
 
-    def _done_meta(self, t: _Turn) -> dict[str, Any]:
+    def _done_meta(self, t: RunningTurn) -> dict[str, Any]:
         text = "".join(t.reply)
         cached = t.cached_tokens
         cache = "unknown" if cached is None else ("hit" if cached > 0 else "miss")
@@ -560,7 +450,7 @@ class TurnManager:
             "duration_ms": round((time.monotonic() - t.t0) * 1000, 1),
         }
 
-    async def _read_engine(self, t: _Turn, pump: TokenPump) -> None:
+    async def _read_engine(self, t: RunningTurn, pump: TokenPump) -> None:
         """Stream the reply. An engine that refuses the connection before answering
         (killed, restarting; the control plane has not seen it leave yet) is skipped
         once: the lease moves to the next engine for the routing key."""
@@ -574,11 +464,11 @@ class TurnManager:
             except AllEnginesFull:
                 raise exc from None
             _log.warning("turn %s/%d: %s; retrying on %s", t.sid, t.gen.turn, exc, lease.engine.id)
-            _release(t.lease)
+            release_once(t.lease)
             t.lease = lease
             await self._read_engine_once(t, pump)
 
-    async def _read_engine_once(self, t: _Turn, pump: TokenPump) -> None:
+    async def _read_engine_once(self, t: RunningTurn, pump: TokenPump) -> None:
         stream = self.engine.stream_chat(t.lease.engine.url, self.cfg.model, t.prompt, t.max_tokens)
         try:
             async for d in stream:
@@ -615,7 +505,7 @@ class TurnManager:
         if t.prompt_tokens:
             self.metrics.prompt_tokens.inc(t.prompt_tokens)
 
-    async def _publish_batch(self, t: _Turn, b: Batch) -> None:
+    async def _publish_batch(self, t: RunningTurn, b: Batch) -> None:
         if t.lock_lost:
             return  # the stream is no longer ours: publish nothing more
         meta: dict[str, Any] | None = None

@@ -19,7 +19,7 @@ Refusals are JSON ``{"error", "reason"}`` with the turns POST's codes (400, 401/
 413, 415, 429, 503); ``trigger: "regenerate-message"`` is a 400 (a session's history
 only grows).
 
-Order of use: ``register(app, STATE)`` in :func:`worker.api.make_app`.
+Order of use: ``register(app)`` in :func:`worker.api.make_app`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import orjson
 from aiohttp import web
@@ -39,10 +39,8 @@ from relay.protocol.keys import InvalidSessionId, log_key, parse_session
 from relay.redisio.errors import RelayError, map_redis_errors
 from worker.access import Refusal
 from worker.chat.turn import Draining, IdempotencyPending, TurnBusy
-from worker.routing.router import AllEnginesFull
-
-if TYPE_CHECKING:
-    from worker.api import WorkerState
+from worker.routing.lease import AllEnginesFull
+from worker.state import STATE
 
 __all__ = ["ChatRequest", "parse_chat", "register"]
 
@@ -127,11 +125,11 @@ def _err(
                         headers=headers)  # fmt: skip
 
 
-def register(app: web.Application, state: web.AppKey[WorkerState]) -> None:
-    """Add ``POST /v1/chat`` (``state``: the app key of the worker's state)."""
+def register(app: web.Application) -> None:
+    """Add ``POST /v1/chat`` (the worker's state under :data:`worker.state.STATE`)."""
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        st = request.app[state]
+        st = request.app[STATE]
         cfg = st.cfg
         if request.content_type != "application/json":
             return _err(415, "unsupported_media_type", "send the body as application/json")

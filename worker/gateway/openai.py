@@ -34,17 +34,12 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Final
 
 import orjson
 from aiohttp import web
 
 from relay.protocol.keys import InvalidSessionId, parse_session
-from worker.access import WorkerAccess
-from worker.apikeys import check_api_key
-from worker.chat.turn import TurnManager
-from worker.engines.client import EngineClient
 from worker.engines.errors import (
     EngineError,
     EngineHTTPError,
@@ -52,6 +47,8 @@ from worker.engines.errors import (
     EngineUnavailable,
 )
 from worker.gateway import session as gateway_session
+from worker.gateway.base import GATEWAY, Gateway, GatewayConfig
+from worker.gateway.base import error_response as _error
 from worker.gateway.wire import (
     ChatRequest,
     WireError,
@@ -63,9 +60,7 @@ from worker.gateway.wire import (
     usage,
     usage_chunk,
 )
-from worker.metrics import WorkerMetrics
-from worker.routing.key import routing_key
-from worker.routing.router import AllEnginesFull, Lease, LeaseState, Router, route_wait
+from worker.routing.lease import AllEnginesFull, Lease, release_once
 
 SESSION_HEADER = gateway_session.SESSION_HEADER
 
@@ -77,78 +72,6 @@ _SSE_HEADERS: Final = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class GatewayConfig:
-    model: str
-    keys: tuple[str, ...] = ()
-    auth: bool = True  # False: --insecure-no-auth
-    default_max_tokens: int = 1024
-    max_tokens_limit: int = 4096
-    max_chars: int = 256 * 1024
-    admit_wait_s: float = 2.0
-    prefix_chars: int = 2048
-
-
-class Gateway:
-    """The gateway's state: the worker's router, engine client and metrics."""
-
-    def __init__(
-        self,
-        cfg: GatewayConfig,
-        router: Router,
-        engine: EngineClient,
-        metrics: WorkerMetrics,
-        draining: Any = None,
-        turns: TurnManager | None = None,
-        access: WorkerAccess | None = None,
-    ) -> None:
-        self.cfg = cfg
-        self.router = router
-        self.engine = engine
-        self.metrics = metrics
-        self._draining = draining  # a callable returning True while the worker drains
-        self.turns = turns  # for requests tied to a session (worker.gateway.session)
-        self.access = access
-
-    @staticmethod
-    def error(exc: WireError, headers: dict[str, str] | None = None) -> web.Response:
-        return _error(exc, headers)
-
-    def draining(self) -> bool:
-        return bool(self._draining()) if self._draining is not None else False
-
-    def authorized(self, header: str | None) -> WireError | None:
-        if not self.cfg.auth:
-            return None
-        code = check_api_key(self.cfg.keys, header)
-        if code is None:
-            return None
-        reason = {
-            "gateway_disabled": "the OpenAI gateway is off: start the worker with --gateway-key",
-            "missing_api_key": "send 'Authorization: Bearer <gateway key>'",
-        }.get(code, "invalid gateway key")
-        return WireError(401, reason, kind="authentication_error", code=code)
-
-    async def lease(self, req: ChatRequest) -> Lease:
-        key = routing_key(req.system, req.conversation, prefix_chars=self.cfg.prefix_chars)
-        lease = await route_wait(self.router, key, self.cfg.admit_wait_s)
-        if lease.spilled:
-            self.metrics.spills.inc()
-        return lease
-
-
-GATEWAY: Final = web.AppKey("tokenrelay_gateway", Gateway)
-
-
-def _error(exc: WireError, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        status=exc.status,
-        body=orjson.dumps(error_body(exc.message, exc.kind, exc.code, exc.param)),
-        content_type="application/json",
-        headers=headers,
-    )
 
 
 def _engine_wire_error(exc: EngineError) -> WireError:
@@ -227,12 +150,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return await _whole(gw, req, lease)
 
 
-def _release(lease: Lease) -> None:
-    """Give the slot back as soon as the engine is done: once, whatever the path."""
-    if lease.state is LeaseState.HELD:
-        lease.release()
-
-
 async def _whole(gw: Gateway, req: ChatRequest, lease: Lease) -> web.Response:
     text: list[str] = []
     finish: str | None = None
@@ -256,7 +173,7 @@ async def _whole(gw: Gateway, req: ChatRequest, lease: Lease) -> web.Response:
         return _error(_engine_wire_error(exc))
     finally:
         await stream.aclose()
-        _release(lease)
+        release_once(lease)
     use = usage(prompt_tokens, completion_tokens or len(text), cached)
     body = completion(new_id(), req.model, text, finish, use)
     return web.Response(body=orjson.dumps(body), content_type="application/json",
@@ -306,7 +223,7 @@ async def _stream(
         return resp or web.StreamResponse()
     finally:
         await stream.aclose()
-        _release(lease)
+        release_once(lease)
     if resp is None:  # an engine that ended without a single delta
         return _error(WireError(502, "the engine sent no answer", kind="api_error",
                                 code="engine_error"))  # fmt: skip

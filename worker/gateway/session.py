@@ -20,7 +20,7 @@ Order of use: :func:`session_of` on a parsed request; when it names one,
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -31,6 +31,7 @@ from relay.redisio.errors import RelayError
 from worker.apikeys import check_api_key
 from worker.chat.direct import DirectViewer
 from worker.chat.turn import Draining, TurnBusy
+from worker.gateway.base import Gateway
 from worker.gateway.wire import (
     ChatRequest,
     WireError,
@@ -41,10 +42,7 @@ from worker.gateway.wire import (
     usage,
     usage_chunk,
 )
-from worker.routing.router import AllEnginesFull
-
-if TYPE_CHECKING:
-    from worker.gateway.openai import Gateway
+from worker.routing.lease import AllEnginesFull
 
 __all__ = ["SESSION_HEADER", "authorize", "complete", "session_of"]
 

@@ -54,7 +54,9 @@ from worker.engines.client import EngineClient
 from worker.engines.errors import EngineError
 from worker.jobs.record import JobSpec, JobStore, within_reserve
 from worker.routing.key import routing_key
-from worker.routing.router import AllEnginesFull, Lease, LeaseState, Router, route_wait
+from worker.routing.lease import AllEnginesFull, Lease, release_once
+from worker.routing.router import Router
+from worker.routing.wait import route_wait
 
 __all__ = ["JobRunner", "JobSubmitter", "QueueNames", "RunnerConfig", "declare"]
 
@@ -297,8 +299,7 @@ class JobRunner:
             finally:
                 await stream.aclose()
         finally:
-            if lease.state is LeaseState.HELD:
-                lease.release()
+            release_once(lease)
         text = "".join(parts)
         return {
             "result": text,

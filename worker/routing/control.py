@@ -22,11 +22,15 @@ is the URL's ``host:port``; ``ID=URL`` names it explicitly.
 Order of use::
 
     cp = ControlPlane(router, http, static_specs, redis=r, on_engine_down=turns.abort_engine)
-    await cp.start()     # a task runs cp.tick() every interval_s
+    await cp.start(supervisor)   # loops engine_probes and engine_heartbeats on it
     ... cp.alive() ...
-    await cp.stop()
+    await supervisor.stop(); await cp.stop()
 
-Each tick reconciles the router (``router.set_engines``) and calls
+Both loops are critical (a dead one freezes the router's membership: turns keep going to
+an engine that left, or never to one that came); a failing heartbeat read keeps the
+last view of the announced engines. ``cp.tick()`` runs both steps once (tests).
+
+Each step reconciles the router (``router.set_engines``) and calls
 ``on_engine_down(engine_id, reason)`` for every engine that left, so the turn runner can
 end its in-flight streams with an ``error`` frame (the lease of a removed engine releases
 harmlessly).
@@ -35,7 +39,6 @@ harmlessly).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -47,7 +50,9 @@ from redis.asyncio.cluster import RedisCluster
 
 from relay.protocol.keys import ENGINES_REGISTRY, engine_key
 from relay.redisio.errors import RelayError, map_redis_errors
-from worker.routing.router import EngineSpec, Router
+from relay.service.supervise import Supervisor
+from worker.routing.lease import EngineSpec
+from worker.routing.router import Router
 
 __all__ = [
     "ENGINES_REGISTRY",
@@ -157,10 +162,11 @@ class EngineAnnouncer:
         self.redis = redis
         self.spec = spec
         self.ttl_s = ttl_s
-        self._task: asyncio.Task[None] | None = None
+        self._supervisor: Supervisor | None = None
+        self._own_supervisor = False
 
     async def beat(self) -> None:
-        now_ms = time.time_ns() // 1_000_000
+        now_ms = time.time_ns() // 1_000_000  # a score other processes compare: wall clock
         k = engine_key(self.spec.id)
         with map_redis_errors():
             pipe = self.redis.pipeline(transaction=False)
@@ -177,28 +183,33 @@ class EngineAnnouncer:
             pipe.zremrangebyscore(ENGINES_REGISTRY, "-inf", now_ms - 3_600_000)
             await pipe.execute()
 
-    async def start(self) -> None:
+    async def start(self, supervisor: Supervisor | None = None) -> None:
+        """Beat once (raises when Redis cannot take it), then every ``ttl_s / 3`` on
+        ``supervisor`` (or one of its own). Critical: an engine whose heartbeat stops is
+        taken out of every worker's ring when its entry expires."""
         await self.beat()
-        self._task = asyncio.create_task(self._run(), name=f"announce-{self.spec.id}")
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.ttl_s / 3)
-            try:
-                await self.beat()
-            except RelayError as exc:
-                _log.warning("engine heartbeat failed: %s", exc)
+        if self._supervisor is not None:
+            return
+        self._own_supervisor = supervisor is None
+        self._supervisor = supervisor or Supervisor()
+        period = self.ttl_s / 3
+        self._supervisor.every(
+            f"engine_heartbeat_{self.spec.id}", period, self.beat, first_delay_s=period
+        )
 
     async def stop(self, *, withdraw: bool = True) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        """Stop beating (a shared supervisor is the caller's to stop) and, with
+        ``withdraw``, delete the entry at once. Never raises."""
+        sup, self._supervisor = self._supervisor, None
+        if sup is not None and self._own_supervisor:
+            await sup.stop()
         if withdraw:
-            with contextlib.suppress(RelayError), map_redis_errors():
-                await self.redis.delete(engine_key(self.spec.id))
-                await self.redis.zrem(ENGINES_REGISTRY, self.spec.id)
+            try:
+                with map_redis_errors():
+                    await self.redis.delete(engine_key(self.spec.id))
+                    await self.redis.zrem(ENGINES_REGISTRY, self.spec.id)
+            except RelayError as exc:  # the entry expires by itself within ttl_s
+                _log.warning("engine heartbeat: could not withdraw %s: %s", self.spec.id, exc)
 
 
 class ControlPlane:
@@ -229,7 +240,8 @@ class ControlPlane:
         self.on_engine_down = on_engine_down
         self.probes = {eid: ProbeState(fail_after) for eid in self.static}
         self._announced: dict[str, EngineSpec] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._supervisor: Supervisor | None = None
+        self._own_supervisor = False
         self.ticks = 0
 
     def alive(self) -> list[EngineSpec]:
@@ -238,22 +250,27 @@ class ControlPlane:
             specs.setdefault(eid, s)
         return list(specs.values())
 
-    async def tick(self) -> list[EngineSpec]:
-        """Probe, read heartbeats, reconcile the router; return the live engines."""
-        before = {s.id for s in self.router.engines()}
+    async def probe_step(self) -> None:
+        """Probe the static engines once and reconcile the router."""
         results = await asyncio.gather(
             *(probe(self.http, s.url, self.probe_timeout_s) for s in self.static.values())
         )
         for eid, ok in zip(self.static, results, strict=True):
             if self.probes[eid].record(ok):
                 _log.warning("engine %s is %s", eid, "up" if ok else "down")
-        if self.discover and self.redis is not None:
-            try:
-                self._announced = {
-                    s.id: s for s in await read_announced(self.redis, self.heartbeat_ttl_s)
-                }
-            except RelayError as exc:  # keep the last view while Redis is away
-                _log.warning("reading engine heartbeats failed: %s", exc)
+        self._reconcile()
+
+    async def heartbeat_step(self) -> None:
+        """Read the announced engines once and reconcile the router. Raises what Redis
+        raised (mapped); the last view stays meanwhile."""
+        if not self.discover or self.redis is None:
+            return
+        fresh = await read_announced(self.redis, self.heartbeat_ttl_s)
+        self._announced = {s.id: s for s in fresh}
+        self._reconcile()
+
+    def _reconcile(self) -> list[EngineSpec]:
+        before = {s.id for s in self.router.engines()}
         alive = self.alive()
         self.router.set_engines(alive)
         self.ticks += 1
@@ -263,21 +280,37 @@ class ControlPlane:
                 self.on_engine_down(eid, "engine down")
         return alive
 
-    async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="control-plane")
+    async def tick(self) -> list[EngineSpec]:
+        """Probe, read heartbeats (a Redis failure keeps the last view), reconcile the
+        router; return the live engines."""
+        await self.probe_step()
+        try:
+            await self.heartbeat_step()
+        except RelayError as exc:
+            _log.warning("reading engine heartbeats failed: %s", exc)
+        return self.alive()
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.tick()
-            except Exception:  # the control loop must survive anything
-                _log.exception("control-plane tick failed")
-            await asyncio.sleep(self.interval_s)
+    async def start(self, supervisor: Supervisor | None = None, *, discovery: bool = True) -> None:
+        """Run the probes (and, with ``discovery``, the heartbeat reads: see
+        :meth:`start_discovery`) every ``interval_s`` on ``supervisor`` (or one of its own)."""
+        if self._supervisor is not None:
+            return
+        self._own_supervisor = supervisor is None
+        self._supervisor = supervisor or Supervisor()
+        if self.static:
+            self._supervisor.every("engine_probes", self.interval_s, self.probe_step)
+        if discovery:
+            self.start_discovery()
+
+    def start_discovery(self) -> None:
+        """Start reading the announced engines (once Redis has been reached)."""
+        sup = self._supervisor
+        if sup is None or not self.discover or "engine_heartbeats" in sup.loops:
+            return
+        sup.every("engine_heartbeats", self.interval_s, self.heartbeat_step)
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        """Stop the loops if the supervisor is this control plane's own. Never raises."""
+        sup, self._supervisor = self._supervisor, None
+        if sup is not None and self._own_supervisor:
+            await sup.stop()

@@ -36,6 +36,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Final
 
+from worker.routing.policy import RouteReason
+
 __all__ = [
     "CHARS_PER_TOKEN",
     "REASONS",
@@ -79,7 +81,7 @@ class TurnInfo:
 @dataclass(frozen=True, slots=True)
 class Choice:
     engine: str
-    reason: str
+    reason: RouteReason
     cost_s: float
     held_tokens: int
 
@@ -177,11 +179,11 @@ class CostModel:
         cost, held = costs[best]
         top = max(costs[e][1] for e in self.engines)
         if top == 0:
-            reason = "least_cost"
+            reason = RouteReason.LEAST_COST
         elif held == top:
-            reason = "preferred"
+            reason = RouteReason.PREFERRED
         else:
-            reason = "spilled_cost"
+            reason = RouteReason.SPILLED_COST
         return Choice(best, reason, cost, held)
 
     # ---- what the worker tells it --------------------------------------------------------

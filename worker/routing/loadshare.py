@@ -39,8 +39,10 @@ falls back to a static split of the cap over the last known live workers
 (:func:`static_view`): C // M, the remainder to the lowest-sorted ids, which sums to C
 exactly. A worker alone in the cluster gets the whole cap.
 
-Call order: ``LoadExchange(redis, router, worker_id)`` -> ``await start()`` (a background
-task runs :meth:`LoadExchange.tick` every interval) -> ``await stop()``. Redis layout: one
+Call order: ``LoadExchange(redis, router, worker_id)`` -> ``await start(supervisor)`` (the
+process's :class:`relay.service.supervise.Supervisor` runs :meth:`LoadExchange.step` every
+interval; without one the exchange makes its own) -> ``await stop()`` after the supervisor
+stopped (it withdraws this worker's report; it never raises). Redis layout: one
 hash per worker, ``tr:workers:{<worker_id>}`` (the braces are a hash tag: each worker's hash
 sits in its own slot), fields ``in_flight``, ``demand`` and ``allowance`` (JSON objects
 engine -> count), with a TTL of a few intervals so a dead worker's load vanishes; plus a sorted set
@@ -49,8 +51,6 @@ engine -> count), with a TTL of a few intervals so a dead worker's load vanishes
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import heapq
 import json
 import logging
@@ -60,10 +60,12 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from redis.asyncio import RedisCluster
-from redis.exceptions import RedisClusterException, RedisError
 
 from relay.protocol.keys import WORKERS_REGISTRY, worker_key
-from worker.routing.router import LoadView, Router, key_hash
+from relay.redisio.errors import RelayError, map_redis_errors
+from relay.service.supervise import Supervisor
+from worker.routing.lease import LoadView
+from worker.routing.router import Router, key_hash
 
 __all__ = [
     "REGISTRY_KEY",
@@ -190,7 +192,8 @@ class LoadExchange:
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.stale_s = stale_s
         self.rotate_s = rotate_s  # how long one order among equal workers lasts
-        self._task: asyncio.Task[None] | None = None
+        self._supervisor: Supervisor | None = None
+        self._own_supervisor = False
         self._last_ok = time.monotonic()
         self.peers: list[str] = []  # other live workers at the last successful tick
         self.ticks = 0
@@ -199,7 +202,11 @@ class LoadExchange:
     async def tick(self) -> LoadView:
         """One exchange round: read the peers, compute and install the view, then publish
         this worker's report with its new reservation (three pipelined round trips).
-        Raises RedisError on failure."""
+        Raises what Redis raised, mapped (:class:`relay.redisio.errors.RelayError`)."""
+        with map_redis_errors():
+            return await self._tick()
+
+    async def _tick(self) -> LoadView:
         now = time.time()
         pipe = self._redis.pipeline(transaction=False)
         pipe.zadd(self._registry, {self.worker_id: now})
@@ -240,34 +247,53 @@ class LoadExchange:
         self.ticks += 1
         return view
 
-    async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name=f"load-exchange-{self.worker_id}")
+    async def step(self) -> None:
+        """One supervised round: :meth:`tick`; when it fails (whatever it raises: a Redis
+        outage or an error redis-py leaks), the static split replaces a view older than
+        ``stale_s``, and the failure goes on to the supervisor (logged, backed off, and
+        /readyz told when it keeps failing)."""
+        try:
+            await self.tick()
+        except Exception:
+            self.errors += 1
+            if time.monotonic() - self._last_ok > self.stale_s:
+                caps = {spec.id: spec.cap for spec in self._router.engines()}
+                self._router.apply_load_view(static_view(caps, self.peers, self.worker_id))
+            raise
+
+    async def start(self, supervisor: Supervisor | None = None) -> None:
+        """Run :meth:`step` every ``interval_s`` on ``supervisor`` (or on one of its own).
+
+        Critical: a load exchange that keeps failing leaves the router on a frozen or
+        static view, so the worker admits against shares that no longer match the
+        cluster; /readyz says so instead of serving from it."""
+        if self._supervisor is not None:
+            return
+        self._own_supervisor = supervisor is None
+        self._supervisor = supervisor or Supervisor()
+        self._supervisor.every("load_exchange", self.interval_s, self.step, critical=True)
 
     async def stop(self) -> None:
-        """Stop the loop and delete this worker's report so peers reclaim its share."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        with contextlib.suppress(RedisError, OSError):
-            pipe = self._redis.pipeline(transaction=False)
-            pipe.delete(self._key)
-            pipe.zrem(self._registry, self.worker_id)
-            await pipe.execute()
+        """Stop the loop (if the supervisor is this exchange's own; a shared one is the
+        caller's to stop first) and delete this worker's report so peers reclaim its
+        share. Never raises."""
+        sup, self._supervisor = self._supervisor, None
+        if sup is not None and self._own_supervisor:
+            await sup.stop()
+        await self.withdraw()
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.tick()
-            except (RedisError, RedisClusterException, OSError) as exc:  # SlotNotCovered too
-                self.errors += 1
-                if time.monotonic() - self._last_ok > self.stale_s:
-                    caps = {spec.id: spec.cap for spec in self._router.engines()}
-                    self._router.apply_load_view(static_view(caps, self.peers, self.worker_id))
-                _log.warning("load exchange failed: %s", exc)
-            await asyncio.sleep(self.interval_s)
+    async def withdraw(self) -> None:
+        """Delete this worker's report and registry entry; a failure is logged, not raised."""
+        try:
+            with map_redis_errors():
+                pipe = self._redis.pipeline(transaction=False)
+                pipe.delete(self._key)
+                pipe.zrem(self._registry, self.worker_id)
+                await pipe.execute()
+        except RelayError as exc:  # the report expires by itself within ttl_s
+            _log.warning("load exchange: could not withdraw the report: %s", exc)
+        except Exception:
+            _log.exception("load exchange: withdrawing the report failed")
 
 
 def _text(x: bytes | str) -> str:

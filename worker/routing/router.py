@@ -3,7 +3,7 @@
 What it is for: choose the inference engine for one request, in local memory, in a few
 microseconds, so that a conversation lands on the engine that holds its KV cache while no
 engine takes more than its share. No I/O; it imports only the standard library and mmh3
-(``asyncio`` is used by :func:`route_wait` only).
+(:func:`route_wait`, in :mod:`worker.routing.wait`, is the asynchronous part).
 
 Call order::
 
@@ -45,20 +45,34 @@ own leases and decisions. ``Lease.reason`` says why (``preferred``, ``spilled_co
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import enum
 import math
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
-from types import TracebackType
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any, Final
 
 import mmh3
 
 from worker.routing.cost import CostModel, CostProfile, TurnInfo
+from worker.routing.lease import (
+    AllEnginesFull,
+    EngineSpec,
+    Lease,
+    LeaseState,
+    LoadView,
+    release_once,
+)
+from worker.routing.policy import (
+    DEFAULT_ROUTING,
+    DEFAULT_SPILL,
+    ROUTING_POLICIES,
+    SPILL_POLICIES,
+    RouteReason,
+    RoutingPolicy,
+    SpillPolicy,
+)
+from worker.routing.wait import route_wait
 
 __all__ = [
     "DEFAULT_ROUTING",
@@ -70,20 +84,15 @@ __all__ = [
     "Lease",
     "LeaseState",
     "LoadView",
+    "RouteReason",
     "Router",
+    "RoutingPolicy",
+    "SpillPolicy",
     "key_hash",
+    "release_once",
     "route_wait",
 ]
 
-SPILL_POLICIES: Final = ("walk", "least_loaded")
-# "ring": prefix-aware consistent hashing with bounded loads; "cost_aware": least expected
-# queue wait + prefill of what the engine probably does not hold (worker/routing/cost.py),
-# within the same caps; "round_robin" ignores the key (and so every KV cache): a baseline
-ROUTING_POLICIES: Final = ("ring", "cost_aware", "round_robin")
-# the worker's default (WorkerConfig.routing): chosen by bench/routing_sim.py on the
-# Mooncake trace (best goodput at every load up to capacity), see docs/ROUTING.md
-DEFAULT_ROUTING: Final = "cost_aware"
-DEFAULT_SPILL: Final = "least_loaded"  # chosen by bench/routing_sim.py, see docs/ROUTING.md
 _RETRY_MIN_S: Final = 0.05
 _RETRY_MAX_S: Final = 30.0
 _HOLD_PRIOR_S: Final = 2.0  # assumed lease duration before any lease was released
@@ -93,53 +102,6 @@ _EWMA_ALPHA: Final = 0.05
 def key_hash(text: str) -> int:
     """The 32-bit unsigned MurmurHash3 (seed 0) used for keys and virtual nodes alike."""
     return mmh3.hash(text, 0, False)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EngineSpec:
-    """An inference engine as the control plane sees it. ``cap``: in-flight requests its
-    KV cache can hold (per cluster, not per worker); ``weight`` scales its vnodes and share."""
-
-    id: str
-    url: str
-    cap: int
-    weight: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not self.id:
-            raise ValueError("engine id must not be empty")
-        if self.cap < 1:
-            raise ValueError(f"engine {self.id}: cap must be >= 1, got {self.cap}")
-        if not self.weight > 0:
-            raise ValueError(f"engine {self.id}: weight must be > 0, got {self.weight}")
-
-
-@dataclass(frozen=True, slots=True)
-class LoadView:
-    """What the other workers hold, as computed off the hot path by ``worker.routing.loadshare``.
-
-    ``others``: per engine id, in-flight requests held by the other workers (their last
-    reports); ``allowance``: per engine id, how many in-flight requests *this* worker may
-    hold. Engines missing from a mapping get 0 others and the full cap."""
-
-    others: Mapping[str, int]
-    allowance: Mapping[str, int]
-
-
-class AllEnginesFull(Exception):
-    """No engine can take the request now. ``retry_after_s`` estimates when one will."""
-
-    def __init__(self, retry_after_s: float, reason: str = "all engines at capacity") -> None:
-        super().__init__(f"{reason}; retry after {retry_after_s:.2f}s")
-        self.retry_after_s = retry_after_s
-        self.reason = reason
-
-
-class LeaseState(enum.Enum):
-    """A lease's whole lifecycle: HELD -> RELEASED, once. Releasing again is a counted no-op."""
-
-    HELD = "held"
-    RELEASED = "released"
 
 
 class _Engine:
@@ -169,70 +131,6 @@ class _Engine:
         self.waiting = 0  # requests in route_wait that want it
 
 
-class Lease:
-    """One admitted request on one engine. Release exactly once (``with`` does it)."""
-
-    __slots__ = (
-        "_id",
-        "_router",
-        "_slot",
-        "_t0",
-        "engine",
-        "preferred",
-        "reason",
-        "spilled",
-        "state",
-    )
-
-    def __init__(
-        self, router: Router, slot: _Engine, preferred: str, spilled: bool, reason: str = ""
-    ) -> None:
-        self._router = router
-        self._slot = slot
-        self._t0 = router._clock()
-        self._id = router._lease_ids
-        router._lease_ids += 1
-        self.engine: EngineSpec = slot.spec
-        self.preferred = preferred
-        self.spilled = spilled
-        # why this engine: "preferred" / "spilled" (ring), "preferred" / "spilled_cost" /
-        # "least_cost" (cost_aware), "round_robin"
-        self.reason = reason or ("spilled" if spilled else "preferred")
-        self.state = LeaseState.HELD
-
-    def first_token(self) -> None:
-        """The engine sent the first token: its prefill is done (cost_aware's queue)."""
-        if self._router._cost is not None:
-            self._router._cost.first_token(self._id)
-
-    def release(self) -> bool:
-        """Give the slot back. Returns False (and counts it) when already released."""
-        if self.state is LeaseState.RELEASED:
-            self._router._double_releases += 1
-            return False
-        self.state = LeaseState.RELEASED
-        self._router._release(self._slot, self._t0, self._id)
-        return True
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self.state is LeaseState.HELD:
-            self.release()
-
-    def __repr__(self) -> str:
-        return (
-            f"Lease(engine={self.engine.id!r}, preferred={self.preferred!r}, "
-            f"spilled={self.spilled}, state={self.state.value})"
-        )
-
-
 class Router:
     """The ring, the capacity rule and the spill policy. Not thread-safe: one event loop."""
 
@@ -243,22 +141,22 @@ class Router:
         vnodes: int = 160,
         eps: float = 0.25,
         spill: str = DEFAULT_SPILL,
-        policy: str = "ring",
+        policy: str = RoutingPolicy.RING,
         clock: Callable[[], float] = time.monotonic,
         cost_profile: CostProfile | None = None,
     ) -> None:
         if policy not in ROUTING_POLICIES:
-            raise ValueError(f"policy must be one of {ROUTING_POLICIES}, got {policy!r}")
+            raise ValueError(f"policy must be one of {', '.join(ROUTING_POLICIES)}, got {policy!r}")
         if vnodes < 1:
             raise ValueError("vnodes must be >= 1")
         if eps < 0:
             raise ValueError("eps must be >= 0")
         if spill not in SPILL_POLICIES:
-            raise ValueError(f"spill must be one of {SPILL_POLICIES}, got {spill!r}")
+            raise ValueError(f"spill must be one of {', '.join(SPILL_POLICIES)}, got {spill!r}")
         self.vnodes = vnodes
         self.eps = eps
-        self.spill = spill
-        self.policy = policy
+        self.spill = SpillPolicy(spill)
+        self.policy = RoutingPolicy(policy)
         self._rr = 0  # next index for the round-robin baseline
         self._clock = clock
         self._engines: dict[str, _Engine] = {}
@@ -308,7 +206,7 @@ class Router:
         hashes = self._hashes
         if not hashes:
             return None
-        if self.policy == "round_robin":
+        if self.policy is RoutingPolicy.ROUND_ROBIN:
             return self._try_round_robin(avoid)
         if self._cost is not None:
             return self._try_cost(key, avoid, turn)
@@ -324,7 +222,7 @@ class Router:
         ):
             return self._admit(first, first, False)
         chosen: _Engine | None = None
-        if self.spill == "walk":
+        if self.spill is SpillPolicy.WALK:
             for e in succ:
                 if (
                     e.spec.id != avoid
@@ -370,11 +268,11 @@ class Router:
         others = {eid: e.others for eid, e in self._engines.items()}
         choice = cost.choose(info, others, ok)
         slot = self._engines[choice.engine]
-        spilled = choice.reason == "spilled_cost"
+        spilled = choice.reason is RouteReason.SPILLED_COST
         if spilled:
             self._spills += 1
         lease = self._admit(slot, slot, spilled, choice.reason)
-        cost.admitted(lease._id, choice, cost.resolve(info))
+        cost.admitted(lease.id, choice, cost.resolve(info))
         return lease
 
     def _try_round_robin(self, avoid: str | None) -> Lease | None:
@@ -386,7 +284,7 @@ class Router:
             e = engines[(self._rr + j) % n]
             if e.spec.id != avoid and e.in_flight < e.allowance:
                 self._rr = (self._rr + j + 1) % n
-                return self._admit(e, e, False, "round_robin")
+                return self._admit(e, e, False, RouteReason.ROUND_ROBIN)
         return None
 
     def _engine_wanted(self, key: str) -> _Engine:
@@ -415,11 +313,29 @@ class Router:
         if e is not None and e.waiting > 0:
             e.waiting -= 1
 
-    def _admit(self, slot: _Engine, preferred: _Engine, spilled: bool, reason: str = "") -> Lease:
+    def _admit(
+        self, slot: _Engine, preferred: _Engine, spilled: bool, reason: RouteReason | None = None
+    ) -> Lease:
         self._routes += 1
         slot.in_flight += 1
         self._total += 1
-        return Lease(self, slot, preferred.spec.id, spilled, reason)
+        lease_id = self._lease_ids
+        self._lease_ids += 1
+        t0 = self._clock()
+
+        def released() -> None:
+            self._release(slot, t0, lease_id)
+
+        def double() -> None:
+            self._double_releases += 1
+
+        def first_token() -> None:
+            if self._cost is not None:
+                self._cost.first_token(lease_id)
+
+        return Lease(slot.spec, preferred.spec.id, spilled, reason, lease_id=lease_id,
+                     on_release=released, on_double_release=double,
+                     on_first_token=first_token)  # fmt: skip
 
     def _release(self, slot: _Engine, t0: float, lease_id: int) -> None:
         if self._cost is not None:
@@ -594,44 +510,8 @@ class Router:
         self._total = sum(e.in_flight for e in self._engines.values())
         self._others_total = sum(e.others for e in self._engines.values())
         self._reweigh()
-        if self.policy == "cost_aware":
+        if self.policy is RoutingPolicy.COST_AWARE:
             if self._cost is None:
                 self._cost = CostModel(list(self._engines), self._cost_profile)
             else:
                 self._cost.engines = list(self._engines)
-
-
-async def route_wait(
-    router: Router, key: str, deadline_s: float, turn: TurnInfo | None = None
-) -> Lease:
-    """Route ``key``, waiting up to ``deadline_s`` seconds for a slot when all are full.
-
-    While it waits the request counts as unmet demand (:meth:`Router.add_waiter`), which
-    the load exchange turns into a share of the cap for this worker. Wakes on every lease
-    release and every load view that frees room (at the retry-after hint at the latest);
-    raises :class:`AllEnginesFull` when the deadline passes (``deadline_s=0``: one try,
-    the same as :meth:`Router.route`). Not FIFO-fair."""
-    if deadline_s <= 0:
-        return router.route(key, turn=turn)
-    lease = router.try_route(key, turn=turn)
-    if lease is not None:
-        return lease
-    loop = asyncio.get_running_loop()
-    end = loop.time() + deadline_s
-    wake = asyncio.Event()
-    wanted = router.add_waiter(key)
-    router.add_release_listener(wake.set)
-    try:
-        while True:
-            left = end - loop.time()
-            if left <= 0:
-                return router.route(key, turn=turn)  # a last try: a lease, or the refusal
-            wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), min(left, router.retry_after()))
-            lease = router.try_route(key, turn=turn)
-            if lease is not None:
-                return lease
-    finally:
-        router.remove_release_listener(wake.set)
-        router.remove_waiter(wanted)

@@ -1,0 +1,208 @@
+"""A turn's data: its configuration, outcomes and abort reasons, the refusals of its
+admission, and the state of a running turn. Pure: :mod:`worker.chat.turn` does the I/O.
+
+Outcomes and abort reasons are :class:`enum.StrEnum`: the values are what the metrics
+(``outcome``, ``reason`` labels) and the ``error`` frames (``code``, text) carry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import json
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+
+from relay.redisio.errors import RelayError
+from relay.redisio.publisher import Generation
+from worker.chat.coalesce import DEFAULT_POLICY, CoalescePolicy
+from worker.chat.direct import DirectViewer
+from worker.chat.presence import PresencePolicy
+from worker.chat.store import LockHolder
+from worker.engines.client import Delta
+from worker.routing.key import DEFAULT_PREFIX_CHARS
+from worker.routing.lease import Lease
+
+__all__ = [
+    "AbortReason",
+    "Draining",
+    "IdempotencyKeyReused",
+    "IdempotencyPending",
+    "LockLost",
+    "RunningTurn",
+    "StreamChat",
+    "TurnBusy",
+    "TurnConfig",
+    "TurnOutcome",
+    "TurnStarted",
+    "reply_integrity",
+    "request_fingerprint",
+]
+
+
+class TurnOutcome(enum.StrEnum):
+    """How a turn ended: the ``outcome`` label of ``tokenrelay_worker_turns_total`` and
+    the ``code`` of the ``error`` frame (see :mod:`worker.chat.turn`'s table)."""
+
+    DONE = "done"
+    ENGINE_ERROR = "engine_error"
+    TIMEOUT = "timeout"
+    NO_VIEWERS = "no_viewers"
+    ENGINE_DOWN = "engine_down"
+    SHUTDOWN = "shutdown"
+    FENCED = "fenced"
+    LOCK_LOST = "lock_lost"
+    REDIS_ERROR = "redis_error"
+    INTERNAL_ERROR = "internal_error"
+
+    @property
+    def publishes_nothing(self) -> bool:
+        """No terminal frame: the stream is no longer this turn's to end."""
+        return self in (TurnOutcome.FENCED, TurnOutcome.LOCK_LOST)
+
+    @property
+    def is_cancellation(self) -> bool:
+        """Counted in ``tokenrelay_worker_cancellations_total{reason}`` too."""
+        return self in (TurnOutcome.NO_VIEWERS, TurnOutcome.ENGINE_DOWN, TurnOutcome.SHUTDOWN)
+
+
+class AbortReason(enum.StrEnum):
+    """Why a running turn was stopped from outside its engine stream. The value is the
+    text of the turn's ``error`` frame (part of the wire)."""
+
+    LOCK_LOST = "lock lost"
+    NO_VIEWERS = "no viewers"
+    ENGINE_DOWN = "engine down"
+    SHUTDOWN = "worker shutdown"
+
+    @property
+    def outcome(self) -> TurnOutcome:
+        return _ABORT_OUTCOME[self]
+
+
+_ABORT_OUTCOME: Final = {
+    AbortReason.LOCK_LOST: TurnOutcome.LOCK_LOST,
+    AbortReason.NO_VIEWERS: TurnOutcome.NO_VIEWERS,
+    AbortReason.ENGINE_DOWN: TurnOutcome.ENGINE_DOWN,
+    AbortReason.SHUTDOWN: TurnOutcome.SHUTDOWN,
+}
+
+
+class StreamChat(Protocol):
+    """What the runner needs from :class:`worker.engines.client.EngineClient`."""
+
+    def stream_chat(
+        self,
+        engine_url: str,
+        model: str,
+        messages: Sequence[Mapping[str, Any]],
+        max_tokens: int | None = None,
+    ) -> AsyncIterator[Delta]: ...
+
+
+class TurnBusy(Exception):
+    """Another turn of the session is generating (-> 409)."""
+
+    def __init__(self, holder: LockHolder) -> None:
+        super().__init__(f"turn {holder.turn} is generating")
+        self.holder = holder
+
+
+class IdempotencyPending(Exception):
+    """A request with the same Idempotency-Key is being admitted right now (-> 409)."""
+
+
+class IdempotencyKeyReused(Exception):
+    """The Idempotency-Key was used before with a different request (-> 422)."""
+
+
+class LockLost(RelayError):
+    """The turn lock stopped being ours while the turn was admitted (-> 503, retry)."""
+
+
+def request_fingerprint(message: str, system: str | None, max_tokens: int | None) -> str:
+    """What identifies a turn request for its Idempotency-Key: the same key with another
+    message, system prompt or max_tokens is a different request."""
+    raw = json.dumps([message, system, max_tokens], ensure_ascii=False)
+    return hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+class Draining(Exception):
+    """The worker is shutting down and takes no new turns (-> 503)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TurnConfig:
+    model: str = "tokenrelay-mock"
+    coalesce: CoalescePolicy = DEFAULT_POLICY
+    presence: PresencePolicy = field(default_factory=PresencePolicy)
+    lock_retry: int = 3  # a turn that is ending may still hold the lock for a round trip
+    lock_retry_s: float = 0.05
+    # How long a turn waits for an engine slot before 429. This worker's share of the
+    # engines' caps follows its demand one load-exchange round (~250 ms) behind: a worker
+    # that just started, or one of more workers than an engine has slots, holds no share
+    # until its refused routes are reported. A full cluster still answers 429 after it.
+    admit_wait_s: float = 2.0
+    prefix_chars: int = DEFAULT_PREFIX_CHARS  # of the conversation in the routing key
+
+
+@dataclass(frozen=True, slots=True)
+class TurnStarted:
+    """The 202 body: ``turn`` and ``offset`` (``replayed`` for an idempotent retry)."""
+
+    session: str
+    turn: int
+    offset: int
+    replayed: bool = False
+
+    def body(self) -> dict[str, Any]:
+        return {"session": self.session, "turn": self.turn, "offset": self.offset}
+
+
+@dataclass(slots=True, eq=False)
+class RunningTurn:
+    sid: str
+    gen: Generation
+    lease: Lease
+    owner: str
+    prompt: list[dict[str, str]]
+    message: str
+    max_tokens: int | None
+    t0: float
+    route_key: str = ""
+    reader: asyncio.Task[None] | None = None
+    task: asyncio.Task[None] | None = None
+    abort_reason: AbortReason | None = None
+    lock_lost: bool = False  # the turn lock is no longer ours: publish nothing more
+    reply: list[str] = field(default_factory=list)
+    first_meta: dict[str, Any] | None = None
+    sent_first_meta: bool = False
+    finish_reason: str | None = None
+    ttft_s: float | None = None
+    cached_tokens: int | None = None
+    prompt_tokens: int | None = None
+    engine_reported: str | None = None
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # stops the presence loop
+    viewer: DirectViewer | None = None  # the closed-loop client, while it is attached
+
+    def local_watchers(self) -> int:
+        return 1 if self.viewer is not None and self.viewer.attached else 0
+
+    def abort(self, reason: AbortReason) -> None:
+        if self.abort_reason is None:
+            self.abort_reason = reason
+        if self.reader is not None and not self.reader.done():
+            self.reader.cancel()
+
+
+def reply_integrity(text: str, tokens: int) -> dict[str, Any]:
+    """What a ``done`` frame says about the reply, so that a client can check the text it
+    assembled: ``tokens`` (engine token deltas), ``chars`` (Unicode code points) and
+    ``sha256`` (lowercase hex of the UTF-8 bytes)."""
+    return {
+        "tokens": tokens,
+        "chars": len(text),
+        "sha256": hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest(),
+    }

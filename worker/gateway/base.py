@@ -1,0 +1,101 @@
+"""The OpenAI gateway's shared state: its configuration, the :class:`Gateway` the app
+holds under :data:`GATEWAY`, and the error answer in OpenAI's body.
+
+Apart from the handlers so that both :mod:`worker.gateway.openai` (bare engine
+requests) and :mod:`worker.gateway.session` (requests tied to a session) import it,
+and neither imports the other's module for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+import orjson
+from aiohttp import web
+
+from worker.access import WorkerAccess
+from worker.apikeys import check_api_key
+from worker.chat.turn import TurnManager
+from worker.engines.client import EngineClient
+from worker.gateway.wire import ChatRequest, WireError, error_body
+from worker.metrics import WorkerMetrics
+from worker.routing.key import routing_key
+from worker.routing.lease import Lease
+from worker.routing.router import Router
+from worker.routing.wait import route_wait
+
+__all__ = ["GATEWAY", "Gateway", "GatewayConfig", "error_response"]
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    model: str
+    keys: tuple[str, ...] = ()
+    auth: bool = True  # False: --insecure-no-auth
+    default_max_tokens: int = 1024
+    max_tokens_limit: int = 4096
+    max_chars: int = 256 * 1024
+    admit_wait_s: float = 2.0
+    prefix_chars: int = 2048
+
+
+class Gateway:
+    """The gateway's state: the worker's router, engine client and metrics."""
+
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        router: Router,
+        engine: EngineClient,
+        metrics: WorkerMetrics,
+        draining: Callable[[], bool] | None = None,
+        turns: TurnManager | None = None,
+        access: WorkerAccess | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.router = router
+        self.engine = engine
+        self.metrics = metrics
+        self._draining = draining  # a callable returning True while the worker drains
+        self.turns = turns  # for requests tied to a session (worker.gateway.session)
+        self.access = access
+
+    @staticmethod
+    def error(exc: WireError, headers: dict[str, str] | None = None) -> web.Response:
+        return error_response(exc, headers)
+
+    def draining(self) -> bool:
+        return bool(self._draining()) if self._draining is not None else False
+
+    def authorized(self, header: str | None) -> WireError | None:
+        if not self.cfg.auth:
+            return None
+        code = check_api_key(self.cfg.keys, header)
+        if code is None:
+            return None
+        reason = {
+            "gateway_disabled": "the OpenAI gateway is off: start the worker with --gateway-key",
+            "missing_api_key": "send 'Authorization: Bearer <gateway key>'",
+        }.get(code, "invalid gateway key")
+        return WireError(401, reason, kind="authentication_error", code=code)
+
+    async def lease(self, req: ChatRequest) -> Lease:
+        key = routing_key(req.system, req.conversation, prefix_chars=self.cfg.prefix_chars)
+        lease = await route_wait(self.router, key, self.cfg.admit_wait_s)
+        if lease.spilled:
+            self.metrics.spills.inc()
+        return lease
+
+
+GATEWAY: Final = web.AppKey("tokenrelay_gateway", Gateway)
+
+
+def error_response(exc: WireError, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        status=exc.status,
+        body=orjson.dumps(error_body(exc.message, exc.kind, exc.code, exc.param)),
+        content_type="application/json",
+        headers=headers,
+    )

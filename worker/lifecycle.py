@@ -1,0 +1,271 @@
+"""The worker app's startup and cleanup: connect, build the parts, run the loops.
+
+Startup (:func:`lifecycle`, the app's cleanup context):
+
+1. the Redis client (unless the app was given one) and one attempt at the first
+   connection. When it fails, ``fail_fast`` (or a cause no retry can fix: a server
+   certificate the worker does not trust, a refused password) ends the start with the
+   error (the CLI prints one line and exits 1); otherwise the worker starts anyway with
+   the condition ``redis_unreachable`` raised (``/readyz`` 503, turns 503) and the loop
+   ``redis_connect`` retries in the background until the cluster answers;
+2. the router, engine client, session store, publisher, turn manager, control plane,
+   load exchange, gateway and jobs API;
+3. the background loops, all on one :class:`relay.service.supervise.Supervisor` in the
+   worker's metrics registry: ``engine_probes`` at once; ``engine_heartbeats`` and
+   ``load_exchange`` once Redis has been reached (they need it; before that the
+   condition says why the worker is not ready).
+
+Cleanup: drain the turns, stop the supervisor (every loop and task), withdraw the load
+report, close the HTTP session, the jobs submitter and the Redis client: each step runs
+whatever the one before it raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Final
+
+import aiohttp
+from aiohttp import web
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import AuthenticationError
+
+from relay.redisio.connect import connect, mask_url
+from relay.redisio.errors import RelayError, map_redis_errors
+from relay.redisio.publisher import Publisher
+from relay.service.supervise import Supervisor
+from worker.chat.store import SessionStore
+from worker.chat.turn import TurnConfig, TurnManager
+from worker.config import WorkerConfig
+from worker.engines.client import EngineClient
+from worker.gateway.base import GATEWAY, Gateway, GatewayConfig
+from worker.jobs.api import JOBS, JobsApi
+from worker.jobs.queue import JobSubmitter, QueueNames
+from worker.jobs.record import JobStore
+from worker.metrics import WorkerMetrics
+from worker.routing.control import ControlPlane
+from worker.routing.loadshare import LoadExchange
+from worker.routing.router import Router
+from worker.state import STATE, WorkerState, access_check
+
+__all__ = ["CFG", "REDIS", "REDIS_UNREACHABLE", "lifecycle"]
+
+_log = logging.getLogger("worker.api")
+
+CFG: Final = web.AppKey("tokenrelay_worker_cfg", WorkerConfig)
+REDIS: Final = web.AppKey("tokenrelay_worker_redis", object)
+REDIS_UNREACHABLE: Final = "redis_unreachable"
+_CONNECT_INTERVAL_S: Final = 1.0  # between connection attempts; failures back off longer
+
+
+def _beyond_retry(exc: BaseException) -> bool:
+    """A first-connection failure no retry can fix: the server's certificate is not
+    trusted, or the password is refused. The start ends on it even without fail_fast."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, ssl.SSLCertVerificationError | AuthenticationError):
+            return True
+        if "certificate verify failed" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+async def _first_connection(redis: RedisCluster) -> RelayError | None:
+    """One attempt at the cluster's first connection; the error, or None."""
+    try:
+        with map_redis_errors():
+            await redis.initialize()
+    except RelayError as exc:
+        return exc
+    return None
+
+
+def _connect_in_background(
+    sup: Supervisor,
+    redis: RedisCluster,
+    cfg: WorkerConfig,
+    on_connected: Callable[[], Awaitable[None]],
+) -> None:
+    """Keep trying the first connection on ``sup`` (loop ``redis_connect``: failures are
+    logged and backed off there); on success clear the condition and call ``on_connected``
+    once."""
+    connected = False
+
+    async def attempt() -> None:
+        nonlocal connected
+        if connected:
+            return
+        with map_redis_errors():
+            await redis.initialize()
+        connected = True
+        sup.set_condition(REDIS_UNREACHABLE, False)
+        _log.info("redis at %s reached", mask_url(cfg.redis_url))
+        await on_connected()
+
+    # not critical: while it fails the condition redis_unreachable already says why
+    sup.every("redis_connect", _CONNECT_INTERVAL_S, attempt, critical=False)
+
+
+async def _always(*steps: Callable[[], Awaitable[object]]) -> None:
+    """Run every cleanup step, whatever an earlier one raised (logged)."""
+    for step in steps:
+        try:
+            await step()
+        except Exception:
+            _log.exception("worker cleanup step failed")
+
+
+async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+    """The app's cleanup context: see the module docstring."""
+    cfg = app[CFG]
+    given = app.get(REDIS)
+    own = given is None
+    redis = (
+        connect(  # waits for a pooled connection in a burst instead of failing
+            cfg.redis_url,
+            tls=cfg.redis_tls,
+            socket_timeout=cfg.redis_timeout_s,
+            socket_connect_timeout=cfg.redis_timeout_s,
+        )
+        if own
+        else given
+    )
+    assert isinstance(redis, RedisCluster)
+    unreachable: RelayError | None = None
+    if own:
+        unreachable = await _first_connection(redis)
+        if unreachable is not None and (cfg.fail_fast or _beyond_retry(unreachable)):
+            with contextlib.suppress(Exception):
+                await redis.aclose()
+            raise unreachable  # the CLI prints it as one line and exits 1
+    metrics = WorkerMetrics()
+    sup = Supervisor(metrics.registry)
+    http = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+    )
+    router = Router(
+        cfg.engines, vnodes=cfg.vnodes, eps=cfg.eps, spill=cfg.spill, policy=cfg.routing
+    )
+    metrics.bind_router(router)
+    engine = EngineClient(
+        http,
+        max_reply_bytes=cfg.max_reply_bytes,
+        connect_timeout_s=cfg.connect_timeout_s,
+        first_token_timeout_s=cfg.first_token_timeout_s,
+        idle_timeout_s=cfg.idle_timeout_s,
+    )
+    store = SessionStore(
+        redis,
+        max_messages=cfg.history_messages,
+        max_bytes=cfg.history_max_bytes,
+        ttl_s=cfg.session_ttl_s,
+        lock_ttl_s=cfg.lock_ttl_s,
+    )
+    publisher = Publisher(redis, maxlen=cfg.backlog_maxlen, ttl_s=cfg.session_ttl_s)
+    turns = TurnManager(
+        publisher=publisher,
+        store=store,
+        router=router,
+        engine=engine,
+        metrics=metrics,
+        worker_id=cfg.worker_id,
+        config=TurnConfig(
+            model=cfg.model,
+            coalesce=cfg.coalesce,
+            presence=cfg.presence,
+            admit_wait_s=cfg.admit_wait_s,
+            prefix_chars=cfg.prefix_chars,
+        ),
+        supervisor=sup,
+    )
+    control = ControlPlane(
+        router,
+        http,
+        cfg.engines,
+        redis=redis,
+        discover=cfg.discover_engines,
+        interval_s=cfg.control_interval_s,
+        on_engine_down=turns.abort_engine,
+    )
+    exchange = LoadExchange(redis, router, cfg.worker_id) if cfg.load_exchange else None
+    access = access_check(cfg)
+    app[STATE] = WorkerState(
+        cfg, redis, http, router, metrics, turns, control, exchange, own, access, sup
+    )
+    app[GATEWAY] = Gateway(
+        GatewayConfig(
+            model=cfg.model,
+            keys=cfg.gateway_keys,
+            auth=access.keys is not None,
+            default_max_tokens=cfg.default_max_tokens,
+            max_tokens_limit=cfg.max_tokens_limit,
+            admit_wait_s=cfg.admit_wait_s,
+            prefix_chars=cfg.prefix_chars,
+        ),
+        router,
+        engine,
+        metrics,
+        draining=lambda: turns.draining,
+        turns=turns,
+        access=access,
+    )
+    submitter = JobSubmitter(cfg.amqp_url, QueueNames(cfg.jobs_queue)) if cfg.amqp_url else None
+    if submitter is not None:
+        app[JOBS] = JobsApi(
+            store=JobStore(redis, ttl_s=cfg.job_ttl_s),
+            submitter=submitter,
+            access=access,
+            api_keys=cfg.gateway_keys,
+            default_max_tokens=cfg.default_max_tokens,
+            max_tokens_limit=cfg.max_tokens_limit,
+            max_prompt_chars=cfg.max_message_chars,
+        )
+
+    async def redis_reached() -> None:
+        turns.redis_ready = True
+        control.start_discovery()
+        if exchange is not None:
+            await exchange.start(sup)
+
+    await control.start(sup, discovery=False)
+    if unreachable is None:
+        await redis_reached()
+    else:
+        _log.warning(
+            "redis at %s unreachable (%s); retrying in the background",
+            mask_url(cfg.redis_url),
+            unreachable,
+        )
+        turns.redis_ready = False
+        sup.set_condition(REDIS_UNREACHABLE, True)
+        _connect_in_background(sup, redis, cfg, redis_reached)
+    try:
+        yield
+    finally:
+
+        async def close_redis() -> None:
+            if own:
+                await redis.aclose()
+
+        async def close_submitter() -> None:
+            if submitter is not None:
+                await submitter.close()
+
+        async def withdraw() -> None:
+            if exchange is not None and turns.redis_ready:
+                await exchange.withdraw()
+
+        await _always(
+            lambda: turns.drain(cfg.shutdown_deadline_s),
+            sup.stop,
+            withdraw,
+            http.close,
+            close_submitter,
+            close_redis,
+        )

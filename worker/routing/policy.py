@@ -1,0 +1,59 @@
+"""The router's names: routing and spill policies and the reasons for a route.
+
+Pure and tiny, so the router, the cost model, the CLI and the metrics share one spelling.
+Each is a :class:`enum.StrEnum`: a member *is* its string, so flags, JSON bodies and
+metric labels carry the same values as before these were enums.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+__all__ = [
+    "DEFAULT_ROUTING",
+    "DEFAULT_SPILL",
+    "ROUTING_POLICIES",
+    "SPILL_POLICIES",
+    "RouteReason",
+    "RoutingPolicy",
+    "SpillPolicy",
+]
+
+
+class SpillPolicy(enum.StrEnum):
+    """Where a request goes when its preferred engine refuses it."""
+
+    WALK = "walk"  # the next acceptable distinct engine clockwise
+    LEAST_LOADED = "least_loaded"  # the acceptable engine with the lowest load/cap ratio
+
+
+class RoutingPolicy(enum.StrEnum):
+    """How the router picks the engine."""
+
+    # prefix-aware consistent hashing with bounded loads
+    RING = "ring"
+    # least expected queue wait + prefill of what the engine probably does not hold
+    # (worker/routing/cost.py), within the same caps
+    COST_AWARE = "cost_aware"
+    # ignores the key (and so every KV cache): a baseline for measurements
+    ROUND_ROBIN = "round_robin"
+
+
+class RouteReason(enum.StrEnum):
+    """Why a lease is on its engine (``Lease.reason``; a label of the route metrics)."""
+
+    PREFERRED = "preferred"  # the ring's (or the cost model's) first choice
+    SPILLED = "spilled"  # ring: the preferred engine refused, the spill policy chose
+    SPILLED_COST = "spilled_cost"  # cost_aware: the session's engine was not the cheapest
+    LEAST_COST = "least_cost"  # cost_aware: no engine holds the prefix; the cheapest
+    ROUND_ROBIN = "round_robin"  # the baseline
+
+
+SPILL_POLICIES: Final = tuple(SpillPolicy)
+ROUTING_POLICIES: Final = tuple(RoutingPolicy)
+# the worker's default (WorkerConfig.routing): chosen by bench/routing_sim.py on the
+# Mooncake trace (best goodput at every load up to capacity), see docs/ROUTING.md
+DEFAULT_ROUTING: Final = RoutingPolicy.COST_AWARE
+# chosen by bench/routing_sim.py (fewer spills than walk at the same hit rate), docs/ROUTING.md
+DEFAULT_SPILL: Final = SpillPolicy.LEAST_LOADED
