@@ -24,7 +24,9 @@ has one, and only then acked. A runner killed mid-job never acks: the broker red
 to another runner, and the record keeps exactly one result.
 
 Order of use: ``JobSubmitter(url, names)`` in the worker (``submit`` after the record is
-created; ``close``); ``JobRunner(...).start()`` / ``stop()`` in ``tokenrelay jobworker``.
+created; ``close``); ``JobRunner(...).start(supervisor)`` / ``stop()`` in ``tokenrelay
+jobworker`` (the consumer is the supervised loop ``job_consumer``, each job a supervised
+task).
 """
 
 from __future__ import annotations
@@ -44,11 +46,13 @@ from aio_pika.abc import (
     AbstractChannel,
     AbstractIncomingMessage,
     AbstractQueue,
+    AbstractQueueIterator,
     AbstractRobustConnection,
 )
 
 from relay.redisio.errors import Fenced, RelayError
 from relay.redisio.publisher import Draft, Publisher
+from relay.service.supervise import Supervisor
 from worker.chat.store import SessionStore
 from worker.engines.client import EngineClient
 from worker.engines.errors import EngineError
@@ -185,15 +189,43 @@ class JobRunner:
         self.outcomes: list[tuple[str, str]] = []  # (job, outcome), for tests and logs
         self._conn: AbstractRobustConnection | None = None
         self._queue: AbstractQueue | None = None
-        self._tag: str | None = None
-        self._running: set[asyncio.Task[None]] = set()
+        self._messages: AbstractQueueIterator | None = None
+        self._supervisor: Supervisor | None = None
+        self._own_supervisor = False
+        self._stopping = asyncio.Event()
+        self._running: set[asyncio.Task[Any]] = set()
 
-    async def start(self) -> None:
+    async def start(self, supervisor: Supervisor | None = None) -> None:
+        """Connect (raises when the broker cannot be reached), then consume on
+        ``supervisor`` (or one of its own): the loop ``job_consumer`` reads deliveries
+        and runs each job as a supervised task. Critical: a runner whose consumer died
+        takes no job while it looks alive; the supervisor starts it again."""
         self._conn = await aio_pika.connect_robust(self.url)
         channel = await self._conn.channel()
         await channel.set_qos(prefetch_count=self.cfg.prefetch)
         self._queue = await declare(channel, self.names)
-        self._tag = await self._queue.consume(self._on_message)
+        self._own_supervisor = supervisor is None
+        self._supervisor = supervisor or Supervisor()
+        self._supervisor.forever("job_consumer", self._consume, critical=True)
+
+    async def _consume(self) -> None:
+        """Read deliveries until the iterator ends (the supervisor starts it again) or
+        the runner stops (then wait to be cancelled)."""
+        if self._stopping.is_set():
+            await asyncio.Event().wait()  # stopped: nothing to consume, never restart
+        assert self._queue is not None
+        assert self._supervisor is not None
+        async with self._queue.iterator() as messages:
+            self._messages = messages
+            async for message in messages:
+                task = self._supervisor.spawn(
+                    f"job-{message.message_id}", self._on_message(message)
+                )
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
+        self._messages = None
+        if self._stopping.is_set():
+            await asyncio.Event().wait()
 
     @property
     def connected(self) -> bool:
@@ -207,22 +239,24 @@ class JobRunner:
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        with contextlib.suppress(Exception):
-            if self._queue is not None and self._tag is not None:
-                await asyncio.wait_for(self._queue.cancel(self._tag), 5.0)
+        self._stopping.set()
+        messages = self._messages
+        if messages is not None:  # cancels the consumer: no new deliveries
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(messages.close(), 5.0)
         if self._running:
             await asyncio.wait(self._running, timeout=deadline_s)
         for t in list(self._running):
             t.cancel()
         if self._running:
             await asyncio.wait(self._running, timeout=5.0)
+        sup, self._supervisor = self._supervisor, None
+        if sup is not None and self._own_supervisor:
+            await sup.stop()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(conn.close(), 5.0)
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._running.add(task)
         try:
             outcome = await self._handle(message)
         except asyncio.CancelledError:
@@ -233,9 +267,6 @@ class JobRunner:
             await asyncio.sleep(self.cfg.backoff_s)
             with contextlib.suppress(Exception):
                 await message.nack(requeue=True)
-        finally:
-            if task is not None:
-                self._running.discard(task)
         self.outcomes.append((message.message_id or "?", outcome))
 
     async def _handle(self, message: AbstractIncomingMessage) -> str:
