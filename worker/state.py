@@ -58,6 +58,7 @@ def access_check(cfg: WorkerConfig) -> WorkerAccess:
         keys,
         trusted_proxies=cfg.trusted_proxies,
         max_token_ttl_s=cfg.max_token_ttl_s,
+        session_ttl_s=cfg.session_ttl_s,
         session_rate_per_s=cfg.session_rate_per_s,
         session_burst=cfg.session_burst,
         turns_per_minute=cfg.turns_per_minute,
