@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.routing.cost import CostModel, TurnInfo, turn_info
+from worker.routing.policy import RouteReason
 from worker.routing.router import EngineSpec, Lease, LeaseState, LoadView, Router
 
 
@@ -109,6 +110,6 @@ def test_caches_are_assumed_gone_after_a_kv_cache_worth_of_tokens() -> None:
     assert m.held(c.engine, m.resolve(again)) == 5000
     flood = TurnInfo(prompt_tokens=50_000)
     for i in range(1, 10):  # 450k tokens sent to the same engine since
-        m.admitted(i, type(c)(c.engine, "least_cost", 0.0, 0), flood)
+        m.admitted(i, type(c)(c.engine, RouteReason.LEAST_COST, 0.0, 0), flood)
         m.finished(i)
     assert m.held(c.engine, m.resolve(again)) == 0

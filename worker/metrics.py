@@ -10,6 +10,24 @@ number of Redis operations per token (coalescing lowers it);
 in the ring (its KV cache could be reused), ``..._cache_affinity_captured_total`` those
 that routing actually sent there, and ``..._cached_prompt_tokens_total`` what the engines
 reported as served from cache.
+
+Every family the worker exports, by type:
+
+- counters: ``..._turns_total{outcome}`` (:class:`worker.chat.turnstate.TurnOutcome`),
+  ``..._rejected_requests_total{status}``, ``..._tokens_published_total``,
+  ``..._publishes_total``, ``..._route_spills_total``,
+  ``..._route_decisions_total{policy,reason}`` (:mod:`worker.routing.policy`),
+  ``..._cache_affinity_available_total``, ``..._cache_affinity_captured_total``,
+  ``..._cached_prompt_tokens_total``, ``..._prompt_tokens_total``,
+  ``..._cancellations_total{reason}``; read from the router at scrape time
+  ``..._router_routes_total``, ``..._router_spills_total``, ``..._router_rejections_total``,
+  ``..._router_double_releases_total``;
+- gauges (router, at scrape time): ``..._engine_in_flight{engine}``,
+  ``..._engine_cap{engine}``, ``..._engine_effective_cap{engine}``;
+- histograms: ``..._ttft_seconds``, ``..._coalesce_wait_seconds``;
+- the background loops' (declared by :class:`relay.service.supervise.Supervisor` in this
+  registry): ``tokenrelay_loop_failures_total{loop}``,
+  ``tokenrelay_loop_restarts_total{loop}``, ``tokenrelay_loop_healthy{loop}``.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ it off the hot path:
 * :func:`count_watchers` — relays whose entry has not expired, compared with Redis
   server ``TIME`` inside a script (:func:`relay.redisio.presence.count_present`): no host clock
   is involved, so clock skew between pods changes nothing.
-* :func:`watch_presence` — the loop the turn runner starts as a task: every
+* :func:`watch_presence` — the loop the turn runner starts as a supervised task
+  (:meth:`relay.service.supervise.Supervisor.spawn`: a failure is logged): every
   ``interval_s`` it counts watchers, feeds the tracker and, on ``abandoned``, calls
   ``on_abandoned()`` and returns; it also returns once its ``stop`` event is set (the
   turn ended). A Redis error counts as "watched" (never cancel a turn because the

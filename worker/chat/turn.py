@@ -13,7 +13,8 @@ Admission (:meth:`TurnManager.start_turn`, while the POST waits):
 5. a fenced generation is opened and the ``meta`` frame published (the user's message,
    engine, preferred engine, spilled): its offset is the turn's first offset (the 202).
 
-Generation (a task per turn, :meth:`TurnManager._run`): an engine-reader task pushes
+Generation (a supervised task per turn, :meth:`TurnManager._run`, on the worker's
+:class:`relay.service.supervise.Supervisor`): an engine-reader task pushes
 deltas into a :class:`worker.chat.coalesce.TokenPump` whose task publishes coalesced ``token``
 frames; a presence task (:func:`worker.chat.presence.watch_presence`) refreshes the lock and
 aborts the reader when nobody watched for the grace period. A runner whose lock refresh
@@ -229,7 +230,7 @@ class TurnManager:
                     "engine": lease.engine.id,
                     "preferred": lease.preferred,
                     "spilled": lease.spilled,
-                    "ts": time.time(),
+                    "ts": time.time(),  # wall clock: when, for the demo's panel
                 }
             )
             if system and system != hist.system:

@@ -54,6 +54,6 @@ SPILL_POLICIES: Final = tuple(SpillPolicy)
 ROUTING_POLICIES: Final = tuple(RoutingPolicy)
 # the worker's default (WorkerConfig.routing): chosen by bench/routing_sim.py on the
 # Mooncake trace (best goodput at every load up to capacity), see docs/ROUTING.md
-DEFAULT_ROUTING: Final = RoutingPolicy.COST_AWARE
+DEFAULT_ROUTING: Final[RoutingPolicy] = RoutingPolicy.COST_AWARE
 # chosen by bench/routing_sim.py (fewer spills than walk at the same hit rate), docs/ROUTING.md
-DEFAULT_SPILL: Final = SpillPolicy.LEAST_LOADED
+DEFAULT_SPILL: Final[SpillPolicy] = SpillPolicy.LEAST_LOADED
