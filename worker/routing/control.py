@@ -298,7 +298,9 @@ class ControlPlane:
         self._own_supervisor = supervisor is None
         self._supervisor = supervisor or Supervisor()
         if self.static:
-            self._supervisor.every("engine_probes", self.interval_s, self.probe_step)
+            # critical: without probes the ring keeps a dead engine (turns fail on it) or
+            # never takes a recovered one back
+            self._supervisor.every("engine_probes", self.interval_s, self.probe_step, critical=True)
         if discovery:
             self.start_discovery()
 
@@ -307,7 +309,8 @@ class ControlPlane:
         sup = self._supervisor
         if sup is None or not self.discover or "engine_heartbeats" in sup.loops:
             return
-        sup.every("engine_heartbeats", self.interval_s, self.heartbeat_step)
+        # critical: without heartbeat reads the announced engines freeze as last seen
+        sup.every("engine_heartbeats", self.interval_s, self.heartbeat_step, critical=True)
 
     async def stop(self) -> None:
         """Stop the loops if the supervisor is this control plane's own. Never raises."""
