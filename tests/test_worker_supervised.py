@@ -135,3 +135,25 @@ async def test_readyz_names_a_critical_loop_that_keeps_failing(h: Harness) -> No
     async with h.http.get(h.url("/readyz")) as r:
         body = await r.json()
     assert (r.status, body["error"], body["reasons"]) == (503, "draining", ["draining"])
+
+
+async def test_cleanup_closes_everything_even_when_a_step_fails(
+    h: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    await h.start_engines(1)
+    st = await h.start_worker(load_exchange=True)
+    assert st.exchange is not None
+
+    async def withdraw() -> None:
+        raise RuntimeError("withdraw broke")
+
+    st.exchange.withdraw = withdraw  # type: ignore[method-assign]
+    loops = [lp.task for lp in st.supervisor.loops.values()]
+    assert all(t is not None and not t.done() for t in loops)
+    assert h.server is not None
+    with caplog.at_level(logging.ERROR, "worker.api"):
+        await h.server.close()  # the app's cleanup
+    h.server = None
+    assert st.http.closed  # closed after the failing step, not skipped
+    assert all(t is not None and t.done() for t in loops)  # every loop stopped
+    assert any("cleanup step failed" in r.getMessage() for r in caplog.records)

@@ -309,6 +309,8 @@ class TurnManager:
         outcome = TurnOutcome.DONE
         error: str | None = None
         pump = TokenPump(lambda b: self._publish_batch(t, b), self.cfg.coalesce)
+        # the turn's own children, awaited (and cancelled) by _run and _end: not
+        # fire-and-forget, so plain tasks rather than the supervisor's
         t.reader = asyncio.create_task(self._read_engine(t, pump), name=f"read-{t.sid}")
         pump_task = asyncio.create_task(pump.run(), name=f"pump-{t.sid}")
 
