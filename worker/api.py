@@ -62,7 +62,7 @@ from worker.config import WorkerConfig, default_worker_id
 from worker.gateway import aisdk
 from worker.gateway import openai as gateway
 from worker.jobs import api as jobs_api
-from worker.lifecycle import CFG, REDIS, lifecycle
+from worker.lifecycle import CFG, REDIS, REDIS_UNREACHABLE, lifecycle
 from worker.metrics import CONTENT_TYPE_LATEST
 from worker.routing.lease import AllEnginesFull
 from worker.state import STATE, WorkerState, access_check
@@ -82,7 +82,7 @@ _JSON: Final = "application/json"
 # /readyz: a sentence for each reason not to be ready (a failing loop: its own sentence)
 _NOT_READY: Final = {
     "draining": "worker is shutting down",
-    "redis_unreachable": "redis has not been reached since start-up",
+    REDIS_UNREACHABLE: "redis has not been reached since start-up",
     "no_engines": "no engine is routable",
     "redis_unavailable": "redis did not answer a ping",
 }
@@ -313,7 +313,7 @@ async def _readyz(request: web.Request) -> web.Response:
     reasons += st.supervisor.not_ready()
     if not st.router.engines():
         reasons.append("no_engines")
-    if "redis_unreachable" not in reasons:
+    if REDIS_UNREACHABLE not in reasons:
         try:
             with map_redis_errors():
                 await st.redis.ping()
