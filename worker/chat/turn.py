@@ -14,38 +14,19 @@ Admission (:meth:`TurnManager.start_turn`, while the POST waits):
    engine, preferred engine, spilled): its offset is the turn's first offset (the 202).
 
 Generation (a supervised task per turn, :meth:`TurnManager._run`, on the worker's
-:class:`relay.service.supervise.Supervisor`): an engine-reader task pushes
-deltas into a :class:`worker.chat.coalesce.TokenPump` whose task publishes coalesced ``token``
-frames; a presence task (:func:`worker.chat.presence.watch_presence`) refreshes the lock and
-aborts the reader when nobody watched for the grace period. A runner whose lock refresh
-finds the lock no longer its own (expired during an outage and taken or reaped) stops:
-it aborts the engine request and publishes nothing more, not even a terminal frame
-(the reaper or the newer turn ends the stream; the epoch fencing stays as the second
-line). The first token frame's meta
-carries the TTFT and the engine's cached-prefix tokens (known only when the engine
-answers, so not in the ``meta`` frame). The turn ends with exactly one terminal frame:
-
-====================  ==========  =============================================
-exit path             outcome     terminal frame
-====================  ==========  =============================================
-engine finished       done        ``done`` (ttft, engine, cache hit/miss, finish
-                                  reason, and the reply's integrity: ``tokens``,
-                                  ``chars``, ``sha256``); history appended
-engine error          engine_error ``error`` (the engine's message)
-engine timeout        timeout     ``error``
-nobody watching       no_viewers  ``error`` "no viewers"
-engine left the ring  engine_down ``error`` "engine down"
-worker shutdown       shutdown    ``error`` "worker shutdown"
-fenced                fenced      none: a newer generation owns the stream and the
-                                  publisher refuses our writes by design
-turn lock lost        lock_lost   none: the lock is no longer ours (the relay's
-                                  reaper or the newer turn ends the stream)
-Redis unavailable     redis_error ``error`` if Redis takes it
-====================  ==========  =============================================
-
-and on every path the lease is released exactly once and the lock given back. Aborts
-cancel only the engine reader (closing the upstream response, so the engine stops);
-the pump is then closed and drained, never cancelled mid-publish.
+:class:`relay.service.supervise.Supervisor`): an engine-reader task pushes deltas into a
+:class:`worker.chat.coalesce.TokenPump` whose task publishes coalesced ``token`` frames; a
+presence task (:func:`worker.chat.presence.watch_presence`) refreshes the lock and aborts
+the reader when nobody watched for the grace period. A runner whose lock refresh finds
+the lock no longer its own (expired during an outage and taken or reaped) stops: it
+aborts the engine request and publishes nothing more, not even a terminal frame (the
+reaper or the newer turn ends the stream; the epoch fencing stays as the second line).
+The first token frame's meta carries the TTFT and the engine's cached-prefix tokens
+(known only when the engine answers, so not in the ``meta`` frame). The turn ends with
+exactly one terminal frame (the outcomes: :mod:`worker.chat.turnstate`), and on every
+path the lease is released exactly once and the lock given back. Aborts cancel only the
+engine reader (closing the upstream response, so the engine stops); the pump is then
+closed and drained, never cancelled mid-publish.
 """
 
 from __future__ import annotations

@@ -3,6 +3,26 @@ admission, and the state of a running turn. Pure: :mod:`worker.chat.turn` does t
 
 Outcomes and abort reasons are :class:`enum.StrEnum`: the values are what the metrics
 (``outcome``, ``reason`` labels) and the ``error`` frames (``code``, text) carry.
+
+A turn ends with exactly one terminal frame:
+
+====================  ==========  =============================================
+exit path             outcome     terminal frame
+====================  ==========  =============================================
+engine finished       done        ``done`` (ttft, engine, cache hit/miss, finish
+                                  reason, and the reply's integrity: ``tokens``,
+                                  ``chars``, ``sha256``); history appended
+engine error          engine_error ``error`` (the engine's message)
+engine timeout        timeout     ``error``
+nobody watching       no_viewers  ``error`` "no viewers"
+engine left the ring  engine_down ``error`` "engine down"
+worker shutdown       shutdown    ``error`` "worker shutdown"
+fenced                fenced      none: a newer generation owns the stream and the
+                                  publisher refuses our writes by design
+turn lock lost        lock_lost   none: the lock is no longer ours (the relay's
+                                  reaper or the newer turn ends the stream)
+Redis unavailable     redis_error ``error`` if Redis takes it
+====================  ==========  =============================================
 """
 
 from __future__ import annotations
