@@ -188,6 +188,7 @@ class JobRunner:
         self.cfg = cfg
         self.outcomes: list[tuple[str, str]] = []  # (job, outcome), for tests and logs
         self._conn: AbstractRobustConnection | None = None
+        self._channel: AbstractChannel | None = None
         self._queue: AbstractQueue | None = None
         self._messages: AbstractQueueIterator | None = None
         self._supervisor: Supervisor | None = None
@@ -196,26 +197,35 @@ class JobRunner:
         self._running: set[asyncio.Task[Any]] = set()
 
     async def start(self, supervisor: Supervisor | None = None) -> None:
-        """Connect (raises when the broker cannot be reached), then consume on
+        """Connect and declare (raises when the broker cannot be reached), then consume on
         ``supervisor`` (or one of its own): the loop ``job_consumer`` reads deliveries
         and runs each job as a supervised task. Critical: a runner whose consumer died
         takes no job while it looks alive; the supervisor starts it again."""
         self._conn = await aio_pika.connect_robust(self.url)
-        channel = await self._conn.channel()
-        await channel.set_qos(prefetch_count=self.cfg.prefetch)
-        self._queue = await declare(channel, self.names)
+        await self._open()
         self._own_supervisor = supervisor is None
         self._supervisor = supervisor or Supervisor()
         self._supervisor.forever("job_consumer", self._consume, critical=True)
 
+    async def _open(self) -> AbstractQueue:
+        """The work queue on a channel that is open: a new channel when the last one was
+        closed (the robust connection reopens channels it lost, not ones closed on it)."""
+        if self._queue is None or self._channel is None or self._channel.is_closed:
+            assert self._conn is not None
+            self._channel = await self._conn.channel()
+            await self._channel.set_qos(prefetch_count=self.cfg.prefetch)
+            self._queue = await declare(self._channel, self.names)
+        return self._queue
+
     async def _consume(self) -> None:
-        """Read deliveries until the iterator ends (the supervisor starts it again) or
-        the runner stops (then wait to be cancelled)."""
+        """Read deliveries until the iterator ends or fails (the supervisor starts it
+        again, on a new channel if need be) or the runner stops (then wait to be
+        cancelled)."""
         if self._stopping.is_set():
             await asyncio.Event().wait()  # stopped: nothing to consume, never restart
-        assert self._queue is not None
+        queue = await self._open()
         assert self._supervisor is not None
-        async with self._queue.iterator() as messages:
+        async with queue.iterator() as messages:
             self._messages = messages
             async for message in messages:
                 task = self._supervisor.spawn(
