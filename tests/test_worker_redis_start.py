@@ -112,3 +112,25 @@ async def test_fail_fast_exits_1_with_one_line_naming_the_masked_url(
         f"error: cannot connect to Redis at redis://default:***@127.0.0.1:{port}"
     )
     assert "s3cret-pass" not in err
+
+
+@pytest.mark.timeout(120)
+async def test_a_refused_password_ends_the_start_without_fail_fast(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cluster = LocalCluster(masters=1, replicas=0, password="the-right-password-42")
+    info = await cluster.start()
+    try:
+        host, port = info.startup_nodes[0]
+        cfg = WorkerConfig(
+            redis_url=f"redis://default:wrong-password-17@{host}:{port}",
+            engines=[EngineSpec(id="e", url="http://127.0.0.1:9", cap=1)],
+        )  # no retry can fix a refused password: exit 1 rather than retry forever
+        assert await serve(cfg, "127.0.0.1", 0) == 1
+    finally:
+        await cluster.stop()
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"error: cannot connect to Redis at redis://default:***@{host}")
+    assert "wrong-password-17" not in err

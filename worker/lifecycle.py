@@ -70,7 +70,7 @@ def _beyond_retry(exc: BaseException) -> bool:
         seen.add(id(e))
         if isinstance(e, ssl.SSLCertVerificationError | AuthenticationError):
             return True
-        if "certificate verify failed" in str(e):
+        if any(words in str(e) for words in ("certificate verify failed", "WRONGPASS")):
             return True
         e = e.__cause__ or e.__context__
     return False
