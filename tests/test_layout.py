@@ -43,7 +43,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "relay": ("worker", "devstack", "tokenrelay", "bench", "tests"),
     "worker": ("devstack", "tokenrelay", "bench", "tests"),
     "devstack": ("tokenrelay", "bench", "tests"),
-    "tokenrelay": ("bench", "tests"),
+    "tokenrelay": ("relay", "worker", "devstack", "bench", "tests"),
 }
 # relay/protocol: the standard library, relay.protocol itself, and these.
 PROTOCOL_DEPS = ("msgspec", "jwt", "cryptography", "redis.crc")
