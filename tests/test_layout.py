@@ -15,9 +15,10 @@ What is checked, and where the rule is written down:
   moved one without the other;
 - no module in ``relay/`` or ``worker/`` over 500 lines unless the README's Layout names
   it with a reason;
-- every product package and module that the README's Layout and docs/ARCHITECTURE.md
-  (and docs/PROTOCOL.md, CONTRIBUTING.md) name exists, and every product package
-  appears in the Layout map.
+- every product package and module that the README's Layout, docs/ARCHITECTURE.md and
+  the other docs name exists (a backticked ``relay.edge.hub.Hub.watch`` down to the
+  method, a path to a ``.py`` file anywhere), and every product package appears in the
+  Layout map.
 
 Every rule reports every offender at once, with the file and line.
 """
@@ -67,8 +68,9 @@ WALL_CLOCK_ALLOWED: dict[tuple[str, str], str] = {
     ("relay.protocol.frame", "now_ms"): "a frame's ts is wall-clock Unix ms by contract",
     ("worker.gateway.wire", "completion"): "OpenAI's created is Unix seconds",
 }
-# Backticked names in the docs that look like modules but are not.
-NOT_MODULES = {"tokenrelay.commands"}
+# Backticked names in the docs that look like modules but are not: the entry-point
+# group, the job queues' names.
+NOT_MODULES = {"tokenrelay.commands", "tokenrelay.jobs", "tokenrelay.jobs.dead"}
 
 
 @dataclass(frozen=True)
@@ -379,7 +381,17 @@ def test_no_module_in_relay_or_worker_is_over_the_limit_without_a_reason() -> No
 # -- the docs name what exists --------------------------------------------------------
 
 
-DOCS = ("README.md#Layout", "docs/ARCHITECTURE.md", "docs/PROTOCOL.md", "CONTRIBUTING.md")
+DOCS = (
+    "README.md#Layout",
+    "README.md",
+    "docs/ARCHITECTURE.md",
+    "docs/PROTOCOL.md",
+    "CONTRIBUTING.md",
+    "RELIABILITY.md",
+    "bench/README.md",
+    "docs/ROUTING.md",
+    "docs/WORKER.md",
+)
 
 
 def _doc_text(doc: str) -> str:
@@ -442,10 +454,15 @@ def dangling(name: str) -> str | None:
 
 
 _NAMED = re.compile(r"`((?:relay|worker|devstack|tokenrelay)[./][^`\s(]*)")
+_PATH = re.compile(r"(?<![\w/.-])((?:relay|worker|devstack|tokenrelay)/[\w/]*\w\.py)\b")
+_FILE = re.compile(r"\.(js|cjs|mjs|json|ya?ml|md|html|css|png|txt)$")
 
 
 def named_in(doc: str) -> list[str]:
-    return [n.rstrip(".:,") for n in _NAMED.findall(_doc_text(doc)) if n not in NOT_MODULES]
+    """Backticked module, attribute and path names, and paths to .py files anywhere."""
+    text = _doc_text(doc)
+    names = [n.rstrip(".:,") for n in _NAMED.findall(text)] + _PATH.findall(text)
+    return [n for n in names if n not in NOT_MODULES and ("/" in n or not _FILE.search(n))]
 
 
 @pytest.mark.parametrize("doc", DOCS)
