@@ -1,4 +1,4 @@
-"""End to end against the real cluster, with third-party clients (the issue's test list):
+"""End to end against the real cluster, with third-party clients:
 
 - many sockets (SSE and WebSocket) on two relay processes (``tokenrelay relay``) watch one
   session while a producer streams a few hundred frames, some joining mid-stream with
