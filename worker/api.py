@@ -154,6 +154,7 @@ class WorkerConfig:
     amqp_url: str = ""  # RabbitMQ: enables /v1/jobs (worker.jobs.api)
     jobs_queue: str = "tokenrelay.jobs"
     job_ttl_s: int = 86_400
+    fail_fast: bool = False  # Redis unreachable at start: exit 1 instead of retrying
 
 
 @dataclass(slots=True)
