@@ -111,11 +111,12 @@ def opt(
     choices: Sequence[str] | None = None,
     required: bool = False,
     metavar: str | None = None,
+    env_only: bool = False,
 ) -> msgspec.Meta:
     """The declaration of one setting, for ``Annotated[type, opt(...)]``."""
     extra = {"flag": flag, "env": env, "ge": ge, "gt": gt, "le": le, "lt": lt,
              "choices": tuple(choices) if choices else None, "required": required,
-             "metavar": metavar}  # fmt: skip
+             "metavar": metavar, "env_only": env_only}  # fmt: skip
     return msgspec.Meta(description=help, extra=extra)
 
 
@@ -136,6 +137,7 @@ class Setting:
     choices: tuple[str, ...] | None = None
     required: bool = False
     metavar: str | None = None
+    env_only: bool = False  # no flag (a secret that must not show in ps)
 
     @property
     def names(self) -> str:
@@ -147,6 +149,7 @@ class Setting:
 def settings_of(cls: type[msgspec.Struct]) -> tuple[Setting, ...]:
     """The declared fields of ``cls`` (those annotated with :func:`opt`), in order."""
     hints = typing.get_type_hints(cls, include_extras=True)
+    prefix = getattr(cls, "env_prefix", PREFIX)
     out = []
     for f in msgspec.structs.fields(cls):
         hint = hints[f.name]
@@ -168,7 +171,7 @@ def settings_of(cls: type[msgspec.Struct]) -> tuple[Setting, ...]:
                 default=default,
                 help=meta.description or "",
                 flag=x["flag"] or "--" + f.name.replace("_", "-"),
-                env=x["env"] or PREFIX + f.name.upper(),
+                env=x["env"] or prefix + f.name.upper(),
                 ge=x["ge"],
                 gt=x["gt"],
                 le=x["le"],
@@ -176,6 +179,7 @@ def settings_of(cls: type[msgspec.Struct]) -> tuple[Setting, ...]:
                 choices=x["choices"],
                 required=x["required"],
                 metavar=x["metavar"],
+                env_only=x["env_only"],
             )
         )
     return tuple(out)
@@ -197,6 +201,8 @@ def _shown(value: Any) -> str:
 def add_arguments(parser: argparse.ArgumentParser, cls: type[msgspec.Struct]) -> None:
     """One flag per declared field of ``cls``; see the module docstring."""
     for s in settings_of(cls):
+        if s.env_only:
+            continue
         if s.required:
             where = "required"
         elif s.kind is bool:
