@@ -150,8 +150,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
         _D.prefix_chars
     )
     load_exchange: Annotated[
-        bool, opt("share load with the other workers (--no-load-exchange: do not)",
-                  flag="--no-load-exchange")
+        bool, opt("do not share load with the other workers", flag="--no-load-exchange")
     ] = True  # fmt: skip
     amqp_url: Annotated[
         str, opt("RabbitMQ URL (amqp://user:pass@host:5672/): enables POST/GET /v1/jobs; "
@@ -252,8 +251,7 @@ def register(subparsers: Any) -> None:
         help="run a worker: turn API, cache-affine routing to engines, token publishing",
         description="Stateless worker pod: keeps chat history in Redis, routes each turn "
         "to an OpenAI-compatible engine with bounded-load consistent hashing and "
-        "publishes the streamed tokens to the session's shard channel. Every flag also "
-        "reads TOKENRELAY_<NAME> from the environment (a flag wins).",
+        "publishes the streamed tokens to the session's shard channel. " + settings.ENV_NOTE,
     )
     settings.add_arguments(p, WorkerSettings)
     p.set_defaults(func=run)

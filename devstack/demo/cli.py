@@ -273,8 +273,8 @@ def register(subparsers: Any) -> None:
         "demo",
         help="the whole stack behind one URL (Ctrl-C stops it)",
         description="A local Redis Cluster, mock engines, relays, workers and a front door "
-        "on one URL. Every flag also reads TOKENRELAY_DEMO_<NAME> from the environment; the "
-        "token secret is TOKENRELAY_SECRET (a random one per run when unset).",
+        "on one URL. The token secret is TOKENRELAY_SECRET (a random one per run when "
+        "unset). " + settings.ENV_NOTE,
     )
     settings.add_arguments(p, DemoSettings)
     p.set_defaults(func=_main)

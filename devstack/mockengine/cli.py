@@ -118,7 +118,7 @@ def register(subparsers: Any) -> None:
         help="run a mock OpenAI-compatible engine with a simulated prefix cache",
         description="A GPU-free stand-in for vLLM/SGLang: streams deterministic text, "
         "simulates prefill of uncached prompt tokens and an LRU prefix cache, and serves "
-        "vLLM-style /metrics. Every flag also reads TOKENRELAY_<NAME> from the environment.",
+        "vLLM-style /metrics. " + settings.ENV_NOTE,
     )
     settings.add_arguments(p, EngineSettings)
     p.set_defaults(func=run)

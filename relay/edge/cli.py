@@ -2,7 +2,7 @@
 
 Registered through the entry-point group ``tokenrelay.commands``
 (``relay = "relay.edge.cli:register"``). Flags override ``TOKENRELAY_*`` environment
-variables (see :mod:`relay.edge.config`).
+variables (see :mod:`relay.edge.config`); ``--fail-fast`` (TOKENRELAY_FAIL_FAST) is declared there.
 
 Order of use: :func:`register` adds the parser; ``tokenrelay relay ...`` calls
 :func:`run`, which builds the config, serves the app and, on SIGTERM or SIGINT,
@@ -24,7 +24,7 @@ from relay.edge.config import ConfigError, RelayConfig, add_arguments, from_args
 from relay.edge.server import SERVER, make_app, make_runner
 from relay.redisio.connect import mask_url, startup_error
 from relay.redisio.errors import RelayError
-from relay.service import runtime
+from relay.service import runtime, settings
 from relay.service.httpguard import GuardedSite
 
 __all__ = ["register", "run", "serve"]
@@ -36,7 +36,7 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "relay",
         help="run an edge server: SSE and WebSocket streams of sessions",
-        description="Edge server. Every flag also reads TOKENRELAY_<NAME> from the environment.",
+        description="Edge server: SSE and WebSocket streams of sessions. " + settings.ENV_NOTE,
     )
     add_arguments(p)
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")

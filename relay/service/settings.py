@@ -10,8 +10,9 @@ A process's settings are a frozen ``msgspec.Struct`` whose fields are annotated 
 
 One declaration per field gives its type, default (the struct's), help text, flag
 (``--port``; ``flag=`` for another name) and environment variable (``TOKENRELAY_PORT``;
-``env=`` for another name), bounds (``ge``/``gt``/``le``/``lt``), choices and whether it
-is required. Then:
+``env=`` for another name, a class attribute ``env_prefix: ClassVar[str]`` for another
+prefix), bounds (``ge``/``gt``/``le``/``lt``), choices, whether it is required, and
+``env_only=True`` for a value that must never be on a command line. Then:
 
 - :func:`add_arguments` adds one flag per field (every default None, so an absent flag
   falls back to the environment); a ``bool`` field is a switch that sets the opposite of
@@ -63,6 +64,7 @@ from relay.protocol.auth import KeySet, WeakSecret, load_keys
 from relay.redisio.connect import RedisTLS
 
 __all__ = [
+    "ENV_NOTE",
     "PREFIX",
     "ConfigError",
     "FailFast",
@@ -89,6 +91,11 @@ __all__ = [
 ]
 
 PREFIX: Final = "TOKENRELAY_"
+# for a command's description
+ENV_NOTE: Final = (
+    "Each flag's environment variable is named in its help: a flag wins over the "
+    "environment, the environment over the default."
+)
 _TRUE: Final = frozenset(("1", "true", "yes", "on"))
 _FALSE: Final = frozenset(("0", "false", "no", "off", ""))
 
@@ -203,13 +210,14 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[msgspec.Struct]) ->
     for s in settings_of(cls):
         if s.env_only:
             continue
+        env = f"env {s.env}"
         if s.required:
             where = "required"
-        elif s.kind is bool:
-            where = "a switch"
+        elif s.kind is bool:  # a switch sets the opposite of the default
+            where, env = "a switch", f"env {s.env}={str(not s.default).lower()}"
         else:
             where = f"default {_shown(s.default)}"
-        text = f"{s.help} ({where}; env {s.env})" if s.help else f"({where}; env {s.env})"
+        text = f"{s.help} ({where}; {env})" if s.help else f"({where}; {env})"
         kw: dict[str, Any] = {"dest": s.name, "default": None, "help": text}
         if s.kind is bool:
             kw.update(action="store_const", const=not s.default)

@@ -93,8 +93,7 @@ def register(subparsers: Any) -> None:
         "jobworker",
         help="run offline jobs from RabbitMQ on the engines (below a chat reserve)",
         description="Consume the job queue, run each job on the engines through the "
-        "cache-affine router, store the result in Redis, then ack. Every flag also reads "
-        "TOKENRELAY_<NAME> from the environment (a flag wins).",
+        "cache-affine router, store the result in Redis, then ack. " + settings.ENV_NOTE,
     )
     settings.add_arguments(p, JobWorkerSettings)
     p.set_defaults(func=run)
