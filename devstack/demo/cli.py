@@ -37,7 +37,7 @@ from aiohttp import web
 
 from devstack.demo.frontdoor import FrontDoor, make_frontdoor_app
 from devstack.demo.stack import Stack, StackSpec
-from relay.protocol.auth import DEFAULT_KID
+from relay.protocol.auth import DEFAULT_KID, WeakSecret, check_secret
 from relay.redisio.connect import mask_url
 from relay.service import runtime, settings
 from relay.service.httpguard import GuardedSite
@@ -68,9 +68,9 @@ class DemoSettings(msgspec.Struct, frozen=True, kw_only=True):
     engine_cap: Annotated[
         int, opt("in-flight cap per engine: 1.5 x its concurrent sequences (the mocks run 8)", ge=1)
     ] = 12
-    insecure_no_auth: Annotated[
-        bool, opt("no tokens anywhere in the stack", env="TOKENRELAY_INSECURE_NO_AUTH")
-    ] = False
+    # TOKENRELAY_DEMO_INSECURE_NO_AUTH: a TOKENRELAY_INSECURE_NO_AUTH left in a shell for a
+    # relay does not turn a demo's auth off (the stack keeps it from the children too)
+    insecure_no_auth: Annotated[bool, opt("no tokens anywhere in the stack")] = False
     secret: Annotated[
         str,
         opt("token secret of the stack (empty: a random one per run)", env="TOKENRELAY_SECRET",
@@ -85,6 +85,11 @@ class DemoSettings(msgspec.Struct, frozen=True, kw_only=True):
 
     def validate(self) -> DemoSettings:
         """The auth rule of every process, except that no secret means a random one."""
+        if self.secret and not self.insecure_no_auth:
+            try:  # named as the user set it: the demo's secret has no flag
+                check_secret(self.secret, "TOKENRELAY_SECRET")
+            except WeakSecret as exc:
+                raise ConfigError(str(exc)) from None
         if self.secret or self.insecure_no_auth:
             settings.check_auth(self.secret, DEFAULT_KID, "", self.insecure_no_auth)
             return self
