@@ -181,9 +181,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Standalone ``python -m devstack.mockengine.cli`` (same options as ``tokenrelay engine``)."""
-    from tokenrelay.cli import OneLineParser
-
-    parser = OneLineParser(prog="python -m devstack.mockengine.cli")
+    parser = argparse.ArgumentParser(prog="python -m devstack.mockengine.cli")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["engine", *(sys.argv[1:] if argv is None else argv)])
     return run(args)
