@@ -25,10 +25,9 @@ from relay.protocol.auth import issue_token
 from relay.protocol.keys import new_session_id
 from relay.redisio.connect import GatedRedisCluster
 from relay.redisio.publisher import Draft, Publisher
-from tests.test_hostile import relay_process
-from tests.test_server import SECRET as SERVER_SECRET
-from tests.test_server import running
-from tests.worker_harness import SECRET as PROCESS_SECRET
+from tests.support.relay import SECRET as SERVER_SECRET
+from tests.support.relay import relay_process, running
+from tests.support.worker import SECRET as PROCESS_SECRET
 
 pytestmark = pytest.mark.integration
 
