@@ -12,11 +12,12 @@ import json
 import math
 import os
 import resource
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, overload
 
-from devstack.procs import free_port
+from devstack.procs import Proc, ProcError, free_port
 
 __all__ = [
     "cpu_s",
@@ -25,6 +26,7 @@ __all__ = [
     "percentile",
     "raise_nofile",
     "rss_kb",
+    "run_json",
     "self_cpu_s",
     "write_json",
 ]
@@ -80,3 +82,24 @@ def raise_nofile(need: int) -> int:
     if soft < need:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+async def run_json(
+    argv: Sequence[str], spec: Any, *, name: str, timeout_s: float,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Run a child that takes a JSON spec file (its path appended to ``argv``) and prints
+    its result as the last line of JSON; that result. :class:`ProcError` (with the
+    child's last lines) when it fails or outlives ``timeout_s``."""
+    with tempfile.TemporaryDirectory(prefix="bench-child-") as tmp:
+        spec_path, log = Path(tmp) / "spec.json", Path(tmp) / "child.log"
+        spec_path.write_text(json.dumps(spec))
+        proc = Proc.start([*argv, str(spec_path)], log=log, name=name, env=env)
+        try:
+            code = await proc.wait(timeout_s)
+        finally:
+            await proc.stop()
+        if code != 0:
+            raise ProcError(proc.why())
+        res: dict[str, Any] = json.loads(log.read_text().strip().splitlines()[-1])
+    return res

@@ -21,14 +21,13 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from bench._util import free_port
+from bench._util import free_port, run_json
 from bench.relay_harness import RelayProc
-from devstack.procs import Proc, ProcError, launched, log_line
+from devstack.procs import launched, log_line
 from relay.protocol.slotmap import Addr
 
 __all__ = ["PINS", "cache_dir", "emit", "ensure_socketio", "installed_versions", "socketio_server"]
@@ -105,16 +104,7 @@ async def emit(
 ) -> dict[str, Any]:
     """Run ``socketio_emit.cjs`` (a child process) and return its JSON line."""
     spec = {"seed": f"{seed.host}:{seed.port}", "rooms": sids, "rate": rate, "seconds": secs}
-    with tempfile.TemporaryDirectory(prefix="socketio-emit-") as tmp:
-        path, log = Path(tmp) / "spec.json", Path(tmp) / "emit.log"
-        path.write_text(json.dumps(spec))
-        argv = ["node", str(SCRIPTS / "socketio_emit.cjs"), str(path)]
-        proc = Proc.start(argv, log=log, name="Socket.IO emitter", env=_node_env(modules))
-        try:
-            code = await proc.wait(secs + 60)
-        finally:
-            await proc.stop()
-        if code != 0:
-            raise ProcError(proc.why())
-        res: dict[str, Any] = json.loads(log.read_text().strip().splitlines()[-1])
-    return res
+    argv = ["node", str(SCRIPTS / "socketio_emit.cjs")]
+    return await run_json(
+        argv, spec, name="Socket.IO emitter", timeout_s=secs + 60, env=_node_env(modules)
+    )

@@ -18,19 +18,17 @@ Order of use::
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench._util import cpu_s, free_port, self_cpu_s
-from devstack.procs import Proc, ProcError, http_ok, launched
+from bench._util import cpu_s, free_port, run_json, self_cpu_s
+from devstack.procs import Proc, http_ok, launched
 from relay.edge.subscriber import raw_command
 from relay.protocol.keys import live_channel, new_session_id
 from relay.protocol.slotmap import Addr, SlotMap, parse_shards, slot_of
@@ -126,19 +124,8 @@ def sessions(n: int, smap: SlotMap, master: Addr | None) -> list[str]:
 
 async def run_publisher(spec: dict[str, Any]) -> dict[str, Any]:
     """Run a publisher child (:mod:`bench.throughput_publish`) and return its result."""
-    with tempfile.TemporaryDirectory(prefix="relay-bench-pub-") as tmp:
-        spec_path, log = Path(tmp) / "spec.json", Path(tmp) / "publisher.log"
-        spec_path.write_text(json.dumps(spec))
-        argv = [sys.executable, "-m", "bench.throughput_publish", str(spec_path)]
-        proc = Proc.start(argv, log=log, name="publisher")
-        try:
-            code = await proc.wait(300)
-        finally:
-            await proc.stop()
-        if code != 0:
-            raise ProcError(proc.why())
-        res: dict[str, Any] = json.loads(log.read_text().strip().splitlines()[-1])
-    return res
+    argv = [sys.executable, "-m", "bench.throughput_publish"]
+    return await run_json(argv, spec, name="publisher", timeout_s=300)
 
 
 @dataclass

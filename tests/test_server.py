@@ -32,6 +32,7 @@ from tests.support.relay import (
     Relay,
     publish_turn,
     running,
+    send_expect_close,
     wait_ready,
     ws_frames,
 )
@@ -249,12 +250,7 @@ async def test_misbehaving_websockets_are_closed_and_others_unaffected(cluster, 
         for payload, code in cases:
             async with relay.http.ws_connect(relay.url(sid, "ws"), headers=relay.auth(sid)) as ws:
                 await ws_frames(ws, 1)
-                if isinstance(payload, bytes):
-                    await ws.send_bytes(payload)
-                else:
-                    await ws.send_str(payload)
-                msg = await asyncio.wait_for(ws.receive(), STEP)
-                assert msg.type is WSMsgType.CLOSE, msg
+                msg = await send_expect_close(ws, payload)
                 assert msg.data == code
         offsets = await publish_turn(redis, other, ["still", "here"])
         assert [f["offset"] for f in await ws_frames(good, 3)] == offsets

@@ -3,6 +3,13 @@ worker app on the suite's cluster (:func:`stack`), a well-behaved session alongs
 hostile input (:class:`Bystander`), a log handler that fails the test on any crash
 (:func:`no_crash`), and raw HTTP helpers.
 
+Every hostile test runs a relay app (``relay.edge.server.make_app``, 127.0.0.1, port 0)
+and a worker app (:class:`tests.support.worker.Harness`: mock engines in-process) on
+the session's real Redis Cluster, throws one kind of hostile input at them and checks
+the status / close code AND the documented ``error`` / reason (docs/PROTOCOL.md, the
+hostile-input table of RELIABILITY.md), that the bystander receives every frame of its
+turns, and that nothing was logged as an unhandled exception.
+
 Order of use::
 
     async with stack(cluster, redis, heartbeat_s=1) as env, bystander(env):

@@ -23,7 +23,6 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +30,9 @@ import aiohttp
 from aiohttp import WSMsgType, web
 from redis.asyncio.cluster import RedisCluster
 
+from bench.relay_harness import RelayProc
 from devstack.cluster.launcher import ClusterInfo
-from devstack.procs import Proc, free_port, http_ok, launched
+from devstack.procs import free_port, http_ok, launched
 from relay.edge.config import RelayConfig
 from relay.edge.server import SERVER, EdgeServer, make_app, make_runner
 from relay.protocol.auth import issue_token
@@ -48,6 +48,7 @@ __all__ = [
     "publish_turn",
     "relay_process",
     "running",
+    "send_expect_close",
     "wait_ready",
     "ws_frames",
 ]
@@ -112,6 +113,19 @@ async def ws_frames(ws: aiohttp.ClientWebSocketResponse, n: int) -> list[dict[st
     return out
 
 
+async def send_expect_close(
+    ws: aiohttp.ClientWebSocketResponse, payload: str | bytes
+) -> aiohttp.WSMessage:
+    """Send ``payload`` (bytes: a binary message) and return the close the relay answers."""
+    if isinstance(payload, bytes):
+        await ws.send_bytes(payload)
+    else:
+        await ws.send_str(payload)
+    msg = await asyncio.wait_for(ws.receive(), STEP)
+    assert msg.type is WSMsgType.CLOSE, msg
+    return msg
+
+
 async def publish_turn(redis: RedisCluster, sid: str, texts: list[str]) -> list[int]:
     """One turn of bare token frames and a ``done``; their offsets."""
     gen = await Publisher(redis).open_generation(sid)
@@ -120,22 +134,7 @@ async def publish_turn(redis: RedisCluster, sid: str, texts: list[str]) -> list[
     return offsets
 
 
-@dataclass
-class RelayProcess:
-    """A relay subprocess: its :class:`devstack.procs.Proc`, URL and port."""
-
-    proc: Proc
-    base: str
-    port: int
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def log_path(self) -> Path:
-        assert self.proc.log is not None
-        return self.proc.log
+RelayProcess = RelayProc  # a relay subprocess: .proc, .port, .base, .pid, .log_path
 
 
 @asynccontextmanager
@@ -154,7 +153,7 @@ async def relay_process(
     base = f"http://127.0.0.1:{port}"
     log = log_dir / f"{relay_id}.log"
     async with launched(argv, log=log, ready=http_ok(base + "/readyz"), name=relay_id) as proc:
-        yield RelayProcess(proc, base, port)
+        yield RelayProc(proc, port)
     err = log.read_bytes()
     print(f"relay log: {len(err)} bytes, {err.count(b'Traceback')} tracebacks")
     assert b"Traceback" not in err, err[-4000:].decode(errors="replace")
