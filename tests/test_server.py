@@ -33,10 +33,11 @@ from tests.support.relay import (
     publish_turn,
     running,
     send_expect_close,
+    sse,
     wait_ready,
     ws_frames,
 )
-from tests.support.sse import SSEClient, sse
+from tests.support.sse import SSEClient
 
 pytestmark = pytest.mark.integration
 

@@ -1,8 +1,9 @@
 """Harness pieces the tests share (fixtures stay in tests/conftest.py).
 
 - :mod:`tests.support.relay`: a relay in this process (:func:`~tests.support.relay.running`)
-  or as a subprocess (:func:`~tests.support.relay.relay_process`), readiness, WebSocket
-  and publishing helpers;
+  or as a subprocess (:func:`~tests.support.relay.relay_process`), an SSE stream on it
+  (:func:`~tests.support.relay.sse`), readiness, WebSocket and publishing helpers;
+- :mod:`tests.support.hostile`: the harness of the hostile-input tests;
 - :mod:`tests.support.sse`: an SSE reader over an aiohttp response, on the project's
   one decoder (:mod:`relay.protocol.sse_reader`);
 - :mod:`tests.support.worker`: a worker app with a mock engine (:class:`Harness`);

@@ -5,7 +5,7 @@ descriptors, memory and exit can be observed), plus the helpers their tests shar
 Order of use::
 
     async with running(cluster, heartbeat_s=1) as relay:   # relay.base, .server, .http
-        ...
+        async with sse(relay, sid) as client: ...          # tests.support.sse.SSEClient
     async with relay_process(cluster, tmp_path, "edge-x", "--flag", "v") as proc:
         ...                                                # proc.base, .port, .pid, .log_path
     # stopped by pid on the way out; its log must hold no traceback
@@ -37,7 +37,7 @@ from relay.edge.config import RelayConfig
 from relay.edge.server import SERVER, EdgeServer, make_app, make_runner
 from relay.protocol.auth import issue_token
 from relay.redisio.publisher import Publisher
-from tests.support.sse import STEP
+from tests.support.sse import STEP, SSEClient
 from tests.support.worker import SECRET as WORKER_SECRET
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "relay_process",
     "running",
     "send_expect_close",
+    "sse",
     "wait_ready",
     "ws_frames",
 ]
@@ -89,6 +90,20 @@ async def running(cluster: ClusterInfo, **overrides: Any) -> AsyncIterator[Relay
             yield Relay(f"http://127.0.0.1:{port}", app[SERVER], http)
     finally:
         await runner.cleanup()
+
+
+@asynccontextmanager
+async def sse(relay: Relay, sid: str, **kw: Any) -> AsyncIterator[SSEClient]:
+    """An SSE stream of ``sid`` on ``relay`` (authorized); its first line must be the
+    ``retry:`` hint."""
+    headers = {**relay.auth(sid), **kw.pop("headers", {})}
+    async with relay.http.get(relay.url(sid), headers=headers, **kw) as resp:
+        assert resp.status == 200, await resp.text()
+        client = SSEClient(resp)
+        first = await resp.content.readline()
+        assert first.startswith(b"retry: "), first
+        client.feed(first)
+        yield client
 
 
 async def wait_ready(http: aiohttp.ClientSession, base: str, within_s: float) -> None:

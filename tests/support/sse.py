@@ -3,12 +3,10 @@ project's one decoder (:class:`relay.protocol.sse_reader.SSEDecoder`).
 
 Order of use::
 
-    async with sse(relay, sid) as client:       # asserts 200 and a leading ``retry:``
-        events = await client.events(3)          # [(id, event, data as JSON), ...]
-        client.hello, client.retry, client.comments, client.last_id
-        await client.until_end()                 # read to the end of the stream
-
-or ``SSEClient(resp)`` over a response opened by the test itself.
+    client = SSEClient(resp)                     # or tests.support.relay.sse(relay, sid)
+    events = await client.events(3)              # [(id, event, data as JSON), ...]
+    client.hello, client.retry, client.comments, client.last_id
+    await client.until_end()                     # read to the end of the stream
 """
 
 from __future__ import annotations
@@ -16,18 +14,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import deque
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
 from relay.protocol.sse_reader import SSEDecoder, SSEEvent
 
-if TYPE_CHECKING:
-    from tests.support.relay import Relay
-
-__all__ = ["STEP", "SSEClient", "sse"]
+__all__ = ["STEP", "SSEClient"]
 
 STEP = 10.0  # seconds any single expectation may take
 
@@ -90,17 +83,3 @@ class SSEClient:
         async with asyncio.timeout(STEP):
             while await self.next_event() is not None:
                 pass
-
-
-@asynccontextmanager
-async def sse(relay: Relay, sid: str, **kw: Any) -> AsyncIterator[SSEClient]:
-    """An SSE stream of ``sid`` on ``relay`` (authorized); its first line must be the
-    ``retry:`` hint."""
-    headers = {**relay.auth(sid), **kw.pop("headers", {})}
-    async with relay.http.get(relay.url(sid), headers=headers, **kw) as resp:
-        assert resp.status == 200, await resp.text()
-        client = SSEClient(resp)
-        first = await resp.content.readline()
-        assert first.startswith(b"retry: "), first
-        client.feed(first)
-        yield client
