@@ -20,8 +20,9 @@ or, for processes that outlive the caller (``tokenrelay cluster up``): build a
 The cluster is formed by :mod:`devstack.cluster.form` (CLUSTER commands from Python, no
 redis-cli), which also holds :class:`Node` and :class:`ClusterError`, re-exported here.
 It binds 127.0.0.1 only, keeps nothing on disk except each node's cluster config file
-(removed on stop), and never uses port 6379. A busy port is detected before any process
-starts.
+(removed on stop), and never uses port 6379. Nodes are started and stopped (by pid)
+with :mod:`devstack.procs`; the server binary is found by :mod:`devstack.cluster.binary`.
+A busy port is detected before any process starts.
 """
 
 from __future__ import annotations

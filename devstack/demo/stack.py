@@ -1,12 +1,14 @@
 """Run the whole stack as child processes: Redis Cluster, engines, relays, workers.
 
-Used by ``tokenrelay demo``, ``bench.loadtest`` and ``bench.faults``. Every process is
-a child started here and stopped here, by pid (SIGTERM, then SIGKILL after a
-deadline); nothing is ever killed by name. The token secret (random per stack unless
-given) reaches the children in their environment (``TOKENRELAY_SECRET``), never on a
-command line that ``ps`` shows. Relays and workers believe ``X-Forwarded-For`` from
-127.0.0.1 (the demo's front door); ``abuse_limits=False`` lifts the per-address and
-per-session limits for load generators that are all one loopback address.
+Used by ``tokenrelay demo``, ``bench.loadtest`` and ``bench.faults``. Every process is a
+child started here and stopped here, by pid (SIGTERM, then SIGKILL after a deadline:
+:mod:`devstack.procs`); nothing is ever killed by name. A child that exits before it is
+ready raises :class:`StackError` with the last lines of its log. The token secret
+(random per stack unless given) reaches the children in their environment
+(``TOKENRELAY_SECRET``), never on a command line that ``ps`` shows. Relays and workers
+believe ``X-Forwarded-For`` from 127.0.0.1 (the demo's front door);
+``abuse_limits=False`` lifts the per-address and per-session limits for load generators
+that are all one loopback address.
 
 Order of use::
 
