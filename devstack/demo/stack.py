@@ -222,12 +222,6 @@ class Stack:
         except ProcError as exc:
             raise StackError(str(exc)) from None
 
-    def log_tail(self, name: str, chars: int = 2000) -> str:
-        try:
-            return Path(self.procs[name].log_path).read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
     # -- fault injection ----------------------------------------------------------
     def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` (default kill -9) to one process of the stack; returns its pid."""
