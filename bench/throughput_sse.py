@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from bench.relay_harness import SECRET, STAMP
 from relay.protocol.auth import issue_token
 
-__all__ = ["SSEClient", "Tally", "close_clients", "open_clients", "wait_all"]
+__all__ = ["StampCounter", "Tally", "close_clients", "open_clients", "wait_all"]
 
 
 @dataclass
@@ -37,7 +37,7 @@ class Tally:
     errors: list[str] = field(default_factory=list)
 
 
-class SSEClient:
+class StampCounter:
     """One SSE viewer on a raw socket: counts token stamps per chunk, keeps nothing else.
 
     Not :func:`relay.client.watch` nor :class:`relay.protocol.sse_reader.SSEDecoder` on
@@ -115,11 +115,11 @@ class SSEClient:
 
 async def open_clients(
     port: int, sids: Sequence[str], tally: Tally, window: int
-) -> list[SSEClient]:
-    clients = [SSEClient(tally, sid) for sid in sids]
+) -> list[StampCounter]:
+    clients = [StampCounter(tally, sid) for sid in sids]
     sem = asyncio.Semaphore(window)
 
-    async def one(c: SSEClient) -> None:
+    async def one(c: StampCounter) -> None:
         async with sem:
             await c.open(port)
 
@@ -132,7 +132,7 @@ async def open_clients(
     return clients
 
 
-def close_clients(clients: Sequence[SSEClient]) -> None:
+def close_clients(clients: Sequence[StampCounter]) -> None:
     for c in clients:
         c.close()
 
