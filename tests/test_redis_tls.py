@@ -2,7 +2,7 @@
 
 A TLS-only local cluster (``LocalCluster(tls=...)``: no plain port, TLS on the cluster
 bus and for replication, client certificates required, a password) with certificates
-from a throwaway CA made in the test (``tests.tls_certs``). The relay, the worker and a
+from a throwaway CA made in the test (``tests.support.tls_certs``). The relay, the worker and a
 mock engine run as subprocesses (``python -m tokenrelay ...``), stopped by pid; the Redis
 URL with its password reaches them through the environment, the TLS files through the
 ``--redis-ca`` / ``--redis-cert`` / ``--redis-key`` flags.
@@ -40,9 +40,10 @@ from devstack.demo.stack import free_port
 from devstack.mockengine.reply_length import ReplyLength
 from relay.protocol.keys import engine_key, live_channel
 from relay.protocol.slotmap import slot_of
-from tests.test_server import STEP, SSEClient, wait_ready
-from tests.tls_certs import make_ca, make_pki, openssl_missing
-from tests.worker_harness import expected_reply
+from tests.support.relay import STEP, wait_ready
+from tests.support.sse import SSEClient
+from tests.support.tls_certs import make_ca, make_pki, openssl_missing
+from tests.support.worker import expected_reply
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
