@@ -40,6 +40,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from relay.edge.resume import Delivery, Fetch
 from relay.edge.watch import Closed, Intent, Watch
+from relay.protocol.codes import CloseCode
 from relay.protocol.frame import FrameError, decode, frame_gen
 from relay.redisio.errors import RelayError, WatchClosed
 from relay.redisio.publisher import read_backlog
@@ -49,14 +50,14 @@ __all__ = ["ByteBudget", "Flusher", "Out", "Tap", "delivery", "read_page"]
 log = logging.getLogger(__name__)
 
 
-def delivery(data: bytes, received_ms: int = 0) -> Delivery | None:
+def delivery(data: bytes, received_mono_ms: int = 0) -> Delivery | None:
     """A :class:`Delivery` for one frame's bytes, or None (logged) if it does not decode."""
     try:
         f = decode(data)
     except FrameError as exc:
         log.warning("dropping undecodable frame: %s", exc)
         return None
-    return Delivery(f.offset, f.kind, data, f.ts, received_ms, frame_gen(f))
+    return Delivery(f.offset, f.kind, data, f.ts, received_mono_ms, frame_gen(f))
 
 
 async def read_page(
@@ -220,11 +221,11 @@ class Tap:
             else:
                 self._flush()
 
-    def shut(self, reason: str, code: str) -> None:
+    def shut(self, reason: str, code: CloseCode) -> None:
         self._apply(self.watch.close(code, reason))
 
     async def close(self) -> None:
-        self.shut("watch closed", "closed")
+        self.shut("watch closed", CloseCode.CLOSED)
 
     async def first_read(self) -> None:
         """Wait until the first backlog answer (the replay's start or the bounds) is in."""
