@@ -34,6 +34,7 @@ from relay.edge.streams import (
     Reject,
     SocketOut,
     Stream,
+    Transport,
     client_reason,
     is_ping,
     jitter,
@@ -85,7 +86,7 @@ async def sse_handler(host: StreamHost, request: web.Request) -> web.StreamRespo
             request.headers.get("Last-Event-ID"), request.query.get("last_event_id")
         )
     )
-    stream = await host.open_stream("sse", sid, offset, access)
+    stream = await host.open_stream(Transport.SSE, sid, offset, access)
     code = CloseCode.CLOSED
     try:
         resp = web.StreamResponse(headers=SSE_HEADERS)
@@ -120,7 +121,7 @@ async def _sse_loop(
             stream.sock,
             writer,
             SSE_FRAMES,
-            functools.partial(host.sent, "sse"),
+            functools.partial(host.sent, Transport.SSE),
             cfg.write_timeout_s,
         )
         await stream.watch.run(stream.out)
@@ -139,6 +140,7 @@ async def _sse_loop(
 
 # -- WebSocket ---------------------------------------------------------------------------
 
+
 async def ws_handler(host: StreamHost, request: web.Request) -> web.StreamResponse:
     sid = host.session(request)
     access = host.authorize(request, sid)
@@ -152,7 +154,7 @@ async def ws_handler(host: StreamHost, request: web.Request) -> web.StreamRespon
     )
     if not ws.can_prepare(request).ok:
         raise Reject(400, Refusal.NOT_WEBSOCKET, "this endpoint needs a WebSocket upgrade")
-    stream = await host.open_stream("ws", sid, offset, access)
+    stream = await host.open_stream(Transport.WS, sid, offset, access)
     code = CloseCode.CLOSED
     writer: asyncio.Task[CloseCode] | None = None
     try:
@@ -209,7 +211,7 @@ async def _ws_writer(
             stream.sock,
             writer,
             WS_FRAMES,
-            functools.partial(host.sent, "ws"),
+            functools.partial(host.sent, Transport.WS),
             timeout_s,
         )
         await stream.watch.run(stream.out)

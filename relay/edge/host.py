@@ -22,7 +22,7 @@ from redis.asyncio.cluster import RedisCluster
 from relay.edge.config import RelayConfig
 from relay.edge.resume import Delivery
 from relay.edge.streamguard import Access
-from relay.edge.streams import Stream
+from relay.edge.streams import Stream, Transport
 from relay.protocol.codes import CloseCode
 
 __all__ = ["StreamHost"]
@@ -42,7 +42,7 @@ class StreamHost(Protocol):
         """:class:`~relay.edge.streams.Reject` 503 unless a stream may open now."""
 
     async def open_stream(
-        self, transport: str, sid: str, offset: int | None, access: Access
+        self, transport: Transport, sid: str, offset: int | None, access: Access
     ) -> Stream:
         """Admit and watch; :meth:`close_stream` must follow."""
 
@@ -55,7 +55,7 @@ class StreamHost(Protocol):
     def hello(self, stream: Stream) -> bytes:
         """The first message of a stream (which relay, resuming after which offset)."""
 
-    def sent(self, transport: str, batch: list[Delivery], nbytes: int) -> None:
+    def sent(self, transport: Transport, batch: list[Delivery], nbytes: int) -> None:
         """Account frames written to a socket (metrics)."""
 
     async def preflight(self, request: web.Request) -> web.Response:

@@ -50,7 +50,7 @@ from relay.edge.config import RelayConfig
 from relay.edge.hub import RELAY_BACKOFF, Delivery, Hub, Tap
 from relay.edge.metrics import RelayMetrics
 from relay.edge.streamguard import Access, StreamGuard, Ticket
-from relay.edge.streams import CORS_HEADERS, RETRY_AFTER, Reject, Stream
+from relay.edge.streams import CORS_HEADERS, RETRY_AFTER, Reject, Stream, Transport
 from relay.protocol import sse
 from relay.protocol.auth import AuthError, extract_token, verify_token
 from relay.protocol.codes import CloseCode, Readiness, Refusal
@@ -88,7 +88,7 @@ class EdgeServer:
         self._out_metrics = {  # label children bound once: sent() runs per socket write
             t: (m.frames_out.labels(t), m.bytes_out.labels(t), m.hop_latency.labels(t),
                 m.edge_to_socket.labels(t))
-            for t in ("sse", "ws")
+            for t in (Transport.SSE, Transport.WS)
         }  # fmt: skip
         self.hub: Hub | None = hub
         self.redis: RedisCluster | None = hub.redis if hub is not None else None
@@ -250,7 +250,7 @@ class EdgeServer:
             raise Reject(503, Refusal.OVERLOADED, "too many streams on this relay", RETRY_AFTER)
 
     async def open_stream(
-        self, transport: str, sid: str, offset: int | None, access: Access
+        self, transport: Transport, sid: str, offset: int | None, access: Access
     ) -> Stream:
         """Admit and watch; the caller must call :meth:`close_stream` once done."""
         self.check_capacity()
@@ -325,7 +325,7 @@ class EdgeServer:
         if d.ts > 0:
             self.metrics.publish_to_edge.observe(max(now_ms() - d.ts, 0) / 1000.0)
 
-    def sent(self, transport: str, batch: list[Delivery], nbytes: int) -> None:
+    def sent(self, transport: Transport, batch: list[Delivery], nbytes: int) -> None:
         frames, sent_bytes, total, queued = self._out_metrics[transport]
         frames.inc(len(batch))
         sent_bytes.inc(nbytes)
@@ -374,7 +374,7 @@ class EdgeServer:
             due = loop.time() - period
             for i, s in enumerate(list(self.streams)):
                 out = s.out
-                if out is not None and s.transport == "sse" and out.last_write <= due:
+                if out is not None and s.transport is Transport.SSE and out.last_write <= due:
                     s.watch.try_write(lambda o=out: o.write(_HEARTBEAT))  # type: ignore[misc]
                 if i % _BEAT_SLICE == _BEAT_SLICE - 1:
                     await asyncio.sleep(0)

@@ -18,6 +18,7 @@ from outside (drain) and :meth:`Stream.cut` from a write timer; the stream's tas
 from __future__ import annotations
 
 import asyncio
+import enum
 import random
 import struct
 from collections import OrderedDict
@@ -45,12 +46,22 @@ __all__ = [
     "Reject",
     "SocketOut",
     "Stream",
+    "Transport",
     "client_reason",
     "discard",
     "is_ping",
     "jitter",
     "ws_text_frame",
 ]
+
+
+class Transport(enum.StrEnum):
+    """How a stream reaches its client (the ``transport`` label of the metrics)."""
+
+    SSE = "sse"
+    WS = "ws"
+    UI = "ui"  # the AI SDK UI message stream (SSE framing of its own)
+
 
 # WebSocket close codes the server uses, by WatchClosed / server stop code.
 WS_CLOSE: Final[dict[CloseCode, tuple[WsClose, str]]] = {
@@ -93,7 +104,7 @@ class Stream:
 
     __slots__ = ("offset", "out", "sid", "sock", "stop", "task", "transport", "watch")
 
-    def __init__(self, transport: str, sid: str, offset: int | None, watch: Tap) -> None:
+    def __init__(self, transport: Transport, sid: str, offset: int | None, watch: Tap) -> None:
         self.transport, self.sid, self.offset, self.watch = transport, sid, offset, watch
         self.stop: tuple[CloseCode, str] | None = None
         self.task: asyncio.Task[Any] | None = asyncio.current_task()

@@ -34,7 +34,7 @@ from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
 
 from relay.edge.host import StreamHost
-from relay.edge.streams import RETRY_AFTER, Stream, discard
+from relay.edge.streams import RETRY_AFTER, Stream, Transport, discard
 from relay.protocol.codes import CloseCode, Refusal
 from relay.protocol.frame import Frame, FrameError, decode
 from relay.protocol.keys import log_key, meta_key
@@ -177,7 +177,7 @@ async def ui_stream_handler(host: StreamHost, request: web.Request) -> web.Strea
     if found is None:
         return web.Response(status=204)
     turn, after = found
-    stream = await host.open_stream("ui", sid, after, access)
+    stream = await host.open_stream(Transport.UI, sid, after, access)
     code = CloseCode.CLOSED
     ui = UiTurn(sid, turn)
     try:
