@@ -44,8 +44,11 @@ from relay.protocol.codes import CloseCode
 from relay.protocol.frame import FrameError, decode, frame_gen
 from relay.redisio.errors import RelayError, WatchClosed
 from relay.redisio.publisher import read_backlog
+from relay.service.supervise import Backoff
 
 __all__ = ["ByteBudget", "Flusher", "Out", "Tap", "delivery", "read_page"]
+
+READ_BACKOFF = Backoff(base_s=0.05, cap_s=1.0)  # backlog reads while Redis is unreachable
 
 log = logging.getLogger(__name__)
 
@@ -68,18 +71,18 @@ async def read_page(
     max_bytes: int,
     alive: Callable[[], bool],
 ) -> tuple[list[bytes], int, int] | None:
-    """One backlog read (``after`` None: bounds only), retried with backoff while Redis
-    is unreachable and ``alive()``; None once not alive."""
-    backoff = 0.05
+    """One backlog read (``after`` None: bounds only), retried with jittered backoff
+    while Redis is unreachable and ``alive()``; None once not alive."""
+    failures = 0
     while alive():
         try:
             return await read_backlog(
                 redis, sid, after or 0, count if after is not None else 0, max_bytes
             )
         except RelayError as exc:
+            failures += 1
             log.info("backlog read for %s failed: %s", sid, exc)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 1.0)
+            await asyncio.sleep(READ_BACKOFF.delay(failures))
     return None
 
 
