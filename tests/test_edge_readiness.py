@@ -28,6 +28,7 @@ from relay.edge.server import SERVER, EdgeServer, make_app, make_runner
 from relay.protocol.keys import new_session_id
 from relay.redisio.connect import connect
 from relay.redisio.publisher import Publisher
+from tests.conftest import PrivateClusterFactory
 
 pytestmark = pytest.mark.integration
 
@@ -203,3 +204,35 @@ async def test_relay_loops_run_supervised_and_readyz_names_a_critical_one_that_k
             text = await r.text()
         assert 'tokenrelay_loop_healthy{loop="probe"} 0.0' in text
         assert 'tokenrelay_loop_healthy{loop="subscriber"} 1.0' in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_a_subscriber_that_cannot_subscribe_makes_the_relay_not_ready(
+    private_cluster: PrivateClusterFactory,
+) -> None:
+    local = await private_cluster(masters=3, replicas=0)
+    assert local.info is not None
+    async with (
+        _in_process(local.info) as (server, base),
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http,
+    ):
+        assert (await _get(http, base + "/readyz"))[0] == 200
+        await local.stop()
+        # a new session needs a subscription the subscriber cannot make: its loop fails
+        # round after round until the watch gives up
+        watch = asyncio.ensure_future(_get(http, f"{base}/v1/sessions/{new_session_id()}/events"))
+        try:
+            async with asyncio.timeout(STEP):
+                while True:
+                    status, body = await _get(http, base + "/readyz")
+                    if "subscriber_failing" in body["reasons"]:
+                        break
+                    await asyncio.sleep(0.1)
+            assert status == 503
+            assert body["status"] == "redis_unreachable"  # the ping fails too: said first
+            status, body = await watch
+            assert (status, body["error"]) == (503, "unavailable")
+        finally:
+            watch.cancel()
+        assert server.supervisor.loops["subscriber"].failures >= 3
