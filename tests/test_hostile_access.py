@@ -35,6 +35,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from devstack.cluster.launcher import ClusterInfo
 from relay.edge.streams import WS_CLOSE
+from relay.protocol.codes import CloseCode
 from relay.protocol.frame import decode
 from relay.redisio.publisher import read_backlog
 from tests.support.hostile import Env, bystander, no_crash
@@ -171,7 +172,7 @@ async def test_open_streams_end_when_their_token_expires(cluster, redis):
             while (await ws.receive()).type is not aiohttp.WSMsgType.CLOSE:
                 pass
         assert any(c.startswith("close token_expired ") for c in client.comments), client.comments
-        assert ws.close_code == WS_CLOSE["token_expired"][0] == 4401
+        assert ws.close_code == WS_CLOSE[CloseCode.TOKEN_EXPIRED][0] == 4401
         resp.close()
         await ws.close()
         again = await open_sse(env, sid, short)  # the same token cannot come back

@@ -302,12 +302,14 @@ async def test_a_turn_streams_over_tls_and_what_cannot_do_tls_refuses_to_start(
             assert await _master_of(c, bystander.sid) in subscribed
 
             # what cannot do TLS (or cannot do it as asked) refuses at start, one line
+            # (a relay without --fail-fast would keep retrying instead)
             await bystander.post("and my second turn")
             cases: list[tuple[str, list[str], int, str]] = [
-                ("relay-untrusted-ca", ["relay", "--port", "0", *c.flags(str(other_ca))],
-                 1, "certificate verify failed"),
-                ("relay-plain-url", ["relay", "--port", "0", "--redis", c.info.url.replace(
-                    "rediss://", f"redis://default:{PASSWORD}@")], 1, "cannot connect to Redis"),
+                ("relay-untrusted-ca", ["relay", "--port", "0", "--fail-fast",
+                 *c.flags(str(other_ca))], 1, "certificate verify failed"),
+                ("relay-plain-url", ["relay", "--port", "0", "--fail-fast", "--redis",
+                 c.info.url.replace("rediss://", f"redis://default:{PASSWORD}@")], 1,
+                 "cannot connect to Redis"),
                 ("relay-ca-on-plain-url", ["relay", "--port", "0", "--redis",
                  "redis://127.0.0.1:7000", "--redis-ca", c.pki.ca], 2, "need a rediss:// URL"),
                 ("relay-cert-without-key", ["relay", "--port", "0", "--redis-ca", c.pki.ca,
