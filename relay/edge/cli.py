@@ -22,6 +22,7 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from relay.edge.config import ConfigError, RelayConfig, add_arguments, from_args
 from relay.edge.server import SERVER, make_app, make_runner
+from relay.protocol.codes import Refusal
 from relay.redisio.connect import mask_url, startup_error
 from relay.redisio.errors import RelayError
 from relay.service import runtime, settings
@@ -58,7 +59,7 @@ async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> int:
             # A reconnect storm (a relay died, its clients come here) arrives as one
             # burst: aiohttp's default listen backlog of 128 would drop SYNs. A client
             # that never finishes its request head gets 408 (slowloris).
-            rejected = app[SERVER].metrics.rejected.labels("head_timeout")
+            rejected = app[SERVER].metrics.rejected.labels(Refusal.HEAD_TIMEOUT)
             site = GuardedSite(
                 runner,
                 config.host,
