@@ -117,6 +117,10 @@ def convert(exc: BaseException) -> RelayError:
         | rex.SlotNotCoveredError,  # mid-failover: no node serves the slot yet
     ):
         return RedisUnavailable(str(exc) or type(exc).__name__)
+    if isinstance(exc, rex.RedisClusterException) and isinstance(
+        exc.__cause__, rex.ConnectionError | rex.TimeoutError | OSError | TimeoutError
+    ):  # "Redis Cluster cannot be connected": no start-up node answered
+        return RedisUnavailable(str(exc) or type(exc).__name__)
     return RedisCommandError(str(exc) or type(exc).__name__)
 
 
