@@ -64,10 +64,13 @@ promtool: $(STAMP)
 		dpkg-deb -x prometheus_*.deb . && rm -f prometheus_*.deb; \
 	} || echo "could not unpack promtool: the alert rules check will skip"
 
+## lint: ruff (lint + format), mypy --strict, and the layout's rules (tests/test_layout.py:
+## import rules, pure cores, no import cycle, module sizes, docs that name what exists).
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy relay worker devstack tokenrelay bench tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_layout.py
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import random
 import re
 import sys
@@ -39,6 +38,7 @@ from typing import Any
 import aiohttp
 from redis.asyncio import RedisCluster
 
+from bench._util import percentile
 from devstack.demo.stack import Stack, StackSpec
 from relay.protocol.frame import decode
 from relay.redisio.connect import connect
@@ -78,13 +78,6 @@ def _scrape(text: str, name: str) -> float:
     """Sum of one metric's samples in a Prometheus text exposition."""
     pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", re.M)
     return sum(float(v) for v in pattern.findall(text))
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 class _Run:
@@ -203,7 +196,7 @@ class _Run:
             q = _scrape(text, "vllm:prefix_cache_queries_total")
             per_engine[e.name] = round(h / q, 4) if q else 0.0
             hits, queries = hits + h, queries + q
-        p50, p99 = _pct(self.ttft_ms, 0.5), _pct(self.ttft_ms, 0.99)
+        p50, p99 = percentile(self.ttft_ms, 0.5), percentile(self.ttft_ms, 0.99)
         return {
             "hit_rate": round(hits / queries, 4) if queries else 0.0,
             "hit_rate_per_engine": per_engine,

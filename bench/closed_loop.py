@@ -28,15 +28,17 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from bench.procs import free_port, serve_process
+from bench._util import free_port, ns_ms, percentile
 from devstack.cluster.launcher import LocalCluster
+from devstack.procs import Proc, http_ok, launched
+from relay.client.stream import watch
 from relay.protocol.sse_reader import SSEDecoder
 from relay.service import runtime
 from worker.chat.coalesce import DEFAULT_POLICY
@@ -74,27 +76,22 @@ def _stamps(frame_json: str) -> list[int]:
     return [int(s) for s in _STAMP.findall(frame.get("text", ""))]
 
 
-def _pct(ns: Sequence[int], q: float) -> float | None:
-    if not ns:
-        return None
-    s = sorted(ns)
-    return round(s[min(len(s) - 1, int(q * len(s)))] / 1e6, 3)
+def _serve(argv: list[str], ready_url: str, log_path: Path) -> AbstractAsyncContextManager[Proc]:
+    return launched(argv, log=log_path, ready=http_ok(ready_url), name=argv[3])
 
 
 async def _watch(http: aiohttp.ClientSession, relay: str, sid: str, out: list[int],
                  turns: int) -> None:  # fmt: skip
-    """A second screen on a relay, from the start of the session, until ``turns`` end."""
+    """A second screen on a relay (the Python client), from the start of the session,
+    until ``turns`` end."""
     ended = 0
-    async with http.get(f"{relay}/v1/sessions/{sid}/events",
-                        headers={"Last-Event-ID": "0"}) as r:  # fmt: skip
-        dec = SSEDecoder()
-        async for chunk in r.content.iter_any():
-            now = time.time_ns()
-            for ev in dec.feed(chunk):
-                out.extend(now - s for s in _stamps(ev.data))
-                ended += ev.event in ("done", "error")
-            if ended >= turns:
-                return
+    async for frame in watch(relay, sid, None, from_offset=0, http=http, max_reconnects=0):
+        now = time.time_ns()
+        if frame.kind == "token":
+            out.extend(now - int(s) for s in _STAMP.findall(frame.text))
+        ended += frame.kind in ("done", "error")
+        if ended >= turns:
+            return
 
 
 async def _session(http: aiohttp.ClientSession, worker: str, relay: str, wl: Workload,
@@ -145,9 +142,9 @@ async def run(wl: Workload) -> dict[str, Any]:
                 "--max-streams-per-address", "0",
             ]  # fmt: skip
             async with (
-                serve_process(engine, f"http://127.0.0.1:{ep}/health", logs / "engine.log"),
-                serve_process(worker, f"http://127.0.0.1:{wp}/readyz", logs / "worker.log"),
-                serve_process(relay, f"http://127.0.0.1:{rp}/readyz", logs / "relay.log"),
+                _serve(engine, f"http://127.0.0.1:{ep}/health", logs / "engine.log"),
+                _serve(worker, f"http://127.0.0.1:{wp}/readyz", logs / "worker.log"),
+                _serve(relay, f"http://127.0.0.1:{rp}/readyz", logs / "relay.log"),
                 aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http,
             ):
                 log(f"{wl.sessions} sessions x {wl.turns} turns x {wl.tokens} tokens "
@@ -167,8 +164,8 @@ def summary(wl: Workload, s: Samples, elapsed: float) -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {}
     for name, ns in (("closed_loop", s.closed_loop), ("relay", s.relay)):
         paths[name] = {
-            "p50_ms": _pct(ns, 0.5),
-            "p99_ms": _pct(ns, 0.99),
+            "p50_ms": ns_ms(percentile(ns, 0.5)),
+            "p99_ms": ns_ms(percentile(ns, 0.99)),
             "tokens": len(ns),
             "missed": s.sent - len(ns),
         }

@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -36,7 +33,9 @@ from typing import Any
 import aiohttp
 from redis.asyncio.cluster import RedisCluster
 
+from bench._util import free_port
 from devstack.cluster.launcher import LocalCluster
+from devstack.procs import Proc, http_ok
 from relay.protocol.keys import new_session_id
 from relay.redisio.publisher import Draft, Publisher
 from worker.chat.coalesce import Batch, CoalescePolicy, TokenPump
@@ -56,35 +55,14 @@ SETTINGS: list[tuple[int, float]] = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start_engine(port: int, rate: float, concurrency: int, reply: int) -> subprocess.Popen[bytes]:
+def _start_engine(port: int, rate: float, concurrency: int, reply: int) -> Proc:
     code = (
         "import asyncio; from devstack.mockengine.server import EngineConfig, run_engine; "
         f"asyncio.run(run_engine(EngineConfig(port={port}, decode_tok_per_s={rate}, "
         f"max_concurrency={concurrency}, max_reply_tokens={reply}, "
         "prefill_tok_per_s=0.0, engine_id='bench')))"
     )
-    return subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-
-
-async def _wait_http(url: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as http:
-        while True:
-            with contextlib.suppress(aiohttp.ClientError, OSError):
-                async with http.get(url + "/health") as r:
-                    if r.status == 200:
-                        return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"engine at {url} did not start")
-            await asyncio.sleep(0.1)
+    return Proc.start([sys.executable, "-c", code], log=None, name="mock engine")
 
 
 async def _one_stream(
@@ -167,13 +145,13 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     if not url:
         cluster = LocalCluster(masters=3, replicas=0)
         url = (await cluster.start()).url
-    port = _free_port()
+    port = free_port()
     engine = _start_engine(port, args.rate, args.streams, args.reply)
     engine_url = f"http://127.0.0.1:{port}"
     redis = RedisCluster.from_url(url)
     try:
         await redis.initialize()
-        await _wait_http(engine_url)
+        await engine.ready(http_ok(engine_url + "/health"), timeout_s=20)
         rows = []
         for n, t in SETTINGS:
             policy = CoalescePolicy(max_tokens=n, max_delay_s=t)
@@ -193,12 +171,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             )
     finally:
         await redis.aclose()
-        engine.terminate()
-        try:
-            engine.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            engine.kill()
-            engine.wait()
+        await engine.stop()
         if cluster is not None:
             await cluster.stop()
     return {

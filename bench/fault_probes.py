@@ -22,7 +22,7 @@ async def each_node(stack: Stack, *args: Any) -> None:
     assert cluster is not None
     assert cluster.info is not None
     for node in cluster.info.nodes:
-        if cluster.procs[node.port].poll() is None:
+        if cluster.procs[node.port].alive:
             c = aioredis.Redis(host=node.host, port=node.port)
             try:
                 await c.execute_command(*args)

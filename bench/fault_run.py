@@ -20,8 +20,8 @@ from typing import Any
 import aiohttp
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
+from bench._util import percentile
 from bench.accounting import account, read_logs
-from bench.loadtest import percentile
 from bench.viewer import Viewer
 from devstack.demo.stack import Stack
 
@@ -190,8 +190,8 @@ class Run:
             "last_error_after_fault_ms": round(max(err_ms), 1) if err_ms else None,
             "reconnects": sum(max(0, v.connects - 1) for v in vs),
             "stalled_viewers": stalled,
-            "recovery_p99_ms": round(percentile(recov, 99), 1),
-            "recovery_p50_ms": round(percentile(recov, 50), 1),
+            "recovery_p99_ms": round(percentile(recov, 0.99, float("nan")), 1),
+            "recovery_p50_ms": round(percentile(recov, 0.50, float("nan")), 1),
             "viewers": len(vs),
             "sessions": len(self.sessions),
             "turns": self.posted,

@@ -105,8 +105,8 @@ async def _fault_relay_kill(run: Run) -> None:
     """kill -9 relay-1: its clients reconnect to relay-2 with their offset. Evidence:
     relay-1's exit status and the viewers' reconnects."""
     run.stack.kill("relay-1")
-    popen = run.stack.procs["relay-1"].popen
-    run.notes["killed_relay_exit"] = None if popen is None else popen.wait(timeout=5)
+    proc = run.stack.procs["relay-1"].proc
+    run.notes["killed_relay_exit"] = None if proc is None else await proc.wait(5)
 
 
 async def _fault_master_kill(run: Run) -> None:
@@ -234,8 +234,8 @@ async def _fault_relay_stall_buffer(run: Run) -> None:
     redis = RedisCluster(host=host, port=port)
     try:
         await asyncio.sleep(1.0)  # filler subscriptions in place
-        assert relay.popen is not None
-        relay.popen.send_signal(signal.SIGSTOP)
+        assert relay.proc is not None
+        relay.proc.send(signal.SIGSTOP)
         stopped_at = time.monotonic()
         pub = Publisher(redis)
         filler = "x" * 32_000
@@ -249,11 +249,11 @@ async def _fault_relay_stall_buffer(run: Run) -> None:
         run.notes["dropped_by_redis"] = not await sub_connections(run.stack, "relay-1", masters)
         await asyncio.gather(*(g.done() for g in gens))
         await asyncio.sleep(1.0)
-        relay.popen.send_signal(signal.SIGCONT)
+        relay.proc.send(signal.SIGCONT)
         run.notes["stalled_s"] = round(time.monotonic() - stopped_at, 2)
     finally:
-        if relay.popen is not None and relay.popen.poll() is None:
-            relay.popen.send_signal(signal.SIGCONT)
+        if relay.proc is not None:
+            relay.proc.send(signal.SIGCONT)
         await redis.aclose()
         await asyncio.sleep(2.0)
         stop.set()

@@ -72,6 +72,7 @@ from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Final
 
+from bench._util import percentile
 from worker.routing.key import routing_key
 from worker.routing.loadshare import WorkerReport, compute_view
 from worker.routing.router import EngineSpec, Lease, Router
@@ -208,13 +209,6 @@ class _Engine:
 
 def _zipf_cum(n: int, s: float) -> list[float]:
     return list(itertools.accumulate(1.0 / (i + 1) ** s for i in range(n)))
-
-
-def _pct(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile of sorted ``xs``."""
-    if not xs:
-        return 0.0
-    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
 
 
 def mean_service_estimate(cfg: SimConfig) -> float:
@@ -473,10 +467,10 @@ def run(cfg: SimConfig) -> dict[str, Any]:
         "rejected": rejected,
         "unstarted": unstarted,
         "hit_rate": round(cached_tokens / prompt_tokens, 4) if prompt_tokens else 0.0,
-        "ttft_p50_ms": round(_pct(ttft, 0.5) * 1000, 1),
-        "ttft_p99_ms": round(_pct(ttft, 0.99) * 1000, 1),
-        "queue_p50_ms": round(_pct(queue_waits, 0.5) * 1000, 1),
-        "queue_p99_ms": round(_pct(queue_waits, 0.99) * 1000, 1),
+        "ttft_p50_ms": round(percentile(ttft, 0.5, 0.0) * 1000, 1),
+        "ttft_p99_ms": round(percentile(ttft, 0.99, 0.0) * 1000, 1),
+        "queue_p50_ms": round(percentile(queue_waits, 0.5, 0.0) * 1000, 1),
+        "queue_p99_ms": round(percentile(queue_waits, 0.99, 0.0) * 1000, 1),
         "max_mean_load": round(max(means) / mean, 3) if mean else 0.0,
         "utilization": round(mean / cfg.cap, 3),
         "available_tokens": available,

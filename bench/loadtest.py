@@ -38,21 +38,16 @@ from typing import Any
 
 import aiohttp
 
+from bench._util import percentile
 from bench.accounting import account, read_logs
 from bench.viewer import Viewer
 from devstack.demo.stack import Stack, StackSpec
 from relay.redisio.connect import connect
 from relay.service import runtime
 
-__all__ = ["MUST_BE_ZERO", "LoadConfig", "main", "percentile", "run_loadtest"]
+__all__ = ["MUST_BE_ZERO", "LoadConfig", "main", "run_loadtest"]
 
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    k = min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))
-    return ordered[k]
+NAN = float("nan")
 
 
 @dataclass
@@ -352,10 +347,10 @@ class LoadTest:
             "turns": self.turns_started,
             "turns_rejected": self.rejected,
             "peak_generations": self.peak_busy,
-            "ttft_p50_ms": round(percentile(ttft, 50), 1),
-            "ttft_p99_ms": round(percentile(ttft, 99), 1),
-            "itl_p50_ms": round(percentile(itl, 50), 1),
-            "itl_p99_ms": round(percentile(itl, 99), 1),
+            "ttft_p50_ms": round(percentile(ttft, 0.50, NAN), 1),
+            "ttft_p99_ms": round(percentile(ttft, 0.99, NAN), 1),
+            "itl_p50_ms": round(percentile(itl, 0.50, NAN), 1),
+            "itl_p99_ms": round(percentile(itl, 0.99, NAN), 1),
             "tokens_per_s": round(tokens / ran_s, 1) if ran_s else 0.0,
             "token_frames_per_s": round(token_frames / ran_s, 1) if ran_s else 0.0,
             **counts,

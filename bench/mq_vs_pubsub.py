@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from bench import amqp_io
+from bench._util import ns_ms, percentile
 from bench.pubsub_io import PublishSpec, SubscriberSet, publish, run_publisher, warm_worker
 from devstack.cluster.launcher import ClusterInfo, LocalCluster
 from relay.protocol.keys import live_channel
@@ -82,13 +83,6 @@ def cpu_seconds(pids: list[int]) -> float:
             fields = f.read().rsplit(")", 1)[1].split()
         total += int(fields[11]) + int(fields[12])  # utime, stime
     return total / _TICKS
-
-
-def _pct(values: list[int], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return round(s[min(len(s) - 1, int(q * len(s)))] / 1e6, 3)
 
 
 async def _drain(get: Callable[[], int], expected: int, timeout_s: float = 20.0) -> None:
@@ -140,7 +134,11 @@ async def _paced(
 
 
 def _latency(ns: list[int]) -> dict[str, Any]:
-    return {"latency_p50_ms": _pct(ns, 0.5), "latency_p99_ms": _pct(ns, 0.99), "samples": len(ns)}
+    return {
+        "latency_p50_ms": ns_ms(percentile(ns, 0.5)),
+        "latency_p99_ms": ns_ms(percentile(ns, 0.99)),
+        "samples": len(ns),
+    }
 
 
 async def run_spublish(wl: Workload, sids: list[str], pool: ProcessPoolExecutor) -> dict[str, Any]:

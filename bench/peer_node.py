@@ -16,19 +16,18 @@ Node finds the packages through ``NODE_PATH``; nothing is installed in the repos
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
 import shutil
 import subprocess
-import tempfile
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from bench.relay_throughput import RelayProc, _free_port, _stop
+from bench._util import free_port, run_json
+from bench.relay_harness import RelayProc
+from devstack.procs import launched, log_line
 from relay.protocol.slotmap import Addr
 
 __all__ = ["PINS", "cache_dir", "emit", "ensure_socketio", "installed_versions", "socketio_server"]
@@ -91,25 +90,13 @@ def _node_env(modules: Path) -> dict[str, str]:
 @contextlib.asynccontextmanager
 async def socketio_server(modules: Path, seed: Addr, log_dir: Path) -> AsyncIterator[RelayProc]:
     """``socketio_server.cjs`` as its own process, listening; stopped by pid."""
-    port = _free_port()
-    log_path = log_dir / f"socketio-{port}.log"
-    with open(log_path, "wb") as log:  # noqa: ASYNC230 (a local file, opened once)
-        proc = await asyncio.create_subprocess_exec(
-            "node", str(SCRIPTS / "socketio_server.cjs"), str(port), f"{seed.host}:{seed.port}",
-            stdout=log, stderr=log, env=_node_env(modules),
-        )  # fmt: skip
-    server = RelayProc(proc, port, log_path)
-    try:
-        deadline = time.monotonic() + 30
-        while f"ready {port}" not in log_path.read_text(errors="replace"):
-            if proc.returncode is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"Socket.IO server not ready; log: {log_path.read_text()[-2000:]}"
-                )
-            await asyncio.sleep(0.05)
-        yield server
-    finally:
-        await _stop(proc)
+    port = free_port()
+    argv = ["node", str(SCRIPTS / "socketio_server.cjs"), str(port), f"{seed.host}:{seed.port}"]
+    async with launched(
+        argv, log=log_dir / f"socketio-{port}.log", ready=log_line(f"ready {port}"),
+        name="Socket.IO server", env=_node_env(modules),
+    ) as proc:  # fmt: skip
+        yield RelayProc(proc, port)
 
 
 async def emit(
@@ -117,21 +104,7 @@ async def emit(
 ) -> dict[str, Any]:
     """Run ``socketio_emit.cjs`` (a child process) and return its JSON line."""
     spec = {"seed": f"{seed.host}:{seed.port}", "rooms": sids, "rate": rate, "seconds": secs}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
-        path = f.name
-    proc = await asyncio.create_subprocess_exec(
-        "node", str(SCRIPTS / "socketio_emit.cjs"), path,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=_node_env(modules),
-    )  # fmt: skip
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), secs + 60)
-    finally:
-        await _stop(proc)
-        os.unlink(path)
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"Socket.IO emitter exited with {proc.returncode}: {err.decode()[-500:]}"
-        )
-    res: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
-    return res
+    argv = ["node", str(SCRIPTS / "socketio_emit.cjs")]
+    return await run_json(
+        argv, spec, name="Socket.IO emitter", timeout_s=secs + 60, env=_node_env(modules)
+    )

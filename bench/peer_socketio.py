@@ -14,9 +14,9 @@ Per phase, both systems in alternating rounds (``repeats``, the first system cho
 
 The systems under test, each one process:
 
-- tokenrelay: ``python -m tokenrelay relay`` (:func:`bench.relay_throughput.relay_process`),
+- tokenrelay: ``python -m tokenrelay relay`` (:func:`bench.relay_harness.relay_process`),
   clients on ``/v1/sessions/{sid}/ws``. Publisher: the project's paced publisher
-  (``bench.relay_throughput``'s, a child process): one call per message of the producer's
+  (``bench.throughput_publish``, a child process): one call per message of the producer's
   publish script (fence check, XADD to the backlog, SPUBLISH, offset, TTLs).
 - Socket.IO: ``node bench/peer/socketio_server.cjs`` (WebSocket transport only, the
   sharded adapter in its default ``dynamic`` mode: one shard channel per room, each
@@ -62,21 +62,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench._util import cpu_s, percentile, raise_nofile, rss_kb, self_cpu_s
 from bench.peer_node import emit, ensure_socketio, installed_versions, socketio_server
 from bench.peer_ws import Kind, Tally, close_clients, open_clients
-from bench.relay_throughput import (
+from bench.relay_harness import (
     RelayProc,
-    _cpu_s,
-    _machine_busy_s,
-    _pct,
-    _raise_nofile,
-    _redis_cpu_s,
-    _rss_kb,
-    _run_publisher,
-    _self_cpu_s,
-    _sessions,
-    _slotmap,
+    machine_busy_s,
+    redis_cpu_s,
     relay_process,
+    run_publisher,
+    sessions,
+    slotmap,
 )
 from relay.edge.subscriber import raw_command
 from relay.protocol.keys import live_channel
@@ -119,13 +115,13 @@ class CpuSampler:
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self.samples = [(time.perf_counter(), _cpu_s(self.pid))]
+        self.samples = [(time.perf_counter(), cpu_s(self.pid))]
         self.task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.every_s)
-            self.samples.append((time.perf_counter(), _cpu_s(self.pid)))
+            self.samples.append((time.perf_counter(), cpu_s(self.pid)))
 
     async def stop(self) -> None:
         """Stop sampling (once; later calls do nothing) and take a last sample."""
@@ -135,7 +131,7 @@ class CpuSampler:
         with contextlib.suppress(asyncio.CancelledError):
             await self.task
         self.task = None
-        self.samples.append((time.perf_counter(), _cpu_s(self.pid)))
+        self.samples.append((time.perf_counter(), cpu_s(self.pid)))
 
     def _at(self, t: float) -> float:
         s = self.samples
@@ -200,7 +196,7 @@ class Side:
                 "rate": rate,
                 "seconds": seconds,
             }
-            return await _run_publisher(spec)
+            return await run_publisher(spec)
         return await emit(self.modules, self.seed, sids, rate, seconds)
 
 
@@ -217,15 +213,15 @@ async def _round(
     try:
         await _wait_subscribed(smap, [_channel(side.kind, s) for s in sids])
         await asyncio.sleep(0.5)
-        redis0 = await _redis_cpu_s(smap)
-        own0, busy0, t0 = _self_cpu_s(), _machine_busy_s(), time.perf_counter()
+        redis0 = await redis_cpu_s(smap)
+        own0, busy0, t0 = self_cpu_s(), machine_busy_s(), time.perf_counter()
         sampler.start()
         pub = await side.publish(sids, rate, cfg.seconds)
         expected = int(pub["sent"]) * viewers
         await _wait_delivered(tally, expected)
         await sampler.stop()
-        redis_s = await _redis_cpu_s(smap) - redis0
-        own_s, busy_s = _self_cpu_s() - own0, _machine_busy_s() - busy0
+        redis_s = await redis_cpu_s(smap) - redis0
+        own_s, busy_s = self_cpu_s() - own0, machine_busy_s() - busy0
         wall_s = time.perf_counter() - t0
     finally:
         await sampler.stop()
@@ -238,8 +234,8 @@ async def _round(
         "delivered_per_s": round(tally.received / span) if span > 0 else 0,
         "lost": expected - tally.received,
         "cpu_us_per_msg": round(cpu / tally.received * 1e6, 1) if tally.received else 0.0,
-        "p50_ms": round(_pct_ms(lat, 0.50), 2),
-        "p99_ms": round(_pct_ms(lat, 0.99), 2),
+        "p50_ms": round(percentile(lat, 0.50, float("nan")), 2),
+        "p99_ms": round(percentile(lat, 0.99, float("nan")), 2),
         # the first delivery stands for the first send: how long after the last send
         # (first + the publisher's own duration) the last delivery came
         "behind_s": round(max(0.0, span - pub["seconds"]), 2),
@@ -260,10 +256,6 @@ async def _round(
     }
 
 
-def _pct_ms(sorted_ms: list[float], p: float) -> float:
-    return _pct([int(x * 1e6) for x in sorted_ms], p) if sorted_ms else float("nan")
-
-
 _SUMMED = frozenset({"lost", "client_errors", "publish_errors", "handshake_retries", "resumes"})
 
 
@@ -280,13 +272,13 @@ def _medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 async def _idle(side: Side, smap: SlotMap, n: int, window: int) -> dict[str, Any]:
     """VmRSS of a fresh server before and after ``n`` idle connections, a session each."""
     clock = time.time_ns if side.kind == "tokenrelay" else time.monotonic_ns
-    warm_sids = _sessions(1, smap, None)
+    warm_sids = sessions(1, smap, None)
     warm = await open_clients(side.kind, side.server.port, warm_sids, Tally(clock), 1)
     try:
         await _wait_subscribed(smap, [_channel(side.kind, s) for s in warm_sids])
         await asyncio.sleep(1.5)
-        before = _rss_kb(side.server.pid)
-        sids = _sessions(n, smap, None)
+        before = rss_kb(side.server.pid)
+        sids = sessions(n, smap, None)
         tally = Tally(clock)
         t0 = time.perf_counter()
         clients = await open_clients(side.kind, side.server.port, sids, tally, window)
@@ -294,10 +286,10 @@ async def _idle(side: Side, smap: SlotMap, n: int, window: int) -> dict[str, Any
             opened = time.perf_counter() - t0
             await _wait_subscribed(smap, [_channel(side.kind, s) for s in sids])
             await asyncio.sleep(2.0)
-            cpu0 = _cpu_s(side.server.pid)
+            cpu0 = cpu_s(side.server.pid)
             await asyncio.sleep(2.0)
-            idle_share = (_cpu_s(side.server.pid) - cpu0) / 2.0
-            after = _rss_kb(side.server.pid)
+            idle_share = (cpu_s(side.server.pid) - cpu0) / 2.0
+            after = rss_kb(side.server.pid)
         finally:
             await close_clients(clients)
     finally:
@@ -335,7 +327,7 @@ async def run(cfg: Config, url: str | None = None, modules: Path | None = None) 
         if isinstance(got, str):
             return {"skipped": got}
         modules = got
-    _raise_nofile(cfg.idle + max(cfg.sessions, cfg.fan_sessions * cfg.fan_viewers) + 1_000)
+    raise_nofile(cfg.idle + max(cfg.sessions, cfg.fan_sessions * cfg.fan_viewers) + 1_000)
     load_start = Path("/proc/loadavg").read_text().split()[:3]
     order = list(SYSTEMS)
     random.Random(cfg.seed).shuffle(order)
@@ -347,7 +339,7 @@ async def run(cfg: Config, url: str | None = None, modules: Path | None = None) 
             url = (await stack.enter_async_context(local_cluster(masters=3, replicas=1))).url
         host, port = url.split("//", 1)[1].rsplit(":", 1)
         seed = Addr(host, int(port))
-        smap = await _slotmap(seed)
+        smap = await slotmap(seed)
         log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="peer-bench-")))
         max_conn = max(cfg.sessions, cfg.fan_sessions * cfg.fan_viewers) + 100
 
@@ -370,7 +362,7 @@ async def run(cfg: Config, url: str | None = None, modules: Path | None = None) 
                 for i in range(cfg.repeats):
                     for kind in order if i % 2 == 0 else order[::-1]:
                         _progress(started, f"{name} round {i + 1}/{cfg.repeats}: {kind}")
-                        sids = _sessions(n, smap, None)
+                        sids = sessions(n, smap, None)
                         rounds[kind].append(
                             await _round(both[kind], smap, sids, viewers, rate, cfg)
                         )

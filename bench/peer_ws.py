@@ -11,7 +11,7 @@ one aiohttp WebSocket per viewer, one text message per delivered message.
   a server ping (``2``) is answered with a pong (``3``).
 
 Both sides carry the send time in the message text as 19 digits and ``;``
-(``bench.relay_throughput.STAMP``); a message may carry several (a tokenrelay frame that
+(``bench.relay_harness.STAMP``); a message may carry several (a tokenrelay frame that
 merged a slow watcher's tokens) and each counts. The clock is the publisher's:
 ``time.time_ns`` for tokenrelay's Python publisher, CLOCK_MONOTONIC
 (``time.monotonic_ns``, node's ``process.hrtime``) for the Socket.IO emitter; both are
@@ -34,7 +34,7 @@ from typing import Literal
 
 import aiohttp
 
-from bench.relay_throughput import SECRET, STAMP
+from bench.relay_harness import SECRET, STAMP
 from relay.protocol.auth import issue_token
 
 __all__ = ["Kind", "Tally", "WsClient", "close_clients", "open_clients"]

@@ -36,6 +36,7 @@ from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from bench._util import ns_ms, percentile
 from bench.pubsub_io import (
     PAYLOAD_LEN,
     Counters,
@@ -184,13 +185,6 @@ def _received(before: list[Counters], after: list[Counters], mode: str) -> int:
     )
 
 
-def _pct(values: list[int], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return round(s[min(len(s) - 1, int(q * len(s)))] / 1e6, 3)
-
-
 async def measure(
     info: ClusterInfo, mode: str, wl: Workload, pool: Executor | None = None
 ) -> dict[str, Any]:
@@ -272,14 +266,14 @@ async def measure(
         "max_published": int(published),
         "delivered_msgs_per_s": round(statistics.median(delivered)),
         "delivered_ratio": round(received / n_max, 4),
-        "latency_p50_ms": _pct(latencies, 0.50),
-        "latency_p99_ms": _pct(latencies, 0.99),
+        "latency_p50_ms": ns_ms(percentile(latencies, 0.50)),
+        "latency_p99_ms": ns_ms(percentile(latencies, 0.99)),
         "latency_samples": len(latencies),
         # Subscribers on the node the message was published to vs. reached over the bus.
-        "latency_local_p50_ms": _pct(local_ns, 0.50),
-        "latency_local_p99_ms": _pct(local_ns, 0.99),
-        "latency_bus_p50_ms": _pct(bus_ns, 0.50),
-        "latency_bus_p99_ms": _pct(bus_ns, 0.99),
+        "latency_local_p50_ms": ns_ms(percentile(local_ns, 0.50)),
+        "latency_local_p99_ms": ns_ms(percentile(local_ns, 0.99)),
+        "latency_bus_p50_ms": ns_ms(percentile(bus_ns, 0.50)),
+        "latency_bus_p99_ms": ns_ms(percentile(bus_ns, 0.99)),
         "latency_bus_share": round(len(bus_ns) / max(1, len(latencies)), 3),
         "fixed_rate": wl.fixed_rate,
         "fixed_published": int(fixed["published"]),

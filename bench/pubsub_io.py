@@ -25,11 +25,15 @@ import asyncio
 import contextlib
 import re
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import hiredis
+
+from devstack.procs import Proc
 
 __all__ = [
     "PAYLOAD_LEN",
@@ -389,18 +393,18 @@ async def redis_benchmark(
     exe = shutil.which("redis-benchmark")
     if exe is None:
         return None
-    proc = await asyncio.create_subprocess_exec(
+    argv = [
         exe, "--cluster", "-h", host, "-p", str(port), "-n", str(requests),
         "-c", str(clients), "-P", str(pipeline), "-q",
         verb, "tr:{tag}:live", "x" * PAYLOAD_LEN,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-        stdin=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), 60)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        return None
+    ]  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="redis-benchmark-") as tmp:
+        proc = Proc.start(argv, log=Path(tmp) / "out.log", name="redis-benchmark")
+        try:
+            if await proc.wait(60) is None:
+                return None
+        finally:
+            await proc.stop()
+        out = (Path(tmp) / "out.log").read_bytes()
     found = _RPS_RE.findall(out)
     return float(found[-1]) if found else None

@@ -17,8 +17,9 @@
   (how late a 10 ms timer fired) and, given the buckets before and after a phase, says
   the longest event-loop turn seen during it (as the bucket bound it falls under).
 
-Each takes the relay process and the publisher runner of :mod:`bench.relay_throughput`
-(no import back: that module imports this one). Child processes are stopped by pid.
+Each takes the relay's pid and port and the publisher runner of
+:mod:`bench.relay_harness`. Child processes are started and stopped (by pid) with
+:mod:`devstack.procs`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench._util import rss_kb
+from devstack.procs import Proc, ProcError, log_line
 from relay.edge.subscriber import ShardedSubscriber
 from relay.protocol.auth import issue_token
 from relay.protocol.keys import live_channel
@@ -55,27 +58,6 @@ __all__ = [
 
 Publish = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 _LAG = re.compile(r'^tokenrelay_relay_loop_lag_seconds_bucket\{le="([^"]+)"\} ([0-9.e+]+)$')
-
-
-def _rss_kb(pid: int, field: str = "VmRSS") -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} for pid {pid}")
-
-
-async def _stop(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.terminate()
-    try:
-        await asyncio.wait_for(proc.wait(), 15)
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
 
 
 # -- the hiredis reader alone ----------------------------------------------------------------
@@ -119,31 +101,25 @@ async def raw_hiredis_phase(
     url: str, sids: list[str], frames: int, publish: Publish
 ) -> dict[str, Any]:
     expected = len(sids) * frames
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"url": url, "sids": sids, "expected": expected}, f)
-        path = f.name
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bench.relay_phases", "--_hiredis", path,
-        stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        async with asyncio.timeout(60):
-            line = await proc.stdout.readline()
-        if line.strip() != b"ready":
-            raise RuntimeError(f"hiredis reader did not start: {line!r}")
-        os.kill(proc.pid, signal.SIGSTOP)
+    with tempfile.TemporaryDirectory(prefix="relay-bench-hiredis-") as tmp:
+        spec, log = Path(tmp) / "spec.json", Path(tmp) / "reader.log"
+        spec.write_text(json.dumps({"url": url, "sids": sids, "expected": expected}))
+        argv = [sys.executable, "-m", "bench.relay_phases", "--_hiredis", str(spec)]
+        proc = Proc.start(argv, log=log, name="hiredis reader")
         try:
-            pub = await publish(
-                {"mode": "flood", "url": url, "sids": sids, "frames": frames, "batch": 50}
-            )
+            await proc.ready(log_line("ready"), timeout_s=60)
+            proc.send(signal.SIGSTOP)
+            try:
+                pub = await publish(
+                    {"mode": "flood", "url": url, "sids": sids, "frames": frames, "batch": 50}
+                )
+            finally:
+                proc.send(signal.SIGCONT)
+            if await proc.wait(150) != 0:
+                raise ProcError(proc.why())
+            out = json.loads(log.read_text().strip().splitlines()[-1])
         finally:
-            os.kill(proc.pid, signal.SIGCONT)
-        async with asyncio.timeout(150):
-            out = json.loads((await proc.stdout.readline()).decode())
-    finally:
-        await _stop(proc)
-        os.unlink(path)
+            await proc.stop()
     took = float(out["seconds"])
     return {
         "sessions": len(sids),
@@ -186,7 +162,7 @@ async def idle_ws_phase(
 ) -> dict[str, Any]:
     warm = await _ws_open(port, sids[0], secret)
     await asyncio.sleep(1.5)
-    before = _rss_kb(pid)
+    before = rss_kb(pid)
     sem = asyncio.Semaphore(window)
 
     async def one(sid: str) -> asyncio.StreamWriter:
@@ -202,7 +178,7 @@ async def idle_ws_phase(
         if bad:
             raise RuntimeError(f"{len(bad)} of {len(results)} WebSockets failed: {bad[0]!r}")
         await asyncio.sleep(2.0)
-        after = _rss_kb(pid)
+        after = rss_kb(pid)
     finally:
         for w in [warm, *writers]:
             w.transport.abort()
@@ -236,7 +212,11 @@ async def _publish_session(url: str, sid: str, frames: int) -> int:
 
 
 async def _replay_client(port: int, sid: str, secret: str, last: int) -> tuple[int, str]:
-    """Read an SSE replay from 0 until ``id: last``; (events seen, how it ended)."""
+    """Read an SSE replay from 0 until ``id: last``; (events seen, how it ended).
+
+    A raw socket counting ``id:`` lines, not :class:`relay.protocol.sse_reader.SSEDecoder`:
+    it measures how fast the relay writes a backlog, so the reader must cost next to
+    nothing next to it (50 of them share a core with the relay)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
     token = issue_token(secret, sid, 3600, time.time())
     writer.write(
@@ -266,7 +246,7 @@ async def replay_phase(
     url: str, pid: int, port: int, sid: str, secret: str, frames: int, clients: int
 ) -> dict[str, Any]:
     last = await _publish_session(url, sid, frames)
-    before = _rss_kb(pid)
+    before = rss_kb(pid)
     t0 = time.perf_counter()
     async with asyncio.timeout(180):
         results = await asyncio.gather(
@@ -286,7 +266,7 @@ async def replay_phase(
         "seconds": round(took, 3),
         "frames_per_s": round(delivered / took) if took > 0 else 0,
         "rss_before_kb": before,
-        "rss_peak_kb": _rss_kb(pid, "VmHWM"),
+        "rss_peak_kb": rss_kb(pid, "VmHWM"),
     }
 
 
@@ -327,18 +307,17 @@ async def profiled(pid: int, path: Path | None, seconds: float) -> Any:
         yield
         return
     spy = Path(sys.executable).with_name("py-spy")
-    proc = await asyncio.create_subprocess_exec(
-        str(spy), "record", "--format", "raw", "--rate", "250",
-        "--duration", str(int(seconds)), "--nonblocking", "--pid", str(pid),
-        "--output", str(path),
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    proc = Proc.start(
+        [str(spy), "record", "--format", "raw", "--rate", "250",
+         "--duration", str(int(seconds)), "--nonblocking", "--pid", str(pid),
+         "--output", str(path)],
+        log=None, name="py-spy",
     )  # fmt: skip
     try:
         yield
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(proc.wait(), seconds + 15)
+        await proc.wait(seconds + 15)
     finally:
-        await _stop(proc)
+        await proc.stop()
 
 
 def summarize_profile(path: Path, top: int = 12) -> list[dict[str, Any]]:

@@ -35,14 +35,18 @@ import statistics
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import hiredis
 from redis.asyncio.cluster import RedisCluster
 
+from bench._util import percentile, run_json
 from relay.edge.subscriber import ShardedSubscriber, pack_command, raw_command
 from relay.protocol.keys import live_channel
 from relay.protocol.slotmap import Addr, parse_shards, slot_of
+
+NAN = float("nan")
 
 __all__ = ["main", "run"]
 
@@ -189,28 +193,15 @@ async def _one(
 ) -> dict[str, Any]:
     rec = _Recorder(n)
     async with CONTENDERS[name](redis, channels, rec):
-        procs = [
-            await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "bench.subscriber_compare",
-                "--_publish",
-                json.dumps(
-                    [
-                        seed.host,
-                        seed.port,
-                        channels[i::publishers],
-                        n // publishers,
-                        rate / publishers,
-                    ]
-                ),
-                stdout=asyncio.subprocess.PIPE,
+        argv = [sys.executable, "-m", "bench.subscriber_compare", "--_publish"]
+        outs = await asyncio.gather(*(
+            run_json(
+                argv,
+                [seed.host, seed.port, channels[i::publishers], n // publishers, rate / publishers],
+                name=f"publisher {i}", timeout_s=600,
             )
             for i in range(publishers)
-        ]
-        outs = [
-            json.loads((await p.communicate())[0].decode().strip().splitlines()[-1]) for p in procs
-        ]
+        ))  # fmt: skip
         pub = {
             "sent": sum(o["sent"] for o in outs),
             "publish_rate": sum(o["publish_rate"] for o in outs),
@@ -223,7 +214,7 @@ async def _one(
     span = rec.last - rec.first
 
     def pct(p: float) -> float:
-        return lat[min(len(lat) - 1, int(p * len(lat)))] / 1e3 if lat else float("nan")
+        return percentile(lat, p, NAN) / 1e3
 
     return {
         "contender": name,
@@ -292,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         pass
     if args._publish:
-        host, port, channels, n, rate = json.loads(args._publish)
+        host, port, channels, n, rate = json.loads(Path(args._publish).read_text())
         asyncio.run(_publish(Addr(host, port), channels, n, rate))
         return
     report = asyncio.run(run(args.url, quick=args.quick, publishers=args.publishers))

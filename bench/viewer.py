@@ -8,6 +8,12 @@ the first token and the gaps between tokens, and every ``done`` frame checked ag
 the text the viewer assembled (``meta.tokens``, ``meta.chars``, ``meta.sha256``).
 :mod:`bench.accounting` then compares each viewer with the session's backlog in Redis.
 
+Why not :func:`relay.client.watch`: the viewer measures the delivery guarantee that the
+client enforces, so it must see every frame as the relay delivered it, duplicates and
+late fills of a hole included (the client drops those by design, and raises or reports
+where the viewer must count), and it must time each disconnect to the next frame.
+It decodes SSE with the project's one decoder (:mod:`relay.protocol.sse_reader`).
+
 Order of use::
 
     tally = OffsetTally()                      # pure: feed offsets, read the counts

@@ -25,7 +25,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from devstack.cluster.launcher import ClusterInfo, LocalCluster, Node
 from relay.redisio.connect import GatedRedisCluster
-from tests.worker_harness import Harness
+from tests.support.worker import Harness
 
 
 def _raise_on_sigterm(signum: int, frame: Any) -> None:
@@ -66,7 +66,7 @@ async def cluster() -> AsyncIterator[ClusterInfo]:
         yield await _info_from_url(url)
         return
     if backend == "docker":
-        from tests.docker_backend import docker_cluster
+        from tests.support.docker_backend import docker_cluster
 
         async with docker_cluster() as info:
             yield info
@@ -93,7 +93,7 @@ async def redis(cluster: ClusterInfo) -> AsyncIterator[RedisCluster]:
 
 @pytest.fixture
 async def h(redis: RedisCluster) -> AsyncIterator[Harness]:
-    """In-process mock engines and a worker (tests/worker_harness.py), stopped after."""
+    """In-process mock engines and a worker (tests/support/worker.py), stopped after."""
     harness = Harness(redis)
     yield harness
     await harness.stop()

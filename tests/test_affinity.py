@@ -1,4 +1,4 @@
-"""Cache affinity end to end (issue: 3 mock engines, 200 concurrent multi-turn sessions):
+"""Cache affinity end to end (3 mock engines, 200 concurrent multi-turn sessions):
 the prefix-cache hit rate the mock engines report under the ring beside round robin."""
 
 from __future__ import annotations

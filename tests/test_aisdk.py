@@ -26,7 +26,7 @@ import pytest
 from devstack.cluster.launcher import ClusterInfo
 from relay.edge.uistream import UiTurn, encode_chunk
 from relay.protocol.frame import Frame
-from tests import demo_harness
+from tests.support import demo as demo_harness
 from worker.gateway.aisdk import ChatError, parse_chat
 
 AISDK = Path(__file__).resolve().parent.parent / "clients" / "aisdk"

@@ -17,14 +17,13 @@ from urllib.parse import unquote
 
 import jwt
 import pytest
-from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
 
 from devstack.cluster.launcher import ClusterInfo
-from devstack.demo.frontdoor import FrontDoor, make_frontdoor_app
-from devstack.demo.stack import Stack, StackSpec, free_port
+from devstack.demo.stack import Stack
 from relay.protocol.frame import decode
 from relay.redisio.publisher import read_backlog
+from tests.support import demo as demo_harness
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser, pytest.mark.slow]
 
@@ -47,30 +46,11 @@ async def demo(cluster: ClusterInfo) -> AsyncIterator[tuple[str, Stack]]:
     if not CHROMIUM:
         pytest.skip("no Chromium: apt-get install chromium (make test does it as root)")
     pytest.importorskip("playwright.async_api", reason="pip install playwright")
-    spec = StackSpec(
-        relays=2,
-        workers=1,
-        engines=2,
-        redis_url=cluster.url,
-        # a reply streams for a couple of seconds
-        engine_args=[
-            *("--decode-tok-per-s", "20"),
-            *("--reply-mean-tokens", "40", "--reply-max-tokens", "60"),
-        ],
-    )
-    async with Stack(spec) as stack:
-        door = FrontDoor(
-            lambda: [p.url for p in stack.of_kind("relay") if p.alive],
-            lambda: [p.url for p in stack.of_kind("worker") if p.alive],
-        )
-        runner = web.AppRunner(make_frontdoor_app(door))
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
-            yield f"http://127.0.0.1:{port}", stack
-        finally:
-            await runner.cleanup()
+    async with demo_harness.front_door(
+        cluster, decode_tok_per_s=20,  # a reply streams for a couple of seconds
+        engine_args=["--reply-mean-tokens", "40", "--reply-max-tokens", "60"],
+    ) as (url, stack):  # fmt: skip
+        yield url, stack
 
 
 async def _texts(page: Any) -> list[str]:

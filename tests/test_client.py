@@ -17,19 +17,17 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from devstack.cluster.launcher import ClusterInfo
-from relay.client.core import Continuity, Problem, SseParser, backoff_s, check_done
+from devstack.procs import Proc, free_port, http_ok
+from relay.client.core import Continuity, Problem, backoff_s, check_done
 from relay.client.stream import ContinuityError, WatchRefused, watch
 from relay.protocol.auth import issue_token
 from relay.protocol.frame import Frame
 from relay.protocol.keys import new_session_id
 from relay.redisio.publisher import Generation, Publisher
-from tests.test_hostile import _free_port
-from tests.test_server import wait_ready
-from tests.worker_harness import SECRET
+from tests.support.worker import SECRET
 
 # -- pure core -----------------------------------------------------------------------------
 
@@ -80,21 +78,6 @@ def test_continuity_duplicates_holes_merges_gaps() -> None:
     assert live.accept(frame(40, "token", "x")) == (True, [])
 
 
-def test_sse_parser_across_chunks() -> None:
-    text = (
-        'retry: 900\r\nevent: hello\r\ndata: {"type":"hello"}\r\n\r\n'
-        "id: 3\nevent: token\ndata: a\ndata: b\n\n: close relay_shutdown bye\n\n"
-    )
-    p = SseParser()
-    got = [ev for i in range(0, len(text), 2) for ev in p.feed(text[i : i + 2])]
-    assert [(e.kind, e.event, e.data, e.id, e.retry_ms) for e in got] == [
-        ("retry", "", "", None, 900),
-        ("event", "hello", '{"type":"hello"}', None, 0),
-        ("event", "token", "a\nb", "3", 0),
-        ("comment", "", "close relay_shutdown bye", None, 0),
-    ]
-
-
 def test_backoff_is_capped_and_jittered() -> None:
     rng = random.Random(7)
     delays = [backoff_s(3, base_s=0.1, rand=rng) for _ in range(50)]
@@ -111,37 +94,28 @@ class Relay:
 
     def __init__(self, cluster: ClusterInfo, log_dir: Path) -> None:
         self.cluster, self.log_dir = cluster, log_dir
-        self.port = _free_port()
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: Proc | None = None
         self.starts = 0
 
     async def start(self) -> None:
         self.starts += 1
-        log = self.log_dir / f"relay-{self.starts}.log"
-        with open(log, "wb") as out:  # noqa: ASYNC230 (a local file, opened once)
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "tokenrelay", "relay", "--port", str(self.port),
-                "--redis", self.cluster.url, "--secret", SECRET,
-                "--relay-id", f"client-edge-{self.starts}", "--reap-after-s", "0",
-                stdout=asyncio.subprocess.DEVNULL, stderr=out,
-            )  # fmt: skip
-        async with aiohttp.ClientSession() as http:
-            await wait_ready(http, self.base, 30)
+        argv = [
+            sys.executable, "-m", "tokenrelay", "relay", "--port", str(self.port),
+            "--redis", self.cluster.url, "--secret", SECRET,
+            "--relay-id", f"client-edge-{self.starts}", "--reap-after-s", "0",
+        ]  # fmt: skip
+        self.proc = Proc.start(argv, log=self.log_dir / f"relay-{self.starts}.log")
+        await self.proc.ready(http_ok(self.base + "/readyz"), timeout_s=30)
 
     async def kill(self) -> None:
         assert self.proc is not None
         self.proc.kill()
-        await self.proc.wait()
 
     async def stop(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.terminate()
-            try:
-                await asyncio.wait_for(self.proc.wait(), 15)
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
+        if self.proc is not None:
+            await self.proc.stop(15)
 
 
 @pytest.fixture
@@ -260,7 +234,7 @@ async def test_a_list_of_relays_skips_a_dead_one(relay: Relay, redis: object) ->
     token = issue_token(SECRET, sid, 300, time.time())
     gen = await Publisher(redis).open_generation(sid)  # type: ignore[arg-type]
     sent = await produce_turn(gen, PIECES[:20], pause_s=0, halfway=asyncio.Event())
-    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     w = watch([dead, relay.base], sid, token, 0, base_s=0.05, max_s=0.2)
     async with asyncio.timeout(30):
         got, offsets = await read_turn(w)

@@ -1,6 +1,6 @@
 """The closed loop: a turn streamed on the POST that started it, no relay in between.
 
-An in-process worker (tests/worker_harness.py) with mock engines on the real cluster,
+An in-process worker (tests/support/worker.py) with mock engines on the real cluster,
 and a real ``tokenrelay relay`` process for the "other screen". The source of truth is
 the session's backlog in Redis: what the POST response carries must be byte for byte
 the turn's frames there, and a relay viewer (or a reconnect through a relay with
@@ -22,8 +22,8 @@ from devstack.cluster.launcher import ClusterInfo
 from relay.protocol.frame import decode
 from relay.protocol.sse_reader import SSEDecoder, SSEEvent
 from relay.redisio.publisher import read_backlog
-from tests.test_hostile import RelayProcess, relay_process
-from tests.worker_harness import Harness, expected_reply, wait_turn
+from tests.support.relay import RelayProcess, relay_process
+from tests.support.worker import Harness, expected_reply, wait_turn
 from worker.chat.presence import PresencePolicy
 
 pytestmark = pytest.mark.integration

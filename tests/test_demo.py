@@ -18,8 +18,8 @@ import pytest
 
 from devstack.demo.stack import free_port
 from devstack.mockengine.reply_length import ReplyLength
-from tests.test_server import SSEClient
-from tests.worker_harness import expected_reply
+from tests.support.sse import SSEClient
+from tests.support.worker import expected_reply
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

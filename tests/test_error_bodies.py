@@ -22,9 +22,9 @@ from relay.protocol.keys import live_channel
 from relay.protocol.slotmap import slot_of
 from relay.redisio.connect import GatedRedisCluster
 from tests.conftest import PrivateClusterFactory
+from tests.support.relay import STEP, running
+from tests.support.worker import SHORT_REPLIES, Harness
 from tests.test_redis_tls import Viewer
-from tests.test_server import STEP, running
-from tests.worker_harness import SHORT_REPLIES, Harness
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -9,6 +9,7 @@ from redis.asyncio.connection import Connection
 from relay.redisio.errors import (
     RedisCommandError,
     RedisUnavailable,
+    convert,
     is_closed_connection_race,
     map_redis_errors,
 )
@@ -38,7 +39,16 @@ def test_redis_errors_are_converted_by_kind() -> None:
         (rex.TryAgainError("TRYAGAIN"), RedisUnavailable),
         (rex.ResponseError("WRONGTYPE"), RedisCommandError),
         (ConnectionResetError(104, "reset"), RedisUnavailable),
+        (rex.RedisClusterException("Argument 'db' must be 0"), RedisCommandError),
     ]
     for exc, kind in cases:
         with pytest.raises(kind), map_redis_errors():
             raise exc
+
+
+def test_a_cluster_with_no_reachable_start_up_node_is_unavailable() -> None:
+    """redis-py raises RedisClusterException("cannot be connected") from the node's
+    connection error: an outage to retry, not a command the server refused."""
+    exc = rex.RedisClusterException("Redis Cluster cannot be connected.")
+    exc.__cause__ = rex.ConnectionError("Error 111 connecting to 127.0.0.1:1")
+    assert isinstance(convert(exc), RedisUnavailable)

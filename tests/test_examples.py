@@ -21,7 +21,7 @@ from redis.asyncio.cluster import RedisCluster
 from devstack.cluster.launcher import ClusterInfo
 from relay.protocol.frame import decode
 from relay.redisio.publisher import read_backlog
-from tests import demo_harness
+from tests.support import demo as demo_harness
 from tests.test_aisdk import AISDK, _npm_ready
 from tests.test_browser import CHROMIUM, LAUNCH_ARGS
 

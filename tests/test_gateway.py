@@ -1,6 +1,6 @@
 """The OpenAI-compatible gateway, driven by the official ``openai`` SDK.
 
-A worker in-process (tests/worker_harness.py) on the real cluster with two mock engines;
+A worker in-process (tests/support/worker.py) on the real cluster with two mock engines;
 the SDK talks to ``/v1`` as it would to OpenAI. Every test checks that the router holds
 no lease afterwards and counted no double release.
 """
@@ -16,7 +16,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from redis.asyncio.cluster import RedisCluster
 
-from tests.worker_harness import Harness, expected_reply, wait_turn
+from tests.support.worker import Harness, expected_reply, wait_turn
 from worker.api import WorkerState
 
 pytestmark = pytest.mark.integration

@@ -1,5 +1,5 @@
 """Hostile clients against access control and abuse limits, on a real relay, a real
-worker and the session's real Redis Cluster (the style of tests/test_hostile.py: each
+worker and the session's real Redis Cluster (the style of tests/test_hostile_*.py: each
 test runs a well-behaved bystander session that must receive every frame of its two
 turns, in order, and both apps must stay healthy with nothing logged as a crash).
 
@@ -35,11 +35,13 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from devstack.cluster.launcher import ClusterInfo
 from relay.edge.streams import WS_CLOSE
+from relay.protocol.codes import CloseCode
 from relay.protocol.frame import decode
 from relay.redisio.publisher import read_backlog
-from tests.test_hostile import Env, bystander, no_crash
-from tests.test_server import STEP, SSEClient, running
-from tests.worker_harness import SECRET, Harness
+from tests.support.hostile import Env, bystander, no_crash
+from tests.support.relay import STEP, running
+from tests.support.sse import SSEClient
+from tests.support.worker import SECRET, Harness
 from worker.chat.store import SessionStore
 from worker.engines.client import EngineClient
 from worker.routing.router import EngineSpec
@@ -56,7 +58,7 @@ async def access_stack(
     relay: dict[str, Any] | None = None,
     engines: list[EngineSpec] | None = None,
 ) -> AsyncIterator[Env]:
-    """Like tests.test_hostile.stack, with worker and relay settings of the test's own."""
+    """Like tests.support.hostile.stack, with worker and relay settings of the test's own."""
     harness = Harness(redis)
     try:
         with no_crash():
@@ -170,7 +172,7 @@ async def test_open_streams_end_when_their_token_expires(cluster, redis):
             while (await ws.receive()).type is not aiohttp.WSMsgType.CLOSE:
                 pass
         assert any(c.startswith("close token_expired ") for c in client.comments), client.comments
-        assert ws.close_code == WS_CLOSE["token_expired"][0] == 4401
+        assert ws.close_code == WS_CLOSE[CloseCode.TOKEN_EXPIRED][0] == 4401
         resp.close()
         await ws.close()
         again = await open_sse(env, sid, short)  # the same token cannot come back

@@ -1,7 +1,7 @@
 """Offline jobs on the real RabbitMQ broker of this machine and the real cluster.
 
 Each test uses its own queue names (deleted after), an in-process worker with ``--amqp``
-(tests/worker_harness.py) and in-process job runners. Skipped with the reason where no
+(tests/support/worker.py) and in-process job runners. Skipped with the reason where no
 broker answers at 127.0.0.1:5672.
 """
 
@@ -26,7 +26,7 @@ from redis.asyncio.cluster import RedisCluster
 from devstack.cluster.launcher import ClusterInfo
 from relay.protocol.frame import decode
 from relay.redisio.publisher import Publisher, read_backlog
-from tests.worker_harness import Harness, expected_reply
+from tests.support.worker import Harness, expected_reply
 from worker.chat.store import SessionStore
 from worker.engines.client import EngineClient
 from worker.jobs.queue import JobRunner, QueueNames, RunnerConfig

@@ -11,8 +11,8 @@ import logging
 import pytest
 from aio_pika.abc import AbstractQueue
 
+from tests.support.worker import Harness
 from tests.test_jobs import Runners, _poll, _submit, _worker, names, runners
-from tests.worker_harness import Harness
 from worker.jobs.queue import QueueNames
 
 pytestmark = pytest.mark.integration

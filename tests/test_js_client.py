@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from devstack.cluster.launcher import ClusterInfo
-from tests import demo_harness
+from tests.support import demo as demo_harness
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT = ROOT / "clients" / "js"

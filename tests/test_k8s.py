@@ -149,12 +149,16 @@ def test_worker_command_parses_with_the_real_cli(monkeypatch: pytest.MonkeyPatch
 
 
 def test_mock_engine_command_parses_and_announces_itself() -> None:
+    from devstack.mockengine.cli import EngineSettings
+    from relay.service.settings import load
+
     c = _container(_find(OBJECTS, "StatefulSet", "mock-engine"))
-    args = build_parser().parse_args(_expand(c["args"], _pod_env(c)))
-    assert (args.engine_id, args.port, args.host) == ("pod-0", 8000, "0.0.0.0")
-    assert args.redis == _config()["TOKENRELAY_REDIS_URL"]
-    assert args.announce_url == "http://10.0.0.7:8000"
-    assert args.cap == int(_config()["TOKENRELAY_ENGINE_CAP"])
+    env = _pod_env(c)
+    opts = load(EngineSettings, build_parser().parse_args(_expand(c["args"], env)), env)
+    assert (opts.engine_id, opts.port, opts.host) == ("pod-0", 8000, "0.0.0.0")
+    assert opts.redis_url == _config()["TOKENRELAY_REDIS_URL"]
+    assert opts.announce_url == "http://10.0.0.7:8000"
+    assert opts.cap == int(_config()["TOKENRELAY_ENGINE_CAP"])
 
 
 def _routes(app: Any) -> set[tuple[str, str]]:

@@ -40,7 +40,7 @@ from relay.edge.server import EdgeServer, make_runner
 from relay.edge.server import make_app as relay_app
 from relay.protocol.auth import issue_token
 from relay.protocol.keys import new_session_id
-from tests.worker_harness import SECRET, Harness
+from tests.support.worker import SECRET, Harness
 from worker import api as worker_api
 from worker.api import WorkerConfig
 from worker.api import make_app as worker_app

@@ -13,7 +13,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from devstack.cluster.launcher import ClusterInfo
 from relay.protocol.keys import presence_key
-from tests.worker_harness import Harness, wait_turn
+from tests.support.worker import Harness, wait_turn
 from worker.chat.presence import PresencePolicy
 
 pytestmark = pytest.mark.integration

@@ -20,9 +20,10 @@ import pytest
 from relay.redisio.connect import GatedRedisCluster
 from relay.redisio.publisher import read_backlog
 from tests.conftest import PrivateClusterFactory
+from tests.support.relay import STEP, running
+from tests.support.sse import SSEClient
+from tests.support.worker import SHORT_REPLIES, Harness
 from tests.test_redis_tls import Viewer
-from tests.test_server import STEP, SSEClient, running
-from tests.worker_harness import SHORT_REPLIES, Harness
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

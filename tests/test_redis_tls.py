@@ -2,7 +2,7 @@
 
 A TLS-only local cluster (``LocalCluster(tls=...)``: no plain port, TLS on the cluster
 bus and for replication, client certificates required, a password) with certificates
-from a throwaway CA made in the test (``tests.tls_certs``). The relay, the worker and a
+from a throwaway CA made in the test (``tests.support.tls_certs``). The relay, the worker and a
 mock engine run as subprocesses (``python -m tokenrelay ...``), stopped by pid; the Redis
 URL with its password reaches them through the environment, the TLS files through the
 ``--redis-ca`` / ``--redis-cert`` / ``--redis-key`` flags.
@@ -40,9 +40,10 @@ from devstack.demo.stack import free_port
 from devstack.mockengine.reply_length import ReplyLength
 from relay.protocol.keys import engine_key, live_channel
 from relay.protocol.slotmap import slot_of
-from tests.test_server import STEP, SSEClient, wait_ready
-from tests.tls_certs import make_ca, make_pki, openssl_missing
-from tests.worker_harness import expected_reply
+from tests.support.relay import STEP, wait_ready
+from tests.support.sse import SSEClient
+from tests.support.tls_certs import make_ca, make_pki, openssl_missing
+from tests.support.worker import expected_reply
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -301,12 +302,14 @@ async def test_a_turn_streams_over_tls_and_what_cannot_do_tls_refuses_to_start(
             assert await _master_of(c, bystander.sid) in subscribed
 
             # what cannot do TLS (or cannot do it as asked) refuses at start, one line
+            # (a relay without --fail-fast would keep retrying instead)
             await bystander.post("and my second turn")
             cases: list[tuple[str, list[str], int, str]] = [
-                ("relay-untrusted-ca", ["relay", "--port", "0", *c.flags(str(other_ca))],
-                 1, "certificate verify failed"),
-                ("relay-plain-url", ["relay", "--port", "0", "--redis", c.info.url.replace(
-                    "rediss://", f"redis://default:{PASSWORD}@")], 1, "cannot connect to Redis"),
+                ("relay-untrusted-ca", ["relay", "--port", "0", "--fail-fast",
+                 *c.flags(str(other_ca))], 1, "certificate verify failed"),
+                ("relay-plain-url", ["relay", "--port", "0", "--fail-fast", "--redis",
+                 c.info.url.replace("rediss://", f"redis://default:{PASSWORD}@")], 1,
+                 "cannot connect to Redis"),
                 ("relay-ca-on-plain-url", ["relay", "--port", "0", "--redis",
                  "redis://127.0.0.1:7000", "--redis-ca", c.pki.ca], 2, "need a rediss:// URL"),
                 ("relay-cert-without-key", ["relay", "--port", "0", "--redis-ca", c.pki.ca,

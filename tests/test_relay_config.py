@@ -99,16 +99,16 @@ def test_bad_environment_values_say_which_variable() -> None:
         parse([], {"TOKENRELAY_SECRET": K, "TOKENRELAY_PORT": "eighty"})
     with pytest.raises(ConfigError, match="TOKENRELAY_INSECURE_NO_AUTH"):
         parse([], {"TOKENRELAY_INSECURE_NO_AUTH": "maybe"})
-    with pytest.raises(ConfigError, match="trusted_proxies"):
+    with pytest.raises(ConfigError, match="--trusted-proxy"):
         parse([], {"TOKENRELAY_SECRET": K, "TOKENRELAY_TRUSTED_PROXIES": "10.0.0.0/8,nope"})
 
 
 def test_limits_are_validated() -> None:
-    with pytest.raises(ConfigError, match="queue_frames"):
+    with pytest.raises(ConfigError, match="--queue-frames"):
         RelayConfig(secret=K, queue_frames=10, hard_limit_frames=5).validate()
     with pytest.raises(ConfigError, match="redis"):
         RelayConfig(secret=K, redis_url="http://x").validate()
-    with pytest.raises(ConfigError, match="max_streams"):
+    with pytest.raises(ConfigError, match="--max-streams-per-token"):
         RelayConfig(secret=K, max_streams_per_token=-1).validate()
 
 

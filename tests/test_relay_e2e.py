@@ -1,4 +1,4 @@
-"""End to end against the real cluster, with third-party clients (the issue's test list):
+"""End to end against the real cluster, with third-party clients:
 
 - many sockets (SSE and WebSocket) on two relay processes (``tokenrelay relay``) watch one
   session while a producer streams a few hundred frames, some joining mid-stream with
@@ -11,7 +11,7 @@
 - both clients hanging up every few frames and resuming on the other relay while the
   producer streams on, ungated.
 
-The relays run as subprocesses (:func:`tests.test_hostile.relay_process`, stopped by pid)
+The relays run as subprocesses (:func:`tests.support.relay.relay_process`, stopped by pid)
 once for the module, with ``--reap-after-s 0``: the producer here is a bare generation
 (no worker, no turn lock) that a relay must not reap.
 """
@@ -36,8 +36,8 @@ from relay.protocol.auth import issue_token
 from relay.protocol.frame import decode
 from relay.protocol.keys import new_session_id
 from relay.redisio.publisher import Generation, Publisher, read_backlog
-from tests.test_hostile import RelayProcess, relay_process
-from tests.worker_harness import SECRET
+from tests.support.relay import RelayProcess, relay_process
+from tests.support.worker import SECRET
 
 pytestmark = pytest.mark.integration
 

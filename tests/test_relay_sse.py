@@ -1,8 +1,8 @@
 """Pure tests of the relay's SSE encoder and resume-offset parsing (relay.protocol.sse).
 
 Encoded streams are decoded back with the WHATWG algorithm
-(relay.protocol.sse_reader.SSEDecoder when present, else a small reference parser
-below) so that what we write is what a browser reads.
+(relay.protocol.sse_reader.SSEDecoder, the project's one decoder, tested on its own in
+tests/test_sse.py) so that what we write is what a browser reads.
 """
 
 from __future__ import annotations
@@ -13,32 +13,15 @@ from hypothesis import strategies as st
 
 from relay.protocol import sse
 from relay.protocol.sse import MAX_OFFSET, OffsetError, parse_offset, resume_offset
+from relay.protocol.sse_reader import SSEDecoder
 
 
 def whatwg_parse(stream: bytes) -> list[tuple[str, str, str]]:
-    """(last event id, type, data) per dispatched event; a reference parser."""
-    text = stream.decode("utf-8")
-    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
-    out: list[tuple[str, str, str]] = []
-    data: list[str] = []
-    etype, last_id = "", ""
-    for line in lines:
-        if line == "":
-            if data:
-                out.append((last_id, etype or "message", "\n".join(data)))
-            data, etype = [], ""
-            continue
-        if line.startswith(":"):
-            continue
-        name, _, value = line.partition(":")
-        value = value.removeprefix(" ")
-        if name == "data":
-            data.append(value)
-        elif name == "event":
-            etype = value
-        elif name == "id" and "\0" not in value:
-            last_id = value
-    return out
+    """(last event id, type, data) per dispatched event, as the project's WHATWG decoder
+    (and a browser) reads them; a strict end: an unfinished event is dropped."""
+    d = SSEDecoder()
+    events = d.feed(stream)
+    return [(e.id or "", e.event, e.data) for e in events]
 
 
 def test_event_has_id_event_and_data_lines():

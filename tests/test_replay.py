@@ -23,12 +23,12 @@ from redis.asyncio.cluster import RedisCluster
 from devstack.cluster.launcher import ClusterInfo
 from relay.protocol.auth import issue_token
 from relay.protocol.keys import new_session_id
+from relay.protocol.sse_reader import SSEDecoder
 from relay.redisio.connect import GatedRedisCluster
 from relay.redisio.publisher import Draft, Publisher
-from tests.test_hostile import relay_process
-from tests.test_server import SECRET as SERVER_SECRET
-from tests.test_server import running
-from tests.worker_harness import SECRET as PROCESS_SECRET
+from tests.support.relay import SECRET as SERVER_SECRET
+from tests.support.relay import relay_process, running
+from tests.support.worker import SECRET as PROCESS_SECRET
 
 pytestmark = pytest.mark.integration
 
@@ -108,12 +108,9 @@ class RawSSE:
         return True
 
     def frames(self) -> list[dict[str, Any]]:
-        out = []
-        for block in bytes(self.body).split(b"\n\n"):
-            for line in block.split(b"\n"):
-                if line.startswith(b"data: ") and b"event: hello" not in block:
-                    out.append(orjson.loads(line[6:]))
-        return out
+        """The frames in the body so far (the project's SSE decoder; the hello left out)."""
+        events = SSEDecoder().feed(bytes(self.body))
+        return [orjson.loads(e.data) for e in events if e.event != "hello"]
 
     async def read_until_offset(self, last: int, within_s: float) -> list[dict[str, Any]]:
         async with asyncio.timeout(within_s):

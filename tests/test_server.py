@@ -1,165 +1,45 @@
 """The edge server against a real Redis Cluster: SSE and WebSocket streams, resume,
 fan-out, refusals, metrics, drain and misbehaving WebSocket clients.
 
-Each test runs its own relay app (``make_app``) on a free 127.0.0.1 port; frames are
-published with :class:`relay.redisio.publisher.Publisher`.
+Each test runs its own relay app (:func:`tests.support.relay.running`) on a free
+127.0.0.1 port and reads SSE with :mod:`tests.support.sse`; frames are published with
+:class:`relay.redisio.publisher.Publisher`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import WSMsgType, web
 from prometheus_client.parser import text_string_to_metric_families
-from redis.asyncio.cluster import RedisCluster
 
-from devstack.cluster.launcher import ClusterInfo
 from relay.edge.config import RelayConfig
 from relay.edge.hub import Hub
-from relay.edge.server import SERVER, EdgeServer, make_app, make_runner
+from relay.edge.server import SERVER, make_app
 from relay.protocol.auth import issue_token
 from relay.protocol.keys import new_session_id
 from relay.redisio.publisher import Publisher
+from tests.support.relay import (
+    SECRET,
+    STEP,
+    Relay,
+    publish_turn,
+    running,
+    send_expect_close,
+    sse,
+    wait_ready,
+    ws_frames,
+)
+from tests.support.sse import SSEClient
 
 pytestmark = pytest.mark.integration
-
-SECRET = "test-secret-9d41c7e2b8a05f36c1d4e7a2b9f0"
-STEP = 10.0  # seconds any single expectation may take
-
-
-class Relay:
-    def __init__(self, base: str, server: EdgeServer, http: aiohttp.ClientSession) -> None:
-        self.base, self.server, self.http = base, server, http
-
-    def url(self, sid: str, path: str = "events") -> str:
-        return f"{self.base}/v1/sessions/{sid}/{path}"
-
-    def auth(self, sid: str) -> dict[str, str]:
-        return {"Authorization": f"Bearer {issue_token(SECRET, sid, 300, time.time())}"}
-
-
-@asynccontextmanager
-async def running(cluster: ClusterInfo, **overrides: Any) -> AsyncIterator[Relay]:
-    # these tests publish with bare generations (no worker, no turn lock): no reaper
-    fields: dict[str, Any] = {
-        "secret": SECRET, "relay_id": "edge-test", "reap_after_s": 0, **overrides
-    }  # fmt: skip
-    cfg = RelayConfig(port=0, redis_url=cluster.url, **fields)
-    app = make_app(cfg)
-    runner = make_runner(app, shutdown_timeout=2.0)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        async with aiohttp.ClientSession() as http:
-            yield Relay(f"http://127.0.0.1:{port}", app[SERVER], http)
-    finally:
-        await runner.cleanup()
-
-
-class SSEClient:
-    """A minimal WHATWG SSE reader over an aiohttp response."""
-
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
-        self.resp = resp
-        self.comments: list[str] = []
-        self.hello: dict[str, Any] | None = None
-        self.retry: int | None = None
-        self.last_id = ""
-
-    async def events(self, n: int) -> list[tuple[str, str, dict[str, Any]]]:
-        out: list[tuple[str, str, dict[str, Any]]] = []
-        async with asyncio.timeout(STEP):
-            while len(out) < n:
-                ev = await self.next_event()
-                assert ev is not None, f"stream ended after {len(out)} events"
-                out.append(ev)
-        return out
-
-    async def next_event(self) -> tuple[str, str, dict[str, Any]] | None:
-        kind, data = "", list[str]()
-        while True:
-            raw = await self.resp.content.readline()
-            if not raw:
-                return None
-            line = raw.decode().rstrip("\n")
-            if line == "":
-                if data and kind == "hello":
-                    self.hello = json.loads("\n".join(data))
-                elif data:
-                    return self.last_id, kind or "message", json.loads("\n".join(data))
-                kind, data = "", []
-                continue
-            if line.startswith(":"):
-                self.comments.append(line[1:].strip())
-                continue
-            name, _, value = line.partition(":")
-            value = value.removeprefix(" ")
-            if name == "data":
-                data.append(value)
-            elif name == "event":
-                kind = value
-            elif name == "id":
-                self.last_id = value
-            elif name == "retry":
-                self.retry = int(value)
-
-    async def until_end(self) -> None:
-        async with asyncio.timeout(STEP):
-            while await self.next_event() is not None:
-                pass
-
-
-@asynccontextmanager
-async def sse(relay: Relay, sid: str, **kw: Any) -> AsyncIterator[SSEClient]:
-    headers = {**relay.auth(sid), **kw.pop("headers", {})}
-    async with relay.http.get(relay.url(sid), headers=headers, **kw) as resp:
-        assert resp.status == 200, await resp.text()
-        client = SSEClient(resp)
-        first = await resp.content.readline()
-        assert first.startswith(b"retry: "), first
-        client.retry = int(first.split()[1])
-        yield client
-
-
-async def wait_ready(http: aiohttp.ClientSession, base: str, within_s: float) -> None:
-    """Poll a process's /readyz until it answers 200 (a started subprocess)."""
-    async with asyncio.timeout(within_s):
-        while True:
-            with contextlib.suppress(aiohttp.ClientError):
-                async with http.get(base + "/readyz") as r:
-                    if r.status == 200:
-                        return
-            await asyncio.sleep(0.1)
-
-
-async def ws_frames(ws: aiohttp.ClientWebSocketResponse, n: int) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    async with asyncio.timeout(STEP):
-        while len(out) < n:
-            msg = await ws.receive()
-            assert msg.type is WSMsgType.TEXT, (msg.type, msg.data, ws.close_code)
-            out.append(json.loads(msg.data))
-    return out
-
-
-async def publish_turn(redis: RedisCluster, sid: str, texts: list[str]) -> list[int]:
-    gen = await Publisher(redis).open_generation(sid)
-    offsets = [await gen.token(t) for t in texts]
-    offsets.append(await gen.done())
-    return offsets
 
 
 async def test_sse_stream_carries_published_frames_as_id_event_data(cluster, redis):
@@ -371,12 +251,7 @@ async def test_misbehaving_websockets_are_closed_and_others_unaffected(cluster, 
         for payload, code in cases:
             async with relay.http.ws_connect(relay.url(sid, "ws"), headers=relay.auth(sid)) as ws:
                 await ws_frames(ws, 1)
-                if isinstance(payload, bytes):
-                    await ws.send_bytes(payload)
-                else:
-                    await ws.send_str(payload)
-                msg = await asyncio.wait_for(ws.receive(), STEP)
-                assert msg.type is WSMsgType.CLOSE, msg
+                msg = await send_expect_close(ws, payload)
                 assert msg.data == code
         offsets = await publish_turn(redis, other, ["still", "here"])
         assert [f["offset"] for f in await ws_frames(good, 3)] == offsets
@@ -401,9 +276,7 @@ async def test_idle_sse_stream_gets_heartbeat_comments(cluster):
     async with running(cluster, heartbeat_s=0.1) as relay, sse(relay, sid) as client:
         async with asyncio.timeout(STEP):
             while "heartbeat" not in client.comments:
-                line = await client.resp.content.readline()
-                if line.startswith(b":"):
-                    client.comments.append(line[1:].decode().strip())
+                client.feed(await client.resp.content.readany())
 
 
 async def test_preflight_allows_the_demo_page(cluster):

@@ -14,7 +14,7 @@ from devstack.mockengine.reply_length import ReplyLength
 from relay.protocol.auth import verify_token
 from relay.protocol.keys import KeyKind, idem_key, key
 from relay.redisio.publisher import read_backlog
-from tests.worker_harness import SECRET, Harness, wait_turn
+from tests.support.worker import SECRET, Harness, wait_turn
 from worker.chat.store import SessionStore
 from worker.chat.turn import request_fingerprint
 

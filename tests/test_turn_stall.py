@@ -22,7 +22,7 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from relay.protocol.keys import KeyKind, key
-from tests.worker_harness import Harness, wait_turn
+from tests.support.worker import Harness, wait_turn
 from worker.chat.presence import PresencePolicy
 
 pytestmark = pytest.mark.integration

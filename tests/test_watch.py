@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from relay.edge.resume import Delivery, Fetch
 from relay.edge.watch import Closed, Intent, Limits, Watch
+from relay.protocol.codes import CloseCode
 from relay.protocol.frame import Frame, decode, encode
 
 SID = "s" * 22
@@ -111,7 +112,7 @@ def test_a_live_consumer_that_does_not_take_gets_merged_frames_then_is_cut() -> 
         out = w.live([frame(o, turn=o)])
         if out:
             break
-    assert out == [Closed("slow_consumer", "more than 20 frames pending after merging")]
+    assert out == [Closed(CloseCode.SLOW_CONSUMER, "more than 20 frames pending after merging")]
     assert counters["slow_disconnects"] == 1
     assert w.take() == ([], ())
 
@@ -136,6 +137,6 @@ def test_pending_bytes_are_bounded_too() -> None:
 
 def test_close_is_an_intent_once() -> None:
     w = Watch(SID, None, Limits())
-    assert w.close("closed", "bye") == (Closed("closed", "bye"),)
-    assert w.close("closed", "bye") == ()
+    assert w.close(CloseCode.CLOSED, "bye") == (Closed(CloseCode.CLOSED, "bye"),)
+    assert w.close(CloseCode.CLOSED, "bye") == ()
     assert w.live([frame(1)]) == ()

@@ -10,7 +10,7 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from devstack.cluster.launcher import ClusterInfo
-from tests.worker_harness import Harness, expected_reply, wait_turn
+from tests.support.worker import Harness, expected_reply, wait_turn
 
 pytestmark = pytest.mark.integration
 

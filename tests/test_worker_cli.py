@@ -34,7 +34,7 @@ def test_admit_wait_is_configurable_and_zero_means_no_wait() -> None:
 
 @pytest.mark.parametrize("value", ["-1", "5", "60"])
 def test_an_admit_wait_outside_the_lock_ttl_is_refused(value: str) -> None:
-    with pytest.raises(ValueError, match="--admit-wait-s must be in"):
+    with pytest.raises(ValueError, match=r"--admit-wait-s \(TOKENRELAY_ADMIT_WAIT_S\) must be"):
         config_from_args(_parse("--admit-wait-s", value))
 
 
@@ -61,8 +61,8 @@ def test_ring_flags_and_engine_weights() -> None:
         (["--engine-weight", "e1=0"], "ID=W with W > 0"),
         (["--engine-weight", "e1=heavy"], "ID=W with W > 0"),
         (["--engine-weight", "nope=2"], "names no --engine"),
-        (["--vnodes", "0"], "--vnodes must be >= 1"),
-        (["--eps", "-1"], "--vnodes must be >= 1"),
+        (["--vnodes", "0"], r"--vnodes \(TOKENRELAY_VNODES\) must be >= 1, got 0"),
+        (["--eps", "-1"], r"--eps \(TOKENRELAY_EPS\) must be >= 0, got -1"),
     ],
 )
 def test_bad_ring_flags_are_refused_with_a_reason(flags: list[str], reason: str) -> None:

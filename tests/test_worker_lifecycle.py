@@ -22,7 +22,7 @@ from relay.protocol.frame import decode
 from relay.protocol.keys import presence_key
 from relay.redisio.presence import WRITE_LUA
 from relay.redisio.publisher import Publisher, read_backlog
-from tests.worker_harness import Harness, wait_turn
+from tests.support.worker import Harness, wait_turn
 from worker.chat.presence import PresencePolicy, count_watchers
 from worker.routing.router import EngineSpec
 

@@ -57,7 +57,7 @@ async def test_unreachable_redis_at_start_retries_then_becomes_ready(
         "--redis", f"redis://127.0.0.1:{port}", "--engine", f"e-start={engine.url}",
         "--insecure-no-auth",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "TOKENRELAY_SECRET": ""},
+        env={k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")},
     )  # fmt: skip
     cluster: LocalCluster | None = None
     try:
@@ -94,24 +94,25 @@ async def test_unreachable_redis_at_start_retries_then_becomes_ready(
     assert "retrying in the background" in text
 
 
-async def test_fail_fast_exits_1_with_one_line_naming_the_masked_url(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    port = find_free_base_port(1)
-    cfg = WorkerConfig(
-        redis_url=f"redis://default:s3cret-pass@127.0.0.1:{port}",
-        engines=[EngineSpec(id="e", url="http://127.0.0.1:9", cap=1)],
-        redis_timeout_s=0.5,
-        fail_fast=True,
-    )
-    assert await serve(cfg, "127.0.0.1", 0) == 1
-    err = capsys.readouterr().err
+async def test_fail_fast_exits_1_with_one_line_naming_the_masked_url() -> None:
+    port = find_free_base_port(1)  # nothing listens there
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tokenrelay", "worker", "--port", "0", "--fail-fast",
+        "--redis", f"redis://default:s3cret-pass@127.0.0.1:{port}",
+        "--engine", "http://127.0.0.1:9", "--insecure-no-auth",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")},
+    )  # fmt: skip
+    out, err_bytes = await asyncio.wait_for(proc.communicate(), 60)
+    err = err_bytes.decode()
+    assert proc.returncode == 1, err
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1, err
     assert lines[0].startswith(
         f"error: cannot connect to Redis at redis://default:***@127.0.0.1:{port}"
     )
-    assert "s3cret-pass" not in err
+    assert "s3cret-pass" not in err + out.decode()
+    assert "listening" not in out.decode()
 
 
 @pytest.mark.timeout(120)

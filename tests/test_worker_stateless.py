@@ -9,7 +9,7 @@ from redis.asyncio import RedisCluster
 
 from devstack.cluster.launcher import ClusterInfo
 from devstack.demo.stack import Stack, StackSpec
-from tests.worker_harness import expected_reply, wait_turn
+from tests.support.worker import expected_reply, wait_turn
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -16,7 +16,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from relay.redisio.connect import GatedRedisCluster
 from relay.service.supervise import Backoff, Supervisor
-from tests.worker_harness import Harness
+from tests.support.worker import Harness
 from worker.routing.lease import EngineSpec, LoadView
 from worker.routing.loadshare import LoadExchange
 from worker.routing.router import Router

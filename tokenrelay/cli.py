@@ -11,17 +11,28 @@ another through the command line.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, NoReturn
 
-__all__ = ["ENTRY_POINT_GROUP", "build_parser", "main"]
+__all__ = ["ENTRY_POINT_GROUP", "OneLineParser", "build_parser", "main"]
 
 ENTRY_POINT_GROUP = "tokenrelay.commands"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line, ``error: ...`` and a pointer to ``--help``, exit 2 (not the
+    whole usage text, which runs to twenty lines for the relay). Subcommands' parsers are
+    of this class too (argparse makes them of the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="tokenrelay", description="Stream LLM tokens to browsers over Redis 7 Cluster."
     )
     sub = parser.add_subparsers(dest="command", required=True)

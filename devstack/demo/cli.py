@@ -12,29 +12,127 @@ environment, never on a command line. A weak or example secret is refused (exit 
 
 The front door's process control (the page's kill/restart buttons) needs a token made per
 run and printed only here, on the terminal (see :mod:`devstack.demo.frontdoor`).
+
+Settings (:class:`DemoSettings`): every flag also reads ``TOKENRELAY_DEMO_<NAME>`` (the
+demo's own prefix: its children inherit its environment, and a relay or worker must not
+take the demo's ``--port``); the secret is ``TOKENRELAY_SECRET`` and has no flag. A front
+door port taken by another program is found before anything starts: one line names it and
+a free one to pick instead, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
+import errno
 import secrets
 import signal
+import socket
 import sys
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
 import aiohttp
+import msgspec
 from aiohttp import web
 
 from devstack.demo.frontdoor import FrontDoor, make_frontdoor_app
 from devstack.demo.stack import Stack, StackSpec
-from relay.protocol.auth import WeakSecret, check_secret
+from relay.protocol.auth import DEFAULT_KID, WeakSecret, check_secret
 from relay.redisio.connect import mask_url
-from relay.service import runtime
+from relay.service import runtime, settings
 from relay.service.httpguard import GuardedSite
+from relay.service.settings import ConfigError, Host, opt
 
-__all__ = ["register", "run_demo", "stack_view"]
+__all__ = ["DemoSettings", "PortBusy", "check_port", "register", "run_demo", "stack_view"]
+
+DEFAULT_AMQP = "amqp://guest:guest@127.0.0.1:5672/"
+
+
+class DemoSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The demo's flags and environment (``TOKENRELAY_DEMO_<FIELD>``), declared once."""
+
+    env_prefix: ClassVar[str] = "TOKENRELAY_DEMO_"
+
+    host: Host = "127.0.0.1"
+    port: Annotated[
+        int, opt("port of the front door, the one URL to open (0: any free port)", ge=0, le=65535)
+    ] = 8080
+    relays: Annotated[int, opt("edge servers", ge=1)] = 2
+    workers: Annotated[int, opt("workers", ge=1)] = 2
+    engines: Annotated[int, opt("mock engines (ignored with --engine)", ge=1)] = 3
+    engine_urls: Annotated[
+        tuple[str, ...],
+        opt("URL of a real OpenAI-compatible engine (repeatable)", flag="--engine", metavar="URL"),
+    ] = ()
+    model: Annotated[str, opt("model name sent to the engines")] = "mock"
+    engine_cap: Annotated[
+        int, opt("in-flight cap per engine: 1.5 x its concurrent sequences (the mocks run 8)", ge=1)
+    ] = 12
+    # TOKENRELAY_DEMO_INSECURE_NO_AUTH: a TOKENRELAY_INSECURE_NO_AUTH left in a shell for a
+    # relay does not turn a demo's auth off (the stack keeps it from the children too)
+    insecure_no_auth: Annotated[bool, opt("no tokens anywhere in the stack")] = False
+    secret: Annotated[
+        str,
+        opt("token secret of the stack (empty: a random one per run)", env="TOKENRELAY_SECRET",
+            env_only=True),
+    ] = ""  # fmt: skip
+    amqp_url: Annotated[
+        str,
+        opt(f"RabbitMQ for offline jobs (empty: {DEFAULT_AMQP} when it answers)", flag="--amqp",
+            metavar="URL"),
+    ] = ""  # fmt: skip
+    no_jobs: Annotated[bool, opt("no offline jobs (no RabbitMQ)")] = False
+
+    def validate(self) -> DemoSettings:
+        """The auth rule of every process, except that no secret means a random one."""
+        if self.secret and not self.insecure_no_auth:
+            try:  # named as the user set it: the demo's secret has no flag
+                check_secret(self.secret, "TOKENRELAY_SECRET")
+            except WeakSecret as exc:
+                raise ConfigError(str(exc)) from None
+        if self.secret or self.insecure_no_auth:
+            settings.check_auth(self.secret, DEFAULT_KID, "", self.insecure_no_auth)
+            return self
+        return msgspec.structs.replace(self, secret=secrets.token_urlsafe(32))
+
+
+class PortBusy(Exception):
+    """The front door's port is taken; the message says which and what to do."""
+
+
+def _bind_probe(host: str, port: int) -> None:
+    """Bind (host, port) as the front door will (SO_REUSEADDR, as asyncio does), then let
+    go; OSError if another program holds it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port))
+
+
+def check_port(host: str, port: int) -> None:
+    """:class:`PortBusy` when ``port`` on ``host`` is taken, naming a free port nearby."""
+    if port == 0:
+        return
+    try:
+        _bind_probe(host, port)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise PortBusy(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise PortBusy(
+            f"port {port} on {host} is in use by another program: stop it, or pick another "
+            f'port, e.g. --port {_next_free(host, port)} (make demo DEMO_ARGS="--port N"; '
+            "--port 0: any free port)"
+        ) from None
+
+
+def _next_free(host: str, port: int) -> int:
+    for candidate in range(port + 1, min(port + 100, 65536)):
+        try:
+            _bind_probe(host, candidate)
+        except OSError:
+            continue
+        return candidate
+    return 0
 
 
 async def stack_view(stack: Stack, http: aiohttp.ClientSession) -> dict[str, Any]:
@@ -72,9 +170,6 @@ async def stack_view(stack: Stack, http: aiohttp.ClientSession) -> dict[str, Any
     }
 
 
-DEFAULT_AMQP = "amqp://guest:guest@127.0.0.1:5672/"
-
-
 async def _broker_answers(url: str) -> bool:
     """True when an AMQP broker accepts a connection at ``url`` (3 s at most)."""
     import aio_pika
@@ -87,28 +182,29 @@ async def _broker_answers(url: str) -> bool:
     return True
 
 
-async def run_demo(args: argparse.Namespace) -> int:
+async def run_demo(opts: DemoSettings) -> int:
+    """Start the stack and the front door, serve until SIGINT/SIGTERM, stop everything."""
     amqp = None
-    if not args.no_jobs:
-        wanted = args.amqp or DEFAULT_AMQP
+    if not opts.no_jobs:
+        wanted = opts.amqp_url or DEFAULT_AMQP
         if await _broker_answers(wanted):
             amqp = wanted
             print(f"offline jobs: on (RabbitMQ at {mask_url(wanted)})", flush=True)
-        elif args.amqp:
+        elif opts.amqp_url:
             print(f"error: no RabbitMQ answers at {mask_url(wanted)} (--amqp)", file=sys.stderr)
             return 1
         else:
             print(f"offline jobs: off (no RabbitMQ at {mask_url(wanted)}; --amqp URL)", flush=True)
     spec = StackSpec(
         amqp_url=amqp,
-        relays=args.relays,
-        workers=args.workers,
-        engines=args.engines,
-        engine_urls=list(args.engine or []),
-        model=args.model,
-        insecure_no_auth=args.insecure_no_auth,
-        secret=args.secret,
-        engine_cap=args.engine_cap,
+        relays=opts.relays,
+        workers=opts.workers,
+        engines=opts.engines,
+        engine_urls=list(opts.engine_urls),
+        model=opts.model,
+        insecure_no_auth=opts.insecure_no_auth,
+        secret=opts.secret,
+        engine_cap=opts.engine_cap,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -137,13 +233,17 @@ async def run_demo(args: argparse.Namespace) -> int:
             make_frontdoor_app(door), handle_signals=False, handler_cancellation=True
         )
         await runner.setup()
-        site = GuardedSite(runner, args.host, args.port, backlog=4096)
-        await site.start()
+        site = GuardedSite(runner, opts.host, opts.port, backlog=4096)
+        try:
+            await site.start()
+        except OSError:  # taken since check_port looked: same one line, everything stopped
+            await runner.cleanup()
+            raise
         try:
             for p in stack.procs.values():
                 print(f"  {p.name:<9} pid {p.pid:<7} {p.url}", flush=True)
             print(f"  redis     {stack.redis_url}", flush=True)
-            page = f"http://{args.host}:{args.port}/"
+            page = f"http://{opts.host}:{site.port}/"
             print(f"\nopen {page}  (Ctrl-C stops everything)", flush=True)
             # The kill/restart buttons need this run's control token; it is printed here
             # only (the page keeps it from the #fragment, which no request carries).
@@ -157,42 +257,29 @@ async def run_demo(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    secret = os.environ.get("TOKENRELAY_SECRET", "")
-    if args.insecure_no_auth and secret:
-        print("error: TOKENRELAY_SECRET and --insecure-no-auth are both set: choose one",
-              file=sys.stderr)  # fmt: skip
+    try:
+        opts = settings.load(DemoSettings, args)
+        check_port(opts.host, opts.port)
+    except (ConfigError, PortBusy) as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        args.secret = check_secret(secret).decode() if secret else secrets.token_urlsafe(32)
-    except (WeakSecret, UnicodeDecodeError) as exc:
-        print(f"error: TOKENRELAY_SECRET: {exc}", file=sys.stderr)
+        return runtime.run(run_demo(opts))
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        print(f"error: port {opts.port} on {opts.host} was taken by another program while "
+              "the demo started: pick another with --port N", file=sys.stderr)  # fmt: skip
         return 2
-    return runtime.run(run_demo(args))
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("demo", help="the whole stack behind one URL (Ctrl-C stops it)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--relays", type=int, default=2)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--engines", type=int, default=3, help="mock engines (ignored with --engine)")
-    p.add_argument(
-        "--engine", action="append", help="URL of a real OpenAI-compatible engine (repeatable)"
+    p = subparsers.add_parser(
+        "demo",
+        help="the whole stack behind one URL (Ctrl-C stops it)",
+        description="A local Redis Cluster, mock engines, relays, workers and a front door "
+        "on one URL. The token secret is TOKENRELAY_SECRET (a random one per run when "
+        "unset). " + settings.ENV_NOTE,
     )
-    p.add_argument("--model", default="mock", help="model name sent to the engines")
-    p.add_argument(
-        "--engine-cap",
-        type=int,
-        default=12,
-        help="in-flight cap per engine: 1.5 x its concurrent sequences (the mocks run 8)",
-    )
-    p.add_argument("--insecure-no-auth", action="store_true")
-    p.add_argument(
-        "--amqp",
-        default=None,
-        metavar="URL",
-        help=f"RabbitMQ for offline jobs (default: {DEFAULT_AMQP} when it answers)",
-    )
-    p.add_argument("--no-jobs", action="store_true", help="no offline jobs (no RabbitMQ)")
+    settings.add_arguments(p, DemoSettings)
     p.set_defaults(func=_main)

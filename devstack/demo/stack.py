@@ -1,12 +1,14 @@
 """Run the whole stack as child processes: Redis Cluster, engines, relays, workers.
 
-Used by ``tokenrelay demo``, ``bench.loadtest`` and ``bench.faults``. Every process is
-a child started here and stopped here, by pid (SIGTERM, then SIGKILL after a
-deadline); nothing is ever killed by name. The token secret (random per stack unless
-given) reaches the children in their environment (``TOKENRELAY_SECRET``), never on a
-command line that ``ps`` shows. Relays and workers believe ``X-Forwarded-For`` from
-127.0.0.1 (the demo's front door); ``abuse_limits=False`` lifts the per-address and
-per-session limits for load generators that are all one loopback address.
+Used by ``tokenrelay demo``, ``bench.loadtest`` and ``bench.faults``. Every process is a
+child started here and stopped here, by pid (SIGTERM, then SIGKILL after a deadline:
+:mod:`devstack.procs`); nothing is ever killed by name. A child that exits before it is
+ready raises :class:`StackError` with the last lines of its log. The token secret
+(random per stack unless given) reaches the children in their environment
+(``TOKENRELAY_SECRET``), never on a command line that ``ps`` shows. Relays and workers
+believe ``X-Forwarded-For`` from 127.0.0.1 (the demo's front door);
+``abuse_limits=False`` lifts the per-address and per-session limits for load generators
+that are all one loopback address.
 
 Order of use::
 
@@ -24,31 +26,21 @@ import contextlib
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-import aiohttp
-
 from devstack.cluster.launcher import ClusterInfo, LocalCluster
+from devstack.procs import Proc, ProcError, file_exists, free_port, http_ok, stop_all
 
-__all__ = ["Proc", "Stack", "StackError", "StackSpec", "free_port"]
+__all__ = ["Member", "Stack", "StackError", "StackSpec", "free_port"]
 
 
 class StackError(RuntimeError):
     """A process of the stack did not start or did not become healthy."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -74,13 +66,16 @@ class StackSpec:
 
 
 @dataclass
-class Proc:
+class Member:
+    """One process of the stack: what to start, and the running :class:`Proc` (None
+    before it starts)."""
+
     name: str
     kind: str  # "relay", "worker", "engine" or "jobworker"
     port: int
     argv: list[str]
     log_path: str
-    popen: subprocess.Popen[bytes] | None = None
+    proc: Proc | None = None
 
     @property
     def url(self) -> str:
@@ -88,11 +83,11 @@ class Proc:
 
     @property
     def pid(self) -> int:
-        return self.popen.pid if self.popen else 0
+        return self.proc.pid if self.proc else 0
 
     @property
     def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
+        return self.proc is not None and self.proc.alive
 
 
 def _cli(*args: str) -> list[str]:
@@ -104,7 +99,7 @@ class Stack:
 
     def __init__(self, spec: StackSpec) -> None:
         self.spec = spec
-        self.procs: dict[str, Proc] = {}
+        self.procs: dict[str, Member] = {}
         self.cluster: LocalCluster | None = None
         self.cluster_info: ClusterInfo | None = None
         self.redis_url = spec.redis_url or ""
@@ -127,7 +122,7 @@ class Stack:
     def engine_urls(self) -> list[str]:
         return self.spec.engine_urls or self._urls("engine")
 
-    def of_kind(self, kind: str) -> list[Proc]:
+    def of_kind(self, kind: str) -> list[Member]:
         return [p for p in self.procs.values() if p.kind == kind]
 
     # -- lifecycle ----------------------------------------------------------------
@@ -203,83 +198,56 @@ class Stack:
 
     def _add(self, name: str, kind: str, port: int, argv: list[str]) -> None:
         log = str(Path(self._tmp) / f"{name}.log")
-        self.procs[name] = Proc(name, kind, port, argv, log)
+        self.procs[name] = Member(name, kind, port, argv, log)
 
-    def _spawn(self, proc: Proc) -> None:
+    def _spawn(self, member: Member) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("TOKENRELAY_INSECURE_NO_AUTH", None)
-        if self.spec.insecure_no_auth or proc.kind == "engine":
+        if self.spec.insecure_no_auth or member.kind == "engine":
             env.pop("TOKENRELAY_SECRET", None)  # a secret with --insecure-no-auth: exit 2
         else:
             env["TOKENRELAY_SECRET"] = self.spec.secret
-        with open(proc.log_path, "ab") as log:
-            proc.popen = subprocess.Popen(
-                proc.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env
-            )
+        member.proc = Proc.start(
+            member.argv, log=member.log_path, name=member.name, env=env, append=True
+        )
 
-    async def _wait_healthy(self, proc: Proc, timeout_s: float = 60.0) -> None:
-        if proc.kind == "jobworker":  # no HTTP: it touches its health file once consuming
-            await self._wait_file(proc, Path(self._tmp) / f"{proc.name}.alive", timeout_s)
-            return
-        path = "/health" if proc.kind == "engine" else "/readyz"
-        deadline = time.monotonic() + timeout_s
-        async with aiohttp.ClientSession() as http:
-            while True:
-                if not proc.alive:
-                    raise StackError(f"{proc.name} exited: {self.log_tail(proc.name)}")
-                with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
-                    async with http.get(
-                        proc.url + path, timeout=aiohttp.ClientTimeout(total=2)
-                    ) as resp:
-                        if resp.status == 200:
-                            return
-                if time.monotonic() > deadline:
-                    raise StackError(f"{proc.name} not ready after {timeout_s:.0f}s")
-                await asyncio.sleep(0.1)
-
-    async def _wait_file(self, proc: Proc, path: Path, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not path.exists():
-            if not proc.alive:
-                raise StackError(f"{proc.name} exited: {self.log_tail(proc.name)}")
-            if time.monotonic() > deadline:
-                raise StackError(f"{proc.name} not ready after {timeout_s:.0f}s")
-            await asyncio.sleep(0.1)
-
-    def log_tail(self, name: str, chars: int = 2000) -> str:
+    async def _wait_healthy(self, member: Member, timeout_s: float = 60.0) -> None:
+        assert member.proc is not None
+        if member.kind == "jobworker":  # no HTTP: it touches its health file once consuming
+            probe = file_exists(Path(self._tmp) / f"{member.name}.alive")
+        else:
+            probe = http_ok(member.url + ("/health" if member.kind == "engine" else "/readyz"))
         try:
-            return Path(self.procs[name].log_path).read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+            await member.proc.ready(probe, timeout_s=timeout_s)
+        except ProcError as exc:
+            raise StackError(str(exc)) from None
 
     # -- fault injection ----------------------------------------------------------
     def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
         """Send ``sig`` (default kill -9) to one process of the stack; returns its pid."""
-        proc = self.procs[name]
-        if proc.popen is None or proc.popen.poll() is not None:
+        member = self.procs[name]
+        if member.proc is None or not member.proc.alive:
             raise StackError(f"{name} is not running")
-        proc.popen.send_signal(sig)
+        member.proc.send(sig)
         if sig in (signal.SIGKILL, signal.SIGTERM):
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.popen.wait(timeout=30)
-        return proc.popen.pid
+                member.proc.popen.wait(timeout=30)
+        return member.proc.pid
 
     async def restart(self, name: str) -> None:
-        proc = self.procs[name]
-        if proc.alive:
+        member = self.procs[name]
+        if member.alive:
             self.kill(name)
-        if proc.kind == "jobworker":  # ready again once the new process touches it
-            (Path(self._tmp) / f"{proc.name}.alive").unlink(missing_ok=True)
-        self._spawn(proc)
-        await self._wait_healthy(proc)
+        if member.kind == "jobworker":  # ready again once the new process touches it
+            (Path(self._tmp) / f"{member.name}.alive").unlink(missing_ok=True)
+        self._spawn(member)
+        await self._wait_healthy(member)
 
     def kill_now(self) -> None:
         """Last resort at interpreter exit: SIGKILL every child still running, by pid."""
-        for proc in self.procs.values():
-            if proc.popen is not None and proc.popen.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.popen.kill()
-                proc.popen.wait()
+        for member in self.procs.values():
+            if member.proc is not None:
+                member.proc.kill()
         if self.cluster is not None:
             self.cluster.kill_now()
 
@@ -287,22 +255,8 @@ class Stack:
         """SIGTERM every child (workers first, so turns end with a frame), then SIGKILL."""
         atexit.unregister(self.kill_now)
         order = {"worker": 0, "jobworker": 0, "relay": 1, "engine": 2}
-        procs = sorted(self.procs.values(), key=lambda p: order.get(p.kind, 3))
-        for proc in procs:
-            if proc.alive and proc.popen is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.popen.send_signal(signal.SIGCONT)
-                    proc.popen.terminate()
-        deadline = time.monotonic() + timeout_s
-        for proc in procs:
-            if proc.popen is None:
-                continue
-            while proc.popen.poll() is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if proc.popen.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.popen.kill()
-                proc.popen.wait()
+        members = sorted(self.procs.values(), key=lambda m: order.get(m.kind, 3))
+        await stop_all([m.proc for m in members if m.proc is not None], timeout_s)
         if self.cluster is not None:
             await self.cluster.stop()
             self.cluster = None

@@ -1,144 +1,181 @@
 """The ``tokenrelay engine`` subcommand: run one mock inference engine.
 
 ``register(subparsers)`` is the entry point of the group ``tokenrelay.commands``
-(``engine = "devstack.mockengine.cli:register"``); ``tokenrelay.cli`` calls it to add the parser,
-then calls the parser's default ``func`` (``run``) with the parsed arguments. ``run``
-builds an ``EngineConfig`` and serves ``devstack.mockengine.server.run_engine`` on uvloop
-(plain asyncio where uvloop is missing) until SIGTERM or SIGINT.
+(``engine = "devstack.mockengine.cli:register"``); ``tokenrelay.cli`` calls it to add the
+parser, then calls the parser's default ``func`` (``run``) with the parsed arguments.
+``run`` reads :class:`EngineSettings` (flags over ``TOKENRELAY_*`` environment over
+defaults, see :mod:`relay.service.settings`), builds an ``EngineConfig`` and serves the
+engine on uvloop (plain asyncio where uvloop is missing) until SIGTERM or SIGINT.
+With ``--redis`` the engine announces itself to workers with expiring heartbeats: a
+supervised loop (:class:`relay.service.supervise.Supervisor`) that retries with backoff
+while Redis is away and withdraws the announcement on a clean stop.
 ``python -m devstack.mockengine.cli --port P ...`` does the same without the entry point.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import errno
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from devstack.mockengine.reply_length import ReplyLength
-from devstack.mockengine.server import EngineConfig, run_engine
-from relay.redisio.connect import RedisTLS, add_tls_arguments
-from relay.service import runtime
+from devstack.mockengine.server import EngineConfig, start_engine
+from relay.redisio.connect import RedisTLS, connect
+from relay.service import runtime, settings
+from relay.service.settings import ConfigError, Host, RedisCA, RedisCert, RedisKey, opt
+from relay.service.supervise import Supervisor
 
-__all__ = ["config_from_args", "main", "register", "run", "serve"]
+__all__ = ["EngineSettings", "config_from_args", "main", "register", "run", "serve"]
+
+_D = EngineConfig()
+_R = ReplyLength()
+
+
+class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The mock engine's flags and environment, declared once."""
+
+    port: Annotated[int, opt("TCP port (0 picks a free one)", ge=0, le=65535, required=True)] = 0
+    host: Host = _D.host
+    kv_tokens: Annotated[int, opt("prefix-cache capacity in tokens", ge=0)] = _D.kv_tokens
+    prefill_tok_per_s: Annotated[
+        float, opt("prefill rate of uncached prompt tokens; 0: instantaneous", ge=0)
+    ] = _D.prefill_tok_per_s
+    decode_tok_per_s: Annotated[
+        float, opt("tokens streamed per second; 0: instantaneous", ge=0)
+    ] = _D.decode_tok_per_s
+    max_concurrency: Annotated[int, opt("requests generating at once", ge=1)] = _D.max_concurrency
+    engine_id: Annotated[str, opt("engine id (empty: mock-PORT)", flag="--id")] = ""
+    model: Annotated[str, opt("model name served")] = _D.model
+    reply_mean_tokens: Annotated[
+        float, opt("mean natural reply length, log-normal per prompt", gt=0)
+    ] = _R.mean
+    reply_max_tokens: Annotated[int, opt("longest natural reply, the tail's end", ge=1)] = (
+        _R.max_tokens
+    )
+    reply_min_tokens: Annotated[int, opt("shortest natural reply", ge=1)] = _R.min_tokens
+    reply_sigma: Annotated[
+        float, opt("spread of the log-normal (0: every reply the mean)", ge=0)
+    ] = _R.sigma
+    # Its own variable: the processes beside an engine (compose, the demo) have
+    # TOKENRELAY_REDIS_URL set, and an engine must announce itself only when asked to.
+    redis_url: Annotated[
+        str,
+        opt(
+            "announce this engine to workers (tr:engines heartbeats) on this cluster",
+            flag="--redis",
+            env="TOKENRELAY_ANNOUNCE_REDIS_URL",
+        ),
+    ] = ""
+    redis_ca: RedisCA = ""
+    redis_cert: RedisCert = ""
+    redis_key: RedisKey = ""
+    announce_url: Annotated[str, opt("URL workers should use (empty: http://HOST:PORT)")] = ""
+    cap: Annotated[
+        int,
+        opt("announced in-flight cap (0: --max-concurrency)", ge=0, env="TOKENRELAY_ENGINE_CAP"),
+    ] = 0
+
+    @property
+    def redis_tls(self) -> RedisTLS:
+        return RedisTLS(ca=self.redis_ca, cert=self.redis_cert, key=self.redis_key)
+
+    def validate(self) -> EngineSettings:
+        if self.reply_min_tokens > self.reply_max_tokens:
+            raise ConfigError("need --reply-min-tokens <= --reply-max-tokens")
+        if self.redis_url:
+            settings.check_redis(self.redis_url, self.redis_tls)
+            if self.port == 0 and not self.announce_url:
+                raise ConfigError("--redis needs a fixed --port (or --announce-url)")
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            port=self.port,
+            host=self.host,
+            kv_tokens=self.kv_tokens,
+            prefill_tok_per_s=self.prefill_tok_per_s,
+            decode_tok_per_s=self.decode_tok_per_s,
+            max_concurrency=self.max_concurrency,
+            engine_id=self.engine_id or f"mock-{self.port}",
+            model=self.model,
+            reply=ReplyLength(
+                mean=self.reply_mean_tokens,
+                max_tokens=self.reply_max_tokens,
+                min_tokens=self.reply_min_tokens,
+                sigma=self.reply_sigma,
+            ),
+        )
 
 
 def register(subparsers: Any) -> None:
     """Add ``engine`` to the ``tokenrelay`` subcommands."""
-    d = EngineConfig()
     p = subparsers.add_parser(
         "engine",
         help="run a mock OpenAI-compatible engine with a simulated prefix cache",
         description="A GPU-free stand-in for vLLM/SGLang: streams deterministic text, "
         "simulates prefill of uncached prompt tokens and an LRU prefix cache, and serves "
-        "vLLM-style /metrics.",
+        "vLLM-style /metrics. " + settings.ENV_NOTE,
     )
-    p.add_argument("--port", type=int, required=True, help="TCP port (0 picks a free one)")
-    p.add_argument("--host", default=d.host, help=f"bind address (default {d.host})")
-    p.add_argument("--kv-tokens", type=int, default=d.kv_tokens, help="prefix-cache capacity")
-    p.add_argument("--prefill-tok-per-s", type=float, default=d.prefill_tok_per_s)
-    p.add_argument("--decode-tok-per-s", type=float, default=d.decode_tok_per_s)
-    p.add_argument("--max-concurrency", type=int, default=d.max_concurrency)
-    p.add_argument(
-        "--id", dest="engine_id", default=None, help="engine id (default mock-PORT: unique)"
-    )
-    p.add_argument("--model", default=d.model, help="model name served")
-    p.add_argument(
-        "--reply-mean-tokens",
-        type=float,
-        default=d.reply.mean,
-        help=f"mean natural reply length, log-normal per prompt (default {d.reply.mean:g})",
-    )
-    p.add_argument(
-        "--reply-max-tokens",
-        type=int,
-        default=d.reply.max_tokens,
-        help=f"longest natural reply, the tail's end (default {d.reply.max_tokens})",
-    )
-    p.add_argument("--reply-min-tokens", type=int, default=d.reply.min_tokens)
-    p.add_argument(
-        "--reply-sigma",
-        type=float,
-        default=d.reply.sigma,
-        help=f"spread of the log-normal (default {d.reply.sigma:g}; 0: every reply the mean)",
-    )
-    p.add_argument(
-        "--redis",
-        default=None,
-        help="announce this engine to workers (tr:engines heartbeats) on this cluster",
-    )
-    add_tls_arguments(p)
-    p.add_argument(
-        "--announce-url", default=None, help="URL workers should use (default http://HOST:PORT)"
-    )
-    p.add_argument("--cap", type=int, default=None, help="announced in-flight cap (default C)")
+    settings.add_arguments(p, EngineSettings)
     p.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        port=args.port,
-        host=args.host,
-        kv_tokens=args.kv_tokens,
-        prefill_tok_per_s=args.prefill_tok_per_s,
-        decode_tok_per_s=args.decode_tok_per_s,
-        max_concurrency=args.max_concurrency,
-        engine_id=args.engine_id or f"mock-{args.port}",
-        model=args.model,
-        reply=ReplyLength(
-            mean=args.reply_mean_tokens,
-            max_tokens=args.reply_max_tokens,
-            min_tokens=args.reply_min_tokens,
-            sigma=args.reply_sigma,
-        ),
-    )
+    """The engine's config from flags and environment; ValueError (one line) if refused."""
+    return settings.load(EngineSettings, args).engine_config()
 
 
-async def serve(cfg: EngineConfig, args: argparse.Namespace) -> None:
-    """Run the engine; with ``--redis``, announce it with expiring heartbeats meanwhile
+async def serve(opts: EngineSettings) -> None:
+    """Run the engine until SIGTERM/SIGINT; with ``--redis``, announce it meanwhile
     (withdrawn on a clean stop; after a crash the heartbeat expires by itself)."""
-    if not getattr(args, "redis", None):
-        await run_engine(cfg)
-        return
-    from relay.redisio.connect import connect
     from worker.routing.control import EngineAnnouncer
     from worker.routing.router import EngineSpec
 
-    url = args.announce_url or f"http://{cfg.host}:{cfg.port}"
-    redis = connect(args.redis, tls=RedisTLS.from_args(args))
-    announcer = EngineAnnouncer(
-        redis, EngineSpec(id=cfg.engine_id, url=url, cap=args.cap or cfg.max_concurrency)
-    )
-    try:
-        await redis.initialize()
-        engine = asyncio.create_task(run_engine(cfg))
-        await asyncio.sleep(0.2)  # listening before workers are told about it
-        if not engine.done():
-            await announcer.start()
-        await engine
-    finally:
-        await announcer.stop()
-        await redis.aclose()
+    cfg = opts.engine_config()
+    async with runtime.stop_on_signals() as stop:
+        running = await start_engine(cfg)
+        print(f"mock engine {cfg.engine_id} listening on {running.url}", flush=True)
+        loops = Supervisor(running.engine.metrics.registry)
+        announcer = None
+        if opts.redis_url:
+            url = opts.announce_url or f"http://{cfg.host}:{running.port}"
+            spec = EngineSpec(id=cfg.engine_id, url=url, cap=opts.cap or cfg.max_concurrency)
+            announcer = EngineAnnouncer(connect(opts.redis_url, tls=opts.redis_tls), spec)
+            # critical=False: an engine serves requests whether or not Redis is up
+            loops.every("engine-announce", announcer.ttl_s / 3, announcer.beat, critical=False)
+        try:
+            await stop.wait()
+        finally:
+            await loops.stop()
+            if announcer is not None:
+                await announcer.stop(withdraw=True)
+                await announcer.redis.aclose()
+            await running.stop()
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code."""
     try:
-        cfg = config_from_args(args)
+        opts = settings.load(EngineSettings, args)
+        opts.engine_config()  # ValueError for what only the config can tell
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if getattr(args, "redis", None) and cfg.port == 0 and not args.announce_url:
-        print("error: --redis needs a fixed --port (or --announce-url)", file=sys.stderr)
+    try:
+        runtime.run(serve(opts))
+    except OSError as exc:  # binding the port: one line, never a traceback
+        if exc.errno == errno.EADDRINUSE:
+            print(f"error: port {opts.port} on {opts.host} is in use by another program: "
+                  "stop it, or pick another port with --port N (0: any free port)",
+                  file=sys.stderr)  # fmt: skip
+        else:
+            print(f"error: cannot listen on {opts.host}:{opts.port}: {exc.strerror or exc}",
+                  file=sys.stderr)  # fmt: skip
         return 2
-    if getattr(args, "redis", None):
-        try:
-            RedisTLS.from_args(args).check(args.redis)
-        except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-    runtime.run(serve(cfg, args))
     return 0
 
 

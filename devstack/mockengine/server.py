@@ -7,7 +7,7 @@ Lets the whole stack run without a GPU. The simulation itself is pure and lives 
    concurrency limit, id).
 2. ``make_app(cfg)`` builds the ``web.Application``; ``start_engine(cfg)`` also binds it
    (``port=0`` picks a free port) and returns a ``RunningEngine`` whose ``stop()`` shuts it
-   down; ``run_engine(cfg)`` serves until SIGTERM/SIGINT (used by ``tokenrelay engine``).
+   down; ``run_engine(cfg)`` serves until SIGTERM/SIGINT.
 3. Per ``POST /v1/chat/completions``: validate the body (400/413 with OpenAI-style error
    JSON), wait for a slot in a FIFO queue (``max_concurrency`` running at once), look up
    the cached prefix, send headers ``x-engine-id``, ``x-prefix-cache-hit-tokens``,

@@ -1,5 +1,6 @@
-"""The pure parts of the Python client (:mod:`relay.client.stream`): SSE parsing, continuity and
-integrity checks, reconnect backoff. No sockets, no clock, no asyncio.
+"""The pure parts of the Python client (:mod:`relay.client.stream`): continuity and
+integrity checks, reconnect backoff. No sockets, no clock, no asyncio. SSE is decoded
+by :mod:`relay.protocol.sse_reader`, the project's one SSE decoder.
 
 The same rules as the browser client (clients/js/tokenrelay.js):
 
@@ -13,15 +14,13 @@ The same rules as the browser client (clients/js/tokenrelay.js):
   compared with the text received, when present: ``integrity``.
 
 Order of use: ``c = Continuity(after)``; per decoded frame ``deliver, problems =
-c.accept(frame)``; :class:`SseParser` ``.feed(text)`` per chunk of an SSE body;
-:func:`backoff_s` before each reconnect.
+c.accept(frame)``; :func:`backoff_s` before each reconnect.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
-import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
@@ -32,8 +31,6 @@ __all__ = [
     "Continuity",
     "Problem",
     "ProblemReason",
-    "SseEvent",
-    "SseParser",
     "backoff_s",
     "check_done",
 ]
@@ -161,59 +158,3 @@ def backoff_s(
     ceiling = min(max_s, base_s * 2.0 ** min(attempt, 30))
     r = rand.random() if rand is not None else random.random()
     return ceiling / 2 + r * ceiling / 2
-
-
-@dataclass(frozen=True, slots=True)
-class SseEvent:
-    """A dispatched event (``kind`` "event"), a ``retry:`` hint or a comment."""
-
-    kind: Literal["event", "retry", "comment"]
-    event: str = ""
-    data: str = ""
-    id: str | None = None
-    retry_ms: int = 0
-
-
-_NEWLINE = re.compile(r"\r\n|\r|\n")
-
-
-class SseParser:
-    """Incremental ``text/event-stream`` parser: :meth:`feed` returns the events that
-    the chunk completed."""
-
-    def __init__(self) -> None:
-        self._buf = ""
-        self._data: list[str] = []
-        self._event = ""
-        self._id: str | None = None
-
-    def feed(self, chunk: str) -> list[SseEvent]:
-        self._buf += chunk
-        out: list[SseEvent] = []
-        while (m := _NEWLINE.search(self._buf)) is not None:
-            if m.group() == "\r" and m.end() == len(self._buf):
-                break  # the CR may be the first half of a CRLF
-            line, self._buf = self._buf[: m.start()], self._buf[m.end() :]
-            self._line(line, out)
-        return out
-
-    def _line(self, line: str, out: list[SseEvent]) -> None:
-        if not line:
-            if self._data:
-                out.append(SseEvent("event", self._event or "message", "\n".join(self._data),
-                                    self._id))  # fmt: skip
-            self._data, self._event, self._id = [], "", None
-            return
-        if line.startswith(":"):
-            out.append(SseEvent("comment", data=line[1:].lstrip()))
-            return
-        name, _, value = line.partition(":")
-        value = value.removeprefix(" ")
-        if name == "data":
-            self._data.append(value)
-        elif name == "event":
-            self._event = value
-        elif name == "id" and "\0" not in value:
-            self._id = value
-        elif name == "retry" and value.isdigit():
-            out.append(SseEvent("retry", retry_ms=int(value)))

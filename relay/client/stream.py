@@ -27,7 +27,6 @@ let the ``async with``/generator close it).
 from __future__ import annotations
 
 import asyncio
-import codecs
 import json
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
@@ -36,8 +35,9 @@ from typing import Literal
 
 import aiohttp
 
-from relay.client.core import Continuity, Problem, SseParser, backoff_s
+from relay.client.core import Continuity, Problem, backoff_s
 from relay.protocol.frame import Frame, FrameError, decode
+from relay.protocol.sse_reader import SSEDecoder
 
 __all__ = ["ContinuityError", "Watch", "WatchRefused", "WatchStats", "watch"]
 
@@ -205,23 +205,26 @@ class Watch:
         async with http.get(self._path("events"), headers=headers) as resp:
             if resp.status != 200:
                 await self._refused(resp.status, await resp.text(), resp.headers.get("Retry-After"))
-            parser = SseParser()
-            goodbye = "stream ended"
-            decoder = _Utf8()
+            goodbye = ["stream ended"]
+
+            def on_comment(text: str) -> None:
+                if text.startswith("close "):
+                    goodbye[0] = text[6:]
+
+            decoder = SSEDecoder(on_comment=on_comment)
             async for chunk in resp.content.iter_any():
-                for ev in parser.feed(decoder.decode(chunk)):
-                    if ev.kind == "retry":
-                        self._base_s = max(0.05, ev.retry_ms / 1000)
-                    elif ev.kind == "comment" and ev.data.startswith("close "):
-                        goodbye = ev.data[6:]
-                    elif ev.kind == "event" and ev.event == "hello":
+                events = decoder.feed(chunk)
+                if decoder.retry_ms is not None:  # the hint comes before hello and goodbye
+                    self._base_s = max(0.05, decoder.retry_ms / 1000)
+                for ev in events:
+                    if ev.event == "hello":
                         self.relay = json.loads(ev.data).get("relay")
                         self._greeted = True
-                    elif ev.kind == "event":
-                        frame = _decode(ev.data)
-                        if frame is not None and self._deliver(frame):
-                            yield frame
-            raise _Retry(goodbye)
+                        continue
+                    frame = _decode(ev.data)
+                    if frame is not None and self._deliver(frame):
+                        yield frame
+            raise _Retry(goodbye[0])
 
     async def _ws(self, http: aiohttp.ClientSession) -> AsyncIterator[Frame]:
         params: dict[str, str] = {}
@@ -250,16 +253,6 @@ class Watch:
         if code in _FATAL_WS_CLOSE:
             raise WatchRefused(f"ws close {code}")
         raise _Retry(f"ws close {code}")
-
-
-class _Utf8:
-    """Incremental UTF-8 decoding (a chunk may end inside a character)."""
-
-    def __init__(self) -> None:
-        self._dec = codecs.getincrementaldecoder("utf-8")()
-
-    def decode(self, data: bytes) -> str:
-        return self._dec.decode(data)
 
 
 def _decode(data: str) -> Frame | None:

@@ -2,7 +2,7 @@
 
 Registered through the entry-point group ``tokenrelay.commands``
 (``relay = "relay.edge.cli:register"``). Flags override ``TOKENRELAY_*`` environment
-variables (see :mod:`relay.edge.config`).
+variables (see :mod:`relay.edge.config`); ``--fail-fast`` (TOKENRELAY_FAIL_FAST) is declared there.
 
 Order of use: :func:`register` adds the parser; ``tokenrelay relay ...`` calls
 :func:`run`, which builds the config, serves the app and, on SIGTERM or SIGINT,
@@ -22,9 +22,10 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from relay.edge.config import ConfigError, RelayConfig, add_arguments, from_args
 from relay.edge.server import SERVER, make_app, make_runner
+from relay.protocol.codes import Refusal
 from relay.redisio.connect import mask_url, startup_error
 from relay.redisio.errors import RelayError
-from relay.service import runtime
+from relay.service import runtime, settings
 from relay.service.httpguard import GuardedSite
 
 __all__ = ["register", "run", "serve"]
@@ -36,7 +37,7 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "relay",
         help="run an edge server: SSE and WebSocket streams of sessions",
-        description="Edge server. Every flag also reads TOKENRELAY_<NAME> from the environment.",
+        description="Edge server: SSE and WebSocket streams of sessions. " + settings.ENV_NOTE,
     )
     add_arguments(p)
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
@@ -58,7 +59,7 @@ async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> int:
             # A reconnect storm (a relay died, its clients come here) arrives as one
             # burst: aiohttp's default listen backlog of 128 would drop SYNs. A client
             # that never finishes its request head gets 408 (slowloris).
-            rejected = app[SERVER].metrics.rejected.labels("head_timeout")
+            rejected = app[SERVER].metrics.rejected.labels(Refusal.HEAD_TIMEOUT)
             site = GuardedSite(
                 runner,
                 config.host,

@@ -15,6 +15,11 @@ Beside the hub, fed by its set of watched sessions: :class:`relay.redisio.presen
 refreshed with a long TTL) and :class:`relay.edge.reaper.Reaper` (ends turns whose worker
 died).
 
+Background work runs on one :class:`relay.service.supervise.Supervisor` (the relay's, or
+one the hub makes for itself): the subscriber's sync loop, the presence refresh, the
+reaper, and every task the hub starts (subscribes, backlog reads, seals), whose failures
+are logged rather than lost.
+
 Reference counts without races (centrifuge ``node.go``): the first watcher of a session
 subscribes (all other watchers await the same future; a failure rolls back); the last
 one leaving schedules an unsubscribe after ``unsubscribe_delay_s`` that re-checks the
@@ -26,31 +31,39 @@ Order of use::
     tap = await hub.watch(sid, from_offset)   # None: live only; 0: whole backlog; n: after n
     while True: deliveries = await tap.next() # raises WatchClosed(reason, code)
     await tap.close(); await hub.close()      # (a server uses tap.run(out) instead of next)
+
+With ``Hub(..., supervisor=s)``, stop ``s`` before ``hub.close()``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 
 from relay.edge.reaper import Reaper, ReapState
-from relay.edge.resume import Delivery, Fetch, Resume, Step
+from relay.edge.resume import Delivery, Fetch, Resume, ResumeState, Step
 from relay.edge.subscriber import ShardedSubscriber
 from relay.edge.tap import ByteBudget, Flusher, Tap, delivery, read_page
 from relay.edge.watch import Limits, Watch, conflate
-from relay.protocol.frame import now_ms
+from relay.protocol.codes import CloseCode
+from relay.protocol.frame import monotonic_ms
 from relay.protocol.keys import live_channel, parse_session
 from relay.redisio.errors import RelayError, WatchClosed
 from relay.redisio.presence import Presence
 from relay.redisio.publisher import seal
+from relay.service.supervise import Backoff, Supervisor
 
-__all__ = ["Delivery", "Hub", "Tap", "Watch", "WatchClosed", "conflate"]
+__all__ = ["RELAY_BACKOFF", "Delivery", "Hub", "Tap", "Watch", "WatchClosed", "conflate"]
 
 log = logging.getLogger(__name__)
+
+# Retry delays of the relay's loops: short (the loops are cheap, and a resubscribe after
+# a failover should not wait long), capped at a second.
+RELAY_BACKOFF = Backoff(base_s=0.05, cap_s=1.0)
 
 
 class _Channel(ReapState):
@@ -97,8 +110,11 @@ class Hub:
         reap_interval_s: float = 1.0,
         backlog_maxlen: int = 10_000,
         session_ttl_s: int = 86_400,
+        supervisor: Supervisor | None = None,
     ) -> None:
         self.redis = redis
+        self._owns_supervisor = supervisor is None
+        self.supervisor = supervisor or Supervisor(backoff=RELAY_BACKOFF)
         self.limits = Limits(
             queue_frames=queue_frames,
             hard_limit_frames=hard_limit_frames,
@@ -119,6 +135,7 @@ class Hub:
             on_resubscribed=self._on_resubscribed,
             relay_id=relay_id,
             read_from_replicas=read_from_replicas,
+            supervisor=self.supervisor,
         )
         self.presence = Presence(redis, relay_id, ttl_s=presence_ttl_s)
         self.reaper = Reaper(
@@ -133,7 +150,6 @@ class Hub:
         self._channels: dict[str, _Channel] = {}
         self._by_bytes: dict[bytes, _Channel] = {}
         self._sealing: set[str] = set()
-        self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         # called once per live frame read from Redis (servers time publish -> edge here,
         # once per frame, not once per socket)
@@ -162,23 +178,24 @@ class Hub:
 
     async def start(self) -> None:
         await self.subscriber.start()
-        self.presence.start()
-        self.reaper.start()
+        self.presence.start(self.supervisor)
+        self.reaper.start(self.supervisor)
 
     async def close(self) -> None:
+        """Tell every watcher the relay shuts down, stop the background work (a
+        supervisor given to the constructor must be stopped before), remove this relay's
+        presence entries, close the subscriber's connections."""
         if self._closed:
             return
         self._closed = True
         for ch in list(self._channels.values()):
             for tap in list(ch.taps):
-                tap.shut("the relay is shutting down", "relay_shutdown")
+                tap.shut("the relay is shutting down", CloseCode.RELAY_SHUTDOWN)
         for ch in list(self._channels.values()):
             self._drop_channel(ch)
-        await self.reaper.close()
+        if self._owns_supervisor:
+            await self.supervisor.stop()
         await self.presence.close()
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.subscriber.close()
 
     def stats(self) -> dict[str, Any]:
@@ -207,7 +224,7 @@ class Hub:
         unreachable: wrap the call in ``asyncio.timeout`` to bound the wait.
         """
         if self._closed:
-            raise WatchClosed("the relay is shutting down", "relay_shutdown")
+            raise WatchClosed("the relay is shutting down", CloseCode.RELAY_SHUTDOWN)
         sid = parse_session(sid)
         if from_offset is not None and from_offset < 0:
             raise ValueError("from_offset must be >= 0 or None")
@@ -229,7 +246,7 @@ class Hub:
             if from_offset is None:
                 await tap.first_read()
         except BaseException:
-            tap.shut("watch setup failed", "closed")
+            tap.shut("watch setup failed", CloseCode.CLOSED)
             raise
         if not tap.closed:
             self.presence.add(sid)  # a no-op unless this is the session's first watcher
@@ -239,7 +256,7 @@ class Hub:
         ch = _Channel(sid)
         self._channels[sid] = ch
         self._by_bytes[ch.name.encode()] = ch
-        self._spawn(self._subscribe_channel(ch))
+        self._spawn(f"subscribe:{sid}", self._subscribe_channel(ch))
         return ch
 
     async def _subscribe_channel(self, ch: _Channel) -> None:
@@ -284,12 +301,13 @@ class Hub:
         if self._channels.get(ch.sid) is ch:
             del self._channels[ch.sid]
             self._by_bytes.pop(ch.name.encode(), None)
-        if ch.resume.state.name != "CLOSED":
+        if ch.resume.state is not ResumeState.CLOSED:
             ch.resume.close()
         if ch.fetch_task is not None and ch.fetch_task is not asyncio.current_task():
             ch.fetch_task.cancel()
         self._stats["unsubscribes"] += 1
-        self._spawn(self.subscriber.unsubscribe([ch.name]))
+        if not self._closed:  # on close, the subscriber's connections close anyway
+            self._spawn(f"unsubscribe:{ch.sid}", self.subscriber.unsubscribe([ch.name]))
 
     def _reapable(self) -> Iterator[_Channel]:
         return (ch for ch in self._channels.values() if ch.taps and ch.ready.done())
@@ -301,7 +319,7 @@ class Hub:
         if ch is None:
             return
         self._stats["frames_in"] += 1
-        d = delivery(data, now_ms())
+        d = delivery(data, monotonic_ms())
         if d is None:
             self._stats["bad_frames"] += 1
             return
@@ -314,7 +332,7 @@ class Hub:
             self._fanout(ch, step.emit)
         if step.fetch is not None:
             self._stats["repairs"] += 1
-            ch.fetch_task = self._spawn(self._fetch_loop(ch, step.fetch))
+            ch.fetch_task = self._spawn(f"repair:{ch.sid}", self._fetch_loop(ch, step.fetch))
 
     def _fanout(self, ch: _Channel, ds: list[Delivery]) -> None:
         ch.saw(ds)
@@ -355,7 +373,7 @@ class Hub:
             return
         self._sealing.add(sid)
 
-        async def run() -> None:
+        async def run() -> None:  # a failure is logged by the supervisor
             try:
                 n = await seal(
                     self.redis,
@@ -369,15 +387,11 @@ class Hub:
                 if n:
                     self._stats["sealed"] += n
                     log.warning("session %s: %d offset(s) up to %d lost", sid, n, seen)
-            except RelayError as exc:
-                log.info("seal of %s failed: %s", sid, exc)
             finally:
                 self._sealing.discard(sid)
 
-        self._spawn(run())
+        self._spawn(f"seal:{sid}", run())
 
-    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
-        t = asyncio.create_task(coro)
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
-        return t
+    def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> asyncio.Task[Any]:
+        """A task of the hub: logged if it fails, cancelled when the supervisor stops."""
+        return self.supervisor.spawn(name, coro)

@@ -2,7 +2,10 @@
 
 Several relays run in one test process, so nothing registers on the global registry:
 each app builds one :class:`RelayMetrics` and serves :meth:`RelayMetrics.render` on
-``GET /metrics``. Every name starts with ``tokenrelay_relay_``.
+``GET /metrics``. Every name starts with ``tokenrelay_relay_``, except the supervised
+loops' ``tokenrelay_loop_*`` (:mod:`relay.service.supervise`, on the same registry).
+Every metric is declared here: the server's in :class:`RelayMetrics`, the hub's in
+:data:`HUB_METRICS`.
 
 Two sources:
 
@@ -11,7 +14,7 @@ Two sources:
   failures, rejections, per-hop latency frame ``ts`` -> written to the socket);
 - :class:`HubCollector`, which reads ``hub.stats()`` at scrape time (watches,
   subscriptions per shard, conflations, ...): the hub keeps its own numbers and is
-  never called on the hot path for metrics.
+  never called on the hot path for metrics. Numbers that only grow are counters.
 
 Order of use: ``m = RelayMetrics(relay_id)``; ``m.bind_hub(hub.stats)`` once the hub
 exists; the server calls the ``m.<metric>.labels(...).inc()`` etc.;
@@ -40,7 +43,14 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-__all__ = ["PREFIX", "TRANSPORTS", "HubCollector", "LoopHistogram", "RelayMetrics"]
+__all__ = [
+    "HUB_METRICS",
+    "PREFIX",
+    "TRANSPORTS",
+    "HubCollector",
+    "LoopHistogram",
+    "RelayMetrics",
+]
 
 PREFIX: Final = "tokenrelay_relay_"
 TRANSPORTS: Final = ("sse", "ws")
@@ -120,26 +130,52 @@ def _number(v: Any) -> float | None:
     return None
 
 
-# hub.stats() keys that only grow: exported as counters (``..._total``).
-HUB_COUNTERS: Final = frozenset(
-    (
-        "watches_opened", "frames_in", "frames_out", "bad_frames", "conflations",
-        "slow_disconnects", "replays", "gaps", "repairs", "subscribes", "unsubscribes",
-        "presence_errors", "presence_writes", "resubscribes",
-    )
-)  # fmt: skip
+COUNTER: Final = "counter"
+GAUGE: Final = "gauge"
+# Every hub.stats() entry that is exported, declared here: key -> (type, help). A counter
+# (it only grows) is exported as ``tokenrelay_relay_hub_<key>_total``, a gauge as
+# ``tokenrelay_relay_hub_<key>``; a mapping entry gets one sample per key (label ``key``).
+HUB_METRICS: Final[dict[str, tuple[str, str]]] = {
+    "watches_opened": (COUNTER, "watches opened on the hub"),
+    "frames_in": (COUNTER, "live frames read from Redis"),
+    "frames_out": (COUNTER, "frames handed to watches"),
+    "bad_frames": (COUNTER, "live messages that did not decode as frames"),
+    "conflations": (COUNTER, "queued token frames merged for a slow socket"),
+    "slow_disconnects": (COUNTER, "watches closed as slow consumers"),
+    "replays": (COUNTER, "watches that replayed the backlog from an offset"),
+    "gaps": (COUNTER, "gap frames produced (frames lost for good)"),
+    "repairs": (COUNTER, "backlog reads that repaired a hole in the live feed"),
+    "subscribes": (COUNTER, "session channels subscribed"),
+    "unsubscribes": (COUNTER, "session channels unsubscribed"),
+    "sealed": (COUNTER, "offsets sealed after a failover lost them"),
+    "writes_direct": (COUNTER, "socket writes straight from the Redis reader"),
+    "writes_queued": (COUNTER, "socket writes by the stream's task after the socket pushed back"),
+    "presence_writes": (COUNTER, "presence entries written"),
+    "presence_errors": (COUNTER, "presence pipelines that failed"),
+    "reap_checks": (COUNTER, "reaps tried on silent open turns"),
+    "reaped": (COUNTER, "turns ended because their worker was lost"),
+    "reap_errors": (COUNTER, "reaps that failed"),
+    "resubscribes": (COUNTER, "channels subscribed again after a topology change"),
+    "replay_budget_waits": (COUNTER, "replay pages that waited for the relay-wide budget"),
+    "subscriber": (COUNTER, "shard subscriber events, by key"),
+    "watches": (GAUGE, "watches open on the hub"),
+    "channels": (GAUGE, "session channels subscribed now"),
+    "replay_budget_used": (GAUGE, "bytes of replay pages in memory"),
+    "replay_budget_peak": (GAUGE, "most bytes of replay pages in memory at once"),
+    "channels_per_node": (GAUGE, "subscribed session channels per shard node"),
+}
 # hub.stats() keys exported under a name of their own: key -> (metric, label name).
 HUB_RENAMED: Final = {"channels_per_node": ("subscriptions", "shard")}
 
 
 class HubCollector(Collector):
-    """Turns ``hub.stats()`` into metrics at scrape time.
+    """Turns ``hub.stats()`` into metrics at scrape time, as :data:`HUB_METRICS` declares.
 
-    A numeric entry ``k`` becomes ``tokenrelay_relay_hub_<k>`` (a counter ``..._total``
-    if ``k`` is in :data:`HUB_COUNTERS`, else a gauge); a mapping of numbers becomes one
-    gauge with a ``key`` label, except ``channels_per_node``, which is
-    ``tokenrelay_relay_subscriptions{shard="host:port"}``. Other values are skipped, and
-    a failing ``stats()`` yields nothing rather than breaking the scrape.
+    A numeric entry ``k`` becomes ``tokenrelay_relay_hub_<k>`` (``..._total`` for a
+    counter); a mapping of numbers becomes one family with a ``key`` label, except
+    ``channels_per_node``, which is ``tokenrelay_relay_subscriptions{shard="host:port"}``.
+    Undeclared entries are skipped, and a failing ``stats()`` yields nothing rather
+    than breaking the scrape.
     """
 
     def __init__(self) -> None:
@@ -156,18 +192,20 @@ class HubCollector(Collector):
         except Exception:  # a scrape must not fail because of the hub
             return
         for name, value in sorted(stats.items()):
+            declared = HUB_METRICS.get(name)
+            if declared is None:
+                continue
+            kind, doc = declared
+            family = CounterMetricFamily if kind == COUNTER else GaugeMetricFamily
             metric = PREFIX + "hub_" + _clean(name)
             n = _number(value)
             if n is not None:
-                if name in HUB_COUNTERS:
-                    yield CounterMetricFamily(metric, f"hub.stats()[{name!r}]", value=n)
-                else:
-                    yield GaugeMetricFamily(metric, f"hub.stats()[{name!r}]", value=n)
+                yield family(metric, doc, value=n)
             elif isinstance(value, Mapping):
                 label = "key"
                 if name in HUB_RENAMED:
                     metric, label = PREFIX + HUB_RENAMED[name][0], HUB_RENAMED[name][1]
-                fam = GaugeMetricFamily(metric, f"hub.stats()[{name!r}] by {label}", labels=[label])
+                fam = family(metric, doc, labels=[label])
                 for k, v in sorted(value.items(), key=lambda kv: str(kv[0])):
                     n = _number(v)
                     if n is not None:

@@ -6,27 +6,29 @@ lock has expired, the turn ends with an ``error`` frame "worker lost". Every
 ``interval_s`` the reaper looks at the channels the hub hands it (``channels()``), at
 most one reap in flight per channel, then not before the next interval.
 
+The interval is the supervised loop ``reaper``; each reap is a task of the same
+:class:`relay.service.supervise.Supervisor` (a failure is logged, the channel is tried
+again after the next interval).
+
 Order of use::
 
-    r = Reaper(redis, relay_id, channels=hub_channels); r.start()
+    r = Reaper(redis, relay_id, channels=hub_channels); r.start(supervisor)
     ...                        # the hub keeps each channel's ReapState up to date
-    await r.close()
+    await supervisor.stop()    # ends the loop and the reaps in flight
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 
 from relay.edge.resume import Delivery
 from relay.redisio.errors import RelayError
-from relay.redisio.publisher import reap
+from relay.redisio.publisher import ReapStatus, reap
+from relay.service.supervise import Supervisor
 
 __all__ = ["ReapState", "Reaper"]
 
@@ -76,36 +78,32 @@ class Reaper:
         self.maxlen = maxlen
         self.ttl_s = ttl_s
         self.stats: dict[str, int] = {"reap_checks": 0, "reaped": 0, "reap_errors": 0}
-        self._task: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._supervisor: Supervisor | None = None
 
-    def start(self) -> None:
-        if self.interval_s > 0:
-            self._task = asyncio.create_task(self._loop(), name="relay-reaper")
+    def start(self, supervisor: Supervisor) -> None:
+        """Run on ``supervisor`` (0 ``interval_s``: never)."""
+        if self.interval_s <= 0:
+            return
+        self._supervisor = supervisor
+        # not critical: a relay that cannot reap still streams every live frame; only
+        # turns whose worker died stay open longer (and the reaps of other relays that
+        # watch the same sessions still end them)
+        supervisor.every(
+            "reaper", self.interval_s, self._tick, critical=False, first_delay_s=self.interval_s
+        )
 
-    async def close(self) -> None:
-        tasks = [t for t in (self._task, *self._tasks) if t is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            now = time.monotonic()
-            for ch in list(self.channels()):
-                if (
-                    ch.turn_open
-                    and not ch.reaping
-                    and now - ch.last_frame >= self.reap_after_s
-                    and now >= ch.reap_next
-                ):
-                    ch.reaping = True
-                    t = asyncio.create_task(self._reap(ch))
-                    self._tasks.add(t)
-                    t.add_done_callback(self._tasks.discard)
+    async def _tick(self) -> None:
+        assert self._supervisor is not None
+        now = time.monotonic()
+        for ch in list(self.channels()):
+            if (
+                ch.turn_open
+                and not ch.reaping
+                and now - ch.last_frame >= self.reap_after_s
+                and now >= ch.reap_next
+            ):
+                ch.reaping = True
+                self._supervisor.spawn(f"reap:{ch.sid}", self._reap(ch))
 
     async def _reap(self, ch: ReapState) -> None:
         self.stats["reap_checks"] += 1
@@ -113,13 +111,13 @@ class Reaper:
             res = await reap(
                 self.redis, ch.sid, reaper=self.relay_id, maxlen=self.maxlen, ttl_s=self.ttl_s
             )
-        except RelayError as exc:
+        except RelayError:  # logged by the supervisor; tried again after the interval
             self.stats["reap_errors"] += 1
-            log.info("reap of %s failed: %s", ch.sid, exc)
+            raise
         else:
-            if res.status == "idle":
+            if res.status is ReapStatus.IDLE:
                 ch.turn_open = False  # until the next token/meta frame
-            elif res.status == "reaped":
+            elif res.status is ReapStatus.REAPED:
                 self.stats["reaped"] += 1
                 log.warning("session %s: turn %d reaped (worker lost)", ch.sid, res.turn)
         finally:

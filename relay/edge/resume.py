@@ -64,16 +64,17 @@ __all__ = [
 class Delivery(NamedTuple):
     """One frame for a socket: its offset, its kind and the encoded bytes as published.
 
-    ``ts`` is the producer's timestamp (ms) and ``received_ms`` when the relay read the
-    frame from its live subscription (0 for frames replayed from the backlog): together
-    they split the per-hop latency into publish -> edge and edge -> socket.
+    ``ts`` is the producer's timestamp (wall-clock ms) and ``received_mono_ms`` when the
+    relay read the frame from its live subscription, on this process's monotonic clock
+    (:func:`relay.protocol.frame.monotonic_ms`; 0 for frames replayed from the backlog):
+    the relay's own queueing (edge -> socket) is timed on the monotonic clock.
     """
 
     offset: int
     kind: str
     data: bytes
     ts: int = 0
-    received_ms: int = 0
+    received_mono_ms: int = 0
     gen: str = ""  # the session generation (frame meta ``gen``), "" when unknown
 
 

@@ -2,23 +2,31 @@
 
 HTTP contract (docs/openapi.yaml; close codes and error bodies in docs/PROTOCOL.md):
 
-- ``GET /v1/sessions/{sid}/events``: SSE. ``retry:`` and an ``event: hello`` first,
-  then per frame ``id: <offset>`` / ``event: <kind>`` / ``data: <frame JSON>``, a
-  heartbeat comment after ``heartbeat_s`` of silence, a ``: close <code> <reason>``
-  comment last. Resume: ``Last-Event-ID`` header or ``last_event_id`` query.
-- ``GET /v1/sessions/{sid}/ws``: WebSocket. ``{"type":"hello",...}`` first, then one
-  text message per frame (the frame JSON as published). Resume: ``?from=<offset>``.
+- ``GET /v1/sessions/{sid}/events`` (SSE) and ``GET /v1/sessions/{sid}/ws``
+  (WebSocket): :mod:`relay.edge.handlers`; ``GET /v1/sessions/{sid}/ui-stream``:
+  :mod:`relay.edge.uistream`. They use the server through :class:`relay.edge.host.StreamHost`.
 - Token: ``Authorization: Bearer <t>`` or ``?token=<t>`` (see :mod:`relay.protocol.auth`).
-- ``GET /healthz``, ``GET /readyz``, ``GET /metrics``, ``GET /openapi.json``
-  (docs/openapi.yaml, the relay's part).
+- ``GET /healthz`` (200 while the process lives), ``GET /readyz`` (503 with ``status``
+  and ``reasons`` while starting, draining, without Redis, or while a critical
+  background loop keeps failing), ``GET /metrics``, ``GET /openapi.json``.
 
 Refusals before a stream starts are JSON ``{"error": code, "reason": sentence}`` with
-400 / 401 / 403 / 503. Frames reach a socket through its hub :class:`~relay.edge.tap.Tap`:
-written straight from the hub's reader while the transport has room, queued (bounded,
-conflating) while it pushes back and drained by the stream's own task (the SSE handler
-task; the WebSocket writer task, while the handler task reads); the hub never waits on
-a socket, and a socket that does not drain within ``write_timeout_s`` is closed as a
-slow consumer. SSE heartbeats come from one timer for all streams.
+400 / 401 / 403 / 429 / 503 (:class:`relay.protocol.codes.Refusal`). Frames reach a
+socket through its hub :class:`~relay.edge.tap.Tap`: written straight from the hub's
+reader while the transport has room, queued (bounded, conflating) while it pushes back
+and drained by the stream's own task; the hub never waits on a socket, and a socket
+that does not drain within ``write_timeout_s`` is closed as a slow consumer. SSE
+heartbeats come from one timer for all streams.
+
+Background work (the heartbeat timer, the loop-lag sampler, the first connection to
+Redis, and the hub's subscriber, presence and reaper loops) runs on one
+:class:`relay.service.supervise.Supervisor` per server, whose metrics go to the relay's
+registry and whose readiness reasons ``/readyz`` reports.
+
+Redis unreachable at start: by default the server keeps trying to connect in the
+background (``/healthz`` 200, ``/readyz`` 503 ``redis_unreachable``, streams refused
+with 503 ``unavailable``); with ``fail_fast`` the start-up fails instead (the command
+prints one line and exits 1).
 
 Order of use: ``app = make_app(config)`` (creates the RedisCluster client and the hub
 on startup, closes them on cleanup; pass ``hub=`` to use one you own), run it;
@@ -28,46 +36,31 @@ on SIGTERM ``await app[SERVER].drain()`` then clean up (see :mod:`relay.edge.cli
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 import orjson
-from aiohttp import WSMsgType, web
-from aiohttp.abc import AbstractStreamWriter
+from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
 
-from relay.edge import openapi, uistream
+from relay.edge import handlers, openapi, uistream
 from relay.edge.config import RelayConfig
-from relay.edge.hub import Delivery, Hub, Tap
+from relay.edge.hub import RELAY_BACKOFF, Delivery, Hub, Tap
 from relay.edge.metrics import RelayMetrics
 from relay.edge.streamguard import Access, StreamGuard, Ticket
-from relay.edge.streams import (
-    CORS_HEADERS,
-    GOODBYE_S,
-    RETRY_AFTER,
-    SSE_FRAMES,
-    WS_CLOSE,
-    WS_FRAMES,
-    Reject,
-    SocketOut,
-    Stream,
-    client_reason,
-    discard,
-    is_ping,
-    jitter,
-)
+from relay.edge.streams import CORS_HEADERS, RETRY_AFTER, Reject, Stream, Transport
 from relay.protocol import sse
 from relay.protocol.auth import AuthError, extract_token, verify_token
-from relay.protocol.frame import now_ms
+from relay.protocol.codes import CloseCode, Readiness, Refusal
+from relay.protocol.frame import monotonic_ms, now_ms
 from relay.protocol.keys import InvalidSessionId, parse_session
-from relay.redisio.connect import connect
+from relay.redisio.connect import connect, mask_url, startup_error
 from relay.redisio.errors import RelayError, WatchClosed
 from relay.service import runtime
 from relay.service.clientaddr import client_address, parse_networks
+from relay.service.supervise import Supervisor
 
 __all__ = ["SERVER", "EdgeServer", "make_app", "make_runner"]
 
@@ -76,22 +69,26 @@ log = logging.getLogger(__name__)
 
 _HEARTBEAT: Final = sse.comment("heartbeat")
 _BEAT_SLICE: Final = 500  # streams looked at per event-loop turn by the heartbeat timer
-
+_CONNECT_LOG_EVERY: Final = 20  # while Redis stays unreachable at start: one line per N tries
 
 WATCH_TIMEOUT_S: Final = 10.0  # subscribe + replay; past it the client gets 503 unavailable
+SHUTDOWN_REASON: Final = "the relay is restarting; reconnect"
 
 
 class EdgeServer:
-    """State of one edge server app: config, hub, metrics, open streams, drain flag."""
+    """State of one edge server app: config, hub, metrics, open streams, drain flag.
+
+    Implements :class:`relay.edge.host.StreamHost` for the stream handlers."""
 
     def __init__(self, config: RelayConfig, hub: Hub | None = None) -> None:
         self.config = config
         self.metrics = RelayMetrics(config.relay_id)
+        self.supervisor = Supervisor(self.metrics.registry, backoff=RELAY_BACKOFF)
         m = self.metrics
-        self._out_metrics = {  # label children bound once: _sent runs per socket write
+        self._out_metrics = {  # label children bound once: sent() runs per socket write
             t: (m.frames_out.labels(t), m.bytes_out.labels(t), m.hop_latency.labels(t),
                 m.edge_to_socket.labels(t))
-            for t in ("sse", "ws")
+            for t in (Transport.SSE, Transport.WS)
         }  # fmt: skip
         self.hub: Hub | None = hub
         self.redis: RedisCluster | None = hub.redis if hub is not None else None
@@ -101,25 +98,40 @@ class EdgeServer:
         self.streams: set[Stream] = set()
         self._closing: set[asyncio.Future[None]] = set()  # abandoned watches being closed
         self.admitted = 0  # streams past admission (includes those still opening)
-        self._beat_task: asyncio.Task[None] | None = None
-        self._lag_task: asyncio.Task[None] | None = None
         self.keys = config.keyset()  # None: auth off
         self.trusted = parse_networks(config.trusted_proxies)
         self.guard = StreamGuard(config.max_streams_per_token, config.max_streams_per_address)
         self._tickets: dict[Stream, Ticket] = {}
         if hub is not None:
-            self.metrics.bind_hub(hub.stats)
-            hub.live_observers.append(self._on_live)
+            self._bind(hub)
 
     # -- lifecycle -----------------------------------------------------------------------
 
     async def startup(self, app: web.Application) -> None:
         if self.hub is None:
-            cfg = self.config
-            self.redis = connect(cfg.redis_url, tls=cfg.redis_tls)  # a burst waits
-            await self.redis.initialize()
-            self.hub = Hub(
-                self.redis,
+            if self.config.fail_fast:
+                await self._connect()  # a failure fails the start-up: one line, exit 1
+            else:
+                try:
+                    await self._connect()  # ready as soon as the app runs, when Redis is up
+                except Exception as exc:  # whatever it is, Redis is not usable yet
+                    log.warning("%s; trying again in the background", self._cannot(exc))
+                    self.supervisor.set_condition(Readiness.REDIS_UNREACHABLE, True)
+                    self.supervisor.spawn("redis_connect", self._connect_until_up())
+        # neither loop is critical: a dead heartbeat timer lets proxies cut idle streams
+        # (clients resume), a dead lag sampler loses a metric; both are bugs, logged
+        self.supervisor.forever("sse_heartbeats", self._heartbeats, critical=False)
+        self.supervisor.forever("loop_lag", self._loop_lag, critical=False)
+        self.started = True
+
+    async def _connect(self) -> None:
+        """Connect to Redis and start the hub on this server's supervisor."""
+        cfg = self.config
+        redis = connect(cfg.redis_url, tls=cfg.redis_tls)  # a burst waits
+        try:
+            await redis.initialize()
+            hub = Hub(
+                redis,
                 queue_frames=cfg.queue_frames,
                 hard_limit_frames=cfg.hard_limit_frames,
                 max_pending_bytes=cfg.max_pending_bytes,
@@ -128,21 +140,46 @@ class EdgeServer:
                 reap_after_s=cfg.reap_after_s,
                 reap_interval_s=min(cfg.reap_after_s, 1.0),  # 0 disables the reaper
                 relay_id=cfg.relay_id,
+                supervisor=self.supervisor,
             )
-            await self.hub.start()
-            self.metrics.bind_hub(self.hub.stats)
-            self.hub.live_observers.append(self._on_live)
-        self._beat_task = asyncio.create_task(self._heartbeats(), name="sse-heartbeats")
-        self._lag_task = asyncio.create_task(self._loop_lag(), name="loop-lag")
-        self.started = True
+            await hub.start()
+        except BaseException:
+            await redis.aclose()
+            raise
+        self.redis, self.hub = redis, hub
+        self._bind(hub)
+
+    async def _connect_until_up(self) -> None:
+        """Try the first connection until it succeeds (the supervisor's backoff between
+        tries), with ``redis_unreachable`` raised meanwhile."""
+        tries = 1  # the first one failed in startup()
+        while True:
+            await asyncio.sleep(self.supervisor.backoff.delay(tries))
+            try:
+                await self._connect()
+            except Exception as exc:  # whatever it is, Redis is not usable yet: try again
+                tries += 1
+                if tries % _CONNECT_LOG_EVERY == 0:
+                    log.warning("%s (%d tries)", self._cannot(exc), tries)
+                continue
+            self.supervisor.set_condition(Readiness.REDIS_UNREACHABLE, False)
+            log.info("connected to Redis at %s", mask_url(self.config.redis_url))
+            return
+
+    def _cannot(self, exc: BaseException) -> str:
+        """One line: the Redis URL (password masked) and the cause."""
+        return startup_error(self.config.redis_url, exc)
+
+    def _bind(self, hub: Hub) -> None:
+        self.metrics.bind_hub(hub.stats)
+        hub.live_observers.append(self._on_live)
 
     async def on_shutdown(self, app: web.Application) -> None:
         await self.drain()
 
     async def cleanup(self, app: web.Application) -> None:
         self.started = False
-        discard(self._beat_task)
-        discard(self._lag_task)
+        await self.supervisor.stop()  # before the hub closes: its loops run on it too
         self.metrics.bind_hub(None)
         if self.hub is not None and self._on_live in self.hub.live_observers:
             self.hub.live_observers.remove(self._on_live)
@@ -159,7 +196,7 @@ class EdgeServer:
         self.draining = True
         self.metrics.draining.set(1)
         for s in list(self.streams):
-            await s.kick("relay_shutdown", "the relay is restarting; reconnect")
+            await s.kick(CloseCode.RELAY_SHUTDOWN, SHUTDOWN_REASON)
         tasks = {s.task for s in self.streams if s.task is not None}
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=deadline)
@@ -168,16 +205,24 @@ class EdgeServer:
             if pending:
                 await asyncio.wait(pending, timeout=1.0)
 
-    # -- admission -----------------------------------------------------------------------
+    def not_ready(self) -> list[str]:
+        """The supervisors' reasons not to take traffic (this server's, and the hub's
+        own when the hub was passed in)."""
+        reasons = self.supervisor.not_ready()
+        if self.hub is not None and self.hub.supervisor is not self.supervisor:
+            reasons += self.hub.supervisor.not_ready()
+        return reasons
 
-    def _session(self, request: web.Request) -> str:
+    # -- admission (StreamHost) ------------------------------------------------------------
+
+    def session(self, request: web.Request) -> str:
         try:
             return parse_session(request.match_info["sid"])
         except InvalidSessionId as exc:
-            raise Reject(400, "bad_session", str(exc)) from None
+            raise Reject(400, Refusal.BAD_SESSION, str(exc)) from None
 
-    def _authorize(self, request: web.Request, sid: str) -> Access:
-        """The verified token (limits and expiry are applied to it in :meth:`_open`)."""
+    def authorize(self, request: web.Request, sid: str) -> Access:
+        """The verified token (limits and expiry are applied to it in :meth:`open_stream`)."""
         address = client_address(
             request.remote, request.headers.get("X-Forwarded-For"), self.trusted
         )
@@ -192,21 +237,23 @@ class EdgeServer:
             raise Reject(exc.status, exc.error, exc.reason, headers) from None
         return Access(claims, token, address)
 
-    def _offset(self, parse: Callable[[], int | None]) -> int | None:
-        try:
-            return parse()
-        except sse.OffsetError as exc:
-            raise Reject(400, "bad_offset", str(exc)) from None
-
-    def _check_capacity(self) -> None:
-        if self.draining or not self.started or self.hub is None:
-            raise Reject(503, "draining", "the relay is restarting; connect again", RETRY_AFTER)
+    def check_capacity(self) -> None:
+        if self.draining or not self.started:
+            raise Reject(
+                503, Refusal.DRAINING, "the relay is restarting; connect again", RETRY_AFTER
+            )
+        if self.hub is None:
+            raise Reject(
+                503, Refusal.UNAVAILABLE, "the relay is not connected to Redis yet", RETRY_AFTER
+            )
         if self.admitted >= self.config.max_connections:
-            raise Reject(503, "overloaded", "too many streams on this relay", RETRY_AFTER)
+            raise Reject(503, Refusal.OVERLOADED, "too many streams on this relay", RETRY_AFTER)
 
-    async def _open(self, transport: str, sid: str, offset: int | None, access: Access) -> Stream:
-        """Admit and watch; the caller must call :meth:`_close` once done."""
-        self._check_capacity()
+    async def open_stream(
+        self, transport: Transport, sid: str, offset: int | None, access: Access
+    ) -> Stream:
+        """Admit and watch; the caller must call :meth:`close_stream` once done."""
+        self.check_capacity()
         assert self.hub is not None
         ticket = self.guard.admit(access)  # 429 past the per-token / per-address limits
         self.admitted += 1
@@ -219,14 +266,16 @@ class EdgeServer:
         except WatchClosed as exc:
             self.admitted -= 1
             ticket.release()
-            raise Reject(503, "draining", exc.reason, RETRY_AFTER) from None
+            raise Reject(503, Refusal.DRAINING, exc.reason, RETRY_AFTER) from None
         except (RelayError, TimeoutError) as exc:
             self.admitted -= 1
             ticket.release()
             if not opening.done():
                 opening.add_done_callback(self._close_abandoned)
             log.warning("watch of %s failed: %r", sid, exc)  # details here, not to clients
-            raise Reject(503, "unavailable", "cannot watch the session", RETRY_AFTER) from None
+            raise Reject(
+                503, Refusal.UNAVAILABLE, "cannot watch the session", RETRY_AFTER
+            ) from None
         except BaseException:
             self.admitted -= 1
             ticket.release()
@@ -243,7 +292,7 @@ class EdgeServer:
         if offset is not None:
             m.resumes.labels(transport).inc()
         if self.draining:  # drain began while the watch was opening
-            await stream.kick("relay_shutdown", "the relay is restarting; reconnect")
+            await stream.kick(CloseCode.RELAY_SHUTDOWN, SHUTDOWN_REASON)
         return stream
 
     def _close_abandoned(self, opening: asyncio.Future[Tap]) -> None:
@@ -254,7 +303,7 @@ class EdgeServer:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    async def _close(self, stream: Stream, code: str) -> None:
+    async def close_stream(self, stream: Stream, code: CloseCode) -> None:
         self.streams.discard(stream)
         self.admitted -= 1
         ticket = self._tickets.pop(stream, None)
@@ -265,34 +314,36 @@ class EdgeServer:
         m.connections.labels(stream.transport).dec()
         m.watches.dec()
         m.closes.labels(stream.transport, code).inc()
-        if code == "slow_consumer":
+        if code is CloseCode.SLOW_CONSUMER:
             m.slow_disconnects.labels(stream.transport).inc()
 
-    def _on_live(self, d: Delivery) -> None:
-        """A live frame read from Redis (once per frame, however many sockets watch)."""
-        if d.ts > 0:
-            self.metrics.publish_to_edge.observe(max(d.received_ms - d.ts, 0) / 1000.0)
+    # -- writing (StreamHost) --------------------------------------------------------------
 
-    def _sent(self, transport: str, batch: list[Delivery], nbytes: int) -> None:
-        m = self.metrics
+    def _on_live(self, d: Delivery) -> None:
+        """A live frame read from Redis (once per frame, however many sockets watch),
+        called as it is read: producer ``ts`` to now crosses processes, so wall clock."""
+        if d.ts > 0:
+            self.metrics.publish_to_edge.observe(max(now_ms() - d.ts, 0) / 1000.0)
+
+    def sent(self, transport: Transport, batch: list[Delivery], nbytes: int) -> None:
         frames, sent_bytes, total, queued = self._out_metrics[transport]
         frames.inc(len(batch))
         sent_bytes.inc(nbytes)
-        now = now_ms()
+        mono, wall = monotonic_ms(), now_ms()
         for d in batch:
             if d.kind == "gap":
-                m.gaps.inc()
-            if d.received_ms <= 0:
+                self.metrics.gaps.inc()
+            if d.received_mono_ms <= 0:
                 continue  # replayed from the backlog: not a hop of the live path
-            queued.observe(max(now - d.received_ms, 0) / 1000.0)
+            queued.observe(max(mono - d.received_mono_ms, 0) / 1000.0)  # in this process
             if d.ts > 0:
-                total.observe(max(now - d.ts, 0) / 1000.0)
+                total.observe(max(wall - d.ts, 0) / 1000.0)  # from the producer's clock
 
-    def _hello(self, stream: Stream) -> bytes:
+    def hello(self, stream: Stream) -> bytes:
         """First message of every stream: which relay, resuming after which offset."""
         return orjson.dumps({"type": "hello", "relay": self.config.relay_id, "from": stream.offset})
 
-    async def _guarded(self, stream: Stream, write: Awaitable[Any], timeout_s: float) -> None:
+    async def guarded(self, stream: Stream, write: Awaitable[Any], timeout_s: float) -> None:
         """One socket write; if it does not finish in ``timeout_s`` the connection is cut
         (:meth:`Stream.cut`). A timer, not ``asyncio.timeout``: a cancellation racing a
         completed write would leak into the task's next await (Python 3.11)."""
@@ -302,71 +353,7 @@ class EdgeServer:
         finally:
             handle.cancel()
 
-    # -- SSE -----------------------------------------------------------------------------
-
-    async def sse_handler(self, request: web.Request) -> web.StreamResponse:
-        sid = self._session(request)
-        access = self._authorize(request, sid)
-        offset = self._offset(
-            lambda: sse.resume_offset(
-                request.headers.get("Last-Event-ID"), request.query.get("last_event_id")
-            )
-        )
-        stream = await self._open("sse", sid, offset, access)
-        code = "closed"
-        try:
-            resp = web.StreamResponse(
-                headers={
-                    "Content-Type": "text/event-stream; charset=utf-8",
-                    "Cache-Control": "no-cache",
-                    "X-Accel-Buffering": "no",
-                }
-            )
-            writer = await resp.prepare(request)
-            stream.sock = request.transport
-            assert writer is not None
-            code = await self._sse_loop(resp, writer, stream)
-            return resp
-        except asyncio.CancelledError:  # the connection was lost (make_runner cancels)
-            code = lost_code(stream, code)
-            raise
-        except Exception:
-            code = "internal"
-            raise
-        finally:
-            await self._close(stream, code)
-
-    async def _sse_loop(
-        self, resp: web.StreamResponse, writer: AbstractStreamWriter, stream: Stream
-    ) -> str:
-        cfg = self.config
-
-        async def put(data: bytes, timeout_s: float = cfg.write_timeout_s) -> None:
-            await self._guarded(stream, resp.write(data), timeout_s)
-
-        try:
-            await put(sse.preamble(cfg.retry_ms, self._hello(stream)))  # sends the head too
-            assert stream.sock is not None
-            stream.out = SocketOut(
-                stream,
-                stream.sock,
-                writer,
-                SSE_FRAMES,
-                functools.partial(self._sent, "sse"),
-                cfg.write_timeout_s,
-            )
-            await stream.watch.run(stream.out)
-        except WatchClosed as exc:
-            code, reason = stream.ended(exc)
-        except (ConnectionError, RuntimeError):  # the client went away, or was cut
-            return stream.stop[0] if stream.stop is not None else "client_gone"
-        finally:
-            stream.out = None
-        retry = jitter(cfg.retry_ms) if code == "relay_shutdown" else cfg.retry_ms
-        with contextlib.suppress(ConnectionError, RuntimeError):
-            await put(sse.goodbye(code, reason, retry), GOODBYE_S)
-            await self._guarded(stream, resp.write_eof(), GOODBYE_S)
-        return code
+    # -- background loops ----------------------------------------------------------------
 
     async def _loop_lag(self) -> None:
         """Every 10 ms, how late the timer fired: a sample of the loop's longest turns."""
@@ -387,124 +374,49 @@ class EdgeServer:
             due = loop.time() - period
             for i, s in enumerate(list(self.streams)):
                 out = s.out
-                if out is not None and s.transport == "sse" and out.last_write <= due:
+                if out is not None and s.transport is Transport.SSE and out.last_write <= due:
                     s.watch.try_write(lambda o=out: o.write(_HEARTBEAT))  # type: ignore[misc]
                 if i % _BEAT_SLICE == _BEAT_SLICE - 1:
                     await asyncio.sleep(0)
 
-    # -- WebSocket -----------------------------------------------------------------------
+    # -- handlers ------------------------------------------------------------------------
+
+    async def sse_handler(self, request: web.Request) -> web.StreamResponse:
+        return await handlers.sse_handler(self, request)
 
     async def ws_handler(self, request: web.Request) -> web.StreamResponse:
-        sid = self._session(request)
-        access = self._authorize(request, sid)
-        offset = self._offset(lambda: sse.parse_offset(request.query.get("from"), name="from"))
-        cfg = self.config
-        ws = web.WebSocketResponse(
-            heartbeat=cfg.heartbeat_s,
-            max_msg_size=cfg.ws_max_message_bytes,
-            compress=False,
-            timeout=2.0,
-        )
-        if not ws.can_prepare(request).ok:
-            raise Reject(400, "not_websocket", "this endpoint needs a WebSocket upgrade")
-        stream = await self._open("ws", sid, offset, access)
-        code = "closed"
-        writer: asyncio.Task[str] | None = None
-        try:
-            pw = await ws.prepare(request)
-            stream.sock = request.transport
-            writer = asyncio.create_task(self._ws_writer(ws, pw, stream), name=f"ws-writer:{sid}")
-            code = await self._ws_reader(ws, stream)
-            if code != "writer_done":
-                writer.cancel()
-                if code != "client_gone":  # the client broke the protocol: we close
-                    await self._ws_close(ws, stream, code, client_reason(code))
-            await asyncio.wait([writer])
-            if code == "writer_done":
-                code = writer.result() if not writer.cancelled() else "closed"
-            return ws
-        except asyncio.CancelledError:  # the connection was lost (make_runner cancels)
-            code = lost_code(stream, code)
-            raise
-        finally:
-            if writer is not None and not writer.done():
-                writer.cancel()
-            await self._close(stream, code)
-
-    async def _ws_reader(self, ws: web.WebSocketResponse, stream: Stream) -> str:
-        """Read the client's messages in the handler task (aiohttp requires it)."""
-        while True:
-            msg = await ws.receive()
-            if msg.type is WSMsgType.TEXT:
-                if not is_ping(msg.data):
-                    return "bad_message"
-            elif msg.type is WSMsgType.BINARY:
-                return "binary"
-            elif msg.type is WSMsgType.ERROR:  # aiohttp already closed (1009 for too big)
-                return "too_big" if ws.close_code == 1009 else "client_gone"
-            elif msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
-                return "writer_done" if stream.stop is not None else "client_gone"
-
-    async def _ws_writer(
-        self, ws: web.WebSocketResponse, writer: AbstractStreamWriter, stream: Stream
-    ) -> str:
-        cfg = self.config
-        timeout_s = cfg.write_timeout_s
-        try:
-            await self._guarded(
-                stream, ws.send_frame(self._hello(stream), WSMsgType.TEXT), timeout_s
-            )
-            assert stream.sock is not None
-            stream.out = SocketOut(
-                stream,
-                stream.sock,
-                writer,
-                WS_FRAMES,
-                functools.partial(self._sent, "ws"),
-                timeout_s,
-            )
-            await stream.watch.run(stream.out)
-        except WatchClosed as exc:
-            code, reason = stream.ended(exc)
-        except (ConnectionError, RuntimeError):  # the client went away, or was cut
-            return stream.stop[0] if stream.stop is not None else "client_gone"
-        except Exception:  # never leave the reader waiting on a socket nobody closes
-            log.exception("WebSocket writer of %s failed", stream.sid)
-            code, reason = "internal", "internal error"
-        finally:
-            stream.out = None
-        if stream.stop is None:
-            stream.stop = (code, reason)
-        await self._ws_close(ws, stream, code, reason)
-        return code
-
-    async def _ws_close(
-        self, ws: web.WebSocketResponse, stream: Stream, code: str, reason: str
-    ) -> None:
-        num, default = WS_CLOSE.get(code, WS_CLOSE["internal"])
-        message = (reason or default).encode()[:120]  # a close reason fits in 123 bytes
-        with contextlib.suppress(ConnectionError, RuntimeError):
-            # ws.close waits up to its own timeout (2 s) for the client's close frame
-            await self._guarded(stream, ws.close(code=num, message=message), GOODBYE_S + 2.0)
-
-    # -- health, metrics, CORS -----------------------------------------------------------
+        return await handlers.ws_handler(self, request)
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "alive", "relay": self.config.relay_id})
 
     async def readyz(self, request: web.Request) -> web.Response:
+        """200 ``{"status": "ready", "reasons": []}``, or 503 with ``status`` (the first
+        of draining, starting, redis_unreachable, not_ready), every reason and a sentence."""
         relay = self.config.relay_id
+
+        def not_ready(status: Readiness, reasons: list[str], reason: str) -> web.Response:
+            body = {"status": status, "relay": relay, "reasons": reasons, "reason": reason}
+            return web.json_response(body, status=503)
+
         if self.draining:
-            return web.json_response({"status": "draining", "relay": relay}, status=503)
-        if not self.started or self.redis is None:
-            return web.json_response({"status": "starting", "relay": relay}, status=503)
-        try:
-            await asyncio.wait_for(self.redis.ping(), 1.0)  # cancels only the ping
-        except Exception as exc:  # any failure means "not ready"; details only in the log
-            log.warning("readyz: redis ping failed: %r", exc)
-            body = {"status": "redis_unreachable", "reason": "redis did not answer a ping"}
-            return web.json_response({**body, "relay": relay}, status=503)
-        return web.json_response({"status": "ready", "relay": relay})
+            return not_ready(Readiness.DRAINING, [Readiness.DRAINING], "the relay drains")
+        if not self.started:
+            return not_ready(Readiness.STARTING, [Readiness.STARTING], "the relay is starting")
+        reasons = self.not_ready()
+        if self.redis is not None and Readiness.REDIS_UNREACHABLE not in reasons:
+            try:
+                await asyncio.wait_for(self.redis.ping(), 1.0)  # cancels only the ping
+            except Exception as exc:  # any failure means "not ready"; details only in the log
+                log.warning("readyz: redis ping failed: %r", exc)
+                reasons.insert(0, Readiness.REDIS_UNREACHABLE)
+        if Readiness.REDIS_UNREACHABLE in reasons:
+            said = "redis did not answer a ping" if self.redis is not None else (
+                "the relay has not reached Redis yet")  # fmt: skip
+            return not_ready(Readiness.REDIS_UNREACHABLE, reasons, said)
+        if reasons:
+            return not_ready(Readiness.NOT_READY, reasons, "background work keeps failing")
+        return web.json_response({"status": Readiness.READY, "relay": relay, "reasons": []})
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         body, ctype = self.metrics.render()
@@ -553,16 +465,8 @@ def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
     app.router.add_get("/readyz", server.readyz)
     app.router.add_get("/metrics", server.metrics_handler)
     app.router.add_get("/openapi.json", openapi.handler("relay"))  # docs/openapi.yaml
-    uistream.register(app, server)  # the AI SDK's UI message stream (relay/edge/uistream.py)
+    uistream.register(app, server)  # the AI SDK's UI message stream
     return app
-
-
-def lost_code(stream: Stream, code: str) -> str:
-    """Why a stream whose handler was cancelled by a lost connection ended: the reason
-    the server had already decided (slow consumer cut, protocol close) or client_gone."""
-    if stream.stop is not None:
-        return stream.stop[0]
-    return "client_gone" if code == "closed" else code
 
 
 def make_runner(app: web.Application, **kwargs: Any) -> web.AppRunner:

@@ -23,6 +23,7 @@ from typing import Final
 
 from relay.edge.streams import Reject, Stream
 from relay.protocol.auth import Claims
+from relay.protocol.codes import CloseCode, Refusal
 
 __all__ = ["EXPIRED_REASON", "Access", "StreamGuard", "Ticket"]
 
@@ -87,14 +88,14 @@ class StreamGuard:
         ):
             raise Reject(
                 429,
-                "too_many_streams",
+                Refusal.TOO_MANY_STREAMS,
                 f"this token already holds {self.per_token} open streams; close one",
                 retry,
             )
         if self.per_address and self.by_address[access.address] >= self.per_address:
             raise Reject(
                 429,
-                "too_many_streams",
+                Refusal.TOO_MANY_STREAMS,
                 f"this client address already holds {self.per_address} open streams",
                 retry,
             )
@@ -109,7 +110,7 @@ class StreamGuard:
         _decrement(self.by_address, access.address)
 
     def expire(self, stream: Stream) -> None:
-        task = asyncio.ensure_future(stream.kick("token_expired", EXPIRED_REASON))
+        task = asyncio.ensure_future(stream.kick(CloseCode.TOKEN_EXPIRED, EXPIRED_REASON))
         self._kicks.add(task)
         task.add_done_callback(self._kicks.discard)
 

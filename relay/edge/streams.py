@@ -18,6 +18,7 @@ from outside (drain) and :meth:`Stream.cut` from a write timer; the stream's tas
 from __future__ import annotations
 
 import asyncio
+import enum
 import random
 import struct
 from collections import OrderedDict
@@ -31,6 +32,7 @@ from aiohttp.abc import AbstractStreamWriter
 from relay.edge.resume import Delivery
 from relay.edge.tap import Tap
 from relay.protocol import sse
+from relay.protocol.codes import CloseCode, Refusal, WsClose
 from relay.redisio.errors import WatchClosed
 
 __all__ = [
@@ -44,6 +46,7 @@ __all__ = [
     "Reject",
     "SocketOut",
     "Stream",
+    "Transport",
     "client_reason",
     "discard",
     "is_ping",
@@ -51,16 +54,25 @@ __all__ = [
     "ws_text_frame",
 ]
 
+
+class Transport(enum.StrEnum):
+    """How a stream reaches its client (the ``transport`` label of the metrics)."""
+
+    SSE = "sse"
+    WS = "ws"
+    UI = "ui"  # the AI SDK UI message stream (SSE framing of its own)
+
+
 # WebSocket close codes the server uses, by WatchClosed / server stop code.
-WS_CLOSE: Final[dict[str, tuple[int, str]]] = {
-    "relay_shutdown": (1012, "service restart"),
-    "slow_consumer": (4008, "slow consumer"),
-    "token_expired": (4401, "token expired"),
-    "bad_message": (4400, "bad message"),
-    "binary": (1003, "binary messages are not supported"),
-    "too_big": (1009, "message too big"),
-    "internal": (1011, "internal error"),
-    "closed": (1000, "closed"),
+WS_CLOSE: Final[dict[CloseCode, tuple[WsClose, str]]] = {
+    CloseCode.RELAY_SHUTDOWN: (WsClose.SERVICE_RESTART, "service restart"),
+    CloseCode.SLOW_CONSUMER: (WsClose.SLOW_CONSUMER, "slow consumer"),
+    CloseCode.TOKEN_EXPIRED: (WsClose.TOKEN_EXPIRED, "token expired"),
+    CloseCode.BAD_MESSAGE: (WsClose.BAD_MESSAGE, "bad message"),
+    CloseCode.BINARY: (WsClose.UNSUPPORTED_DATA, "binary messages are not supported"),
+    CloseCode.TOO_BIG: (WsClose.MESSAGE_TOO_BIG, "message too big"),
+    CloseCode.INTERNAL: (WsClose.INTERNAL_ERROR, "internal error"),
+    CloseCode.CLOSED: (WsClose.NORMAL, "closed"),
 }
 CORS_HEADERS: Final = {
     "Access-Control-Allow-Headers": "Authorization, Last-Event-ID, Content-Type",
@@ -74,7 +86,7 @@ class Reject(Exception):
     """A request refused before streaming; becomes ``{"error", "reason"}`` JSON."""
 
     def __init__(
-        self, status: int, error: str, reason: str, headers: dict[str, str] | None = None
+        self, status: int, error: Refusal, reason: str, headers: dict[str, str] | None = None
     ) -> None:
         super().__init__(f"{status} {error}: {reason}")
         self.status, self.error, self.reason = status, error, reason
@@ -92,9 +104,9 @@ class Stream:
 
     __slots__ = ("offset", "out", "sid", "sock", "stop", "task", "transport", "watch")
 
-    def __init__(self, transport: str, sid: str, offset: int | None, watch: Tap) -> None:
+    def __init__(self, transport: Transport, sid: str, offset: int | None, watch: Tap) -> None:
         self.transport, self.sid, self.offset, self.watch = transport, sid, offset, watch
-        self.stop: tuple[str, str] | None = None
+        self.stop: tuple[CloseCode, str] | None = None
         self.task: asyncio.Task[Any] | None = asyncio.current_task()
         self.sock: asyncio.Transport | None = None
         self.out: SocketOut | None = None  # set while frames stream
@@ -104,17 +116,17 @@ class Stream:
         (its buffers are full: no goodbye would get through); the pending write fails
         with ConnectionResetError in the stream's task. No task is cancelled."""
         if self.stop is None:
-            self.stop = ("slow_consumer", "the client does not read fast enough")
+            self.stop = (CloseCode.SLOW_CONSUMER, "the client does not read fast enough")
         if self.sock is not None:
             self.sock.abort()
 
-    async def kick(self, code: str, reason: str) -> None:
+    async def kick(self, code: CloseCode, reason: str) -> None:
         """End the stream from outside: its writer wakes with WatchClosed and says why."""
         if self.stop is None:
             self.stop = (code, reason)
         await self.watch.close()
 
-    def ended(self, exc: WatchClosed) -> tuple[str, str]:
+    def ended(self, exc: WatchClosed) -> tuple[CloseCode, str]:
         return self.stop if self.stop is not None else (exc.code, exc.reason)
 
 
@@ -256,7 +268,7 @@ def is_ping(text: str) -> bool:
     return isinstance(obj, dict) and obj.get("type") == "ping"
 
 
-def client_reason(code: str) -> str:
-    if code == "bad_message":
+def client_reason(code: CloseCode) -> str:
+    if code is CloseCode.BAD_MESSAGE:
         return 'client messages must be {"type":"ping"}'
-    return WS_CLOSE.get(code, WS_CLOSE["internal"])[1]
+    return WS_CLOSE.get(code, WS_CLOSE[CloseCode.INTERNAL])[1]

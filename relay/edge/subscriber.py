@@ -24,6 +24,11 @@ the demoted master before its new master knows it as a replica, which gets no sh
 messages meanwhile: the frames of that window would reach no one until the next frame
 revealed the hole (and a lost ``done`` never would).
 
+The sync task is the supervised loop ``subscriber`` (:class:`relay.service.supervise.Supervisor`,
+the relay's own or one the subscriber makes): a sync round that fails, or leaves
+channels pending (no owner yet, a lagging map, a refused ``SSUBSCRIBE``), raises; the
+supervisor logs it and starts the loop again after its jittered backoff.
+
 Order of use::
 
     sub = ShardedSubscriber(redis, on_message=..., on_resubscribed=..., relay_id="r1")
@@ -44,221 +49,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import ssl
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
-import hiredis
 from redis.asyncio.cluster import RedisCluster
 
+from relay.edge.nodeconn import MessageHandler, NodeConn, pack_command, raw_command
 from relay.protocol.slotmap import Addr, SlotMap, group_by_slot, parse_shards, parse_slots, slot_of
 from relay.redisio.connect import ssl_context_of
 from relay.redisio.errors import RedisCommandError, RedisUnavailable, SubscribeError
+from relay.service.supervise import Backoff, Supervisor
 
 __all__ = ["NodeConn", "ShardedSubscriber", "pack_command", "raw_command"]
 
 log = logging.getLogger(__name__)
 
-MessageHandler = Callable[[bytes, bytes], None]
 ChannelsHandler = Callable[[list[str]], None]
 
-
-def pack_command(*args: str | bytes | int) -> bytes:
-    """RESP-encode one command."""
-    out = [b"*%d\r\n" % len(args)]
-    for a in args:
-        b = a if isinstance(a, bytes) else str(a).encode()
-        out.append(b"$%d\r\n%b\r\n" % (len(b), b))
-    return b"".join(out)
-
-
-async def _open(
-    addr: Addr,
-    timeout_s: float,
-    auth: Sequence[str],
-    name: str | None,
-    tls: ssl.SSLContext | None = None,
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, hiredis.Reader]:
-    try:
-        async with asyncio.timeout(timeout_s):
-            reader, writer = await asyncio.open_connection(addr.host, addr.port, ssl=tls)
-            parser = hiredis.Reader()
-            hello: list[bytes] = []
-            if auth:
-                hello.append(pack_command("AUTH", *auth))
-            if name:
-                hello.append(pack_command("CLIENT", "SETNAME", name))
-            if hello:
-                writer.write(b"".join(hello))
-                for _ in hello:
-                    reply = await _read_one(reader, parser)
-                    if isinstance(reply, hiredis.ReplyError):
-                        writer.close()
-                        raise RedisCommandError(f"{addr}: {reply}")
-            return reader, writer, parser
-    except (OSError, TimeoutError) as exc:
-        raise RedisUnavailable(f"{addr}: {exc!r}") from exc
-
-
-async def _read_one(reader: asyncio.StreamReader, parser: hiredis.Reader) -> Any:
-    while True:
-        reply = parser.gets()
-        if reply is not False:
-            return reply
-        data = await reader.read(1 << 16)
-        if not data:
-            raise RedisUnavailable("connection closed")
-        parser.feed(data)
-
-
-async def raw_command(
-    addr: Addr,
-    *args: str | int,
-    timeout_s: float = 2.0,
-    auth: Sequence[str] = (),
-    tls: ssl.SSLContext | None = None,
-) -> Any:
-    """One command on a short-lived connection (CLUSTER SHARDS for the slot map)."""
-    reader, writer, parser = await _open(addr, timeout_s, auth, None, tls)
-    try:
-        writer.write(pack_command(*args))
-        async with asyncio.timeout(timeout_s):
-            reply = await _read_one(reader, parser)
-    except (OSError, TimeoutError) as exc:
-        raise RedisUnavailable(f"{addr}: {exc!r}") from exc
-    finally:
-        writer.close()
-    if isinstance(reply, hiredis.ReplyError):
-        raise RedisCommandError(str(reply))
-    return reply
-
-
-@dataclass(slots=True)
-class _Cmd:
-    kind: bytes  # b"ssubscribe" | b"sunsubscribe"
-    remaining: set[bytes]
-    future: asyncio.Future[None] | None
-
-
-@dataclass(eq=False)
-class NodeConn:
-    """One pubsub connection to one node, and the task that reads it."""
-
-    addr: Addr
-    on_message: MessageHandler
-    on_unsolicited: Callable[[NodeConn, str], None]
-    on_lost: Callable[[NodeConn, set[str]], None]
-    channels: set[str] = field(default_factory=set)  # confirmed on this connection
-    alive: bool = False
-    _writer: asyncio.StreamWriter | None = None
-    _task: asyncio.Task[None] | None = None
-    _cmds: deque[_Cmd] = field(default_factory=deque)
-
-    async def connect(
-        self, name: str, auth: Sequence[str], timeout_s: float, tls: ssl.SSLContext | None = None
-    ) -> None:
-        reader, writer, parser = await _open(self.addr, timeout_s, auth, name, tls)
-        self._writer = writer
-        self.alive = True
-        self._task = asyncio.create_task(self._read_loop(reader, parser), name=f"sub:{self.addr}")
-
-    def ssubscribe(self, groups: dict[int, list[str]]) -> dict[int, asyncio.Future[None]]:
-        """Write one SSUBSCRIBE per slot (one write in all); a future per slot."""
-        loop = asyncio.get_running_loop()
-        futs: dict[int, asyncio.Future[None]] = {}
-        out = []
-        for slot, chans in groups.items():
-            fut: asyncio.Future[None] = loop.create_future()
-            futs[slot] = fut
-            self._cmds.append(_Cmd(b"ssubscribe", {c.encode() for c in chans}, fut))
-            out.append(pack_command("SSUBSCRIBE", *chans))
-        self._write(b"".join(out))
-        return futs
-
-    def sunsubscribe(self, channels: Iterable[str]) -> None:
-        out = []
-        for chans in group_by_slot(channels).values():
-            for c in chans:
-                self.channels.discard(c)
-            self._cmds.append(_Cmd(b"sunsubscribe", {c.encode() for c in chans}, None))
-            out.append(pack_command("SUNSUBSCRIBE", *chans))
-        if out:
-            self._write(b"".join(out))
-
-    def _write(self, data: bytes) -> None:
-        if not self.alive or self._writer is None:
-            raise RedisUnavailable(f"{self.addr}: connection lost")
-        self._writer.write(data)
-
-    async def _read_loop(self, reader: asyncio.StreamReader, parser: hiredis.Reader) -> None:
-        on_message = self.on_message
-        try:
-            while True:
-                data = await reader.read(1 << 16)
-                if not data:
-                    break
-                parser.feed(data)
-                while (msg := parser.gets()) is not False:
-                    try:
-                        if type(msg) is list and msg[0] == b"smessage":
-                            on_message(msg[1], msg[2])
-                        else:
-                            self._control(msg)
-                    except Exception:  # a consumer bug must not kill the node's reader
-                        log.exception("subscriber callback failed on %s", self.addr)
-        except (OSError, hiredis.ProtocolError) as exc:
-            log.warning("subscriber connection to %s failed: %r", self.addr, exc)
-        except asyncio.CancelledError:
-            self._drop()
-            raise
-        self._drop()
-
-    def _control(self, msg: Any) -> None:
-        if isinstance(msg, hiredis.ReplyError):
-            cmd = self._cmds.popleft() if self._cmds else None
-            if cmd is not None and cmd.future is not None and not cmd.future.done():
-                cmd.future.set_exception(RedisCommandError(str(msg)))
-            return
-        if not isinstance(msg, list) or len(msg) < 2:
-            return
-        kind, chan = msg[0], msg[1]
-        head = self._cmds[0] if self._cmds else None
-        if kind == b"ssubscribe":
-            self.channels.add(chan.decode())
-        solicited = head is not None and head.kind == kind and chan in head.remaining
-        if head is not None and solicited:
-            head.remaining.discard(chan)
-            if not head.remaining:
-                self._cmds.popleft()
-                if head.future is not None and not head.future.done():
-                    head.future.set_result(None)
-        elif kind == b"sunsubscribe":
-            name = chan.decode()
-            if name in self.channels:
-                self.channels.discard(name)
-                self.on_unsolicited(self, name)
-
-    def _drop(self) -> None:
-        if not self.alive:
-            return
-        self.alive = False
-        if self._writer is not None:
-            self._writer.close()
-        while self._cmds:
-            cmd = self._cmds.popleft()
-            if cmd.future is not None and not cmd.future.done():
-                cmd.future.set_exception(RedisUnavailable(f"{self.addr}: connection lost"))
-        lost, self.channels = self.channels, set()
-        self.on_lost(self, lost)
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        self._drop()
+# Retry delays of a subscriber that runs its own supervisor: a resubscribe after a
+# failover should not wait long (the relay's supervisor uses the same bounds).
+SYNC_BACKOFF = Backoff(base_s=0.05, cap_s=1.0)
 
 
 class ShardedSubscriber:
@@ -275,8 +84,13 @@ class ShardedSubscriber:
         subscribe_timeout_s: float = 5.0,
         connect_timeout_s: float = 2.0,
         settle_s: float = 5.0,
+        supervisor: Supervisor | None = None,
     ) -> None:
+        """``supervisor``: run the sync loop on it (the caller stops it before
+        :meth:`close`); by default the subscriber runs one of its own."""
         self.redis = redis
+        self._owns_supervisor = supervisor is None
+        self.supervisor = supervisor or Supervisor(backoff=SYNC_BACKOFF)
         self.on_message = on_message
         self.on_resubscribed = on_resubscribed
         self.client_name = f"tokenrelay-sub:{relay_id}"
@@ -301,7 +115,6 @@ class ShardedSubscriber:
         self._left: dict[str, tuple[Addr, float]] = {}
         self._waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._kick = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         self._closed = False
         self.stats: dict[str, int] = {
             "resubscribes": 0,
@@ -316,7 +129,9 @@ class ShardedSubscriber:
 
     async def start(self) -> None:
         await self._refresh_map()
-        self._task = asyncio.create_task(self._sync_loop(), name="subscriber-sync")
+        # critical: a relay whose subscriber cannot subscribe streams nothing live, so
+        # /readyz must send its clients elsewhere rather than serve a frozen feed
+        self.supervisor.forever("subscriber", self._sync_loop, critical=True)
 
     async def subscribe(self, channels: Sequence[str]) -> None:
         """Subscribe (once per relay) and wait for the server's confirmation.
@@ -362,10 +177,8 @@ class ShardedSubscriber:
 
     async def close(self) -> None:
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        if self._owns_supervisor:
+            await self.supervisor.stop()
         conns, self._conns = list(self._conns.values()), {}
         for conn in conns:
             await conn.close()
@@ -482,27 +295,29 @@ class ShardedSubscriber:
         conn = self._conns.get(addr)
         if conn is not None and conn.alive:
             return conn
-        conn = NodeConn(addr, self.on_message, self._on_unsolicited, self._on_lost)
+        conn = NodeConn(
+            addr, self.on_message, self._on_unsolicited, self._on_lost, self.supervisor.spawn
+        )
         await conn.connect(self.client_name, self._auth, self.connect_timeout_s, self._tls)
         self._conns[addr] = conn
         return conn
 
     async def _sync_loop(self) -> None:
-        backoff = 0.05
+        """Make the actual subscriptions the wanted ones, whenever kicked. Raises when a
+        round leaves wanted channels pending: the supervisor backs off and runs it again."""
+        if self._pending & self._wanted:
+            self._kick.set()  # started again after a failure: retry what is pending
         while True:
             await self._kick.wait()
             self._kick.clear()
             try:
                 await self._sync_once()
-            except Exception as exc:  # keep the loop alive whatever happens; retry
-                log.warning("subscriber sync failed: %r", exc)
+            except BaseException:
                 self._stale = True
-            if self._pending & self._wanted:
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
-                self._kick.set()
-            else:
-                backoff = 0.05
+                raise
+            left = len(self._pending & self._wanted)
+            if left:
+                raise RedisUnavailable(f"{left} channel(s) not subscribed yet")
 
     async def _sync_once(self) -> None:
         if self._stale or self._map is None:

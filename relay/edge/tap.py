@@ -40,23 +40,27 @@ from redis.asyncio.cluster import RedisCluster
 
 from relay.edge.resume import Delivery, Fetch
 from relay.edge.watch import Closed, Intent, Watch
+from relay.protocol.codes import CloseCode
 from relay.protocol.frame import FrameError, decode, frame_gen
 from relay.redisio.errors import RelayError, WatchClosed
 from relay.redisio.publisher import read_backlog
+from relay.service.supervise import Backoff
 
 __all__ = ["ByteBudget", "Flusher", "Out", "Tap", "delivery", "read_page"]
+
+READ_BACKOFF = Backoff(base_s=0.05, cap_s=1.0)  # backlog reads while Redis is unreachable
 
 log = logging.getLogger(__name__)
 
 
-def delivery(data: bytes, received_ms: int = 0) -> Delivery | None:
+def delivery(data: bytes, received_mono_ms: int = 0) -> Delivery | None:
     """A :class:`Delivery` for one frame's bytes, or None (logged) if it does not decode."""
     try:
         f = decode(data)
     except FrameError as exc:
         log.warning("dropping undecodable frame: %s", exc)
         return None
-    return Delivery(f.offset, f.kind, data, f.ts, received_ms, frame_gen(f))
+    return Delivery(f.offset, f.kind, data, f.ts, received_mono_ms, frame_gen(f))
 
 
 async def read_page(
@@ -67,18 +71,18 @@ async def read_page(
     max_bytes: int,
     alive: Callable[[], bool],
 ) -> tuple[list[bytes], int, int] | None:
-    """One backlog read (``after`` None: bounds only), retried with backoff while Redis
-    is unreachable and ``alive()``; None once not alive."""
-    backoff = 0.05
+    """One backlog read (``after`` None: bounds only), retried with jittered backoff
+    while Redis is unreachable and ``alive()``; None once not alive."""
+    failures = 0
     while alive():
         try:
             return await read_backlog(
                 redis, sid, after or 0, count if after is not None else 0, max_bytes
             )
         except RelayError as exc:
+            failures += 1
             log.info("backlog read for %s failed: %s", sid, exc)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 1.0)
+            await asyncio.sleep(READ_BACKOFF.delay(failures))
     return None
 
 
@@ -220,11 +224,11 @@ class Tap:
             else:
                 self._flush()
 
-    def shut(self, reason: str, code: str) -> None:
+    def shut(self, reason: str, code: CloseCode) -> None:
         self._apply(self.watch.close(code, reason))
 
     async def close(self) -> None:
-        self.shut("watch closed", "closed")
+        self.shut("watch closed", CloseCode.CLOSED)
 
     async def first_read(self) -> None:
         """Wait until the first backlog answer (the replay's start or the bounds) is in."""

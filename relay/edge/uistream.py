@@ -16,7 +16,8 @@ Any relay serves any session (it reads the backlog and the live channel through 
 hub, like the SSE and WebSocket streams), so many screens can resume the same turn.
 Same token, refusals and drain as ``/events`` (docs/PROTOCOL.md).
 
-Order of use: ``register(app, server)`` in :func:`relay.edge.server.make_app`. Pure core:
+Order of use: ``register(app, host)`` in :func:`relay.edge.server.make_app` (``host``:
+the server, as a :class:`relay.edge.host.StreamHost`). Pure core:
 :class:`UiTurn` (frames of one turn -> UI chunks) and :func:`encode_chunk`; the worker's
 AI SDK chat POST (worker.gateway.aisdk) uses them to answer with the same stream.
 """
@@ -24,20 +25,20 @@ AI SDK chat POST (worker.gateway.aisdk) uses them to answer with the same stream
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import orjson
 from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
 
-from relay.edge.streams import Stream, discard
+from relay.edge.host import StreamHost
+from relay.edge.streams import RETRY_AFTER, Stream, Transport, discard
+from relay.protocol.codes import CloseCode, Refusal
 from relay.protocol.frame import Frame, FrameError, decode
 from relay.protocol.keys import log_key, meta_key
 from relay.redisio.errors import RelayError, WatchClosed, map_redis_errors
-
-if TYPE_CHECKING:
-    from relay.edge.server import EdgeServer
 
 __all__ = [
     "DONE",
@@ -159,49 +160,48 @@ async def active_turn(redis: RedisCluster, sid: str) -> tuple[int, int] | None:
             top = f"{after}-1"  # entry ids are "<offset>-1": continue below the oldest read
 
 
-async def ui_stream_handler(request: web.Request) -> web.StreamResponse:
-    from relay.edge.server import SERVER  # the app's state; server.py imports this module
-
-    server: EdgeServer = request.app[SERVER]
-    sid = server._session(request)
-    access = server._authorize(request, sid)
-    server._check_capacity()
-    assert server.redis is not None
+async def ui_stream_handler(host: StreamHost, request: web.Request) -> web.StreamResponse:
+    sid = host.session(request)
+    access = host.authorize(request, sid)
+    host.check_capacity()
+    assert host.redis is not None
     try:
-        found = await active_turn(server.redis, sid)
+        found = await active_turn(host.redis, sid)
     except RelayError as exc:
         log.warning("ui-stream of %s: backlog read failed: %r", sid, exc)  # not to clients
         return web.json_response(
-            {"error": "unavailable", "reason": "cannot read the session"},
+            {"error": Refusal.UNAVAILABLE, "reason": "cannot read the session"},
             status=503,
-            headers={"Retry-After": "1"},
+            headers=RETRY_AFTER,
         )
     if found is None:
         return web.Response(status=204)
     turn, after = found
-    stream = await server._open("ui", sid, after, access)
-    code = "closed"
+    stream = await host.open_stream(Transport.UI, sid, after, access)
+    code = CloseCode.CLOSED
     ui = UiTurn(sid, turn)
     try:
         resp = web.StreamResponse(headers=UI_HEADERS)
         await resp.prepare(request)
         stream.sock = request.transport
-        code = await _pump(server, resp, stream, ui)
+        code = await _pump(host, resp, stream, ui)
         return resp
     except asyncio.CancelledError:
-        code = "client_gone"
+        code = CloseCode.CLIENT_GONE
         raise
     finally:
-        await server._close(stream, code)
+        await host.close_stream(stream, code)
 
 
-async def _pump(server: EdgeServer, resp: web.StreamResponse, stream: Stream, ui: UiTurn) -> str:
+async def _pump(
+    host: StreamHost, resp: web.StreamResponse, stream: Stream, ui: UiTurn
+) -> CloseCode:
     """Frames of the watch -> UI chunks on the socket until the turn ends; each write is
     bounded like the SSE stream's (a client that does not read is cut)."""
-    cfg = server.config
+    cfg = host.config
 
     async def put(data: bytes) -> None:
-        await server._guarded(stream, resp.write(data), cfg.write_timeout_s)
+        await host.guarded(stream, resp.write(data), cfg.write_timeout_s)
 
     nxt: asyncio.Task[Any] = asyncio.ensure_future(stream.watch.next())
     try:
@@ -224,18 +224,19 @@ async def _pump(server: EdgeServer, resp: web.StreamResponse, stream: Stream, ui
                 await put(bytes(out))
         await put(DONE)
         await resp.write_eof()
-        return "closed"
+        return CloseCode.CLOSED
     except WatchClosed as exc:  # drain or slow consumer: the client resumes (a replay)
         return stream.ended(exc)[0]
     except (ConnectionError, RuntimeError):
-        return stream.stop[0] if stream.stop is not None else "client_gone"
+        return stream.stop[0] if stream.stop is not None else CloseCode.CLIENT_GONE
     finally:
         discard(nxt)
 
 
-def register(app: web.Application, server: EdgeServer) -> None:
-    """The UI stream's routes (``server`` is the app's :class:`relay.edge.server.EdgeServer`)."""
-    app.router.add_get("/v1/sessions/{sid:[^/]+}/ui-stream", ui_stream_handler)
-    app.router.add_get("/v1/chat/{sid:[^/]+}/stream", ui_stream_handler)
-    app.router.add_route("OPTIONS", "/v1/sessions/{sid:[^/]+}/ui-stream", server.preflight)
-    app.router.add_route("OPTIONS", "/v1/chat/{sid:[^/]+}/stream", server.preflight)
+def register(app: web.Application, host: StreamHost) -> None:
+    """The UI stream's routes, served by ``host`` (the app's edge server)."""
+    handler = functools.partial(ui_stream_handler, host)
+    app.router.add_get("/v1/sessions/{sid:[^/]+}/ui-stream", handler)
+    app.router.add_get("/v1/chat/{sid:[^/]+}/stream", handler)
+    app.router.add_route("OPTIONS", "/v1/sessions/{sid:[^/]+}/ui-stream", host.preflight)
+    app.router.add_route("OPTIONS", "/v1/chat/{sid:[^/]+}/stream", host.preflight)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from relay.edge.resume import Delivery, Fetch, Resume
+from relay.protocol.codes import CloseCode
 from relay.protocol.frame import Frame, decode, encode, first_offset, merge_tokens
 
 __all__ = ["Closed", "Intent", "Limits", "Watch", "conflate"]
@@ -42,7 +43,7 @@ __all__ = ["Closed", "Intent", "Limits", "Watch", "conflate"]
 class Closed(NamedTuple):
     """The watch is closed: stop writing and tell the client ``code`` / ``reason``."""
 
-    code: str
+    code: CloseCode
     reason: str
 
 
@@ -102,7 +103,7 @@ def conflate(pending: Iterable[Delivery]) -> tuple[list[Delivery], int]:
         elif run:
             m = merge_tokens([f for f, _ in run])
             last = run[-1][1]
-            out.append(Delivery(m.offset, "token", encode(m), last.ts, last.received_ms))
+            out.append(Delivery(m.offset, "token", encode(m), last.ts, last.received_mono_ms))
             merged += 1
         run.clear()
 
@@ -205,7 +206,7 @@ class Watch:
         self.counters["frames_out"] = self.counters.get("frames_out", 0) + len(out)
         return out, self._release()
 
-    def close(self, code: str, reason: str) -> Sequence[Intent]:
+    def close(self, code: CloseCode, reason: str) -> Sequence[Intent]:
         if self.closed is not None:
             return _NONE
         self.closed = Closed(code, reason)
@@ -260,4 +261,4 @@ class Watch:
 
     def _slow(self, reason: str) -> Sequence[Intent]:
         self.counters["slow_disconnects"] = self.counters.get("slow_disconnects", 0) + 1
-        return self.close("slow_consumer", reason)
+        return self.close(CloseCode.SLOW_CONSUMER, reason)

@@ -57,6 +57,7 @@ from typing import Any, Final, Literal
 import jwt
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
+from relay.protocol.codes import Refusal
 from relay.protocol.keys import InvalidSessionId, parse_session
 
 __all__ = [
@@ -104,7 +105,7 @@ class AuthError(Exception):
     """A request that may not watch (or write to) the session. See the module tree."""
 
     status: int = 403
-    error: str = "forbidden"
+    error: Refusal = Refusal.FORBIDDEN
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -113,36 +114,36 @@ class AuthError(Exception):
 
 class TokenMissing(AuthError):
     status = 401
-    error = "token_missing"
+    error = Refusal.TOKEN_MISSING
 
 
 class TokenForbidden(AuthError):
     status = 403
-    error = "forbidden"
+    error = Refusal.FORBIDDEN
 
 
 class TokenInvalid(TokenForbidden):
-    error = "token_invalid"
+    error = Refusal.TOKEN_INVALID
 
 
 class TokenUnknownKey(TokenInvalid):
-    error = "token_unknown_key"
+    error = Refusal.TOKEN_UNKNOWN_KEY
 
 
 class TokenExpired(TokenForbidden):
-    error = "token_expired"
+    error = Refusal.TOKEN_EXPIRED
 
 
 class TokenNotYetValid(TokenForbidden):
-    error = "token_not_yet_valid"
+    error = Refusal.TOKEN_NOT_YET_VALID
 
 
 class TokenWrongSession(TokenForbidden):
-    error = "token_wrong_session"
+    error = Refusal.TOKEN_WRONG_SESSION
 
 
 class TokenWrongScope(TokenForbidden):
-    error = "token_wrong_scope"
+    error = Refusal.TOKEN_WRONG_SCOPE
 
 
 class WeakSecret(ValueError):

@@ -33,6 +33,7 @@ __all__ = [
     "frame_gen",
     "gap_frame",
     "merge_tokens",
+    "monotonic_ms",
     "now_ms",
     "reset_frame",
 ]
@@ -80,7 +81,14 @@ _decoder = msgspec.json.Decoder(Frame)
 
 
 def now_ms() -> int:
+    """Wall-clock milliseconds: for times that cross processes (a frame's ``ts``)."""
     return time.time_ns() // 1_000_000
+
+
+def monotonic_ms() -> int:
+    """Monotonic milliseconds (> 0): for durations inside one process, which a wall-clock
+    step (NTP) must not bend."""
+    return time.monotonic_ns() // 1_000_000 + 1
 
 
 def encode(frame: Frame) -> bytes:

@@ -1,22 +1,30 @@
-"""Incremental Server-Sent Events decoder (pure, no I/O).
+"""Incremental Server-Sent Events decoder (pure, no I/O): the one SSE reader of the
+project, used by the worker's engine client, the Python client (:mod:`relay.client`),
+the benchmarks and the tests. :mod:`relay.protocol.sse` is the encoder.
 
 Follows the WHATWG event-stream parsing rules: UTF-8 (a leading BOM is dropped), lines
 end in CRLF, LF or CR (also when the CR and LF arrive in different chunks), ``field:
 value`` with at most one space removed after the colon, a ``field`` line without colon
 is a field with an empty value, lines starting with ``:`` are comments, several
-``data`` lines are joined with LF, and a blank line dispatches the event. One lenient
+``data`` lines are joined with LF, a blank line dispatches the event (none when no
+``data`` line came), the event type resets after each dispatch while the last event id
+persists (an ``id`` with NUL is ignored, an empty ``id`` resets it to ""), and ``retry``
+takes ASCII digits only. One lenient
 deviation: at end of stream a pending event is dispatched instead of dropped (some
 servers omit the final blank line after ``data: [DONE]``).
 
-Order of use: ``d = SSEDecoder()``; ``d.feed(chunk)`` for every chunk of bytes read,
-handling the returned events; ``d.close()`` at end of stream. ``SSEError`` is raised
-when a line or an event exceeds the size limits.
+Order of use: ``d = SSEDecoder(on_comment=...)``; ``d.feed(chunk)`` for every chunk of
+bytes read, handling the returned events; ``d.close()`` at end of stream. Comments
+(heartbeats, the relay's goodbye ``close <code> <reason>``) go to ``on_comment`` and are
+counted in ``d.comments``; ``d.retry_ms`` is the last ``retry:`` hint (None before
+one). ``SSEError`` is raised when a line or an event exceeds the size limits.
 """
 
 from __future__ import annotations
 
 import codecs
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["SSEDecoder", "SSEError", "SSEEvent"]
@@ -30,6 +38,8 @@ class SSEError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class SSEEvent:
+    """A dispatched event: its data, type, the last event id and ``retry:`` hint seen."""
+
     data: str
     event: str = "message"
     id: str | None = None
@@ -39,7 +49,13 @@ class SSEEvent:
 class SSEDecoder:
     """Turns chunks of bytes into ``SSEEvent`` values."""
 
-    def __init__(self, *, max_line_chars: int = 1 << 20, max_event_chars: int = 4 << 20) -> None:
+    def __init__(
+        self,
+        *,
+        max_line_chars: int = 1 << 20,
+        max_event_chars: int = 4 << 20,
+        on_comment: Callable[[str], None] | None = None,
+    ) -> None:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._buf = ""
         self._skip_lf = False
@@ -51,7 +67,18 @@ class SSEDecoder:
         self._retry: int | None = None
         self._max_line = max_line_chars
         self._max_event = max_event_chars
+        self._on_comment = on_comment
         self.comments = 0
+
+    @property
+    def retry_ms(self) -> int | None:
+        """The last ``retry:`` hint (the reconnection time), None before one."""
+        return self._retry
+
+    @property
+    def last_id(self) -> str | None:
+        """The last event id (None before any ``id:`` line)."""
+        return self._last_id
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         return self._text(self._utf8.decode(chunk))
@@ -101,6 +128,8 @@ class SSEDecoder:
             return
         if line[0] == ":":
             self.comments += 1
+            if self._on_comment is not None:
+                self._on_comment(line[1:].removeprefix(" "))
             return
         name, _, value = line.partition(":")
         if value.startswith(" "):

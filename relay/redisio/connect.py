@@ -34,7 +34,6 @@ Order of use::
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import contextvars
@@ -50,10 +49,8 @@ from redis.asyncio.connection import RedisSSLContext, SSLConnection
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
-    "TLS_ENV",
     "GatedRedisCluster",
     "RedisTLS",
-    "add_tls_arguments",
     "connect",
     "mask_url",
     "ssl_context_of",
@@ -117,14 +114,6 @@ class _GatedPipeline(ClusterPipeline):
             return await super().execute(raise_on_error, allow_redirections)
 
 
-# The environment variables of the three TLS flags (the relay and the worker read the same).
-TLS_ENV: Final = {
-    "ca": "TOKENRELAY_REDIS_CA",
-    "cert": "TOKENRELAY_REDIS_CERT",
-    "key": "TOKENRELAY_REDIS_KEY",
-}
-
-
 @dataclass(frozen=True, slots=True)
 class RedisTLS:
     """Files for TLS to Redis; empty means "not given". With none given, a ``rediss://``
@@ -133,11 +122,6 @@ class RedisTLS:
     ca: str = ""  # CA bundle (PEM) that signed the servers' certificates
     cert: str = ""  # client certificate (PEM), for servers with tls-auth-clients yes
     key: str = ""  # its private key (PEM, unencrypted)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> RedisTLS:
-        """From the flags of :func:`add_tls_arguments`."""
-        return cls(ca=args.redis_ca or "", cert=args.redis_cert or "", key=args.redis_key or "")
 
     @property
     def given(self) -> bool:
@@ -171,27 +155,6 @@ class RedisTLS:
             kw["ssl_certfile"] = self.cert
             kw["ssl_keyfile"] = self.key
         return kw
-
-
-def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--redis-ca``, ``--redis-cert``, ``--redis-key`` (defaults from :data:`TLS_ENV`);
-    :meth:`RedisTLS.from_args` reads them back."""
-    env = os.environ
-    parser.add_argument(
-        "--redis-ca",
-        default=env.get(TLS_ENV["ca"], ""),
-        help="rediss://: CA bundle (PEM) of the servers' certificates (default: system store)",
-    )
-    parser.add_argument(
-        "--redis-cert",
-        default=env.get(TLS_ENV["cert"], ""),
-        help="rediss://: client certificate (PEM), with --redis-key",
-    )
-    parser.add_argument(
-        "--redis-key",
-        default=env.get(TLS_ENV["key"], ""),
-        help="rediss://: the client certificate's private key (PEM)",
-    )
 
 
 def mask_url(url: str) -> str:

@@ -37,6 +37,8 @@ from typing import Final
 import redis
 import redis.exceptions as rex
 
+from relay.protocol.codes import CloseCode
+
 __all__ = [
     "Fenced",
     "OffsetConflict",
@@ -88,10 +90,10 @@ class SubscribeError(RelayError):
 
 
 class WatchClosed(RelayError):
-    """The hub dropped a watcher. ``code`` is stable ("slow_consumer", "relay_shutdown",
-    "closed"); ``reason`` is a sentence for logs and the client's final frame."""
+    """The hub dropped a watcher. ``code`` (:class:`relay.protocol.codes.CloseCode`) is
+    stable; ``reason`` is a sentence for logs and the client's final frame."""
 
-    def __init__(self, reason: str, code: str) -> None:
+    def __init__(self, reason: str, code: CloseCode) -> None:
         super().__init__(f"{code}: {reason}")
         self.reason = reason
         self.code = code
@@ -114,6 +116,10 @@ def convert(exc: BaseException) -> RelayError:
         | rex.ReadOnlyError  # a demoted master, before the client's map catches up
         | rex.SlotNotCoveredError,  # mid-failover: no node serves the slot yet
     ):
+        return RedisUnavailable(str(exc) or type(exc).__name__)
+    if isinstance(exc, rex.RedisClusterException) and isinstance(
+        exc.__cause__, rex.ConnectionError | rex.TimeoutError | OSError | TimeoutError
+    ):  # "Redis Cluster cannot be connected": no start-up node answered
         return RedisUnavailable(str(exc) or type(exc).__name__)
     return RedisCommandError(str(exc) or type(exc).__name__)
 

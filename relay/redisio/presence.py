@@ -12,12 +12,16 @@ refreshed every ``ttl_s / 3`` (with jitter, so refreshes spread over time), by o
 that sends at most ``batch`` sessions per pipeline and yields between pipelines, so no
 event-loop turn is spent on more than ``batch`` sessions.
 
+The refresh timer is the supervised loop ``presence`` (:class:`relay.service.supervise.Supervisor`):
+a failed pipeline puts its sessions back (nothing is dropped), the supervisor logs the
+failure and starts the loop again after its jittered backoff.
+
 Order of use::
 
-    p = Presence(redis, relay_id="edge-1"); p.start()
+    p = Presence(redis, relay_id="edge-1"); p.start(supervisor)
     p.add(sid)      # first local watcher of sid
     p.remove(sid)   # last local watcher of sid left
-    await p.close() # removes every entry it wrote
+    await supervisor.stop(); await p.close()   # close removes every entry it wrote
 """
 
 from __future__ import annotations
@@ -25,18 +29,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
-import logging
 import random
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from redis.asyncio.cluster import RedisCluster
 
 from relay.protocol.keys import presence_key
 from relay.redisio.errors import RelayError, map_redis_errors
 
-__all__ = ["COUNT_LUA", "WRITE_LUA", "Presence", "count_present"]
+if TYPE_CHECKING:
+    from relay.service.supervise import Supervisor
 
-log = logging.getLogger(__name__)
+__all__ = ["COUNT_LUA", "WRITE_LUA", "Presence", "count_present"]
 
 # KEYS[1] presence key; ARGV[1] relay id, ARGV[2] ttl ms. Score = server now + ttl;
 # entries already expired are dropped; the key lives as long as its newest entry.
@@ -87,7 +91,6 @@ class Presence:
         self._due: list[tuple[float, str]] = []  # heap; stale entries skipped
         self._new: set[str] = set()
         self._gone: set[str] = set()
-        self._task: asyncio.Task[None] | None = None
         self._kick = asyncio.Event()
         self.stats: dict[str, int] = {"presence_writes": 0, "presence_errors": 0}
 
@@ -95,16 +98,15 @@ class Presence:
     def refresh_s(self) -> float:
         return self.ttl_s / 3
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="relay-presence")
+    def start(self, supervisor: Supervisor) -> None:
+        # critical: entries that are not refreshed expire, and workers then treat this
+        # relay's viewers as gone ("nobody watches"); a relay that cannot write presence
+        # must not take viewers
+        supervisor.forever("presence", self._loop, critical=True)
 
     async def close(self) -> None:
-        """Stop refreshing and remove every entry this relay wrote."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        """Remove every entry this relay wrote. Stop the supervisor that runs the refresh
+        loop first: a refresh racing this would write entries back."""
         self._gone.update(self._watched)
         self._watched.clear()
         self._new.clear()
@@ -127,18 +129,15 @@ class Presence:
         self._kick.set()
 
     async def _loop(self) -> None:
+        """Write new entries at once, refresh due ones every tick; a failed write raises
+        (after putting its sessions back) and the supervisor starts this again."""
         loop = asyncio.get_running_loop()
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.tick_s):
                     await self._kick.wait()
             self._kick.clear()
-            try:
-                await self._flush(loop.time())
-            except RelayError as exc:
-                self.stats["presence_errors"] += 1
-                log.info("presence write failed: %s", exc)
-                await asyncio.sleep(min(self.refresh_s, 1.0))
+            await self._flush(loop.time())
 
     def _schedule(self, sid: str, now: float) -> None:
         due = now + self.refresh_s * random.uniform(0.8, 1.0)
@@ -167,7 +166,8 @@ class Presence:
                         for sid in gone[i : i + self.batch]:
                             p.zrem(presence_key(sid), self.relay_id)
                         await p.execute()
-            except RelayError:  # try again at the next tick: nothing is dropped
+            except RelayError:  # written again on the next run: nothing is dropped
+                self.stats["presence_errors"] += 1
                 self._new.update(s for s in writes[i:] if s in self._watched)
                 self._gone.update(s for s in gone[i:] if s not in self._watched)
                 raise

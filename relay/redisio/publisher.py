@@ -41,6 +41,7 @@ Each frame is encoded exactly once, in Python. redis-py errors become
 from __future__ import annotations
 
 import asyncio
+import enum
 import hashlib
 import secrets
 import time
@@ -68,6 +69,7 @@ __all__ = [
     "Generation",
     "Publisher",
     "ReapResult",
+    "ReapStatus",
     "read_backlog",
     "reap",
     "seal",
@@ -386,12 +388,18 @@ class Publisher:
         return Generation(self, sid, epoch, turn, offset, _b(reply[3]).decode())
 
 
-class ReapResult(NamedTuple):
-    """What :func:`reap` did: ``status`` is ``"reaped"`` (an ``error`` frame was written
-    at ``offset`` for ``turn``), ``"locked"`` (a worker still holds the turn lock) or
-    ``"idle"`` (no turn is open)."""
+class ReapStatus(enum.StrEnum):
+    """What :func:`reap` found (the reap script's reply; compares equal to its text)."""
 
-    status: str
+    REAPED = "reaped"  # an error frame was written at ``offset`` for ``turn``
+    LOCKED = "locked"  # a worker still holds the turn lock
+    IDLE = "idle"  # no turn is open
+
+
+class ReapResult(NamedTuple):
+    """What :func:`reap` did (see :class:`ReapStatus`)."""
+
+    status: ReapStatus
     offset: int
     turn: int
 
@@ -417,7 +425,7 @@ async def reap(
     keys = (meta_key(sid), log_key(sid), live_channel(sid), key(sid, KeyKind.LOCK))
     reply = await REAP(redis, keys, (maxlen, ttl_s, sid, now_ms(), reason, reaper))
     status = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
-    return ReapResult(status, int(reply[1]), int(reply[2]))
+    return ReapResult(ReapStatus(status), int(reply[1]), int(reply[2]))
 
 
 async def seal(

@@ -13,19 +13,21 @@ an unfinished job is not acked, so the broker hands it to another job worker.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import os
 import sys
-from typing import Any
+from typing import Annotated, Any
 
 import aiohttp
+import msgspec
 
-from relay.redisio.connect import RedisTLS, add_tls_arguments, connect, mask_url, startup_error
+from relay.redisio.connect import RedisTLS, connect, mask_url, startup_error
 from relay.redisio.errors import RelayError, map_redis_errors
 from relay.redisio.publisher import Publisher
-from relay.service import runtime
+from relay.service import runtime, settings
+from relay.service.settings import RedisCA, RedisCert, RedisKey, RedisURL, opt
+from relay.service.supervise import Supervisor
 from worker.api import default_worker_id
 from worker.chat.store import SessionStore
 from worker.engines.client import EngineClient
@@ -35,9 +37,55 @@ from worker.routing.control import parse_engine_arg
 from worker.routing.loadshare import LoadExchange
 from worker.routing.router import EngineSpec, Router
 
-__all__ = ["register", "run"]
+__all__ = ["JobWorkerSettings", "register", "run"]
 
 _log = logging.getLogger(__name__)
+
+HEALTH_INTERVAL_S = 5.0
+
+
+class JobWorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The job worker's flags and environment (``TOKENRELAY_<FIELD>``), declared once;
+    see :mod:`relay.service.settings`."""
+
+    redis_url: RedisURL = ""
+    redis_ca: RedisCA = ""
+    redis_cert: RedisCert = ""
+    redis_key: RedisKey = ""
+    amqp_url: Annotated[
+        str, opt("RabbitMQ URL (amqp://user:pass@host:5672/)", flag="--amqp", required=True)
+    ] = ""
+    engines: Annotated[
+        tuple[str, ...],
+        opt("engine URL or ID=URL (repeat)", flag="--engine", metavar="[ID=]URL", required=True),
+    ] = ()
+    engine_cap: Annotated[int, opt("in-flight requests per engine", ge=1)] = 8
+    chat_reserve: Annotated[int, opt("slots per engine kept for chat", ge=0)] = 2
+    model: Annotated[str, opt("model name sent to engines")] = "tokenrelay-mock"
+    jobs_queue: Annotated[str, opt("job queue name", flag="--queue")] = "tokenrelay.jobs"
+    max_attempts: Annotated[
+        int, opt("then the dead-letter queue", ge=1, lt=BROKER_DELIVERY_LIMIT)
+    ] = 3
+    prefetch: Annotated[int, opt("jobs in flight per job worker", ge=1)] = 2
+    worker_id: Annotated[str, opt("unique id (empty: job-hostname-pid)")] = ""
+    shutdown_deadline_s: Annotated[
+        float, opt("SIGTERM: running jobs may finish for this long", ge=0)
+    ] = 30.0
+    health_file: Annotated[
+        str,
+        opt(
+            f"touched every {HEALTH_INTERVAL_S:g} s while the broker connection is up (a "
+            "container healthcheck reads its age)"
+        ),
+    ] = ""
+
+    @property
+    def redis_tls(self) -> RedisTLS:
+        return RedisTLS(ca=self.redis_ca, cert=self.redis_cert, key=self.redis_key)
+
+    def validate(self) -> JobWorkerSettings:
+        settings.check_redis(self.redis_url, self.redis_tls)
+        return self
 
 
 def register(subparsers: Any) -> None:
@@ -45,45 +93,24 @@ def register(subparsers: Any) -> None:
         "jobworker",
         help="run offline jobs from RabbitMQ on the engines (below a chat reserve)",
         description="Consume the job queue, run each job on the engines through the "
-        "cache-affine router, store the result in Redis, then ack.",
+        "cache-affine router, store the result in Redis, then ack. " + settings.ENV_NOTE,
     )
-    p.add_argument(
-        "--redis",
-        default=os.environ.get("TOKENRELAY_REDIS_URL"),
-        help="cluster URL (rediss://: TLS)",
-    )
-    add_tls_arguments(p)
-    p.add_argument("--amqp", default=os.environ.get("TOKENRELAY_AMQP_URL"), help="RabbitMQ URL")
-    p.add_argument("--engine", action="append", default=[], help="engine URL or ID=URL")
-    p.add_argument("--engine-cap", type=int, default=8, help="in-flight requests per engine")
-    p.add_argument("--chat-reserve", type=int, default=2, help="slots per engine kept for chat")
-    p.add_argument("--model", default="tokenrelay-mock", help="model name sent to engines")
-    p.add_argument("--queue", default="tokenrelay.jobs", help="job queue name")
-    p.add_argument("--max-attempts", type=int, default=3, help="then the dead-letter queue")
-    p.add_argument("--prefetch", type=int, default=2, help="jobs in flight per job worker")
-    p.add_argument("--worker-id", default=None, help="unique id (default hostname-pid)")
-    p.add_argument("--shutdown-deadline-s", type=float, default=30.0)
-    p.add_argument(
-        "--health-file",
-        default="",
-        help="touched every 5 s while the broker connection is up (a container healthcheck "
-        "reads its age)",
-    )
+    settings.add_arguments(p, JobWorkerSettings)
     p.set_defaults(func=run)
 
 
-async def serve(args: argparse.Namespace, engines: list[EngineSpec]) -> None:
-    worker_id = args.worker_id or f"job-{default_worker_id()}"
-    tls = RedisTLS.from_args(args)
-    redis = connect(args.redis, tls=tls, socket_timeout=2.0, socket_connect_timeout=2.0)
+async def serve(opts: JobWorkerSettings, engines: list[EngineSpec]) -> None:
+    worker_id = opts.worker_id or f"job-{default_worker_id()}"
+    redis = connect(opts.redis_url, tls=opts.redis_tls, socket_timeout=2.0,
+                    socket_connect_timeout=2.0)  # fmt: skip
     with map_redis_errors():
         await redis.initialize()
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     router = Router(engines)
     exchange = LoadExchange(redis, router, worker_id)
     runner = JobRunner(
-        args.amqp,
-        QueueNames(args.queue, args.max_attempts),
+        opts.amqp_url,
+        QueueNames(opts.jobs_queue, opts.max_attempts),
         jobs=JobStore(redis),
         router=router,
         engine=EngineClient(http),
@@ -91,22 +118,30 @@ async def serve(args: argparse.Namespace, engines: list[EngineSpec]) -> None:
         sessions=SessionStore(redis),
         cfg=RunnerConfig(
             worker_id=worker_id,
-            model=args.model,
-            prefetch=args.prefetch,
-            chat_reserve=args.chat_reserve,
+            model=opts.model,
+            prefetch=opts.prefetch,
+            chat_reserve=opts.chat_reserve,
         ),
     )
+    loops = Supervisor()
     try:
         async with runtime.stop_on_signals() as stop:
             await exchange.start()
             await runner.start()
-            print(f"jobworker {worker_id} consuming {args.queue} on {mask_url(args.amqp)}",
-                  flush=True)  # fmt: skip
-            beat = asyncio.create_task(_heartbeat(args.health_file, runner, stop))
+            print(f"jobworker {worker_id} consuming {opts.jobs_queue} on "
+                  f"{mask_url(opts.amqp_url)}", flush=True)  # fmt: skip
+            if opts.health_file:
+                path = opts.health_file
+
+                async def touch() -> None:
+                    if runner.connected:
+                        _touch(path)
+
+                loops.every("health-file", HEALTH_INTERVAL_S, touch, critical=False)
             await stop.wait()
-            beat.cancel()
     finally:
-        await runner.stop(args.shutdown_deadline_s)
+        await loops.stop()
+        await runner.stop(opts.shutdown_deadline_s)
         with contextlib.suppress(Exception):
             await exchange.stop()
         await http.close()
@@ -119,32 +154,16 @@ def _touch(path: str) -> None:
         os.utime(path)
 
 
-async def _heartbeat(path: str, runner: JobRunner, stop: asyncio.Event) -> None:
-    while path and not stop.is_set():
-        if runner.connected:
-            _touch(path)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 5.0)
-
-
 def run(args: argparse.Namespace) -> int:
     try:
-        if not args.redis or not args.amqp:
-            raise ValueError("give --redis and --amqp (or TOKENRELAY_REDIS_URL / _AMQP_URL)")
-        if not args.engine:
-            raise ValueError("give at least one --engine")
-        if args.engine_cap < 1 or args.chat_reserve < 0 or args.prefetch < 1:
-            raise ValueError("--engine-cap and --prefetch must be >= 1, --chat-reserve >= 0")
-        if not 1 <= args.max_attempts < BROKER_DELIVERY_LIMIT:
-            raise ValueError(f"--max-attempts must be in 1..{BROKER_DELIVERY_LIMIT - 1}")
-        engines = [parse_engine_arg(e, args.engine_cap) for e in args.engine]
-        RedisTLS.from_args(args).check(args.redis)
+        opts = settings.load(JobWorkerSettings, args)
+        engines = [parse_engine_arg(e, opts.engine_cap) for e in opts.engines]
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        runtime.run(serve(args, engines))
+        runtime.run(serve(opts, engines))
     except (TimeoutError, RelayError, OSError) as exc:
-        print(f"error: {startup_error(args.redis, exc)}", file=sys.stderr)
+        print(f"error: {startup_error(opts.redis_url, exc)}", file=sys.stderr)
         return 1
     return 0

@@ -3,25 +3,32 @@ cluster behind the demo's front door (one URL, no stickiness), stopped by pid on
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from aiohttp import web
 
 from devstack.cluster.launcher import ClusterInfo
 from devstack.demo.frontdoor import FrontDoor, make_frontdoor_app
-from devstack.demo.stack import Stack, StackSpec, free_port
+from devstack.demo.stack import Stack, StackSpec
+from devstack.procs import free_port
 
 __all__ = ["front_door"]
 
 
 @asynccontextmanager
 async def front_door(
-    cluster: ClusterInfo, *, relays: int = 2, decode_tok_per_s: int = 40
+    cluster: ClusterInfo,
+    *,
+    relays: int = 2,
+    decode_tok_per_s: int = 40,
+    engine_args: Sequence[str] = (),
 ) -> AsyncIterator[tuple[str, Stack]]:
-    """The front door's base URL and the stack behind it."""
+    """The front door's base URL and the stack behind it (1 worker, 2 mock engines at
+    ``decode_tok_per_s``, plus ``engine_args``)."""
+    args = ["--decode-tok-per-s", str(decode_tok_per_s), *engine_args]
     spec = StackSpec(relays=relays, workers=1, engines=2, redis_url=cluster.url,
-                     engine_args=["--decode-tok-per-s", str(decode_tok_per_s)])  # fmt: skip
+                     engine_args=args)  # fmt: skip
     async with Stack(spec) as stack:
         door = FrontDoor(
             lambda: [p.url for p in stack.of_kind("relay") if p.alive],

@@ -1,0 +1,85 @@
+"""An SSE reader for tests: the relay's events over an aiohttp response, decoded by the
+project's one decoder (:class:`relay.protocol.sse_reader.SSEDecoder`).
+
+Order of use::
+
+    client = SSEClient(resp)                     # or tests.support.relay.sse(relay, sid)
+    events = await client.events(3)              # [(id, event, data as JSON), ...]
+    client.hello, client.retry, client.comments, client.last_id
+    await client.until_end()                     # read to the end of the stream
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import deque
+from typing import Any
+
+import aiohttp
+
+from relay.protocol.sse_reader import SSEDecoder, SSEEvent
+
+__all__ = ["STEP", "SSEClient"]
+
+STEP = 10.0  # seconds any single expectation may take
+
+Event = tuple[str, str, dict[str, Any]]
+
+
+class SSEClient:
+    """The events of one SSE response: the ``hello`` is kept apart (:attr:`hello`), every
+    other event's data is JSON; comments (heartbeats, the goodbye) are collected."""
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self.resp = resp
+        self.comments: list[str] = []
+        self.hello: dict[str, Any] | None = None
+        self._decoder = SSEDecoder(on_comment=self.comments.append)
+        self._pending: deque[SSEEvent] = deque()
+        self._ended = False
+
+    @property
+    def retry(self) -> int | None:
+        """The last ``retry:`` hint."""
+        return self._decoder.retry_ms
+
+    @property
+    def last_id(self) -> str:
+        return self._decoder.last_id or ""
+
+    def feed(self, data: bytes) -> None:
+        """Bytes already read from the response (they come before what is read next)."""
+        self._pending.extend(self._decoder.feed(data))
+
+    async def events(self, n: int) -> list[Event]:
+        out: list[Event] = []
+        async with asyncio.timeout(STEP):
+            while len(out) < n:
+                ev = await self.next_event()
+                assert ev is not None, f"stream ended after {len(out)} events"
+                out.append(ev)
+        return out
+
+    async def next_event(self) -> Event | None:
+        """The next event after the hello as (id, event, data), None at end of stream."""
+        while True:
+            while self._pending:
+                ev = self._pending.popleft()
+                if ev.event == "hello":
+                    self.hello = json.loads(ev.data)
+                    continue
+                return ev.id or "", ev.event, json.loads(ev.data)
+            if self._ended:
+                return None
+            chunk = await self.resp.content.readany()
+            if not chunk:
+                self._pending.extend(self._decoder.close())
+                self._ended = True
+            else:
+                self.feed(chunk)
+
+    async def until_end(self) -> None:
+        async with asyncio.timeout(STEP):
+            while await self.next_event() is not None:
+                pass

@@ -1,0 +1,98 @@
+"""`tokenrelay engine --redis`: the announcement is a supervised loop. It keeps the
+engine in the registry of a real Redis Cluster, reports itself in the engine's
+/metrics, survives an unreachable Redis (the engine keeps serving, the loop counts its
+failures and retries), and is withdrawn on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import secrets
+import signal
+import sys
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from redis.asyncio.cluster import RedisCluster
+
+from devstack.cluster.launcher import ClusterInfo
+from worker.routing.control import engine_key, read_announced
+
+pytestmark = pytest.mark.integration
+
+
+async def _engine(*argv: str) -> tuple[asyncio.subprocess.Process, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tokenrelay", "engine", "--port", "0", *argv,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    async with asyncio.timeout(30):
+        line = (await proc.stdout.readline()).decode()
+    assert "listening on" in line, line
+    return proc, line.rsplit(" ", 1)[-1].strip()
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> bytes:
+    """SIGTERM by pid (the process this test started); its stderr; exit code 0."""
+    if proc.returncode is None:
+        proc.send_signal(signal.SIGTERM)
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, err.decode()
+    return err
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        yield session
+
+
+def _metric(text: str, name: str) -> float:
+    m = re.search(rf'^{name}{{loop="engine-announce"}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+async def test_the_engine_announces_itself_on_a_supervised_loop_and_withdraws(
+    cluster: ClusterInfo, redis: RedisCluster, http: aiohttp.ClientSession
+) -> None:
+    eid = f"ann-{secrets.token_hex(4)}"
+    proc, url = await _engine("--id", eid, "--redis", cluster.url, "--announce-url",
+                              "http://127.0.0.1:1/", "--cap", "5")  # fmt: skip
+    try:
+        async with asyncio.timeout(15):
+            while not [e for e in await read_announced(redis, 3.0) if e.id == eid]:
+                await asyncio.sleep(0.2)
+        (spec,) = [e for e in await read_announced(redis, 3.0) if e.id == eid]
+        assert (spec.url, spec.cap) == ("http://127.0.0.1:1/", 5)
+        async with http.get(url + "/metrics") as r:
+            text = await r.text()
+        assert _metric(text, "tokenrelay_loop_healthy") == 1.0
+        assert _metric(text, "tokenrelay_loop_failures_total") == 0.0
+    finally:
+        await _stop(proc)
+    assert await redis.exists(engine_key(eid)) == 0  # withdrawn on a clean stop
+
+
+async def test_an_unreachable_redis_does_not_stop_the_engine(
+    http: aiohttp.ClientSession,
+) -> None:
+    proc, url = await _engine("--redis", "redis://127.0.0.1:1", "--announce-url",  # no Redis
+                              "http://127.0.0.1:2/")  # fmt: skip
+    try:
+        async with asyncio.timeout(20):
+            while True:
+                async with http.get(url + "/metrics") as r:
+                    text = await r.text()
+                if _metric(text, "tokenrelay_loop_failures_total") >= 2:
+                    break  # failed, backed off, tried again
+                await asyncio.sleep(0.2)
+        async with http.get(url + "/health") as r:
+            assert r.status == 200  # still serving
+    finally:
+        err = await _stop(proc)
+    assert b"Traceback" not in err
+    assert b"background loop engine-announce" in err
