@@ -398,7 +398,7 @@ class TurnManager:
                     ],
                     t.lease.engine.id,
                 )
-                await t.gen.publish([Draft(kind="done", meta=self._done_meta(t))])
+                await t.gen.publish([Draft(kind="done", meta=t.done_meta())])
             elif not outcome.publishes_nothing:
                 meta = {"code": outcome, "engine": t.lease.engine.id, "tokens": len(t.reply)}
                 await t.gen.publish([Draft(kind="error", text=error or outcome, meta=meta)])
@@ -415,24 +415,6 @@ class TurnManager:
             if outcome.is_cancellation:
                 self.metrics.cancellations.labels(reason=outcome).inc()
             self.outcomes.append((t.sid, t.gen.turn, outcome))
-
-    def _done_meta(self, t: RunningTurn) -> dict[str, Any]:
-        text = "".join(t.reply)
-        cached = t.cached_tokens
-        cache = "unknown" if cached is None else ("hit" if cached > 0 else "miss")
-        return {
-            "engine": t.lease.engine.id,
-            "engine_reported": t.engine_reported,
-            "preferred": t.lease.preferred,
-            "spilled": t.lease.spilled,
-            "ttft_ms": round(t.ttft_s * 1000, 1) if t.ttft_s is not None else None,
-            "cache": cache,  # "unknown": the engine did not report cached tokens
-            "cached_tokens": t.cached_tokens,
-            "prompt_tokens": t.prompt_tokens,
-            **reply_integrity(text, len(t.reply)),
-            "finish_reason": t.finish_reason,
-            "duration_ms": round((time.monotonic() - t.t0) * 1000, 1),
-        }
 
     async def _read_engine(self, t: RunningTurn, pump: TokenPump) -> None:
         """Stream the reply. An engine that refuses the connection before answering

@@ -31,6 +31,7 @@ import asyncio
 import enum
 import hashlib
 import json
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
@@ -209,6 +210,25 @@ class RunningTurn:
 
     def local_watchers(self) -> int:
         return 1 if self.viewer is not None and self.viewer.attached else 0
+
+    def done_meta(self) -> dict[str, Any]:
+        """The ``done`` frame's meta: route, cache, TTFT, the reply's integrity."""
+        text = "".join(self.reply)
+        cached = self.cached_tokens
+        cache = "unknown" if cached is None else ("hit" if cached > 0 else "miss")
+        return {
+            "engine": self.lease.engine.id,
+            "engine_reported": self.engine_reported,
+            "preferred": self.lease.preferred,
+            "spilled": self.lease.spilled,
+            "ttft_ms": round(self.ttft_s * 1000, 1) if self.ttft_s is not None else None,
+            "cache": cache,  # "unknown": the engine did not report cached tokens
+            "cached_tokens": self.cached_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            **reply_integrity(text, len(self.reply)),
+            "finish_reason": self.finish_reason,
+            "duration_ms": round((time.monotonic() - self.t0) * 1000, 1),
+        }
 
     def abort(self, reason: AbortReason) -> None:
         if self.abort_reason is None:

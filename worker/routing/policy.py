@@ -3,6 +3,24 @@
 Pure and tiny, so the router, the cost model, the CLI and the metrics share one spelling.
 Each is a :class:`enum.StrEnum`: a member *is* its string, so flags, JSON bodies and
 metric labels carry the same values as before these were enums.
+
+Spill: when the preferred engine refuses, ``"walk"`` takes the next acceptable *distinct*
+engine clockwise (each vnode carries its precomputed list of distinct successors, so a full
+cluster is detected in O(engines)); ``"least_loaded"`` takes the acceptable engine with the
+lowest load/cap ratio (what the SGLang gateway does), ties broken in ring order. The routing
+simulator (bench/routing_sim.py) finds the two within noise on cache hits and TTFT;
+least-loaded spills fewer turns (11 vs 14 % at 0.5 and 0.8 load), so it is the default.
+Sizing matters more than the rule: give an engine a cap of about 1.5 x the requests it
+runs at once, or the bounded policies spill into a recompute spiral near saturation
+(docs/ROUTING.md).
+
+``policy="cost_aware"`` replaces the ring's choice (not the caps): among the engines that
+accept by the router's capacity rules (a) and (b), the one with the least expected queue
+wait + prefill of the part of the prompt it probably does not hold
+(:mod:`worker.routing.cost`), from the ``TurnInfo`` the worker passes (its session's
+previous engine, lengths) and the router's own leases and decisions. ``Lease.reason``
+says why (``preferred``, ``spilled_cost``, ``least_cost``); ``Lease.first_token()`` tells
+it the engine's prefill is done.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 What it is for: choose the inference engine for one request, in local memory, in a few
 microseconds, so that a conversation lands on the engine that holds its KV cache while no
-engine takes more than its share. No I/O; it imports only the standard library and mmh3
-(:func:`route_wait`, in :mod:`worker.routing.wait`, is the asynchronous part).
+engine takes more than its share. No I/O (:func:`route_wait` in :mod:`worker.routing.wait`).
 
 Call order::
 
@@ -25,22 +24,7 @@ global in-flight is below ``ceil((1 + eps) * (total + 1) * w / W)``, the bounded
 of Mirrokni, Thorup and Zadimoghaddam (total = in flight over the cluster including the
 new request, W = sum of the weights of the routable engines).
 
-Spill: when the preferred engine refuses, ``"walk"`` takes the next acceptable *distinct*
-engine clockwise (each vnode carries its precomputed list of distinct successors, so a full
-cluster is detected in O(engines)); ``"least_loaded"`` takes the acceptable engine with the
-lowest load/cap ratio (what the SGLang gateway does), ties broken in ring order. The routing
-simulator (bench/routing_sim.py) finds the two within noise on cache hits and TTFT;
-least-loaded spills fewer turns (11 vs 14 % at 0.5 and 0.8 load), so it is the default.
-Sizing matters more than the rule: give an engine a cap of about 1.5 x the requests it
-runs at once, or the bounded policies spill into a recompute spiral near saturation
-(docs/ROUTING.md).
-
-``policy="cost_aware"`` replaces the ring's choice (not the caps): among the engines that
-accept by rules (a) and (b), the one with the least expected queue wait + prefill of the
-part of the prompt it probably does not hold (:mod:`worker.routing.cost`), from the
-``TurnInfo`` the worker passes (its session's previous engine, lengths) and this router's
-own leases and decisions. ``Lease.reason`` says why (``preferred``, ``spilled_cost``,
-``least_cost``); ``Lease.first_token()`` tells it the engine's prefill is done.
+Spill (the preferred engine refuses) and the routing policies: :mod:`worker.routing.policy`.
 """
 
 from __future__ import annotations
@@ -480,7 +464,6 @@ class Router:
         self._listeners.remove(cb)
 
     # ---- ring construction ----------------------------------------------------------------
-
     def _reweigh(self) -> None:
         routable = [e for e in self._engines.values() if not e.draining]
         wsum = sum(e.spec.weight for e in routable)
