@@ -156,7 +156,7 @@ async def test_conditions_and_spawned_task_failures(caplog: pytest.LogCaptureFix
 async def test_stop_never_raises_even_when_a_loop_fails_while_stopping(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    sup = Supervisor(CollectorRegistry())
+    sup = Supervisor(CollectorRegistry(), backoff=FAST)
 
     async def stubborn() -> None:
         try:
@@ -170,10 +170,24 @@ async def test_stop_never_raises_even_when_a_loop_fails_while_stopping(
         except asyncio.CancelledError:
             await asyncio.sleep(10)
 
+    runs = 0
+
+    async def swallows_cancel() -> None:
+        nonlocal runs
+        runs += 1
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            raise ValueError("turned its cancellation into an error") from None
+
     sup.forever("stubborn", stubborn)
+    sup.forever("swallower", swallows_cancel)
     sup.spawn("slow", slow_to_stop())
     await asyncio.sleep(0.01)
     await sup.stop(timeout_s=0.1)  # does not raise, does not hang
+    await asyncio.sleep(0.05)
+    assert runs == 1  # a loop that swallowed its cancellation is not started again
+    assert all(lp.task is None for lp in sup.loops.values())
     text = caplog.text
     assert "stubborn" in text
     assert "slow" in text

@@ -118,6 +118,11 @@ class Loop:
         return self.failures_in_row < self.unhealthy_after
 
 
+def _being_cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class Supervisor:
     """Owns a process's background loops and one-off tasks; see the module docstring."""
 
@@ -216,7 +221,10 @@ class Supervisor:
             await asyncio.sleep(first_delay_s)
         while True:
             started = time.monotonic()
-            if await self._attempt(loop, step):
+            ok = await self._attempt(loop, step)
+            if self._stopping:
+                return
+            if ok:
                 self._succeeded(loop)
                 wait = interval_s - (time.monotonic() - started)
             else:
@@ -232,6 +240,8 @@ class Supervisor:
                 ok = await self._attempt(loop, run)
             finally:
                 timer.cancel()
+            if self._stopping:  # a run that swallowed its cancellation still ends here
+                return
             if ok:  # a run that returns is a loop that stopped on its own: start it again
                 log.warning("background loop %s ended; starting it again", loop.name)
                 self._failed(loop, "ended")
@@ -248,15 +258,25 @@ class Supervisor:
                 await call()
         except asyncio.CancelledError:
             raise
-        except RelayError as exc:  # an outage the code expects: one line, no traceback
+        except Exception as exc:
+            if self._stopping or _being_cancelled():
+                # the step turned its own cancellation into another exception: the loop
+                # still stops (it would otherwise run on after stop()), and says what
+                log.warning("background loop %s raised while stopping", loop.name, exc_info=exc)
+                raise asyncio.CancelledError from exc
+            return self._caught(loop, exc)
+        return True
+
+    def _caught(self, loop: Loop, exc: Exception) -> bool:
+        """Log and count a failed step; always False."""
+        if isinstance(exc, RelayError):  # an outage the code expects: one line, no traceback
             log.warning("background loop %s: %s: %s", loop.name, type(exc).__name__, exc)
             self._failed(loop, f"{type(exc).__name__}: {exc}")
             return False
-        except Exception as exc:  # a bug: keep the traceback, keep the loop
-            log.exception("background loop %s failed", loop.name)
-            self._failed(loop, f"{type(exc).__name__}: {exc}")
-            return False
-        return True
+        # a bug: keep the traceback, keep the loop
+        log.error("background loop %s failed", loop.name, exc_info=exc)
+        self._failed(loop, f"{type(exc).__name__}: {exc}")
+        return False
 
     def _failed(self, loop: Loop, why: str) -> None:
         loop.failures += 1
