@@ -123,27 +123,28 @@ async def serve(opts: JobWorkerSettings, engines: list[EngineSpec]) -> None:
             chat_reserve=opts.chat_reserve,
         ),
     )
-    loops = Supervisor()
+    loops = Supervisor()  # one for the process: load exchange, job consumer, health file
     try:
         async with runtime.stop_on_signals() as stop:
-            await exchange.start()
-            await runner.start()
+            await exchange.start(loops)
+            await runner.start(loops)
             print(f"jobworker {worker_id} consuming {opts.jobs_queue} on "
                   f"{mask_url(opts.amqp_url)}", flush=True)  # fmt: skip
             if opts.health_file:
                 path = opts.health_file
 
                 async def touch() -> None:
-                    if runner.connected:
+                    # a stale file tells the orchestrator to restart this process: the
+                    # broker is gone or a critical loop (consumer, load exchange) keeps failing
+                    if runner.connected and not loops.not_ready():
                         _touch(path)
 
                 loops.every("health-file", HEALTH_INTERVAL_S, touch, critical=False)
             await stop.wait()
     finally:
+        await runner.stop(opts.shutdown_deadline_s)  # running jobs finish first
         await loops.stop()
-        await runner.stop(opts.shutdown_deadline_s)
-        with contextlib.suppress(Exception):
-            await exchange.stop()
+        await exchange.stop()  # never raises: withdraws this worker's load report
         await http.close()
         with contextlib.suppress(Exception):
             await redis.aclose()
