@@ -10,6 +10,7 @@ from redis.asyncio import RedisCluster
 
 from relay.edge.hub import Hub
 from relay.edge.metrics import RelayMetrics
+from relay.service.supervise import Supervisor
 from worker.metrics import WorkerMetrics
 from worker.routing.router import EngineSpec, Router
 
@@ -35,10 +36,12 @@ async def test_every_exported_metric_is_documented_and_every_documented_one_expo
     try:
         relay = RelayMetrics("metrics-doc")
         relay.bind_hub(hub.stats)
+        Supervisor(relay.registry)  # the background loops' families, as a relay declares them
         exported = _exported(relay.render()[0])
     finally:
         await hub.close()
     worker = WorkerMetrics()
+    Supervisor(worker.registry)
     worker.bind_router(Router([EngineSpec(id="e", url="http://e", cap=1)]))
     exported |= _exported(worker.render())
     documented = _documented()
