@@ -74,12 +74,18 @@ class Proc:
     """One child process: its argv, its log file, and how to stop it by pid."""
 
     def __init__(
-        self, popen: subprocess.Popen[bytes], argv: Sequence[str], log: Path | None, name: str
+        self,
+        popen: subprocess.Popen[bytes],
+        argv: Sequence[str],
+        log: Path | None,
+        name: str,
+        err_log: Path | None = None,
     ) -> None:
         self.popen = popen
         self.argv = list(argv)
         self.log = log
         self.name = name
+        self.err_log = err_log
 
     @classmethod
     def start(
@@ -92,20 +98,27 @@ class Proc:
         cwd: str | Path | None = None,
         append: bool = False,
         new_session: bool = False,
+        err_log: str | Path | None = None,
     ) -> Proc:
         """Start ``argv``; stdout and stderr to ``log`` (truncated unless ``append``;
-        None: discarded). ``new_session``: the child does not get the terminal's Ctrl-C."""
+        None: discarded), or stderr apart to ``err_log`` when given (a test that tells
+        what a command printed from what it complained about). ``new_session``: the
+        child does not get the terminal's Ctrl-C."""
         path = Path(log) if log is not None else None
+        err_path = Path(err_log) if err_log is not None else None
         out: int | object = subprocess.DEVNULL
         with contextlib.ExitStack() as files:
             if path is not None:
                 out = files.enter_context(open(path, "ab" if append else "wb"))
+            err = out
+            if err_path is not None:
+                err = files.enter_context(open(err_path, "ab" if append else "wb"))
             popen = subprocess.Popen(
-                list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=out,  # type: ignore[arg-type]
+                list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=err,  # type: ignore[arg-type]
                 env=dict(env) if env is not None else None, cwd=cwd,
                 start_new_session=new_session,
             )  # fmt: skip
-        return cls(popen, argv, path, name or Path(argv[0]).name)
+        return cls(popen, argv, path, name or Path(argv[0]).name, err_path)
 
     # -- state ------------------------------------------------------------------------
     @property
@@ -121,12 +134,25 @@ class Proc:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
-    def tail(self, lines: int = 20) -> str:
-        """The last ``lines`` lines of the log ("" without one)."""
-        if self.log is None:
+    def output(self, *, stderr: bool = False) -> str:
+        """What the child wrote so far: its log, or its ``err_log`` with ``stderr``
+        ("" without one)."""
+        path = self.err_log if stderr else self.log
+        if path is None:
             return ""
         try:
-            with open(self.log, "rb") as f:
+            return path.read_bytes().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def tail(self, lines: int = 20, *, stderr: bool = False) -> str:
+        """The last ``lines`` lines of the log (of ``err_log`` with ``stderr``; "" without
+        one)."""
+        path = self.err_log if stderr else self.log
+        if path is None:
+            return ""
+        try:
+            with open(path, "rb") as f:
                 f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
                 text = f.read().decode(errors="replace")
         except OSError:
@@ -137,8 +163,10 @@ class Proc:
         """Why the child is not running, for an error message."""
         code = self.popen.poll()
         state = "is still running" if code is None else f"exited with code {code}"
-        tail = self.tail()
-        where = f"; last lines of {self.log}:\n{tail}" if tail else ""
+        where = ""
+        for path, tail in ((self.log, self.tail()), (self.err_log, self.tail(stderr=True))):
+            if tail:
+                where += f"; last lines of {path}:\n{tail}"
         return f"{self.name} (pid {self.pid}) {state}{where}"
 
     def check(self) -> None:

@@ -11,11 +11,9 @@ skips with the reason.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import shutil
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -24,9 +22,11 @@ import aiohttp
 import pytest
 
 from devstack.cluster.launcher import ClusterInfo
+from devstack.procs import ProcError
 from relay.edge.uistream import UiTurn, encode_chunk
 from relay.protocol.frame import Frame
 from tests.support import demo as demo_harness
+from tests.support.cli import run_cli
 from worker.gateway.aisdk import ChatError, parse_chat
 
 AISDK = Path(__file__).resolve().parent.parent / "clients" / "aisdk"
@@ -110,19 +110,18 @@ def test_the_chat_body_of_the_sdk() -> None:
 # -- the real SDK against a live stack --------------------------------------------------------
 
 
-def _npm_ready() -> str | None:
+async def _npm_ready() -> str | None:
     """None when clients/aisdk has its packages (installing them if needed), else why not."""
     if NODE is None or NPM is None:
         return "node/npm not installed (apt-get install nodejs npm)"
     if (AISDK / "node_modules" / "ai" / "package.json").exists():
         return None
     try:
-        run = subprocess.run([NPM, "ci", "--no-audit", "--no-fund"], cwd=AISDK,
-                             capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
-    except subprocess.TimeoutExpired:
+        run = await run_cli([NPM, "ci", "--no-audit", "--no-fund"], cwd=AISDK, timeout_s=300)
+    except ProcError:
         return "npm ci timed out (is the npm registry reachable?)"
-    if run.returncode != 0:
-        return f"npm ci failed (is the npm registry reachable?): {run.stderr.strip()[-300:]}"
+    if run.code != 0:
+        return f"npm ci failed (is the npm registry reachable?): {run.err.strip()[-300:]}"
     return None
 
 
@@ -138,24 +137,17 @@ async def front_door(cluster: ClusterInfo) -> AsyncIterator[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_the_ai_package_reads_the_relay_ui_stream(front_door: str) -> None:
-    why = _npm_ready()
+    why = await _npm_ready()
     if why is not None:
         pytest.skip(why)
     tests = sorted(str(p) for p in (AISDK / "test").glob("*.test.js"))
-    # Not subprocess.run: the front door serves the SDK's requests from this event loop.
-    proc = await asyncio.create_subprocess_exec(
-        NODE or "node", "--test", *tests, cwd=AISDK,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    # run_cli waits without blocking: the front door serves the SDK's requests from this loop
+    ran = await run_cli(
+        [NODE or "node", "--test", *tests], cwd=AISDK, timeout_s=240, merge=True,
         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "TOKENRELAY_BASE": front_door},
     )  # fmt: skip
-    try:
-        raw, _ = await asyncio.wait_for(proc.communicate(), 240)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    out = raw.decode(errors="replace")
-    assert proc.returncode == 0, out[-6000:]
+    out = ran.out
+    assert ran.code == 0, out[-6000:]
     assert "# fail 0" in out
     assert re.search(r"^# pass [1-9]", out, re.M), out[-3000:]
     assert "# skipped 0" in out, out[-3000:]
@@ -186,13 +178,12 @@ async def _bundle(out: Path) -> str | None:
     esbuild = AISDK / "node_modules" / ".bin" / "esbuild"
     if not esbuild.exists():
         return "esbuild is not installed in clients/aisdk (npm ci)"
-    proc = await asyncio.create_subprocess_exec(
-        str(esbuild), "page/chat.js", "--bundle", "--format=esm", "--platform=browser",
-        f"--outfile={out}", "--log-level=warning", cwd=AISDK,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    ran = await run_cli(
+        [str(esbuild), "page/chat.js", "--bundle", "--format=esm", "--platform=browser",
+         f"--outfile={out}", "--log-level=warning"],
+        cwd=AISDK, timeout_s=120, merge=True,
     )  # fmt: skip
-    text, _ = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode == 0, text.decode()
+    assert ran.code == 0, ran.out
     return None
 
 
@@ -211,7 +202,7 @@ async def test_a_page_on_the_sdk_chat_client_streams_and_resumes_on_another_scre
     if not CHROMIUM:
         pytest.skip("no Chromium: apt-get install chromium (make test does it as root)")
     pytest.importorskip("playwright.async_api", reason="pip install playwright")
-    why = _npm_ready() or await _bundle(tmp_path / "chat.bundle.js")
+    why = await _npm_ready() or await _bundle(tmp_path / "chat.bundle.js")
     if why is not None:
         pytest.skip(why)
     from playwright.async_api import Route, async_playwright

@@ -18,6 +18,7 @@ import pytest
 
 from devstack.demo.stack import free_port
 from devstack.mockengine.reply_length import ReplyLength
+from devstack.procs import Proc, log_line
 from tests.support.sse import SSEClient
 from tests.support.worker import expected_reply
 
@@ -38,19 +39,15 @@ async def test_make_demo_serves_one_url_streams_a_turn_and_stops_everything(
 ) -> None:
     port = free_port()
     out_path = tmp_path / "demo.out"
-    with open(out_path, "wb") as out:  # noqa: ASYNC230 (a local file, opened once)
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tokenrelay", "demo", "--port", str(port),
-            stdout=out, stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
+    proc = Proc.start(
+        [sys.executable, "-m", "tokenrelay", "demo", "--port", str(port)],
+        log=out_path, name="demo",
+    )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     pids: list[int] = []
     redis_url = ""
     try:
-        async with asyncio.timeout(120):
-            while f"open {base}/".encode() not in out_path.read_bytes():
-                assert proc.returncode is None, out_path.read_text()[-3000:]
-                await asyncio.sleep(0.2)
+        await proc.ready(log_line(f"open {base}/"), timeout_s=120, every_s=0.2)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
             async with http.get(base + "/") as r:
                 assert r.status == 200
@@ -157,9 +154,8 @@ async def test_make_demo_serves_one_url_streams_a_turn_and_stops_everything(
                 assert (r.status, (await r.json())["error"]) == (403, "bad_control_token")
             async with http.post(kill, headers={"Origin": base, "X-Control-Token": control}) as r:
                 assert r.status == 200, await r.text()
-        proc.send_signal(signal.SIGINT)
-        async with asyncio.timeout(60):
-            assert await proc.wait() == 0, out_path.read_text()[-3000:]
+        proc.send(signal.SIGINT)
+        assert await proc.wait(60) == 0, out_path.read_text()[-3000:]
         assert b"stopped: every process this demo started has exited" in out_path.read_bytes()
         deadline = time.monotonic() + 5
         while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
@@ -169,10 +165,7 @@ async def test_make_demo_serves_one_url_streams_a_turn_and_stops_everything(
         with pytest.raises(OSError):  # the first master, like every node, has stopped
             await asyncio.open_connection("127.0.0.1", redis_port)
     finally:
-        if proc.returncode is None:  # stop it by pid, whatever failed
-            proc.send_signal(signal.SIGINT)
-            try:
-                await asyncio.wait_for(proc.wait(), 30)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+        if proc.alive:  # stop it by pid, whatever failed: Ctrl-C first, as a user would
+            proc.send(signal.SIGINT)
+            if await proc.wait(30) is None:
+                await proc.stop(grace_s=5)

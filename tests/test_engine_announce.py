@@ -6,43 +6,44 @@ failures and retries), and is withdrawn on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import secrets
-import signal
-import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from devstack.cluster.launcher import ClusterInfo
+from devstack.procs import Proc, log_line
+from tests.support.cli import clean_env, tokenrelay
 from worker.routing.control import engine_key, read_announced
 
 pytestmark = pytest.mark.integration
 
 
-async def _engine(*argv: str) -> tuple[asyncio.subprocess.Process, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tokenrelay", "engine", "--port", "0", *argv,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+async def _engine(tmp: Path, *argv: str) -> tuple[Proc, str]:
+    proc = Proc.start(
+        tokenrelay("engine", "--port", "0", *argv), log=tmp / "engine.out",
+        err_log=tmp / "engine.err", env=clean_env(), name="engine",
     )  # fmt: skip
-    assert proc.stdout is not None
-    async with asyncio.timeout(30):
-        line = (await proc.stdout.readline()).decode()
+    try:
+        await proc.ready(log_line("\n"), timeout_s=30)
+    except BaseException:
+        await proc.stop()
+        raise
+    line = proc.output().splitlines()[0]
     assert "listening on" in line, line
     return proc, line.rsplit(" ", 1)[-1].strip()
 
 
-async def _stop(proc: asyncio.subprocess.Process) -> bytes:
+async def _stop(proc: Proc) -> bytes:
     """SIGTERM by pid (the process this test started); its stderr; exit code 0."""
-    if proc.returncode is None:
-        proc.send_signal(signal.SIGTERM)
-    _, err = await asyncio.wait_for(proc.communicate(), 30)
-    assert proc.returncode == 0, err.decode()
-    return err
+    code = await proc.stop(grace_s=30)
+    err = proc.output(stderr=True)
+    assert code == 0, err
+    return err.encode()
 
 
 @pytest.fixture
@@ -57,11 +58,11 @@ def _metric(text: str, name: str) -> float:
 
 
 async def test_the_engine_announces_itself_on_a_supervised_loop_and_withdraws(
-    cluster: ClusterInfo, redis: RedisCluster, http: aiohttp.ClientSession
+    cluster: ClusterInfo, redis: RedisCluster, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     eid = f"ann-{secrets.token_hex(4)}"
-    proc, url = await _engine("--id", eid, "--redis", cluster.url, "--announce-url",
-                              "http://127.0.0.1:1/", "--cap", "5")  # fmt: skip
+    proc, url = await _engine(tmp_path, "--id", eid, "--redis", cluster.url,
+                              "--announce-url", "http://127.0.0.1:1/", "--cap", "5")  # fmt: skip
     try:
         async with asyncio.timeout(15):
             while not [e for e in await read_announced(redis, 3.0) if e.id == eid]:
@@ -78,10 +79,10 @@ async def test_the_engine_announces_itself_on_a_supervised_loop_and_withdraws(
 
 
 async def test_an_unreachable_redis_does_not_stop_the_engine(
-    http: aiohttp.ClientSession,
+    http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
-    proc, url = await _engine("--redis", "redis://127.0.0.1:1", "--announce-url",  # no Redis
-                              "http://127.0.0.1:2/")  # fmt: skip
+    proc, url = await _engine(tmp_path, "--redis", "redis://127.0.0.1:1",  # no Redis
+                              "--announce-url", "http://127.0.0.1:2/")  # fmt: skip
     try:
         async with asyncio.timeout(20):
             while True:

@@ -22,6 +22,7 @@ from devstack.cluster.launcher import ClusterInfo
 from relay.protocol.frame import decode
 from relay.redisio.publisher import read_backlog
 from tests.support import demo as demo_harness
+from tests.support.cli import run_cli
 from tests.test_aisdk import AISDK, _npm_ready
 from tests.test_browser import CHROMIUM, LAUNCH_ARGS
 
@@ -66,19 +67,10 @@ async def replies(cluster: ClusterInfo) -> set[str]:
 
 
 async def run(argv: list[str], cwd: Path, timeout_s: float = 60) -> str:
-    proc = await asyncio.create_subprocess_exec(
-        *argv, cwd=cwd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    text = out.decode()
-    assert proc.returncode == 0, text[-3000:]
-    return text
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ran = await run_cli(argv, cwd=cwd, env=env, timeout_s=timeout_s, merge=True)
+    assert ran.code == 0, ran.out[-3000:]
+    return ran.out
 
 
 async def test_python_example(base: str, cluster: ClusterInfo, tmp_path: Path) -> None:
@@ -92,7 +84,7 @@ async def test_python_example(base: str, cluster: ClusterInfo, tmp_path: Path) -
 
 
 async def test_aisdk_example(base: str, cluster: ClusterInfo) -> None:
-    why = _npm_ready()
+    why = await _npm_ready()
     if why is not None:
         pytest.skip(why)
     code = example("aisdk")
