@@ -18,8 +18,6 @@ import asyncio
 import hashlib
 import hmac
 import json
-import os
-import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -38,6 +36,7 @@ from relay.edge.streams import WS_CLOSE
 from relay.protocol.codes import CloseCode
 from relay.protocol.frame import decode
 from relay.redisio.publisher import read_backlog
+from tests.support.cli import clean_env, run_cli, tokenrelay
 from tests.support.hostile import Env, bystander, no_crash
 from tests.support.relay import STEP, running
 from tests.support.sse import SSEClient
@@ -478,20 +477,9 @@ STRONG = "hostile-access-strong-secret-6d2f8b4a1c9e7035"
 
 
 async def _exit_of(argv: list[str], env: dict[str, str]) -> tuple[int, str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tokenrelay", *argv,
-        env={**base, **env}, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        async with asyncio.timeout(30):
-            out, err = await proc.communicate()
-    finally:
-        if proc.returncode is None:  # it started after all: stop it, by pid
-            proc.kill()
-            await proc.wait()
-    assert not out.strip(), out
-    return proc.returncode or 0, err.decode()
+    ran = await run_cli(tokenrelay(*argv), env=clean_env(**env), timeout_s=30)
+    assert not ran.out.strip(), ran.out
+    return ran.code, ran.err
 
 
 async def test_unsafe_configurations_are_refused_at_start_with_exit_2(cluster, redis):

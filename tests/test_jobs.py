@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -24,8 +22,10 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from devstack.cluster.launcher import ClusterInfo
+from devstack.procs import Proc
 from relay.protocol.frame import decode
 from relay.redisio.publisher import Publisher, read_backlog
+from tests.support.cli import run_cli, tokenrelay
 from tests.support.worker import Harness, expected_reply
 from worker.chat.store import SessionStore
 from worker.engines.client import EngineClient
@@ -306,9 +306,7 @@ async def test_the_jobworker_command_runs_jobs_and_stops_cleanly_on_sigterm(
     argv = [sys.executable, "-m", "tokenrelay", "jobworker", "--redis", cluster.url,
             "--amqp", AMQP, "--queue", names.queue, "--max-attempts", "2",
             "--engine", f"eng-0={h.engines[0].url}", "--health-file", str(alive)]  # fmt: skip
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
+    proc = Proc.start(argv, log=tmp_path / "jobworker.out", err_log=tmp_path / "jobworker.err")
     try:
         _, body = await _submit(h, {"prompt": "from the command", "max_tokens": 8})
         done = await _poll(h, body["job"], "done", timeout_s=30)
@@ -317,18 +315,17 @@ async def test_the_jobworker_command_runs_jobs_and_stops_cleanly_on_sigterm(
         )
         assert alive.exists()
     finally:
-        proc.send_signal(signal.SIGTERM)  # by pid: the process this test started
-        out, err = await asyncio.wait_for(proc.communicate(), 30)
-    assert proc.returncode == 0, err.decode()
-    assert b"consuming" in out
+        code = await proc.stop(grace_s=30)  # SIGTERM by pid: the process this test started
+    assert code == 0, proc.output(stderr=True)
+    assert "consuming" in proc.output()
 
 
-def test_jobworker_bad_flags_exit_2_with_one_line() -> None:
-    r = subprocess.run(
-        [sys.executable, "-m", "tokenrelay", "jobworker", "--redis", "redis://127.0.0.1:1",
-         "--amqp", AMQP, "--engine", "not-a-url"],
-        capture_output=True, text=True, timeout=60, check=False,
+async def test_jobworker_bad_flags_exit_2_with_one_line() -> None:
+    r = await run_cli(
+        tokenrelay("jobworker", "--redis", "redis://127.0.0.1:1", "--amqp", AMQP,
+                   "--engine", "not-a-url"),
+        timeout_s=60,
     )  # fmt: skip
-    assert r.returncode == 2
-    assert r.stderr.count("\n") == 1
-    assert r.stderr.startswith("error:")
+    assert r.code == 2
+    assert r.err.count("\n") == 1
+    assert r.err.startswith("error:")

@@ -8,10 +8,8 @@ Skips with the reason where Node is missing (or older than 18: no ``node --test`
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,33 +17,28 @@ import pytest
 
 from devstack.cluster.launcher import ClusterInfo
 from tests.support import demo as demo_harness
+from tests.support.cli import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT = ROOT / "clients" / "js"
 NODE = shutil.which("node")
 
 
-def _node_major() -> int:
+async def _node_major() -> int:
     if NODE is None:
         return 0
-    out = subprocess.run([NODE, "--version"], capture_output=True, text=True, check=False)
-    return int(out.stdout.strip().lstrip("v").split(".")[0] or 0)
+    out = (await run_cli([NODE, "--version"], timeout_s=60)).out
+    return int(out.strip().lstrip("v").split(".")[0] or 0)
 
 
-def test_pure_parts_under_node_test_runner() -> None:
-    if _node_major() < 18:
+async def test_pure_parts_under_node_test_runner() -> None:
+    if await _node_major() < 18:
         pytest.skip("node >= 18 is needed for `node --test` (apt-get install nodejs)")
-    run = subprocess.run(
-        [NODE or "node", "--test", "test/pure.test.js"],
-        cwd=CLIENT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "# fail 0" in run.stdout
-    assert "# skipped 0" in run.stdout
+    run = await run_cli([NODE or "node", "--test", "test/pure.test.js"], cwd=CLIENT,
+                        timeout_s=120)  # fmt: skip
+    assert run.code == 0, run.out[-4000:] + run.err[-2000:]
+    assert "# fail 0" in run.out
+    assert "# skipped 0" in run.out
 
 
 @pytest.fixture(scope="module")
@@ -58,22 +51,15 @@ async def base(cluster: ClusterInfo) -> AsyncIterator[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_io_shell_against_a_live_stack(base: str) -> None:
-    if _node_major() < 18:
+    if await _node_major() < 18:
         pytest.skip("node >= 18 is needed for `node --test` (apt-get install nodejs)")
-    # Not subprocess.run: the front door serves the client's requests from this loop.
-    proc = await asyncio.create_subprocess_exec(
-        NODE or "node", "--test", "test/live.test.js", cwd=CLIENT,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    # run_cli waits without blocking: the front door serves the client's requests from this loop
+    ran = await run_cli(
+        [NODE or "node", "--test", "test/live.test.js"], cwd=CLIENT, timeout_s=120, merge=True,
         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "TOKENRELAY_BASE": base},
     )  # fmt: skip
-    try:
-        raw, _ = await asyncio.wait_for(proc.communicate(), 120)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    out = raw.decode(errors="replace")
-    assert proc.returncode == 0, out[-5000:]
+    out = ran.out
+    assert ran.code == 0, out[-5000:]
     assert "# fail 0" in out
     assert "# skipped 0" in out
 

@@ -8,6 +8,7 @@ import re
 import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -16,6 +17,7 @@ import pytest
 from devstack.mockengine import prefix_cache as pc
 from devstack.mockengine.reply_length import ReplyLength
 from devstack.mockengine.server import EngineConfig, FifoGate, RunningEngine, start_engine
+from devstack.procs import Proc, log_line
 
 StartEngine = Callable[..., Awaitable[RunningEngine]]
 
@@ -314,26 +316,22 @@ async def test_fifo_gate_passes_on_a_slot_handed_to_a_cancelled_waiter() -> None
     assert (gate.running, gate.waiting) == (1, 0)
 
 
-async def test_cli_engine_serves_and_stops_cleanly_on_sigterm(http) -> None:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "devstack.mockengine.cli", "--port", "0", "--id", "cli-1",
-        stdout=asyncio.subprocess.PIPE,
+async def test_cli_engine_serves_and_stops_cleanly_on_sigterm(http, tmp_path: Path) -> None:
+    proc = Proc.start(
+        [sys.executable, "-m", "devstack.mockengine.cli", "--port", "0", "--id", "cli-1"],
+        log=tmp_path / "engine.out", err_log=tmp_path / "engine.err", name="engine",
     )  # fmt: skip
     try:
-        assert proc.stdout is not None
-        async with asyncio.timeout(10):
-            line = (await proc.stdout.readline()).decode()
+        await proc.ready(log_line("\n"), timeout_s=10)
+        line = proc.output().splitlines()[0]
         url = line.rsplit(" ", 1)[-1].strip()
         assert url.startswith("http://127.0.0.1:")
         async with http.get(f"{url}/health") as resp:
             assert (await resp.json())["engine_id"] == "cli-1"
-        proc.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(10):
-            assert await proc.wait() == 0
+        proc.send(signal.SIGTERM)
+        assert await proc.wait(10) == 0
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await proc.stop()
 
 
 async def test_replies_take_their_length_from_the_distribution(start: StartEngine, http) -> None:

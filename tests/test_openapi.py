@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 import re
@@ -40,6 +39,7 @@ from relay.edge.server import EdgeServer, make_runner
 from relay.edge.server import make_app as relay_app
 from relay.protocol.auth import issue_token
 from relay.protocol.keys import new_session_id
+from tests.support.cli import run_cli
 from tests.support.worker import SECRET, Harness
 from worker import api as worker_api
 from worker.api import WorkerConfig
@@ -178,20 +178,18 @@ def test_every_status_a_handler_answers_is_documented(service: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_the_wheel_ships_the_contract(tmp_path: Path) -> None:
-    import subprocess
-
+async def test_the_wheel_ships_the_contract(tmp_path: Path) -> None:
     src = tmp_path / "src"  # a copy: the build writes nothing into the checkout
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     for pkg in ("relay", "worker", "devstack", "tokenrelay", "bench"):
         shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    out = subprocess.run(
+    out = await run_cli(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(src)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
+        timeout_s=300,
+    )
+    assert out.code == 0, out.err
     (wheel,) = tmp_path.glob("tokenrelay-*.whl")
     with zipfile.ZipFile(wheel) as z:
         packaged = json.loads(z.read("relay/edge/openapi.json"))
@@ -208,8 +206,8 @@ async def _schemathesis(base: str, report: Path, *extra: str) -> tuple[int, str]
     cli = Path(sys.executable).parent / "schemathesis"
     if not cli.exists():
         pytest.skip("schemathesis is not installed (pip install schemathesis)")
-    proc = await asyncio.create_subprocess_exec(
-        str(cli), "run", f"{base}/openapi.json",
+    ran = await run_cli(
+        [str(cli), "run", f"{base}/openapi.json",
         "--checks", "all",
         "--max-examples", str(MAX_EXAMPLES),
         "--seed", "7",
@@ -220,18 +218,11 @@ async def _schemathesis(base: str, report: Path, *extra: str) -> tuple[int, str]
         "--generation-with-security-parameters", "false",
         "--output-sanitize", "false",  # test tokens only; keeps max_tokens readable
         "--report", "junit", "--report-junit-path", str(report),
-        *extra,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        *extra],
         cwd=report.parent,  # its cache directory (.schemathesis) lands there, not in the checkout
+        timeout_s=240, merge=True,
     )  # fmt: skip
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), 240)
-    finally:
-        if proc.returncode is None:  # stop what we started, by its pid
-            proc.kill()
-            await proc.wait()
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(errors="replace")
+    return ran.code, ran.out
 
 
 @pytest.mark.integration

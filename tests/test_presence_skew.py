@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from pathlib import Path
 
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from devstack.cluster.launcher import ClusterInfo
+from devstack.procs import Proc, log_line
 from relay.protocol.keys import presence_key
 from tests.support.worker import Harness, wait_turn
 from worker.chat.presence import PresencePolicy
@@ -19,9 +21,9 @@ from worker.chat.presence import PresencePolicy
 pytestmark = pytest.mark.integration
 
 # argv: redis url, clock skew in seconds, session id. Watches the session from 0 until
-# its stdin closes.
+# SIGTERM, then closes the watch (its presence goes) and exits.
 _SKEWED_RELAY = """
-import asyncio, sys, time
+import asyncio, signal, sys, time
 skew = float(sys.argv[2])
 _ns, _t = time.time_ns, time.time
 time.time_ns = lambda: _ns() + int(skew * 1e9)
@@ -35,8 +37,10 @@ async def main() -> None:
     hub = Hub(redis, relay_id="skewed-relay", reap_interval_s=0)
     await hub.start()
     watch = await hub.watch(sys.argv[3], 0)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     print("watching", flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await stop.wait()
     await watch.close()
     await hub.close()
     await redis.aclose()
@@ -47,32 +51,25 @@ asyncio.run(main())
 
 @pytest.mark.parametrize("skew_s", [-3.0, 3.0])
 async def test_a_relay_with_a_skewed_clock_keeps_its_turn_alive(
-    h: Harness, redis: RedisCluster, cluster: ClusterInfo, skew_s: float
+    h: Harness, redis: RedisCluster, cluster: ClusterInfo, skew_s: float, tmp_path: Path
 ) -> None:
     await h.start_engines(1, decode_tok_per_s=20.0)  # about 2.4 s of tokens: > the grace
     await h.start_worker(presence=PresencePolicy(grace_s=1.0, interval_s=0.2))
     sid, token = await h.session()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _SKEWED_RELAY, cluster.url, str(skew_s), sid,
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+    proc = Proc.start(
+        [sys.executable, "-c", _SKEWED_RELAY, cluster.url, str(skew_s), sid],
+        log=tmp_path / "skewed.out", err_log=tmp_path / "skewed.err", name="skewed-relay",
     )  # fmt: skip
     try:
-        assert proc.stdout is not None
+        await proc.ready(log_line("\n"), timeout_s=20)
+        assert proc.output().splitlines()[0].strip() == "watching"
         async with asyncio.timeout(20):
-            assert (await proc.stdout.readline()).strip() == b"watching"
             while await redis.zscore(presence_key(sid), "skewed-relay") is None:
                 await asyncio.sleep(0.05)
         status, body, _ = await h.post_turn(sid, token, {"message": "watched from afar"})
         assert status == 202
         frames = await wait_turn(redis, sid, body["turn"])
     finally:
-        if proc.returncode is None:
-            assert proc.stdin is not None
-            proc.stdin.close()
-            try:
-                await asyncio.wait_for(proc.wait(), 10)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+        await proc.stop(grace_s=10)  # SIGTERM by pid: the watch closes
     assert frames[-1].kind == "done", (frames[-1].kind, frames[-1].text)
     assert await redis.zscore(presence_key(sid), "skewed-relay") is None  # removed on close
