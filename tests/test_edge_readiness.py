@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,12 +21,14 @@ import pytest
 from aiohttp import web
 
 from devstack.cluster.launcher import ClusterInfo, LocalCluster, find_free_base_port
+from devstack.procs import launched
 from relay.edge.config import RelayConfig
 from relay.edge.server import SERVER, EdgeServer, make_app, make_runner
 from relay.protocol.keys import new_session_id
 from relay.redisio.connect import connect
 from relay.redisio.publisher import Publisher
 from tests.conftest import PrivateClusterFactory
+from tests.support.cli import run_cli, tokenrelay
 
 pytestmark = pytest.mark.integration
 
@@ -48,22 +48,9 @@ async def _relay_process(tmp_path: Path, *argv: str) -> AsyncIterator[tuple[str,
     log = tmp_path / "relay.log"
     env = {**os.environ, "TOKENRELAY_INSECURE_NO_AUTH": "1"}
     env.pop("TOKENRELAY_SECRET", None)
-    with log.open("wb") as out:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tokenrelay", "relay", "--port", str(port),
-            "--relay-id", "late-edge", *argv,
-            stdout=out, stderr=asyncio.subprocess.STDOUT, env=env,
-        )  # fmt: skip
-    try:
+    argv_ = tokenrelay("relay", "--port", str(port), "--relay-id", "late-edge", *argv)
+    async with launched(argv_, log=log, env=env, name="late-edge", grace_s=15.0):
         yield f"http://127.0.0.1:{port}", log
-    finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), 15.0)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
 
 
 async def _until(http: aiohttp.ClientSession, url: str, status: int) -> dict[str, Any]:
@@ -143,19 +130,10 @@ async def test_fail_fast_exits_1_with_one_line_naming_the_masked_url(how: str) -
         argv.append("--fail-fast")
     else:
         env["TOKENRELAY_FAIL_FAST"] = "true"
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tokenrelay", *argv,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
-    )  # fmt: skip
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), STEP)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    text = out.decode()
+    ran = await run_cli(tokenrelay(*argv), env=env, timeout_s=STEP, merge=True)
+    text = ran.out
     lines = [ln for ln in text.splitlines() if ln.strip()]
-    assert proc.returncode == 1, text
+    assert ran.code == 1, text
     assert lines[-1].startswith(
         f"error: cannot connect to Redis at redis://default:***@127.0.0.1:{port}: "
     )

@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import re
 import shutil
-import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +35,8 @@ import yaml
 from aiohttp import web
 
 from devstack.demo.stack import free_port
+from devstack.procs import Proc, port_open
+from tests.support.cli import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 NGINX_CONF = ROOT / "deploy" / "nginx.conf"
@@ -151,34 +152,19 @@ async def nginx(tmp: Path, relays: list[int], workers: list[int]) -> AsyncIterat
     port = free_port()
     conf = local_conf(tmp, port, relays, workers)
     globals_ = f"daemon off; pid {tmp}/nginx.pid; user root;"
-    check = await asyncio.create_subprocess_exec(
-        binary, "-t", "-p", str(tmp), "-c", str(conf), "-g", globals_,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
-    out, _ = await check.communicate()
-    assert check.returncode == 0, out.decode()
-    proc = await asyncio.create_subprocess_exec(
-        binary, "-p", str(tmp), "-c", str(conf), "-g", globals_,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
+    check = await run_cli([binary, "-t", "-p", str(tmp), "-c", str(conf), "-g", globals_],
+                          merge=True)  # fmt: skip
+    assert check.code == 0, check.out
+    proc = Proc.start([binary, "-p", str(tmp), "-c", str(conf), "-g", globals_],
+                      log=None, name="nginx")  # fmt: skip
     try:
         async with asyncio.timeout(10):
-            while True:
-                assert proc.returncode is None, (tmp / "error.log").read_text()
-                with contextlib.suppress(OSError):
-                    _, w = await asyncio.open_connection("127.0.0.1", port)
-                    w.close()
-                    break
+            while not await port_open(port)(proc):
+                assert proc.alive, (tmp / "error.log").read_text()
                 await asyncio.sleep(0.05)
         yield Nginx(f"http://127.0.0.1:{port}", conf, tmp)
     finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)  # the master stops its workers, by our pid
-            try:
-                await asyncio.wait_for(proc.wait(), 10)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+        await proc.stop(grace_s=10)  # SIGTERM: the master stops its workers, by our pid
 
 
 def client(addr: str = "127.0.0.1") -> aiohttp.ClientSession:

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import pytest
 
 from devstack.cluster.launcher import ClusterInfo
 from devstack.demo.stack import free_port
+from devstack.procs import Proc
 from tests.test_k8s import OBJECTS, _container, _expand, _find, _pod_env, _prestop_s
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -65,7 +65,7 @@ class Pod:
             env["TOKENRELAY_RELAY_ID"] = env["POD_NAME"]
         self.env = env
         self.log = tmp / f"{name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Proc | None = None
 
     @property
     def url(self) -> str:
@@ -73,11 +73,10 @@ class Pod:
 
     def start(self) -> None:
         argv = _argv(self.container, self.env, self.port)
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"},
-            )  # fmt: skip
+        self.proc = Proc.start(
+            argv, log=self.log, append=True, name=self.name,
+            env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
 
     def probe(self, kind: str) -> str:
         return str(self.container[kind]["httpGet"]["path"])
@@ -86,7 +85,7 @@ class Pod:
         deadline = time.monotonic() + timeout_s
         while True:
             assert self.proc is not None
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            assert self.proc.alive, self.log.read_text()[-3000:]
             with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
                 async with http.get(self.url + path) as r:
                     if r.status == 200:
@@ -103,18 +102,15 @@ class Pod:
         """SIGTERM; seconds until the process exited (killed past its grace period)."""
         assert self.proc is not None
         t0 = time.monotonic()
-        self.proc.send_signal(signal.SIGTERM)
-        while self.proc.poll() is None and time.monotonic() - t0 < self.grace_s():
-            await asyncio.sleep(0.05)
+        self.proc.send(signal.SIGTERM)
+        await self.proc.wait(self.grace_s())
         elapsed = time.monotonic() - t0
         self.kill()
         return elapsed
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
         if self.proc is not None:
-            self.proc.wait()
+            self.proc.kill()  # by pid; reaps it
 
 
 @pytest.mark.timeout(240)

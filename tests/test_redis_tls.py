@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import os
 import secrets
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +37,10 @@ from devstack.cluster.launcher import (
 )
 from devstack.demo.stack import free_port
 from devstack.mockengine.reply_length import ReplyLength
+from devstack.procs import Proc, stop_all
 from relay.protocol.keys import engine_key, live_channel
 from relay.protocol.slotmap import slot_of
+from tests.support.cli import run_cli, tokenrelay
 from tests.support.relay import STEP, wait_ready
 from tests.support.sse import SSEClient
 from tests.support.tls_certs import make_ca, make_pki, openssl_missing
@@ -91,14 +92,16 @@ async def tls_cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator
 
 
 @dataclass
-class Proc:
-    name: str
-    proc: asyncio.subprocess.Process
-    log: Path
+class Child:
+    proc: Proc
     base: str = ""
 
+    @property
+    def name(self) -> str:
+        return self.proc.name
+
     def text(self) -> str:
-        return self.log.read_bytes().decode(errors="replace")
+        return self.proc.output()
 
 
 @dataclass
@@ -107,35 +110,21 @@ class Procs:
 
     tmp: Path
     env: dict[str, str]
-    running: list[Proc] = field(default_factory=list)
+    running: list[Child] = field(default_factory=list)
 
-    async def start(self, name: str, *args: str, port: int = 0) -> Proc:
-        log = self.tmp / f"{name}.log"
-        with open(log, "wb") as out:  # noqa: ASYNC230 (a local file, opened once)
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "tokenrelay", *args,
-                stdout=out, stderr=asyncio.subprocess.STDOUT, env=self.env,
-            )  # fmt: skip
-        p = Proc(name, proc, log, f"http://127.0.0.1:{port}" if port else "")
+    async def start(self, name: str, *args: str, port: int = 0) -> Child:
+        proc = Proc.start(tokenrelay(*args), log=self.tmp / f"{name}.log", env=self.env, name=name)
+        p = Child(proc, f"http://127.0.0.1:{port}" if port else "")
         self.running.append(p)
         return p
 
     async def exits(self, name: str, *args: str) -> tuple[int, str]:
         """Run a process that must refuse to start: its exit code and output."""
-        p = await self.start(name, *args)
-        async with asyncio.timeout(STEP * 3):
-            code = await p.proc.wait()
-        return code, p.text()
+        ran = await run_cli(tokenrelay(*args), env=self.env, timeout_s=STEP * 3, merge=True)
+        return ran.code, ran.out
 
     async def stop(self) -> None:
-        for p in reversed(self.running):
-            if p.proc.returncode is None:
-                p.proc.terminate()
-                try:
-                    await asyncio.wait_for(p.proc.wait(), 15)
-                except TimeoutError:
-                    p.proc.kill()
-                    await p.proc.wait()
+        await stop_all([p.proc for p in reversed(self.running)], grace_s=15)
 
 
 @contextlib.asynccontextmanager
@@ -220,7 +209,7 @@ class Viewer:
             self.resp.close()
 
 
-async def _stack(ps: Procs, c: TLSCluster) -> tuple[Proc, Proc]:
+async def _stack(ps: Procs, c: TLSCluster) -> tuple[Child, Child]:
     """A mock engine, a worker and a relay on the TLS cluster; (worker, relay), ready."""
     e_port, w_port, r_port = free_port(), free_port(), free_port()
     await ps.start(  # announces itself over TLS too (its heartbeat is checked below)

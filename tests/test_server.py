@@ -20,6 +20,7 @@ import pytest
 from aiohttp import WSMsgType, web
 from prometheus_client.parser import text_string_to_metric_families
 
+from devstack.procs import Proc
 from relay.edge.config import RelayConfig
 from relay.edge.hub import Hub
 from relay.edge.server import SERVER, make_app
@@ -319,7 +320,7 @@ async def test_a_client_that_stops_reading_is_cut_as_slow_consumer(cluster, redi
             writer.close()
 
 
-async def test_sigterm_drains_and_exits_zero(cluster):
+async def test_sigterm_drains_and_exits_zero(cluster, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -329,10 +330,10 @@ async def test_sigterm_drains_and_exits_zero(cluster):
         "p = argparse.ArgumentParser(); register(p.add_subparsers())\n"
         "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))\n"
     )
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", script, "relay", "--port", str(port), "--redis", cluster.url,
-        "--secret", SECRET, "--relay-id", "edge-sig", "--drain-deadline-s", "3",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    proc = Proc.start(
+        [sys.executable, "-c", script, "relay", "--port", str(port), "--redis", cluster.url,
+         "--secret", SECRET, "--relay-id", "edge-sig", "--drain-deadline-s", "3"],
+        log=None, err_log=tmp_path / "relay.err", name="edge-sig",
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     sid = new_session_id()
@@ -342,16 +343,15 @@ async def test_sigterm_drains_and_exits_zero(cluster):
             relay = Relay(base, None, http)  # type: ignore[arg-type]
             async with sse(relay, sid) as client:
                 assert client.resp.headers["X-Relay-Id"] == "edge-sig"
-                proc.send_signal(signal.SIGTERM)
+                proc.send(signal.SIGTERM)
                 await client.until_end()
                 assert any(c.startswith("close relay_shutdown") for c in client.comments)
-        _, err = await asyncio.wait_for(proc.communicate(), 15)
-        assert proc.returncode == 0, err.decode()
-        assert b"draining" in err
+        code = await proc.wait(15)
+        err = proc.output(stderr=True)
+        assert code == 0, err
+        assert "draining" in err
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await proc.stop()
 
 
 async def test_an_app_given_a_hub_uses_it_and_leaves_it_open(cluster, redis):

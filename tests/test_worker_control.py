@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -120,24 +121,23 @@ async def test_control_plane_follows_probes_and_heartbeats(redis: RedisCluster):
 
 
 @pytest.mark.integration
-async def test_engine_cli_announces_itself_and_withdraws_on_sigterm(cluster, redis: RedisCluster):
-    import signal
-    import subprocess
+async def test_engine_cli_announces_itself_and_withdraws_on_sigterm(
+    cluster, redis: RedisCluster, tmp_path: Path
+):
     import sys
 
-    from devstack.demo.stack import free_port
+    from devstack.procs import Proc, free_port
 
     port = free_port()
     argv = [sys.executable, "-m", "tokenrelay", "engine", "--port", str(port)]
     argv += ["--id", "announced-1", "--redis", cluster.url, "--cap", "5"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = Proc.start(argv, log=None, err_log=tmp_path / "engine.err", name="engine")
     try:
         want = EngineSpec(id="announced-1", url=f"http://127.0.0.1:{port}", cap=5)
         async with asyncio.timeout(30):
             while want not in await read_announced(redis, 3.0):
-                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                assert proc.alive, proc.output(stderr=True)
                 await asyncio.sleep(0.1)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.to_thread(proc.wait, 30) == 0
+        assert await proc.stop(grace_s=30) == 0  # SIGTERM by pid
     assert want not in await read_announced(redis, 3.0)  # withdrawn, not left to expire

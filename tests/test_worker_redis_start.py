@@ -6,17 +6,17 @@ names the URL without its password."""
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import signal
-import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
 
 from devstack.cluster.launcher import LocalCluster, find_free_base_port
 from devstack.mockengine.server import EngineConfig, RunningEngine, start_engine
+from devstack.procs import Proc
+from tests.support.cli import clean_env, run_cli, tokenrelay
 from worker.cli import serve
 from worker.config import WorkerConfig
 from worker.routing.lease import EngineSpec
@@ -33,13 +33,13 @@ async def engine() -> AsyncIterator[RunningEngine]:
         await running.stop()
 
 
-async def _listening(proc: asyncio.subprocess.Process) -> str:
-    assert proc.stdout is not None
+async def _listening(proc: Proc) -> str:
+    """The URL of the worker's "listening on" line (a whole line, on its stdout)."""
     async with asyncio.timeout(30):
-        while line := (await proc.stdout.readline()).decode():
-            if m := re.search(r"listening on (http://\S+)", line):
-                return m.group(1)
-    raise AssertionError("the worker did not start listening")
+        while not (m := re.search(r"listening on (http://\S+)\n", proc.output())):
+            proc.check()  # exited: ProcError with its stdout's last lines
+            await asyncio.sleep(0.1)
+    return m.group(1)
 
 
 async def _status(http: aiohttp.ClientSession, url: str) -> tuple[int, dict[str, object]]:
@@ -49,15 +49,14 @@ async def _status(http: aiohttp.ClientSession, url: str) -> tuple[int, dict[str,
 
 @pytest.mark.timeout(180)
 async def test_unreachable_redis_at_start_retries_then_becomes_ready(
-    engine: RunningEngine,
+    engine: RunningEngine, tmp_path: Path
 ) -> None:
     port = find_free_base_port(1)  # nothing listens there yet
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tokenrelay", "worker", "--port", "0",
-        "--redis", f"redis://127.0.0.1:{port}", "--engine", f"e-start={engine.url}",
-        "--insecure-no-auth",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")},
+    proc = Proc.start(
+        tokenrelay("worker", "--port", "0", "--redis", f"redis://127.0.0.1:{port}",
+                   "--engine", f"e-start={engine.url}", "--insecure-no-auth"),
+        log=tmp_path / "worker.out", err_log=tmp_path / "worker.err", env=clean_env(),
+        name="worker",
     )  # fmt: skip
     cluster: LocalCluster | None = None
     try:
@@ -83,36 +82,32 @@ async def test_unreachable_redis_at_start_retries_then_becomes_ready(
             async with http.post(f"{base}/v1/sessions/{sid}/turns", json={"message": "hi"}) as r:
                 assert r.status == 202, await r.text()
     finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)  # by pid: the process this test started
-        _out, err = await asyncio.wait_for(proc.communicate(), 30)
+        code = await proc.stop(grace_s=30)  # SIGTERM by pid: the process this test started
         if cluster is not None:
             await cluster.stop()
-    text = err.decode()
-    assert proc.returncode == 0, text[-2000:]
+    text = proc.output(stderr=True)
+    assert code == 0, text[-2000:]
     assert "Traceback" not in text, text[-2000:]
     assert "retrying in the background" in text
 
 
 async def test_fail_fast_exits_1_with_one_line_naming_the_masked_url() -> None:
     port = find_free_base_port(1)  # nothing listens there
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tokenrelay", "worker", "--port", "0", "--fail-fast",
-        "--redis", f"redis://default:s3cret-pass@127.0.0.1:{port}",
-        "--engine", "http://127.0.0.1:9", "--insecure-no-auth",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")},
+    ran = await run_cli(
+        tokenrelay("worker", "--port", "0", "--fail-fast",
+                   "--redis", f"redis://default:s3cret-pass@127.0.0.1:{port}",
+                   "--engine", "http://127.0.0.1:9", "--insecure-no-auth"),
+        env=clean_env(), timeout_s=60,
     )  # fmt: skip
-    out, err_bytes = await asyncio.wait_for(proc.communicate(), 60)
-    err = err_bytes.decode()
-    assert proc.returncode == 1, err
+    out, err = ran.out, ran.err
+    assert ran.code == 1, err
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1, err
     assert lines[0].startswith(
         f"error: cannot connect to Redis at redis://default:***@127.0.0.1:{port}"
     )
-    assert "s3cret-pass" not in err + out.decode()
-    assert "listening" not in out.decode()
+    assert "s3cret-pass" not in err + out
+    assert "listening" not in out
 
 
 @pytest.mark.timeout(120)
