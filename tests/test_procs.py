@@ -4,6 +4,7 @@ SIGTERM, then SIGKILL after the grace period."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import sys
 import time
@@ -95,3 +96,26 @@ async def test_stop_all_shares_one_grace_and_pause_resume_by_signal(tmp_path: Pa
     assert time.monotonic() - t0 < 10
     assert [p.returncode for p in procs] == [-signal.SIGTERM, -signal.SIGKILL]
     procs[0].send(signal.SIGTERM)  # exited: sending is a no-op, not an error
+
+
+async def test_stderr_apart_and_the_output_so_far(tmp_path: Path) -> None:
+    code = (
+        "import sys, time; print('to stdout', flush=True); "
+        "print('to stderr', file=sys.stderr, flush=True); time.sleep(60)"
+    )
+    proc = Proc.start(py(code), log=tmp_path / "h.out", err_log=tmp_path / "h.err", name="two")
+    try:
+        await proc.ready(log_line("to stdout"), timeout_s=20)
+        async with asyncio.timeout(20):
+            while "to stderr" not in proc.output(stderr=True):
+                await asyncio.sleep(0.05)
+        assert proc.output() == "to stdout\n"  # stdout only, read while it runs
+        assert proc.output(stderr=True) == "to stderr\n"
+        assert proc.tail(stderr=True) == "to stderr"
+    finally:
+        await proc.stop(grace_s=10)
+    assert "to stderr" in proc.why()  # an error message names both files' last lines
+    assert "to stdout" in proc.why()
+    quiet = Proc.start(py("print('gone')"), log=None, name="quiet")
+    assert await quiet.wait(20) == 0
+    assert quiet.output() == quiet.output(stderr=True) == ""

@@ -1,42 +1,32 @@
 """Start-up failures read as one line, never a traceback, with exit code 2: bad flags,
 bad environment values, unsafe configurations, a port another program holds. Each case
 runs the real ``tokenrelay`` command in a child process (which exits by itself; on a
-timeout ``subprocess.run`` kills that child by its pid)."""
+timeout ``run_cli`` stops that child by its pid)."""
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
 
+from tests.support.cli import Ran, clean_env, run_cli
+from tests.support.cli import tokenrelay as argv_of
+
 K = "startup-test-secret-3b8e1f6a9c2d5e7f0a4b"  # strong: >= 32 bytes, varied
 
 
-def _env(**extra: str) -> dict[str, str]:
-    """This environment without any TOKENRELAY_* setting, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")}
-    return {**env, **extra}
+async def tokenrelay(*argv: str, env: dict[str, str] | None = None) -> Ran:
+    return await run_cli(argv_of(*argv), env=env or clean_env(), timeout_s=60)
 
 
-def tokenrelay(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tokenrelay", *argv],
-        capture_output=True, text=True, timeout=60, check=False, env=env or _env(),
-        stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-
-
-def assert_one_line(r: subprocess.CompletedProcess[str], *words: str) -> None:
-    assert r.returncode == 2, r.stderr
-    assert r.stderr.count("\n") == 1, r.stderr
-    assert r.stderr.startswith("error: "), r.stderr
-    assert "Traceback" not in r.stderr + r.stdout
+def assert_one_line(r: Ran, *words: str) -> None:
+    assert r.code == 2, r.err
+    assert r.err.count("\n") == 1, r.err
+    assert r.err.startswith("error: "), r.err
+    assert "Traceback" not in r.err + r.out
     for w in words:
-        assert w in r.stderr, r.stderr
+        assert w in r.err, r.err
 
 
 @pytest.fixture
@@ -75,35 +65,35 @@ WORKER = ["worker", "--port", "0", "--redis", "redis://127.0.0.1:1",
         (["demo"], {"TOKENRELAY_SECRET": "too-short"}, ["at least 32"]),
     ],
 )
-def test_bad_configuration_is_one_line_and_exit_2(
+async def test_bad_configuration_is_one_line_and_exit_2(
     argv: list[str], env: dict[str, str], words: list[str]
 ) -> None:
-    assert_one_line(tokenrelay(*argv, env=_env(**env)), *words)
+    assert_one_line(await tokenrelay(*argv, env=clean_env(**env)), *words)
 
 
-def test_fail_fast_is_a_flag_of_relay_and_worker() -> None:
+async def test_fail_fast_is_a_flag_of_relay_and_worker() -> None:
     for cmd in ("relay", "worker"):
-        r = tokenrelay(cmd, "--help")
-        assert r.returncode == 0
-        assert "--fail-fast" in r.stdout
-        assert "TOKENRELAY_FAIL_FAST" in r.stdout
+        r = await tokenrelay(cmd, "--help")
+        assert r.code == 0
+        assert "--fail-fast" in r.out
+        assert "TOKENRELAY_FAIL_FAST" in r.out
 
 
-def test_demo_names_the_busy_port_and_a_free_one(occupied: int) -> None:
-    r = tokenrelay("demo", "--port", str(occupied))
+async def test_demo_names_the_busy_port_and_a_free_one(occupied: int) -> None:
+    r = await tokenrelay("demo", "--port", str(occupied))
     assert_one_line(r, f"port {occupied} on 127.0.0.1 is in use", "--port ")
-    assert "Unclosed" not in r.stderr + r.stdout
-    suggested = int(r.stderr.split("e.g. --port ", 1)[1].split()[0])
+    assert "Unclosed" not in r.err + r.out
+    suggested = int(r.err.split("e.g. --port ", 1)[1].split()[0])
     assert suggested != occupied
     with socket.socket() as s:  # the suggestion is free indeed
         s.bind(("127.0.0.1", suggested))
 
 
-def test_demo_port_from_the_environment_is_checked_the_same(occupied: int) -> None:
-    r = tokenrelay("demo", env=_env(TOKENRELAY_DEMO_PORT=str(occupied)))
+async def test_demo_port_from_the_environment_is_checked_the_same(occupied: int) -> None:
+    r = await tokenrelay("demo", env=clean_env(TOKENRELAY_DEMO_PORT=str(occupied)))
     assert_one_line(r, f"port {occupied} on 127.0.0.1 is in use")
 
 
-def test_an_engine_on_a_busy_port_says_so_in_one_line(occupied: int) -> None:
-    r = tokenrelay("engine", "--port", str(occupied))
+async def test_an_engine_on_a_busy_port_says_so_in_one_line(occupied: int) -> None:
+    r = await tokenrelay("engine", "--port", str(occupied))
     assert_one_line(r, f"port {occupied} on 127.0.0.1 is in use", "--port N")
