@@ -10,7 +10,6 @@ import hmac
 import json
 import re
 import shutil
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from relay.protocol.auth import (
     load_keys,
     verify_token,
 )
+from tests.support.cli import run_cli
 
 SECRET = "s3cret-for-tests-0f8e2a6c4b1d9e7a5c3b"
 NOW = 1_800_000_000.0
@@ -307,14 +307,12 @@ def test_the_documented_python_example_mints_tokens_the_relay_accepts() -> None:
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="no node on PATH")
-def test_the_documented_node_example_mints_tokens_the_relay_accepts() -> None:
-    out = subprocess.run(
+async def test_the_documented_node_example_mints_tokens_the_relay_accepts() -> None:
+    out = await run_cli(
         ["node", "-e", _doc_example("mint-node"), "abc"],
         env={"TOKENRELAY_SECRET": SECRET, "TOKENRELAY_KID": "k1", "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=30,
+        timeout_s=30,
     )
-    claims = verify_token(SECRET, out.stdout.strip(), "abc", time.time())
+    assert out.code == 0, out.err
+    claims = verify_token(SECRET, out.out.strip(), "abc", time.time())
     assert (claims.session, claims.scope) == ("abc", "watch")

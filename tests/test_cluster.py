@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from redis.exceptions import MovedError
 from devstack.cluster import binary as binary_module
 from devstack.cluster import launcher as cl
 from devstack.cluster.launcher import ClusterError, ClusterInfo, LocalCluster, Node
+from tests.support.cli import Ran, run_cli, tokenrelay
 
 pytestmark = pytest.mark.integration
 
@@ -138,14 +137,8 @@ async def test_spublish_on_a_non_owner_is_moved(cluster: ClusterInfo) -> None:
     await probe.aclose()
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tokenrelay", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+async def _cli(*args: str) -> Ran:
+    return await run_cli(tokenrelay(*args), timeout_s=120)
 
 
 def _alive(pid: int) -> bool:
@@ -157,26 +150,26 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_cli_up_status_down_leaves_no_process_behind(tmp_path: Path) -> None:
+async def test_cli_up_status_down_leaves_no_process_behind(tmp_path: Path) -> None:
     base = cl.find_free_base_port(6)
     state_dir = tmp_path / "state"
-    up = _cli("cluster", "up", "--port", str(base), "--dir", str(state_dir))
-    assert up.returncode == 0, up.stderr
+    up = await _cli("cluster", "up", "--port", str(base), "--dir", str(state_dir))
+    assert up.code == 0, up.err
     info = cl.read_state(state_dir / "cluster.json")
     pids = [n.pid for n in info.nodes]
     try:
         assert all(_alive(p) for p in pids)
-        status = _cli("cluster", "status", "--dir", str(state_dir))
-        assert status.returncode == 0, status.stdout
-        assert "healthy" in status.stdout
-        busy = _cli("cluster", "up", "--port", str(base), "--dir", str(tmp_path / "other"))
-        assert busy.returncode == 1
-        assert "busy" in busy.stderr
+        status = await _cli("cluster", "status", "--dir", str(state_dir))
+        assert status.code == 0, status.out
+        assert "healthy" in status.out
+        busy = await _cli("cluster", "up", "--port", str(base), "--dir", str(tmp_path / "other"))
+        assert busy.code == 1
+        assert "busy" in busy.err
         assert not (tmp_path / "other" / "cluster.json").exists()
         assert not (tmp_path / "other" / "data").exists()  # nothing half-built left
     finally:
-        down = _cli("cluster", "down", "--dir", str(state_dir))
-    assert down.returncode == 0, down.stderr
+        down = await _cli("cluster", "down", "--dir", str(state_dir))
+    assert down.code == 0, down.err
     assert not any(_alive(p) for p in pids)
     assert not (state_dir / "cluster.json").exists()
     assert not (state_dir / "data").exists()
@@ -281,8 +274,8 @@ async def test_cli_form_joins_running_nodes_into_a_cluster() -> None:
         for node in info.nodes:  # started, answering, but not a cluster yet
             await cl._wait_ping(aioredis.Redis(host=node.host, port=node.port), node, None)
         flags = [a for n in info.nodes for a in ("--node", n.addr)]
-        formed = await asyncio.to_thread(_cli, "cluster", "form", "--replicas", "1", *flags)
-        assert formed.returncode == 0, formed.stderr
+        formed = await _cli("cluster", "form", "--replicas", "1", *flags)
+        assert formed.code == 0, formed.err
         view = cl._topology(await _nodes_view(info))
         assert sum(hi - lo + 1 for lo, hi, _m, _r in view) == cl.TOTAL_SLOTS
         assert all(len(r) == 1 for _lo, _hi, _m, r in view)

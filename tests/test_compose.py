@@ -10,12 +10,12 @@ import os
 import re
 import secrets
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.support.cli import run_cli
 from tokenrelay.cli import build_parser
 
 yaml = pytest.importorskip("yaml")
@@ -110,14 +110,12 @@ def test_nginx_has_no_sticky_sessions_and_does_not_buffer_streams() -> None:
     assert "proxy_buffering off;" in conf
 
 
-def test_compose_config_validates_where_a_compose_binary_exists() -> None:
+async def test_compose_config_validates_where_a_compose_binary_exists() -> None:
     if shutil.which("docker-compose"):
         cmd = ["docker-compose", "-f", str(COMPOSE), "config", "-q"]
     elif shutil.which("docker"):
-        probe = subprocess.run(
-            ["docker", "compose", "version"], capture_output=True, check=False, timeout=30
-        )
-        if probe.returncode != 0:
+        probe = await run_cli(["docker", "compose", "version"], timeout_s=30)
+        if probe.code != 0:
             pytest.skip("no docker compose plugin and no docker-compose binary")
         cmd = ["docker", "compose", "-f", str(COMPOSE), "config", "-q"]
     else:
@@ -128,15 +126,13 @@ def test_compose_config_validates_where_a_compose_binary_exists() -> None:
         TOKENRELAY_SECRET=secrets.token_urlsafe(32),
         RABBITMQ_PASSWORD=secrets.token_urlsafe(16),
     )
-    result = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60, env=env)
-    assert result.returncode == 0, result.stderr
+    result = await run_cli(cmd, env=env, timeout_s=60)
+    assert result.code == 0, result.err
     for name in ("TOKENRELAY_SECRET", "RABBITMQ_PASSWORD"):
         unset = {k: v for k, v in env.items() if k != name}
-        result = subprocess.run(
-            cmd, capture_output=True, text=True, check=False, timeout=60, env=unset
-        )
-        assert result.returncode != 0, name
-        assert f"set {name}" in result.stderr, name
+        result = await run_cli(cmd, env=unset, timeout_s=60)
+        assert result.code != 0, name
+        assert f"set {name}" in result.err, name
 
 
 def test_compose_has_no_default_secret() -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from redis.asyncio import RedisCluster
 
 from relay.edge.hub import Hub
 from relay.edge.metrics import RelayMetrics
+from tests.support.cli import run_cli
 from worker.metrics import WorkerMetrics
 from worker.routing.router import EngineSpec, Router
 
@@ -202,23 +202,21 @@ def _promtool() -> str:
     pytest.skip("promtool not installed (make promtool unpacks it from Debian's prometheus)")
 
 
-def _run(*args: str, cwd: Path | None = None) -> None:
-    out = subprocess.run(
-        [_promtool(), *args], capture_output=True, text=True, timeout=60, check=False, cwd=cwd
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+async def _run(*args: str, cwd: Path | None = None) -> None:
+    out = await run_cli([_promtool(), *args], cwd=cwd, timeout_s=60)
+    assert out.code == 0, out.out + out.err
 
 
-def test_promtool_checks_the_rules_and_their_unit_tests() -> None:
-    _run("check", "rules", str(ALERTS))
-    _run("test", "rules", ALERTS_TEST.name, cwd=ALERTS_TEST.parent)
+async def test_promtool_checks_the_rules_and_their_unit_tests() -> None:
+    await _run("check", "rules", str(ALERTS))
+    await _run("test", "rules", ALERTS_TEST.name, cwd=ALERTS_TEST.parent)
 
 
-def test_promtool_parses_every_dashboard_query(tmp_path: Path) -> None:
+async def test_promtool_parses_every_dashboard_query(tmp_path: Path) -> None:
     rules = [
         {"record": f"dashboard:query_{i}", "expr": e.replace("$__rate_interval", "5m")}
         for i, e in enumerate(_dashboard_exprs())
     ]
     path = tmp_path / "dashboard_rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
-    _run("check", "rules", str(path))
+    await _run("check", "rules", str(path))

@@ -16,7 +16,6 @@ import copy
 import os
 import re
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import pytest
 from relay.edge.config import ENV, from_args
 from relay.edge.metrics import RelayMetrics
 from relay.protocol.keys import new_session_id
+from tests.support.cli import run_cli
 from tokenrelay.cli import build_parser
 
 yaml = pytest.importorskip("yaml")
@@ -273,7 +273,7 @@ def _major(version_text: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def _kustomize() -> list[str]:
+async def _kustomize() -> list[str]:
     """kustomize >= 4 (components): the binary, else kubectl's embedded one."""
     candidates = (
         (["kustomize", "build"], ["kustomize", "version"]),
@@ -281,8 +281,8 @@ def _kustomize() -> list[str]:
     )
     for build, version in candidates:
         if shutil.which(build[0]):
-            out = subprocess.run(version, capture_output=True, text=True, timeout=30, check=False)
-            if _major(out.stdout) >= 4:
+            out = await run_cli(version, timeout_s=30)
+            if _major(out.out) >= 4:
                 return build
     pytest.skip(
         "no kustomize >= 4 (kustomize, or the one in kubectl >= 1.21) on PATH: "
@@ -290,16 +290,14 @@ def _kustomize() -> list[str]:
     )
 
 
-def _build(path: Path) -> list[dict[str, Any]]:
-    out = subprocess.run(
-        [*_kustomize(), str(path)], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+async def _build(path: Path) -> list[dict[str, Any]]:
+    out = await run_cli([*await _kustomize(), str(path)], timeout_s=60)
+    assert out.code == 0, out.err
+    return [d for d in yaml.safe_load_all(out.out) if d]
 
 
-def test_example_overlay_builds_into_valid_objects() -> None:
-    objs = _build(K8S / "overlays" / "example")
+async def test_example_overlay_builds_into_valid_objects() -> None:
+    objs = await _build(K8S / "overlays" / "example")
     for obj in objs:
         kv.validate(obj, K8S_VERSION, strict=True)
         assert obj["metadata"]["namespace"] == "tokenrelay"
@@ -321,7 +319,7 @@ def _refs(container: dict[str, Any]) -> list[dict[str, Any]]:
     return [e["valueFrom"] for e in container.get("env", []) if "valueFrom" in e]
 
 
-def test_real_engines_patch_gives_the_workers_their_engines(
+async def test_real_engines_patch_gives_the_workers_their_engines(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from worker.cli import config_from_args
@@ -336,7 +334,7 @@ def test_real_engines_patch_gives_the_workers_their_engines(
         "  - path: real-engines.yaml\n"
         "    target: {kind: Deployment, name: tokenrelay-worker}\n"
     )
-    objs = _build(overlay)
+    objs = await _build(overlay)
     c = _container(_find(objs, "Deployment", "tokenrelay-worker"))
     env = _pod_env({**c, "envFrom": True})
     for k, v in env.items():

@@ -8,9 +8,13 @@
   one decoder (:mod:`relay.protocol.sse_reader`);
 - :mod:`tests.support.worker`: a worker app with a mock engine (:class:`Harness`);
 - :mod:`tests.support.demo`: the demo stack behind its front door;
+- :mod:`tests.support.cli`: a command run to completion (:func:`~tests.support.cli.run_cli`:
+  exit code, stdout, stderr);
 - :mod:`tests.support.tls_certs`: a CA and certificates made with openssl;
 - :mod:`tests.support.docker_backend`: the suite's cluster in Docker instead.
 
-Processes are started and stopped (by pid) with :mod:`devstack.procs`; free ports come
+Processes are started and stopped (by pid) with :mod:`devstack.procs`, servers directly
+(a :class:`devstack.procs.Proc` stopped in the same test or fixture), commands that run
+to completion through :func:`tests.support.cli.run_cli`; free ports come
 from :func:`devstack.procs.free_port`.
 """
