@@ -33,6 +33,8 @@ def openssl_missing() -> str | None:
 
 
 def _run(*args: str) -> None:
+    # Not run_cli: the certificates are made by plain functions, from sync and async code
+    # alike, before any server starts; openssl only writes files and exits at once.
     done = subprocess.run(["openssl", *args], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"openssl {args[0]} failed: {done.stderr.strip()[-500:]}")
