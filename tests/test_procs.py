@@ -22,6 +22,7 @@ from devstack.procs import (
     port_open,
     stop_all,
 )
+from tests.support.cli import run_cli
 
 
 def py(code: str) -> list[str]:
@@ -119,3 +120,15 @@ async def test_stderr_apart_and_the_output_so_far(tmp_path: Path) -> None:
     quiet = Proc.start(py("print('gone')"), log=None, name="quiet")
     assert await quiet.wait(20) == 0
     assert quiet.output() == quiet.output(stderr=True) == ""
+
+
+async def test_run_cli_gives_code_and_both_streams_and_stops_a_command_that_hangs() -> None:
+    code = "import sys; print('out'); print('err', file=sys.stderr); sys.exit(4)"
+    ran = await run_cli(py(code), timeout_s=20)
+    assert (ran.code, ran.out, ran.err) == (4, "out\n", "err\n")
+    merged = await run_cli(py(code), timeout_s=20, merge=True)
+    assert (merged.code, sorted(merged.out.split()), merged.err) == (4, ["err", "out"], "")
+    t0 = time.monotonic()
+    with pytest.raises(ProcError, match=r"still running after 0.3 s"):
+        await run_cli(py(SLEEPER), timeout_s=0.3)
+    assert time.monotonic() - t0 < 10  # stopped by pid (SIGTERM), not waited out
