@@ -43,7 +43,7 @@ from devstack.demo.stack import Stack, StackSpec
 from relay.protocol.frame import decode
 from relay.redisio.connect import connect
 from relay.redisio.publisher import read_backlog
-from worker.routing.router import ROUTING_POLICIES
+from worker.routing.policy import ROUTING_POLICIES
 
 __all__ = ["AffinityConfig", "add_arguments", "main", "run", "run_from_args"]
 

@@ -74,8 +74,9 @@ from typing import Any, Final
 
 from bench._util import percentile
 from worker.routing.key import routing_key
+from worker.routing.lease import EngineSpec, Lease
 from worker.routing.loadshare import WorkerReport, compute_view
-from worker.routing.router import EngineSpec, Lease, Router
+from worker.routing.router import Router
 
 __all__ = ["LEVELS", "POLICIES", "SimConfig", "main", "run", "run_all"]
 

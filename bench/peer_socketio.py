@@ -74,7 +74,7 @@ from bench.relay_harness import (
     sessions,
     slotmap,
 )
-from relay.edge.subscriber import raw_command
+from relay.edge.nodeconn import raw_command
 from relay.protocol.keys import live_channel
 from relay.protocol.slotmap import Addr, SlotMap
 

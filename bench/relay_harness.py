@@ -29,7 +29,7 @@ from typing import Any
 
 from bench._util import cpu_s, free_port, run_json, self_cpu_s
 from devstack.procs import Proc, http_ok, launched
-from relay.edge.subscriber import raw_command
+from relay.edge.nodeconn import raw_command
 from relay.protocol.keys import live_channel, new_session_id
 from relay.protocol.slotmap import Addr, SlotMap, parse_shards, slot_of
 

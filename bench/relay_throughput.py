@@ -77,7 +77,7 @@ from bench.throughput_phases import (
     median_round,
     raw_phase,
 )
-from relay.edge.subscriber import raw_command
+from relay.edge.nodeconn import raw_command
 from relay.protocol.slotmap import Addr
 
 __all__ = ["Config", "add_arguments", "main", "run", "run_from_args"]

@@ -26,7 +26,9 @@ from typing import Any
 
 import mmh3
 
-from worker.routing.router import DEFAULT_SPILL, AllEnginesFull, EngineSpec, Lease, Router
+from worker.routing.lease import AllEnginesFull, EngineSpec, Lease
+from worker.routing.policy import DEFAULT_SPILL
+from worker.routing.router import Router
 
 __all__ = ["ENGINE_COUNTS", "MODES", "hash_ns", "main", "measure"]
 

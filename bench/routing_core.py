@@ -40,7 +40,7 @@ from bench.routing_policies import (
 from bench.workloads import Request
 from worker.routing.cost import CostProfile
 from worker.routing.loadshare import WorkerReport, compute_view
-from worker.routing.router import DEFAULT_ROUTING
+from worker.routing.policy import DEFAULT_ROUTING
 
 __all__ = ["SimConfig", "derived_cap", "run"]
 

@@ -34,7 +34,8 @@ from typing import Final
 
 from bench.workloads import Request
 from worker.routing.cost import CostProfile, TurnInfo
-from worker.routing.router import EngineSpec, Lease, LoadView, Router
+from worker.routing.lease import EngineSpec, Lease, LoadView
+from worker.routing.router import Router
 
 __all__ = ["POLICIES", "Decision", "Policy", "Session", "make_policy"]
 

@@ -42,7 +42,8 @@ import hiredis
 from redis.asyncio.cluster import RedisCluster
 
 from bench._util import percentile, run_json
-from relay.edge.subscriber import ShardedSubscriber, pack_command, raw_command
+from relay.edge.nodeconn import pack_command, raw_command
+from relay.edge.subscriber import ShardedSubscriber
 from relay.protocol.keys import live_channel
 from relay.protocol.slotmap import Addr, parse_shards, slot_of
 

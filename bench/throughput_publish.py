@@ -27,7 +27,7 @@ import hiredis
 
 from bench._util import self_cpu_s
 from bench.relay_harness import slotmap
-from relay.edge.subscriber import raw_command
+from relay.edge.nodeconn import raw_command
 from relay.protocol.frame import Frame, encode
 from relay.protocol.keys import live_channel, log_key, meta_key
 from relay.protocol.slotmap import Addr, slot_of

@@ -23,7 +23,8 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
-from devstack.cluster.launcher import ClusterInfo, LocalCluster, Node
+from devstack.cluster.form import Node
+from devstack.cluster.launcher import ClusterInfo, LocalCluster
 from relay.redisio.connect import GatedRedisCluster
 from tests.support.worker import Harness
 

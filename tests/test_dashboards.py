@@ -23,7 +23,8 @@ from relay.edge.hub import Hub
 from relay.edge.metrics import RelayMetrics
 from tests.support.cli import run_cli
 from worker.metrics import WorkerMetrics
-from worker.routing.router import EngineSpec, Router
+from worker.routing.lease import EngineSpec
+from worker.routing.router import Router
 
 yaml = pytest.importorskip("yaml")
 

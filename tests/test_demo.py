@@ -16,9 +16,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from devstack.demo.stack import free_port
 from devstack.mockengine.reply_length import ReplyLength
-from devstack.procs import Proc, log_line
+from devstack.procs import Proc, free_port, log_line
 from tests.support.sse import SSEClient
 from tests.support.worker import expected_reply
 

@@ -17,8 +17,9 @@ from redis.asyncio.cluster import RedisCluster
 
 from devstack.cluster.launcher import ClusterInfo
 from devstack.procs import Proc, log_line
+from relay.protocol.keys import engine_key
 from tests.support.cli import clean_env, tokenrelay
-from worker.routing.control import engine_key, read_announced
+from worker.routing.control import read_announced
 
 pytestmark = pytest.mark.integration
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from worker.routing.router import EngineSpec, Router
+from worker.routing.lease import EngineSpec
+from worker.routing.router import Router
 
 
 def test_route_avoiding_an_engine_spills_to_the_next_one() -> None:

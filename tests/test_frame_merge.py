@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from relay.edge.hub import conflate
 from relay.edge.resume import Delivery
+from relay.edge.watch import conflate
 from relay.protocol.frame import Frame, decode, encode, first_offset, merge_tokens
 
 

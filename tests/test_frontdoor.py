@@ -27,7 +27,8 @@ from aiohttp import web
 
 from devstack.cluster.launcher import ClusterInfo
 from devstack.demo.frontdoor import CONTROL_HEADER, FrontDoor, make_frontdoor_app
-from devstack.demo.stack import Stack, StackSpec, free_port
+from devstack.demo.stack import Stack, StackSpec
+from devstack.procs import free_port
 from tests.test_redis_tls import Viewer
 
 

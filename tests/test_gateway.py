@@ -17,7 +17,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from redis.asyncio.cluster import RedisCluster
 
 from tests.support.worker import Harness, expected_reply, wait_turn
-from worker.api import WorkerState
+from worker.state import WorkerState
 
 pytestmark = pytest.mark.integration
 

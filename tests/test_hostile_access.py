@@ -43,7 +43,7 @@ from tests.support.sse import SSEClient
 from tests.support.worker import SECRET, Harness
 from worker.chat.store import SessionStore
 from worker.engines.client import EngineClient
-from worker.routing.router import EngineSpec
+from worker.routing.lease import EngineSpec
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,9 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
-from relay.edge.hub import Delivery, Hub, Tap
+from relay.edge.hub import Hub
+from relay.edge.resume import Delivery
+from relay.edge.tap import Tap
 from relay.protocol.frame import Frame, decode, encode
 from relay.protocol.keys import live_channel, log_key, meta_key, new_session_id, presence_key
 from relay.redisio.errors import WatchClosed

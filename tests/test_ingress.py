@@ -34,8 +34,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from devstack.demo.stack import free_port
-from devstack.procs import Proc, port_open
+from devstack.procs import Proc, free_port, port_open
 from tests.support.cli import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent

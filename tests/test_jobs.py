@@ -31,7 +31,8 @@ from worker.chat.store import SessionStore
 from worker.engines.client import EngineClient
 from worker.jobs.queue import JobRunner, QueueNames, RunnerConfig
 from worker.jobs.record import JobSpec, JobStore, new_job_id, within_reserve
-from worker.routing.router import EngineSpec, Router
+from worker.routing.lease import EngineSpec
+from worker.routing.router import Router
 
 pytestmark = pytest.mark.integration
 

@@ -168,8 +168,8 @@ def _routes(app: Any) -> set[tuple[str, str]]:
 def test_probes_hit_routes_the_apps_serve() -> None:
     from relay.edge.config import RelayConfig
     from relay.edge.server import make_app as relay_app
-    from worker.api import WorkerConfig
     from worker.api import make_app as worker_app
+    from worker.config import WorkerConfig
 
     served = {
         "tokenrelay-relay": _routes(relay_app(RelayConfig(insecure_no_auth=True))),

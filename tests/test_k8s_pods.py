@@ -26,8 +26,7 @@ import aiohttp
 import pytest
 
 from devstack.cluster.launcher import ClusterInfo
-from devstack.demo.stack import free_port
-from devstack.procs import Proc
+from devstack.procs import Proc, free_port
 from tests.test_k8s import OBJECTS, _container, _expand, _find, _pod_env, _prestop_s
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

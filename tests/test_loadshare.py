@@ -11,15 +11,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 from redis.asyncio import RedisCluster
 
+from relay.protocol.keys import worker_key
+from worker.routing.lease import AllEnginesFull, EngineSpec
 from worker.routing.loadshare import (
     LoadExchange,
     WorkerReport,
     compute_view,
     split_cap,
     static_view,
-    worker_key,
 )
-from worker.routing.router import AllEnginesFull, EngineSpec, Router, route_wait
+from worker.routing.router import Router
+from worker.routing.wait import route_wait
 
 CAPS = {"e0": 16, "e1": 16}
 

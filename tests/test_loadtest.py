@@ -12,7 +12,7 @@ from bench.accounting import SessionLog, account
 from bench.loadtest import LoadConfig, run_loadtest
 from bench.viewer import OffsetTally, Viewer, check_done
 from devstack.demo.stack import StackSpec
-from worker.chat.turn import reply_integrity
+from worker.chat.turnstate import reply_integrity
 
 
 def test_a_missing_tail_is_lost_not_silently_ignored() -> None:

@@ -12,7 +12,8 @@ from relay.edge.hub import Hub
 from relay.edge.metrics import RelayMetrics
 from relay.service.supervise import Supervisor
 from worker.metrics import WorkerMetrics
-from worker.routing.router import EngineSpec, Router
+from worker.routing.lease import EngineSpec
+from worker.routing.router import Router
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -42,8 +42,8 @@ from relay.protocol.keys import new_session_id
 from tests.support.cli import run_cli
 from tests.support.worker import SECRET, Harness
 from worker import api as worker_api
-from worker.api import WorkerConfig
 from worker.api import make_app as worker_app
+from worker.config import WorkerConfig
 
 yaml = pytest.importorskip("yaml")
 

@@ -10,7 +10,8 @@ import time
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from relay.edge.hub import Hub, Tap
+from relay.edge.hub import Hub
+from relay.edge.tap import Tap
 from relay.protocol.frame import decode
 from relay.protocol.keys import KeyKind, key, meta_key, new_session_id
 from relay.redisio.errors import Fenced

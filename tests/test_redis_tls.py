@@ -27,17 +27,12 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from devstack.cluster.launcher import (
-    ClusterError,
-    ClusterInfo,
-    ClusterTLS,
-    LocalCluster,
-    find_server_binary,
-    tls_support,
-)
-from devstack.demo.stack import free_port
+from devstack.cluster.binary import find_server_binary
+from devstack.cluster.form import ClusterError
+from devstack.cluster.launcher import ClusterInfo, LocalCluster
+from devstack.cluster.tls import ClusterTLS, tls_support
 from devstack.mockengine.reply_length import ReplyLength
-from devstack.procs import Proc, stop_all
+from devstack.procs import Proc, free_port, stop_all
 from relay.protocol.keys import engine_key, live_channel
 from relay.protocol.slotmap import slot_of
 from tests.support.cli import run_cli, tokenrelay

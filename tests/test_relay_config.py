@@ -11,7 +11,8 @@ import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from relay.edge.config import ConfigError, RelayConfig, add_arguments, from_args
+from relay.edge.config import RelayConfig, add_arguments, from_args
+from relay.service.settings import ConfigError
 
 K = "relay-config-test-secret-4c2e8a6f1b3d5e7a"  # a strong secret (>= 32 bytes, varied)
 K2 = "another-relay-test-secret-9b7d5f3a1c2e4f6a"

@@ -9,15 +9,9 @@ import mmh3
 import pytest
 
 from worker.routing.key import routing_key
-from worker.routing.router import (
-    AllEnginesFull,
-    EngineSpec,
-    LeaseState,
-    LoadView,
-    Router,
-    key_hash,
-    route_wait,
-)
+from worker.routing.lease import AllEnginesFull, EngineSpec, LeaseState, LoadView
+from worker.routing.router import Router, key_hash
+from worker.routing.wait import route_wait
 
 
 def specs(n: int, cap: int = 100, weight: float = 1.0) -> list[EngineSpec]:

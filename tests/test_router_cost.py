@@ -6,8 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.routing.cost import CostModel, TurnInfo, turn_info
+from worker.routing.lease import EngineSpec, Lease, LeaseState, LoadView
 from worker.routing.policy import RouteReason
-from worker.routing.router import EngineSpec, Lease, LeaseState, LoadView, Router
+from worker.routing.router import Router
 
 
 def _router(n: int = 3, cap: int = 4) -> Router:

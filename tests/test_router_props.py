@@ -10,15 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.routing.router import (
-    SPILL_POLICIES,
-    AllEnginesFull,
-    EngineSpec,
-    Lease,
-    LeaseState,
-    Router,
-    route_wait,
-)
+from worker.routing.lease import AllEnginesFull, EngineSpec, Lease, LeaseState
+from worker.routing.policy import SPILL_POLICIES
+from worker.routing.router import Router
+from worker.routing.wait import route_wait
 
 KEYS = [f"session-{i}" for i in range(2000)]
 

@@ -16,7 +16,7 @@ from relay.protocol.keys import KeyKind, idem_key, key
 from relay.redisio.publisher import read_backlog
 from tests.support.worker import SECRET, Harness, wait_turn
 from worker.chat.store import SessionStore
-from worker.chat.turn import request_fingerprint
+from worker.chat.turnstate import request_fingerprint
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from worker.cli import config_from_args, register
-from worker.routing.router import DEFAULT_SPILL
+from worker.routing.policy import DEFAULT_SPILL
 
 BASE = ["worker", "--port", "0", "--redis", "redis://127.0.0.1:7000", "--insecure-no-auth"]
 

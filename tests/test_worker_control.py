@@ -10,16 +10,17 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from devstack.mockengine.server import EngineConfig, start_engine
+from relay.protocol.keys import engine_key
 from worker.chat.presence import PresenceTracker
 from worker.routing.control import (
     ControlPlane,
     EngineAnnouncer,
     ProbeState,
-    engine_key,
     parse_engine_arg,
     read_announced,
 )
-from worker.routing.router import EngineSpec, Router
+from worker.routing.lease import EngineSpec
+from worker.routing.router import Router
 
 
 def test_grace_timer_starts_at_turn_start():

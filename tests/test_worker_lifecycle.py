@@ -24,7 +24,7 @@ from relay.redisio.presence import WRITE_LUA
 from relay.redisio.publisher import Publisher, read_backlog
 from tests.support.worker import Harness, wait_turn
 from worker.chat.presence import PresencePolicy, count_watchers
-from worker.routing.router import EngineSpec
+from worker.routing.lease import EngineSpec
 
 pytestmark = pytest.mark.integration
 

@@ -52,28 +52,18 @@ from relay.protocol.keys import InvalidSessionId, idem_key, new_session_id, pars
 from relay.redisio.errors import RedisCommandError, RelayError, map_redis_errors
 from worker.access import BadTokenRequest, Refusal, parse_token_request
 from worker.chat import direct
-from worker.chat.turn import (
-    Draining,
-    IdempotencyKeyReused,
-    IdempotencyPending,
-    TurnBusy,
-)
-from worker.config import WorkerConfig, default_worker_id
+from worker.chat.turnstate import Draining, IdempotencyKeyReused, IdempotencyPending, TurnBusy
+from worker.config import WorkerConfig
 from worker.gateway import aisdk
 from worker.gateway import openai as gateway
 from worker.jobs import api as jobs_api
 from worker.lifecycle import CFG, REDIS, REDIS_UNREACHABLE, lifecycle
 from worker.metrics import CONTENT_TYPE_LATEST
 from worker.routing.lease import AllEnginesFull
-from worker.state import STATE, WorkerState, access_check
+from worker.state import STATE, WorkerState
 
 __all__ = [
-    "STATE",
-    "WorkerConfig",
-    "WorkerState",
-    "access_check",
     "begin_drain",
-    "default_worker_id",
     "make_app",
 ]
 

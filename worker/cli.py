@@ -44,11 +44,13 @@ from relay.service.settings import (
     TrustedProxies,
     opt,
 )
-from worker.api import STATE, WorkerConfig, access_check, begin_drain, default_worker_id, make_app
+from worker.api import begin_drain, make_app
 from worker.chat.coalesce import DEFAULT_POLICY, CoalescePolicy
 from worker.chat.presence import PresencePolicy
+from worker.config import WorkerConfig, default_worker_id
 from worker.routing.control import parse_engine_arg
-from worker.routing.router import ROUTING_POLICIES, SPILL_POLICIES
+from worker.routing.policy import ROUTING_POLICIES, SPILL_POLICIES
+from worker.state import STATE, access_check
 
 __all__ = ["WorkerSettings", "config_from_args", "load_settings", "register", "run", "serve"]
 

@@ -38,7 +38,8 @@ from relay.redisio.errors import RelayError, map_redis_errors
 from relay.redisio.publisher import Publisher
 from relay.service.supervise import Supervisor
 from worker.chat.store import SessionStore
-from worker.chat.turn import TurnConfig, TurnManager
+from worker.chat.turn import TurnManager
+from worker.chat.turnstate import TurnConfig
 from worker.config import WorkerConfig
 from worker.engines.client import EngineClient
 from worker.gateway.base import GATEWAY, Gateway, GatewayConfig

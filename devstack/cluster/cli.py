@@ -16,13 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from devstack.cluster.launcher import (
-    ClusterError,
-    LocalCluster,
-    read_state,
-    stop_from_state,
-    write_state,
-)
+from devstack.cluster.form import ClusterError
+from devstack.cluster.launcher import LocalCluster, read_state, stop_from_state, write_state
 
 __all__ = ["register"]
 
@@ -104,7 +99,8 @@ def _cluster_form(args: argparse.Namespace) -> int:
     """Form a cluster of already running nodes (docker-compose's init service)."""
     import socket
 
-    from devstack.cluster.launcher import Node, form_cluster
+    from devstack.cluster.form import Node
+    from devstack.cluster.launcher import form_cluster
 
     addrs = [a for arg in args.node for a in arg.split(",") if a]
     per_shard = 1 + args.replicas

@@ -50,23 +50,16 @@ from devstack.cluster.form import ClusterError, Node
 from devstack.cluster.form import _topology as _topology
 from devstack.cluster.form import _wait_ping as _wait_ping
 from devstack.cluster.form import form_cluster as form_cluster
-from devstack.cluster.tls import ClusterTLS, tls_support
+from devstack.cluster.tls import ClusterTLS
 from devstack.procs import Proc, stop_all
 
 __all__ = [
-    "EMBEDDED_ENV",
-    "ClusterError",
     "ClusterInfo",
-    "ClusterTLS",
     "LocalCluster",
-    "Node",
-    "ServerBinary",
     "find_free_base_port",
-    "find_server_binary",
     "local_cluster",
     "read_state",
     "stop_from_state",
-    "tls_support",
     "write_state",
 ]
 

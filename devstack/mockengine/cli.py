@@ -133,7 +133,7 @@ async def serve(opts: EngineSettings) -> None:
     """Run the engine until SIGTERM/SIGINT; with ``--redis``, announce it meanwhile
     (withdrawn on a clean stop; after a crash the heartbeat expires by itself)."""
     from worker.routing.control import EngineAnnouncer
-    from worker.routing.router import EngineSpec
+    from worker.routing.lease import EngineSpec
 
     cfg = opts.engine_config()
     async with runtime.stop_on_signals() as stop:

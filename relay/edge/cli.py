@@ -20,13 +20,14 @@ from typing import Any
 
 from redis.exceptions import RedisClusterException, RedisError
 
-from relay.edge.config import ConfigError, RelayConfig, add_arguments, from_args
+from relay.edge.config import RelayConfig, add_arguments, from_args
 from relay.edge.server import SERVER, make_app, make_runner
 from relay.protocol.codes import Refusal
 from relay.redisio.connect import mask_url, startup_error
 from relay.redisio.errors import RelayError
 from relay.service import runtime, settings
 from relay.service.httpguard import GuardedSite
+from relay.service.settings import ConfigError
 
 __all__ = ["register", "run", "serve"]
 

@@ -43,7 +43,6 @@ from relay.service.settings import (
 
 __all__ = [
     "ENV",
-    "ConfigError",
     "RelayConfig",
     "add_arguments",
     "default_relay_id",

@@ -47,10 +47,12 @@ from redis.asyncio.cluster import RedisCluster
 
 from relay.edge import handlers, openapi, uistream
 from relay.edge.config import RelayConfig
-from relay.edge.hub import RELAY_BACKOFF, Delivery, Hub, Tap
+from relay.edge.hub import RELAY_BACKOFF, Hub
 from relay.edge.metrics import RelayMetrics
+from relay.edge.resume import Delivery
 from relay.edge.streamguard import Access, StreamGuard, Ticket
 from relay.edge.streams import CORS_HEADERS, RETRY_AFTER, Reject, Stream, Transport
+from relay.edge.tap import Tap
 from relay.protocol import sse
 from relay.protocol.auth import AuthError, extract_token, verify_token
 from relay.protocol.codes import CloseCode, Readiness, Refusal

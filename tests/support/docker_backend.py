@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from devstack.cluster.launcher import ClusterInfo, Node, find_free_base_port, form_cluster
+from devstack.cluster.form import Node
+from devstack.cluster.launcher import ClusterInfo, find_free_base_port, form_cluster
 
 IMAGE = "redis:7.2"
 

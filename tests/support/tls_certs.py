@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from devstack.cluster.launcher import ClusterTLS
+from devstack.cluster.tls import ClusterTLS
 
 __all__ = ["make_ca", "make_pki", "openssl_missing"]
 

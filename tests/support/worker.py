@@ -22,10 +22,12 @@ from devstack.mockengine.reply_length import ReplyLength
 from devstack.mockengine.server import EngineConfig, RunningEngine, start_engine
 from relay.protocol.frame import Frame, decode
 from relay.redisio.publisher import read_backlog
-from worker.api import STATE, WorkerConfig, WorkerState, make_app
+from worker.api import make_app
 from worker.chat.coalesce import CoalescePolicy
 from worker.chat.presence import PresencePolicy
-from worker.routing.router import EngineSpec
+from worker.config import WorkerConfig
+from worker.routing.lease import EngineSpec
+from worker.state import STATE, WorkerState
 
 __all__ = ["SECRET", "SHORT_REPLIES", "Harness", "expected_reply", "wait_turn"]
 

@@ -58,7 +58,6 @@ from worker.chat.turnstate import (
     TurnConfig,
     TurnOutcome,
     TurnStarted,
-    reply_integrity,
     request_fingerprint,
 )
 from worker.engines.errors import EngineError, EngineTimeout, EngineUnavailable
@@ -70,19 +69,7 @@ from worker.routing.router import Router
 from worker.routing.wait import route_wait
 
 __all__ = [
-    "AbortReason",
-    "Draining",
-    "IdempotencyKeyReused",
-    "IdempotencyPending",
-    "LockLost",
-    "StreamChat",
-    "TurnBusy",
-    "TurnConfig",
     "TurnManager",
-    "TurnOutcome",
-    "TurnStarted",
-    "reply_integrity",
-    "request_fingerprint",
 ]
 
 _log = logging.getLogger(__name__)

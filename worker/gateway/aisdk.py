@@ -38,7 +38,7 @@ from relay.protocol.frame import FrameError, decode
 from relay.protocol.keys import InvalidSessionId, log_key, parse_session
 from relay.redisio.errors import RelayError, map_redis_errors
 from worker.access import Refusal
-from worker.chat.turn import Draining, IdempotencyPending, TurnBusy
+from worker.chat.turnstate import Draining, IdempotencyPending, TurnBusy
 from worker.routing.lease import AllEnginesFull
 from worker.state import STATE
 

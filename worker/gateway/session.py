@@ -30,7 +30,7 @@ from relay.protocol.keys import InvalidSessionId, parse_session
 from relay.redisio.errors import RelayError
 from worker.apikeys import check_api_key
 from worker.chat.direct import DirectViewer
-from worker.chat.turn import Draining, TurnBusy
+from worker.chat.turnstate import Draining, TurnBusy
 from worker.gateway.base import Gateway
 from worker.gateway.wire import (
     ChatRequest,

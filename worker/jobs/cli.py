@@ -28,14 +28,15 @@ from relay.redisio.publisher import Publisher
 from relay.service import runtime, settings
 from relay.service.settings import RedisCA, RedisCert, RedisKey, RedisURL, opt
 from relay.service.supervise import Supervisor
-from worker.api import default_worker_id
 from worker.chat.store import SessionStore
+from worker.config import default_worker_id
 from worker.engines.client import EngineClient
 from worker.jobs.queue import BROKER_DELIVERY_LIMIT, JobRunner, QueueNames, RunnerConfig
 from worker.jobs.record import JobStore
 from worker.routing.control import parse_engine_arg
+from worker.routing.lease import EngineSpec
 from worker.routing.loadshare import LoadExchange
-from worker.routing.router import EngineSpec, Router
+from worker.routing.router import Router
 
 __all__ = ["JobWorkerSettings", "register", "run"]
 

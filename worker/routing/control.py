@@ -55,11 +55,9 @@ from worker.routing.lease import EngineSpec
 from worker.routing.router import Router
 
 __all__ = [
-    "ENGINES_REGISTRY",
     "ControlPlane",
     "EngineAnnouncer",
     "ProbeState",
-    "engine_key",
     "parse_engine_arg",
     "read_announced",
 ]

@@ -74,7 +74,6 @@ __all__ = [
     "compute_view",
     "split_cap",
     "static_view",
-    "worker_key",
 ]
 
 REGISTRY_KEY: Final = WORKERS_REGISTRY

@@ -43,12 +43,9 @@ from worker.routing.lease import (
     AllEnginesFull,
     EngineSpec,
     Lease,
-    LeaseState,
     LoadView,
-    release_once,
 )
 from worker.routing.policy import (
-    DEFAULT_ROUTING,
     DEFAULT_SPILL,
     ROUTING_POLICIES,
     SPILL_POLICIES,
@@ -56,25 +53,10 @@ from worker.routing.policy import (
     RoutingPolicy,
     SpillPolicy,
 )
-from worker.routing.wait import route_wait
 
 __all__ = [
-    "DEFAULT_ROUTING",
-    "DEFAULT_SPILL",
-    "ROUTING_POLICIES",
-    "SPILL_POLICIES",
-    "AllEnginesFull",
-    "EngineSpec",
-    "Lease",
-    "LeaseState",
-    "LoadView",
-    "RouteReason",
     "Router",
-    "RoutingPolicy",
-    "SpillPolicy",
     "key_hash",
-    "release_once",
-    "route_wait",
 ]
 
 _RETRY_MIN_S: Final = 0.05
