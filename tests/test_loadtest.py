@@ -12,6 +12,7 @@ from bench.accounting import SessionLog, account
 from bench.loadtest import LoadConfig, run_loadtest
 from bench.viewer import OffsetTally, Viewer, check_done
 from devstack.demo.stack import StackSpec
+from relay.protocol.frame import decode
 from worker.chat.turnstate import reply_integrity
 
 
@@ -79,7 +80,7 @@ def test_accounting_compares_each_viewer_with_the_backlog() -> None:
     def viewer(raws: list[bytes]) -> Viewer:
         v = Viewer(None, list, "s", "t")  # type: ignore[arg-type]
         for raw in raws:
-            v._frame(raw)
+            v.delivered(decode(raw), 0.0)
         return v
 
     clean = viewer(frames)
