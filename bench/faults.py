@@ -5,11 +5,12 @@ what every viewer got.
 
 Each fault gets a stack of its own (local Redis Cluster 3 masters + 3 replicas, 2
 relays, 2 workers, 2 mock engines; :class:`devstack.demo.stack.Stack`), because it damages
-it. Several sessions, several viewers each (SSE and WebSocket, :class:`bench.viewer.Viewer`,
-which resumes from its last offset after any disconnect), turns posted continuously;
-after a warm-up the fault is injected, the load runs on, then new turns stop and the
-running ones finish. Replies have the mock engine's natural lengths (mean 300 tokens,
-a tail to 2,000) unless ``max_tokens`` caps them. Then every viewer is compared with its
+it. Several sessions, several viewers each (SSE and WebSocket,
+:class:`bench.viewer.Viewer`, the Python client, which resumes from its last offset
+after any disconnect), turns posted continuously; after a warm-up the fault is injected,
+the load runs on, then new turns stop and the running ones finish. Replies have the mock
+engine's natural lengths (mean 300 tokens, a tail to 2,000) unless ``max_tokens`` caps
+them. Then every viewer is compared with its
 session's backlog in Redis (:mod:`bench.accounting`): ``lost``, ``duplicated``,
 ``out_of_order``, ``content_mismatches``, ``unended_turns``, ``viewers_behind`` (had
 not received their session's last frame: those frames count as ``lost``); and per

@@ -1,18 +1,20 @@
-"""A measuring viewer: one screen watching one session over SSE or WebSocket.
+"""A measuring viewer: one screen watching one session over SSE or WebSocket, built on
+the Python client (:func:`relay.client.stream.watch`).
 
-It behaves like a real client (resumes from the last offset it received after any
-disconnect, on whichever relay it lands) and counts what the delivery guarantee
+It behaves like a real client because it is one: the client reconnects and resumes
+after the last offset received, on whichever relay it lands. Through the client's
+observer hooks the viewer sees every frame as the relay delivered it (``on_delivered``,
+before the continuity rules, so duplicates and late fills of a hole are counted, not
+dropped) and every disconnect (``on_state``), and counts what the delivery guarantee
 promises: frames lost, duplicated and out of order (a merged token frame covers the
-offsets ``meta.from`` .. ``offset``), gaps the server reported, per turn the time of
-the first token and the gaps between tokens, and every ``done`` frame checked against
-the text the viewer assembled (``meta.tokens``, ``meta.chars``, ``meta.sha256``).
+offsets ``meta.from`` .. ``offset``), gaps the server reported, per turn the time of the
+first token and the gaps between tokens, the time from each disconnect to the next
+frame, and every ``done`` frame checked against the text the viewer assembled
+(``meta.tokens``, ``meta.chars``, ``meta.sha256``). The client's own verdicts
+(``on_problem``: a hole it cannot fill, a wrong ``done`` hash) are counted in
+``problems`` and never end the watch; a refusal that would end it is recorded in
+``errors`` and the viewer watches again from where it was, as a screen would.
 :mod:`bench.accounting` then compares each viewer with the session's backlog in Redis.
-
-Why not :func:`relay.client.watch`: the viewer measures the delivery guarantee that the
-client enforces, so it must see every frame as the relay delivered it, duplicates and
-late fills of a hole included (the client drops those by design, and raises or reports
-where the viewer must count), and it must time each disconnect to the next frame.
-It decodes SSE with the project's one decoder (:mod:`relay.protocol.sse_reader`).
 
 Order of use::
 
@@ -34,9 +36,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import orjson
+import msgspec
 
-from relay.protocol.sse_reader import SSEDecoder
+from relay.client.core import Problem
+from relay.client.stream import State, StateInfo, Transport, WatchRefused, watch
+from relay.protocol.frame import Frame
 
 __all__ = ["OffsetTally", "Viewer", "check_done", "settle_sessions"]
 
@@ -136,6 +140,9 @@ def check_done(meta: dict[str, Any], pieces: Sequence[str], tokens: int | None) 
 
 
 class Viewer:
+    # each SSE request: a quick connect, and a stream quiet for a minute is dead
+    TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=3, sock_read=60)
+
     def __init__(
         self,
         http: aiohttp.ClientSession,
@@ -151,12 +158,13 @@ class Viewer:
         self.relays = relays
         self.sid = sid
         self.token = token
-        self.transport = transport
+        self.transport: Transport = "ws" if transport == "ws" else "sse"
         self.tally = OffsetTally(last=start_offset)
         self.on_frame = on_frame
         self.connects = 0
         self.errors: list[str] = []
         self.relay_ids: list[str] = []
+        self.problems: dict[str, int] = {}  # the client's verdicts by reason (on_problem)
         self.turn_first_token: dict[int, float] = {}
         self.turn_done: dict[int, float] = {}
         self.turn_text: dict[int, list[str]] = {}
@@ -174,19 +182,17 @@ class Viewer:
         self.disconnected_at: float | None = None
         self.recoveries_ms: list[float] = []
 
-    # -- frames -------------------------------------------------------------------
-    def _frame(self, raw: bytes | str) -> None:
-        frame = orjson.loads(raw)
-        now = time.monotonic()
+    # -- the client's hooks -------------------------------------------------------
+    def delivered(self, frame: Frame, now: float) -> None:
+        """Count one frame as the relay delivered it (``on_delivered``)."""
         if self.disconnected_at is not None:
             self.recoveries_ms.append((now - self.disconnected_at) * 1000)
             self.disconnected_at = None
-        kind, offset = frame["kind"], int(frame["offset"])
-        meta = frame.get("meta") or {}
+        kind, offset = frame.kind, frame.offset
+        meta = frame.meta or {}
         if kind == "reset":  # the session restarted: a new stream from offset 1
             self._reset(str(meta.get("gen", "")))
-            if self.on_frame is not None:
-                self.on_frame(self, frame)
+            self._tell(frame)
             return
         if kind == "gap":
             self.tally.gap(int(meta.get("from", offset)), int(meta.get("to", offset)), offset)
@@ -198,7 +204,7 @@ class Viewer:
         first = int(meta.get("from", offset)) if merged else None
         if not self.tally.feed(offset, first):
             return
-        turn = int(frame.get("turn", 0))
+        turn = frame.turn
         if self._after_gap:
             self.gap_turns.add(turn)
             self._after_gap = False
@@ -208,7 +214,7 @@ class Viewer:
             if prev is not None:
                 self.itl_ms.append((now - prev) * 1000)
             self._last_token_at[turn] = now
-            self.turn_text.setdefault(turn, []).append(frame.get("text", ""))
+            self.turn_text.setdefault(turn, []).append(frame.text)
             n = None if merged else int(meta.get("n", 1))
             self.tokens += 1 if n is None else n
             had = self.turn_tokens.get(turn, 0)
@@ -223,8 +229,24 @@ class Viewer:
                 bad = check_done(meta, pieces, self.turn_tokens.get(turn, 0))
                 if bad:
                     self.done_mismatches.append(f"turn {turn}: {','.join(bad)}")
+        self._tell(frame)
+
+    def _tell(self, frame: Frame) -> None:
         if self.on_frame is not None:
-            self.on_frame(self, frame)
+            self.on_frame(self, msgspec.structs.asdict(frame))
+
+    def _state(self, state: State, info: StateInfo) -> None:
+        if state == "live":
+            self.connects += 1
+            self.relay_ids.append(info.relay or "?")
+        elif state == "reconnecting":
+            if info.failed:
+                self.errors.append(info.reason)
+            if self.disconnected_at is None:
+                self.disconnected_at = info.at
+
+    def _problem(self, p: Problem) -> None:
+        self.problems[p.reason] = self.problems.get(p.reason, 0) + 1
 
     def _reset(self, gen: str) -> None:
         """Forget the old generation's offsets and texts (its keys are gone from Redis,
@@ -243,63 +265,36 @@ class Viewer:
         self.gap_turns.clear()
         self._after_gap = False
 
-    # -- transports ---------------------------------------------------------------
-    def _pick(self) -> str:
-        relays = list(self.relays())
-        if not relays:
-            raise ConnectionError("no relay available")
-        return random.choice(relays)
-
-    async def _sse(self, base: str) -> None:
-        url = f"{base}/v1/sessions/{self.sid}/events"
-        headers = {"Authorization": f"Bearer {self.token}", "Last-Event-ID": str(self.tally.last)}
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=3, sock_read=60)
-        async with self.http.get(url, headers=headers, timeout=timeout) as resp:
-            if resp.status != 200:
-                body = await resp.text()
-                raise ConnectionError(f"SSE {resp.status}: {body[:200]}")
-            self.connects += 1
-            decoder = SSEDecoder()
-            async for chunk in resp.content.iter_any():
-                for ev in decoder.feed(chunk):
-                    if ev.event == "hello":
-                        self.relay_ids.append(orjson.loads(ev.data).get("relay", "?"))
-                    elif ev.data:
-                        self._frame(ev.data)
-
-    async def _ws(self, base: str) -> None:
-        url = f"{base.replace('http', 'ws', 1)}/v1/sessions/{self.sid}/ws"
-        params = {"from": str(self.tally.last), "token": self.token}
-        async with self.http.ws_connect(url, params=params, heartbeat=30) as ws:
-            self.connects += 1
-            async for msg in ws:
-                if msg.type != aiohttp.WSMsgType.TEXT:
-                    break
-                data = orjson.loads(msg.data)
-                if data.get("type") == "hello":
-                    self.relay_ids.append(data.get("relay", "?"))
-                elif "kind" in data:
-                    self._frame(msg.data)
-            if ws.close_code not in (None, 1000, 1001, 1012):
-                self.errors.append(f"ws close {ws.close_code}")
+    # -- the watch ----------------------------------------------------------------
+    async def _watch(self) -> None:
+        """One watch from the last offset counted, until it ends (it reconnects by
+        itself; only a refusal ends it)."""
+        w = watch(
+            self.relays, self.sid, self.token, self.tally.last, transport=self.transport,
+            http=self.http, on_problem=self._problem, base_s=0.05, max_s=0.25,
+            timeout=self.TIMEOUT, on_delivered=self.delivered, on_state=self._state,
+        )  # fmt: skip
+        try:
+            async for _ in w:
+                pass  # counted as delivered, before the client's filtering
+        finally:
+            await w.aclose()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Watch until ``stop`` is set; reconnect (with resume) after any disconnect."""
+        """Watch until ``stop`` is set; after a refusal, watch again from where it was."""
         while not stop.is_set():
+            task = asyncio.ensure_future(self._watch())
+            stopper = asyncio.ensure_future(stop.wait())
             try:
-                base = self._pick()
-                conn = self._ws(base) if self.transport == "ws" else self._sse(base)
-                task = asyncio.ensure_future(conn)
-                stopper = asyncio.ensure_future(stop.wait())
-                try:
-                    await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    stopper.cancel()
-                    if not task.done():
-                        task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task  # re-raises a connection error into the except below
-            except (aiohttp.ClientError, ConnectionError, OSError, TimeoutError) as exc:
+                await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopper.cancel()
+                if not task.done():
+                    task.cancel()
+            try:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            except (WatchRefused, aiohttp.ClientError, OSError, TimeoutError) as exc:
                 if not stop.is_set():
                     self.errors.append(f"{type(exc).__name__}: {exc}")
             if stop.is_set():

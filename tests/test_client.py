@@ -18,13 +18,14 @@ from collections.abc import AsyncIterable, AsyncIterator
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 from devstack.cluster.launcher import ClusterInfo
 from devstack.procs import Proc, free_port, http_ok
 from relay.client.core import Continuity, Problem, backoff_s, check_done
-from relay.client.stream import ContinuityError, WatchRefused, watch
+from relay.client.stream import ContinuityError, State, StateInfo, WatchRefused, watch
 from relay.protocol.auth import issue_token
-from relay.protocol.frame import Frame
+from relay.protocol.frame import Frame, encode, reset_frame
 from relay.protocol.keys import new_session_id
 from relay.redisio.publisher import Generation, Publisher
 from tests.support.worker import SECRET
@@ -78,12 +79,98 @@ def test_continuity_duplicates_holes_merges_gaps() -> None:
     assert live.accept(frame(40, "token", "x")) == (True, [])
 
 
+def test_a_reset_starts_the_offsets_again() -> None:
+    c = Continuity(0)
+    for off in (1, 2, 3):
+        c.accept(frame(off, "token", "x"))
+    assert c.accept(reset_frame("s", "B", "A")) == (True, [])
+    assert c.last == 0
+    assert c.accept(frame(1, "meta")) == (True, [])  # the new generation's, not a duplicate
+    assert (c.duplicates, c.problems) == (0, 0)
+
+
 def test_backoff_is_capped_and_jittered() -> None:
     rng = random.Random(7)
     delays = [backoff_s(3, base_s=0.1, rand=rng) for _ in range(50)]
     assert all(0.4 <= d <= 0.8 for d in delays)
     assert len(set(delays)) > 10
     assert backoff_s(40, base_s=0.1, max_s=2.0, rand=random.Random(1)) <= 2.0
+
+
+# -- the observer hooks, on a scripted relay ------------------------------------------------
+
+
+def sse_event(f: Frame) -> bytes:
+    return b"id: %d\ndata: %s\n\n" % (f.offset, encode(f))
+
+
+@pytest.fixture
+async def scripted_relay() -> AsyncIterator[tuple[str, list[str | None]]]:
+    """An SSE endpoint on loopback that sends duplicates, ends its first stream, refuses
+    the next request with a 503, then resumes; records each Last-Event-ID."""
+    resumes: list[str | None] = []
+
+    async def events(request: web.Request) -> web.StreamResponse:
+        resumes.append(request.headers.get("Last-Event-ID"))
+        if len(resumes) == 2:
+            return web.json_response({"error": "draining", "reason": "try another"},
+                                     status=503, headers={"Retry-After": "0"})  # fmt: skip
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        relay = "fake-1" if len(resumes) == 1 else "fake-2"
+        await resp.write(b'retry: 10\n\nevent: hello\ndata: {"relay": "%s"}\n\n' % relay.encode())
+        if len(resumes) == 1:  # 2 twice, then the stream ends
+            script = [frame(1, "meta"), frame(2, "token", "a"), frame(2, "token", "a"),
+                      frame(3, "token", "b")]  # fmt: skip
+        else:  # a replay of 3, then the rest
+            script = [frame(3, "token", "b"), frame(4, "done")]
+        for f in script:
+            await resp.write(sse_event(f))
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/sessions/s/events", events)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", resumes
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("hooked", [False, True])
+async def test_hooks_see_every_delivery_and_each_reconnect(
+    scripted_relay: tuple[str, list[str | None]], hooked: bool
+) -> None:
+    url, resumes = scripted_relay
+    delivered: list[tuple[int, float]] = []
+    states: list[tuple[State, StateInfo]] = []
+    hooks = {"on_delivered": lambda f, at: delivered.append((f.offset, at)),
+             "on_state": lambda s, i: states.append((s, i))} if hooked else {}  # fmt: skip
+    t0 = time.monotonic()
+    w = watch(url, "s", "t", 0, base_s=0.01, max_s=0.05, **hooks)  # type: ignore[arg-type]
+    async with asyncio.timeout(10):
+        text, offsets = await read_turn(w)
+    await w.aclose()
+    # what the client yields and enforces is the same with hooks and without
+    assert (text, offsets) == ("ab", [1, 2, 3, 4])
+    assert (w.stats.duplicates, w.stats.reconnects, w.stats.problems) == (2, 2, 0)
+    assert resumes == ["0", "3", "3"]
+    if not hooked:
+        return
+    assert [off for off, _ in delivered] == [1, 2, 2, 3, 3, 4]  # the duplicates too
+    assert all(t0 <= at <= time.monotonic() for _, at in delivered)
+    assert [s for s, _ in states] == ["connecting", "live", "reconnecting", "connecting",
+                                      "reconnecting", "connecting", "live", "closed"]  # fmt: skip
+    assert [i.relay for s, i in states if s == "live"] == ["fake-1", "fake-2"]
+    ended, refused = (i for s, i in states if s == "reconnecting")
+    assert (ended.reason, ended.failed, ended.relay) == ("stream ended", False, "fake-1")
+    assert refused.reason.startswith("503 draining")
+    assert refused.failed
+    assert (refused.delay_s, refused.attempt, refused.relay) == (0.0, 2, None)
+    assert all(i.url == url for _, i in states)
 
 
 # -- a real relay, killed and restarted mid-turn ---------------------------------------------
@@ -167,8 +254,12 @@ async def test_watch_survives_a_relay_restart_mid_turn(
     token = issue_token(SECRET, sid, 300, time.time())
     gen = await Publisher(redis).open_generation(sid)  # type: ignore[arg-type]
     problems: list[Problem] = []
+    delivered: list[int] = []
+    states: list[tuple[State, StateInfo]] = []
     w = watch(relay.base, sid, token, 0, transport=transport,  # type: ignore[arg-type]
-              on_problem=problems.append, base_s=0.1, max_s=0.5)  # fmt: skip
+              on_problem=problems.append, base_s=0.1, max_s=0.5,
+              on_delivered=lambda f, _: delivered.append(f.offset),
+              on_state=lambda s, i: states.append((s, i)))  # fmt: skip
     halfway = asyncio.Event()
     reader = asyncio.create_task(read_turn(w))
     producer = asyncio.create_task(produce_turn(gen, PIECES, pause_s=0.01, halfway=halfway))
@@ -185,6 +276,16 @@ async def test_watch_survives_a_relay_restart_mid_turn(
     assert problems == []
     assert w.stats.reconnects >= 1
     assert w.relay == "client-edge-2"
+    # the hooks saw every delivery (a replay after the restart would show here) and the
+    # restart: live on the first relay, the connection lost, live on the restarted one
+    assert sorted(set(delivered)) == offsets
+    assert len(delivered) - len(offsets) == w.stats.duplicates
+    lives = [i.relay for s, i in states if s == "live"]
+    assert (lives[0], lives[-1]) == ("client-edge-1", "client-edge-2")
+    lost = next(i for s, i in states if s == "reconnecting")
+    assert lost.relay == "client-edge-1"
+    assert lost.reason
+    assert states[-1][0] == "closed"
 
 
 @pytest.mark.integration

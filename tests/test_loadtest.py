@@ -1,17 +1,23 @@
-"""The load test's own counting (pure), then a small run end to end on a stack of its own."""
+"""The load test's own counting (pure), its viewer on a scripted relay (through the Python
+client), then a small run end to end on a stack of its own."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from bench.accounting import SessionLog, account
 from bench.loadtest import LoadConfig, run_loadtest
 from bench.viewer import OffsetTally, Viewer, check_done
 from devstack.demo.stack import StackSpec
+from relay.protocol.frame import decode
 from worker.chat.turnstate import reply_integrity
 
 
@@ -79,7 +85,7 @@ def test_accounting_compares_each_viewer_with_the_backlog() -> None:
     def viewer(raws: list[bytes]) -> Viewer:
         v = Viewer(None, list, "s", "t")  # type: ignore[arg-type]
         for raw in raws:
-            v._frame(raw)
+            v.delivered(decode(raw), 0.0)
         return v
 
     clean = viewer(frames)
@@ -98,6 +104,79 @@ def test_accounting_compares_each_viewer_with_the_backlog() -> None:
     for raw in frames[:-1]:  # turn 2 without its done frame
         bad_log.add(orjson.loads(raw))
     assert account({"s": bad_log}, [])["unended_turns"] == 1
+
+
+@pytest.fixture
+async def scripted_relay() -> AsyncIterator[tuple[str, list[str | None]]]:
+    """SSE on loopback: a duplicate, a hole filled late and a wrong ``done`` hash, then
+    the stream ends; a 404; then the next turn, open until the viewer leaves."""
+    resumes: list[str | None] = []
+    turn2 = _turn("s", 2, 6, ["x"])
+    scripts = {
+        1: [*_turn("s", 1, 1, ["a"])[:2], _frame("s", 1, 2, "token", "a"),
+            _frame("s", 1, 4, "token", "c"), _frame("s", 1, 3, "token", "b"),
+            _frame("s", 1, 5, "done", chars=3, sha256="0" * 64)],
+        3: turn2,
+    }  # fmt: skip
+
+    async def events(request: web.Request) -> web.StreamResponse:
+        resumes.append(request.headers.get("Last-Event-ID"))
+        n = len(resumes)
+        if n == 2:
+            return web.json_response({"error": "not_found", "reason": "gone"}, status=404)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'event: hello\ndata: {"relay": "r%d"}\n\n' % n)
+        for raw in scripts.get(n, []):
+            await resp.write(b"data: %s\n\n" % raw)
+        if n >= 3:
+            for _ in range(200):  # a heartbeat until the viewer hangs up
+                await asyncio.sleep(0.05)
+                try:
+                    await resp.write(b": ping\n\n")
+                except (ConnectionError, aiohttp.ClientConnectionResetError):
+                    break
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/sessions/s/events", events)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", resumes
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.timeout(30)
+async def test_the_viewer_counts_what_the_client_drops_and_watches_on(
+    scripted_relay: tuple[str, list[str | None]],
+) -> None:
+    url, resumes = scripted_relay
+    stop = asyncio.Event()
+
+    def on_frame(_: Viewer, frame: dict[str, Any]) -> None:
+        if (frame["kind"], frame["turn"]) == ("done", 2):
+            stop.set()
+
+    async with aiohttp.ClientSession() as http:
+        v = Viewer(http, lambda: [url], "s", "t", on_frame=on_frame)
+        async with asyncio.timeout(20):
+            await v.run(stop)
+    t = v.tally
+    # the client drops the second 2 and the late 3 and reports the hole: all counted here
+    assert (t.frames, t.duplicated, t.out_of_order, t.lost, t.last) == (9, 1, 1, 0, 8)
+    assert v.problems == {"missing": 1}
+    # a wrong hash (the client would raise without a handler) and a 404 (it raises
+    # WatchRefused): counted, and the viewer watched on from where it was
+    assert (v.done_checked, v.done_mismatches) == (2, ["turn 1: sha256"])
+    assert len(v.errors) == 1
+    assert v.errors[0].startswith("WatchRefused: 404 not_found")
+    assert resumes == ["0", "5", "5"]
+    assert (v.connects, v.relay_ids) == (2, ["r1", "r3"])
+    assert sorted(v.turn_first_token) == [1, 2]
+    assert len(v.recoveries_ms) == 1  # one disconnect (the end, the 404) to the next frame
 
 
 @pytest.mark.integration

@@ -9,6 +9,8 @@ The same rules as the browser client (clients/js/tokenrelay.js):
   ``last + 1`` leaves a hole: problem ``missing``; a merged frame whose ``meta.merged``
   is not ``offset - meta.from + 1``: ``merge``; one that starts at or below ``last``:
   ``overlap``; a ``gap`` frame from the relay: ``gap`` (it is delivered too);
+- a ``reset`` frame (the session's keys expired and restarted) is delivered, and the
+  offsets start again: the next frame is offset 1 of the new generation;
 - for a turn watched from its ``meta`` frame, the ``done`` frame's ``meta.chars``
   (Unicode code points) and ``meta.sha256`` (hex SHA-256 of the UTF-8 reply) are
   compared with the text received, when present: ``integrity``.
@@ -77,6 +79,10 @@ class Continuity:
             self._break_all()
             if self.last is None or frame.offset > self.last:
                 self.last = frame.offset
+            return self._done(True, problems)
+        if frame.kind == "reset":  # a new generation: its offsets begin again at 1
+            self._turns.clear()
+            self.last = 0
             return self._done(True, problems)
         if self.last is not None and frame.offset <= self.last:
             self.duplicates += 1

@@ -19,9 +19,21 @@ no ``on_problem`` is given (nothing is lost silently).
 
 Refusals: 400 / 404 raise :class:`WatchRefused`; 401 / 403 call ``refresh_token`` (an
 async function returning a new token) and retry, or raise :class:`WatchRefused`
-without one. Order of use: ``w = watch(...)``; ``async for frame in w``; ``w.last``
-(resume point), ``w.relay``, ``w.stats``; ``await w.aclose()`` (or leave the loop and
-let the ``async with``/generator close it).
+without one. A ``reset`` frame (the session's keys expired and restarted) is yielded,
+and offsets start again at 1.
+
+Observer hooks, for a tool that measures the relay rather than reads the session (both
+None by default, and then cost nothing): ``on_delivered(frame, received)`` sees every
+decoded frame as the relay sent it, before the continuity rules (duplicates and late
+fills of a hole included; ``received`` is the ``time.monotonic()`` of the chunk that
+carried it); ``on_state(state, info)`` sees ``connecting`` (``info.url``), ``live`` (the
+relay's hello: ``info.relay``), ``reconnecting`` (``info.reason`` why the connection
+ended, ``info.failed``, ``info.delay_s``, ``info.attempt``) and ``closed`` (the watch
+ended). Neither changes what is yielded or raised.
+
+Order of use: ``w = watch(...)``; ``async for frame in w``; ``w.last`` (resume point),
+``w.relay``, ``w.stats``; ``await w.aclose()`` (or leave the loop and let the ``async
+with``/generator close it).
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -39,12 +52,23 @@ from relay.client.core import Continuity, Problem, backoff_s
 from relay.protocol.frame import Frame, FrameError, decode
 from relay.protocol.sse_reader import SSEDecoder
 
-__all__ = ["ContinuityError", "Watch", "WatchRefused", "WatchStats", "watch"]
+__all__ = [
+    "ContinuityError",
+    "State",
+    "StateInfo",
+    "Watch",
+    "WatchRefused",
+    "WatchStats",
+    "watch",
+]
 
 Transport = Literal["sse", "ws"]
+State = Literal["connecting", "live", "reconnecting", "closed"]
+Relays = str | Sequence[str] | Callable[[], Sequence[str]]
 _FATAL_STATUS = frozenset((400, 404))
 _AUTH_STATUS = frozenset((401, 403))
 _FATAL_WS_CLOSE = frozenset((1003, 1009, 4400))
+_CLEAN_WS_CLOSE = frozenset((None, 1000, 1001, 1012))  # normal, going away, restarting
 
 
 class WatchRefused(Exception):
@@ -69,10 +93,24 @@ class WatchStats:
     reconnects: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class StateInfo:
+    """What ``on_state`` gets with each state (see the module docstring)."""
+
+    url: str  # the relay URL of the connection
+    at: float  # time.monotonic() of the change
+    relay: str | None = None  # the relay's id, once it said hello
+    reason: str = ""  # reconnecting / closed: why the connection or the watch ended
+    failed: bool = False  # an error, a refusal or an abnormal close, not an orderly end
+    delay_s: float = 0.0  # reconnecting: the wait before the next attempt
+    attempt: int = 0  # reconnecting: consecutive failed attempts so far
+
+
 class _Retry(Exception):
-    def __init__(self, why: str, delay_s: float | None = None) -> None:
+    def __init__(self, why: str, delay_s: float | None = None, *, failed: bool = True) -> None:
         super().__init__(why)
         self.delay_s = delay_s
+        self.failed = failed
 
 
 class Watch:
@@ -80,7 +118,7 @@ class Watch:
 
     def __init__(
         self,
-        url: str | Sequence[str],
+        url: Relays,
         session: str,
         token: str | None,
         from_offset: int | None,
@@ -92,13 +130,17 @@ class Watch:
         base_s: float,
         max_s: float,
         max_reconnects: int | None,
+        timeout: aiohttp.ClientTimeout | None = None,
+        on_delivered: Callable[[Frame, float], None] | None = None,
+        on_state: Callable[[State, StateInfo], None] | None = None,
     ) -> None:
         if transport not in ("sse", "ws"):
             raise ValueError("transport must be 'sse' or 'ws'")
-        self._urls = [u.rstrip("/") for u in ([url] if isinstance(url, str) else url)]
-        if not self._urls:
+        self._relays = url if callable(url) else None
+        self._urls = [] if callable(url) else [url] if isinstance(url, str) else list(url)
+        if self._relays is None and not self._urls:
             raise ValueError("no relay URL")
-        self.url = self._urls[0]  # the relay of the current connection
+        self.url = self._urls[0].rstrip("/") if self._urls else ""  # the current relay
         self.session = session
         self.token = token
         self.transport = transport
@@ -110,6 +152,9 @@ class Watch:
         self._refresh = refresh_token
         self._base_s, self._max_s = base_s, max_s
         self._max_reconnects = max_reconnects
+        self._timeout = timeout
+        self._on_delivered = on_delivered
+        self._on_state = on_state
         self._gen: AsyncGenerator[Frame, None] | None = None
         self._greeted = False  # the current connection got its hello
 
@@ -133,20 +178,22 @@ class Watch:
         own = self._http is None
         http = self._http or aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         attempt = 0
+        ended = "closed by the caller"
         try:
             while True:
-                self.url = random.choice(self._urls)  # like an ingress: any relay will do
                 self._greeted = False
                 try:
+                    self.url = self._pick()  # like an ingress: any relay will do
+                    self._state("connecting")
                     reader = self._sse(http) if self.transport == "sse" else self._ws(http)
                     async for frame in reader:
                         attempt = 0
                         yield frame
-                    why, delay = "stream ended", None
+                    why, delay, failed = "stream ended", None, False
                 except _Retry as r:
-                    why, delay = str(r), r.delay_s
+                    why, delay, failed = str(r), r.delay_s, r.failed
                 except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
-                    why, delay = f"{type(exc).__name__}: {exc}", None
+                    why, delay, failed = f"{type(exc).__name__}: {exc}", None, True
                 if self._greeted:  # the relay took us: a new run of failures starts
                     attempt = 0
                 if self._max_reconnects is not None and attempt >= self._max_reconnects:
@@ -155,10 +202,29 @@ class Watch:
                     delay = backoff_s(attempt, base_s=self._base_s, max_s=self._max_s)
                 attempt += 1
                 self.stats.reconnects += 1
+                self._state("reconnecting", reason=why, failed=failed, delay_s=delay,
+                            attempt=attempt)  # fmt: skip
                 await asyncio.sleep(delay)
+        except (Exception, asyncio.CancelledError) as exc:
+            ended = f"{type(exc).__name__}: {exc}"
+            raise
         finally:
+            self._state("closed", reason=ended)
             if own:
                 await http.close()
+
+    def _pick(self) -> str:
+        urls = self._urls if self._relays is None else self._relays()
+        if not urls:
+            raise ConnectionError("no relay available")
+        return random.choice(urls).rstrip("/")
+
+    def _state(self, state: State, reason: str = "", *, failed: bool = False,
+               delay_s: float = 0.0, attempt: int = 0) -> None:  # fmt: skip
+        if self._on_state is not None:
+            relay = self.relay if self._greeted else None
+            info = StateInfo(self.url, time.monotonic(), relay, reason, failed, delay_s, attempt)
+            self._on_state(state, info)
 
     def _deliver(self, frame: Frame) -> bool:
         deliver, problems = self.check.accept(frame)
@@ -202,7 +268,8 @@ class Watch:
             headers["Authorization"] = f"Bearer {self.token}"
         if self.check.last is not None:
             headers["Last-Event-ID"] = str(self.check.last)
-        async with http.get(self._path("events"), headers=headers) as resp:
+        timeout = self._timeout or http.timeout
+        async with http.get(self._path("events"), headers=headers, timeout=timeout) as resp:
             if resp.status != 200:
                 await self._refused(resp.status, await resp.text(), resp.headers.get("Retry-After"))
             goodbye = ["stream ended"]
@@ -212,19 +279,26 @@ class Watch:
                     goodbye[0] = text[6:]
 
             decoder = SSEDecoder(on_comment=on_comment)
+            seen = self._on_delivered
+            received = 0.0
             async for chunk in resp.content.iter_any():
+                if seen is not None:
+                    received = time.monotonic()
                 events = decoder.feed(chunk)
                 if decoder.retry_ms is not None:  # the hint comes before hello and goodbye
                     self._base_s = max(0.05, decoder.retry_ms / 1000)
                 for ev in events:
                     if ev.event == "hello":
-                        self.relay = json.loads(ev.data).get("relay")
-                        self._greeted = True
+                        self._hello(ev.data)
                         continue
                     frame = _decode(ev.data)
-                    if frame is not None and self._deliver(frame):
+                    if frame is None:
+                        continue
+                    if seen is not None:
+                        seen(frame, received)
+                    if self._deliver(frame):
                         yield frame
-            raise _Retry(goodbye[0])
+            raise _Retry(goodbye[0], failed=False)
 
     async def _ws(self, http: aiohttp.ClientSession) -> AsyncIterator[Frame]:
         params: dict[str, str] = {}
@@ -238,21 +312,30 @@ class Watch:
         except aiohttp.WSServerHandshakeError as exc:
             await self._refused(exc.status, exc.message, None)
             raise  # unreachable: _refused always raises
+        seen = self._on_delivered
         async with ws:
             async for msg in ws:
                 if msg.type is not aiohttp.WSMsgType.TEXT:
                     break
                 if msg.data.startswith('{"type"'):  # the hello (frames start with "v")
-                    self.relay = json.loads(msg.data).get("relay")
-                    self._greeted = True
+                    self._hello(msg.data)
                     continue
                 frame = _decode(msg.data)
-                if frame is not None and self._deliver(frame):
+                if frame is None:
+                    continue
+                if seen is not None:
+                    seen(frame, time.monotonic())
+                if self._deliver(frame):
                     yield frame
             code = ws.close_code
         if code in _FATAL_WS_CLOSE:
             raise WatchRefused(f"ws close {code}")
-        raise _Retry(f"ws close {code}")
+        raise _Retry(f"ws close {code}", failed=code not in _CLEAN_WS_CLOSE)
+
+    def _hello(self, data: str) -> None:
+        self.relay = json.loads(data).get("relay")
+        self._greeted = True
+        self._state("live")
 
 
 def _decode(data: str) -> Frame | None:
@@ -263,7 +346,7 @@ def _decode(data: str) -> Frame | None:
 
 
 def watch(
-    url: str | Sequence[str],
+    url: Relays,
     session: str,
     token: str | None,
     from_offset: int | None = None,
@@ -275,16 +358,22 @@ def watch(
     base_s: float = 0.25,
     max_s: float = 10.0,
     max_reconnects: int | None = None,
+    timeout: aiohttp.ClientTimeout | None = None,
+    on_delivered: Callable[[Frame, float], None] | None = None,
+    on_state: Callable[[State, StateInfo], None] | None = None,
 ) -> Watch:
     """Watch ``session`` on the relay at ``url`` (see the module docstring); a list of
-    relay URLs: each (re)connect picks one at random.
+    relay URLs, or a function returning the relays up now: each (re)connect picks one at
+    random.
 
     ``from_offset``: the last offset you already have (0 = the whole backlog, None =
     live from now; a live watch that reconnects before its first frame is live again,
     so pass an offset when nothing may be missed). ``http``: a session to reuse (not
     closed). ``max_reconnects``: consecutive failed reconnects before
-    :class:`ConnectionError` (None = forever).
+    :class:`ConnectionError` (None = forever). ``timeout``: for each SSE request (default:
+    the session's). ``on_delivered`` / ``on_state``: observer hooks (module docstring).
     """
     return Watch(url, session, token, from_offset, transport=transport, http=http,
                  on_problem=on_problem, refresh_token=refresh_token, base_s=base_s,
-                 max_s=max_s, max_reconnects=max_reconnects)  # fmt: skip
+                 max_s=max_s, max_reconnects=max_reconnects, timeout=timeout,
+                 on_delivered=on_delivered, on_state=on_state)  # fmt: skip
