@@ -147,7 +147,9 @@ export function firstOffset(frame) {
  * Reasons: "gap" (the relay said frames are gone), "missing" (offsets skipped),
  * "overlap" (a merged frame covers offsets already delivered), "merge" (meta.merged
  * does not match meta.from..offset), "integrity" (the turn's text does not match its
- * done frame). A duplicate is not delivered and not a problem (`duplicates` counts it). */
+ * done frame). A duplicate is not delivered and not a problem (`duplicates` counts it).
+ * A `reset` frame (offset 0: the session restarted) is delivered and starts the offsets
+ * and the turns again (docs/PROTOCOL.md, session generations). */
 export class Continuity {
   constructor(from = null) {
     this.last = from === undefined ? null : from;  // last offset delivered; null: none yet
@@ -164,6 +166,11 @@ export class Continuity {
       problems.push({ reason: "gap", from: m.from ?? null, to: m.to ?? frame.offset, turn: null, detail: frame.text || "" });
       for (const t of this.turns.values()) t.whole = false;
       if (this.last === null || frame.offset > this.last) this.last = frame.offset;
+      return this.done(true, problems);
+    }
+    if (frame.kind === "reset") {  // a new generation: offsets start again at 1, turns at 1
+      this.turns.clear();
+      this.last = frame.offset;
       return this.done(true, problems);
     }
     if (this.last !== null && frame.offset <= this.last) {

@@ -56,6 +56,17 @@ test("Continuity: in order delivers, duplicates are dropped, holes are reported"
   assert.equal(c.last, 5);
 });
 
+test("Continuity: a reset frame is delivered and the new generation starts again at 1", () => {
+  const c = new Continuity(0);
+  for (const f of [frame(1, "meta"), frame(2, "token", { text: "old" }), frame(3, "done")]) c.accept(f);
+  const reset = frame(0, "reset", { turn: 0, epoch: 0, meta: { gen: "g2", previous_gen: "g1", code: "session_reset" } });
+  assert.deepEqual(c.accept(reset), { deliver: true, problems: [] });
+  assert.equal(c.last, 0);
+  assert.equal(c.accept(frame(1, "meta")).deliver, true);  // not a duplicate of the old offset 1
+  assert.equal(c.accept(frame(2, "token", { text: "new" })).deliver, true);
+  assert.equal(c.duplicates, 0);
+});
+
 test("Continuity: live start (from null) accepts any first offset", () => {
   const c = new Continuity(null);
   assert.deepEqual(c.accept(frame(40, "token", { text: "x" })).problems, []);
