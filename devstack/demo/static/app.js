@@ -135,6 +135,15 @@ function onFrame(f) {
     p.className = "gap";
     p.textContent = `⚠ ${f.text}`;
     $("log").append(p);
+  } else if (f.kind === "reset") {
+    // the session restarted (its keys expired): turn numbers start again at 1, so the
+    // old transcript goes and the page says why
+    state.turns.clear();
+    $("log").innerHTML = "";
+    const p = document.createElement("div");
+    p.className = "gap";
+    p.textContent = `⚠ ${f.text}`;
+    $("log").append(p);
   }
   $("log").scrollTop = $("log").scrollHeight;
   counters();
