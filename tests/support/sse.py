@@ -1,6 +1,12 @@
 """An SSE reader for tests: the relay's events over an aiohttp response, decoded by the
 project's one decoder (:class:`relay.protocol.sse_reader.SSEDecoder`).
 
+Why not the Python client (:func:`relay.client.stream.watch`): these tests check the
+relay's wire itself (the hello, the ``retry:`` hint, the ``: close <code>`` comments,
+event ids, exactly what a refusal or a drain writes), which the client consumes and
+hides by design. Tests of what an application sees use the client (tests/test_client.py),
+and so do the load test and the fault drills (:mod:`bench.viewer`).
+
 Order of use::
 
     client = SSEClient(resp)                     # or tests.support.relay.sse(relay, sid)
