@@ -28,6 +28,7 @@ from relay.protocol.auth import issue_token
 from relay.protocol.frame import Frame, encode, reset_frame
 from relay.protocol.keys import new_session_id
 from relay.redisio.publisher import Generation, Publisher
+from tests.support.http import serve
 from tests.support.worker import SECRET
 
 # -- pure core -----------------------------------------------------------------------------
@@ -130,13 +131,8 @@ async def scripted_relay() -> AsyncIterator[tuple[str, list[str | None]]]:
 
     app = web.Application()
     app.router.add_get("/v1/sessions/s/events", events)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}", resumes
-    finally:
-        await runner.cleanup()
+    async with serve(app) as url:
+        yield url, resumes
 
 
 @pytest.mark.timeout(30)

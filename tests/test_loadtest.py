@@ -18,6 +18,7 @@ from bench.loadtest import LoadConfig, run_loadtest
 from bench.viewer import OffsetTally, Viewer, check_done
 from devstack.demo.stack import StackSpec
 from relay.protocol.frame import decode
+from tests.support.http import serve
 from worker.chat.turnstate import reply_integrity
 
 
@@ -140,13 +141,8 @@ async def scripted_relay() -> AsyncIterator[tuple[str, list[str | None]]]:
 
     app = web.Application()
     app.router.add_get("/v1/sessions/s/events", events)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}", resumes
-    finally:
-        await runner.cleanup()
+    async with serve(app) as url:
+        yield url, resumes
 
 
 @pytest.mark.timeout(30)
