@@ -6,10 +6,12 @@ import asyncio
 
 import pytest
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError
 
 from devstack.cluster.launcher import ClusterInfo
 from relay.redisio.connect import GatedRedisCluster, connect
+from tests.conftest import PrivateClusterFactory
 
 pytestmark = pytest.mark.integration
 
@@ -99,3 +101,46 @@ async def test_waiters_are_counted_and_a_cancelled_waiter_leaves_no_trace(
         assert await client.execute_command("PING")  # the permit was not leaked
     finally:
         await client.aclose()
+
+
+async def _pipeline(client: RedisCluster, *commands: tuple[str | int, ...]) -> list[object]:
+    async with client.pipeline(transaction=False) as pipe:
+        for command in commands:
+            pipe.execute_command(*command)
+        result: list[object] = await pipe.execute()
+        return result
+
+
+@pytest.mark.timeout(120)
+async def test_a_dead_default_node_does_not_fail_commands_on_the_live_shards(
+    private_cluster: PrivateClusterFactory,
+) -> None:
+    """redis-py sends ``COMMAND`` to its default node at every re-initialization; with
+    that node dead (its slots still listed, no replica to take over) every command of
+    the client failed, on every shard. Plain redis-py shows the failure; ours does not."""
+    local = await private_cluster(masters=3, replicas=0)
+    assert local.info is not None
+    host, port = local.info.startup_nodes[0]
+    ours = connect(f"redis://{host}:{port}", socket_timeout=2, socket_connect_timeout=2)
+    plain = RedisCluster(host=host, port=port, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        await ours.initialize()
+        await plain.initialize()
+        dead = ours.get_default_node()
+        assert dead.name == plain.get_default_node().name  # both: the first primary
+        on_dead = [ours.get_node_from_key(f"k{i}") is dead for i in range(1000)]
+        live_key, dead_key = f"k{on_dead.index(False)}", f"k{on_dead.index(True)}"
+        local.kill_node(int(dead.port))
+        for client in (ours, plain):  # a pipeline's error on the dead shard (a single
+            # command's error would also move the dead node last; a pipeline's does not)
+            with pytest.raises(RedisConnectionError):
+                await _pipeline(client, ("SET", dead_key, "x"))
+        with pytest.raises(RedisConnectionError):  # what the fix is for
+            await _pipeline(plain, ("INCR", live_key))
+        for _ in range(3):  # pipelines and single commands on a live shard keep working
+            await _pipeline(ours, ("INCR", live_key), ("EXPIRE", live_key, 60))
+            assert await ours.get(live_key)
+        assert ours.get_default_node().name != dead.name
+    finally:
+        await ours.aclose()
+        await plain.aclose()

@@ -165,20 +165,13 @@ class Viewer:
         self.sse = SSEClient(self.resp)
         return self
 
-    async def post(self, message: str, max_tokens: int = 16, retries_503: int = 0) -> None:
-        """Post a turn; ``retries_503``: how many 503s to wait out (their Retry-After), as
-        a client does while another shard fails over."""
-        for attempt in range(retries_503 + 1):
-            async with self.http.post(
-                f"{self.worker}/v1/sessions/{self.sid}/turns",
-                json={"message": message, "max_tokens": max_tokens},
-                headers={"Authorization": f"Bearer {self.token}"},
-            ) as r:
-                if r.status == 503 and attempt < retries_503:
-                    await asyncio.sleep(float(r.headers.get("Retry-After", "1")))
-                    continue
-                assert r.status == 202, await r.text()
-                break
+    async def post(self, message: str, max_tokens: int = 16) -> None:
+        async with self.http.post(
+            f"{self.worker}/v1/sessions/{self.sid}/turns",
+            json={"message": message, "max_tokens": max_tokens},
+            headers={"Authorization": f"Bearer {self.token}"},
+        ) as r:
+            assert r.status == 202, await r.text()
         self.prompt.append({"role": "user", "content": message})
         self._max_tokens = max_tokens
 

@@ -14,6 +14,14 @@ starts itself (a pipeline retrying a redirected command through the client, in t
 same task or in tasks it spawns) runs under the holder's permit (a context variable),
 so a permit never waits for another permit.
 
+A dead default node: every (re)initialization of redis-py's client sends ``COMMAND``
+to its default node, the first primary of the slot map, and a failure there fails the
+whole initialization. After a master dies (its slots still listed until it is
+replaced), every command of the client then fails, on every shard, until that node
+is back: measured here, a turn on a healthy shard answered 503 for as long as the
+dead master stayed down. :class:`GatedRedisCluster` asks the other primaries in turn
+and makes the first that answers the default node.
+
 TLS: a ``rediss://`` URL makes every connection of the client TLS; :class:`RedisTLS`
 names the files (CA bundle, client certificate and key) the relay's and the worker's
 ``--redis-ca`` / ``--redis-cert`` / ``--redis-key`` flags give, :meth:`RedisTLS.check`
@@ -44,8 +52,12 @@ from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import urlsplit, urlunsplit
 
-from redis.asyncio.cluster import ClusterPipeline, RedisCluster
+from redis._parsers.commands import AsyncCommandsParser
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.connection import RedisSSLContext, SSLConnection
+from redis.cluster import PRIMARY
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
@@ -75,6 +87,7 @@ class GatedRedisCluster(RedisCluster):
         self.concurrency = concurrency
         self.waiting = 0  # callers waiting for a permit now
         self._permits = asyncio.Semaphore(concurrency)
+        self.commands_parser = _AnyPrimaryCommandsParser(self)
 
     @contextlib.asynccontextmanager
     async def permit(self) -> AsyncIterator[None]:
@@ -112,6 +125,36 @@ class _GatedPipeline(ClusterPipeline):
         assert isinstance(client, GatedRedisCluster)
         async with client.permit():
             return await super().execute(raise_on_error, allow_redirections)
+
+
+class _AnyPrimaryCommandsParser(AsyncCommandsParser):
+    """redis-py's parser, initialized from the given node or, where that node does not
+    answer, from the next primary that does (which becomes the client's default node)."""
+
+    __slots__ = ("_client",)
+
+    def __init__(self, client: RedisCluster) -> None:
+        super().__init__()
+        self._client = client
+
+    async def initialize(self, node: ClusterNode | None = None) -> None:
+        manager = self._client.nodes_manager
+        first = node or manager.default_node
+        others = [n for n in manager.get_nodes_by_server_type(PRIMARY) if n is not first]
+        last: Exception | None = None
+        for candidate in [first, *others]:
+            if candidate is None:
+                continue
+            try:
+                await super().initialize(candidate)
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                last = exc
+                continue
+            if candidate is not first:
+                manager.default_node = candidate
+            return
+        assert last is not None, "a cluster with no primary"
+        raise last
 
 
 @dataclass(frozen=True, slots=True)
