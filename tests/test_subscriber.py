@@ -10,8 +10,9 @@ from redis.asyncio.cluster import RedisCluster
 
 from relay.edge.subscriber import ShardedSubscriber
 from relay.protocol.keys import live_channel, new_session_id
-from relay.protocol.slotmap import SLOTS, SlotMap, group_by_slot
+from relay.protocol.slotmap import SLOTS, SlotMap, group_by_slot, parse_shards, slot_of
 from relay.redisio.errors import SubscribeError
+from tests.conftest import PrivateClusterFactory
 
 pytestmark = pytest.mark.integration
 
@@ -181,6 +182,53 @@ async def test_a_lagging_slot_map_after_failover_is_refreshed_until_it_catches_u
             await rc.aclose()
         await inbox.wait_for(1)
         assert inbox.got[-1] == (ch.encode(), b"on the new master")
+    finally:
+        await sub.close()
+        await redis.aclose()
+
+
+@pytest.mark.slow
+async def test_a_master_lost_without_replica_does_not_stop_subscribing_on_the_other_shards(
+    private_cluster: PrivateClusterFactory,
+) -> None:
+    """Once the cluster marks a dead master failed, no node gives a whole slot map (its
+    slots have no master). The subscriber used to refuse every map then, so a new viewer
+    of a session on a healthy shard could not be subscribed until the dead node came
+    back. It now works from the most complete map; the dead shard's channels wait."""
+    local = await private_cluster(masters=3, replicas=0)
+    assert local.info is not None
+    host, port = local.info.startup_nodes[0]
+    redis = RedisCluster(host=host, port=port)
+    await redis.initialize()
+    inbox = Inbox()
+    sub = await _sub(redis, inbox)
+    sub.subscribe_timeout_s = 2
+    try:
+        channels = [live_channel(new_session_id()) for _ in range(60)]
+        masters = await local.masters_now()
+        dead = next(iter(masters))
+        on_dead = [c for c in channels if slot_of(c) in masters[dead]]
+        alive = [c for c in channels if slot_of(c) not in masters[dead]]
+        local.kill_node(dead)
+        live = aioredis.Redis(host=host, port=next(p for p in masters if p != dead))
+        try:
+            async with asyncio.timeout(20):  # until the cluster marks it failed
+                while parse_shards(await live.execute_command("CLUSTER", "SHARDS")).complete():
+                    await asyncio.sleep(0.1)
+            with pytest.raises(SubscribeError):  # the dead shard: no confirmation
+                await sub.subscribe(on_dead[:1])
+            await sub.subscribe(alive[:1])  # a healthy shard: subscribed all the same
+            node = redis.get_node_from_key(alive[0])
+            assert node is not None
+            pub = aioredis.Redis(host=node.host, port=int(node.port))
+            try:
+                await pub.execute_command("SPUBLISH", alive[0], b"still here")
+            finally:
+                await pub.aclose()
+            await inbox.wait_for(1)
+            assert inbox.got[-1] == (alive[0].encode(), b"still here")
+        finally:
+            await live.aclose()
     finally:
         await sub.close()
         await redis.aclose()

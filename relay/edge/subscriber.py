@@ -267,6 +267,7 @@ class ShardedSubscriber:
             seeds.extend(sorted(self._map.nodes()))
         seeds.extend(Addr(n.host, int(n.port)) for n in self.redis.get_nodes())
         last_exc: Exception | None = None
+        best: SlotMap | None = None  # the most complete map, if no node gives a whole one
         for addr in dict.fromkeys(seeds):
             try:
                 try:
@@ -282,14 +283,21 @@ class ShardedSubscriber:
             except (RedisUnavailable, RedisCommandError) as exc:
                 last_exc = exc
                 continue
-            if not m.complete():
+            if not m.complete():  # a shard without a master now: ask the others first
                 last_exc = RedisUnavailable(f"{addr}: slot map incomplete")
+                if best is None or m.covered() > best.covered():
+                    best = m
                 continue
-            self._map = m
-            self._stale = False
-            self.stats["map_refreshes"] += 1
-            return
-        raise RedisUnavailable(f"no node gave a slot map: {last_exc!r}")
+            best = m
+            break
+        if best is None or not best.covered():
+            raise RedisUnavailable(f"no node gave a slot map: {last_exc!r}")
+        # A partial map serves the shards that have a master; a channel of a masterless
+        # slot stays pending (``node_for`` is None) and marks the map stale, so the
+        # next round asks again until a replica has taken over.
+        self._map = best
+        self._stale = False
+        self.stats["map_refreshes"] += 1
 
     async def _conn(self, addr: Addr) -> NodeConn:
         conn = self._conns.get(addr)

@@ -75,6 +75,10 @@ class SlotMap:
     def complete(self) -> bool:
         return all(sh is not None for sh in self.slots)
 
+    def covered(self) -> int:
+        """How many slots have a master in this map."""
+        return sum(sh is not None for sh in self.slots)
+
 
 def slot_of(channel: str | bytes) -> int:
     return int(key_slot(channel.encode() if isinstance(channel, str) else channel))
