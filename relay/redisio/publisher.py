@@ -65,12 +65,14 @@ from relay.redisio.errors import (
 
 __all__ = [
     "WORKER_LOST",
+    "BacklogPage",
     "Draft",
     "Generation",
     "Publisher",
     "ReapResult",
     "ReapStatus",
     "read_backlog",
+    "read_backlog_page",
     "reap",
     "seal",
 ]
@@ -177,7 +179,7 @@ local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
 local last = tonumber(redis.call('HGET', KEYS[2], 'offset') or '0')
 local firstoff = last + 1
 if first[1] then firstoff = tonumber(string.match(first[1][1], '^(%d+)')) end
-local out = {firstoff, last}
+local out = {firstoff, last, redis.call('HGET', KEYS[2], 'gen') or ''}
 if tonumber(ARGV[2]) > 0 then
   local entries = redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])
   local budget = tonumber(ARGV[3] or '0')
@@ -454,19 +456,35 @@ async def seal(
     return int(await SEAL(redis, keys, args))
 
 
-async def read_backlog(
-    redis: RedisCluster, sid: str, after_offset: int, count: int, max_bytes: int = 0
-) -> tuple[list[bytes], int, int]:
-    """Up to ``count`` encoded frames with offsets > ``after_offset``, in order, plus the
-    backlog's first available offset (``last + 1`` if empty) and the last offset written.
+class BacklogPage(NamedTuple):
+    """A backlog read: frames, first available offset, last written, the session's
+    generation (its meta hash's ``gen``; "" when it has none)."""
 
-    One round trip (a read-only Lua script), so the three answers are consistent.
+    frames: list[bytes]
+    first: int
+    last: int
+    gen: str
+
+
+async def read_backlog_page(
+    redis: RedisCluster, sid: str, after_offset: int, count: int, max_bytes: int = 0
+) -> BacklogPage:
+    """Up to ``count`` encoded frames with offsets > ``after_offset``, in order, plus the
+    backlog's first available offset (``last + 1`` if empty), the last offset written
+    and the session's generation.
+
+    One round trip (a read-only Lua script), so the answers are consistent.
     ``count=0`` only reads the bounds. ``max_bytes`` > 0: stop before the frame that
     would take the reply past that many bytes (the first frame always comes back).
     """
     sid = parse_session(sid)
-    start = f"{max(after_offset, 0) + 1}-0"
-    args = (start, max(count, 0), max(max_bytes, 0))
-    reply = await READ(redis, (log_key(sid), meta_key(sid)), args)
-    first, last = int(reply[0]), int(reply[1])
-    return [_b(x) for x in reply[2:]], first, last
+    args = (f"{max(after_offset, 0) + 1}-0", max(count, 0), max(max_bytes, 0))
+    r = await READ(redis, (log_key(sid), meta_key(sid)), args)
+    return BacklogPage([_b(x) for x in r[3:]], int(r[0]), int(r[1]), _b(r[2]).decode())
+
+
+async def read_backlog(
+    redis: RedisCluster, sid: str, after_offset: int, count: int, max_bytes: int = 0
+) -> tuple[list[bytes], int, int]:
+    """:func:`read_backlog_page` without the generation: (frames, first, last)."""
+    return (await read_backlog_page(redis, sid, after_offset, count, max_bytes))[:3]
