@@ -8,15 +8,18 @@ Per session, everything sits in the session's hash slot (see :mod:`relay.protoco
   frame carries it as ``meta.gen``), ``epoch`` (bumped by every generation and by a reap),
   ``turn`` (bumped by every generation), ``offset`` (the last offset written), ``open``
   (the turn that is generating: set by ``open_generation``, cleared by a ``done`` or
-  ``error`` frame and by :func:`reap`);
+  ``error`` frame and by :func:`reap`), ``ttl`` (the session's lifetime in seconds, as
+  its producer applies it: relays extend a watched session's keys by it, see
+  :mod:`relay.redisio.presence`);
 - ``log_key(sid)`` stream: the backlog, one entry per frame with the explicit ID
   ``<offset>-1`` and one field ``f`` = the encoded frame, trimmed with ``MAXLEN ~``;
 - ``live_channel(sid)`` shard channel: every frame is SPUBLISHed there too.
 
 Retention: the backlog keeps at most about ``maxlen`` frames, and every key of the
 session expires ``ttl_s`` seconds after the last write (each publish and each
-``open_generation`` refreshes the TTL; a reap or a seal keeps the TTL the session has):
-the age cap *is* the idle TTL. When the keys expire, offsets and epochs restart at 0
+``open_generation`` refreshes the TTL; a reap or a seal keeps the TTL the session has)
+or after the last presence refresh of a relay that has viewers of it: the age cap *is*
+the idle TTL. When the keys expire, offsets and epochs restart at 0
 under a new ``gen``: a producer of the old generation is fenced by it, and a relay
 that sees frames of a new ``gen`` tells its clients with a ``reset`` frame
 (:mod:`relay.edge.resume`).
@@ -94,7 +97,7 @@ if off == 0 then
   end
 end
 if not gen then gen = ARGV[2] end
-redis.call('HSET', KEYS[1], 'open', turn, 'gen', gen)
+redis.call('HSET', KEYS[1], 'open', turn, 'gen', gen, 'ttl', ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 redis.call('EXPIRE', KEYS[2], ARGV[1])
 return {epoch, turn, off, gen}
@@ -119,6 +122,7 @@ for i = 8, #ARGV do
   redis.call('SPUBLISH', KEYS[3], ARGV[i])
 end
 redis.call('HSET', KEYS[1], 'offset', off)
+redis.call('HSETNX', KEYS[1], 'ttl', ARGV[4])
 if ARGV[5] == '1' then redis.call('HDEL', KEYS[1], 'open') end
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 redis.call('EXPIRE', KEYS[2], ARGV[4])
