@@ -247,6 +247,32 @@ async def test_malformed_resume_offsets_get_400_bad_offset(cluster, redis):
         assert raw_body.startswith(b"Invalid header value char"), raw_body
 
 
+BAD_GENS = [
+    "x" * 65,
+    "a b",
+    "g\u00e4",  # not ASCII
+    "{x}",  # braces: a generation id is never a hash tag
+    "../x",
+    "a\x00b",
+    "a\r\nb",
+    "1" * 7800,
+]
+
+
+async def test_malformed_generations_get_400_bad_gen(cluster, redis):
+    async with stack(cluster, redis) as env, bystander(env):
+        relay = env.relay
+        sid = new_session_id()
+        t = tok(sid)
+        for raw in BAD_GENS:
+            for path, extra in (("events", {"last_event_id": "3"}), ("ws", {"from": "3"})):
+                status, body = await get_json(
+                    relay.http, relay.url(sid, path), params={"token": t, "gen": raw, **extra}
+                )
+                assert (status, body["error"]) == (400, "bad_gen"), (raw[:20], path, body)
+                assert body["reason"].startswith("gen "), body
+
+
 async def test_a_resume_offset_from_the_future_means_live_from_now(cluster, redis):
     """Documented behaviour: an offset past the session's last one (a client that
     remembers a session whose keys expired, or a lie) is served as "live from now":

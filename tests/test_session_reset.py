@@ -63,6 +63,61 @@ def test_a_backlog_read_across_a_restart_starts_over_and_an_upstream_reset_passe
     assert [x.offset for x in watcher.live(g(1, "B")).emit] == [1]
 
 
+def kinds(step_emit: list[Delivery]) -> list[tuple[str, int]]:
+    return [(x.kind, x.offset) for x in step_emit]
+
+
+def test_a_reader_of_another_generation_is_reset_and_read_from_1_whatever_its_offset() -> None:
+    for after in (3, 9, 0):  # an offset the new generation reached, one it did not, 0
+        r = Resume("s", after, gen="A")
+        assert r.subscribed().fetch == Fetch(after)
+        step = r.backlog([g(4, "B")] if after == 3 else [], 1, 4, "B")
+        assert kinds(step.emit) == [("reset", 0)]
+        assert orjson.loads(step.emit[0].data)["meta"] == {
+            "gen": "B", "previous_gen": "A", "code": "session_reset"
+        }  # fmt: skip
+        assert step.fetch == Fetch(0)
+        step = r.backlog([g(i, "B") for i in range(1, 5)], 1, 4, "B")
+        assert kinds(step.emit) == [("token", i) for i in range(1, 5)]
+        assert (r.state, r.last, r.gen, r.resets) == (ResumeState.LIVE, 4, "B", 1)
+
+
+def test_the_same_generation_past_its_end_is_live_from_now_and_none_now_resets_on_next() -> None:
+    r = Resume("s", 9, gen="A")
+    r.subscribed()
+    assert r.backlog([], 1, 4, "A").emit == []  # a failover lost offsets 5..9: live from 4
+    assert (r.state, r.last) == (ResumeState.LIVE, 4)
+    assert kinds(r.live(g(5, "A")).emit) == [("token", 5)]
+    r = Resume("s", 5, gen="A")  # the session has no generation now (keys expired)
+    r.subscribed()
+    assert r.backlog([], 1, 0, "").emit == []
+    assert (r.state, r.last) == (ResumeState.LIVE, 0)
+    step = r.live(g(1, "B"))  # the first frame of a new generation
+    assert kinds(step.emit) == [("reset", 0), ("token", 1)]
+    assert orjson.loads(step.emit[0].data)["meta"]["previous_gen"] == "A"
+
+
+def test_a_read_answered_after_a_reset_is_read_again_not_taken_as_another_restart() -> None:
+    r = Resume("s", 0, gen="A")
+    r.subscribed()  # the read of generation A is in flight
+    step = r.live(g(1, "B"))
+    assert kinds(step.emit) == [("reset", 0)]
+    step = r.backlog([g(1, "A"), g(2, "A")], 1, 2, "A")  # read before the restart
+    assert (step.emit, step.fetch) == ([], Fetch(0))
+    step = r.backlog([g(1, "B"), g(2, "B")], 1, 2, "B")
+    assert kinds(step.emit) == [("token", 1), ("token", 2)]
+    assert (r.resets, r.gen) == (1, "B")
+
+
+def test_a_gap_made_from_a_trimmed_backlog_carries_its_generation() -> None:
+    r = Resume("s", 0)
+    r.subscribed()
+    step = r.backlog([g(5, "A"), g(6, "A")], 5, 6, "A")
+    assert kinds(step.emit) == [("gap", 4), ("token", 5), ("token", 6)]
+    assert step.emit[0].gen == "A"
+    assert orjson.loads(step.emit[0].data)["meta"] == {"from": 1, "to": 4, "gen": "A"}
+
+
 @pytest.mark.integration
 async def test_keys_expire_a_new_generation_fences_the_old_and_watchers_get_a_reset(
     redis: RedisCluster,

@@ -5,6 +5,7 @@
 //   const w = watch("https://chat.example", session, token, {
 //     transport: "sse",               // or "ws"
 //     from: 0,                        // last offset you already have; null/undefined = live
+//     gen: "9f1c2a7d0b3e",            // the generation of that offset (meta.gen), if known
 //     onFrame(frame) { ... },         // every frame once, in order (duplicates dropped)
 //     onGap(gap) { ... },             // {reason, from, to, turn, detail}: text is missing or wrong
 //     onState(state, info) { ... },   // connecting | live | reconnecting | closed | error
@@ -17,7 +18,7 @@
 "use strict";
 
 export const VERSION = "0.1.0";
-export const KINDS = Object.freeze(["token", "done", "error", "presence", "gap", "meta"]);
+export const KINDS = Object.freeze(["token", "done", "error", "presence", "gap", "meta", "reset"]);
 
 // ---------------------------------------------------------------- SHA-256 (sync, pure)
 
@@ -149,16 +150,26 @@ export function firstOffset(frame) {
  * does not match meta.from..offset), "integrity" (the turn's text does not match its
  * done frame). A duplicate is not delivered and not a problem (`duplicates` counts it).
  * A `reset` frame (offset 0: the session restarted) is delivered and starts the offsets
- * and the turns again (docs/PROTOCOL.md, session generations). */
+ * and the turns again (docs/PROTOCOL.md, session generations). `gen` is the generation
+ * of the frames delivered (their `meta.gen`, a reset's new one): sent with the resume
+ * offset, so that a relay can tell an offset of an older generation. */
 export class Continuity {
-  constructor(from = null) {
+  constructor(from = null, gen = null) {
     this.last = from === undefined ? null : from;  // last offset delivered; null: none yet
+    this.gen = gen || null;  // generation of the frames delivered; null: not known yet
     this.turns = new Map();  // turn -> {text, whole}: text seen since the turn's meta frame
     this.duplicates = 0;
     this.problems = 0;
   }
 
   accept(frame) {
+    const out = this.check(frame);
+    const gen = frame.meta && frame.meta.gen;
+    if (out.deliver && typeof gen === "string" && gen) this.gen = gen;
+    return out;
+  }
+
+  check(frame) {
     const problems = [];
     const first = firstOffset(frame);
     if (frame.kind === "gap") {
@@ -256,7 +267,7 @@ export class Watcher {
     this.token = token;
     this.opts = options;
     this.transport = options.transport === "ws" ? "ws" : "sse";
-    this.check = new Continuity(options.from ?? null);
+    this.check = new Continuity(options.from ?? null, options.gen ?? null);
     this.stats = { frames: 0, duplicates: 0, gaps: 0, problems: 0, reconnects: 0 };
     this.relay = null;
     this.state = "idle";
@@ -266,12 +277,14 @@ export class Watcher {
     this.timer = null;
     this.abort = null;
     this.ws = null;
-    this.gen = 0;  // bumped by every connect and teardown: late events of old ones are ignored
+    this.conn = 0;  // bumped by every connect and teardown: late events of old ones are ignored
     this.closed = new Promise((resolve) => { this.resolveClosed = resolve; });
     this.connect();
   }
 
   get last() { return this.check.last; }
+
+  get gen() { return this.check.gen; }  // the generation of `last`, sent with it
 
   close() {
     if (this.stopped) return;
@@ -293,7 +306,7 @@ export class Watcher {
   }
 
   teardown() {
-    this.gen += 1;
+    this.conn += 1;
     clearTimeout(this.timer);
     this.timer = null;
     if (this.abort) { this.abort.abort(); this.abort = null; }
@@ -347,18 +360,18 @@ export class Watcher {
 
   connect() {
     if (this.stopped) return;
-    const gen = ++this.gen;
+    const conn = ++this.conn;
     this.base = this.bases[Math.floor(Math.random() * this.bases.length)];  // any relay will do
     this.setState("connecting", { attempt: this.attempt });
-    const run = this.transport === "ws" ? this.connectWs(gen) : this.connectSse(gen);
+    const run = this.transport === "ws" ? this.connectWs(conn) : this.connectSse(conn);
     run.catch((err) => {
-      if (this.stopped || gen !== this.gen) return;
+      if (this.stopped || conn !== this.conn) return;
       if (err instanceof Fatal) { this.teardown(); this.finish("error", { reason: err.message }); return; }
       this.retry(err?.message || String(err));
     });
   }
 
-  async connectSse(gen) {
+  async connectSse(conn) {
     const abort = new AbortController();
     this.abort = abort;
     const headers = { Accept: "text/event-stream" };
@@ -366,15 +379,16 @@ export class Watcher {
     if (this.check.last !== null) headers["Last-Event-ID"] = String(this.check.last);
     const doFetch = this.opts.fetch || globalThis.fetch;
     if (typeof doFetch !== "function") throw new Fatal("no fetch in this runtime: pass options.fetch");
-    const resp = await doFetch(this.url("events", {}), { headers, signal: abort.signal });
-    if (gen !== this.gen) return;
+    const query = this.check.gen ? { gen: this.check.gen } : {};
+    const resp = await doFetch(this.url("events", query), { headers, signal: abort.signal });
+    if (conn !== this.conn) return;
     if (!resp.ok) {
       const body = await resp.json().catch(() => ({}));
       const why = `${resp.status} ${body.error || ""} ${body.reason || ""}`.trim();
       if (FATAL_STATUS.has(resp.status)) throw new Fatal(why);
       if (AUTH_STATUS.has(resp.status)) {
         await this.authFailed(why);
-        if (gen === this.gen) this.retry(why);  // backoff as usual: a failing hook must not spin
+        if (conn === this.conn) this.retry(why);  // backoff as usual: a failing hook must not spin
         return;
       }
       const after = Number(resp.headers.get("Retry-After"));
@@ -386,43 +400,44 @@ export class Watcher {
     let goodbye = "stream ended";
     for (;;) {
       const { value, done } = await reader.read();
-      if (done || gen !== this.gen) break;
+      if (done || conn !== this.conn) break;
       for (const ev of parser.push(value)) {
         if (ev.type === "retry") this.retryBaseMs = Math.max(50, ev.ms);
         else if (ev.type === "comment" && ev.text.startsWith("close ")) goodbye = ev.text.slice(6);
         else if (ev.type === "event" && ev.event === "hello") this.hello(JSON.parse(ev.data));
         else if (ev.type === "event") this.frame(ev.data);
-        if (gen !== this.gen) return;  // closed from a callback
+        if (conn !== this.conn) return;  // closed from a callback
       }
     }
-    if (gen === this.gen) this.retry(goodbye);
+    if (conn === this.conn) this.retry(goodbye);
   }
 
-  async connectWs(gen) {
+  async connectWs(conn) {
     const WS = this.opts.WebSocket || globalThis.WebSocket;
     if (typeof WS !== "function") throw new Fatal("no WebSocket in this runtime: pass options.WebSocket");
     const query = {};
     if (this.token) query.token = this.token;
     if (this.check.last !== null) query.from = String(this.check.last);
+    if (this.check.gen) query.gen = this.check.gen;
     const url = this.url("ws", query).replace(/^http/, "ws");
     const ws = new WS(url);
     this.ws = ws;
     let greeted = false;
     ws.onmessage = (ev) => {
-      if (gen !== this.gen) return;
+      if (conn !== this.conn) return;
       const msg = JSON.parse(ev.data);
       if (msg.type === "hello") { greeted = true; this.hello(msg); } else this.frame(msg);
     };
     ws.onclose = (ev) => {
-      if (gen !== this.gen) return;
+      if (conn !== this.conn) return;
       this.ws = null;
       const why = `ws close ${ev.code}${ev.reason ? " " + ev.reason : ""}`;
       if (FATAL_WS_CLOSE.has(ev.code)) { this.finish("error", { reason: why, code: ev.code }); return; }
       if (!greeted && this.opts.refreshToken) {
         // A refused handshake: the browser hides the status, so a refusal for the
         // token looks like any other; ask for a fresh token before the next try.
-        this.authFailed(why).then(() => { if (gen === this.gen) this.retry(why); }, (err) => {
-          if (!this.stopped && gen === this.gen) this.finish("error", { reason: err.message });
+        this.authFailed(why).then(() => { if (conn === this.conn) this.retry(why); }, (err) => {
+          if (!this.stopped && conn === this.conn) this.finish("error", { reason: err.message });
         });
         return;
       }

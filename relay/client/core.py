@@ -11,12 +11,16 @@ The same rules as the browser client (clients/js/tokenrelay.js):
   ``overlap``; a ``gap`` frame from the relay: ``gap`` (it is delivered too);
 - a ``reset`` frame (the session's keys expired and restarted) is delivered, and the
   offsets start again: the next frame is offset 1 of the new generation;
+- the generation of the frames delivered (``meta.gen``, and a ``reset``'s new one) is
+  kept in ``gen``: a client sends it with its resume offset, so that a relay can tell
+  an offset of an older generation from one of the current;
 - for a turn watched from its ``meta`` frame, the ``done`` frame's ``meta.chars``
   (Unicode code points) and ``meta.sha256`` (hex SHA-256 of the UTF-8 reply) are
   compared with the text received, when present: ``integrity``.
 
-Order of use: ``c = Continuity(after)``; per decoded frame ``deliver, problems =
-c.accept(frame)``; :func:`backoff_s` before each reconnect.
+Order of use: ``c = Continuity(after, gen)``; per decoded frame ``deliver, problems =
+c.accept(frame)``; ``c.last`` and ``c.gen`` to resume; :func:`backoff_s` before each
+reconnect.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
 
-from relay.protocol.frame import Frame, first_offset
+from relay.protocol.frame import Frame, first_offset, frame_gen
 
 __all__ = [
     "Continuity",
@@ -62,14 +66,21 @@ class Continuity:
 
     MAX_TURNS = 8  # turns tracked at once (a turn ends with done/error)
 
-    def __init__(self, after: int | None = None) -> None:
+    def __init__(self, after: int | None = None, gen: str | None = None) -> None:
         self.last = after  # last offset delivered; None: nothing yet (live)
+        self.gen = gen  # the generation of the frames delivered; None: not known yet
         self.duplicates = 0
         self.problems = 0
         self._turns: OrderedDict[int, _Turn] = OrderedDict()
 
     def accept(self, frame: Frame) -> tuple[bool, list[Problem]]:
         """Whether to deliver ``frame``, and the problems it reveals."""
+        deliver, problems = self._accept(frame)
+        if deliver and (gen := frame_gen(frame)):
+            self.gen = gen  # a reset's meta.gen is the new generation
+        return deliver, problems
+
+    def _accept(self, frame: Frame) -> tuple[bool, list[Problem]]:
         problems: list[Problem] = []
         if frame.kind == "gap":
             m = frame.meta or {}

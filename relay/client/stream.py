@@ -11,7 +11,9 @@
 Every frame once, in order, across relay restarts, drains and dropped connections: the
 client reconnects with jittered exponential backoff (the relay's ``retry:`` hint as the
 base; ``Retry-After`` on 503) and resumes after the last offset it yielded
-(``Last-Event-ID`` over SSE, ``?from=`` over WebSocket). The continuity and integrity
+(``Last-Event-ID`` over SSE, ``?from=`` over WebSocket), with the generation of that
+offset (``?gen=``, once a frame told it): a session that restarted meanwhile answers
+with a ``reset`` frame and its new generation from offset 1. The continuity and integrity
 rules are :mod:`relay.client.core`'s: duplicates are dropped; a ``gap`` frame is yielded
 and reported; holes, bad merges and a ``done`` frame whose ``chars`` / ``sha256`` do not
 match the text are reported to ``on_problem``, or raise :class:`ContinuityError` when
@@ -31,9 +33,9 @@ relay's hello: ``info.relay``), ``reconnecting`` (``info.reason`` why the connec
 ended, ``info.failed``, ``info.delay_s``, ``info.attempt``) and ``closed`` (the watch
 ended). Neither changes what is yielded or raised.
 
-Order of use: ``w = watch(...)``; ``async for frame in w``; ``w.last`` (resume point),
-``w.relay``, ``w.stats``; ``await w.aclose()`` (or leave the loop and let the ``async
-with``/generator close it).
+Order of use: ``w = watch(...)``; ``async for frame in w``; ``w.last`` and ``w.gen``
+(resume point and its generation), ``w.relay``, ``w.stats``; ``await w.aclose()`` (or
+leave the loop and let the ``async with``/generator close it).
 """
 
 from __future__ import annotations
@@ -133,6 +135,7 @@ class Watch:
         timeout: aiohttp.ClientTimeout | None = None,
         on_delivered: Callable[[Frame, float], None] | None = None,
         on_state: Callable[[State, StateInfo], None] | None = None,
+        gen: str | None = None,
     ) -> None:
         if transport not in ("sse", "ws"):
             raise ValueError("transport must be 'sse' or 'ws'")
@@ -144,7 +147,7 @@ class Watch:
         self.session = session
         self.token = token
         self.transport = transport
-        self.check = Continuity(from_offset)
+        self.check = Continuity(from_offset, gen)
         self.stats = WatchStats()
         self.relay: str | None = None
         self._http = http
@@ -162,6 +165,11 @@ class Watch:
     def last(self) -> int | None:
         """The resume point: the last offset yielded (or given)."""
         return self.check.last
+
+    @property
+    def gen(self) -> str | None:
+        """The generation of the resume point (sent with it), once known."""
+        return self.check.gen
 
     def __aiter__(self) -> AsyncGenerator[Frame, None]:
         if self._gen is None:
@@ -268,8 +276,10 @@ class Watch:
             headers["Authorization"] = f"Bearer {self.token}"
         if self.check.last is not None:
             headers["Last-Event-ID"] = str(self.check.last)
+        params = {"gen": self.check.gen} if self.check.gen else {}
         timeout = self._timeout or http.timeout
-        async with http.get(self._path("events"), headers=headers, timeout=timeout) as resp:
+        url = self._path("events")
+        async with http.get(url, headers=headers, params=params, timeout=timeout) as resp:
             if resp.status != 200:
                 await self._refused(resp.status, await resp.text(), resp.headers.get("Retry-After"))
             goodbye = ["stream ended"]
@@ -306,6 +316,8 @@ class Watch:
             params["token"] = self.token
         if self.check.last is not None:
             params["from"] = str(self.check.last)
+        if self.check.gen:
+            params["gen"] = self.check.gen
         url = self._path("ws").replace("http", "ws", 1)
         try:
             ws = await http.ws_connect(url, params=params, heartbeat=30.0)
@@ -361,6 +373,7 @@ def watch(
     timeout: aiohttp.ClientTimeout | None = None,
     on_delivered: Callable[[Frame, float], None] | None = None,
     on_state: Callable[[State, StateInfo], None] | None = None,
+    gen: str | None = None,
 ) -> Watch:
     """Watch ``session`` on the relay at ``url`` (see the module docstring); a list of
     relay URLs, or a function returning the relays up now: each (re)connect picks one at
@@ -368,12 +381,14 @@ def watch(
 
     ``from_offset``: the last offset you already have (0 = the whole backlog, None =
     live from now; a live watch that reconnects before its first frame is live again,
-    so pass an offset when nothing may be missed). ``http``: a session to reuse (not
-    closed). ``max_reconnects``: consecutive failed reconnects before
-    :class:`ConnectionError` (None = forever). ``timeout``: for each SSE request (default:
-    the session's). ``on_delivered`` / ``on_state``: observer hooks (module docstring).
+    so pass an offset when nothing may be missed); ``gen``: the generation it belongs
+    to (any frame's ``meta.gen``, ``w.gen`` of an earlier watch), when you know it.
+    ``http``: a session to reuse (not closed). ``max_reconnects``: consecutive failed
+    reconnects before :class:`ConnectionError` (None = forever). ``timeout``: for each
+    SSE request (default: the session's). ``on_delivered`` / ``on_state``: observer
+    hooks (module docstring).
     """
     return Watch(url, session, token, from_offset, transport=transport, http=http,
                  on_problem=on_problem, refresh_token=refresh_token, base_s=base_s,
                  max_s=max_s, max_reconnects=max_reconnects, timeout=timeout,
-                 on_delivered=on_delivered, on_state=on_state)  # fmt: skip
+                 on_delivered=on_delivered, on_state=on_state, gen=gen)  # fmt: skip

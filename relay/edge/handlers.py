@@ -4,9 +4,10 @@
   then per frame ``id: <offset>`` / ``event: <kind>`` / ``data: <frame JSON>``, a
   heartbeat comment after ``heartbeat_s`` of silence (the server's one timer), a
   ``: close <code> <reason>`` comment last. Resume: ``Last-Event-ID`` header or
-  ``last_event_id`` query.
+  ``last_event_id`` query, and ``gen`` (the generation the offset belongs to).
 - ``GET /v1/sessions/{sid}/ws``: WebSocket. ``{"type":"hello",...}`` first, then one
-  text message per frame (the frame JSON as published). Resume: ``?from=<offset>``.
+  text message per frame (the frame JSON as published). Resume: ``?from=<offset>``
+  and ``gen``.
   The handler task reads the client (aiohttp requires it), a writer task streams.
 
 Both are written against :class:`relay.edge.host.StreamHost` (the server's interface to
@@ -39,11 +40,11 @@ from relay.edge.streams import (
     is_ping,
     jitter,
 )
-from relay.protocol import sse
+from relay.protocol import frame, sse
 from relay.protocol.codes import CloseCode, Refusal, WsClose
 from relay.redisio.errors import WatchClosed
 
-__all__ = ["lost_code", "parse_offset", "sse_handler", "ws_handler"]
+__all__ = ["lost_code", "parse_gen", "parse_offset", "sse_handler", "ws_handler"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,14 @@ def parse_offset(parse: Callable[[], int | None]) -> int | None:
         return parse()
     except sse.OffsetError as exc:
         raise Reject(400, Refusal.BAD_OFFSET, str(exc)) from None
+
+
+def parse_gen(request: web.Request) -> str | None:
+    """The ``gen`` query parameter (the client's generation), or Reject 400 ``bad_gen``."""
+    try:
+        return frame.parse_gen(request.query.get("gen"))
+    except frame.GenError as exc:
+        raise Reject(400, Refusal.BAD_GEN, str(exc)) from None
 
 
 def lost_code(stream: Stream, code: CloseCode) -> CloseCode:
@@ -86,7 +95,8 @@ async def sse_handler(host: StreamHost, request: web.Request) -> web.StreamRespo
             request.headers.get("Last-Event-ID"), request.query.get("last_event_id")
         )
     )
-    stream = await host.open_stream(Transport.SSE, sid, offset, access)
+    gen = parse_gen(request)
+    stream = await host.open_stream(Transport.SSE, sid, offset, access, gen)
     code = CloseCode.CLOSED
     try:
         resp = web.StreamResponse(headers=SSE_HEADERS)
@@ -145,6 +155,7 @@ async def ws_handler(host: StreamHost, request: web.Request) -> web.StreamRespon
     sid = host.session(request)
     access = host.authorize(request, sid)
     offset = parse_offset(lambda: sse.parse_offset(request.query.get("from"), name="from"))
+    gen = parse_gen(request)
     cfg = host.config
     ws = web.WebSocketResponse(
         heartbeat=cfg.heartbeat_s,
@@ -154,7 +165,7 @@ async def ws_handler(host: StreamHost, request: web.Request) -> web.StreamRespon
     )
     if not ws.can_prepare(request).ok:
         raise Reject(400, Refusal.NOT_WEBSOCKET, "this endpoint needs a WebSocket upgrade")
-    stream = await host.open_stream(Transport.WS, sid, offset, access)
+    stream = await host.open_stream(Transport.WS, sid, offset, access, gen)
     code = CloseCode.CLOSED
     writer: asyncio.Task[CloseCode] | None = None
     try:

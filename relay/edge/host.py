@@ -7,7 +7,7 @@ The SSE and WebSocket handlers (:mod:`relay.edge.handlers`) and the AI SDK UI st
 
 Order of use, per request: ``sid = host.session(request)``, ``access =
 host.authorize(request, sid)``, ``stream = await host.open_stream(transport, sid,
-offset, access)``, write through ``await host.guarded(stream, write, timeout_s)``, and
+offset, access, gen)``, write through ``await host.guarded(stream, write, timeout_s)``, and
 always ``await host.close_stream(stream, code)``.
 """
 
@@ -42,9 +42,15 @@ class StreamHost(Protocol):
         """:class:`~relay.edge.streams.Reject` 503 unless a stream may open now."""
 
     async def open_stream(
-        self, transport: Transport, sid: str, offset: int | None, access: Access
+        self,
+        transport: Transport,
+        sid: str,
+        offset: int | None,
+        access: Access,
+        gen: str | None = None,
     ) -> Stream:
-        """Admit and watch; :meth:`close_stream` must follow."""
+        """Admit and watch (``gen``: the generation the client's ``offset`` belongs to,
+        when it said); :meth:`close_stream` must follow."""
 
     async def close_stream(self, stream: Stream, code: CloseCode) -> None:
         """Release what :meth:`open_stream` took; ``code`` is counted."""

@@ -28,7 +28,7 @@ count.
 Order of use::
 
     hub = Hub(redis, relay_id="edge-1"); await hub.start()
-    tap = await hub.watch(sid, from_offset)   # None: live only; 0: whole backlog; n: after n
+    tap = await hub.watch(sid, from_offset, gen)  # None: live only; 0: whole backlog; n: after n
     while True: deliveries = await tap.next() # raises WatchClosed(reason, code)
     await tap.close(); await hub.close()      # (a server uses tap.run(out) instead of next)
 
@@ -214,10 +214,12 @@ class Hub:
 
     # -- watchers ----------------------------------------------------------------------
 
-    async def watch(self, sid: str, from_offset: int | None) -> Tap:
+    async def watch(self, sid: str, from_offset: int | None, gen: str | None = None) -> Tap:
         """Subscribe (shared), then replay after ``from_offset`` (page by page, as the
         consumer takes frames) and follow live. Live only (``None``): returns once the
-        backlog's bounds are read.
+        backlog's bounds are read. ``gen``: the generation ``from_offset`` belongs to, if
+        the client said: another generation than the session's gets a ``reset`` and a
+        replay from offset 1 (:mod:`relay.edge.resume`).
 
         Raises :class:`relay.redisio.errors.SubscribeError` if the channel cannot be subscribed
         (after the subscriber's timeout). Backlog reads are retried while Redis is
@@ -234,7 +236,7 @@ class Hub:
         if ch.unsub_handle is not None:
             ch.unsub_handle.cancel()
             ch.unsub_handle = None
-        watch = Watch(sid, from_offset, self.limits, self._stats)
+        watch = Watch(sid, from_offset, self.limits, self._stats, gen or "")
         tap = Tap(sid, watch, self.redis, self.budget, self._detach, self._seal_later, self.flusher)
         ch.taps.add(tap)  # counted (and fed live frames) before any await
         self._stats["watches_opened"] += 1
@@ -359,11 +361,11 @@ class Hub:
             page = await read_page(self.redis, ch.sid, fetch.after, self.backlog_page, 0, ch.alive)
             if page is None:
                 return
-            frames, first, last = page
+            frames, first, last, gen = page
             if resume.started and resume.last is not None and last < resume.last:
                 self._seal_later(ch.sid, resume.last, resume.gen)  # a failover lost offsets
             entries = [d for d in map(delivery, frames) if d is not None]
-            step = resume.backlog(entries, first, last)
+            step = resume.backlog(entries, first, last, gen)
             if step.emit:
                 self._fanout(ch, step.emit)
             fetch = step.fetch

@@ -12,10 +12,11 @@ Lifecycle (transitions live in :data:`TRANSITIONS`, nowhere else)::
 
 Order of calls:
 
-1. ``r = Resume(session, after)`` right before the channel is subscribed. ``after`` is the
-   last offset the reader already has (``0`` = everything in the backlog, ``None`` = live
-   only, from the current end). Live frames delivered before :meth:`subscribed` are
-   buffered.
+1. ``r = Resume(session, after, gen=...)`` right before the channel is subscribed.
+   ``after`` is the last offset the reader already has (``0`` = everything in the
+   backlog, ``None`` = live only, from the current end); ``gen`` the generation that
+   offset belongs to, when the reader knows it ("" = unknown). Live frames delivered
+   before :meth:`subscribed` are buffered.
 2. ``step = r.subscribed()`` once the subscription is confirmed: ``step.fetch`` asks the
    driver to read the backlog after ``step.fetch.after`` (``None``: read no frames, only
    the stream's bounds).
@@ -36,7 +37,13 @@ restarted, offsets begin again at 1) is not a duplicate: the reader emits one
 ``reset`` delivery (:func:`relay.protocol.frame.reset_frame`, offset 0), forgets its offsets
 and buffer, and continues with the new generation from offset 1 (reading the backlog
 when the frame is not offset 1). A ``reset`` delivery from upstream (the channel's
-reader, for a watcher's) does the same.
+reader, for a watcher's) does the same. Every backlog answer also says the session's
+current generation (its meta hash's ``gen``): when it is not the reader's, the reader
+resets and reads the current one from offset 1, whatever offset it asked for (a client
+that resumes with the generation it holds is never served another generation's frames
+as if they continued its own). A reader whose ``gen`` was given but the session has
+none now (its keys expired, no new turn yet) goes live at the end and resets on the
+first frame of the new generation.
 """
 
 from __future__ import annotations
@@ -116,10 +123,11 @@ class Step:
     fetch: Fetch | None = None
 
 
-def gap_delivery(session: str, first_missing: int, first_available: int) -> Delivery:
-    """The explicit delivery for frames ``first_missing .. first_available - 1`` lost for good."""
-    gap = gap_frame(session, first_missing, first_available)
-    return Delivery(gap.offset, "gap", encode(gap))
+def gap_delivery(session: str, first_missing: int, first_available: int, gen: str = "") -> Delivery:
+    """The explicit delivery for frames ``first_missing .. first_available - 1`` lost for
+    good from the backlog of generation ``gen``."""
+    gap = gap_frame(session, first_missing, first_available, gen)
+    return Delivery(gap.offset, "gap", encode(gap), gen=gen)
 
 
 def reset_delivery(session: str, gen: str, previous: str) -> Delivery:
@@ -131,7 +139,13 @@ class Resume:
     """Merge state of one reader. See the module docstring for the call order."""
 
     def __init__(
-        self, session: str, after: int | None, *, max_buffer: int = 4096, max_buffer_bytes: int = 0
+        self,
+        session: str,
+        after: int | None,
+        *,
+        max_buffer: int = 4096,
+        max_buffer_bytes: int = 0,
+        gen: str = "",
     ) -> None:
         if after is not None and after < 0:
             raise ValueError("after must be >= 0 or None")
@@ -144,6 +158,7 @@ class Resume:
         self._buffer: dict[int, Delivery] = {}
         self._fetching = False
         self._refetch = False  # a repair or a dropped buffered frame needs one more read
+        self._stale = False  # the read in flight began before a reset: its answer is old
         self._first_read = True
         self._stalls = 0
         self.duplicates = 0
@@ -151,7 +166,9 @@ class Resume:
         self.holes = 0
         self.overflow = 0
         self.resets = 0
-        self.gen = ""  # generation of the frames emitted last ("" until one says)
+        # generation of the frames emitted last ("" until one says); seeded with the
+        # reader's own when it resumes one it knows
+        self.gen = gen
 
     # -- state ---------------------------------------------------------------------------
 
@@ -214,12 +231,20 @@ class Resume:
             return Step()
         return Step(fetch=self._fetch())
 
-    def backlog(self, entries: Sequence[Delivery], first_available: int, last_offset: int) -> Step:
+    def backlog(
+        self,
+        entries: Sequence[Delivery],
+        first_available: int,
+        last_offset: int,
+        gen: str = "",
+    ) -> Step:
         """The answer to the outstanding fetch.
 
         ``entries`` are backlog frames after the fetch's offset (in order, possibly only a
         page); ``first_available`` is the oldest offset the backlog still holds (``last
-        offset + 1`` when it is empty); ``last_offset`` the newest offset written.
+        offset + 1`` when it is empty); ``last_offset`` the newest offset written;
+        ``gen`` the session's generation at the time of the read ("" when it has none
+        or the driver does not say).
         """
         if self.state is ResumeState.CLOSED:
             self._fetching = False
@@ -228,6 +253,18 @@ class Resume:
             raise InvalidTransition(f"backlog without a fetch in state {self.state.name}")
         self._fetching = False
         out: list[Delivery] = []
+        if self._stale:  # read before a reset we already emitted: read again
+            self._stale = False
+            self._first_read = False
+            return Step(out, self._fetch())
+        if gen and self.gen and gen != self.gen:
+            # the session is now another generation than the one we (or the client)
+            # hold: whatever the offset, read the current one from its start
+            self._first_read = False
+            out.append(self._restart(gen))
+            return Step(out, self._fetch())
+        if gen and not self.gen:
+            self.gen = gen
         if self.last is None or (self._first_read and self.last > last_offset):
             # live only (start at the current end), or a reader that claims offsets the
             # session never wrote (its keys expired and restarted): start at the end.
@@ -316,7 +353,7 @@ class Resume:
             self._fire("hole")
             return Step(out, self._fetch())
         if self._fetching:
-            self._refetch = True  # the answer in flight may be of the old generation
+            self._stale = True  # the answer in flight may be of the old generation
         return Step(out)
 
     def _stash(self, d: Delivery) -> None:
@@ -351,6 +388,6 @@ class Resume:
 
     def _gap(self, out: list[Delivery], first_available: int) -> None:
         assert self.last is not None
-        out.append(gap_delivery(self.session, self.last + 1, first_available))
+        out.append(gap_delivery(self.session, self.last + 1, first_available, self.gen))
         self.last = first_available - 1
         self.gaps += 1

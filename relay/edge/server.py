@@ -252,9 +252,15 @@ class EdgeServer:
             raise Reject(503, Refusal.OVERLOADED, "too many streams on this relay", RETRY_AFTER)
 
     async def open_stream(
-        self, transport: Transport, sid: str, offset: int | None, access: Access
+        self,
+        transport: Transport,
+        sid: str,
+        offset: int | None,
+        access: Access,
+        gen: str | None = None,
     ) -> Stream:
-        """Admit and watch; the caller must call :meth:`close_stream` once done."""
+        """Admit and watch (``gen``: the client's generation of ``offset``); the caller
+        must call :meth:`close_stream` once done."""
         self.check_capacity()
         assert self.hub is not None
         ticket = self.guard.admit(access)  # 429 past the per-token / per-address limits
@@ -262,7 +268,7 @@ class EdgeServer:
         # The watch opens in a task of its own: a client that hangs up (its handler is
         # cancelled) or a timeout must not cancel redis-py mid-command, which breaks the
         # pooled connection for other requests. An abandoned watch is closed once open.
-        opening = asyncio.ensure_future(self.hub.watch(sid, offset))
+        opening = asyncio.ensure_future(self.hub.watch(sid, offset, gen))
         try:
             watch = await asyncio.wait_for(asyncio.shield(opening), WATCH_TIMEOUT_S)
         except WatchClosed as exc:

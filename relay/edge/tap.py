@@ -43,7 +43,7 @@ from relay.edge.watch import Closed, Intent, Watch
 from relay.protocol.codes import CloseCode
 from relay.protocol.frame import FrameError, decode, frame_gen
 from relay.redisio.errors import RelayError, WatchClosed
-from relay.redisio.publisher import read_backlog
+from relay.redisio.publisher import BacklogPage, read_backlog_page
 from relay.service.supervise import Backoff
 
 __all__ = ["ByteBudget", "Flusher", "Out", "Tap", "delivery", "read_page"]
@@ -70,13 +70,13 @@ async def read_page(
     count: int,
     max_bytes: int,
     alive: Callable[[], bool],
-) -> tuple[list[bytes], int, int] | None:
+) -> BacklogPage | None:
     """One backlog read (``after`` None: bounds only), retried with jittered backoff
     while Redis is unreachable and ``alive()``; None once not alive."""
     failures = 0
     while alive():
         try:
-            return await read_backlog(
+            return await read_backlog_page(
                 redis, sid, after or 0, count if after is not None else 0, max_bytes
             )
         except RelayError as exc:
@@ -365,7 +365,7 @@ class Tap:
         if page is None or self.closed:
             self._budget.release(reserved)
             return
-        frames, first, last = page
+        frames, first, last, gen = page
         size = sum(len(f) for f in frames)
         keep = min(size, reserved)
         self._budget.release(reserved - keep)
@@ -376,7 +376,7 @@ class Tap:
         entries = [d for d in map(delivery, frames) if d is not None]
         if self._fetch_task is asyncio.current_task():
             self._fetch_task = None
-        self._apply(w.backlog(entries, first, last))
+        self._apply(w.backlog(entries, first, last, gen))
         if w.pending:
             self._flush()
 

@@ -19,10 +19,10 @@ Intents (what the driver must do): :class:`relay.edge.resume.Fetch` (read the ba
 
 Order of calls::
 
-    w = Watch(sid, after, limits, counters)
+    w = Watch(sid, after, limits, counters, gen)  # gen: the client's generation, or ""
     intents = w.subscribed()                   # once the channel is subscribed
     intents = w.live(deliveries)               # every live frame, in channel order
-    intents = w.backlog(entries, first, last)  # the answer to a Fetch
+    intents = w.backlog(entries, first, last, gen)  # the answer to a Fetch
     frames, intents = w.take()                 # the socket has room: everything pending
     intents = w.close(code, reason)
 """
@@ -135,6 +135,7 @@ class Watch:
         after: int | None,
         limits: Limits,
         counters: MutableMapping[str, int] | None = None,
+        gen: str = "",
     ) -> None:
         self.session = session
         self.limits = limits
@@ -143,6 +144,7 @@ class Watch:
             after,
             max_buffer=limits.hard_limit_frames,
             max_buffer_bytes=limits.max_pending_bytes,
+            gen=gen,
         )
         self.counters: MutableMapping[str, int] = counters if counters is not None else {}
         self._pending: list[Delivery] = []
@@ -183,14 +185,15 @@ class Watch:
         return intents
 
     def backlog(
-        self, entries: Sequence[Delivery], first_available: int, last_offset: int
+        self, entries: Sequence[Delivery], first_available: int, last_offset: int, gen: str = ""
     ) -> Sequence[Intent]:
-        """The answer to the outstanding fetch: frames go to the queue, the next page is
-        asked for now or held until :meth:`take` brings the queue below low water."""
+        """The answer to the outstanding fetch (``gen``: the session's generation then):
+        frames go to the queue, the next page is asked for now or held until
+        :meth:`take` brings the queue below low water."""
         if self.closed is not None:
-            self.resume.backlog(entries, first_available, last_offset)
+            self.resume.backlog(entries, first_available, last_offset, gen)
             return _NONE
-        step = self.resume.backlog(entries, first_available, last_offset)
+        step = self.resume.backlog(entries, first_available, last_offset, gen)
         intents = list(self._push(step.emit)) if step.emit else []
         if self.closed is None:
             intents.extend(self._fetch_or_defer(step.fetch, replay=True))

@@ -46,6 +46,7 @@ class WsClose(enum.IntEnum):
 class Refusal(enum.StrEnum):
     BAD_SESSION = "bad_session"
     BAD_OFFSET = "bad_offset"
+    BAD_GEN = "bad_gen"  # the stream's ``gen`` parameter is not a generation id
     NOT_WEBSOCKET = "not_websocket"
     DRAINING = "draining"  # the relay drains or has not started: connect again
     OVERLOADED = "overloaded"  # max_connections reached

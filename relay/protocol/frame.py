@@ -13,6 +13,7 @@ call :func:`decode` on bytes from Redis and get a :class:`Frame` or :class:`Fram
 from __future__ import annotations
 
 import itertools
+import re
 import time
 from collections.abc import Sequence
 from typing import Any, Final, Literal
@@ -20,12 +21,14 @@ from typing import Any, Final, Literal
 import msgspec
 
 __all__ = [
+    "GEN_MAX_LEN",
     "KINDS",
     "MAX_FRAME_BYTES",
     "MAX_INT",
     "VERSION",
     "Frame",
     "FrameError",
+    "GenError",
     "Kind",
     "decode",
     "encode",
@@ -35,6 +38,7 @@ __all__ = [
     "merge_tokens",
     "monotonic_ms",
     "now_ms",
+    "parse_gen",
     "reset_frame",
 ]
 
@@ -115,12 +119,16 @@ def decode(data: bytes | bytearray | memoryview | str) -> Frame:
     return frame
 
 
-def gap_frame(session: str, first_missing: int, first_available: int) -> Frame:
+def gap_frame(session: str, first_missing: int, first_available: int, gen: str = "") -> Frame:
     """The explicit frame a client gets when frames it asked for are gone for good.
 
     ``offset`` is ``first_available - 1`` so that resuming from the gap's id continues
-    at the first frame that still exists.
+    at the first frame that still exists. ``gen``: the generation of the backlog the
+    range was missing from (``meta.gen``, as in every other frame of that generation).
     """
+    meta: dict[str, Any] = {"from": first_missing, "to": first_available - 1}
+    if gen:
+        meta["gen"] = gen
     return Frame(
         session=session,
         turn=0,
@@ -128,7 +136,7 @@ def gap_frame(session: str, first_missing: int, first_available: int) -> Frame:
         kind="gap",
         text=f"frames {first_missing}..{first_available - 1} are no longer in the backlog",
         ts=now_ms(),
-        meta={"from": first_missing, "to": first_available - 1},
+        meta=meta,
     )
 
 
@@ -136,6 +144,27 @@ def frame_gen(frame: Frame) -> str:
     """The session generation a frame belongs to (``meta.gen``; "" when it has none)."""
     gen = frame.meta.get("gen") if frame.meta else None
     return gen if isinstance(gen, str) else ""
+
+
+GEN_MAX_LEN: Final = 64
+_GEN_RE: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class GenError(ValueError):
+    """A generation id from a client that is not ``[A-Za-z0-9_-]{1,64}``; says why."""
+
+
+def parse_gen(raw: str | None, *, name: str = "gen") -> str | None:
+    """A generation id a client sends (the ``gen`` query parameter of the streams):
+    ``None`` when absent or empty, else the id; :class:`GenError` naming ``name`` for
+    anything longer than :data:`GEN_MAX_LEN` or outside ``A-Z a-z 0-9 _ -``."""
+    if raw is None or raw == "":
+        return None
+    if len(raw) > GEN_MAX_LEN:
+        raise GenError(f"{name} longer than {GEN_MAX_LEN} characters")
+    if _GEN_RE.fullmatch(raw) is None:
+        raise GenError(f"{name} may contain only A-Z a-z 0-9 _ -")
+    return raw
 
 
 def reset_frame(session: str, gen: str, previous: str) -> Frame:

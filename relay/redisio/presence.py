@@ -10,7 +10,20 @@ Cost does not grow per second with idle viewers: a session is written when its f
 local watcher opens and removed (``ZREM``) when its last one leaves; in between it is
 refreshed every ``ttl_s / 3`` (with jitter, so refreshes spread over time), by one timer
 that sends at most ``batch`` sessions per pipeline and yields between pipelines, so no
-event-loop turn is spent on more than ``batch`` sessions.
+event-loop turn is spent on more than ``batch`` sessions (25: each script carries five
+keys since it also extends the session's keys, below; a pipeline of 25 costs the client
+no more CPU than one of 50 did with the entry's key alone).
+
+Watching keeps a session alive: the same script that writes a relay's entry extends the
+session's keys (its meta hash, backlog, chat history and history state) to at least the
+lifetime its producer stored in the meta hash (``ttl``, seconds; at least the presence
+entry's own TTL, so that a short session lifetime is still covered between refreshes),
+with ``EXPIRE ... GT``: never shortened, never made volatile when it is not, and a key
+that does not exist stays gone (an expired session is not brought back). A session
+whose hash has no ``ttl`` (written before producers stored it) is not extended. So a
+session expires its lifetime after its last write or the last refresh of a relay that
+has viewers of it, whichever is later. It costs no round trip and no pipeline entry
+more: one script per session per refresh, as before.
 
 The refresh timer is the supervised loop ``presence`` (:class:`relay.service.supervise.Supervisor`):
 a failed pipeline puts its sessions back (nothing is dropped), the supervisor logs the
@@ -34,16 +47,19 @@ from typing import TYPE_CHECKING, Final
 
 from redis.asyncio.cluster import RedisCluster
 
-from relay.protocol.keys import presence_key
+from relay.protocol.keys import KeyKind, hist_key, key, log_key, meta_key, presence_key
 from relay.redisio.errors import RelayError, map_redis_errors
 
 if TYPE_CHECKING:
     from relay.service.supervise import Supervisor
 
-__all__ = ["COUNT_LUA", "WRITE_LUA", "Presence", "count_present"]
+__all__ = ["COUNT_LUA", "WRITE_LUA", "Presence", "count_present", "write_keys"]
 
-# KEYS[1] presence key; ARGV[1] relay id, ARGV[2] ttl ms. Score = server now + ttl;
-# entries already expired are dropped; the key lives as long as its newest entry.
+# KEYS[1] presence key, KEYS[2] the session's meta hash, KEYS[3..] its other keys to keep
+# alive (only KEYS[1]: the entry alone); ARGV[1] relay id, ARGV[2] ttl ms. Score = server
+# now + ttl; entries already expired are dropped; the key lives as long as its newest
+# entry. The session's keys get at least max(its stored lifetime, the entry's ttl),
+# never less than they have.
 WRITE_LUA: Final = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -51,6 +67,12 @@ local ttl = tonumber(ARGV[2])
 redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
+local life = 0
+if KEYS[2] then life = tonumber(redis.call('HGET', KEYS[2], 'ttl') or '0') or 0 end
+if life > 0 then
+  life = math.max(life * 1000, ttl)
+  for i = 2, #KEYS do redis.call('PEXPIRE', KEYS[i], life, 'GT') end
+end
 return now
 """
 
@@ -60,6 +82,13 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 return redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
 """
+
+
+def write_keys(sid: str) -> tuple[str, ...]:
+    """The keys of :data:`WRITE_LUA` for ``sid``: its presence, then its meta hash, then
+    the other keys a watched session keeps alive (backlog, history, history state)."""
+    return (presence_key(sid), meta_key(sid), log_key(sid), hist_key(sid),
+            key(sid, KeyKind.HIST, "state"))  # fmt: skip
 
 
 async def count_present(redis: RedisCluster, sid: str) -> int:
@@ -77,7 +106,7 @@ class Presence:
         relay_id: str,
         *,
         ttl_s: float = 30.0,
-        batch: int = 50,
+        batch: int = 25,
         tick_s: float = 0.1,
     ) -> None:
         if ttl_s <= 0 or batch < 1 or tick_s <= 0:
@@ -88,6 +117,7 @@ class Presence:
         self.batch = batch
         self.tick_s = tick_s
         self._watched: dict[str, float] = {}  # sid -> when its next refresh is due
+        self._keys: dict[str, tuple[str, ...]] = {}  # sid -> its write_keys, built once
         self._due: list[tuple[float, str]] = []  # heap; stale entries skipped
         self._new: set[str] = set()
         self._gone: set[str] = set()
@@ -109,6 +139,7 @@ class Presence:
         loop first: a refresh racing this would write entries back."""
         self._gone.update(self._watched)
         self._watched.clear()
+        self._keys.clear()
         self._new.clear()
         with contextlib.suppress(RelayError):
             await self._flush(0.0)
@@ -118,12 +149,14 @@ class Presence:
             return
         self._gone.discard(sid)
         self._watched[sid] = 0.0
+        self._keys[sid] = write_keys(sid)
         self._new.add(sid)
         self._kick.set()
 
     def remove(self, sid: str) -> None:
         if self._watched.pop(sid, None) is None:
             return
+        del self._keys[sid]
         self._new.discard(sid)
         self._gone.add(sid)
         self._kick.set()
@@ -156,20 +189,28 @@ class Presence:
                 self._schedule(sid, now)
         gone = list(self._gone)
         self._gone.clear()
-        ttl_ms = int(self.ttl_s * 1000)
         for i in range(0, max(len(writes), len(gone)), self.batch):
+            batch = (writes[i : i + self.batch], gone[i : i + self.batch])
             try:
-                with map_redis_errors():
-                    async with self.redis.pipeline(transaction=False) as p:
-                        for sid in writes[i : i + self.batch]:
-                            p.eval(WRITE_LUA, 1, presence_key(sid), self.relay_id, ttl_ms)
-                        for sid in gone[i : i + self.batch]:
-                            p.zrem(presence_key(sid), self.relay_id)
-                        await p.execute()
+                await self._write(*batch)
             except RelayError:  # written again on the next run: nothing is dropped
                 self.stats["presence_errors"] += 1
                 self._new.update(s for s in writes[i:] if s in self._watched)
                 self._gone.update(s for s in gone[i:] if s not in self._watched)
                 raise
-            self.stats["presence_writes"] += len(writes[i : i + self.batch])
+            self.stats["presence_writes"] += len(batch[0])
             await asyncio.sleep(0)
+
+    async def _write(self, writes: list[str], gone: list[str]) -> None:
+        """One pipeline: entries written (and their sessions' keys extended), entries
+        removed; a failure raises :class:`relay.redisio.errors.RelayError`."""
+        ttl_ms = int(self.ttl_s * 1000)
+        keys = self._keys
+        with map_redis_errors():
+            async with self.redis.pipeline(transaction=False) as p:
+                for sid in writes:
+                    ks = keys.get(sid) or write_keys(sid)
+                    p.eval(WRITE_LUA, len(ks), *ks, self.relay_id, ttl_ms)
+                for sid in gone:
+                    p.zrem(presence_key(sid), self.relay_id)
+                await p.execute()

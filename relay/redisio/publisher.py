@@ -8,15 +8,18 @@ Per session, everything sits in the session's hash slot (see :mod:`relay.protoco
   frame carries it as ``meta.gen``), ``epoch`` (bumped by every generation and by a reap),
   ``turn`` (bumped by every generation), ``offset`` (the last offset written), ``open``
   (the turn that is generating: set by ``open_generation``, cleared by a ``done`` or
-  ``error`` frame and by :func:`reap`);
+  ``error`` frame and by :func:`reap`), ``ttl`` (the session's lifetime in seconds, as
+  its producer applies it: relays extend a watched session's keys by it, see
+  :mod:`relay.redisio.presence`);
 - ``log_key(sid)`` stream: the backlog, one entry per frame with the explicit ID
   ``<offset>-1`` and one field ``f`` = the encoded frame, trimmed with ``MAXLEN ~``;
 - ``live_channel(sid)`` shard channel: every frame is SPUBLISHed there too.
 
 Retention: the backlog keeps at most about ``maxlen`` frames, and every key of the
 session expires ``ttl_s`` seconds after the last write (each publish and each
-``open_generation`` refreshes the TTL; a reap or a seal keeps the TTL the session has):
-the age cap *is* the idle TTL. When the keys expire, offsets and epochs restart at 0
+``open_generation`` refreshes the TTL; a reap or a seal keeps the TTL the session has)
+or after the last presence refresh of a relay that has viewers of it: the age cap *is*
+the idle TTL. When the keys expire, offsets and epochs restart at 0
 under a new ``gen``: a producer of the old generation is fenced by it, and a relay
 that sees frames of a new ``gen`` tells its clients with a ``reset`` frame
 (:mod:`relay.edge.resume`).
@@ -65,12 +68,14 @@ from relay.redisio.errors import (
 
 __all__ = [
     "WORKER_LOST",
+    "BacklogPage",
     "Draft",
     "Generation",
     "Publisher",
     "ReapResult",
     "ReapStatus",
     "read_backlog",
+    "read_backlog_page",
     "reap",
     "seal",
 ]
@@ -92,7 +97,7 @@ if off == 0 then
   end
 end
 if not gen then gen = ARGV[2] end
-redis.call('HSET', KEYS[1], 'open', turn, 'gen', gen)
+redis.call('HSET', KEYS[1], 'open', turn, 'gen', gen, 'ttl', ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 redis.call('EXPIRE', KEYS[2], ARGV[1])
 return {epoch, turn, off, gen}
@@ -117,6 +122,7 @@ for i = 8, #ARGV do
   redis.call('SPUBLISH', KEYS[3], ARGV[i])
 end
 redis.call('HSET', KEYS[1], 'offset', off)
+redis.call('HSETNX', KEYS[1], 'ttl', ARGV[4])
 if ARGV[5] == '1' then redis.call('HDEL', KEYS[1], 'open') end
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 redis.call('EXPIRE', KEYS[2], ARGV[4])
@@ -177,7 +183,7 @@ local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
 local last = tonumber(redis.call('HGET', KEYS[2], 'offset') or '0')
 local firstoff = last + 1
 if first[1] then firstoff = tonumber(string.match(first[1][1], '^(%d+)')) end
-local out = {firstoff, last}
+local out = {firstoff, last, redis.call('HGET', KEYS[2], 'gen') or ''}
 if tonumber(ARGV[2]) > 0 then
   local entries = redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])
   local budget = tonumber(ARGV[3] or '0')
@@ -454,19 +460,35 @@ async def seal(
     return int(await SEAL(redis, keys, args))
 
 
-async def read_backlog(
-    redis: RedisCluster, sid: str, after_offset: int, count: int, max_bytes: int = 0
-) -> tuple[list[bytes], int, int]:
-    """Up to ``count`` encoded frames with offsets > ``after_offset``, in order, plus the
-    backlog's first available offset (``last + 1`` if empty) and the last offset written.
+class BacklogPage(NamedTuple):
+    """A backlog read: frames, first available offset, last written, the session's
+    generation (its meta hash's ``gen``; "" when it has none)."""
 
-    One round trip (a read-only Lua script), so the three answers are consistent.
+    frames: list[bytes]
+    first: int
+    last: int
+    gen: str
+
+
+async def read_backlog_page(
+    redis: RedisCluster, sid: str, after_offset: int, count: int, max_bytes: int = 0
+) -> BacklogPage:
+    """Up to ``count`` encoded frames with offsets > ``after_offset``, in order, plus the
+    backlog's first available offset (``last + 1`` if empty), the last offset written
+    and the session's generation.
+
+    One round trip (a read-only Lua script), so the answers are consistent.
     ``count=0`` only reads the bounds. ``max_bytes`` > 0: stop before the frame that
     would take the reply past that many bytes (the first frame always comes back).
     """
     sid = parse_session(sid)
-    start = f"{max(after_offset, 0) + 1}-0"
-    args = (start, max(count, 0), max(max_bytes, 0))
-    reply = await READ(redis, (log_key(sid), meta_key(sid)), args)
-    first, last = int(reply[0]), int(reply[1])
-    return [_b(x) for x in reply[2:]], first, last
+    args = (f"{max(after_offset, 0) + 1}-0", max(count, 0), max(max_bytes, 0))
+    r = await READ(redis, (log_key(sid), meta_key(sid)), args)
+    return BacklogPage([_b(x) for x in r[3:]], int(r[0]), int(r[1]), _b(r[2]).decode())
+
+
+async def read_backlog(
+    redis: RedisCluster, sid: str, after_offset: int, count: int, max_bytes: int = 0
+) -> tuple[list[bytes], int, int]:
+    """:func:`read_backlog_page` without the generation: (frames, first, last)."""
+    return (await read_backlog_page(redis, sid, after_offset, count, max_bytes))[:3]

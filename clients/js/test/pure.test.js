@@ -139,3 +139,45 @@ test("a runtime without WebSocket ends the watch in state error instead of retry
   assert.match(outcome.reason, /no WebSocket/);
   assert.deepEqual(states, ["connecting", "error"]);
 });
+
+test("Continuity keeps the generation of what it delivered: any frame's meta.gen, a reset's new one", () => {
+  const c = new Continuity(0, "g0");
+  assert.equal(c.gen, "g0");
+  c.accept(frame(1, "meta", { meta: { gen: "g1" } }));
+  assert.equal(c.gen, "g1");
+  c.accept(frame(1, "meta", { meta: { gen: "gX" } }));  // a duplicate: not delivered, not taken
+  assert.equal(c.gen, "g1");
+  c.accept(frame(2, "token", { text: "a" }));  // no meta: the generation stays
+  assert.equal(c.gen, "g1");
+  c.accept(frame(0, "reset", { turn: 0, epoch: 0, meta: { gen: "g2", previous_gen: "g1", code: "session_reset" } }));
+  assert.deepEqual([c.last, c.gen], [0, "g2"]);
+});
+
+test("every reconnect sends the generation it knows with its offset (SSE query gen, WebSocket gen)", async () => {
+  const { watch } = await import("../tokenrelay.js");
+  const sse = (frames) => new Response("event: hello\ndata: {\"type\":\"hello\",\"relay\":\"r\"}\n\n" +
+    frames.map((f) => `id: ${f.offset}\nevent: ${f.kind}\ndata: ${JSON.stringify(f)}\n\n`).join(""), { status: 200 });
+  const asked = [];
+  let calls = 0;
+  const w = watch("http://relay.test", "s1", "t", {
+    from: 0,
+    backoff: { baseMs: 1, maxMs: 2 },
+    fetch: async (url, init) => {
+      asked.push([new URL(url).searchParams.get("gen"), init.headers["Last-Event-ID"]]);
+      calls += 1;
+      if (calls === 1) return sse([frame(1, "meta", { meta: { gen: "g1" } }), frame(2, "token", { text: "a", meta: { gen: "g1" } })]);
+      if (calls === 2) return sse([frame(0, "reset", { turn: 0, epoch: 0, meta: { gen: "g2", previous_gen: "g1", code: "session_reset" } })]);
+      w.close();
+      return sse([]);
+    },
+  });
+  await w.closed;
+  assert.deepEqual(asked, [[null, "0"], ["g1", "2"], ["g2", "0"]]);
+  // and over a WebSocket: the URL of the first connect carries from and gen given as options
+  const urls = [];
+  class FakeWs { constructor(url) { urls.push(url); setTimeout(() => w2.close(), 0); } close() {} }
+  const w2 = watch("http://relay.test", "s1", "t", { transport: "ws", from: 7, gen: "g9", WebSocket: FakeWs });
+  await w2.closed;
+  const q = new URL(urls[0]).searchParams;
+  assert.deepEqual([q.get("from"), q.get("gen")], ["7", "g9"]);
+});

@@ -169,12 +169,15 @@ function onState(s, info) {
   counters();
 }
 
-function connect(from = 0) {
+// `from` and `gen`: the last offset this page shows and its session generation (the
+// client sends both on every reconnect; a session that restarted meanwhile answers with
+// a reset frame, and the page starts its transcript again).
+function connect(from = 0, gen = null) {
   if (state.watcher) state.watcher.close();
   state.watcher = null;
   if (!state.sid) return;
   state.watcher = watch(location.origin, state.sid, state.token, {
-    transport: state.transport, from, onFrame, onGap, onState,
+    transport: state.transport, from, gen, onFrame, onGap, onState,
     // a refused or expired token: a write-token page mints a fresh one; a watch link
     // cannot, and says so
     refreshToken: async () => {
@@ -328,7 +331,8 @@ $("composer").addEventListener("submit", send);
 $("job").addEventListener("click", submitJob);
 $("transport").addEventListener("change", () => {
   state.transport = $("transport").value;
-  connect(state.watcher && state.watcher.last !== null ? state.watcher.last : 0);  // resume there
+  const w = state.watcher;
+  connect(w && w.last !== null ? w.last : 0, w ? w.gen : null);  // resume there
 });
 window.addEventListener("hashchange", load);
 load();
