@@ -169,10 +169,9 @@ def run(cfg: SimConfig, reqs: list[Request]) -> dict[str, Any]:
         e = engines[d.engine]
         e.submit(seq)
         peak[d.engine] = max(peak[d.engine], e.load())
-        if not e.busy():
-            dur = e.begin()
-            if dur > 0:
-                push(now + dur, STEP, d.engine)
+        t = e.start(now)
+        if t is not None:
+            push(t, STEP, d.engine)
         return True
 
     def drain(w: int) -> None:
@@ -202,10 +201,9 @@ def run(cfg: SimConfig, reqs: list[Request]) -> dict[str, Any]:
                 assert rec.decision is not None
                 policies[rec.worker].finished(s.rid, rec.decision)
                 drain(rec.worker)
-            if not e.busy():
-                dur = e.begin()
-                if dur > 0:
-                    push(now + dur, STEP, data)
+            t = e.start(now)
+            if t is not None:
+                push(t, STEP, data)
         elif kind == ARRIVE:
             r = data
             if r.rid not in recs:
