@@ -6,9 +6,13 @@ the workers round robin (the front door); each worker decides with its own polic
 (``bench.routing_policies``). Every ``exchange_s`` each worker publishes its in-flight
 counts; the others receive them ``report_delay_s`` later (the load exchange), and the
 capped ring policies install them with ``worker.routing.loadshare.compute_view`` as the worker does.
-A turn a capped policy refuses waits in its worker for a slot (``route_wait``) up to
+A turn a capped policy refuses waits in its worker for a slot (``route_wait``, counted as
+unmet demand on the engine the router wants, as the worker reports it) up to
 ``admit_wait_s``; then it is rejected (a 429) and the client retries after the
 Retry-After the router gives (whole seconds, at least 1): the session goes on.
+``cost_aware`` runs the product router's queue past the cap (``Router(queue=...)``, the
+worker's defaults), so it refuses only when that queue is full too or the turn would not
+get its first token within the TTFT SLO.
 
 Metrics (all requests of the workload): TTFT = first token - first arrival (retries
 included); a request's ITL = its mean gap between tokens (vLLM's TPOT); ``itl_p99_ms``
@@ -82,6 +86,7 @@ class _Rec:
     decision: Decision | None = None
     rejected: int = 0
     state: int = 0  # 0 waiting for a route, 1 routed, 2 rejected (retry scheduled)
+    wanted: str | None = None  # counted as unmet demand while it waits (Policy.wait)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -174,11 +179,16 @@ def run(cfg: SimConfig, reqs: list[Request]) -> dict[str, Any]:
             push(t, STEP, d.engine)
         return True
 
+    def unwait(rec: _Rec) -> None:
+        if rec.wanted is not None:
+            policies[rec.worker].unwait(rec.wanted)
+            rec.wanted = None
+
     def drain(w: int) -> None:
         q = pending[w]
         while q:
             if q[0].state != 0 or try_route(q[0]):
-                q.popleft()
+                unwait(q.popleft())
             else:
                 break
 
@@ -213,10 +223,13 @@ def run(cfg: SimConfig, reqs: list[Request]) -> dict[str, Any]:
             q = pending[rec.worker]
             if q or not try_route(rec):
                 q.append(rec)
+                s = sessions.setdefault(r.conv, Session())
+                rec.wanted = policies[rec.worker].wait(r, s)
                 push(now + cfg.admit_wait_s, DEADLINE, rec)
         elif kind == DEADLINE:
             rec = data
             if rec.state == 0:
+                unwait(rec)
                 rec.state, rec.rejected = 2, rec.rejected + 1
                 rejected += 1
                 pol = policies[rec.worker]
@@ -236,6 +249,8 @@ def run(cfg: SimConfig, reqs: list[Request]) -> dict[str, Any]:
                     [rep for ow, rep in reports.items() if ow != w],
                     f"w{w}",
                     int(now),
+                    router.allowances(),
+                    router.queue if router.policy == "cost_aware" else 0.0,
                 )
                 router.apply_load_view(view)
                 demand = {k: mine[k] + unmet.get(k, 0) for k in mine}

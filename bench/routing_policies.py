@@ -23,7 +23,8 @@ decisions. None reads an engine's cache.
   runs' sizes).
 - ``cost_aware``: the real ``Router(policy="cost_aware")`` (``worker.routing.cost``: least
   expected queue wait + prefill of what the engine probably does not hold), under the same
-  KV-derived cap and allowance as ``bounded_load_eps``.
+  KV-derived cap and allowance as ``bounded_load_eps``, with the worker's queue past the cap
+  (``worker.routing.policy.DEFAULT_QUEUE``).
 """
 
 from __future__ import annotations
@@ -103,6 +104,14 @@ class Policy:
     def apply_view(self, view: list[int], reports: Mapping[str, object]) -> None:
         return None
 
+    def wait(self, r: Request, s: Session) -> str:
+        """A refused turn starts waiting for a slot (``route_wait``): count it as unmet
+        demand where the router says it wants to go; returns what :meth:`unwait` takes."""
+        return ""
+
+    def unwait(self, wanted: str) -> None:
+        return None
+
 
 class RoundRobin(Policy):
     def choose(self, r: Request, s: Session, view: list[int]) -> Decision | None:
@@ -159,6 +168,12 @@ class RingPolicy(Policy):
 
     def retry_after(self) -> float:
         return self.router.retry_after()
+
+    def wait(self, r: Request, s: Session) -> str:
+        return self.router.add_waiter(r.key) if self.capped else ""
+
+    def unwait(self, wanted: str) -> None:
+        self.router.remove_waiter(wanted)
 
 
 class _Node:
@@ -229,8 +244,8 @@ class CostAware(RingPolicy):
         self.router = Router(specs, policy="cost_aware", clock=clock, cost_profile=profile)
         self.leases: dict[int, Lease] = {}
 
-    def choose(self, r: Request, s: Session, view: list[int]) -> Decision | None:
-        turn = TurnInfo(
+    def _turn(self, r: Request, s: Session) -> TurnInfo:
+        return TurnInfo(
             prompt_tokens=r.prompt,
             key=r.key,
             prev_engine=self.names[s.engine] if s.engine >= 0 else "",
@@ -238,7 +253,12 @@ class CostAware(RingPolicy):
             shared_key=f"p{r.ids[0]}",
             shared_tokens=r.shared,
         )
-        lease = self.router.try_route(r.key, turn=turn)
+
+    def wait(self, r: Request, s: Session) -> str:
+        return self.router.add_waiter(r.key, self._turn(r, s))
+
+    def choose(self, r: Request, s: Session, view: list[int]) -> Decision | None:
+        lease = self.router.try_route(r.key, turn=self._turn(r, s))
         if lease is None:
             return None
         self.leases[r.rid] = lease

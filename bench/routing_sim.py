@@ -27,7 +27,8 @@ synthetic sessions, instead of all 12,031 requests and 600 s. ``--workloads`` ru
 subset (results of separate runs are separate JSON files).
 
 CLI: ``python -m bench.routing_sim [--quick] [--seed N] [--seeds K] [--trace PATH]
-[--json PATH] [--plot PREFIX] [--procs N]``.
+[--workloads LIST] [--policies LIST] [--json PATH] [--plot PREFIX] [--procs N]``; with
+several seeds the table also gives each policy's TTFT p99 seed by seed.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ __all__ = ["DEFAULT_POLICY", "LEVELS", "POLICIES", "capacity", "main", "run_all"
 LEVELS: Final = (0.5, 0.75, 1.0, 1.5)
 WORKLOADS: Final = ("trace", "synthetic", "pulse")
 TRACE: Final = Path(__file__).parent / "traces" / "mooncake_conversation.jsonl"
+_BY_SEED: Final = ("goodput_rps", "ttft_p99_ms", "hit_rate", "rejected")
 _METRICS: Final = (
     "goodput_rps",
     "ttft_p50_ms",
@@ -196,6 +198,7 @@ def run_all(
                 agg["spread"] = {
                     m: [min(r[m] for r in runs), max(r[m] for r in runs)] for m in _METRICS
                 }
+                agg["by_seed"] = {m: [r[m] for r in runs] for m in _BY_SEED}
                 agg["unfinished"] = sum(r["unfinished"] for r in runs)
                 agg["reasons"] = runs[0]["reasons"]
                 row[pol] = agg
@@ -213,6 +216,10 @@ def table(res: dict[str, Any]) -> str:
             lines.append(f"{'policy':<20}" + "".join(f"{m:>15}" for m in _METRICS))
             for pol, r in rows.items():
                 lines.append(f"{pol:<20}" + "".join(f"{r[m]:>15}" for m in _METRICS))
+            if len(res["seeds"]) > 1:
+                lines.append(f"TTFT p99 ms by seed {res['seeds']}")
+                for pol, r in rows.items():
+                    lines.append(f"{pol:<20} {r['by_seed']['ttft_p99_ms']}")
         lines.append("")
     return "\n".join(lines)
 
@@ -268,6 +275,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--workloads", default=",".join(WORKLOADS), help="comma-separated subset (default: all)"
     )
+    ap.add_argument(
+        "--policies", default=",".join(POLICIES), help="comma-separated subset (default: all)"
+    )
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--plot", metavar="PREFIX", help="write PREFIX_<workload>.png")
     args = ap.parse_args(argv)
@@ -278,6 +288,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(
             f"routing_sim: --workloads takes a comma-separated subset of {','.join(WORKLOADS)}"
         )
+    policies = [p for p in args.policies.split(",") if p]
+    if not policies or any(p not in POLICIES for p in policies):
+        sys.exit(f"routing_sim: --policies takes a comma-separated subset of {','.join(POLICIES)}")
     try:
         load_trace(args.trace, limit=1)
     except TraceError as exc:
@@ -289,6 +302,7 @@ def main(argv: list[str] | None = None) -> None:
         path=args.trace,
         engines=args.engines,
         procs=args.procs,
+        policies=policies,
         workloads=workloads,
     )
     res["wall_s"] = round(time.perf_counter() - t0, 1)
