@@ -44,7 +44,7 @@ from bench.routing_policies import (
 from bench.workloads import Request
 from worker.routing.cost import CostProfile
 from worker.routing.loadshare import WorkerReport, compute_view
-from worker.routing.policy import DEFAULT_ROUTING
+from worker.routing.policy import DEFAULT_QUEUE, DEFAULT_ROUTING
 
 __all__ = ["SimConfig", "derived_cap", "run"]
 
@@ -67,6 +67,10 @@ class SimConfig:
     drain_s: float = 300.0
     ttft_slo_s: float = 2.0
     itl_slo_s: float = 0.1
+    # cost_aware's product settings (the worker's defaults), for the measurements that
+    # turn them off: its queue past the cap and its weight of recomputed history
+    route_queue: float = DEFAULT_QUEUE
+    recompute_weight: float = CostProfile().recompute_weight
 
 
 def derived_cap(reqs: list[Request], params: EngineParams) -> int:
@@ -121,9 +125,14 @@ def run(cfg: SimConfig, reqs: list[Request]) -> dict[str, Any]:
     engines = [Engine(p) for _ in range(cfg.engines)]
     cap = cfg.cap or derived_cap(reqs, p)
     profile = CostProfile(
-        p.kv_tokens, p.chunk_tokens, p.step_base_s, p.per_token_s, p.per_kv_token_s
+        p.kv_tokens,
+        p.chunk_tokens,
+        p.step_base_s,
+        p.per_token_s,
+        p.per_kv_token_s,
+        cfg.recompute_weight,
     )
-    pcfg = PolicyConfig(cfg.engines, cap, cfg.eps, cfg.workers, cfg.seed, profile)
+    pcfg = PolicyConfig(cfg.engines, cap, cfg.eps, cfg.workers, cfg.seed, profile, cfg.route_queue)
     policies = [make_policy(cfg.policy, pcfg, clock) for _ in range(cfg.workers)]
     ids = [f"s{cfg.seed}e{i}" for i in range(cfg.engines)]
     caps = dict.fromkeys(ids, cap)

@@ -36,6 +36,7 @@ from typing import Final
 from bench.workloads import Request
 from worker.routing.cost import CostProfile, TurnInfo
 from worker.routing.lease import EngineSpec, Lease, LoadView
+from worker.routing.policy import DEFAULT_QUEUE
 from worker.routing.router import Router
 
 __all__ = ["POLICIES", "Decision", "Policy", "Session", "make_policy"]
@@ -234,14 +235,22 @@ class CostAware(RingPolicy):
     KV-derived cap and this worker's allowance, fed what the worker knows of the turn."""
 
     def __init__(
-        self, n: int, cap: int, profile: CostProfile, seed: int, clock: Callable[[], float]
+        self,
+        n: int,
+        cap: int,
+        profile: CostProfile,
+        seed: int,
+        clock: Callable[[], float],
+        queue: float = DEFAULT_QUEUE,
     ) -> None:
         Policy.__init__(self, n)
         self.capped = True
         specs = [EngineSpec(id=f"s{seed}e{i}", url=f"sim://{i}", cap=cap) for i in range(n)]
         self.index = {sp.id: i for i, sp in enumerate(specs)}
         self.names = [sp.id for sp in specs]
-        self.router = Router(specs, policy="cost_aware", clock=clock, cost_profile=profile)
+        self.router = Router(
+            specs, policy="cost_aware", clock=clock, cost_profile=profile, queue=queue
+        )
         self.leases: dict[int, Lease] = {}
 
     def _turn(self, r: Request, s: Session) -> TurnInfo:
@@ -282,6 +291,7 @@ class PolicyConfig:
     workers: int = 1
     seed: int = 0
     profile: CostProfile = field(default_factory=CostProfile)
+    queue: float = DEFAULT_QUEUE  # cost_aware's queue past the cap (x the cap)
 
 
 def make_policy(name: str, cfg: PolicyConfig, clock: Callable[[], float]) -> Policy:
@@ -301,5 +311,5 @@ def make_policy(name: str, cfg: PolicyConfig, clock: Callable[[], float]) -> Pol
     if name == "sglang_cache_aware":
         return SglangCacheAware(n)
     if name == "cost_aware":
-        return CostAware(n, cfg.cap, cfg.profile, cfg.seed, clock)
+        return CostAware(n, cfg.cap, cfg.profile, cfg.seed, clock, cfg.queue)
     raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")

@@ -27,8 +27,10 @@ synthetic sessions, instead of all 12,031 requests and 600 s. ``--workloads`` ru
 subset (results of separate runs are separate JSON files).
 
 CLI: ``python -m bench.routing_sim [--quick] [--seed N] [--seeds K] [--trace PATH]
-[--workloads LIST] [--policies LIST] [--json PATH] [--plot PREFIX] [--procs N]``; with
-several seeds the table also gives each policy's TTFT p99 seed by seed.
+[--workloads LIST] [--policies LIST] [--route-queue Q] [--recompute-weight W]
+[--json PATH] [--plot PREFIX] [--procs N]``; with several seeds the table also gives each
+policy's TTFT p99 seed by seed. ``--route-queue`` and ``--recompute-weight`` change
+cost_aware's product settings (default: the worker's), to measure what each one does.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ __all__ = ["DEFAULT_POLICY", "LEVELS", "POLICIES", "capacity", "main", "run_all"
 LEVELS: Final = (0.5, 0.75, 1.0, 1.5)
 WORKLOADS: Final = ("trace", "synthetic", "pulse")
 TRACE: Final = Path(__file__).parent / "traces" / "mooncake_conversation.jsonl"
+_DEFAULTS: Final = SimConfig()
 _BY_SEED: Final = ("goodput_rps", "ttft_p99_ms", "hit_rate", "rejected")
 _METRICS: Final = (
     "goodput_rps",
@@ -128,11 +131,11 @@ def workload(
 
 
 def _task(
-    args: tuple[str, str, str, int, str, bool, int],
+    args: tuple[str, str, str, int, str, bool, int, SimConfig],
 ) -> tuple[tuple[str, str, str, int], dict[str, Any]]:
-    kind, level, policy, seed, path, quick, engines = args
+    kind, level, policy, seed, path, quick, engines, base = args
     reqs = workload(kind, level, path, quick, seed, engines)
-    res = run(SimConfig(policy=policy, engines=engines, seed=seed), reqs)
+    res = run(replace(base, policy=policy, engines=engines, seed=seed), reqs)
     return (kind, level, policy, seed), res
 
 
@@ -145,7 +148,11 @@ def run_all(
     procs: int = 2,
     policies: Sequence[str] = POLICIES,
     workloads: Sequence[str] = WORKLOADS,
+    base: SimConfig | None = None,
 ) -> dict[str, Any]:
+    """Every workload, level, policy and seed; ``base``: the settings every run starts
+    from (policy, engines and seed replaced)."""
+    base = base or SimConfig()
     levels = [f"{x:g}" if x != 1.0 else "1.0" for x in LEVELS]
     full: dict[str, list[str]] = {
         "trace": ["native", *levels],
@@ -154,7 +161,7 @@ def run_all(
     }
     plan = {k: v for k, v in full.items() if k in workloads}
     tasks = [
-        (kind, level, pol, s, path, quick, engines)
+        (kind, level, pol, s, path, quick, engines, base)
         for kind, levels in plan.items()
         for level in levels
         for s in seeds
@@ -175,6 +182,8 @@ def run_all(
         "seeds": list(seeds),
         "quick": quick,
         "engines": engines,
+        "route_queue": base.route_queue,
+        "recompute_weight": base.recompute_weight,
         "workloads": {},
     }
     for kind, levels in plan.items():
@@ -278,11 +287,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--policies", default=",".join(POLICIES), help="comma-separated subset (default: all)"
     )
+    ap.add_argument(
+        "--route-queue",
+        type=float,
+        default=_DEFAULTS.route_queue,
+        help="cost_aware's queue past the cap, x the cap (default: the worker's)",
+    )
+    ap.add_argument(
+        "--recompute-weight",
+        type=float,
+        default=_DEFAULTS.recompute_weight,
+        help="cost_aware's weight of a session's tokens an engine lacks (default: the worker's)",
+    )
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--plot", metavar="PREFIX", help="write PREFIX_<workload>.png")
     args = ap.parse_args(argv)
     if args.seeds < 1 or args.engines < 1 or args.procs < 1:
         sys.exit("routing_sim: --seeds, --engines and --procs must be >= 1")
+    if not (args.route_queue >= 0 and args.recompute_weight >= 0):
+        sys.exit("routing_sim: --route-queue and --recompute-weight must be >= 0")
     workloads = [w for w in args.workloads.split(",") if w]
     if not workloads or any(w not in WORKLOADS for w in workloads):
         sys.exit(
@@ -304,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
         procs=args.procs,
         policies=policies,
         workloads=workloads,
+        base=SimConfig(route_queue=args.route_queue, recompute_weight=args.recompute_weight),
     )
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     print(table(res))

@@ -8,7 +8,7 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.routing.cost import CostModel, TurnInfo, turn_info
+from worker.routing.cost import CostModel, CostProfile, TurnInfo, turn_info
 from worker.routing.lease import EngineSpec, Lease, LeaseState, LoadView
 from worker.routing.policy import DEFAULT_QUEUE, RouteReason
 from worker.routing.router import Router
@@ -171,9 +171,9 @@ def test_a_shared_prefix_in_flight_is_counted_once_in_the_kv_footprint() -> None
 
 def test_a_session_stays_unless_leaving_saves_twice_its_history() -> None:
     """Moving a session recomputes its history elsewhere (and evicts as much cache there):
-    with ``recompute_weight`` 2 it stays where a weight of 1 would move it."""
+    with ``recompute_weight`` 2 (the default) it stays where a weight of 1 would move it."""
     for weight, stays in ((1.0, False), (2.0, True)):
-        m = CostModel(["a", "b"], recompute_weight=weight)
+        m = CostModel(["a", "b"], CostProfile(recompute_weight=weight))
         t0 = TurnInfo(prompt_tokens=4000, key="s", shared_key="sys", shared_tokens=1000)
         m.admitted(0, replace(m.choose(t0, allowed=["a"]), engine="a"), t0)
         m.admitted(1, replace(m.choose(t0, allowed=["b"]), engine="b"), t0)  # b has the prefix

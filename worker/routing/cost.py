@@ -59,13 +59,18 @@ REASONS: Final = ("preferred", "spilled_cost", "least_cost")
 @dataclass(frozen=True, slots=True)
 class CostProfile:
     """An engine's throughput figures (default: Llama-3.1-8B on one H100, as measured in
-    bench/engine_model.py and docs/ROUTING.md)."""
+    bench/engine_model.py and docs/ROUTING.md) and the weight of recomputed history."""
 
     kv_tokens: int = 400_000
     chunk_tokens: int = 2048
     step_base_s: float = 0.0065
     per_token_s: float = 0.000035
     per_kv_token_s: float = 0.000000056
+    # the cost model's weight of a session's own prompt tokens an engine lacks (its
+    # history, held elsewhere): computing them costs the turn their prefill and costs the
+    # engine as much of its cache (its LRU evicts other sessions' blocks for them), which
+    # the session's own engine would not spend; docs/ROUTING.md measures 1 against 2
+    recompute_weight: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,11 +123,6 @@ class CostModel:
     # this worker's recent decisions: routing key -> (engine, mark, prompt tokens)
     _recent: OrderedDict[str, tuple[str, int, int]] = field(default_factory=OrderedDict)
     max_recent: int = 65_536
-    # weight of the session's own prompt tokens an engine lacks (its history elsewhere):
-    # computing them costs this turn their prefill and costs the engine as much of its
-    # cache (its LRU evicts other sessions' blocks for them), which the session's own
-    # engine would have spent on nothing; docs/ROUTING.md measures 1 against 2
-    recompute_weight: float = 2.0
 
     def sent_tokens(self, engine: str) -> int:
         return self._sent.get(engine, 0)
@@ -158,7 +158,7 @@ class CostModel:
     ) -> dict[str, tuple[float, int, float]]:
         """Per engine: (cost in seconds, tokens probably held, expected seconds to the
         first token). The cost is the expected time to the first token with the
-        session's own tokens the engine lacks counted ``recompute_weight`` times."""
+        session's own tokens the engine lacks counted ``profile.recompute_weight`` times."""
         p = self.profile
         own_n = sum(self._count.values())
         mean_pending = sum(self._pending.values()) / own_n if own_n else 0.0
@@ -178,7 +178,7 @@ class CostModel:
             lacks = max(0, shared - held)
             session = turn.prompt_tokens - max(held, shared)
             wait = queue + turn.prompt_tokens - held
-            work = queue + lacks + self.recompute_weight * session
+            work = queue + lacks + p.recompute_weight * session
             kv = self._own_kv.get(e, 0) + self._prefix_kv.get(e, 0) + n_other * mean_kv
             new_kv = turn.prompt_tokens
             if shared and turn.shared_key in self._prefixes.get(e, {}):
