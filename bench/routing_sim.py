@@ -29,8 +29,10 @@ subset (results of separate runs are separate JSON files).
 CLI: ``python -m bench.routing_sim [--quick] [--seed N] [--seeds K] [--trace PATH]
 [--workloads LIST] [--policies LIST] [--route-queue Q] [--recompute-weight W]
 [--json PATH] [--plot PREFIX] [--procs N]``; with several seeds the table also gives each
-policy's TTFT p99 seed by seed. ``--route-queue`` and ``--recompute-weight`` change
-cost_aware's product settings (default: the worker's), to measure what each one does.
+policy's TTFT p99 seed by seed; then the same results as the Markdown tables
+docs/ROUTING.md quotes (``bench/routing_report.py``). ``--route-queue`` and
+``--recompute-weight`` change cost_aware's product settings (default: the worker's), to
+measure what each one does.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from typing import Any, Final
 
 from bench.routing_core import DEFAULT_POLICY, SimConfig, run
 from bench.routing_policies import POLICIES
+from bench.routing_report import markdown
 from bench.workloads import Request, SynthConfig, TraceError, load_trace, pulse, scale, synthetic
 
 __all__ = ["DEFAULT_POLICY", "LEVELS", "POLICIES", "capacity", "main", "run_all", "workload"]
@@ -229,6 +232,13 @@ def table(res: dict[str, Any]) -> str:
                 lines.append(f"TTFT p99 ms by seed {res['seeds']}")
                 for pol, r in rows.items():
                     lines.append(f"{pol:<20} {r['by_seed']['ttft_p99_ms']}")
+                sticky = rows.get("sticky_session")
+                for pol, r in rows.items():
+                    if sticky is not None and pol != "sticky_session":
+                        ours, theirs = r["by_seed"]["ttft_p99_ms"], sticky["by_seed"]["ttft_p99_ms"]
+                        below = sum(a < b for a, b in zip(ours, theirs, strict=True))
+                        n = len(ours)
+                        lines.append(f"{pol}: TTFT p99 below sticky_session's on {below} of {n}")
         lines.append("")
     return "\n".join(lines)
 
@@ -332,6 +342,8 @@ def main(argv: list[str] | None = None) -> None:
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     print(table(res))
     print(f"(wall {res['wall_s']} s)")
+    print()
+    print(markdown(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2), encoding="utf-8")
     if args.plot:

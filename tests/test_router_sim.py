@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from bench.engine_model import EngineParams
 from bench.routing_core import DEFAULT_POLICY, SimConfig, run
 from bench.routing_policies import POLICIES
+from bench.routing_report import markdown
 from bench.routing_sim import TRACE, main, run_all, workload
 from bench.workloads import Request, SynthConfig, TraceError, load_trace, pulse, scale, synthetic
 from worker.routing.cost import CostModel, TurnInfo
@@ -218,3 +219,9 @@ def test_the_json_has_every_workload_level_and_policy(monkeypatch) -> None:
                 assert k in r
                 assert k in r["spread"]
     assert {"trace", "synthetic", "pulse"} == set(res["workloads"])
+    # the docs' tables come from this rendering of the same results
+    md = markdown(res)
+    for kind in ("trace", "synthetic", "pulse"):
+        assert f"### {kind}: goodput" in md
+    assert "| goodput / round_robin's |" in md
+    assert md.count("| cost_aware |") >= 1 + len(levels)
