@@ -57,6 +57,12 @@ def _level(rows: dict[str, Any], seeds: list[int]) -> list[str]:
         out += [_row(["policy", *map(str, seeds)]), _row(["---"] * (len(seeds) + 1))]
         for pol, r in rows.items():
             out.append(_row([pol, *(f"{x:,.0f}" for x in r["by_seed"]["ttft_p99_ms"])]))
+        caps = next(iter(rows.values()))["by_seed"].get("cap")
+        if caps:
+            out += ["", f"KV-derived cap per engine by seed: {', '.join(map(str, caps))}; most "
+                    "requests on one engine at once (mean of seeds): "
+                    + ", ".join(f"{pol} {sum(r['by_seed']['peak_load']) / len(seeds):,.0f}"
+                                for pol, r in rows.items())]  # fmt: skip
         sticky = rows.get("sticky_session")
         if sticky is not None:
             theirs = sticky["by_seed"]["ttft_p99_ms"]

@@ -59,7 +59,7 @@ LEVELS: Final = (0.5, 0.75, 1.0, 1.5)
 WORKLOADS: Final = ("trace", "synthetic", "pulse")
 TRACE: Final = Path(__file__).parent / "traces" / "mooncake_conversation.jsonl"
 _DEFAULTS: Final = SimConfig()
-_BY_SEED: Final = ("goodput_rps", "ttft_p99_ms", "hit_rate", "rejected")
+_BY_SEED: Final = ("goodput_rps", "ttft_p99_ms", "hit_rate", "rejected", "cap", "peak_load")
 _METRICS: Final = (
     "goodput_rps",
     "ttft_p50_ms",
