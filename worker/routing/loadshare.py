@@ -167,7 +167,10 @@ def compute_view(
         target = split_cap(cap, in_flight, unmet, epoch)[me]
         reserved = sum(r.allowance.get(eid, r.in_flight.get(eid, 0)) for r in reports)
         held[eid] = sum(r.in_flight.get(eid, 0) for r in reports)
-        kept = m if my_allowance is None else min(my_allowance.get(eid, m), _covering(m, queue))
+        if my_allowance is None or queue <= 0:
+            kept = m  # what it holds
+        else:  # what its allowance must be for its queue to cover what it holds
+            kept = min(my_allowance.get(eid, m), _covering(m, queue))
         allowance[eid] = max(kept, min(target, cap - reserved))
     return LoadView(others=held, allowance=allowance)
 
