@@ -18,27 +18,39 @@ the model's blind spots. This module is one engine:
   private blocks for the tokens it generates. Named blocks are shared by every running
   sequence that references them; a named block nobody references stays cached in an LRU
   (the prefix cache) until a new allocation needs its space. A waiting sequence's prompt
-  reuses the leading named blocks the engine holds (running or cached) and computes the
-  rest; it is admitted only when its blocks fit (evicting unreferenced blocks first).
+  reuses the leading named blocks the engine holds *computed* (their KV written by a
+  prefill that got past them, running or cached) and computes the rest; it is admitted
+  only when its blocks fit (evicting unreferenced blocks first). A block allocated but not
+  yet computed is no hit for anybody, and is dropped, not cached, when its last
+  reference goes (a prefill preempted half-way keeps only the part it computed).
 - **Preemption.** When a decode needs a new block and none is free or evictable, the
-  newest running sequence is preempted: its blocks are released (named ones go to the
-  prefix cache) and it returns to the head of the waiting queue, to recompute its prompt
-  and the tokens it already generated (vLLM's default, recompute) before it continues.
+  newest running sequence is preempted: its blocks are released (the computed named ones
+  go to the prefix cache) and it returns to the head of the waiting queue, to recompute
+  its prompt and the tokens it already generated (vLLM's default, recompute) before it
+  continues.
+- **Clock.** Time passes only in steps. A step starts when the engine is idle and a
+  request arrives (at the arrival, not later) or when the previous step ends and work is
+  left (at that end); a request that arrives during a step joins at the next step
+  boundary (vLLM schedules between forward passes). An idle engine does not tick: it
+  waits for the next arrival. ``Engine.start`` is that rule, ``replay`` runs one engine
+  by it.
 
-Call order: ``e = Engine(params)``; ``e.submit(seq)`` when a request arrives; when
-``e.busy()`` is false and work is waiting, the caller starts a step with
-``dur = e.begin()`` and, ``dur`` seconds later, calls ``e.end(now)``, which returns the
-sequences that finished. Every sequence records its first-token time, token gaps and
-prefix hits. Deterministic; nothing here reads a clock or a random source.
+Call order: ``e = Engine(params)``; ``e.submit(seq)`` when a request arrives, then
+``t = e.start(now)``; when a step ends (at ``t``), ``e.end(t)``, which returns the
+sequences that produced their first token and those that finished, then
+``e.start(t)`` again. (``e.begin()`` schedules a step and returns its duration, for a
+caller that keeps its own clock.) Every sequence records its first-token time, token gaps
+and prefix hits. Deterministic; nothing here reads a clock or a random source.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
-__all__ = ["H100_LLAMA8B", "Engine", "EngineParams", "Seq"]
+__all__ = ["H100_LLAMA8B", "Engine", "EngineParams", "Seq", "replay"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +87,10 @@ class Seq:
     generated: int = 0
     computed: int = 0  # context tokens whose KV is computed (prefill progress)
     named: int = 0  # leading prompt blocks referenced (0 while waiting)
+    marked: int = 0  # leading prompt blocks recorded as computed (Engine.ready)
     private: int = 0  # blocks held for generated tokens
     cached_tokens: int = 0  # prompt tokens found cached at the first admission
+    scheduled: float = -1.0  # the first step boundary at or after its arrival
     first_token: float = -1.0
     last_token: float = -1.0
     done: float = -1.0
@@ -103,14 +117,17 @@ class Engine:
 
     params: EngineParams
     waiting: deque[Seq] = field(default_factory=deque)
+    arrived: list[Seq] = field(default_factory=list)  # submitted since the last boundary
     running: list[Seq] = field(default_factory=list)  # admission order: newest last
     ref: dict[int, int] = field(default_factory=dict)  # named block -> references
+    ready: set[int] = field(default_factory=set)  # referenced named blocks already computed
     lru: OrderedDict[int, None] = field(default_factory=OrderedDict)  # cached, unreferenced
     private: int = 0
     step: _Step | None = None
     # counters
     steps: int = 0
     busy_s: float = 0.0
+    longest_step_s: float = 0.0
     preemptions: int = 0
     prompt_tokens: int = 0
     hit_tokens: int = 0
@@ -128,10 +145,10 @@ class Engine:
         return self.params.blocks - len(self.ref) - self.private
 
     def holds(self, ids: tuple[int, ...]) -> int:
-        """Leading blocks of ``ids`` present (referenced or cached). Read-only."""
+        """Leading blocks of ``ids`` present and computed (referenced or cached). Read-only."""
         n = 0
         for b in ids:
-            if b in self.ref or b in self.lru:
+            if b in self.ready or b in self.lru:
                 n += 1
             else:
                 break
@@ -156,6 +173,7 @@ class Engine:
         if not self.fits(seq.prompt, seq.out, len(seq.ids)):
             raise ValueError(f"request {seq.rid} needs more KV blocks than the engine has")
         self.waiting.append(seq)
+        self.arrived.append(seq)
 
     # ---- blocks ------------------------------------------------------------------------
 
@@ -169,17 +187,28 @@ class Engine:
         return True
 
     def _release(self, s: Seq) -> None:
-        """Give back every block of ``s``; its named blocks stay cached, tail first in
-        the eviction order (the prefix is the most recently used)."""
+        """Give back every block of ``s``; its computed named blocks stay cached, tail
+        first in the eviction order (the prefix is the most recently used); a block
+        nobody computed is freed."""
         for b in reversed(s.ids[: s.named]):
             r = self.ref[b] - 1
             if r:
                 self.ref[b] = r
             else:
                 del self.ref[b]
-                self.lru[b] = None
+                if b in self.ready:
+                    self.ready.discard(b)
+                    self.lru[b] = None
         self.private -= s.private
-        s.named = s.private = 0
+        s.named = s.private = s.marked = 0
+
+    def _mark(self, s: Seq) -> None:
+        """Record the prompt blocks ``s``'s prefill has got past as computed (the last,
+        partial one once the whole prompt is)."""
+        n = len(s.ids) if s.computed >= s.prompt else s.computed // self.params.block_tokens
+        if n > s.marked:
+            self.ready.update(s.ids[s.marked : n])
+            s.marked = n
 
     def _private_needed(self, s: Seq, context: int) -> int:
         bt = self.params.block_tokens
@@ -200,6 +229,7 @@ class Engine:
             if b in self.lru:
                 del self.lru[b]
                 self.ref[b] = 1
+                self.ready.add(b)
             elif b in self.ref:
                 self.ref[b] += 1
             else:
@@ -213,6 +243,7 @@ class Engine:
         self.private += extra
         bt = self.params.block_tokens
         s.computed = min(hit * bt, s.context - 1)  # at least one token is computed
+        s.marked = hit
         if not s.admitted:
             s.admitted = True
             s.cached_tokens = s.computed
@@ -231,6 +262,18 @@ class Engine:
         return s
 
     # ---- steps -------------------------------------------------------------------------
+
+    def start(self, now: float) -> float | None:
+        """Start the next step at ``now`` if the engine is idle and has work to schedule;
+        returns when it ends (call :meth:`end` then), or None when no step starts (a step
+        is running: arrivals join at its end; or nothing to run: no time passes)."""
+        if self.step is not None:
+            return None
+        for s in self.arrived:  # the scheduler sees them now: their wait for a boundary ends
+            s.scheduled = now
+        self.arrived.clear()
+        dur = self.begin()
+        return now + dur if dur > 0 else None
 
     def begin(self) -> float:
         """Schedule the next step; returns its duration (0.0 when there is nothing to
@@ -295,6 +338,7 @@ class Engine:
         self.step = None
         self.steps += 1
         self.busy_s += st.duration
+        self.longest_step_s = max(self.longest_step_s, st.duration)
         finished: list[Seq] = []
         first: list[Seq] = []
         gaps = self.gaps
@@ -304,6 +348,7 @@ class Engine:
         for s, c in st.chunks:
             s.computed += c
             self.computed_tokens += c
+            self._mark(s)
             if s.computed >= s.context:  # prefill (or recompute) done: it samples a token
                 s.decoding = True
                 if s.generated == 0:
@@ -349,7 +394,33 @@ class Engine:
         assert refs == self.ref, "named block references out of step with the sequences"
         assert priv == self.private, "private blocks out of step with the sequences"
         assert not (set(self.lru) & set(self.ref)), "a referenced block is in the LRU"
+        assert self.ready <= set(self.ref), "a computed block neither referenced nor cached"
+        for s in self.running:
+            assert set(s.ids[: s.marked]) <= self.ready
         assert len(self.ref) + self.private + len(self.lru) <= self.params.blocks
         for s in self.waiting:
             assert s.named == 0
             assert s.private == 0
+
+
+def replay(params: EngineParams, seqs: Iterable[Seq], audit: bool = False) -> Engine:
+    """Run one engine over ``seqs``, each submitted at its ``arrival`` (seconds), by the
+    clock rule of the module docstring, until all finish; returns the engine (the
+    sequences record their times). ``audit``: :meth:`Engine.check` after every step."""
+    e = Engine(params)
+    order = sorted(seqs, key=lambda s: s.arrival)
+    now, k, n = 0.0, 0, len(order)
+    while k < n or e.has_work():
+        if not e.has_work():
+            now = max(now, order[k].arrival)  # idle: the next arrival, not a tick
+        while k < n and order[k].arrival <= now:
+            e.submit(order[k])
+            k += 1
+        end = e.start(now)
+        if end is None:
+            raise RuntimeError("the engine has work it cannot schedule")
+        now = end
+        e.end(now)
+        if audit:
+            e.check()
+    return e

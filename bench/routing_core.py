@@ -6,9 +6,13 @@ the workers round robin (the front door); each worker decides with its own polic
 (``bench.routing_policies``). Every ``exchange_s`` each worker publishes its in-flight
 counts; the others receive them ``report_delay_s`` later (the load exchange), and the
 capped ring policies install them with ``worker.routing.loadshare.compute_view`` as the worker does.
-A turn a capped policy refuses waits in its worker for a slot (``route_wait``) up to
+A turn a capped policy refuses waits in its worker for a slot (``route_wait``, counted as
+unmet demand on the engine the router wants, as the worker reports it) up to
 ``admit_wait_s``; then it is rejected (a 429) and the client retries after the
 Retry-After the router gives (whole seconds, at least 1): the session goes on.
+``cost_aware`` runs the product router's queue past the cap (``Router(queue=...)``, the
+worker's defaults), so it refuses only when that queue is full too or the turn would not
+get its first token within the TTFT SLO.
 
 Metrics (all requests of the workload): TTFT = first token - first arrival (retries
 included); a request's ITL = its mean gap between tokens (vLLM's TPOT); ``itl_p99_ms``
@@ -40,7 +44,7 @@ from bench.routing_policies import (
 from bench.workloads import Request
 from worker.routing.cost import CostProfile
 from worker.routing.loadshare import WorkerReport, compute_view
-from worker.routing.policy import DEFAULT_ROUTING
+from worker.routing.policy import DEFAULT_QUEUE, DEFAULT_ROUTING
 
 __all__ = ["SimConfig", "derived_cap", "run"]
 
@@ -63,6 +67,10 @@ class SimConfig:
     drain_s: float = 300.0
     ttft_slo_s: float = 2.0
     itl_slo_s: float = 0.1
+    # cost_aware's product settings (the worker's defaults), for the measurements that
+    # turn them off: its queue past the cap and its weight of recomputed history
+    route_queue: float = DEFAULT_QUEUE
+    recompute_weight: float = CostProfile().recompute_weight
 
 
 def derived_cap(reqs: list[Request], params: EngineParams) -> int:
@@ -82,6 +90,7 @@ class _Rec:
     decision: Decision | None = None
     rejected: int = 0
     state: int = 0  # 0 waiting for a route, 1 routed, 2 rejected (retry scheduled)
+    wanted: str | None = None  # counted as unmet demand while it waits (Policy.wait)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -116,9 +125,14 @@ def run(cfg: SimConfig, reqs: list[Request]) -> dict[str, Any]:
     engines = [Engine(p) for _ in range(cfg.engines)]
     cap = cfg.cap or derived_cap(reqs, p)
     profile = CostProfile(
-        p.kv_tokens, p.chunk_tokens, p.step_base_s, p.per_token_s, p.per_kv_token_s
+        p.kv_tokens,
+        p.chunk_tokens,
+        p.step_base_s,
+        p.per_token_s,
+        p.per_kv_token_s,
+        cfg.recompute_weight,
     )
-    pcfg = PolicyConfig(cfg.engines, cap, cfg.eps, cfg.workers, cfg.seed, profile)
+    pcfg = PolicyConfig(cfg.engines, cap, cfg.eps, cfg.workers, cfg.seed, profile, cfg.route_queue)
     policies = [make_policy(cfg.policy, pcfg, clock) for _ in range(cfg.workers)]
     ids = [f"s{cfg.seed}e{i}" for i in range(cfg.engines)]
     caps = dict.fromkeys(ids, cap)
@@ -169,17 +183,21 @@ def run(cfg: SimConfig, reqs: list[Request]) -> dict[str, Any]:
         e = engines[d.engine]
         e.submit(seq)
         peak[d.engine] = max(peak[d.engine], e.load())
-        if not e.busy():
-            dur = e.begin()
-            if dur > 0:
-                push(now + dur, STEP, d.engine)
+        t = e.start(now)
+        if t is not None:
+            push(t, STEP, d.engine)
         return True
+
+    def unwait(rec: _Rec) -> None:
+        if rec.wanted is not None:
+            policies[rec.worker].unwait(rec.wanted)
+            rec.wanted = None
 
     def drain(w: int) -> None:
         q = pending[w]
         while q:
             if q[0].state != 0 or try_route(q[0]):
-                q.popleft()
+                unwait(q.popleft())
             else:
                 break
 
@@ -202,10 +220,9 @@ def run(cfg: SimConfig, reqs: list[Request]) -> dict[str, Any]:
                 assert rec.decision is not None
                 policies[rec.worker].finished(s.rid, rec.decision)
                 drain(rec.worker)
-            if not e.busy():
-                dur = e.begin()
-                if dur > 0:
-                    push(now + dur, STEP, data)
+            t = e.start(now)
+            if t is not None:
+                push(t, STEP, data)
         elif kind == ARRIVE:
             r = data
             if r.rid not in recs:
@@ -215,10 +232,13 @@ def run(cfg: SimConfig, reqs: list[Request]) -> dict[str, Any]:
             q = pending[rec.worker]
             if q or not try_route(rec):
                 q.append(rec)
+                s = sessions.setdefault(r.conv, Session())
+                rec.wanted = policies[rec.worker].wait(r, s)
                 push(now + cfg.admit_wait_s, DEADLINE, rec)
         elif kind == DEADLINE:
             rec = data
             if rec.state == 0:
+                unwait(rec)
                 rec.state, rec.rejected = 2, rec.rejected + 1
                 rejected += 1
                 pol = policies[rec.worker]
@@ -238,6 +258,8 @@ def run(cfg: SimConfig, reqs: list[Request]) -> dict[str, Any]:
                     [rep for ow, rep in reports.items() if ow != w],
                     f"w{w}",
                     int(now),
+                    router.allowances(),
+                    router.queue if router.policy == "cost_aware" else 0.0,
                 )
                 router.apply_load_view(view)
                 demand = {k: mine[k] + unmet.get(k, 0) for k in mine}

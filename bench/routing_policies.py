@@ -23,7 +23,8 @@ decisions. None reads an engine's cache.
   runs' sizes).
 - ``cost_aware``: the real ``Router(policy="cost_aware")`` (``worker.routing.cost``: least
   expected queue wait + prefill of what the engine probably does not hold), under the same
-  KV-derived cap and allowance as ``bounded_load_eps``.
+  KV-derived cap and allowance as ``bounded_load_eps``, with the worker's queue past the cap
+  (``worker.routing.policy.DEFAULT_QUEUE``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Final
 from bench.workloads import Request
 from worker.routing.cost import CostProfile, TurnInfo
 from worker.routing.lease import EngineSpec, Lease, LoadView
+from worker.routing.policy import DEFAULT_QUEUE
 from worker.routing.router import Router
 
 __all__ = ["POLICIES", "Decision", "Policy", "Session", "make_policy"]
@@ -103,6 +105,14 @@ class Policy:
     def apply_view(self, view: list[int], reports: Mapping[str, object]) -> None:
         return None
 
+    def wait(self, r: Request, s: Session) -> str:
+        """A refused turn starts waiting for a slot (``route_wait``): count it as unmet
+        demand where the router says it wants to go; returns what :meth:`unwait` takes."""
+        return ""
+
+    def unwait(self, wanted: str) -> None:
+        return None
+
 
 class RoundRobin(Policy):
     def choose(self, r: Request, s: Session, view: list[int]) -> Decision | None:
@@ -159,6 +169,12 @@ class RingPolicy(Policy):
 
     def retry_after(self) -> float:
         return self.router.retry_after()
+
+    def wait(self, r: Request, s: Session) -> str:
+        return self.router.add_waiter(r.key) if self.capped else ""
+
+    def unwait(self, wanted: str) -> None:
+        self.router.remove_waiter(wanted)
 
 
 class _Node:
@@ -219,18 +235,26 @@ class CostAware(RingPolicy):
     KV-derived cap and this worker's allowance, fed what the worker knows of the turn."""
 
     def __init__(
-        self, n: int, cap: int, profile: CostProfile, seed: int, clock: Callable[[], float]
+        self,
+        n: int,
+        cap: int,
+        profile: CostProfile,
+        seed: int,
+        clock: Callable[[], float],
+        queue: float = DEFAULT_QUEUE,
     ) -> None:
         Policy.__init__(self, n)
         self.capped = True
         specs = [EngineSpec(id=f"s{seed}e{i}", url=f"sim://{i}", cap=cap) for i in range(n)]
         self.index = {sp.id: i for i, sp in enumerate(specs)}
         self.names = [sp.id for sp in specs]
-        self.router = Router(specs, policy="cost_aware", clock=clock, cost_profile=profile)
+        self.router = Router(
+            specs, policy="cost_aware", clock=clock, cost_profile=profile, queue=queue
+        )
         self.leases: dict[int, Lease] = {}
 
-    def choose(self, r: Request, s: Session, view: list[int]) -> Decision | None:
-        turn = TurnInfo(
+    def _turn(self, r: Request, s: Session) -> TurnInfo:
+        return TurnInfo(
             prompt_tokens=r.prompt,
             key=r.key,
             prev_engine=self.names[s.engine] if s.engine >= 0 else "",
@@ -238,7 +262,12 @@ class CostAware(RingPolicy):
             shared_key=f"p{r.ids[0]}",
             shared_tokens=r.shared,
         )
-        lease = self.router.try_route(r.key, turn=turn)
+
+    def wait(self, r: Request, s: Session) -> str:
+        return self.router.add_waiter(r.key, self._turn(r, s))
+
+    def choose(self, r: Request, s: Session, view: list[int]) -> Decision | None:
+        lease = self.router.try_route(r.key, turn=self._turn(r, s))
         if lease is None:
             return None
         self.leases[r.rid] = lease
@@ -262,6 +291,7 @@ class PolicyConfig:
     workers: int = 1
     seed: int = 0
     profile: CostProfile = field(default_factory=CostProfile)
+    queue: float = DEFAULT_QUEUE  # cost_aware's queue past the cap (x the cap)
 
 
 def make_policy(name: str, cfg: PolicyConfig, clock: Callable[[], float]) -> Policy:
@@ -281,5 +311,5 @@ def make_policy(name: str, cfg: PolicyConfig, clock: Callable[[], float]) -> Pol
     if name == "sglang_cache_aware":
         return SglangCacheAware(n)
     if name == "cost_aware":
-        return CostAware(n, cfg.cap, cfg.profile, cfg.seed, clock)
+        return CostAware(n, cfg.cap, cfg.profile, cfg.seed, clock, cfg.queue)
     raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")

@@ -27,7 +27,12 @@ synthetic sessions, instead of all 12,031 requests and 600 s. ``--workloads`` ru
 subset (results of separate runs are separate JSON files).
 
 CLI: ``python -m bench.routing_sim [--quick] [--seed N] [--seeds K] [--trace PATH]
-[--json PATH] [--plot PREFIX] [--procs N]``.
+[--workloads LIST] [--policies LIST] [--route-queue Q] [--recompute-weight W]
+[--json PATH] [--plot PREFIX] [--procs N]``; with several seeds the table also gives each
+policy's TTFT p99 seed by seed; then the same results as the Markdown tables
+docs/ROUTING.md quotes (``bench/routing_report.py``). ``--route-queue`` and
+``--recompute-weight`` change cost_aware's product settings (default: the worker's), to
+measure what each one does.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from typing import Any, Final
 
 from bench.routing_core import DEFAULT_POLICY, SimConfig, run
 from bench.routing_policies import POLICIES
+from bench.routing_report import markdown
 from bench.workloads import Request, SynthConfig, TraceError, load_trace, pulse, scale, synthetic
 
 __all__ = ["DEFAULT_POLICY", "LEVELS", "POLICIES", "capacity", "main", "run_all", "workload"]
@@ -52,6 +58,8 @@ __all__ = ["DEFAULT_POLICY", "LEVELS", "POLICIES", "capacity", "main", "run_all"
 LEVELS: Final = (0.5, 0.75, 1.0, 1.5)
 WORKLOADS: Final = ("trace", "synthetic", "pulse")
 TRACE: Final = Path(__file__).parent / "traces" / "mooncake_conversation.jsonl"
+_DEFAULTS: Final = SimConfig()
+_BY_SEED: Final = ("goodput_rps", "ttft_p99_ms", "hit_rate", "rejected", "cap", "peak_load")
 _METRICS: Final = (
     "goodput_rps",
     "ttft_p50_ms",
@@ -126,11 +134,11 @@ def workload(
 
 
 def _task(
-    args: tuple[str, str, str, int, str, bool, int],
+    args: tuple[str, str, str, int, str, bool, int, SimConfig],
 ) -> tuple[tuple[str, str, str, int], dict[str, Any]]:
-    kind, level, policy, seed, path, quick, engines = args
+    kind, level, policy, seed, path, quick, engines, base = args
     reqs = workload(kind, level, path, quick, seed, engines)
-    res = run(SimConfig(policy=policy, engines=engines, seed=seed), reqs)
+    res = run(replace(base, policy=policy, engines=engines, seed=seed), reqs)
     return (kind, level, policy, seed), res
 
 
@@ -143,7 +151,11 @@ def run_all(
     procs: int = 2,
     policies: Sequence[str] = POLICIES,
     workloads: Sequence[str] = WORKLOADS,
+    base: SimConfig | None = None,
 ) -> dict[str, Any]:
+    """Every workload, level, policy and seed; ``base``: the settings every run starts
+    from (policy, engines and seed replaced)."""
+    base = base or SimConfig()
     levels = [f"{x:g}" if x != 1.0 else "1.0" for x in LEVELS]
     full: dict[str, list[str]] = {
         "trace": ["native", *levels],
@@ -152,7 +164,7 @@ def run_all(
     }
     plan = {k: v for k, v in full.items() if k in workloads}
     tasks = [
-        (kind, level, pol, s, path, quick, engines)
+        (kind, level, pol, s, path, quick, engines, base)
         for kind, levels in plan.items()
         for level in levels
         for s in seeds
@@ -173,6 +185,8 @@ def run_all(
         "seeds": list(seeds),
         "quick": quick,
         "engines": engines,
+        "route_queue": base.route_queue,
+        "recompute_weight": base.recompute_weight,
         "workloads": {},
     }
     for kind, levels in plan.items():
@@ -196,6 +210,7 @@ def run_all(
                 agg["spread"] = {
                     m: [min(r[m] for r in runs), max(r[m] for r in runs)] for m in _METRICS
                 }
+                agg["by_seed"] = {m: [r[m] for r in runs] for m in _BY_SEED}
                 agg["unfinished"] = sum(r["unfinished"] for r in runs)
                 agg["reasons"] = runs[0]["reasons"]
                 row[pol] = agg
@@ -213,6 +228,17 @@ def table(res: dict[str, Any]) -> str:
             lines.append(f"{'policy':<20}" + "".join(f"{m:>15}" for m in _METRICS))
             for pol, r in rows.items():
                 lines.append(f"{pol:<20}" + "".join(f"{r[m]:>15}" for m in _METRICS))
+            if len(res["seeds"]) > 1:
+                lines.append(f"TTFT p99 ms by seed {res['seeds']}")
+                for pol, r in rows.items():
+                    lines.append(f"{pol:<20} {r['by_seed']['ttft_p99_ms']}")
+                sticky = rows.get("sticky_session")
+                for pol, r in rows.items():
+                    if sticky is not None and pol != "sticky_session":
+                        ours, theirs = r["by_seed"]["ttft_p99_ms"], sticky["by_seed"]["ttft_p99_ms"]
+                        below = sum(a < b for a, b in zip(ours, theirs, strict=True))
+                        n = len(ours)
+                        lines.append(f"{pol}: TTFT p99 below sticky_session's on {below} of {n}")
         lines.append("")
     return "\n".join(lines)
 
@@ -268,16 +294,36 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--workloads", default=",".join(WORKLOADS), help="comma-separated subset (default: all)"
     )
+    ap.add_argument(
+        "--policies", default=",".join(POLICIES), help="comma-separated subset (default: all)"
+    )
+    ap.add_argument(
+        "--route-queue",
+        type=float,
+        default=_DEFAULTS.route_queue,
+        help="cost_aware's queue past the cap, x the cap (default: the worker's)",
+    )
+    ap.add_argument(
+        "--recompute-weight",
+        type=float,
+        default=_DEFAULTS.recompute_weight,
+        help="cost_aware's weight of a session's tokens an engine lacks (default: the worker's)",
+    )
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--plot", metavar="PREFIX", help="write PREFIX_<workload>.png")
     args = ap.parse_args(argv)
     if args.seeds < 1 or args.engines < 1 or args.procs < 1:
         sys.exit("routing_sim: --seeds, --engines and --procs must be >= 1")
+    if not (args.route_queue >= 0 and args.recompute_weight >= 0):
+        sys.exit("routing_sim: --route-queue and --recompute-weight must be >= 0")
     workloads = [w for w in args.workloads.split(",") if w]
     if not workloads or any(w not in WORKLOADS for w in workloads):
         sys.exit(
             f"routing_sim: --workloads takes a comma-separated subset of {','.join(WORKLOADS)}"
         )
+    policies = [p for p in args.policies.split(",") if p]
+    if not policies or any(p not in POLICIES for p in policies):
+        sys.exit(f"routing_sim: --policies takes a comma-separated subset of {','.join(POLICIES)}")
     try:
         load_trace(args.trace, limit=1)
     except TraceError as exc:
@@ -289,11 +335,15 @@ def main(argv: list[str] | None = None) -> None:
         path=args.trace,
         engines=args.engines,
         procs=args.procs,
+        policies=policies,
         workloads=workloads,
+        base=SimConfig(route_queue=args.route_queue, recompute_weight=args.recompute_weight),
     )
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     print(table(res))
     print(f"(wall {res['wall_s']} s)")
+    print()
+    print(markdown(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2), encoding="utf-8")
     if args.plot:

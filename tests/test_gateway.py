@@ -147,7 +147,8 @@ async def test_refusals_are_openai_errors(gw: tuple[Harness, openai.AsyncOpenAI]
 
 async def test_every_engine_full_is_a_429_with_retry_after(h: Harness) -> None:
     await h.start_engines(1, decode_tok_per_s=20.0)
-    await h.start_worker(cap=1, gateway_keys=(KEY,), admit_wait_s=0.1)
+    # no queue past the cap (cost_aware's): the refusal at the cap is the subject here
+    await h.start_worker(cap=1, gateway_keys=(KEY,), admit_wait_s=0.1, route_queue=0.0)
     client = openai.AsyncOpenAI(base_url=h.url("/v1"), api_key=KEY, max_retries=0)
     try:
         slow = await client.chat.completions.create(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import uuid
 
@@ -167,6 +168,56 @@ def test_sum_of_allowances_never_exceeds_cap_with_sequential_exchanges() -> None
         )
         assert allowance[w] >= held[w]
         assert sum(max(h, a) for h, a in zip(held, allowance, strict=True)) <= cap
+
+
+def test_with_a_queue_past_the_cap_allowances_still_sum_to_the_cap() -> None:
+    """cost_aware holds up to allowance + floor(queue * allowance): the queue never enters
+    the reservations, so allowances sum to at most the cap and what is in flight to at
+    most (1 + queue) x cap, over 5,000 random sequential exchanges."""
+    rng = random.Random(5)
+    cap, workers, queue = 24, 4, 3.0
+    held = [0] * workers
+    allowance = [0] * workers
+    reports: dict[int, WorkerReport] = {}
+    for _ in range(5000):
+        w = rng.randrange(workers)
+        limit = allowance[w] + math.floor(queue * allowance[w])
+        held[w] = max(0, min(limit, held[w] + rng.randint(-6, 12)))
+        others = [r for i, r in reports.items() if i != w]
+        pressure = rng.randint(0, 5)
+        view = compute_view(
+            {"e": cap},
+            {"e": held[w]},
+            {"e": pressure},
+            others,
+            f"w{w}",
+            my_allowance={"e": allowance[w]},
+            queue=queue,
+        )
+        allowance[w] = view.allowance["e"]
+        reports[w] = WorkerReport(
+            f"w{w}", {"e": held[w]}, {"e": held[w] + pressure}, {"e": allowance[w]}
+        )
+        assert held[w] <= allowance[w] + math.floor(queue * allowance[w])
+        assert sum(allowance) <= cap
+        assert sum(held) <= (1 + queue) * cap
+
+
+def test_a_queueing_worker_above_its_target_gives_slots_back() -> None:
+    """A worker holding 60 on an engine of cap 40 (its allowance 40, the rest queued) while
+    another wants 20: its allowance shrinks to its fair share (20), not to what it holds,
+    so the other gets a share (with reservations of what they hold it would keep all 40)."""
+    peer = WorkerReport("b", {"e": 0}, {"e": 20}, {"e": 0})
+    view = compute_view({"e": 40}, {"e": 60}, {}, [peer], "a", my_allowance={"e": 40}, queue=3.0)
+    assert view.allowance["e"] == 20
+    back = compute_view(
+        {"e": 40},
+        {"e": 0},
+        {"e": 20},
+        [WorkerReport("a", {"e": 60}, {"e": 60}, view.allowance)],
+        "b",
+    )
+    assert back.allowance["e"] == 20
 
 
 def test_router_obeys_the_view() -> None:

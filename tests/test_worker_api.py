@@ -86,7 +86,9 @@ async def test_second_turn_goes_to_the_same_engine_and_hits_its_cache(
 
 async def test_all_engines_full_is_429_with_integer_retry_after(h: Harness, redis: RedisCluster):
     await h.start_engines(2, decode_tok_per_s=20.0)
-    await h.start_worker(cap=1, admit_wait_s=0.2)
+    # no queue past the cap: the refusal at the cap is what this test is about (the queue
+    # has its own: test_a_turn_queues_past_the_cap_then_every_engine_full_is_429)
+    await h.start_worker(cap=1, admit_wait_s=0.2, route_queue=0.0)
     running = []
     for i in range(2):
         sid, token = await h.session()
@@ -105,9 +107,37 @@ async def test_all_engines_full_is_429_with_integer_retry_after(h: Harness, redi
         await wait_turn(redis, s, t, timeout_s=20)
 
 
+async def test_a_turn_queues_past_the_cap_then_every_engine_full_is_429(
+    h: Harness, redis: RedisCluster
+):
+    """cost_aware's queue past the cap: an engine of cap 1 with a queue of 2 x its cap
+    takes three turns (two counted as queued_past_cap in the route metrics); the fourth
+    finds every engine full: 429 engines_full."""
+    await h.start_engines(1, decode_tok_per_s=20.0)
+    await h.start_worker(cap=1, admit_wait_s=0.2, route_queue=2.0)
+    running = []
+    for i in range(3):
+        sid, token = await h.session()
+        status, body, _ = await h.post_turn(sid, token, {"message": f"long story {i}"})
+        assert status == 202, body
+        running.append((sid, body["turn"]))
+    assert h.state.router.snapshot()["engines"]["eng-0"]["queued"] == 2
+    sid, token = await h.session()
+    status, body, headers = await h.post_turn(sid, token, {"message": "one more"})
+    assert status == 429, body
+    assert body["error"] == "engines_full"
+    assert int(headers["Retry-After"]) >= 1
+    metrics = h.state.metrics.render().decode()
+    line = 'route_decisions_total{policy="cost_aware",reason="queued_past_cap"} 2.0'
+    assert line in metrics
+    for s, t in running:
+        await wait_turn(redis, s, t, timeout_s=20)
+
+
 async def test_a_turn_waits_for_a_slot_instead_of_429(h: Harness, redis: RedisCluster):
     await h.start_engines(1, decode_tok_per_s=20.0)  # 10 tokens: about half a second
-    await h.start_worker(cap=1, admit_wait_s=4.0)
+    # no queue past the cap: the second turn must wait for the first one's slot
+    await h.start_worker(cap=1, admit_wait_s=4.0, route_queue=0.0)
     sid1, token1 = await h.session()
     status, first, _ = await h.post_turn(sid1, token1, {"message": "a", "max_tokens": 10})
     assert status == 202, first

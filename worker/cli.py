@@ -143,9 +143,18 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
         str, opt("where a turn goes when its engine is full", choices=SPILL_POLICIES)
     ] = _D.spill
     routing: Annotated[
-        str, opt("ring: prefix-aware consistent hashing; round_robin: a cache-blind baseline "
-                 "for measurements", choices=ROUTING_POLICIES)
+        str, opt("cost_aware (default): least expected queue wait + prefill of what the "
+                 "engine does not hold; ring: prefix-aware consistent hashing; round_robin: "
+                 "a cache-blind baseline for measurements", choices=ROUTING_POLICIES)
     ] = _D.routing  # fmt: skip
+    route_queue: Annotated[
+        float, opt("cost_aware: turns an engine may take past its cap, as a multiple of the "
+                   "cap (0: refuse at the cap)", ge=0, le=16)
+    ] = _D.route_queue  # fmt: skip
+    route_queue_slo_s: Annotated[
+        float, opt("cost_aware: a turn queues past the cap only when its first token is "
+                   "expected within this many seconds", gt=0)
+    ] = _D.route_queue_slo_s  # fmt: skip
     vnodes: Annotated[int, opt("ring points per engine", ge=1)] = _D.vnodes
     eps: Annotated[float, opt("bounded-load slack", ge=0)] = _D.eps
     prefix_chars: Annotated[int, opt("characters of the conversation in the routing key", ge=0)] = (
@@ -232,6 +241,8 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
             shutdown_deadline_s=self.shutdown_deadline_s,
             spill=self.spill,
             routing=self.routing,
+            route_queue=self.route_queue,
+            route_queue_slo_s=self.route_queue_slo_s,
             discover_engines=self.discover_engines,
             load_exchange=self.load_exchange,
             admit_wait_s=self.admit_wait_s,

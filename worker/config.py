@@ -11,7 +11,12 @@ from worker.chat.coalesce import DEFAULT_POLICY, CoalescePolicy
 from worker.chat.presence import PresencePolicy
 from worker.routing.key import DEFAULT_PREFIX_CHARS
 from worker.routing.lease import EngineSpec
-from worker.routing.policy import DEFAULT_ROUTING, DEFAULT_SPILL
+from worker.routing.policy import (
+    DEFAULT_QUEUE,
+    DEFAULT_QUEUE_SLO_S,
+    DEFAULT_ROUTING,
+    DEFAULT_SPILL,
+)
 
 __all__ = ["WorkerConfig", "default_worker_id"]
 
@@ -60,6 +65,10 @@ class WorkerConfig:
     eps: float = 0.25
     spill: str = DEFAULT_SPILL
     routing: str = DEFAULT_ROUTING  # "ring", or "round_robin": the cache-blind baseline
+    # cost_aware: turns an engine takes past its cap (x the cap), each expected to get its
+    # first token within route_queue_slo_s (worker/routing/router.py); 0: refuse at the cap
+    route_queue: float = DEFAULT_QUEUE
+    route_queue_slo_s: float = DEFAULT_QUEUE_SLO_S
     discover_engines: bool = False
     control_interval_s: float = 1.0
     load_exchange: bool = True

@@ -151,7 +151,13 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
     )
     router = Router(
-        cfg.engines, vnodes=cfg.vnodes, eps=cfg.eps, spill=cfg.spill, policy=cfg.routing
+        cfg.engines,
+        vnodes=cfg.vnodes,
+        eps=cfg.eps,
+        spill=cfg.spill,
+        policy=cfg.routing,
+        queue=cfg.route_queue,
+        queue_slo_s=cfg.route_queue_slo_s,
     )
     metrics.bind_router(router)
     engine = EngineClient(

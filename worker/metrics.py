@@ -108,7 +108,7 @@ class WorkerMetrics:
                               registry=reg)  # fmt: skip
         self.route_decisions = Counter(
             _P + "route_decisions", "Turns routed, by routing policy and the reason for the "
-            "engine (preferred, spilled, spilled_cost, least_cost, round_robin).",
+            "engine (preferred, spilled, spilled_cost, least_cost, queued_past_cap, round_robin).",
             ["policy", "reason"], registry=reg,
         )  # fmt: skip
         self.affinity_available = Counter(

@@ -20,8 +20,11 @@ there costs more than recomputing elsewhere). Estimates:
   token has not arrived, plus the other workers' leases there times this worker's mean.
 - **rate**: chunked prefill: a step of ``chunk_tokens`` carries one token per running
   request and prefill in the rest; its time grows with the KV tokens the batch reads.
-- **KV pressure**: context tokens beyond the engine's KV capacity are added as recompute
-  work (the engine would preempt and recompute that much).
+- **KV pressure**: the KV the engine's leases occupy beyond its capacity is added as
+  recompute work (the engine would preempt and recompute that much). A shared prefix
+  (system prompt) that several leases on one engine carry is counted once: the engine
+  holds its blocks once (hundreds of turns on one 8k-token system prompt take 8k tokens of
+  KV for it, not hundreds of times that).
 
 Pure: no I/O, no clock. Call order per turn:
 ``choice = m.choose(turn, others)``; ``m.admitted(lease_id, choice, turn)``; on the first
@@ -56,13 +59,18 @@ REASONS: Final = ("preferred", "spilled_cost", "least_cost")
 @dataclass(frozen=True, slots=True)
 class CostProfile:
     """An engine's throughput figures (default: Llama-3.1-8B on one H100, as measured in
-    bench/engine_model.py and docs/ROUTING.md)."""
+    bench/engine_model.py and docs/ROUTING.md) and the weight of recomputed history."""
 
     kv_tokens: int = 400_000
     chunk_tokens: int = 2048
     step_base_s: float = 0.0065
     per_token_s: float = 0.000035
     per_kv_token_s: float = 0.000000056
+    # the cost model's weight of a session's own prompt tokens an engine lacks (its
+    # history, held elsewhere): computing them costs the turn their prefill and costs the
+    # engine as much of its cache (its LRU evicts other sessions' blocks for them), which
+    # the session's own engine would not spend; docs/ROUTING.md measures 1 against 2
+    recompute_weight: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +92,7 @@ class Choice:
     reason: RouteReason
     cost_s: float
     held_tokens: int
+    wait_s: float = 0.0  # expected seconds to the first token
 
 
 @dataclass(slots=True)
@@ -91,6 +100,8 @@ class _Lease:
     engine: str
     context: int
     pending: int  # uncached prompt tokens until the first token arrives
+    shared_key: str = ""  # its shared prefix, counted once per engine in the KV footprint
+    shared: int = 0  # that prefix's tokens
 
 
 @dataclass
@@ -104,6 +115,11 @@ class CostModel:
     _pending: dict[str, int] = field(default_factory=dict)
     _context: dict[str, int] = field(default_factory=dict)
     _count: dict[str, int] = field(default_factory=dict)
+    # KV footprint per engine: context outside shared prefixes, and each shared prefix
+    # in flight there once (engine -> shared key -> [leases, tokens])
+    _own_kv: dict[str, int] = field(default_factory=dict)
+    _prefixes: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    _prefix_kv: dict[str, int] = field(default_factory=dict)
     # this worker's recent decisions: routing key -> (engine, mark, prompt tokens)
     _recent: OrderedDict[str, tuple[str, int, int]] = field(default_factory=OrderedDict)
     max_recent: int = 65_536
@@ -137,13 +153,19 @@ class CostModel:
             return min(turn.shared_tokens, turn.prompt_tokens)
         return 0
 
-    def costs(self, turn: TurnInfo, others: Mapping[str, int]) -> dict[str, tuple[float, int]]:
-        """Per engine: (expected seconds to the first token, tokens probably held)."""
+    def costs(
+        self, turn: TurnInfo, others: Mapping[str, int]
+    ) -> dict[str, tuple[float, int, float]]:
+        """Per engine: (cost in seconds, tokens probably held, expected seconds to the
+        first token). The cost is the expected time to the first token with the
+        session's own tokens the engine lacks counted ``profile.recompute_weight`` times."""
         p = self.profile
         own_n = sum(self._count.values())
         mean_pending = sum(self._pending.values()) / own_n if own_n else 0.0
         mean_ctx = sum(self._context.values()) / own_n if own_n else float(turn.prompt_tokens)
-        out: dict[str, tuple[float, int]] = {}
+        mean_kv = sum(self._own_kv.values()) / own_n if own_n else float(turn.prompt_tokens)
+        shared = min(turn.shared_tokens, turn.prompt_tokens) if turn.shared_key else 0
+        out: dict[str, tuple[float, int, float]] = {}
         turn = self.resolve(turn)
         for e in self.engines:
             n_other = max(0, others.get(e, 0))
@@ -151,13 +173,23 @@ class CostModel:
             ctx = self._context.get(e, 0) + n_other * mean_ctx
             queue = self._pending.get(e, 0) + n_other * mean_pending
             held = self.held(e, turn)
-            work = queue + turn.prompt_tokens - held
-            overflow = ctx + turn.prompt_tokens - p.kv_tokens
+            # what it computes: the shared prefix it lacks, and the session's own tokens
+            # it lacks (weighted: they evict as much of other sessions' cache)
+            lacks = max(0, shared - held)
+            session = turn.prompt_tokens - max(held, shared)
+            wait = queue + turn.prompt_tokens - held
+            work = queue + lacks + p.recompute_weight * session
+            kv = self._own_kv.get(e, 0) + self._prefix_kv.get(e, 0) + n_other * mean_kv
+            new_kv = turn.prompt_tokens
+            if shared and turn.shared_key in self._prefixes.get(e, {}):
+                new_kv -= shared  # its prefix is in flight there already
+            overflow = kv + new_kv - p.kv_tokens
             if overflow > 0:
                 work += overflow
+                wait += overflow
             step = p.step_base_s + p.per_token_s * (p.chunk_tokens - 1) + p.per_kv_token_s * ctx
             rate = max(1, p.chunk_tokens - running) / step
-            out[e] = (work / rate, held)
+            out[e] = (work / rate, held, wait / rate)
         return out
 
     def choose(
@@ -176,7 +208,7 @@ class CostModel:
         turn = self.resolve(turn)
         costs = self.costs(turn, view)
         best = min(names, key=lambda e: (costs[e][0], self._count.get(e, 0) + view.get(e, 0)))
-        cost, held = costs[best]
+        cost, held, wait = costs[best]
         top = max(costs[e][1] for e in self.engines)
         if top == 0:
             reason = RouteReason.LEAST_COST
@@ -184,7 +216,29 @@ class CostModel:
             reason = RouteReason.PREFERRED
         else:
             reason = RouteReason.SPILLED_COST
-        return Choice(best, reason, cost, held)
+        return Choice(best, reason, cost, held, wait)
+
+    def choose_queued(
+        self,
+        turn: TurnInfo,
+        others: Mapping[str, int],
+        under_cap: Sequence[str],
+        past_cap: Sequence[str],
+        slo_s: float,
+    ) -> tuple[Choice, bool] | None:
+        """The cheapest engine among ``under_cap`` and ``past_cap`` (engines at their cap
+        with room left in their queue); one past its cap only when the expected time to
+        the first token there is within ``slo_s``, else the cheapest under its cap. Returns
+        the choice and whether it is past the cap; None when no engine is left."""
+        if past_cap:
+            choice = self.choose(turn, others, [*under_cap, *past_cap])
+            if choice.engine not in past_cap:
+                return choice, False
+            if choice.wait_s <= slo_s:
+                return choice, True
+        if not under_cap:
+            return None
+        return self.choose(turn, others, under_cap), False
 
     # ---- what the worker tells it --------------------------------------------------------
 
@@ -193,7 +247,17 @@ class CostModel:
         (``TurnInfo.prev_mark`` of the session's next turn)."""
         e = choice.engine
         pending = max(0, turn.prompt_tokens - choice.held_tokens)
-        self._leases[lease_id] = _Lease(e, turn.prompt_tokens, pending)
+        shared = min(turn.shared_tokens, turn.prompt_tokens) if turn.shared_key else 0
+        self._leases[lease_id] = _Lease(e, turn.prompt_tokens, pending, turn.shared_key, shared)
+        self._own_kv[e] = self._own_kv.get(e, 0) + turn.prompt_tokens - shared
+        if turn.shared_key:
+            held_here = self._prefixes.setdefault(e, {})
+            slot = held_here.get(turn.shared_key)
+            if slot is None:
+                held_here[turn.shared_key] = [1, shared]
+                self._prefix_kv[e] = self._prefix_kv.get(e, 0) + shared
+            else:
+                slot[0] += 1
         self._pending[e] = self._pending.get(e, 0) + pending
         self._context[e] = self._context.get(e, 0) + turn.prompt_tokens
         self._count[e] = self._count.get(e, 0) + 1
@@ -224,6 +288,14 @@ class CostModel:
         self._pending[e] -= lease.pending
         self._context[e] -= lease.context
         self._count[e] -= 1
+        self._own_kv[e] -= lease.context - lease.shared
+        if lease.shared_key:
+            held_here = self._prefixes[e]
+            slot = held_here[lease.shared_key]
+            slot[0] -= 1
+            if slot[0] == 0:
+                del held_here[lease.shared_key]
+                self._prefix_kv[e] -= slot[1]
 
     def in_flight(self) -> dict[str, int]:
         return {e: self._count.get(e, 0) for e in self.engines}

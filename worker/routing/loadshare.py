@@ -19,10 +19,17 @@ The rule (pure, :func:`compute_view`), per engine with cap C, evaluated every ~2
   instead of staying with the first ids; what no demand needs is
   then spread evenly over all workers as footholds (the remainder to the smallest
   targets), so an idle worker admits its next request without waiting for a round;
-* ``reserved`` = sum over the other workers of max(in-flight, allowance) they last
-  reported: an allowance is a reservation a worker may fill until its next report;
+* ``reserved`` = sum over the other workers of the allowance they last reported (their
+  in-flight when they reported none): an allowance is a reservation a worker may fill
+  until its next report;
 * ``allowance = max(mine, min(target, C - reserved))``: never above what the others
   leave free, never below what this worker holds (it never has to drop a request).
+  With a queue past the cap (``cost_aware``, ``worker.routing.router``: up to
+  ``floor(queue * allowance)`` more in flight), ``mine`` is the least allowance whose
+  queue still covers what this worker holds, and never more than its previous
+  allowance: what it holds past its allowance is queue, which counts in the in-flight
+  others see and in its demand, never in the reservations, so a queue cannot grow the
+  allowance that bounds it and a worker above its target still gives slots back.
 
 Why this bounds the global in-flight by C: a worker's in-flight never exceeds its allowance,
 and when worker i recomputes its allowance it leaves room for every other worker's current
@@ -54,6 +61,7 @@ from __future__ import annotations
 import heapq
 import json
 import logging
+import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -138,10 +146,13 @@ def compute_view(
     others: Iterable[WorkerReport],
     me: str = "",
     epoch: int = 0,
+    my_allowance: Mapping[str, int] | None = None,
+    queue: float = 0.0,
 ) -> LoadView:
     """The load view of worker ``me`` from its own counters and the others' fresh reports
     (see the module docstring for the rule); ``epoch`` rotates the order among equals
-    (:func:`split_cap`). Pure."""
+    (:func:`split_cap`); ``my_allowance`` and ``queue``: this worker's current allowances
+    and its queue past them (``Router.allowances()``, ``Router.queue``). Pure."""
     reports = [r for r in others if r.worker_id != me]
     held: dict[str, int] = {}
     allowance: dict[str, int] = {}
@@ -154,13 +165,22 @@ def compute_view(
         in_flight[me] = m
         unmet[me] = my_unmet.get(eid, 0)
         target = split_cap(cap, in_flight, unmet, epoch)[me]
-        reserved = sum(
-            max(r.in_flight.get(eid, 0), r.allowance.get(eid, r.in_flight.get(eid, 0)))
-            for r in reports
-        )
+        reserved = sum(r.allowance.get(eid, r.in_flight.get(eid, 0)) for r in reports)
         held[eid] = sum(r.in_flight.get(eid, 0) for r in reports)
-        allowance[eid] = max(m, min(target, cap - reserved))
+        if my_allowance is None or queue <= 0:
+            kept = m  # what it holds
+        else:  # what its allowance must be for its queue to cover what it holds
+            kept = min(my_allowance.get(eid, m), _covering(m, queue))
+        allowance[eid] = max(kept, min(target, cap - reserved))
     return LoadView(others=held, allowance=allowance)
+
+
+def _covering(held: int, queue: float) -> int:
+    """The least allowance ``a`` with ``a + floor(queue * a) >= held``."""
+    a = math.ceil(held / (1.0 + queue))
+    while a + math.floor(queue * a) < held:
+        a += 1
+    return a
 
 
 class LoadExchange:
@@ -228,7 +248,16 @@ class LoadExchange:
         mine = self._router.in_flight()
         unmet = self._router.take_unmet()
         epoch = int(now // self.rotate_s)
-        view = compute_view(caps, mine, unmet, reports, self.worker_id, epoch)
+        view = compute_view(
+            caps,
+            mine,
+            unmet,
+            reports,
+            self.worker_id,
+            epoch,
+            self._router.allowances(),
+            self._router.queue if self._router.policy == "cost_aware" else 0.0,
+        )
         self._router.apply_load_view(view)
         demand = {eid: mine.get(eid, 0) + unmet.get(eid, 0) for eid in mine}
         write = self._redis.pipeline(transaction=False)

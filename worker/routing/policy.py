@@ -29,6 +29,8 @@ import enum
 from typing import Final
 
 __all__ = [
+    "DEFAULT_QUEUE",
+    "DEFAULT_QUEUE_SLO_S",
     "DEFAULT_ROUTING",
     "DEFAULT_SPILL",
     "ROUTING_POLICIES",
@@ -65,6 +67,9 @@ class RouteReason(enum.StrEnum):
     SPILLED = "spilled"  # ring: the preferred engine refused, the spill policy chose
     SPILLED_COST = "spilled_cost"  # cost_aware: the session's engine was not the cheapest
     LEAST_COST = "least_cost"  # cost_aware: no engine holds the prefix; the cheapest
+    # cost_aware: the cheapest engine was at its cap: the turn queues there (within the
+    # queue allowance, expected in time for the TTFT SLO)
+    QUEUED_PAST_CAP = "queued_past_cap"
     ROUND_ROBIN = "round_robin"  # the baseline
 
 
@@ -73,5 +78,12 @@ ROUTING_POLICIES: Final = tuple(RoutingPolicy)
 # the worker's default (WorkerConfig.routing): chosen by bench/routing_sim.py on the
 # Mooncake trace (best goodput at every load up to capacity), see docs/ROUTING.md
 DEFAULT_ROUTING: Final[RoutingPolicy] = RoutingPolicy.COST_AWARE
+# cost_aware's queue past the cap: up to this many times an engine's cap more turns, each
+# expected to get its first token within DEFAULT_QUEUE_SLO_S (the routing simulator's TTFT
+# SLO). The cap counts every turn's whole prompt; engines share a prefix's blocks, so on a
+# burst of turns on one system prompt an engine runs several times its cap at once. Chosen
+# by bench/routing_sim.py on the pulse (2 refuses turns, 4 does no better), docs/ROUTING.md
+DEFAULT_QUEUE: Final = 3.0
+DEFAULT_QUEUE_SLO_S: Final = 2.0
 # chosen by bench/routing_sim.py (fewer spills than walk at the same hit rate), docs/ROUTING.md
 DEFAULT_SPILL: Final[SpillPolicy] = SpillPolicy.LEAST_LOADED

@@ -24,6 +24,11 @@ global in-flight is below ``ceil((1 + eps) * (total + 1) * w / W)``, the bounded
 of Mirrokni, Thorup and Zadimoghaddam (total = in flight over the cluster including the
 new request, W = sum of the weights of the routable engines).
 
+Queue past the cap (``cost_aware``, ``queue`` > 0): the cheapest engine takes a turn past
+its effective cap, up to ``floor(queue * cap)`` more, when the turn's expected time to first
+token there is within ``queue_slo_s`` (:meth:`CostModel.choose_queued`); lease reason
+``queued_past_cap``. An engine then holds at most ``(1 + queue) * cap`` over all workers.
+
 Spill (the preferred engine refuses) and the routing policies: :mod:`worker.routing.policy`.
 """
 
@@ -39,13 +44,10 @@ from typing import Any, Final
 import mmh3
 
 from worker.routing.cost import CostModel, CostProfile, TurnInfo
-from worker.routing.lease import (
-    AllEnginesFull,
-    EngineSpec,
-    Lease,
-    LoadView,
-)
+from worker.routing.lease import AllEnginesFull, EngineSpec, Lease, LoadView
 from worker.routing.policy import (
+    DEFAULT_QUEUE,
+    DEFAULT_QUEUE_SLO_S,
     DEFAULT_SPILL,
     ROUTING_POLICIES,
     SPILL_POLICIES,
@@ -54,10 +56,7 @@ from worker.routing.policy import (
     SpillPolicy,
 )
 
-__all__ = [
-    "Router",
-    "key_hash",
-]
+__all__ = ["Router", "key_hash"]
 
 _RETRY_MIN_S: Final = 0.05
 _RETRY_MAX_S: Final = 30.0
@@ -110,17 +109,19 @@ class Router:
         policy: str = RoutingPolicy.RING,
         clock: Callable[[], float] = time.monotonic,
         cost_profile: CostProfile | None = None,
+        queue: float = DEFAULT_QUEUE,
+        queue_slo_s: float = DEFAULT_QUEUE_SLO_S,
     ) -> None:
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"policy must be one of {', '.join(ROUTING_POLICIES)}, got {policy!r}")
         if vnodes < 1:
             raise ValueError("vnodes must be >= 1")
-        if eps < 0:
-            raise ValueError("eps must be >= 0")
+        if min(eps, queue, queue_slo_s) < 0:
+            raise ValueError("eps, queue and queue_slo_s must be >= 0")
         if spill not in SPILL_POLICIES:
             raise ValueError(f"spill must be one of {', '.join(SPILL_POLICIES)}, got {spill!r}")
-        self.vnodes = vnodes
-        self.eps = eps
+        self.vnodes, self.eps = vnodes, eps
+        self.queue, self.queue_slo_s = queue, queue_slo_s
         self.spill = SpillPolicy(spill)
         self.policy = RoutingPolicy(policy)
         self._rr = 0  # next index for the round-robin baseline
@@ -159,7 +160,7 @@ class Router:
             self._rejections += 1
             if not self._hashes:
                 raise AllEnginesFull(self.retry_after(), "no routable engine")
-            self._engine_wanted(key).refused += 1
+            self._engine_wanted(key, turn).refused += 1
             raise AllEnginesFull(self.retry_after())
         return lease
 
@@ -216,28 +217,32 @@ class Router:
         return self._admit(chosen, first, True)
 
     def _try_cost(self, key: str, avoid: str | None, turn: TurnInfo | None) -> Lease | None:
-        """cost_aware: the cheapest engine by :class:`CostModel` among those under this
-        worker's cap (the same capacity rules (a) and (b) as the ring; no eps bound: the
-        queue estimate balances)."""
+        """cost_aware: the cheapest engine by :class:`CostModel` under this worker's cap (rules
+        (a) and (b); no eps bound: the queue estimate balances) or in its queue past it."""
         cost = self._cost
         assert cost is not None
-        ok = [
-            eid
-            for eid, e in self._engines.items()
-            if eid != avoid and not e.draining and e.in_flight < e.allowance
-        ]
-        if not ok:
-            return None
+        under: list[str] = []
+        past: list[str] = []
+        for eid, e in self._engines.items():
+            if eid != avoid and not e.draining:
+                if e.in_flight < e.allowance:
+                    under.append(eid)
+                elif e.in_flight < e.allowance + math.floor(self.queue * e.allowance):
+                    past.append(eid)
         info = TurnInfo(prompt_tokens=1) if turn is None else turn
         if not info.key:
             info = replace(info, key=key)
         others = {eid: e.others for eid, e in self._engines.items()}
-        choice = cost.choose(info, others, ok)
+        picked = cost.choose_queued(info, others, under, past, self.queue_slo_s)
+        if picked is None:
+            return None
+        choice, queued = picked
         slot = self._engines[choice.engine]
+        reason = RouteReason.QUEUED_PAST_CAP if queued else choice.reason
         spilled = choice.reason is RouteReason.SPILLED_COST
         if spilled:
             self._spills += 1
-        lease = self._admit(slot, slot, spilled, choice.reason)
+        lease = self._admit(slot, slot, spilled, reason)
         cost.admitted(lease.id, choice, cost.resolve(info))
         return lease
 
@@ -253,11 +258,17 @@ class Router:
                 return self._admit(e, e, False, RouteReason.ROUND_ROBIN)
         return None
 
-    def _engine_wanted(self, key: str) -> _Engine:
-        """Where a refused request would go if this worker's share allowed it: the first
-        engine clockwise that is not draining and has room cluster-wide, else the first
-        engine that is not draining (everything is full: wait for the preferred one).
-        Only on the refusal path; the ring is not empty."""
+    def _engine_wanted(self, key: str, turn: TurnInfo | None = None) -> _Engine:
+        """Where a refused request would go if this worker's share allowed it: cost_aware's
+        cheapest engine that is not draining; the ring's first engine clockwise that is not
+        draining and has room cluster-wide, else the first that is not draining (all full:
+        wait for the preferred one). Only on the refusal path; the ring is not empty."""
+        ok = [eid for eid, e in self._engines.items() if not e.draining]
+        if self._cost is not None and turn is not None and ok:
+            others = {eid: e.others for eid, e in self._engines.items()}
+            return self._engines[
+                self._cost.choose(replace(turn, key=turn.key or key), others, ok).engine
+            ]
         i = bisect_left(self._hashes, key_hash(key))
         succ = self._succ[i if i < len(self._hashes) else 0]
         for e in succ:
@@ -265,12 +276,12 @@ class Router:
                 return e
         return next((e for e in succ if not e.draining), succ[0])
 
-    def add_waiter(self, key: str) -> str:
+    def add_waiter(self, key: str, turn: TurnInfo | None = None) -> str:
         """Count a request that waits for a slot as unmet demand (on the engine it wants)
         until :meth:`remove_waiter`; returns that engine's id."""
         if not self._hashes:
             return ""
-        e = self._engine_wanted(key)
+        e = self._engine_wanted(key, turn)
         e.waiting += 1
         return e.spec.id
 
@@ -336,6 +347,10 @@ class Router:
         """This worker's in-flight leases per engine (what the load exchange reports)."""
         return {eid: e.in_flight for eid, e in self._engines.items()}
 
+    def allowances(self) -> dict[str, int]:
+        """This worker's effective cap per engine (its in-flight past it are queued)."""
+        return {eid: e.allowance for eid, e in self._engines.items()}
+
     def take_unmet(self) -> dict[str, int]:
         """Per engine, the demand this worker could not place: routes refused since the
         last call plus requests waiting now (what the load exchange reports as want)."""
@@ -351,6 +366,7 @@ class Router:
                 "others": e.others,
                 "cap": e.spec.cap,
                 "effective_cap": min(e.spec.cap, e.allowance),
+                "queued": max(0, e.in_flight - e.allowance),  # past the cap (cost_aware)
                 "waiting": e.waiting,
                 "weight": e.spec.weight,
                 "draining": e.draining,
@@ -363,6 +379,7 @@ class Router:
             "policy": self.policy,
             "vnodes": self.vnodes,
             "eps": self.eps,
+            "queue": self.queue if self._cost is not None else 0.0,
             "counters": {
                 "routes": self._routes,
                 "spills": self._spills,

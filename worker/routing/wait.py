@@ -29,7 +29,7 @@ class Routable(Protocol):
 
     def retry_after(self) -> float: ...
 
-    def add_waiter(self, key: str) -> str: ...
+    def add_waiter(self, key: str, turn: TurnInfo | None = None) -> str: ...
 
     def remove_waiter(self, engine_id: str) -> None: ...
 
@@ -56,7 +56,7 @@ async def route_wait(
     loop = asyncio.get_running_loop()
     end = loop.time() + deadline_s
     wake = asyncio.Event()
-    wanted = router.add_waiter(key)
+    wanted = router.add_waiter(key, turn)
     router.add_release_listener(wake.set)
     try:
         while True:
