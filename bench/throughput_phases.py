@@ -62,6 +62,7 @@ class Config:
     replay_frames: int = 10_000  # one session, replayed from 0 by replay_clients at once
     replay_clients: int = 50
     profile: str = ""  # a directory: py-spy samples the relay during the 5,000/s phase
+    phases: tuple[str, ...] = ()  # which phases of bench.relay_throughput run; () = all
 
     @classmethod
     def quick(cls) -> Config:
