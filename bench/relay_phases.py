@@ -54,6 +54,7 @@ __all__ = [
     "raw_hiredis_phase",
     "replay_phase",
     "summarize_profile",
+    "ws_open",
 ]
 
 Publish = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -134,7 +135,26 @@ async def raw_hiredis_phase(
 # -- idle WebSocket connections ---------------------------------------------------------------
 
 
-async def _ws_open(port: int, sid: str, secret: str) -> asyncio.StreamWriter:
+async def _answer_pings(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Read the server's frames; answer each ping with a pong (masked, as a client's)."""
+    with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+        while True:
+            b0, b1 = await reader.readexactly(2)
+            n = b1 & 0x7F
+            if n >= 126:
+                n = int.from_bytes(await reader.readexactly(2 if n == 126 else 8), "big")
+            payload = await reader.readexactly(n)
+            if b0 & 0x0F == 0x9 and n < 126:
+                mask = os.urandom(4)
+                body = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+                writer.write(bytes((0x8A, 0x80 | n)) + mask + body)
+
+
+async def ws_open(
+    port: int, sid: str, secret: str, pongs: set[asyncio.Task[None]] | None = None
+) -> asyncio.StreamWriter:
+    """A WebSocket stream past the relay's hello; with ``pongs``, a task (added to the
+    set) keeps answering the relay's pings, as a browser does."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     token = issue_token(secret, sid, 3600, time.time())
     key = base64.b64encode(os.urandom(16)).decode()
@@ -154,20 +174,22 @@ async def _ws_open(port: int, sid: str, secret: str) -> asyncio.StreamWriter:
         hello = await reader.readexactly(n)
     if b0 != 0x81 or b'"hello"' not in hello:
         raise ConnectionError(f"no hello: {hello[:100]!r}")
+    if pongs is not None:
+        pongs.add(asyncio.create_task(_answer_pings(reader, writer)))
     return writer
 
 
 async def idle_ws_phase(
     pid: int, port: int, sids: Sequence[str], secret: str, window: int
 ) -> dict[str, Any]:
-    warm = await _ws_open(port, sids[0], secret)
+    warm = await ws_open(port, sids[0], secret)
     await asyncio.sleep(1.5)
     before = rss_kb(pid)
     sem = asyncio.Semaphore(window)
 
     async def one(sid: str) -> asyncio.StreamWriter:
         async with sem:
-            return await _ws_open(port, sid, secret)
+            return await ws_open(port, sid, secret)
 
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one(s) for s in sids[1:]), return_exceptions=True)
