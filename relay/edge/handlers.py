@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 from collections.abc import Callable
 
@@ -38,12 +37,13 @@ from relay.edge.streams import (
     client_reason,
     is_ping,
     jitter,
+    query_value,
 )
 from relay.protocol import sse
 from relay.protocol.codes import CloseCode, Refusal, WsClose
 from relay.redisio.errors import WatchClosed
 
-__all__ = ["lost_code", "parse_offset", "sse_handler", "ws_handler"]
+__all__ = ["idle_timer_off", "lost_code", "parse_offset", "sse_handler", "ws_handler"]
 
 log = logging.getLogger(__name__)
 
@@ -79,21 +79,56 @@ def _gone(stream: Stream) -> CloseCode:
 
 
 async def sse_handler(host: StreamHost, request: web.Request) -> web.StreamResponse:
-    sid = host.session(request)
-    access = host.authorize(request, sid)
-    offset = parse_offset(
-        lambda: sse.resume_offset(
-            request.headers.get("Last-Event-ID"), request.query.get("last_event_id")
+    try:
+        sid = host.session(request)
+        access = host.authorize(request, sid)
+        offset = parse_offset(
+            lambda: sse.resume_offset(
+                request.headers.get("Last-Event-ID"), query_value(request, "last_event_id")
+            )
         )
-    )
-    stream = await host.open_stream(Transport.SSE, sid, offset, access)
+        stream = await host.open_stream(Transport.SSE, sid, offset, access)
+    except Reject as r:
+        return host.refuse(r)
+    cfg = host.config
     code = CloseCode.CLOSED
     try:
         resp = web.StreamResponse(headers=SSE_HEADERS)
         writer = await resp.prepare(request)
         stream.sock = request.transport
         assert writer is not None
-        code = await _sse_loop(host, resp, writer, stream)
+        assert stream.sock is not None
+        idle_timer_off(request)
+        # One coroutine from here on (no helper coroutines, no closures): an idle
+        # stream's frames are what it holds.
+        try:
+            await host.guarded(  # the preamble sends the response head too
+                stream,
+                resp.write(sse.preamble(cfg.retry_ms, host.hello(stream))),
+                cfg.write_timeout_s,
+            )
+            stream.out = SocketOut(
+                stream,
+                stream.sock,
+                writer,
+                SSE_FRAMES,
+                host.sender(Transport.SSE),
+                cfg.write_timeout_s,
+            )
+            await stream.watch.run(stream.out)
+        except WatchClosed as exc:
+            ended, reason = stream.ended(exc)
+        except (ConnectionError, RuntimeError):  # the client went away, or was cut
+            code = _gone(stream)
+            return resp
+        finally:
+            stream.out = None
+        retry = jitter(cfg.retry_ms) if ended is CloseCode.RELAY_SHUTDOWN else cfg.retry_ms
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            goodbye = sse.goodbye(ended, reason, retry)
+            await host.guarded(stream, resp.write(goodbye), GOODBYE_S)
+            await host.guarded(stream, resp.write_eof(), GOODBYE_S)
+        code = ended
         return resp
     except asyncio.CancelledError:  # the connection was lost (make_runner cancels)
         code = lost_code(stream, code)
@@ -105,61 +140,39 @@ async def sse_handler(host: StreamHost, request: web.Request) -> web.StreamRespo
         await host.close_stream(stream, code)
 
 
-async def _sse_loop(
-    host: StreamHost, resp: web.StreamResponse, writer: AbstractStreamWriter, stream: Stream
-) -> CloseCode:
-    cfg = host.config
-
-    async def put(data: bytes, timeout_s: float = cfg.write_timeout_s) -> None:
-        await host.guarded(stream, resp.write(data), timeout_s)
-
-    try:
-        await put(sse.preamble(cfg.retry_ms, host.hello(stream)))  # sends the head too
-        assert stream.sock is not None
-        stream.out = SocketOut(
-            stream,
-            stream.sock,
-            writer,
-            SSE_FRAMES,
-            functools.partial(host.sent, Transport.SSE),
-            cfg.write_timeout_s,
-        )
-        await stream.watch.run(stream.out)
-    except WatchClosed as exc:
-        code, reason = stream.ended(exc)
-    except (ConnectionError, RuntimeError):  # the client went away, or was cut
-        return _gone(stream)
-    finally:
-        stream.out = None
-    retry = jitter(cfg.retry_ms) if code is CloseCode.RELAY_SHUTDOWN else cfg.retry_ms
-    with contextlib.suppress(ConnectionError, RuntimeError):
-        await put(sse.goodbye(code, reason, retry), GOODBYE_S)
-        await host.guarded(stream, resp.write_eof(), GOODBYE_S)
-    return code
+def idle_timer_off(request: web.Request) -> None:
+    """Cancel aiohttp's idle-connection timer of this connection (armed when it opened,
+    for an hour by default): a stream never needs it, and every idle stream would hold
+    one. aiohttp arms it again once the response ends, if the connection stays open."""
+    request.protocol.keep_alive(True)
 
 
 # -- WebSocket ---------------------------------------------------------------------------
 
 
 async def ws_handler(host: StreamHost, request: web.Request) -> web.StreamResponse:
-    sid = host.session(request)
-    access = host.authorize(request, sid)
-    offset = parse_offset(lambda: sse.parse_offset(request.query.get("from"), name="from"))
     cfg = host.config
-    ws = web.WebSocketResponse(
-        heartbeat=cfg.heartbeat_s,
-        max_msg_size=cfg.ws_max_message_bytes,
-        compress=False,
-        timeout=2.0,
-    )
-    if not ws.can_prepare(request).ok:
-        raise Reject(400, Refusal.NOT_WEBSOCKET, "this endpoint needs a WebSocket upgrade")
-    stream = await host.open_stream(Transport.WS, sid, offset, access)
+    try:
+        sid = host.session(request)
+        access = host.authorize(request, sid)
+        offset = parse_offset(lambda: sse.parse_offset(query_value(request, "from"), name="from"))
+        ws = web.WebSocketResponse(
+            heartbeat=cfg.heartbeat_s,
+            max_msg_size=cfg.ws_max_message_bytes,
+            compress=False,
+            timeout=2.0,
+        )
+        if not ws.can_prepare(request).ok:
+            raise Reject(400, Refusal.NOT_WEBSOCKET, "this endpoint needs a WebSocket upgrade")
+        stream = await host.open_stream(Transport.WS, sid, offset, access)
+    except Reject as r:
+        return host.refuse(r)
     code = CloseCode.CLOSED
     writer: asyncio.Task[CloseCode] | None = None
     try:
         pw = await ws.prepare(request)
         stream.sock = request.transport
+        idle_timer_off(request)
         writer = asyncio.create_task(_ws_writer(host, ws, pw, stream), name=f"ws-writer:{sid}")
         seen = await _ws_reader(ws, stream)
         if seen is None:  # the writer ended the stream and closed the socket
@@ -211,7 +224,7 @@ async def _ws_writer(
             stream.sock,
             writer,
             WS_FRAMES,
-            functools.partial(host.sent, Transport.WS),
+            host.sender(Transport.WS),
             timeout_s,
         )
         await stream.watch.run(stream.out)

@@ -36,6 +36,7 @@ on SIGTERM ``await app[SERVER].drain()`` then clean up (see :mod:`relay.edge.cli
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -50,8 +51,8 @@ from relay.edge.config import RelayConfig
 from relay.edge.hub import RELAY_BACKOFF, Hub
 from relay.edge.metrics import RelayMetrics
 from relay.edge.resume import Delivery
-from relay.edge.streamguard import Access, StreamGuard, Ticket
-from relay.edge.streams import CORS_HEADERS, RETRY_AFTER, Reject, Stream, Transport
+from relay.edge.streamguard import Access, StreamGuard
+from relay.edge.streams import CORS_HEADERS, RETRY_AFTER, Reject, Stream, Transport, query_value
 from relay.edge.tap import Tap
 from relay.protocol import sse
 from relay.protocol.auth import AuthError, extract_token, verify_token
@@ -87,6 +88,7 @@ class EdgeServer:
         self.metrics = RelayMetrics(config.relay_id)
         self.supervisor = Supervisor(self.metrics.registry, backoff=RELAY_BACKOFF)
         m = self.metrics
+        self._senders = {t: functools.partial(self.sent, t) for t in (Transport.SSE, Transport.WS)}
         self._out_metrics = {  # label children bound once: sent() runs per socket write
             t: (m.frames_out.labels(t), m.bytes_out.labels(t), m.hop_latency.labels(t),
                 m.edge_to_socket.labels(t))
@@ -103,7 +105,6 @@ class EdgeServer:
         self.keys = config.keyset()  # None: auth off
         self.trusted = parse_networks(config.trusted_proxies)
         self.guard = StreamGuard(config.max_streams_per_token, config.max_streams_per_address)
-        self._tickets: dict[Stream, Ticket] = {}
         if hub is not None:
             self._bind(hub)
 
@@ -231,7 +232,9 @@ class EdgeServer:
         if self.keys is None:
             return Access(None, "", address)
         try:
-            token = extract_token(request.headers.get("Authorization"), request.query.get("token"))
+            token = extract_token(
+                request.headers.get("Authorization"), query_value(request, "token")
+            )
             claims = verify_token(self.keys, token, sid, time.time())
         except AuthError as exc:
             self.metrics.auth_failures.labels(exc.error).inc()
@@ -285,7 +288,7 @@ class EdgeServer:
             raise
         stream = Stream(transport, sid, offset, watch)
         self.streams.add(stream)
-        self._tickets[stream] = ticket
+        stream.ticket = ticket
         ticket.bind(stream)  # ends the stream (token_expired) when the token expires
         m = self.metrics
         m.accepted.labels(transport).inc()
@@ -308,7 +311,7 @@ class EdgeServer:
     async def close_stream(self, stream: Stream, code: CloseCode) -> None:
         self.streams.discard(stream)
         self.admitted -= 1
-        ticket = self._tickets.pop(stream, None)
+        ticket, stream.ticket = stream.ticket, None
         if ticket is not None:
             ticket.release()
         await stream.watch.close()
@@ -340,6 +343,13 @@ class EdgeServer:
             queued.observe(max(mono - d.received_mono_ms, 0) / 1000.0)  # in this process
             if d.ts > 0:
                 total.observe(max(wall - d.ts, 0) / 1000.0)  # from the producer's clock
+
+    def sender(self, transport: Transport) -> Callable[[list[Delivery], int], None]:
+        return self._senders[transport]
+
+    def refuse(self, reject: Reject) -> web.Response:
+        self.metrics.rejected.labels(reject.error).inc()
+        return reject.response()
 
     def hello(self, stream: Stream) -> bytes:
         """First message of every stream: which relay, resuming after which offset."""
@@ -382,12 +392,6 @@ class EdgeServer:
                     await asyncio.sleep(0)
 
     # -- handlers ------------------------------------------------------------------------
-
-    async def sse_handler(self, request: web.Request) -> web.StreamResponse:
-        return await handlers.sse_handler(self, request)
-
-    async def ws_handler(self, request: web.Request) -> web.StreamResponse:
-        return await handlers.ws_handler(self, request)
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "alive", "relay": self.config.relay_id})
@@ -433,18 +437,6 @@ class EdgeServer:
         response.headers.setdefault("Access-Control-Expose-Headers", "X-Relay-Id")
 
 
-@web.middleware
-async def _reject_middleware(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except Reject as r:
-        server = request.app[SERVER]
-        server.metrics.rejected.labels(r.error).inc()
-        return r.response()
-
-
 SERVER: Final = web.AppKey("tokenrelay_edge", EdgeServer)
 
 
@@ -453,14 +445,20 @@ def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
     closes it); otherwise the app creates and closes a RedisCluster client and a hub."""
     config = config.validate()
     server = EdgeServer(config, hub)
-    app = web.Application(middlewares=[_reject_middleware])
+    # No middleware: with one, aiohttp wraps every handler in two more coroutines, which
+    # every open stream would hold; the stream handlers answer Reject themselves.
+    app = web.Application()
     app[SERVER] = server
     app.on_startup.append(server.startup)
     app.on_shutdown.append(server.on_shutdown)
     app.on_cleanup.append(server.cleanup)
     app.on_response_prepare.append(server.on_prepare)
-    app.router.add_get("/v1/sessions/{sid:[^/]+}/events", server.sse_handler)
-    app.router.add_get("/v1/sessions/{sid:[^/]+}/ws", server.ws_handler)
+    app.router.add_get(
+        "/v1/sessions/{sid:[^/]+}/events", functools.partial(handlers.sse_handler, server)
+    )
+    app.router.add_get(
+        "/v1/sessions/{sid:[^/]+}/ws", functools.partial(handlers.ws_handler, server)
+    )
     app.router.add_route("OPTIONS", "/v1/sessions/{sid:[^/]+}/events", server.preflight)
     app.router.add_route("OPTIONS", "/v1/sessions/{sid:[^/]+}/ws", server.preflight)
     app.router.add_get("/healthz", server.healthz)

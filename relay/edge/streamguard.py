@@ -16,6 +16,7 @@ the connection lasts.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -42,13 +43,14 @@ class Access:
 
 
 class Ticket:
-    """One admitted stream's share of the limits, and its expiry timer."""
+    """One admitted stream's share of the limits, and its place in the expiry timer."""
 
-    __slots__ = ("_guard", "_timer", "access", "released")
+    __slots__ = ("_due", "_guard", "_stream", "access", "released")
 
     def __init__(self, guard: StreamGuard, access: Access) -> None:
         self._guard, self.access = guard, access
-        self._timer: asyncio.TimerHandle | None = None
+        self._stream: Stream | None = None
+        self._due = 0  # the second its token expires at, once bound
         self.released = False
 
     def bind(self, stream: Stream) -> None:
@@ -56,27 +58,38 @@ class Ticket:
         claims = self.access.claims
         if claims is None or self.released:
             return
-        loop = asyncio.get_running_loop()
-        delay = max(claims.expires - time.time(), 0.0)
-        self._timer = loop.call_later(delay, self._guard.expire, stream)
+        self._stream = stream
+        self._due = claims.expires
+        self._guard._arm(self)
 
     def release(self) -> None:
         if self.released:
             return
         self.released = True
-        if self._timer is not None:
-            self._timer.cancel()
+        if self._stream is not None:
+            self._guard._disarm(self)
+            self._stream = None
         self._guard.forget(self.access)
 
 
 class StreamGuard:
-    """Counts open streams by token and by client address; ends streams at expiry."""
+    """Counts open streams by token and by client address; ends streams at expiry.
+
+    Expiry runs on one timer for every stream (a timer handle per stream would cost
+    each idle connection about 600 bytes): tickets are grouped by the second their
+    token expires (``exp`` is whole seconds), and the timer is armed for the earliest
+    second that still has tickets."""
 
     def __init__(self, per_token: int, per_address: int) -> None:
         self.per_token, self.per_address = per_token, per_address
         self.by_token: Counter[str] = Counter()
         self.by_address: Counter[str] = Counter()
         self._kicks: set[asyncio.Task[None]] = set()
+        self._due: dict[int, set[Ticket]] = {}  # expiry second -> bound tickets
+        self._seconds: list[int] = []  # heap of the seconds of _due (and of emptied ones)
+        self._queued: set[int] = set()  # the seconds in that heap, each pushed once
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0
 
     def admit(self, access: Access) -> Ticket:
         """A ticket for one more stream, or :class:`Reject` 429 ``too_many_streams``."""
@@ -113,6 +126,53 @@ class StreamGuard:
         task = asyncio.ensure_future(stream.kick(CloseCode.TOKEN_EXPIRED, EXPIRED_REASON))
         self._kicks.add(task)
         task.add_done_callback(self._kicks.discard)
+
+    @property
+    def armed(self) -> int:
+        """Streams waiting for their token's expiry."""
+        return sum(len(b) for b in self._due.values())
+
+    # -- the one expiry timer ------------------------------------------------------------
+
+    def _arm(self, ticket: Ticket) -> None:
+        second = ticket._due
+        bucket = self._due.get(second)
+        if bucket is None:
+            bucket = self._due[second] = set()
+            if second not in self._queued:
+                self._queued.add(second)
+                heapq.heappush(self._seconds, second)
+        bucket.add(ticket)
+        if self._timer is None or second < self._timer_at:
+            self._schedule(second)
+
+    def _disarm(self, ticket: Ticket) -> None:
+        bucket = self._due.get(ticket._due)
+        if bucket is not None:
+            bucket.discard(ticket)
+            if not bucket:
+                del self._due[ticket._due]  # its heap entry is skipped when reached
+
+    def _schedule(self, second: int) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = second
+        delay = max(second - time.time(), 0.0)
+        self._timer = asyncio.get_running_loop().call_later(delay, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        now = time.time()
+        heap = self._seconds
+        while heap and (heap[0] <= now or heap[0] not in self._due):
+            second = heapq.heappop(heap)
+            self._queued.discard(second)
+            for ticket in self._due.pop(second, ()):
+                stream, ticket._stream = ticket._stream, None
+                if stream is not None:
+                    self.expire(stream)
+        if heap:
+            self._schedule(heap[0])
 
 
 def _decrement(counter: Counter[str], key: str) -> None:

@@ -23,7 +23,8 @@ import random
 import struct
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, Protocol
+from urllib.parse import parse_qsl
 
 import orjson
 from aiohttp import web
@@ -44,6 +45,7 @@ __all__ = [
     "WS_FRAMES",
     "FrameCache",
     "Reject",
+    "Releasable",
     "SocketOut",
     "Stream",
     "Transport",
@@ -51,6 +53,7 @@ __all__ = [
     "discard",
     "is_ping",
     "jitter",
+    "query_value",
     "ws_text_frame",
 ]
 
@@ -99,10 +102,16 @@ class Reject(Exception):
         )
 
 
+class Releasable(Protocol):
+    """What a stream holds until it ends (its :class:`relay.edge.streamguard.Ticket`)."""
+
+    def release(self) -> None: ...
+
+
 class Stream:
     """One open SSE or WebSocket stream: its watch, its task, why the server ends it."""
 
-    __slots__ = ("offset", "out", "sid", "sock", "stop", "task", "transport", "watch")
+    __slots__ = ("offset", "out", "sid", "sock", "stop", "task", "ticket", "transport", "watch")
 
     def __init__(self, transport: Transport, sid: str, offset: int | None, watch: Tap) -> None:
         self.transport, self.sid, self.offset, self.watch = transport, sid, offset, watch
@@ -110,6 +119,7 @@ class Stream:
         self.task: asyncio.Task[Any] | None = asyncio.current_task()
         self.sock: asyncio.Transport | None = None
         self.out: SocketOut | None = None  # set while frames stream
+        self.ticket: Releasable | None = None  # its share of the server's stream limits
 
     def cut(self) -> None:
         """A write did not finish in time: the client is slow. Abort the connection
@@ -256,6 +266,19 @@ def discard(task: asyncio.Task[Any] | None) -> None:
         task.cancel()
     elif not task.cancelled():
         task.exception()
+
+
+def query_value(request: web.Request, name: str) -> str | None:
+    """The first ``name`` parameter of the request's query string (decoded, ``+`` as a
+    space), or None. Parsed here and dropped: ``request.query`` would keep a parsed
+    copy of the query with the request for as long as the stream lasts."""
+    raw = request.rel_url.raw_query_string
+    if not raw:
+        return None
+    for key, value in parse_qsl(raw, keep_blank_values=True):
+        if key == name:
+            return value
+    return None
 
 
 def is_ping(text: str) -> bool:

@@ -255,13 +255,18 @@ class Tap:
         (ConnectionError from ``out``). Frames go straight out from the hub's reader while
         ``out`` has room; this task only drains what a pushing-back socket left queued."""
         self._out = out
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 closed = self.watch.closed
                 if closed is not None:
                     raise WatchClosed(closed.reason, closed.code)
-                if not self.watch.pending:
-                    await self._wait()
+                if not self.watch.pending:  # (not self._wait(): one coroutine less held)
+                    self._waiter = waiter = loop.create_future()
+                    try:
+                        await waiter
+                    finally:
+                        self._waiter = None
                 elif not out.room():
                     await out.drain()
                     self._settle(out)

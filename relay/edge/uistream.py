@@ -34,7 +34,7 @@ from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
 
 from relay.edge.host import StreamHost
-from relay.edge.streams import RETRY_AFTER, Stream, Transport, discard
+from relay.edge.streams import RETRY_AFTER, Reject, Stream, Transport, discard
 from relay.protocol.codes import CloseCode, Refusal
 from relay.protocol.frame import Frame, FrameError, decode
 from relay.protocol.keys import log_key, meta_key
@@ -161,9 +161,12 @@ async def active_turn(redis: RedisCluster, sid: str) -> tuple[int, int] | None:
 
 
 async def ui_stream_handler(host: StreamHost, request: web.Request) -> web.StreamResponse:
-    sid = host.session(request)
-    access = host.authorize(request, sid)
-    host.check_capacity()
+    try:
+        sid = host.session(request)
+        access = host.authorize(request, sid)
+        host.check_capacity()
+    except Reject as r:
+        return host.refuse(r)
     assert host.redis is not None
     try:
         found = await active_turn(host.redis, sid)
@@ -177,7 +180,10 @@ async def ui_stream_handler(host: StreamHost, request: web.Request) -> web.Strea
     if found is None:
         return web.Response(status=204)
     turn, after = found
-    stream = await host.open_stream(Transport.UI, sid, after, access)
+    try:
+        stream = await host.open_stream(Transport.UI, sid, after, access)
+    except Reject as r:
+        return host.refuse(r)
     code = CloseCode.CLOSED
     ui = UiTurn(sid, turn)
     try:
