@@ -66,8 +66,16 @@ log = logging.getLogger(__name__)
 RELAY_BACKOFF = Backoff(base_s=0.05, cap_s=1.0)
 
 
+def _outcome_seen(f: asyncio.Future[None]) -> None:
+    """Mark a future's exception as retrieved (no "never retrieved" log)."""
+    if not f.cancelled():
+        f.exception()
+
+
 class _Channel(ReapState):
     """Hub state of one subscribed session channel (and what the reaper reads of it)."""
+
+    __slots__ = ("dead", "fetch_task", "name", "ready", "resume", "taps", "unsub_handle")
 
     def __init__(self, sid: str) -> None:
         super().__init__(sid)
@@ -75,7 +83,7 @@ class _Channel(ReapState):
         self.taps: set[Tap] = set()
         self.resume = Resume(sid, None)
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.ready.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self.ready.add_done_callback(_outcome_seen)
         self.dead = False
         self.unsub_handle: asyncio.TimerHandle | None = None
         self.fetch_task: asyncio.Task[None] | None = None
@@ -235,7 +243,7 @@ class Hub:
             ch.unsub_handle.cancel()
             ch.unsub_handle = None
         watch = Watch(sid, from_offset, self.limits, self._stats)
-        tap = Tap(sid, watch, self.redis, self.budget, self._detach, self._seal_later, self.flusher)
+        tap = Tap(sid, watch, self)
         ch.taps.add(tap)  # counted (and fed live frames) before any await
         self._stats["watches_opened"] += 1
         try:
@@ -275,7 +283,11 @@ class Hub:
         if not ch.ready.done():
             ch.ready.set_result(None)
 
-    def _detach(self, tap: Tap) -> None:
+    def offsets_lost(self, sid: str, seen: int) -> None:
+        """A tap's backlog read ends before ``seen`` (delivered): seal the lost range."""
+        self._seal_later(sid, seen)
+
+    def tap_closed(self, tap: Tap) -> None:
         ch = self._channels.get(tap.session)
         if ch is None or tap not in ch.taps:
             return

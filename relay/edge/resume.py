@@ -130,6 +130,26 @@ def reset_delivery(session: str, gen: str, previous: str) -> Delivery:
 class Resume:
     """Merge state of one reader. See the module docstring for the call order."""
 
+    __slots__ = (
+        "_buffer",
+        "_buffer_bytes",
+        "_fetching",
+        "_first_read",
+        "_refetch",
+        "_stalls",
+        "duplicates",
+        "gaps",
+        "gen",
+        "holes",
+        "last",
+        "max_buffer",
+        "max_buffer_bytes",
+        "overflow",
+        "resets",
+        "session",
+        "state",
+    )
+
     def __init__(
         self, session: str, after: int | None, *, max_buffer: int = 4096, max_buffer_bytes: int = 0
     ) -> None:

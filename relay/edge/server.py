@@ -43,7 +43,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
+from multidict import istr
 from redis.asyncio.cluster import RedisCluster
 
 from relay.edge import handlers, openapi, uistream
@@ -71,6 +72,7 @@ log = logging.getLogger(__name__)
 
 
 _HEARTBEAT: Final = sse.comment("heartbeat")
+_X_RELAY_ID: Final = istr("X-Relay-Id")
 _BEAT_SLICE: Final = 500  # streams looked at per event-loop turn by the heartbeat timer
 _CONNECT_LOG_EVERY: Final = 20  # while Redis stays unreachable at start: one line per N tries
 
@@ -432,9 +434,10 @@ class EdgeServer:
         return web.Response(status=204, headers=CORS_HEADERS)
 
     async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
-        response.headers["X-Relay-Id"] = self.config.relay_id
-        response.headers["Access-Control-Allow-Origin"] = self.config.cors_origin
-        response.headers.setdefault("Access-Control-Expose-Headers", "X-Relay-Id")
+        headers = response.headers  # istr names: see relay.edge.handlers.SSE_HEADERS
+        headers[_X_RELAY_ID] = self.config.relay_id
+        headers[hdrs.ACCESS_CONTROL_ALLOW_ORIGIN] = self.config.cors_origin
+        headers.setdefault(hdrs.ACCESS_CONTROL_EXPOSE_HEADERS, "X-Relay-Id")
 
 
 SERVER: Final = web.AppKey("tokenrelay_edge", EdgeServer)

@@ -22,7 +22,7 @@ after the socket took the previous page: a replay runs at the socket's speed.
 
 Order of use (the hub does the first two)::
 
-    tap = Tap(sid, watch, redis, budget, on_close, on_lost); tap.subscribed()
+    tap = Tap(sid, watch, hub); tap.subscribed()   # hub: a TapHost
     tap.feed(deliveries)                       # hub reader, per live chunk
     await tap.run(out)  /  await tap.next()    # raise WatchClosed(reason, code)
     await tap.close()
@@ -46,7 +46,7 @@ from relay.redisio.errors import RelayError, WatchClosed
 from relay.redisio.publisher import read_backlog
 from relay.service.supervise import Backoff
 
-__all__ = ["ByteBudget", "Flusher", "Out", "Tap", "delivery", "read_page"]
+__all__ = ["ByteBudget", "Flusher", "Out", "Tap", "TapHost", "delivery", "read_page"]
 
 READ_BACKOFF = Backoff(base_s=0.05, cap_s=1.0)  # backlog reads while Redis is unreachable
 
@@ -171,27 +171,45 @@ class Flusher:
             tap._flush()
 
 
+class TapHost(Protocol):
+    """What a tap needs of its hub: one reference per tap, not one per callback."""
+
+    @property
+    def redis(self) -> RedisCluster: ...
+
+    @property
+    def budget(self) -> ByteBudget: ...
+
+    @property
+    def flusher(self) -> Flusher | None: ...
+
+    def tap_closed(self, tap: Tap) -> None:
+        """The tap's watch closed: stop feeding it."""
+
+    def offsets_lost(self, sid: str, seen: int) -> None:
+        """The backlog ends before ``seen``, an offset already delivered (a failover)."""
+
+
 class Tap:
     """One watcher as the hub and the server see it. See the module docstring."""
 
-    def __init__(
-        self,
-        sid: str,
-        watch: Watch,
-        redis: RedisCluster,
-        budget: ByteBudget,
-        on_close: Callable[[Tap], None],
-        on_lost: Callable[[str, int], None],
-        flusher: Flusher | None = None,
-    ) -> None:
+    __slots__ = (
+        "_detached",
+        "_dirty",
+        "_fetch_task",
+        "_held",
+        "_host",
+        "_out",
+        "_waiter",
+        "session",
+        "watch",
+    )
+
+    def __init__(self, sid: str, watch: Watch, host: TapHost) -> None:
         self.session = sid
-        self._flusher = flusher
-        self._dirty = False
         self.watch = watch
-        self._redis = redis
-        self._budget = budget
-        self._on_close = on_close
-        self._on_lost = on_lost
+        self._host = host
+        self._dirty = False
         self._waiter: asyncio.Future[None] | None = None  # made only while a consumer waits
         self._out: Out | None = None
         self._fetch_task: asyncio.Task[None] | None = None
@@ -218,9 +236,10 @@ class Tap:
         if intents:
             self._apply(intents)
         if self.watch.pending and not self._dirty:
-            if self._flusher is not None and self._out is not None:
+            flusher = self._host.flusher
+            if flusher is not None and self._out is not None:
                 self._dirty = True
-                self._flusher.add(self)
+                flusher.add(self)
             else:
                 self._flush()
 
@@ -318,7 +337,7 @@ class Tap:
         """Replay bytes stop counting against the budget once the transport took them
         below its high-water mark (or a plain consumer took them)."""
         if self._held and (out is None or out.room()):
-            self._budget.release(self._held)
+            self._host.budget.release(self._held)
             self._held = 0
 
     def _flush(self) -> None:
@@ -341,23 +360,23 @@ class Tap:
     def _closed(self) -> None:
         self._wake()
         if self._held:
-            self._budget.release(self._held)
+            self._host.budget.release(self._held)
             self._held = 0
         task, self._fetch_task = self._fetch_task, None
         if task is not None and task is not asyncio.current_task():
             task.cancel()
         if not self._detached:
             self._detached = True
-            self._on_close(self)
+            self._host.tap_closed(self)
 
     async def _fetch(self, fetch: Fetch) -> None:
         w = self.watch
         lim = w.limits
         replay = fetch.after is not None
-        reserved = await self._budget.acquire(lim.replay_page_bytes) if replay else 0
+        reserved = await self._host.budget.acquire(lim.replay_page_bytes) if replay else 0
         try:
             page = await read_page(
-                self._redis,
+                self._host.redis,
                 self.session,
                 fetch.after,
                 lim.replay_page_frames,
@@ -365,19 +384,19 @@ class Tap:
                 lambda: not self.closed,
             )
         except BaseException:
-            self._budget.release(reserved)
+            self._host.budget.release(reserved)
             raise
         if page is None or self.closed:
-            self._budget.release(reserved)
+            self._host.budget.release(reserved)
             return
         frames, first, last = page
         size = sum(len(f) for f in frames)
         keep = min(size, reserved)
-        self._budget.release(reserved - keep)
+        self._host.budget.release(reserved - keep)
         self._held += keep
         r = w.resume
         if r.started and r.last is not None and last < r.last:
-            self._on_lost(self.session, r.last)  # a failover lost offsets we delivered
+            self._host.offsets_lost(self.session, r.last)  # a failover lost offsets we delivered
         entries = [d for d in map(delivery, frames) if d is not None]
         if self._fetch_task is asyncio.current_task():
             self._fetch_task = None

@@ -30,7 +30,8 @@ import logging
 from typing import Any, Final
 
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
+from multidict import istr
 from redis.asyncio.cluster import RedisCluster
 
 from relay.edge.host import StreamHost
@@ -51,11 +52,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-UI_HEADERS: Final = {
-    "Content-Type": "text/event-stream; charset=utf-8",
-    "Cache-Control": "no-cache",
-    "X-Accel-Buffering": "no",
-    "x-vercel-ai-ui-message-stream": "v1",
+UI_HEADERS: Final = {  # istr names: see relay.edge.handlers.SSE_HEADERS
+    hdrs.CONTENT_TYPE: "text/event-stream; charset=utf-8",
+    hdrs.CACHE_CONTROL: "no-cache",
+    istr("X-Accel-Buffering"): "no",
+    istr("x-vercel-ai-ui-message-stream"): "v1",
 }
 DONE: Final = b"data: [DONE]\n\n"
 _FINISH_REASONS: Final = frozenset(("stop", "length", "content-filter", "tool-calls", "error"))

@@ -129,6 +129,18 @@ class Watch:
     ``counters`` (a plain dict the owner reads) gets ``conflations``, ``gaps``,
     ``frames_out`` and ``slow_disconnects`` added to it."""
 
+    __slots__ = (
+        "_conflate_at",
+        "_deferred",
+        "_pending",
+        "closed",
+        "counters",
+        "limits",
+        "pending_bytes",
+        "resume",
+        "session",
+    )
+
     def __init__(
         self,
         session: str,
