@@ -22,7 +22,6 @@ import logging
 from collections.abc import Callable
 
 from aiohttp import WSMsgType, hdrs, web
-from aiohttp.abc import AbstractStreamWriter
 from multidict import istr
 
 from relay.edge.host import StreamHost
@@ -161,7 +160,8 @@ async def ws_handler(host: StreamHost, request: web.Request) -> web.StreamRespon
         access = host.authorize(request, sid)
         offset = parse_offset(lambda: sse.parse_offset(query_value(request, "from"), name="from"))
         ws = web.WebSocketResponse(
-            heartbeat=cfg.heartbeat_s,
+            heartbeat=None,  # the server's one timer pings (EdgeServer.beat_ws), not one each
+            autoping=False,  # so that _ws_reader sees the pongs (and answers the pings)
             max_msg_size=cfg.ws_max_message_bytes,
             compress=False,
             timeout=2.0,
@@ -172,40 +172,60 @@ async def ws_handler(host: StreamHost, request: web.Request) -> web.StreamRespon
     except Reject as r:
         return host.refuse(r)
     code = CloseCode.CLOSED
-    writer: asyncio.Task[CloseCode] | None = None
+    writer = _WsWriter(host, ws, stream)
     try:
         pw = await ws.prepare(request)
         stream.sock = request.transport
+        assert stream.sock is not None
         idle_timer_off(request)
-        writer = asyncio.create_task(_ws_writer(host, ws, pw, stream), name=f"ws-writer:{sid}")
+        timeout_s = cfg.write_timeout_s
+        try:
+            await host.guarded(stream, ws.send_frame(host.hello(stream), WSMsgType.TEXT), timeout_s)
+        except (ConnectionError, RuntimeError):  # the client went away, or was cut
+            code = _gone(stream)
+            return ws
+        stream.out = SocketOut(
+            stream, stream.sock, pw, WS_FRAMES, host.sender(Transport.WS), timeout_s
+        )
+        stream.watch.attach(stream.out, writer.wake)
+        # This task reads the client (aiohttp requires it). Frames are written from the
+        # hub's reader; a writer task runs only while a pushed-back socket has frames
+        # queued, and to end the stream: an idle stream holds no second task.
         seen = await _ws_reader(ws, stream)
         if seen is None:  # the writer ended the stream and closed the socket
-            await asyncio.wait([writer])
-            code = writer.result() if not writer.cancelled() else CloseCode.CLOSED
+            ended = await writer.finished()
+            code = ended if ended is not None else _gone(stream)
         else:
             code = seen
-            writer.cancel()
+            writer.stop()
             if code is not CloseCode.CLIENT_GONE:  # the client broke the protocol: we close
                 await _ws_close(host, ws, stream, code, client_reason(code))
-            await asyncio.wait([writer])
+            await writer.finished()
         return ws
     except asyncio.CancelledError:  # the connection was lost (make_runner cancels)
         code = lost_code(stream, code)
         raise
     finally:
-        if writer is not None and not writer.done():
-            writer.cancel()
+        writer.stop()
+        stream.out = None
         await host.close_stream(stream, code)
 
 
 async def _ws_reader(ws: web.WebSocketResponse, stream: Stream) -> CloseCode | None:
     """Read the client's messages in the handler task (aiohttp requires it). None: the
     socket closed because the writer ended the stream; else why the client's side ended."""
+    loop = asyncio.get_running_loop()
+    stream.heard_at = loop.time()
     while True:
         msg = await ws.receive()
+        stream.heard_at, stream.pinged_at = loop.time(), 0.0  # the client is alive
         if msg.type is WSMsgType.TEXT:
             if not is_ping(msg.data):
                 return CloseCode.BAD_MESSAGE
+        elif msg.type is WSMsgType.PING:  # what aiohttp's autoping did
+            await ws.pong(msg.data)
+        elif msg.type is WSMsgType.PONG:
+            pass
         elif msg.type is WSMsgType.BINARY:
             return CloseCode.BINARY
         elif msg.type is WSMsgType.ERROR:  # aiohttp already closed (1009 for too big)
@@ -216,35 +236,54 @@ async def _ws_reader(ws: web.WebSocketResponse, stream: Stream) -> CloseCode | N
             return None if stream.stop is not None else CloseCode.CLIENT_GONE
 
 
-async def _ws_writer(
-    host: StreamHost, ws: web.WebSocketResponse, writer: AbstractStreamWriter, stream: Stream
-) -> CloseCode:
-    timeout_s = host.config.write_timeout_s
-    try:
-        await host.guarded(stream, ws.send_frame(host.hello(stream), WSMsgType.TEXT), timeout_s)
-        assert stream.sock is not None
-        stream.out = SocketOut(
-            stream,
-            stream.sock,
-            writer,
-            WS_FRAMES,
-            host.sender(Transport.WS),
-            timeout_s,
-        )
-        await stream.watch.run(stream.out)
-    except WatchClosed as exc:
-        code, reason = stream.ended(exc)
-    except (ConnectionError, RuntimeError):  # the client went away, or was cut
-        return _gone(stream)
-    except Exception:  # never leave the reader waiting on a socket nobody closes
-        log.exception("WebSocket writer of %s failed", stream.sid)
-        code, reason = CloseCode.INTERNAL, "internal error"
-    finally:
-        stream.out = None
-    if stream.stop is None:
-        stream.stop = (code, reason)
-    await _ws_close(host, ws, stream, code, reason)
-    return code
+class _WsWriter:
+    """The writer task of one WebSocket stream, started by the stream's tap only when it
+    is needed (:meth:`relay.edge.tap.Tap.attach`): to drain what a pushed-back socket
+    has queued (the task ends once the queue is empty), or to close the stream with the
+    reason its watch closed."""
+
+    __slots__ = ("_host", "_stopped", "_stream", "_task", "_ws")
+
+    def __init__(self, host: StreamHost, ws: web.WebSocketResponse, stream: Stream) -> None:
+        self._host, self._ws, self._stream = host, ws, stream
+        self._task: asyncio.Task[CloseCode | None] | None = None
+        self._stopped = False
+
+    def wake(self) -> None:
+        if self._stopped or (self._task is not None and not self._task.done()):
+            return
+        self._task = asyncio.create_task(self._run(), name=f"ws-writer:{self._stream.sid}")
+
+    def stop(self) -> None:
+        """No writer from now on (the handler ends the stream itself)."""
+        self._stopped = True
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+    async def finished(self) -> CloseCode | None:
+        """The code the last writer ended the stream with, once it is done (None: none did)."""
+        task = self._task
+        if task is None:
+            return None
+        await asyncio.wait([task])
+        return None if task.cancelled() else task.result()
+
+    async def _run(self) -> CloseCode | None:
+        stream = self._stream
+        try:
+            await stream.watch.drain()
+            return None
+        except WatchClosed as exc:
+            code, reason = stream.ended(exc)
+        except (ConnectionError, RuntimeError):  # the client went away, or was cut
+            return _gone(stream)
+        except Exception:  # never leave the reader waiting on a socket nobody closes
+            log.exception("WebSocket writer of %s failed", stream.sid)
+            code, reason = CloseCode.INTERNAL, "internal error"
+        if stream.stop is None:
+            stream.stop = (code, reason)
+        await _ws_close(self._host, self._ws, stream, code, reason)
+        return code
 
 
 async def _ws_close(

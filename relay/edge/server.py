@@ -47,15 +47,21 @@ from aiohttp import hdrs, web
 from multidict import istr
 from redis.asyncio.cluster import RedisCluster
 
-from relay.edge import handlers, openapi, uistream
+from relay.edge import beats, handlers, openapi, uistream
 from relay.edge.config import RelayConfig
 from relay.edge.hub import RELAY_BACKOFF, Hub
 from relay.edge.metrics import RelayMetrics
 from relay.edge.resume import Delivery
 from relay.edge.streamguard import Access, StreamGuard
-from relay.edge.streams import CORS_HEADERS, RETRY_AFTER, Reject, Stream, Transport, query_value
+from relay.edge.streams import (
+    CORS_HEADERS,
+    RETRY_AFTER,
+    Reject,
+    Stream,
+    Transport,
+    query_value,
+)
 from relay.edge.tap import Tap
-from relay.protocol import sse
 from relay.protocol.auth import AuthError, extract_token, verify_token
 from relay.protocol.codes import CloseCode, Readiness, Refusal
 from relay.protocol.frame import monotonic_ms, now_ms
@@ -71,9 +77,7 @@ __all__ = ["SERVER", "EdgeServer", "make_app", "make_runner"]
 log = logging.getLogger(__name__)
 
 
-_HEARTBEAT: Final = sse.comment("heartbeat")
 _X_RELAY_ID: Final = istr("X-Relay-Id")
-_BEAT_SLICE: Final = 500  # streams looked at per event-loop turn by the heartbeat timer
 _CONNECT_LOG_EVERY: Final = 20  # while Redis stays unreachable at start: one line per N tries
 
 WATCH_TIMEOUT_S: Final = 10.0  # subscribe + replay; past it the client gets 503 unavailable
@@ -379,19 +383,8 @@ class EdgeServer:
             observe(max(loop.time() - t0 - 0.01, 0.0))
 
     async def _heartbeats(self) -> None:
-        """One timer for every SSE stream: a comment on each stream silent for
-        ``heartbeat_s`` (written only if nothing is queued and the socket has room)."""
-        period = self.config.heartbeat_s
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(period / 2)
-            due = loop.time() - period
-            for i, s in enumerate(list(self.streams)):
-                out = s.out
-                if out is not None and s.transport is Transport.SSE and out.last_write <= due:
-                    s.watch.try_write(lambda o=out: o.write(_HEARTBEAT))  # type: ignore[misc]
-                if i % _BEAT_SLICE == _BEAT_SLICE - 1:
-                    await asyncio.sleep(0)
+        """SSE heartbeats and WebSocket pings: one timer for every stream."""
+        await beats.run(self.streams, self.config.heartbeat_s)
 
     # -- handlers ------------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ __all__ = [
     "SSE_FRAMES",
     "WS_CLOSE",
     "WS_FRAMES",
+    "WS_PING",
     "FrameCache",
     "Reject",
     "Releasable",
@@ -111,7 +112,19 @@ class Releasable(Protocol):
 class Stream:
     """One open SSE or WebSocket stream: its watch, its task, why the server ends it."""
 
-    __slots__ = ("offset", "out", "sid", "sock", "stop", "task", "ticket", "transport", "watch")
+    __slots__ = (
+        "heard_at",
+        "offset",
+        "out",
+        "pinged_at",
+        "sid",
+        "sock",
+        "stop",
+        "task",
+        "ticket",
+        "transport",
+        "watch",
+    )
 
     def __init__(self, transport: Transport, sid: str, offset: int | None, watch: Tap) -> None:
         self.transport, self.sid, self.offset, self.watch = transport, sid, offset, watch
@@ -120,6 +133,10 @@ class Stream:
         self.sock: asyncio.Transport | None = None
         self.out: SocketOut | None = None  # set while frames stream
         self.ticket: Releasable | None = None  # its share of the server's stream limits
+        # WebSocket liveness (the server's heartbeat timer): when the client was last
+        # heard from, and when a ping went unanswered since (0.0: none is out)
+        self.heard_at = 0.0
+        self.pinged_at = 0.0
 
     def cut(self) -> None:
         """A write did not finish in time: the client is slow. Abort the connection
@@ -165,6 +182,9 @@ class FrameCache:
                 k, v = items.popitem(last=False)
                 self.size -= len(k) + len(v)
         return out
+
+
+WS_PING: Final = b"\x89\x00"  # an empty, unmasked, final ping frame (RFC 6455 5.5.2)
 
 
 def ws_text_frame(payload: bytes) -> bytes:

@@ -8,13 +8,15 @@ and bytes, under the relay-wide :class:`ByteBudget` for replay pages in memory),
 
 Two consumers:
 
-- a socket (:meth:`Tap.run` with an :class:`Out`): the fast path writes frames straight
-  from the hub's reader to the transport while it has room (no task switch): the frames
-  a socket got from one read chunk go out in one write, by a :class:`Flusher` callback
-  that runs right after the reader has parsed the chunk; a socket that pushes back
-  (transport above its write high-water mark) keeps its frames queued in the watch
-  (conflation, slow-consumer cutoff), drained by the stream's own task when the
-  transport resumes;
+- a socket (:meth:`Tap.run` with an :class:`Out`, in the stream's task; or
+  :meth:`Tap.attach`, with no task waiting: a WebSocket's handler task reads the
+  client, and a task runs :meth:`Tap.drain` only when the tap calls for one): the fast
+  path writes frames straight from the hub's reader to the transport while it has room
+  (no task switch): the frames a socket got from one read chunk go out in one write, by
+  a :class:`Flusher` callback that runs right after the reader has parsed the chunk; a
+  socket that pushes back (transport above its write high-water mark) keeps its frames
+  queued in the watch (conflation, slow-consumer cutoff), drained by the stream's task
+  when the transport resumes;
 - plain code and tests (:meth:`Tap.next`): everything pending, awaited.
 
 The next replay page is read when the watch says its queue is below low water, that is
@@ -25,6 +27,7 @@ Order of use (the hub does the first two)::
     tap = Tap(sid, watch, hub); tap.subscribed()   # hub: a TapHost
     tap.feed(deliveries)                       # hub reader, per live chunk
     await tap.run(out)  /  await tap.next()    # raise WatchClosed(reason, code)
+    tap.attach(out, waker)                     # or: waker() starts a task: await tap.drain()
     await tap.close()
 """
 
@@ -34,7 +37,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any, NoReturn, Protocol
+from typing import Any, Protocol
 
 from redis.asyncio.cluster import RedisCluster
 
@@ -201,6 +204,7 @@ class Tap:
         "_host",
         "_out",
         "_waiter",
+        "_waker",
         "session",
         "watch",
     )
@@ -212,6 +216,7 @@ class Tap:
         self._dirty = False
         self._waiter: asyncio.Future[None] | None = None  # made only while a consumer waits
         self._out: Out | None = None
+        self._waker: Callable[[], None] | None = None  # an attached consumer's (attach)
         self._fetch_task: asyncio.Task[None] | None = None
         self._held = 0  # budget bytes of replay frames read and not yet taken
         self._detached = False
@@ -269,10 +274,11 @@ class Tap:
                 return ds
             await self._wait()
 
-    async def run(self, out: Out) -> NoReturn:
+    async def run(self, out: Out, *, idle_returns: bool = False) -> None:
         """Write to ``out`` until the watch closes (raises WatchClosed) or the socket fails
         (ConnectionError from ``out``). Frames go straight out from the hub's reader while
-        ``out`` has room; this task only drains what a pushing-back socket left queued."""
+        ``out`` has room; this task only drains what a pushing-back socket left queued.
+        With ``idle_returns`` (:meth:`drain`), return once nothing is queued."""
         self._out = out
         loop = asyncio.get_running_loop()
         try:
@@ -280,9 +286,11 @@ class Tap:
                 closed = self.watch.closed
                 if closed is not None:
                     raise WatchClosed(closed.reason, closed.code)
-                if not self.watch.pending:  # (not self._wait(): one coroutine less held)
-                    self._waiter = waiter = loop.create_future()
-                    try:
+                if not self.watch.pending:
+                    if idle_returns:
+                        return
+                    self._waiter = waiter = loop.create_future()  # (not self._wait():
+                    try:  # one coroutine less held by every idle stream)
                         await waiter
                     finally:
                         self._waiter = None
@@ -291,8 +299,29 @@ class Tap:
                     self._settle(out)
                 else:
                     self._send(out, "writes_queued")
-        finally:
-            self._out = None
+        except BaseException:
+            self._out = self._waker = None
+            raise
+
+    def attach(self, out: Out, waker: Callable[[], None]) -> None:
+        """Write to ``out`` straight from the hub's reader, with no task of the consumer's
+        waiting meanwhile: ``waker()`` is called when one is needed, that is when the
+        socket pushed back with frames queued or the watch closed; it must start a task
+        that runs :meth:`drain`."""
+        self._out, self._waker = out, waker
+        if self.closed:
+            waker()
+        elif self.watch.pending:
+            self._flush()
+
+    async def drain(self) -> None:
+        """For an attached consumer (:meth:`attach`): write what is queued as the socket
+        drains and return once nothing is; raise like :meth:`run` when the watch closed
+        or the socket failed."""
+        out = self._out
+        if out is None:
+            raise WatchClosed("the stream has ended", CloseCode.CLOSED)
+        await self.run(out, idle_returns=True)
 
     def try_write(self, write: Callable[[], None]) -> bool:
         """Run ``write`` (a heartbeat) only if nothing is queued and the socket has room."""
@@ -313,8 +342,11 @@ class Tap:
 
     def _wake(self) -> None:
         w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        if w is not None:
+            if not w.done():
+                w.set_result(None)
+        elif self._waker is not None:
+            self._waker()
 
     def _take(self) -> list[Delivery]:
         """Everything pending; performs the watch's intents (the next replay page)."""
