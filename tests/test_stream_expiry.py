@@ -11,7 +11,7 @@ import asyncio
 import time
 from typing import cast
 
-from relay.edge.streamguard import Access, StreamGuard
+from relay.edge.streamguard import Access, StreamGuard, token_key
 from relay.edge.streams import Stream
 from relay.protocol.auth import Claims
 from relay.protocol.codes import CloseCode
@@ -28,7 +28,7 @@ class FakeStream:
 
 
 def _access(token: str, expires: int) -> Access:
-    return Access(Claims("s", expires, "watch"), token, "10.0.0.1")
+    return Access(Claims("s", expires, "watch"), token_key(token), "10.0.0.1")
 
 
 async def test_streams_end_at_their_token_expiry_and_released_ones_do_not() -> None:

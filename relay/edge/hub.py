@@ -75,12 +75,14 @@ def _outcome_seen(f: asyncio.Future[None]) -> None:
 class _Channel(ReapState):
     """Hub state of one subscribed session channel (and what the reaper reads of it)."""
 
-    __slots__ = ("dead", "fetch_task", "name", "ready", "resume", "taps", "unsub_handle")
+    __slots__ = ("_many", "_one", "dead", "fetch_task", "name", "ready", "resume", "unsub_handle")
 
     def __init__(self, sid: str) -> None:
         super().__init__(sid)
         self.name = live_channel(sid)
-        self.taps: set[Tap] = set()
+        # its taps: most sessions have one watcher on a relay, held without a set
+        self._one: Tap | None = None
+        self._many: set[Tap] | None = None  # two or more
         self.resume = Resume(sid, None)
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.ready.add_done_callback(_outcome_seen)
@@ -90,6 +92,45 @@ class _Channel(ReapState):
 
     def alive(self) -> bool:
         return not self.dead
+
+    def add(self, tap: Tap) -> None:
+        if self._many is not None:
+            self._many.add(tap)
+        elif self._one is None:
+            self._one = tap
+        elif self._one is not tap:
+            self._many, self._one = {self._one, tap}, None
+
+    def discard(self, tap: Tap) -> bool:
+        """Remove ``tap``; False if it was not there."""
+        if self._one is tap:
+            self._one = None
+            return True
+        many = self._many
+        if many is None or tap not in many:
+            return False
+        many.discard(tap)
+        if len(many) == 1:
+            self._one, self._many = many.pop(), None
+        return True
+
+    @property
+    def watched(self) -> int:
+        """How many taps."""
+        return len(self._many) if self._many is not None else int(self._one is not None)
+
+    def taps(self) -> list[Tap]:
+        if self._many is not None:
+            return list(self._many)
+        return [] if self._one is None else [self._one]
+
+    def feed(self, ds: list[Delivery]) -> None:
+        """Live frames to every tap, in channel order."""
+        if self._one is not None:
+            self._one.feed(ds)
+        elif self._many is not None:
+            for t in list(self._many):
+                t.feed(ds)
 
 
 class Hub:
@@ -197,7 +238,7 @@ class Hub:
             return
         self._closed = True
         for ch in list(self._channels.values()):
-            for tap in list(ch.taps):
+            for tap in ch.taps():
                 tap.shut("the relay is shutting down", CloseCode.RELAY_SHUTDOWN)
         for ch in list(self._channels.values()):
             self._drop_channel(ch)
@@ -210,7 +251,7 @@ class Hub:
         out: dict[str, Any] = dict(self._stats)
         out.update(self.presence.stats)
         out.update(self.reaper.stats)
-        out["watches"] = sum(len(ch.taps) for ch in self._channels.values())
+        out["watches"] = sum(ch.watched for ch in self._channels.values())
         out["channels"] = len(self._channels)
         out["channels_per_node"] = self.subscriber.channels_per_node()
         out["resubscribes"] = self.subscriber.stats["resubscribes"]
@@ -244,7 +285,7 @@ class Hub:
             ch.unsub_handle = None
         watch = Watch(sid, from_offset, self.limits, self._stats)
         tap = Tap(sid, watch, self)
-        ch.taps.add(tap)  # counted (and fed live frames) before any await
+        ch.add(tap)  # counted (and fed live frames) before any await
         self._stats["watches_opened"] += 1
         try:
             await asyncio.shield(ch.ready)
@@ -289,10 +330,9 @@ class Hub:
 
     def tap_closed(self, tap: Tap) -> None:
         ch = self._channels.get(tap.session)
-        if ch is None or tap not in ch.taps:
+        if ch is None or not ch.discard(tap):
             return
-        ch.taps.discard(tap)
-        if ch.taps or ch.dead or self._closed:
+        if ch.watched or ch.dead or self._closed:
             return
         self.presence.remove(ch.sid)
         loop = asyncio.get_running_loop()
@@ -300,7 +340,7 @@ class Hub:
 
     def _maybe_unsubscribe(self, ch: _Channel) -> None:
         ch.unsub_handle = None
-        if ch.taps or self._channels.get(ch.sid) is not ch:
+        if ch.watched or self._channels.get(ch.sid) is not ch:
             return  # someone came back during the delay
         self._drop_channel(ch)
 
@@ -322,7 +362,7 @@ class Hub:
             self._spawn(f"unsubscribe:{ch.sid}", self.subscriber.unsubscribe([ch.name]))
 
     def _reapable(self) -> Iterator[_Channel]:
-        return (ch for ch in self._channels.values() if ch.taps and ch.ready.done())
+        return (ch for ch in self._channels.values() if ch.watched and ch.ready.done())
 
     # -- live path (synchronous, called by the subscriber's reader tasks) -----------------
 
@@ -348,13 +388,7 @@ class Hub:
 
     def _fanout(self, ch: _Channel, ds: list[Delivery]) -> None:
         ch.saw(ds)
-        taps = ch.taps
-        if len(taps) == 1:
-            for t in taps:
-                t.feed(ds)
-                return
-        for t in list(taps):
-            t.feed(ds)
+        ch.feed(ds)
 
     def _on_resubscribed(self, channels: list[str]) -> None:
         for name in channels:

@@ -117,7 +117,7 @@ async def raw_command(
 @dataclass(slots=True)
 class _Cmd:
     kind: bytes  # b"ssubscribe" | b"sunsubscribe"
-    remaining: set[bytes]
+    remaining: dict[bytes, str]  # channels not confirmed yet: as sent, and their name
     future: asyncio.Future[None] | None
 
 
@@ -152,7 +152,7 @@ class NodeConn:
         for slot, chans in groups.items():
             fut: asyncio.Future[None] = loop.create_future()
             futs[slot] = fut
-            self._cmds.append(_Cmd(b"ssubscribe", {c.encode() for c in chans}, fut))
+            self._cmds.append(_Cmd(b"ssubscribe", {c.encode(): c for c in chans}, fut))
             out.append(pack_command("SSUBSCRIBE", *chans))
         self._write(b"".join(out))
         return futs
@@ -162,7 +162,7 @@ class NodeConn:
         for chans in group_by_slot(channels).values():
             for c in chans:
                 self.channels.discard(c)
-            self._cmds.append(_Cmd(b"sunsubscribe", {c.encode() for c in chans}, None))
+            self._cmds.append(_Cmd(b"sunsubscribe", {c.encode(): c for c in chans}, None))
             out.append(pack_command("SUNSUBSCRIBE", *chans))
         if out:
             self._write(b"".join(out))
@@ -205,11 +205,11 @@ class NodeConn:
             return
         kind, chan = msg[0], msg[1]
         head = self._cmds[0] if self._cmds else None
-        if kind == b"ssubscribe":
-            self.channels.add(chan.decode())
         solicited = head is not None and head.kind == kind and chan in head.remaining
+        if kind == b"ssubscribe":  # the subscriber's own name when it asked (one str less)
+            self.channels.add(head.remaining[chan] if head and solicited else chan.decode())
         if head is not None and solicited:
-            head.remaining.discard(chan)
+            del head.remaining[chan]
             if not head.remaining:
                 self._cmds.popleft()
                 if head.future is not None and not head.future.done():

@@ -161,7 +161,7 @@ class Resume:
         self.max_buffer = max_buffer
         self.max_buffer_bytes = max_buffer_bytes  # 0: bounded by frames only
         self._buffer_bytes = 0
-        self._buffer: dict[int, Delivery] = {}
+        self._buffer: dict[int, Delivery] | None = None  # made by the first frame held
         self._fetching = False
         self._refetch = False  # a repair or a dropped buffered frame needs one more read
         self._first_read = True
@@ -298,7 +298,7 @@ class Resume:
 
     def close(self) -> None:
         self._fire("close")
-        self._buffer.clear()
+        self._buffer = None
         self._buffer_bytes = 0
 
     # -- helpers -------------------------------------------------------------------------
@@ -317,7 +317,7 @@ class Resume:
         reset = reset_delivery(self.session, gen, self.gen)
         self.gen = gen
         self.last = 0
-        self._buffer.clear()
+        self._buffer = None
         self.resets += 1
         return reset
 
@@ -340,34 +340,40 @@ class Resume:
         return Step(out)
 
     def _stash(self, d: Delivery) -> None:
-        if d.offset in self._buffer:
+        buffer = self._buffer
+        if buffer is None:
+            buffer = self._buffer = {}
+        if d.offset in buffer:
             self.duplicates += 1
             return
-        if len(self._buffer) >= self.max_buffer or (
+        if len(buffer) >= self.max_buffer or (
             self.max_buffer_bytes and self._buffer_bytes + len(d.data) > self.max_buffer_bytes
         ):
             # safe to forget: every published frame is in the backlog; read it again later
             self.overflow += 1
             self._refetch = True
             return
-        self._buffer[d.offset] = d
+        buffer[d.offset] = d
         self._buffer_bytes += len(d.data)
 
     def _drain(self, out: list[Delivery]) -> None:
-        if not self._buffer:
+        buffer = self._buffer
+        if not buffer:
             return
         assert self.last is not None
-        for off in sorted(self._buffer):
+        for off in sorted(buffer):
             if off <= self.last:
-                self._buffer_bytes -= len(self._buffer.pop(off).data)
+                self._buffer_bytes -= len(buffer.pop(off).data)
                 self.duplicates += 1
             elif off == self.last + 1:
-                d = self._buffer.pop(off)
+                d = buffer.pop(off)
                 self._buffer_bytes -= len(d.data)
                 out.append(d)
                 self.last = off
             else:
                 break
+        if not buffer:
+            self._buffer = None
 
     def _gap(self, out: list[Delivery], first_available: int) -> None:
         assert self.last is not None

@@ -52,7 +52,7 @@ from relay.edge.config import RelayConfig
 from relay.edge.hub import RELAY_BACKOFF, Hub
 from relay.edge.metrics import RelayMetrics
 from relay.edge.resume import Delivery
-from relay.edge.streamguard import Access, StreamGuard
+from relay.edge.streamguard import Access, StreamGuard, token_key
 from relay.edge.streams import (
     CORS_HEADERS,
     RETRY_AFTER,
@@ -236,7 +236,7 @@ class EdgeServer:
             request.remote, request.headers.get("X-Forwarded-For"), self.trusted
         )
         if self.keys is None:
-            return Access(None, "", address)
+            return Access(None, 0, address)
         try:
             token = extract_token(
                 request.headers.get("Authorization"), query_value(request, "token")
@@ -246,7 +246,7 @@ class EdgeServer:
             self.metrics.auth_failures.labels(exc.error).inc()
             headers = {"WWW-Authenticate": 'Bearer realm="tokenrelay"'} if exc.status == 401 else {}
             raise Reject(exc.status, exc.error, exc.reason, headers) from None
-        return Access(claims, token, address)
+        return Access(claims, token_key(token), address)
 
     def check_capacity(self) -> None:
         if self.draining or not self.started:

@@ -20,25 +20,32 @@ import heapq
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from relay.edge.streams import Reject, Stream
 from relay.protocol.auth import Claims
 from relay.protocol.codes import CloseCode, Refusal
 
-__all__ = ["EXPIRED_REASON", "Access", "StreamGuard", "Ticket"]
+__all__ = ["EXPIRED_REASON", "Access", "StreamGuard", "Ticket", "token_key"]
 
 EXPIRED_REASON: Final = "the token has expired; get a new one and reconnect"
 RETRY_AFTER_S: Final = 5
 
 
+def token_key(token: str) -> int:
+    """What a token's streams are counted under: its hash, not the token (a few hundred
+    bytes that every open stream would keep). Per process and 64 bits wide: two live
+    tokens share a count by accident about once in 10^19 pairs."""
+    return hash(token)
+
+
 @dataclass(frozen=True, slots=True)
 class Access:
-    """Who asks for a stream: the verified token's claims (None: auth off), the token
-    itself (the key its streams are counted under) and the client address."""
+    """Who asks for a stream: the verified token's claims (None: auth off), the key its
+    streams are counted under (:func:`token_key`) and the client address."""
 
     claims: Claims | None
-    token: str
+    token: int
     address: str
 
 
@@ -82,7 +89,7 @@ class StreamGuard:
 
     def __init__(self, per_token: int, per_address: int) -> None:
         self.per_token, self.per_address = per_token, per_address
-        self.by_token: Counter[str] = Counter()
+        self.by_token: Counter[int] = Counter()  # by token_key
         self.by_address: Counter[str] = Counter()
         self._kicks: set[asyncio.Task[None]] = set()
         self._due: dict[int, set[Ticket]] = {}  # expiry second -> bound tickets
@@ -116,6 +123,10 @@ class StreamGuard:
             self.by_token[access.token] += 1
         self.by_address[access.address] += 1
         return Ticket(self, access)
+
+    def streams_of(self, token: str) -> int:
+        """Open streams counted under ``token``."""
+        return self.by_token[token_key(token)]
 
     def forget(self, access: Access) -> None:
         if access.claims is not None:
@@ -175,7 +186,7 @@ class StreamGuard:
             self._schedule(heap[0])
 
 
-def _decrement(counter: Counter[str], key: str) -> None:
+def _decrement(counter: Counter[Any], key: object) -> None:
     counter[key] -= 1
     if counter[key] <= 0:
         del counter[key]  # an idle relay holds no per-client state
