@@ -72,12 +72,12 @@ async def _hiredis_reader(url: str, sids: list[str], expected: int) -> None:
     first = last = 0.0
     done = asyncio.Event()
 
-    def on_message(channel: bytes, data: bytes) -> None:
+    def on_message(msgs: list[list[bytes]]) -> None:
         nonlocal got, first, last
         now = time.perf_counter()
         if got == 0:
             first = now
-        got += 1
+        got += len(msgs)
         last = now
         if got >= expected:
             done.set()

@@ -27,9 +27,7 @@ from multidict import istr
 from relay.edge.host import StreamHost
 from relay.edge.streams import (
     GOODBYE_S,
-    SSE_FRAMES,
     WS_CLOSE,
-    WS_FRAMES,
     Reject,
     SocketOut,
     Stream,
@@ -38,6 +36,8 @@ from relay.edge.streams import (
     is_ping,
     jitter,
     query_value,
+    sse_bytes,
+    ws_bytes,
 )
 from relay.protocol import sse
 from relay.protocol.codes import CloseCode, Refusal, WsClose
@@ -114,7 +114,7 @@ async def sse_handler(host: StreamHost, request: web.Request) -> web.StreamRespo
                 stream,
                 stream.sock,
                 writer,
-                SSE_FRAMES,
+                sse_bytes,
                 host.sender(Transport.SSE),
                 cfg.write_timeout_s,
             )
@@ -185,7 +185,7 @@ async def ws_handler(host: StreamHost, request: web.Request) -> web.StreamRespon
             code = _gone(stream)
             return ws
         stream.out = SocketOut(
-            stream, stream.sock, pw, WS_FRAMES, host.sender(Transport.WS), timeout_s
+            stream, stream.sock, pw, ws_bytes, host.sender(Transport.WS), timeout_s
         )
         stream.watch.attach(stream.out, writer.wake)
         # This task reads the client (aiohttp requires it). Frames are written from the

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
@@ -200,9 +201,9 @@ class Hub:
         self._by_bytes: dict[bytes, _Channel] = {}
         self._sealing: set[str] = set()
         self._closed = False
-        # called once per live frame read from Redis (servers time publish -> edge here,
-        # once per frame, not once per socket)
-        self.live_observers: list[Callable[[Delivery], None]] = []
+        # called with the live frames of each read chunk (servers time publish -> edge
+        # here, once per frame, not once per socket)
+        self.live_observers: list[Callable[[list[Delivery]], None]] = []
         self._stats: dict[str, int] = dict.fromkeys(
             (
                 "watches_opened",
@@ -366,35 +367,52 @@ class Hub:
 
     # -- live path (synchronous, called by the subscriber's reader tasks) -----------------
 
-    def _on_message(self, channel: bytes, data: bytes) -> None:
-        ch = self._by_bytes.get(channel)
-        if ch is None:
-            return
-        self._stats["frames_in"] += 1
-        d = delivery(data, monotonic_ms())
-        if d is None:
-            self._stats["bad_frames"] += 1
-            return
-        for observe in self.live_observers:
-            observe(d)
-        self._channel_step(ch, ch.resume.live(d))
+    def _on_message(self, msgs: list[list[bytes]]) -> None:
+        """The ``smessage`` replies of one read chunk, in order: per frame a decode, the
+        channel's resume (duplicates, holes) and its taps; per chunk the clocks, the
+        counters and the observers."""
+        by_bytes, stats = self._by_bytes, self._stats
+        received, now = monotonic_ms(), time.monotonic()  # (now: for the reaper)
+        seen: list[Delivery] = []
+        for msg in msgs:
+            ch = by_bytes.get(msg[1])
+            if ch is None:
+                continue
+            d = delivery(msg[2], received)
+            if d is None:
+                stats["bad_frames"] += 1
+                continue
+            seen.append(d)
+            try:
+                resume = ch.resume
+                if resume.next_live(d):  # the common case, without Step and list building
+                    ch.saw_one(d, now)
+                    ch.feed([d])
+                else:
+                    self._channel_step(ch, resume.live(d), now)
+            except Exception:  # one channel's bug must not cost the chunk's other frames
+                log.exception("live frame of %s failed", ch.sid)
+        stats["frames_in"] += len(seen)
+        if seen:
+            for observe in self.live_observers:
+                observe(seen)
 
-    def _channel_step(self, ch: _Channel, step: Step) -> None:
+    def _channel_step(self, ch: _Channel, step: Step, now: float) -> None:
         if step.emit:
-            self._fanout(ch, step.emit)
+            self._fanout(ch, step.emit, now)
         if step.fetch is not None:
             self._stats["repairs"] += 1
             ch.fetch_task = self._spawn(f"repair:{ch.sid}", self._fetch_loop(ch, step.fetch))
 
-    def _fanout(self, ch: _Channel, ds: list[Delivery]) -> None:
-        ch.saw(ds)
+    def _fanout(self, ch: _Channel, ds: list[Delivery], now: float) -> None:
+        ch.saw(ds, now)
         ch.feed(ds)
 
     def _on_resubscribed(self, channels: list[str]) -> None:
         for name in channels:
             ch = self._by_bytes.get(name.encode())
             if ch is not None and ch.ready.done():
-                self._channel_step(ch, ch.resume.repair())
+                self._channel_step(ch, ch.resume.repair(), time.monotonic())
 
     # -- backlog reads of a channel (holes and repairs, shared by all its watchers) ------
 
@@ -411,7 +429,7 @@ class Hub:
             entries = [d for d in map(delivery, frames) if d is not None]
             step = resume.backlog(entries, first, last)
             if step.emit:
-                self._fanout(ch, step.emit)
+                self._fanout(ch, step.emit, time.monotonic())
             fetch = step.fetch
 
     def _seal_later(self, sid: str, seen: int, gen: str = "") -> None:

@@ -48,6 +48,7 @@ __all__ = [
     "PREFIX",
     "TRANSPORTS",
     "HubCollector",
+    "LoopCounter",
     "LoopHistogram",
     "RelayMetrics",
 ]
@@ -103,6 +104,45 @@ class LoopHistogram(Collector):
                 buckets.append((_bound_text(bound), cumulative))
             fam.add_metric(list(values), buckets, child.total)
         yield fam
+
+
+class LoopCounter(Collector):
+    """A counter for code that runs on one event loop: ``inc`` is one addition (no lock:
+    prometheus-client's Counter takes one per increment, and the server counts every
+    socket write). Exported at scrape time as a prometheus-client Counter is
+    (``<name>_total``). ``c.labels("sse").inc(n)``."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...] = ()) -> None:
+        self.name, self.documentation = name, documentation
+        self.labelnames = labelnames
+        self._children: dict[tuple[str, ...], _LoopCount] = {}
+
+    def labels(self, *values: str) -> _LoopCount:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name} wants labels {self.labelnames}, got {values}")
+            child = self._children[values] = _LoopCount()
+        return child
+
+    def describe(self) -> list[Metric]:
+        return [CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)]
+
+    def collect(self) -> Iterator[Metric]:
+        fam = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in sorted(self._children.items()):
+            fam.add_metric(list(values), child.value)
+        yield fam
+
+
+class _LoopCount:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
 
 
 class _LoopChild:
@@ -227,11 +267,10 @@ class RelayMetrics:
         self.connections = Gauge(p + "connections", "open streams", ["transport"], registry=r)
         self.accepted = Counter(p + "accepted", "streams accepted", ["transport"], registry=r)
         self.watches = Gauge(p + "watches", "hub watches held by this server", registry=r)
-        self.frames_out = Counter(
-            p + "frames_out", "frames written to sockets", ["transport"], registry=r
-        )
-        self.bytes_out = Counter(
-            p + "bytes_out", "frame bytes written to sockets", ["transport"], registry=r
+        # counted per socket write: no lock (LoopCounter)
+        self.frames_out = LoopCounter(p + "frames_out", "frames written to sockets", ("transport",))
+        self.bytes_out = LoopCounter(
+            p + "bytes_out", "frame bytes written to sockets", ("transport",)
         )
         self.resumes = Counter(
             p + "resume_replays", "streams that resumed from an offset", ["transport"], registry=r
@@ -270,6 +309,8 @@ class RelayMetrics:
         )
         for hist in (self.publish_to_edge, self.edge_to_socket, self.hop_latency, self.loop_lag):
             r.register(hist)
+        r.register(self.frames_out)
+        r.register(self.bytes_out)
         self.publish_to_edge.labels()
         self.loop_lag.labels()
         for transport in TRANSPORTS:  # export zeros from the start, not after first use

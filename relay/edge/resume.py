@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final, NamedTuple
 
+import msgspec
+
 from relay.protocol.frame import encode, gap_frame, reset_frame
 
 __all__ = [
@@ -61,13 +63,19 @@ __all__ = [
 ]
 
 
-class Delivery(NamedTuple):
+class Delivery(msgspec.Struct, gc=False):
     """One frame for a socket: its offset, its kind and the encoded bytes as published.
 
     ``ts`` is the producer's timestamp (wall-clock ms) and ``received_mono_ms`` when the
     relay read the frame from its live subscription, on this process's monotonic clock
     (:func:`relay.protocol.frame.monotonic_ms`; 0 for frames replayed from the backlog):
     the relay's own queueing (edge -> socket) is timed on the monotonic clock.
+
+    ``sse`` and ``ws`` are the frame as an SSE event and as a WebSocket text frame,
+    filled in by the first socket that writes it (:mod:`relay.edge.streams`): every
+    watcher of a session gets the same delivery objects from one read, so a frame is
+    encoded once per relay, however many sockets it goes to. (A msgspec struct: made
+    and read in C, and, holding no containers, never tracked by the garbage collector.)
     """
 
     offset: int
@@ -76,6 +84,8 @@ class Delivery(NamedTuple):
     ts: int = 0
     received_mono_ms: int = 0
     gen: str = ""  # the session generation (frame meta ``gen``), "" when unknown
+    sse: bytes | None = None
+    ws: bytes | None = None
 
 
 class ResumeState(Enum):
@@ -200,6 +210,28 @@ class Resume:
     def subscribed(self) -> Step:
         self._fire("subscribed")
         return Step(fetch=self._fetch())
+
+    def next_live(self, d: Delivery) -> bool:
+        """The common case of :meth:`live`, without its allocations: True if ``d`` is
+        the next frame of a live stream with no hole and no change of generation (it is
+        then emitted: the caller takes ``d`` as :meth:`live`'s one frame); False, with
+        nothing changed, for anything else (the caller calls :meth:`live`)."""
+        last = self.last
+        if (
+            self.state is not ResumeState.LIVE
+            or last is None
+            or d.offset != last + 1
+            or self._buffer is not None
+            or d.kind == "reset"
+        ):
+            return False
+        gen = d.gen
+        if gen:
+            if self.gen and gen != self.gen:
+                return False
+            self.gen = gen
+        self.last = d.offset
+        return True
 
     def live(self, d: Delivery) -> Step:
         if self.state is ResumeState.CLOSED:
@@ -359,6 +391,7 @@ class Resume:
     def _drain(self, out: list[Delivery]) -> None:
         buffer = self._buffer
         if not buffer:
+            self._buffer = None  # (an overflow can leave it made and empty)
             return
         assert self.last is not None
         for off in sorted(buffer):

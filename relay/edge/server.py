@@ -39,6 +39,7 @@ import asyncio
 import functools
 import logging
 import time
+from bisect import bisect_left
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
@@ -95,6 +96,7 @@ class EdgeServer:
         self.supervisor = Supervisor(self.metrics.registry, backoff=RELAY_BACKOFF)
         m = self.metrics
         self._senders = {t: functools.partial(self.sent, t) for t in (Transport.SSE, Transport.WS)}
+        self._publish_to_edge = m.publish_to_edge.labels()
         self._out_metrics = {  # label children bound once: sent() runs per socket write
             t: (m.frames_out.labels(t), m.bytes_out.labels(t), m.hop_latency.labels(t),
                 m.edge_to_socket.labels(t))
@@ -330,25 +332,38 @@ class EdgeServer:
 
     # -- writing (StreamHost) --------------------------------------------------------------
 
-    def _on_live(self, d: Delivery) -> None:
-        """A live frame read from Redis (once per frame, however many sockets watch),
-        called as it is read: producer ``ts`` to now crosses processes, so wall clock."""
-        if d.ts > 0:
-            self.metrics.publish_to_edge.observe(max(now_ms() - d.ts, 0) / 1000.0)
+    def _on_live(self, ds: list[Delivery]) -> None:
+        """The live frames of one read from Redis (once per frame, however many sockets
+        watch): producer ``ts`` to now crosses processes, so wall clock."""
+        h, now = self._publish_to_edge, now_ms()
+        counts, bounds = h.counts, h.bounds
+        for d in ds:
+            if d.ts > 0:
+                seconds = max(now - d.ts, 0) / 1000.0
+                counts[bisect_left(bounds, seconds)] += 1
+                h.total += seconds
 
     def sent(self, transport: Transport, batch: list[Delivery], nbytes: int) -> None:
+        """One socket write: lock-free counters, the clocks read once per write, the
+        two latency histograms observed inline (this runs for every socket write)."""
         frames, sent_bytes, total, queued = self._out_metrics[transport]
-        frames.inc(len(batch))
-        sent_bytes.inc(nbytes)
-        mono, wall = monotonic_ms(), now_ms()
+        frames.value += len(batch)
+        sent_bytes.value += nbytes
+        mono = wall = 0
         for d in batch:
+            received = d.received_mono_ms
+            if received > 0:  # else replayed from the backlog: not a hop of the live path
+                if not mono:
+                    mono, wall = monotonic_ms(), now_ms()
+                seconds = max(mono - received, 0) / 1000.0  # in this process
+                queued.counts[bisect_left(queued.bounds, seconds)] += 1
+                queued.total += seconds
+                if d.ts > 0:  # from the producer's clock
+                    seconds = max(wall - d.ts, 0) / 1000.0
+                    total.counts[bisect_left(total.bounds, seconds)] += 1
+                    total.total += seconds
             if d.kind == "gap":
                 self.metrics.gaps.inc()
-            if d.received_mono_ms <= 0:
-                continue  # replayed from the backlog: not a hop of the live path
-            queued.observe(max(mono - d.received_mono_ms, 0) / 1000.0)  # in this process
-            if d.ts > 0:
-                total.observe(max(wall - d.ts, 0) / 1000.0)  # from the producer's clock
 
     def sender(self, transport: Transport) -> Callable[[list[Delivery], int], None]:
         return self._senders[transport]

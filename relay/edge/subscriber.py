@@ -34,7 +34,8 @@ Order of use::
     sub = ShardedSubscriber(redis, on_message=..., on_resubscribed=..., relay_id="r1")
     await sub.start()
     await sub.subscribe([ch, ...])     # returns once SSUBSCRIBE is confirmed
-    ...                                # on_message(channel_bytes, data_bytes) per message
+    ...                                # on_message([[b"smessage", channel, data], ...])
+                                       # per read chunk of a node's connection
     await sub.unsubscribe([ch, ...])
     await sub.close()
 

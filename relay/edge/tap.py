@@ -237,10 +237,11 @@ class Tap:
 
     def feed(self, ds: list[Delivery]) -> None:
         """Live frames in channel order (synchronous, on the hub's reader)."""
-        intents = self.watch.live(ds)
+        watch = self.watch
+        intents = watch.live(ds)
         if intents:
             self._apply(intents)
-        if self.watch.pending and not self._dirty:
+        if not self._dirty and watch.pending:
             flusher = self._host.flusher
             if flusher is not None and self._out is not None:
                 self._dirty = True
@@ -356,12 +357,14 @@ class Tap:
         return ds
 
     def _send(self, out: Out, counter: str) -> None:
-        ds, intents = self.watch.take()
+        watch = self.watch
+        ds, intents = watch.take()
         if ds:
             out.send(ds)
-            c = self.watch.counters
+            c = watch.counters
             c[counter] = c.get(counter, 0) + 1
-        self._settle(out)  # before the next page is asked for: its budget may be ours
+        if self._held:
+            self._settle(out)  # before the next page is asked for: its budget may be ours
         if intents:
             self._apply(intents)
 
