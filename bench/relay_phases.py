@@ -52,6 +52,7 @@ __all__ = [
     "main",
     "profiled",
     "raw_hiredis_phase",
+    "relay_view",
     "replay_phase",
     "summarize_profile",
     "ws_open",
@@ -320,6 +321,64 @@ def loop_lag(before: str, after: str) -> dict[str, Any]:
         "over_1ms": int(over_1ms),
         "max_ms_at_most": None if top == float("inf") else top * 1000,
     }
+
+
+_SAMPLE = re.compile(r"^(tokenrelay_relay_[a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)$")
+_VIEW_HISTOGRAMS = {
+    "publish_to_edge": ("tokenrelay_relay_publish_to_edge_seconds", ""),
+    "edge_to_socket": ("tokenrelay_relay_edge_to_socket_seconds", 'transport="sse"'),
+    "hop_latency": ("tokenrelay_relay_hop_latency_seconds", 'transport="sse"'),
+}
+
+
+def relay_view(before: str, after: str) -> dict[str, Any]:
+    """What the relay saw during a phase, from two ``/metrics`` texts: live frames per
+    read of a shard connection, and the bucket bounds (ms) under which the median and
+    the 99th percentile of its own latency histograms fell (producer -> read by the
+    relay, read -> written, producer -> written; SSE)."""
+
+    def samples(text: str) -> dict[tuple[str, str], float]:
+        out: dict[tuple[str, str], float] = {}
+        for line in text.splitlines():
+            m = _SAMPLE.match(line)
+            if m:
+                out[(m.group(1), m.group(2) or "")] = float(m.group(3))
+        return out
+
+    b, a = samples(before), samples(after)
+
+    def diff(name: str, labels: str = "") -> float:
+        return a.get((name, labels), 0.0) - b.get((name, labels), 0.0)
+
+    frames = diff("tokenrelay_relay_hub_frames_in_total")
+    reads = diff("tokenrelay_relay_hub_reads_total")
+    view: dict[str, Any] = {
+        "frames_in": int(frames),
+        "reads": int(reads),
+        "frames_per_read": round(frames / reads, 2) if reads else None,
+    }
+    for key, (name, label) in _VIEW_HISTOGRAMS.items():
+        buckets: list[tuple[float, float]] = []
+        for (n, labels), value in a.items():
+            if n != name + "_bucket" or (label and label not in labels):
+                continue
+            le = re.search(r'le="([^"]+)"', labels)
+            if le:
+                buckets.append((float(le.group(1)), value - b.get((n, labels), 0.0)))
+        buckets.sort()
+        total = buckets[-1][1] if buckets else 0.0
+        view[key] = {
+            "count": int(total),
+            "p50_ms_at_most": _bucket_at(buckets, 0.5 * total),
+            "p99_ms_at_most": _bucket_at(buckets, 0.99 * total),
+        }
+    return view
+
+
+def _bucket_at(buckets: list[tuple[float, float]], n: float) -> float | None:
+    """The first bucket bound (ms) whose cumulative count reaches ``n``."""
+    bound = next((le for le, count in buckets if count >= n), None)
+    return None if bound is None or bound == float("inf") else bound * 1000
 
 
 @contextlib.asynccontextmanager

@@ -188,7 +188,9 @@ async def latency_phase(
         backlog_s = await wait_all(tally)
         cpu = await meter.stop(pub["cpu_s"])
         lost = tally.expected - tally.tokens
-        lag = relay_phases.loop_lag(metrics_before, await metrics_text(relay))
+        metrics_after = await metrics_text(relay)
+        lag = relay_phases.loop_lag(metrics_before, metrics_after)
+        view = relay_phases.relay_view(metrics_before, metrics_after)
     finally:
         close_clients(clients)
     # warm-up: the first second's worth of samples, in arrival order
@@ -217,6 +219,7 @@ async def latency_phase(
         if tally.tokens
         else 0.0,
         "relay_loop_lag": lag,
+        "relay_view": view,
     }
 
 

@@ -208,6 +208,7 @@ class Hub:
             (
                 "watches_opened",
                 "frames_in",
+                "reads",
                 "frames_out",
                 "bad_frames",
                 "conflations",
@@ -393,6 +394,7 @@ class Hub:
             except Exception:  # one channel's bug must not cost the chunk's other frames
                 log.exception("live frame of %s failed", ch.sid)
         stats["frames_in"] += len(seen)
+        stats["reads"] += 1
         if seen:
             for observe in self.live_observers:
                 observe(seen)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 from prometheus_client import (
@@ -43,6 +43,9 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from relay.edge.resume import Delivery
+from relay.protocol.frame import monotonic_ms, now_ms
+
 __all__ = [
     "HUB_METRICS",
     "PREFIX",
@@ -50,6 +53,7 @@ __all__ = [
     "HubCollector",
     "LoopCounter",
     "LoopHistogram",
+    "OutMeter",
     "RelayMetrics",
 ]
 
@@ -158,6 +162,43 @@ class _LoopChild:
         self.total += seconds
 
 
+class OutMeter:
+    """What one transport's socket writes add to the metrics: :meth:`sent` runs for
+    every write (a :class:`relay.edge.streams.SocketOut` calls it), so it reads the
+    clocks once per write, counts without a lock and observes the two latency
+    histograms inline."""
+
+    __slots__ = ("_bytes", "_frames", "_gaps", "_hop", "_queue")
+
+    def __init__(self, metrics: RelayMetrics, transport: str) -> None:
+        self._frames = metrics.frames_out.labels(transport)
+        self._bytes = metrics.bytes_out.labels(transport)
+        self._hop = metrics.hop_latency.labels(transport)
+        self._queue = metrics.edge_to_socket.labels(transport)
+        self._gaps = metrics.gaps
+
+    def sent(self, batch: Sequence[Delivery], nbytes: int) -> None:
+        self._frames.value += len(batch)
+        self._bytes.value += nbytes
+        mono = wall = 0
+        for d in batch:
+            received = d.received_mono_ms
+            if received > 0:  # else replayed from the backlog: not a hop of the live path
+                if not mono:
+                    mono, wall = monotonic_ms(), now_ms()
+                seconds = max(mono - received, 0) / 1000.0  # in this process
+                h = self._queue
+                h.counts[bisect_left(h.bounds, seconds)] += 1
+                h.total += seconds
+                if d.ts > 0:  # from the producer's clock
+                    seconds = max(wall - d.ts, 0) / 1000.0
+                    h = self._hop
+                    h.counts[bisect_left(h.bounds, seconds)] += 1
+                    h.total += seconds
+            if d.kind == "gap":
+                self._gaps.inc()
+
+
 def _bound_text(bound: float) -> str:
     return "+Inf" if bound == math.inf else repr(float(bound))
 
@@ -178,6 +219,10 @@ GAUGE: Final = "gauge"
 HUB_METRICS: Final[dict[str, tuple[str, str]]] = {
     "watches_opened": (COUNTER, "watches opened on the hub"),
     "frames_in": (COUNTER, "live frames read from Redis"),
+    "reads": (
+        COUNTER,
+        "reads of a shard connection that carried messages (frames_in / reads: frames per read)",
+    ),
     "frames_out": (COUNTER, "frames handed to watches"),
     "bad_frames": (COUNTER, "live messages that did not decode as frames"),
     "conflations": (COUNTER, "queued token frames merged for a slow socket"),

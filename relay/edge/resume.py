@@ -96,6 +96,7 @@ class ResumeState(Enum):
 
 
 S = ResumeState
+_LIVE: Final = ResumeState.LIVE  # a module global: an enum member lookup costs ~70 ns
 TRANSITIONS: Final[dict[tuple[ResumeState, str], ResumeState]] = {
     (S.SUBSCRIBING, "subscribed"): S.REPLAYING,
     (S.REPLAYING, "caught_up"): S.LIVE,
@@ -218,7 +219,7 @@ class Resume:
         nothing changed, for anything else (the caller calls :meth:`live`)."""
         last = self.last
         if (
-            self.state is not ResumeState.LIVE
+            self.state is not _LIVE
             or last is None
             or d.offset != last + 1
             or self._buffer is not None

@@ -51,7 +51,7 @@ from redis.asyncio.cluster import RedisCluster
 from relay.edge import beats, handlers, openapi, uistream
 from relay.edge.config import RelayConfig
 from relay.edge.hub import RELAY_BACKOFF, Hub
-from relay.edge.metrics import RelayMetrics
+from relay.edge.metrics import OutMeter, RelayMetrics
 from relay.edge.resume import Delivery
 from relay.edge.streamguard import Access, StreamGuard, token_key
 from relay.edge.streams import (
@@ -65,7 +65,7 @@ from relay.edge.streams import (
 from relay.edge.tap import Tap
 from relay.protocol.auth import AuthError, extract_token, verify_token
 from relay.protocol.codes import CloseCode, Readiness, Refusal
-from relay.protocol.frame import monotonic_ms, now_ms
+from relay.protocol.frame import now_ms
 from relay.protocol.keys import InvalidSessionId, parse_session
 from relay.redisio.connect import connect, mask_url, startup_error
 from relay.redisio.errors import RelayError, WatchClosed
@@ -95,13 +95,10 @@ class EdgeServer:
         self.metrics = RelayMetrics(config.relay_id)
         self.supervisor = Supervisor(self.metrics.registry, backoff=RELAY_BACKOFF)
         m = self.metrics
-        self._senders = {t: functools.partial(self.sent, t) for t in (Transport.SSE, Transport.WS)}
+        self._meters = {t: OutMeter(m, t) for t in (Transport.SSE, Transport.WS)}
+        # one bound method per transport, shared by its sockets (not one per socket)
+        self._senders = {t: meter.sent for t, meter in self._meters.items()}
         self._publish_to_edge = m.publish_to_edge.labels()
-        self._out_metrics = {  # label children bound once: sent() runs per socket write
-            t: (m.frames_out.labels(t), m.bytes_out.labels(t), m.hop_latency.labels(t),
-                m.edge_to_socket.labels(t))
-            for t in (Transport.SSE, Transport.WS)
-        }  # fmt: skip
         self.hub: Hub | None = hub
         self.redis: RedisCluster | None = hub.redis if hub is not None else None
         self._owns_hub = hub is None
@@ -344,26 +341,7 @@ class EdgeServer:
                 h.total += seconds
 
     def sent(self, transport: Transport, batch: list[Delivery], nbytes: int) -> None:
-        """One socket write: lock-free counters, the clocks read once per write, the
-        two latency histograms observed inline (this runs for every socket write)."""
-        frames, sent_bytes, total, queued = self._out_metrics[transport]
-        frames.value += len(batch)
-        sent_bytes.value += nbytes
-        mono = wall = 0
-        for d in batch:
-            received = d.received_mono_ms
-            if received > 0:  # else replayed from the backlog: not a hop of the live path
-                if not mono:
-                    mono, wall = monotonic_ms(), now_ms()
-                seconds = max(mono - received, 0) / 1000.0  # in this process
-                queued.counts[bisect_left(queued.bounds, seconds)] += 1
-                queued.total += seconds
-                if d.ts > 0:  # from the producer's clock
-                    seconds = max(wall - d.ts, 0) / 1000.0
-                    total.counts[bisect_left(total.bounds, seconds)] += 1
-                    total.total += seconds
-            if d.kind == "gap":
-                self.metrics.gaps.inc()
+        self._meters[transport].sent(batch, nbytes)
 
     def sender(self, transport: Transport) -> Callable[[list[Delivery], int], None]:
         return self._senders[transport]

@@ -296,9 +296,7 @@ class ShardedSubscriber:
         conn = self._conns.get(addr)
         if conn is not None and conn.alive:
             return conn
-        conn = NodeConn(
-            addr, self.on_message, self._on_unsolicited, self._on_lost, self.supervisor.spawn
-        )
+        conn = NodeConn(addr, self.on_message, self._on_unsolicited, self._on_lost)
         await conn.connect(self.client_name, self._auth, self.connect_timeout_s, self._tls)
         self._conns[addr] = conn
         return conn

@@ -159,12 +159,17 @@ class Flusher:
     def __init__(self) -> None:
         self._dirty: list[Tap] = []
         self._scheduled = False
+        # its loop, kept: asyncio.get_running_loop() makes a getpid() system call
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def add(self, tap: Tap) -> None:
         self._dirty.append(tap)
         if not self._scheduled:
             self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._run)
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
+            loop.call_soon(self._run)
 
     def _run(self) -> None:
         self._scheduled = False
