@@ -333,9 +333,9 @@ _VIEW_HISTOGRAMS = {
 
 def relay_view(before: str, after: str) -> dict[str, Any]:
     """What the relay saw during a phase, from two ``/metrics`` texts: live frames per
-    read of a shard connection, and the bucket bounds (ms) under which the median and
-    the 99th percentile of its own latency histograms fell (producer -> read by the
-    relay, read -> written, producer -> written; SSE)."""
+    read of a shard connection, frames per socket write, and the bucket bounds (ms)
+    under which the median and the 99th percentile of its own latency histograms fell
+    (producer -> read by the relay, read -> written, producer -> written; SSE)."""
 
     def samples(text: str) -> dict[tuple[str, str], float]:
         out: dict[tuple[str, str], float] = {}
@@ -352,10 +352,19 @@ def relay_view(before: str, after: str) -> dict[str, Any]:
 
     frames = diff("tokenrelay_relay_hub_frames_in_total")
     reads = diff("tokenrelay_relay_hub_reads_total")
+    writes = diff("tokenrelay_relay_hub_writes_direct_total") + diff(
+        "tokenrelay_relay_hub_writes_queued_total"
+    )
+    written = diff("tokenrelay_relay_frames_out_total", '{transport="sse"}') + diff(
+        "tokenrelay_relay_frames_out_total", '{transport="ws"}'
+    )
     view: dict[str, Any] = {
         "frames_in": int(frames),
         "reads": int(reads),
         "frames_per_read": round(frames / reads, 2) if reads else None,
+        "frames_written": int(written),
+        "socket_writes": int(writes),
+        "frames_per_write": round(written / writes, 2) if writes else None,
     }
     for key, (name, label) in _VIEW_HISTOGRAMS.items():
         buckets: list[tuple[float, float]] = []
