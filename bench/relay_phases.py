@@ -52,8 +52,10 @@ __all__ = [
     "main",
     "profiled",
     "raw_hiredis_phase",
+    "relay_view",
     "replay_phase",
     "summarize_profile",
+    "ws_open",
 ]
 
 Publish = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -71,12 +73,12 @@ async def _hiredis_reader(url: str, sids: list[str], expected: int) -> None:
     first = last = 0.0
     done = asyncio.Event()
 
-    def on_message(channel: bytes, data: bytes) -> None:
+    def on_message(msgs: list[list[bytes]]) -> None:
         nonlocal got, first, last
         now = time.perf_counter()
         if got == 0:
             first = now
-        got += 1
+        got += len(msgs)
         last = now
         if got >= expected:
             done.set()
@@ -134,7 +136,26 @@ async def raw_hiredis_phase(
 # -- idle WebSocket connections ---------------------------------------------------------------
 
 
-async def _ws_open(port: int, sid: str, secret: str) -> asyncio.StreamWriter:
+async def _answer_pings(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Read the server's frames; answer each ping with a pong (masked, as a client's)."""
+    with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+        while True:
+            b0, b1 = await reader.readexactly(2)
+            n = b1 & 0x7F
+            if n >= 126:
+                n = int.from_bytes(await reader.readexactly(2 if n == 126 else 8), "big")
+            payload = await reader.readexactly(n)
+            if b0 & 0x0F == 0x9 and n < 126:
+                mask = os.urandom(4)
+                body = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+                writer.write(bytes((0x8A, 0x80 | n)) + mask + body)
+
+
+async def ws_open(
+    port: int, sid: str, secret: str, pongs: set[asyncio.Task[None]] | None = None
+) -> asyncio.StreamWriter:
+    """A WebSocket stream past the relay's hello; with ``pongs``, a task (added to the
+    set) keeps answering the relay's pings, as a browser does."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     token = issue_token(secret, sid, 3600, time.time())
     key = base64.b64encode(os.urandom(16)).decode()
@@ -154,20 +175,22 @@ async def _ws_open(port: int, sid: str, secret: str) -> asyncio.StreamWriter:
         hello = await reader.readexactly(n)
     if b0 != 0x81 or b'"hello"' not in hello:
         raise ConnectionError(f"no hello: {hello[:100]!r}")
+    if pongs is not None:
+        pongs.add(asyncio.create_task(_answer_pings(reader, writer)))
     return writer
 
 
 async def idle_ws_phase(
     pid: int, port: int, sids: Sequence[str], secret: str, window: int
 ) -> dict[str, Any]:
-    warm = await _ws_open(port, sids[0], secret)
+    warm = await ws_open(port, sids[0], secret)
     await asyncio.sleep(1.5)
     before = rss_kb(pid)
     sem = asyncio.Semaphore(window)
 
     async def one(sid: str) -> asyncio.StreamWriter:
         async with sem:
-            return await _ws_open(port, sid, secret)
+            return await ws_open(port, sid, secret)
 
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one(s) for s in sids[1:]), return_exceptions=True)
@@ -298,6 +321,73 @@ def loop_lag(before: str, after: str) -> dict[str, Any]:
         "over_1ms": int(over_1ms),
         "max_ms_at_most": None if top == float("inf") else top * 1000,
     }
+
+
+_SAMPLE = re.compile(r"^(tokenrelay_relay_[a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)$")
+_VIEW_HISTOGRAMS = {
+    "publish_to_edge": ("tokenrelay_relay_publish_to_edge_seconds", ""),
+    "edge_to_socket": ("tokenrelay_relay_edge_to_socket_seconds", 'transport="sse"'),
+    "hop_latency": ("tokenrelay_relay_hop_latency_seconds", 'transport="sse"'),
+}
+
+
+def relay_view(before: str, after: str) -> dict[str, Any]:
+    """What the relay saw during a phase, from two ``/metrics`` texts: live frames per
+    read of a shard connection, frames per socket write, and the bucket bounds (ms)
+    under which the median and the 99th percentile of its own latency histograms fell
+    (producer -> read by the relay, read -> written, producer -> written; SSE)."""
+
+    def samples(text: str) -> dict[tuple[str, str], float]:
+        out: dict[tuple[str, str], float] = {}
+        for line in text.splitlines():
+            m = _SAMPLE.match(line)
+            if m:
+                out[(m.group(1), m.group(2) or "")] = float(m.group(3))
+        return out
+
+    b, a = samples(before), samples(after)
+
+    def diff(name: str, labels: str = "") -> float:
+        return a.get((name, labels), 0.0) - b.get((name, labels), 0.0)
+
+    frames = diff("tokenrelay_relay_hub_frames_in_total")
+    reads = diff("tokenrelay_relay_hub_reads_total")
+    writes = diff("tokenrelay_relay_hub_writes_direct_total") + diff(
+        "tokenrelay_relay_hub_writes_queued_total"
+    )
+    written = diff("tokenrelay_relay_frames_out_total", '{transport="sse"}') + diff(
+        "tokenrelay_relay_frames_out_total", '{transport="ws"}'
+    )
+    view: dict[str, Any] = {
+        "frames_in": int(frames),
+        "reads": int(reads),
+        "frames_per_read": round(frames / reads, 2) if reads else None,
+        "frames_written": int(written),
+        "socket_writes": int(writes),
+        "frames_per_write": round(written / writes, 2) if writes else None,
+    }
+    for key, (name, label) in _VIEW_HISTOGRAMS.items():
+        buckets: list[tuple[float, float]] = []
+        for (n, labels), value in a.items():
+            if n != name + "_bucket" or (label and label not in labels):
+                continue
+            le = re.search(r'le="([^"]+)"', labels)
+            if le:
+                buckets.append((float(le.group(1)), value - b.get((n, labels), 0.0)))
+        buckets.sort()
+        total = buckets[-1][1] if buckets else 0.0
+        view[key] = {
+            "count": int(total),
+            "p50_ms_at_most": _bucket_at(buckets, 0.5 * total),
+            "p99_ms_at_most": _bucket_at(buckets, 0.99 * total),
+        }
+    return view
+
+
+def _bucket_at(buckets: list[tuple[float, float]], n: float) -> float | None:
+    """The first bucket bound (ms) whose cumulative count reaches ``n``."""
+    bound = next((le for le, count in buckets if count >= n), None)
+    return None if bound is None or bound == float("inf") else bound * 1000
 
 
 @contextlib.asynccontextmanager

@@ -117,7 +117,11 @@ class _Recorder:
         self.lat_ns: list[int] = []
         self.done = asyncio.Event()
 
-    def __call__(self, _channel: bytes, data: bytes) -> None:
+    def __call__(self, msgs: list[list[bytes]]) -> None:
+        for _, _channel, data in msgs:
+            self.one(data)
+
+    def one(self, data: bytes) -> None:
         now = time.time_ns()
         self.lat_ns.append(now - int(data[:19]))
         t = time.perf_counter()
@@ -162,7 +166,7 @@ def _redispy_sub(timeout_s: float) -> Callable[..., Any]:
                         await asyncio.sleep(0)
                     continue
                 if msg["type"] in (b"smessage", "smessage"):
-                    rec(msg["channel"], msg["data"])
+                    rec.one(msg["data"])
 
         task = asyncio.create_task(loop())
         try:

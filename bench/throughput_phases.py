@@ -62,6 +62,7 @@ class Config:
     replay_frames: int = 10_000  # one session, replayed from 0 by replay_clients at once
     replay_clients: int = 50
     profile: str = ""  # a directory: py-spy samples the relay during the 5,000/s phase
+    phases: tuple[str, ...] = ()  # which phases of bench.relay_throughput run; () = all
 
     @classmethod
     def quick(cls) -> Config:
@@ -187,7 +188,9 @@ async def latency_phase(
         backlog_s = await wait_all(tally)
         cpu = await meter.stop(pub["cpu_s"])
         lost = tally.expected - tally.tokens
-        lag = relay_phases.loop_lag(metrics_before, await metrics_text(relay))
+        metrics_after = await metrics_text(relay)
+        lag = relay_phases.loop_lag(metrics_before, metrics_after)
+        view = relay_phases.relay_view(metrics_before, metrics_after)
     finally:
         close_clients(clients)
     # warm-up: the first second's worth of samples, in arrival order
@@ -216,6 +219,7 @@ async def latency_phase(
         if tally.tokens
         else 0.0,
         "relay_loop_lag": lag,
+        "relay_view": view,
     }
 
 

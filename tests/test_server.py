@@ -9,6 +9,7 @@ Each test runs its own relay app (:func:`tests.support.relay.running`) on a free
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
 import sys
@@ -278,6 +279,52 @@ async def test_idle_sse_stream_gets_heartbeat_comments(cluster):
         async with asyncio.timeout(STEP):
             while "heartbeat" not in client.comments:
                 client.feed(await client.resp.content.readany())
+
+
+async def test_an_idle_websocket_that_answers_pings_stays_open_and_gets_frames(cluster, redis):
+    sid = new_session_id()
+    async with (
+        running(cluster, heartbeat_s=0.2) as relay,
+        relay.http.ws_connect(relay.url(sid, "ws"), headers=relay.auth(sid), autoping=False) as ws,
+    ):
+        assert (await ws_frames(ws, 1))[0]["type"] == "hello"
+        pings = 0
+        async with asyncio.timeout(STEP):
+            while pings < 5:  # 5 heartbeats, each answered
+                msg = await ws.receive()
+                assert msg.type is WSMsgType.PING, (msg.type, msg.data)
+                pings += 1
+                await ws.pong(msg.data)
+        offsets = await publish_turn(redis, sid, ["still", " here"])
+        frames: list[dict[str, Any]] = []
+        async with asyncio.timeout(STEP):
+            while len(frames) < len(offsets):
+                msg = await ws.receive()
+                if msg.type is WSMsgType.PING:
+                    await ws.pong(msg.data)
+                else:
+                    assert msg.type is WSMsgType.TEXT, (msg.type, msg.data)
+                    frames.append(json.loads(msg.data))
+        assert [f["offset"] for f in frames] == offsets
+
+
+async def test_a_websocket_that_never_answers_a_ping_is_closed_as_gone(cluster):
+    sid = new_session_id()
+    async with (
+        running(cluster, heartbeat_s=0.2) as relay,
+        relay.http.ws_connect(relay.url(sid, "ws"), headers=relay.auth(sid), autoping=False) as ws,
+    ):
+        assert (await ws_frames(ws, 1))[0]["type"] == "hello"
+        seen: list[WSMsgType] = []
+        async with asyncio.timeout(STEP):  # the relay pings, gets no pong, cuts the socket
+            while (msg := await ws.receive()).type not in (WSMsgType.CLOSED, WSMsgType.ERROR):
+                seen.append(msg.type)
+        assert WSMsgType.PING in seen
+        closes = relay.server.metrics.closes
+        async with asyncio.timeout(STEP):
+            while closes.labels("ws", "client_gone")._value.get() < 1:
+                await asyncio.sleep(0.05)
+        assert not relay.server.streams
 
 
 async def test_preflight_allows_the_demo_page(cluster):

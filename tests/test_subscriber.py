@@ -23,8 +23,8 @@ class Inbox:
         self.resubscribed: list[str] = []
         self.event = asyncio.Event()
 
-    def on_message(self, channel: bytes, data: bytes) -> None:
-        self.got.append((channel, data))
+    def on_message(self, msgs: list[list[bytes]]) -> None:
+        self.got.extend((channel, data) for _, channel, data in msgs)
         self.event.set()
 
     def on_resubscribed(self, channels: list[str]) -> None:
@@ -120,7 +120,7 @@ async def test_timed_out_subscribes_leave_no_waiters(redis: RedisCluster) -> Non
     """A subscribe that times out forgets its waiters: many sessions, no growth."""
     sub = ShardedSubscriber(
         redis,
-        on_message=lambda c, d: None,
+        on_message=lambda msgs: None,
         on_resubscribed=lambda cs: None,
         relay_id="waiters",
         subscribe_timeout_s=0.0,

@@ -19,19 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 from collections.abc import Callable
 
-from aiohttp import WSMsgType, web
-from aiohttp.abc import AbstractStreamWriter
+from aiohttp import WSMsgType, hdrs, web
+from multidict import istr
 
 from relay.edge.host import StreamHost
 from relay.edge.streams import (
     GOODBYE_S,
-    SSE_FRAMES,
     WS_CLOSE,
-    WS_FRAMES,
     Reject,
     SocketOut,
     Stream,
@@ -39,19 +36,25 @@ from relay.edge.streams import (
     client_reason,
     is_ping,
     jitter,
+    query_value,
+    sse_bytes,
+    ws_bytes,
 )
 from relay.protocol import frame, sse
 from relay.protocol.codes import CloseCode, Refusal, WsClose
 from relay.redisio.errors import WatchClosed
 
-__all__ = ["lost_code", "parse_gen", "parse_offset", "sse_handler", "ws_handler"]
+__all__ = ["idle_timer_off", "lost_code", "parse_gen", "parse_offset", "sse_handler", "ws_handler"]
 
 log = logging.getLogger(__name__)
 
+# Header names as multidict.istr: aiohttp's case-insensitive headers keep a lower-cased
+# copy (and, once written, a title-cased one) of every plain str name, per response,
+# for as long as the stream lasts; an istr carries its own (about 1.2 KB per stream).
 SSE_HEADERS = {
-    "Content-Type": "text/event-stream; charset=utf-8",
-    "Cache-Control": "no-cache",
-    "X-Accel-Buffering": "no",
+    hdrs.CONTENT_TYPE: "text/event-stream; charset=utf-8",
+    hdrs.CACHE_CONTROL: "no-cache",
+    istr("X-Accel-Buffering"): "no",
 }
 
 
@@ -66,7 +69,7 @@ def parse_offset(parse: Callable[[], int | None]) -> int | None:
 def parse_gen(request: web.Request) -> str | None:
     """The ``gen`` query parameter (the client's generation), or Reject 400 ``bad_gen``."""
     try:
-        return frame.parse_gen(request.query.get("gen"))
+        return frame.parse_gen(query_value(request, "gen"))
     except frame.GenError as exc:
         raise Reject(400, Refusal.BAD_GEN, str(exc)) from None
 
@@ -88,22 +91,57 @@ def _gone(stream: Stream) -> CloseCode:
 
 
 async def sse_handler(host: StreamHost, request: web.Request) -> web.StreamResponse:
-    sid = host.session(request)
-    access = host.authorize(request, sid)
-    offset = parse_offset(
-        lambda: sse.resume_offset(
-            request.headers.get("Last-Event-ID"), request.query.get("last_event_id")
+    try:
+        sid = host.session(request)
+        access = host.authorize(request, sid)
+        offset = parse_offset(
+            lambda: sse.resume_offset(
+                request.headers.get("Last-Event-ID"), query_value(request, "last_event_id")
+            )
         )
-    )
-    gen = parse_gen(request)
-    stream = await host.open_stream(Transport.SSE, sid, offset, access, gen)
+        gen = parse_gen(request)
+        stream = await host.open_stream(Transport.SSE, sid, offset, access, gen)
+    except Reject as r:
+        return host.refuse(r)
+    cfg = host.config
     code = CloseCode.CLOSED
     try:
         resp = web.StreamResponse(headers=SSE_HEADERS)
         writer = await resp.prepare(request)
         stream.sock = request.transport
         assert writer is not None
-        code = await _sse_loop(host, resp, writer, stream)
+        assert stream.sock is not None
+        idle_timer_off(request)
+        # One coroutine from here on (no helper coroutines, no closures): an idle
+        # stream's frames are what it holds.
+        try:
+            await host.guarded(  # the preamble sends the response head too
+                stream,
+                resp.write(sse.preamble(cfg.retry_ms, host.hello(stream))),
+                cfg.write_timeout_s,
+            )
+            stream.out = SocketOut(
+                stream,
+                stream.sock,
+                writer,
+                sse_bytes,
+                host.sender(Transport.SSE),
+                cfg.write_timeout_s,
+            )
+            await stream.watch.run(stream.out)
+        except WatchClosed as exc:
+            ended, reason = stream.ended(exc)
+        except (ConnectionError, RuntimeError):  # the client went away, or was cut
+            code = _gone(stream)
+            return resp
+        finally:
+            stream.out = None
+        retry = jitter(cfg.retry_ms) if ended is CloseCode.RELAY_SHUTDOWN else cfg.retry_ms
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            goodbye = sse.goodbye(ended, reason, retry)
+            await host.guarded(stream, resp.write(goodbye), GOODBYE_S)
+            await host.guarded(stream, resp.write_eof(), GOODBYE_S)
+        code = ended
         return resp
     except asyncio.CancelledError:  # the connection was lost (make_runner cancels)
         code = lost_code(stream, code)
@@ -115,91 +153,90 @@ async def sse_handler(host: StreamHost, request: web.Request) -> web.StreamRespo
         await host.close_stream(stream, code)
 
 
-async def _sse_loop(
-    host: StreamHost, resp: web.StreamResponse, writer: AbstractStreamWriter, stream: Stream
-) -> CloseCode:
-    cfg = host.config
-
-    async def put(data: bytes, timeout_s: float = cfg.write_timeout_s) -> None:
-        await host.guarded(stream, resp.write(data), timeout_s)
-
-    try:
-        await put(sse.preamble(cfg.retry_ms, host.hello(stream)))  # sends the head too
-        assert stream.sock is not None
-        stream.out = SocketOut(
-            stream,
-            stream.sock,
-            writer,
-            SSE_FRAMES,
-            functools.partial(host.sent, Transport.SSE),
-            cfg.write_timeout_s,
-        )
-        await stream.watch.run(stream.out)
-    except WatchClosed as exc:
-        code, reason = stream.ended(exc)
-    except (ConnectionError, RuntimeError):  # the client went away, or was cut
-        return _gone(stream)
-    finally:
-        stream.out = None
-    retry = jitter(cfg.retry_ms) if code is CloseCode.RELAY_SHUTDOWN else cfg.retry_ms
-    with contextlib.suppress(ConnectionError, RuntimeError):
-        await put(sse.goodbye(code, reason, retry), GOODBYE_S)
-        await host.guarded(stream, resp.write_eof(), GOODBYE_S)
-    return code
+def idle_timer_off(request: web.Request) -> None:
+    """Cancel aiohttp's idle-connection timer of this connection (armed when it opened,
+    for an hour by default): a stream never needs it, and every idle stream would hold
+    one. aiohttp arms it again once the response ends, if the connection stays open."""
+    request.protocol.keep_alive(True)
 
 
 # -- WebSocket ---------------------------------------------------------------------------
 
 
 async def ws_handler(host: StreamHost, request: web.Request) -> web.StreamResponse:
-    sid = host.session(request)
-    access = host.authorize(request, sid)
-    offset = parse_offset(lambda: sse.parse_offset(request.query.get("from"), name="from"))
-    gen = parse_gen(request)
     cfg = host.config
-    ws = web.WebSocketResponse(
-        heartbeat=cfg.heartbeat_s,
-        max_msg_size=cfg.ws_max_message_bytes,
-        compress=False,
-        timeout=2.0,
-    )
-    if not ws.can_prepare(request).ok:
-        raise Reject(400, Refusal.NOT_WEBSOCKET, "this endpoint needs a WebSocket upgrade")
-    stream = await host.open_stream(Transport.WS, sid, offset, access, gen)
+    try:
+        sid = host.session(request)
+        access = host.authorize(request, sid)
+        offset = parse_offset(lambda: sse.parse_offset(query_value(request, "from"), name="from"))
+        gen = parse_gen(request)
+        ws = web.WebSocketResponse(
+            heartbeat=None,  # the server's one timer pings (EdgeServer.beat_ws), not one each
+            autoping=False,  # so that _ws_reader sees the pongs (and answers the pings)
+            max_msg_size=cfg.ws_max_message_bytes,
+            compress=False,
+            timeout=2.0,
+        )
+        if not ws.can_prepare(request).ok:
+            raise Reject(400, Refusal.NOT_WEBSOCKET, "this endpoint needs a WebSocket upgrade")
+        stream = await host.open_stream(Transport.WS, sid, offset, access, gen)
+    except Reject as r:
+        return host.refuse(r)
     code = CloseCode.CLOSED
-    writer: asyncio.Task[CloseCode] | None = None
+    writer = _WsWriter(host, ws, stream)
     try:
         pw = await ws.prepare(request)
         stream.sock = request.transport
-        writer = asyncio.create_task(_ws_writer(host, ws, pw, stream), name=f"ws-writer:{sid}")
+        assert stream.sock is not None
+        idle_timer_off(request)
+        timeout_s = cfg.write_timeout_s
+        try:
+            await host.guarded(stream, ws.send_frame(host.hello(stream), WSMsgType.TEXT), timeout_s)
+        except (ConnectionError, RuntimeError):  # the client went away, or was cut
+            code = _gone(stream)
+            return ws
+        stream.out = SocketOut(
+            stream, stream.sock, pw, ws_bytes, host.sender(Transport.WS), timeout_s
+        )
+        stream.watch.attach(stream.out, writer.wake)
+        # This task reads the client (aiohttp requires it). Frames are written from the
+        # hub's reader; a writer task runs only while a pushed-back socket has frames
+        # queued, and to end the stream: an idle stream holds no second task.
         seen = await _ws_reader(ws, stream)
         if seen is None:  # the writer ended the stream and closed the socket
-            await asyncio.wait([writer])
-            code = writer.result() if not writer.cancelled() else CloseCode.CLOSED
+            ended = await writer.finished()
+            code = ended if ended is not None else _gone(stream)
         else:
             code = seen
-            writer.cancel()
+            writer.stop()
             if code is not CloseCode.CLIENT_GONE:  # the client broke the protocol: we close
                 await _ws_close(host, ws, stream, code, client_reason(code))
-            await asyncio.wait([writer])
+            await writer.finished()
         return ws
     except asyncio.CancelledError:  # the connection was lost (make_runner cancels)
         code = lost_code(stream, code)
         raise
     finally:
-        if writer is not None and not writer.done():
-            writer.cancel()
+        writer.stop()
+        stream.out = None
         await host.close_stream(stream, code)
 
 
 async def _ws_reader(ws: web.WebSocketResponse, stream: Stream) -> CloseCode | None:
     """Read the client's messages in the handler task (aiohttp requires it). None: the
     socket closed because the writer ended the stream; else why the client's side ended."""
+    loop = asyncio.get_running_loop()
+    stream.heard_at = loop.time()
     while True:
         msg = await ws.receive()
+        stream.heard_at, stream.pinged_at = loop.time(), 0.0  # the client is alive
         if msg.type is WSMsgType.TEXT:
             if not is_ping(msg.data):
                 return CloseCode.BAD_MESSAGE
+        elif msg.type is WSMsgType.PING:  # what aiohttp's autoping did
+            await ws.pong(msg.data)
+        elif msg.type is WSMsgType.PONG:
+            pass
         elif msg.type is WSMsgType.BINARY:
             return CloseCode.BINARY
         elif msg.type is WSMsgType.ERROR:  # aiohttp already closed (1009 for too big)
@@ -210,35 +247,54 @@ async def _ws_reader(ws: web.WebSocketResponse, stream: Stream) -> CloseCode | N
             return None if stream.stop is not None else CloseCode.CLIENT_GONE
 
 
-async def _ws_writer(
-    host: StreamHost, ws: web.WebSocketResponse, writer: AbstractStreamWriter, stream: Stream
-) -> CloseCode:
-    timeout_s = host.config.write_timeout_s
-    try:
-        await host.guarded(stream, ws.send_frame(host.hello(stream), WSMsgType.TEXT), timeout_s)
-        assert stream.sock is not None
-        stream.out = SocketOut(
-            stream,
-            stream.sock,
-            writer,
-            WS_FRAMES,
-            functools.partial(host.sent, Transport.WS),
-            timeout_s,
-        )
-        await stream.watch.run(stream.out)
-    except WatchClosed as exc:
-        code, reason = stream.ended(exc)
-    except (ConnectionError, RuntimeError):  # the client went away, or was cut
-        return _gone(stream)
-    except Exception:  # never leave the reader waiting on a socket nobody closes
-        log.exception("WebSocket writer of %s failed", stream.sid)
-        code, reason = CloseCode.INTERNAL, "internal error"
-    finally:
-        stream.out = None
-    if stream.stop is None:
-        stream.stop = (code, reason)
-    await _ws_close(host, ws, stream, code, reason)
-    return code
+class _WsWriter:
+    """The writer task of one WebSocket stream, started by the stream's tap only when it
+    is needed (:meth:`relay.edge.tap.Tap.attach`): to drain what a pushed-back socket
+    has queued (the task ends once the queue is empty), or to close the stream with the
+    reason its watch closed."""
+
+    __slots__ = ("_host", "_stopped", "_stream", "_task", "_ws")
+
+    def __init__(self, host: StreamHost, ws: web.WebSocketResponse, stream: Stream) -> None:
+        self._host, self._ws, self._stream = host, ws, stream
+        self._task: asyncio.Task[CloseCode | None] | None = None
+        self._stopped = False
+
+    def wake(self) -> None:
+        if self._stopped or (self._task is not None and not self._task.done()):
+            return
+        self._task = asyncio.create_task(self._run(), name=f"ws-writer:{self._stream.sid}")
+
+    def stop(self) -> None:
+        """No writer from now on (the handler ends the stream itself)."""
+        self._stopped = True
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+    async def finished(self) -> CloseCode | None:
+        """The code the last writer ended the stream with, once it is done (None: none did)."""
+        task = self._task
+        if task is None:
+            return None
+        await asyncio.wait([task])
+        return None if task.cancelled() else task.result()
+
+    async def _run(self) -> CloseCode | None:
+        stream = self._stream
+        try:
+            await stream.watch.drain()
+            return None
+        except WatchClosed as exc:
+            code, reason = stream.ended(exc)
+        except (ConnectionError, RuntimeError):  # the client went away, or was cut
+            return _gone(stream)
+        except Exception:  # never leave the reader waiting on a socket nobody closes
+            log.exception("WebSocket writer of %s failed", stream.sid)
+            code, reason = CloseCode.INTERNAL, "internal error"
+        if stream.stop is None:
+            stream.stop = (code, reason)
+        await _ws_close(self._host, self._ws, stream, code, reason)
+        return code
 
 
 async def _ws_close(

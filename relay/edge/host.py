@@ -7,13 +7,14 @@ The SSE and WebSocket handlers (:mod:`relay.edge.handlers`) and the AI SDK UI st
 
 Order of use, per request: ``sid = host.session(request)``, ``access =
 host.authorize(request, sid)``, ``stream = await host.open_stream(transport, sid,
-offset, access, gen)``, write through ``await host.guarded(stream, write, timeout_s)``, and
-always ``await host.close_stream(stream, code)``.
+offset, access, gen)`` (each may raise :class:`~relay.edge.streams.Reject`: the handler
+answers ``host.refuse(reject)``), write through ``await host.guarded(stream, write,
+timeout_s)``, and always ``await host.close_stream(stream, code)``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -22,7 +23,7 @@ from redis.asyncio.cluster import RedisCluster
 from relay.edge.config import RelayConfig
 from relay.edge.resume import Delivery
 from relay.edge.streamguard import Access
-from relay.edge.streams import Stream, Transport
+from relay.edge.streams import Reject, Stream, Transport
 from relay.protocol.codes import CloseCode
 
 __all__ = ["StreamHost"]
@@ -63,6 +64,12 @@ class StreamHost(Protocol):
 
     def sent(self, transport: Transport, batch: list[Delivery], nbytes: int) -> None:
         """Account frames written to a socket (metrics)."""
+
+    def sender(self, transport: Transport) -> Callable[[list[Delivery], int], None]:
+        """:meth:`sent` for one transport, one callable shared by all its sockets."""
+
+    def refuse(self, reject: Reject) -> web.Response:
+        """The answer to a request refused before streaming (counted)."""
 
     async def preflight(self, request: web.Request) -> web.Response:
         """The CORS preflight answer."""

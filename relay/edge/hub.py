@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
@@ -66,22 +67,71 @@ log = logging.getLogger(__name__)
 RELAY_BACKOFF = Backoff(base_s=0.05, cap_s=1.0)
 
 
+def _outcome_seen(f: asyncio.Future[None]) -> None:
+    """Mark a future's exception as retrieved (no "never retrieved" log)."""
+    if not f.cancelled():
+        f.exception()
+
+
 class _Channel(ReapState):
     """Hub state of one subscribed session channel (and what the reaper reads of it)."""
+
+    __slots__ = ("_many", "_one", "dead", "fetch_task", "name", "ready", "resume", "unsub_handle")
 
     def __init__(self, sid: str) -> None:
         super().__init__(sid)
         self.name = live_channel(sid)
-        self.taps: set[Tap] = set()
+        # its taps: most sessions have one watcher on a relay, held without a set
+        self._one: Tap | None = None
+        self._many: set[Tap] | None = None  # two or more
         self.resume = Resume(sid, None)
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.ready.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self.ready.add_done_callback(_outcome_seen)
         self.dead = False
         self.unsub_handle: asyncio.TimerHandle | None = None
         self.fetch_task: asyncio.Task[None] | None = None
 
     def alive(self) -> bool:
         return not self.dead
+
+    def add(self, tap: Tap) -> None:
+        if self._many is not None:
+            self._many.add(tap)
+        elif self._one is None:
+            self._one = tap
+        elif self._one is not tap:
+            self._many, self._one = {self._one, tap}, None
+
+    def discard(self, tap: Tap) -> bool:
+        """Remove ``tap``; False if it was not there."""
+        if self._one is tap:
+            self._one = None
+            return True
+        many = self._many
+        if many is None or tap not in many:
+            return False
+        many.discard(tap)
+        if len(many) == 1:
+            self._one, self._many = many.pop(), None
+        return True
+
+    @property
+    def watched(self) -> int:
+        """How many taps."""
+        return len(self._many) if self._many is not None else int(self._one is not None)
+
+    def taps(self) -> list[Tap]:
+        if self._many is not None:
+            return list(self._many)
+        return [] if self._one is None else [self._one]
+
+    def feed(self, ds: list[Delivery]) -> None:
+        """Live frames to every tap, in channel order."""
+        if self._one is not None:
+            self._one.feed(ds)
+        elif self._many is not None:
+            for t in list(self._many):
+                t.feed(ds)
 
 
 class Hub:
@@ -151,13 +201,14 @@ class Hub:
         self._by_bytes: dict[bytes, _Channel] = {}
         self._sealing: set[str] = set()
         self._closed = False
-        # called once per live frame read from Redis (servers time publish -> edge here,
-        # once per frame, not once per socket)
-        self.live_observers: list[Callable[[Delivery], None]] = []
+        # called with the live frames of each read chunk (servers time publish -> edge
+        # here, once per frame, not once per socket)
+        self.live_observers: list[Callable[[list[Delivery]], None]] = []
         self._stats: dict[str, int] = dict.fromkeys(
             (
                 "watches_opened",
                 "frames_in",
+                "reads",
                 "frames_out",
                 "bad_frames",
                 "conflations",
@@ -189,7 +240,7 @@ class Hub:
             return
         self._closed = True
         for ch in list(self._channels.values()):
-            for tap in list(ch.taps):
+            for tap in ch.taps():
                 tap.shut("the relay is shutting down", CloseCode.RELAY_SHUTDOWN)
         for ch in list(self._channels.values()):
             self._drop_channel(ch)
@@ -202,7 +253,7 @@ class Hub:
         out: dict[str, Any] = dict(self._stats)
         out.update(self.presence.stats)
         out.update(self.reaper.stats)
-        out["watches"] = sum(len(ch.taps) for ch in self._channels.values())
+        out["watches"] = sum(ch.watched for ch in self._channels.values())
         out["channels"] = len(self._channels)
         out["channels_per_node"] = self.subscriber.channels_per_node()
         out["resubscribes"] = self.subscriber.stats["resubscribes"]
@@ -237,8 +288,8 @@ class Hub:
             ch.unsub_handle.cancel()
             ch.unsub_handle = None
         watch = Watch(sid, from_offset, self.limits, self._stats, gen or "")
-        tap = Tap(sid, watch, self.redis, self.budget, self._detach, self._seal_later, self.flusher)
-        ch.taps.add(tap)  # counted (and fed live frames) before any await
+        tap = Tap(sid, watch, self)
+        ch.add(tap)  # counted (and fed live frames) before any await
         self._stats["watches_opened"] += 1
         try:
             await asyncio.shield(ch.ready)
@@ -277,12 +328,15 @@ class Hub:
         if not ch.ready.done():
             ch.ready.set_result(None)
 
-    def _detach(self, tap: Tap) -> None:
+    def offsets_lost(self, sid: str, seen: int) -> None:
+        """A tap's backlog read ends before ``seen`` (delivered): seal the lost range."""
+        self._seal_later(sid, seen)
+
+    def tap_closed(self, tap: Tap) -> None:
         ch = self._channels.get(tap.session)
-        if ch is None or tap not in ch.taps:
+        if ch is None or not ch.discard(tap):
             return
-        ch.taps.discard(tap)
-        if ch.taps or ch.dead or self._closed:
+        if ch.watched or ch.dead or self._closed:
             return
         self.presence.remove(ch.sid)
         loop = asyncio.get_running_loop()
@@ -290,7 +344,7 @@ class Hub:
 
     def _maybe_unsubscribe(self, ch: _Channel) -> None:
         ch.unsub_handle = None
-        if ch.taps or self._channels.get(ch.sid) is not ch:
+        if ch.watched or self._channels.get(ch.sid) is not ch:
             return  # someone came back during the delay
         self._drop_channel(ch)
 
@@ -312,45 +366,57 @@ class Hub:
             self._spawn(f"unsubscribe:{ch.sid}", self.subscriber.unsubscribe([ch.name]))
 
     def _reapable(self) -> Iterator[_Channel]:
-        return (ch for ch in self._channels.values() if ch.taps and ch.ready.done())
+        return (ch for ch in self._channels.values() if ch.watched and ch.ready.done())
 
     # -- live path (synchronous, called by the subscriber's reader tasks) -----------------
 
-    def _on_message(self, channel: bytes, data: bytes) -> None:
-        ch = self._by_bytes.get(channel)
-        if ch is None:
-            return
-        self._stats["frames_in"] += 1
-        d = delivery(data, monotonic_ms())
-        if d is None:
-            self._stats["bad_frames"] += 1
-            return
-        for observe in self.live_observers:
-            observe(d)
-        self._channel_step(ch, ch.resume.live(d))
+    def _on_message(self, msgs: list[list[bytes]]) -> None:
+        """The ``smessage`` replies of one read chunk, in order: per frame a decode, the
+        channel's resume (duplicates, holes) and its taps; per chunk the clocks, the
+        counters and the observers."""
+        by_bytes, stats = self._by_bytes, self._stats
+        received, now = monotonic_ms(), time.monotonic()  # (now: for the reaper)
+        seen: list[Delivery] = []
+        for msg in msgs:
+            ch = by_bytes.get(msg[1])
+            if ch is None:
+                continue
+            d = delivery(msg[2], received)
+            if d is None:
+                stats["bad_frames"] += 1
+                continue
+            seen.append(d)
+            try:
+                resume = ch.resume
+                if resume.next_live(d):  # the common case, without Step and list building
+                    ch.saw_one(d, now)
+                    ch.feed([d])
+                else:
+                    self._channel_step(ch, resume.live(d), now)
+            except Exception:  # one channel's bug must not cost the chunk's other frames
+                log.exception("live frame of %s failed", ch.sid)
+        stats["frames_in"] += len(seen)
+        stats["reads"] += 1
+        if seen:
+            for observe in self.live_observers:
+                observe(seen)
 
-    def _channel_step(self, ch: _Channel, step: Step) -> None:
+    def _channel_step(self, ch: _Channel, step: Step, now: float) -> None:
         if step.emit:
-            self._fanout(ch, step.emit)
+            self._fanout(ch, step.emit, now)
         if step.fetch is not None:
             self._stats["repairs"] += 1
             ch.fetch_task = self._spawn(f"repair:{ch.sid}", self._fetch_loop(ch, step.fetch))
 
-    def _fanout(self, ch: _Channel, ds: list[Delivery]) -> None:
-        ch.saw(ds)
-        taps = ch.taps
-        if len(taps) == 1:
-            for t in taps:
-                t.feed(ds)
-                return
-        for t in list(taps):
-            t.feed(ds)
+    def _fanout(self, ch: _Channel, ds: list[Delivery], now: float) -> None:
+        ch.saw(ds, now)
+        ch.feed(ds)
 
     def _on_resubscribed(self, channels: list[str]) -> None:
         for name in channels:
             ch = self._by_bytes.get(name.encode())
             if ch is not None and ch.ready.done():
-                self._channel_step(ch, ch.resume.repair())
+                self._channel_step(ch, ch.resume.repair(), time.monotonic())
 
     # -- backlog reads of a channel (holes and repairs, shared by all its watchers) ------
 
@@ -367,7 +433,7 @@ class Hub:
             entries = [d for d in map(delivery, frames) if d is not None]
             step = resume.backlog(entries, first, last, gen)
             if step.emit:
-                self._fanout(ch, step.emit)
+                self._fanout(ch, step.emit, time.monotonic())
             fetch = step.fetch
 
     def _seal_later(self, sid: str, seen: int, gen: str = "") -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 from prometheus_client import (
@@ -43,12 +43,17 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from relay.edge.resume import Delivery
+from relay.protocol.frame import monotonic_ms, now_ms
+
 __all__ = [
     "HUB_METRICS",
     "PREFIX",
     "TRANSPORTS",
     "HubCollector",
+    "LoopCounter",
     "LoopHistogram",
+    "OutMeter",
     "RelayMetrics",
 ]
 
@@ -105,6 +110,45 @@ class LoopHistogram(Collector):
         yield fam
 
 
+class LoopCounter(Collector):
+    """A counter for code that runs on one event loop: ``inc`` is one addition (no lock:
+    prometheus-client's Counter takes one per increment, and the server counts every
+    socket write). Exported at scrape time as a prometheus-client Counter is
+    (``<name>_total``). ``c.labels("sse").inc(n)``."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...] = ()) -> None:
+        self.name, self.documentation = name, documentation
+        self.labelnames = labelnames
+        self._children: dict[tuple[str, ...], _LoopCount] = {}
+
+    def labels(self, *values: str) -> _LoopCount:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name} wants labels {self.labelnames}, got {values}")
+            child = self._children[values] = _LoopCount()
+        return child
+
+    def describe(self) -> list[Metric]:
+        return [CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)]
+
+    def collect(self) -> Iterator[Metric]:
+        fam = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in sorted(self._children.items()):
+            fam.add_metric(list(values), child.value)
+        yield fam
+
+
+class _LoopCount:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
 class _LoopChild:
     __slots__ = ("bounds", "counts", "total")
 
@@ -116,6 +160,43 @@ class _LoopChild:
     def observe(self, seconds: float) -> None:
         self.counts[bisect_left(self.bounds, seconds)] += 1
         self.total += seconds
+
+
+class OutMeter:
+    """What one transport's socket writes add to the metrics: :meth:`sent` runs for
+    every write (a :class:`relay.edge.streams.SocketOut` calls it), so it reads the
+    clocks once per write, counts without a lock and observes the two latency
+    histograms inline."""
+
+    __slots__ = ("_bytes", "_frames", "_gaps", "_hop", "_queue")
+
+    def __init__(self, metrics: RelayMetrics, transport: str) -> None:
+        self._frames = metrics.frames_out.labels(transport)
+        self._bytes = metrics.bytes_out.labels(transport)
+        self._hop = metrics.hop_latency.labels(transport)
+        self._queue = metrics.edge_to_socket.labels(transport)
+        self._gaps = metrics.gaps
+
+    def sent(self, batch: Sequence[Delivery], nbytes: int) -> None:
+        self._frames.value += len(batch)
+        self._bytes.value += nbytes
+        mono = wall = 0
+        for d in batch:
+            received = d.received_mono_ms
+            if received > 0:  # else replayed from the backlog: not a hop of the live path
+                if not mono:
+                    mono, wall = monotonic_ms(), now_ms()
+                seconds = max(mono - received, 0) / 1000.0  # in this process
+                h = self._queue
+                h.counts[bisect_left(h.bounds, seconds)] += 1
+                h.total += seconds
+                if d.ts > 0:  # from the producer's clock
+                    seconds = max(wall - d.ts, 0) / 1000.0
+                    h = self._hop
+                    h.counts[bisect_left(h.bounds, seconds)] += 1
+                    h.total += seconds
+            if d.kind == "gap":
+                self._gaps.inc()
 
 
 def _bound_text(bound: float) -> str:
@@ -138,6 +219,10 @@ GAUGE: Final = "gauge"
 HUB_METRICS: Final[dict[str, tuple[str, str]]] = {
     "watches_opened": (COUNTER, "watches opened on the hub"),
     "frames_in": (COUNTER, "live frames read from Redis"),
+    "reads": (
+        COUNTER,
+        "reads of a shard connection that carried messages (frames_in / reads: frames per read)",
+    ),
     "frames_out": (COUNTER, "frames handed to watches"),
     "bad_frames": (COUNTER, "live messages that did not decode as frames"),
     "conflations": (COUNTER, "queued token frames merged for a slow socket"),
@@ -227,11 +312,10 @@ class RelayMetrics:
         self.connections = Gauge(p + "connections", "open streams", ["transport"], registry=r)
         self.accepted = Counter(p + "accepted", "streams accepted", ["transport"], registry=r)
         self.watches = Gauge(p + "watches", "hub watches held by this server", registry=r)
-        self.frames_out = Counter(
-            p + "frames_out", "frames written to sockets", ["transport"], registry=r
-        )
-        self.bytes_out = Counter(
-            p + "bytes_out", "frame bytes written to sockets", ["transport"], registry=r
+        # counted per socket write: no lock (LoopCounter)
+        self.frames_out = LoopCounter(p + "frames_out", "frames written to sockets", ("transport",))
+        self.bytes_out = LoopCounter(
+            p + "bytes_out", "frame bytes written to sockets", ("transport",)
         )
         self.resumes = Counter(
             p + "resume_replays", "streams that resumed from an offset", ["transport"], registry=r
@@ -270,6 +354,8 @@ class RelayMetrics:
         )
         for hist in (self.publish_to_edge, self.edge_to_socket, self.hop_latency, self.loop_lag):
             r.register(hist)
+        r.register(self.frames_out)
+        r.register(self.bytes_out)
         self.publish_to_edge.labels()
         self.loop_lag.labels()
         for transport in TRANSPORTS:  # export zeros from the start, not after first use

@@ -47,13 +47,18 @@ class ReapState:
         self.reap_next = 0.0
         self.reaping = False
 
-    def saw(self, ds: list[Delivery]) -> None:
+    def saw(self, ds: list[Delivery], now: float) -> None:
+        """Frames were delivered at ``now`` (``time.monotonic()``)."""
         for d in ds:
-            if d.kind in ("done", "error"):
-                self.turn_open = False
-            elif d.kind in ("token", "meta"):
-                self.turn_open = True
-        self.last_frame = time.monotonic()
+            self.saw_one(d, now)
+
+    def saw_one(self, d: Delivery, now: float) -> None:
+        kind = d.kind
+        if kind == "token" or kind == "meta":
+            self.turn_open = True
+        elif kind == "done" or kind == "error":
+            self.turn_open = False
+        self.last_frame = now
 
 
 class Reaper:

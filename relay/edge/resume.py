@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final, NamedTuple
 
+import msgspec
+
 from relay.protocol.frame import encode, gap_frame, reset_frame
 
 __all__ = [
@@ -68,13 +70,19 @@ __all__ = [
 ]
 
 
-class Delivery(NamedTuple):
+class Delivery(msgspec.Struct, gc=False):
     """One frame for a socket: its offset, its kind and the encoded bytes as published.
 
     ``ts`` is the producer's timestamp (wall-clock ms) and ``received_mono_ms`` when the
     relay read the frame from its live subscription, on this process's monotonic clock
     (:func:`relay.protocol.frame.monotonic_ms`; 0 for frames replayed from the backlog):
     the relay's own queueing (edge -> socket) is timed on the monotonic clock.
+
+    ``sse`` and ``ws`` are the frame as an SSE event and as a WebSocket text frame,
+    filled in by the first socket that writes it (:mod:`relay.edge.streams`): every
+    watcher of a session gets the same delivery objects from one read, so a frame is
+    encoded once per relay, however many sockets it goes to. (A msgspec struct: made
+    and read in C, and, holding no containers, never tracked by the garbage collector.)
     """
 
     offset: int
@@ -83,6 +91,8 @@ class Delivery(NamedTuple):
     ts: int = 0
     received_mono_ms: int = 0
     gen: str = ""  # the session generation (frame meta ``gen``), "" when unknown
+    sse: bytes | None = None
+    ws: bytes | None = None
 
 
 class ResumeState(Enum):
@@ -93,6 +103,7 @@ class ResumeState(Enum):
 
 
 S = ResumeState
+_LIVE: Final = ResumeState.LIVE  # a module global: an enum member lookup costs ~70 ns
 TRANSITIONS: Final[dict[tuple[ResumeState, str], ResumeState]] = {
     (S.SUBSCRIBING, "subscribed"): S.REPLAYING,
     (S.REPLAYING, "caught_up"): S.LIVE,
@@ -138,6 +149,27 @@ def reset_delivery(session: str, gen: str, previous: str) -> Delivery:
 class Resume:
     """Merge state of one reader. See the module docstring for the call order."""
 
+    __slots__ = (
+        "_buffer",
+        "_buffer_bytes",
+        "_fetching",
+        "_first_read",
+        "_refetch",
+        "_stale",
+        "_stalls",
+        "duplicates",
+        "gaps",
+        "gen",
+        "holes",
+        "last",
+        "max_buffer",
+        "max_buffer_bytes",
+        "overflow",
+        "resets",
+        "session",
+        "state",
+    )
+
     def __init__(
         self,
         session: str,
@@ -155,7 +187,7 @@ class Resume:
         self.max_buffer = max_buffer
         self.max_buffer_bytes = max_buffer_bytes  # 0: bounded by frames only
         self._buffer_bytes = 0
-        self._buffer: dict[int, Delivery] = {}
+        self._buffer: dict[int, Delivery] | None = None  # made by the first frame held
         self._fetching = False
         self._refetch = False  # a repair or a dropped buffered frame needs one more read
         self._stale = False  # the read in flight began before a reset: its answer is old
@@ -197,6 +229,28 @@ class Resume:
     def subscribed(self) -> Step:
         self._fire("subscribed")
         return Step(fetch=self._fetch())
+
+    def next_live(self, d: Delivery) -> bool:
+        """The common case of :meth:`live`, without its allocations: True if ``d`` is
+        the next frame of a live stream with no hole and no change of generation (it is
+        then emitted: the caller takes ``d`` as :meth:`live`'s one frame); False, with
+        nothing changed, for anything else (the caller calls :meth:`live`)."""
+        last = self.last
+        if (
+            self.state is not _LIVE
+            or last is None
+            or d.offset != last + 1
+            or self._buffer is not None
+            or d.kind == "reset"
+        ):
+            return False
+        gen = d.gen
+        if gen:
+            if self.gen and gen != self.gen:
+                return False
+            self.gen = gen
+        self.last = d.offset
+        return True
 
     def live(self, d: Delivery) -> Step:
         if self.state is ResumeState.CLOSED:
@@ -315,7 +369,7 @@ class Resume:
 
     def close(self) -> None:
         self._fire("close")
-        self._buffer.clear()
+        self._buffer = None
         self._buffer_bytes = 0
 
     # -- helpers -------------------------------------------------------------------------
@@ -334,7 +388,7 @@ class Resume:
         reset = reset_delivery(self.session, gen, self.gen)
         self.gen = gen
         self.last = 0
-        self._buffer.clear()
+        self._buffer = None
         self.resets += 1
         return reset
 
@@ -357,34 +411,41 @@ class Resume:
         return Step(out)
 
     def _stash(self, d: Delivery) -> None:
-        if d.offset in self._buffer:
+        buffer = self._buffer
+        if buffer is None:
+            buffer = self._buffer = {}
+        if d.offset in buffer:
             self.duplicates += 1
             return
-        if len(self._buffer) >= self.max_buffer or (
+        if len(buffer) >= self.max_buffer or (
             self.max_buffer_bytes and self._buffer_bytes + len(d.data) > self.max_buffer_bytes
         ):
             # safe to forget: every published frame is in the backlog; read it again later
             self.overflow += 1
             self._refetch = True
             return
-        self._buffer[d.offset] = d
+        buffer[d.offset] = d
         self._buffer_bytes += len(d.data)
 
     def _drain(self, out: list[Delivery]) -> None:
-        if not self._buffer:
+        buffer = self._buffer
+        if not buffer:
+            self._buffer = None  # (an overflow can leave it made and empty)
             return
         assert self.last is not None
-        for off in sorted(self._buffer):
+        for off in sorted(buffer):
             if off <= self.last:
-                self._buffer_bytes -= len(self._buffer.pop(off).data)
+                self._buffer_bytes -= len(buffer.pop(off).data)
                 self.duplicates += 1
             elif off == self.last + 1:
-                d = self._buffer.pop(off)
+                d = buffer.pop(off)
                 self._buffer_bytes -= len(d.data)
                 out.append(d)
                 self.last = off
             else:
                 break
+        if not buffer:
+            self._buffer = None
 
     def _gap(self, out: list[Delivery], first_available: int) -> None:
         assert self.last is not None

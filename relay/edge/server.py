@@ -36,27 +36,36 @@ on SIGTERM ``await app[SERVER].drain()`` then clean up (see :mod:`relay.edge.cli
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from bisect import bisect_left
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
+from multidict import istr
 from redis.asyncio.cluster import RedisCluster
 
-from relay.edge import handlers, openapi, uistream
+from relay.edge import beats, handlers, openapi, uistream
 from relay.edge.config import RelayConfig
 from relay.edge.hub import RELAY_BACKOFF, Hub
-from relay.edge.metrics import RelayMetrics
+from relay.edge.metrics import OutMeter, RelayMetrics
 from relay.edge.resume import Delivery
-from relay.edge.streamguard import Access, StreamGuard, Ticket
-from relay.edge.streams import CORS_HEADERS, RETRY_AFTER, Reject, Stream, Transport
+from relay.edge.streamguard import Access, StreamGuard, token_key
+from relay.edge.streams import (
+    CORS_HEADERS,
+    RETRY_AFTER,
+    Reject,
+    Stream,
+    Transport,
+    query_value,
+)
 from relay.edge.tap import Tap
-from relay.protocol import sse
 from relay.protocol.auth import AuthError, extract_token, verify_token
 from relay.protocol.codes import CloseCode, Readiness, Refusal
-from relay.protocol.frame import monotonic_ms, now_ms
+from relay.protocol.frame import now_ms
 from relay.protocol.keys import InvalidSessionId, parse_session
 from relay.redisio.connect import connect, mask_url, startup_error
 from relay.redisio.errors import RelayError, WatchClosed
@@ -69,8 +78,7 @@ __all__ = ["SERVER", "EdgeServer", "make_app", "make_runner"]
 log = logging.getLogger(__name__)
 
 
-_HEARTBEAT: Final = sse.comment("heartbeat")
-_BEAT_SLICE: Final = 500  # streams looked at per event-loop turn by the heartbeat timer
+_X_RELAY_ID: Final = istr("X-Relay-Id")
 _CONNECT_LOG_EVERY: Final = 20  # while Redis stays unreachable at start: one line per N tries
 
 WATCH_TIMEOUT_S: Final = 10.0  # subscribe + replay; past it the client gets 503 unavailable
@@ -87,11 +95,10 @@ class EdgeServer:
         self.metrics = RelayMetrics(config.relay_id)
         self.supervisor = Supervisor(self.metrics.registry, backoff=RELAY_BACKOFF)
         m = self.metrics
-        self._out_metrics = {  # label children bound once: sent() runs per socket write
-            t: (m.frames_out.labels(t), m.bytes_out.labels(t), m.hop_latency.labels(t),
-                m.edge_to_socket.labels(t))
-            for t in (Transport.SSE, Transport.WS)
-        }  # fmt: skip
+        self._meters = {t: OutMeter(m, t) for t in (Transport.SSE, Transport.WS)}
+        # one bound method per transport, shared by its sockets (not one per socket)
+        self._senders = {t: meter.sent for t, meter in self._meters.items()}
+        self._publish_to_edge = m.publish_to_edge.labels()
         self.hub: Hub | None = hub
         self.redis: RedisCluster | None = hub.redis if hub is not None else None
         self._owns_hub = hub is None
@@ -103,7 +110,6 @@ class EdgeServer:
         self.keys = config.keyset()  # None: auth off
         self.trusted = parse_networks(config.trusted_proxies)
         self.guard = StreamGuard(config.max_streams_per_token, config.max_streams_per_address)
-        self._tickets: dict[Stream, Ticket] = {}
         if hub is not None:
             self._bind(hub)
 
@@ -229,15 +235,17 @@ class EdgeServer:
             request.remote, request.headers.get("X-Forwarded-For"), self.trusted
         )
         if self.keys is None:
-            return Access(None, "", address)
+            return Access(None, 0, address)
         try:
-            token = extract_token(request.headers.get("Authorization"), request.query.get("token"))
+            token = extract_token(
+                request.headers.get("Authorization"), query_value(request, "token")
+            )
             claims = verify_token(self.keys, token, sid, time.time())
         except AuthError as exc:
             self.metrics.auth_failures.labels(exc.error).inc()
             headers = {"WWW-Authenticate": 'Bearer realm="tokenrelay"'} if exc.status == 401 else {}
             raise Reject(exc.status, exc.error, exc.reason, headers) from None
-        return Access(claims, token, address)
+        return Access(claims, token_key(token), address)
 
     def check_capacity(self) -> None:
         if self.draining or not self.started:
@@ -291,7 +299,7 @@ class EdgeServer:
             raise
         stream = Stream(transport, sid, offset, watch)
         self.streams.add(stream)
-        self._tickets[stream] = ticket
+        stream.ticket = ticket
         ticket.bind(stream)  # ends the stream (token_expired) when the token expires
         m = self.metrics
         m.accepted.labels(transport).inc()
@@ -314,7 +322,7 @@ class EdgeServer:
     async def close_stream(self, stream: Stream, code: CloseCode) -> None:
         self.streams.discard(stream)
         self.admitted -= 1
-        ticket = self._tickets.pop(stream, None)
+        ticket, stream.ticket = stream.ticket, None
         if ticket is not None:
             ticket.release()
         await stream.watch.close()
@@ -327,25 +335,26 @@ class EdgeServer:
 
     # -- writing (StreamHost) --------------------------------------------------------------
 
-    def _on_live(self, d: Delivery) -> None:
-        """A live frame read from Redis (once per frame, however many sockets watch),
-        called as it is read: producer ``ts`` to now crosses processes, so wall clock."""
-        if d.ts > 0:
-            self.metrics.publish_to_edge.observe(max(now_ms() - d.ts, 0) / 1000.0)
+    def _on_live(self, ds: list[Delivery]) -> None:
+        """The live frames of one read from Redis (once per frame, however many sockets
+        watch): producer ``ts`` to now crosses processes, so wall clock."""
+        h, now = self._publish_to_edge, now_ms()
+        counts, bounds = h.counts, h.bounds
+        for d in ds:
+            if d.ts > 0:
+                seconds = max(now - d.ts, 0) / 1000.0
+                counts[bisect_left(bounds, seconds)] += 1
+                h.total += seconds
 
     def sent(self, transport: Transport, batch: list[Delivery], nbytes: int) -> None:
-        frames, sent_bytes, total, queued = self._out_metrics[transport]
-        frames.inc(len(batch))
-        sent_bytes.inc(nbytes)
-        mono, wall = monotonic_ms(), now_ms()
-        for d in batch:
-            if d.kind == "gap":
-                self.metrics.gaps.inc()
-            if d.received_mono_ms <= 0:
-                continue  # replayed from the backlog: not a hop of the live path
-            queued.observe(max(mono - d.received_mono_ms, 0) / 1000.0)  # in this process
-            if d.ts > 0:
-                total.observe(max(wall - d.ts, 0) / 1000.0)  # from the producer's clock
+        self._meters[transport].sent(batch, nbytes)
+
+    def sender(self, transport: Transport) -> Callable[[list[Delivery], int], None]:
+        return self._senders[transport]
+
+    def refuse(self, reject: Reject) -> web.Response:
+        self.metrics.rejected.labels(reject.error).inc()
+        return reject.response()
 
     def hello(self, stream: Stream) -> bytes:
         """First message of every stream: which relay, resuming after which offset."""
@@ -373,27 +382,10 @@ class EdgeServer:
             observe(max(loop.time() - t0 - 0.01, 0.0))
 
     async def _heartbeats(self) -> None:
-        """One timer for every SSE stream: a comment on each stream silent for
-        ``heartbeat_s`` (written only if nothing is queued and the socket has room)."""
-        period = self.config.heartbeat_s
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(period / 2)
-            due = loop.time() - period
-            for i, s in enumerate(list(self.streams)):
-                out = s.out
-                if out is not None and s.transport is Transport.SSE and out.last_write <= due:
-                    s.watch.try_write(lambda o=out: o.write(_HEARTBEAT))  # type: ignore[misc]
-                if i % _BEAT_SLICE == _BEAT_SLICE - 1:
-                    await asyncio.sleep(0)
+        """SSE heartbeats and WebSocket pings: one timer for every stream."""
+        await beats.run(self.streams, self.config.heartbeat_s)
 
     # -- handlers ------------------------------------------------------------------------
-
-    async def sse_handler(self, request: web.Request) -> web.StreamResponse:
-        return await handlers.sse_handler(self, request)
-
-    async def ws_handler(self, request: web.Request) -> web.StreamResponse:
-        return await handlers.ws_handler(self, request)
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "alive", "relay": self.config.relay_id})
@@ -434,21 +426,10 @@ class EdgeServer:
         return web.Response(status=204, headers=CORS_HEADERS)
 
     async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
-        response.headers["X-Relay-Id"] = self.config.relay_id
-        response.headers["Access-Control-Allow-Origin"] = self.config.cors_origin
-        response.headers.setdefault("Access-Control-Expose-Headers", "X-Relay-Id")
-
-
-@web.middleware
-async def _reject_middleware(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except Reject as r:
-        server = request.app[SERVER]
-        server.metrics.rejected.labels(r.error).inc()
-        return r.response()
+        headers = response.headers  # istr names: see relay.edge.handlers.SSE_HEADERS
+        headers[_X_RELAY_ID] = self.config.relay_id
+        headers[hdrs.ACCESS_CONTROL_ALLOW_ORIGIN] = self.config.cors_origin
+        headers.setdefault(hdrs.ACCESS_CONTROL_EXPOSE_HEADERS, "X-Relay-Id")
 
 
 SERVER: Final = web.AppKey("tokenrelay_edge", EdgeServer)
@@ -459,14 +440,20 @@ def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
     closes it); otherwise the app creates and closes a RedisCluster client and a hub."""
     config = config.validate()
     server = EdgeServer(config, hub)
-    app = web.Application(middlewares=[_reject_middleware])
+    # No middleware: with one, aiohttp wraps every handler in two more coroutines, which
+    # every open stream would hold; the stream handlers answer Reject themselves.
+    app = web.Application()
     app[SERVER] = server
     app.on_startup.append(server.startup)
     app.on_shutdown.append(server.on_shutdown)
     app.on_cleanup.append(server.cleanup)
     app.on_response_prepare.append(server.on_prepare)
-    app.router.add_get("/v1/sessions/{sid:[^/]+}/events", server.sse_handler)
-    app.router.add_get("/v1/sessions/{sid:[^/]+}/ws", server.ws_handler)
+    app.router.add_get(
+        "/v1/sessions/{sid:[^/]+}/events", functools.partial(handlers.sse_handler, server)
+    )
+    app.router.add_get(
+        "/v1/sessions/{sid:[^/]+}/ws", functools.partial(handlers.ws_handler, server)
+    )
     app.router.add_route("OPTIONS", "/v1/sessions/{sid:[^/]+}/events", server.preflight)
     app.router.add_route("OPTIONS", "/v1/sessions/{sid:[^/]+}/ws", server.preflight)
     app.router.add_get("/healthz", server.healthz)

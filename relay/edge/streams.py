@@ -4,8 +4,9 @@ refusals, close codes.
 Used by :mod:`relay.edge.server` only. :class:`Stream` is one open SSE / WebSocket stream
 (its hub tap, its task, why the server ends it); :class:`SocketOut` is the socket as a
 :class:`relay.edge.tap.Tap` writes to it (pre-encoded bytes straight to the transport, one
-write per batch; SSE events and WebSocket text frames encoded once per relay in
-byte-bounded caches, :class:`FrameCache`); :class:`Reject` is a refusal before
+write per batch; SSE events and WebSocket text frames encoded once per relay and kept on
+the delivery every watcher of the session shares, :func:`sse_bytes`, :func:`ws_bytes`);
+:class:`Reject` is a refusal before
 streaming (JSON ``{"error", "reason"}``); :data:`WS_CLOSE` maps every stop code to its
 WebSocket close code (the table of docs/PROTOCOL.md).
 
@@ -21,9 +22,9 @@ import asyncio
 import enum
 import random
 import struct
-from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, Protocol
+from urllib.parse import parse_qsl
 
 import orjson
 from aiohttp import web
@@ -33,17 +34,17 @@ from relay.edge.resume import Delivery
 from relay.edge.tap import Tap
 from relay.protocol import sse
 from relay.protocol.codes import CloseCode, Refusal, WsClose
+from relay.protocol.frame import KINDS
 from relay.redisio.errors import WatchClosed
 
 __all__ = [
     "CORS_HEADERS",
     "GOODBYE_S",
     "RETRY_AFTER",
-    "SSE_FRAMES",
     "WS_CLOSE",
-    "WS_FRAMES",
-    "FrameCache",
+    "WS_PING",
     "Reject",
+    "Releasable",
     "SocketOut",
     "Stream",
     "Transport",
@@ -51,6 +52,9 @@ __all__ = [
     "discard",
     "is_ping",
     "jitter",
+    "query_value",
+    "sse_bytes",
+    "ws_bytes",
     "ws_text_frame",
 ]
 
@@ -99,10 +103,28 @@ class Reject(Exception):
         )
 
 
+class Releasable(Protocol):
+    """What a stream holds until it ends (its :class:`relay.edge.streamguard.Ticket`)."""
+
+    def release(self) -> None: ...
+
+
 class Stream:
     """One open SSE or WebSocket stream: its watch, its task, why the server ends it."""
 
-    __slots__ = ("offset", "out", "sid", "sock", "stop", "task", "transport", "watch")
+    __slots__ = (
+        "heard_at",
+        "offset",
+        "out",
+        "pinged_at",
+        "sid",
+        "sock",
+        "stop",
+        "task",
+        "ticket",
+        "transport",
+        "watch",
+    )
 
     def __init__(self, transport: Transport, sid: str, offset: int | None, watch: Tap) -> None:
         self.transport, self.sid, self.offset, self.watch = transport, sid, offset, watch
@@ -110,6 +132,11 @@ class Stream:
         self.task: asyncio.Task[Any] | None = asyncio.current_task()
         self.sock: asyncio.Transport | None = None
         self.out: SocketOut | None = None  # set while frames stream
+        self.ticket: Releasable | None = None  # its share of the server's stream limits
+        # WebSocket liveness (the server's heartbeat timer): when the client was last
+        # heard from, and when a ping went unanswered since (0.0: none is out)
+        self.heard_at = 0.0
+        self.pinged_at = 0.0
 
     def cut(self) -> None:
         """A write did not finish in time: the client is slow. Abort the connection
@@ -130,31 +157,7 @@ class Stream:
         return self.stop if self.stop is not None else (exc.code, exc.reason)
 
 
-class FrameCache:
-    """Encoded bytes per frame (keyed by the frame's bytes object, shared by every watch
-    of the session), least recently used first out, bounded in bytes. A frame larger than
-    an eighth of the bound is encoded each time instead of evicting everything."""
-
-    def __init__(self, encode: Callable[[Delivery], bytes], max_bytes: int) -> None:
-        self._encode = encode
-        self.max_bytes = max_bytes
-        self.size = 0
-        self._items: OrderedDict[bytes, bytes] = OrderedDict()
-
-    def get(self, d: Delivery) -> bytes:
-        items = self._items
-        hit = items.get(d.data)
-        if hit is not None:
-            return hit
-        out = self._encode(d)
-        n = len(out) + len(d.data)
-        if n <= self.max_bytes // 8:
-            items[d.data] = out
-            self.size += n
-            while self.size > self.max_bytes:
-                k, v = items.popitem(last=False)
-                self.size -= len(k) + len(v)
-        return out
+WS_PING: Final = b"\x89\x00"  # an empty, unmasked, final ping frame (RFC 6455 5.5.2)
 
 
 def ws_text_frame(payload: bytes) -> bytes:
@@ -167,8 +170,29 @@ def ws_text_frame(payload: bytes) -> bytes:
     return struct.pack("!BBQ", 0x81, 127, n) + payload
 
 
-SSE_FRAMES: Final = FrameCache(lambda d: sse.event(d.data, id=d.offset, kind=d.kind), 8 << 20)
-WS_FRAMES: Final = FrameCache(lambda d: ws_text_frame(d.data), 8 << 20)
+_EVENT_KINDS: Final = {k: k.encode() for k in KINDS}
+
+
+def sse_bytes(d: Delivery) -> bytes:
+    """``d`` as one SSE event (``id:`` offset, ``event:`` kind, ``data:`` the frame as
+    published), made once per delivery and kept on it (:attr:`Delivery.sse`)."""
+    out = d.sse
+    if out is None:
+        data, kind = d.data, _EVENT_KINDS.get(d.kind)
+        if kind is None or 10 in data or 13 in data:  # LF, CR (JSON with line breaks)
+            out = sse.event(data, id=d.offset, kind=d.kind)
+        else:  # what sse.event writes, in one step
+            out = b"id: %d\nevent: %b\ndata: %b\n\n" % (d.offset, kind, data)
+        d.sse = out
+    return out
+
+
+def ws_bytes(d: Delivery) -> bytes:
+    """``d`` as one WebSocket text frame, made once per delivery (:attr:`Delivery.ws`)."""
+    out = d.ws
+    if out is None:
+        out = d.ws = ws_text_frame(d.data)
+    return out
 
 
 class SocketOut:
@@ -181,7 +205,7 @@ class SocketOut:
 
     __slots__ = (
         "_chunked",
-        "_frames",
+        "_encode",
         "_high",
         "_loop",
         "_on_sent",
@@ -197,14 +221,14 @@ class SocketOut:
         stream: Stream,
         transport: asyncio.Transport,
         writer: AbstractStreamWriter,
-        frames: FrameCache,
+        encode: Callable[[Delivery], bytes],
         on_sent: Callable[[list[Delivery], int], None],
         timeout_s: float,
     ) -> None:
         self._stream = stream
         self._transport = transport
         self._writer = writer
-        self._frames = frames
+        self._encode = encode  # sse_bytes or ws_bytes
         self._on_sent = on_sent
         self._timeout_s = timeout_s
         self._chunked = bool(getattr(writer, "chunked", False))
@@ -224,10 +248,14 @@ class SocketOut:
         self.last_write = self._loop.time()
 
     def send(self, ds: list[Delivery]) -> None:
-        get = self._frames.get
-        data = get(ds[0]) if len(ds) == 1 else b"".join([get(d) for d in ds])
-        self.write(data)
-        self._on_sent(ds, len(data))
+        encode = self._encode
+        data = encode(ds[0]) if len(ds) == 1 else b"".join([encode(d) for d in ds])
+        n = len(data)
+        if self._chunked:
+            data = b"%x\r\n%b\r\n" % (n, data)
+        self._transport.write(data)
+        self.last_write = self._loop.time()
+        self._on_sent(ds, n)
 
     async def drain(self) -> None:
         if self._transport.is_closing():
@@ -256,6 +284,19 @@ def discard(task: asyncio.Task[Any] | None) -> None:
         task.cancel()
     elif not task.cancelled():
         task.exception()
+
+
+def query_value(request: web.Request, name: str) -> str | None:
+    """The first ``name`` parameter of the request's query string (decoded, ``+`` as a
+    space), or None. Parsed here and dropped: ``request.query`` would keep a parsed
+    copy of the query with the request for as long as the stream lasts."""
+    raw = request.rel_url.raw_query_string
+    if not raw:
+        return None
+    for key, value in parse_qsl(raw, keep_blank_values=True):
+        if key == name:
+            return value
+    return None
 
 
 def is_ping(text: str) -> bool:

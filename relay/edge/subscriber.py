@@ -34,7 +34,8 @@ Order of use::
     sub = ShardedSubscriber(redis, on_message=..., on_resubscribed=..., relay_id="r1")
     await sub.start()
     await sub.subscribe([ch, ...])     # returns once SSUBSCRIBE is confirmed
-    ...                                # on_message(channel_bytes, data_bytes) per message
+    ...                                # on_message([[b"smessage", channel, data], ...])
+                                       # per read chunk of a node's connection
     await sub.unsubscribe([ch, ...])
     await sub.close()
 
@@ -303,9 +304,7 @@ class ShardedSubscriber:
         conn = self._conns.get(addr)
         if conn is not None and conn.alive:
             return conn
-        conn = NodeConn(
-            addr, self.on_message, self._on_unsolicited, self._on_lost, self.supervisor.spawn
-        )
+        conn = NodeConn(addr, self.on_message, self._on_unsolicited, self._on_lost)
         await conn.connect(self.client_name, self._auth, self.connect_timeout_s, self._tls)
         self._conns[addr] = conn
         return conn

@@ -8,13 +8,15 @@ and bytes, under the relay-wide :class:`ByteBudget` for replay pages in memory),
 
 Two consumers:
 
-- a socket (:meth:`Tap.run` with an :class:`Out`): the fast path writes frames straight
-  from the hub's reader to the transport while it has room (no task switch): the frames
-  a socket got from one read chunk go out in one write, by a :class:`Flusher` callback
-  that runs right after the reader has parsed the chunk; a socket that pushes back
-  (transport above its write high-water mark) keeps its frames queued in the watch
-  (conflation, slow-consumer cutoff), drained by the stream's own task when the
-  transport resumes;
+- a socket (:meth:`Tap.run` with an :class:`Out`, in the stream's task; or
+  :meth:`Tap.attach`, with no task waiting: a WebSocket's handler task reads the
+  client, and a task runs :meth:`Tap.drain` only when the tap calls for one): the fast
+  path writes frames straight from the hub's reader to the transport while it has room
+  (no task switch): the frames a socket got from one read chunk go out in one write, by
+  a :class:`Flusher` callback that runs right after the reader has parsed the chunk; a
+  socket that pushes back (transport above its write high-water mark) keeps its frames
+  queued in the watch (conflation, slow-consumer cutoff), drained by the stream's task
+  when the transport resumes;
 - plain code and tests (:meth:`Tap.next`): everything pending, awaited.
 
 The next replay page is read when the watch says its queue is below low water, that is
@@ -22,9 +24,10 @@ after the socket took the previous page: a replay runs at the socket's speed.
 
 Order of use (the hub does the first two)::
 
-    tap = Tap(sid, watch, redis, budget, on_close, on_lost); tap.subscribed()
+    tap = Tap(sid, watch, hub); tap.subscribed()   # hub: a TapHost
     tap.feed(deliveries)                       # hub reader, per live chunk
     await tap.run(out)  /  await tap.next()    # raise WatchClosed(reason, code)
+    tap.attach(out, waker)                     # or: waker() starts a task: await tap.drain()
     await tap.close()
 """
 
@@ -34,7 +37,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any, NoReturn, Protocol
+from typing import Any, Protocol
 
 from redis.asyncio.cluster import RedisCluster
 
@@ -46,7 +49,7 @@ from relay.redisio.errors import RelayError, WatchClosed
 from relay.redisio.publisher import BacklogPage, read_backlog_page
 from relay.service.supervise import Backoff
 
-__all__ = ["ByteBudget", "Flusher", "Out", "Tap", "delivery", "read_page"]
+__all__ = ["ByteBudget", "Flusher", "Out", "Tap", "TapHost", "delivery", "read_page"]
 
 READ_BACKOFF = Backoff(base_s=0.05, cap_s=1.0)  # backlog reads while Redis is unreachable
 
@@ -156,12 +159,17 @@ class Flusher:
     def __init__(self) -> None:
         self._dirty: list[Tap] = []
         self._scheduled = False
+        # its loop, kept: asyncio.get_running_loop() makes a getpid() system call
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def add(self, tap: Tap) -> None:
         self._dirty.append(tap)
         if not self._scheduled:
             self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._run)
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
+            loop.call_soon(self._run)
 
     def _run(self) -> None:
         self._scheduled = False
@@ -171,29 +179,49 @@ class Flusher:
             tap._flush()
 
 
+class TapHost(Protocol):
+    """What a tap needs of its hub: one reference per tap, not one per callback."""
+
+    @property
+    def redis(self) -> RedisCluster: ...
+
+    @property
+    def budget(self) -> ByteBudget: ...
+
+    @property
+    def flusher(self) -> Flusher | None: ...
+
+    def tap_closed(self, tap: Tap) -> None:
+        """The tap's watch closed: stop feeding it."""
+
+    def offsets_lost(self, sid: str, seen: int) -> None:
+        """The backlog ends before ``seen``, an offset already delivered (a failover)."""
+
+
 class Tap:
     """One watcher as the hub and the server see it. See the module docstring."""
 
-    def __init__(
-        self,
-        sid: str,
-        watch: Watch,
-        redis: RedisCluster,
-        budget: ByteBudget,
-        on_close: Callable[[Tap], None],
-        on_lost: Callable[[str, int], None],
-        flusher: Flusher | None = None,
-    ) -> None:
+    __slots__ = (
+        "_detached",
+        "_dirty",
+        "_fetch_task",
+        "_held",
+        "_host",
+        "_out",
+        "_waiter",
+        "_waker",
+        "session",
+        "watch",
+    )
+
+    def __init__(self, sid: str, watch: Watch, host: TapHost) -> None:
         self.session = sid
-        self._flusher = flusher
-        self._dirty = False
         self.watch = watch
-        self._redis = redis
-        self._budget = budget
-        self._on_close = on_close
-        self._on_lost = on_lost
+        self._host = host
+        self._dirty = False
         self._waiter: asyncio.Future[None] | None = None  # made only while a consumer waits
         self._out: Out | None = None
+        self._waker: Callable[[], None] | None = None  # an attached consumer's (attach)
         self._fetch_task: asyncio.Task[None] | None = None
         self._held = 0  # budget bytes of replay frames read and not yet taken
         self._detached = False
@@ -214,13 +242,15 @@ class Tap:
 
     def feed(self, ds: list[Delivery]) -> None:
         """Live frames in channel order (synchronous, on the hub's reader)."""
-        intents = self.watch.live(ds)
+        watch = self.watch
+        intents = watch.live(ds)
         if intents:
             self._apply(intents)
-        if self.watch.pending and not self._dirty:
-            if self._flusher is not None and self._out is not None:
+        if not self._dirty and watch.pending:
+            flusher = self._host.flusher
+            if flusher is not None and self._out is not None:
                 self._dirty = True
-                self._flusher.add(self)
+                flusher.add(self)
             else:
                 self._flush()
 
@@ -250,25 +280,54 @@ class Tap:
                 return ds
             await self._wait()
 
-    async def run(self, out: Out) -> NoReturn:
+    async def run(self, out: Out, *, idle_returns: bool = False) -> None:
         """Write to ``out`` until the watch closes (raises WatchClosed) or the socket fails
         (ConnectionError from ``out``). Frames go straight out from the hub's reader while
-        ``out`` has room; this task only drains what a pushing-back socket left queued."""
+        ``out`` has room; this task only drains what a pushing-back socket left queued.
+        With ``idle_returns`` (:meth:`drain`), return once nothing is queued."""
         self._out = out
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 closed = self.watch.closed
                 if closed is not None:
                     raise WatchClosed(closed.reason, closed.code)
                 if not self.watch.pending:
-                    await self._wait()
+                    if idle_returns:
+                        return
+                    self._waiter = waiter = loop.create_future()  # (not self._wait():
+                    try:  # one coroutine less held by every idle stream)
+                        await waiter
+                    finally:
+                        self._waiter = None
                 elif not out.room():
                     await out.drain()
                     self._settle(out)
                 else:
                     self._send(out, "writes_queued")
-        finally:
-            self._out = None
+        except BaseException:
+            self._out = self._waker = None
+            raise
+
+    def attach(self, out: Out, waker: Callable[[], None]) -> None:
+        """Write to ``out`` straight from the hub's reader, with no task of the consumer's
+        waiting meanwhile: ``waker()`` is called when one is needed, that is when the
+        socket pushed back with frames queued or the watch closed; it must start a task
+        that runs :meth:`drain`."""
+        self._out, self._waker = out, waker
+        if self.closed:
+            waker()
+        elif self.watch.pending:
+            self._flush()
+
+    async def drain(self) -> None:
+        """For an attached consumer (:meth:`attach`): write what is queued as the socket
+        drains and return once nothing is; raise like :meth:`run` when the watch closed
+        or the socket failed."""
+        out = self._out
+        if out is None:
+            raise WatchClosed("the stream has ended", CloseCode.CLOSED)
+        await self.run(out, idle_returns=True)
 
     def try_write(self, write: Callable[[], None]) -> bool:
         """Run ``write`` (a heartbeat) only if nothing is queued and the socket has room."""
@@ -289,8 +348,11 @@ class Tap:
 
     def _wake(self) -> None:
         w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        if w is not None:
+            if not w.done():
+                w.set_result(None)
+        elif self._waker is not None:
+            self._waker()
 
     def _take(self) -> list[Delivery]:
         """Everything pending; performs the watch's intents (the next replay page)."""
@@ -300,12 +362,14 @@ class Tap:
         return ds
 
     def _send(self, out: Out, counter: str) -> None:
-        ds, intents = self.watch.take()
+        watch = self.watch
+        ds, intents = watch.take()
         if ds:
             out.send(ds)
-            c = self.watch.counters
+            c = watch.counters
             c[counter] = c.get(counter, 0) + 1
-        self._settle(out)  # before the next page is asked for: its budget may be ours
+        if self._held:
+            self._settle(out)  # before the next page is asked for: its budget may be ours
         if intents:
             self._apply(intents)
 
@@ -313,7 +377,7 @@ class Tap:
         """Replay bytes stop counting against the budget once the transport took them
         below its high-water mark (or a plain consumer took them)."""
         if self._held and (out is None or out.room()):
-            self._budget.release(self._held)
+            self._host.budget.release(self._held)
             self._held = 0
 
     def _flush(self) -> None:
@@ -336,23 +400,23 @@ class Tap:
     def _closed(self) -> None:
         self._wake()
         if self._held:
-            self._budget.release(self._held)
+            self._host.budget.release(self._held)
             self._held = 0
         task, self._fetch_task = self._fetch_task, None
         if task is not None and task is not asyncio.current_task():
             task.cancel()
         if not self._detached:
             self._detached = True
-            self._on_close(self)
+            self._host.tap_closed(self)
 
     async def _fetch(self, fetch: Fetch) -> None:
         w = self.watch
         lim = w.limits
         replay = fetch.after is not None
-        reserved = await self._budget.acquire(lim.replay_page_bytes) if replay else 0
+        reserved = await self._host.budget.acquire(lim.replay_page_bytes) if replay else 0
         try:
             page = await read_page(
-                self._redis,
+                self._host.redis,
                 self.session,
                 fetch.after,
                 lim.replay_page_frames,
@@ -360,19 +424,19 @@ class Tap:
                 lambda: not self.closed,
             )
         except BaseException:
-            self._budget.release(reserved)
+            self._host.budget.release(reserved)
             raise
         if page is None or self.closed:
-            self._budget.release(reserved)
+            self._host.budget.release(reserved)
             return
         frames, first, last, gen = page
         size = sum(len(f) for f in frames)
         keep = min(size, reserved)
-        self._budget.release(reserved - keep)
+        self._host.budget.release(reserved - keep)
         self._held += keep
         r = w.resume
         if r.started and r.last is not None and last < r.last:
-            self._on_lost(self.session, r.last)  # a failover lost offsets we delivered
+            self._host.offsets_lost(self.session, r.last)  # a failover lost offsets we delivered
         entries = [d for d in map(delivery, frames) if d is not None]
         if self._fetch_task is asyncio.current_task():
             self._fetch_task = None

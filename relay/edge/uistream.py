@@ -30,11 +30,12 @@ import logging
 from typing import Any, Final
 
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
+from multidict import istr
 from redis.asyncio.cluster import RedisCluster
 
 from relay.edge.host import StreamHost
-from relay.edge.streams import RETRY_AFTER, Stream, Transport, discard
+from relay.edge.streams import RETRY_AFTER, Reject, Stream, Transport, discard
 from relay.protocol.codes import CloseCode, Refusal
 from relay.protocol.frame import Frame, FrameError, decode
 from relay.protocol.keys import log_key, meta_key
@@ -51,11 +52,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-UI_HEADERS: Final = {
-    "Content-Type": "text/event-stream; charset=utf-8",
-    "Cache-Control": "no-cache",
-    "X-Accel-Buffering": "no",
-    "x-vercel-ai-ui-message-stream": "v1",
+UI_HEADERS: Final = {  # istr names: see relay.edge.handlers.SSE_HEADERS
+    hdrs.CONTENT_TYPE: "text/event-stream; charset=utf-8",
+    hdrs.CACHE_CONTROL: "no-cache",
+    istr("X-Accel-Buffering"): "no",
+    istr("x-vercel-ai-ui-message-stream"): "v1",
 }
 DONE: Final = b"data: [DONE]\n\n"
 _FINISH_REASONS: Final = frozenset(("stop", "length", "content-filter", "tool-calls", "error"))
@@ -161,9 +162,12 @@ async def active_turn(redis: RedisCluster, sid: str) -> tuple[int, int] | None:
 
 
 async def ui_stream_handler(host: StreamHost, request: web.Request) -> web.StreamResponse:
-    sid = host.session(request)
-    access = host.authorize(request, sid)
-    host.check_capacity()
+    try:
+        sid = host.session(request)
+        access = host.authorize(request, sid)
+        host.check_capacity()
+    except Reject as r:
+        return host.refuse(r)
     assert host.redis is not None
     try:
         found = await active_turn(host.redis, sid)
@@ -177,7 +181,10 @@ async def ui_stream_handler(host: StreamHost, request: web.Request) -> web.Strea
     if found is None:
         return web.Response(status=204)
     turn, after = found
-    stream = await host.open_stream(Transport.UI, sid, after, access)
+    try:
+        stream = await host.open_stream(Transport.UI, sid, after, access)
+    except Reject as r:
+        return host.refuse(r)
     code = CloseCode.CLOSED
     ui = UiTurn(sid, turn)
     try:

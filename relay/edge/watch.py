@@ -129,6 +129,18 @@ class Watch:
     ``counters`` (a plain dict the owner reads) gets ``conflations``, ``gaps``,
     ``frames_out`` and ``slow_disconnects`` added to it."""
 
+    __slots__ = (
+        "_conflate_at",
+        "_deferred",
+        "_pending",
+        "closed",
+        "counters",
+        "limits",
+        "pending_bytes",
+        "resume",
+        "session",
+    )
+
     def __init__(
         self,
         session: str,
@@ -172,17 +184,22 @@ class Watch:
         if self.closed is not None:
             return _NONE
         resume = self.resume
-        intents: list[Intent] = []
+        intents: list[Intent] | None = None
         out: list[Delivery] = []
         for d in ds:
+            if resume.next_live(d):  # the common case: the next frame, nothing to merge
+                out.append(d)
+                continue
             step = resume.live(d)
             if step.emit:
                 out.extend(step.emit)
             if step.fetch is not None:
-                intents.append(step.fetch)
+                intents = [*(intents or ()), step.fetch]
         if out:
-            intents.extend(self._push(out))
-        return intents
+            pushed = self._push(out)
+            if pushed:
+                intents = [*(intents or ()), *pushed]
+        return intents or _NONE
 
     def backlog(
         self, entries: Sequence[Delivery], first_available: int, last_offset: int, gen: str = ""
@@ -242,12 +259,18 @@ class Watch:
         return _NONE
 
     def _push(self, ds: list[Delivery]) -> Sequence[Intent]:
+        """Queue ``ds`` (a list the watch may keep: :meth:`live` made it)."""
         c = self.counters
-        gaps = sum(1 for d in ds if d.kind == "gap")
-        if gaps:
-            c["gaps"] = c.get("gaps", 0) + gaps
-        self._pending.extend(ds)
-        self.pending_bytes += sum(len(d.data) for d in ds)
+        size = 0
+        for d in ds:
+            size += len(d.data)
+            if d.kind == "gap":
+                c["gaps"] = c.get("gaps", 0) + 1
+        if self._pending:
+            self._pending.extend(ds)
+        else:
+            self._pending = ds
+        self.pending_bytes += size
         lim = self.limits
         if len(self._pending) > self._conflate_at or self.pending_bytes > lim.max_pending_bytes:
             merged_list, merged = conflate(self._pending)

@@ -407,7 +407,9 @@ def verify_token(
         raise TokenNotYetValid("token is not valid yet (iat / nbf in the future)")
     if now >= expires:
         raise TokenExpired("token has expired")
-    result = Claims(token_sid, expires, scope, issued, key.kid)
+    # the caller's sid (equal, checked above) and the module's scope literal rather than
+    # the strings the JSON decoder made: a relay keeps these claims per open stream
+    result = Claims(sid, expires, SCOPES[SCOPES.index(scope)], issued, key.kid)
     if not result.allows(need):
         raise TokenWrongScope(f"token does not allow {need}")
     return result
