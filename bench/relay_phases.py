@@ -391,15 +391,17 @@ def _bucket_at(buckets: list[tuple[float, float]], n: float) -> float | None:
 
 
 @contextlib.asynccontextmanager
-async def profiled(pid: int, path: Path | None, seconds: float) -> Any:
-    """Sample ``pid`` with py-spy (raw collapsed stacks to ``path``) while the body runs."""
+async def profiled(pid: int, path: Path | None, seconds: float, *, native: bool = False) -> Any:
+    """Sample ``pid`` with py-spy (raw collapsed stacks to ``path``) while the body runs;
+    ``native``: with C frames (py-spy then pauses the process for each sample)."""
     if path is None:
         yield
         return
     spy = Path(sys.executable).with_name("py-spy")
+    how = ["--native"] if native else ["--nonblocking"]
     proc = Proc.start(
         [str(spy), "record", "--format", "raw", "--rate", "250",
-         "--duration", str(int(seconds)), "--nonblocking", "--pid", str(pid),
+         "--duration", str(int(seconds)), *how, "--pid", str(pid),
          "--output", str(path)],
         log=None, name="py-spy",
     )  # fmt: skip
@@ -410,11 +412,23 @@ async def profiled(pid: int, path: Path | None, seconds: float) -> Any:
         await proc.stop()
 
 
+_IDLE = ("epoll_wait", "epoll_pwait", "select", "poll")  # a loop waiting: not CPU
+
+
+def _function(frame: str) -> str:
+    """``name (path/file.py:line)`` -> ``name file.py`` (lines of one function merged)."""
+    name, _, where = frame.partition(" (")
+    where = where.rstrip(")").rsplit("/", 1)[-1].split(":")[0]
+    return f"{name} {where}" if where else name
+
+
 def summarize_profile(path: Path, top: int = 12) -> list[dict[str, Any]]:
-    """Functions by self share of samples (idle waits in the selector included)."""
+    """Functions by self share of the samples in which the relay was busy (a sample
+    whose innermost frame is a wait in ``epoll`` & co. is idle, shown apart as
+    ``(idle)``), and by total share (the function on the stack)."""
     self_n: dict[str, int] = {}
     total_n: dict[str, int] = {}
-    samples = 0
+    samples = idle = 0
     if not path.exists():
         return []
     for line in path.read_text().splitlines():
@@ -422,15 +436,16 @@ def summarize_profile(path: Path, top: int = 12) -> list[dict[str, Any]]:
         if not stack or not count.isdigit():
             continue
         n = int(count)
+        frames = [_function(f) for f in stack.split(";")]
+        if frames[-1].split(" ")[0] in _IDLE:  # (a sample of the process waiting)
+            idle += n
+            continue
         samples += n
-        frames = [
-            f.split(" (")[0] + " " + f.rsplit("/", 1)[-1].rstrip(")") for f in stack.split(";")
-        ]
         self_n[frames[-1]] = self_n.get(frames[-1], 0) + n
         for f in set(frames):
             total_n[f] = total_n.get(f, 0) + n
     ranked = sorted(self_n, key=lambda f: -self_n[f])[:top]
-    return [
+    out = [
         {
             "function": f,
             "self_pct": round(100 * self_n[f] / samples, 1),
@@ -438,6 +453,10 @@ def summarize_profile(path: Path, top: int = 12) -> list[dict[str, Any]]:
         }
         for f in ranked
     ]
+    if idle:
+        share = round(100 * idle / (idle + samples), 1)
+        out.append({"function": "(idle)", "self_pct": share, "total_pct": share})
+    return out
 
 
 def main() -> None:

@@ -373,6 +373,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--profile", metavar="DIR", help="sample the relay with py-spy in the 5,000/s phase"
     )
     ap.add_argument(
+        "--profile-native",
+        action="store_true",
+        help="with --profile: C frames and system calls too (py-spy --native; it pauses"
+        " the relay for each sample)",
+    )
+    ap.add_argument(
         "--phases",
         metavar="LIST",
         help=f"run only these phases, comma-separated (default: all): {','.join(PHASES)}",
@@ -393,6 +399,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         v = getattr(args, name, None)
         if v is not None:
             setattr(cfg, name, v)
+    if getattr(args, "profile_native", False):
+        cfg.profile_native = True
     if getattr(args, "phases", None):
         cfg.phases = tuple(p.strip() for p in args.phases.split(",") if p.strip())
     return cfg

@@ -62,6 +62,7 @@ class Config:
     replay_frames: int = 10_000  # one session, replayed from 0 by replay_clients at once
     replay_clients: int = 50
     profile: str = ""  # a directory: py-spy samples the relay during the 5,000/s phase
+    profile_native: bool = False  # ... with C frames and system calls (py-spy --native)
     phases: tuple[str, ...] = ()  # which phases of bench.relay_throughput run; () = all
 
     @classmethod
@@ -182,7 +183,9 @@ async def latency_phase(
             "rate": cfg.lat_rate,
             "seconds": warm + cfg.lat_seconds,
         }
-        async with relay_phases.profiled(relay.pid, profile, warm + cfg.lat_seconds):
+        async with relay_phases.profiled(
+            relay.pid, profile, warm + cfg.lat_seconds, native=cfg.profile_native
+        ):
             pub = await run_publisher(spec)
         tally.expected = pub["sent"]
         backlog_s = await wait_all(tally)

@@ -2,12 +2,13 @@
 any number of local watchers, each resumed from its own offset, each with a bounded queue.
 
 Pieces: :class:`relay.edge.subscriber.ShardedSubscriber` (one pubsub connection per node)
-hands every ``smessage`` to :meth:`Hub._on_message` (synchronous: the reader task never
-awaits a consumer). Per channel, a :class:`relay.edge.resume.Resume` keeps channel-level
-order (duplicates dropped; a hole -> one backlog read for all watchers); per watcher, a
-:class:`relay.edge.tap.Tap` drives a pure :class:`relay.edge.watch.Watch` (replay merged with the
-live feed, bounded queue, conflation, slow-consumer cutoff) and writes to its socket
-straight from the reader while the socket has room. Replays are read page by page as
+hands the ``smessage``s of each read chunk to :meth:`Hub._on_message` (synchronous: the
+reader never awaits a consumer; the chunk's sockets are written right after it). Per
+channel, a :class:`relay.edge.resume.Resume` keeps channel-level order (duplicates
+dropped; a hole -> one backlog read for all watchers); per watcher, a
+:class:`relay.edge.tap.Tap` drives a pure :class:`relay.edge.watch.Watch` (replay merged
+with the live feed, bounded queue, conflation, slow-consumer cutoff) and writes to its
+socket straight from the reader while the socket has room. Replays are read page by page as
 the socket drains, under a relay-wide byte budget (:class:`relay.edge.tap.ByteBudget`).
 
 Beside the hub, fed by its set of watched sessions: :class:`relay.redisio.presence.Presence`
@@ -368,15 +369,30 @@ class Hub:
     def _reapable(self) -> Iterator[_Channel]:
         return (ch for ch in self._channels.values() if ch.watched and ch.ready.done())
 
-    # -- live path (synchronous, called by the subscriber's reader tasks) -----------------
+    # -- live path (synchronous, called from the subscriber's node connections) ----------
 
     def _on_message(self, msgs: list[list[bytes]]) -> None:
         """The ``smessage`` replies of one read chunk, in order: per frame a decode, the
         channel's resume (duplicates, holes) and its taps; per chunk the clocks, the
         counters and the observers."""
-        by_bytes, stats = self._by_bytes, self._stats
+        stats, flusher = self._stats, self.flusher
         received, now = monotonic_ms(), time.monotonic()  # (now: for the reaper)
         seen: list[Delivery] = []
+        flusher.hold()  # one write per socket for the whole chunk, right after it
+        try:
+            self._on_chunk(msgs, received, now, seen)
+        finally:
+            flusher.release()
+        stats["frames_in"] += len(seen)
+        stats["reads"] += 1
+        if seen:
+            for observe in self.live_observers:
+                observe(seen)
+
+    def _on_chunk(
+        self, msgs: list[list[bytes]], received: int, now: float, seen: list[Delivery]
+    ) -> None:
+        by_bytes, stats = self._by_bytes, self._stats
         for msg in msgs:
             ch = by_bytes.get(msg[1])
             if ch is None:
@@ -395,11 +411,6 @@ class Hub:
                     self._channel_step(ch, resume.live(d), now)
             except Exception:  # one channel's bug must not cost the chunk's other frames
                 log.exception("live frame of %s failed", ch.sid)
-        stats["frames_in"] += len(seen)
-        stats["reads"] += 1
-        if seen:
-            for observe in self.live_observers:
-                observe(seen)
 
     def _channel_step(self, ch: _Channel, step: Step, now: float) -> None:
         if step.emit:

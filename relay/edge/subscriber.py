@@ -1,10 +1,10 @@
-"""The sharded subscriber: one pubsub connection and one reader task per node.
+"""The sharded subscriber: one pubsub connection per node, read in its callbacks.
 
 Not redis-py's ``ClusterPubSub`` (bench/subscriber_compare.py measures both): each node that holds
-subscriptions gets one raw asyncio connection, parsed with ``hiredis.Reader``; its
-reader task blocks on the socket (no polling), parses every complete reply in each
-chunk and hands each ``smessage`` to a synchronous callback. The reader never awaits a
-consumer.
+subscriptions gets one raw asyncio connection, parsed with ``hiredis.Reader`` in the
+transport's ``data_received`` (no polling, no task in between), which parses every
+complete reply of each chunk and hands the chunk's ``smessage``s, in one list, to a
+synchronous callback. The reader never awaits a consumer.
 
 Desired state vs actual state: callers say which channels they *want*
 (:meth:`ShardedSubscriber.subscribe` / :meth:`~ShardedSubscriber.unsubscribe`); one

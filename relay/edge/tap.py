@@ -153,26 +153,41 @@ class Out(Protocol):
 
 
 class Flusher:
-    """Taps fed during one read chunk, written once each when the chunk is done (one
-    ``call_soon`` per chunk: it runs after the reader's synchronous parse loop)."""
+    """Taps fed during one read chunk, written once each when the chunk is done. The
+    hub brackets each chunk of a shard connection with :meth:`hold` / :meth:`release`
+    (the writes follow the chunk's parse at once, chunk by chunk); taps fed outside a
+    chunk (backlog pages) are written by one ``call_soon``."""
 
     def __init__(self) -> None:
         self._dirty: list[Tap] = []
         self._scheduled = False
+        self._holding = False
         # its loop, kept: asyncio.get_running_loop() makes a getpid() system call
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def add(self, tap: Tap) -> None:
         self._dirty.append(tap)
-        if not self._scheduled:
+        if not self._scheduled and not self._holding:
             self._scheduled = True
             loop = self._loop
             if loop is None:
                 loop = self._loop = asyncio.get_running_loop()
-            loop.call_soon(self._run)
+            loop.call_soon(self._scheduled_run)
+
+    def hold(self) -> None:
+        """A chunk is being read: write its taps at :meth:`release`."""
+        self._holding = True
+
+    def release(self) -> None:
+        self._holding = False
+        if self._dirty:
+            self._run()
+
+    def _scheduled_run(self) -> None:
+        self._scheduled = False
+        self._run()
 
     def _run(self) -> None:
-        self._scheduled = False
         dirty, self._dirty = self._dirty, []
         for tap in dirty:
             tap._dirty = False
