@@ -8,7 +8,10 @@
 - ``GET /v1/sessions/{sid}/ws``: WebSocket. ``{"type":"hello",...}`` first, then one
   text message per frame (the frame JSON as published). Resume: ``?from=<offset>``
   and ``gen``.
-  The handler task reads the client (aiohttp requires it), a writer task streams.
+  The handler task reads the client (aiohttp requires it); frames are written from
+  the hub's reader, and a writer task runs only to drain a pushed-back socket or to
+  close the stream. Pings and the dead-peer cutoff: the server's one stream timer
+  (:mod:`relay.edge.beats`).
 
 Both are written against :class:`relay.edge.host.StreamHost` (the server's interface to
 its handlers). Order of use: :func:`relay.edge.server.make_app` routes the two paths to

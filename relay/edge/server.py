@@ -16,7 +16,9 @@ socket through its hub :class:`~relay.edge.tap.Tap`: written straight from the h
 reader while the transport has room, queued (bounded, conflating) while it pushes back
 and drained by the stream's own task; the hub never waits on a socket, and a socket
 that does not drain within ``write_timeout_s`` is closed as a slow consumer. SSE
-heartbeats come from one timer for all streams.
+heartbeats and WebSocket pings come from one timer for all streams
+(:mod:`relay.edge.beats`). The stream handlers answer a :class:`Reject` themselves
+(``host.refuse``): the app has no middleware, so a new handler that refuses must too.
 
 Background work (the heartbeat timer, the loop-lag sampler, the first connection to
 Redis, and the hub's subscriber, presence and reaper loops) runs on one

@@ -117,7 +117,6 @@ class Presence:
         self.batch = batch
         self.tick_s = tick_s
         self._watched: dict[str, float] = {}  # sid -> when its next refresh is due
-        self._keys: dict[str, tuple[str, ...]] = {}  # sid -> its write_keys, built once
         self._due: list[tuple[float, str]] = []  # heap; stale entries skipped
         self._new: set[str] = set()
         self._gone: set[str] = set()
@@ -139,7 +138,6 @@ class Presence:
         loop first: a refresh racing this would write entries back."""
         self._gone.update(self._watched)
         self._watched.clear()
-        self._keys.clear()
         self._new.clear()
         with contextlib.suppress(RelayError):
             await self._flush(0.0)
@@ -149,14 +147,12 @@ class Presence:
             return
         self._gone.discard(sid)
         self._watched[sid] = 0.0
-        self._keys[sid] = write_keys(sid)
         self._new.add(sid)
         self._kick.set()
 
     def remove(self, sid: str) -> None:
         if self._watched.pop(sid, None) is None:
             return
-        del self._keys[sid]
         self._new.discard(sid)
         self._gone.add(sid)
         self._kick.set()
@@ -205,11 +201,13 @@ class Presence:
         """One pipeline: entries written (and their sessions' keys extended), entries
         removed; a failure raises :class:`relay.redisio.errors.RelayError`."""
         ttl_ms = int(self.ttl_s * 1000)
-        keys = self._keys
         with map_redis_errors():
             async with self.redis.pipeline(transaction=False) as p:
                 for sid in writes:
-                    ks = keys.get(sid) or write_keys(sid)
+                    # built per write, not kept per watched session: five key names
+                    # (about 500 bytes) for every session, against a few microseconds
+                    # per session every refresh_s
+                    ks = write_keys(sid)
                     p.eval(WRITE_LUA, len(ks), *ks, self.relay_id, ttl_ms)
                 for sid in gone:
                     p.zrem(presence_key(sid), self.relay_id)
