@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, Generic, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -65,9 +65,31 @@ LATENCY_BUCKETS: Final = (
 )  # fmt: skip
 
 StatsFn = Callable[[], Mapping[str, Any]]
+_C = TypeVar("_C")
 
 
-class LoopHistogram(Collector):
+class _LoopFamily(Collector, Generic[_C]):
+    """What the two loop metrics share: a name, help text, label names, and one child
+    per label values, made on first use by ``_new_child``."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...]) -> None:
+        self.name, self.documentation = name, documentation
+        self.labelnames = labelnames
+        self._children: dict[tuple[str, ...], _C] = {}
+
+    def _new_child(self) -> _C:
+        raise NotImplementedError
+
+    def labels(self, *values: str) -> _C:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name} wants labels {self.labelnames}, got {values}")
+            child = self._children[values] = self._new_child()
+        return child
+
+
+class LoopHistogram(_LoopFamily["_LoopChild"]):
     """A histogram for code that runs on one event loop: ``observe`` is a bisect and two
     list updates (no lock, no per-sample object), where prometheus-client's Histogram
     takes a lock per bucket update. The server observes every frame written to every
@@ -80,18 +102,11 @@ class LoopHistogram(Collector):
         self, name: str, documentation: str, labelnames: tuple[str, ...] = (), *,
         buckets: tuple[float, ...] = LATENCY_BUCKETS,
     ) -> None:  # fmt: skip
-        self.name, self.documentation = name, documentation
-        self.labelnames = labelnames
+        super().__init__(name, documentation, labelnames)
         self.bounds = tuple(sorted(buckets))
-        self._children: dict[tuple[str, ...], _LoopChild] = {}
 
-    def labels(self, *values: str) -> _LoopChild:
-        child = self._children.get(values)
-        if child is None:
-            if len(values) != len(self.labelnames):
-                raise ValueError(f"{self.name} wants labels {self.labelnames}, got {values}")
-            child = self._children[values] = _LoopChild(self.bounds)
-        return child
+    def _new_child(self) -> _LoopChild:
+        return _LoopChild(self.bounds)
 
     def observe(self, seconds: float) -> None:
         self.labels().observe(seconds)
@@ -110,24 +125,17 @@ class LoopHistogram(Collector):
         yield fam
 
 
-class LoopCounter(Collector):
+class LoopCounter(_LoopFamily["_LoopCount"]):
     """A counter for code that runs on one event loop: ``inc`` is one addition (no lock:
     prometheus-client's Counter takes one per increment, and the server counts every
     socket write). Exported at scrape time as a prometheus-client Counter is
     (``<name>_total``). ``c.labels("sse").inc(n)``."""
 
     def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...] = ()) -> None:
-        self.name, self.documentation = name, documentation
-        self.labelnames = labelnames
-        self._children: dict[tuple[str, ...], _LoopCount] = {}
+        super().__init__(name, documentation, labelnames)
 
-    def labels(self, *values: str) -> _LoopCount:
-        child = self._children.get(values)
-        if child is None:
-            if len(values) != len(self.labelnames):
-                raise ValueError(f"{self.name} wants labels {self.labelnames}, got {values}")
-            child = self._children[values] = _LoopCount()
-        return child
+    def _new_child(self) -> _LoopCount:
+        return _LoopCount()
 
     def describe(self) -> list[Metric]:
         return [CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)]
