@@ -195,6 +195,8 @@ class Side:
                 "sids": sids,
                 "rate": rate,
                 "seconds": seconds,
+                # a stamp per frame as it is made, as the Node emitter does per emit
+                "stamp": "build",
             }
             return await run_publisher(spec)
         return await emit(self.modules, self.seed, sids, rate, seconds)

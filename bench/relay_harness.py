@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._util import cpu_s, free_port, run_json, self_cpu_s
-from devstack.procs import Proc, http_ok, launched
+from devstack.procs import Proc, http_ok, launched, log_line
 from relay.edge.nodeconn import raw_command
 from relay.protocol.keys import live_channel, new_session_id
 from relay.protocol.slotmap import Addr, SlotMap, parse_shards, slot_of
@@ -38,6 +38,7 @@ __all__ = [
     "STAMP",
     "CpuMeter",
     "RelayProc",
+    "bare_process",
     "machine_busy_s",
     "redis_cpu_s",
     "relay_process",
@@ -165,4 +166,16 @@ async def relay_process(
     ]  # fmt: skip
     ready = http_ok(f"http://127.0.0.1:{port}/readyz")
     async with launched(argv, log=log_dir / f"{name}.log", ready=ready, name=name) as proc:
+        yield RelayProc(proc, port)
+
+
+@contextlib.asynccontextmanager
+async def bare_process(url: str, log_dir: Path) -> AsyncIterator[RelayProc]:
+    """:mod:`bench.bare_relay` (the least a relay does) as its own process; stopped by pid."""
+    port = free_port()
+    argv = [sys.executable, "-m", "bench.bare_relay", url, str(port)]
+    name = "bench-bare"
+    async with launched(
+        argv, log=log_dir / f"{name}.log", ready=log_line("ready"), name=name
+    ) as proc:
         yield RelayProc(proc, port)

@@ -71,7 +71,14 @@ from typing import Any
 
 from bench import relay_phases
 from bench._util import raise_nofile, write_json
-from bench.relay_harness import SECRET, relay_process, run_publisher, sessions, slotmap
+from bench.relay_harness import (
+    SECRET,
+    bare_process,
+    relay_process,
+    run_publisher,
+    sessions,
+    slotmap,
+)
 from bench.throughput_phases import (
     Config,
     drain_phase,
@@ -98,7 +105,7 @@ TARGETS = {
 
 
 PHASES = (
-    "raw", "hiredis", "relay1", "fanout", "latency", "latency5k",
+    "raw", "hiredis", "relay1", "fanout", "latency", "latency5k", "bare",
     "idle", "idle_one", "idle_ws", "replay",
 )  # fmt: skip
 ROUNDS = ("raw", "hiredis", "relay1", "fanout")  # run side by side, ``repeats`` times
@@ -191,6 +198,16 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
                         l5["profile"] = relay_phases.summarize_profile(prof)
                     ph["latency_5k"] = l5
                 logs.append(relay.log_path.read_text(errors="replace"))
+        if "bare" in want:
+            async with bare_process(url, log_dir) as bare:
+                cfg5k = Config(**{**asdict(cfg), "lat_rate": cfg.lat_rate_5k})
+                progress(f"bare relay: {cfg.lat_sessions} sessions x {cfg.lat_rate_5k:g} tokens/s")
+                sids = sessions(cfg.lat_sessions, smap, None)
+                ph["bare_5k"] = await latency_phase(bare, url, smap, sids, cfg5k, metrics=False)
+                progress(f"bare relay: drain, {cfg.sessions} SSE clients, 1 per session")
+                sids = sessions(cfg.sessions, smap, master)
+                ph["bare_relay1"] = await drain_phase(bare, url, smap, sids, 1, cfg)
+                logs.append(bare.log_path.read_text(errors="replace"))
         if "idle" in want:
             async with relay_process(url, log_dir, "bench-relay-b", cfg.idle + 100) as relay:
                 progress(f"idle: {cfg.idle} idle SSE connections")
@@ -261,6 +278,21 @@ def _figures(ph: dict[str, dict[str, Any]]) -> dict[str, Any]:
         res["latency_5k_p50_ms"] = ph["latency_5k"]["p50_ms"]
         res["latency_5k_p99_ms"] = ph["latency_5k"]["p99_ms"]
         res["loop_max_turn_ms_5k"] = ph["latency_5k"]["relay_loop_lag"]["max_ms_at_most"]
+    if "bare_relay1" in ph:
+        res["bare_frames_per_s"] = ph["bare_relay1"]["per_s"]
+        if "raw_hiredis" in ph:
+            res["bare_ratio_hiredis"] = (
+                round(res["bare_frames_per_s"] / hi_rate, 3) if hi_rate else 0.0
+            )
+    if "bare_5k" in ph:
+        b5 = ph["bare_5k"]
+        res["bare_cpu_us_per_frame"] = b5["relay_cpu_us_per_frame"]
+        res["bare_latency_5k_p50_ms"] = b5["p50_ms"]
+        res["bare_latency_5k_p99_ms"] = b5["p99_ms"]
+        if "latency_5k" in ph and b5["relay_cpu_us_per_frame"]:
+            res["relay_cpu_vs_bare"] = round(
+                ph["latency_5k"]["relay_cpu_us_per_frame"] / b5["relay_cpu_us_per_frame"], 2
+            )
     if "latency" in ph:
         res["loop_max_turn_ms_20k"] = ph["latency"]["relay_loop_lag"]["max_ms_at_most"]
     if "idle" in ph:
@@ -304,6 +336,7 @@ def _table(res: dict[str, Any]) -> str:
     ph = res["phases"]
     met = res["targets_met"]
     r1, fo, la, l5 = (ph.get(k, {}) for k in ("relay1", "fanout", "latency", "latency_5k"))
+    b5 = ph.get("bare_5k", {})
     idle, ws, rp = (ph.get(k, {}) for k in ("idle", "idle_ws", "replay"))
 
     def cpu(p: dict[str, Any]) -> str:
@@ -329,6 +362,12 @@ def _table(res: dict[str, Any]) -> str:
         "latency_5k_p99_ms": lambda: f"max {l5['max_ms']} ms, behind {l5['lag_after_publisher_s']} s, lost {l5['lost']}; {cpu(l5)}",  # noqa: E501
         "loop_max_turn_ms_5k": lambda: f"{l5['relay_loop_lag']['over_1ms']} of {l5['relay_loop_lag']['samples']} 10 ms timer samples > 1 ms late",  # noqa: E501
         "loop_max_turn_ms_20k": lambda: f"{la['relay_loop_lag']['over_1ms']} of {la['relay_loop_lag']['samples']} samples > 1 ms late",  # noqa: E501
+        "bare_frames_per_s": lambda: f"the bare relay drained like relay1, {ph['bare_relay1']['clients']:,} SSE clients, lost {ph['bare_relay1']['lost']}",  # noqa: E501
+        "bare_ratio_hiredis": lambda: "bare relay / hiredis reader",
+        "bare_cpu_us_per_frame": lambda: f"the least a relay does (bench.bare_relay), same load; {cpu(b5)}",  # noqa: E501
+        "relay_cpu_vs_bare": lambda: "relay_cpu_us_per_frame / bare_cpu_us_per_frame",
+        "bare_latency_5k_p50_ms": lambda: "the bare relay, same publisher, clients and rate",
+        "bare_latency_5k_p99_ms": lambda: f"max {b5['max_ms']} ms, behind {b5['lag_after_publisher_s']} s, lost {b5['lost']}",  # noqa: E501
         "rss_kb_per_idle_conn": lambda: f"{idle['connections']:,} SSE conns, 1 session each",
         "rss_kb_per_idle_ws_conn": lambda: f"{ws['connections']:,} WebSocket conns, 1 session each",
         "replay_frames_per_s": lambda: f"{rp['clients']} SSE clients x {rp['frames']:,} frames from 0: {rp['endings']}",  # noqa: E501
@@ -368,6 +407,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--lat-rate", type=float, help=f"tokens/s per session in the latency phase ({d.lat_rate:g})"
     )
+    ap.add_argument(
+        "--lat-tick-ms",
+        type=float,
+        help="the paced publisher's tick: each tick's share of the sessions goes out in one"
+        f" write per master ({d.lat_tick_ms:g})",
+    )
     ap.add_argument("--idle", type=int, help=f"idle SSE connections ({d.idle})")
     ap.add_argument(
         "--profile", metavar="DIR", help="sample the relay with py-spy in the 5,000/s phase"
@@ -393,6 +438,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "lat_sessions",
         "lat_rate",
         "lat_seconds",
+        "lat_tick_ms",
         "idle",
         "profile",
     ):
@@ -415,7 +461,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     lost = sum(
         ph[k]["lost_all_rounds"] for k in ("raw", "raw_hiredis", "relay1", "fanout") if k in ph
     )
-    lost += sum(ph[k]["lost"] for k in ("latency", "latency_5k") if k in ph)
+    lost += sum(
+        ph[k]["lost"] for k in ("latency", "latency_5k", "bare_5k", "bare_relay1") if k in ph
+    )
     return 1 if lost or res["relay_log_tracebacks"] else 0
 
 

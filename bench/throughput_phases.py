@@ -59,6 +59,7 @@ class Config:
     connect_window: int = 200  # connections being opened at once
     repeats: int = 3  # rounds of raw / relay1 / fanout; the median is reported
     lat_rate_5k: float = 5.0  # tokens/s per session of the second latency phase (5,000/s)
+    lat_tick_ms: float = 1.0  # the paced publisher's tick: each tick sends its share at once
     replay_frames: int = 10_000  # one session, replayed from 0 by replay_clients at once
     replay_clients: int = 50
     profile: str = ""  # a directory: py-spy samples the relay during the 5,000/s phase
@@ -165,14 +166,17 @@ async def latency_phase(
     sids: list[str],
     cfg: Config,
     profile: Path | None = None,
+    *,
+    metrics: bool = True,
 ) -> dict[str, Any]:
     """Paced publisher, one SSE client per session; ``profile``: py-spy samples the relay
-    while the publisher runs (not while the clients connect)."""
+    while the publisher runs (not while the clients connect); ``metrics``: read the
+    relay's ``/metrics`` before and after (the bare relay has none)."""
     tally = Tally(record_latency=True)
     clients = await open_clients(relay.port, sids, tally, cfg.connect_window)
     try:
         await asyncio.sleep(0.5)
-        metrics_before = await metrics_text(relay)
+        metrics_before = await metrics_text(relay) if metrics else ""
         meter = CpuMeter(relay.pid, smap)
         await meter.start()
         warm = 1.0
@@ -182,6 +186,7 @@ async def latency_phase(
             "sids": sids,
             "rate": cfg.lat_rate,
             "seconds": warm + cfg.lat_seconds,
+            "tick_s": cfg.lat_tick_ms / 1000,
         }
         async with relay_phases.profiled(
             relay.pid, profile, warm + cfg.lat_seconds, native=cfg.profile_native
@@ -191,9 +196,12 @@ async def latency_phase(
         backlog_s = await wait_all(tally)
         cpu = await meter.stop(pub["cpu_s"])
         lost = tally.expected - tally.tokens
-        metrics_after = await metrics_text(relay)
-        lag = relay_phases.loop_lag(metrics_before, metrics_after)
-        view = relay_phases.relay_view(metrics_before, metrics_after)
+        lag: dict[str, Any] = {}
+        view: dict[str, Any] = {}
+        if metrics:
+            metrics_after = await metrics_text(relay)
+            lag = relay_phases.loop_lag(metrics_before, metrics_after)
+            view = relay_phases.relay_view(metrics_before, metrics_after)
     finally:
         close_clients(clients)
     # warm-up: the first second's worth of samples, in arrival order

@@ -7,10 +7,16 @@ starts it and reads that line from its log. Two modes:
 - ``flood``: ``frames`` token frames per session through :class:`Generation.publish`,
   ``batch`` frames per call of the publish script (XADD backlog + SPUBLISH in one call);
 - ``paced``: ``rate`` token frames/s per session for ``seconds``, one frame per call,
-  pipelined per master on raw connections.
+  pipelined per master on raw connections; every ``tick_s`` (default 10 ms) the tick's
+  share of the sessions, in one write per master.
 
 Every token's text is the producer's clock (``<19-digit ns>;``), which the clients
-count and turn into latency (:data:`bench.relay_harness.STAMP`).
+count and turn into latency (:data:`bench.relay_harness.STAMP`). Flooded frames are
+stamped when made. Paced frames by default (``stamp: "send"``) when their tick's write
+is handed to the socket: they are made first with a placeholder of the same length, so
+the time this Python process takes to build a tick's frames is not counted as latency
+of the system under test; ``stamp: "build"`` stamps each as it is made (the way
+``bench/peer/socketio_emit.cjs`` stamps, for a like-for-like comparison with it).
 """
 
 from __future__ import annotations
@@ -66,7 +72,18 @@ async def publish_flood(url: str, sids: list[str], frames: int, batch: int) -> d
     return {"sent": sent, "seconds": took, "errors": 0, "cpu_s": self_cpu_s()}
 
 
-async def publish_paced(url: str, sids: list[str], rate: float, seconds: float) -> dict[str, Any]:
+_HOLD = "~" * 19  # the stamp's place in a paced frame until its write
+
+
+async def publish_paced(
+    url: str,
+    sids: list[str],
+    rate: float,
+    seconds: float,
+    tick: float = 0.01,
+    *,
+    stamp_at_send: bool = True,
+) -> dict[str, Any]:
     """``rate`` token frames/s per session for ``seconds``, one frame per call of the
     publish script (:data:`relay.redisio.publisher.PUBLISH`, its argument layout of
     ``Generation._write``), pipelined per master on raw connections: redis-py costs more
@@ -109,7 +126,6 @@ async def publish_paced(url: str, sids: list[str], rate: float, seconds: float) 
                     errors.append(str(r)[:80])
 
     readers = [asyncio.create_task(read_replies(n)) for n in conns]
-    tick = 0.01
     per_tick = rate * tick  # calls per session per tick (0.2 at 20/s)
     groups = max(1, round(1 / per_tick)) if per_tick < 1 else 1
     sent = 0
@@ -126,7 +142,7 @@ async def publish_paced(url: str, sids: list[str], rate: float, seconds: float) 
                     turn=g.turn,
                     offset=off,
                     kind="token",
-                    text=f"{time.time_ns():019d};",
+                    text=f"{_HOLD if stamp_at_send else f'{time.time_ns():019d}'};",
                     epoch=g.epoch,
                     ts=time.time_ns() // 1_000_000,
                     meta={"gen": g.gen},
@@ -140,9 +156,13 @@ async def publish_paced(url: str, sids: list[str], rate: float, seconds: float) 
             g.offset = off
             pending[node_of[i]] += 1
             sent += 1
+        hold = _HOLD.encode()
         for node, cmds in bufs.items():
             if cmds:
-                conns[node][1].write(b"".join(cmds))
+                data = b"".join(cmds)
+                if stamp_at_send:
+                    data = data.replace(hold, b"%019d" % time.time_ns())
+                conns[node][1].write(data)
         delay = t0 + (t + 1) * tick - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
@@ -173,7 +193,16 @@ def main(argv: list[str] | None = None) -> None:
     if spec["mode"] == "flood":
         out = asyncio.run(publish_flood(spec["url"], spec["sids"], spec["frames"], spec["batch"]))
     else:
-        out = asyncio.run(publish_paced(spec["url"], spec["sids"], spec["rate"], spec["seconds"]))
+        out = asyncio.run(
+            publish_paced(
+                spec["url"],
+                spec["sids"],
+                spec["rate"],
+                spec["seconds"],
+                spec.get("tick_s", 0.01),
+                stamp_at_send=spec.get("stamp", "send") == "send",
+            )
+        )
     print(json.dumps(out), flush=True)
 
 

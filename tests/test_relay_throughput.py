@@ -1,6 +1,6 @@
 """Smoke test of ``bench.relay_throughput``: a tiny configuration of every phase on the
 suite's cluster (raw redis-py reader, relay with 1 and with 3 viewers per session,
-paced latency, idle connections), checked for consistency, not for speed: every
+paced latency, idle connections, the bare relay beside it), checked for consistency, not for speed: every
 figure present and positive, every frame sent delivered to every viewer, nothing lost,
 every idle connection held by the relay, no traceback in the relay's logs.
 """
@@ -32,6 +32,12 @@ KEYS = (
     "rss_kb_per_idle_ws_conn",
     "replay_frames_per_s",
     "replay_rss_peak_mb",
+    "bare_frames_per_s",
+    "bare_ratio_hiredis",
+    "bare_cpu_us_per_frame",
+    "bare_latency_5k_p50_ms",
+    "bare_latency_5k_p99_ms",
+    "relay_cpu_vs_bare",
 )
 
 TINY = Config(
@@ -105,3 +111,9 @@ async def test_tiny_run_delivers_every_frame(cluster: ClusterInfo) -> None:
     assert ws["connections"] == TINY.idle
     assert rp["complete"] == TINY.replay_clients  # every replay reached the last offset
     assert rp["delivered"] == TINY.replay_frames * TINY.replay_clients
+    # the bare relay (the floor beside the relay) got every frame to every client too
+    b5, b1 = ph["bare_5k"], ph["bare_relay1"]
+    assert b5["received"] == b5["sent"] > 0
+    assert b5["lost"] == b5["client_errors"] == 0
+    assert b1["received"] == b1["expected_writes"] == TINY.sessions * TINY.frames
+    assert b1["lost"] == b1["client_errors"] == 0
