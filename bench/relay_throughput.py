@@ -413,6 +413,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="the paced publisher's tick: each tick's share of the sessions goes out in one"
         f" write per master ({d.lat_tick_ms:g})",
     )
+    ap.add_argument(
+        "--lat-stamp",
+        choices=("send", "build"),
+        help="paced frames carry the time their tick's write is handed to the socket (send)"
+        f" or the time each was made (build: the method before the bare relay) ({d.lat_stamp})",
+    )
     ap.add_argument("--idle", type=int, help=f"idle SSE connections ({d.idle})")
     ap.add_argument(
         "--profile", metavar="DIR", help="sample the relay with py-spy in the 5,000/s phase"
@@ -439,6 +445,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "lat_rate",
         "lat_seconds",
         "lat_tick_ms",
+        "lat_stamp",
         "idle",
         "profile",
     ):

@@ -60,6 +60,7 @@ class Config:
     repeats: int = 3  # rounds of raw / relay1 / fanout; the median is reported
     lat_rate_5k: float = 5.0  # tokens/s per session of the second latency phase (5,000/s)
     lat_tick_ms: float = 1.0  # the paced publisher's tick: each tick sends its share at once
+    lat_stamp: str = "send"  # paced frames stamped at their tick's write ("send") or as made
     replay_frames: int = 10_000  # one session, replayed from 0 by replay_clients at once
     replay_clients: int = 50
     profile: str = ""  # a directory: py-spy samples the relay during the 5,000/s phase
@@ -187,6 +188,7 @@ async def latency_phase(
             "rate": cfg.lat_rate,
             "seconds": warm + cfg.lat_seconds,
             "tick_s": cfg.lat_tick_ms / 1000,
+            "stamp": cfg.lat_stamp,
         }
         async with relay_phases.profiled(
             relay.pid, profile, warm + cfg.lat_seconds, native=cfg.profile_native
