@@ -1,8 +1,9 @@
 """Smoke test of ``bench.relay_throughput``: a tiny configuration of every phase on the
 suite's cluster (raw redis-py reader, relay with 1 and with 3 viewers per session,
-paced latency, idle connections, the bare relay beside it), checked for consistency, not for speed: every
-figure present and positive, every frame sent delivered to every viewer, nothing lost,
-every idle connection held by the relay, no traceback in the relay's logs.
+paced latency, idle connections, the bare relay beside it), checked for consistency,
+not for speed: every figure present and positive, every frame sent delivered to every
+viewer, nothing lost, every idle connection held by the relay, no traceback in the
+relay's logs.
 """
 
 from __future__ import annotations

@@ -308,6 +308,39 @@ async def test_an_idle_websocket_that_answers_pings_stays_open_and_gets_frames(c
         assert [f["offset"] for f in frames] == offsets
 
 
+async def test_an_open_websocket_holds_no_task_and_no_http_connection(cluster, redis):
+    """After the upgrade the socket is the relay's own (relay.edge.wsconn): aiohttp lets
+    go of it (its request, parser and handler task are freed) and no task waits per
+    idle WebSocket; frames, the client's close and the accounting still work."""
+    sid = new_session_id()
+    async with running(cluster) as relay:
+        assert relay.web_server is not None
+        base_tasks = len(asyncio.all_tasks())
+        wss = [
+            await relay.http.ws_connect(relay.url(sid, "ws"), headers=relay.auth(sid))
+            for _ in range(20)
+        ]
+        for ws in wss:
+            assert (await ws_frames(ws, 1))[0]["type"] == "hello"
+        assert len(relay.server.streams) == 20
+        async with asyncio.timeout(STEP):  # aiohttp's handler of each upgrade has returned
+            while relay.web_server.connections:
+                await asyncio.sleep(0.02)
+        assert len(asyncio.all_tasks()) - base_tasks < 5  # not one per WebSocket
+        offsets = await publish_turn(redis, sid, ["a", "b"])
+        for ws in wss:
+            frames = await ws_frames(ws, len(offsets))
+            assert [f["offset"] for f in frames] == offsets
+        for ws in wss:
+            await ws.close()
+            assert ws.close_code == 1000
+        async with asyncio.timeout(STEP):
+            while relay.server.streams:
+                await asyncio.sleep(0.02)
+        closes = relay.server.metrics.closes
+        assert closes.labels("ws", "client_gone")._value.get() == 20
+
+
 async def test_a_websocket_that_never_answers_a_ping_is_closed_as_gone(cluster):
     sid = new_session_id()
     async with (

@@ -8,10 +8,10 @@
 - ``GET /v1/sessions/{sid}/ws``: WebSocket. ``{"type":"hello",...}`` first, then one
   text message per frame (the frame JSON as published). Resume: ``?from=<offset>``
   and ``gen``.
-  The handler task reads the client (aiohttp requires it); frames are written from
-  the hub's reader, and a writer task runs only to drain a pushed-back socket or to
-  close the stream. Pings and the dead-peer cutoff: the server's one stream timer
-  (:mod:`relay.edge.beats`).
+  The handler answers the upgrade and returns: the socket is then read, written and
+  closed by a :class:`relay.edge.wsconn.WsConn` (frames from the hub's reader; a task
+  only to drain a pushed-back socket or to close the stream). Pings and the dead-peer
+  cutoff: the server's one stream timer (:mod:`relay.edge.beats`).
 
 Both are written against :class:`relay.edge.host.StreamHost` (the server's interface to
 its handlers). Order of use: :func:`relay.edge.server.make_app` routes the two paths to
@@ -25,26 +25,23 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from aiohttp import WSMsgType, hdrs, web
+from aiohttp import hdrs, web
 from multidict import istr
 
 from relay.edge.host import StreamHost
 from relay.edge.streams import (
     GOODBYE_S,
-    WS_CLOSE,
     Reject,
     SocketOut,
     Stream,
     Transport,
-    client_reason,
-    is_ping,
     jitter,
     query_value,
     sse_bytes,
-    ws_bytes,
 )
+from relay.edge.wsconn import WsConn, detach, upgrade
 from relay.protocol import frame, sse
-from relay.protocol.codes import CloseCode, Refusal, WsClose
+from relay.protocol.codes import CloseCode, Refusal
 from relay.redisio.errors import WatchClosed
 
 __all__ = ["idle_timer_off", "lost_code", "parse_gen", "parse_offset", "sse_handler", "ws_handler"]
@@ -167,144 +164,25 @@ def idle_timer_off(request: web.Request) -> None:
 
 
 async def ws_handler(host: StreamHost, request: web.Request) -> web.StreamResponse:
+    """Check the request, answer the upgrade, hand the socket to a :class:`WsConn` and
+    return: the stream goes on without this task (:mod:`relay.edge.wsconn`)."""
     cfg = host.config
     try:
         sid = host.session(request)
         access = host.authorize(request, sid)
         offset = parse_offset(lambda: sse.parse_offset(query_value(request, "from"), name="from"))
         gen = parse_gen(request)
-        ws = web.WebSocketResponse(
-            heartbeat=None,  # the server's one timer pings (EdgeServer.beat_ws), not one each
-            autoping=False,  # so that _ws_reader sees the pongs (and answers the pings)
-            max_msg_size=cfg.ws_max_message_bytes,
-            compress=False,
-            timeout=2.0,
-        )
-        if not ws.can_prepare(request).ok:
+        if not web.WebSocketResponse().can_prepare(request).ok:
             raise Reject(400, Refusal.NOT_WEBSOCKET, "this endpoint needs a WebSocket upgrade")
         stream = await host.open_stream(Transport.WS, sid, offset, access, gen)
     except Reject as r:
         return host.refuse(r)
-    code = CloseCode.CLOSED
-    writer = _WsWriter(host, ws, stream)
     try:
-        pw = await ws.prepare(request)
-        stream.sock = request.transport
-        assert stream.sock is not None
-        idle_timer_off(request)
-        timeout_s = cfg.write_timeout_s
-        try:
-            await host.guarded(stream, ws.send_frame(host.hello(stream), WSMsgType.TEXT), timeout_s)
-        except (ConnectionError, RuntimeError):  # the client went away, or was cut
-            code = _gone(stream)
-            return ws
-        stream.out = SocketOut(
-            stream, stream.sock, pw, ws_bytes, host.sender(Transport.WS), timeout_s
-        )
-        stream.watch.attach(stream.out, writer.wake)
-        # This task reads the client (aiohttp requires it). Frames are written from the
-        # hub's reader; a writer task runs only while a pushed-back socket has frames
-        # queued, and to end the stream: an idle stream holds no second task.
-        seen = await _ws_reader(ws, stream)
-        if seen is None:  # the writer ended the stream and closed the socket
-            ended = await writer.finished()
-            code = ended if ended is not None else _gone(stream)
-        else:
-            code = seen
-            writer.stop()
-            if code is not CloseCode.CLIENT_GONE:  # the client broke the protocol: we close
-                await _ws_close(host, ws, stream, code, client_reason(code))
-            await writer.finished()
-        return ws
-    except asyncio.CancelledError:  # the connection was lost (make_runner cancels)
-        code = lost_code(stream, code)
+        resp, transport = await upgrade(request)
+        conn = WsConn(host, stream, transport, cfg.ws_max_message_bytes)
+        detach(request, conn)
+    except BaseException:  # the client went away (or the task was cancelled) mid-upgrade
+        host.end_stream(stream, lost_code(stream, CloseCode.CLOSED))
         raise
-    finally:
-        writer.stop()
-        stream.out = None
-        await host.close_stream(stream, code)
-
-
-async def _ws_reader(ws: web.WebSocketResponse, stream: Stream) -> CloseCode | None:
-    """Read the client's messages in the handler task (aiohttp requires it). None: the
-    socket closed because the writer ended the stream; else why the client's side ended."""
-    loop = asyncio.get_running_loop()
-    stream.heard_at = loop.time()
-    while True:
-        msg = await ws.receive()
-        stream.heard_at, stream.pinged_at = loop.time(), 0.0  # the client is alive
-        if msg.type is WSMsgType.TEXT:
-            if not is_ping(msg.data):
-                return CloseCode.BAD_MESSAGE
-        elif msg.type is WSMsgType.PING:  # what aiohttp's autoping did
-            await ws.pong(msg.data)
-        elif msg.type is WSMsgType.PONG:
-            pass
-        elif msg.type is WSMsgType.BINARY:
-            return CloseCode.BINARY
-        elif msg.type is WSMsgType.ERROR:  # aiohttp already closed (1009 for too big)
-            if ws.close_code == WsClose.MESSAGE_TOO_BIG:
-                return CloseCode.TOO_BIG
-            return CloseCode.CLIENT_GONE
-        elif msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
-            return None if stream.stop is not None else CloseCode.CLIENT_GONE
-
-
-class _WsWriter:
-    """The writer task of one WebSocket stream, started by the stream's tap only when it
-    is needed (:meth:`relay.edge.tap.Tap.attach`): to drain what a pushed-back socket
-    has queued (the task ends once the queue is empty), or to close the stream with the
-    reason its watch closed."""
-
-    __slots__ = ("_host", "_stopped", "_stream", "_task", "_ws")
-
-    def __init__(self, host: StreamHost, ws: web.WebSocketResponse, stream: Stream) -> None:
-        self._host, self._ws, self._stream = host, ws, stream
-        self._task: asyncio.Task[CloseCode | None] | None = None
-        self._stopped = False
-
-    def wake(self) -> None:
-        if self._stopped or (self._task is not None and not self._task.done()):
-            return
-        self._task = asyncio.create_task(self._run(), name=f"ws-writer:{self._stream.sid}")
-
-    def stop(self) -> None:
-        """No writer from now on (the handler ends the stream itself)."""
-        self._stopped = True
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-
-    async def finished(self) -> CloseCode | None:
-        """The code the last writer ended the stream with, once it is done (None: none did)."""
-        task = self._task
-        if task is None:
-            return None
-        await asyncio.wait([task])
-        return None if task.cancelled() else task.result()
-
-    async def _run(self) -> CloseCode | None:
-        stream = self._stream
-        try:
-            await stream.watch.drain()
-            return None
-        except WatchClosed as exc:
-            code, reason = stream.ended(exc)
-        except (ConnectionError, RuntimeError):  # the client went away, or was cut
-            return _gone(stream)
-        except Exception:  # never leave the reader waiting on a socket nobody closes
-            log.exception("WebSocket writer of %s failed", stream.sid)
-            code, reason = CloseCode.INTERNAL, "internal error"
-        if stream.stop is None:
-            stream.stop = (code, reason)
-        await _ws_close(self._host, self._ws, stream, code, reason)
-        return code
-
-
-async def _ws_close(
-    host: StreamHost, ws: web.WebSocketResponse, stream: Stream, code: CloseCode, reason: str
-) -> None:
-    num, default = WS_CLOSE.get(code, WS_CLOSE[CloseCode.INTERNAL])
-    message = (reason or default).encode()[:120]  # a close reason fits in 123 bytes
-    with contextlib.suppress(ConnectionError, RuntimeError):
-        # ws.close waits up to its own timeout (2 s) for the client's close frame
-        await host.guarded(stream, ws.close(code=num, message=message), GOODBYE_S + 2.0)
+    conn.start(host.hello(stream), cfg.write_timeout_s)
+    return resp

@@ -9,7 +9,8 @@ Order of use, per request: ``sid = host.session(request)``, ``access =
 host.authorize(request, sid)``, ``stream = await host.open_stream(transport, sid,
 offset, access, gen)`` (each may raise :class:`~relay.edge.streams.Reject`: the handler
 answers ``host.refuse(reject)``), write through ``await host.guarded(stream, write,
-timeout_s)``, and always ``await host.close_stream(stream, code)``.
+timeout_s)``, and always ``await host.close_stream(stream, code)`` (or, with no task
+to await in, ``host.end_stream(stream, code)``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class StreamHost(Protocol):
 
     async def close_stream(self, stream: Stream, code: CloseCode) -> None:
         """Release what :meth:`open_stream` took; ``code`` is counted."""
+
+    def end_stream(self, stream: Stream, code: CloseCode) -> None:
+        """:meth:`close_stream`, for code that has no task to await it in."""
 
     async def guarded(self, stream: Stream, write: Awaitable[Any], timeout_s: float) -> None:
         """One socket write, cut as a slow consumer past ``timeout_s``."""

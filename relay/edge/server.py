@@ -322,12 +322,15 @@ class EdgeServer:
         task.add_done_callback(self._closing.discard)
 
     async def close_stream(self, stream: Stream, code: CloseCode) -> None:
+        self.end_stream(stream, code)
+
+    def end_stream(self, stream: Stream, code: CloseCode) -> None:
         self.streams.discard(stream)
         self.admitted -= 1
         ticket, stream.ticket = stream.ticket, None
         if ticket is not None:
             ticket.release()
-        await stream.watch.close()
+        stream.watch.shut("watch closed", CloseCode.CLOSED)
         m = self.metrics
         m.connections.labels(stream.transport).dec()
         m.watches.dec()

@@ -129,7 +129,9 @@ class Stream:
     def __init__(self, transport: Transport, sid: str, offset: int | None, watch: Tap) -> None:
         self.transport, self.sid, self.offset, self.watch = transport, sid, offset, watch
         self.stop: tuple[CloseCode, str] | None = None
-        self.task: asyncio.Task[Any] | None = asyncio.current_task()
+        # what the server's drain waits on: the handler's task, or (WebSocket) the
+        # connection's future (relay.edge.wsconn.WsConn.done)
+        self.task: asyncio.Future[Any] | None = asyncio.current_task()
         self.sock: asyncio.Transport | None = None
         self.out: SocketOut | None = None  # set while frames stream
         self.ticket: Releasable | None = None  # its share of the server's stream limits

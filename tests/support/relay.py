@@ -58,10 +58,18 @@ SECRET = "test-secret-9d41c7e2b8a05f36c1d4e7a2b9f0"  # of the relays run by runn
 
 
 class Relay:
-    """A relay in this process: its base URL, its server object and a client session."""
+    """A relay in this process: its base URL, its server object, a client session, and
+    aiohttp's server under it (``web_server``: the HTTP connections aiohttp holds)."""
 
-    def __init__(self, base: str, server: EdgeServer, http: aiohttp.ClientSession) -> None:
+    def __init__(
+        self,
+        base: str,
+        server: EdgeServer,
+        http: aiohttp.ClientSession,
+        web_server: web.Server | None = None,
+    ) -> None:
         self.base, self.server, self.http = base, server, http
+        self.web_server = web_server
 
     def url(self, sid: str, path: str = "events") -> str:
         return f"{self.base}/v1/sessions/{sid}/{path}"
@@ -87,7 +95,7 @@ async def running(cluster: ClusterInfo, **overrides: Any) -> AsyncIterator[Relay
     port = runner.addresses[0][1]
     try:
         async with aiohttp.ClientSession() as http:
-            yield Relay(f"http://127.0.0.1:{port}", app[SERVER], http)
+            yield Relay(f"http://127.0.0.1:{port}", app[SERVER], http, runner.server)
     finally:
         await runner.cleanup()
 
