@@ -9,6 +9,7 @@ Each test runs its own relay app (:func:`tests.support.relay.running`) on a free
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import socket
@@ -339,6 +340,34 @@ async def test_an_open_websocket_holds_no_task_and_no_http_connection(cluster, r
                 await asyncio.sleep(0.02)
         closes = relay.server.metrics.closes
         assert closes.labels("ws", "client_gone")._value.get() == 20
+
+
+async def test_an_open_sse_stream_holds_no_task_and_no_http_connection(cluster, redis):
+    """After the preamble the socket is the relay's own (relay.edge.sseconn): aiohttp
+    lets go of it and no task waits per idle stream; frames, the relay's goodbye (the
+    close comment and the response's last chunk) and the accounting still work."""
+    sid = new_session_id()
+    async with running(cluster) as relay:
+        assert relay.web_server is not None
+        base_tasks = len(asyncio.all_tasks())
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(sse(relay, sid)) for _ in range(20)]
+            assert len(relay.server.streams) == 20
+            async with asyncio.timeout(STEP):  # aiohttp's handler of each request returned
+                while relay.web_server.connections:
+                    await asyncio.sleep(0.02)
+            assert len(asyncio.all_tasks()) - base_tasks < 5  # not one per stream
+            offsets = await publish_turn(redis, sid, ["a", "b"])
+            for c in clients:
+                events = await c.events(len(offsets))
+                assert [int(e[0]) for e in events] == offsets
+            await relay.server.drain(deadline_s=STEP)  # every stream says goodbye
+            for c in clients:
+                rest = await asyncio.wait_for(c.resp.content.read(), STEP)  # to the end
+                assert b": close relay_shutdown" in rest, rest
+        closes = relay.server.metrics.closes
+        assert closes.labels("sse", "relay_shutdown")._value.get() == 20
+        assert not relay.server.streams
 
 
 async def test_a_websocket_that_never_answers_a_ping_is_closed_as_gone(cluster):

@@ -8,10 +8,13 @@
 - ``GET /v1/sessions/{sid}/ws``: WebSocket. ``{"type":"hello",...}`` first, then one
   text message per frame (the frame JSON as published). Resume: ``?from=<offset>``
   and ``gen``.
-  The handler answers the upgrade and returns: the socket is then read, written and
-  closed by a :class:`relay.edge.wsconn.WsConn` (frames from the hub's reader; a task
-  only to drain a pushed-back socket or to close the stream). Pings and the dead-peer
-  cutoff: the server's one stream timer (:mod:`relay.edge.beats`).
+
+Each handler answers its request (SSE: the response head and the preamble; WebSocket:
+the 101) and returns: the socket is then the relay's own, written, read and closed by
+an :class:`relay.edge.sseconn.SseConn` or a :class:`relay.edge.wsconn.WsConn`
+(:mod:`relay.edge.detached`: frames from the hub's reader, a task only to drain a
+pushed-back socket or to end the stream, no task while it is idle). Heartbeats, pings
+and the dead-peer cutoff: the server's one stream timer (:mod:`relay.edge.beats`).
 
 Both are written against :class:`relay.edge.host.StreamHost` (the server's interface to
 its handlers). Order of use: :func:`relay.edge.server.make_app` routes the two paths to
@@ -21,30 +24,29 @@ its handlers). Order of use: :func:`relay.edge.server.make_app` routes the two p
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
 from aiohttp import hdrs, web
 from multidict import istr
 
+from relay.edge.detached import detach
 from relay.edge.host import StreamHost
+from relay.edge.sseconn import SseConn
 from relay.edge.streams import (
-    GOODBYE_S,
     Reject,
-    SocketOut,
     Stream,
     Transport,
-    jitter,
     query_value,
     sse_bytes,
+    ws_bytes,
+    ws_text_frame,
 )
-from relay.edge.wsconn import WsConn, detach, upgrade
+from relay.edge.wsconn import WsConn, upgrade
 from relay.protocol import frame, sse
 from relay.protocol.codes import CloseCode, Refusal
-from relay.redisio.errors import WatchClosed
 
-__all__ = ["idle_timer_off", "lost_code", "parse_gen", "parse_offset", "sse_handler", "ws_handler"]
+__all__ = ["lost_code", "parse_gen", "parse_offset", "sse_handler", "ws_handler"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,9 @@ def _gone(stream: Stream) -> CloseCode:
 
 
 async def sse_handler(host: StreamHost, request: web.Request) -> web.StreamResponse:
+    """Check the request, send the response head and the preamble, hand the socket to
+    an :class:`SseConn` and return: the stream goes on without this task
+    (:mod:`relay.edge.sseconn`)."""
     try:
         sid = host.session(request)
         access = host.authorize(request, sid)
@@ -104,60 +109,31 @@ async def sse_handler(host: StreamHost, request: web.Request) -> web.StreamRespo
     except Reject as r:
         return host.refuse(r)
     cfg = host.config
-    code = CloseCode.CLOSED
+    resp = web.StreamResponse(headers=SSE_HEADERS)
     try:
-        resp = web.StreamResponse(headers=SSE_HEADERS)
         writer = await resp.prepare(request)
-        stream.sock = request.transport
+        transport = request.transport
         assert writer is not None
-        assert stream.sock is not None
-        idle_timer_off(request)
-        # One coroutine from here on (no helper coroutines, no closures): an idle
-        # stream's frames are what it holds.
-        try:
-            await host.guarded(  # the preamble sends the response head too
-                stream,
-                resp.write(sse.preamble(cfg.retry_ms, host.hello(stream))),
-                cfg.write_timeout_s,
-            )
-            stream.out = SocketOut(
-                stream,
-                stream.sock,
-                writer,
-                sse_bytes,
-                host.sender(Transport.SSE),
-                cfg.write_timeout_s,
-            )
-            await stream.watch.run(stream.out)
-        except WatchClosed as exc:
-            ended, reason = stream.ended(exc)
-        except (ConnectionError, RuntimeError):  # the client went away, or was cut
-            code = _gone(stream)
-            return resp
-        finally:
-            stream.out = None
-        retry = jitter(cfg.retry_ms) if ended is CloseCode.RELAY_SHUTDOWN else cfg.retry_ms
-        with contextlib.suppress(ConnectionError, RuntimeError):
-            goodbye = sse.goodbye(ended, reason, retry)
-            await host.guarded(stream, resp.write(goodbye), GOODBYE_S)
-            await host.guarded(stream, resp.write_eof(), GOODBYE_S)
-        code = ended
+        if transport is None:
+            raise ConnectionResetError("the client went away")
+        stream.sock = transport
+        await host.guarded(  # the preamble sends the response head too
+            stream, resp.write(sse.preamble(cfg.retry_ms, host.hello(stream))), cfg.write_timeout_s
+        )
+        chunked = bool(getattr(writer, "chunked", False))
+        conn = SseConn(host, stream, transport, chunked=chunked, retry_ms=cfg.retry_ms)
+        detach(request, conn)  # no await since the preamble: aiohttp read nothing more
+    except (ConnectionError, RuntimeError):  # the client went away, or was cut
+        host.end_stream(stream, _gone(stream))
         return resp
     except asyncio.CancelledError:  # the connection was lost (make_runner cancels)
-        code = lost_code(stream, code)
+        host.end_stream(stream, lost_code(stream, CloseCode.CLOSED))
         raise
     except Exception:
-        code = CloseCode.INTERNAL
+        host.end_stream(stream, CloseCode.INTERNAL)
         raise
-    finally:
-        await host.close_stream(stream, code)
-
-
-def idle_timer_off(request: web.Request) -> None:
-    """Cancel aiohttp's idle-connection timer of this connection (armed when it opened,
-    for an hour by default): a stream never needs it, and every idle stream would hold
-    one. aiohttp arms it again once the response ends, if the connection stays open."""
-    request.protocol.keep_alive(True)
+    conn.start(b"", sse_bytes, host.sender(Transport.SSE), cfg.write_timeout_s)
+    return resp
 
 
 # -- WebSocket ---------------------------------------------------------------------------
@@ -181,8 +157,13 @@ async def ws_handler(host: StreamHost, request: web.Request) -> web.StreamRespon
         resp, transport = await upgrade(request)
         conn = WsConn(host, stream, transport, cfg.ws_max_message_bytes)
         detach(request, conn)
-    except BaseException:  # the client went away (or the task was cancelled) mid-upgrade
+    except (ConnectionError, RuntimeError):  # the client went away mid-upgrade
+        host.end_stream(stream, _gone(stream))
+        raise
+    except BaseException:
         host.end_stream(stream, lost_code(stream, CloseCode.CLOSED))
         raise
-    conn.start(host.hello(stream), cfg.write_timeout_s)
+    conn.start(
+        ws_text_frame(host.hello(stream)), ws_bytes, host.sender(Transport.WS), cfg.write_timeout_s
+    )
     return resp
