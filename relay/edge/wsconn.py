@@ -75,7 +75,11 @@ async def upgrade(request: web.Request) -> tuple[web.StreamResponse, asyncio.Tra
     transport = request.transport
     if writer is None or transport is None or transport.is_closing():
         raise ConnectionResetError("the client went away before the upgrade")
-    writer.send_headers()  # now, not with the (empty) body at the end of the request
+    # now, not with the (empty) body at the end of the request (aiohttp >= 3.11 keeps
+    # the head until then; older ones sent it in prepare)
+    send_headers = getattr(writer, "send_headers", None)
+    if send_headers is not None:
+        send_headers()
     return resp, transport
 
 
