@@ -75,8 +75,8 @@ async def upgrade(request: web.Request) -> tuple[web.StreamResponse, asyncio.Tra
     transport = request.transport
     if writer is None or transport is None or transport.is_closing():
         raise ConnectionResetError("the client went away before the upgrade")
-    # now, not with the (empty) body at the end of the request (aiohttp >= 3.11 keeps
-    # the head until then; older ones sent it in prepare)
+    # now, not with the (empty) body at the end of the request: recent aiohttp keeps
+    # the head until then (send_headers); older releases sent it in prepare
     send_headers = getattr(writer, "send_headers", None)
     if send_headers is not None:
         send_headers()
