@@ -270,7 +270,11 @@ def _figures(ph: dict[str, dict[str, Any]]) -> dict[str, Any]:
     if "latency_5k" in ph:
         res["relay_cpu_us_per_frame"] = ph["latency_5k"]["relay_cpu_us_per_frame"]
     if "fanout" in ph:
-        res["fanout10_writes_per_s"] = ph["fanout"]["per_s"]
+        fo = ph["fanout"]
+        res["fanout10_writes_per_s"] = fo["per_s"]
+        relay_cpu = fo["cpu_while_draining"]["relay_cpu_s"]
+        if relay_cpu > 0:  # what the relay itself would carry with a core to itself
+            res["fanout10_writes_per_relay_cpu_s"] = round(fo["received"] / relay_cpu)
     if "latency" in ph:
         res["latency_p50_ms"] = ph["latency"]["p50_ms"]
         res["latency_p99_ms"] = ph["latency"]["p99_ms"]
@@ -355,7 +359,8 @@ def _table(res: dict[str, Any]) -> str:
         "ratio": lambda: "relay / redis-py",
         "ratio_hiredis": lambda: "relay / hiredis reader",
         "relay_cpu_us_per_frame": lambda: f"at {l5['offered_frames_per_s']:,} frames/s, 1 viewer per session",  # noqa: E501
-        "fanout10_writes_per_s": lambda: f"{res.get('fanout_vs_raw', '?')}x raw, {fo['sessions']} x {fo['viewers_per_session']}, lost {fo['lost']}",  # noqa: E501
+        "fanout10_writes_per_s": lambda: f"{res.get('fanout_vs_raw', '?')}x raw, {fo['sessions']} x {fo['viewers_per_session']}, lost {fo['lost']}; CPU s relay {fo['cpu_while_draining']['relay_cpu_s']}, clients {fo['cpu_while_draining']['loadgen_cpu_s']} in {fo['cpu_while_draining']['wall_s']} s",  # noqa: E501
+        "fanout10_writes_per_relay_cpu_s": lambda: "writes per relay CPU-second in the fanout phase (its rate with a core to itself, at that cost per write)",  # noqa: E501
         "latency_p50_ms": lambda: f"{la['offered_frames_per_s']:,} frames/s offered",
         "latency_p99_ms": lambda: f"max {la['max_ms']} ms, behind {la['lag_after_publisher_s']} s, lost {la['lost']}; {cpu(la)}",  # noqa: E501
         "latency_5k_p50_ms": lambda: f"{l5['offered_frames_per_s']:,} frames/s offered",
