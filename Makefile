@@ -90,6 +90,9 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.fuzz --quick --json artifacts/fuzz.json
 	$(BIN)/python -m bench.mq_vs_pubsub --quick --json artifacts/mq_vs_pubsub.json
 	$(BIN)/python -m bench.closed_loop --quick --json artifacts/closed_loop.json
+	$(BIN)/python -m bench.relay_throughput --quick --json artifacts/relay_throughput.json
+	$(BIN)/python -m bench.relay_micro --quick --json artifacts/relay_micro.json
+	$(BIN)/python -m bench.peer_socketio --quick --json artifacts/peer_socketio.json
 
 ## fuzz: the full fuzz run (>= 1M cases; atheris too where it installs).
 fuzz: $(STAMP)
