@@ -73,6 +73,7 @@ async def publish_flood(url: str, sids: list[str], frames: int, batch: int) -> d
 
 
 _HOLD = "~" * 19  # the stamp's place in a paced frame until its write
+_HOLD_BYTES = _HOLD.encode()
 
 
 async def publish_paced(
@@ -156,12 +157,11 @@ async def publish_paced(
             g.offset = off
             pending[node_of[i]] += 1
             sent += 1
-        hold = _HOLD.encode()
         for node, cmds in bufs.items():
             if cmds:
                 data = b"".join(cmds)
                 if stamp_at_send:
-                    data = data.replace(hold, b"%019d" % time.time_ns())
+                    data = data.replace(_HOLD_BYTES, b"%019d" % time.time_ns())
                 conns[node][1].write(data)
         delay = t0 + (t + 1) * tick - time.perf_counter()
         if delay > 0:

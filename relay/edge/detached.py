@@ -135,7 +135,7 @@ class Detached(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._wake_waiter()
-        self._finish(self._code if self._code is not None else self._lost())
+        self._finish(self._code if self._code is not None else self._stream.gone())
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -209,11 +209,6 @@ class Detached(asyncio.Protocol):
         t.close()
         self._loop.call_later(GOODBYE_S, _abort_if_open, t)
 
-    def _lost(self) -> CloseCode:
-        """Why a stream ended that no one ended: the server's reason, else client_gone."""
-        stop = self._stream.stop
-        return stop[0] if stop is not None else CloseCode.CLIENT_GONE
-
     def _stop_writer(self) -> None:
         task = self._writer
         if task is not None and not task.done() and task is not asyncio.current_task():
@@ -225,19 +220,21 @@ class Detached(asyncio.Protocol):
             w.set_result(None)
 
     def _finish(self, code: CloseCode) -> None:
-        self._stop_writer()
-        self._stream.out = None
-        if not self.done.done():  # (cancelled: _cancelled ended the stream already)
-            self._host.end_stream(self._stream, code)
+        """The connection is lost: end the stream, unless _cancelled already did."""
+        if not self.done.done():
+            self._end(code)
             self.done.set_result(None)
 
     def _cancelled(self, fut: asyncio.Future[Any]) -> None:
         """The server's drain gave up waiting for this stream: abort it, end it now."""
         if fut.cancelled():
             self._transport.abort()
-            self._stop_writer()
-            self._stream.out = None
-            self._host.end_stream(self._stream, self._code or self._lost())
+            self._end(self._code or self._stream.gone())
+
+    def _end(self, code: CloseCode) -> None:
+        self._stop_writer()
+        self._stream.out = None
+        self._host.end_stream(self._stream, code)
 
 
 def _abort_if_open(t: asyncio.Transport) -> None:

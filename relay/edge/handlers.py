@@ -35,7 +35,6 @@ from relay.edge.host import StreamHost
 from relay.edge.sseconn import SseConn
 from relay.edge.streams import (
     Reject,
-    Stream,
     Transport,
     query_value,
     sse_bytes,
@@ -46,7 +45,7 @@ from relay.edge.wsconn import WsConn, upgrade
 from relay.protocol import frame, sse
 from relay.protocol.codes import CloseCode, Refusal
 
-__all__ = ["lost_code", "parse_gen", "parse_offset", "sse_handler", "ws_handler"]
+__all__ = ["parse_gen", "parse_offset", "sse_handler", "ws_handler"]
 
 log = logging.getLogger(__name__)
 
@@ -74,19 +73,6 @@ def parse_gen(request: web.Request) -> str | None:
         return frame.parse_gen(query_value(request, "gen"))
     except frame.GenError as exc:
         raise Reject(400, Refusal.BAD_GEN, str(exc)) from None
-
-
-def lost_code(stream: Stream, code: CloseCode) -> CloseCode:
-    """Why a stream whose handler was cancelled by a lost connection ended: the reason
-    the server had already decided (slow consumer cut, protocol close) or client_gone."""
-    if stream.stop is not None:
-        return stream.stop[0]
-    return CloseCode.CLIENT_GONE if code is CloseCode.CLOSED else code
-
-
-def _gone(stream: Stream) -> CloseCode:
-    """The client went away, or was cut: the server's reason if it had one."""
-    return stream.stop[0] if stream.stop is not None else CloseCode.CLIENT_GONE
 
 
 # -- SSE ---------------------------------------------------------------------------------
@@ -124,10 +110,10 @@ async def sse_handler(host: StreamHost, request: web.Request) -> web.StreamRespo
         conn = SseConn(host, stream, transport, chunked=chunked, retry_ms=cfg.retry_ms)
         detach(request, conn)  # no await since the preamble: aiohttp read nothing more
     except (ConnectionError, RuntimeError):  # the client went away, or was cut
-        host.end_stream(stream, _gone(stream))
+        host.end_stream(stream, stream.gone())
         return resp
     except asyncio.CancelledError:  # the connection was lost (make_runner cancels)
-        host.end_stream(stream, lost_code(stream, CloseCode.CLOSED))
+        host.end_stream(stream, stream.gone())
         raise
     except Exception:
         host.end_stream(stream, CloseCode.INTERNAL)
@@ -157,11 +143,8 @@ async def ws_handler(host: StreamHost, request: web.Request) -> web.StreamRespon
         resp, transport = await upgrade(request)
         conn = WsConn(host, stream, transport, cfg.ws_max_message_bytes)
         detach(request, conn)
-    except (ConnectionError, RuntimeError):  # the client went away mid-upgrade
-        host.end_stream(stream, _gone(stream))
-        raise
-    except BaseException:
-        host.end_stream(stream, lost_code(stream, CloseCode.CLOSED))
+    except BaseException:  # the client went away mid-upgrade, or the task was cancelled
+        host.end_stream(stream, stream.gone())
         raise
     conn.start(
         ws_text_frame(host.hello(stream)), ws_bytes, host.sender(Transport.WS), cfg.write_timeout_s

@@ -129,8 +129,8 @@ class Stream:
     def __init__(self, transport: Transport, sid: str, offset: int | None, watch: Tap) -> None:
         self.transport, self.sid, self.offset, self.watch = transport, sid, offset, watch
         self.stop: tuple[CloseCode, str] | None = None
-        # what the server's drain waits on: the handler's task, or (WebSocket) the
-        # connection's future (relay.edge.wsconn.WsConn.done)
+        # what the server's drain waits on: the handler's task, or the detached
+        # connection's future (relay.edge.detached.Detached.done)
         self.task: asyncio.Future[Any] | None = asyncio.current_task()
         self.sock: asyncio.Transport | None = None
         self.out: SocketOut | None = None  # set while frames stream
@@ -157,6 +157,12 @@ class Stream:
 
     def ended(self, exc: WatchClosed) -> tuple[CloseCode, str]:
         return self.stop if self.stop is not None else (exc.code, exc.reason)
+
+    def gone(self) -> CloseCode:
+        """Why a stream ended that the server did not end itself (the client went away,
+        or its connection was lost or cut): the server's reason if it had one (a slow
+        consumer cut, a drain), else ``client_gone``."""
+        return self.stop[0] if self.stop is not None else CloseCode.CLIENT_GONE
 
 
 WS_PING: Final = b"\x89\x00"  # an empty, unmasked, final ping frame (RFC 6455 5.5.2)

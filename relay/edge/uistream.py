@@ -235,7 +235,7 @@ async def _pump(
     except WatchClosed as exc:  # drain or slow consumer: the client resumes (a replay)
         return stream.ended(exc)[0]
     except (ConnectionError, RuntimeError):
-        return stream.stop[0] if stream.stop is not None else CloseCode.CLIENT_GONE
+        return stream.gone()
     finally:
         discard(nxt)
 

@@ -156,7 +156,7 @@ class WsConn(Detached):
                 reply.set_result(None)
             return
         if self._code is None:
-            self._code = self._lost()
+            self._code = self._stream.gone()
         self._stop_writer()
         self._transport.write(close_frame(WsClose.NORMAL))
         self.close_transport()

@@ -122,12 +122,12 @@ class WsParser:
                 head += 4
             if end - pos < head + n:
                 break
-            payload = bytes(buf[pos + head : pos + head + n])
+            payload = buf[pos + head : pos + head + n]
             if masked:
-                payload = _unmask(payload, bytes(buf[pos + head - 4 : pos + head]))
+                payload = _unmask(payload, buf[pos + head - 4 : pos + head])
             pos += head + n
             self._frame(fin, op, payload, out)
-        self._buf = bytes(buf[pos:]) if pos < end else b""
+        self._buf = buf[pos:] if pos < end else b""
         return out
 
     def _frame(self, fin: int, op: int, payload: bytes, out: list[tuple[int, object]]) -> None:
