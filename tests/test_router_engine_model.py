@@ -80,7 +80,13 @@ def test_more_load_never_finishes_staggered_arrivals_earlier(reqs, extra) -> Non
     forward passes), so added load that moves the boundaries can let a request wait less
     for one than it did alone; the batch never ends sooner by more than the longest such
     wait of the run without the added load. (A clock that ticked while the engine idled,
-    or arrivals that moved with the load, gained more: this test fails on both.)"""
+    or arrivals that moved with the load, gained more: this test fails on both.)
+
+    No request shares a prefix here: moved step boundaries can also let a request's
+    prefill run after another computed their shared blocks, a real cache hit that load
+    may bring (found: [(0, 0, 1, 4), (0, 0, 1, 4), (3, 1, 3, 1), (3, 1, 4, 1)] plus one
+    copy ends 6.5 ms sooner, the last request hitting 16 cached tokens it missed alone)."""
+    reqs = [(at, 0, own, out) for at, _shared, own, out in reqs]
     _, base = _drive(SMALL, reqs, audit=False)
     _, loaded = _drive(SMALL, _added(reqs, extra), audit=False)
     phase = max(s.scheduled - s.arrival for s in base)
