@@ -48,10 +48,10 @@ browser-deps:
 			|| echo "could not install$$missing: the checks that need them will skip"; \
 	fi
 
-## openapi: refresh the packaged copy of docs/openapi.yaml (relay/edge/openapi.json), which
+## openapi: refresh the packaged copy of docs/openapi.yaml (relay/service/openapi.json), which
 ## the relay and the worker serve at /openapi.json.
 openapi: $(STAMP)
-	$(BIN)/python -m relay.edge.openapi docs/openapi.yaml relay/edge/openapi.json
+	$(BIN)/python -m relay.service.openapi docs/openapi.yaml relay/service/openapi.json
 
 ## promtool: Prometheus's rule checker for deploy/prometheus/alerts.yml, unpacked from
 ## Debian's prometheus package into .venv/tools (apt-get download + dpkg-deb -x: nothing
@@ -64,13 +64,13 @@ promtool: $(STAMP)
 		dpkg-deb -x prometheus_*.deb . && rm -f prometheus_*.deb; \
 	} || echo "could not unpack promtool: the alert rules check will skip"
 
-## lint: ruff (lint + format), mypy --strict, and the layout's rules (tests/test_layout.py:
+## lint: ruff (lint + format), mypy --strict, and the layout's rules (tests/unit/test_layout.py:
 ## import rules, pure cores, no import cycle, module sizes, docs that name what exists).
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy relay worker devstack tokenrelay bench tests
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_layout.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit/test_layout.py
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .
@@ -79,20 +79,20 @@ format: $(STAMP)
 ## bench: the quick version of every benchmark; JSON (and the plot) land in artifacts/.
 bench: $(STAMP)
 	mkdir -p artifacts
-	$(BIN)/python -m bench.router_micro --quick --json artifacts/router_micro.json
-	$(BIN)/python -m bench.routing_sim --quick --json artifacts/routing_sim.json --plot artifacts/routing_sim.png
-	$(BIN)/python -m bench.pubsub_cluster --quick --json artifacts/pubsub_cluster.json --plot artifacts/pubsub_cluster.png
-	$(BIN)/python -m bench.subscriber_compare --quick --json artifacts/subscriber_compare.json
-	$(BIN)/python -m bench.coalesce --quick --json artifacts/coalesce.json
-	$(BIN)/python -m bench.affinity --quick --json artifacts/affinity.json
-	$(BIN)/python -m bench.loadtest --quick --no-progress --json artifacts/loadtest.json
+	$(BIN)/python -m bench.routing.router_micro --quick --json artifacts/router_micro.json
+	$(BIN)/python -m bench.routing.sim --quick --json artifacts/routing_sim.json --plot artifacts/routing_sim.png
+	$(BIN)/python -m bench.pubsub.cluster --quick --json artifacts/pubsub_cluster.json --plot artifacts/pubsub_cluster.png
+	$(BIN)/python -m bench.relay.subscriber_compare --quick --json artifacts/subscriber_compare.json
+	$(BIN)/python -m bench.pubsub.coalesce --quick --json artifacts/coalesce.json
+	$(BIN)/python -m bench.routing.affinity --quick --json artifacts/affinity.json
+	$(BIN)/python -m bench.load.loadtest --quick --no-progress --json artifacts/loadtest.json
 	$(BIN)/python -m bench.faults --quick --json artifacts/faults.json
 	$(BIN)/python -m bench.fuzz --quick --json artifacts/fuzz.json
-	$(BIN)/python -m bench.mq_vs_pubsub --quick --json artifacts/mq_vs_pubsub.json
-	$(BIN)/python -m bench.closed_loop --quick --json artifacts/closed_loop.json
-	$(BIN)/python -m bench.relay_throughput --quick --json artifacts/relay_throughput.json
-	$(BIN)/python -m bench.relay_micro --quick --json artifacts/relay_micro.json
-	$(BIN)/python -m bench.peer_socketio --quick --json artifacts/peer_socketio.json
+	$(BIN)/python -m bench.pubsub.mq_vs_pubsub --quick --json artifacts/mq_vs_pubsub.json
+	$(BIN)/python -m bench.load.closed_loop --quick --json artifacts/closed_loop.json
+	$(BIN)/python -m bench.relay.throughput --quick --json artifacts/relay_throughput.json
+	$(BIN)/python -m bench.relay.micro --quick --json artifacts/relay_micro.json
+	$(BIN)/python -m bench.peers.socketio --quick --json artifacts/peer_socketio.json
 
 ## fuzz: the full fuzz run (>= 1M cases; atheris too where it installs).
 fuzz: $(STAMP)

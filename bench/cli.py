@@ -20,20 +20,23 @@ __all__ = ["BENCHMARKS", "register", "register_loadtest"]
 
 # subcommand -> (help text, module with add_arguments / run_from_args)
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "pubsub": ("PUBLISH vs SPUBLISH cost on local Redis Clusters", "bench.pubsub_cluster"),
-    "loadtest": ("many screens per session while turns stream (SSE + WS)", "bench.loadtest"),
-    "affinity": ("engines' prefix-cache hit rate: ring routing vs round robin", "bench.affinity"),
+    "pubsub": ("PUBLISH vs SPUBLISH cost on local Redis Clusters", "bench.pubsub.cluster"),
+    "loadtest": ("many screens per session while turns stream (SSE + WS)", "bench.load.loadtest"),
+    "affinity": (
+        "engines' prefix-cache hit rate: ring routing vs round robin",
+        "bench.routing.affinity",
+    ),
     "relay_throughput": (
         "one relay process: frames/s vs a raw Redis reader, fan-out, latency, RSS per idle conn",
-        "bench.relay_throughput",
+        "bench.relay.throughput",
     ),
     "mq_vs_pubsub": (
         "token streaming: Redis sharded Pub/Sub vs RabbitMQ (queue per connection, topic)",
-        "bench.mq_vs_pubsub",
+        "bench.pubsub.mq_vs_pubsub",
     ),
     "peer_socketio": (
         "the relay beside Socket.IO with the sharded Redis adapter: CPU/msg, latency, RSS/conn",
-        "bench.peer_socketio",
+        "bench.peers.socketio",
     ),
 }
 
@@ -52,7 +55,7 @@ def register(subparsers: Any) -> None:
 
 def register_loadtest(subparsers: Any) -> None:
     """``tokenrelay loadtest``: the load test as a top-level command too."""
-    mod = importlib.import_module("bench.loadtest")
+    mod = importlib.import_module("bench.load.loadtest")
     p: argparse.ArgumentParser = subparsers.add_parser(
         "loadtest", help="load test: many screens per session while turns stream"
     )

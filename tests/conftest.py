@@ -25,7 +25,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from devstack.cluster.form import Node
 from devstack.cluster.launcher import ClusterInfo, LocalCluster
-from relay.redisio.connect import GatedRedisCluster
+from relay.broker.rediscluster.connect import GatedRedisCluster
 from tests.support.worker import Harness
 
 
@@ -82,7 +82,7 @@ async def cluster() -> AsyncIterator[ClusterInfo]:
 @pytest.fixture
 async def redis(cluster: ClusterInfo) -> AsyncIterator[RedisCluster]:
     """A fresh cluster client per test (tests may leave it in any state): the gated
-    client the relay and the worker use (see relay.redisio.connect)."""
+    client the relay and the worker use (see relay.broker.rediscluster.connect)."""
     host, port = cluster.startup_nodes[0]
     client = GatedRedisCluster(host=host, port=port)
     await client.initialize()

@@ -30,6 +30,7 @@ import orjson
 from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
 
+from relay.broker.rediscluster.errors import map_redis_errors
 from relay.protocol.auth import (
     SCOPES,
     Claims,
@@ -40,7 +41,6 @@ from relay.protocol.auth import (
     verify_token,
 )
 from relay.protocol.keys import turn_rate_key
-from relay.redisio.errors import map_redis_errors
 from relay.service.clientaddr import client_address, parse_networks
 from relay.service.ratelimit import Buckets
 

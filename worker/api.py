@@ -46,10 +46,11 @@ import orjson
 from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
 
-from relay.edge import openapi
+from relay.broker.errors import RedisCommandError, RelayError
+from relay.broker.rediscluster.errors import map_redis_errors
 from relay.protocol.auth import AuthError
 from relay.protocol.keys import InvalidSessionId, idem_key, new_session_id, parse_session
-from relay.redisio.errors import RedisCommandError, RelayError, map_redis_errors
+from relay.service import openapi
 from worker.access import BadTokenRequest, Refusal, parse_token_request
 from worker.chat import direct
 from worker.chat.turnstate import Draining, IdempotencyKeyReused, IdempotencyPending, TurnBusy

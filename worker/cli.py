@@ -25,9 +25,9 @@ import msgspec
 from aiohttp import web
 from redis.exceptions import RedisClusterException, RedisError
 
+from relay.broker.errors import RelayError
+from relay.broker.rediscluster.connect import RedisTLS, startup_error
 from relay.protocol.auth import DEFAULT_KID
-from relay.redisio.connect import RedisTLS, startup_error
-from relay.redisio.errors import RelayError
 from relay.service import runtime, settings
 from relay.service.httpguard import GuardedSite
 from relay.service.settings import (

@@ -6,7 +6,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from relay.redisio.connect import RedisTLS
+from relay.broker.rediscluster.connect import RedisTLS
 from worker.chat.coalesce import DEFAULT_POLICY, CoalescePolicy
 from worker.chat.presence import PresencePolicy
 from worker.routing.key import DEFAULT_PREFIX_CHARS

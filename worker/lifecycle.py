@@ -33,9 +33,10 @@ from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import AuthenticationError
 
-from relay.redisio.connect import connect, mask_url
-from relay.redisio.errors import RelayError, map_redis_errors
-from relay.redisio.publisher import Publisher
+from relay.broker.errors import RelayError
+from relay.broker.rediscluster.connect import connect, mask_url
+from relay.broker.rediscluster.errors import map_redis_errors
+from relay.broker.rediscluster.publisher import Publisher
 from relay.service.supervise import Supervisor
 from worker.chat.store import SessionStore
 from worker.chat.turn import TurnManager

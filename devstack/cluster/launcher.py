@@ -274,7 +274,7 @@ class LocalCluster:
         if self._own_dir and self.data_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
-    # -- fault injection helpers (tests and bench.faults) -------------------------
+    # -- fault injection helpers (tests and bench.faults.drills) -------------------------
     def process(self, port: int) -> Proc:
         return self.procs[port]
 

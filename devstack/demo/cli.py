@@ -37,8 +37,8 @@ from aiohttp import web
 
 from devstack.demo.frontdoor import FrontDoor, make_frontdoor_app
 from devstack.demo.stack import Stack, StackSpec
+from relay.broker.rediscluster.connect import mask_url
 from relay.protocol.auth import DEFAULT_KID, WeakSecret, check_secret
-from relay.redisio.connect import mask_url
 from relay.service import runtime, settings
 from relay.service.httpguard import GuardedSite
 from relay.service.settings import ConfigError, Host, opt

@@ -1,6 +1,6 @@
 """Run the whole stack as child processes: Redis Cluster, engines, relays, workers.
 
-Used by ``tokenrelay demo``, ``bench.loadtest`` and ``bench.faults``. Every process is a
+Used by ``tokenrelay demo``, ``bench.load.loadtest`` and ``bench.faults.drills``. Every process is a
 child started here and stopped here, by pid (SIGTERM, then SIGKILL after a deadline:
 :mod:`devstack.procs`); nothing is ever killed by name. A child that exits before it is
 ready raises :class:`StackError` with the last lines of its log. The token secret

@@ -24,7 +24,7 @@ import msgspec
 
 from devstack.mockengine.reply_length import ReplyLength
 from devstack.mockengine.server import EngineConfig, start_engine
-from relay.redisio.connect import RedisTLS, connect
+from relay.broker.rediscluster.connect import RedisTLS, connect
 from relay.service import runtime, settings
 from relay.service.settings import ConfigError, Host, RedisCA, RedisCert, RedisKey, opt
 from relay.service.supervise import Supervisor

@@ -21,8 +21,8 @@ from typing import Annotated, Final
 
 import msgspec
 
+from relay.broker.rediscluster.connect import RedisTLS
 from relay.protocol.auth import DEFAULT_KID, KeySet
-from relay.redisio.connect import RedisTLS
 from relay.service import settings
 from relay.service.clientaddr import parse_networks
 from relay.service.settings import (

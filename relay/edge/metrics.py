@@ -43,7 +43,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from relay.edge.resume import Delivery
+from relay.edge.core.resume import Delivery
 from relay.protocol.frame import monotonic_ms, now_ms
 
 __all__ = [
@@ -172,7 +172,7 @@ class _LoopChild:
 
 class OutMeter:
     """What one transport's socket writes add to the metrics: :meth:`sent` runs for
-    every write (a :class:`relay.edge.streams.SocketOut` calls it), so it reads the
+    every write (a :class:`relay.edge.conn.streams.SocketOut` calls it), so it reads the
     clocks once per write, counts without a lock and observes the two latency
     histograms inline."""
 

@@ -5,7 +5,7 @@ serialises as, the string or number on the wire, so clients and the docs see the
 values as before; code compares members instead of bare strings.
 
 - :class:`CloseCode`: why a stream ended (the SSE ``: close <code> <reason>`` comment,
-  :attr:`relay.redisio.errors.WatchClosed.code`, the ``code`` label of
+  :attr:`relay.broker.errors.WatchClosed.code`, the ``code`` label of
   ``tokenrelay_relay_closes_total``);
 - :class:`WsClose`: the WebSocket close code sent for each :class:`CloseCode`;
 - :class:`Refusal`: the ``error`` of a JSON refusal before a stream starts (relay and

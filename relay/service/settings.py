@@ -60,8 +60,8 @@ from typing import Annotated, Any, Final, TypeVar
 
 import msgspec
 
+from relay.broker.rediscluster.connect import RedisTLS
 from relay.protocol.auth import KeySet, WeakSecret, load_keys
-from relay.redisio.connect import RedisTLS
 
 __all__ = [
     "ENV_NOTE",

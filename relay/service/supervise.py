@@ -12,11 +12,11 @@ every background loop through it:
 
 What every loop gets, so no loop has to write it again:
 
-- **the one error mapper**: each step runs inside :func:`relay.redisio.errors.map_redis_errors`,
-  so a redis-py exception (and the ``AttributeError``/``TypeError`` redis-py leaks on a
-  closed connection) arrives as :class:`~relay.redisio.errors.RedisUnavailable` or
-  :class:`~relay.redisio.errors.RedisCommandError`;
-- **logged failures**: a :class:`~relay.redisio.errors.RelayError` (an expected outage)
+- **the one error mapper**: each step runs inside
+  :func:`relay.broker.rediscluster.errors.map_redis_errors`, so a redis-py exception (and the
+  ``AttributeError``/``TypeError`` redis-py leaks on a closed connection) arrives as
+  :class:`~relay.broker.errors.RedisUnavailable` or :class:`~relay.broker.errors.RedisCommandError`;
+- **logged failures**: a :class:`~relay.broker.errors.RelayError` (an expected outage)
   is one warning line with its reason; anything else is a bug and is logged with its
   traceback; the loop goes on either way;
 - **jittered exponential backoff** after a failure (:class:`Backoff`), reset by a success;
@@ -44,7 +44,8 @@ from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from relay.redisio.errors import RelayError, map_redis_errors
+from relay.broker.errors import RelayError
+from relay.broker.rediscluster.errors import map_redis_errors
 
 __all__ = ["Backoff", "Loop", "LoopMetrics", "Supervisor"]
 

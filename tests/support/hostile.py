@@ -3,7 +3,7 @@ worker app on the suite's cluster (:func:`stack`), a well-behaved session alongs
 hostile input (:class:`Bystander`), a log handler that fails the test on any crash
 (:func:`no_crash`), and raw HTTP helpers.
 
-Every hostile test runs a relay app (``relay.edge.server.make_app``, 127.0.0.1, port 0)
+Every hostile test runs a relay app (``relay.edge.http.server.make_app``, 127.0.0.1, port 0)
 and a worker app (:class:`tests.support.worker.Harness`: mock engines in-process) on
 the session's real Redis Cluster, throws one kind of hostile input at them and checks
 the status / close code AND the documented ``error`` / reason (docs/PROTOCOL.md, the
@@ -34,9 +34,9 @@ from aiohttp.http_exceptions import HttpProcessingError
 from yarl import URL
 
 from devstack.cluster.launcher import ClusterInfo
+from relay.broker.rediscluster.publisher import read_backlog
 from relay.protocol.auth import issue_token
 from relay.protocol.frame import decode
-from relay.redisio.publisher import read_backlog
 from tests.support.relay import STEP, Relay, running
 from tests.support.sse import SSEClient
 from tests.support.worker import SECRET, Harness

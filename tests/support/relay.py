@@ -30,13 +30,13 @@ import aiohttp
 from aiohttp import WSMsgType, web
 from redis.asyncio.cluster import RedisCluster
 
-from bench.relay_harness import RelayProc
+from bench.relay.harness import RelayProc
 from devstack.cluster.launcher import ClusterInfo
 from devstack.procs import free_port, http_ok, launched
+from relay.broker.rediscluster.publisher import Publisher
 from relay.edge.config import RelayConfig
-from relay.edge.server import SERVER, EdgeServer, make_app, make_runner
+from relay.edge.http.server import SERVER, EdgeServer, make_app, make_runner
 from relay.protocol.auth import issue_token
-from relay.redisio.publisher import Publisher
 from tests.support.sse import STEP, SSEClient
 from tests.support.worker import SECRET as WORKER_SECRET
 

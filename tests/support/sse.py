@@ -4,8 +4,9 @@ project's one decoder (:class:`relay.protocol.sse_reader.SSEDecoder`).
 Why not the Python client (:func:`relay.client.stream.watch`): these tests check the
 relay's wire itself (the hello, the ``retry:`` hint, the ``: close <code>`` comments,
 event ids, exactly what a refusal or a drain writes), which the client consumes and
-hides by design. Tests of what an application sees use the client (tests/test_client.py),
-and so do the load test and the fault drills (:mod:`bench.viewer`).
+hides by design. Tests of what an application sees use the client
+(tests/integration/test_client.py), and so do the load test and the fault drills
+(:mod:`bench.load.viewer`).
 
 Order of use::
 

@@ -20,8 +20,8 @@ from redis.asyncio.cluster import RedisCluster
 from devstack.mockengine import prefix_cache as pc
 from devstack.mockengine.reply_length import ReplyLength
 from devstack.mockengine.server import EngineConfig, RunningEngine, start_engine
+from relay.broker.rediscluster.publisher import read_backlog
 from relay.protocol.frame import Frame, decode
-from relay.redisio.publisher import read_backlog
 from worker.api import make_app
 from worker.chat.coalesce import CoalescePolicy
 from worker.chat.presence import PresencePolicy

@@ -10,7 +10,7 @@ concatenation of the frames is still the reply) when either
 * the oldest pending text has waited ``max_delay_s`` (T),
 
 whichever comes first. ``first_immediate`` flushes the first token of a turn at once, so
-coalescing never adds to the time to first token. ``bench/coalesce.py`` measures Redis
+coalescing never adds to the time to first token. ``bench/pubsub/coalesce.py`` measures Redis
 operations per token against the added delay; docs/WORKER.md has the numbers and the
 reason for :data:`DEFAULT_POLICY`.
 
@@ -58,7 +58,7 @@ class CoalescePolicy:
             raise ValueError("max_delay_s must be >= 0")
 
 
-# Chosen from bench/coalesce.py (docs/WORKER.md): N=8 / T=50 ms cuts publish round trips
+# Chosen from bench/pubsub/coalesce.py (docs/WORKER.md): N=8 / T=50 ms cuts publish round trips
 # per token from 1.0 to 0.35 at 40 tok/s per stream (0.14 at 150 tok/s) and the worker's
 # CPU per token by about 40 %, for a delay bounded by T plus one Redis round trip (mean
 # ~27 ms, p99 ~58 ms), well under what a reader notices. T=100 ms saves little more

@@ -1,6 +1,6 @@
 """Presence-driven cancellation: stop generating for a session nobody watches.
 
-The relay (:mod:`relay.redisio.presence`) keeps, per session with watchers, a sorted set
+The relay (:mod:`relay.broker.rediscluster.presence`) keeps, per session with watchers, a sorted set
 ``presence_key(sid)``: member = relay id, score = when that entry expires in Redis server
 milliseconds (written when the relay's first watcher opens, refreshed every third of its
 TTL, removed when the last watcher leaves). While a turn generates, the worker looks at
@@ -11,8 +11,8 @@ it off the hot path:
   resets it; when ``grace_s`` passes with no watcher the verdict is ``abandoned``. A
   viewer that comes back within the grace period simply resumes from the backlog.
 * :func:`count_watchers` — relays whose entry has not expired, compared with Redis
-  server ``TIME`` inside a script (:func:`relay.redisio.presence.count_present`): no host clock
-  is involved, so clock skew between pods changes nothing.
+  server ``TIME`` inside a script (:func:`relay.broker.rediscluster.presence.count_present`): no
+  host clock is involved, so clock skew between pods changes nothing.
 * :func:`watch_presence` — the loop the turn runner starts as a supervised task
   (:meth:`relay.service.supervise.Supervisor.spawn`: a failure is logged): every
   ``interval_s`` it counts watchers, feeds the tracker and, on ``abandoned``, calls
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 from redis.asyncio.cluster import RedisCluster
 
-from relay.redisio.errors import RelayError
-from relay.redisio.presence import count_present
+from relay.broker.errors import RelayError
+from relay.broker.rediscluster.presence import count_present
 
 __all__ = ["PresencePolicy", "PresenceTracker", "count_watchers", "watch_presence"]
 

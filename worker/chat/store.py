@@ -21,7 +21,7 @@ Order of use for one turn: :meth:`SessionStore.claim_idempotency` (when the clie
 a key) -> :meth:`acquire_lock` -> :meth:`load` -> (route, open the generation) ->
 :meth:`set_lock_turn` and :meth:`resolve_idempotency` -> ... :meth:`refresh_lock` about
 once a second ... -> :meth:`append_exchange` on success -> :meth:`release_lock`.
-redis-py errors become :mod:`relay.redisio.errors` exceptions here.
+redis-py errors become :mod:`relay.broker.rediscluster.errors` exceptions here.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Any, Final
 
 from redis.asyncio.cluster import RedisCluster
 
+from relay.broker.rediscluster.errors import map_redis_errors
 from relay.protocol.keys import KeyKind, hist_key, idem_key, key
-from relay.redisio.errors import map_redis_errors
 
 __all__ = ["History", "LockHolder", "SessionStore", "state_key"]
 

@@ -39,8 +39,8 @@ import uuid
 from collections import deque
 from typing import Any, Final
 
-from relay.redisio.errors import Fenced, RedisUnavailable, RelayError
-from relay.redisio.publisher import Draft, Generation, Publisher
+from relay.broker.errors import Fenced, RedisUnavailable, RelayError
+from relay.broker.rediscluster.publisher import Draft, Generation, Publisher
 from relay.service.supervise import Supervisor
 from worker.chat.coalesce import Batch, TokenPump
 from worker.chat.direct import DirectViewer

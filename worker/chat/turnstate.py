@@ -36,8 +36,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
-from relay.redisio.errors import RelayError
-from relay.redisio.publisher import Generation
+from relay.broker.errors import RelayError
+from relay.broker.rediscluster.publisher import Generation
 from worker.chat.coalesce import DEFAULT_POLICY, CoalescePolicy
 from worker.chat.direct import DirectViewer
 from worker.chat.presence import PresencePolicy

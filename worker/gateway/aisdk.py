@@ -9,7 +9,7 @@
   in Redis is the conversation: earlier messages of the body are not re-sent to the
   engine); a ``system`` message's text is the turn's ``system`` prompt;
 - the answer is the turn in the AI SDK's UI message stream protocol
-  (:mod:`relay.edge.uistream`, the same parts a relay's ``/v1/sessions/{id}/ui-stream``
+  (:mod:`relay.edge.conn.ui`, the same parts a relay's ``/v1/sessions/{id}/ui-stream``
   serves), read from the session's backlog with ``XREAD BLOCK`` from the turn's first
   offset;
 - the SDK reconnects to ``GET /v1/chat/{id}/stream``, which a relay serves (any relay,
@@ -32,11 +32,12 @@ from typing import Any, Final
 import orjson
 from aiohttp import web
 
-from relay.edge.uistream import DONE, UI_HEADERS, UiTurn, encode_chunk
+from relay.broker.errors import RelayError
+from relay.broker.rediscluster.errors import map_redis_errors
+from relay.edge.conn.ui import DONE, UI_HEADERS, UiTurn, encode_chunk
 from relay.protocol.auth import AuthError
 from relay.protocol.frame import FrameError, decode
 from relay.protocol.keys import InvalidSessionId, log_key, parse_session
-from relay.redisio.errors import RelayError, map_redis_errors
 from worker.access import Refusal
 from worker.chat.turnstate import Draining, IdempotencyPending, TurnBusy
 from worker.routing.lease import AllEnginesFull

@@ -25,9 +25,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from relay.broker.errors import RelayError
 from relay.protocol.auth import AuthError
 from relay.protocol.keys import InvalidSessionId, parse_session
-from relay.redisio.errors import RelayError
 from worker.apikeys import check_api_key
 from worker.chat.direct import DirectViewer
 from worker.chat.turnstate import Draining, TurnBusy

@@ -25,9 +25,9 @@ from typing import Any, Final
 import orjson
 from aiohttp import web
 
+from relay.broker.errors import RelayError
 from relay.protocol.auth import AuthError, Scope
 from relay.protocol.keys import InvalidSessionId, parse_session
-from relay.redisio.errors import RelayError
 from worker.access import WorkerAccess
 from worker.apikeys import check_api_key
 from worker.jobs.queue import JobSubmitter

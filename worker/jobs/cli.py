@@ -22,9 +22,10 @@ from typing import Annotated, Any
 import aiohttp
 import msgspec
 
-from relay.redisio.connect import RedisTLS, connect, mask_url, startup_error
-from relay.redisio.errors import RelayError, map_redis_errors
-from relay.redisio.publisher import Publisher
+from relay.broker.errors import RelayError
+from relay.broker.rediscluster.connect import RedisTLS, connect, mask_url, startup_error
+from relay.broker.rediscluster.errors import map_redis_errors
+from relay.broker.rediscluster.publisher import Publisher
 from relay.service import runtime, settings
 from relay.service.settings import RedisCA, RedisCert, RedisKey, RedisURL, opt
 from relay.service.supervise import Supervisor

@@ -50,8 +50,8 @@ from aio_pika.abc import (
     AbstractRobustConnection,
 )
 
-from relay.redisio.errors import Fenced, RelayError
-from relay.redisio.publisher import Draft, Publisher
+from relay.broker.errors import Fenced, RelayError
+from relay.broker.rediscluster.publisher import Draft, Publisher
 from relay.service.supervise import Supervisor
 from worker.chat.store import SessionStore
 from worker.engines.client import EngineClient

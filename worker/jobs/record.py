@@ -36,8 +36,8 @@ from typing import Any, Final
 
 from redis.asyncio.cluster import RedisCluster
 
+from relay.broker.rediscluster.errors import map_redis_errors
 from relay.protocol.keys import parse_session
-from relay.redisio.errors import map_redis_errors
 
 __all__ = [
     "JOB_ID_RE",

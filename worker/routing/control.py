@@ -48,8 +48,9 @@ from urllib.parse import urlsplit
 import aiohttp
 from redis.asyncio.cluster import RedisCluster
 
+from relay.broker.errors import RelayError
+from relay.broker.rediscluster.errors import map_redis_errors
 from relay.protocol.keys import ENGINES_REGISTRY, engine_key
-from relay.redisio.errors import RelayError, map_redis_errors
 from relay.service.supervise import Supervisor
 from worker.routing.lease import EngineSpec
 from worker.routing.router import Router

@@ -59,7 +59,7 @@ REASONS: Final = ("preferred", "spilled_cost", "least_cost")
 @dataclass(frozen=True, slots=True)
 class CostProfile:
     """An engine's throughput figures (default: Llama-3.1-8B on one H100, as measured in
-    bench/engine_model.py and docs/ROUTING.md) and the weight of recomputed history."""
+    bench/routing/engine_model.py and docs/ROUTING.md) and the weight of recomputed history."""
 
     kv_tokens: int = 400_000
     chunk_tokens: int = 2048

@@ -38,7 +38,7 @@ latest reports. The only overshoot comes from two workers recomputing within the
 round trip (each missing the other's new reservation). The targets only decide who gets
 the room: a worker above its target stops admitting and its reservation shrinks to its
 in-flight, so a slot moves to a starved worker within about two rounds (its demand is
-reported, the holder shrinks, it grows). The simulator (bench/routing_sim.py) measures the
+reported, the holder shrinks, it grows). The simulator (bench/routing/sim.py) measures the
 peak and the convergence.
 
 If the exchange is stale (Redis unreachable for longer than ``stale_s``), each worker
@@ -69,8 +69,9 @@ from typing import Final
 
 from redis.asyncio import RedisCluster
 
+from relay.broker.errors import RelayError
+from relay.broker.rediscluster.errors import map_redis_errors
 from relay.protocol.keys import WORKERS_REGISTRY, worker_key
-from relay.redisio.errors import RelayError, map_redis_errors
 from relay.service.supervise import Supervisor
 from worker.routing.lease import LoadView
 from worker.routing.router import Router, key_hash
@@ -221,7 +222,7 @@ class LoadExchange:
     async def tick(self) -> LoadView:
         """One exchange round: read the peers, compute and install the view, then publish
         this worker's report with its new reservation (three pipelined round trips).
-        Raises what Redis raised, mapped (:class:`relay.redisio.errors.RelayError`)."""
+        Raises what Redis raised, mapped (:class:`relay.broker.errors.RelayError`)."""
         with map_redis_errors():
             return await self._tick()
 

@@ -8,7 +8,7 @@ Spill: when the preferred engine refuses, ``"walk"`` takes the next acceptable *
 engine clockwise (each vnode carries its precomputed list of distinct successors, so a full
 cluster is detected in O(engines)); ``"least_loaded"`` takes the acceptable engine with the
 lowest load/cap ratio (what the SGLang gateway does), ties broken in ring order. The routing
-simulator (bench/routing_sim.py) finds the two within noise on cache hits and TTFT;
+simulator (bench/routing/sim.py) finds the two within noise on cache hits and TTFT;
 least-loaded spills fewer turns (11 vs 14 % at 0.5 and 0.8 load), so it is the default.
 Sizing matters more than the rule: give an engine a cap of about 1.5 x the requests it
 runs at once, or the bounded policies spill into a recompute spiral near saturation
@@ -75,15 +75,15 @@ class RouteReason(enum.StrEnum):
 
 SPILL_POLICIES: Final = tuple(SpillPolicy)
 ROUTING_POLICIES: Final = tuple(RoutingPolicy)
-# the worker's default (WorkerConfig.routing): chosen by bench/routing_sim.py on the
+# the worker's default (WorkerConfig.routing): chosen by bench/routing/sim.py on the
 # Mooncake trace (best goodput at every load up to capacity), see docs/ROUTING.md
 DEFAULT_ROUTING: Final[RoutingPolicy] = RoutingPolicy.COST_AWARE
 # cost_aware's queue past the cap: up to this many times an engine's cap more turns, each
 # expected to get its first token within DEFAULT_QUEUE_SLO_S (the routing simulator's TTFT
 # SLO). The cap counts every turn's whole prompt; engines share a prefix's blocks, so on a
 # burst of turns on one system prompt an engine runs several times its cap at once. Chosen
-# by bench/routing_sim.py on the pulse (2 refuses turns, 4 does no better), docs/ROUTING.md
+# by bench/routing/sim.py on the pulse (2 refuses turns, 4 does no better), docs/ROUTING.md
 DEFAULT_QUEUE: Final = 3.0
 DEFAULT_QUEUE_SLO_S: Final = 2.0
-# chosen by bench/routing_sim.py (fewer spills than walk at the same hit rate), docs/ROUTING.md
+# chosen by bench/routing/sim.py (fewer spills than walk at the same hit rate), docs/ROUTING.md
 DEFAULT_SPILL: Final[SpillPolicy] = SpillPolicy.LEAST_LOADED

@@ -1,5 +1,5 @@
 // The Vercel AI SDK (the real `ai` package) against a running tokenrelay stack.
-// TOKENRELAY_BASE: a front door (make demo, or tests/test_aisdk.py's stack). Without it
+// TOKENRELAY_BASE: a front door (make demo, or tests/e2e/test_aisdk.py's stack). Without it
 // every test skips with the reason.
 //
 // The SDK's own DefaultChatTransport posts the chat body to the worker's /v1/chat and
@@ -11,7 +11,7 @@ import { DefaultChatTransport, readUIMessageStream } from "ai";
 import { watch } from "../../js/tokenrelay.js";
 
 const BASE = process.env.TOKENRELAY_BASE;
-const skip = BASE ? false : "TOKENRELAY_BASE is not set (run it through tests/test_aisdk.py or against make demo)";
+const skip = BASE ? false : "TOKENRELAY_BASE is not set (run it through tests/e2e/test_aisdk.py or against make demo)";
 
 async function newSession() {
   const r = await fetch(`${BASE}/v1/sessions`, { method: "POST" });

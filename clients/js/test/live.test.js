@@ -1,11 +1,11 @@
 // The client's I/O shell over SSE against a running stack (Node's fetch). Skips without
-// TOKENRELAY_BASE (tests/test_js_client.py sets it to a live front door).
+// TOKENRELAY_BASE (tests/e2e/test_js_client.py sets it to a live front door).
 import { afterEach, test } from "node:test";
 import assert from "node:assert/strict";
 import { watch } from "../tokenrelay.js";
 
 const BASE = process.env.TOKENRELAY_BASE;
-const skip = BASE ? false : "TOKENRELAY_BASE is not set (run through tests/test_js_client.py)";
+const skip = BASE ? false : "TOKENRELAY_BASE is not set (run through tests/e2e/test_js_client.py)";
 
 async function session() {
   const r = await fetch(`${BASE}/v1/sessions`, { method: "POST" });

@@ -1,0 +1,5 @@
+"""``python -m bench.faults``: the fault suite (:mod:`bench.faults.drills`)."""
+
+from bench.faults.drills import main
+
+raise SystemExit(main())

@@ -1,0 +1,201 @@
+"""One fault drill's run: its sessions, viewers and turn drivers, and its report.
+
+Used by :mod:`bench.faults.drills`, which injects the fault. Order of use::
+
+    run = Run(cfg, stack, http); await run.setup()
+    ... viewers run (``Viewer.run``), ``run.drive`` per session, the fault ...
+    report = run.report(await run.account())
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+from bench._util import percentile
+from bench.load.accounting import account, read_logs
+from bench.load.viewer import Viewer
+from devstack.demo.stack import Stack
+
+__all__ = ["FaultConfig", "Run"]
+
+
+@dataclass
+class FaultConfig:
+    sessions: int = 6
+    viewers_per_session: int = 4
+    ws_share: float = 0.5
+    warm_s: float = 3.0
+    after_s: float = 10.0  # load keeps running this long after the fault
+    drain_s: float = 60.0  # then running turns get this long to end (a reply runs to 2,000)
+    max_tokens: int = 0  # 0: not sent, the engine's natural reply length
+    decode_tok_per_s: float = 40.0
+    seed: int | None = None
+    partition_s: float = 8.0
+    stall_s: float = 1.5
+
+    @classmethod
+    def quick(cls) -> FaultConfig:
+        return cls(sessions=4, viewers_per_session=3, warm_s=2.0, after_s=7.0)
+
+
+class Run:
+    """One fault run: sessions, viewers, the turn driver and the counts."""
+
+    def __init__(self, cfg: FaultConfig, stack: Stack, http: aiohttp.ClientSession) -> None:
+        self.cfg = cfg
+        self.stack = stack
+        self.http = http
+        self.sessions: list[tuple[str, str]] = []
+        self.viewers: list[Viewer] = []
+        self.arrivals: dict[int, list[float]] = {}  # id(viewer) -> arrival times
+        self.ended: dict[str, int] = {}  # sid -> highest turn with a done/error frame
+        self.error_at: dict[str, list[tuple[float, str]]] = {}
+        self.posted = 0
+        self.last_posted: dict[str, int] = {}
+        self.posted_turns: set[tuple[str, int]] = set()
+        self.paused: set[str] = set()  # sessions whose driver posts nothing for now
+        self.session_gen: dict[str, str] = {}  # the generation a reset announced
+        self.post_errors = 0
+        self.post_status: dict[str, int] = {}
+        self.fault_at = 0.0
+        self.notes: dict[str, Any] = {}
+        self.placed: dict[tuple[str, int], tuple[float, str]] = {}  # turn -> (at, engine)
+        self.after_drill: Callable[[Run], Awaitable[None]] | None = None
+
+    def relays(self) -> list[str]:
+        return [p.url for p in self.stack.of_kind("relay") if p.alive]
+
+    def workers(self) -> list[str]:
+        return [p.url for p in self.stack.of_kind("worker") if p.alive]
+
+    def _on_frame(self, v: Viewer, frame: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if frame["kind"] == "reset":  # turns number from 1 again in the new generation
+            gen = str((frame.get("meta") or {}).get("gen", ""))
+            if self.session_gen.get(v.sid) != gen:
+                self.session_gen[v.sid] = gen
+                self.ended[v.sid] = 0
+            return
+        self.arrivals.setdefault(id(v), []).append(now)
+        if frame["kind"] == "meta":
+            engine = str((frame.get("meta") or {}).get("engine", ""))
+            self.placed.setdefault((v.sid, int(frame.get("turn", 0))), (now, engine))
+        if frame["kind"] in ("done", "error"):
+            sid, turn = v.sid, int(frame.get("turn", 0))
+            if turn > self.ended.get(sid, 0):
+                self.ended[sid] = turn
+                if frame["kind"] == "error":
+                    self.error_at.setdefault(sid, []).append((now, str(frame.get("text"))))
+
+    async def setup(self) -> None:
+        for _ in range(self.cfg.sessions):
+            async with self.http.post(random.choice(self.workers()) + "/v1/sessions") as r:
+                body = await r.json()
+                self.sessions.append((body["session"], body["token"]))
+        for i in range(self.cfg.sessions * self.cfg.viewers_per_session):
+            sid, token = self.sessions[i % len(self.sessions)]
+            transport = "ws" if (i // len(self.sessions)) % 2 else "sse"
+            v = Viewer(self.http, self.relays, sid, token, transport=transport)
+            v.on_frame = self._on_frame
+            self.viewers.append(v)
+
+    async def drive(self, sid: str, token: str, stop: asyncio.Event) -> None:
+        """Post a turn, wait for its done/error frame, repeat until ``stop``."""
+        headers = {"Authorization": f"Bearer {token}"}
+        while not stop.is_set():
+            if sid in self.paused:
+                await asyncio.sleep(0.05)
+                continue
+            body: dict[str, Any] = {"message": f"fault drill {random.randrange(1 << 30)}"}
+            if self.cfg.max_tokens:
+                body["max_tokens"] = self.cfg.max_tokens
+            turn = 0
+            try:
+                base = random.choice(self.workers())
+                async with self.http.post(
+                    f"{base}/v1/sessions/{sid}/turns",
+                    json=body,
+                    headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=10),
+                ) as r:
+                    data = await r.json(content_type=None)
+                    self.post_status[str(r.status)] = self.post_status.get(str(r.status), 0) + 1
+                    if r.status == 202:
+                        turn = int(data["turn"])
+                        self.posted += 1
+                        self.last_posted[sid] = turn
+                        self.posted_turns.add((sid, turn))
+            except (aiohttp.ClientError, TimeoutError, IndexError, ValueError) as exc:
+                what = type(exc).__name__
+                self.post_status[what] = self.post_status.get(what, 0) + 1
+            if turn == 0:
+                self.post_errors += 1
+                await asyncio.sleep(0.3)
+                continue
+            deadline = time.monotonic() + 90  # the longest reply: 2,000 tokens at 40/s
+            while self.ended.get(sid, 0) < turn and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(random.uniform(0.05, 0.3))
+
+    async def account(self) -> dict[str, Any]:
+        """Every viewer against its session's backlog in Redis (bench.load.accounting)."""
+        # every node the stack started: the first master may be the one a drill killed
+        info = self.stack.cluster_info
+        nodes = [ClusterNode(n.host, n.port) for n in info.nodes] if info is not None else []
+        redis = (
+            RedisCluster(startup_nodes=nodes)
+            if nodes
+            else RedisCluster.from_url(self.stack.redis_url)
+        )
+        try:
+            logs = await read_logs(redis, [sid for sid, _ in self.sessions])
+        finally:
+            await redis.aclose()
+        return account(logs, self.viewers, self.posted_turns)
+
+    def report(self, counts: dict[str, Any]) -> dict[str, Any]:
+        vs = self.viewers
+        recov: list[float] = []
+        stalled = 0  # viewers that got nothing at all after the fault
+        for v in vs:
+            times = [t for t in self.arrivals.get(id(v), []) if t >= self.fault_at]
+            marks = [self.fault_at, *times]
+            gaps = [(b - a) * 1000 for a, b in itertools.pairwise(marks)]
+            if gaps:
+                recov.append(max(gaps))
+            else:
+                stalled += 1
+        err_ms = [
+            (t - self.fault_at) * 1000
+            for errs in self.error_at.values()
+            for t, _ in errs
+            if t >= self.fault_at
+        ]
+        return {
+            "frames": sum(v.tally.frames for v in vs),
+            **counts,
+            "gaps_reported": sum(v.tally.gaps_reported for v in vs),
+            "error_frames": sum(v.error_frames for v in vs),
+            "error_reasons": sorted({r for errs in self.error_at.values() for _, r in errs}),
+            "first_error_after_fault_ms": round(min(err_ms), 1) if err_ms else None,
+            "last_error_after_fault_ms": round(max(err_ms), 1) if err_ms else None,
+            "reconnects": sum(max(0, v.connects - 1) for v in vs),
+            "stalled_viewers": stalled,
+            "recovery_p99_ms": round(percentile(recov, 0.99, float("nan")), 1),
+            "recovery_p50_ms": round(percentile(recov, 0.50, float("nan")), 1),
+            "viewers": len(vs),
+            "sessions": len(self.sessions),
+            "turns": self.posted,
+            "turn_post_failures": self.post_errors,
+            "turn_post_status": dict(sorted(self.post_status.items())),
+            **self.notes,
+        }

@@ -1,0 +1,208 @@
+"""``python -m bench.fuzz``: fuzz the parsers that read hostile input, a million cases.
+
+Targets and their contracts: :mod:`bench.fuzz.props` (frame decoder, session id parser
+and keys, resume-offset parser, token verifier). Three engines, per target:
+
+1. ``random``: a plain loop over :meth:`Target.generate` (random bytes, or 1-4
+   mutations of a valid encoding) with a seeded ``random.Random``: the throughput part,
+   ``--cases`` in total split evenly across the targets;
+2. ``hypothesis`` (when installed): structured inputs, ``--hypothesis-examples`` per
+   target;
+3. ``atheris`` (optional, coverage-guided libFuzzer; ``pip install atheris``): one child
+   process per target (``atheris.Fuzz`` exits its process), ``--atheris-runs`` each;
+   skipped with a note when atheris does not import.
+
+Every exception that is not the parser's documented error is a failure; the report
+keeps the first few failing inputs. Output: one JSON object (stdout, and ``--json
+PATH``) with cases, seconds, cases/s and failures per target and engine; exit 1 if
+any failure. ``--quick``: 20,000 random cases, 200 hypothesis examples, no atheris.
+
+Order of use: ``main(argv)`` -> :func:`run_random` / :func:`run_hypothesis` /
+:func:`run_atheris` per target -> JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from typing import Any
+
+from bench.fuzz.props import SEEDS, TARGETS, Target
+
+__all__ = ["main", "run_atheris", "run_hypothesis", "run_random"]
+
+_KEEP = 5  # failing inputs kept per target and engine
+
+
+def _result(
+    engine: str, cases: int, seconds: float, failures: list[dict[str, str]]
+) -> dict[str, Any]:
+    return {
+        "engine": engine,
+        "cases": cases,
+        "seconds": round(seconds, 3),
+        "cases_per_s": round(cases / seconds) if seconds > 0 else None,
+        "failures": len(failures),
+        "examples": failures[:_KEEP],
+    }
+
+
+def _failure(data: bytes, exc: BaseException) -> dict[str, str]:
+    return {"input": repr(data[:200]), "error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def run_random(target: Target, cases: int, seed: int) -> dict[str, Any]:
+    rng = random.Random(f"{seed}:{target.name}")
+    gen, check = target.generate, target.check
+    failures: list[dict[str, str]] = []
+    nfail = 0
+    start = time.perf_counter()
+    for _ in range(cases):
+        data = gen(rng)
+        try:
+            check(data)
+        except Exception as exc:
+            nfail += 1
+            if len(failures) < _KEEP:
+                failures.append(_failure(data, exc))
+    out = _result("random", cases, time.perf_counter() - start, failures)
+    out["failures"] = nfail
+    return out
+
+
+def run_hypothesis(target: Target, examples: int) -> dict[str, Any]:
+    try:
+        from hypothesis import HealthCheck, given, settings
+        from hypothesis import strategies as st
+    except ImportError:
+        return {"engine": "hypothesis", "skipped": "hypothesis is not installed"}
+    seeds = SEEDS[target.name]
+    strategy = st.binary(max_size=256) | st.sampled_from(seeds).flatmap(
+        lambda s: st.tuples(st.integers(0, len(s)), st.integers(0, 8), st.binary(max_size=16)).map(
+            lambda t: s[: t[0]] + t[2] + s[t[0] + t[1] :]
+        )
+    )
+    seen: list[int] = [0]
+    failures: list[dict[str, str]] = []
+
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        report_multiple_bugs=False,
+    )
+    @given(strategy)
+    def prop(data: bytes) -> None:
+        seen[0] += 1
+        target.check(data)
+
+    start = time.perf_counter()
+    try:
+        prop()
+    except Exception as exc:  # hypothesis re-raises the shrunk failure
+        failures.append(
+            {"input": "(see the error: hypothesis shrank it)", "error": repr(exc)[:300]}
+        )
+    return _result("hypothesis", seen[0], time.perf_counter() - start, failures)
+
+
+def run_atheris(target: Target, runs: int, timeout_s: float = 600.0) -> dict[str, Any]:
+    """One child process (``atheris.Fuzz`` ends its process); counts from its exit."""
+    try:
+        import atheris  # type: ignore[import-untyped]  # noqa: F401
+    except ImportError:
+        return {"engine": "atheris", "skipped": "atheris is not installed (pip install atheris)"}
+    argv = [sys.executable, "-m", "bench.fuzz.run", "--atheris-child", target.name, str(runs)]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(argv, capture_output=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return {"engine": "atheris", "skipped": f"did not finish in {timeout_s:.0f}s"}
+    seconds = time.perf_counter() - start
+    err = proc.stderr.decode(errors="replace")
+    failures = [] if proc.returncode == 0 else [{"input": "(libFuzzer crash file)",
+                                                 "error": err[-600:]}]  # fmt: skip
+    done = runs
+    for line in err.splitlines():  # "#123456\tDONE   cov: ..." is libFuzzer's last line
+        if "DONE" in line and line.startswith("#"):
+            done = int(line[1:].split()[0])
+    return _result("atheris", done, seconds, failures)
+
+
+def _atheris_child(name: str, runs: int) -> None:
+    import atheris
+
+    with atheris.instrument_imports():
+        from bench.fuzz import props as fuzz_props
+    target = fuzz_props.TARGETS[name]
+    corpus = os.environ.get("TOKENRELAY_FUZZ_CORPUS")
+    args = [sys.argv[0], f"-runs={runs}", "-max_len=512", "-seed=1"]
+    if corpus:
+        args.append(corpus)
+    atheris.Setup(args, target.check)
+    atheris.Fuzz()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__.split("\n")[0])
+    p.add_argument("--cases", type=int, default=1_000_000, help="random cases, all targets")
+    p.add_argument("--hypothesis-examples", type=int, default=2_000, help="per target")
+    p.add_argument("--atheris-runs", type=int, default=50_000, help="per target (0: skip)")
+    p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", dest="json_path", help="also write the report here")
+    p.add_argument("--quick", action="store_true", help="20k cases, 200 examples, no atheris")
+    p.add_argument("--atheris-child", nargs=2, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.atheris_child:
+        _atheris_child(args.atheris_child[0], int(args.atheris_child[1]))
+        return 0
+    if args.quick:
+        args.cases, args.hypothesis_examples, args.atheris_runs = 20_000, 200, 0
+    names = [n for n in args.targets.split(",") if n]
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown:
+        p.error(f"unknown targets {unknown}; choose from {list(TARGETS)}")
+    per_target = max(args.cases // len(names), 1)
+    command = " ".join(["python -m bench.fuzz", *(argv if argv is not None else sys.argv[1:])])
+    report: dict[str, Any] = {"command": command, "python": sys.version.split()[0], "targets": {}}
+    total_cases = total_failures = 0
+    for name in names:
+        target = TARGETS[name]
+        rows = [run_random(target, per_target, args.seed)]
+        if args.hypothesis_examples > 0:
+            rows.append(run_hypothesis(target, args.hypothesis_examples))
+        if args.atheris_runs > 0:
+            rows.append(run_atheris(target, args.atheris_runs))
+        report["targets"][name] = rows
+        for row in rows:
+            total_cases += row.get("cases", 0)
+            total_failures += row.get("failures", 0)
+        print(f"{name}: " + "; ".join(_line(r) for r in rows), file=sys.stderr)
+    report["total_cases"] = total_cases
+    report["total_failures"] = total_failures
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            f.write(text + "\n")
+    return 1 if total_failures else 0
+
+
+def _line(row: dict[str, Any]) -> str:
+    if "skipped" in row:
+        return f"{row['engine']} skipped ({row['skipped']})"
+    return (
+        f"{row['engine']} {row['cases']:,} cases, {row['cases_per_s'] or 0:,}/s, "
+        f"{row['failures']} failures"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

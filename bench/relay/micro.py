@@ -1,0 +1,198 @@
+"""The relay's own Python cost per frame, without sockets: how much of the CPU per frame
+of :mod:`bench.relay.throughput` is the relay's code and how much the kernel's.
+
+A real :class:`relay.edge.fanout.hub.Hub` on a real Redis Cluster (started here unless
+``--redis``) opens ``--sessions`` live watches (real subscriptions, real backlog bounds
+read); each tap writes to a real :class:`relay.edge.conn.streams.SocketOut` with the server's
+own metrics (:class:`relay.edge.metrics.OutMeter`) whose transport only counts bytes.
+Then the hub's shard-reader callback (``Hub._on_message``, what a read chunk from Redis
+calls) is fed ``--frames`` encoded token frames, ``--per-chunk`` per call, each to the
+next session in turn, in order: the same code path as a live frame, from the parsed
+``smessage`` to ``transport.write``, minus the parse and the system call.
+
+``python -m bench.relay.micro [--quick] [--json PATH] [--seed N]`` prints µs per frame
+(best of ``--repeats`` runs, and the median): ``hub_us_per_frame``. With ``--profile``
+it prints cProfile's top functions of one more run (their times include cProfile's own
+overhead, several times the code's: read them as shares, not as µs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import io
+import pstats
+import random
+import statistics
+import time
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+from bench._util import write_json
+from relay.broker.rediscluster.connect import connect
+from relay.edge.conn.streams import SocketOut, sse_bytes
+from relay.edge.fanout.hub import Hub, Tap
+from relay.edge.metrics import OutMeter, RelayMetrics
+from relay.protocol.frame import Frame, encode
+from relay.protocol.keys import live_channel, new_session_id
+
+__all__ = ["main", "measure"]
+
+
+class _CountingTransport:
+    """A transport that takes every write and keeps only the byte count."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.writes = 0
+
+    def write(self, data: bytes) -> None:
+        self.bytes += len(data)
+        self.writes += 1
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return (16 * 1024, 64 * 1024)
+
+
+class _Writer:
+    chunked = True  # an SSE response: every write is framed as one HTTP chunk
+
+    async def drain(self) -> None:
+        return None
+
+
+@contextlib.asynccontextmanager
+async def _cluster(url: str | None) -> AsyncIterator[str]:
+    if url is not None:
+        yield url
+        return
+    from devstack.cluster.launcher import local_cluster
+
+    async with local_cluster(masters=3, replicas=1) as info:
+        yield info.url
+
+
+def _frames(sids: list[str], n: int, gen: str, offsets: dict[str, int]) -> list[list[bytes]]:
+    """``n`` token frames, one per session in turn, each session's offsets going on from
+    ``offsets`` (updated)."""
+    out: list[list[bytes]] = []
+    ts = int(time.time() * 1000)
+    for i in range(n):
+        sid = sids[i % len(sids)]
+        offsets[sid] += 1
+        f = Frame(
+            session=sid, turn=1, offset=offsets[sid], kind="token",
+            text=f"{time.time_ns():019d};", epoch=1, ts=ts, meta={"gen": gen},
+        )  # fmt: skip
+        out.append([b"smessage", live_channel(sid).encode(), encode(f)])
+    return out
+
+
+async def measure(
+    url: str, sessions: int, frames: int, per_chunk: int, repeats: int, profile: bool, seed: int
+) -> dict[str, Any]:
+    redis = connect(url)
+    await redis.initialize()
+    hub = Hub(redis, relay_id="bench-micro", reap_after_s=3600)
+    await hub.start()
+    metrics = RelayMetrics("bench-micro")
+    transports: list[_CountingTransport] = []
+    taps: list[Tap] = []
+    try:
+        sids = [new_session_id() for _ in range(sessions)]
+        for sid in sids:
+            tap = await hub.watch(sid, None)
+            t = _CountingTransport()
+            out = SocketOut(
+                cast(Any, None), cast(Any, t), cast(Any, _Writer()), sse_bytes,
+                OutMeter(metrics, "sse").sent, 30.0,
+            )  # fmt: skip
+            tap.attach(out, lambda: None)
+            transports.append(t)
+            taps.append(tap)
+        random.Random(seed).shuffle(sids)  # the order frames go round the sessions
+        offsets = dict.fromkeys(sids, 0)
+        runs: list[float] = []
+        prof_text = ""
+        on_message = hub._on_message  # what the shard reader calls per read chunk
+        for r in range(repeats + (1 if profile else 0)):
+            batch = _frames(sids, frames, "bench", offsets)
+            chunks = [batch[i : i + per_chunk] for i in range(0, len(batch), per_chunk)]
+            prof = cProfile.Profile() if profile and r == repeats else None
+            t0 = time.perf_counter()
+            if prof is not None:
+                prof.enable()
+            for chunk in chunks:
+                on_message(chunk)
+            if prof is not None:
+                prof.disable()
+                s = io.StringIO()
+                pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(20)
+                prof_text = s.getvalue()
+            else:
+                runs.append((time.perf_counter() - t0) / frames * 1e6)
+        written = sum(t.writes for t in transports)
+    finally:
+        for tap in taps:
+            await tap.close()
+        await hub.close()
+        await redis.aclose()
+    return {
+        "sessions": sessions,
+        "frames": frames,
+        "per_chunk": per_chunk,
+        "repeats": repeats,
+        "hub_us_per_frame": round(min(runs), 2),
+        "hub_us_per_frame_median": round(statistics.median(runs), 2),
+        "runs_us_per_frame": [round(x, 2) for x in runs],
+        "socket_writes": written,
+        "profile": prof_text,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.relay.micro", description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="100,000 frames, 3 runs")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    ap.add_argument("--redis", help="redis://host:port of a running cluster (default: start one)")
+    ap.add_argument("--seed", type=int, default=0, help="shuffles the sessions' order (0)")
+    ap.add_argument("--sessions", type=int, default=1_000, help="watched sessions (1,000)")
+    ap.add_argument("--frames", type=int, help="frames per run (300,000; quick 100,000)")
+    ap.add_argument("--per-chunk", type=int, default=2, help="frames per read chunk (2)")
+    ap.add_argument("--repeats", type=int, help="runs (5; quick 3)")
+    ap.add_argument("--profile", action="store_true", help="cProfile one more run")
+    args = ap.parse_args(argv)
+    if args.sessions < 1 or args.per_chunk < 1:
+        raise SystemExit("--sessions and --per-chunk must be >= 1")
+    frames = args.frames or (100_000 if args.quick else 300_000)
+    repeats = args.repeats or (3 if args.quick else 5)
+
+    async def run() -> dict[str, Any]:
+        async with _cluster(args.redis) as url:
+            return await measure(
+                url, args.sessions, frames, args.per_chunk, repeats, args.profile, args.seed
+            )
+
+    res = asyncio.run(run())
+    prof = res.pop("profile")
+    print(
+        f"hub_us_per_frame {res['hub_us_per_frame']} (median {res['hub_us_per_frame_median']};"
+        f" runs {res['runs_us_per_frame']}), {res['sessions']:,} sessions,"
+        f" {res['per_chunk']} frames per read chunk, {res['socket_writes']:,} socket writes"
+    )
+    if prof:
+        print(prof)
+    if args.json:
+        write_json(args.json, res)
+
+
+if __name__ == "__main__":
+    main()

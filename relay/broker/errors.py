@@ -1,0 +1,77 @@
+"""relay's own exceptions: what the relay and its producers raise on purpose.
+
+The tree::
+
+    RelayError
+     +-- RedisUnavailable        the store cannot be reached / timed out (retry later)
+     +-- RedisCommandError       the store answered an error we did not expect
+     +-- Fenced                  a stale generation tried to publish (nothing written)
+     +-- OffsetConflict          the session's offset is not the one the generation expected
+     +-- SubscribeError          a live channel could not be subscribed in time
+     +-- WatchClosed             a watcher was dropped (``reason`` for humans, ``code``
+                                 for machines: "slow_consumer", "relay_shutdown", ...)
+
+A broker converts its client library's errors into these where it calls it
+(:func:`relay.broker.rediscluster.errors.map_redis_errors` for redis-py), so nothing above
+the broker sees a library's exception type.
+"""
+
+from __future__ import annotations
+
+from relay.protocol.codes import CloseCode
+
+__all__ = [
+    "Fenced",
+    "OffsetConflict",
+    "RedisCommandError",
+    "RedisUnavailable",
+    "RelayError",
+    "SubscribeError",
+    "WatchClosed",
+]
+
+
+class RelayError(Exception):
+    """Base of every exception the relay raises on purpose."""
+
+
+class RedisUnavailable(RelayError):
+    """Redis could not be reached or did not answer in time; the call may be retried."""
+
+
+class RedisCommandError(RelayError):
+    """Redis answered with an error reply that the caller did not anticipate."""
+
+
+class Fenced(RelayError):
+    """A generation whose epoch is no longer the session's current epoch tried to write."""
+
+    def __init__(self, session: str, epoch: int, current: int) -> None:
+        super().__init__(f"session {session}: generation epoch {epoch} fenced by epoch {current}")
+        self.session = session
+        self.epoch = epoch
+        self.current = current
+
+
+class OffsetConflict(RelayError):
+    """The session's last offset differs from the one the generation expected."""
+
+    def __init__(self, session: str, expected: int, current: int) -> None:
+        super().__init__(f"session {session}: expected offset {expected}, found {current}")
+        self.session = session
+        self.expected = expected
+        self.current = current
+
+
+class SubscribeError(RelayError):
+    """A shard channel could not be subscribed (no owner reachable before the deadline)."""
+
+
+class WatchClosed(RelayError):
+    """The hub dropped a watcher. ``code`` (:class:`relay.protocol.codes.CloseCode`) is
+    stable; ``reason`` is a sentence for logs and the client's final frame."""
+
+    def __init__(self, reason: str, code: CloseCode) -> None:
+        super().__init__(f"{code}: {reason}")
+        self.reason = reason
+        self.code = code

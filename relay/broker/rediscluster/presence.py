@@ -1,0 +1,219 @@
+"""Presence: which relays have viewers of a session, for the workers' "nobody watches" rule.
+
+Per watched session, the sorted set ``presence_key(sid)`` holds one member per relay with
+local watchers; its score is when that entry expires, in Redis server milliseconds
+(``TIME`` taken inside the script, so no host clock is involved: a relay whose clock is
+off by seconds writes the same scores as any other). A worker counts the members whose
+expiry is still ahead of the server's ``TIME`` (:func:`count_present`).
+
+Cost does not grow per second with idle viewers: a session is written when its first
+local watcher opens and removed (``ZREM``) when its last one leaves; in between it is
+refreshed every ``ttl_s / 3`` (with jitter, so refreshes spread over time), by one timer
+that sends at most ``batch`` sessions per pipeline and yields between pipelines, so no
+event-loop turn is spent on more than ``batch`` sessions (25: each script carries five
+keys since it also extends the session's keys, below; a pipeline of 25 costs the client
+no more CPU than one of 50 did with the entry's key alone).
+
+Watching keeps a session alive: the same script that writes a relay's entry extends the
+session's keys (its meta hash, backlog, chat history and history state) to at least the
+lifetime its producer stored in the meta hash (``ttl``, seconds; at least the presence
+entry's own TTL, so that a short session lifetime is still covered between refreshes),
+with ``EXPIRE ... GT``: never shortened, never made volatile when it is not, and a key
+that does not exist stays gone (an expired session is not brought back). A session
+whose hash has no ``ttl`` (written before producers stored it) is not extended. So a
+session expires its lifetime after its last write or the last refresh of a relay that
+has viewers of it, whichever is later. It costs no round trip and no pipeline entry
+more: one script per session per refresh, as before.
+
+The refresh timer is the supervised loop ``presence`` (:class:`relay.service.supervise.Supervisor`):
+a failed pipeline puts its sessions back (nothing is dropped), the supervisor logs the
+failure and starts the loop again after its jittered backoff.
+
+Order of use::
+
+    p = Presence(redis, relay_id="edge-1"); p.start(supervisor)
+    p.add(sid)      # first local watcher of sid
+    p.remove(sid)   # last local watcher of sid left
+    await supervisor.stop(); await p.close()   # close removes every entry it wrote
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import random
+from typing import TYPE_CHECKING, Final
+
+from redis.asyncio.cluster import RedisCluster
+
+from relay.broker.errors import RelayError
+from relay.broker.rediscluster.errors import map_redis_errors
+from relay.protocol.keys import KeyKind, hist_key, key, log_key, meta_key, presence_key
+
+if TYPE_CHECKING:
+    from relay.service.supervise import Supervisor
+
+__all__ = ["COUNT_LUA", "WRITE_LUA", "Presence", "count_present", "write_keys"]
+
+# KEYS[1] presence key, KEYS[2] the session's meta hash, KEYS[3..] its other keys to keep
+# alive (only KEYS[1]: the entry alone); ARGV[1] relay id, ARGV[2] ttl ms. Score = server
+# now + ttl; entries already expired are dropped; the key lives as long as its newest
+# entry. The session's keys get at least max(its stored lifetime, the entry's ttl),
+# never less than they have.
+WRITE_LUA: Final = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[2])
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
+local life = 0
+if KEYS[2] then life = tonumber(redis.call('HGET', KEYS[2], 'ttl') or '0') or 0 end
+if life > 0 then
+  life = math.max(life * 1000, ttl)
+  for i = 2, #KEYS do redis.call('PEXPIRE', KEYS[i], life, 'GT') end
+end
+return now
+"""
+
+# KEYS[1] presence key: relays whose entry expires after the server's now.
+COUNT_LUA: Final = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+return redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
+"""
+
+
+def write_keys(sid: str) -> tuple[str, ...]:
+    """The keys of :data:`WRITE_LUA` for ``sid``: its presence, then its meta hash, then
+    the other keys a watched session keeps alive (backlog, history, history state)."""
+    return (presence_key(sid), meta_key(sid), log_key(sid), hist_key(sid),
+            key(sid, KeyKind.HIST, "state"))  # fmt: skip
+
+
+async def count_present(redis: RedisCluster, sid: str) -> int:
+    """Relays whose presence entry for ``sid`` has not expired (Redis server time)."""
+    with map_redis_errors():
+        return int(await redis.eval(COUNT_LUA, 1, presence_key(sid)))
+
+
+class Presence:
+    """Presence entries of one relay. See the module docstring."""
+
+    def __init__(
+        self,
+        redis: RedisCluster,
+        relay_id: str,
+        *,
+        ttl_s: float = 30.0,
+        batch: int = 25,
+        tick_s: float | None = None,
+    ) -> None:
+        # due refreshes are written every tick (new and gone entries at once): a tick of
+        # a thirtieth of the TTL (1 s for 30 s) fills pipelines instead of sending a few
+        # sessions ten times a second, and leaves two thirds of the TTL to spare
+        tick_s = min(1.0, ttl_s / 30) if tick_s is None else tick_s
+        if ttl_s <= 0 or batch < 1 or tick_s <= 0:
+            raise ValueError("presence ttl, batch and tick must be positive")
+        self.redis = redis
+        self.relay_id = relay_id
+        self.ttl_s = ttl_s
+        self.batch = batch
+        self.tick_s = tick_s
+        self._watched: dict[str, float] = {}  # sid -> when its next refresh is due
+        self._due: list[tuple[float, str]] = []  # heap; stale entries skipped
+        self._new: set[str] = set()
+        self._gone: set[str] = set()
+        self._kick = asyncio.Event()
+        self.stats: dict[str, int] = {"presence_writes": 0, "presence_errors": 0}
+
+    @property
+    def refresh_s(self) -> float:
+        return self.ttl_s / 3
+
+    def start(self, supervisor: Supervisor) -> None:
+        # critical: entries that are not refreshed expire, and workers then treat this
+        # relay's viewers as gone ("nobody watches"); a relay that cannot write presence
+        # must not take viewers
+        supervisor.forever("presence", self._loop, critical=True)
+
+    async def close(self) -> None:
+        """Remove every entry this relay wrote. Stop the supervisor that runs the refresh
+        loop first: a refresh racing this would write entries back."""
+        self._gone.update(self._watched)
+        self._watched.clear()
+        self._new.clear()
+        with contextlib.suppress(RelayError):
+            await self._flush(0.0)
+
+    def add(self, sid: str) -> None:
+        if sid in self._watched:
+            return
+        self._gone.discard(sid)
+        self._watched[sid] = 0.0
+        self._new.add(sid)
+        self._kick.set()
+
+    def remove(self, sid: str) -> None:
+        if self._watched.pop(sid, None) is None:
+            return
+        self._new.discard(sid)
+        self._gone.add(sid)
+        self._kick.set()
+
+    async def _loop(self) -> None:
+        """Write new entries at once, refresh due ones every tick; a failed write raises
+        (after putting its sessions back) and the supervisor starts this again."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.tick_s):
+                    await self._kick.wait()
+            self._kick.clear()
+            await self._flush(loop.time())
+
+    def _schedule(self, sid: str, now: float) -> None:
+        due = now + self.refresh_s * random.uniform(0.8, 1.0)
+        self._watched[sid] = due
+        heapq.heappush(self._due, (due, sid))
+
+    async def _flush(self, now: float) -> None:
+        writes = list(self._new)
+        self._new.clear()
+        while self._due and self._due[0][0] <= now:
+            due, sid = heapq.heappop(self._due)
+            if self._watched.get(sid) == due:
+                writes.append(sid)
+        for sid in writes:
+            if sid in self._watched:
+                self._schedule(sid, now)
+        gone = list(self._gone)
+        self._gone.clear()
+        for i in range(0, max(len(writes), len(gone)), self.batch):
+            batch = (writes[i : i + self.batch], gone[i : i + self.batch])
+            try:
+                await self._write(*batch)
+            except RelayError:  # written again on the next run: nothing is dropped
+                self.stats["presence_errors"] += 1
+                self._new.update(s for s in writes[i:] if s in self._watched)
+                self._gone.update(s for s in gone[i:] if s not in self._watched)
+                raise
+            self.stats["presence_writes"] += len(batch[0])
+            await asyncio.sleep(0)
+
+    async def _write(self, writes: list[str], gone: list[str]) -> None:
+        """One pipeline: entries written (and their sessions' keys extended), entries
+        removed; a failure raises :class:`relay.broker.errors.RelayError`."""
+        ttl_ms = int(self.ttl_s * 1000)
+        with map_redis_errors():
+            async with self.redis.pipeline(transaction=False) as p:
+                for sid in writes:
+                    # built per write, not kept per watched session: five key names
+                    # (about 500 bytes) for every session, against a few microseconds
+                    # per session every refresh_s
+                    ks = write_keys(sid)
+                    p.eval(WRITE_LUA, len(ks), *ks, self.relay_id, ttl_ms)
+                for sid in gone:
+                    p.zrem(presence_key(sid), self.relay_id)
+                await p.execute()

@@ -1,0 +1,489 @@
+"""The producers' API: open a fenced generation, publish frames (backlog + live) in one
+round trip, and read the backlog back.
+
+Per session, everything sits in the session's hash slot (see :mod:`relay.protocol.keys`):
+
+- ``meta_key(sid)`` hash: ``gen`` (the session's generation id: random, set when the
+  hash is created, so a session whose keys expired and restarted has a new one; every
+  frame carries it as ``meta.gen``), ``epoch`` (bumped by every generation and by a reap),
+  ``turn`` (bumped by every generation), ``offset`` (the last offset written), ``open``
+  (the turn that is generating: set by ``open_generation``, cleared by a ``done`` or
+  ``error`` frame and by :func:`reap`), ``ttl`` (the session's lifetime in seconds, as
+  its producer applies it: relays extend a watched session's keys by it, see
+  :mod:`relay.broker.rediscluster.presence`);
+- ``log_key(sid)`` stream: the backlog, one entry per frame with the explicit ID
+  ``<offset>-1`` and one field ``f`` = the encoded frame, trimmed with ``MAXLEN ~``;
+- ``live_channel(sid)`` shard channel: every frame is SPUBLISHed there too.
+
+Retention: the backlog keeps at most about ``maxlen`` frames, and every key of the
+session expires ``ttl_s`` seconds after the last write (each publish and each
+``open_generation`` refreshes the TTL; a reap or a seal keeps the TTL the session has)
+or after the last presence refresh of a relay that has viewers of it: the age cap *is*
+the idle TTL. When the keys expire, offsets and epochs restart at 0
+under a new ``gen``: a producer of the old generation is fenced by it, and a relay
+that sees frames of a new ``gen`` tells its clients with a ``reset`` frame
+(:mod:`relay.edge.core.resume`).
+
+Order of use::
+
+    pub = Publisher(redis)
+    gen = await pub.open_generation(sid)   # epoch+1, turn+1 (Lua, one slot)
+    await gen.meta({...}); await gen.token("Hel"); await gen.publish([Draft(...), ...])
+    await gen.done({...})                  # or gen.error("reason")
+    frames, first, last = await read_backlog(redis, sid, after_offset, count)
+    await reap(redis, sid, reaper="edge-1")  # relays: end a turn whose worker died
+
+``gen.publish`` runs one Lua script (EVALSHA, EVAL on NOSCRIPT): it checks the epoch
+(a stale generation gets :class:`relay.broker.errors.Fenced` and writes nothing) and the
+expected offset, XADDs each frame, SPUBLISHes each frame (the channel is declared in
+KEYS so the cluster slot check passes), bumps ``offset`` and refreshes the TTLs.
+Each frame is encoded exactly once, in Python. redis-py errors become
+:mod:`relay.broker.rediscluster.errors` exceptions here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import secrets
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, NamedTuple
+
+import msgspec
+import redis.exceptions as rex
+from redis.asyncio.cluster import RedisCluster
+
+from relay.broker.errors import Fenced, OffsetConflict, RedisCommandError, RedisUnavailable
+from relay.broker.rediscluster.errors import map_redis_errors
+from relay.protocol.frame import Frame, Kind, encode, now_ms
+from relay.protocol.keys import KeyKind, key, live_channel, log_key, meta_key, parse_session
+
+__all__ = [
+    "WORKER_LOST",
+    "BacklogPage",
+    "Draft",
+    "Generation",
+    "Publisher",
+    "ReapResult",
+    "ReapStatus",
+    "read_backlog",
+    "read_backlog_page",
+    "reap",
+    "seal",
+]
+
+_OPEN_LUA: Final = """
+local gen = redis.call('HGET', KEYS[1], 'gen')
+local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+local turn = redis.call('HINCRBY', KEYS[1], 'turn', 1)
+local off = tonumber(redis.call('HGET', KEYS[1], 'offset') or '0')
+if off == 0 then
+  local top = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+  if top[1] then
+    off = tonumber(string.match(top[1][1], '^(%d+)'))
+    redis.call('HSET', KEYS[1], 'offset', off)
+    if not gen then  -- a failover lost the hash, not the backlog: same generation
+      local ok, f = pcall(cjson.decode, top[1][2][2])
+      if ok and type(f.meta) == 'table' and type(f.meta.gen) == 'string' then gen = f.meta.gen end
+    end
+  end
+end
+if not gen then gen = ARGV[2] end
+redis.call('HSET', KEYS[1], 'open', turn, 'gen', gen, 'ttl', ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+return {epoch, turn, off, gen}
+"""
+
+_PUBLISH_LUA: Final = """
+local cur = redis.call('HMGET', KEYS[1], 'epoch', 'offset', 'gen')
+local epoch = tonumber(cur[1] or '0')
+local off = tonumber(cur[2] or '0')
+if epoch > tonumber(ARGV[1]) then return redis.error_reply('FENCED ' .. epoch) end
+if cur[3] and cur[3] ~= ARGV[7] then return redis.error_reply('FENCED ' .. epoch) end
+if off ~= tonumber(ARGV[2]) then return redis.error_reply('OFFSET ' .. off) end
+if epoch < tonumber(ARGV[1]) then
+  -- a failover lost our open_generation (asynchronous replication): restore it
+  redis.call('HSET', KEYS[1], 'epoch', ARGV[1], 'open', ARGV[6], 'gen', ARGV[7])
+  local turn = tonumber(redis.call('HGET', KEYS[1], 'turn') or '0')
+  if turn < tonumber(ARGV[6]) then redis.call('HSET', KEYS[1], 'turn', ARGV[6]) end
+end
+for i = 8, #ARGV do
+  off = off + 1
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], string.format('%d-1', off), 'f', ARGV[i])
+  redis.call('SPUBLISH', KEYS[3], ARGV[i])
+end
+redis.call('HSET', KEYS[1], 'offset', off)
+redis.call('HSETNX', KEYS[1], 'ttl', ARGV[4])
+if ARGV[5] == '1' then redis.call('HDEL', KEYS[1], 'open') end
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+return off
+"""
+
+_REAP_LUA: Final = """
+if redis.call('EXISTS', KEYS[4]) == 1 then return {'locked', 0, 0} end
+local turn = tonumber(redis.call('HGET', KEYS[1], 'open') or '0')
+if turn == 0 then return {'idle', 0, 0} end
+local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+local off = tonumber(redis.call('HGET', KEYS[1], 'offset') or '0') + 1
+local gen = redis.call('HGET', KEYS[1], 'gen')
+local g = ''
+if gen then g = ',"gen":' .. cjson.encode(gen) end
+local frame = string.format(
+  '{"v":1,"session":%s,"turn":%d,"offset":%d,"kind":"error","text":%s,"epoch":%d,' ..
+  '"ts":%s,"meta":{"code":"worker_lost","reaped_by":%s%s}}',
+  cjson.encode(ARGV[3]), turn, off, cjson.encode(ARGV[5]), epoch, ARGV[4],
+  cjson.encode(ARGV[6]), g)
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], string.format('%d-1', off), 'f', frame)
+redis.call('SPUBLISH', KEYS[3], frame)
+redis.call('HSET', KEYS[1], 'offset', off)
+redis.call('HDEL', KEYS[1], 'open')
+local ttl = redis.call('TTL', KEYS[1])  -- keep the session's own lifetime
+if ttl < 1 then ttl = tonumber(ARGV[2]) end
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('EXPIRE', KEYS[2], ttl)
+return {'reaped', off, turn}
+"""
+
+_SEAL_LUA: Final = """
+local cur = redis.call('HMGET', KEYS[1], 'offset', 'gen')
+local off = tonumber(cur[1] or '0')
+local seen = tonumber(ARGV[1])
+if off >= seen then return 0 end
+-- another generation (the keys expired and restarted), or none: nothing to seal
+if ARGV[7] ~= '' and cur[2] ~= ARGV[7] then return 0 end
+local g = ''
+if cur[2] then g = ',"gen":' .. cjson.encode(cur[2]) end
+local frame = string.format(
+  '{"v":1,"session":%s,"turn":0,"offset":%d,"kind":"gap","text":%s,"ts":%s,' ..
+  '"meta":{"from":%d,"to":%d,"code":"lost_in_failover","sealed_by":%s%s}}',
+  cjson.encode(ARGV[4]), seen, cjson.encode('frames lost in a Redis failover'), ARGV[5],
+  off + 1, seen, cjson.encode(ARGV[6]), g)
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], string.format('%d-1', seen), 'f', frame)
+redis.call('SPUBLISH', KEYS[3], frame)
+redis.call('HSET', KEYS[1], 'offset', seen)
+local ttl = redis.call('TTL', KEYS[1])  -- keep the session's own lifetime
+if ttl < 1 then ttl = tonumber(ARGV[3]) end
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('EXPIRE', KEYS[2], ttl)
+return seen - off
+"""
+
+_READ_LUA: Final = """
+local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
+local last = tonumber(redis.call('HGET', KEYS[2], 'offset') or '0')
+local firstoff = last + 1
+if first[1] then firstoff = tonumber(string.match(first[1][1], '^(%d+)')) end
+local out = {firstoff, last, redis.call('HGET', KEYS[2], 'gen') or ''}
+if tonumber(ARGV[2]) > 0 then
+  local entries = redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])
+  local budget = tonumber(ARGV[3] or '0')
+  local size = 0
+  for _, e in ipairs(entries) do
+    if budget > 0 and size > 0 and size + #e[2][2] > budget then break end
+    size = size + #e[2][2]
+    out[#out + 1] = e[2][2]
+  end
+end
+return out
+"""
+
+
+class _Script:
+    """A Lua script run with EVALSHA, falling back to EVAL once on NOSCRIPT."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    async def __call__(self, redis: RedisCluster, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        with map_redis_errors():
+            try:
+                return await redis.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+            except rex.NoScriptError:
+                return await redis.execute_command("EVAL", self.source, len(keys), *keys, *args)
+
+
+OPEN: Final = _Script(_OPEN_LUA)
+PUBLISH: Final = _Script(_PUBLISH_LUA)
+READ: Final = _Script(_READ_LUA)
+REAP: Final = _Script(_REAP_LUA)
+SEAL: Final = _Script(_SEAL_LUA)
+
+WORKER_LOST: Final = "worker lost"
+
+
+class Draft(msgspec.Struct, frozen=True, kw_only=True):
+    """What a producer says; the generation fills session, turn, offset, epoch and ts."""
+
+    kind: Kind
+    text: str = ""
+    meta: dict[str, Any] | None = None
+
+
+def _b(v: Any) -> bytes:
+    return v.encode() if isinstance(v, str) else bytes(v)
+
+
+@dataclass(slots=True)
+class Generation:
+    """One producer's right to append to a session, fenced by ``epoch``.
+
+    ``offset`` is the last offset this generation wrote (or found); the next frame gets
+    ``offset + 1``. Publishes of one generation are serialized. The generation keeps
+    the encoded frames it wrote (at most ``publisher.keep_frames``) so that it can write
+    them again when a failover lost them (see :meth:`publish`).
+    """
+
+    publisher: Publisher
+    session: str
+    epoch: int
+    turn: int
+    offset: int
+    gen: str = ""  # the session's generation id, in every frame's meta
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False, compare=False)
+    _written: dict[int, bytes] = field(default_factory=dict, repr=False, compare=False)
+    rewritten: int = 0  # frames written again after a failover lost them
+    retries: int = 0  # publish attempts repeated while Redis was unreachable
+    # Called with (offset, kind, encoded frame) for every frame once Redis took it, in
+    # offset order: a producer that also streams the frames itself (the worker's
+    # closed loop) sends exactly the bytes that relays send. Must not block or raise.
+    observers: list[Callable[[int, str, bytes], None]] = field(
+        default_factory=list, repr=False, compare=False
+    )
+
+    @property
+    def next_offset(self) -> int:
+        return self.offset + 1
+
+    async def publish(self, drafts: Sequence[Draft]) -> list[int]:
+        """Append and SPUBLISH ``drafts`` in one round trip; return their offsets.
+
+        Raises :class:`Fenced` (a newer generation exists: nothing written) or
+        :class:`OffsetConflict`; :class:`relay.broker.errors.RedisUnavailable` if Redis stays
+        unreachable for ``publisher.retry_s`` (the batch may or may not have been
+        written).
+
+        Retries are safe: the script checks the epoch and the expected offset, so a
+        batch that landed before its reply was lost is recognised (``OFFSET`` equal to
+        our end) and never written twice. After a failover whose new master lacks our
+        last frames (asynchronous replication: ``OFFSET`` below ours), the frames this
+        generation wrote are written again, same bytes at the same offsets, before the
+        new batch: readers dedupe by offset, and the backlog has no hole.
+        """
+        if not drafts:
+            return []
+        async with self._lock:
+            pub = self.publisher
+            base = self.offset
+            ts = now_ms()
+            payload = [
+                encode(
+                    Frame(
+                        session=self.session,
+                        turn=self.turn,
+                        offset=base + i + 1,
+                        kind=d.kind,
+                        text=d.text,
+                        epoch=self.epoch,
+                        ts=ts,
+                        meta={**d.meta, "gen": self.gen} if d.meta else {"gen": self.gen},
+                    )
+                )
+                for i, d in enumerate(drafts)
+            ]
+            terminal = drafts[-1].kind in ("done", "error")
+            last = await self._write(base, payload, terminal)
+            for i, data in enumerate(payload):
+                self._written[base + i + 1] = data
+            while len(self._written) > pub.keep_frames:
+                del self._written[next(iter(self._written))]
+            self.offset = last
+            for obs in self.observers:
+                for i, data in enumerate(payload):
+                    obs(base + i + 1, drafts[i].kind, data)
+            return list(range(base + 1, last + 1))
+
+    async def _write(self, base: int, payload: list[bytes], terminal: bool) -> int:
+        """Run the publish script until it answers (retrying while Redis is away)."""
+        pub = self.publisher
+        keys = (meta_key(self.session), log_key(self.session), live_channel(self.session))
+        deadline = time.monotonic() + pub.retry_s
+        backoff = 0.05
+        while True:
+            args: list[Any] = [
+                self.epoch, base, pub.maxlen, pub.ttl_s, int(terminal), self.turn, self.gen,
+                *payload,
+            ]  # fmt: skip
+            try:
+                return int(await PUBLISH(pub.redis, keys, args))
+            except RedisUnavailable:
+                if time.monotonic() + backoff > deadline:
+                    raise
+                self.retries += 1
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 0.5)
+                continue
+            except RedisCommandError as exc:
+                msg = str(exc)
+                if msg.startswith("FENCED "):
+                    raise Fenced(self.session, self.epoch, int(msg.split()[1])) from None
+                if not msg.startswith("OFFSET "):
+                    raise
+                current = int(msg.split()[1])
+            if current == base + len(payload):
+                # a retry of a script whose reply was lost: our batch landed (no one
+                # else writes with our epoch)
+                return current
+            lost = range(current + 1, base + 1)
+            if current < base and all(o in self._written for o in lost):
+                # the new master lacks frames we wrote: write them again, same bytes
+                self.rewritten += len(lost)
+                await self._write(current, [self._written[o] for o in lost], False)
+                continue
+            raise OffsetConflict(self.session, base, current)
+
+    async def token(self, text: str) -> int:
+        return (await self.publish([Draft(kind="token", text=text)]))[0]
+
+    async def meta(self, meta: Mapping[str, Any]) -> int:
+        return (await self.publish([Draft(kind="meta", meta=dict(meta))]))[0]
+
+    async def done(self, meta: Mapping[str, Any] | None = None) -> int:
+        return (await self.publish([Draft(kind="done", meta=dict(meta) if meta else None)]))[0]
+
+    async def error(self, reason: str) -> int:
+        return (await self.publish([Draft(kind="error", text=reason)]))[0]
+
+
+class Publisher:
+    """Opens generations on sessions. One per process; safe to share between tasks."""
+
+    def __init__(
+        self,
+        redis: RedisCluster,
+        *,
+        maxlen: int = 10_000,
+        ttl_s: int = 86_400,
+        retry_s: float = 10.0,
+        keep_frames: int = 4096,
+    ) -> None:
+        if maxlen < 1 or ttl_s < 1 or keep_frames < 1 or retry_s < 0:
+            raise ValueError("maxlen, ttl_s and keep_frames must be positive")
+        self.redis = redis
+        self.maxlen = maxlen
+        self.ttl_s = ttl_s
+        self.retry_s = retry_s  # how long a publish retries while Redis is unreachable
+        self.keep_frames = keep_frames  # frames a generation keeps to rewrite after failover
+
+    async def open_generation(self, sid: str) -> Generation:
+        """Bump epoch and turn atomically; the returned generation fences all older ones."""
+        sid = parse_session(sid)
+        fresh = secrets.token_hex(6)  # the session's gen if this call creates it
+        reply = await OPEN(self.redis, (meta_key(sid), log_key(sid)), (self.ttl_s, fresh))
+        epoch, turn, offset = (int(x) for x in reply[:3])
+        return Generation(self, sid, epoch, turn, offset, _b(reply[3]).decode())
+
+
+class ReapStatus(enum.StrEnum):
+    """What :func:`reap` found (the reap script's reply; compares equal to its text)."""
+
+    REAPED = "reaped"  # an error frame was written at ``offset`` for ``turn``
+    LOCKED = "locked"  # a worker still holds the turn lock
+    IDLE = "idle"  # no turn is open
+
+
+class ReapResult(NamedTuple):
+    """What :func:`reap` did (see :class:`ReapStatus`)."""
+
+    status: ReapStatus
+    offset: int
+    turn: int
+
+
+async def reap(
+    redis: RedisCluster,
+    sid: str,
+    *,
+    reaper: str,
+    maxlen: int = 10_000,
+    ttl_s: int = 86_400,
+    reason: str = WORKER_LOST,
+) -> ReapResult:
+    """End a session's open turn whose worker is gone (its turn lock expired).
+
+    One Lua script on the session's slot, so any number of relays may race: while the
+    lock ``key(sid, LOCK)`` exists nothing happens; otherwise, if a turn is open, the
+    epoch is bumped (the dead producer, should it wake up, gets :class:`Fenced`), an
+    ``error`` frame (``text`` = ``reason``, ``meta.code`` = ``"worker_lost"``) is appended
+    and SPUBLISHed at the next offset, and the turn is marked closed: exactly once.
+    """
+    sid = parse_session(sid)
+    keys = (meta_key(sid), log_key(sid), live_channel(sid), key(sid, KeyKind.LOCK))
+    reply = await REAP(redis, keys, (maxlen, ttl_s, sid, now_ms(), reason, reaper))
+    status = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+    return ReapResult(ReapStatus(status), int(reply[1]), int(reply[2]))
+
+
+async def seal(
+    redis: RedisCluster,
+    sid: str,
+    seen: int,
+    *,
+    sealer: str,
+    maxlen: int = 10_000,
+    ttl_s: int = 86_400,
+    gen: str = "",
+) -> int:
+    """A relay delivered offsets up to ``seen`` but the session now ends before them: a
+    failover promoted a replica that never got them (asynchronous replication) and no
+    producer wrote them again. Write one ``gap`` frame at ``seen`` (``meta.from`` ..
+    ``meta.to`` = the lost range, ``code`` "lost_in_failover") so that no offset a
+    client already holds is ever reused for another frame, and readers that lack the
+    range are told. Returns how many offsets were sealed (0: nothing was missing).
+    ``gen``: the generation the relay delivered ``seen`` in; when the session now has
+    another one (its keys expired and restarted) or none, nothing is sealed (a seal
+    would write an old offset into a new generation, or bring an expired session back).
+    """
+    sid = parse_session(sid)
+    keys = (meta_key(sid), log_key(sid), live_channel(sid))
+    args = (seen, maxlen, ttl_s, sid, now_ms(), sealer, gen)
+    return int(await SEAL(redis, keys, args))
+
+
+class BacklogPage(NamedTuple):
+    """A backlog read: frames, first available offset, last written, the session's
+    generation (its meta hash's ``gen``; "" when it has none)."""
+
+    frames: list[bytes]
+    first: int
+    last: int
+    gen: str
+
+
+async def read_backlog_page(
+    redis: RedisCluster, sid: str, after_offset: int, count: int, max_bytes: int = 0
+) -> BacklogPage:
+    """Up to ``count`` encoded frames with offsets > ``after_offset``, in order, plus the
+    backlog's first available offset (``last + 1`` if empty), the last offset written
+    and the session's generation.
+
+    One round trip (a read-only Lua script), so the answers are consistent.
+    ``count=0`` only reads the bounds. ``max_bytes`` > 0: stop before the frame that
+    would take the reply past that many bytes (the first frame always comes back).
+    """
+    sid = parse_session(sid)
+    args = (f"{max(after_offset, 0) + 1}-0", max(count, 0), max(max_bytes, 0))
+    r = await READ(redis, (log_key(sid), meta_key(sid)), args)
+    return BacklogPage([_b(x) for x in r[3:]], int(r[0]), int(r[1]), _b(r[2]).decode())
+
+
+async def read_backlog(
+    redis: RedisCluster, sid: str, after_offset: int, count: int, max_bytes: int = 0
+) -> tuple[list[bytes], int, int]:
+    """:func:`read_backlog_page` without the generation: (frames, first, last)."""
+    return (await read_backlog_page(redis, sid, after_offset, count, max_bytes))[:3]

@@ -1,0 +1,480 @@
+"""The edge server: SSE and WebSocket streams of a session's frames, health, metrics.
+
+HTTP contract (docs/openapi.yaml; close codes and error bodies in docs/PROTOCOL.md):
+
+- ``GET /v1/sessions/{sid}/events`` (SSE) and ``GET /v1/sessions/{sid}/ws``
+  (WebSocket): :mod:`relay.edge.http.handlers`; ``GET /v1/sessions/{sid}/ui-stream``:
+  :mod:`relay.edge.conn.ui`. They use the server through :class:`relay.edge.http.host.StreamHost`.
+- Token: ``Authorization: Bearer <t>`` or ``?token=<t>`` (see :mod:`relay.protocol.auth`).
+- ``GET /healthz`` (200 while the process lives), ``GET /readyz`` (503 with ``status``
+  and ``reasons`` while starting, draining, without Redis, or while a critical
+  background loop keeps failing), ``GET /metrics``, ``GET /openapi.json``.
+
+Refusals before a stream starts are JSON ``{"error": code, "reason": sentence}`` with
+400 / 401 / 403 / 429 / 503 (:class:`relay.protocol.codes.Refusal`). Frames reach a
+socket through its hub :class:`~relay.edge.fanout.tap.Tap`: written straight from the hub's
+reader while the transport has room, queued (bounded, conflating) while it pushes back
+and drained by the stream's own task; the hub never waits on a socket, and a socket
+that does not drain within ``write_timeout_s`` is closed as a slow consumer. SSE
+heartbeats and WebSocket pings come from one timer for all streams
+(:mod:`relay.edge.conn.beats`). The stream handlers answer a :class:`Reject` themselves
+(``host.refuse``): the app has no middleware, so a new handler that refuses must too.
+
+Background work (the heartbeat timer, the loop-lag sampler, the first connection to
+Redis, and the hub's subscriber, presence and reaper loops) runs on one
+:class:`relay.service.supervise.Supervisor` per server, whose metrics go to the relay's
+registry and whose readiness reasons ``/readyz`` reports.
+
+Redis unreachable at start: by default the server keeps trying to connect in the
+background (``/healthz`` 200, ``/readyz`` 503 ``redis_unreachable``, streams refused
+with 503 ``unavailable``); with ``fail_fast`` the start-up fails instead (the command
+prints one line and exits 1).
+
+Order of use: ``app = make_app(config)`` (creates the RedisCluster client and the hub
+on startup, closes them on cleanup; pass ``hub=`` to use one you own), run it;
+on SIGTERM ``await app[SERVER].drain()`` then clean up (see :mod:`relay.edge.cli`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from bisect import bisect_left
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+import orjson
+from aiohttp import hdrs, web
+from multidict import istr
+from redis.asyncio.cluster import RedisCluster
+
+from relay.broker.errors import RelayError, WatchClosed
+from relay.broker.rediscluster.connect import connect, mask_url, startup_error
+from relay.edge.config import RelayConfig
+from relay.edge.conn import beats
+from relay.edge.conn import ui as uistream
+from relay.edge.conn.streams import (
+    CORS_HEADERS,
+    RETRY_AFTER,
+    Reject,
+    Stream,
+    Transport,
+    query_value,
+)
+from relay.edge.core.resume import Delivery
+from relay.edge.fanout.hub import RELAY_BACKOFF, Hub
+from relay.edge.fanout.tap import Tap
+from relay.edge.http import handlers
+from relay.edge.http.limits import Access, StreamGuard, token_key
+from relay.edge.metrics import OutMeter, RelayMetrics
+from relay.protocol.auth import AuthError, extract_token, verify_token
+from relay.protocol.codes import CloseCode, Readiness, Refusal
+from relay.protocol.frame import now_ms
+from relay.protocol.keys import InvalidSessionId, parse_session
+from relay.service import openapi, runtime
+from relay.service.clientaddr import client_address, parse_networks
+from relay.service.supervise import Supervisor
+
+__all__ = ["SERVER", "EdgeServer", "make_app", "make_runner"]
+
+log = logging.getLogger(__name__)
+
+
+_X_RELAY_ID: Final = istr("X-Relay-Id")
+_CONNECT_LOG_EVERY: Final = 20  # while Redis stays unreachable at start: one line per N tries
+
+WATCH_TIMEOUT_S: Final = 10.0  # subscribe + replay; past it the client gets 503 unavailable
+SHUTDOWN_REASON: Final = "the relay is restarting; reconnect"
+
+
+class EdgeServer:
+    """State of one edge server app: config, hub, metrics, open streams, drain flag.
+
+    Implements :class:`relay.edge.http.host.StreamHost` for the stream handlers."""
+
+    def __init__(self, config: RelayConfig, hub: Hub | None = None) -> None:
+        self.config = config
+        self.metrics = RelayMetrics(config.relay_id)
+        self.supervisor = Supervisor(self.metrics.registry, backoff=RELAY_BACKOFF)
+        m = self.metrics
+        self._meters = {t: OutMeter(m, t) for t in (Transport.SSE, Transport.WS)}
+        # one bound method per transport, shared by its sockets (not one per socket)
+        self._senders = {t: meter.sent for t, meter in self._meters.items()}
+        self._publish_to_edge = m.publish_to_edge.labels()
+        self.hub: Hub | None = hub
+        self.redis: RedisCluster | None = hub.redis if hub is not None else None
+        self._owns_hub = hub is None
+        self.started = hub is not None
+        self.draining = False
+        self.streams: set[Stream] = set()
+        self._closing: set[asyncio.Future[None]] = set()  # abandoned watches being closed
+        self.admitted = 0  # streams past admission (includes those still opening)
+        self.keys = config.keyset()  # None: auth off
+        self.trusted = parse_networks(config.trusted_proxies)
+        self.guard = StreamGuard(config.max_streams_per_token, config.max_streams_per_address)
+        if hub is not None:
+            self._bind(hub)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def startup(self, app: web.Application) -> None:
+        if self.hub is None:
+            if self.config.fail_fast:
+                await self._connect()  # a failure fails the start-up: one line, exit 1
+            else:
+                try:
+                    await self._connect()  # ready as soon as the app runs, when Redis is up
+                except Exception as exc:  # whatever it is, Redis is not usable yet
+                    log.warning("%s; trying again in the background", self._cannot(exc))
+                    self.supervisor.set_condition(Readiness.REDIS_UNREACHABLE, True)
+                    self.supervisor.spawn("redis_connect", self._connect_until_up())
+        # neither loop is critical: a dead heartbeat timer lets proxies cut idle streams
+        # (clients resume), a dead lag sampler loses a metric; both are bugs, logged
+        self.supervisor.forever("sse_heartbeats", self._heartbeats, critical=False)
+        self.supervisor.forever("loop_lag", self._loop_lag, critical=False)
+        self.started = True
+
+    async def _connect(self) -> None:
+        """Connect to Redis and start the hub on this server's supervisor."""
+        cfg = self.config
+        redis = connect(cfg.redis_url, tls=cfg.redis_tls)  # a burst waits
+        try:
+            await redis.initialize()
+            hub = Hub(
+                redis,
+                queue_frames=cfg.queue_frames,
+                hard_limit_frames=cfg.hard_limit_frames,
+                max_pending_bytes=cfg.max_pending_bytes,
+                replay_budget_bytes=cfg.replay_budget_bytes,
+                unsubscribe_delay_s=cfg.unsubscribe_delay_s,
+                reap_after_s=cfg.reap_after_s,
+                reap_interval_s=min(cfg.reap_after_s, 1.0),  # 0 disables the reaper
+                relay_id=cfg.relay_id,
+                supervisor=self.supervisor,
+            )
+            await hub.start()
+        except BaseException:
+            await redis.aclose()
+            raise
+        self.redis, self.hub = redis, hub
+        self._bind(hub)
+
+    async def _connect_until_up(self) -> None:
+        """Try the first connection until it succeeds (the supervisor's backoff between
+        tries), with ``redis_unreachable`` raised meanwhile."""
+        tries = 1  # the first one failed in startup()
+        while True:
+            await asyncio.sleep(self.supervisor.backoff.delay(tries))
+            try:
+                await self._connect()
+            except Exception as exc:  # whatever it is, Redis is not usable yet: try again
+                tries += 1
+                if tries % _CONNECT_LOG_EVERY == 0:
+                    log.warning("%s (%d tries)", self._cannot(exc), tries)
+                continue
+            self.supervisor.set_condition(Readiness.REDIS_UNREACHABLE, False)
+            log.info("connected to Redis at %s", mask_url(self.config.redis_url))
+            return
+
+    def _cannot(self, exc: BaseException) -> str:
+        """One line: the Redis URL (password masked) and the cause."""
+        return startup_error(self.config.redis_url, exc)
+
+    def _bind(self, hub: Hub) -> None:
+        self.metrics.bind_hub(hub.stats)
+        hub.live_observers.append(self._on_live)
+
+    async def on_shutdown(self, app: web.Application) -> None:
+        await self.drain()
+
+    async def cleanup(self, app: web.Application) -> None:
+        self.started = False
+        await self.supervisor.stop()  # before the hub closes: its loops run on it too
+        self.metrics.bind_hub(None)
+        if self.hub is not None and self._on_live in self.hub.live_observers:
+            self.hub.live_observers.remove(self._on_live)
+        if self._owns_hub:
+            if self.hub is not None:
+                await self.hub.close()
+            if self.redis is not None:
+                await self.redis.aclose()
+
+    async def drain(self, deadline_s: float | None = None) -> None:
+        """readyz -> 503, refuse new streams, tell every client to reconnect (SSE: retry
+        hint + close comment; WS: close 1012), wait up to the deadline, then cancel."""
+        deadline = self.config.drain_deadline_s if deadline_s is None else deadline_s
+        self.draining = True
+        self.metrics.draining.set(1)
+        for s in list(self.streams):
+            await s.kick(CloseCode.RELAY_SHUTDOWN, SHUTDOWN_REASON)
+        tasks = {s.task for s in self.streams if s.task is not None}
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=deadline)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
+
+    def not_ready(self) -> list[str]:
+        """The supervisors' reasons not to take traffic (this server's, and the hub's
+        own when the hub was passed in)."""
+        reasons = self.supervisor.not_ready()
+        if self.hub is not None and self.hub.supervisor is not self.supervisor:
+            reasons += self.hub.supervisor.not_ready()
+        return reasons
+
+    # -- admission (StreamHost) ------------------------------------------------------------
+
+    def session(self, request: web.Request) -> str:
+        try:
+            return parse_session(request.match_info["sid"])
+        except InvalidSessionId as exc:
+            raise Reject(400, Refusal.BAD_SESSION, str(exc)) from None
+
+    def authorize(self, request: web.Request, sid: str) -> Access:
+        """The verified token (limits and expiry are applied to it in :meth:`open_stream`)."""
+        address = client_address(
+            request.remote, request.headers.get("X-Forwarded-For"), self.trusted
+        )
+        if self.keys is None:
+            return Access(None, 0, address)
+        try:
+            token = extract_token(
+                request.headers.get("Authorization"), query_value(request, "token")
+            )
+            claims = verify_token(self.keys, token, sid, time.time())
+        except AuthError as exc:
+            self.metrics.auth_failures.labels(exc.error).inc()
+            headers = {"WWW-Authenticate": 'Bearer realm="tokenrelay"'} if exc.status == 401 else {}
+            raise Reject(exc.status, exc.error, exc.reason, headers) from None
+        return Access(claims, token_key(token), address)
+
+    def check_capacity(self) -> None:
+        if self.draining or not self.started:
+            raise Reject(
+                503, Refusal.DRAINING, "the relay is restarting; connect again", RETRY_AFTER
+            )
+        if self.hub is None:
+            raise Reject(
+                503, Refusal.UNAVAILABLE, "the relay is not connected to Redis yet", RETRY_AFTER
+            )
+        if self.admitted >= self.config.max_connections:
+            raise Reject(503, Refusal.OVERLOADED, "too many streams on this relay", RETRY_AFTER)
+
+    async def open_stream(
+        self,
+        transport: Transport,
+        sid: str,
+        offset: int | None,
+        access: Access,
+        gen: str | None = None,
+    ) -> Stream:
+        """Admit and watch (``gen``: the client's generation of ``offset``); the caller
+        must call :meth:`close_stream` once done."""
+        self.check_capacity()
+        assert self.hub is not None
+        ticket = self.guard.admit(access)  # 429 past the per-token / per-address limits
+        self.admitted += 1
+        # The watch opens in a task of its own: a client that hangs up (its handler is
+        # cancelled) or a timeout must not cancel redis-py mid-command, which breaks the
+        # pooled connection for other requests. An abandoned watch is closed once open.
+        opening = asyncio.ensure_future(self.hub.watch(sid, offset, gen))
+        try:
+            watch = await asyncio.wait_for(asyncio.shield(opening), WATCH_TIMEOUT_S)
+        except WatchClosed as exc:
+            self.admitted -= 1
+            ticket.release()
+            raise Reject(503, Refusal.DRAINING, exc.reason, RETRY_AFTER) from None
+        except (RelayError, TimeoutError) as exc:
+            self.admitted -= 1
+            ticket.release()
+            if not opening.done():
+                opening.add_done_callback(self._close_abandoned)
+            log.warning("watch of %s failed: %r", sid, exc)  # details here, not to clients
+            raise Reject(
+                503, Refusal.UNAVAILABLE, "cannot watch the session", RETRY_AFTER
+            ) from None
+        except BaseException:
+            self.admitted -= 1
+            ticket.release()
+            opening.add_done_callback(self._close_abandoned)
+            raise
+        stream = Stream(transport, sid, offset, watch)
+        self.streams.add(stream)
+        stream.ticket = ticket
+        ticket.bind(stream)  # ends the stream (token_expired) when the token expires
+        m = self.metrics
+        m.accepted.labels(transport).inc()
+        m.connections.labels(transport).inc()
+        m.watches.inc()
+        if offset is not None:
+            m.resumes.labels(transport).inc()
+        if self.draining:  # drain began while the watch was opening
+            await stream.kick(CloseCode.RELAY_SHUTDOWN, SHUTDOWN_REASON)
+        return stream
+
+    def _close_abandoned(self, opening: asyncio.Future[Tap]) -> None:
+        """A watch whose client left (or timed out) while it opened: close it once open."""
+        if opening.cancelled() or opening.exception() is not None:
+            return
+        task = asyncio.ensure_future(opening.result().close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def close_stream(self, stream: Stream, code: CloseCode) -> None:
+        self.end_stream(stream, code)
+
+    def end_stream(self, stream: Stream, code: CloseCode) -> None:
+        self.streams.discard(stream)
+        self.admitted -= 1
+        ticket, stream.ticket = stream.ticket, None
+        if ticket is not None:
+            ticket.release()
+        stream.watch.shut("watch closed", CloseCode.CLOSED)
+        m = self.metrics
+        m.connections.labels(stream.transport).dec()
+        m.watches.dec()
+        m.closes.labels(stream.transport, code).inc()
+        if code is CloseCode.SLOW_CONSUMER:
+            m.slow_disconnects.labels(stream.transport).inc()
+
+    # -- writing (StreamHost) --------------------------------------------------------------
+
+    def _on_live(self, ds: list[Delivery]) -> None:
+        """The live frames of one read from Redis (once per frame, however many sockets
+        watch): producer ``ts`` to now crosses processes, so wall clock."""
+        h, now = self._publish_to_edge, now_ms()
+        counts, bounds = h.counts, h.bounds
+        for d in ds:
+            if d.ts > 0:
+                seconds = max(now - d.ts, 0) / 1000.0
+                counts[bisect_left(bounds, seconds)] += 1
+                h.total += seconds
+
+    def sent(self, transport: Transport, batch: list[Delivery], nbytes: int) -> None:
+        self._meters[transport].sent(batch, nbytes)
+
+    def sender(self, transport: Transport) -> Callable[[list[Delivery], int], None]:
+        return self._senders[transport]
+
+    def refuse(self, reject: Reject) -> web.Response:
+        self.metrics.rejected.labels(reject.error).inc()
+        return reject.response()
+
+    def hello(self, stream: Stream) -> bytes:
+        """First message of every stream: which relay, resuming after which offset."""
+        return orjson.dumps({"type": "hello", "relay": self.config.relay_id, "from": stream.offset})
+
+    async def guarded(self, stream: Stream, write: Awaitable[Any], timeout_s: float) -> None:
+        """One socket write; if it does not finish in ``timeout_s`` the connection is cut
+        (:meth:`Stream.cut`). A timer, not ``asyncio.timeout``: a cancellation racing a
+        completed write would leak into the task's next await (Python 3.11)."""
+        handle = asyncio.get_running_loop().call_later(timeout_s, stream.cut)
+        try:
+            await write
+        finally:
+            handle.cancel()
+
+    # -- background loops ----------------------------------------------------------------
+
+    async def _loop_lag(self) -> None:
+        """Every 10 ms, how late the timer fired: a sample of the loop's longest turns."""
+        loop = asyncio.get_running_loop()
+        observe = self.metrics.loop_lag.labels().observe
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(0.01)
+            observe(max(loop.time() - t0 - 0.01, 0.0))
+
+    async def _heartbeats(self) -> None:
+        """SSE heartbeats and WebSocket pings: one timer for every stream."""
+        await beats.run(self.streams, self.config.heartbeat_s)
+
+    # -- handlers ------------------------------------------------------------------------
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "alive", "relay": self.config.relay_id})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        """200 ``{"status": "ready", "reasons": []}``, or 503 with ``status`` (the first
+        of draining, starting, redis_unreachable, not_ready), every reason and a sentence."""
+        relay = self.config.relay_id
+
+        def not_ready(status: Readiness, reasons: list[str], reason: str) -> web.Response:
+            body = {"status": status, "relay": relay, "reasons": reasons, "reason": reason}
+            return web.json_response(body, status=503)
+
+        if self.draining:
+            return not_ready(Readiness.DRAINING, [Readiness.DRAINING], "the relay drains")
+        if not self.started:
+            return not_ready(Readiness.STARTING, [Readiness.STARTING], "the relay is starting")
+        reasons = self.not_ready()
+        if self.redis is not None and Readiness.REDIS_UNREACHABLE not in reasons:
+            try:
+                await asyncio.wait_for(self.redis.ping(), 1.0)  # cancels only the ping
+            except Exception as exc:  # any failure means "not ready"; details only in the log
+                log.warning("readyz: redis ping failed: %r", exc)
+                reasons.insert(0, Readiness.REDIS_UNREACHABLE)
+        if Readiness.REDIS_UNREACHABLE in reasons:
+            said = "redis did not answer a ping" if self.redis is not None else (
+                "the relay has not reached Redis yet")  # fmt: skip
+            return not_ready(Readiness.REDIS_UNREACHABLE, reasons, said)
+        if reasons:
+            return not_ready(Readiness.NOT_READY, reasons, "background work keeps failing")
+        return web.json_response({"status": Readiness.READY, "relay": relay, "reasons": []})
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        body, ctype = self.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": ctype})
+
+    async def preflight(self, request: web.Request) -> web.Response:
+        return web.Response(status=204, headers=CORS_HEADERS)
+
+    async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
+        headers = response.headers  # istr names: see relay.edge.http.handlers.SSE_HEADERS
+        headers[_X_RELAY_ID] = self.config.relay_id
+        headers[hdrs.ACCESS_CONTROL_ALLOW_ORIGIN] = self.config.cors_origin
+        headers.setdefault(hdrs.ACCESS_CONTROL_EXPOSE_HEADERS, "X-Relay-Id")
+
+
+SERVER: Final = web.AppKey("tokenrelay_edge", EdgeServer)
+
+
+def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
+    """The aiohttp app of one edge server. ``hub``: use this started hub (the caller
+    closes it); otherwise the app creates and closes a RedisCluster client and a hub."""
+    config = config.validate()
+    server = EdgeServer(config, hub)
+    # No middleware: with one, aiohttp wraps every handler in two more coroutines, which
+    # every open stream would hold; the stream handlers answer Reject themselves.
+    app = web.Application()
+    app[SERVER] = server
+    app.on_startup.append(server.startup)
+    app.on_shutdown.append(server.on_shutdown)
+    app.on_cleanup.append(server.cleanup)
+    app.on_response_prepare.append(server.on_prepare)
+    app.router.add_get(
+        "/v1/sessions/{sid:[^/]+}/events", functools.partial(handlers.sse_handler, server)
+    )
+    app.router.add_get(
+        "/v1/sessions/{sid:[^/]+}/ws", functools.partial(handlers.ws_handler, server)
+    )
+    app.router.add_route("OPTIONS", "/v1/sessions/{sid:[^/]+}/events", server.preflight)
+    app.router.add_route("OPTIONS", "/v1/sessions/{sid:[^/]+}/ws", server.preflight)
+    app.router.add_get("/healthz", server.healthz)
+    app.router.add_get("/readyz", server.readyz)
+    app.router.add_get("/metrics", server.metrics_handler)
+    app.router.add_get("/openapi.json", openapi.handler("relay"))  # docs/openapi.yaml
+    uistream.register(app, server)  # the AI SDK's UI message stream
+    return app
+
+
+def make_runner(app: web.Application, **kwargs: Any) -> web.AppRunner:
+    """The runner every relay uses. ``handler_cancellation``: a client that goes away
+    cancels its stream handler at once, so an idle SSE stream does not hold its watch
+    (and the shard subscription) until the next heartbeat write fails."""
+    kwargs.setdefault("access_log", None)
+    runtime.quiet_client_errors()
+    return web.AppRunner(app, handler_cancellation=True, **kwargs)

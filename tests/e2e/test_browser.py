@@ -1,0 +1,152 @@
+"""Real browser: two screens on one session see the same complete reply, even when the
+relay one of them streams from is killed mid-reply.
+
+Headless Debian Chromium driven by Playwright (no browser download). Skips with a reason
+where Chromium or Playwright is missing. Screenshots land in artifacts/browser/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+import jwt
+import pytest
+from redis.asyncio.cluster import RedisCluster
+
+from devstack.cluster.launcher import ClusterInfo
+from devstack.demo.stack import Stack
+from relay.broker.rediscluster.publisher import read_backlog
+from relay.protocol.frame import decode
+from tests.support import demo as demo_harness
+
+pytestmark = [pytest.mark.integration, pytest.mark.browser, pytest.mark.slow]
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "browser"
+CHROMIUM = os.environ.get("TOKENRELAY_CHROMIUM") or shutil.which("chromium") or ""
+LAUNCH_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
+
+
+@pytest.fixture(scope="module")
+async def demo(cluster: ClusterInfo) -> AsyncIterator[tuple[str, Stack]]:
+    """Relays, workers and slow mock engines on the session cluster, behind a front door."""
+    if not CHROMIUM:
+        pytest.skip("no Chromium: apt-get install chromium (make test does it as root)")
+    pytest.importorskip("playwright.async_api", reason="pip install playwright")
+    async with demo_harness.front_door(
+        cluster, decode_tok_per_s=20,  # a reply streams for a couple of seconds
+        engine_args=["--reply-mean-tokens", "40", "--reply-max-tokens", "60"],
+    ) as (url, stack):  # fmt: skip
+        yield url, stack
+
+
+async def _texts(page: Any) -> list[str]:
+    texts: list[str] = await page.eval_on_selector_all(
+        ".assistant", "els => els.map(e => e.textContent)"
+    )
+    return texts
+
+
+async def _counter(page: Any, name: str) -> int:
+    return int(await page.text_content(f"#{name}") or "0")
+
+
+async def _wait_done(page: Any, turns: int, timeout_ms: int = 30_000) -> None:
+    await page.wait_for_function(
+        f"document.querySelectorAll('.assistant:not(.streaming)').length >= {turns}",
+        timeout=timeout_ms,
+    )
+
+
+async def test_two_screens_see_the_same_reply_and_survive_a_relay_kill(
+    demo: tuple[str, Stack], cluster: ClusterInfo
+) -> None:
+    from playwright.async_api import async_playwright
+
+    url, stack = demo
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        try:
+            one = await browser.new_page(viewport={"width": 1200, "height": 800})
+            await one.goto(url)
+            await one.click("#new-session")
+            await one.wait_for_function("location.hash.includes('session=')")
+            session_url = one.url
+            # "open on another screen" carries a watch token minted for it, not ours
+            await one.wait_for_function("document.getElementById('share').href !== location.href")
+            share = await one.get_attribute("#share", "href") or ""
+            shared = share.split("token=")[1].split("&")[0]
+            claims = jwt.decode(unquote(shared), options={"verify_signature": False})
+            assert claims["scope"] == "watch", claims
+            assert claims["sub"] == session_url.split("session=")[1].split("&")[0]
+            two = await browser.new_page(viewport={"width": 1200, "height": 800})
+            await two.goto(session_url.replace("#", "#transport=ws&"))
+            for page in (one, two):
+                await page.wait_for_function(
+                    "document.getElementById('state').textContent === 'live'", timeout=15_000
+                )
+
+            # Turn 1: typed on screen one, streamed to both.
+            await one.fill("#message", "Tell me about sharded pub/sub")
+            await one.click("#send")
+            await _wait_done(one, 1)
+            await _wait_done(two, 1)
+            first_one, first_two = await _texts(one), await _texts(two)
+            assert first_one == first_two
+            assert len(first_one[0]) > 20
+
+            # Turn 2: kill -9 the relay screen one is on while the reply streams.
+            relay_id = await one.text_content("#relay")
+            await two.fill("#message", "And what happens when a relay dies?")
+            await two.click("#send")
+            await one.wait_for_function(
+                "document.querySelectorAll('.assistant').length >= 2 && "
+                "document.querySelectorAll('.assistant')[1].textContent.length > 0",
+                timeout=15_000,
+            )
+            assert relay_id in stack.procs
+            stack.kill(relay_id)
+            await _wait_done(one, 2, timeout_ms=40_000)
+            await _wait_done(two, 2, timeout_ms=40_000)
+            await one.screenshot(path=str(ARTIFACTS / "screen-one.png"), full_page=True)
+            await two.screenshot(path=str(ARTIFACTS / "screen-two.png"), full_page=True)
+            texts_one, texts_two = await _texts(one), await _texts(two)
+            assert texts_one == texts_two
+            assert await one.text_content("#relay") != relay_id
+            assert await _counter(one, "reconnects") >= 1
+            for page in (one, two):
+                for name in ("dups", "problems", "gaps"):
+                    assert await _counter(page, name) == 0, name
+        finally:
+            await browser.close()
+            if relay_id_alive := [p for p in stack.of_kind("relay") if not p.alive]:
+                await asyncio.gather(*(stack.restart(p.name) for p in relay_id_alive))
+
+    # What the screens show is exactly what the backlog holds.
+    sid = session_url.split("session=")[1].split("&")[0]
+    host, port = cluster.startup_nodes[0]
+    redis = RedisCluster(host=host, port=port)
+    try:
+        raw, _first, _last = await read_backlog(redis, sid, 0, 10_000)
+    finally:
+        await redis.aclose()
+    replies: dict[int, str] = {}
+    for data in raw:
+        frame = decode(data)
+        if frame.kind == "token":
+            replies[frame.turn] = replies.get(frame.turn, "") + frame.text
+    assert [replies[t] for t in sorted(replies)] == texts_one

@@ -1,0 +1,239 @@
+"""The demo's front door under hostile requests (hostile-suite style).
+
+1. Process control: a cross-site POST (another ``Origin``), one without ``Origin``, one
+   without or with a wrong control token all get 403 with a code and kill nothing; the
+   same-origin request with this run's token does. Meanwhile a bystander session
+   streams through the same front door from the real relay and worker (a
+   :class:`devstack.demo.stack.Stack` of processes on the session's cluster) and receives every
+   frame of both of its turns.
+2. A POST is never sent twice: upstreams that take the request and die mid-request
+   see it once in all and the client gets 502 with a code; a refused connection (no
+   byte sent) moves on to the next upstream; a GET that fails mid-request is retried.
+3. In Chromium: another site's page that posts a form and a fetch at the kill URL gets
+   403 and kills nothing; the demo's page without the token asks for it; opened from
+   the terminal's ``#control=`` link, its button kills and the token leaves the URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from devstack.cluster.launcher import ClusterInfo
+from devstack.demo.frontdoor import CONTROL_HEADER, FrontDoor, make_frontdoor_app
+from devstack.demo.stack import Stack, StackSpec
+from devstack.procs import free_port
+from tests.integration.test_redis_tls import Viewer
+
+
+@asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_process_control_needs_same_origin_and_the_run_token(cluster: ClusterInfo) -> None:
+    spec = StackSpec(relays=1, workers=1, engines=1, redis_url=cluster.url)
+    async with Stack(spec) as stack:
+        calls: list[tuple[str, str]] = []
+
+        async def control(action: str, name: str) -> Any:
+            if name not in stack.procs:
+                raise KeyError(name)
+            calls.append((action, name))
+            return {"pid": stack.kill(name)}
+
+        door = FrontDoor(
+            lambda: [p.url for p in stack.of_kind("relay") if p.alive],
+            lambda: [p.url for p in stack.of_kind("worker") if p.alive],
+            control=control,
+        )
+        async with (
+            serving(make_frontdoor_app(door)) as base,
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http,
+        ):
+            bystander = await Viewer(http, base, base).open()
+            try:
+                await bystander.post("the bystander's first turn", max_tokens=24)
+                host = base.removeprefix("http://")
+                token = door.control_token
+                hostile: list[tuple[dict[str, str], str]] = [
+                    ({"Origin": "http://evil.example", CONTROL_HEADER: token}, "cross_origin"),
+                    ({"Origin": f"http://{host}.evil.example", CONTROL_HEADER: token},
+                     "cross_origin"),
+                    ({"Origin": "null", CONTROL_HEADER: token}, "cross_origin"),
+                    ({CONTROL_HEADER: token}, "cross_origin"),  # no Origin at all
+                    ({"Origin": base, CONTROL_HEADER: token, "Sec-Fetch-Site": "cross-site"},
+                     "cross_origin"),
+                    ({"Origin": base}, "bad_control_token"),
+                    ({"Origin": base, CONTROL_HEADER: token[:-1]}, "bad_control_token"),
+                ]  # fmt: skip
+                for headers, code in hostile:
+                    async with http.post(base + "/api/kill/relay-1", headers=headers) as r:
+                        body = await r.json()
+                    assert (r.status, body["error"]) == (403, code), (headers, body)
+                    assert set(body) == {"error", "reason"}
+                assert calls == []
+                assert stack.procs["relay-1"].alive
+                await bystander.until_done()
+                await bystander.post("the bystander's second turn")
+                await bystander.until_done()
+                assert len(bystander.texts) == 2
+                # the person at the terminal: same origin, this run's token
+                same = {"Origin": base, CONTROL_HEADER: token}
+                async with http.post(base + "/api/kill/nobody", headers=same) as r:
+                    assert (r.status, (await r.json())["error"]) == (404, "no_such_process")
+                async with http.post(base + "/api/kill/engine-1", headers=same) as r:
+                    assert r.status == 200, await r.text()
+                assert calls == [("kill", "engine-1")]
+                assert not stack.procs["engine-1"].alive
+                async with http.get(base + "/readyz") as r:  # counts, not addresses
+                    assert await r.json() == {"ready": True, "relays": 1, "workers": 1}
+            finally:
+                bystander.close()
+
+
+class Upstream:
+    """A stand-in upstream: counts requests; ``die`` ones close the connection after
+    reading the whole request, without an answer (a worker killed mid-request)."""
+
+    def __init__(self, die: bool) -> None:
+        self.die = die
+        self.hits = 0
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        self.hits += 1
+        if self.die:
+            assert request.transport is not None
+            request.transport.close()
+            await asyncio.sleep(1)  # the connection is gone; nothing is answered
+        return web.json_response({"ok": True, "method": request.method}, status=201)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        return app
+
+
+async def test_a_post_is_never_sent_twice_a_refused_connection_moves_on() -> None:
+    dying = [Upstream(die=True), Upstream(die=True)]
+    healthy = Upstream(die=False)
+    refused = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    async with (
+        serving(dying[0].app()) as d0,
+        serving(dying[1].app()) as d1,
+        serving(healthy.app()) as ok,
+        aiohttp.ClientSession() as http,
+    ):
+        workers = [d0, d1]
+        door = FrontDoor(lambda: [ok], lambda: workers)
+        async with serving(make_frontdoor_app(door)) as base:
+            for _ in range(3):  # whichever order the door picks, one upstream sees it
+                async with http.post(base + "/v1/sessions", json={}) as r:
+                    body = await r.json()
+                assert (r.status, body["error"]) == (502, "upstream_failed"), body
+                assert set(body) == {"error", "reason"}
+            assert dying[0].hits + dying[1].hits == 3
+            # refused connection first, then a live worker: the POST lands there once
+            workers[:] = [refused, ok]
+            for _ in range(4):
+                async with http.post(base + "/v1/sessions", json={}) as r:
+                    assert r.status == 201, await r.text()
+            assert healthy.hits == 4
+            workers[:] = [refused]
+            async with http.post(base + "/v1/sessions", json={}) as r:
+                body = await r.json()
+            assert (r.status, body["error"]) == (502, "no_upstream"), body
+            assert "127.0.0.1" not in str(body)
+            # a GET (a stream) that fails mid-request is idempotent: the next relay takes it
+            door2 = FrontDoor(lambda: [d0, ok], lambda: [])
+            async with serving(make_frontdoor_app(door2)) as base2:
+                for _ in range(3):
+                    async with http.get(base2 + "/v1/sessions/s1/events") as r:
+                        assert r.status == 201, await r.text()
+
+
+_CSRF_PAGE = """<!doctype html><html><body>
+<form id="f" method="POST" action="{target}/api/kill/engine-1"></form>
+<script>
+  fetch("{target}/api/kill/engine-1", {{method: "POST", mode: "no-cors",
+        headers: {{"X-Control-Token": "guessed"}}}}).catch(() => {{}});
+  document.getElementById("f").submit();
+</script></body></html>"""
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(120)
+async def test_in_a_browser_the_page_kills_with_the_token_and_another_site_cannot() -> None:
+    from tests.e2e.test_browser import CHROMIUM, LAUNCH_ARGS
+
+    if not CHROMIUM:
+        pytest.skip("no Chromium: apt-get install chromium (make test does it as root)")
+    pytest.importorskip("playwright.async_api", reason="pip install playwright")
+    from playwright.async_api import async_playwright
+
+    calls: list[tuple[str, str]] = []
+    view = {
+        "processes": [{"name": "engine-1", "kind": "engine", "pid": 1, "alive": True, "url": ""}],
+        "engines": [],
+        "placements": [],
+    }
+
+    def control(action: str, name: str) -> Any:
+        calls.append((action, name))
+        return {"pid": 1}
+
+    door = FrontDoor(lambda: [], lambda: [], stack_view=lambda: view, control=control)
+    evil = web.Application()
+    async with serving(make_frontdoor_app(door)) as base:
+        page_html = _CSRF_PAGE.format(target=base)
+
+        async def attack(request: web.Request) -> web.Response:
+            return web.Response(text=page_html, content_type="text/html")
+
+        evil.router.add_get("/", attack)
+        async with serving(evil) as evil_base, async_playwright() as pw:
+            evil_base = evil_base.replace("127.0.0.1", "localhost")  # another origin
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+            try:
+                # another site's page posts a form and a fetch at the kill button's URL
+                attacker = await browser.new_page()
+                async with attacker.expect_response(lambda r: "/api/kill/" in r.url) as got:
+                    await attacker.goto(evil_base + "/")
+                assert (await got.value).status == 403
+                await asyncio.sleep(0.5)
+                assert calls == []
+                # the demo's page without the token asks for it; dismissed: nothing sent
+                page = await browser.new_page()
+                await page.goto(base + "/")
+                page.once("dialog", lambda d: asyncio.ensure_future(d.dismiss()))
+                await page.click("button[data-action=kill][data-name=engine-1]")
+                await asyncio.sleep(0.5)
+                assert calls == []
+                # opened from the terminal's link: the click kills, the token leaves the URL
+                await page.goto(f"{base}/#control={door.control_token}")
+                await page.wait_for_function("!location.hash.includes('control=')")
+                await page.click("button[data-action=kill][data-name=engine-1]")
+                async with asyncio.timeout(10):
+                    while not calls:
+                        await asyncio.sleep(0.05)
+                assert calls == [("kill", "engine-1")]
+                assert door.control_token not in page.url
+            finally:
+                await browser.close()

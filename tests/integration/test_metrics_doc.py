@@ -1,0 +1,50 @@
+"""The README's metrics table lists exactly the families a relay and a worker export."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from redis.asyncio import RedisCluster
+
+from relay.edge.fanout.hub import Hub
+from relay.edge.metrics import RelayMetrics
+from relay.service.supervise import Supervisor
+from worker.metrics import WorkerMetrics
+from worker.routing.lease import EngineSpec
+from worker.routing.router import Router
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _exported(text: bytes) -> set[str]:
+    names = {m.decode() for m in re.findall(rb"^# TYPE (\S+) ", text, re.M)}
+    return {n for n in names if not n.endswith("_created")}  # prometheus-client's extras
+
+
+def _documented() -> set[str]:
+    section = README.read_text().split("## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"`(tokenrelay_[a-z_]+)", section))
+
+
+@pytest.mark.integration
+async def test_every_exported_metric_is_documented_and_every_documented_one_exported(
+    redis: RedisCluster,
+) -> None:
+    hub = Hub(redis, relay_id="metrics-doc", reap_interval_s=0)
+    await hub.start()
+    try:
+        relay = RelayMetrics("metrics-doc")
+        relay.bind_hub(hub.stats)
+        Supervisor(relay.registry)  # the background loops' families, as a relay declares them
+        exported = _exported(relay.render()[0])
+    finally:
+        await hub.close()
+    worker = WorkerMetrics()
+    Supervisor(worker.registry)
+    worker.bind_router(Router([EngineSpec(id="e", url="http://e", cap=1)]))
+    exported |= _exported(worker.render())
+    documented = _documented()
+    assert exported - documented == set(), "exported but not in the README"
+    assert documented - exported == set(), "in the README but not exported"
