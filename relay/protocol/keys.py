@@ -8,6 +8,11 @@ Order of use: :func:`parse_session` on every id that arrives from outside, then
 :func:`key` (or the named helpers) to build names. The control plane's names (worker
 load reports, engine heartbeats) are here too. Nothing else in the project formats
 ``tr:`` strings.
+
+Retention, one setting each for every process that writes or reads a session
+(``--backlog-maxlen`` and ``--session-ttl-s`` on relays and workers alike, declared in
+:mod:`relay.service.settings`): :data:`BACKLOG_MAXLEN` frames kept per session's
+backlog, :data:`SESSION_TTL_S` seconds a session lives after its last write.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ import secrets
 from enum import StrEnum
 
 __all__ = [
+    "BACKLOG_MAXLEN",
     "ENGINES_REGISTRY",
     "SESSION_ID_MAX_LEN",
+    "SESSION_TTL_S",
     "WORKERS_REGISTRY",
     "InvalidSessionId",
     "KeyKind",
@@ -37,6 +44,8 @@ __all__ = [
 ]
 
 SESSION_ID_MAX_LEN = 64
+BACKLOG_MAXLEN = 10_000  # frames a session's backlog keeps (XADD MAXLEN ~)
+SESSION_TTL_S = 86_400  # a session's keys expire this long after its last write
 _SESSION_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _IDEM_RE = re.compile(r"[\x21-\x7e]{1,128}")
 

@@ -66,6 +66,7 @@ from relay.protocol.auth import KeySet, WeakSecret, load_keys
 __all__ = [
     "ENV_NOTE",
     "PREFIX",
+    "BacklogMaxlen",
     "ConfigError",
     "FailFast",
     "Host",
@@ -77,6 +78,7 @@ __all__ = [
     "RedisKey",
     "RedisURL",
     "Secret",
+    "SessionTTL",
     "Setting",
     "TrustedProxies",
     "add_arguments",
@@ -359,3 +361,10 @@ FailFast = Annotated[
         "(not ready) until it can"
     ),
 ]
+BacklogMaxlen = Annotated[
+    int, opt("frames a session's backlog keeps (relays and workers must agree)", ge=100)
+]
+SessionTTL = Annotated[
+    int, opt("a session's lifetime in Redis after its last write, seconds (relays and "
+             "workers must agree)", ge=1)
+]  # fmt: skip

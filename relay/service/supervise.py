@@ -47,7 +47,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from relay.broker.errors import RelayError
 from relay.broker.rediscluster.errors import map_redis_errors
 
-__all__ = ["Backoff", "Loop", "LoopMetrics", "Supervisor"]
+__all__ = ["QUICK_BACKOFF", "Backoff", "Loop", "LoopMetrics", "Supervisor", "retrieve"]
 
 log = logging.getLogger("tokenrelay.supervise")
 
@@ -75,6 +75,21 @@ class Backoff:
             return 0.0
         d = min(self.cap_s, self.base_s * 2.0 ** min(failures - 1, 60))
         return d / 2 + (rng or random).uniform(0, d / 2)
+
+
+# The relay's loops and retries: short (the loops are cheap, and a resubscribe or a
+# backlog read after a failover should not wait long), capped at a second.
+QUICK_BACKOFF: Final = Backoff(base_s=0.05, cap_s=1.0)
+
+
+def retrieve(fut: asyncio.Future[Any]) -> BaseException | None:
+    """The outcome of a finished future nobody awaits (a task whose result only matters
+    if it failed, a readiness future several waiters share): its exception, marked as
+    retrieved, so asyncio logs no "exception was never retrieved"; None if it was
+    cancelled, is not done, or succeeded."""
+    if not fut.done() or fut.cancelled():
+        return None
+    return fut.exception()
 
 
 class LoopMetrics:

@@ -23,8 +23,8 @@ import pytest
 
 from devstack.cluster.launcher import ClusterInfo
 from devstack.procs import ProcError
-from relay.edge.conn.ui import UiTurn, encode_chunk
 from relay.protocol.frame import Frame
+from relay.protocol.uistream import UiTurn, encode_chunk
 from tests.support import demo as demo_harness
 from tests.support.cli import run_cli
 from worker.gateway.aisdk import ChatError, parse_chat

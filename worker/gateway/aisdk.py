@@ -34,10 +34,10 @@ from aiohttp import web
 
 from relay.broker.errors import RelayError
 from relay.broker.rediscluster.errors import map_redis_errors
-from relay.edge.conn.ui import DONE, UI_HEADERS, UiTurn, encode_chunk
 from relay.protocol.auth import AuthError
 from relay.protocol.frame import FrameError, decode
 from relay.protocol.keys import InvalidSessionId, log_key, parse_session
+from relay.protocol.uistream import DONE, UI_HEADERS, UiTurn, encode_chunk
 from worker.access import Refusal
 from worker.chat.turnstate import Draining, IdempotencyPending, TurnBusy
 from worker.routing.lease import AllEnginesFull

@@ -58,17 +58,13 @@ from relay.broker.errors import RedisCommandError, RedisUnavailable, SubscribeEr
 from relay.broker.rediscluster.connect import ssl_context_of
 from relay.broker.rediscluster.nodeconn import MessageHandler, NodeConn, pack_command, raw_command
 from relay.protocol.slotmap import Addr, SlotMap, group_by_slot, parse_shards, parse_slots, slot_of
-from relay.service.supervise import Backoff, Supervisor
+from relay.service.supervise import QUICK_BACKOFF, Supervisor
 
 __all__ = ["NodeConn", "ShardedSubscriber", "pack_command", "raw_command"]
 
 log = logging.getLogger(__name__)
 
 ChannelsHandler = Callable[[list[str]], None]
-
-# Retry delays of a subscriber that runs its own supervisor: a resubscribe after a
-# failover should not wait long (the relay's supervisor uses the same bounds).
-SYNC_BACKOFF = Backoff(base_s=0.05, cap_s=1.0)
 
 
 class ShardedSubscriber:
@@ -91,7 +87,7 @@ class ShardedSubscriber:
         :meth:`close`); by default the subscriber runs one of its own."""
         self.redis = redis
         self._owns_supervisor = supervisor is None
-        self.supervisor = supervisor or Supervisor(backoff=SYNC_BACKOFF)
+        self.supervisor = supervisor or Supervisor(backoff=QUICK_BACKOFF)
         self.on_message = on_message
         self.on_resubscribed = on_resubscribed
         self.client_name = f"tokenrelay-sub:{relay_id}"

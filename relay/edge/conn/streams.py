@@ -34,16 +34,14 @@ from relay.broker.errors import WatchClosed
 from relay.edge.core.resume import Delivery
 from relay.edge.fanout.tap import Tap
 from relay.protocol import sse
-from relay.protocol.codes import CloseCode, Refusal, WsClose
+from relay.protocol.codes import CloseCode, WsClose
 from relay.protocol.frame import KINDS
 
 __all__ = [
     "CORS_HEADERS",
     "GOODBYE_S",
-    "RETRY_AFTER",
     "WS_CLOSE",
     "WS_PING",
-    "Reject",
     "Releasable",
     "SocketOut",
     "Stream",
@@ -84,23 +82,6 @@ CORS_HEADERS: Final = {
     "Access-Control-Expose-Headers": "X-Relay-Id",
     "Access-Control-Max-Age": "600",
 }
-
-
-class Reject(Exception):
-    """A request refused before streaming; becomes ``{"error", "reason"}`` JSON."""
-
-    def __init__(
-        self, status: int, error: Refusal, reason: str, headers: dict[str, str] | None = None
-    ) -> None:
-        super().__init__(f"{status} {error}: {reason}")
-        self.status, self.error, self.reason = status, error, reason
-        self.headers = headers or {}
-
-    def response(self) -> web.Response:
-        body = orjson.dumps({"error": self.error, "reason": self.reason})
-        return web.Response(
-            status=self.status, body=body, content_type="application/json", headers=self.headers
-        )
 
 
 class Releasable(Protocol):
@@ -275,7 +256,6 @@ class SocketOut:
             handle.cancel()
 
 
-RETRY_AFTER: Final = {"Retry-After": "1"}
 GOODBYE_S: Final = 1.0
 
 

@@ -18,8 +18,8 @@ Same token, refusals and drain as ``/events`` (docs/PROTOCOL.md).
 
 Order of use: ``register(app, host)`` in :func:`relay.edge.http.server.make_app` (``host``:
 the server, as a :class:`relay.edge.http.host.StreamHost`). Pure core:
-:class:`UiTurn` (frames of one turn -> UI chunks) and :func:`encode_chunk`; the worker's
-AI SDK chat POST (worker.gateway.aisdk) uses them to answer with the same stream.
+:mod:`relay.protocol.uistream` (frames of one turn -> UI chunks), which the worker's AI
+SDK chat POST (worker.gateway.aisdk) uses to answer with the same stream.
 """
 
 from __future__ import annotations
@@ -29,110 +29,28 @@ import functools
 import logging
 from typing import Any, Final
 
-import orjson
-from aiohttp import hdrs, web
+from aiohttp import web
 from multidict import istr
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.errors import RelayError, WatchClosed
 from relay.broker.rediscluster.errors import map_redis_errors
-from relay.edge.conn.streams import RETRY_AFTER, Reject, Stream, Transport, discard
+from relay.edge.conn.streams import Stream, Transport, discard
 from relay.edge.http.host import StreamHost
 from relay.protocol.codes import CloseCode, Refusal
-from relay.protocol.frame import Frame, FrameError, decode
+from relay.protocol.frame import FrameError, decode
 from relay.protocol.keys import log_key, meta_key
+from relay.protocol.uistream import DONE, UiTurn, encode_chunk
+from relay.protocol.uistream import UI_HEADERS as PROTOCOL_UI_HEADERS
+from relay.service.errors import RETRY_AFTER, Reject
 
-__all__ = [
-    "DONE",
-    "UI_HEADERS",
-    "UiTurn",
-    "active_turn",
-    "encode_chunk",
-    "register",
-]
+__all__ = ["UI_HEADERS", "active_turn", "register"]
 
 log = logging.getLogger(__name__)
 
-UI_HEADERS: Final = {  # istr names: see relay.edge.http.handlers.SSE_HEADERS
-    hdrs.CONTENT_TYPE: "text/event-stream; charset=utf-8",
-    hdrs.CACHE_CONTROL: "no-cache",
-    istr("X-Accel-Buffering"): "no",
-    istr("x-vercel-ai-ui-message-stream"): "v1",
-}
-DONE: Final = b"data: [DONE]\n\n"
-_FINISH_REASONS: Final = frozenset(("stop", "length", "content-filter", "tool-calls", "error"))
+# istr names: see relay.edge.http.handlers.SSE_HEADERS
+UI_HEADERS: Final = {istr(k): v for k, v in PROTOCOL_UI_HEADERS.items()}
 _SCAN: Final = 256  # backlog entries per round trip when looking for a turn's start
-
-
-def encode_chunk(chunk: dict[str, Any]) -> bytes:
-    """One UI message chunk as an SSE event (``data: <json>`` + blank line)."""
-    return b"data: " + orjson.dumps(chunk) + b"\n\n"
-
-
-class UiTurn:
-    """The frames of one turn -> UI message chunks. :meth:`feed` every frame of the
-    session from before the turn's start; frames of other turns are ignored; once
-    :attr:`finished`, the stream ends with :data:`DONE`."""
-
-    def __init__(self, session: str, turn: int) -> None:
-        self.session, self.turn = session, turn
-        self.text_id = f"text-{turn}"
-        self.started = self.text_open = self.finished = False
-
-    def feed(self, frame: Frame) -> list[dict[str, Any]]:
-        if self.finished:
-            return []
-        if frame.kind == "gap":
-            if not self.started:
-                return []  # lost frames before the turn began: not this reply's text
-            return self.fail(f"frames {frame.text}: the reply is incomplete")
-        if frame.turn != self.turn or frame.kind == "presence":
-            return []
-        out = self._start(frame)
-        if frame.kind == "token":
-            out += self._text_start()
-            if frame.text:
-                out.append({"type": "text-delta", "id": self.text_id, "delta": frame.text})
-        elif frame.kind == "done":
-            meta = frame.meta or {}
-            out += self._text_start()
-            out.append({"type": "text-end", "id": self.text_id})
-            reason = meta.get("finish_reason") or "stop"
-            out.append({
-                "type": "finish",
-                "finishReason": reason if reason in _FINISH_REASONS else "other",
-                "messageMetadata": {"session": self.session, "turn": self.turn, **meta},
-            })  # fmt: skip
-            self.finished = True
-        elif frame.kind == "error":
-            out += self.fail(frame.text or "the turn failed")
-        return out
-
-    def _start(self, frame: Frame) -> list[dict[str, Any]]:
-        if self.started:
-            return []
-        self.started = True
-        meta = {"session": self.session, "turn": self.turn}
-        if frame.kind == "meta" and frame.meta:
-            meta.update({k: v for k, v in frame.meta.items() if k in ("engine", "preferred")})
-        return [{"type": "start", "messageId": f"{self.session}-{self.turn}",
-                 "messageMetadata": meta}]  # fmt: skip
-
-    def _text_start(self) -> list[dict[str, Any]]:
-        if self.text_open:
-            return []
-        self.text_open = True
-        return [{"type": "text-start", "id": self.text_id}]
-
-    def fail(self, text: str) -> list[dict[str, Any]]:
-        """End the reply with an error part (and a finish whose reason is "error")."""
-        self.finished = True
-        out: list[dict[str, Any]] = []
-        if self.text_open:
-            out.append({"type": "text-end", "id": self.text_id})
-        out.append({"type": "error", "errorText": text})
-        out.append({"type": "finish", "finishReason": "error"})
-        return out
 
 
 async def active_turn(redis: RedisCluster, sid: str) -> tuple[int, int] | None:

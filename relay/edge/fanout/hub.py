@@ -57,15 +57,11 @@ from relay.edge.fanout.tap import ByteBudget, Flusher, Tap, delivery, read_page
 from relay.protocol.codes import CloseCode
 from relay.protocol.frame import monotonic_ms
 from relay.protocol.keys import live_channel, parse_session
-from relay.service.supervise import Backoff, Supervisor
+from relay.service.supervise import QUICK_BACKOFF, Supervisor
 
-__all__ = ["RELAY_BACKOFF", "Delivery", "Hub", "Tap", "Watch", "WatchClosed", "conflate"]
+__all__ = ["Delivery", "Hub", "Tap", "Watch", "WatchClosed", "conflate"]
 
 log = logging.getLogger(__name__)
-
-# Retry delays of the relay's loops: short (the loops are cheap, and a resubscribe after
-# a failover should not wait long), capped at a second.
-RELAY_BACKOFF = Backoff(base_s=0.05, cap_s=1.0)
 
 
 def _outcome_seen(f: asyncio.Future[None]) -> None:
@@ -165,7 +161,7 @@ class Hub:
     ) -> None:
         self.redis = redis
         self._owns_supervisor = supervisor is None
-        self.supervisor = supervisor or Supervisor(backoff=RELAY_BACKOFF)
+        self.supervisor = supervisor or Supervisor(backoff=QUICK_BACKOFF)
         self.limits = Limits(
             queue_frames=queue_frames,
             hard_limit_frames=hard_limit_frames,

@@ -47,11 +47,10 @@ from relay.edge.core.resume import Delivery, Fetch
 from relay.edge.core.watch import Closed, Intent, Watch
 from relay.protocol.codes import CloseCode
 from relay.protocol.frame import FrameError, decode, frame_gen
-from relay.service.supervise import Backoff
+from relay.service.supervise import QUICK_BACKOFF
 
 __all__ = ["ByteBudget", "Flusher", "Out", "Tap", "TapHost", "delivery", "read_page"]
 
-READ_BACKOFF = Backoff(base_s=0.05, cap_s=1.0)  # backlog reads while Redis is unreachable
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +84,7 @@ async def read_page(
         except RelayError as exc:
             failures += 1
             log.info("backlog read for %s failed: %s", sid, exc)
-            await asyncio.sleep(READ_BACKOFF.delay(failures))
+            await asyncio.sleep(QUICK_BACKOFF.delay(failures))
     return None
 
 

@@ -33,7 +33,6 @@ from multidict import istr
 from relay.edge.conn.detached import detach
 from relay.edge.conn.sse import SseConn
 from relay.edge.conn.streams import (
-    Reject,
     Transport,
     query_value,
     sse_bytes,
@@ -44,6 +43,7 @@ from relay.edge.conn.ws import WsConn, upgrade
 from relay.edge.http.host import StreamHost
 from relay.protocol import frame, sse
 from relay.protocol.codes import CloseCode, Refusal
+from relay.service.errors import Reject
 
 __all__ = ["parse_gen", "parse_offset", "sse_handler", "ws_handler"]
 

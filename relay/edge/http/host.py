@@ -22,10 +22,11 @@ from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
 
 from relay.edge.config import RelayConfig
-from relay.edge.conn.streams import Reject, Stream, Transport
+from relay.edge.conn.streams import Stream, Transport
 from relay.edge.core.resume import Delivery
 from relay.edge.http.limits import Access
 from relay.protocol.codes import CloseCode
+from relay.service.errors import Reject
 
 __all__ = ["StreamHost"]
 

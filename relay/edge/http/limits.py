@@ -22,9 +22,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Final
 
-from relay.edge.conn.streams import Reject, Stream
+from relay.edge.conn.streams import Stream
 from relay.protocol.auth import Claims
 from relay.protocol.codes import CloseCode, Refusal
+from relay.service.errors import Reject
 
 __all__ = ["EXPIRED_REASON", "Access", "StreamGuard", "Ticket", "token_key"]
 

@@ -57,14 +57,12 @@ from relay.edge.conn import beats
 from relay.edge.conn import ui as uistream
 from relay.edge.conn.streams import (
     CORS_HEADERS,
-    RETRY_AFTER,
-    Reject,
     Stream,
     Transport,
     query_value,
 )
 from relay.edge.core.resume import Delivery
-from relay.edge.fanout.hub import RELAY_BACKOFF, Hub
+from relay.edge.fanout.hub import Hub
 from relay.edge.fanout.tap import Tap
 from relay.edge.http import handlers
 from relay.edge.http.limits import Access, StreamGuard, token_key
@@ -75,7 +73,8 @@ from relay.protocol.frame import now_ms
 from relay.protocol.keys import InvalidSessionId, parse_session
 from relay.service import openapi, runtime
 from relay.service.clientaddr import client_address, parse_networks
-from relay.service.supervise import Supervisor
+from relay.service.errors import RETRY_AFTER, Reject
+from relay.service.supervise import QUICK_BACKOFF, Supervisor
 
 __all__ = ["SERVER", "EdgeServer", "make_app", "make_runner"]
 
@@ -97,7 +96,7 @@ class EdgeServer:
     def __init__(self, config: RelayConfig, hub: Hub | None = None) -> None:
         self.config = config
         self.metrics = RelayMetrics(config.relay_id)
-        self.supervisor = Supervisor(self.metrics.registry, backoff=RELAY_BACKOFF)
+        self.supervisor = Supervisor(self.metrics.registry, backoff=QUICK_BACKOFF)
         m = self.metrics
         self._meters = {t: OutMeter(m, t) for t in (Transport.SSE, Transport.WS)}
         # one bound method per transport, shared by its sockets (not one per socket)

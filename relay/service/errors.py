@@ -1,0 +1,56 @@
+"""The one shape of a refused request: ``{"error": code, "reason": sentence, ...}``.
+
+Every HTTP route of the relay and the worker (sessions, turns, tokens, jobs, the AI SDK
+chat, the streams) answers what it refuses with :func:`refusal`, or raises
+:class:`Reject`, which carries the same and becomes the same response. ``error`` is a
+:class:`relay.protocol.codes.Refusal` (a stable code for machines), ``reason`` a
+sentence for people; a route may add fields a client can act on (the running turn of a
+409, ``retry_after_s`` of a 429). The OpenAI-compatible routes answer in OpenAI's own
+error shape instead (:mod:`worker.gateway.wire`), because the SDKs parse that one.
+
+Order of use::
+
+    return refusal(400, Refusal.INVALID_SESSION, str(exc))
+    raise Reject(429, Refusal.TOO_MANY_STREAMS, "close one", {"Retry-After": "5"})
+    except Reject as r: return r.response()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+import orjson
+from aiohttp import web
+
+__all__ = ["RETRY_AFTER", "Reject", "refusal"]
+
+RETRY_AFTER: Final = {"Retry-After": "1"}
+
+
+def refusal(
+    status: int, error: str, reason: str, headers: Mapping[str, str] | None = None, **extra: Any
+) -> web.Response:
+    """The JSON answer to a refused request (``extra``: more fields of the body)."""
+    body = orjson.dumps({"error": error, "reason": reason, **extra})
+    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+
+
+class Reject(Exception):
+    """A request refused before it is served; :meth:`response` is its answer."""
+
+    def __init__(
+        self,
+        status: int,
+        error: str,
+        reason: str,
+        headers: Mapping[str, str] | None = None,
+        **extra: Any,
+    ) -> None:
+        super().__init__(f"{status} {error}: {reason}")
+        self.status, self.error, self.reason = status, error, reason
+        self.headers = dict(headers or {})
+        self.extra = extra
+
+    def response(self) -> web.Response:
+        return refusal(self.status, self.error, self.reason, self.headers, **self.extra)
