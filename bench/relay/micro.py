@@ -1,14 +1,16 @@
 """The relay's own Python cost per frame, without sockets: how much of the CPU per frame
 of :mod:`bench.relay.throughput` is the relay's code and how much the kernel's.
 
-A real :class:`relay.edge.fanout.hub.Hub` on a real Redis Cluster (started here unless
-``--redis``) opens ``--sessions`` live watches (real subscriptions, real backlog bounds
-read); each tap writes to a real :class:`relay.edge.conn.streams.SocketOut` with the server's
-own metrics (:class:`relay.edge.metrics.OutMeter`) whose transport only counts bytes.
-Then the hub's shard-reader callback (``Hub._on_message``, what a read chunk from Redis
-calls) is fed ``--frames`` encoded token frames, ``--per-chunk`` per call, each to the
-next session in turn, in order: the same code path as a live frame, from the parsed
-``smessage`` to ``transport.write``, minus the parse and the system call.
+A real :class:`relay.edge.fanout.hub.Hub` on the in-memory broker
+(:class:`relay.broker.memory.MemoryBroker`: no server to start, and none would be on
+the measured path, which never calls the broker) opens ``--sessions`` live SSE
+connections (:class:`relay.edge.conn.sse.SseConn`: subscribed, bounds read), each
+attached to a transport that only counts bytes and metered with the server's own
+metrics (:class:`relay.edge.metrics.OutMeter`). Then the hub's reader callback
+(``Hub._on_message``, what a read chunk from Redis calls) is fed ``--frames`` encoded
+token frames, ``--per-chunk`` per call, each to the next session in turn, in order: the
+same code path as a live frame, from the parsed ``smessage`` to ``transport.write``,
+minus the parse and the system call.
 
 ``python -m bench.relay.micro [--quick] [--json PATH] [--seed N]`` prints µs per frame
 (best of ``--repeats`` runs, and the median): ``hub_us_per_frame``. With ``--profile``
@@ -20,21 +22,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import cProfile
 import io
 import pstats
 import random
 import statistics
 import time
-from collections.abc import AsyncIterator
 from typing import Any, cast
 
 from bench._util import write_json
-from relay.broker.rediscluster.connect import connect
-from relay.edge.conn.streams import SocketOut, sse_bytes
-from relay.edge.fanout.hub import Hub, Tap
+from relay.broker.memory import MemoryBroker
+from relay.edge.conn.sse import SseConn
+from relay.edge.fanout.hub import Hub
 from relay.edge.metrics import OutMeter, RelayMetrics
+from relay.protocol.codes import CloseCode
 from relay.protocol.frame import Frame, encode
 from relay.protocol.keys import live_channel, new_session_id
 
@@ -55,29 +56,14 @@ class _CountingTransport:
     def is_closing(self) -> bool:
         return False
 
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def get_write_buffer_limits(self) -> tuple[int, int]:
-        return (16 * 1024, 64 * 1024)
-
-
-class _Writer:
-    chunked = True  # an SSE response: every write is framed as one HTTP chunk
-
-    async def drain(self) -> None:
+    def close(self) -> None:
         return None
 
+    def abort(self) -> None:
+        return None
 
-@contextlib.asynccontextmanager
-async def _cluster(url: str | None) -> AsyncIterator[str]:
-    if url is not None:
-        yield url
-        return
-    from devstack.cluster.launcher import local_cluster
-
-    async with local_cluster(masters=3, replicas=1) as info:
-        yield info.url
+    def get_write_buffer_size(self) -> int:
+        return 0
 
 
 def _frames(sids: list[str], n: int, gen: str, offsets: dict[str, int]) -> list[list[bytes]]:
@@ -97,27 +83,23 @@ def _frames(sids: list[str], n: int, gen: str, offsets: dict[str, int]) -> list[
 
 
 async def measure(
-    url: str, sessions: int, frames: int, per_chunk: int, repeats: int, profile: bool, seed: int
+    sessions: int, frames: int, per_chunk: int, repeats: int, profile: bool, seed: int
 ) -> dict[str, Any]:
-    redis = connect(url)
-    await redis.initialize()
-    hub = Hub(redis, relay_id="bench-micro", reap_after_s=3600)
+    hub = Hub(MemoryBroker("bench-micro"), reap_after_s=3600)
     await hub.start()
-    metrics = RelayMetrics("bench-micro")
+    sent = OutMeter(RelayMetrics("bench-micro"), "sse").sent
     transports: list[_CountingTransport] = []
-    taps: list[Tap] = []
+    conns: list[SseConn] = []
     try:
         sids = [new_session_id() for _ in range(sessions)]
         for sid in sids:
-            tap = await hub.watch(sid, None)
+            conn = SseConn(hub, sid, None, sent=sent, write_timeout_s=30.0)
+            await hub.open(conn)
             t = _CountingTransport()
-            out = SocketOut(
-                cast(Any, None), cast(Any, t), cast(Any, _Writer()), sse_bytes,
-                OutMeter(metrics, "sse").sent, 30.0,
-            )  # fmt: skip
-            tap.attach(out, lambda: None)
+            conn.chunked = True  # an HTTP/1.1 SSE response: every write is one chunk
+            conn.attach(cast(Any, t))
             transports.append(t)
-            taps.append(tap)
+            conns.append(conn)
         random.Random(seed).shuffle(sids)  # the order frames go round the sessions
         offsets = dict.fromkeys(sids, 0)
         runs: list[float] = []
@@ -141,10 +123,9 @@ async def measure(
                 runs.append((time.perf_counter() - t0) / frames * 1e6)
         written = sum(t.writes for t in transports)
     finally:
-        for tap in taps:
-            await tap.close()
+        for conn in conns:
+            conn.shut("done", CloseCode.CLOSED)
         await hub.close()
-        await redis.aclose()
     return {
         "sessions": sessions,
         "frames": frames,
@@ -162,7 +143,6 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.relay.micro", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="100,000 frames, 3 runs")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    ap.add_argument("--redis", help="redis://host:port of a running cluster (default: start one)")
     ap.add_argument("--seed", type=int, default=0, help="shuffles the sessions' order (0)")
     ap.add_argument("--sessions", type=int, default=1_000, help="watched sessions (1,000)")
     ap.add_argument("--frames", type=int, help="frames per run (300,000; quick 100,000)")
@@ -175,13 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     frames = args.frames or (100_000 if args.quick else 300_000)
     repeats = args.repeats or (3 if args.quick else 5)
 
-    async def run() -> dict[str, Any]:
-        async with _cluster(args.redis) as url:
-            return await measure(
-                url, args.sessions, frames, args.per_chunk, repeats, args.profile, args.seed
-            )
-
-    res = asyncio.run(run())
+    res = asyncio.run(
+        measure(args.sessions, frames, args.per_chunk, repeats, args.profile, args.seed)
+    )
     prof = res.pop("profile")
     print(
         f"hub_us_per_frame {res['hub_us_per_frame']} (median {res['hub_us_per_frame_median']};"

@@ -23,7 +23,7 @@ from redis.exceptions import RedisClusterException, RedisError
 from relay.broker.errors import RelayError
 from relay.broker.rediscluster.connect import mask_url, startup_error
 from relay.edge.config import RelayConfig, add_arguments, from_args
-from relay.edge.http.server import SERVER, make_app, make_runner
+from relay.edge.http.app import SERVER, make_app, make_runner
 from relay.protocol.codes import Refusal
 from relay.service import runtime, settings
 from relay.service.httpguard import GuardedSite

@@ -23,9 +23,11 @@ import msgspec
 
 from relay.broker.rediscluster.connect import RedisTLS
 from relay.protocol.auth import DEFAULT_KID, KeySet
+from relay.protocol.keys import BACKLOG_MAXLEN, SESSION_TTL_S
 from relay.service import settings
 from relay.service.clientaddr import parse_networks
 from relay.service.settings import (
+    BacklogMaxlen,
     ConfigError,
     FailFast,
     Host,
@@ -37,6 +39,7 @@ from relay.service.settings import (
     RedisKey,
     RedisURL,
     Secret,
+    SessionTTL,
     TrustedProxies,
     opt,
 )
@@ -72,6 +75,8 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     insecure_no_auth: InsecureNoAuth = False
     trusted_proxies: TrustedProxies = ""
     fail_fast: FailFast = False
+    backlog_maxlen: BacklogMaxlen = BACKLOG_MAXLEN
+    session_ttl_s: SessionTTL = SESSION_TTL_S
     relay_id: Annotated[str, opt("name shown to clients (empty: <hostname>-<pid>)")] = ""
     heartbeat_s: Annotated[float, opt("SSE comment / WS idle interval", gt=0)] = 15.0
     retry_ms: Annotated[int, opt("SSE retry: hint", ge=0)] = 1000

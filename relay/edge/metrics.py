@@ -172,7 +172,7 @@ class _LoopChild:
 
 class OutMeter:
     """What one transport's socket writes add to the metrics: :meth:`sent` runs for
-    every write (a :class:`relay.edge.conn.streams.SocketOut` calls it), so it reads the
+    every write (a :class:`relay.edge.conn.base.Conn` calls it), so it reads the
     clocks once per write, counts without a lock and observes the two latency
     histograms inline."""
 
@@ -237,6 +237,7 @@ HUB_METRICS: Final[dict[str, tuple[str, str]]] = {
     "slow_disconnects": (COUNTER, "watches closed as slow consumers"),
     "replays": (COUNTER, "watches that replayed the backlog from an offset"),
     "gaps": (COUNTER, "gap frames produced (frames lost for good)"),
+    "duplicates": (COUNTER, "live frames a watch already had from its replay, dropped"),
     "repairs": (COUNTER, "backlog reads that repaired a hole in the live feed"),
     "subscribes": (COUNTER, "session channels subscribed"),
     "unsubscribes": (COUNTER, "session channels unsubscribed"),

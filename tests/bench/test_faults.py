@@ -15,7 +15,9 @@ from redis.asyncio.cluster import RedisCluster
 from bench.faults.drills import FaultConfig, failures, run_fault
 from bench.faults.evidence import judge
 from bench.faults.partition import unsupported
+from relay.broker.rediscluster.broker import RedisBroker
 from relay.broker.rediscluster.publisher import Publisher
+from relay.edge.conn.reader import open_reader
 from relay.edge.fanout.hub import Hub
 from relay.protocol.keys import live_channel, new_session_id
 from relay.protocol.slotmap import slot_of
@@ -132,11 +134,11 @@ async def test_migrate_slot_moves_a_live_session_and_the_hub_follows(
     host, port = cluster.info.startup_nodes[0]
     redis = RedisCluster(host=host, port=port)
     await redis.initialize()
-    hub = Hub(redis, relay_id="mig", reap_interval_s=0)
+    hub = Hub(RedisBroker(redis, "mig"), reap_interval_s=0)
     await hub.start()
     try:
         sid = new_session_id()
-        w = await hub.watch(sid, 0)
+        w = await open_reader(hub, sid, 0)
         gen = await Publisher(redis).open_generation(sid)
         slot = slot_of(live_channel(sid))
         masters = await cluster.masters_now()

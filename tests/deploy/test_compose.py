@@ -154,7 +154,7 @@ def test_healthchecks_probe_routes_the_services_really_serve() -> None:
     from devstack.mockengine.server import EngineConfig
     from devstack.mockengine.server import make_app as engine_app
     from relay.edge.config import RelayConfig
-    from relay.edge.http.server import make_app as relay_app
+    from relay.edge.http.app import make_app as relay_app
     from worker.api import make_app as worker_app
     from worker.config import WorkerConfig
     from worker.routing.lease import EngineSpec

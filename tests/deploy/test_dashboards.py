@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from redis.asyncio import RedisCluster
 
+from relay.broker.rediscluster.broker import RedisBroker
 from relay.edge.fanout.hub import Hub
 from relay.edge.metrics import RelayMetrics
 from tests.support.cli import run_cli
@@ -120,7 +121,7 @@ def test_metric_names_are_found_in_promql() -> None:
 
 @pytest.mark.integration
 async def test_every_metric_used_is_exported_and_documented(redis: RedisCluster) -> None:
-    hub = Hub(redis, relay_id="dashboards", reap_interval_s=0)
+    hub = Hub(RedisBroker(redis, "dashboards"), reap_interval_s=0)
     await hub.start()
     try:
         relay = RelayMetrics("dashboards")

@@ -167,7 +167,7 @@ def _routes(app: Any) -> set[tuple[str, str]]:
 
 def test_probes_hit_routes_the_apps_serve() -> None:
     from relay.edge.config import RelayConfig
-    from relay.edge.http.server import make_app as relay_app
+    from relay.edge.http.app import make_app as relay_app
     from worker.api import make_app as worker_app
     from worker.config import WorkerConfig
 

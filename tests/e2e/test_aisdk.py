@@ -279,22 +279,23 @@ async def _reply(cluster: ClusterInfo, sid: str, turn: int) -> str:
 async def test_active_turn_finds_the_running_turns_start_across_pages(redis: Any) -> None:
     """The resume point of a running turn of 700 frames (three pages of the backwards
     scan) behind a finished turn; none once it is done."""
+    from relay.broker.rediscluster.broker import RedisBroker
     from relay.broker.rediscluster.publisher import Draft, Publisher
-    from relay.edge.conn.ui import active_turn
     from relay.protocol.keys import new_session_id
 
+    active_turn = RedisBroker(redis, "ui-test").active_turn
     sid = new_session_id()
     pub = Publisher(redis)
-    assert await active_turn(redis, sid) is None  # no such session
+    assert await active_turn(sid) is None  # no such session
     first = await pub.open_generation(sid)
     await first.publish([Draft(kind="meta"), Draft(kind="token", text="a")])
     await first.done({})
-    assert await active_turn(redis, sid) is None  # finished: nothing to resume
+    assert await active_turn(sid) is None  # finished: nothing to resume
     second = await pub.open_generation(sid)
-    assert await active_turn(redis, sid) == (2, 3)  # open, no frame yet
+    assert await active_turn(sid) == (2, 3)  # open, no frame yet
     await second.publish([Draft(kind="meta")])
     for i in range(0, 700, 100):
         await second.publish([Draft(kind="token", text=str(j)) for j in range(i, i + 100)])
-    assert await active_turn(redis, sid) == (2, 3)  # right after turn 1's done frame
+    assert await active_turn(sid) == (2, 3)  # right after turn 1's done frame
     await second.done({})
-    assert await active_turn(redis, sid) is None
+    assert await active_turn(sid) is None

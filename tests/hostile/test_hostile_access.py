@@ -33,7 +33,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from devstack.cluster.launcher import ClusterInfo
 from relay.broker.rediscluster.publisher import read_backlog
-from relay.edge.conn.streams import WS_CLOSE
+from relay.edge.conn.ws import WS_CLOSE
 from relay.protocol.codes import CloseCode
 from relay.protocol.frame import decode
 from tests.support.cli import clean_env, run_cli, tokenrelay

@@ -7,6 +7,7 @@ import re
 import pytest
 from redis.asyncio import RedisCluster
 
+from relay.broker.rediscluster.broker import RedisBroker
 from relay.edge.fanout.hub import Hub
 from relay.edge.metrics import HUB_METRICS, RelayMetrics
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.integration
 async def test_every_hub_number_is_declared_and_growing_ones_are_counters(
     redis: RedisCluster,
 ) -> None:
-    hub = Hub(redis, relay_id="metric-types", reap_interval_s=0)
+    hub = Hub(RedisBroker(redis, "metric-types"), reap_interval_s=0)
     await hub.start()
     try:
         stats = hub.stats()

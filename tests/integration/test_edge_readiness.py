@@ -25,7 +25,8 @@ from devstack.procs import launched
 from relay.broker.rediscluster.connect import connect
 from relay.broker.rediscluster.publisher import Publisher
 from relay.edge.config import RelayConfig
-from relay.edge.http.server import SERVER, EdgeServer, make_app, make_runner
+from relay.edge.http.app import SERVER, make_app, make_runner
+from relay.edge.http.server import EdgeServer
 from relay.protocol.keys import new_session_id
 from tests.conftest import PrivateClusterFactory
 from tests.support.cli import run_cli, tokenrelay

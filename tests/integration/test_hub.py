@@ -12,10 +12,11 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.errors import WatchClosed
+from relay.broker.rediscluster.broker import RedisBroker
 from relay.broker.rediscluster.publisher import Draft, Publisher
+from relay.edge.conn.reader import Reader, open_reader
 from relay.edge.core.resume import Delivery
 from relay.edge.fanout.hub import Hub
-from relay.edge.fanout.tap import Tap
 from relay.protocol.frame import Frame, decode, encode
 from relay.protocol.keys import live_channel, log_key, meta_key, new_session_id, presence_key
 
@@ -25,10 +26,9 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 async def hub(redis: RedisCluster) -> AsyncIterator[Hub]:
     h = Hub(
-        redis,
-        relay_id=f"test-{new_session_id()[:8]}",
+        RedisBroker(redis, f"test-{new_session_id()[:8]}"),
         unsubscribe_delay_s=0.3,
-        reap_interval_s=0,  # bare generations hold no turn lock: never reap them
+        reap_interval_s=0,
     )
     await h.start()
     try:
@@ -38,7 +38,7 @@ async def hub(redis: RedisCluster) -> AsyncIterator[Hub]:
 
 
 async def collect(
-    watch: Tap, until: int, within_s: float = 10.0, hub: Hub | None = None
+    watch: Reader, until: int, within_s: float = 10.0, hub: Hub | None = None
 ) -> list[Delivery]:
     """Read deliveries until one has an offset >= until."""
     out: list[Delivery] = []
@@ -87,7 +87,7 @@ async def test_many_watchers_of_one_session_share_one_subscription(
     hub: Hub, redis: RedisCluster
 ) -> None:
     sid = new_session_id()
-    watches = await asyncio.gather(*(hub.watch(sid, None) for _ in range(20)))
+    watches = await asyncio.gather(*(open_reader(hub, sid, None) for _ in range(20)))
     assert hub.stats()["subscribes"] == 1
     assert sum(hub.stats()["channels_per_node"].values()) == 1
     node = await _node_clients(redis, live_channel(sid))
@@ -128,7 +128,7 @@ async def test_resume_from_offset_gives_the_rest_then_live_under_concurrent_publ
             await asyncio.sleep(0)
 
     producer = asyncio.create_task(produce())
-    watchers = [await hub.watch(sid, n) for n in (0, 7, 30, 49)]
+    watchers = [await open_reader(hub, sid, n) for n in (0, 7, 30, 49)]
     await producer
     stop.set()
     last = gen.offset
@@ -144,7 +144,7 @@ async def test_live_only_watch_starts_at_the_current_end(hub: Hub, redis: RedisC
     sid = new_session_id()
     gen = await Publisher(redis).open_generation(sid)
     await gen.publish([Draft(kind="token", text="old")] * 5)
-    w = await hub.watch(sid, None)
+    w = await open_reader(hub, sid, None)
     await gen.token("new")
     got = await collect(w, 6)
     assert token_offsets(got) == [6]
@@ -155,7 +155,7 @@ async def test_offset_older_than_backlog_gives_gap_frame(hub: Hub, redis: RedisC
     gen = await Publisher(redis, maxlen=5).open_generation(sid)
     for _ in range(10):
         await gen.publish([Draft(kind="token", text="t")] * 50)
-    w = await hub.watch(sid, 0)
+    w = await open_reader(hub, sid, 0)
     got = await collect(w, 500)
     assert got[0].kind == "gap"
     gap = json.loads(got[0].data)
@@ -168,12 +168,14 @@ async def test_offset_older_than_backlog_gives_gap_frame(hub: Hub, redis: RedisC
 async def test_slow_watcher_gets_merged_frames_then_is_closed_fast_one_unaffected(
     redis: RedisCluster,
 ) -> None:
-    hub = Hub(redis, relay_id="slow-test", queue_frames=20, hard_limit_frames=60, reap_interval_s=0)
+    hub = Hub(
+        RedisBroker(redis, "slow-test"), queue_frames=20, hard_limit_frames=60, reap_interval_s=0
+    )
     await hub.start()
     try:
         sid = new_session_id()
-        slow = await hub.watch(sid, None)
-        fast = await hub.watch(sid, None)
+        slow = await open_reader(hub, sid, None)
+        fast = await open_reader(hub, sid, None)
         gen = await Publisher(redis).open_generation(sid)
         texts = [f"w{i} " for i in range(200)]
         fast_reader = asyncio.create_task(collect(fast, 200))
@@ -209,13 +211,13 @@ async def test_last_watcher_leaving_unsubscribes_after_the_delay(
     hub: Hub, redis: RedisCluster
 ) -> None:
     sid = new_session_id()
-    w1 = await hub.watch(sid, None)
-    w2 = await hub.watch(sid, None)
+    w1 = await open_reader(hub, sid, None)
+    w2 = await open_reader(hub, sid, None)
     await w1.close()
     await w2.close()
     assert hub.stats()["channels"] == 1  # still subscribed during the delay
     # a watcher coming back within the delay reuses the subscription
-    w3 = await hub.watch(sid, None)
+    w3 = await open_reader(hub, sid, None)
     await asyncio.sleep(0.5)
     assert hub.stats()["subscribes"] == 1
     await w3.close()
@@ -234,11 +236,11 @@ async def test_last_watcher_leaving_unsubscribes_after_the_delay(
 async def test_presence_is_refreshed_while_watched_and_removed_after(
     redis: RedisCluster,
 ) -> None:
-    hub = Hub(redis, relay_id="presence-ttl", presence_ttl_s=1.5, reap_interval_s=0)
+    hub = Hub(RedisBroker(redis, "presence-ttl", presence_ttl_s=1.5), reap_interval_s=0)
     await hub.start()
     try:
         sid = new_session_id()
-        w = await hub.watch(sid, None)
+        w = await open_reader(hub, sid, None)
         await asyncio.sleep(0.3)
         score = await redis.zscore(presence_key(sid), hub.relay_id)
         assert score is not None  # the entry's expiry, in Redis server ms
@@ -267,18 +269,18 @@ async def test_opening_many_watches_writes_each_session_once_not_all_each_time(
     redis: RedisCluster,
 ) -> None:
     # a long interval: only the writes for new sessions happen during the test
-    hub = Hub(redis, relay_id="presence-n", presence_ttl_s=180.0, reap_interval_s=0)
+    hub = Hub(RedisBroker(redis, "presence-n", presence_ttl_s=180.0), reap_interval_s=0)
     await hub.start()
     try:
         await asyncio.sleep(0.1)  # the first (empty) full refresh is done
         sids = [new_session_id() for _ in range(120)]
-        watches = [await hub.watch(sid, None) for sid in sids]
+        watches = [await open_reader(hub, sid, None) for sid in sids]
         await asyncio.sleep(0.3)
         writes = hub.stats()["presence_writes"]
         assert len(sids) <= writes <= len(sids) + 5  # O(n), not a full refresh per watch
         for sid in sids[:3]:
             assert await redis.zscore(presence_key(sid), hub.relay_id) is not None
-        second = await hub.watch(sids[0], None)  # not a new session: no write
+        second = await open_reader(hub, sids[0], None)  # not a new session: no write
         await asyncio.sleep(0.2)
         assert hub.stats()["presence_writes"] == writes
         for w in [*watches, second]:
@@ -291,7 +293,7 @@ async def test_killed_pubsub_connection_is_repaired_from_the_backlog(
     hub: Hub, redis: RedisCluster
 ) -> None:
     sid = new_session_id()
-    w = await hub.watch(sid, 0)
+    w = await open_reader(hub, sid, 0)
     gen = await Publisher(redis).open_generation(sid)
     await gen.publish([Draft(kind="token", text="a")] * 5)
     assert token_offsets(await collect(w, 5)) == [1, 2, 3, 4, 5]
@@ -315,12 +317,14 @@ async def test_killed_pubsub_connection_is_repaired_from_the_backlog(
 
 
 async def test_watch_can_read_from_replicas(cluster, redis: RedisCluster) -> None:
-    hub = Hub(redis, relay_id="replica-reader", read_from_replicas=True, reap_interval_s=0)
+    broker = RedisBroker(redis, "replica-reader", read_from_replicas=True)
+    hub = Hub(broker, reap_interval_s=0)
     await hub.start()
     try:
         sid = new_session_id()
-        w = await hub.watch(sid, 0)
-        addr = hub.subscriber.node_of(live_channel(sid))
+        w = await open_reader(hub, sid, 0)
+        assert broker.subscriber is not None
+        addr = broker.subscriber.node_of(live_channel(sid))
         assert addr is not None
         assert addr.port in {n.port for n in cluster.replicas}
         gen = await Publisher(redis).open_generation(sid)
@@ -338,11 +342,12 @@ async def test_failover_resubscribes_on_the_new_master_and_repairs(private_clust
     host, port = info.startup_nodes[0]
     redis = RedisCluster(host=host, port=port)
     await redis.initialize()
-    hub = Hub(redis, relay_id="failover-test", reap_interval_s=0)  # no turn lock: no reaper
+    broker = RedisBroker(redis, "failover-test")
+    hub = Hub(broker, reap_interval_s=0)  # no turn lock: no reaper
     await hub.start()
     try:
         sid = new_session_id()
-        w = await hub.watch(sid, 0)
+        w = await open_reader(hub, sid, 0)
         pub = Publisher(redis)
         gen = await pub.open_generation(sid)
         await gen.publish([Draft(kind="token", text="a")] * 5)
@@ -368,7 +373,9 @@ async def test_failover_resubscribes_on_the_new_master_and_repairs(private_clust
         got = await collect(w, 10, within_s=20)
         assert token_offsets(got) == [6, 7, 8, 9, 10]
         async with asyncio.timeout(10):
-            while hub.subscriber.node_of(live_channel(sid)) != (replica.host, replica.port):
+            while broker.subscriber is not None and broker.subscriber.node_of(
+                live_channel(sid)
+            ) != (replica.host, replica.port):
                 await asyncio.sleep(0.1)
         assert hub.stats()["resubscribes"] >= 1
         await gen.publish([Draft(kind="token", text="c")] * 2)
@@ -382,7 +389,7 @@ async def test_lost_pubsub_message_is_repaired_from_the_backlog_once_per_channel
     hub: Hub, redis: RedisCluster
 ) -> None:
     sid = new_session_id()
-    watches = [await hub.watch(sid, None) for _ in range(5)]
+    watches = [await open_reader(hub, sid, None) for _ in range(5)]
     gen = await Publisher(redis).open_generation(sid)
     await gen.token("a")
     for w in watches:

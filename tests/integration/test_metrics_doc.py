@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from redis.asyncio import RedisCluster
 
+from relay.broker.rediscluster.broker import RedisBroker
 from relay.edge.fanout.hub import Hub
 from relay.edge.metrics import RelayMetrics
 from relay.service.supervise import Supervisor
@@ -32,7 +33,7 @@ def _documented() -> set[str]:
 async def test_every_exported_metric_is_documented_and_every_documented_one_exported(
     redis: RedisCluster,
 ) -> None:
-    hub = Hub(redis, relay_id="metrics-doc", reap_interval_s=0)
+    hub = Hub(RedisBroker(redis, "metrics-doc"), reap_interval_s=0)
     await hub.start()
     try:
         relay = RelayMetrics("metrics-doc")

@@ -34,8 +34,9 @@ from redis.asyncio.cluster import RedisCluster
 
 from devstack.cluster.launcher import ClusterInfo
 from relay.edge.config import RelayConfig
-from relay.edge.http.server import EdgeServer, make_runner
-from relay.edge.http.server import make_app as relay_app
+from relay.edge.http.app import make_app as relay_app
+from relay.edge.http.app import make_runner
+from relay.edge.http.server import EdgeServer
 from relay.protocol.auth import issue_token
 from relay.protocol.keys import new_session_id
 from relay.service import openapi
@@ -90,7 +91,7 @@ def _documented(service: str) -> dict[tuple[str, str], dict[str, Any]]:
 
 
 def test_packaged_copy_equals_the_yaml() -> None:
-    packaged = json.loads((ROOT / "relay" / "edge" / "openapi.json").read_text())
+    packaged = json.loads((ROOT / "relay" / "service" / "openapi.json").read_text())
     assert packaged == _yaml_doc(), "relay/service/openapi.json is stale: run `make openapi`"
     assert openapi.full_document() == packaged
 

@@ -28,15 +28,17 @@ skew = float(sys.argv[2])
 _ns, _t = time.time_ns, time.time
 time.time_ns = lambda: _ns() + int(skew * 1e9)
 time.time = lambda: _t() + skew
-from relay.edge.fanout.hub import Hub
+from relay.broker.rediscluster.broker import RedisBroker
 from relay.broker.rediscluster.connect import connect
+from relay.edge.conn.reader import open_reader
+from relay.edge.fanout.hub import Hub
 
 async def main() -> None:
     redis = connect(sys.argv[1])
     await redis.initialize()
-    hub = Hub(redis, relay_id="skewed-relay", reap_interval_s=0)
+    hub = Hub(RedisBroker(redis, "skewed-relay"), reap_interval_s=0)
     await hub.start()
-    watch = await hub.watch(sys.argv[3], 0)
+    watch = await open_reader(hub, sys.argv[3], 0)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     print("watching", flush=True)

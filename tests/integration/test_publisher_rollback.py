@@ -9,10 +9,12 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.errors import OffsetConflict
+from relay.broker.rediscluster.broker import RedisBroker
 from relay.broker.rediscluster.publisher import Publisher, read_backlog
+from relay.edge.conn.reader import open_reader
 from relay.edge.fanout.hub import Hub
 from relay.protocol.frame import decode
-from relay.protocol.keys import live_channel, log_key, meta_key, new_session_id
+from relay.protocol.keys import log_key, meta_key, new_session_id
 
 pytestmark = pytest.mark.integration
 
@@ -75,11 +77,11 @@ async def test_frames_of_another_generation_cannot_be_rewritten(redis: RedisClus
 async def test_offsets_a_relay_delivered_but_a_failover_lost_are_sealed_with_a_gap(
     redis: RedisCluster,
 ) -> None:
-    hub = Hub(redis, relay_id="sealer", reap_interval_s=0)
+    hub = Hub(RedisBroker(redis, "sealer"), reap_interval_s=0)
     await hub.start()
     try:
         sid = new_session_id()
-        w = await hub.watch(sid, 0)
+        w = await open_reader(hub, sid, 0)
         pub = Publisher(redis)
         gen = await pub.open_generation(sid)
         for t in "abcd":
@@ -90,7 +92,7 @@ async def test_offsets_a_relay_delivered_but_a_failover_lost_are_sealed_with_a_g
             while len(got) < 5:
                 got.extend(d.offset for d in await w.next())
         await _roll_back(redis, sid, 3)  # the producer is gone: nobody rewrites 4, 5
-        hub._on_resubscribed([live_channel(sid)])  # what a failover does to the hub
+        hub._on_resubscribed([sid])  # what a failover does to the hub
         async with asyncio.timeout(5):
             while (await read_backlog(redis, sid, 0, 0))[2] != 5:
                 await asyncio.sleep(0.05)

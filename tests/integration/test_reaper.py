@@ -11,9 +11,10 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.errors import Fenced
+from relay.broker.rediscluster.broker import RedisBroker
 from relay.broker.rediscluster.publisher import WORKER_LOST, Publisher, read_backlog, reap
+from relay.edge.conn.reader import Reader, open_reader
 from relay.edge.fanout.hub import Hub
-from relay.edge.fanout.tap import Tap
 from relay.protocol.frame import decode
 from relay.protocol.keys import KeyKind, key, meta_key, new_session_id
 
@@ -27,7 +28,7 @@ async def _take_lock(redis: RedisCluster, sid: str) -> None:
     assert await redis.set(key(sid, KeyKind.LOCK), "w1:abc {}", nx=True, px=LOCK_TTL_MS)
 
 
-async def _kinds_until_terminal(w: Tap, timeout_s: float) -> list[tuple[int, str]]:
+async def _kinds_until_terminal(w: Reader, timeout_s: float) -> list[tuple[int, str]]:
     seen: list[tuple[int, str]] = []
     async with asyncio.timeout(timeout_s):
         while not seen or seen[-1][1] not in ("done", "error"):
@@ -38,11 +39,11 @@ async def _kinds_until_terminal(w: Tap, timeout_s: float) -> list[tuple[int, str
 async def test_a_silent_turn_whose_lock_expired_ends_with_one_error_frame(
     redis: RedisCluster,
 ) -> None:
-    hub = Hub(redis, relay_id="reaper-1", reap_after_s=0.5, reap_interval_s=0.25)
+    hub = Hub(RedisBroker(redis, "reaper-1"), reap_after_s=0.5, reap_interval_s=0.25)
     await hub.start()
     try:
         sid = new_session_id()
-        w = await hub.watch(sid, 0)
+        w = await open_reader(hub, sid, 0)
         await _take_lock(redis, sid)
         gen = await Publisher(redis).open_generation(sid)
         await gen.meta({"message": "hi"})
@@ -66,11 +67,11 @@ async def test_a_silent_turn_whose_lock_expired_ends_with_one_error_frame(
 
 
 async def test_nothing_is_reaped_while_the_lock_is_alive(redis: RedisCluster) -> None:
-    hub = Hub(redis, relay_id="reaper-2", reap_after_s=0.2, reap_interval_s=0.1)
+    hub = Hub(RedisBroker(redis, "reaper-2"), reap_after_s=0.2, reap_interval_s=0.1)
     await hub.start()
     try:
         sid = new_session_id()
-        w = await hub.watch(sid, 0)
+        w = await open_reader(hub, sid, 0)
         await _take_lock(redis, sid)
         gen = await Publisher(redis).open_generation(sid)
         await gen.token("a")

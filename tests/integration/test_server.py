@@ -23,10 +23,12 @@ from aiohttp import WSMsgType, web
 from prometheus_client.parser import text_string_to_metric_families
 
 from devstack.procs import Proc
+from relay.broker.rediscluster.broker import RedisBroker
 from relay.broker.rediscluster.publisher import Publisher
 from relay.edge.config import RelayConfig
+from relay.edge.conn.reader import open_reader
 from relay.edge.fanout.hub import Hub
-from relay.edge.http.server import SERVER, make_app
+from relay.edge.http.app import SERVER, make_app
 from relay.protocol.auth import issue_token
 from relay.protocol.keys import new_session_id
 from tests.support.relay import (
@@ -465,7 +467,7 @@ async def test_sigterm_drains_and_exits_zero(cluster, tmp_path):
 
 async def test_an_app_given_a_hub_uses_it_and_leaves_it_open(cluster, redis):
     sid = new_session_id()
-    hub = Hub(redis, relay_id="shared-hub", reap_interval_s=0)
+    hub = Hub(RedisBroker(redis, "shared-hub"), reap_interval_s=0)
     await hub.start()
     try:
         cfg = RelayConfig(port=0, redis_url=cluster.url, secret=SECRET, relay_id="edge-hub")
@@ -483,7 +485,7 @@ async def test_an_app_given_a_hub_uses_it_and_leaves_it_open(cluster, redis):
                     assert [int(i) for i, _, _ in await client.events(2)] == offsets
         finally:
             await runner.cleanup()
-        watch = await hub.watch(sid, 0)  # still running after the app is gone
+        watch = await open_reader(hub, sid, 0)  # still running after the app is gone
         assert [d.offset for d in await watch.next()] == offsets
         await watch.close()
     finally:

@@ -164,7 +164,7 @@ async def test_a_gap_frame_made_for_one_client_carries_the_generation_of_its_bac
 async def kick_all(relay: Relay) -> None:
     """End every stream of the relay (a drain would: the clients reconnect)."""
     for stream in list(relay.server.streams):
-        await stream.kick(CloseCode.RELAY_SHUTDOWN, "test: reconnect")
+        stream.kick(CloseCode.RELAY_SHUTDOWN, "test: reconnect")
 
 
 @pytest.mark.parametrize("transport", ["sse", "ws"])

@@ -11,7 +11,9 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.errors import Fenced
+from relay.broker.rediscluster.broker import RedisBroker
 from relay.broker.rediscluster.publisher import Publisher, read_backlog, seal
+from relay.edge.conn.reader import open_reader
 from relay.edge.core.resume import Delivery, Fetch, Resume, ResumeState
 from relay.edge.fanout.hub import Hub
 from relay.protocol.frame import decode
@@ -124,7 +126,7 @@ async def test_keys_expire_a_new_generation_fences_the_old_and_watchers_get_a_re
 ) -> None:
     pub = Publisher(redis, ttl_s=600)
     sid = new_session_id()
-    hub = Hub(redis, relay_id="reset-test", reap_interval_s=0)
+    hub = Hub(RedisBroker(redis, "reset-test"), reap_interval_s=0)
     await hub.start()
     try:
         old = await pub.open_generation(sid)
@@ -132,7 +134,7 @@ async def test_keys_expire_a_new_generation_fences_the_old_and_watchers_get_a_re
         assert (await redis.hget(meta_key(sid), "gen")) == old.gen.encode()
         for t in ("a", "b", "c"):
             await old.token(t)
-        w = await hub.watch(sid, 0)
+        w = await open_reader(hub, sid, 0)
         got: list[dict[str, object]] = []
 
         async def take(n: int) -> None:

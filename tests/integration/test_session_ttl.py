@@ -11,7 +11,9 @@ import asyncio
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
+from relay.broker.rediscluster.broker import RedisBroker
 from relay.broker.rediscluster.publisher import Publisher
+from relay.edge.conn.reader import open_reader
 from relay.edge.fanout.hub import Hub
 from relay.protocol.keys import KeyKind, hist_key, key, log_key, meta_key, new_session_id
 
@@ -63,14 +65,14 @@ async def test_a_watched_session_outlives_its_ttl_and_expires_once_nobody_watche
     redis: RedisCluster,
 ) -> None:
     watched, idle, expired = new_session_id(), new_session_id(), new_session_id()
-    hub = Hub(redis, relay_id="ttl-test", reap_interval_s=0, presence_ttl_s=PRESENCE_TTL_S)
+    hub = Hub(RedisBroker(redis, "ttl-test", presence_ttl_s=PRESENCE_TTL_S), reap_interval_s=0)
     await hub.start()
     try:
         for sid in (watched, idle, expired):
             await start(redis, sid)
         await redis.delete(*session_keys(expired))  # its keys expired before anyone watched
-        w = await hub.watch(watched, 0)
-        w_expired = await hub.watch(expired, 0)
+        w = await open_reader(hub, watched, 0)
+        w_expired = await open_reader(hub, expired, 0)
         await gone(redis, idle)  # nobody watches it: gone TTL_S after its last write
         await asyncio.sleep(TTL_S + 0.5)  # another whole lifetime, without a write
         remaining = await alive(redis, watched)
@@ -87,13 +89,13 @@ async def test_a_longer_lifetime_is_never_shortened_and_a_persistent_key_stays_s
     redis: RedisCluster,
 ) -> None:
     sid = new_session_id()
-    hub = Hub(redis, relay_id="ttl-test-2", reap_interval_s=0, presence_ttl_s=PRESENCE_TTL_S)
+    hub = Hub(RedisBroker(redis, "ttl-test-2", presence_ttl_s=PRESENCE_TTL_S), reap_interval_s=0)
     await hub.start()
     try:
         await start(redis, sid)
         await redis.expire(log_key(sid), 600)  # longer than the session's lifetime
         await redis.persist(hist_key(sid))  # an operator made it persistent
-        w = await hub.watch(sid, 0)
+        w = await open_reader(hub, sid, 0)
         await asyncio.sleep(TTL_S + 0.5)
         meta, log, hist, state = await alive(redis, sid)
         assert 0 < meta <= TTL_S * 1000

@@ -102,14 +102,14 @@ async def test_unsubscribe_then_subscribe_again_ends_subscribed(redis: RedisClus
     try:
         ch = live_channel(new_session_id())
         await sub.subscribe([ch])
-        await sub.unsubscribe([ch])
+        sub.unsubscribe([ch])
         await sub.subscribe([ch])  # SUNSUBSCRIBE and SSUBSCRIBE in flight on one connection
         await asyncio.sleep(0.1)
         assert await _numsub(redis, ch) == 1
         assert inbox.resubscribed == []  # a fresh subscribe is not a re-subscribe
         await redis.spublish(ch, b"x")
         await inbox.wait_for(1)
-        await sub.unsubscribe([ch])
+        sub.unsubscribe([ch])
         await asyncio.sleep(0.1)
         assert await _numsub(redis, ch) == 0
     finally:

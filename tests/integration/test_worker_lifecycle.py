@@ -16,10 +16,11 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from devstack.mockengine.reply_length import ReplyLength
+from relay.broker.rediscluster.broker import RedisBroker
 from relay.broker.rediscluster.presence import WRITE_LUA
 from relay.broker.rediscluster.publisher import Publisher, read_backlog
+from relay.edge.conn.reader import Reader, open_reader
 from relay.edge.fanout.hub import Hub
-from relay.edge.fanout.tap import Tap
 from relay.protocol.frame import decode
 from relay.protocol.keys import presence_key
 from tests.support.worker import Harness, wait_turn
@@ -157,16 +158,13 @@ async def test_a_viewer_leaving_for_longer_than_the_grace_cancels(h: Harness, re
 async def test_a_real_hub_watch_keeps_the_turn_alive(h: Harness, redis: RedisCluster):
     await h.start_engines(1, decode_tok_per_s=20.0)
     await h.start_worker(presence=FAST_PRESENCE)
-    hub = Hub(
-        redis,
-        relay_id="lifecycle-hub",
-    )
+    hub = Hub(RedisBroker(redis, "lifecycle-hub"))
     await hub.start()
     try:
         sid, token = await h.session()
         status, _body, _ = await h.post_turn(sid, token, {"message": "watched by a hub"})
         assert status == 202
-        watch = await hub.watch(sid, 0)
+        watch = await open_reader(hub, sid, 0)
         kinds: list[str] = []
         text = ""
         async with asyncio.timeout(15):
@@ -261,7 +259,7 @@ async def test_engine_killed_mid_stream_the_next_turn_goes_to_the_other_engine(
     h.engines[:] = [e for e in h.engines if e.engine.cfg.engine_id != victim]
 
 
-async def _read_turn(watch: Tap, until: int | None = None) -> list[tuple[int, str, str]]:
+async def _read_turn(watch: Reader, until: int | None = None) -> list[tuple[int, str, str]]:
     """(offset, kind, text) from a hub watch: up to the terminal frame, or ``until``
     token frames."""
     out: list[tuple[int, str, str]] = []
@@ -281,16 +279,13 @@ async def test_the_last_viewer_leaving_releases_the_engine_slot_after_the_grace(
 ):
     engines = await h.start_engines(1, decode_tok_per_s=10.0)
     await h.start_worker(presence=FAST_PRESENCE)  # grace 1 s
-    hub = Hub(
-        redis,
-        relay_id="leaving-hub",
-    )
+    hub = Hub(RedisBroker(redis, "leaving-hub"))
     await hub.start()
     try:
         sid, token = await h.session()
         status, body, _ = await h.post_turn(sid, token, {"message": "a long story, please"})
         assert status == 202
-        watch = await hub.watch(sid, 0)
+        watch = await open_reader(hub, sid, 0)
         await _read_turn(watch, until=2)
         assert engines[0].engine.gate.running == 1
         left_at = time.monotonic()
@@ -315,20 +310,17 @@ async def test_a_viewer_back_within_the_grace_resumes_from_the_backlog(
 ):
     await h.start_engines(1, decode_tok_per_s=20.0)
     await h.start_worker(presence=FAST_PRESENCE)  # grace 1 s
-    hub = Hub(
-        redis,
-        relay_id="returning-hub",
-    )
+    hub = Hub(RedisBroker(redis, "returning-hub"))
     await hub.start()
     try:
         sid, token = await h.session()
         status, body, _ = await h.post_turn(sid, token, {"message": "a long story, please"})
         assert status == 202
-        watch = await hub.watch(sid, 0)
+        watch = await open_reader(hub, sid, 0)
         first = await _read_turn(watch, until=3)
         await watch.close()
         await asyncio.sleep(0.4)  # away for less than the grace period
-        watch = await hub.watch(sid, first[-1][0])  # resume after the last offset seen
+        watch = await open_reader(hub, sid, first[-1][0])  # resume after the last offset seen
         rest = await _read_turn(watch)
         await watch.close()
     finally:

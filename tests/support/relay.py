@@ -35,7 +35,8 @@ from devstack.cluster.launcher import ClusterInfo
 from devstack.procs import free_port, http_ok, launched
 from relay.broker.rediscluster.publisher import Publisher
 from relay.edge.config import RelayConfig
-from relay.edge.http.server import SERVER, EdgeServer, make_app, make_runner
+from relay.edge.http.app import SERVER, make_app, make_runner
+from relay.edge.http.server import EdgeServer
 from relay.protocol.auth import issue_token
 from tests.support.sse import STEP, SSEClient
 from tests.support.worker import SECRET as WORKER_SECRET

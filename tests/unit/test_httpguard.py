@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from relay.edge.http.server import make_runner
+from relay.edge.http.app import make_runner
 from relay.service.httpguard import GuardedSite
 
 HEAD_TIMEOUT = 0.5

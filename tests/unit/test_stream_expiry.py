@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import cast
 
-from relay.edge.conn.streams import Stream
 from relay.edge.http.limits import Access, StreamGuard, token_key
 from relay.protocol.auth import Claims
 from relay.protocol.codes import CloseCode
 
 
 class FakeStream:
+    """What the guard keeps of a connection: its counted identity, and its kick."""
+
     def __init__(self) -> None:
         self.kicks: list[CloseCode] = []
         self.kicked = asyncio.Event()
+        self.token, self.address, self.expires, self.ticket = 0, "", 0, False
 
-    async def kick(self, code: CloseCode, reason: str) -> None:
+    def kick(self, code: CloseCode, reason: str) -> None:
         self.kicks.append(code)
         self.kicked.set()
 
@@ -36,12 +37,11 @@ async def test_streams_end_at_their_token_expiry_and_released_ones_do_not() -> N
     soon = int(time.time()) + 1
     streams = {name: FakeStream() for name in ("a", "b", "gone", "later")}
     due = {"a": soon, "b": soon, "gone": soon, "later": soon + 1}
-    tickets = {}
     for name, stream in streams.items():
-        tickets[name] = guard.admit(_access(name, due[name]))
-        tickets[name].bind(cast(Stream, stream))
+        guard.admit(stream, _access(name, due[name]))
+        guard.bind(stream)
     assert guard.armed == 4
-    tickets["gone"].release()  # its stream ended before its token expired
+    guard.release(streams["gone"])  # its stream ended before its token expired
     assert guard.armed == 3
     async with asyncio.timeout(10):
         for name in ("a", "b", "later"):
@@ -50,8 +50,8 @@ async def test_streams_end_at_their_token_expiry_and_released_ones_do_not() -> N
         assert streams[name].kicks == [CloseCode.TOKEN_EXPIRED]
     assert streams["gone"].kicks == []
     assert guard.armed == 0
-    for t in tickets.values():
-        t.release()  # what close_stream does when the kicked stream ends
+    for stream in streams.values():
+        guard.release(stream)  # what end_stream does when the kicked stream ends
     assert not guard.by_address
     assert not guard.by_token
 
@@ -60,14 +60,17 @@ async def test_an_earlier_expiry_rearms_the_timer_and_churn_leaves_nothing_armed
     guard = StreamGuard(per_token=0, per_address=0)
     now = int(time.time())
     late = FakeStream()
-    guard.admit(_access("late", now + 3600)).bind(cast(Stream, late))
+    guard.admit(late, _access("late", now + 3600))
+    guard.bind(late)
     for i in range(1_000):  # streams that open and close long before their expiry
-        t = guard.admit(_access(f"c{i}", now + 60 + i % 7))
-        t.bind(cast(Stream, FakeStream()))
-        t.release()
+        s = FakeStream()
+        guard.admit(s, _access(f"c{i}", now + 60 + i % 7))
+        guard.bind(s)
+        guard.release(s)
     assert guard.armed == 1
     early = FakeStream()
-    guard.admit(_access("early", now + 1)).bind(cast(Stream, early))
+    guard.admit(early, _access("early", now + 1))
+    guard.bind(early)
     async with asyncio.timeout(10):
         await early.kicked.wait()
     assert late.kicks == []

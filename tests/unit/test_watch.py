@@ -59,7 +59,8 @@ def test_a_long_replay_is_read_page_by_page_as_the_queue_drains() -> None:
         (f,) = fetches(intents)
     assert [d.offset for d in got] == list(range(1, last + 1))
     assert reads == last // lim.replay_page_frames + (last % lim.replay_page_frames > 0)
-    assert w.resume.state.name == "LIVE"
+    assert w.live  # caught up: the resume is dropped
+    assert w.resume is None
 
 
 def test_the_next_page_is_held_until_the_socket_takes_the_queue() -> None:
@@ -77,7 +78,7 @@ def test_live_frames_during_a_replay_wait_and_come_after_it_in_order() -> None:
     lim = Limits(queue_frames=8, hard_limit_frames=16, page_frames=4)
     w = Watch(SID, 0, lim)
     w.subscribed()
-    assert not w.live([frame(11), frame(12)])  # replaying: stashed, no intent
+    assert not w.offer([frame(11), frame(12)])  # replaying: stashed, no intent
     got: list[Delivery] = []
     intents: Sequence[Intent] = w.backlog(backlog(0, 10, 4), 1, 10)
     while True:
@@ -90,7 +91,7 @@ def test_live_frames_during_a_replay_wait_and_come_after_it_in_order() -> None:
         assert f.after is not None
         intents = w.backlog(backlog(f.after, 10, 4), 1, 10)
     assert [d.offset for d in got] == list(range(1, 13))
-    w.live([frame(13)])
+    w.offer([frame(13)])
     assert [d.offset for d in w.take()[0]] == [13]
 
 
@@ -101,7 +102,7 @@ def test_a_live_consumer_that_does_not_take_gets_merged_frames_then_is_cut() -> 
     w.subscribed()
     w.backlog([], 1, 0)
     for o in range(1, 101):  # tokens of one turn merge
-        assert not w.live([frame(o, f"w{o} ")])
+        assert not w.offer([frame(o, f"w{o} ")])
     ds, _ = w.take()
     assert len(ds) < 100
     assert covered(ds) == list(range(1, 101))
@@ -109,7 +110,7 @@ def test_a_live_consumer_that_does_not_take_gets_merged_frames_then_is_cut() -> 
     assert counters["conflations"] >= 1
     out: Sequence[Intent] = []
     for o in range(101, 130):  # one turn each: nothing merges
-        out = w.live([frame(o, turn=o)])
+        out = w.offer([frame(o, turn=o)])
         if out:
             break
     assert out == [Closed(CloseCode.SLOW_CONSUMER, "more than 20 frames pending after merging")]
@@ -125,7 +126,7 @@ def test_pending_bytes_are_bounded_too() -> None:
     big = "x" * 8000
     closed: Sequence[Intent] = []
     for o in range(1, 20):
-        closed = w.live([frame(o, big, kind="meta", turn=o)])
+        closed = w.offer([frame(o, big, kind="meta", turn=o)])
         if closed:
             break
     assert closed
@@ -139,4 +140,4 @@ def test_close_is_an_intent_once() -> None:
     w = Watch(SID, None, Limits())
     assert w.close(CloseCode.CLOSED, "bye") == (Closed(CloseCode.CLOSED, "bye"),)
     assert w.close(CloseCode.CLOSED, "bye") == ()
-    assert w.live([frame(1)]) == ()
+    assert w.offer([frame(1)]) == ()

@@ -44,31 +44,37 @@ Each frame is encoded exactly once, in Python. redis-py errors become
 from __future__ import annotations
 
 import asyncio
-import enum
 import hashlib
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, NamedTuple
+from typing import Any, Final
 
 import msgspec
 import redis.exceptions as rex
 from redis.asyncio.cluster import RedisCluster
 
+from relay.broker.base import BacklogPage, ReapResult, ReapStatus
 from relay.broker.errors import Fenced, OffsetConflict, RedisCommandError, RedisUnavailable
 from relay.broker.rediscluster.errors import map_redis_errors
 from relay.protocol.frame import Frame, Kind, encode, now_ms
-from relay.protocol.keys import KeyKind, key, live_channel, log_key, meta_key, parse_session
+from relay.protocol.keys import (
+    BACKLOG_MAXLEN,
+    SESSION_TTL_S,
+    KeyKind,
+    key,
+    live_channel,
+    log_key,
+    meta_key,
+    parse_session,
+)
 
 __all__ = [
     "WORKER_LOST",
-    "BacklogPage",
     "Draft",
     "Generation",
     "Publisher",
-    "ReapResult",
-    "ReapStatus",
     "read_backlog",
     "read_backlog_page",
     "reap",
@@ -367,8 +373,8 @@ class Publisher:
         self,
         redis: RedisCluster,
         *,
-        maxlen: int = 10_000,
-        ttl_s: int = 86_400,
+        maxlen: int = BACKLOG_MAXLEN,
+        ttl_s: int = SESSION_TTL_S,
         retry_s: float = 10.0,
         keep_frames: int = 4096,
     ) -> None:
@@ -389,29 +395,13 @@ class Publisher:
         return Generation(self, sid, epoch, turn, offset, _b(reply[3]).decode())
 
 
-class ReapStatus(enum.StrEnum):
-    """What :func:`reap` found (the reap script's reply; compares equal to its text)."""
-
-    REAPED = "reaped"  # an error frame was written at ``offset`` for ``turn``
-    LOCKED = "locked"  # a worker still holds the turn lock
-    IDLE = "idle"  # no turn is open
-
-
-class ReapResult(NamedTuple):
-    """What :func:`reap` did (see :class:`ReapStatus`)."""
-
-    status: ReapStatus
-    offset: int
-    turn: int
-
-
 async def reap(
     redis: RedisCluster,
     sid: str,
     *,
     reaper: str,
-    maxlen: int = 10_000,
-    ttl_s: int = 86_400,
+    maxlen: int = BACKLOG_MAXLEN,
+    ttl_s: int = SESSION_TTL_S,
     reason: str = WORKER_LOST,
 ) -> ReapResult:
     """End a session's open turn whose worker is gone (its turn lock expired).
@@ -435,8 +425,8 @@ async def seal(
     seen: int,
     *,
     sealer: str,
-    maxlen: int = 10_000,
-    ttl_s: int = 86_400,
+    maxlen: int = BACKLOG_MAXLEN,
+    ttl_s: int = SESSION_TTL_S,
     gen: str = "",
 ) -> int:
     """A relay delivered offsets up to ``seen`` but the session now ends before them: a
@@ -453,16 +443,6 @@ async def seal(
     keys = (meta_key(sid), log_key(sid), live_channel(sid))
     args = (seen, maxlen, ttl_s, sid, now_ms(), sealer, gen)
     return int(await SEAL(redis, keys, args))
-
-
-class BacklogPage(NamedTuple):
-    """A backlog read: frames, first available offset, last written, the session's
-    generation (its meta hash's ``gen``; "" when it has none)."""
-
-    frames: list[bytes]
-    first: int
-    last: int
-    gen: str
 
 
 async def read_backlog_page(

@@ -36,7 +36,7 @@ Order of use::
     await sub.subscribe([ch, ...])     # returns once SSUBSCRIBE is confirmed
     ...                                # on_message([[b"smessage", channel, data], ...])
                                        # per read chunk of a node's connection
-    await sub.unsubscribe([ch, ...])
+    sub.unsubscribe([ch, ...])
     await sub.close()
 
 Connections are named ``tokenrelay-sub:<relay_id>`` (``CLIENT LIST`` finds them).
@@ -162,7 +162,8 @@ class ShardedSubscriber:
                 raise
             raise SubscribeError(f"no confirmation for {len(mine)} channel(s)") from None
 
-    async def unsubscribe(self, channels: Iterable[str]) -> None:
+    def unsubscribe(self, channels: Iterable[str]) -> None:
+        """Give the channels up now (one SUNSUBSCRIBE per slot, no reply awaited)."""
         for c in channels:
             self._give_up(c)
 

@@ -1,28 +1,32 @@
-"""A WebSocket stream after its upgrade, owned by the relay, not by aiohttp.
+"""A WebSocket stream (``GET /v1/sessions/{sid}/ws``) as one connection.
 
 :func:`upgrade` answers the upgrade request with 101; the handler then hands the socket
-to a :class:`WsConn` (:func:`relay.edge.conn.detached.detach`) and returns, so that aiohttp's
-request, parser, handler task and WebSocket objects are freed
-(:mod:`relay.edge.conn.detached` says what every detached stream does).
+to a :class:`WsConn` (:func:`relay.edge.http.handlers.detach`) and returns, so that aiohttp's
+request, parser, handler task and WebSocket objects are freed.
 
-What a :class:`WsConn` adds (what aiohttp's ``WebSocketResponse`` did for the relay,
-with the same close codes):
+What a :class:`WsConn` adds to :class:`relay.edge.conn.base.Conn` (what aiohttp's
+``WebSocketResponse`` did for the relay, with the same close codes):
 
-- it reads the client's frames (:class:`relay.edge.core.wsframes.WsParser`): a
-  ``{"type":"ping"}`` text, a ping (answered with a pong) or a pong marks the client as
-  heard from (:mod:`relay.edge.conn.beats` pings the silent ones); any other text message
-  ends the stream with ``bad_message`` (4400), a binary one with ``binary`` (1003); a
-  protocol error is answered with its close code (1002, 1007, 1009) and the socket
-  closed;
-- its goodbye is a close frame with the code and reason, then up to ``CLOSE_WAIT_S``
-  for the client's own close frame; a client's close frame is answered with ours.
+- each frame is one text message (the frame JSON as published, framed once per frame
+  and shared: :func:`relay.edge.conn.base.ws_bytes`);
+- it reads the client's frames (:class:`relay.edge.core.wsframes.WsParser`, made only
+  while a message is incomplete): a ``{"type":"ping"}`` text, a ping (answered with a
+  pong) or a pong marks the client as heard from; any other text message ends the
+  stream with ``bad_message`` (4400), a binary one with ``binary`` (1003); a protocol
+  error is answered with its close code (1002, 1007, 1009) and the socket closed;
+- the server's heartbeat timer (:mod:`relay.edge.conn.beats`) pings a client silent for
+  ``heartbeat_s`` and aborts one whose ping stays unanswered ``heartbeat_s / 2`` later
+  (a dead peer; the stream ends with ``client_gone``);
+- its goodbye is a close frame with the code and reason (:data:`WS_CLOSE`), then up to
+  ``CLOSE_WAIT_S`` for the client's own close frame; a client's close frame is answered
+  with ours.
 
 Order of use (:func:`relay.edge.http.handlers.ws_handler`)::
 
+    conn = WsConn(hub, sid, offset, gen, host=server, max_message=...)
+    await server.admit(conn)
     resp, transport = await upgrade(request)      # 101 sent
-    conn = WsConn(host, stream, transport, max_message)
-    detach(request, conn)                         # aiohttp forgets the socket
-    conn.start(ws_text_frame(hello), ws_bytes, sent, write_timeout_s)
+    conn.attach(detach(request, conn), ws_text_frame(hello))
     return resp                                   # the handler ends; the stream goes on
 """
 
@@ -32,12 +36,13 @@ import asyncio
 import base64
 import contextlib
 import hashlib
-from typing import Final
+import logging
+from typing import Any, ClassVar, Final
 
+import orjson
 from aiohttp import hdrs, web
 
-from relay.edge.conn.detached import Detached
-from relay.edge.conn.streams import WS_CLOSE, Stream, client_reason, is_ping
+from relay.edge.conn.base import Conn, Transport, ws_bytes
 from relay.edge.core.wsframes import (
     BINARY,
     CLOSE,
@@ -48,12 +53,26 @@ from relay.edge.core.wsframes import (
     close_frame,
     pong_frame,
 )
-from relay.edge.http.host import StreamHost
+from relay.edge.fanout.hub import Hub
 from relay.protocol.codes import CloseCode, WsClose
 
-__all__ = ["CLOSE_WAIT_S", "WsConn", "upgrade"]
+__all__ = ["CLOSE_WAIT_S", "WS_CLOSE", "WS_PING", "WsConn", "client_reason", "is_ping", "upgrade"]
+
+log = logging.getLogger(__name__)
 
 CLOSE_WAIT_S: Final = 2.0  # how long a close waits for the client's close frame
+WS_PING: Final = b"\x89\x00"  # an empty, unmasked, final ping frame (RFC 6455 5.5.2)
+# The WebSocket close code and default reason sent for each stop code.
+WS_CLOSE: Final[dict[CloseCode, tuple[WsClose, str]]] = {
+    CloseCode.RELAY_SHUTDOWN: (WsClose.SERVICE_RESTART, "service restart"),
+    CloseCode.SLOW_CONSUMER: (WsClose.SLOW_CONSUMER, "slow consumer"),
+    CloseCode.TOKEN_EXPIRED: (WsClose.TOKEN_EXPIRED, "token expired"),
+    CloseCode.BAD_MESSAGE: (WsClose.BAD_MESSAGE, "bad message"),
+    CloseCode.BINARY: (WsClose.UNSUPPORTED_DATA, "binary messages are not supported"),
+    CloseCode.TOO_BIG: (WsClose.MESSAGE_TOO_BIG, "message too big"),
+    CloseCode.INTERNAL: (WsClose.INTERNAL_ERROR, "internal error"),
+    CloseCode.CLOSED: (WsClose.NORMAL, "closed"),
+}
 _GUID: Final = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455 section 1.3
 
 
@@ -83,36 +102,62 @@ async def upgrade(request: web.Request) -> tuple[web.StreamResponse, asyncio.Tra
     return resp, transport
 
 
-class WsConn(Detached):
-    """One WebSocket stream's socket. See the module docstring."""
+class WsConn(Conn):
+    """One WebSocket stream. See the module docstring."""
 
-    __slots__ = ("_parser", "_reply")
+    transport_kind: ClassVar[Transport] = Transport.WS
+    encode = staticmethod(ws_bytes)
 
-    def __init__(
-        self, host: StreamHost, stream: Stream, transport: asyncio.Transport, max_message: int
-    ) -> None:
-        super().__init__(host, stream, transport)
-        self._parser = WsParser(max_message)
+    __slots__ = ("_ending", "_max_message", "_parser", "_reply", "heard_at", "pinged_at")
+
+    def __init__(self, hub: Hub, sid: str, offset: int | None, gen: str | None = None,
+                 *, max_message: int = 4096, **kw: Any) -> None:  # fmt: skip
+        super().__init__(hub, sid, offset, gen, **kw)
+        self._max_message = max_message
+        self._parser: WsParser | None = None  # only while a client message is incomplete
         self._reply: asyncio.Future[None] | None = None  # the client's close, awaited
-        stream.heard_at = self._loop.time()
+        self._ending = False
+        # liveness: when the client was last heard from, and when a ping went
+        # unanswered since (0.0: none is out)
+        self.heard_at = 0.0
+        self.pinged_at = 0.0
+
+    def attach(self, transport: asyncio.Transport, first: bytes = b"") -> None:
+        self.heard_at = self._loop.time()
+        super().attach(transport, first)
+
+    def beat(self, now: float, heartbeat_s: float) -> None:
+        """A ping when the client was silent for ``heartbeat_s``; the connection aborted
+        when that ping is unanswered ``heartbeat_s / 2`` later."""
+        if self.pinged_at:
+            if now - self.pinged_at >= heartbeat_s / 2:
+                log.info("WebSocket of %s: no pong within %.1f s; closing", self.sid,
+                         heartbeat_s / 2)  # fmt: skip
+                self.abort()
+        elif self.heard_at <= now - heartbeat_s and self.idle_room():
+            self.write_raw(WS_PING)
+            self.pinged_at = now
 
     def data_received(self, data: bytes) -> None:
-        if self._code is not None and self._reply is None:
+        if self._ending and self._reply is None:
             return  # ending: nothing more is read but the reply to our close
+        parser = self._parser or WsParser(self._max_message)
         try:
-            msgs = self._parser.feed(data)
+            msgs = parser.feed(data)
         except WsError as exc:
             self._refuse(exc)
             return
-        stream = self._stream
-        stream.heard_at, stream.pinged_at = self._loop.time(), 0.0  # the client is alive
+        self._parser = None if parser.idle else parser
+        self.heard_at, self.pinged_at = self._loop.time(), 0.0  # the client is alive
+        t = self._transport
         for op, payload in msgs:
             if op == TEXT:
                 if not is_ping(payload):  # type: ignore[arg-type]
                     self._client_broke(CloseCode.BAD_MESSAGE)
                     return
             elif op == PING:
-                self._transport.write(pong_frame(payload))  # type: ignore[arg-type]
+                if t is not None:
+                    t.write(pong_frame(payload))  # type: ignore[arg-type]
             elif op == BINARY:
                 self._client_broke(CloseCode.BINARY)
                 return
@@ -122,8 +167,12 @@ class WsConn(Detached):
 
     async def goodbye(self, code: CloseCode, reason: str) -> None:
         """Our close frame, then up to CLOSE_WAIT_S for the client's."""
+        self._ending = True
         num, default = WS_CLOSE.get(code, WS_CLOSE[CloseCode.INTERNAL])
-        self._transport.write(close_frame(num, (reason or default).encode()[:120]))
+        t = self._transport
+        if t is None:
+            return
+        t.write(close_frame(num, (reason or default).encode()[:120]))
         self._reply = reply = self._loop.create_future()
         try:
             with contextlib.suppress(TimeoutError):
@@ -133,14 +182,19 @@ class WsConn(Detached):
 
     def _refuse(self, exc: WsError) -> None:
         """A protocol error: its close code (1002, 1007, 1009) and the socket closed."""
+        self._ending = True
         too_big = exc.code == WsClose.MESSAGE_TOO_BIG
-        self._code = CloseCode.TOO_BIG if too_big else CloseCode.CLIENT_GONE
+        if self.stop is None:
+            code = CloseCode.TOO_BIG if too_big else CloseCode.CLIENT_GONE
+            self.stop = (code, exc.reason)
         self._stop_writer()
-        self._transport.write(close_frame(exc.code))
+        if self._transport is not None:
+            self._transport.write(close_frame(exc.code))
         self.close_transport()
 
     def _client_broke(self, code: CloseCode) -> None:
         """A message the protocol does not allow: closed by us, with the reason."""
+        self._ending = True
         self.end_soon(code, client_reason(code))
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -155,8 +209,25 @@ class WsConn(Detached):
             if not reply.done():
                 reply.set_result(None)
             return
-        if self._code is None:
-            self._code = self._stream.gone()
+        self._ending = True
         self._stop_writer()
-        self._transport.write(close_frame(WsClose.NORMAL))
+        if self._transport is not None:
+            self._transport.write(close_frame(WsClose.NORMAL))
         self.close_transport()
+
+
+def is_ping(text: str) -> bool:
+    """The one text message a client may send: ``{"type":"ping"}``."""
+    if len(text) > 64:
+        return False
+    try:
+        obj = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(obj, dict) and obj.get("type") == "ping"
+
+
+def client_reason(code: CloseCode) -> str:
+    if code is CloseCode.BAD_MESSAGE:
+        return 'client messages must be {"type":"ping"}'
+    return WS_CLOSE.get(code, WS_CLOSE[CloseCode.INTERNAL])[1]

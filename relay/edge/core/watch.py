@@ -1,11 +1,26 @@
 """One local watcher of a session, as a pure state machine: a bounded queue, the resume
 merge and conflation, fed by method calls, answering with intents. No asyncio, no
-sockets, no clock: the caller (:class:`relay.edge.fanout.tap.Tap`) does every read and write.
+sockets, no clock: the caller (:class:`relay.edge.conn.base.Conn`) does every read and
+write.
 
-What it holds: its own :class:`relay.edge.core.resume.Resume` (the client's replay merged with the
-live feed, in order, once each) and the frames not yet taken by the socket. Bounds:
+Two phases:
 
-- past ``queue_frames`` pending frames, each run of consecutive token frames of one turn
+- **replaying**: its :class:`relay.edge.core.resume.Resume` merges the client's replay
+  (backlog pages) with the live frames that arrive meanwhile, in order, once each;
+- **live** (:attr:`Watch.live`, once the replay has caught up): the frames come from
+  the session's channel, which already keeps them in order and without holes
+  (:mod:`relay.edge.fanout.hub`), so the watch only drops the few it already has (its
+  replay may have read past the channel's last frame) and follows a ``reset``. The
+  resume is dropped: an idle live watch is one object, and :attr:`Watch.last` (the last
+  offset handed on) is all it keeps of the merge. (A watch that holds a generation the
+  session no longer has keeps its resume, which resets it on the new generation's first
+  frame.) A connection with nothing queued may
+  then write the channel's next frames itself (``frames[0].offset == last + 1``) and
+  set :attr:`Watch.last`, without calling the watch at all.
+
+Bounds:
+
+- past ``queue_frames`` queued frames, each run of consecutive token frames of one turn
   is merged into one frame (:func:`conflate`, text only appends);
 - past ``hard_limit_frames`` frames or ``max_pending_bytes`` bytes after merging, the
   watch closes with code ``slow_consumer``;
@@ -14,16 +29,17 @@ live feed, in order, once each) and the frames not yet taken by the socket. Boun
   replay of any length reaches the client at the socket's own speed and never trips the
   slow-consumer cutoff (a page is at most ``page_frames`` frames).
 
-Intents (what the driver must do): :class:`relay.edge.core.resume.Fetch` (read the backlog after
-``after``; at most one outstanding) and :class:`Closed` (stop; the code says why).
+Intents (what the driver must do): :class:`relay.edge.core.resume.Fetch` (read the
+backlog after ``after``; at most one outstanding) and :class:`Closed` (stop; the code
+says why).
 
 Order of calls::
 
     w = Watch(sid, after, limits, counters, gen)  # gen: the client's generation, or ""
     intents = w.subscribed()                   # once the channel is subscribed
-    intents = w.live(deliveries)               # every live frame, in channel order
+    intents = w.offer(deliveries)              # every live frame, in channel order
     intents = w.backlog(entries, first, last, gen)  # the answer to a Fetch
-    frames, intents = w.take()                 # the socket has room: everything pending
+    frames, intents = w.take()                 # the socket has room: everything queued
     intents = w.close(code, reason)
 """
 
@@ -33,7 +49,7 @@ from collections.abc import Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from relay.edge.core.resume import Delivery, Fetch, Resume
+from relay.edge.core.resume import Delivery, Fetch, Resume, ResumeState
 from relay.protocol.codes import CloseCode
 from relay.protocol.frame import Frame, decode, encode, first_offset, merge_tokens
 
@@ -127,16 +143,21 @@ class Watch:
     """One watcher's queue and merge state. See the module docstring for the call order.
 
     ``counters`` (a plain dict the owner reads) gets ``conflations``, ``gaps``,
-    ``frames_out`` and ``slow_disconnects`` added to it."""
+    ``duplicates``, ``frames_out`` and ``slow_disconnects`` added to it.
+
+    Read by the connection's fast path (plain attributes, no call): :attr:`live`,
+    :attr:`last` and :attr:`queue`."""
 
     __slots__ = (
         "_conflate_at",
         "_deferred",
-        "_pending",
         "closed",
         "counters",
+        "last",
         "limits",
-        "pending_bytes",
+        "live",
+        "queue",
+        "queued_bytes",
         "resume",
         "session",
     )
@@ -151,7 +172,7 @@ class Watch:
     ) -> None:
         self.session = session
         self.limits = limits
-        self.resume = Resume(
+        self.resume: Resume | None = Resume(
             session,
             after,
             max_buffer=limits.hard_limit_frames,
@@ -159,35 +180,37 @@ class Watch:
             gen=gen,
         )
         self.counters: MutableMapping[str, int] = counters if counters is not None else {}
-        self._pending: list[Delivery] = []
-        self.pending_bytes = 0
+        self.live = False  # caught up: frames pass without the resume merge
+        self.last = 0  # the last offset handed on, once live
+        self.queue: list[Delivery] = []  # frames the socket has not taken yet
+        self.queued_bytes = 0
         self.closed: Closed | None = None
         self._deferred: Fetch | None = None  # the next replay page, held until the queue drains
         self._conflate_at = limits.queue_frames
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
-
-    @property
-    def page_frames(self) -> int:
-        return self.limits.replay_page_frames
+        return len(self.queue)
 
     # -- events ------------------------------------------------------------------------
 
     def subscribed(self) -> Sequence[Intent]:
-        if self.closed is not None:
+        if self.closed is not None or self.resume is None:
             return _NONE
         return self._fetch_or_defer(self.resume.subscribed().fetch, replay=False)
 
-    def live(self, ds: Iterable[Delivery]) -> Sequence[Intent]:
+    def offer(self, ds: Iterable[Delivery]) -> Sequence[Intent]:
+        """Live frames, in the channel's order."""
         if self.closed is not None:
             return _NONE
         resume = self.resume
+        if resume is None:
+            pushed = self._push(self._follow(ds))
+            return list(pushed) if pushed else _NONE
         intents: list[Intent] | None = None
         out: list[Delivery] = []
         for d in ds:
-            if resume.next_live(d):  # the common case: the next frame, nothing to merge
+            if resume.next_live(d):
                 out.append(d)
                 continue
             step = resume.live(d)
@@ -206,22 +229,32 @@ class Watch:
     ) -> Sequence[Intent]:
         """The answer to the outstanding fetch (``gen``: the session's generation then):
         frames go to the queue, the next page is asked for now or held until
-        :meth:`take` brings the queue below low water."""
-        if self.closed is not None:
-            self.resume.backlog(entries, first_available, last_offset, gen)
+        :meth:`take` brings the queue below low water; once the replay has caught up
+        the watch is :attr:`live`."""
+        resume = self.resume
+        if resume is None:
             return _NONE
-        step = self.resume.backlog(entries, first_available, last_offset, gen)
+        step = resume.backlog(entries, first_available, last_offset, gen)
+        if self.closed is not None:
+            return _NONE
         intents = list(self._push(step.emit)) if step.emit else []
         if self.closed is None:
-            intents.extend(self._fetch_or_defer(step.fetch, replay=True))
+            if step.fetch is None and resume.state is ResumeState.LIVE:
+                # the channel's order is the watch's from now on, unless the watch holds
+                # a generation the session does not have (its keys expired, no new turn
+                # yet): its resume then still has to reset it on the new one's first frame
+                if not resume.gen or resume.gen == gen:
+                    self._go_live(resume)
+            else:
+                intents.extend(self._fetch_or_defer(step.fetch, replay=True))
         return intents
 
     def take(self) -> tuple[list[Delivery], Sequence[Intent]]:
-        """Everything pending, in order (the socket has room), and the held page fetch."""
-        if self.closed is not None or not self._pending:
+        """Everything queued, in order (the socket has room), and the held page fetch."""
+        if self.closed is not None or not self.queue:
             return [], self._release()
-        out, self._pending = self._pending, []
-        self.pending_bytes = 0
+        out, self.queue = self.queue, []
+        self.queued_bytes = 0
         self._conflate_at = self.limits.queue_frames
         self.counters["frames_out"] = self.counters.get("frames_out", 0) + len(out)
         return out, self._release()
@@ -230,19 +263,44 @@ class Watch:
         if self.closed is not None:
             return _NONE
         self.closed = Closed(code, reason)
-        self._pending.clear()
-        self.pending_bytes = 0
+        self.queue = []
+        self.queued_bytes = 0
         self._deferred = None
-        self.resume.close()
+        if self.resume is not None:
+            self.resume.close()
         return (self.closed,)
 
     # -- helpers -----------------------------------------------------------------------
 
+    def _go_live(self, resume: Resume) -> None:
+        """The replay caught up: from now on the channel's order is the watch's."""
+        assert resume.last is not None
+        self.live, self.last, self.resume = True, resume.last, None
+        if resume.duplicates:
+            c = self.counters
+            c["duplicates"] = c.get("duplicates", 0) + resume.duplicates
+
+    def _follow(self, ds: Iterable[Delivery]) -> list[Delivery]:
+        """A live watch's share of the channel's frames: those after :attr:`last` (its
+        replay may have read a few the channel had not sent yet), and a ``reset``,
+        after which offsets start again."""
+        out: list[Delivery] = []
+        last = self.last
+        for d in ds:
+            if d.kind == "reset":
+                last = 0
+            elif d.offset <= last:
+                self.counters["duplicates"] = self.counters.get("duplicates", 0) + 1
+                continue
+            else:
+                last = d.offset
+            out.append(d)
+        self.last = last
+        return out
+
     def _below_low_water(self) -> bool:
         lim = self.limits
-        return len(self._pending) < lim.low_water_frames and self.pending_bytes < (
-            lim.low_water_bytes
-        )
+        return len(self.queue) < lim.low_water_frames and self.queued_bytes < (lim.low_water_bytes)
 
     def _fetch_or_defer(self, fetch: Fetch | None, *, replay: bool) -> Sequence[Intent]:
         if fetch is None:
@@ -259,29 +317,31 @@ class Watch:
         return _NONE
 
     def _push(self, ds: list[Delivery]) -> Sequence[Intent]:
-        """Queue ``ds`` (a list the watch may keep: :meth:`live` made it)."""
+        """Queue ``ds`` (a list the watch may keep: :meth:`offer` made it)."""
+        if not ds:
+            return _NONE
         c = self.counters
         size = 0
         for d in ds:
             size += len(d.data)
             if d.kind == "gap":
                 c["gaps"] = c.get("gaps", 0) + 1
-        if self._pending:
-            self._pending.extend(ds)
+        if self.queue:
+            self.queue.extend(ds)
         else:
-            self._pending = ds
-        self.pending_bytes += size
+            self.queue = ds
+        self.queued_bytes += size
         lim = self.limits
-        if len(self._pending) > self._conflate_at or self.pending_bytes > lim.max_pending_bytes:
-            merged_list, merged = conflate(self._pending)
+        if len(self.queue) > self._conflate_at or self.queued_bytes > lim.max_pending_bytes:
+            merged_list, merged = conflate(self.queue)
             if merged:
                 c["conflations"] = c.get("conflations", 0) + merged
-                self._pending = merged_list
-                self.pending_bytes = sum(len(d.data) for d in merged_list)
-            self._conflate_at = len(self._pending) + max(lim.queue_frames // 4, 1)
-            if len(self._pending) > lim.hard_limit_frames:
+                self.queue = merged_list
+                self.queued_bytes = sum(len(d.data) for d in merged_list)
+            self._conflate_at = len(self.queue) + max(lim.queue_frames // 4, 1)
+            if len(self.queue) > lim.hard_limit_frames:
                 return self._slow(f"more than {lim.hard_limit_frames} frames pending after merging")
-            if self.pending_bytes > lim.max_pending_bytes:
+            if self.queued_bytes > lim.max_pending_bytes:
                 return self._slow(f"more than {lim.max_pending_bytes} bytes pending after merging")
         return _NONE
 

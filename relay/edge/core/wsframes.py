@@ -91,6 +91,11 @@ class WsParser:
         self._frags: list[bytes] = []
         self._frags_len = 0
 
+    @property
+    def idle(self) -> bool:
+        """True when no frame or message is partly read (a new parser would do as well)."""
+        return not self._buf and not self._frag_op
+
     def feed(self, data: bytes) -> list[tuple[int, object]]:
         """The messages ``data`` completes, in order; raise :class:`WsError` on the first
         refusal (what came before it is lost with the connection)."""

@@ -1,10 +1,12 @@
-"""The reaper: end a watched turn whose worker died, once, whichever relay gets there first.
+"""The reaper: end a watched turn whose producer died, once, whichever relay gets there first.
 
 A watched channel whose turn is open (its last frame was not ``done``/``error``) and
-silent for ``reap_after_s`` gets :func:`relay.broker.rediscluster.publisher.reap`: once the
-worker's turn lock has expired, the turn ends with an ``error`` frame "worker lost". Every
-``interval_s`` the reaper looks at the channels the hub hands it (``channels()``), at
-most one reap in flight per channel, then not before the next interval.
+silent for ``reap_after_s`` gets :meth:`relay.broker.base.Broker.reap`: once the
+producer's turn lock has expired, the turn ends with an ``error`` frame "worker lost"
+(on Redis, one script on the session's slot, so any number of relays may race). Every
+``interval_s`` the reaper looks at the channels the hub hands it (``channels()``, each a
+:class:`Reapable`), at most one reap in flight per channel, then not before the next
+interval.
 
 The interval is the supervised loop ``reaper``; each reap is a task of the same
 :class:`relay.service.supervise.Supervisor` (a failure is logged, the channel is tried
@@ -12,8 +14,8 @@ again after the next interval).
 
 Order of use::
 
-    r = Reaper(redis, relay_id, channels=hub_channels); r.start(supervisor)
-    ...                        # the hub keeps each channel's ReapState up to date
+    r = Reaper(broker, channels=hub_channels); r.start(supervisor)
+    ...                        # the hub keeps each channel's fields up to date
     await supervisor.stop()    # ends the loop and the reaps in flight
 """
 
@@ -22,43 +24,25 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
-from redis.asyncio.cluster import RedisCluster
-
+from relay.broker.base import Broker, ReapStatus
 from relay.broker.errors import RelayError
-from relay.broker.rediscluster.publisher import ReapStatus, reap
-from relay.edge.core.resume import Delivery
 from relay.service.supervise import Supervisor
 
-__all__ = ["ReapState", "Reaper"]
+__all__ = ["Reapable", "Reaper"]
 
 log = logging.getLogger(__name__)
 
 
-class ReapState:
-    """What the reaper needs of one watched channel; the hub calls :meth:`saw`."""
+class Reapable(Protocol):
+    """What the reaper reads and writes of one watched channel (the hub's channels)."""
 
-    __slots__ = ("last_frame", "reap_next", "reaping", "sid", "turn_open")
-
-    def __init__(self, sid: str) -> None:
-        self.sid = sid
-        self.turn_open = True  # a turn may be open until a done/error frame says otherwise
-        self.last_frame = time.monotonic()
-        self.reap_next = 0.0
-        self.reaping = False
-
-    def saw(self, ds: list[Delivery], now: float) -> None:
-        """Frames were delivered at ``now`` (``time.monotonic()``)."""
-        for d in ds:
-            self.saw_one(d, now)
-
-    def saw_one(self, d: Delivery, now: float) -> None:
-        kind = d.kind
-        if kind == "token" or kind == "meta":
-            self.turn_open = True
-        elif kind == "done" or kind == "error":
-            self.turn_open = False
-        self.last_frame = now
+    sid: str
+    turn_open: bool  # a turn may be open: no done/error frame since its last token/meta
+    last_frame: float  # time.monotonic() of its last frame
+    reap_next: float  # not before then
+    reaping: bool  # a reap is in flight
 
 
 class Reaper:
@@ -66,22 +50,16 @@ class Reaper:
 
     def __init__(
         self,
-        redis: RedisCluster,
-        relay_id: str,
-        channels: Callable[[], Iterable[ReapState]],
+        broker: Broker,
+        channels: Callable[[], Iterable[Reapable]],
         *,
         reap_after_s: float = 2.0,
         interval_s: float = 1.0,
-        maxlen: int = 10_000,
-        ttl_s: int = 86_400,
     ) -> None:
-        self.redis = redis
-        self.relay_id = relay_id
+        self.broker = broker
         self.channels = channels
         self.reap_after_s = reap_after_s
         self.interval_s = interval_s
-        self.maxlen = maxlen
-        self.ttl_s = ttl_s
         self.stats: dict[str, int] = {"reap_checks": 0, "reaped": 0, "reap_errors": 0}
         self._supervisor: Supervisor | None = None
 
@@ -110,12 +88,10 @@ class Reaper:
                 ch.reaping = True
                 self._supervisor.spawn(f"reap:{ch.sid}", self._reap(ch))
 
-    async def _reap(self, ch: ReapState) -> None:
+    async def _reap(self, ch: Reapable) -> None:
         self.stats["reap_checks"] += 1
         try:
-            res = await reap(
-                self.redis, ch.sid, reaper=self.relay_id, maxlen=self.maxlen, ttl_s=self.ttl_s
-            )
+            res = await self.broker.reap(ch.sid)
         except RelayError:  # logged by the supervisor; tried again after the interval
             self.stats["reap_errors"] += 1
             raise

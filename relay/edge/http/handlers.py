@@ -1,24 +1,27 @@
-"""The SSE and WebSocket stream handlers of the edge server.
+"""The stream handlers of the edge server: admit, answer the request, hand the socket on.
 
 - ``GET /v1/sessions/{sid}/events``: SSE. ``retry:`` and an ``event: hello`` first,
   then per frame ``id: <offset>`` / ``event: <kind>`` / ``data: <frame JSON>``, a
-  heartbeat comment after ``heartbeat_s`` of silence (the server's one timer), a
-  ``: close <code> <reason>`` comment last. Resume: ``Last-Event-ID`` header or
-  ``last_event_id`` query, and ``gen`` (the generation the offset belongs to).
+  heartbeat comment after ``heartbeat_s`` of silence, a ``: close <code> <reason>``
+  comment last. Resume: ``Last-Event-ID`` header or ``last_event_id`` query, and
+  ``gen`` (the generation the offset belongs to).
 - ``GET /v1/sessions/{sid}/ws``: WebSocket. ``{"type":"hello",...}`` first, then one
   text message per frame (the frame JSON as published). Resume: ``?from=<offset>``
   and ``gen``.
+- ``GET /v1/sessions/{sid}/ui-stream`` (and ``GET /v1/chat/{sid}/stream``): the
+  running turn in the AI SDK's UI message stream, from its first frame; 204 when no
+  turn is generating (:mod:`relay.edge.conn.ui`).
 
-Each handler answers its request (SSE: the response head and the preamble; WebSocket:
-the 101) and returns: the socket is then the relay's own, written, read and closed by
-an :class:`relay.edge.conn.sse.SseConn` or a :class:`relay.edge.conn.ws.WsConn`
-(:mod:`relay.edge.conn.detached`: frames from the hub's reader, a task only to drain a
-pushed-back socket or to end the stream, no task while it is idle). Heartbeats, pings
-and the dead-peer cutoff: the server's one stream timer (:mod:`relay.edge.conn.beats`).
+Each handler checks the request, builds the transport's connection
+(:class:`relay.edge.conn.sse.SseConn`, :class:`relay.edge.conn.ws.WsConn`,
+:class:`relay.edge.conn.ui.UiConn`), admits it (:meth:`EdgeServer.admit`: limits, then
+the hub's subscription and replay), answers the request through aiohttp (the response
+head and preamble, or the 101), hands the socket to the connection
+(:func:`detach`) and returns: from then on the connection is the
+socket's, and no task or aiohttp object is held while it is idle.
 
-Both are written against :class:`relay.edge.http.host.StreamHost` (the server's interface to
-its handlers). Order of use: :func:`relay.edge.http.server.make_app` routes the two paths to
-:func:`sse_handler` and :func:`ws_handler` with its server as the host.
+Order of use: :func:`relay.edge.http.app.make_app` routes the paths to these handlers
+with its server as their first argument.
 """
 
 from __future__ import annotations
@@ -30,22 +33,18 @@ from collections.abc import Callable
 from aiohttp import hdrs, web
 from multidict import istr
 
-from relay.edge.conn.detached import detach
+from relay.broker.errors import RelayError
+from relay.edge.conn.base import Conn, ws_text_frame
 from relay.edge.conn.sse import SseConn
-from relay.edge.conn.streams import (
-    Transport,
-    query_value,
-    sse_bytes,
-    ws_bytes,
-    ws_text_frame,
-)
+from relay.edge.conn.ui import UI_HEADERS, UiConn
 from relay.edge.conn.ws import WsConn, upgrade
-from relay.edge.http.host import StreamHost
+from relay.edge.http.server import EdgeServer, query_value
 from relay.protocol import frame, sse
 from relay.protocol.codes import CloseCode, Refusal
-from relay.service.errors import Reject
+from relay.service.errors import RETRY_AFTER, Reject
 
-__all__ = ["parse_gen", "parse_offset", "sse_handler", "ws_handler"]
+__all__ = ["SSE_HEADERS", "detach", "parse_gen", "parse_offset", "sse_handler", "ui_stream_handler",
+           "ws_handler"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -75,78 +74,119 @@ def parse_gen(request: web.Request) -> str | None:
         raise Reject(400, Refusal.BAD_GEN, str(exc)) from None
 
 
-# -- SSE ---------------------------------------------------------------------------------
+def detach(request: web.Request, conn: asyncio.Protocol) -> asyncio.Transport:
+    """Give the request's socket to ``conn`` and make aiohttp forget it: aiohttp's
+    connection no longer has a transport (it writes nothing more to it and does not
+    close it when the handler returns), and its ``connection_lost`` runs now, which
+    drops the connection from aiohttp's server and frees its request and parser.
+    Call it with no await between the response's last write and the handler's return."""
+    handler = request.protocol
+    transport = request.transport
+    if transport is None or transport.is_closing():
+        raise ConnectionResetError("the client went away")
+    transport.set_protocol(conn)
+    handler.transport = None
+    handler.connection_lost(None)
+    return transport
 
 
-async def sse_handler(host: StreamHost, request: web.Request) -> web.StreamResponse:
-    """Check the request, send the response head and the preamble, hand the socket to
-    an :class:`SseConn` and return: the stream goes on without this task
-    (:mod:`relay.edge.conn.sse`)."""
+async def _stream(
+    server: EdgeServer, conn: Conn, request: web.Request, resp: web.StreamResponse,
+    preamble: bytes,
+) -> web.StreamResponse:  # fmt: skip
+    """Send the response head (with ``preamble``, if any), then give the socket to
+    ``conn``; if the client went away meanwhile, the stream ends here."""
     try:
-        sid = host.session(request)
-        access = host.authorize(request, sid)
+        writer = await resp.prepare(request)
+        if preamble:  # the preamble sends the response head too
+            await server.guarded(conn, resp.write(preamble))
+        else:  # the head now: recent aiohttp keeps it until the first write
+            send_headers = getattr(writer, "send_headers", None)
+            if send_headers is not None:
+                send_headers()
+        conn.chunked = bool(getattr(writer, "chunked", False))
+        conn.attach(detach(request, conn))  # no await since the head: aiohttp read no more
+    except (ConnectionError, RuntimeError):  # the client went away, or was cut
+        server.end_stream(conn, conn.gone())
+    except asyncio.CancelledError:  # the connection was lost (make_runner cancels)
+        server.end_stream(conn, conn.gone())
+        raise
+    except Exception:
+        server.end_stream(conn, CloseCode.INTERNAL)
+        raise
+    return resp
+
+
+async def sse_handler(server: EdgeServer, request: web.Request) -> web.StreamResponse:
+    """Check the request, send the response head and the preamble, hand the socket to
+    an :class:`SseConn` and return: the stream goes on without this task."""
+    cfg = server.config
+    try:
+        sid = server.session(request)
+        access = server.authorize(request, sid)
         offset = parse_offset(
             lambda: sse.resume_offset(
                 request.headers.get("Last-Event-ID"), query_value(request, "last_event_id")
             )
         )
         gen = parse_gen(request)
-        stream = await host.open_stream(Transport.SSE, sid, offset, access, gen)
+        hub = server.check_capacity()
+        conn = SseConn(hub, sid, offset, gen, retry_ms=cfg.retry_ms,
+                       **server.conn_options(SseConn.transport_kind))  # fmt: skip
+        await server.admit(conn, access)
     except Reject as r:
-        return host.refuse(r)
-    cfg = host.config
-    resp = web.StreamResponse(headers=SSE_HEADERS)
-    try:
-        writer = await resp.prepare(request)
-        transport = request.transport
-        assert writer is not None
-        if transport is None:
-            raise ConnectionResetError("the client went away")
-        stream.sock = transport
-        await host.guarded(  # the preamble sends the response head too
-            stream, resp.write(sse.preamble(cfg.retry_ms, host.hello(stream))), cfg.write_timeout_s
-        )
-        chunked = bool(getattr(writer, "chunked", False))
-        conn = SseConn(host, stream, transport, chunked=chunked, retry_ms=cfg.retry_ms)
-        detach(request, conn)  # no await since the preamble: aiohttp read nothing more
-    except (ConnectionError, RuntimeError):  # the client went away, or was cut
-        host.end_stream(stream, stream.gone())
-        return resp
-    except asyncio.CancelledError:  # the connection was lost (make_runner cancels)
-        host.end_stream(stream, stream.gone())
-        raise
-    except Exception:
-        host.end_stream(stream, CloseCode.INTERNAL)
-        raise
-    conn.start(b"", sse_bytes, host.sender(Transport.SSE), cfg.write_timeout_s)
-    return resp
+        return server.refuse(r)
+    preamble = sse.preamble(cfg.retry_ms, server.hello(conn))
+    return await _stream(server, conn, request, web.StreamResponse(headers=SSE_HEADERS), preamble)
 
 
-# -- WebSocket ---------------------------------------------------------------------------
-
-
-async def ws_handler(host: StreamHost, request: web.Request) -> web.StreamResponse:
+async def ws_handler(server: EdgeServer, request: web.Request) -> web.StreamResponse:
     """Check the request, answer the upgrade, hand the socket to a :class:`WsConn` and
-    return: the stream goes on without this task (:mod:`relay.edge.conn.ws`)."""
-    cfg = host.config
+    return: the stream goes on without this task."""
+    cfg = server.config
     try:
-        sid = host.session(request)
-        access = host.authorize(request, sid)
+        sid = server.session(request)
+        access = server.authorize(request, sid)
         offset = parse_offset(lambda: sse.parse_offset(query_value(request, "from"), name="from"))
         gen = parse_gen(request)
         if not web.WebSocketResponse().can_prepare(request).ok:
             raise Reject(400, Refusal.NOT_WEBSOCKET, "this endpoint needs a WebSocket upgrade")
-        stream = await host.open_stream(Transport.WS, sid, offset, access, gen)
+        hub = server.check_capacity()
+        conn = WsConn(hub, sid, offset, gen, max_message=cfg.ws_max_message_bytes,
+                      **server.conn_options(WsConn.transport_kind))  # fmt: skip
+        await server.admit(conn, access)
     except Reject as r:
-        return host.refuse(r)
+        return server.refuse(r)
     try:
-        resp, transport = await upgrade(request)
-        conn = WsConn(host, stream, transport, cfg.ws_max_message_bytes)
-        detach(request, conn)
+        resp, _ = await upgrade(request)
+        conn.attach(detach(request, conn), ws_text_frame(server.hello(conn)))
     except BaseException:  # the client went away mid-upgrade, or the task was cancelled
-        host.end_stream(stream, stream.gone())
+        server.end_stream(conn, conn.gone())
         raise
-    conn.start(
-        ws_text_frame(host.hello(stream)), ws_bytes, host.sender(Transport.WS), cfg.write_timeout_s
-    )
     return resp
+
+
+async def ui_stream_handler(server: EdgeServer, request: web.Request) -> web.StreamResponse:
+    """204 when no turn is generating; else the turn as the UI message stream, by a
+    :class:`UiConn` once the response head is sent."""
+    try:
+        sid = server.session(request)
+        access = server.authorize(request, sid)
+        hub = server.check_capacity()
+    except Reject as r:
+        return server.refuse(r)
+    try:
+        found = await hub.broker.active_turn(sid)
+    except RelayError as exc:
+        log.warning("ui-stream of %s: backlog read failed: %r", sid, exc)  # not to clients
+        return server.refuse(Reject(503, Refusal.UNAVAILABLE, "cannot read the session",
+                                    RETRY_AFTER))  # fmt: skip
+    if found is None:
+        return web.Response(status=204)
+    turn, after = found
+    try:
+        conn = UiConn(hub, sid, turn, after, **server.conn_options(UiConn.transport_kind))
+        await server.admit(conn, access)
+    except Reject as r:
+        return server.refuse(r)
+    return await _stream(server, conn, request, web.StreamResponse(headers=UI_HEADERS), b"")

@@ -2,9 +2,9 @@
 
 HTTP contract (docs/openapi.yaml; close codes and error bodies in docs/PROTOCOL.md):
 
-- ``GET /v1/sessions/{sid}/events`` (SSE) and ``GET /v1/sessions/{sid}/ws``
-  (WebSocket): :mod:`relay.edge.http.handlers`; ``GET /v1/sessions/{sid}/ui-stream``:
-  :mod:`relay.edge.conn.ui`. They use the server through :class:`relay.edge.http.host.StreamHost`.
+- ``GET /v1/sessions/{sid}/events`` (SSE), ``GET /v1/sessions/{sid}/ws`` (WebSocket),
+  ``GET /v1/sessions/{sid}/ui-stream`` (the AI SDK's UI message stream):
+  :mod:`relay.edge.http.handlers`, one connection object each (:mod:`relay.edge.conn`).
 - Token: ``Authorization: Bearer <t>`` or ``?token=<t>`` (see :mod:`relay.protocol.auth`).
 - ``GET /healthz`` (200 while the process lives), ``GET /readyz`` (503 with ``status``
   and ``reasons`` while starting, draining, without Redis, or while a critical
@@ -12,13 +12,13 @@ HTTP contract (docs/openapi.yaml; close codes and error bodies in docs/PROTOCOL.
 
 Refusals before a stream starts are JSON ``{"error": code, "reason": sentence}`` with
 400 / 401 / 403 / 429 / 503 (:class:`relay.protocol.codes.Refusal`). Frames reach a
-socket through its hub :class:`~relay.edge.fanout.tap.Tap`: written straight from the hub's
-reader while the transport has room, queued (bounded, conflating) while it pushes back
-and drained by the stream's own task; the hub never waits on a socket, and a socket
-that does not drain within ``write_timeout_s`` is closed as a slow consumer. SSE
-heartbeats and WebSocket pings come from one timer for all streams
+socket through its connection (:class:`relay.edge.conn.base.Conn`): written straight from
+the hub's reader while the transport has room, queued (bounded, conflating) while it
+pushes back and drained by the connection's own task; the hub never waits on a socket,
+and a socket that does not drain within ``write_timeout_s`` is closed as a slow
+consumer. Heartbeats and WebSocket pings come from one timer for all connections
 (:mod:`relay.edge.conn.beats`). The stream handlers answer a :class:`Reject` themselves
-(``host.refuse``): the app has no middleware, so a new handler that refuses must too.
+(``server.refuse``): the app has no middleware, so a new handler that refuses must too.
 
 Background work (the heartbeat timer, the loop-lag sampler, the first connection to
 Redis, and the hub's subscriber, presence and reaper loops) runs on one
@@ -30,8 +30,8 @@ background (``/healthz`` 200, ``/readyz`` 503 ``redis_unreachable``, streams ref
 with 503 ``unavailable``); with ``fail_fast`` the start-up fails instead (the command
 prints one line and exits 1).
 
-Order of use: ``app = make_app(config)`` (creates the RedisCluster client and the hub
-on startup, closes them on cleanup; pass ``hub=`` to use one you own), run it;
+Order of use: ``app = make_app(config)`` (creates the RedisCluster client, its broker and
+the hub on startup, closes them on cleanup; pass ``hub=`` to use one you own), run it;
 on SIGTERM ``await app[SERVER].drain()`` then clean up (see :mod:`relay.edge.cli`).
 """
 
@@ -44,6 +44,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
+from urllib.parse import parse_qsl
 
 import orjson
 from aiohttp import hdrs, web
@@ -51,32 +52,24 @@ from multidict import istr
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.errors import RelayError, WatchClosed
+from relay.broker.rediscluster.broker import RedisBroker
 from relay.broker.rediscluster.connect import connect, mask_url, startup_error
 from relay.edge.config import RelayConfig
 from relay.edge.conn import beats
-from relay.edge.conn import ui as uistream
-from relay.edge.conn.streams import (
-    CORS_HEADERS,
-    Stream,
-    Transport,
-    query_value,
-)
+from relay.edge.conn.base import Conn, Transport
 from relay.edge.core.resume import Delivery
 from relay.edge.fanout.hub import Hub
-from relay.edge.fanout.tap import Tap
-from relay.edge.http import handlers
 from relay.edge.http.limits import Access, StreamGuard, token_key
 from relay.edge.metrics import OutMeter, RelayMetrics
 from relay.protocol.auth import AuthError, extract_token, verify_token
 from relay.protocol.codes import CloseCode, Readiness, Refusal
 from relay.protocol.frame import now_ms
 from relay.protocol.keys import InvalidSessionId, parse_session
-from relay.service import openapi, runtime
 from relay.service.clientaddr import client_address, parse_networks
 from relay.service.errors import RETRY_AFTER, Reject
 from relay.service.supervise import QUICK_BACKOFF, Supervisor
 
-__all__ = ["SERVER", "EdgeServer", "make_app", "make_runner"]
+__all__ = ["CORS_HEADERS", "EdgeServer", "query_value"]
 
 log = logging.getLogger(__name__)
 
@@ -86,28 +79,38 @@ _CONNECT_LOG_EVERY: Final = 20  # while Redis stays unreachable at start: one li
 
 WATCH_TIMEOUT_S: Final = 10.0  # subscribe + replay; past it the client gets 503 unavailable
 SHUTDOWN_REASON: Final = "the relay is restarting; reconnect"
+CORS_HEADERS: Final = {
+    "Access-Control-Allow-Headers": "Authorization, Last-Event-ID, Content-Type",
+    "Access-Control-Allow-Methods": "GET, OPTIONS",
+    "Access-Control-Expose-Headers": "X-Relay-Id",
+    "Access-Control-Max-Age": "600",
+}
 
 
 class EdgeServer:
     """State of one edge server app: config, hub, metrics, open streams, drain flag.
 
-    Implements :class:`relay.edge.http.host.StreamHost` for the stream handlers."""
+    The stream handlers (:mod:`relay.edge.http.handlers`) use it to admit a connection
+    (:meth:`admit`) and the connection calls :meth:`end_stream` when it is over
+    (:class:`relay.edge.conn.base.ConnHost`)."""
 
     def __init__(self, config: RelayConfig, hub: Hub | None = None) -> None:
         self.config = config
         self.metrics = RelayMetrics(config.relay_id)
         self.supervisor = Supervisor(self.metrics.registry, backoff=QUICK_BACKOFF)
         m = self.metrics
-        self._meters = {t: OutMeter(m, t) for t in (Transport.SSE, Transport.WS)}
+        meters = {t: OutMeter(m, t) for t in (Transport.SSE, Transport.WS, Transport.UI)}
         # one bound method per transport, shared by its sockets (not one per socket)
-        self._senders = {t: meter.sent for t, meter in self._meters.items()}
+        self._senders: dict[Transport, Callable[[list[Delivery], int], None]] = {
+            t: meter.sent for t, meter in meters.items()
+        }
         self._publish_to_edge = m.publish_to_edge.labels()
         self.hub: Hub | None = hub
-        self.redis: RedisCluster | None = hub.redis if hub is not None else None
+        self.redis: RedisCluster | None = None  # the client this server made, if it did
         self._owns_hub = hub is None
         self.started = hub is not None
         self.draining = False
-        self.streams: set[Stream] = set()
+        self.streams: set[Conn] = set()
         self._closing: set[asyncio.Future[None]] = set()  # abandoned watches being closed
         self.admitted = 0  # streams past admission (includes those still opening)
         self.keys = config.keyset()  # None: auth off
@@ -141,8 +144,11 @@ class EdgeServer:
         redis = connect(cfg.redis_url, tls=cfg.redis_tls)  # a burst waits
         try:
             await redis.initialize()
+            broker = RedisBroker(
+                redis, cfg.relay_id, maxlen=cfg.backlog_maxlen, ttl_s=cfg.session_ttl_s
+            )
             hub = Hub(
-                redis,
+                broker,
                 queue_frames=cfg.queue_frames,
                 hard_limit_frames=cfg.hard_limit_frames,
                 max_pending_bytes=cfg.max_pending_bytes,
@@ -150,7 +156,6 @@ class EdgeServer:
                 unsubscribe_delay_s=cfg.unsubscribe_delay_s,
                 reap_after_s=cfg.reap_after_s,
                 reap_interval_s=min(cfg.reap_after_s, 1.0),  # 0 disables the reaper
-                relay_id=cfg.relay_id,
                 supervisor=self.supervisor,
             )
             await hub.start()
@@ -206,13 +211,13 @@ class EdgeServer:
         deadline = self.config.drain_deadline_s if deadline_s is None else deadline_s
         self.draining = True
         self.metrics.draining.set(1)
-        for s in list(self.streams):
-            await s.kick(CloseCode.RELAY_SHUTDOWN, SHUTDOWN_REASON)
-        tasks = {s.task for s in self.streams if s.task is not None}
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=deadline)
-            for t in pending:
-                t.cancel()
+        for c in list(self.streams):
+            c.kick(CloseCode.RELAY_SHUTDOWN, SHUTDOWN_REASON)
+        done = {c.done for c in self.streams}
+        if done:
+            _, pending = await asyncio.wait(done, timeout=deadline)
+            for f in pending:
+                f.cancel()
             if pending:
                 await asyncio.wait(pending, timeout=1.0)
 
@@ -224,7 +229,7 @@ class EdgeServer:
             reasons += self.hub.supervisor.not_ready()
         return reasons
 
-    # -- admission (StreamHost) ------------------------------------------------------------
+    # -- admission ---------------------------------------------------------------------
 
     def session(self, request: web.Request) -> str:
         try:
@@ -233,7 +238,7 @@ class EdgeServer:
             raise Reject(400, Refusal.BAD_SESSION, str(exc)) from None
 
     def authorize(self, request: web.Request, sid: str) -> Access:
-        """The verified token (limits and expiry are applied to it in :meth:`open_stream`)."""
+        """The verified token (limits and expiry are applied to it in :meth:`admit`)."""
         address = client_address(
             request.remote, request.headers.get("X-Forwarded-For"), self.trusted
         )
@@ -250,7 +255,8 @@ class EdgeServer:
             raise Reject(exc.status, exc.error, exc.reason, headers) from None
         return Access(claims, token_key(token), address)
 
-    def check_capacity(self) -> None:
+    def check_capacity(self) -> Hub:
+        """The hub, or :class:`Reject` 503 unless a stream may open now."""
         if self.draining or not self.started:
             raise Reject(
                 503, Refusal.DRAINING, "the relay is restarting; connect again", RETRY_AFTER
@@ -261,85 +267,83 @@ class EdgeServer:
             )
         if self.admitted >= self.config.max_connections:
             raise Reject(503, Refusal.OVERLOADED, "too many streams on this relay", RETRY_AFTER)
+        return self.hub
 
-    async def open_stream(
-        self,
-        transport: Transport,
-        sid: str,
-        offset: int | None,
-        access: Access,
-        gen: str | None = None,
-    ) -> Stream:
-        """Admit and watch (``gen``: the client's generation of ``offset``); the caller
-        must call :meth:`close_stream` once done."""
-        self.check_capacity()
-        assert self.hub is not None
-        ticket = self.guard.admit(access)  # 429 past the per-token / per-address limits
+    def conn_options(self, transport: Transport) -> dict[str, Any]:
+        """What every connection of ``transport`` is built with (host, meter, timeout)."""
+        return {
+            "host": self,
+            "sent": self._senders[transport],
+            "write_timeout_s": self.config.write_timeout_s,
+        }
+
+    async def admit(self, conn: Conn, access: Access) -> None:
+        """Count ``conn`` in the limits and open its watch on the hub (subscribe, replay);
+        :class:`Reject` 429 / 503 when it may not. Once admitted, the connection ends in
+        :meth:`end_stream` (it calls it when it is over)."""
+        hub = self.check_capacity()
+        self.guard.admit(conn, access)  # 429 past the per-token / per-address limits
         self.admitted += 1
         # The watch opens in a task of its own: a client that hangs up (its handler is
         # cancelled) or a timeout must not cancel redis-py mid-command, which breaks the
         # pooled connection for other requests. An abandoned watch is closed once open.
-        opening = asyncio.ensure_future(self.hub.watch(sid, offset, gen))
+        opening = asyncio.ensure_future(hub.open(conn))
         try:
-            watch = await asyncio.wait_for(asyncio.shield(opening), WATCH_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.shield(opening), WATCH_TIMEOUT_S)
         except WatchClosed as exc:
-            self.admitted -= 1
-            ticket.release()
+            self._not_admitted(conn)
             raise Reject(503, Refusal.DRAINING, exc.reason, RETRY_AFTER) from None
         except (RelayError, TimeoutError) as exc:
-            self.admitted -= 1
-            ticket.release()
+            self._not_admitted(conn)
             if not opening.done():
-                opening.add_done_callback(self._close_abandoned)
-            log.warning("watch of %s failed: %r", sid, exc)  # details here, not to clients
+                opening.add_done_callback(functools.partial(self._close_abandoned, conn))
+            log.warning("watch of %s failed: %r", conn.sid, exc)  # details here, not to clients
             raise Reject(
                 503, Refusal.UNAVAILABLE, "cannot watch the session", RETRY_AFTER
             ) from None
         except BaseException:
-            self.admitted -= 1
-            ticket.release()
-            opening.add_done_callback(self._close_abandoned)
+            self._not_admitted(conn)
+            opening.add_done_callback(functools.partial(self._close_abandoned, conn))
             raise
-        stream = Stream(transport, sid, offset, watch)
-        self.streams.add(stream)
-        stream.ticket = ticket
-        ticket.bind(stream)  # ends the stream (token_expired) when the token expires
+        self.streams.add(conn)
+        self.guard.bind(conn)  # ends the stream (token_expired) when the token expires
         m = self.metrics
-        m.accepted.labels(transport).inc()
-        m.connections.labels(transport).inc()
+        t = conn.transport_kind
+        m.accepted.labels(t).inc()
+        m.connections.labels(t).inc()
         m.watches.inc()
-        if offset is not None:
-            m.resumes.labels(transport).inc()
+        if conn.offset is not None:
+            m.resumes.labels(t).inc()
         if self.draining:  # drain began while the watch was opening
-            await stream.kick(CloseCode.RELAY_SHUTDOWN, SHUTDOWN_REASON)
-        return stream
+            conn.kick(CloseCode.RELAY_SHUTDOWN, SHUTDOWN_REASON)
 
-    def _close_abandoned(self, opening: asyncio.Future[Tap]) -> None:
+    def _not_admitted(self, conn: Conn) -> None:
+        self.admitted -= 1
+        self.guard.release(conn)
+
+    def _close_abandoned(self, conn: Conn, opening: asyncio.Future[None]) -> None:
         """A watch whose client left (or timed out) while it opened: close it once open."""
         if opening.cancelled() or opening.exception() is not None:
             return
-        task = asyncio.ensure_future(opening.result().close())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        conn.shut("the client left before its watch opened", CloseCode.CLIENT_GONE)
 
-    async def close_stream(self, stream: Stream, code: CloseCode) -> None:
-        self.end_stream(stream, code)
-
-    def end_stream(self, stream: Stream, code: CloseCode) -> None:
-        self.streams.discard(stream)
+    def end_stream(self, conn: Conn, code: CloseCode) -> None:
+        """An admitted connection is over (``code``: why): counted, limits released."""
+        if conn not in self.streams:
+            return
+        self.streams.discard(conn)
         self.admitted -= 1
-        ticket, stream.ticket = stream.ticket, None
-        if ticket is not None:
-            ticket.release()
-        stream.watch.shut("watch closed", CloseCode.CLOSED)
+        self.guard.release(conn)
+        conn.shut("watch closed", CloseCode.CLOSED)
         m = self.metrics
-        m.connections.labels(stream.transport).dec()
+        t = conn.transport_kind
+        m.connections.labels(t).dec()
         m.watches.dec()
-        m.closes.labels(stream.transport, code).inc()
+        m.closes.labels(t, code).inc()
         if code is CloseCode.SLOW_CONSUMER:
-            m.slow_disconnects.labels(stream.transport).inc()
+            m.slow_disconnects.labels(t).inc()
 
-    # -- writing (StreamHost) --------------------------------------------------------------
+    # -- writing -------------------------------------------------------------------------
 
     def _on_live(self, ds: list[Delivery]) -> None:
         """The live frames of one read from Redis (once per frame, however many sockets
@@ -352,25 +356,20 @@ class EdgeServer:
                 counts[bisect_left(bounds, seconds)] += 1
                 h.total += seconds
 
-    def sent(self, transport: Transport, batch: list[Delivery], nbytes: int) -> None:
-        self._meters[transport].sent(batch, nbytes)
-
-    def sender(self, transport: Transport) -> Callable[[list[Delivery], int], None]:
-        return self._senders[transport]
-
     def refuse(self, reject: Reject) -> web.Response:
         self.metrics.rejected.labels(reject.error).inc()
         return reject.response()
 
-    def hello(self, stream: Stream) -> bytes:
+    def hello(self, conn: Conn) -> bytes:
         """First message of every stream: which relay, resuming after which offset."""
-        return orjson.dumps({"type": "hello", "relay": self.config.relay_id, "from": stream.offset})
+        return orjson.dumps({"type": "hello", "relay": self.config.relay_id, "from": conn.offset})
 
-    async def guarded(self, stream: Stream, write: Awaitable[Any], timeout_s: float) -> None:
-        """One socket write; if it does not finish in ``timeout_s`` the connection is cut
-        (:meth:`Stream.cut`). A timer, not ``asyncio.timeout``: a cancellation racing a
-        completed write would leak into the task's next await (Python 3.11)."""
-        handle = asyncio.get_running_loop().call_later(timeout_s, stream.cut)
+    async def guarded(self, conn: Conn, write: Awaitable[Any]) -> None:
+        """One write through aiohttp (before the socket is the connection's); if it does
+        not finish in ``write_timeout_s`` the connection is cut. A timer, not
+        ``asyncio.timeout``: a cancellation racing a completed write would leak into the
+        task's next await (Python 3.11)."""
+        handle = asyncio.get_running_loop().call_later(self.config.write_timeout_s, conn.cut)
         try:
             await write
         finally:
@@ -388,7 +387,7 @@ class EdgeServer:
             observe(max(loop.time() - t0 - 0.01, 0.0))
 
     async def _heartbeats(self) -> None:
-        """SSE heartbeats and WebSocket pings: one timer for every stream."""
+        """Heartbeats and WebSocket pings: one timer for every connection."""
         await beats.run(self.streams, self.config.heartbeat_s)
 
     # -- handlers ------------------------------------------------------------------------
@@ -410,14 +409,14 @@ class EdgeServer:
         if not self.started:
             return not_ready(Readiness.STARTING, [Readiness.STARTING], "the relay is starting")
         reasons = self.not_ready()
-        if self.redis is not None and Readiness.REDIS_UNREACHABLE not in reasons:
+        if self.hub is not None and Readiness.REDIS_UNREACHABLE not in reasons:
             try:
-                await asyncio.wait_for(self.redis.ping(), 1.0)  # cancels only the ping
+                await asyncio.wait_for(self.hub.broker.ping(), 1.0)  # cancels only the ping
             except Exception as exc:  # any failure means "not ready"; details only in the log
                 log.warning("readyz: redis ping failed: %r", exc)
                 reasons.insert(0, Readiness.REDIS_UNREACHABLE)
         if Readiness.REDIS_UNREACHABLE in reasons:
-            said = "redis did not answer a ping" if self.redis is not None else (
+            said = "redis did not answer a ping" if self.hub is not None else (
                 "the relay has not reached Redis yet")  # fmt: skip
             return not_ready(Readiness.REDIS_UNREACHABLE, reasons, said)
         if reasons:
@@ -438,42 +437,14 @@ class EdgeServer:
         headers.setdefault(hdrs.ACCESS_CONTROL_EXPOSE_HEADERS, "X-Relay-Id")
 
 
-SERVER: Final = web.AppKey("tokenrelay_edge", EdgeServer)
-
-
-def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
-    """The aiohttp app of one edge server. ``hub``: use this started hub (the caller
-    closes it); otherwise the app creates and closes a RedisCluster client and a hub."""
-    config = config.validate()
-    server = EdgeServer(config, hub)
-    # No middleware: with one, aiohttp wraps every handler in two more coroutines, which
-    # every open stream would hold; the stream handlers answer Reject themselves.
-    app = web.Application()
-    app[SERVER] = server
-    app.on_startup.append(server.startup)
-    app.on_shutdown.append(server.on_shutdown)
-    app.on_cleanup.append(server.cleanup)
-    app.on_response_prepare.append(server.on_prepare)
-    app.router.add_get(
-        "/v1/sessions/{sid:[^/]+}/events", functools.partial(handlers.sse_handler, server)
-    )
-    app.router.add_get(
-        "/v1/sessions/{sid:[^/]+}/ws", functools.partial(handlers.ws_handler, server)
-    )
-    app.router.add_route("OPTIONS", "/v1/sessions/{sid:[^/]+}/events", server.preflight)
-    app.router.add_route("OPTIONS", "/v1/sessions/{sid:[^/]+}/ws", server.preflight)
-    app.router.add_get("/healthz", server.healthz)
-    app.router.add_get("/readyz", server.readyz)
-    app.router.add_get("/metrics", server.metrics_handler)
-    app.router.add_get("/openapi.json", openapi.handler("relay"))  # docs/openapi.yaml
-    uistream.register(app, server)  # the AI SDK's UI message stream
-    return app
-
-
-def make_runner(app: web.Application, **kwargs: Any) -> web.AppRunner:
-    """The runner every relay uses. ``handler_cancellation``: a client that goes away
-    cancels its stream handler at once, so an idle SSE stream does not hold its watch
-    (and the shard subscription) until the next heartbeat write fails."""
-    kwargs.setdefault("access_log", None)
-    runtime.quiet_client_errors()
-    return web.AppRunner(app, handler_cancellation=True, **kwargs)
+def query_value(request: web.Request, name: str) -> str | None:
+    """The first ``name`` parameter of the request's query string (decoded, ``+`` as a
+    space), or None. Parsed here and dropped: ``request.query`` would keep a parsed
+    copy of the query with the request for as long as the stream lasts."""
+    raw = request.rel_url.raw_query_string
+    if not raw:
+        return None
+    for key, value in parse_qsl(raw, keep_blank_values=True):
+        if key == name:
+            return value
+    return None

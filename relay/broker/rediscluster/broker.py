@@ -1,0 +1,176 @@
+"""The production :class:`relay.broker.base.Broker`: a Redis 7 Cluster.
+
+Live frames come through :class:`relay.broker.rediscluster.subscriber.ShardedSubscriber`
+(one pubsub connection per node, ``SSUBSCRIBE`` per session channel, read in the
+transport's callbacks); backlog reads, seals and reaps are the scripts of
+:mod:`relay.broker.rediscluster.publisher` (one round trip each, on the session's slot);
+presence is :class:`relay.broker.rediscluster.presence.Presence` (one entry per relay in
+a sorted set per session, refreshed by one timer). Every redis-py error arrives as a
+:class:`relay.broker.errors.RelayError` (:func:`relay.broker.rediscluster.errors.map_redis_errors`).
+
+Order of use (the edge server does this)::
+
+    broker = RedisBroker(redis, "edge-1", maxlen=..., ttl_s=...)
+    hub = Hub(broker, ...)       # binds the broker's handlers
+    await hub.start()            # broker.start(supervisor): subscriber, presence
+    ...
+    await hub.close()            # broker.close(): presence removed, connections closed
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+from redis.asyncio.cluster import RedisCluster
+
+from relay.broker.base import BacklogPage, MessageHandler, ReapResult, ResubscribedHandler
+from relay.broker.errors import SubscribeError
+from relay.broker.rediscluster.errors import map_redis_errors
+from relay.broker.rediscluster.presence import Presence
+from relay.broker.rediscluster.publisher import read_backlog_page, reap, seal
+from relay.broker.rediscluster.subscriber import ShardedSubscriber
+from relay.protocol.frame import FrameError, decode
+from relay.protocol.keys import BACKLOG_MAXLEN, SESSION_TTL_S, live_channel, log_key, meta_key
+from relay.service.supervise import Supervisor
+
+__all__ = ["RedisBroker"]
+
+_SCAN: Final = 256  # backlog entries per round trip when looking for a turn's start
+
+
+class RedisBroker:
+    """The edge's backend on a Redis 7 Cluster. See the module docstring.
+
+    ``maxlen`` / ``ttl_s``: the backlog length and the session lifetime that seals and
+    reaps keep (the producers' own settings: ``--backlog-maxlen``, ``--session-ttl-s``).
+    """
+
+    def __init__(
+        self,
+        redis: RedisCluster,
+        relay_id: str,
+        *,
+        read_from_replicas: bool = False,
+        presence_ttl_s: float = 30.0,
+        maxlen: int = BACKLOG_MAXLEN,
+        ttl_s: int = SESSION_TTL_S,
+    ) -> None:
+        self.redis = redis
+        self.relay_id = relay_id
+        self.read_from_replicas = read_from_replicas
+        self.maxlen, self.ttl_s = maxlen, ttl_s
+        self.presence = Presence(redis, relay_id, ttl_s=presence_ttl_s)
+        self.subscriber: ShardedSubscriber | None = None  # made by start()
+        self._on_message: MessageHandler | None = None
+        self._on_resubscribed: ResubscribedHandler | None = None
+        self._sids: dict[str, str] = {}  # channel name -> session id, while subscribed
+
+    def channel(self, sid: str) -> bytes:
+        return live_channel(sid).encode()
+
+    def bind(self, on_message: MessageHandler, on_resubscribed: ResubscribedHandler) -> None:
+        self._on_message, self._on_resubscribed = on_message, on_resubscribed
+
+    async def start(self, supervisor: Supervisor) -> None:
+        if self._on_message is None:
+            raise RuntimeError("bind the broker's handlers before starting it")
+        self.subscriber = ShardedSubscriber(
+            self.redis,
+            on_message=self._on_message,
+            on_resubscribed=self._resubscribed,
+            relay_id=self.relay_id,
+            read_from_replicas=self.read_from_replicas,
+            supervisor=supervisor,
+        )
+        await self.subscriber.start()
+        self.presence.start(supervisor)
+
+    async def close(self) -> None:
+        await self.presence.close()
+        if self.subscriber is not None:
+            await self.subscriber.close()
+
+    async def subscribe(self, sid: str) -> None:
+        if self.subscriber is None:
+            raise SubscribeError("the broker has not started")
+        name = live_channel(sid)
+        self._sids[name] = sid
+        try:
+            await self.subscriber.subscribe([name])
+        except BaseException:
+            self._sids.pop(name, None)
+            raise
+
+    def unsubscribe(self, sid: str) -> None:
+        name = live_channel(sid)
+        self._sids.pop(name, None)
+        if self.subscriber is not None:
+            self.subscriber.unsubscribe([name])
+
+    async def read_page(
+        self, sid: str, after: int | None, count: int, max_bytes: int
+    ) -> BacklogPage:
+        return await read_backlog_page(
+            self.redis, sid, after or 0, count if after is not None else 0, max_bytes
+        )
+
+    async def seal(self, sid: str, seen: int, gen: str) -> int:
+        return await seal(
+            self.redis, sid, seen, sealer=self.relay_id, maxlen=self.maxlen, ttl_s=self.ttl_s,
+            gen=gen,
+        )  # fmt: skip
+
+    async def reap(self, sid: str) -> ReapResult:
+        return await reap(
+            self.redis, sid, reaper=self.relay_id, maxlen=self.maxlen, ttl_s=self.ttl_s
+        )
+
+    def present(self, sid: str) -> None:
+        self.presence.add(sid)
+
+    def absent(self, sid: str) -> None:
+        self.presence.remove(sid)
+
+    async def active_turn(self, sid: str) -> tuple[int, int] | None:
+        """The session's ``open`` marker, then the backlog walked back from its end to
+        the turn's first frame (a reply is a few hundred frames: one or two trips)."""
+        with map_redis_errors():
+            opened, offset = await self.redis.hmget(meta_key(sid), ["open", "offset"])
+            if not opened:
+                return None
+            turn, after = int(opened), int(offset or 0)
+            top = "+"
+            while True:
+                entries: list[Any] = (
+                    await self.redis.xrevrange(log_key(sid), max=top, min="-", count=_SCAN) or []
+                )
+                for _id, fields in entries:
+                    try:
+                        frame = decode(fields[b"f"])
+                    except (FrameError, KeyError, TypeError):
+                        continue
+                    if frame.turn != turn:  # an older turn, or a gap (turn 0): stop there
+                        return turn, frame.offset
+                    after = frame.offset - 1
+                if len(entries) < _SCAN or after <= 0:
+                    return turn, max(after, 0)
+                top = f"{after}-1"  # entry ids are "<offset>-1": go on below the oldest read
+
+    async def ping(self) -> None:
+        with map_redis_errors():
+            await self.redis.ping()
+
+    def stats(self) -> Mapping[str, Any]:
+        out: dict[str, Any] = dict(self.presence.stats)
+        sub = self.subscriber
+        out["channels_per_node"] = sub.channels_per_node() if sub is not None else {}
+        out["resubscribes"] = sub.stats["resubscribes"] if sub is not None else 0
+        out["subscriber"] = dict(sub.stats) if sub is not None else {}
+        return out
+
+    def _resubscribed(self, names: list[str]) -> None:
+        assert self._on_resubscribed is not None
+        sids = [sid for n in names if (sid := self._sids.get(n)) is not None]
+        if sids:
+            self._on_resubscribed(sids)

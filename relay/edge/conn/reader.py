@@ -1,0 +1,61 @@
+"""A connection with no socket: a session's frames for code in this process.
+
+Tests, benchmarks and tools watch a session through the same fan-out, replay and
+cutoff as a browser does: a :class:`Reader` is a :class:`relay.edge.conn.base.Conn`
+whose frames are taken with ``await reader.next()`` instead of written to a socket.
+
+Order of use::
+
+    r = await open_reader(hub, sid, from_offset, gen)  # None: live only; 0: the whole backlog
+    while True: deliveries = await r.next()      # raises WatchClosed(reason, code)
+    await r.close()
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from relay.broker.errors import WatchClosed
+from relay.edge.conn.base import Conn, Transport
+from relay.edge.core.resume import Delivery
+from relay.edge.fanout.hub import Hub
+from relay.protocol.codes import CloseCode
+
+__all__ = ["Reader", "open_reader"]
+
+
+class Reader(Conn):
+    """A session's frames for code in this process. See the module docstring."""
+
+    transport_kind: ClassVar[Transport] = Transport.READER
+
+    __slots__ = ()
+
+    async def next(self) -> list[Delivery]:
+        """Wait for at least one frame; return everything queued, in order."""
+        w = self.watch
+        while True:
+            closed = w.closed
+            if closed is not None:
+                raise WatchClosed(closed.reason, closed.code)
+            if w.queue:
+                ds, intents = w.take()
+                self._settle()
+                if intents:
+                    self._apply(intents)
+                return ds
+            self._waiter = waiter = self._loop.create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+
+    async def close(self) -> None:
+        self.shut("watch closed", CloseCode.CLOSED)
+
+
+async def open_reader(hub: Hub, sid: str, offset: int | None, gen: str | None = None) -> Reader:
+    """A :class:`Reader` of ``sid`` opened on ``hub``: after ``offset`` (None: live only)."""
+    r = Reader(hub, sid, offset, gen)
+    await hub.open(r)
+    return r

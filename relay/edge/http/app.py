@@ -1,0 +1,63 @@
+"""The edge server's aiohttp app: its routes, and the runner every relay uses.
+
+Order of use: ``app = make_app(config)`` (creates the RedisCluster client, its broker and
+the hub on startup, closes them on cleanup; pass ``hub=`` to use one you own), run it
+with :func:`make_runner`; on SIGTERM ``await app[SERVER].drain()`` then clean up (see
+:mod:`relay.edge.cli`). The server's state and admission: :mod:`relay.edge.http.server`;
+the stream handlers: :mod:`relay.edge.http.handlers`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Final
+
+from aiohttp import web
+
+from relay.edge.config import RelayConfig
+from relay.edge.fanout.hub import Hub
+from relay.edge.http import handlers
+from relay.edge.http.server import EdgeServer
+from relay.service import openapi, runtime
+
+__all__ = ["SERVER", "make_app", "make_runner"]
+
+SERVER: Final = web.AppKey("tokenrelay_edge", EdgeServer)
+
+
+def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
+    """The aiohttp app of one edge server. ``hub``: use this started hub (the caller
+    closes it); otherwise the app creates and closes a RedisCluster client and a hub."""
+    config = config.validate()
+    server = EdgeServer(config, hub)
+    # No middleware: with one, aiohttp wraps every handler in two more coroutines, which
+    # every open stream would hold; the stream handlers answer Reject themselves.
+    app = web.Application()
+    app[SERVER] = server
+    app.on_startup.append(server.startup)
+    app.on_shutdown.append(server.on_shutdown)
+    app.on_cleanup.append(server.cleanup)
+    app.on_response_prepare.append(server.on_prepare)
+    streams = {
+        "/v1/sessions/{sid:[^/]+}/events": handlers.sse_handler,
+        "/v1/sessions/{sid:[^/]+}/ws": handlers.ws_handler,
+        "/v1/sessions/{sid:[^/]+}/ui-stream": handlers.ui_stream_handler,  # the AI SDK's
+        "/v1/chat/{sid:[^/]+}/stream": handlers.ui_stream_handler,  # the SDK's resume URL
+    }
+    for path, handler in streams.items():
+        app.router.add_get(path, functools.partial(handler, server))
+        app.router.add_route("OPTIONS", path, server.preflight)
+    app.router.add_get("/healthz", server.healthz)
+    app.router.add_get("/readyz", server.readyz)
+    app.router.add_get("/metrics", server.metrics_handler)
+    app.router.add_get("/openapi.json", openapi.handler("relay"))  # docs/openapi.yaml
+    return app
+
+
+def make_runner(app: web.Application, **kwargs: Any) -> web.AppRunner:
+    """The runner every relay uses. ``handler_cancellation``: a client that goes away
+    cancels its stream handler at once, so a stream still opening does not hold its
+    watch (and the shard subscription) until its first write fails."""
+    kwargs.setdefault("access_log", None)
+    runtime.quiet_client_errors()
+    return web.AppRunner(app, handler_cancellation=True, **kwargs)
