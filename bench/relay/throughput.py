@@ -470,6 +470,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    with contextlib.suppress(ImportError):  # the clients on uvloop, through every entry point
+        import uvloop
+
+        uvloop.install()
     res = asyncio.run(run(config_from_args(args), args.redis))
     print(_table(res))
     if args.json:
@@ -484,16 +488,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 1 if lost or res["relay_log_tracebacks"] else 0
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.relay.throughput", description=__doc__)
     add_arguments(ap)
-    args = ap.parse_args(argv)
-    with contextlib.suppress(ImportError):
-        import uvloop
-
-        uvloop.install()
-    sys.exit(run_from_args(args))
+    return run_from_args(ap.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
