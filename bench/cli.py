@@ -19,6 +19,7 @@ subparsers; ``python -m bench`` calls :func:`main`.
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 import time
@@ -96,19 +97,31 @@ def listing() -> str:
 def _run_child(argv: Sequence[str]) -> int:
     """Run ``argv`` on this terminal (its output is the user's, as make's recipe lines
     were, hence not :class:`devstack.procs.Proc`, which logs to a file); its exit code.
-    Interrupted here (Ctrl-C, SIGTERM), the child is stopped by its pid: SIGTERM, SIGKILL
-    after 15 s (every benchmark turns SIGTERM into stopping what it started)."""
+
+    Interrupted here, the child is stopped by its pid as a Ctrl-C stops it (every
+    benchmark then stops what it started; not all of them do on SIGTERM): SIGINT, which a
+    Ctrl-C on the terminal has sent it already, then SIGTERM after 15 s, SIGKILL after 5
+    more."""
     child = subprocess.Popen(list(argv))
+    interrupted = False
     try:
         return child.wait()
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
         if child.poll() is None:
-            child.terminate()
+            if not interrupted:
+                child.send_signal(signal.SIGINT)
             try:
                 child.wait(15)
             except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+                child.terminate()
+                try:
+                    child.wait(5)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
 
 
 def run_quick(out: Path, catalog: Sequence[Benchmark] = CATALOG) -> int:
@@ -139,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick_all is not None:
         if args.bench_cmd is not None:
             parser.error("--quick-all runs every benchmark: give it no NAME")
-        runtime.exit_on_sigterm()  # SystemExit here: _run_child's finally stops the child
+        runtime.exit_on_sigterm()  # SystemExit here: _run_child stops the running child
         try:
             return run_quick(args.quick_all)
         except KeyboardInterrupt:  # the running child was stopped on the way out

@@ -8,6 +8,8 @@ import argparse
 import importlib.util
 import os
 import re
+import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import pytest
 from bench.catalog import CATALOG, Benchmark, find
 from bench.cli import build_parser as bench_parser
 from bench.cli import listing, main, run_quick
+from devstack.procs import Proc, file_exists
 from tokenrelay.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,3 +139,40 @@ def test_quick_all_runs_every_quick_entry_and_fails_if_one_fails(
     assert "FAILED (exit 3)" in err
     assert "never" not in err
     assert run_quick(out, catalog[1:]) == 0
+
+
+async def test_quick_all_stopped_stops_the_running_benchmark_as_a_ctrl_c_does(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "stand_in_slow.py").write_text(
+        "import pathlib, sys, time\n"
+        "if __name__ == '__main__':\n"
+        "    here = pathlib.Path(sys.argv[sys.argv.index('--json') + 1]).parent\n"
+        "    (here / 'started').touch()\n"
+        "    try:\n"
+        "        time.sleep(60)\n"
+        "    except KeyboardInterrupt:\n"
+        "        (here / 'cleaned_up').touch()\n"
+        "        raise SystemExit(130)\n"
+    )
+    (tmp_path / "driver.py").write_text(
+        "import pathlib, sys\n"
+        "from bench.catalog import Benchmark\n"
+        "from bench.cli import run_quick\n"
+        "from relay.service import runtime\n"
+        "runtime.exit_on_sigterm()\n"
+        "slow = Benchmark('slow', 'stand_in_slow', 'sleeps until stopped')\n"
+        "sys.exit(run_quick(pathlib.Path(sys.argv[1]), [slow]))\n"
+    )
+    out = tmp_path / "artifacts"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    driver = Proc.start(
+        [sys.executable, str(tmp_path / "driver.py"), str(out)], log=tmp_path / "log", env=env
+    )
+    try:
+        await driver.ready(file_exists(out / "started"), timeout_s=30)
+        driver.send(signal.SIGTERM)  # as a killed make would
+        assert await driver.wait(20) == 128 + signal.SIGTERM
+    finally:
+        await driver.stop()
+    assert (out / "cleaned_up").exists(), driver.tail()
