@@ -76,23 +76,10 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-## bench: the quick version of every benchmark; JSON (and the plot) land in artifacts/.
+## bench: the quick run of every benchmark in bench/catalog.py (`python -m bench` lists them),
+## each in a process of its own; JSON (and plots) land in artifacts/; fails if any failed.
 bench: $(STAMP)
-	mkdir -p artifacts
-	$(BIN)/python -m bench.routing.router_micro --quick --json artifacts/router_micro.json
-	$(BIN)/python -m bench.routing.sim --quick --json artifacts/routing_sim.json --plot artifacts/routing_sim.png
-	$(BIN)/python -m bench.pubsub.cluster --quick --json artifacts/pubsub_cluster.json --plot artifacts/pubsub_cluster.png
-	$(BIN)/python -m bench.relay.subscriber_compare --quick --json artifacts/subscriber_compare.json
-	$(BIN)/python -m bench.pubsub.coalesce --quick --json artifacts/coalesce.json
-	$(BIN)/python -m bench.routing.affinity --quick --json artifacts/affinity.json
-	$(BIN)/python -m bench.load.loadtest --quick --no-progress --json artifacts/loadtest.json
-	$(BIN)/python -m bench.faults --quick --json artifacts/faults.json
-	$(BIN)/python -m bench.fuzz --quick --json artifacts/fuzz.json
-	$(BIN)/python -m bench.pubsub.mq_vs_pubsub --quick --json artifacts/mq_vs_pubsub.json
-	$(BIN)/python -m bench.load.closed_loop --quick --json artifacts/closed_loop.json
-	$(BIN)/python -m bench.relay.throughput --quick --json artifacts/relay_throughput.json
-	$(BIN)/python -m bench.relay.micro --quick --json artifacts/relay_micro.json
-	$(BIN)/python -m bench.peers.socketio --quick --json artifacts/peer_socketio.json
+	$(BIN)/python -m bench --quick-all artifacts
 
 ## fuzz: the full fuzz run (>= 1M cases; atheris too where it installs).
 fuzz: $(STAMP)

@@ -64,7 +64,16 @@ from relay.protocol.slotmap import slot_of
 from relay.service import runtime
 from worker.chat.store import state_key
 
-__all__ = ["FAULTS", "MUST_BE_ZERO", "FaultConfig", "main", "run_all", "run_fault"]
+__all__ = [
+    "FAULTS",
+    "MUST_BE_ZERO",
+    "FaultConfig",
+    "add_arguments",
+    "main",
+    "run_all",
+    "run_fault",
+    "run_from_args",
+]
 
 FAULTS = (
     "relay_kill",
@@ -446,18 +455,31 @@ def failures(report: dict[str, Any]) -> list[str]:
     return bad
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench.faults.drills", description=__doc__.split("\n\n")[0])
+def _max_tokens(text: str) -> int:
+    """``--max-tokens``: a whole number >= 0 (0: the engine's natural length)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return n
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="fewer sessions, shorter phases")
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--only", action="append", choices=FAULTS, help="run only this fault")
     p.add_argument("--seed", type=int, default=None, help="seed each drill's random choices")
     p.add_argument(
-        "--max-tokens", type=int, default=0, help="cap every reply (default 0: natural length)"
+        "--max-tokens",
+        type=_max_tokens,
+        default=0,
+        help="cap every reply (default 0: natural length)",
     )
-    args = p.parse_args(argv)
-    if args.max_tokens < 0:
-        p.error("--max-tokens must be >= 0")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
     runtime.exit_on_sigterm()  # a killed run still stops its clusters and processes
     cfg = FaultConfig.quick() if args.quick else FaultConfig()
     cfg.seed, cfg.max_tokens = args.seed, args.max_tokens
@@ -473,6 +495,12 @@ def main(argv: list[str] | None = None) -> int:
     for line in bad:
         print(f"FAILED {line}", file=sys.stderr)
     return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.faults.drills", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run_from_args(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ keeps the first few failing inputs. Output: one JSON object (stdout, and ``--jso
 PATH``) with cases, seconds, cases/s and failures per target and engine; exit 1 if
 any failure. ``--quick``: 20,000 random cases, 200 hypothesis examples, no atheris.
 
-Order of use: ``main(argv)`` -> :func:`run_random` / :func:`run_hypothesis` /
+Order of use: ``main(argv)`` (or :func:`add_arguments` and :func:`run_from_args`, as
+``tokenrelay bench fuzz`` does) -> :func:`run_random` / :func:`run_hypothesis` /
 :func:`run_atheris` per target -> JSON.
 """
 
@@ -34,7 +35,7 @@ from typing import Any
 
 from bench.fuzz.props import SEEDS, TARGETS, Target
 
-__all__ = ["main", "run_atheris", "run_hypothesis", "run_random"]
+__all__ = ["add_arguments", "main", "run_atheris", "run_from_args", "run_hypothesis", "run_random"]
 
 _KEEP = 5  # failing inputs kept per target and engine
 
@@ -149,29 +150,47 @@ def _atheris_child(name: str, runs: int) -> None:
     atheris.Fuzz()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__.split("\n")[0])
+def _targets(text: str) -> list[str]:
+    """``--targets``: comma-separated names of :data:`bench.fuzz.props.TARGETS`."""
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in TARGETS]
+    if not names:
+        raise argparse.ArgumentTypeError(f"no target; choose from {list(TARGETS)}")
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown targets {unknown}; choose from {list(TARGETS)}")
+    return names
+
+
+def _command() -> str:
+    """This run's command line as typed: ``python -m bench.fuzz ...``, or ``tokenrelay
+    bench fuzz ...`` (a console script, named without its directory)."""
+    argv = sys.orig_argv[1:]
+    if argv and not argv[0].startswith("-"):
+        return " ".join([os.path.basename(argv[0]), *argv[1:]])
+    return " ".join(["python", *argv])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cases", type=int, default=1_000_000, help="random cases, all targets")
     p.add_argument("--hypothesis-examples", type=int, default=2_000, help="per target")
     p.add_argument("--atheris-runs", type=int, default=50_000, help="per target (0: skip)")
-    p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated")
+    p.add_argument("--targets", type=_targets, default=",".join(TARGETS), help="comma-separated")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", dest="json_path", help="also write the report here")
     p.add_argument("--quick", action="store_true", help="20k cases, 200 examples, no atheris")
     p.add_argument("--atheris-child", nargs=2, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
     if args.atheris_child:
         _atheris_child(args.atheris_child[0], int(args.atheris_child[1]))
         return 0
     if args.quick:
         args.cases, args.hypothesis_examples, args.atheris_runs = 20_000, 200, 0
-    names = [n for n in args.targets.split(",") if n]
-    unknown = [n for n in names if n not in TARGETS]
-    if unknown:
-        p.error(f"unknown targets {unknown}; choose from {list(TARGETS)}")
+    names: list[str] = args.targets
     per_target = max(args.cases // len(names), 1)
-    command = " ".join(["python -m bench.fuzz", *(argv if argv is not None else sys.argv[1:])])
-    report: dict[str, Any] = {"command": command, "python": sys.version.split()[0], "targets": {}}
+    python = sys.version.split()[0]
+    report: dict[str, Any] = {"command": _command(), "python": python, "targets": {}}
     total_cases = total_failures = 0
     for name in names:
         target = TARGETS[name]
@@ -193,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json_path, "w") as f:
             f.write(text + "\n")
     return 1 if total_failures else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run_from_args(p.parse_args(argv))
 
 
 def _line(row: dict[str, Any]) -> str:

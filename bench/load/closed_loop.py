@@ -43,7 +43,7 @@ from relay.protocol.sse_reader import SSEDecoder
 from relay.service import runtime
 from worker.chat.coalesce import DEFAULT_POLICY
 
-__all__ = ["Workload", "main", "run", "summary"]
+__all__ = ["Workload", "add_arguments", "main", "run", "run_from_args", "summary"]
 
 _STAMP = re.compile(r"\[(\d{19})\]")
 
@@ -201,18 +201,16 @@ def markdown(r: dict[str, Any]) -> str:
     )  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.load.closed_loop",
-        description="Engine token -> screen latency: closed loop vs relay, same tokens.",
-    )
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="10 sessions, 1 turn (< 30 s)")
     ap.add_argument("--sessions", type=int, help="concurrent sessions (default 50)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--seed", type=int, default=0, help="accepted for symmetry; no randomness")
     ap.add_argument("--coalesce-ms", type=float, help="the worker's coalescing delay (shipped: 50)")
     ap.add_argument("--coalesce-tokens", type=int, help="the worker's batch size (1: no merging)")
-    args = ap.parse_args(argv)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
     runtime.exit_on_sigterm()
     wl = Workload(sessions=10, turns=1, tokens=32) if args.quick else Workload()
     if args.sessions is not None:
@@ -234,6 +232,15 @@ def main(argv: list[str] | None = None) -> int:
         log(f"tokens missed: {missed}")
         return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.load.closed_loop",
+        description="Engine token -> screen latency: closed loop vs relay, same tokens.",
+    )
+    add_arguments(ap)
+    return run_from_args(ap.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -431,6 +431,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    with contextlib.suppress(ImportError):  # the clients on uvloop, through every entry point
+        import uvloop
+
+        uvloop.install()
     res = asyncio.run(run(config_from_args(args), args.redis))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -443,16 +447,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 1 if bad or res["server_log_tracebacks"] else 0
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.peers.socketio", description=__doc__)
     add_arguments(ap)
-    args = ap.parse_args(argv)
-    with contextlib.suppress(ImportError):
-        import uvloop
-
-        uvloop.install()
-    sys.exit(run_from_args(args))
+    return run_from_args(ap.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

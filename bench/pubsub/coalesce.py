@@ -42,7 +42,7 @@ from relay.protocol.keys import new_session_id
 from worker.chat.coalesce import Batch, CoalescePolicy, TokenPump
 from worker.engines.client import EngineClient
 
-__all__ = ["SETTINGS", "main", "run_setting"]
+__all__ = ["SETTINGS", "add_arguments", "main", "run_from_args", "run_setting"]
 
 SETTINGS: list[tuple[int, float]] = [
     (1, 0.0),
@@ -187,8 +187,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.pubsub.coalesce", description=__doc__)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write the results here")
     p.add_argument("--quick", action="store_true", help="fewer streams, shorter replies")
     p.add_argument("--redis", help="an existing cluster (default: start a local one)")
@@ -196,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=None)
     p.add_argument("--reply", type=int, default=None, help="max reply tokens")
     p.add_argument("--repeats", type=int, default=None)
-    args = p.parse_args(argv)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
     args.streams = args.streams or (8 if args.quick else 32)
     args.reply = args.reply or (48 if args.quick else 128)
     args.repeats = args.repeats or (1 if args.quick else 2)
@@ -205,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.pubsub.coalesce", description=__doc__)
+    add_arguments(p)
+    return run_from_args(p.parse_args(argv))
 
 
 if __name__ == "__main__":

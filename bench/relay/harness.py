@@ -1,8 +1,9 @@
 """What the relay benchmarks share: the relay under test as its own process, the
 publisher child, sessions placed on one master, and CPU accounting of every participant.
 
-Used by :mod:`bench.relay.throughput`, :mod:`bench.relay.phases_more` and the peer
-comparisons (:mod:`bench.peers.socketio`, :mod:`bench.peers.ws_clients`, :mod:`bench.peers.node`).
+Used by :mod:`bench.relay.throughput` (its :mod:`bench.relay.ceilings` and
+:mod:`bench.relay.phases`) and the peer comparisons (:mod:`bench.peers.socketio`,
+:mod:`bench.peers.ws_clients`, :mod:`bench.peers.node`).
 Processes are started and stopped (by pid) with :mod:`devstack.procs`.
 
 Order of use::

@@ -17,7 +17,7 @@ holds before and after the ``n`` connections, divided by ``n``:
   of each object itself (``sys.getsizeof``, not what it refers to).
 
 Clients: :class:`bench.relay.sse_clients.StampCounter` (SSE) or
-:func:`bench.relay.phases_more.ws_open` (WebSocket) in ``python -m bench.relay.memory
+:func:`bench.relay.phases.ws_open` (WebSocket) in ``python -m bench.relay.memory
 --_clients SPEC``, which prints ``ready`` once every connection saw the relay's hello
 and holds them until stopped by pid (:mod:`devstack.procs`). A cluster is started
 here unless ``--redis``. Loopback only.
@@ -53,7 +53,7 @@ __all__ = ["add_arguments", "main", "measure", "run_from_args"]
 
 async def _clients(spec: dict[str, Any]) -> None:
     """Child: open the connections, say ``ready``, hold them until stopped."""
-    from bench.relay.phases_more import ws_open
+    from bench.relay.phases import ws_open
     from bench.relay.sse_clients import Tally, open_clients
 
     raise_nofile(len(spec["sids"]) + 100)

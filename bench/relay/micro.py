@@ -39,7 +39,7 @@ from relay.protocol.codes import CloseCode
 from relay.protocol.frame import Frame, encode
 from relay.protocol.keys import live_channel, new_session_id
 
-__all__ = ["main", "measure"]
+__all__ = ["add_arguments", "main", "measure", "run_from_args"]
 
 
 class _CountingTransport:
@@ -139,8 +139,7 @@ async def measure(
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.relay.micro", description=__doc__)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="100,000 frames, 3 runs")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--seed", type=int, default=0, help="shuffles the sessions' order (0)")
@@ -149,7 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--per-chunk", type=int, default=2, help="frames per read chunk (2)")
     ap.add_argument("--repeats", type=int, help="runs (5; quick 3)")
     ap.add_argument("--profile", action="store_true", help="cProfile one more run")
-    args = ap.parse_args(argv)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
     if args.sessions < 1 or args.per_chunk < 1:
         raise SystemExit("--sessions and --per-chunk must be >= 1")
     frames = args.frames or (100_000 if args.quick else 300_000)
@@ -168,7 +169,14 @@ def main(argv: list[str] | None = None) -> None:
         print(prof)
     if args.json:
         write_json(args.json, res)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.relay.micro", description=__doc__)
+    add_arguments(ap)
+    return run_from_args(ap.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

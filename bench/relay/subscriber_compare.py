@@ -49,7 +49,7 @@ from relay.protocol.slotmap import Addr, parse_shards, slot_of
 
 NAN = float("nan")
 
-__all__ = ["main", "run"]
+__all__ = ["add_arguments", "main", "run", "run_from_args"]
 
 PAYLOAD = 100
 
@@ -273,16 +273,15 @@ async def run(url: str | None, *, quick: bool, publishers: int = 1) -> dict[str,
         }
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.relay.subscriber_compare", description=__doc__
-    )
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="20k messages over 60 channels")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--url", help="use this cluster instead of starting one")
     ap.add_argument("--publishers", type=int, default=1, help="publisher processes (flood)")
     ap.add_argument("--_publish", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
     try:
         import uvloop
 
@@ -292,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     if args._publish:
         host, port, channels, n, rate = json.loads(Path(args._publish).read_text())
         asyncio.run(_publish(Addr(host, port), channels, n, rate))
-        return
+        return 0
     report = asyncio.run(run(args.url, quick=args.quick, publishers=args.publishers))
     print(f"\n{report['messages']} msgs, {report['channels']} channels, {report['shards']} shards")
     print(
@@ -308,7 +307,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.relay.subscriber_compare", description=__doc__
+    )
+    add_arguments(ap)
+    return run_from_args(ap.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -38,9 +38,12 @@ publishers run as ``python -m bench.relay.publisher SPEC``. Each is stopped by i
 pid (:mod:`devstack.procs`: SIGCONT, SIGTERM, SIGKILL after 15 s); a cluster started
 here is stopped by :func:`devstack.cluster.launcher.local_cluster`. Loopback only.
 
-Modules: this one (the run, the table, the flags), :mod:`bench.relay.phases`
-(phases 1-5), :mod:`bench.relay.phases_more` (hiredis reader, idle WebSocket, replay,
-profiling), :mod:`bench.relay.harness` (relay process, publisher child, CPU meter).
+Modules: this one (the run, the table, the flags), :mod:`bench.relay.ceilings` (the
+redis-py and hiredis readers without a relay: phase 1 and its hiredis twin),
+:mod:`bench.relay.phases` (the relay's phases: drain, latency, idle SSE and WebSocket,
+replay), :mod:`bench.relay.instruments` (what reads the relay under test: ``/metrics``,
+loop lag, relay view, py-spy), :mod:`bench.relay.harness` (relay process, publisher
+child, CPU meter).
 
 Phases 1-3 run ``repeats`` (3) rounds side by side (raw, relay1, fanout, raw, ...) and
 report each one's median round (``rounds_per_s`` in the JSON has them all): this
@@ -70,7 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._util import raise_nofile, write_json
-from bench.relay import phases_more as relay_phases
+from bench.relay.ceilings import raw_hiredis_phase, raw_phase
 from bench.relay.harness import (
     SECRET,
     bare_process,
@@ -79,13 +82,15 @@ from bench.relay.harness import (
     sessions,
     slotmap,
 )
+from bench.relay.instruments import summarize_profile
 from bench.relay.phases import (
     Config,
     drain_phase,
     idle_phase,
+    idle_ws_phase,
     latency_phase,
     median_round,
-    raw_phase,
+    replay_phase,
 )
 from relay.broker.rediscluster.nodeconn import raw_command
 from relay.protocol.slotmap import Addr
@@ -163,7 +168,7 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
                     if "hiredis" in rounds:
                         progress(f"{n} raw hiredis: the relay's own per-node reader alone")
                         rounds["hiredis"].append(
-                            await relay_phases.raw_hiredis_phase(
+                            await raw_hiredis_phase(
                                 url, sessions(cfg.sessions, smap, master), cfg.frames,
                                 run_publisher,
                             )
@@ -195,7 +200,7 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
                     sids = sessions(cfg.lat_sessions, smap, None)
                     l5 = await latency_phase(relay, url, smap, sids, cfg5k, prof)
                     if prof is not None:
-                        l5["profile"] = relay_phases.summarize_profile(prof)
+                        l5["profile"] = summarize_profile(prof)
                     ph["latency_5k"] = l5
                 logs.append(relay.log_path.read_text(errors="replace"))
         if "bare" in want:
@@ -221,7 +226,7 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
         if "idle_ws" in want:
             async with relay_process(url, log_dir, "bench-relay-d", cfg.idle + 100) as relay:
                 progress(f"idle: {cfg.idle} idle WebSocket connections")
-                ph["idle_ws"] = await relay_phases.idle_ws_phase(
+                ph["idle_ws"] = await idle_ws_phase(
                     relay.pid, relay.port, sessions(cfg.idle + 1, smap, None), SECRET,
                     cfg.connect_window,
                 )  # fmt: skip
@@ -229,7 +234,7 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
         if "replay" in want:
             async with relay_process(url, log_dir, "bench-relay-e", 1_000) as relay:
                 progress(f"replay: {cfg.replay_frames} frames from 0 x {cfg.replay_clients} SSE")
-                ph["replay"] = await relay_phases.replay_phase(
+                ph["replay"] = await replay_phase(
                     url, relay.pid, relay.port, sessions(1, smap, None)[0], SECRET,
                     cfg.replay_frames, cfg.replay_clients,
                 )  # fmt: skip
@@ -465,6 +470,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    with contextlib.suppress(ImportError):  # the clients on uvloop, through every entry point
+        import uvloop
+
+        uvloop.install()
     res = asyncio.run(run(config_from_args(args), args.redis))
     print(_table(res))
     if args.json:
@@ -479,16 +488,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 1 if lost or res["relay_log_tracebacks"] else 0
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.relay.throughput", description=__doc__)
     add_arguments(ap)
-    args = ap.parse_args(argv)
-    with contextlib.suppress(ImportError):
-        import uvloop
-
-        uvloop.install()
-    sys.exit(run_from_args(args))
+    return run_from_args(ap.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -78,7 +78,16 @@ from worker.routing.lease import EngineSpec, Lease
 from worker.routing.loadshare import WorkerReport, compute_view
 from worker.routing.router import Router
 
-__all__ = ["LEVELS", "POLICIES", "SimConfig", "main", "run", "run_all"]
+__all__ = [
+    "LEVELS",
+    "POLICIES",
+    "SimConfig",
+    "add_arguments",
+    "main",
+    "run",
+    "run_all",
+    "run_from_args",
+]
 
 POLICIES: Final = (
     "round_robin",
@@ -599,17 +608,14 @@ def plot(res: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.routing.loadshare_sim",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="150 simulated seconds instead of 600")
     ap.add_argument("--seed", type=int, default=7, help="random seed (default 7)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--plot", metavar="PATH", help="PNG of hit rate and TTFT p99 against load")
-    args = ap.parse_args(argv)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     res = run_all(quick=args.quick, seed=args.seed)
     res["wall_s"] = round(time.perf_counter() - t0, 2)
@@ -620,7 +626,18 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(res, f, indent=2)
     if args.plot:
         plot(res, args.plot)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.routing.loadshare_sim",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(ap)
+    return run_from_args(ap.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

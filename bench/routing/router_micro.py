@@ -30,7 +30,7 @@ from worker.routing.lease import AllEnginesFull, EngineSpec, Lease
 from worker.routing.policy import DEFAULT_SPILL
 from worker.routing.router import Router
 
-__all__ = ["ENGINE_COUNTS", "MODES", "hash_ns", "main", "measure"]
+__all__ = ["ENGINE_COUNTS", "MODES", "add_arguments", "hash_ns", "main", "measure", "run_from_args"]
 
 ENGINE_COUNTS = (4, 16, 64)
 MODES = ("idle", "saturated", "saturated_least_loaded", "full")
@@ -100,11 +100,12 @@ def measure(n_engines: int, mode: str, repeats: int) -> float:
     return ns
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.routing.router_micro", description=__doc__)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--quick", action="store_true", help="fewer repeats")
-    args = ap.parse_args(argv)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
     repeats = 5 if args.quick else 31
     out: dict[str, Any] = {
         "route_release_ns": {},
@@ -123,7 +124,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=2)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.routing.router_micro", description=__doc__)
+    add_arguments(ap)
+    return run_from_args(ap.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

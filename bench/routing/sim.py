@@ -61,7 +61,17 @@ from bench.routing.workloads import (
     synthetic,
 )
 
-__all__ = ["DEFAULT_POLICY", "LEVELS", "POLICIES", "capacity", "main", "run_all", "workload"]
+__all__ = [
+    "DEFAULT_POLICY",
+    "LEVELS",
+    "POLICIES",
+    "add_arguments",
+    "capacity",
+    "main",
+    "run_all",
+    "run_from_args",
+    "workload",
+]
 
 LEVELS: Final = (0.5, 0.75, 1.0, 1.5)
 WORKLOADS: Final = ("trace", "synthetic", "pulse")
@@ -287,12 +297,7 @@ def plot(res: dict[str, Any], prefix: str) -> list[str]:
     return paths
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.routing.sim",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quick", action="store_true", help="1,500 trace requests, 90 s synthetic")
     ap.add_argument("--seed", type=int, default=7, help="first seed (default 7)")
     ap.add_argument("--seeds", type=int, default=3, help="seeds averaged (default 3)")
@@ -319,7 +324,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--plot", metavar="PREFIX", help="write PREFIX_<workload>.png")
-    args = ap.parse_args(argv)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
     if args.seeds < 1 or args.engines < 1 or args.procs < 1:
         sys.exit("routing_sim: --seeds, --engines and --procs must be >= 1")
     if not (args.route_queue >= 0 and args.recompute_weight >= 0):
@@ -357,7 +364,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.plot:
         for p in plot(res, args.plot):
             print(f"wrote {p}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.routing.sim",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(ap)
+    return run_from_args(ap.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

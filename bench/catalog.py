@@ -1,0 +1,152 @@
+"""Every benchmark, listed once: its name, its module, what it answers, and its quick run.
+
+Read by ``make bench`` (``python -m bench --quick-all artifacts``: each quick run below),
+``tokenrelay bench <name>`` and ``python -m bench [<name>]`` (:mod:`bench.cli`), and
+``tests/bench/test_catalog.py``. Another benchmark is one more :class:`Benchmark` here.
+
+Each module named here provides ``add_arguments(parser)`` (its flags) and
+``run_from_args(args) -> int`` (the run; the exit code), and runs as ``python -m
+<module> [flags]`` with the same flags: the command lines the docs cite beside their
+figures. A quick run is ``python -m <module> <quick> --json DIR/<name>.json`` (and
+``--plot DIR/<name>.png`` where the benchmark draws one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["CATALOG", "AddArguments", "Benchmark", "RunFromArgs", "find"]
+
+AddArguments = Callable[[argparse.ArgumentParser], None]
+RunFromArgs = Callable[[argparse.Namespace], int]
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str  # tokenrelay bench <name>, python -m bench <name>, artifacts/<name>.json
+    module: str  # python -m <module>; holds add_arguments and run_from_args
+    help: str  # one line: what it answers
+    quick: tuple[str, ...] | None = ("--quick",)  # flags of its run in make bench; None: none
+    plot: bool = False  # the quick run draws --plot DIR/<name>.png too
+    aliases: tuple[str, ...] = ()  # other names it answers to on the command line
+
+    def quick_argv(self, out: Path) -> list[str]:
+        """The flags of the quick run, its JSON (and plot) in ``out``."""
+        if self.quick is None:
+            raise ValueError(f"{self.name} has no quick run")
+        argv = [*self.quick, "--json", str(out / f"{self.name}.json")]
+        if self.plot:
+            argv += ["--plot", str(out / f"{self.name}.png")]
+        return argv
+
+    def entry(self) -> tuple[AddArguments, RunFromArgs]:
+        """The module's ``add_arguments`` and ``run_from_args`` (imports the module)."""
+        mod = importlib.import_module(self.module)
+        add: AddArguments = mod.add_arguments
+        run: RunFromArgs = mod.run_from_args
+        return add, run
+
+
+# In the order make bench runs them (that of the list the Makefile used to spell out).
+CATALOG: tuple[Benchmark, ...] = (
+    Benchmark(
+        "router_micro",
+        "bench.routing.router_micro",
+        "ns per route + release of the worker's router, beside the bare hash",
+    ),
+    Benchmark(
+        "routing_sim",
+        "bench.routing.sim",
+        "every routing policy through a vLLM-like engine model: goodput, TTFT, ITL, hits",
+        plot=True,
+    ),
+    Benchmark(
+        "pubsub_cluster",
+        "bench.pubsub.cluster",
+        "PUBLISH vs SPUBLISH cost on local Redis Clusters",
+        plot=True,
+        aliases=("pubsub",),
+    ),
+    Benchmark(
+        "subscriber_compare",
+        "bench.relay.subscriber_compare",
+        "the relay's per-node shard reader against redis-py's ClusterPubSub",
+    ),
+    Benchmark(
+        "coalesce",
+        "bench.pubsub.coalesce",
+        "token coalescing: Redis operations per token against the delay it adds",
+    ),
+    Benchmark(
+        "affinity",
+        "bench.routing.affinity",
+        "engines' prefix-cache hit rate: ring routing vs round robin",
+    ),
+    Benchmark(
+        "loadtest",
+        "bench.load.loadtest",
+        "many screens per session while turns stream (SSE + WS)",
+        quick=("--quick", "--no-progress"),
+    ),
+    Benchmark(
+        "faults",
+        "bench.faults.drills",
+        "fault drills: loss, duplicates, order and recovery while a stack is broken",
+    ),
+    Benchmark(
+        "fuzz",
+        "bench.fuzz.run",
+        "hostile inputs to the frame, session-id, offset and token parsers",
+    ),
+    Benchmark(
+        "mq_vs_pubsub",
+        "bench.pubsub.mq_vs_pubsub",
+        "token streaming: Redis sharded Pub/Sub vs RabbitMQ (queue per connection, topic)",
+    ),
+    Benchmark(
+        "closed_loop",
+        "bench.load.closed_loop",
+        "engine token -> screen latency: the worker's closed loop vs the relay path",
+    ),
+    Benchmark(
+        "relay_throughput",
+        "bench.relay.throughput",
+        "one relay process: frames/s vs a raw Redis reader, fan-out, latency, RSS per idle conn",
+    ),
+    Benchmark(
+        "relay_micro",
+        "bench.relay.micro",
+        "the relay's own code per frame, shard reader callback to transport.write, no sockets",
+    ),
+    Benchmark(
+        "peer_socketio",
+        "bench.peers.socketio",
+        "the relay beside Socket.IO with the sharded Redis adapter: CPU/msg, latency, RSS/conn",
+    ),
+    # Not in make bench, as before: the previous routing simulator, kept for what it
+    # showed (docs/ROUTING.md), and a profile of memory rather than a measurement.
+    Benchmark(
+        "loadshare_sim",
+        "bench.routing.loadshare_sim",
+        "several worker pods sharing each engine's cap: peak in-flight / cap, shares",
+        quick=None,
+    ),
+    Benchmark(
+        "relay_memory",
+        "bench.relay.memory",
+        "where an idle SSE or WebSocket connection's memory goes inside a relay",
+        quick=None,
+    ),
+)
+
+
+def find(name: str) -> Benchmark:
+    """The benchmark called ``name`` (or one of its aliases); KeyError if none is."""
+    for b in CATALOG:
+        if name == b.name or name in b.aliases:
+            return b
+    raise KeyError(name)
