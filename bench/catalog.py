@@ -118,6 +118,11 @@ CATALOG: tuple[Benchmark, ...] = (
         "one relay process: frames/s vs a raw Redis reader, fan-out, latency, RSS per idle conn",
     ),
     Benchmark(
+        "relay_anatomy",
+        "bench.relay.anatomy",
+        "a live frame's walk through the relay's modules; objects per idle connection",
+    ),
+    Benchmark(
         "relay_micro",
         "bench.relay.micro",
         "the relay's own code per frame, shard reader callback to transport.write, no sockets",

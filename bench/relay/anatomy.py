@@ -10,9 +10,12 @@ idle connection holds.
   is a run of consecutive calls in one module: entering a module again after another
   is a new visit), the distinct modules, and the modules entered more than once.
 - **Idle objects.** ``--idle`` SSE streams (then as many WebSockets) are opened on a
-  fresh session each and left idle; the objects the garbage collector tracks are
-  counted by type before and after, and divided by the number of connections: the
-  project's own types, and every type (aiohttp's request objects, futures, lists...).
+  fresh session each and left idle, then as many SSE streams of one session; the
+  objects the garbage collector tracks are counted by type before and after, and
+  divided by the number of connections: the project's own types, and every type
+  (aiohttp's request objects, futures, lists...). With a session each, the session's
+  channel (its state in the hub, its resume) counts per connection; on one session it
+  does not.
 
 ``python -m bench.relay.anatomy [--redis URL] [--idle N] [--json PATH]``
 (a local Redis Cluster is started unless ``--redis``). ``--seed`` is accepted for the
@@ -43,7 +46,7 @@ from relay.edge.config import RelayConfig
 from relay.edge.http.app import make_app, make_runner
 from relay.protocol.keys import new_session_id
 
-__all__ = ["count_idle", "main", "trace_walk"]
+__all__ = ["add_arguments", "count_idle", "main", "run_from_args", "trace_walk"]
 
 ROOT = Path(__file__).resolve().parents[2]
 _PROJECT = tuple(str(ROOT / p) for p in ("relay", "worker", "devstack"))
@@ -194,11 +197,12 @@ def _census() -> Counter[str]:
 # WebSocket upgrade), the reply's head read, then nothing until stdin closes.
 _CLIENTS = r"""
 import base64, os, socket, sys
-port, n, kind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+port, n, kind, shared = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
 socks = []
 for i in range(n):
     s = socket.create_connection(("127.0.0.1", port))
-    path = f"/v1/sessions/anatomy{os.getpid()}x{i}/" + ("events" if kind == "sse" else "ws")
+    sid = f"anatomy{os.getpid()}" + ("" if shared else f"x{i}")
+    path = f"/v1/sessions/{sid}/" + ("events" if kind == "sse" else "ws")
     head = f"GET {path} HTTP/1.1\r\nHost: x\r\n"
     if kind == "ws":
         key = base64.b64encode(os.urandom(16)).decode()
@@ -215,15 +219,18 @@ sys.stdin.read()
 
 
 async def count_idle(url: str, n: int) -> dict[str, Any]:
-    """Objects per idle connection, by type, for ``n`` SSE streams and ``n`` WebSockets
-    (the clients in a child process, stopped by its pid)."""
+    """Objects per idle connection, by type: ``n`` SSE streams and ``n`` WebSockets, each
+    on a session of its own (so the session's channel counts per connection), then ``n``
+    SSE streams of one session (``sse_one_session``: the connection's own objects only).
+    The clients run in a child process, stopped by its pid."""
     out: dict[str, Any] = {}
     async with _relay(url) as port:
-        for transport in ("sse", "ws"):
+        for name in ("sse", "ws", "sse_one_session"):
+            transport, shared = name.split("_")[0], name.endswith("one_session")
             await asyncio.sleep(1.0)  # the last phase's connections and channels are gone
             before = _census()
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", _CLIENTS, str(port), str(n), transport,
+                sys.executable, "-c", _CLIENTS, str(port), str(n), transport, str(int(shared)),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             )  # fmt: skip
             try:
@@ -240,21 +247,24 @@ async def count_idle(url: str, n: int) -> dict[str, Any]:
                 if proc.returncode is None:
                     proc.kill()
                     await proc.wait()
+            # types with at least one more object per connection (a shared session's
+            # channel, one in all, is below that bar: it is not the connection's)
             diff = {k: (after[k] - before[k]) / n for k in after if after[k] - before[k] >= n}
             own = {k: v for k, v in diff.items() if k.startswith(("relay.", "worker."))}
-            out[transport] = {"project": own, "all": dict(sorted(diff.items()))}
+            out[name] = {"project": own, "all": dict(sorted(diff.items()))}
             await asyncio.sleep(0.5)
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.relay.anatomy", description=__doc__)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--redis", help="redis://host:port of a running cluster (default: start one)")
     ap.add_argument("--idle", type=int, default=200, help="idle connections per transport (200)")
     ap.add_argument("--quick", action="store_true", help="50 idle connections per transport")
     ap.add_argument("--seed", type=int, default=0, help="(nothing here is random)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    args = ap.parse_args(argv)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
     n = 50 if args.quick else args.idle
     if n < 1:
         raise SystemExit("--idle must be >= 1")
@@ -278,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(args.json, res)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.relay.anatomy", description=__doc__)
+    add_arguments(ap)
+    return run_from_args(ap.parse_args(argv))
 
 
 if __name__ == "__main__":
