@@ -35,7 +35,8 @@ from bench._util import self_cpu_s
 from bench.relay.harness import slotmap
 from relay.broker.rediscluster.connect import connect
 from relay.broker.rediscluster.nodeconn import raw_command
-from relay.broker.rediscluster.publisher import PUBLISH, Draft, Generation, Publisher
+from relay.broker.rediscluster.publisher import Draft, Generation, Publisher
+from relay.broker.rediscluster.scripts import PUBLISH
 from relay.protocol.frame import Frame, encode
 from relay.protocol.keys import live_channel, log_key, meta_key
 from relay.protocol.slotmap import Addr, slot_of
@@ -86,7 +87,7 @@ async def publish_paced(
     stamp_at_send: bool = True,
 ) -> dict[str, Any]:
     """``rate`` token frames/s per session for ``seconds``, one frame per call of the
-    publish script (:data:`relay.broker.rediscluster.publisher.PUBLISH`, its argument layout of
+    publish script (:data:`relay.broker.rediscluster.scripts.PUBLISH`, its argument layout of
     ``Generation._write``), pipelined per master on raw connections: redis-py costs more
     CPU per call than this machine can give to 20,000 calls/s."""
     redis = connect(url)

@@ -49,6 +49,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.errors import RelayError
 from relay.broker.rediscluster.errors import map_redis_errors
+from relay.broker.rediscluster.scripts import PRESENCE_COUNT, PRESENCE_WRITE
 from relay.protocol.keys import KeyKind, hist_key, key, log_key, meta_key, presence_key
 
 if TYPE_CHECKING:
@@ -56,33 +57,9 @@ if TYPE_CHECKING:
 
 __all__ = ["COUNT_LUA", "WRITE_LUA", "Presence", "count_present", "write_keys"]
 
-# KEYS[1] presence key, KEYS[2] the session's meta hash, KEYS[3..] its other keys to keep
-# alive (only KEYS[1]: the entry alone); ARGV[1] relay id, ARGV[2] ttl ms. Score = server
-# now + ttl; entries already expired are dropped; the key lives as long as its newest
-# entry. The session's keys get at least max(its stored lifetime, the entry's ttl),
-# never less than they have.
-WRITE_LUA: Final = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ttl = tonumber(ARGV[2])
-redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
-local life = 0
-if KEYS[2] then life = tonumber(redis.call('HGET', KEYS[2], 'ttl') or '0') or 0 end
-if life > 0 then
-  life = math.max(life * 1000, ttl)
-  for i = 2, #KEYS do redis.call('PEXPIRE', KEYS[i], life, 'GT') end
-end
-return now
-"""
+WRITE_LUA: Final = PRESENCE_WRITE.source  # lua/presence_write.lua
 
-# KEYS[1] presence key: relays whose entry expires after the server's now.
-COUNT_LUA: Final = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-return redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
-"""
+COUNT_LUA: Final = PRESENCE_COUNT.source  # lua/presence_count.lua
 
 
 def write_keys(sid: str) -> tuple[str, ...]:

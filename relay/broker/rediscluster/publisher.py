@@ -44,7 +44,6 @@ Each frame is encoded exactly once, in Python. redis-py errors become
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -52,12 +51,11 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import msgspec
-import redis.exceptions as rex
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.base import BacklogPage, ReapResult, ReapStatus
 from relay.broker.errors import Fenced, OffsetConflict, RedisCommandError, RedisUnavailable
-from relay.broker.rediscluster.errors import map_redis_errors
+from relay.broker.rediscluster.scripts import OPEN, PUBLISH, READ, REAP, SEAL
 from relay.protocol.frame import Frame, Kind, encode, now_ms
 from relay.protocol.keys import (
     BACKLOG_MAXLEN,
@@ -80,145 +78,6 @@ __all__ = [
     "reap",
     "seal",
 ]
-
-_OPEN_LUA: Final = """
-local gen = redis.call('HGET', KEYS[1], 'gen')
-local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
-local turn = redis.call('HINCRBY', KEYS[1], 'turn', 1)
-local off = tonumber(redis.call('HGET', KEYS[1], 'offset') or '0')
-if off == 0 then
-  local top = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
-  if top[1] then
-    off = tonumber(string.match(top[1][1], '^(%d+)'))
-    redis.call('HSET', KEYS[1], 'offset', off)
-    if not gen then  -- a failover lost the hash, not the backlog: same generation
-      local ok, f = pcall(cjson.decode, top[1][2][2])
-      if ok and type(f.meta) == 'table' and type(f.meta.gen) == 'string' then gen = f.meta.gen end
-    end
-  end
-end
-if not gen then gen = ARGV[2] end
-redis.call('HSET', KEYS[1], 'open', turn, 'gen', gen, 'ttl', ARGV[1])
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-redis.call('EXPIRE', KEYS[2], ARGV[1])
-return {epoch, turn, off, gen}
-"""
-
-_PUBLISH_LUA: Final = """
-local cur = redis.call('HMGET', KEYS[1], 'epoch', 'offset', 'gen')
-local epoch = tonumber(cur[1] or '0')
-local off = tonumber(cur[2] or '0')
-if epoch > tonumber(ARGV[1]) then return redis.error_reply('FENCED ' .. epoch) end
-if cur[3] and cur[3] ~= ARGV[7] then return redis.error_reply('FENCED ' .. epoch) end
-if off ~= tonumber(ARGV[2]) then return redis.error_reply('OFFSET ' .. off) end
-if epoch < tonumber(ARGV[1]) then
-  -- a failover lost our open_generation (asynchronous replication): restore it
-  redis.call('HSET', KEYS[1], 'epoch', ARGV[1], 'open', ARGV[6], 'gen', ARGV[7])
-  local turn = tonumber(redis.call('HGET', KEYS[1], 'turn') or '0')
-  if turn < tonumber(ARGV[6]) then redis.call('HSET', KEYS[1], 'turn', ARGV[6]) end
-end
-for i = 8, #ARGV do
-  off = off + 1
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], string.format('%d-1', off), 'f', ARGV[i])
-  redis.call('SPUBLISH', KEYS[3], ARGV[i])
-end
-redis.call('HSET', KEYS[1], 'offset', off)
-redis.call('HSETNX', KEYS[1], 'ttl', ARGV[4])
-if ARGV[5] == '1' then redis.call('HDEL', KEYS[1], 'open') end
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-redis.call('EXPIRE', KEYS[2], ARGV[4])
-return off
-"""
-
-_REAP_LUA: Final = """
-if redis.call('EXISTS', KEYS[4]) == 1 then return {'locked', 0, 0} end
-local turn = tonumber(redis.call('HGET', KEYS[1], 'open') or '0')
-if turn == 0 then return {'idle', 0, 0} end
-local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
-local off = tonumber(redis.call('HGET', KEYS[1], 'offset') or '0') + 1
-local gen = redis.call('HGET', KEYS[1], 'gen')
-local g = ''
-if gen then g = ',"gen":' .. cjson.encode(gen) end
-local frame = string.format(
-  '{"v":1,"session":%s,"turn":%d,"offset":%d,"kind":"error","text":%s,"epoch":%d,' ..
-  '"ts":%s,"meta":{"code":"worker_lost","reaped_by":%s%s}}',
-  cjson.encode(ARGV[3]), turn, off, cjson.encode(ARGV[5]), epoch, ARGV[4],
-  cjson.encode(ARGV[6]), g)
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], string.format('%d-1', off), 'f', frame)
-redis.call('SPUBLISH', KEYS[3], frame)
-redis.call('HSET', KEYS[1], 'offset', off)
-redis.call('HDEL', KEYS[1], 'open')
-local ttl = redis.call('TTL', KEYS[1])  -- keep the session's own lifetime
-if ttl < 1 then ttl = tonumber(ARGV[2]) end
-redis.call('EXPIRE', KEYS[1], ttl)
-redis.call('EXPIRE', KEYS[2], ttl)
-return {'reaped', off, turn}
-"""
-
-_SEAL_LUA: Final = """
-local cur = redis.call('HMGET', KEYS[1], 'offset', 'gen')
-local off = tonumber(cur[1] or '0')
-local seen = tonumber(ARGV[1])
-if off >= seen then return 0 end
--- another generation (the keys expired and restarted), or none: nothing to seal
-if ARGV[7] ~= '' and cur[2] ~= ARGV[7] then return 0 end
-local g = ''
-if cur[2] then g = ',"gen":' .. cjson.encode(cur[2]) end
-local frame = string.format(
-  '{"v":1,"session":%s,"turn":0,"offset":%d,"kind":"gap","text":%s,"ts":%s,' ..
-  '"meta":{"from":%d,"to":%d,"code":"lost_in_failover","sealed_by":%s%s}}',
-  cjson.encode(ARGV[4]), seen, cjson.encode('frames lost in a Redis failover'), ARGV[5],
-  off + 1, seen, cjson.encode(ARGV[6]), g)
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], string.format('%d-1', seen), 'f', frame)
-redis.call('SPUBLISH', KEYS[3], frame)
-redis.call('HSET', KEYS[1], 'offset', seen)
-local ttl = redis.call('TTL', KEYS[1])  -- keep the session's own lifetime
-if ttl < 1 then ttl = tonumber(ARGV[3]) end
-redis.call('EXPIRE', KEYS[1], ttl)
-redis.call('EXPIRE', KEYS[2], ttl)
-return seen - off
-"""
-
-_READ_LUA: Final = """
-local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
-local last = tonumber(redis.call('HGET', KEYS[2], 'offset') or '0')
-local firstoff = last + 1
-if first[1] then firstoff = tonumber(string.match(first[1][1], '^(%d+)')) end
-local out = {firstoff, last, redis.call('HGET', KEYS[2], 'gen') or ''}
-if tonumber(ARGV[2]) > 0 then
-  local entries = redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])
-  local budget = tonumber(ARGV[3] or '0')
-  local size = 0
-  for _, e in ipairs(entries) do
-    if budget > 0 and size > 0 and size + #e[2][2] > budget then break end
-    size = size + #e[2][2]
-    out[#out + 1] = e[2][2]
-  end
-end
-return out
-"""
-
-
-class _Script:
-    """A Lua script run with EVALSHA, falling back to EVAL once on NOSCRIPT."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
-
-    async def __call__(self, redis: RedisCluster, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        with map_redis_errors():
-            try:
-                return await redis.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
-            except rex.NoScriptError:
-                return await redis.execute_command("EVAL", self.source, len(keys), *keys, *args)
-
-
-OPEN: Final = _Script(_OPEN_LUA)
-PUBLISH: Final = _Script(_PUBLISH_LUA)
-READ: Final = _Script(_READ_LUA)
-REAP: Final = _Script(_REAP_LUA)
-SEAL: Final = _Script(_SEAL_LUA)
 
 WORKER_LOST: Final = "worker lost"
 

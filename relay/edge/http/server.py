@@ -287,7 +287,8 @@ class EdgeServer:
         # The watch opens in a task of its own: a client that hangs up (its handler is
         # cancelled) or a timeout must not cancel redis-py mid-command, which breaks the
         # pooled connection for other requests. An abandoned watch is closed once open.
-        opening = asyncio.ensure_future(hub.open(conn))
+        # (a task of the supervisor: a failure is logged there, with its details)
+        opening = self.supervisor.spawn(f"open:{conn.sid}", hub.open(conn))
         try:
             await asyncio.wait_for(asyncio.shield(opening), WATCH_TIMEOUT_S)
         except WatchClosed as exc:
@@ -297,10 +298,8 @@ class EdgeServer:
             self._not_admitted(conn)
             if not opening.done():
                 opening.add_done_callback(functools.partial(self._close_abandoned, conn))
-            log.warning("watch of %s failed: %r", conn.sid, exc)  # details here, not to clients
-            raise Reject(
-                503, Refusal.UNAVAILABLE, "cannot watch the session", RETRY_AFTER
-            ) from None
+                log.warning("watch of %s: no answer in %.0f s", conn.sid, WATCH_TIMEOUT_S)
+            raise Reject(503, Refusal.UNAVAILABLE, "cannot watch the session", RETRY_AFTER) from exc
         except BaseException:
             self._not_admitted(conn)
             opening.add_done_callback(functools.partial(self._close_abandoned, conn))

@@ -1,0 +1,22 @@
+-- End a session's open turn whose producer is gone (its turn lock expired), once.
+-- KEYS: meta hash, backlog stream, live channel, turn lock.
+-- ARGV: maxlen, ttl_s (when the session has none), session, ts (ms), reason, reaper.
+-- Returns {'locked'|'idle'|'reaped', offset, turn}.
+if redis.call('EXISTS', KEYS[4]) == 1 then return {'locked', 0, 0} end
+local turn = tonumber(redis.call('HGET', KEYS[1], 'open') or '0')
+if turn == 0 then return {'idle', 0, 0} end
+local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+local off = tonumber(redis.call('HGET', KEYS[1], 'offset') or '0') + 1
+local meta = {code = 'worker_lost', reaped_by = ARGV[6]}
+local gen = redis.call('HGET', KEYS[1], 'gen')
+if gen then meta.gen = gen end
+local f = frame(ARGV[3], turn, off, 'error', ARGV[5], epoch, ARGV[4], meta)
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], string.format('%d-1', off), 'f', f)
+redis.call('SPUBLISH', KEYS[3], f)
+redis.call('HSET', KEYS[1], 'offset', off)
+redis.call('HDEL', KEYS[1], 'open')
+local ttl = redis.call('TTL', KEYS[1])  -- keep the session's own lifetime
+if ttl < 1 then ttl = tonumber(ARGV[2]) end
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('EXPIRE', KEYS[2], ttl)
+return {'reaped', off, turn}
