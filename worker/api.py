@@ -68,7 +68,7 @@ __all__ = [
     "make_app",
 ]
 
-_log = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 _JSON: Final = "application/json"
 # /readyz: a sentence for each reason not to be ready (a failing loop: its own sentence)
 _NOT_READY: Final = {
@@ -94,7 +94,7 @@ def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = No
 def _redis_refusal(st: WorkerState, sid: str, exc: RelayError) -> web.Response:
     """503 for a turn Redis did not take: a code and a short reason; details to the log."""
     st.metrics.rejected.labels(status="503").inc()
-    _log.warning("turn of %s refused, redis: %r", sid, exc)
+    log.warning("turn of %s refused, redis: %r", sid, exc)
     refused = isinstance(exc, RedisCommandError)  # e.g. out of memory, noeviction
     reason = "redis refused the command" if refused else "redis did not answer"
     return _err(503, "redis_unavailable", reason, headers={"Retry-After": "1"})
@@ -309,7 +309,7 @@ async def _readyz(request: web.Request) -> web.Response:
             with map_redis_errors():
                 await st.redis.ping()
         except RelayError as exc:
-            _log.warning("readyz: redis ping failed: %r", exc)
+            log.warning("readyz: redis ping failed: %r", exc)
             reasons.append("redis_unavailable")
     if reasons:
         sentence = "; ".join(_not_ready_sentence(r) for r in reasons)

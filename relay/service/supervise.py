@@ -49,7 +49,7 @@ from relay.broker.rediscluster.errors import map_redis_errors
 
 __all__ = ["QUICK_BACKOFF", "Backoff", "Loop", "LoopMetrics", "Supervisor", "retrieve"]
 
-log = logging.getLogger("tokenrelay.supervise")
+log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S: Final = 5.0
 

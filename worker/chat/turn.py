@@ -72,7 +72,7 @@ __all__ = [
     "TurnManager",
 ]
 
-_log = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 _HELPER_EXIT_S: Final = 2.0  # how long _end waits for the presence and pump tasks to stop
 
@@ -290,7 +290,7 @@ class TurnManager:
             except RelayError:
                 return  # unknown (Redis away): keep going, the publisher retries or fails
             if not ours:
-                _log.warning("turn %s/%d: turn lock lost; stopping", t.sid, t.gen.turn)
+                log.warning("turn %s/%d: turn lock lost; stopping", t.sid, t.gen.turn)
                 t.lock_lost = True
                 t.abort(AbortReason.LOCK_LOST)
 
@@ -324,7 +324,7 @@ class TurnManager:
             except EngineTimeout as exc:
                 outcome, error = TurnOutcome.TIMEOUT, exc.message
             except EngineError as exc:  # the frame gets a short reason, the log the URL
-                _log.warning("turn %s/%d: %s", t.sid, t.gen.turn, exc.message)
+                log.warning("turn %s/%d: %s", t.sid, t.gen.turn, exc.message)
                 outcome, error = TurnOutcome.ENGINE_ERROR, exc.public_reason
             finally:
                 release_once(t.lease)  # the engine is done with us, whatever happens next
@@ -332,9 +332,9 @@ class TurnManager:
             await pump_task
         except Fenced as exc:
             outcome, error = TurnOutcome.FENCED, None
-            _log.warning("turn %s/%d fenced: %s", t.sid, t.gen.turn, exc)
+            log.warning("turn %s/%d fenced: %s", t.sid, t.gen.turn, exc)
         except RelayError as exc:
-            _log.warning("turn %s/%d: redis: %r", t.sid, t.gen.turn, exc)
+            log.warning("turn %s/%d: redis: %r", t.sid, t.gen.turn, exc)
             outcome, error = TurnOutcome.REDIS_ERROR, "redis unavailable"
         except asyncio.CancelledError:
             outcome, error = TurnOutcome.SHUTDOWN, AbortReason.SHUTDOWN
@@ -342,7 +342,7 @@ class TurnManager:
             await self._end(t, outcome, error, pump, pump_task, presence)
             raise
         except Exception as exc:
-            _log.exception("turn %s/%d failed", t.sid, t.gen.turn)
+            log.exception("turn %s/%d failed", t.sid, t.gen.turn)
             outcome, error = TurnOutcome.INTERNAL_ERROR, f"internal error: {type(exc).__name__}"
         await self._end(t, outcome, error, pump, pump_task, presence)
 
@@ -370,7 +370,7 @@ class TurnManager:
         # from its terminal frame and its lock from being released.
         _, stuck = await asyncio.wait({presence, pump_task}, timeout=_HELPER_EXIT_S)
         for task in stuck:
-            _log.warning("turn %s/%d: %s did not stop", t.sid, t.gen.turn, task.get_name())
+            log.warning("turn %s/%d: %s did not stop", t.sid, t.gen.turn, task.get_name())
         for task in {presence, pump_task} - stuck:
             if not task.cancelled():
                 task.exception()  # retrieved: no "never retrieved" warning
@@ -392,7 +392,7 @@ class TurnManager:
         except Fenced:
             outcome = TurnOutcome.FENCED
         except RelayError as exc:
-            _log.warning("turn %s/%d: terminal frame lost: %s", t.sid, t.gen.turn, exc)
+            log.warning("turn %s/%d: terminal frame lost: %s", t.sid, t.gen.turn, exc)
         finally:
             with contextlib.suppress(RelayError):
                 await self.store.release_lock(t.sid, t.owner)
@@ -416,7 +416,7 @@ class TurnManager:
                 lease = self.router.route(t.route_key, avoid=t.lease.engine.id)
             except AllEnginesFull:
                 raise exc from None
-            _log.warning("turn %s/%d: %s; retrying on %s", t.sid, t.gen.turn, exc, lease.engine.id)
+            log.warning("turn %s/%d: %s; retrying on %s", t.sid, t.gen.turn, exc, lease.engine.id)
             release_once(t.lease)
             t.lease = lease
             await self._read_engine_once(t, pump)

@@ -45,7 +45,7 @@ from worker.state import STATE
 
 __all__ = ["ChatRequest", "parse_chat", "register"]
 
-_log = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 _BLOCK_MS: Final = 1000  # below the worker's Redis socket timeout
 _IDLE_S: Final = 120.0  # no frame of the turn for this long: end the stream with an error
@@ -168,7 +168,7 @@ def register(app: web.Application) -> None:
             retry = str(max(1, math.ceil(exc.retry_after_s)))
             return _err(429, "engines_full", exc.reason, {"Retry-After": retry})
         except RelayError as exc:
-            _log.warning("chat of %s refused, redis: %r", req.session, exc)
+            log.warning("chat of %s refused, redis: %r", req.session, exc)
             return _err(503, "redis_unavailable", "redis did not answer", {"Retry-After": "1"})
         resp = web.StreamResponse(headers=UI_HEADERS)
         await resp.prepare(request)

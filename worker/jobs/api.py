@@ -35,7 +35,7 @@ from worker.jobs.record import JobSpec, JobStore, new_job_id, parse_job_id, publ
 
 __all__ = ["JOBS", "JobsApi", "add_routes"]
 
-_log = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 _JSON: Final = "application/json"
 
 
@@ -147,7 +147,7 @@ async def submit_job(request: web.Request) -> web.Response:
     try:
         await api.submitter.submit(job_id)
     except Exception as exc:  # any broker failure: the job is not queued, say so
-        _log.warning("job %s not queued: %s: %s", job_id, type(exc).__name__, str(exc)[:200])
+        log.warning("job %s not queued: %s: %s", job_id, type(exc).__name__, str(exc)[:200])
         try:
             await api.store.delete(job_id)
             if idem is not None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import os
 import sys
 from typing import Annotated, Any
@@ -40,8 +39,6 @@ from worker.routing.loadshare import LoadExchange
 from worker.routing.router import Router
 
 __all__ = ["JobWorkerSettings", "register", "run"]
-
-_log = logging.getLogger(__name__)
 
 HEALTH_INTERVAL_S = 5.0
 

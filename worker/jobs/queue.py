@@ -64,7 +64,7 @@ from worker.routing.wait import route_wait
 
 __all__ = ["JobRunner", "JobSubmitter", "QueueNames", "RunnerConfig", "declare"]
 
-_log = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 BROKER_DELIVERY_LIMIT: Final = 20
 _FRAME_TEXT: Final = 64 * 1024  # a whole reply goes out in token frames of at most this
 
@@ -272,7 +272,7 @@ class JobRunner:
         except asyncio.CancelledError:
             raise  # not acked: redelivered
         except Exception:
-            _log.exception("job message %s failed", message.message_id)
+            log.exception("job message %s failed", message.message_id)
             outcome = "crashed"
             await asyncio.sleep(self.cfg.backoff_s)
             with contextlib.suppress(Exception):
@@ -308,7 +308,7 @@ class JobRunner:
         try:
             result = await self._generate(job_id, spec)
         except (EngineError, AllEnginesFull, RelayError) as exc:
-            _log.warning("job %s attempt %d: %s", job_id, attempt, exc)
+            log.warning("job %s attempt %d: %s", job_id, attempt, exc)
             await asyncio.sleep(self.cfg.backoff_s)
             await message.nack(requeue=True)
             return "retry"
@@ -377,7 +377,7 @@ class JobRunner:
         deadline = time.monotonic() + self.cfg.notify_lock_wait_s
         while (holder := await self.sessions.acquire_lock(sid, owner)) is not None:
             if time.monotonic() > deadline:
-                _log.warning("job %s: session %s busy (turn %d); not notified", job_id, sid,
+                log.warning("job %s: session %s busy (turn %d); not notified", job_id, sid,
                              holder.turn)  # fmt: skip
                 await self.jobs.note(job_id, {"notified": 0, "notify_error": "session busy"})
                 return
@@ -401,7 +401,7 @@ class JobRunner:
             )
             await self.jobs.note(job_id, {"notified": 1})
         except (Fenced, RelayError) as exc:
-            _log.warning("job %s: session %s not notified: %s", job_id, sid, exc)
+            log.warning("job %s: session %s not notified: %s", job_id, sid, exc)
             with contextlib.suppress(RelayError):
                 await self.jobs.note(job_id, {"notified": 0, "notify_error": type(exc).__name__})
         finally:
