@@ -193,7 +193,7 @@ class EngineAnnouncer:
         self._supervisor = supervisor or Supervisor()
         period = self.ttl_s / 3
         self._supervisor.every(
-            f"engine_heartbeat_{self.spec.id}", period, self.beat, first_delay_s=period
+            f"engine_heartbeat:{self.spec.id}", period, self.beat, first_delay_s=period
         )
 
     async def stop(self, *, withdraw: bool = True) -> None:
