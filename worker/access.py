@@ -40,7 +40,7 @@ from relay.protocol.auth import (
     issue_token,
     verify_token,
 )
-from relay.protocol.keys import turn_rate_key
+from relay.protocol.keys import SESSION_TTL_S, turn_rate_key
 from relay.service.clientaddr import client_address, parse_networks
 from relay.service.ratelimit import Buckets
 
@@ -98,8 +98,8 @@ class WorkerAccess:
         keys: KeySet | None,
         *,
         trusted_proxies: str = "",
-        max_token_ttl_s: int = 86_400,
-        session_ttl_s: int = 86_400,
+        max_token_ttl_s: int = SESSION_TTL_S,
+        session_ttl_s: int = SESSION_TTL_S,
         session_rate_per_s: float = 1.0,
         session_burst: int = 20,
         turns_per_minute: int = 30,

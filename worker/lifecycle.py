@@ -151,8 +151,9 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     http = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
     )
+    engines = cfg.engines  # the static ones (--engine), parsed once
     router = Router(
-        cfg.engines,
+        engines,
         vnodes=cfg.vnodes,
         eps=cfg.eps,
         spill=cfg.spill,
@@ -195,7 +196,7 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     control = ControlPlane(
         router,
         http,
-        cfg.engines,
+        engines,
         redis=redis,
         discover=cfg.discover_engines,
         interval_s=cfg.control_interval_s,
