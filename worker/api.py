@@ -95,7 +95,7 @@ def _redis_refusal(st: WorkerState, sid: str, exc: RelayError) -> web.Response:
 
 
 def _refused(st: WorkerState, exc: Reject) -> web.Response:
-    """A refusal of the turn's admission, counted by status."""
+    """A refused request, counted in the metrics by its status."""
     st.metrics.rejected.labels(status=str(exc.status)).inc()
     return exc.response()
 

@@ -21,10 +21,10 @@ engine-reader task (``reader:<sid>``) pushes deltas into a
 :func:`worker.chat.presence.watch_presence`) refreshes the lock and aborts the reader
 when nobody watched for the grace period. The reader and the pump end with the engine's
 or Redis' failure as their result (the turn's outcome), so the supervisor logs only
-what nobody expected. A runner whose lock refresh finds
-the lock no longer its own (expired during an outage and taken or reaped) stops: it
-aborts the engine request and publishes nothing more, not even a terminal frame (the
-reaper or the newer turn ends the stream; the epoch fencing stays as the second line).
+what nobody expected. A runner whose lock refresh finds the lock no longer its own
+(expired during an outage and taken or reaped) stops: it aborts the engine request and
+publishes nothing more, not even a terminal frame (the reaper or the newer turn ends the
+stream; the epoch fencing stays as the second line).
 The first token frame's meta carries the TTFT and the engine's cached-prefix tokens
 (known only when the engine answers, so not in the ``meta`` frame). The turn ends with
 exactly one terminal frame (the outcomes: :mod:`worker.chat.turnstate`), and on every
@@ -291,10 +291,9 @@ class TurnManager:
         outcome = TurnOutcome.DONE
         error: str | None = None
         pump = TokenPump(lambda b: self._publish_batch(t, b), self.cfg.coalesce)
-        # The turn's children run on the supervisor like every task of the process (what
-        # a bug raises is logged, stop() cancels what is left); _run and _end await them.
-        # An engine's or Redis' failure is their result, not an exception: it is the
-        # turn's outcome, not a crash for the supervisor to log.
+        # Supervised like every task (a bug is logged; stop(), after the drain, cancels
+        # what is left); _run and _end await them. An engine's or Redis' failure is their
+        # result: the turn's outcome, not a crash for the supervisor to log.
         t.reader = self.supervisor.spawn(f"reader:{t.sid}", self._read_engine(t, pump))
         pump_task = self.supervisor.spawn(f"pump:{t.sid}", _pump(pump))
 
