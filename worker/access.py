@@ -12,7 +12,8 @@ create sessions and a session may post turns.
 - The client address is the peer, or ``X-Forwarded-For`` from a trusted proxy
   (:mod:`relay.service.clientaddr`).
 
-Every refusal is a :class:`Refusal` the API turns into 429 + ``Retry-After`` + a reason.
+Every refusal is a :class:`RateLimited` (a :class:`relay.service.errors.Reject`): 429 +
+``Retry-After`` + a :class:`relay.protocol.codes.Refusal` code and a reason.
 
 Order of use: the app builds one :class:`WorkerAccess` at startup; handlers call
 :meth:`~WorkerAccess.authorize`, :meth:`~WorkerAccess.check_creation`,
@@ -21,7 +22,6 @@ Order of use: the app builds one :class:`WorkerAccess` at startup; handlers call
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Final
@@ -40,22 +40,28 @@ from relay.protocol.auth import (
     issue_token,
     verify_token,
 )
-from relay.protocol.keys import turn_rate_key
+from relay.protocol.codes import Refusal
+from relay.protocol.keys import SESSION_TTL_S, turn_rate_key
 from relay.service.clientaddr import client_address, parse_networks
+from relay.service.errors import Reject, retry_after
 from relay.service.ratelimit import Buckets
 
-__all__ = ["INSECURE_TOKEN", "BadTokenRequest", "Refusal", "WorkerAccess", "parse_token_request"]
+__all__ = [
+    "INSECURE_TOKEN",
+    "BadTokenRequest",
+    "RateLimited",
+    "WorkerAccess",
+    "parse_token_request",
+]
 
 INSECURE_TOKEN: Final = "insecure-no-auth"
 
 
-class Refusal(Exception):
+class RateLimited(Reject):
     """A request over an abuse limit: 429 with ``Retry-After`` and this reason."""
 
-    def __init__(self, code: str, reason: str, retry_after_s: float) -> None:
-        super().__init__(reason)
-        self.code, self.reason = code, reason
-        self.retry_after = str(max(1, math.ceil(retry_after_s)))
+    def __init__(self, code: Refusal, reason: str, retry_after_s: float) -> None:
+        super().__init__(429, code, reason, retry_after(retry_after_s))
 
 
 class BadTokenRequest(ValueError):
@@ -98,8 +104,8 @@ class WorkerAccess:
         keys: KeySet | None,
         *,
         trusted_proxies: str = "",
-        max_token_ttl_s: int = 86_400,
-        session_ttl_s: int = 86_400,
+        max_token_ttl_s: int = SESSION_TTL_S,
+        session_ttl_s: int = SESSION_TTL_S,
         session_rate_per_s: float = 1.0,
         session_burst: int = 20,
         turns_per_minute: int = 30,
@@ -130,18 +136,18 @@ class WorkerAccess:
         return Minted(token, scope, int(now + ttl))
 
     def check_creation(self, request: web.Request) -> None:
-        """Raise :class:`Refusal` when this address creates sessions too fast."""
+        """Raise :class:`RateLimited` when this address creates sessions too fast."""
         wait = self.creations.take(self.address(request), time.monotonic())
         if wait > 0:
-            raise Refusal(
-                "session_rate",
+            raise RateLimited(
+                Refusal.SESSION_RATE,
                 f"too many new sessions from this address; at most {self.creations.burst} at "
                 f"once and {self.creations.rate:g} per second",
                 wait,
             )
 
     async def check_turn_rate(self, redis: RedisCluster, sid: str) -> None:
-        """Count one turn request of ``sid``; :class:`Refusal` past the minute's budget.
+        """Count one turn request of ``sid``; :class:`RateLimited` past the minute's budget.
         Redis errors surface as RelayError (the API answers 503)."""
         if self.turns_per_minute <= 0:
             return
@@ -154,8 +160,8 @@ class WorkerAccess:
                 pipe.expire(name, 120)
                 count, _ = await pipe.execute()
         if int(count) > self.turns_per_minute:
-            raise Refusal(
-                "turn_rate",
+            raise RateLimited(
+                Refusal.TURN_RATE,
                 f"at most {self.turns_per_minute} turns per session per minute",
                 (minute + 1) * 60 - now,
             )

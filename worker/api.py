@@ -39,7 +39,6 @@ state :class:`worker.state.WorkerState` (both re-exported here).
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Final
 
 import orjson
@@ -49,9 +48,11 @@ from redis.asyncio.cluster import RedisCluster
 from relay.broker.errors import RedisCommandError, RelayError
 from relay.broker.rediscluster.errors import map_redis_errors
 from relay.protocol.auth import AuthError
+from relay.protocol.codes import Refusal
 from relay.protocol.keys import InvalidSessionId, idem_key, new_session_id, parse_session
 from relay.service import openapi
-from worker.access import BadTokenRequest, Refusal, parse_token_request
+from relay.service.errors import RETRY_AFTER, Reject, refusal, retry_after
+from worker.access import BadTokenRequest, RateLimited, parse_token_request
 from worker.chat import direct
 from worker.chat.turnstate import Draining, IdempotencyKeyReused, IdempotencyPending, TurnBusy
 from worker.config import WorkerConfig
@@ -68,7 +69,7 @@ __all__ = [
     "make_app",
 ]
 
-_log = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 _JSON: Final = "application/json"
 # /readyz: a sentence for each reason not to be ready (a failing loop: its own sentence)
 _NOT_READY: Final = {
@@ -79,13 +80,6 @@ _NOT_READY: Final = {
 }
 
 
-def _err(status: int, code: str, reason: str, **extra: Any) -> web.Response:
-    headers = extra.pop("headers", None)
-    body = {"error": code, "reason": reason, **extra}
-    return web.Response(status=status, body=orjson.dumps(body), content_type=_JSON,
-                        headers=headers)  # fmt: skip
-
-
 def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(body), content_type=_JSON,
                         headers=headers)  # fmt: skip
@@ -94,24 +88,25 @@ def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = No
 def _redis_refusal(st: WorkerState, sid: str, exc: RelayError) -> web.Response:
     """503 for a turn Redis did not take: a code and a short reason; details to the log."""
     st.metrics.rejected.labels(status="503").inc()
-    _log.warning("turn of %s refused, redis: %r", sid, exc)
+    log.warning("turn of %s refused, redis: %r", sid, exc)
     refused = isinstance(exc, RedisCommandError)  # e.g. out of memory, noeviction
     reason = "redis refused the command" if refused else "redis did not answer"
-    return _err(503, "redis_unavailable", reason, headers={"Retry-After": "1"})
+    return refusal(503, Refusal.REDIS_UNAVAILABLE, reason, RETRY_AFTER)
 
 
-def _refused(st: WorkerState, exc: Refusal) -> web.Response:
-    st.metrics.rejected.labels(status="429").inc()
-    return _err(429, exc.code, exc.reason, headers={"Retry-After": exc.retry_after})
+def _refused(st: WorkerState, exc: Reject) -> web.Response:
+    """A refused request, counted in the metrics by its status."""
+    st.metrics.rejected.labels(status=str(exc.status)).inc()
+    return exc.response()
 
 
 async def _create_session(request: web.Request) -> web.Response:
     st = request.app[STATE]
     if st.turns.draining:
-        return _err(503, "draining", "worker is shutting down", headers={"Retry-After": "1"})
+        return refusal(503, Refusal.DRAINING, "worker is shutting down", RETRY_AFTER)
     try:
         st.access.check_creation(request)
-    except Refusal as exc:
+    except RateLimited as exc:
         return _refused(st, exc)
     sid = new_session_id()
     minted = st.access.mint(sid, "write", st.cfg.token_ttl_s)
@@ -124,59 +119,55 @@ async def _mint_token(request: web.Request) -> web.Response:
     try:
         sid = parse_session(request.match_info["sid"])
     except InvalidSessionId as exc:
-        return _err(400, "invalid_session", str(exc))
+        return refusal(400, Refusal.INVALID_SESSION, str(exc))
     try:
         st.access.authorize(request, sid, "write")
     except AuthError as exc:
-        return _err(exc.status, exc.error, exc.reason)
+        return refusal(exc.status, exc.error, exc.reason)
     try:
         scope, ttl_s = parse_token_request(await request.read())
     except BadTokenRequest as exc:
-        return _err(400, "invalid_token_request", str(exc))
+        return refusal(400, Refusal.INVALID_TOKEN_REQUEST, str(exc))
     except web.HTTPRequestEntityTooLarge:
-        return _err(413, "body_too_large", f"body larger than {st.cfg.max_body_bytes} bytes")
+        return _too_large(st.cfg)
     return _json(201, st.access.mint(sid, scope, ttl_s).body(sid))
 
 
-class _BadRequest(Exception):
-    def __init__(self, status: int, code: str, reason: str) -> None:
-        super().__init__(reason)
-        self.status, self.code, self.reason = status, code, reason
+def _too_large(cfg: WorkerConfig) -> web.Response:
+    return refusal(413, Refusal.BODY_TOO_LARGE, f"body larger than {cfg.max_body_bytes} bytes")
 
 
 def _parse_turn(raw: bytes, cfg: WorkerConfig) -> tuple[str, str | None, int]:
+    """The turn's message, system prompt and max_tokens, or :class:`Reject` (400, 413)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise _BadRequest(400, "malformed_json", f"body is not valid JSON: {exc}") from None
+        raise Reject(400, Refusal.MALFORMED_JSON, f"body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise _BadRequest(400, "invalid_body", "body must be a JSON object")
+        raise Reject(400, Refusal.INVALID_BODY, "body must be a JSON object")
     message = body.get("message")
     if not isinstance(message, str):
-        raise _BadRequest(400, "invalid_message", "'message' must be a string")
+        raise Reject(400, Refusal.INVALID_MESSAGE, "'message' must be a string")
     if not message.strip():
-        raise _BadRequest(400, "invalid_message", "'message' must not be empty")
-    if len(message) > cfg.max_message_chars:
-        raise _BadRequest(
-            413, "message_too_large", f"'message' longer than {cfg.max_message_chars} characters"
-        )
+        raise Reject(400, Refusal.INVALID_MESSAGE, "'message' must not be empty")
+    limit = cfg.max_message_chars
+    if len(message) > limit:
+        raise Reject(413, Refusal.MESSAGE_TOO_LARGE, f"'message' longer than {limit} characters")
     system = body.get("system")
     if system is not None and not isinstance(system, str):
-        raise _BadRequest(400, "invalid_system", "'system' must be a string")
-    if system is not None and len(system) > cfg.max_message_chars:
-        raise _BadRequest(
-            413, "system_too_large", f"'system' longer than {cfg.max_message_chars} characters"
-        )
+        raise Reject(400, Refusal.INVALID_SYSTEM, "'system' must be a string")
+    if system is not None and len(system) > limit:
+        raise Reject(413, Refusal.SYSTEM_TOO_LARGE, f"'system' longer than {limit} characters")
     max_tokens = body.get("max_tokens")
     if isinstance(max_tokens, float) and max_tokens.is_integer():
         max_tokens = int(max_tokens)  # JSON has one number type: 256.0 is the integer 256
     if max_tokens is not None:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-            raise _BadRequest(400, "invalid_max_tokens", "'max_tokens' must be an integer")
+            raise Reject(400, Refusal.INVALID_MAX_TOKENS, "'max_tokens' must be an integer")
         if not 1 <= max_tokens <= cfg.max_tokens_limit:
-            raise _BadRequest(
+            raise Reject(
                 400,
-                "invalid_max_tokens",
+                Refusal.INVALID_MAX_TOKENS,
                 f"'max_tokens' must be between 1 and {cfg.max_tokens_limit}",
             )
     return message, system or None, max_tokens or cfg.default_max_tokens
@@ -188,42 +179,39 @@ async def _post_turn(request: web.Request) -> web.StreamResponse:
     try:
         sid = parse_session(request.match_info["sid"])
     except InvalidSessionId as exc:
-        return _err(400, "invalid_session", str(exc))
+        return refusal(400, Refusal.INVALID_SESSION, str(exc))
     try:
         st.access.authorize(request, sid, "write")
     except AuthError as exc:
-        return _err(exc.status, exc.error, exc.reason)
+        return refusal(exc.status, exc.error, exc.reason)
     if request.content_type != _JSON:
-        return _err(415, "unsupported_media_type", "send the body as application/json")
+        return refusal(415, Refusal.UNSUPPORTED_MEDIA_TYPE, "send the body as application/json")
     if request.content_length is not None and request.content_length > cfg.max_body_bytes:
-        return _err(413, "body_too_large", f"body larger than {cfg.max_body_bytes} bytes")
+        return _too_large(cfg)
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        return _err(413, "body_too_large", f"body larger than {cfg.max_body_bytes} bytes")
+        return _too_large(cfg)
     try:
         message, system, max_tokens = _parse_turn(raw, cfg)
         stream = direct.wants_stream(request.headers.get("Accept"), orjson.loads(raw))
-    except _BadRequest as exc:
-        st.metrics.rejected.labels(status=str(exc.status)).inc()
-        return _err(exc.status, exc.code, exc.reason)
+    except Reject as exc:
+        return _refused(st, exc)
     except ValueError as exc:  # 'stream' of the wrong type
-        st.metrics.rejected.labels(status="400").inc()
-        return _err(400, "invalid_stream", str(exc))
+        return _refused(st, Reject(400, Refusal.INVALID_STREAM, str(exc)))
     viewer = direct.DirectViewer() if stream else None
     idem = request.headers.get("Idempotency-Key")
     if idem is not None:
         try:
             idem_key(sid, idem)
         except ValueError as exc:
-            return _err(400, "invalid_idempotency_key", str(exc))
+            return refusal(400, Refusal.INVALID_IDEMPOTENCY_KEY, str(exc))
     if not st.turns.redis_ready:  # start-up has not reached Redis yet: refuse at once
-        st.metrics.rejected.labels(status="503").inc()
-        return _err(503, "redis_unavailable", "redis has not been reached yet",
-                    headers={"Retry-After": "1"})  # fmt: skip
+        reason = "redis has not been reached yet"
+        return _refused(st, Reject(503, Refusal.REDIS_UNAVAILABLE, reason, RETRY_AFTER))
     try:
         await st.access.check_turn_rate(st.redis, sid)
-    except Refusal as exc:
+    except RateLimited as exc:
         return _refused(st, exc)
     except RelayError as exc:
         return _redis_refusal(st, sid, exc)
@@ -233,28 +221,20 @@ async def _post_turn(request: web.Request) -> web.StreamResponse:
             viewer=viewer,
         )  # fmt: skip
     except Draining:
-        st.metrics.rejected.labels(status="503").inc()
-        return _err(503, "draining", "worker is shutting down", headers={"Retry-After": "1"})
+        return _refused(st, Reject(503, Refusal.DRAINING, "worker is shutting down", RETRY_AFTER))
     except TurnBusy as exc:
-        st.metrics.rejected.labels(status="409").inc()
-        return _err(
-            409,
-            "turn_in_progress",
-            "a turn of this session is generating; watch it, then post again",
-            turn=exc.holder.turn,
-            offset=exc.holder.offset,
-        )
+        reason = "a turn of this session is generating; watch it, then post again"
+        busy = Reject(409, Refusal.TURN_IN_PROGRESS, reason, turn=exc.holder.turn,
+                      offset=exc.holder.offset)  # fmt: skip
+        return _refused(st, busy)
     except IdempotencyPending as exc:
-        st.metrics.rejected.labels(status="409").inc()
-        return _err(409, "idempotency_pending", str(exc))
+        return _refused(st, Reject(409, Refusal.IDEMPOTENCY_PENDING, str(exc)))
     except IdempotencyKeyReused as exc:
-        st.metrics.rejected.labels(status="422").inc()
-        return _err(422, "idempotency_key_reused", str(exc))
+        return _refused(st, Reject(422, Refusal.IDEMPOTENCY_KEY_REUSED, str(exc)))
     except AllEnginesFull as exc:
-        st.metrics.rejected.labels(status="429").inc()
-        retry = str(max(1, math.ceil(exc.retry_after_s)))
-        return _err(429, "engines_full", exc.reason, headers={"Retry-After": retry},
-                    retry_after_s=round(exc.retry_after_s, 3))  # fmt: skip
+        full = Reject(429, Refusal.ENGINES_FULL, exc.reason, retry_after(exc.retry_after_s),
+                      retry_after_s=round(exc.retry_after_s, 3))  # fmt: skip
+        return _refused(st, full)
     except RelayError as exc:
         return _redis_refusal(st, sid, exc)
     if viewer is not None and not started.replayed:  # the closed loop: frames right here
@@ -309,11 +289,11 @@ async def _readyz(request: web.Request) -> web.Response:
             with map_redis_errors():
                 await st.redis.ping()
         except RelayError as exc:
-            _log.warning("readyz: redis ping failed: %r", exc)
+            log.warning("readyz: redis ping failed: %r", exc)
             reasons.append("redis_unavailable")
-    if reasons:
+    if reasons:  # the supervisor's names and the worker's own, not Refusal codes
         sentence = "; ".join(_not_ready_sentence(r) for r in reasons)
-        return _err(503, reasons[0], sentence, reasons=reasons)
+        return refusal(503, reasons[0], sentence, reasons=reasons)
     return _json(200, {"status": "ready", "engines": [s.id for s in st.router.engines()]})
 
 

@@ -11,22 +11,24 @@ from __future__ import annotations
 import hmac
 from collections.abc import Sequence
 
+from relay.protocol.codes import Refusal
+
 __all__ = ["MIN_KEY_CHARS", "check_api_key"]
 
 MIN_KEY_CHARS = 16
 
 
-def check_api_key(keys: Sequence[str], authorization: str | None) -> str | None:
+def check_api_key(keys: Sequence[str], authorization: str | None) -> Refusal | None:
     """None when ``Authorization: Bearer <key>`` names one of ``keys``; else the error
     code: ``gateway_disabled`` (no key configured), ``missing_api_key``,
     ``invalid_api_key``."""
     if not keys:
-        return "gateway_disabled"
+        return Refusal.GATEWAY_DISABLED
     scheme, _, given = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not given.strip():
-        return "missing_api_key"
+        return Refusal.MISSING_API_KEY
     candidate = given.strip().encode()
     ok = False
     for k in keys:
         ok |= hmac.compare_digest(candidate, k.encode())
-    return None if ok else "invalid_api_key"
+    return None if ok else Refusal.INVALID_API_KEY

@@ -1,14 +1,54 @@
-"""The worker's configuration: one :class:`WorkerConfig` the CLI fills from flags."""
+"""The worker's configuration: one frozen struct, each setting declared once.
+
+:class:`WorkerConfig` is the worker's whole configuration. A field annotated with
+:func:`relay.service.settings.opt` (or one of its shared declarations) is a setting: its
+flag, environment variable (``TOKENRELAY_<FIELD>`` unless it says otherwise), help and
+bounds come from that one declaration (:mod:`relay.service.settings`); a field without
+one is a plain value with a default (timeouts and bounds no deployment has needed to
+change). What the running worker derives from the fields, the static engines and the
+coalescing and presence policies, is computed from them in one place (the properties
+at the end); nothing is copied field by field.
+
+Order of use: ``tokenrelay worker`` (:mod:`worker.cli`) adds the flags
+(``settings.add_arguments(parser, WorkerConfig)``) and loads the struct
+(``settings.load``: flag > environment > default, the declared bounds, then
+:meth:`WorkerConfig.validate`); tests and embedding code build ``WorkerConfig(...)``
+directly and change it with ``msgspec.structs.replace``.
+"""
 
 from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import replace
+from typing import Annotated, Final
+
+import msgspec
 
 from relay.broker.rediscluster.connect import RedisTLS
+from relay.protocol.auth import DEFAULT_KID
+from relay.protocol.keys import BACKLOG_MAXLEN, SESSION_TTL_S
+from relay.service import settings
+from relay.service.settings import (
+    BacklogMaxlen,
+    FailFast,
+    Host,
+    InsecureNoAuth,
+    KeysFile,
+    Kid,
+    RedisCA,
+    RedisCert,
+    RedisKey,
+    RedisURL,
+    Secret,
+    SessionTTL,
+    TrustedProxies,
+    opt,
+)
 from worker.chat.coalesce import DEFAULT_POLICY, CoalescePolicy
 from worker.chat.presence import PresencePolicy
+from worker.jobs.record import JOB_TTL_S
+from worker.routing.control import parse_engine_arg
 from worker.routing.key import DEFAULT_PREFIX_CHARS
 from worker.routing.lease import EngineSpec
 from worker.routing.policy import (
@@ -16,9 +56,15 @@ from worker.routing.policy import (
     DEFAULT_QUEUE_SLO_S,
     DEFAULT_ROUTING,
     DEFAULT_SPILL,
+    ROUTING_POLICIES,
+    SPILL_POLICIES,
 )
 
-__all__ = ["WorkerConfig", "default_worker_id"]
+__all__ = ["LOCK_TTL_S", "WorkerConfig", "default_worker_id"]
+
+# A session's turn lock: refreshed every second; a dead worker's turn is reaped after it.
+LOCK_TTL_S: Final = 5.0
+_PRESENCE: Final = PresencePolicy()
 
 
 def default_worker_id() -> str:
@@ -26,63 +72,193 @@ def default_worker_id() -> str:
     return "".join(c if c.isalnum() or c in "-_" else "-" for c in raw)[:64]
 
 
-@dataclass(slots=True)
-class WorkerConfig:
-    """Everything the worker needs; the CLI fills it from flags."""
+class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything the worker needs (see the module docstring). Times in seconds unless
+    the name says ms."""
 
-    redis_url: str = ""
-    redis_tls: RedisTLS = field(default_factory=RedisTLS)  # rediss://: CA, client cert, key
+    # -- settings: flags and environment ------------------------------------------------
+    port: Annotated[int, opt("TCP port (0 picks a free one)", ge=0, le=65535, required=True)] = 0
+    host: Host = "127.0.0.1"
+    redis_url: RedisURL = ""
+    redis_ca: RedisCA = ""
+    redis_cert: RedisCert = ""
+    redis_key: RedisKey = ""
+    # no secret and no key file: no auth (a loaded config needs --insecure-no-auth for it)
+    secret: Secret = ""
+    kid: Kid = DEFAULT_KID  # the key the worker signs with (an HS256 secret or a private JWK)
+    keys_file: KeysFile = ""  # JWK Set: previous secrets (rotation), an ES256/RS256 key
+    insecure_no_auth: InsecureNoAuth = False
+    trusted_proxies: TrustedProxies = ""
+    # Redis unreachable at start: False keeps retrying in the background (/healthz 200,
+    # /readyz 503 redis_unreachable, turns 503), which is what Kubernetes expects; True
+    # exits 1 with one line naming the URL (masked) and the cause.
+    fail_fast: FailFast = False
+    engine_urls: Annotated[
+        tuple[str, ...],
+        opt("an OpenAI-compatible engine (repeat); id defaults to host:port", flag="--engine",
+            env="TOKENRELAY_ENGINES", metavar="[ID=]URL"),
+    ] = ()  # fmt: skip
+    engine_cap: Annotated[
+        int, opt("in-flight requests per engine: about 1.5 x the engine's concurrent sequences "
+                 "(vLLM --max-num-seqs; the mock engine runs 8), see docs/ROUTING.md", ge=1)
+    ] = 12  # fmt: skip
+    engine_weights: Annotated[
+        tuple[str, ...],
+        opt("share of the ring and of the load for one engine (default 1; repeatable)",
+            flag="--engine-weight", metavar="ID=W"),
+    ] = ()  # fmt: skip
+    discover_engines: Annotated[
+        bool, opt("also use engines announced in Redis (tr:engines heartbeats)")
+    ] = False
+    max_token_ttl_s: Annotated[
+        int, opt("longest token lifetime, also capped by --session-ttl-s", ge=1)
+    ] = SESSION_TTL_S
+    session_rate_per_s: Annotated[
+        float, opt("new sessions per second per client address after the burst; 0: off", ge=0,
+                   flag="--session-rate", env="TOKENRELAY_SESSION_RATE", metavar="SESSION_RATE"),
+    ] = 1.0  # fmt: skip
+    session_burst: Annotated[int, opt("new sessions at once per client address", ge=1)] = 20
+    turns_per_minute: Annotated[int, opt("turn requests per session per minute; 0: off", ge=0)] = 30
+    default_max_tokens: Annotated[int, opt("max_tokens of a turn that gives none", ge=1)] = 1024
+    max_reply_bytes: Annotated[
+        int, opt("an engine reply is cut (and stored) at this many bytes", ge=1024)
+    ] = 256 * 1024
+    model: Annotated[str, opt("model name sent to engines")] = "tokenrelay-mock"
+    worker_id: Annotated[str, opt("unique id (empty: hostname-pid)")] = ""
+    coalesce_tokens: Annotated[int, opt("flush a frame at this many tokens", ge=1)] = (
+        DEFAULT_POLICY.max_tokens
+    )
+    coalesce_ms: Annotated[float, opt("flush a frame after this many ms", ge=0)] = (
+        DEFAULT_POLICY.max_delay_s * 1000
+    )
+    presence_grace_s: Annotated[
+        float, opt("how long a turn may generate with nobody watching", gt=0)
+    ] = _PRESENCE.grace_s
+    history_messages: Annotated[int, opt("messages of history sent to the engine", ge=1)] = 64
+    history_max_bytes: Annotated[
+        int, opt("bytes a session's history may store; the oldest messages go first; "
+                 "0: no byte bound", ge=0)
+    ] = 1 << 20  # fmt: skip
+    session_ttl_s: SessionTTL = SESSION_TTL_S
+    backlog_maxlen: BacklogMaxlen = BACKLOG_MAXLEN
+    max_tokens_limit: Annotated[int, opt("largest max_tokens a turn may ask for", ge=1)] = 4096
+    first_token_timeout_s: Annotated[
+        float, opt("an engine's first token must come this fast", gt=0)
+    ] = 60.0
+    idle_timeout_s: Annotated[float, opt("longest silence of an engine between tokens", gt=0)] = (
+        30.0
+    )
+    shutdown_deadline_s: Annotated[
+        float, opt("SIGTERM: running turns may finish for this long", ge=0)
+    ] = 20.0
+    spill: Annotated[
+        str, opt("where a turn goes when its engine is full", choices=SPILL_POLICIES)
+    ] = DEFAULT_SPILL
+    routing: Annotated[
+        str, opt("cost_aware (default): least expected queue wait + prefill of what the "
+                 "engine does not hold; ring: prefix-aware consistent hashing; round_robin: "
+                 "a cache-blind baseline for measurements", choices=ROUTING_POLICIES)
+    ] = DEFAULT_ROUTING  # fmt: skip
+    # cost_aware: turns an engine takes past its cap (x the cap), each expected to get its
+    # first token within route_queue_slo_s (worker/routing/router.py); 0: refuse at the cap
+    route_queue: Annotated[
+        float, opt("cost_aware: turns an engine may take past its cap, as a multiple of the "
+                   "cap (0: refuse at the cap)", ge=0, le=16)
+    ] = DEFAULT_QUEUE  # fmt: skip
+    route_queue_slo_s: Annotated[
+        float, opt("cost_aware: a turn queues past the cap only when its first token is "
+                   "expected within this many seconds", gt=0)
+    ] = DEFAULT_QUEUE_SLO_S  # fmt: skip
+    vnodes: Annotated[int, opt("ring points per engine", ge=1)] = 160
+    eps: Annotated[float, opt("bounded-load slack", ge=0)] = 0.25
+    prefix_chars: Annotated[int, opt("characters of the conversation in the routing key", ge=0)] = (
+        DEFAULT_PREFIX_CHARS
+    )
+    load_exchange: Annotated[
+        bool, opt("do not share load with the other workers", flag="--no-load-exchange")
+    ] = True  # fmt: skip
+    amqp_url: Annotated[
+        str, opt("RabbitMQ URL (amqp://user:pass@host:5672/): enables POST/GET /v1/jobs; "
+                 "`tokenrelay jobworker` runs the jobs", flag="--amqp", metavar="URL")
+    ] = ""  # fmt: skip
+    jobs_queue: Annotated[str, opt("job queue name")] = "tokenrelay.jobs"
+    gateway_keys: Annotated[
+        tuple[str, ...],
+        opt("a bearer key (>= 16 characters) for the OpenAI-compatible /v1/chat/completions "
+            "(repeatable; comma-separated in the environment); without one the gateway "
+            "answers 401", flag="--gateway-key", metavar="KEY"),
+    ] = ()  # fmt: skip
+    admit_wait_s: Annotated[
+        float, opt("how long a turn waits for an engine slot before 429 (below the session "
+                   "lock's TTL, which it holds meanwhile)", ge=0, lt=LOCK_TTL_S)
+    ] = 2.0  # fmt: skip
+
+    # -- plain values: no flag ------------------------------------------------------------
     # Every command on the worker's own client is bounded: with no socket timeout a reply
     # from a stalled (SIGSTOPped, partitioned) master is awaited forever. Above a short
     # stall, below a failover; callers see RedisUnavailable and retry (publisher) or
     # end the turn with an error frame.
     redis_timeout_s: float = 2.0
-    engines: list[EngineSpec] = field(default_factory=list)
-    secret: str | None = None  # HS256 secret of key ``kid``; None (and no keys_file): no auth
-    kid: str = "k1"  # the key the worker signs with (an HS256 secret or a private JWK)
-    keys_file: str | None = None  # JWK Set: previous secrets (rotation), an ES256/RS256 key
-    trusted_proxies: str = ""  # whose X-Forwarded-For names the client (comma-separated CIDRs)
-    max_token_ttl_s: int = 86_400  # and never past the session's lifetime (session_ttl_s)
-    session_rate_per_s: float = 1.0  # new sessions per client address, after the burst; 0: off
-    session_burst: int = 20
-    turns_per_minute: int = 30  # turn requests per session per minute; 0: off
-    default_max_tokens: int = 1024  # a turn without max_tokens gets this
-    max_reply_bytes: int = 256 * 1024  # the engine's reply is cut here (and stored so)
-    model: str = "tokenrelay-mock"
-    worker_id: str = field(default_factory=default_worker_id)
-    token_ttl_s: int = 86_400
+    token_ttl_s: int = SESSION_TTL_S  # of the write token POST /v1/sessions answers
     max_body_bytes: int = 64 * 1024
     max_message_chars: int = 32 * 1024
-    max_tokens_limit: int = 4096
-    history_messages: int = 64
-    history_max_bytes: int = 1 << 20  # what a session's history may store (oldest dropped)
-    session_ttl_s: int = 86_400
-    backlog_maxlen: int = 10_000
-    lock_ttl_s: float = 5.0  # refreshed every second; a dead worker's turn is reaped after it
-    coalesce: CoalescePolicy = DEFAULT_POLICY
-    presence: PresencePolicy = field(default_factory=PresencePolicy)
-    vnodes: int = 160
-    eps: float = 0.25
-    spill: str = DEFAULT_SPILL
-    routing: str = DEFAULT_ROUTING  # "ring", or "round_robin": the cache-blind baseline
-    # cost_aware: turns an engine takes past its cap (x the cap), each expected to get its
-    # first token within route_queue_slo_s (worker/routing/router.py); 0: refuse at the cap
-    route_queue: float = DEFAULT_QUEUE
-    route_queue_slo_s: float = DEFAULT_QUEUE_SLO_S
-    discover_engines: bool = False
+    lock_ttl_s: float = LOCK_TTL_S
+    presence_interval_s: float = _PRESENCE.interval_s  # how often a turn counts its viewers
     control_interval_s: float = 1.0
-    load_exchange: bool = True
     connect_timeout_s: float = 3.0
-    first_token_timeout_s: float = 60.0
-    idle_timeout_s: float = 30.0
-    shutdown_deadline_s: float = 20.0
-    admit_wait_s: float = 2.0  # a turn waits this long for an engine slot before 429
-    prefix_chars: int = DEFAULT_PREFIX_CHARS  # of the conversation in the routing key
-    gateway_keys: tuple[str, ...] = ()  # bearer keys of the OpenAI gateway (worker.gateway.openai)
-    amqp_url: str = ""  # RabbitMQ: enables /v1/jobs (worker.jobs.api)
-    jobs_queue: str = "tokenrelay.jobs"
-    job_ttl_s: int = 86_400
-    # Redis unreachable at start: False keeps retrying in the background (/healthz 200,
-    # /readyz 503 redis_unreachable, turns 503), which is what Kubernetes expects; True
-    # exits 1 with one line naming the URL (masked) and the cause.
-    fail_fast: bool = False
+    job_ttl_s: int = JOB_TTL_S
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:  # set here, so that a config built in code has one too
+            msgspec.structs.force_setattr(self, "worker_id", default_worker_id())
+
+    def validate(self) -> WorkerConfig:
+        """The rules between fields (the declared bounds are checked before); raises
+        :class:`~relay.service.settings.ConfigError` with a one-line reason."""
+        settings.check_redis(self.redis_url, self.redis_tls)
+        settings.check_auth(self.secret, self.kid, self.keys_file, self.insecure_no_auth)
+        if not self.engine_urls and not self.discover_engines:
+            raise settings.ConfigError("give at least one --engine (or --discover-engines)")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise settings.ConfigError("--default-max-tokens must be in [1, --max-tokens-limit]")
+        if any(len(k) < 16 for k in self.gateway_keys):
+            raise settings.ConfigError("a --gateway-key must be at least 16 characters")
+        try:
+            _ = self.engines  # the URLs and the weights parse
+        except ValueError as exc:
+            raise settings.ConfigError(str(exc)) from None
+        return self
+
+    # -- derived: what the running worker uses, computed from the fields here only ----------
+
+    @property
+    def redis_tls(self) -> RedisTLS:
+        return RedisTLS(ca=self.redis_ca, cert=self.redis_cert, key=self.redis_key)
+
+    @property
+    def engines(self) -> list[EngineSpec]:
+        """The static engines: each ``--engine`` with ``--engine-cap`` and its
+        ``--engine-weight``; ValueError (one line) for a bad URL or weight."""
+        weights: dict[str, float] = {}
+        for item in self.engine_weights:
+            eid, sep, w = item.partition("=")
+            try:
+                weights[eid] = float(w)
+            except ValueError:
+                sep = ""
+            if not sep or not eid or not weights.get(eid, 0) > 0:
+                raise ValueError(f"--engine-weight wants ID=W with W > 0, got {item!r}")
+        specs = [parse_engine_arg(e, self.engine_cap) for e in self.engine_urls]
+        specs = [replace(s, weight=weights.get(s.id, s.weight)) for s in specs]
+        unknown = set(weights) - {s.id for s in specs}
+        if unknown and not self.discover_engines:
+            raise ValueError(f"--engine-weight names no --engine: {', '.join(sorted(unknown))}")
+        return specs
+
+    @property
+    def coalesce(self) -> CoalescePolicy:
+        return CoalescePolicy(self.coalesce_tokens, self.coalesce_ms / 1000)
+
+    @property
+    def presence(self) -> PresencePolicy:
+        return PresencePolicy(grace_s=self.presence_grace_s, interval_s=self.presence_interval_s)

@@ -55,7 +55,7 @@ from worker.state import STATE, WorkerState, access_check
 
 __all__ = ["CFG", "REDIS", "REDIS_UNREACHABLE", "lifecycle"]
 
-_log = logging.getLogger("worker.api")
+log = logging.getLogger(__name__)
 
 CFG: Final = web.AppKey("tokenrelay_worker_cfg", WorkerConfig)
 REDIS: Final = web.AppKey("tokenrelay_worker_redis", object)
@@ -107,7 +107,7 @@ def _connect_in_background(
             await redis.initialize()
         connected = True
         sup.set_condition(REDIS_UNREACHABLE, False)
-        _log.info("redis at %s reached", mask_url(cfg.redis_url))
+        log.info("redis at %s reached", mask_url(cfg.redis_url))
         await on_connected()
 
     # not critical: while it fails the condition redis_unreachable already says why
@@ -120,7 +120,7 @@ async def _always(*steps: Callable[[], Awaitable[object]]) -> None:
         try:
             await step()
         except Exception:
-            _log.exception("worker cleanup step failed")
+            log.exception("worker cleanup step failed")
 
 
 async def lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -151,8 +151,9 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     http = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
     )
+    engines = cfg.engines  # the static ones (--engine), parsed once
     router = Router(
-        cfg.engines,
+        engines,
         vnodes=cfg.vnodes,
         eps=cfg.eps,
         spill=cfg.spill,
@@ -195,7 +196,7 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     control = ControlPlane(
         router,
         http,
-        cfg.engines,
+        engines,
         redis=redis,
         discover=cfg.discover_engines,
         interval_s=cfg.control_interval_s,
@@ -245,7 +246,7 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     if unreachable is None:
         await redis_reached()
     else:
-        _log.warning(
+        log.warning(
             "redis at %s unreachable (%s); retrying in the background",
             mask_url(cfg.redis_url),
             unreachable,

@@ -48,10 +48,11 @@ STATE: Final = web.AppKey("tokenrelay_worker", WorkerState)
 
 
 def access_check(cfg: WorkerConfig) -> WorkerAccess:
-    """The worker's access rules from ``cfg``; ValueError (one line) for weak or default
-    secrets, an unreadable key file, no signing key, a bad trusted-proxy list."""
-    auth = cfg.secret is not None or bool(cfg.keys_file)
-    keys = load_keys(cfg.secret, cfg.kid, cfg.keys_file) if auth else None
+    """The worker's access rules from ``cfg`` (no auth without a secret or a key file, or
+    with ``insecure_no_auth``); ValueError (one line) for weak or default secrets, an
+    unreadable key file, no signing key, a bad trusted-proxy list."""
+    auth = bool(cfg.secret or cfg.keys_file) and not cfg.insecure_no_auth
+    keys = load_keys(cfg.secret or None, cfg.kid, cfg.keys_file or None) if auth else None
     if keys is not None and keys.signing is None:
         raise ValueError(f"no signing key {cfg.kid!r}: the worker mints tokens with it")
     return WorkerAccess(

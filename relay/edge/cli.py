@@ -31,7 +31,7 @@ from relay.service.settings import ConfigError
 
 __all__ = ["register", "run", "serve"]
 
-log = logging.getLogger("tokenrelay.relay")
+log = logging.getLogger(__name__)
 
 
 def register(subparsers: Any) -> None:

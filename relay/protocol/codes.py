@@ -44,16 +44,20 @@ class WsClose(enum.IntEnum):
 
 
 class Refusal(enum.StrEnum):
-    BAD_SESSION = "bad_session"
-    BAD_OFFSET = "bad_offset"
-    BAD_GEN = "bad_gen"  # the stream's ``gen`` parameter is not a generation id
+    """The ``error`` of a JSON refusal (:mod:`relay.service.errors`), relay and worker."""
+
+    # -- any route that names a session (relay and worker) ------------------------------
+    INVALID_SESSION = "invalid_session"  # the session id is not [A-Za-z0-9_-]{1,64}
+    DRAINING = "draining"  # the process drains or has not started: go to another one
+    # -- the relay's streams ----------------------------------------------------------------
+    INVALID_OFFSET = "invalid_offset"  # Last-Event-ID / last_event_id / from: not an offset
+    INVALID_GEN = "invalid_gen"  # the stream's ``gen`` parameter is not a generation id
     NOT_WEBSOCKET = "not_websocket"
-    DRAINING = "draining"  # the relay drains or has not started: connect again
     OVERLOADED = "overloaded"  # max_connections reached
     UNAVAILABLE = "unavailable"  # Redis could not be read: connect again
     TOO_MANY_STREAMS = "too_many_streams"  # per-token / per-address stream limit
     HEAD_TIMEOUT = "head_timeout"  # the request head did not arrive in time (408)
-    # token checks (relay.protocol.auth)
+    # -- token checks (relay.protocol.auth) ---------------------------------------------------
     FORBIDDEN = "forbidden"
     TOKEN_MISSING = "token_missing"
     TOKEN_INVALID = "token_invalid"
@@ -62,6 +66,41 @@ class Refusal(enum.StrEnum):
     TOKEN_NOT_YET_VALID = "token_not_yet_valid"
     TOKEN_WRONG_SESSION = "token_wrong_session"
     TOKEN_WRONG_SCOPE = "token_wrong_scope"
+    # -- the worker: a request it cannot read (400, 413, 415) ---------------------------------
+    MALFORMED_JSON = "malformed_json"  # the body is not JSON
+    INVALID_BODY = "invalid_body"  # JSON, but not an object
+    INVALID_MESSAGE = "invalid_message"  # a turn's message: not a string, empty, or none
+    INVALID_SYSTEM = "invalid_system"  # a turn's system prompt is not a string
+    INVALID_MAX_TOKENS = "invalid_max_tokens"  # not an integer in 1..--max-tokens-limit
+    INVALID_STREAM = "invalid_stream"  # a turn's ``stream`` is not a boolean
+    INVALID_IDEMPOTENCY_KEY = "invalid_idempotency_key"
+    INVALID_TOKEN_REQUEST = "invalid_token_request"  # POST .../tokens: scope or ttl_s
+    INVALID_MESSAGES = "invalid_messages"  # the AI SDK chat: no list of messages
+    UNSUPPORTED_TRIGGER = "unsupported_trigger"  # the AI SDK chat: only submit-message
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"  # the body is not application/json
+    BODY_TOO_LARGE = "body_too_large"
+    MESSAGE_TOO_LARGE = "message_too_large"
+    SYSTEM_TOO_LARGE = "system_too_large"
+    # -- the worker: the session's one running turn (409, 422) --------------------------------
+    TURN_IN_PROGRESS = "turn_in_progress"  # the body names the running turn
+    IDEMPOTENCY_PENDING = "idempotency_pending"  # the same key's request is being admitted
+    IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"  # the key came with another body
+    # -- the worker: limits and availability (429, 503) ---------------------------------------
+    ENGINES_FULL = "engines_full"  # no engine slot within --admit-wait-s
+    SESSION_RATE = "session_rate"  # new sessions per client address
+    TURN_RATE = "turn_rate"  # turns per session per minute
+    REDIS_UNAVAILABLE = "redis_unavailable"  # Redis did not take the request: retry
+    # -- the worker's API keys (worker.apikeys): the session-less routes ----------------------
+    GATEWAY_DISABLED = "gateway_disabled"  # the worker has no --gateway-key
+    MISSING_API_KEY = "missing_api_key"
+    INVALID_API_KEY = "invalid_api_key"
+    # -- the worker's jobs (worker.jobs.api) --------------------------------------------------
+    JOBS_DISABLED = "jobs_disabled"  # started without --amqp (404)
+    INVALID_JOB = "invalid_job"  # the job's body
+    INVALID_JOB_ID = "invalid_job_id"
+    PROMPT_TOO_LARGE = "prompt_too_large"
+    JOB_NOT_FOUND = "job_not_found"  # no such job, or it expired
+    QUEUE_UNAVAILABLE = "queue_unavailable"  # the broker did not take the job: retry
 
 
 class Readiness(enum.StrEnum):

@@ -13,19 +13,28 @@ Order of use::
     return refusal(400, Refusal.INVALID_SESSION, str(exc))
     raise Reject(429, Refusal.TOO_MANY_STREAMS, "close one", {"Retry-After": "5"})
     except Reject as r: return r.response()
+
+:data:`RETRY_AFTER` is the header of "come back in a second" (a drain, Redis away);
+:func:`retry_after` the one of an estimated wait (whole seconds, at least one).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Final
 
 import orjson
 from aiohttp import web
 
-__all__ = ["RETRY_AFTER", "Reject", "refusal"]
+__all__ = ["RETRY_AFTER", "Reject", "refusal", "retry_after"]
 
 RETRY_AFTER: Final = {"Retry-After": "1"}
+
+
+def retry_after(seconds: float) -> dict[str, str]:
+    """``Retry-After`` for a wait of about ``seconds``: whole seconds, rounded up, >= 1."""
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
 def refusal(

@@ -34,7 +34,6 @@ What every loop gets, so no loop has to write it again:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -49,7 +48,7 @@ from relay.broker.rediscluster.errors import map_redis_errors
 
 __all__ = ["QUICK_BACKOFF", "Backoff", "Loop", "LoopMetrics", "Supervisor", "retrieve"]
 
-log = logging.getLogger("tokenrelay.supervise")
+log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S: Final = 5.0
 
@@ -313,9 +312,7 @@ class Supervisor:
 
     def _spawn_done(self, task: asyncio.Task[Any]) -> None:
         self._spawned.discard(task)
-        if task.cancelled():
-            return
-        exc = task.exception()
+        exc = retrieve(task)
         if exc is None:
             return
         if isinstance(exc, RelayError):
@@ -340,12 +337,9 @@ class Supervisor:
         except asyncio.CancelledError:
             raise  # the caller itself is being cancelled: let it be
         for t in done:
-            if t.cancelled():
-                continue
-            with contextlib.suppress(asyncio.CancelledError):
-                exc = t.exception()
-                if exc is not None:
-                    log.error("task %s raised while stopping", t.get_name(), exc_info=exc)
+            exc = retrieve(t)
+            if exc is not None:
+                log.error("task %s raised while stopping", t.get_name(), exc_info=exc)
         for t in pending:
             log.error("task %s did not stop within %.1f s", t.get_name(), timeout_s)
         for lp in self.loops.values():

@@ -157,13 +157,10 @@ def test_healthchecks_probe_routes_the_services_really_serve() -> None:
     from relay.edge.http.app import make_app as relay_app
     from worker.api import make_app as worker_app
     from worker.config import WorkerConfig
-    from worker.routing.lease import EngineSpec
 
     paths = {
         "relay": _get_paths(relay_app(RelayConfig(secret=secrets.token_urlsafe(32)))),
-        "worker": _get_paths(
-            worker_app(WorkerConfig(engines=[EngineSpec(id="e", url="http://e", cap=1)]))
-        ),
+        "worker": _get_paths(worker_app(WorkerConfig(engine_urls=("e=http://e",), engine_cap=1))),
         "engine": _get_paths(engine_app(EngineConfig())),
     }
     checked = 0

@@ -43,7 +43,6 @@ from tests.support.sse import SSEClient
 from tests.support.worker import SECRET, Harness
 from worker.chat.store import SessionStore
 from worker.engines.client import EngineClient
-from worker.routing.lease import EngineSpec
 
 pytestmark = pytest.mark.integration
 
@@ -55,17 +54,13 @@ async def access_stack(
     *,
     worker: dict[str, Any] | None = None,
     relay: dict[str, Any] | None = None,
-    engines: list[EngineSpec] | None = None,
 ) -> AsyncIterator[Env]:
     """Like tests.support.hostile.stack, with worker and relay settings of the test's own."""
     harness = Harness(redis)
     try:
         with no_crash():
             await harness.start_engines(2, decode_tok_per_s=300.0)
-            kw = dict(worker or {})
-            if engines is not None:
-                kw["engines"] = engines
-            await harness.start_worker(**kw)
+            await harness.start_worker(**(worker or {}))
             async with running(cluster, **(relay or {})) as r:
                 env = Env(r, harness, redis)
                 yield env
@@ -411,9 +406,9 @@ async def test_a_turn_without_max_tokens_ends_at_the_bound_of_an_endless_engine(
     engine = EndlessEngine()
     await engine.start()
     try:
-        worker = {"default_max_tokens": 10, "max_reply_bytes": 2048, "max_tokens_limit": 4096}
-        spec = [EngineSpec(id="endless", url=engine.url, cap=8)]
-        async with access_stack(cluster, redis, worker=worker, engines=spec) as env, bystander(env):
+        worker = {"default_max_tokens": 10, "max_reply_bytes": 2048, "max_tokens_limit": 4096,
+                  "engine_urls": (f"endless={engine.url}",), "engine_cap": 8}  # fmt: skip
+        async with access_stack(cluster, redis, worker=worker) as env, bystander(env):
             sid, token = await env.worker.session()
             status, body, _ = await env.worker.post_turn(sid, token, {"message": "go on"})
             assert status == 202, body

@@ -161,7 +161,7 @@ async def test_a_token_of_one_session_never_reads_another(cluster, redis):
                     )
                     seen.append(status)
                     assert status in (400, 403), (v, path, status, body)
-                    assert body["error"] in ("bad_session", "token_wrong_session"), body
+                    assert body["error"] in ("invalid_session", "token_wrong_session"), body
             assert worker.http is not None
             url = URL(f"{worker.url('/')[:-1]}/v1/sessions/{v}/turns", encoded=True)
             async with worker.http.post(

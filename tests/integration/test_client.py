@@ -302,7 +302,7 @@ async def test_refusals_and_token_refresh(relay: Relay) -> None:
     sid = new_session_id()
     with pytest.raises(WatchRefused, match="403 token_invalid"):
         await read_turn(watch(relay.base, sid, "forged.token"))
-    with pytest.raises(WatchRefused, match="400 bad_session"):
+    with pytest.raises(WatchRefused, match="400 invalid_session"):
         await read_turn(watch(relay.base, "bad!id", "x"))
     asked: list[str] = []
 

@@ -24,7 +24,6 @@ from relay.protocol.frame import decode
 from relay.protocol.sse_reader import SSEDecoder, SSEEvent
 from tests.support.relay import RelayProcess, relay_process
 from tests.support.worker import Harness, expected_reply, wait_turn
-from worker.chat.presence import PresencePolicy
 
 pytestmark = pytest.mark.integration
 
@@ -124,7 +123,7 @@ async def test_an_attached_client_counts_as_a_watcher_and_a_gone_one_does_not(
     h: Harness, redis: RedisCluster
 ) -> None:
     await h.start_engines(1, decode_tok_per_s=10.0)
-    await h.start_worker(presence=PresencePolicy(grace_s=0.4, interval_s=0.1))
+    await h.start_worker(presence_grace_s=0.4, presence_interval_s=0.1)
     sid, token = await h.session()
     t0 = time.monotonic()
     async with await _post_stream(h, sid, token, "slow and long", max_tokens=40) as resp:

@@ -25,7 +25,7 @@ async def test_a_consumer_that_fails_is_started_again_and_jobs_still_run(
 ) -> None:
     await h.start_engines(1)
     await _worker(h, names)
-    with caplog.at_level(logging.ERROR, "tokenrelay.supervise"):
+    with caplog.at_level(logging.ERROR, "relay.service.supervise"):
         runner = await runners.start()
         real_open = runner._open
         calls = 0

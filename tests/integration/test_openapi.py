@@ -120,9 +120,9 @@ def test_every_route_is_documented_and_every_operation_routed(service: str) -> N
     assert documented - routed == set(), f"documented for the {service} but not routed"
 
 
-# Status codes in handler sources: _err(409, ...), Reject(503, ...), _json(201, ...),
-# _BadRequest(413, ...), status=503. AuthError statuses come from relay.protocol.auth.
-_STATUS = re.compile(r"\b(?:_err|Reject|_json|_BadRequest)\(\s*(\d{3})|\bstatus=(\d{3})")
+# Status codes in handler sources: refusal(409, ...), Reject(503, ...), _json(201, ...),
+# status=503. AuthError statuses come from relay.protocol.auth.
+_STATUS = re.compile(r"\b(?:refusal|Reject|_json)\(\s*(\d{3})|\bstatus=(\d{3})")
 _CALL = re.compile(r"(?:self\.)?\b([A-Za-z_]\w*)\(")
 
 

@@ -16,7 +16,6 @@ from devstack.cluster.launcher import ClusterInfo
 from devstack.procs import Proc, log_line
 from relay.protocol.keys import presence_key
 from tests.support.worker import Harness, wait_turn
-from worker.chat.presence import PresencePolicy
 
 pytestmark = pytest.mark.integration
 
@@ -56,7 +55,7 @@ async def test_a_relay_with_a_skewed_clock_keeps_its_turn_alive(
     h: Harness, redis: RedisCluster, cluster: ClusterInfo, skew_s: float, tmp_path: Path
 ) -> None:
     await h.start_engines(1, decode_tok_per_s=20.0)  # about 2.4 s of tokens: > the grace
-    await h.start_worker(presence=PresencePolicy(grace_s=1.0, interval_s=0.2))
+    await h.start_worker(presence_grace_s=1.0, presence_interval_s=0.2)
     sid, token = await h.session()
     proc = Proc.start(
         [sys.executable, "-c", _SKEWED_RELAY, cluster.url, str(skew_s), sid],

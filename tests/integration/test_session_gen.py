@@ -116,7 +116,7 @@ async def test_a_gen_of_a_session_that_has_none_now_is_served_live_and_reset_on_
 BAD_GENS = ["x" * 65, "a b", "g\u00e4", "{x}", "a/b", "a%00"]
 
 
-async def test_a_bad_gen_is_a_400_bad_gen_with_its_reason_on_both_endpoints(
+async def test_a_bad_gen_is_a_400_invalid_gen_with_its_reason_on_both_endpoints(
     cluster: ClusterInfo,
 ) -> None:
     sid = new_session_id()
@@ -128,7 +128,7 @@ async def test_a_bad_gen_is_a_400_bad_gen_with_its_reason_on_both_endpoints(
                     relay.url(sid, path), params=params, headers=relay.auth(sid)
                 ) as r:
                     body = await r.json()
-                assert (r.status, body["error"]) == (400, "bad_gen"), (raw, path, body)
+                assert (r.status, body["error"]) == (400, "invalid_gen"), (raw, path, body)
                 assert "gen" in body["reason"], body
         token = issue_token(SECRET, sid, 300, time.time())
         with pytest.raises(aiohttp.WSServerHandshakeError) as refused:

@@ -23,7 +23,6 @@ from redis.asyncio.cluster import RedisCluster
 
 from relay.protocol.keys import KeyKind, key
 from tests.support.worker import Harness, wait_turn
-from worker.chat.presence import PresencePolicy
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +31,7 @@ async def test_a_lost_cancellation_of_the_presence_loop_does_not_hang_the_turn(
     h: Harness, redis: RedisCluster
 ) -> None:
     await h.start_engines(1, decode_tok_per_s=200.0)
-    st = await h.start_worker(presence=PresencePolicy(grace_s=30.0, interval_s=0.02))
+    st = await h.start_worker(presence_grace_s=30.0, presence_interval_s=0.02)
     store = st.turns.store
     real_refresh = store.refresh_lock
     stalled = asyncio.Event()

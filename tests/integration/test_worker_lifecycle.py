@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from typing import Any
 
 import pytest
 from redis.asyncio.cluster import RedisCluster
@@ -24,12 +25,12 @@ from relay.edge.fanout.hub import Hub
 from relay.protocol.frame import decode
 from relay.protocol.keys import presence_key
 from tests.support.worker import Harness, wait_turn
-from worker.chat.presence import PresencePolicy, count_watchers
+from worker.chat.presence import count_watchers
 from worker.routing.lease import EngineSpec
 
 pytestmark = pytest.mark.integration
 
-FAST_PRESENCE = PresencePolicy(grace_s=1.0, interval_s=0.2)
+FAST_PRESENCE: dict[str, Any] = {"presence_grace_s": 1.0, "presence_interval_s": 0.2}
 LONG_48 = ReplyLength(mean=48, max_tokens=48, min_tokens=48, sigma=0)  # every reply 48 tokens
 
 
@@ -98,7 +99,7 @@ async def test_first_token_timeout_ends_with_error(h: Harness, redis: RedisClust
 
 async def test_nobody_watching_aborts_the_engine_request(h: Harness, redis: RedisCluster):
     engines = await h.start_engines(1, decode_tok_per_s=10.0)
-    await h.start_worker(presence=FAST_PRESENCE)
+    await h.start_worker(**FAST_PRESENCE)
     sid, token = await h.session()
     t0 = time.monotonic()
     status, body, _ = await h.post_turn(sid, token, {"message": "nobody reads this"})
@@ -120,7 +121,7 @@ async def test_nobody_watching_aborts_the_engine_request(h: Harness, redis: Redi
 
 async def test_a_watched_turn_runs_to_the_end(h: Harness, redis: RedisCluster):
     await h.start_engines(1, decode_tok_per_s=20.0, reply=LONG_48)  # 2.4 s > grace
-    await h.start_worker(presence=FAST_PRESENCE)
+    await h.start_worker(**FAST_PRESENCE)
     sid, token = await h.session()
     stop = asyncio.Event()
     status, body, _ = await h.post_turn(sid, token, {"message": "someone reads this"})
@@ -140,7 +141,7 @@ async def test_a_watched_turn_runs_to_the_end(h: Harness, redis: RedisCluster):
 
 async def test_a_viewer_leaving_for_longer_than_the_grace_cancels(h: Harness, redis: RedisCluster):
     await h.start_engines(1, decode_tok_per_s=10.0, reply=LONG_48)  # 4.8 s: outlives the grace
-    await h.start_worker(presence=FAST_PRESENCE)
+    await h.start_worker(**FAST_PRESENCE)
     sid, token = await h.session()
     stop = asyncio.Event()
     status, body, _ = await h.post_turn(sid, token, {"message": "left halfway"})
@@ -157,7 +158,7 @@ async def test_a_viewer_leaving_for_longer_than_the_grace_cancels(h: Harness, re
 
 async def test_a_real_hub_watch_keeps_the_turn_alive(h: Harness, redis: RedisCluster):
     await h.start_engines(1, decode_tok_per_s=20.0)
-    await h.start_worker(presence=FAST_PRESENCE)
+    await h.start_worker(**FAST_PRESENCE)
     hub = Hub(RedisBroker(redis, "lifecycle-hub"))
     await hub.start()
     try:
@@ -278,7 +279,7 @@ async def test_the_last_viewer_leaving_releases_the_engine_slot_after_the_grace(
     h: Harness, redis: RedisCluster
 ):
     engines = await h.start_engines(1, decode_tok_per_s=10.0)
-    await h.start_worker(presence=FAST_PRESENCE)  # grace 1 s
+    await h.start_worker(**FAST_PRESENCE)  # grace 1 s
     hub = Hub(RedisBroker(redis, "leaving-hub"))
     await hub.start()
     try:
@@ -298,7 +299,7 @@ async def test_the_last_viewer_leaving_releases_the_engine_slot_after_the_grace(
     assert frames[-1].text == "no viewers"
     # not before the grace period, counted from the worker's last look that found the
     # viewer (every 0.2 s, so up to 0.2 s before the close removed the entry)
-    assert ended_after >= FAST_PRESENCE.grace_s - 0.2
+    assert ended_after >= FAST_PRESENCE["presence_grace_s"] - 0.2
     assert h.state.router.in_flight() == {"eng-0": 0}  # the slot is back
     async with asyncio.timeout(5):
         while engines[0].engine.gate.running:  # the engine request was aborted too
@@ -309,7 +310,7 @@ async def test_a_viewer_back_within_the_grace_resumes_from_the_backlog(
     h: Harness, redis: RedisCluster
 ):
     await h.start_engines(1, decode_tok_per_s=20.0)
-    await h.start_worker(presence=FAST_PRESENCE)  # grace 1 s
+    await h.start_worker(**FAST_PRESENCE)  # grace 1 s
     hub = Hub(RedisBroker(redis, "returning-hub"))
     await hub.start()
     try:

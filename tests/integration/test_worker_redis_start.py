@@ -19,7 +19,6 @@ from devstack.procs import Proc
 from tests.support.cli import clean_env, run_cli, tokenrelay
 from worker.cli import serve
 from worker.config import WorkerConfig
-from worker.routing.lease import EngineSpec
 
 pytestmark = pytest.mark.integration
 
@@ -120,7 +119,8 @@ async def test_a_refused_password_ends_the_start_without_fail_fast(
         host, port = info.startup_nodes[0]
         cfg = WorkerConfig(
             redis_url=f"redis://default:wrong-password-17@{host}:{port}",
-            engines=[EngineSpec(id="e", url="http://127.0.0.1:9", cap=1)],
+            engine_urls=("e=http://127.0.0.1:9",),
+            engine_cap=1,
         )  # no retry can fix a refused password: exit 1 rather than retry forever
         assert await serve(cfg, "127.0.0.1", 0) == 1
     finally:

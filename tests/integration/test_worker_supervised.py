@@ -53,7 +53,7 @@ async def test_the_load_exchange_survives_what_redis_py_leaks(
     ex.tick = tick  # type: ignore[method-assign]
     await ex.start(sup)
     try:
-        with caplog.at_level(logging.ERROR, "tokenrelay.supervise"):
+        with caplog.at_level(logging.ERROR, "relay.service.supervise"):
             await until(lambda: ex.errors >= 4)
         assert sup.not_ready() == ["load_exchange_failing"]
         assert any("load_exchange" in r.getMessage() and r.exc_info for r in caplog.records)
@@ -151,7 +151,7 @@ async def test_cleanup_closes_everything_even_when_a_step_fails(
     loops = [lp.task for lp in st.supervisor.loops.values()]
     assert all(t is not None and not t.done() for t in loops)
     assert h.server is not None
-    with caplog.at_level(logging.ERROR, "worker.api"):
+    with caplog.at_level(logging.ERROR, "worker.lifecycle"):
         await h.server.close()  # the app's cleanup
     h.server = None
     assert st.http.closed  # closed after the failing step, not skipped

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDictProxy
 from redis.asyncio.cluster import RedisCluster
@@ -23,10 +24,7 @@ from devstack.mockengine.server import EngineConfig, RunningEngine, start_engine
 from relay.broker.rediscluster.publisher import read_backlog
 from relay.protocol.frame import Frame, decode
 from worker.api import make_app
-from worker.chat.coalesce import CoalescePolicy
-from worker.chat.presence import PresencePolicy
 from worker.config import WorkerConfig
-from worker.routing.lease import EngineSpec
 from worker.state import STATE, WorkerState
 
 __all__ = ["SECRET", "SHORT_REPLIES", "Harness", "expected_reply", "wait_turn"]
@@ -84,20 +82,20 @@ class Harness:
         ``own_redis_url`` is given (then it connects like a worker process does)."""
         cfg = WorkerConfig(
             redis_url="",
-            engines=[
-                EngineSpec(id=e.engine.cfg.engine_id, url=e.url, cap=cap) for e in self.engines
-            ],
+            engine_urls=tuple(f"{e.engine.cfg.engine_id}={e.url}" for e in self.engines),
+            engine_cap=cap,
             secret=SECRET,
             worker_id="test-worker",
             load_exchange=False,
-            coalesce=CoalescePolicy(4, 0.02),
-            presence=PresencePolicy(grace_s=30.0),
+            coalesce_tokens=4,
+            coalesce_ms=20.0,
+            presence_grace_s=30.0,
             shutdown_deadline_s=1.0,
             session_rate_per_s=0.0,  # every test client is 127.0.0.1; limit tests set it
         )
-        cfg = replace(cfg, **kw)
+        cfg = msgspec.structs.replace(cfg, **kw)
         if own_redis_url:
-            app = make_app(replace(cfg, redis_url=own_redis_url))
+            app = make_app(msgspec.structs.replace(cfg, redis_url=own_redis_url))
         else:
             app = make_app(cfg, redis=self.redis)
         self.server = TestServer(app, host="127.0.0.1")

@@ -15,7 +15,7 @@ from relay.edge.config import RelayConfig
 from relay.service import settings
 from relay.service.settings import ConfigError, FailFast, Secret, opt
 from tokenrelay.cli import build_parser
-from worker.cli import WorkerSettings
+from worker.config import WorkerConfig
 from worker.jobs.cli import JobWorkerSettings
 
 K = "settings-test-secret-7c1e9a3f5b2d4e6a8c0f"  # strong: >= 32 bytes, varied
@@ -132,7 +132,7 @@ def test_every_process_that_takes_tokens_has_the_same_auth_rule(
     with pytest.raises(ConfigError, match=refusal):
         parse(RelayConfig, [], env)
     with pytest.raises(ConfigError, match=refusal):
-        parse(WorkerSettings, [], worker_env)
+        parse(WorkerConfig, [], worker_env)
 
 
 def test_auth_off_only_when_said_and_a_safe_secret_is_accepted() -> None:
@@ -155,8 +155,7 @@ def test_relay_and_worker_declare_fail_fast_off_by_default() -> None:
         "TOKENRELAY_REDIS_URL": "redis://127.0.0.1:7000",
         "TOKENRELAY_ENGINES": "e1=http://127.0.0.1:9000,e2=http://127.0.0.1:9001",
     }
-    worker = parse(WorkerSettings, ["--port", "0", "--fail-fast"], worker_env)
-    cfg = worker.worker_config()
+    cfg = parse(WorkerConfig, ["--port", "0", "--fail-fast"], worker_env)
     assert cfg.fail_fast is True
     assert [e.id for e in cfg.engines] == ["e1", "e2"]
 
@@ -164,7 +163,7 @@ def test_relay_and_worker_declare_fail_fast_off_by_default() -> None:
 def test_every_process_reads_the_deployments_variables() -> None:
     """The names docker-compose.yml, deploy/k8s and the Makefile set keep working."""
     relay = settings.env_names(RelayConfig)
-    worker = settings.env_names(WorkerSettings)
+    worker = settings.env_names(WorkerConfig)
     jobs = settings.env_names(JobWorkerSettings)
     engine = settings.env_names(EngineSettings)
     for name in ("TOKENRELAY_REDIS_URL", "TOKENRELAY_SECRET", "TOKENRELAY_KID",
@@ -190,7 +189,7 @@ def test_gateway_keys_from_the_environment_are_comma_separated() -> None:
         ["worker", "--port", "0", "--redis", "redis://127.0.0.1:7000", "--insecure-no-auth",
          "--engine", "http://127.0.0.1:9000"]
     )  # fmt: skip
-    cfg = settings.load(WorkerSettings, args, env).worker_config()
+    cfg = settings.load(WorkerConfig, args, env)
     assert cfg.gateway_keys == ("gateway-key-one-0001", "gateway-key-two-0002")
     with pytest.raises(ConfigError, match="at least 16"):
-        settings.load(WorkerSettings, args, {"TOKENRELAY_GATEWAY_KEYS": "short"})
+        settings.load(WorkerConfig, args, {"TOKENRELAY_GATEWAY_KEYS": "short"})

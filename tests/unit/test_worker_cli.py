@@ -6,7 +6,11 @@ import argparse
 
 import pytest
 
+from relay.protocol.keys import BACKLOG_MAXLEN, SESSION_TTL_S
+from worker.chat.coalesce import CoalescePolicy
+from worker.chat.presence import PresencePolicy
 from worker.cli import config_from_args, register
+from worker.config import WorkerConfig
 from worker.routing.policy import DEFAULT_SPILL
 
 BASE = ["worker", "--port", "0", "--redis", "redis://127.0.0.1:7000", "--insecure-no-auth"]
@@ -79,7 +83,7 @@ def test_token_and_limit_flags_become_the_config_and_bad_values_are_refused() ->
     assert (cfg.default_max_tokens, cfg.max_tokens_limit, cfg.max_reply_bytes) == (64, 128, 4096)
     assert (cfg.session_rate_per_s, cfg.session_burst, cfg.turns_per_minute) == (0.5, 3, 0)
     assert cfg.trusted_proxies == "10.0.0.0/8"
-    assert cfg.secret is None  # --insecure-no-auth
+    assert (cfg.secret, cfg.insecure_no_auth) == ("", True)
     bad = [
         (("--default-max-tokens", "9000"), "--default-max-tokens"),
         (("--default-max-tokens", "0"), "--default-max-tokens"),
@@ -91,3 +95,22 @@ def test_token_and_limit_flags_become_the_config_and_bad_values_are_refused() ->
     for flags, why in bad:
         with pytest.raises(ValueError, match=why):
             config_from_args(_parse(*flags))
+
+
+def test_the_retention_settings_are_the_ones_relays_share() -> None:
+    cfg = config_from_args(_parse())
+    assert (cfg.backlog_maxlen, cfg.session_ttl_s) == (BACKLOG_MAXLEN, SESSION_TTL_S)
+    assert cfg.max_token_ttl_s == cfg.token_ttl_s == SESSION_TTL_S
+    cfg = config_from_args(_parse("--backlog-maxlen", "500", "--session-ttl-s", "600"))
+    assert (cfg.backlog_maxlen, cfg.session_ttl_s) == (500, 600)
+    with pytest.raises(ValueError, match=r"--backlog-maxlen \(TOKENRELAY_BACKLOG_MAXLEN\) must"):
+        config_from_args(_parse("--backlog-maxlen", "10"))
+
+
+def test_the_derived_policies_come_from_the_declared_fields() -> None:
+    cfg = config_from_args(
+        _parse("--coalesce-tokens", "3", "--coalesce-ms", "20", "--presence-grace-s", "4")
+    )
+    assert cfg.coalesce == CoalescePolicy(max_tokens=3, max_delay_s=0.02)
+    assert cfg.presence == PresencePolicy(grace_s=4.0, interval_s=cfg.presence_interval_s)
+    assert WorkerConfig().worker_id  # a config built in code gets a worker id too

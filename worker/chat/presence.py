@@ -36,7 +36,7 @@ from relay.broker.rediscluster.presence import count_present
 
 __all__ = ["PresencePolicy", "PresenceTracker", "count_watchers", "watch_presence"]
 
-_log = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +112,7 @@ async def watch_presence(
         try:
             watchers = await count_watchers(redis, sid)
         except RelayError as exc:
-            _log.warning("presence check of %s failed: %s", sid, exc)
+            log.warning("presence check of %s failed: %s", sid, exc)
             watchers = 1
         if stopped():
             return

@@ -34,7 +34,7 @@ from typing import Any, Final
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.rediscluster.errors import map_redis_errors
-from relay.protocol.keys import KeyKind, hist_key, idem_key, key
+from relay.protocol.keys import SESSION_TTL_S, KeyKind, hist_key, idem_key, key
 
 __all__ = ["History", "LockHolder", "SessionStore", "state_key"]
 
@@ -121,9 +121,9 @@ class SessionStore:
         *,
         max_messages: int = 64,
         max_bytes: int = 0,
-        ttl_s: int = 86_400,
+        ttl_s: int = SESSION_TTL_S,
         lock_ttl_s: float = 15.0,
-        idem_ttl_s: int = 86_400,
+        idem_ttl_s: int = SESSION_TTL_S,
     ) -> None:
         if max_messages < 2:
             raise ValueError("max_messages must be >= 2")

@@ -13,14 +13,18 @@ Admission (:meth:`TurnManager.start_turn`, while the POST waits):
 5. a fenced generation is opened and the ``meta`` frame published (the user's message,
    engine, preferred engine, spilled): its offset is the turn's first offset (the 202).
 
-Generation (a supervised task per turn, :meth:`TurnManager._run`, on the worker's
-:class:`relay.service.supervise.Supervisor`): an engine-reader task pushes deltas into a
-:class:`worker.chat.coalesce.TokenPump` whose task publishes coalesced ``token`` frames; a
-presence task (:func:`worker.chat.presence.watch_presence`) refreshes the lock and aborts
-the reader when nobody watched for the grace period. A runner whose lock refresh finds
-the lock no longer its own (expired during an outage and taken or reaped) stops: it
-aborts the engine request and publishes nothing more, not even a terminal frame (the
-reaper or the newer turn ends the stream; the epoch fencing stays as the second line).
+Generation (a supervised task per turn, ``turn:<sid>``, :meth:`TurnManager._run`, on the
+worker's :class:`relay.service.supervise.Supervisor`, like its three helpers): an
+engine-reader task (``reader:<sid>``) pushes deltas into a
+:class:`worker.chat.coalesce.TokenPump` whose task (``pump:<sid>``) publishes coalesced
+``token`` frames; a presence task (``presence:<sid>``,
+:func:`worker.chat.presence.watch_presence`) refreshes the lock and aborts the reader
+when nobody watched for the grace period. The reader and the pump end with the engine's
+or Redis' failure as their result (the turn's outcome), so the supervisor logs only
+what nobody expected. A runner whose lock refresh finds the lock no longer its own
+(expired during an outage and taken or reaped) stops: it aborts the engine request and
+publishes nothing more, not even a terminal frame (the reaper or the newer turn ends the
+stream; the epoch fencing stays as the second line).
 The first token frame's meta carries the TTFT and the engine's cached-prefix tokens
 (known only when the engine answers, so not in the ``meta`` frame). The turn ends with
 exactly one terminal frame (the outcomes: :mod:`worker.chat.turnstate`), and on every
@@ -72,9 +76,19 @@ __all__ = [
     "TurnManager",
 ]
 
-_log = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 _HELPER_EXIT_S: Final = 2.0  # how long _end waits for the presence and pump tasks to stop
+
+
+async def _pump(pump: TokenPump) -> RelayError | None:
+    """Run ``pump`` until it is closed and empty; return the Redis failure that stopped
+    it (None: it finished)."""
+    try:
+        await pump.run()
+    except RelayError as exc:
+        return exc
+    return None
 
 
 class TurnManager:
@@ -244,7 +258,7 @@ class TurnManager:
             sid, gen, lease, owner, prompt, message, max_tokens, t0, rkey, viewer=viewer
         )
         self.running[sid] = turn
-        turn.task = self.supervisor.spawn(f"turn-{sid}-{gen.turn}", self._run(turn))
+        turn.task = self.supervisor.spawn(f"turn:{sid}", self._run(turn))
         return started
 
     # ---- aborts ------------------------------------------------------------------------------
@@ -277,10 +291,11 @@ class TurnManager:
         outcome = TurnOutcome.DONE
         error: str | None = None
         pump = TokenPump(lambda b: self._publish_batch(t, b), self.cfg.coalesce)
-        # the turn's own children, awaited (and cancelled) by _run and _end: not
-        # fire-and-forget, so plain tasks rather than the supervisor's
-        t.reader = asyncio.create_task(self._read_engine(t, pump), name=f"read-{t.sid}")
-        pump_task = asyncio.create_task(pump.run(), name=f"pump-{t.sid}")
+        # Supervised like every task (a bug is logged; stop(), after the drain, cancels
+        # what is left); _run and _end await them. An engine's or Redis' failure is their
+        # result: the turn's outcome, not a crash for the supervisor to log.
+        t.reader = self.supervisor.spawn(f"reader:{t.sid}", self._read_engine(t, pump))
+        pump_task = self.supervisor.spawn(f"pump:{t.sid}", _pump(pump))
 
         async def refresh() -> None:
             if t.ended.is_set():
@@ -290,12 +305,12 @@ class TurnManager:
             except RelayError:
                 return  # unknown (Redis away): keep going, the publisher retries or fails
             if not ours:
-                _log.warning("turn %s/%d: turn lock lost; stopping", t.sid, t.gen.turn)
+                log.warning("turn %s/%d: turn lock lost; stopping", t.sid, t.gen.turn)
                 t.lock_lost = True
                 t.abort(AbortReason.LOCK_LOST)
 
         presence = self.supervisor.spawn(
-            f"presence-{t.sid}",
+            f"presence:{t.sid}",
             watch_presence(
                 self.store.redis,
                 t.sid,
@@ -313,28 +328,31 @@ class TurnManager:
                 with contextlib.suppress(BaseException):
                     await t.reader
                 release_once(t.lease)
-                await pump_task  # raises what stopped it
-                raise RuntimeError("token pump stopped early")
+                stopped = await pump_task  # the pump only ends early on a failure
+                raise stopped or RuntimeError("token pump stopped early")
             try:
-                await t.reader
+                failed = await t.reader
             except asyncio.CancelledError:
                 if t.abort_reason is None:
                     raise  # we are being cancelled ourselves
                 outcome, error = t.abort_reason.outcome, t.abort_reason
-            except EngineTimeout as exc:
-                outcome, error = TurnOutcome.TIMEOUT, exc.message
-            except EngineError as exc:  # the frame gets a short reason, the log the URL
-                _log.warning("turn %s/%d: %s", t.sid, t.gen.turn, exc.message)
-                outcome, error = TurnOutcome.ENGINE_ERROR, exc.public_reason
+            else:
+                if isinstance(failed, EngineTimeout):
+                    outcome, error = TurnOutcome.TIMEOUT, failed.message
+                elif failed is not None:  # the frame gets a short reason, the log the URL
+                    log.warning("turn %s/%d: %s", t.sid, t.gen.turn, failed.message)
+                    outcome, error = TurnOutcome.ENGINE_ERROR, failed.public_reason
             finally:
                 release_once(t.lease)  # the engine is done with us, whatever happens next
                 pump.close()
-            await pump_task
+            stopped = await pump_task
+            if stopped is not None:
+                raise stopped
         except Fenced as exc:
             outcome, error = TurnOutcome.FENCED, None
-            _log.warning("turn %s/%d fenced: %s", t.sid, t.gen.turn, exc)
+            log.warning("turn %s/%d fenced: %s", t.sid, t.gen.turn, exc)
         except RelayError as exc:
-            _log.warning("turn %s/%d: redis: %r", t.sid, t.gen.turn, exc)
+            log.warning("turn %s/%d: redis: %r", t.sid, t.gen.turn, exc)
             outcome, error = TurnOutcome.REDIS_ERROR, "redis unavailable"
         except asyncio.CancelledError:
             outcome, error = TurnOutcome.SHUTDOWN, AbortReason.SHUTDOWN
@@ -342,7 +360,7 @@ class TurnManager:
             await self._end(t, outcome, error, pump, pump_task, presence)
             raise
         except Exception as exc:
-            _log.exception("turn %s/%d failed", t.sid, t.gen.turn)
+            log.exception("turn %s/%d failed", t.sid, t.gen.turn)
             outcome, error = TurnOutcome.INTERNAL_ERROR, f"internal error: {type(exc).__name__}"
         await self._end(t, outcome, error, pump, pump_task, presence)
 
@@ -352,7 +370,7 @@ class TurnManager:
         outcome: TurnOutcome,
         error: str | None,
         pump: TokenPump,
-        pump_task: asyncio.Task[None],
+        pump_task: asyncio.Task[RelayError | None],
         presence: asyncio.Task[None],
     ) -> None:
         if t.lock_lost and outcome is not TurnOutcome.FENCED:
@@ -370,10 +388,8 @@ class TurnManager:
         # from its terminal frame and its lock from being released.
         _, stuck = await asyncio.wait({presence, pump_task}, timeout=_HELPER_EXIT_S)
         for task in stuck:
-            _log.warning("turn %s/%d: %s did not stop", t.sid, t.gen.turn, task.get_name())
-        for task in {presence, pump_task} - stuck:
-            if not task.cancelled():
-                task.exception()  # retrieved: no "never retrieved" warning
+            log.warning("turn %s/%d: %s did not stop", t.sid, t.gen.turn, task.get_name())
+        # (what a helper raised is the supervisor's to retrieve and log: they are its tasks)
         release_once(t.lease)
         try:
             if outcome is TurnOutcome.DONE:
@@ -392,7 +408,7 @@ class TurnManager:
         except Fenced:
             outcome = TurnOutcome.FENCED
         except RelayError as exc:
-            _log.warning("turn %s/%d: terminal frame lost: %s", t.sid, t.gen.turn, exc)
+            log.warning("turn %s/%d: terminal frame lost: %s", t.sid, t.gen.turn, exc)
         finally:
             with contextlib.suppress(RelayError):
                 await self.store.release_lock(t.sid, t.owner)
@@ -403,23 +419,30 @@ class TurnManager:
                 self.metrics.cancellations.labels(reason=outcome).inc()
             self.outcomes.append((t.sid, t.gen.turn, outcome))
 
-    async def _read_engine(self, t: RunningTurn, pump: TokenPump) -> None:
-        """Stream the reply. An engine that refuses the connection before answering
-        (killed, restarting; the control plane has not seen it leave yet) is skipped
-        once: the lease moves to the next engine for the routing key."""
+    async def _read_engine(self, t: RunningTurn, pump: TokenPump) -> EngineError | None:
+        """Stream the reply; return how the engine failed (None: it finished). An engine
+        that refuses the connection before answering (killed, restarting; the control
+        plane has not seen it leave yet) is skipped once: the lease moves to the next
+        engine for the routing key."""
         try:
             await self._read_engine_once(t, pump)
         except EngineUnavailable as exc:
             if exc.mid_stream or t.reply:
-                raise
+                return exc
             try:
                 lease = self.router.route(t.route_key, avoid=t.lease.engine.id)
             except AllEnginesFull:
-                raise exc from None
-            _log.warning("turn %s/%d: %s; retrying on %s", t.sid, t.gen.turn, exc, lease.engine.id)
+                return exc
+            log.warning("turn %s/%d: %s; retrying on %s", t.sid, t.gen.turn, exc, lease.engine.id)
             release_once(t.lease)
             t.lease = lease
-            await self._read_engine_once(t, pump)
+            try:
+                await self._read_engine_once(t, pump)
+            except EngineError as again:
+                return again
+        except EngineError as exc:
+            return exc
+        return None
 
     async def _read_engine_once(self, t: RunningTurn, pump: TokenPump) -> None:
         stream = self.engine.stream_chat(t.lease.engine.url, self.cfg.model, t.prompt, t.max_tokens)

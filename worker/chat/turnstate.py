@@ -43,6 +43,7 @@ from worker.chat.direct import DirectViewer
 from worker.chat.presence import PresencePolicy
 from worker.chat.store import LockHolder
 from worker.engines.client import Delta
+from worker.engines.errors import EngineError
 from worker.routing.key import DEFAULT_PREFIX_CHARS
 from worker.routing.lease import Lease
 
@@ -193,7 +194,7 @@ class RunningTurn:
     max_tokens: int | None
     t0: float
     route_key: str = ""
-    reader: asyncio.Task[None] | None = None
+    reader: asyncio.Task[EngineError | None] | None = None  # its result: how the engine failed
     task: asyncio.Task[None] | None = None
     abort_reason: AbortReason | None = None
     lock_lost: bool = False  # the turn lock is no longer ours: publish nothing more

@@ -25,7 +25,6 @@ Order of use: ``register(app)`` in :func:`worker.api.make_app`.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any, Final
 
@@ -35,26 +34,31 @@ from aiohttp import web
 from relay.broker.errors import RelayError
 from relay.broker.rediscluster.errors import map_redis_errors
 from relay.protocol.auth import AuthError
+from relay.protocol.codes import Refusal
 from relay.protocol.frame import FrameError, decode
 from relay.protocol.keys import InvalidSessionId, log_key, parse_session
 from relay.protocol.uistream import DONE, UI_HEADERS, UiTurn, encode_chunk
-from worker.access import Refusal
+from relay.service.errors import RETRY_AFTER, Reject, refusal, retry_after
+from worker.access import RateLimited
 from worker.chat.turnstate import Draining, IdempotencyPending, TurnBusy
 from worker.routing.lease import AllEnginesFull
 from worker.state import STATE
 
 __all__ = ["ChatRequest", "parse_chat", "register"]
 
-_log = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 _BLOCK_MS: Final = 1000  # below the worker's Redis socket timeout
 _IDLE_S: Final = 120.0  # no frame of the turn for this long: end the stream with an error
 
 
-class ChatError(Exception):
-    def __init__(self, status: int, code: str, reason: str) -> None:
-        super().__init__(reason)
-        self.status, self.code, self.reason = status, code, reason
+class ChatError(Reject):
+    """A chat body :func:`parse_chat` refuses: a :class:`Reject` whose ``code`` is its
+    :class:`~relay.protocol.codes.Refusal`."""
+
+    def __init__(self, status: int, code: Refusal, reason: str) -> None:
+        super().__init__(status, code, reason)
+        self.code = code
 
 
 class ChatRequest:
@@ -84,19 +88,20 @@ def parse_chat(raw: bytes, max_chars: int) -> ChatRequest:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise ChatError(400, "malformed_json", f"body is not valid JSON: {exc}") from None
+        raise ChatError(400, Refusal.MALFORMED_JSON, f"body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise ChatError(400, "invalid_body", "body must be a JSON object")
+        raise ChatError(400, Refusal.INVALID_BODY, "body must be a JSON object")
     try:
         sid = parse_session(body.get("id"))
     except InvalidSessionId as exc:
-        raise ChatError(400, "invalid_session", f"'id' must be a session id: {exc}") from None
+        reason = f"'id' must be a session id: {exc}"
+        raise ChatError(400, Refusal.INVALID_SESSION, reason) from None
     if body.get("trigger", "submit-message") != "submit-message":
         reason = "only 'submit-message' is supported: a session's history only grows"
-        raise ChatError(400, "unsupported_trigger", reason)
+        raise ChatError(400, Refusal.UNSUPPORTED_TRIGGER, reason)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ChatError(400, "invalid_messages", "'messages' must be a non-empty list")
+        raise ChatError(400, Refusal.INVALID_MESSAGES, "'messages' must be a non-empty list")
     # The SDK sends the whole history, its last entry the new user message: the turn's
     # message is the last user message with text (the session keeps the history itself).
     message = next(
@@ -108,22 +113,17 @@ def parse_chat(raw: bytes, max_chars: int) -> ChatRequest:
         "",
     )
     if not message:
-        raise ChatError(400, "invalid_message", "no user message with a text part")
+        raise ChatError(400, Refusal.INVALID_MESSAGE, "no user message with a text part")
     system = next(
         (_text(m) for m in messages if isinstance(m, dict) and m.get("role") == "system"), None
     )
-    for name, value in (("message", message), ("system", system or "")):
+    for name, value, code in (
+        ("message", message, Refusal.MESSAGE_TOO_LARGE),
+        ("system", system or "", Refusal.SYSTEM_TOO_LARGE),
+    ):
         if len(value) > max_chars:
-            raise ChatError(413, f"{name}_too_large", f"{name} longer than {max_chars} characters")
+            raise ChatError(413, code, f"{name} longer than {max_chars} characters")
     return ChatRequest(sid, message, system or None)
-
-
-def _err(
-    status: int, code: str, reason: str, headers: dict[str, str] | None = None
-) -> web.Response:
-    body = orjson.dumps({"error": code, "reason": reason})
-    return web.Response(status=status, body=body, content_type="application/json",
-                        headers=headers)  # fmt: skip
 
 
 def register(app: web.Application) -> None:
@@ -133,43 +133,43 @@ def register(app: web.Application) -> None:
         st = request.app[STATE]
         cfg = st.cfg
         if request.content_type != "application/json":
-            return _err(415, "unsupported_media_type", "send the body as application/json")
+            return refusal(415, Refusal.UNSUPPORTED_MEDIA_TYPE, "send the body as application/json")
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            return _err(413, "body_too_large", f"body larger than {cfg.max_body_bytes} bytes")
+            reason = f"body larger than {cfg.max_body_bytes} bytes"
+            return refusal(413, Refusal.BODY_TOO_LARGE, reason)
         try:
             req = parse_chat(raw, cfg.max_message_chars)
         except ChatError as exc:
             st.metrics.rejected.labels(status=str(exc.status)).inc()
-            return _err(exc.status, exc.code, exc.reason)
+            return exc.response()
         try:
             st.access.authorize(request, req.session, "write")
         except AuthError as exc:
-            return _err(exc.status, exc.error, exc.reason)
+            return refusal(exc.status, exc.error, exc.reason)
         try:
             await st.access.check_turn_rate(st.redis, req.session)
-        except Refusal as exc:
-            return _err(429, exc.code, exc.reason, {"Retry-After": exc.retry_after})
+        except RateLimited as exc:
+            return exc.response()
         except RelayError:
-            return _err(503, "redis_unavailable", "redis did not answer", {"Retry-After": "1"})
+            return refusal(503, Refusal.REDIS_UNAVAILABLE, "redis did not answer", RETRY_AFTER)
         try:
             started = await st.turns.start_turn(
                 req.session, req.message, system=req.system, max_tokens=cfg.default_max_tokens
             )
         except Draining:
-            return _err(503, "draining", "worker is shutting down", {"Retry-After": "1"})
+            return refusal(503, Refusal.DRAINING, "worker is shutting down", RETRY_AFTER)
         except TurnBusy:
-            return _err(409, "turn_in_progress",
-                        "a turn of this session is generating; resume its stream")  # fmt: skip
+            reason = "a turn of this session is generating; resume its stream"
+            return refusal(409, Refusal.TURN_IN_PROGRESS, reason)
         except IdempotencyPending as exc:
-            return _err(409, "idempotency_pending", str(exc))
+            return refusal(409, Refusal.IDEMPOTENCY_PENDING, str(exc))
         except AllEnginesFull as exc:
-            retry = str(max(1, math.ceil(exc.retry_after_s)))
-            return _err(429, "engines_full", exc.reason, {"Retry-After": retry})
+            return refusal(429, Refusal.ENGINES_FULL, exc.reason, retry_after(exc.retry_after_s))
         except RelayError as exc:
-            _log.warning("chat of %s refused, redis: %r", req.session, exc)
-            return _err(503, "redis_unavailable", "redis did not answer", {"Retry-After": "1"})
+            log.warning("chat of %s refused, redis: %r", req.session, exc)
+            return refusal(503, Refusal.REDIS_UNAVAILABLE, "redis did not answer", RETRY_AFTER)
         resp = web.StreamResponse(headers=UI_HEADERS)
         await resp.prepare(request)
         ui = UiTurn(req.session, started.turn)

@@ -15,6 +15,7 @@ from typing import Final
 import orjson
 from aiohttp import web
 
+from relay.protocol.codes import Refusal
 from worker.access import WorkerAccess
 from worker.apikeys import check_api_key
 from worker.chat.turn import TurnManager
@@ -76,8 +77,9 @@ class Gateway:
         if code is None:
             return None
         reason = {
-            "gateway_disabled": "the OpenAI gateway is off: start the worker with --gateway-key",
-            "missing_api_key": "send 'Authorization: Bearer <gateway key>'",
+            Refusal.GATEWAY_DISABLED: "the OpenAI gateway is off: start the worker with "
+            "--gateway-key",
+            Refusal.MISSING_API_KEY: "send 'Authorization: Bearer <gateway key>'",
         }.get(code, "invalid gateway key")
         return WireError(401, reason, kind="authentication_error", code=code)
 

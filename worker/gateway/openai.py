@@ -66,7 +66,7 @@ SESSION_HEADER = gateway_session.SESSION_HEADER
 
 __all__ = ["GATEWAY", "Gateway", "GatewayConfig", "add_routes"]
 
-_log = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 _SSE_HEADERS: Final = {
     "Content-Type": "text/event-stream; charset=utf-8",
     "Cache-Control": "no-cache",
@@ -219,7 +219,7 @@ async def _stream(
         await resp.write(_event(error_body(wire.message, wire.kind, wire.code)))
         return resp
     except (ConnectionResetError, OSError):
-        _log.debug("gateway client left mid-stream")  # the engine request is closed below
+        log.debug("gateway client left mid-stream")  # the engine request is closed below
         return resp or web.StreamResponse()
     finally:
         await stream.aclose()

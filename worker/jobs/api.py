@@ -27,7 +27,9 @@ from aiohttp import web
 
 from relay.broker.errors import RelayError
 from relay.protocol.auth import AuthError, Scope
+from relay.protocol.codes import Refusal
 from relay.protocol.keys import InvalidSessionId, parse_session
+from relay.service.errors import RETRY_AFTER, refusal
 from worker.access import WorkerAccess
 from worker.apikeys import check_api_key
 from worker.jobs.queue import JobSubmitter
@@ -35,7 +37,7 @@ from worker.jobs.record import JobSpec, JobStore, new_job_id, parse_job_id, publ
 
 __all__ = ["JOBS", "JobsApi", "add_routes"]
 
-_log = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 _JSON: Final = "application/json"
 
 
@@ -53,13 +55,6 @@ class JobsApi:
 JOBS: Final = web.AppKey("tokenrelay_jobs", JobsApi)
 
 
-def _err(
-    status: int, code: str, reason: str, headers: dict[str, str] | None = None
-) -> web.Response:
-    body = orjson.dumps({"error": code, "reason": reason})
-    return web.Response(status=status, body=body, content_type=_JSON, headers=headers)
-
-
 def _auth(
     api: JobsApi, request: web.Request, session: str | None, need: Scope
 ) -> web.Response | None:
@@ -73,9 +68,9 @@ def _auth(
             api.access.authorize(request, session, need)
             return None
         except AuthError as exc:
-            return _err(exc.status, exc.error, exc.reason)
-    return _err(401, "missing_api_key", "a job without a session needs a worker API key "
-                "(--gateway-key)")  # fmt: skip
+            return refusal(exc.status, exc.error, exc.reason)
+    return refusal(401, Refusal.MISSING_API_KEY, "a job without a session needs a worker API "
+                   "key (--gateway-key)")  # fmt: skip
 
 
 def _spec(body: Any, api: JobsApi) -> JobSpec:
@@ -102,7 +97,13 @@ def _spec(body: Any, api: JobsApi) -> JobSpec:
 
 
 def _disabled() -> web.Response:
-    return _err(404, "jobs_disabled", "this worker has no job queue: start it with --amqp URL")
+    reason = "this worker has no job queue: start it with --amqp URL"
+    return refusal(404, Refusal.JOBS_DISABLED, reason)
+
+
+def _store_unavailable() -> web.Response:
+    reason = "the job store is unavailable; retry"
+    return refusal(503, Refusal.REDIS_UNAVAILABLE, reason, RETRY_AFTER)
 
 
 async def submit_job(request: web.Request) -> web.Response:
@@ -110,25 +111,25 @@ async def submit_job(request: web.Request) -> web.Response:
         return _disabled()
     api = request.app[JOBS]
     if request.content_type != _JSON:
-        return _err(415, "unsupported_media_type", "send the body as application/json")
+        return refusal(415, Refusal.UNSUPPORTED_MEDIA_TYPE, "send the body as application/json")
     try:
         body = orjson.loads(await request.read())
     except web.HTTPRequestEntityTooLarge:
-        return _err(413, "body_too_large", "the body is too large")
+        return refusal(413, Refusal.BODY_TOO_LARGE, "the body is too large")
     except orjson.JSONDecodeError:
-        return _err(400, "malformed_json", "the body is not valid JSON")
+        return refusal(400, Refusal.MALFORMED_JSON, "the body is not valid JSON")
     try:
         spec = _spec(body, api)
     except OverflowError as exc:
-        return _err(413, "prompt_too_large", str(exc))
+        return refusal(413, Refusal.PROMPT_TOO_LARGE, str(exc))
     except ValueError as exc:
-        return _err(400, "invalid_job", str(exc))
+        return refusal(400, Refusal.INVALID_JOB, str(exc))
     refused = _auth(api, request, spec.session, "write")
     if refused is not None:
         return refused
     idem = request.headers.get("Idempotency-Key")
     if idem is not None and not (0 < len(idem) <= 128 and idem.isprintable() and idem.isascii()):
-        return _err(400, "invalid_idempotency_key", "1-128 printable ASCII characters")
+        return refusal(400, Refusal.INVALID_IDEMPOTENCY_KEY, "1-128 printable ASCII characters")
     job_id = new_job_id()
     owner = spec.session or "api-key"
     try:
@@ -142,20 +143,19 @@ async def submit_job(request: web.Request) -> web.Response:
                 )  # fmt: skip
         await api.store.create(job_id, spec)
     except RelayError:
-        return _err(503, "redis_unavailable", "the job store is unavailable; retry",
-                    {"Retry-After": "1"})  # fmt: skip
+        return _store_unavailable()
     try:
         await api.submitter.submit(job_id)
     except Exception as exc:  # any broker failure: the job is not queued, say so
-        _log.warning("job %s not queued: %s: %s", job_id, type(exc).__name__, str(exc)[:200])
+        log.warning("job %s not queued: %s: %s", job_id, type(exc).__name__, str(exc)[:200])
         try:
             await api.store.delete(job_id)
             if idem is not None:
                 await api.store.drop_idempotency(idem, owner)
         except RelayError:
             pass  # the record expires with its TTL; it was never queued
-        return _err(503, "queue_unavailable", "the job queue is unavailable; retry",
-                    {"Retry-After": "2"})  # fmt: skip
+        reason = "the job queue is unavailable; retry"
+        return refusal(503, Refusal.QUEUE_UNAVAILABLE, reason, {"Retry-After": "2"})
     return web.Response(
         status=202, content_type=_JSON,
         body=orjson.dumps({"job": job_id, "status": "queued"}),
@@ -170,14 +170,13 @@ async def get_job(request: web.Request) -> web.Response:
     try:
         job_id = parse_job_id(request.match_info["job"])
     except ValueError as exc:
-        return _err(400, "invalid_job_id", str(exc))
+        return refusal(400, Refusal.INVALID_JOB_ID, str(exc))
     try:
         rec = await api.store.get(job_id)
     except RelayError:
-        return _err(503, "redis_unavailable", "the job store is unavailable; retry",
-                    {"Retry-After": "1"})  # fmt: skip
+        return _store_unavailable()
     if rec is None:  # ids are 128 random bits: saying "no such id" reveals nothing
-        return _err(404, "job_not_found", "no such job (or it expired)")
+        return refusal(404, Refusal.JOB_NOT_FOUND, "no such job (or it expired)")
     refused = _auth(api, request, rec.get("session") or None, "watch")
     if refused is not None:
         return refused

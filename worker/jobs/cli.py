@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import os
 import sys
 from typing import Annotated, Any
@@ -26,8 +25,17 @@ from relay.broker.errors import RelayError
 from relay.broker.rediscluster.connect import RedisTLS, connect, mask_url, startup_error
 from relay.broker.rediscluster.errors import map_redis_errors
 from relay.broker.rediscluster.publisher import Publisher
+from relay.protocol.keys import BACKLOG_MAXLEN, SESSION_TTL_S
 from relay.service import runtime, settings
-from relay.service.settings import RedisCA, RedisCert, RedisKey, RedisURL, opt
+from relay.service.settings import (
+    BacklogMaxlen,
+    RedisCA,
+    RedisCert,
+    RedisKey,
+    RedisURL,
+    SessionTTL,
+    opt,
+)
 from relay.service.supervise import Supervisor
 from worker.chat.store import SessionStore
 from worker.config import default_worker_id
@@ -40,8 +48,6 @@ from worker.routing.loadshare import LoadExchange
 from worker.routing.router import Router
 
 __all__ = ["JobWorkerSettings", "register", "run"]
-
-_log = logging.getLogger(__name__)
 
 HEALTH_INTERVAL_S = 5.0
 
@@ -70,6 +76,9 @@ class JobWorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     ] = 3
     prefetch: Annotated[int, opt("jobs in flight per job worker", ge=1)] = 2
     worker_id: Annotated[str, opt("unique id (empty: job-hostname-pid)")] = ""
+    # a job of a session reports on it: the same retention as the chat workers and relays
+    session_ttl_s: SessionTTL = SESSION_TTL_S
+    backlog_maxlen: BacklogMaxlen = BACKLOG_MAXLEN
     shutdown_deadline_s: Annotated[
         float, opt("SIGTERM: running jobs may finish for this long", ge=0)
     ] = 30.0
@@ -116,8 +125,8 @@ async def serve(opts: JobWorkerSettings, engines: list[EngineSpec]) -> None:
         jobs=JobStore(redis),
         router=router,
         engine=EngineClient(http),
-        publisher=Publisher(redis),
-        sessions=SessionStore(redis),
+        publisher=Publisher(redis, maxlen=opts.backlog_maxlen, ttl_s=opts.session_ttl_s),
+        sessions=SessionStore(redis, ttl_s=opts.session_ttl_s),
         cfg=RunnerConfig(
             worker_id=worker_id,
             model=opts.model,

@@ -52,7 +52,7 @@ from aio_pika.abc import (
 
 from relay.broker.errors import Fenced, RelayError
 from relay.broker.rediscluster.publisher import Draft, Publisher
-from relay.service.supervise import Supervisor
+from relay.service.supervise import Backoff, Supervisor
 from worker.chat.store import SessionStore
 from worker.engines.client import EngineClient
 from worker.engines.errors import EngineError
@@ -64,8 +64,9 @@ from worker.routing.wait import route_wait
 
 __all__ = ["JobRunner", "JobSubmitter", "QueueNames", "RunnerConfig", "declare"]
 
-_log = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 BROKER_DELIVERY_LIMIT: Final = 20
+_BACKOFF_CAP_S: Final = 10.0  # the longest pause before a failed attempt is handed back
 _FRAME_TEXT: Final = 64 * 1024  # a whole reply goes out in token frames of at most this
 
 
@@ -153,7 +154,9 @@ class RunnerConfig:
     prefetch: int = 2
     route_wait_s: float = 30.0  # then the job goes back to the queue
     chat_reserve: int = 0  # slots per engine that only chat may use
-    backoff_s: float = 1.0  # before a failed attempt is handed back
+    # a failed attempt is handed back after a jittered backoff (relay.service.supervise)
+    # that starts at backoff_s (> 0) and grows with the job's attempts, up to 10 s
+    backoff_s: float = 1.0
     progress_every_s: float = 1.0
     notify_lock_wait_s: float = 30.0  # waiting for a session's running chat turn to end
     lock_owner_ttl_s: float = 5.0
@@ -195,6 +198,7 @@ class JobRunner:
         self._own_supervisor = False
         self._stopping = asyncio.Event()
         self._running: set[asyncio.Task[Any]] = set()
+        self._backoff = Backoff(base_s=cfg.backoff_s, cap_s=max(cfg.backoff_s, _BACKOFF_CAP_S))
 
     async def start(self, supervisor: Supervisor | None = None) -> None:
         """Connect and declare (raises when the broker cannot be reached), then consume on
@@ -229,7 +233,7 @@ class JobRunner:
             self._messages = messages
             async for message in messages:
                 task = self._supervisor.spawn(
-                    f"job-{message.message_id}", self._on_message(message)
+                    f"job:{message.message_id}", self._on_message(message)
                 )
                 self._running.add(task)
                 task.add_done_callback(self._running.discard)
@@ -272,9 +276,9 @@ class JobRunner:
         except asyncio.CancelledError:
             raise  # not acked: redelivered
         except Exception:
-            _log.exception("job message %s failed", message.message_id)
+            log.exception("job message %s failed", message.message_id)
             outcome = "crashed"
-            await asyncio.sleep(self.cfg.backoff_s)
+            await asyncio.sleep(self._backoff.delay(1))
             with contextlib.suppress(Exception):
                 await message.nack(requeue=True)
         self.outcomes.append((message.message_id or "?", outcome))
@@ -308,8 +312,8 @@ class JobRunner:
         try:
             result = await self._generate(job_id, spec)
         except (EngineError, AllEnginesFull, RelayError) as exc:
-            _log.warning("job %s attempt %d: %s", job_id, attempt, exc)
-            await asyncio.sleep(self.cfg.backoff_s)
+            log.warning("job %s attempt %d: %s", job_id, attempt, exc)
+            await asyncio.sleep(self._backoff.delay(attempt))
             await message.nack(requeue=True)
             return "retry"
         if await self.jobs.finish(job_id, result) and spec.session is not None:
@@ -377,7 +381,7 @@ class JobRunner:
         deadline = time.monotonic() + self.cfg.notify_lock_wait_s
         while (holder := await self.sessions.acquire_lock(sid, owner)) is not None:
             if time.monotonic() > deadline:
-                _log.warning("job %s: session %s busy (turn %d); not notified", job_id, sid,
+                log.warning("job %s: session %s busy (turn %d); not notified", job_id, sid,
                              holder.turn)  # fmt: skip
                 await self.jobs.note(job_id, {"notified": 0, "notify_error": "session busy"})
                 return
@@ -401,7 +405,7 @@ class JobRunner:
             )
             await self.jobs.note(job_id, {"notified": 1})
         except (Fenced, RelayError) as exc:
-            _log.warning("job %s: session %s not notified: %s", job_id, sid, exc)
+            log.warning("job %s: session %s not notified: %s", job_id, sid, exc)
             with contextlib.suppress(RelayError):
                 await self.jobs.note(job_id, {"notified": 0, "notify_error": type(exc).__name__})
         finally:

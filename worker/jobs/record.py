@@ -37,10 +37,11 @@ from typing import Any, Final
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.rediscluster.errors import map_redis_errors
-from relay.protocol.keys import parse_session
+from relay.protocol.keys import SESSION_TTL_S, parse_session
 
 __all__ = [
     "JOB_ID_RE",
+    "JOB_TTL_S",
     "JobSpec",
     "JobStore",
     "job_idem_key",
@@ -51,6 +52,9 @@ __all__ = [
 ]
 
 JOB_ID_RE: Final = "[A-Za-z0-9_-]{22}"
+# A job's record lives as long as a session does: a job of a session reports there, and a
+# client polls its result about as long as it keeps the session.
+JOB_TTL_S: Final = SESSION_TTL_S
 _ALPHABET: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 
 
@@ -159,7 +163,7 @@ def _now_ms() -> int:
 class JobStore:
     """Job records in Redis (see the module docstring for the rules)."""
 
-    def __init__(self, redis: RedisCluster, ttl_s: int = 86_400) -> None:
+    def __init__(self, redis: RedisCluster, ttl_s: int = JOB_TTL_S) -> None:
         self.redis = redis
         self.ttl_s = ttl_s
 

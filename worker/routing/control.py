@@ -63,7 +63,7 @@ __all__ = [
     "read_announced",
 ]
 
-_log = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 
 def parse_engine_arg(arg: str, cap: int, weight: float = 1.0) -> EngineSpec:
@@ -193,7 +193,7 @@ class EngineAnnouncer:
         self._supervisor = supervisor or Supervisor()
         period = self.ttl_s / 3
         self._supervisor.every(
-            f"engine_heartbeat_{self.spec.id}", period, self.beat, first_delay_s=period
+            f"engine_heartbeat:{self.spec.id}", period, self.beat, first_delay_s=period
         )
 
     async def stop(self, *, withdraw: bool = True) -> None:
@@ -208,7 +208,7 @@ class EngineAnnouncer:
                     await self.redis.delete(engine_key(self.spec.id))
                     await self.redis.zrem(ENGINES_REGISTRY, self.spec.id)
             except RelayError as exc:  # the entry expires by itself within ttl_s
-                _log.warning("engine heartbeat: could not withdraw %s: %s", self.spec.id, exc)
+                log.warning("engine heartbeat: could not withdraw %s: %s", self.spec.id, exc)
 
 
 class ControlPlane:
@@ -256,7 +256,7 @@ class ControlPlane:
         )
         for eid, ok in zip(self.static, results, strict=True):
             if self.probes[eid].record(ok):
-                _log.warning("engine %s is %s", eid, "up" if ok else "down")
+                log.warning("engine %s is %s", eid, "up" if ok else "down")
         self._reconcile()
 
     async def heartbeat_step(self) -> None:
@@ -286,7 +286,7 @@ class ControlPlane:
         try:
             await self.heartbeat_step()
         except RelayError as exc:
-            _log.warning("reading engine heartbeats failed: %s", exc)
+            log.warning("reading engine heartbeats failed: %s", exc)
         return self.alive()
 
     async def start(self, supervisor: Supervisor | None = None, *, discovery: bool = True) -> None:

@@ -86,7 +86,7 @@ __all__ = [
 ]
 
 REGISTRY_KEY: Final = WORKERS_REGISTRY
-_log = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,9 +320,9 @@ class LoadExchange:
                 pipe.zrem(self._registry, self.worker_id)
                 await pipe.execute()
         except RelayError as exc:  # the report expires by itself within ttl_s
-            _log.warning("load exchange: could not withdraw the report: %s", exc)
+            log.warning("load exchange: could not withdraw the report: %s", exc)
         except Exception:
-            _log.exception("load exchange: withdrawing the report failed")
+            log.exception("load exchange: withdrawing the report failed")
 
 
 def _text(x: bytes | str) -> str:
@@ -338,6 +338,6 @@ def _parse(worker_id: str, raw: Mapping[bytes | str, bytes | str]) -> WorkerRepo
         demand = {str(k): int(v) for k, v in json.loads(fields.get("demand", "{}")).items()}
         allowance = {str(k): int(v) for k, v in json.loads(fields.get("allowance", "{}")).items()}
     except (KeyError, ValueError, TypeError, AttributeError):
-        _log.warning("ignoring malformed load report of worker %s", worker_id)
+        log.warning("ignoring malformed load report of worker %s", worker_id)
         return None
     return WorkerReport(worker_id, in_flight, demand, allowance)

@@ -71,7 +71,7 @@ test("a refused token without a hook, and a bad offset, end in state error with 
   const bad = collect(s, s.token, { from: -5 });
   const outcome = await bad.w.closed;
   assert.equal(outcome.state, "error");
-  assert.match(outcome.reason, /^400 bad_offset/);
+  assert.match(outcome.reason, /^400 invalid_offset/);
 });
 
 async function reason(s, token) {

@@ -59,19 +59,19 @@ SSE_HEADERS = {
 
 
 def parse_offset(parse: Callable[[], int | None]) -> int | None:
-    """The resume offset ``parse()`` reads from the request, or Reject 400 ``bad_offset``."""
+    """The resume offset ``parse()`` reads from the request, or Reject 400 ``invalid_offset``."""
     try:
         return parse()
     except sse.OffsetError as exc:
-        raise Reject(400, Refusal.BAD_OFFSET, str(exc)) from None
+        raise Reject(400, Refusal.INVALID_OFFSET, str(exc)) from None
 
 
 def parse_gen(request: web.Request) -> str | None:
-    """The ``gen`` query parameter (the client's generation), or Reject 400 ``bad_gen``."""
+    """The ``gen`` query parameter (the client's generation), or Reject 400 ``invalid_gen``."""
     try:
         return frame.parse_gen(query_value(request, "gen"))
     except frame.GenError as exc:
-        raise Reject(400, Refusal.BAD_GEN, str(exc)) from None
+        raise Reject(400, Refusal.INVALID_GEN, str(exc)) from None
 
 
 def detach(request: web.Request, conn: asyncio.Protocol) -> asyncio.Transport:

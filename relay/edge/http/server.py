@@ -235,7 +235,7 @@ class EdgeServer:
         try:
             return parse_session(request.match_info["sid"])
         except InvalidSessionId as exc:
-            raise Reject(400, Refusal.BAD_SESSION, str(exc)) from None
+            raise Reject(400, Refusal.INVALID_SESSION, str(exc)) from None
 
     def authorize(self, request: web.Request, sid: str) -> Access:
         """The verified token (limits and expiry are applied to it in :meth:`admit`)."""
