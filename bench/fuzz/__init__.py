@@ -1,1 +1,1 @@
-"""bench.fuzz.run."""
+"""Fuzzing the parsers that read hostile input."""

@@ -1,1 +1,1 @@
-"""bench.peers."""
+"""The relay beside the peers users pick instead (Socket.IO's sharded adapter)."""

@@ -1,1 +1,1 @@
-"""bench.relay."""
+"""One relay process: throughput, latency, memory, its own code per frame, its anatomy."""

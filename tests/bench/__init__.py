@@ -1,1 +1,1 @@
-"""tests.bench."""
+"""The benchmarks' own tests: each runs small and is checked against its source of truth."""

@@ -4,12 +4,22 @@ connection is at most three objects of the relay's own."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.relay.anatomy import count_idle, trace_walk
 from devstack.cluster.launcher import ClusterInfo
 
 pytestmark = [pytest.mark.integration]
+
+ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "ARCHITECTURE.md"
+
+
+def _documented_walk() -> list[str]:
+    """The modules of docs/ARCHITECTURE.md's walk (the code block of "A frame's walk")."""
+    text = ARCHITECTURE.read_text().split("### A frame's walk", 1)[1]
+    return text.split("```", 2)[1].strip().split(" -> ")
 
 
 @pytest.mark.timeout(120)
@@ -20,6 +30,7 @@ async def test_a_live_frame_enters_each_module_once(cluster: ClusterInfo) -> Non
         assert w["path"][-1] == "relay/edge/conn/base.py", (transport, w["trace"])
         assert w["revisited"] == [], (transport, w["trace"])
         assert w["modules"] <= 5, (transport, w["trace"])
+        assert w["path"] == _documented_walk(), "docs/ARCHITECTURE.md shows another walk"
 
 
 @pytest.mark.timeout(120)

@@ -1,1 +1,1 @@
-"""tests.deploy."""
+"""Deployment: compose, Kubernetes manifests and pods, the ingress, dashboards and alerts."""

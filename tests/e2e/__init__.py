@@ -1,1 +1,1 @@
-"""tests.e2e."""
+"""End to end: the browser, the demo, the README's examples, the JavaScript clients."""

@@ -1,1 +1,1 @@
-"""tests.hostile."""
+"""Hostile input: tokens, connections, malformed requests, fuzzing; the error bodies."""

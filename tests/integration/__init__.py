@@ -1,1 +1,1 @@
-"""tests.integration."""
+"""Tests against the suite's real Redis Cluster: relay, worker, publisher, subscriber."""

@@ -1,1 +1,1 @@
-"""tests.unit."""
+"""Tests without a server: pure cores, parsers, settings, the layout's rules."""

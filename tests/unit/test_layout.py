@@ -16,9 +16,9 @@ What is checked, and where the rule is written down:
 - no module in ``relay/`` or ``worker/`` over 500 lines unless the README's Layout names
   it with a reason;
 - every product package and module that the README's Layout, docs/ARCHITECTURE.md and
-  the other docs name exists (a backticked ``relay.edge.fanout.hub.Hub.watch`` down to the
-  method, a path to a ``.py`` file anywhere), and every product package appears in the
-  Layout map.
+  the other docs name exists (a backticked ``relay.edge.fanout.hub.Hub.open`` down to the
+  method, a path to a ``.py`` file anywhere), and every product package and module
+  appears in the Layout map (a new module cannot land without its line there).
 
 Every rule reports every offender at once, with the file and line.
 """
@@ -428,7 +428,7 @@ def _class_names(cls: ast.ClassDef) -> set[str]:
 
 def dangling(name: str) -> str | None:
     """Why a name a doc gives (``relay/edge/fanout/hub.py``, ``relay/edge/``,
-    ``relay.edge.fanout.hub.Hub.watch``) does not exist, or None."""
+    ``relay.edge.fanout.hub.Hub.open``) does not exist, or None."""
     if "/" in name:
         return None if (ROOT / name).exists() else "no such file or folder"
     parts = name.split(".")
@@ -489,4 +489,15 @@ def test_the_layout_map_matches_the_tree() -> None:
     absent = [p for p in packages if p not in mapped]
     assert not absent, "product packages missing from the README's Layout map:\n" + "\n".join(
         absent
+    )
+    modules = sorted(
+        str(p.relative_to(ROOT))
+        for top in PRODUCT
+        for p in (ROOT / top).rglob("*.py")
+        if p.name != "__init__.py" and (p.parent / "__init__.py").exists()
+    )
+    unmapped = [m for m in modules if m not in mapped]
+    assert not unmapped, (
+        "product modules the README's Layout map does not name (every module has a line "
+        "that says what it holds):\n" + "\n".join(unmapped)
     )

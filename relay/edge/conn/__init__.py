@@ -1,1 +1,1 @@
-"""relay.edge.conn."""
+"""One object per client connection, by transport (SSE, WebSocket, UI stream, in-process)."""

@@ -1,1 +1,1 @@
-"""relay.edge.core."""
+"""The edge's pure cores: the resume merge, one screen's queue, the client's WebSocket frames."""

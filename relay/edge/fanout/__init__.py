@@ -1,1 +1,1 @@
-"""relay.edge.fanout."""
+"""The relay's fan-out: one subscription per session, any number of connections."""

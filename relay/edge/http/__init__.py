@@ -1,1 +1,1 @@
-"""relay.edge.http."""
+"""The edge's aiohttp app: routes, admission, the stream handlers, stream limits."""
