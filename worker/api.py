@@ -113,17 +113,27 @@ async def _create_session(request: web.Request) -> web.Response:
     return _json(201, {"session": sid, "token": minted.token, "expires_at": minted.expires_at})
 
 
+def _writer_of(request: web.Request) -> str:
+    """The path's session, which the request's token may write to; else Reject
+    (400 for a malformed id, 401 / 403 for the token)."""
+    try:
+        sid = parse_session(request.match_info["sid"])
+    except InvalidSessionId as exc:
+        raise Reject(400, Refusal.INVALID_SESSION, str(exc)) from None
+    try:
+        request.app[STATE].access.authorize(request, sid, "write")
+    except AuthError as exc:
+        raise Reject(exc.status, exc.error, exc.reason) from None
+    return sid
+
+
 async def _mint_token(request: web.Request) -> web.Response:
     """A watch (share link) or write (refresh) token for a session, given a write token."""
     st = request.app[STATE]
     try:
-        sid = parse_session(request.match_info["sid"])
-    except InvalidSessionId as exc:
-        return refusal(400, Refusal.INVALID_SESSION, str(exc))
-    try:
-        st.access.authorize(request, sid, "write")
-    except AuthError as exc:
-        return refusal(exc.status, exc.error, exc.reason)
+        sid = _writer_of(request)
+    except Reject as r:
+        return r.response()
     try:
         scope, ttl_s = parse_token_request(await request.read())
     except BadTokenRequest as exc:
@@ -177,13 +187,9 @@ async def _post_turn(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     cfg = st.cfg
     try:
-        sid = parse_session(request.match_info["sid"])
-    except InvalidSessionId as exc:
-        return refusal(400, Refusal.INVALID_SESSION, str(exc))
-    try:
-        st.access.authorize(request, sid, "write")
-    except AuthError as exc:
-        return refusal(exc.status, exc.error, exc.reason)
+        sid = _writer_of(request)
+    except Reject as r:
+        return r.response()
     if request.content_type != _JSON:
         return refusal(415, Refusal.UNSUPPORTED_MEDIA_TYPE, "send the body as application/json")
     if request.content_length is not None and request.content_length > cfg.max_body_bytes:

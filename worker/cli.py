@@ -22,10 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
-from redis.exceptions import RedisClusterException, RedisError
 
-from relay.broker.errors import RelayError
-from relay.broker.rediscluster.connect import startup_error
 from relay.service import runtime, settings
 from relay.service.httpguard import GuardedSite
 from worker.api import begin_drain, make_app
@@ -65,11 +62,7 @@ async def serve(cfg: WorkerConfig, host: str, port: int) -> int:
     app = make_app(cfg)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=cfg.shutdown_deadline_s + 5)
     async with runtime.stop_on_signals() as stop:
-        try:
-            await runner.setup()  # connects to Redis (TLS handshake included)
-        except (RedisError, RedisClusterException, RelayError, OSError) as exc:
-            print(f"error: {startup_error(cfg.redis_url, exc)}", file=sys.stderr)
-            await runner.cleanup()
+        if not await runtime.set_up(runner, cfg.redis_url):
             return 1
         try:
             site = GuardedSite(runner, host, port, backlog=4096)  # 408 for slowloris heads

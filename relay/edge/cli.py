@@ -18,10 +18,7 @@ import logging
 import sys
 from typing import Any
 
-from redis.exceptions import RedisClusterException, RedisError
-
-from relay.broker.errors import RelayError
-from relay.broker.rediscluster.connect import mask_url, startup_error
+from relay.broker.rediscluster.connect import mask_url
 from relay.edge.config import RelayConfig, add_arguments, from_args
 from relay.edge.http.app import SERVER, make_app, make_runner
 from relay.protocol.codes import Refusal
@@ -50,11 +47,7 @@ async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> int:
     app = make_app(config)
     runner = make_runner(app, shutdown_timeout=1.0)
     async with runtime.stop_on_signals(event=stop) as stopped:
-        try:
-            await runner.setup()  # connects to Redis (TLS handshake included)
-        except (RedisError, RedisClusterException, RelayError, OSError) as exc:
-            print(f"error: {startup_error(config.redis_url, exc)}", file=sys.stderr)
-            await runner.cleanup()
+        if not await runtime.set_up(runner, config.redis_url):
             return 1
         try:
             # A reconnect storm (a relay died, its clients come here) arrives as one

@@ -7,6 +7,8 @@ Order of use, in a command's ``run(args)``::
 and inside ``serve``::
 
     async with runtime.stop_on_signals() as stop:   # SIGTERM / SIGINT set the event
+        if not await runtime.set_up(runner, redis_url):  # one line, exit 1
+            return 1
         ... start ...
         await stop.wait()
         ... drain ...
@@ -23,10 +25,16 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
+from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from redis.exceptions import RedisClusterException, RedisError
+
+from relay.broker.errors import RelayError
+from relay.broker.rediscluster.connect import startup_error
 
 __all__ = ["ClientErrorFilter", "exit_on_sigterm", "quiet_client_errors", "run", "stop_on_signals"]
 
@@ -98,3 +106,17 @@ def exit_on_sigterm() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _exit)
+
+
+async def set_up(runner: web.AppRunner, redis_url: str) -> bool:
+    """``runner.setup()`` (the app's start-up, which connects to Redis, TLS handshake
+    included); False when Redis cannot be reached or refuses: then one line naming the
+    URL (password masked) and the cause is printed to stderr and the runner cleaned up,
+    and the command exits 1."""
+    try:
+        await runner.setup()
+    except (RedisError, RedisClusterException, RelayError, OSError) as exc:
+        print(f"error: {startup_error(redis_url, exc)}", file=sys.stderr)
+        await runner.cleanup()
+        return False
+    return True
