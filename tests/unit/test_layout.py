@@ -2,7 +2,9 @@
 
 What is checked, and where the rule is written down:
 
-- which package may import which (CONTRIBUTING.md, "Which package may import which"):
+- which package may import which (CONTRIBUTING.md, "Which package may import which"),
+  and inside relay which layer may import which (the broker below the edge; the edge's
+  core <- fanout <- conn <- http, only http knowing the Redis broker);
   ``relay`` never imports ``worker``, ``devstack``, ``tokenrelay``, ``bench`` or ``tests``;
   ``worker`` never imports ``devstack``, ``tokenrelay``, ``bench`` or ``tests``; no
   product package imports ``bench`` or ``tests``; ``relay/protocol`` imports nothing
@@ -46,6 +48,17 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "devstack": ("tokenrelay", "bench", "tests"),
     "tokenrelay": ("relay", "worker", "devstack", "bench", "tests"),
 }
+# Inside relay, what may not import what (CONTRIBUTING.md, "Inside relay"): the store is
+# below the edge; the edge's layers go core <- fanout <- conn <- http, and only the app
+# (http) knows which broker it runs on.
+INSIDE_RELAY: dict[str, tuple[str, ...]] = {
+    "relay.broker": ("relay.edge", "relay.client"),
+    "relay.edge.core": ("relay.edge.fanout", "relay.edge.conn", "relay.edge.http",
+                        "relay.broker"),
+    "relay.edge.fanout": ("relay.edge.conn", "relay.edge.http", "relay.broker.rediscluster",
+                          "relay.broker.memory"),
+    "relay.edge.conn": ("relay.edge.http", "relay.broker.rediscluster", "relay.broker.memory"),
+}  # fmt: skip
 # relay/protocol: the standard library, relay.protocol itself, and these.
 PROTOCOL_DEPS = ("msgspec", "jwt", "cryptography", "redis.crc")
 # A pure module imports none of these (redis.crc is the cluster's CRC16: a pure function).
@@ -158,6 +171,19 @@ def test_packages_import_only_what_they_may() -> None:
         if _under(imp.target, other)
     ]
     assert not bad, "imports against the layout (CONTRIBUTING.md):\n" + "\n".join(bad)
+
+
+def test_inside_relay_the_layers_import_only_downwards() -> None:
+    bad = [
+        f"{_where(m, imp.line)}: {m} imports {imp.target}"
+        for m in product_modules()
+        for layer, banned in INSIDE_RELAY.items()
+        if _under(m, layer)
+        for imp in imports(m)
+        for other in banned
+        if _under(imp.target, other)
+    ]
+    assert not bad, "imports against relay's layers (CONTRIBUTING.md):\n" + "\n".join(bad)
 
 
 def _stdlib(name: str) -> bool:
