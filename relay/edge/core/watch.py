@@ -263,6 +263,7 @@ class Watch:
         if self.closed is not None:
             return _NONE
         self.closed = Closed(code, reason)
+        self.live = False  # nothing passes any more, not even the connection's fast path
         self.queue = []
         self.queued_bytes = 0
         self._deferred = None
