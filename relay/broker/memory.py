@@ -40,7 +40,7 @@ from relay.broker.base import (
 )
 from relay.broker.errors import RedisUnavailable, SubscribeError
 from relay.protocol.frame import Frame, Kind, decode, encode, now_ms
-from relay.protocol.keys import live_channel, parse_session
+from relay.protocol.keys import BACKLOG_MAXLEN, live_channel, parse_session
 from relay.service.supervise import Supervisor
 
 __all__ = ["MemoryBroker"]
@@ -60,7 +60,7 @@ class _Session:
 class MemoryBroker:
     """See the module docstring."""
 
-    def __init__(self, relay_id: str = "memory", *, maxlen: int = 10_000) -> None:
+    def __init__(self, relay_id: str = "memory", *, maxlen: int = BACKLOG_MAXLEN) -> None:
         self.relay_id = relay_id
         self.maxlen = maxlen
         self.sessions: dict[str, _Session] = {}

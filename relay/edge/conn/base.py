@@ -26,8 +26,8 @@ What a connection does:
   (:func:`relay.edge.http.handlers.detach`, then :meth:`Conn.attach`):
   the connection is the transport's protocol (its ``pause_writing`` / ``resume_writing``
   say whether there is room; its ``connection_lost`` ends the stream in the server,
-  once). :attr:`Conn.done` completes then: the server's drain waits on it, and
-  cancelling it aborts the connection at once;
+  once). :meth:`Conn.ended` completes then: the server's drain waits on it (made only
+  when someone waits), and cancelling it aborts the connection at once;
 - **its end**: :meth:`Conn.shut` (the watch closed: slow consumer, drain, token
   expiry...), then the transport's goodbye (:meth:`Conn.goodbye`), then the socket is
   closed (aborted if the client has not taken the last bytes after ``GOODBYE_S``).
@@ -104,6 +104,8 @@ class Conn(asyncio.Protocol):
 
     __slots__ = (
         "_closing",
+        "_done",
+        "_ended",
         "_fetch",
         "_held",
         "_host",
@@ -118,7 +120,6 @@ class Conn(asyncio.Protocol):
         "_writer",
         "address",
         "chunked",
-        "done",
         "expires",
         "gen",
         "last_write",
@@ -161,8 +162,8 @@ class Conn(asyncio.Protocol):
         self.chunked = False  # HTTP/1.1 chunked response: every write is one chunk
         self.last_write = self._loop.time()
         self.stop: tuple[CloseCode, str] | None = None  # why the server ends it, once said
-        self.done: asyncio.Future[None] = self._loop.create_future()
-        self.done.add_done_callback(self._cancelled)
+        self._done: asyncio.Future[None] | None = None  # made by ended(), if someone waits
+        self._ended = False
         # admission (relay.edge.http.limits): who is counted for this stream
         self.token = 0
         self.address = ""
@@ -461,17 +462,33 @@ class Conn(asyncio.Protocol):
         if task is not None and not task.done() and task is not asyncio.current_task():
             task.cancel()
 
+    def ended(self) -> asyncio.Future[None]:
+        """Completes when the connection is over; cancelling it aborts the connection and
+        ends the stream at once (the server's drain, past its deadline)."""
+        fut = self._done
+        if fut is None:
+            fut = self._done = self._loop.create_future()
+            fut.add_done_callback(self._cancelled)
+            if self._ended:
+                fut.set_result(None)
+        return fut
+
     def _finish(self, code: CloseCode) -> None:
         """The connection is lost: end the stream, unless :meth:`_cancelled` already did."""
-        if not self.done.done():
+        if not self._ended:
+            self._ended = True
             self._end(code)
-            self.done.set_result(None)
+        fut = self._done
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     def _cancelled(self, fut: asyncio.Future[Any]) -> None:
         """The server's drain gave up waiting for this stream: abort it, end it now."""
         if fut.cancelled():
             self.abort()
-            self._end(self.gone())
+            if not self._ended:
+                self._ended = True
+                self._end(self.gone())
 
     def _end(self, code: CloseCode) -> None:
         self._stop_writer()

@@ -213,7 +213,7 @@ class EdgeServer:
         self.metrics.draining.set(1)
         for c in list(self.streams):
             c.kick(CloseCode.RELAY_SHUTDOWN, SHUTDOWN_REASON)
-        done = {c.done for c in self.streams}
+        done = {c.ended() for c in self.streams}
         if done:
             _, pending = await asyncio.wait(done, timeout=deadline)
             for f in pending:
