@@ -9,8 +9,9 @@
 
 A benchmark's subcommand takes its module's own flags (``add_arguments``) and runs its
 ``run_from_args``: ``tokenrelay bench routing_sim --quick`` is ``python -m
-bench.routing.sim --quick``. Every module is imported when the parser is built; heavy
-dependencies (matplotlib) only when a benchmark runs.
+bench.routing.sim --quick``. ``tokenrelay`` imports a benchmark's module only when that
+benchmark runs (every other subcommand builds its parser without them); ``python -m
+bench`` imports them all to list their flags.
 
 Order of use: :func:`tokenrelay.cli.build_parser` calls :func:`register` with its
 subparsers; ``python -m bench`` calls :func:`main`.
@@ -23,7 +24,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,15 +49,45 @@ def add_benchmarks(subparsers: Any) -> None:
         _add(subparsers, bench, bench.name, bench.aliases)
 
 
+def _deferred(prog: str, bench: Benchmark | None = None) -> Callable[[argparse.Namespace], int]:
+    """A ``func`` that imports the benchmark's module only when it runs, and parses its
+    flags then (``tokenrelay relay`` must not import every benchmark to build its parser)."""
+
+    def run(args: argparse.Namespace) -> int:
+        b = bench or find(args.bench_cmd)
+        add_arguments, run_from_args = b.entry()
+        p = argparse.ArgumentParser(prog=f"{prog} {b.name}" if bench is None else prog,
+                                    description=b.help)  # fmt: skip
+        add_arguments(p)
+        return run_from_args(p.parse_args(args.bench_args))
+
+    return run
+
+
 def register(subparsers: Any) -> None:
-    """Add ``bench`` and its subcommands to the ``tokenrelay`` parser."""
-    p = subparsers.add_parser("bench", help="benchmarks (see bench/README.md)")
-    add_benchmarks(p.add_subparsers(dest="bench_cmd", required=True))
+    """Add ``bench NAME [flags]`` to the ``tokenrelay`` parser; NAME's module is imported,
+    and its flags parsed, when it runs (``tokenrelay bench NAME --help``: its flags)."""
+    names = [n for b in CATALOG for n in (b.name, *b.aliases)]
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmarks (see bench/README.md)",
+        description="One benchmark of bench/catalog.py: " + ", ".join(names),
+    )
+    p.add_argument("bench_cmd", metavar="NAME", choices=names, help="the benchmark")
+    p.add_argument(
+        "bench_args", nargs=argparse.REMAINDER, metavar="FLAGS", help="its flags (NAME --help)"
+    )
+    p.set_defaults(func=_deferred("tokenrelay bench"))
 
 
 def register_loadtest(subparsers: Any) -> None:
-    """``tokenrelay loadtest``: the load test as a top-level command too."""
-    _add(subparsers, find("loadtest"), "loadtest")
+    """``tokenrelay loadtest``: the load test as a top-level command too (deferred too)."""
+    bench = find("loadtest")
+    # every word after "loadtest" is the benchmark's: no prefix character of its own, so
+    # argparse reads none of them as an option of this parser (--help included)
+    p = subparsers.add_parser("loadtest", help=bench.help, add_help=False, prefix_chars="\0")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_deferred("tokenrelay loadtest", bench))
 
 
 # -- python -m bench -------------------------------------------------------------------------
