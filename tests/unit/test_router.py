@@ -10,7 +10,8 @@ import pytest
 
 from worker.routing.key import routing_key
 from worker.routing.lease import AllEnginesFull, EngineSpec, LeaseState, LoadView
-from worker.routing.router import Router, key_hash
+from worker.routing.ring import Ring, key_hash
+from worker.routing.router import Router
 from worker.routing.wait import route_wait
 
 
@@ -24,6 +25,20 @@ KEYS = [f"session-{i}" for i in range(5000)]
 def test_key_hash_is_32bit_unsigned_murmur3() -> None:
     assert key_hash("abc") == mmh3.hash("abc", 0, signed=False)
     assert 0 <= key_hash("anything") < 2**32
+
+
+def test_ring_lists_every_owner_once_clockwise_from_each_vnode() -> None:
+    vnodes = {"a": 10, "b": 20, "c": 5}  # weights 1, 2 and 0.5 at 10 vnodes
+    ring = Ring([("a", 1.0, "A"), ("b", 2.0, "B"), ("c", 0.5, "C")], vnodes=10)
+    assert ring.hashes == sorted(key_hash(f"{e}#{i}") for e, n in vnodes.items() for i in range(n))
+    for i, succ in enumerate(ring.succ):
+        assert sorted(succ) == ["A", "B", "C"]
+        after = ring.succ[(i + 1) % len(ring.succ)]  # the next vnode's list, minus this owner
+        assert [o for o in after if o != succ[0]] == list(succ[1:])
+    h = key_hash("k")
+    first = next((i for i, x in enumerate(ring.hashes) if x >= h), 0)  # wraps past the last
+    assert ring.successors("k") == ring.succ[first]
+    assert Ring((), vnodes=10).hashes == []
 
 
 def test_same_key_same_engine_when_idle() -> None:
@@ -94,8 +109,9 @@ def test_fixed_cap_spills_to_next_distinct_engine_clockwise() -> None:
     third = r.route(key)
     assert third.spilled
     assert third.preferred == r.preferred(key)
-    i = r._hashes.index(next(h for h in r._hashes if h >= key_hash(key)))
-    assert third.engine.id == r._succ[i][1].spec.id
+    ring = r._ring
+    i = ring.hashes.index(next(h for h in ring.hashes if h >= key_hash(key)))
+    assert third.engine.id == ring.succ[i][1].spec.id
 
 
 def test_bounded_load_rule_caps_engine_at_ceil_1_plus_eps_mean() -> None:

@@ -1,5 +1,6 @@
 """A turn's data: its configuration, outcomes and abort reasons, the refusals of its
-admission, and the state of a running turn. Pure: :mod:`worker.chat.turn` does the I/O.
+admission, and the state of a running turn. Pure: :mod:`worker.chat.turn` (admission)
+and :mod:`worker.chat.runner` (running and ending) do the I/O.
 
 Outcomes and abort reasons are :class:`enum.StrEnum`: the values are what the metrics
 (``outcome``, ``reason`` labels) and the ``error`` frames (``code``, text) carry.
@@ -66,7 +67,7 @@ __all__ = [
 
 class TurnOutcome(enum.StrEnum):
     """How a turn ended: the ``outcome`` label of ``tokenrelay_worker_turns_total`` and
-    the ``code`` of the ``error`` frame (see :mod:`worker.chat.turn`'s table)."""
+    the ``code`` of the ``error`` frame (see the module's table)."""
 
     DONE = "done"
     ENGINE_ERROR = "engine_error"

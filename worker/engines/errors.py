@@ -16,7 +16,7 @@ The tree::
 what a client may read in the turn's ``error`` frame: a short reason, no address.
 
 Order of use: ``worker.engines.client`` raises them; the turn runner
-(``worker.chat.turn``) moves the turn once to the next engine for its key on an
+(``worker.chat.runner``) moves the turn once to the next engine for its key on an
 ``EngineUnavailable`` raised before the first token (the connection was refused: the
 engine died before the control plane noticed), and ends the turn with an ``error``
 frame on every other error. ``retryable`` and ``retry_after_s`` of an

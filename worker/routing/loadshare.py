@@ -10,7 +10,7 @@ The rule (pure, :func:`compute_view`), per engine with cap C, evaluated every ~2
 
 * every worker reports its in-flight count ``h`` and its unmet demand ``u`` (routes
   refused since its last report plus requests waiting for a slot now, see
-  :func:`worker.routing.router.route_wait`); its demand is ``d = h + u``;
+  :func:`worker.routing.wait.route_wait`); its demand is ``d = h + u``;
 * the *target* of each worker (:func:`split_cap`, computed identically by every worker
   from the same reports) is an integer max-min fair split of C over the demands: one
   slot at a time to the worker with the smallest target so far whose demand is not met,
@@ -74,7 +74,8 @@ from relay.broker.rediscluster.errors import map_redis_errors
 from relay.protocol.keys import WORKERS_REGISTRY, worker_key
 from relay.service.supervise import Supervisor
 from worker.routing.lease import LoadView
-from worker.routing.router import Router, key_hash
+from worker.routing.ring import key_hash
+from worker.routing.router import Router
 
 __all__ = [
     "REGISTRY_KEY",

@@ -13,9 +13,9 @@ Call order::
     router.apply_load_view(view)                        # load exchange, ~4/s (loadshare.py)
     router.snapshot()                                   # metrics
 
-Hashing: every position on the ring and every key is ``mmh3.hash(text, 0, signed=False)``,
-the 32-bit MurmurHash3 x86 variant, seed 0. Virtual node ``i`` of engine ``E`` is the hash of
-``"E#i"``; an engine of weight ``w`` owns ``max(1, round(vnodes * w))`` of them.
+The ring itself (hashing, virtual nodes, each vnode's distinct engines clockwise) is
+:mod:`worker.routing.ring`; this module applies the caps, the spill policy and the routing
+policies to the engines it names, and accounts for the leases.
 
 Capacity: an engine accepts a new request when (a) it is not draining, (b) this worker's
 in-flight count on it is below its *effective cap* (the fixed cap derived from the KV-cache
@@ -36,12 +36,9 @@ from __future__ import annotations
 
 import math
 import time
-from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any, Final
-
-import mmh3
 
 from worker.routing.cost import CostModel, CostProfile, TurnInfo
 from worker.routing.lease import AllEnginesFull, EngineSpec, Lease, LoadView
@@ -55,18 +52,14 @@ from worker.routing.policy import (
     RoutingPolicy,
     SpillPolicy,
 )
+from worker.routing.ring import Ring
 
-__all__ = ["Router", "key_hash"]
+__all__ = ["Router"]
 
 _RETRY_MIN_S: Final = 0.05
 _RETRY_MAX_S: Final = 30.0
 _HOLD_PRIOR_S: Final = 2.0  # assumed lease duration before any lease was released
 _EWMA_ALPHA: Final = 0.05
-
-
-def key_hash(text: str) -> int:
-    """The 32-bit unsigned MurmurHash3 (seed 0) used for keys and virtual nodes alike."""
-    return mmh3.hash(text, 0, False)
 
 
 class _Engine:
@@ -127,8 +120,7 @@ class Router:
         self._rr = 0  # next index for the round-robin baseline
         self._clock = clock
         self._engines: dict[str, _Engine] = {}
-        self._hashes: list[int] = []
-        self._succ: list[tuple[_Engine, ...]] = []  # per vnode: distinct engines clockwise
+        self._ring: Ring[_Engine] = Ring((), vnodes)  # rebuilt on every membership change
         self._total = 0  # in flight at this worker on routable engines
         self._others_total = 0
         self._hold_s = _HOLD_PRIOR_S
@@ -158,7 +150,7 @@ class Router:
         if lease is None:
             self._routes += 1
             self._rejections += 1
-            if not self._hashes:
+            if not self._ring.hashes:
                 raise AllEnginesFull(self.retry_after(), "no routable engine")
             self._engine_wanted(key, turn).refused += 1
             raise AllEnginesFull(self.retry_after())
@@ -170,15 +162,14 @@ class Router:
         """:meth:`route` without the exception and without counting demand: ``None`` when
         nothing accepts (:func:`route_wait` counts its waiter once instead). ``turn``:
         what the worker knows of the turn (cost_aware; the ring ignores it)."""
-        hashes = self._hashes
-        if not hashes:
+        ring = self._ring
+        if not ring.hashes:
             return None
         if self.policy is RoutingPolicy.ROUND_ROBIN:
             return self._try_round_robin(avoid)
         if self._cost is not None:
             return self._try_cost(key, avoid, turn)
-        i = bisect_left(hashes, key_hash(key))
-        succ = self._succ[i if i < len(hashes) else 0]
+        succ = ring.successors(key)
         first = succ[0]
         total1 = self._total + self._others_total + 1
         if (
@@ -269,8 +260,7 @@ class Router:
             return self._engines[
                 self._cost.choose(replace(turn, key=turn.key or key), others, ok).engine
             ]
-        i = bisect_left(self._hashes, key_hash(key))
-        succ = self._succ[i if i < len(self._hashes) else 0]
+        succ = self._ring.successors(key)
         for e in succ:
             if not e.draining and e.in_flight + e.others < e.spec.cap:
                 return e
@@ -279,7 +269,7 @@ class Router:
     def add_waiter(self, key: str, turn: TurnInfo | None = None) -> str:
         """Count a request that waits for a slot as unmet demand (on the engine it wants)
         until :meth:`remove_waiter`; returns that engine's id."""
-        if not self._hashes:
+        if not self._ring.hashes:
             return ""
         e = self._engine_wanted(key, turn)
         e.waiting += 1
@@ -335,10 +325,9 @@ class Router:
 
     def preferred(self, key: str) -> str:
         """The engine the ring prefers for ``key`` regardless of load (draining included)."""
-        if not self._hashes:
+        if not self._ring.hashes:
             raise AllEnginesFull(self.retry_after(), "no routable engine")
-        i = bisect_left(self._hashes, key_hash(key))
-        return self._succ[i if i < len(self._hashes) else 0][0].spec.id
+        return self._ring.successors(key)[0].spec.id
 
     def engines(self) -> list[EngineSpec]:
         return [e.spec for e in self._engines.values()]
@@ -470,25 +459,8 @@ class Router:
             e.factor = 0.0 if e.draining else (1.0 + self.eps) * e.spec.weight / wsum
 
     def _rebuild(self) -> None:
-        points: list[tuple[int, str, _Engine]] = []
-        for eid, e in self._engines.items():
-            n = max(1, round(self.vnodes * e.spec.weight))
-            points.extend((key_hash(f"{eid}#{i}"), eid, e) for i in range(n))
-        points.sort(key=lambda p: (p[0], p[1]))
-        self._hashes = [p[0] for p in points]
-        owners = [p[2] for p in points]
-        n_engines = len(self._engines)
-        # Distinct successors, computed right to left over the doubled ring: the list at
-        # vnode i is owners[i] followed by the list at i + 1 without owners[i].
-        succ: list[tuple[_Engine, ...]] = [()] * len(owners)
-        if owners:
-            nxt: tuple[_Engine, ...] = ()
-            for j in range(2 * len(owners) - 1, -1, -1):
-                o = owners[j % len(owners)]
-                nxt = (o, *(x for x in nxt if x is not o))[:n_engines]
-                if j < len(owners):
-                    succ[j] = nxt
-        self._succ = succ
+        members = ((eid, e.spec.weight, e) for eid, e in self._engines.items())
+        self._ring = Ring(members, self.vnodes)
         self._total = sum(e.in_flight for e in self._engines.values())
         self._others_total = sum(e.others for e in self._engines.values())
         self._reweigh()

@@ -1,0 +1,303 @@
+"""Running an admitted turn: the engine's reply into the session's stream, then its end.
+
+:class:`worker.chat.turn.TurnManager` admits a turn (lock held, lease taken, generation
+open, ``meta`` frame out), puts it in its table of running turns and spawns
+:meth:`TurnRunner.run` for it; from there on the turn is this module's until its
+terminal frame.
+
+Generation (a supervised task per turn, ``turn:<sid>``, :meth:`TurnRunner.run`, on the
+worker's :class:`relay.service.supervise.Supervisor`, like its three helpers): an
+engine-reader task (``reader:<sid>``) pushes deltas into a
+:class:`worker.chat.coalesce.TokenPump` whose task (``pump:<sid>``) publishes coalesced
+``token`` frames; a presence task (``presence:<sid>``,
+:func:`worker.chat.presence.watch_presence`) refreshes the lock and aborts the reader
+when nobody watched for the grace period. The reader and the pump end with the engine's
+or Redis' failure as their result (the turn's outcome), so the supervisor logs only
+what nobody expected. A runner whose lock refresh finds the lock no longer its own
+(expired during an outage and taken or reaped) stops: it aborts the engine request and
+publishes nothing more, not even a terminal frame (the reaper or the newer turn ends the
+stream; the epoch fencing stays as the second line).
+The first token frame's meta carries the TTFT and the engine's cached-prefix tokens
+(known only when the engine answers, so not in the ``meta`` frame).
+
+End (:meth:`TurnRunner._end`): exactly one terminal frame (the outcomes:
+:mod:`worker.chat.turnstate`); on every path the lease is released exactly once, the
+lock given back, the turn taken out of the manager's table and its outcome recorded.
+Aborts (:meth:`worker.chat.turnstate.RunningTurn.abort`) cancel only the engine reader
+(closing the upstream response, so the engine stops); the pump is then closed and
+drained, never cancelled mid-publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from typing import Any, Final
+
+from relay.broker.errors import Fenced, RelayError
+from relay.broker.rediscluster.publisher import Draft
+from relay.service.supervise import Supervisor
+from worker.chat.coalesce import Batch, TokenPump
+from worker.chat.presence import watch_presence
+from worker.chat.store import SessionStore
+from worker.chat.turnstate import AbortReason, RunningTurn, StreamChat, TurnConfig, TurnOutcome
+from worker.engines.errors import EngineError, EngineTimeout, EngineUnavailable
+from worker.metrics import WorkerMetrics
+from worker.routing.lease import AllEnginesFull, release_once
+from worker.routing.router import Router
+
+__all__ = ["TurnRunner"]
+
+log = logging.getLogger(__name__)
+
+_HELPER_EXIT_S: Final = 2.0  # how long _end waits for the presence and pump tasks to stop
+
+
+async def _pump(pump: TokenPump) -> RelayError | None:
+    """Run ``pump`` until it is closed and empty; return the Redis failure that stopped
+    it (None: it finished)."""
+    try:
+        await pump.run()
+    except RelayError as exc:
+        return exc
+    return None
+
+
+class TurnRunner:
+    """Runs admitted turns to their terminal frame; one per
+    :class:`worker.chat.turn.TurnManager`.
+
+    ``running`` and ``outcomes`` are the manager's: a turn leaves ``running`` and its
+    outcome joins ``outcomes`` when it ends."""
+
+    def __init__(
+        self,
+        *,
+        store: SessionStore,
+        router: Router,
+        engine: StreamChat,
+        metrics: WorkerMetrics,
+        config: TurnConfig,
+        supervisor: Supervisor,
+        running: dict[str, RunningTurn],
+        outcomes: deque[tuple[str, int, TurnOutcome]],
+    ) -> None:
+        self.store = store
+        self.router = router
+        self.engine = engine
+        self.metrics = metrics
+        self.cfg = config
+        self.supervisor = supervisor
+        self.running = running
+        self.outcomes = outcomes
+
+    async def run(self, t: RunningTurn) -> None:
+        outcome = TurnOutcome.DONE
+        error: str | None = None
+        pump = TokenPump(lambda b: self._publish_batch(t, b), self.cfg.coalesce)
+        # Supervised like every task (a bug is logged; stop(), after the drain, cancels
+        # what is left); run and _end await them. An engine's or Redis' failure is their
+        # result: the turn's outcome, not a crash for the supervisor to log.
+        t.reader = self.supervisor.spawn(f"reader:{t.sid}", self._read_engine(t, pump))
+        pump_task = self.supervisor.spawn(f"pump:{t.sid}", _pump(pump))
+
+        async def refresh() -> None:
+            if t.ended.is_set():
+                return
+            try:
+                ours = await self.store.refresh_lock(t.sid, t.owner)
+            except RelayError:
+                return  # unknown (Redis away): keep going, the publisher retries or fails
+            if not ours:
+                log.warning("turn %s/%d: turn lock lost; stopping", t.sid, t.gen.turn)
+                t.lock_lost = True
+                t.abort(AbortReason.LOCK_LOST)
+
+        presence = self.supervisor.spawn(
+            f"presence:{t.sid}",
+            watch_presence(
+                self.store.redis,
+                t.sid,
+                self.cfg.presence,
+                lambda: t.abort(AbortReason.NO_VIEWERS),
+                on_tick=refresh,
+                stop=t.ended,
+                local_watchers=t.local_watchers,
+            ),
+        )
+        try:
+            done, _ = await asyncio.wait({t.reader, pump_task}, return_when=asyncio.FIRST_COMPLETED)
+            if pump_task in done:  # the pump only ends early on an error: stop the engine
+                t.reader.cancel()
+                with contextlib.suppress(BaseException):
+                    await t.reader
+                release_once(t.lease)
+                stopped = await pump_task  # the pump only ends early on a failure
+                raise stopped or RuntimeError("token pump stopped early")
+            try:
+                failed = await t.reader
+            except asyncio.CancelledError:
+                if t.abort_reason is None:
+                    raise  # we are being cancelled ourselves
+                outcome, error = t.abort_reason.outcome, t.abort_reason
+            else:
+                if isinstance(failed, EngineTimeout):
+                    outcome, error = TurnOutcome.TIMEOUT, failed.message
+                elif failed is not None:  # the frame gets a short reason, the log the URL
+                    log.warning("turn %s/%d: %s", t.sid, t.gen.turn, failed.message)
+                    outcome, error = TurnOutcome.ENGINE_ERROR, failed.public_reason
+            finally:
+                release_once(t.lease)  # the engine is done with us, whatever happens next
+                pump.close()
+            stopped = await pump_task
+            if stopped is not None:
+                raise stopped
+        except Fenced as exc:
+            outcome, error = TurnOutcome.FENCED, None
+            log.warning("turn %s/%d fenced: %s", t.sid, t.gen.turn, exc)
+        except RelayError as exc:
+            log.warning("turn %s/%d: redis: %r", t.sid, t.gen.turn, exc)
+            outcome, error = TurnOutcome.REDIS_ERROR, "redis unavailable"
+        except asyncio.CancelledError:
+            outcome, error = TurnOutcome.SHUTDOWN, AbortReason.SHUTDOWN
+            t.abort(AbortReason.SHUTDOWN)
+            await self._end(t, outcome, error, pump, pump_task, presence)
+            raise
+        except Exception as exc:
+            log.exception("turn %s/%d failed", t.sid, t.gen.turn)
+            outcome, error = TurnOutcome.INTERNAL_ERROR, f"internal error: {type(exc).__name__}"
+        await self._end(t, outcome, error, pump, pump_task, presence)
+
+    async def _end(
+        self,
+        t: RunningTurn,
+        outcome: TurnOutcome,
+        error: str | None,
+        pump: TokenPump,
+        pump_task: asyncio.Task[RelayError | None],
+        presence: asyncio.Task[None],
+    ) -> None:
+        if t.lock_lost and outcome is not TurnOutcome.FENCED:
+            outcome, error = TurnOutcome.LOCK_LOST, None
+        t.ended.set()  # the presence loop returns even if its cancellation is lost
+        presence.cancel()
+        if t.reader is not None and not t.reader.done():
+            t.reader.cancel()
+        if not pump_task.done():  # let a publish in flight land: never cancel mid-publish
+            pump.close()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(asyncio.shield(pump_task), 5.0)
+            pump_task.cancel()
+        # Bounded: a helper task that swallowed its cancellation must not keep the turn
+        # from its terminal frame and its lock from being released.
+        _, stuck = await asyncio.wait({presence, pump_task}, timeout=_HELPER_EXIT_S)
+        for task in stuck:
+            log.warning("turn %s/%d: %s did not stop", t.sid, t.gen.turn, task.get_name())
+        # (what a helper raised is the supervisor's to retrieve and log: they are its tasks)
+        release_once(t.lease)
+        try:
+            if outcome is TurnOutcome.DONE:
+                await self.store.append_exchange(
+                    t.sid,
+                    [
+                        {"role": "user", "content": t.message},
+                        {"role": "assistant", "content": "".join(t.reply)},
+                    ],
+                    t.lease.engine.id,
+                )
+                await t.gen.publish([Draft(kind="done", meta=t.done_meta())])
+            elif not outcome.publishes_nothing:
+                meta = {"code": outcome, "engine": t.lease.engine.id, "tokens": len(t.reply)}
+                await t.gen.publish([Draft(kind="error", text=error or outcome, meta=meta)])
+        except Fenced:
+            outcome = TurnOutcome.FENCED
+        except RelayError as exc:
+            log.warning("turn %s/%d: terminal frame lost: %s", t.sid, t.gen.turn, exc)
+        finally:
+            with contextlib.suppress(RelayError):
+                await self.store.release_lock(t.sid, t.owner)
+            if self.running.get(t.sid) is t:
+                del self.running[t.sid]
+            self.metrics.turns.labels(outcome=outcome).inc()
+            if outcome.is_cancellation:
+                self.metrics.cancellations.labels(reason=outcome).inc()
+            self.outcomes.append((t.sid, t.gen.turn, outcome))
+
+    async def _read_engine(self, t: RunningTurn, pump: TokenPump) -> EngineError | None:
+        """Stream the reply; return how the engine failed (None: it finished). An engine
+        that refuses the connection before answering (killed, restarting; the control
+        plane has not seen it leave yet) is skipped once: the lease moves to the next
+        engine for the routing key."""
+        try:
+            await self._read_engine_once(t, pump)
+        except EngineUnavailable as exc:
+            if exc.mid_stream or t.reply:
+                return exc
+            try:
+                lease = self.router.route(t.route_key, avoid=t.lease.engine.id)
+            except AllEnginesFull:
+                return exc
+            log.warning("turn %s/%d: %s; retrying on %s", t.sid, t.gen.turn, exc, lease.engine.id)
+            release_once(t.lease)
+            t.lease = lease
+            try:
+                await self._read_engine_once(t, pump)
+            except EngineError as again:
+                return again
+        except EngineError as exc:
+            return exc
+        return None
+
+    async def _read_engine_once(self, t: RunningTurn, pump: TokenPump) -> None:
+        stream = self.engine.stream_chat(t.lease.engine.url, self.cfg.model, t.prompt, t.max_tokens)
+        try:
+            async for d in stream:
+                if d.meta is not None and t.first_meta is None:
+                    t.engine_reported = d.meta.engine_id
+                    t.cached_tokens = d.meta.cached_tokens
+                    t.prompt_tokens = d.meta.prompt_tokens
+                if d.usage is not None:
+                    if d.usage.cached_tokens is not None and t.cached_tokens is None:
+                        t.cached_tokens = d.usage.cached_tokens
+                    if t.prompt_tokens is None:
+                        t.prompt_tokens = d.usage.prompt_tokens
+                if d.text:
+                    if t.ttft_s is None:
+                        t.lease.first_token()  # cost_aware: this engine's prefill is done
+                        t.ttft_s = time.monotonic() - t.t0
+                        self.metrics.ttft.observe(t.ttft_s)
+                        t.first_meta = {
+                            "ttft_ms": round(t.ttft_s * 1000, 1),
+                            "cached_tokens": t.cached_tokens,
+                            "prompt_tokens": t.prompt_tokens,
+                            "engine_reported": t.engine_reported,
+                        }
+                    t.reply.append(d.text)
+                    pump.push(d.text)
+                if d.finish_reason is not None:
+                    t.finish_reason = d.finish_reason
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:  # closes the upstream response: the engine aborts
+                await aclose()
+        if t.cached_tokens:
+            self.metrics.cached_tokens.inc(t.cached_tokens)
+        if t.prompt_tokens:
+            self.metrics.prompt_tokens.inc(t.prompt_tokens)
+
+    async def _publish_batch(self, t: RunningTurn, b: Batch) -> None:
+        if t.lock_lost:
+            return  # the stream is no longer ours: publish nothing more
+        meta: dict[str, Any] | None = None
+        if not t.sent_first_meta:
+            meta, t.sent_first_meta = t.first_meta, True
+        if b.count > 1:
+            meta = {**(meta or {}), "n": b.count}
+        await t.gen.publish([Draft(kind="token", text=b.text, meta=meta)])
+        self.metrics.publishes.inc()
+        self.metrics.tokens.inc(b.count)
+        for w in b.waits:
+            self.metrics.coalesce_wait.observe(w)
