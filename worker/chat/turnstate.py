@@ -1,6 +1,7 @@
 """A turn's data: its configuration, outcomes and abort reasons, the refusals of its
-admission, and the state of a running turn. Pure: :mod:`worker.chat.turn` (admission)
-and :mod:`worker.chat.runner` (running and ending) do the I/O.
+admission, and the state of a running turn. No I/O of its own (it holds a running turn's
+tasks and events): :mod:`worker.chat.turn` (admission) and :mod:`worker.chat.runner`
+(running and ending) do it.
 
 Outcomes and abort reasons are :class:`enum.StrEnum`: the values are what the metrics
 (``outcome``, ``reason`` labels) and the ``error`` frames (``code``, text) carry.
