@@ -172,36 +172,24 @@ class Router:
         succ = ring.successors(key)
         first = succ[0]
         total1 = self._total + self._others_total + 1
-        if (
-            first.spec.id != avoid
-            and not first.draining
-            and first.in_flight < first.allowance
-            and first.in_flight + first.others < math.ceil(first.factor * total1)
-        ):
+
+        def fits(e: _Engine) -> bool:
+            """Not avoided nor draining, under its own cap and the bounded-load one."""
+            return (
+                e.spec.id != avoid
+                and not e.draining
+                and e.in_flight < e.allowance
+                and e.in_flight + e.others < math.ceil(e.factor * total1)
+            )
+
+        if fits(first):
             return self._admit(first, first, False)
-        chosen: _Engine | None = None
+        fitting = (e for e in succ if fits(e))
+        chosen: _Engine | None
         if self.spill is SpillPolicy.WALK:
-            for e in succ:
-                if (
-                    e.spec.id != avoid
-                    and not e.draining
-                    and e.in_flight < e.allowance
-                    and e.in_flight + e.others < math.ceil(e.factor * total1)
-                ):
-                    chosen = e
-                    break
-        else:
-            best = math.inf
-            for e in succ:
-                if (
-                    e.spec.id != avoid
-                    and not e.draining
-                    and e.in_flight < e.allowance
-                    and e.in_flight + e.others < math.ceil(e.factor * total1)
-                ):
-                    ratio = (e.in_flight + e.others) / e.spec.cap
-                    if ratio < best:
-                        best, chosen = ratio, e
+            chosen = next(fitting, None)
+        else:  # the least loaded for its cap (the first of equals, in ring order)
+            chosen = min(fitting, key=lambda e: (e.in_flight + e.others) / e.spec.cap, default=None)
         if chosen is None:
             return None
         self._spills += 1
