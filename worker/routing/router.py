@@ -172,26 +172,26 @@ class Router:
         succ = ring.successors(key)
         first = succ[0]
         total1 = self._total + self._others_total + 1
-
-        def fits(e: _Engine) -> bool:
-            """Not avoided nor draining, under its own cap and the bounded-load one."""
-            return (
+        walk = self.spill is SpillPolicy.WALK
+        chosen: _Engine | None = None
+        best = math.inf
+        for e in succ:  # the owner first, then clockwise; one rule for every candidate
+            if (
                 e.spec.id != avoid
                 and not e.draining
                 and e.in_flight < e.allowance
                 and e.in_flight + e.others < math.ceil(e.factor * total1)
-            )
-
-        if fits(first):
-            return self._admit(first, first, False)
-        fitting = (e for e in succ if fits(e))
-        chosen: _Engine | None
-        if self.spill is SpillPolicy.WALK:
-            chosen = next(fitting, None)
-        else:  # the least loaded for its cap (the first of equals, in ring order)
-            chosen = min(fitting, key=lambda e: (e.in_flight + e.others) / e.spec.cap, default=None)
+            ):
+                if e is first or walk:  # the owner itself, or (walk) the next that fits
+                    chosen = e
+                    break
+                ratio = (e.in_flight + e.others) / e.spec.cap  # least loaded for its cap
+                if ratio < best:
+                    best, chosen = ratio, e
         if chosen is None:
             return None
+        if chosen is first:
+            return self._admit(first, first, False)
         self._spills += 1
         return self._admit(chosen, first, True)
 
