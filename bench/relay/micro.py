@@ -27,7 +27,9 @@ import io
 import pstats
 import random
 import statistics
+import sysconfig
 import time
+from pathlib import Path
 from typing import Any, cast
 
 from bench._util import write_json
@@ -64,6 +66,14 @@ class _CountingTransport:
 
     def get_write_buffer_size(self) -> int:
         return 0
+
+
+def _relative(text: str) -> str:
+    """Profile lines with the checkout's and the interpreter's directories left out."""
+    for d in sorted({str(Path(__file__).resolve().parents[2]), sysconfig.get_paths()["stdlib"]},
+                    key=len, reverse=True):  # fmt: skip
+        text = text.replace(d + "/", "")
+    return text
 
 
 def _frames(sids: list[str], n: int, gen: str, offsets: dict[str, int]) -> list[list[bytes]]:
@@ -118,7 +128,7 @@ async def measure(
                 prof.disable()
                 s = io.StringIO()
                 pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(20)
-                prof_text = s.getvalue()
+                prof_text = _relative(s.getvalue())
             else:
                 runs.append((time.perf_counter() - t0) / frames * 1e6)
         written = sum(t.writes for t in transports)
