@@ -41,10 +41,10 @@ from relay.protocol.codes import CloseCode
 from relay.protocol.frame import Frame, encode
 from relay.protocol.keys import live_channel, new_session_id
 
-__all__ = ["add_arguments", "main", "measure", "run_from_args"]
+__all__ = ["CountingTransport", "add_arguments", "main", "measure", "run_from_args"]
 
 
-class _CountingTransport:
+class CountingTransport:
     """A transport that takes every write and keeps only the byte count."""
 
     def __init__(self) -> None:
@@ -98,14 +98,14 @@ async def measure(
     hub = Hub(MemoryBroker("bench-micro"), reap_after_s=3600)
     await hub.start()
     sent = OutMeter(RelayMetrics("bench-micro"), "sse").sent
-    transports: list[_CountingTransport] = []
+    transports: list[CountingTransport] = []
     conns: list[SseConn] = []
     try:
         sids = [new_session_id() for _ in range(sessions)]
         for sid in sids:
             conn = SseConn(hub, sid, None, sent=sent, write_timeout_s=30.0)
             await hub.open(conn)
-            t = _CountingTransport()
+            t = CountingTransport()
             conn.chunked = True  # an HTTP/1.1 SSE response: every write is one chunk
             conn.attach(cast(Any, t))
             transports.append(t)
