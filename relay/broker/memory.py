@@ -136,9 +136,9 @@ class MemoryBroker:
     async def reap(self, sid: str) -> ReapResult:
         self._check()
         s = self.sessions.get(sid)
-        if s is None or s.locked:
-            return ReapResult(ReapStatus.LOCKED if s is not None else ReapStatus.IDLE, 0, 0)
-        if not s.open:
+        if s is not None and s.locked:  # the script's order: the lock first, then the turn
+            return ReapResult(ReapStatus.LOCKED, 0, 0)
+        if s is None or not s.open:
             return ReapResult(ReapStatus.IDLE, 0, 0)
         turn, off = s.open, s.offset + 1
         meta = {"code": "worker_lost", "reaped_by": self.relay_id, "gen": s.gen}

@@ -121,7 +121,6 @@ class Conn(asyncio.Protocol):
         "address",
         "chunked",
         "expires",
-        "gen",
         "last_write",
         "offset",
         "sid",
@@ -143,7 +142,7 @@ class Conn(asyncio.Protocol):
         sent: Sent = _noop_sent,
         write_timeout_s: float = 10.0,
     ) -> None:
-        self.sid, self.offset, self.gen = sid, offset, gen
+        self.sid, self.offset = sid, offset
         self._hub = hub
         self._host = host
         self._stats = hub.counters
@@ -474,10 +473,8 @@ class Conn(asyncio.Protocol):
         return fut
 
     def _finish(self, code: CloseCode) -> None:
-        """The connection is lost: end the stream, unless :meth:`_cancelled` already did."""
-        if not self._ended:
-            self._ended = True
-            self._end(code)
+        """The connection is lost: end the stream (once) and tell whoever waits."""
+        self._end(code)
         fut = self._done
         if fut is not None and not fut.done():
             fut.set_result(None)
@@ -486,11 +483,13 @@ class Conn(asyncio.Protocol):
         """The server's drain gave up waiting for this stream: abort it, end it now."""
         if fut.cancelled():
             self.abort()
-            if not self._ended:
-                self._ended = True
-                self._end(self.gone())
+            self._end(self.gone())
 
     def _end(self, code: CloseCode) -> None:
+        """The stream is over for ``code``: once, whichever of the above comes first."""
+        if self._ended:
+            return
+        self._ended = True
         self._stop_writer()
         self.shut("the connection ended", CloseCode.CLOSED)
         if self._host is not None:

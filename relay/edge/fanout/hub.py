@@ -227,9 +227,7 @@ class Hub:
         failures = 0
         while alive():
             try:
-                page = await self.broker.read_page(
-                    sid, after, count if after is not None else 0, max_bytes
-                )
+                page = await self.broker.read_page(sid, after, count, max_bytes)
             except RelayError as exc:
                 failures += 1
                 log.info("backlog read for %s failed: %s", sid, exc)
