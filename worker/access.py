@@ -113,6 +113,7 @@ class WorkerAccess:
         self.keys = keys
         self.trusted = parse_networks(trusted_proxies)
         self.max_ttl_s = max(1, min(max_token_ttl_s, session_ttl_s))
+        self.lifetime_s = session_ttl_s  # the longest token verified: as long as a session
         self.creations = Buckets(session_rate_per_s, session_burst)
         self.turns_per_minute = turns_per_minute
 
@@ -124,7 +125,9 @@ class WorkerAccess:
         if self.keys is None:
             return None
         token = extract_token(request.headers.get("Authorization"), request.query.get("token"))
-        return verify_token(self.keys, token, sid, time.time(), need=need)
+        return verify_token(
+            self.keys, token, sid, time.time(), need=need, max_lifetime_s=self.lifetime_s
+        )
 
     def mint(self, sid: str, scope: Scope, ttl_s: int | None = None) -> Minted:
         """A token for ``sid``; its lifetime is ``ttl_s`` capped by config and session."""

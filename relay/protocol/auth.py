@@ -7,9 +7,11 @@ A token is a JWS compact serialisation signed with one key of a :class:`KeySet`:
     header  = {"alg": "HS256" | "ES256" | "RS256", "typ": "JWT", "kid": <key id>}
     claims  = {"sub": <session id>, "scope": "watch" | "write", "iat": <s>, "exp": <s>}
 
-``nbf`` is honoured when present; other claims are ignored (tokens minted here carry a
-random ``jti`` so that no two are the same string: streams are counted per token). Any
-JWT library mints them (docs/PROTOCOL.md has a Python and a Node example). A ``write``
+``nbf`` is honoured when present; ``jti`` names the token (tokens minted here carry a
+random one); other claims are ignored. A relay counts streams per token identity
+(:attr:`Claims.identity`: the kid and ``jti``, or every claim without one), never per
+token string, so two spellings of one token share a count. Any JWT library mints them
+(docs/PROTOCOL.md has a Python and a Node example). A ``write``
 token also allows watching; a ``watch`` token does not allow writing (posting a turn,
 minting a token).
 
@@ -21,6 +23,14 @@ header's ``alg`` must be the algorithm of the key its ``kid`` names (no ``none``
 HS256 token verified with an RSA key's bytes). HS256 secrets shorter than
 :data:`MIN_SECRET_BYTES`, with too few distinct bytes or a well-known default are
 refused (:func:`check_secret`).
+
+Refused as well, each as :class:`TokenInvalid`: a header with ``crit`` (RFC 7515 4.1.11:
+this verifier understands no extension, so it must not accept one it is told it has to
+understand), an ES256 signature that is not 64 bytes of ``r || s`` with ``0 < r < n`` and
+``0 < s <= n/2`` (an ECDSA signature ``(r, s)`` has a twin ``(r, n - s)`` that verifies
+too: only the low-S form is accepted, and :func:`issue_token` mints only that form), and
+a lifetime ``exp - iat`` over ``max_lifetime_s`` (the session's lifetime: no token is
+issued for longer, so a longer one was made outside the rules).
 
 Order of use: a process builds a :class:`KeySet` once (:func:`load_keys` from its
 configuration); the worker calls :func:`issue_token`; the relay and the worker call
@@ -58,10 +68,11 @@ import jwt
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from relay.protocol.codes import Refusal
-from relay.protocol.keys import InvalidSessionId, parse_session
+from relay.protocol.keys import SESSION_TTL_S, InvalidSessionId, parse_session
 
 __all__ = [
     "DEFAULT_KID",
+    "MAX_LIFETIME_S",
     "MAX_TOKEN_LEN",
     "MIN_SECRET_BYTES",
     "AuthError",
@@ -92,12 +103,17 @@ MAX_TOKEN_LEN: Final = 2048  # an RS256 token with a 4096-bit key is about 900 c
 MIN_SECRET_BYTES: Final = 32
 MIN_RSA_BITS: Final = 2048
 DEFAULT_KID: Final = "k1"
+MAX_LIFETIME_S: Final = SESSION_TTL_S  # the longest exp - iat a verifier takes by default
+# the order of the P-256 group: an ES256 signature's s must be at most half of it
+P256_ORDER: Final = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
+_ES256_HALF: Final = P256_ORDER // 2
 LEEWAY_S: Final = 30  # clock skew allowed on iat / nbf (never on exp)
 SCOPES: Final[tuple[Scope, ...]] = ("watch", "write")
 # Secrets that have shipped in examples somewhere: refused wherever they appear.
 _KNOWN_DEFAULTS: Final = ("change-me", "changeme", "change_me", "demo-secret", "secret-key")
 _MIN_DISTINCT_BYTES: Final = 8
 _KID_MAX: Final = 64
+_JTI_MAX: Final = 128
 _JWS: Final = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+")
 
 
@@ -152,16 +168,27 @@ class WeakSecret(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Claims:
-    """What a verified token says: its session, expiry (Unix seconds) and scope."""
+    """What a verified token says: its session, expiry (Unix seconds) and scope; its
+    ``jti`` ("" when it has none)."""
 
     session: str
     expires: int
     scope: Scope
     issued: int = 0
     kid: str = ""
+    jti: str = ""
 
     def allows(self, need: Scope) -> bool:
         return need == "watch" or self.scope == "write"
+
+    @property
+    def identity(self) -> tuple[str | int, ...]:
+        """Which token this is, whatever its spelling: the key and the ``jti`` (the
+        issuer's name for it), or, without a ``jti``, every claim that decides what the
+        token allows. Two strings that verify to the same identity are one token."""
+        if self.jti:
+            return (self.kid, self.jti)
+        return (self.kid, self.session, self.scope, self.issued, self.expires)
 
 
 def check_secret(secret: str | bytes, what: str = "the token secret") -> bytes:
@@ -317,7 +344,31 @@ def issue_token(
     jti = secrets.token_urlsafe(9)  # two tokens minted in one second differ (per-token limits)
     claims = {"sub": sid, "scope": scope, "iat": iat, "exp": int(now + ttl_s), "jti": jti}
     key = ks.signing
-    return jwt.encode(claims, key.signer, algorithm=key.alg, headers={"kid": key.kid})
+    token = jwt.encode(claims, key.signer, algorithm=key.alg, headers={"kid": key.kid})
+    return _low_s(token) if key.alg == "ES256" else token
+
+
+def _low_s(token: str) -> str:
+    """``token`` with its ES256 signature in the low-S form: ``(r, n - s)`` when ``s``
+    is in the upper half (the same signature, the one form :func:`verify_token` takes)."""
+    head, claims, sig = token.rsplit(".", 2)
+    raw = _segment(sig)
+    s = int.from_bytes(raw[32:], "big")
+    if s <= _ES256_HALF:
+        return token
+    low = raw[:32] + (P256_ORDER - s).to_bytes(32, "big")
+    return f"{head}.{claims}.{base64.urlsafe_b64encode(low).rstrip(b'=').decode('ascii')}"
+
+
+def _check_es256(signature: bytes) -> None:
+    """TokenInvalid unless ``signature`` is the canonical ES256 form: 64 bytes ``r || s``
+    with ``0 < r < n`` and ``0 < s <= n / 2``."""
+    if len(signature) != 64:
+        raise TokenInvalid("ES256 signature must be 64 bytes (r || s)")
+    r = int.from_bytes(signature[:32], "big")
+    s = int.from_bytes(signature[32:], "big")
+    if not 0 < r < P256_ORDER or not 0 < s <= _ES256_HALF:
+        raise TokenInvalid("ES256 signature is not canonical: r, s in range and s low-S")
 
 
 # PyJWT's implementations of the three algorithms, called directly: the token's shape is
@@ -364,12 +415,19 @@ def _int_claim(claims: Mapping[str, Any], name: str) -> int:
 
 
 def verify_token(
-    keys: KeySet | str | bytes, token: str, sid: str, now: float, *, need: Scope = "watch"
+    keys: KeySet | str | bytes,
+    token: str,
+    sid: str,
+    now: float,
+    *,
+    need: Scope = "watch",
+    max_lifetime_s: int = MAX_LIFETIME_S,
 ) -> Claims:
-    """The claims of ``token`` if it is genuine, for ``sid``, in its lifetime and allows
-    ``need``. Raises (checked in this order) :class:`TokenMissing`, :class:`TokenInvalid`
-    / :class:`TokenUnknownKey`, :class:`TokenWrongSession`, :class:`TokenNotYetValid`,
-    :class:`TokenExpired`, :class:`TokenWrongScope`."""
+    """The claims of ``token`` if it is genuine, for ``sid``, in its lifetime (at most
+    ``max_lifetime_s`` from ``iat`` to ``exp``) and allows ``need``. Raises (checked in
+    this order) :class:`TokenMissing`, :class:`TokenInvalid` / :class:`TokenUnknownKey`,
+    :class:`TokenWrongSession`, :class:`TokenNotYetValid`, :class:`TokenExpired`,
+    :class:`TokenWrongScope`."""
     ks = _as_keyset(keys)
     if not token:
         raise TokenMissing("no token: send Authorization: Bearer <token> or ?token=")
@@ -379,6 +437,8 @@ def verify_token(
         raise TokenInvalid("token is not a JWT (header.claims.signature, base64url)")
     head_b64, claims_b64, sig_b64 = token.split(".")
     header = _json_object(_segment(head_b64), "header")
+    if "crit" in header:  # RFC 7515 4.1.11: no extension is understood here
+        raise TokenInvalid("token header names critical extensions (crit) this server refuses")
     kid = header.get("kid")
     key = ks.keys.get(kid) if isinstance(kid, str) else None
     if key is None:
@@ -386,6 +446,8 @@ def verify_token(
     if header.get("alg") != key.alg:  # pinned: no 'none', no HS256 with an RSA key's bytes
         raise TokenInvalid(f"key {key.kid!r} verifies {key.alg} tokens only")
     signature, claims_raw = _segment(sig_b64), _segment(claims_b64)
+    if key.alg == "ES256":
+        _check_es256(signature)  # one signature, one token: no (r, n - s) twin
     signed = f"{head_b64}.{claims_b64}".encode("ascii")
     if not _VERIFIERS[key.alg].verify(signed, key.verifier, signature):
         raise TokenInvalid("token signature does not verify")
@@ -401,6 +463,11 @@ def verify_token(
     expires = _int_claim(claims, "exp")
     issued = _int_claim(claims, "iat")
     not_before = _int_claim(claims, "nbf") if "nbf" in claims else None
+    if expires - issued > max_lifetime_s:
+        raise TokenInvalid(f"token lifetime (exp - iat) is over the maximum of {max_lifetime_s} s")
+    jti = claims.get("jti", "")
+    if not isinstance(jti, str) or len(jti) > _JTI_MAX:
+        raise TokenInvalid(f"token claim 'jti' must be a string of at most {_JTI_MAX} characters")
     if not hmac.compare_digest(token_sid.encode(), sid.encode()):
         raise TokenWrongSession("token was issued for another session")
     if issued > now + LEEWAY_S or (not_before is not None and not_before > now + LEEWAY_S):
@@ -409,7 +476,7 @@ def verify_token(
         raise TokenExpired("token has expired")
     # the caller's sid (equal, checked above) and the module's scope literal rather than
     # the strings the JSON decoder made: a relay keeps these claims per open stream
-    result = Claims(sid, expires, SCOPES[SCOPES.index(scope)], issued, key.kid)
+    result = Claims(sid, expires, SCOPES[SCOPES.index(scope)], issued, key.kid, jti)
     if not result.allows(need):
         raise TokenWrongScope(f"token does not allow {need}")
     return result

@@ -74,7 +74,7 @@ def test_a_fresh_token_is_a_standard_jwt_with_its_claims() -> None:
     twin = issue_token(SECRET, "abc", 60, NOW, scope="write")  # same claims, same second
     assert jwt.decode(twin, SECRET, ["HS256"], options=off)["jti"] != jti
     got = verify_token(SECRET, tok, "abc", NOW + 59, need="write")
-    assert got == Claims("abc", int(NOW) + 60, "write", int(NOW), "k1")
+    assert got == Claims("abc", int(NOW) + 60, "write", int(NOW), "k1", jti)
 
 
 def test_expired_and_not_yet_valid_tokens_are_refused() -> None:
@@ -255,7 +255,7 @@ def test_extract_prefers_bearer_header_then_query() -> None:
 def test_roundtrip_for_any_session(sid: str, ttl: int, scope: Any) -> None:
     tok = issue_token(SECRET, sid, ttl, NOW, scope=scope)
     assert len(tok) <= MAX_TOKEN_LEN
-    claims = verify_token(SECRET, tok, sid, NOW)
+    claims = verify_token(SECRET, tok, sid, NOW, max_lifetime_s=10**8)
     assert (claims.session, claims.expires, claims.scope) == (sid, int(NOW) + ttl, scope)
 
 
@@ -316,3 +316,115 @@ async def test_the_documented_node_example_mints_tokens_the_relay_accepts() -> N
     assert out.code == 0, out.err
     claims = verify_token(SECRET, out.out.strip(), "abc", time.time())
     assert (claims.session, claims.scope) == ("abc", "watch")
+
+
+# -- malleability, critical extensions, lifetime, identity --------------------------------
+
+P256_N = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
+
+
+def _es256_pair() -> tuple[KeySet, KeySet, Any]:
+    private = ec.generate_private_key(ec.SECP256R1())
+    signer = KeySet([Key("e1", "ES256", private.public_key(), private)], "e1")
+    verifier = KeySet([Key("e1", "ES256", private.public_key())])
+    return signer, verifier, private
+
+
+def _flip_s(token: str) -> str:
+    """The same ES256 token with its signature's ``s`` replaced by ``n - s``: an equally
+    valid ECDSA signature (the malleability of ECDSA), a different token string."""
+    head, body, sig = token.split(".")
+    raw = base64.urlsafe_b64decode(sig + "=" * (-len(sig) % 4))
+    r, s = raw[:32], int.from_bytes(raw[32:], "big")
+    return f"{head}.{body}.{b64(r + (P256_N - s).to_bytes(32, 'big'))}"
+
+
+def test_es256_tokens_are_minted_low_s_and_the_high_s_twin_is_refused() -> None:
+    signer, verifier, _ = _es256_pair()
+    for _ in range(16):  # a random s is high half of the time: every one minted is low
+        tok = issue_token(signer, "abc", 60, NOW)
+        raw = base64.urlsafe_b64decode(tok.split(".")[2] + "==")
+        assert int.from_bytes(raw[32:], "big") <= P256_N // 2
+        assert verify_token(verifier, tok, "abc", NOW).kid == "e1"
+        with pytest.raises(TokenInvalid, match="low-S"):
+            verify_token(verifier, _flip_s(tok), "abc", NOW)
+
+
+def test_a_high_s_es256_token_of_another_library_is_refused() -> None:
+    """PyJWT signs with a random s: its high-S tokens verify mathematically and are
+    refused here (a minter normalises s, docs/PROTOCOL.md says how)."""
+    _, verifier, private = _es256_pair()
+    seen_high = False
+    for _ in range(64):
+        tok = jwt.encode(claims_for(), private, "ES256", headers={"kid": "e1"})
+        raw = base64.urlsafe_b64decode(tok.split(".")[2] + "==")
+        if int.from_bytes(raw[32:], "big") > P256_N // 2:
+            seen_high = True
+            with pytest.raises(TokenInvalid, match="low-S"):
+                verify_token(verifier, tok, "abc", NOW)
+        else:
+            verify_token(verifier, tok, "abc", NOW)
+    assert seen_high
+
+
+@pytest.mark.parametrize(
+    "sig",
+    [
+        b"\x00" * 64,  # r = s = 0
+        P256_N.to_bytes(32, "big") + (1).to_bytes(32, "big"),  # r = n
+        b"\x01" * 63,  # short
+        b"\x01" * 65,  # long
+    ],
+)
+def test_out_of_range_or_misshapen_es256_signatures_are_invalid(sig: bytes) -> None:
+    _, verifier, _ = _es256_pair()
+    tok = forge({"alg": "ES256", "typ": "JWT", "kid": "e1"}, claims_for(), lambda _: sig)
+    with pytest.raises(TokenInvalid):
+        verify_token(verifier, tok, "abc", NOW)
+
+
+@pytest.mark.parametrize("crit", [["exp"], ["b64"], ["x-unknown"], [], "exp"])
+def test_a_critical_header_extension_is_refused(crit: Any) -> None:
+    """RFC 7515 4.1.11: a recipient that does not understand an extension listed in
+    ``crit`` must reject the JWS; this verifier understands none."""
+    tok = jwt.encode(claims_for(), SECRET, "HS256", headers={"kid": "k1", "crit": crit})
+    with pytest.raises(TokenInvalid, match="crit"):
+        verify_token(SECRET, tok, "abc", NOW)
+
+
+def test_a_lifetime_past_the_maximum_is_refused() -> None:
+    day = 86_400
+    forever = jwt.encode(claims_for(exp=int(NOW) + 10**10), SECRET, "HS256", headers={"kid": "k1"})
+    with pytest.raises(TokenInvalid, match="lifetime"):
+        verify_token(SECRET, forever, "abc", NOW)  # the default maximum: a day
+    longest = jwt.encode(claims_for(exp=int(NOW) + day), SECRET, "HS256", headers={"kid": "k1"})
+    verify_token(SECRET, longest, "abc", NOW)
+    with pytest.raises(TokenInvalid, match="lifetime"):
+        verify_token(SECRET, longest, "abc", NOW, max_lifetime_s=3600)
+    # an old iat does not stretch it: exp - iat is what is bounded
+    stale = jwt.encode(
+        claims_for(iat=int(NOW) - 2 * day, exp=int(NOW) + 60), SECRET, "HS256",
+        headers={"kid": "k1"},
+    )  # fmt: skip
+    with pytest.raises(TokenInvalid, match="lifetime"):
+        verify_token(SECRET, stale, "abc", NOW)
+    assert verify_token(SECRET, issue_token(SECRET, "abc", day, NOW), "abc", NOW)
+
+
+def test_the_identity_of_a_token_is_its_jti_or_its_claims() -> None:
+    a = verify_token(SECRET, issue_token(SECRET, "abc", 60, NOW), "abc", NOW)
+    b = verify_token(SECRET, issue_token(SECRET, "abc", 60, NOW), "abc", NOW)
+    assert a.identity != b.identity  # two minted tokens: two jti
+    plain = jwt.encode(claims_for(), SECRET, "HS256", headers={"kid": "k1"})
+    # the same claims in another JSON spelling: another string, one identity
+    spaced = forge(
+        {"alg": "HS256", "typ": "JWT", "kid": "k1"},
+        claims_for(),
+        lambda data: hmac.new(SECRET.encode(), data, hashlib.sha256).digest(),
+    )
+    assert plain != spaced
+    one = verify_token(SECRET, plain, "abc", NOW)
+    two = verify_token(SECRET, spaced, "abc", NOW)
+    assert one.identity == two.identity
+    later = jwt.encode(claims_for(exp=int(NOW) + 61), SECRET, "HS256", headers={"kid": "k1"})
+    assert verify_token(SECRET, later, "abc", NOW).identity != one.identity

@@ -29,7 +29,8 @@ class FakeStream:
 
 
 def _access(token: str, expires: int) -> Access:
-    return Access(Claims("s", expires, "watch"), token_key(token), "10.0.0.1")
+    claims = Claims("s", expires, "watch", jti=token)
+    return Access(claims, token_key(claims), "10.0.0.1")
 
 
 async def test_streams_end_at_their_token_expiry_and_released_ones_do_not() -> None:

@@ -33,11 +33,14 @@ EXPIRED_REASON: Final = "the token has expired; get a new one and reconnect"
 RETRY_AFTER_S: Final = 5
 
 
-def token_key(token: str) -> int:
-    """What a token's streams are counted under: its hash, not the token (a few hundred
-    bytes that every open stream would keep). Per process and 64 bits wide: two live
+def token_key(claims: Claims) -> int:
+    """What a token's streams are counted under: the hash of its identity
+    (:attr:`relay.protocol.auth.Claims.identity`: its kid and ``jti``, or its claims),
+    not of its string, so that two spellings of one token (another JSON layout of the
+    same claims, a malleated signature) share one count; a hash rather than the identity
+    itself, which every open stream would keep. Per process and 64 bits wide: two live
     tokens share a count by accident about once in 10^19 pairs."""
-    return hash(token)
+    return hash(claims.identity)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,9 +139,9 @@ class StreamGuard:
             _decrement(self.by_token, s.token)
         _decrement(self.by_address, s.address)
 
-    def streams_of(self, token: str) -> int:
-        """Open streams counted under ``token``."""
-        return self.by_token[token_key(token)]
+    def streams_of(self, claims: Claims) -> int:
+        """Open streams counted under the token whose verified claims are ``claims``."""
+        return self.by_token[token_key(claims)]
 
     @property
     def armed(self) -> int:

@@ -248,12 +248,14 @@ class EdgeServer:
             token = extract_token(
                 request.headers.get("Authorization"), query_value(request, "token")
             )
-            claims = verify_token(self.keys, token, sid, time.time())
+            claims = verify_token(
+                self.keys, token, sid, time.time(), max_lifetime_s=self.config.session_ttl_s
+            )
         except AuthError as exc:
             self.metrics.auth_failures.labels(exc.error).inc()
             headers = {"WWW-Authenticate": 'Bearer realm="tokenrelay"'} if exc.status == 401 else {}
             raise Reject(exc.status, exc.error, exc.reason, headers) from None
-        return Access(claims, token_key(token), address)
+        return Access(claims, token_key(claims), address)
 
     def check_capacity(self) -> Hub:
         """The hub, or :class:`Reject` 503 unless a stream may open now."""
