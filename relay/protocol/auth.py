@@ -183,9 +183,8 @@ class Claims:
 
     @property
     def identity(self) -> tuple[str | int, ...]:
-        """Which token this is, whatever its spelling: the key and the ``jti`` (the
-        issuer's name for it), or, without a ``jti``, every claim that decides what the
-        token allows. Two strings that verify to the same identity are one token."""
+        """Which token this is, whatever its spelling: the kid and the ``jti``, or, without
+        a ``jti``, every claim that decides what it allows."""
         if self.jti:
             return (self.kid, self.jti)
         return (self.kid, self.session, self.scope, self.issued, self.expires)
@@ -349,8 +348,7 @@ def issue_token(
 
 
 def _low_s(token: str) -> str:
-    """``token`` with its ES256 signature in the low-S form: ``(r, n - s)`` when ``s``
-    is in the upper half (the same signature, the one form :func:`verify_token` takes)."""
+    """``token`` with its ES256 signature ``(r, s)`` as ``(r, n - s)`` when s is high."""
     head, claims, sig = token.rsplit(".", 2)
     raw = _segment(sig)
     s = int.from_bytes(raw[32:], "big")
@@ -361,8 +359,7 @@ def _low_s(token: str) -> str:
 
 
 def _check_es256(signature: bytes) -> None:
-    """TokenInvalid unless ``signature`` is the canonical ES256 form: 64 bytes ``r || s``
-    with ``0 < r < n`` and ``0 < s <= n / 2``."""
+    """TokenInvalid unless ``signature`` is 64 bytes ``r || s``, 0 < r < n, 0 < s <= n/2."""
     if len(signature) != 64:
         raise TokenInvalid("ES256 signature must be 64 bytes (r || s)")
     r = int.from_bytes(signature[:32], "big")
