@@ -42,7 +42,12 @@ from relay.protocol.auth import (
 )
 from relay.protocol.codes import Refusal
 from relay.protocol.keys import SESSION_TTL_S, turn_rate_key
-from relay.service.clientaddr import client_address, parse_networks
+from relay.service.clientaddr import (
+    DEFAULT_IPV6_PREFIX,
+    BadForwardedFor,
+    client_address,
+    parse_networks,
+)
 from relay.service.errors import Reject, retry_after
 from relay.service.ratelimit import Buckets
 
@@ -104,6 +109,7 @@ class WorkerAccess:
         keys: KeySet | None,
         *,
         trusted_proxies: str = "",
+        ipv6_prefix: int = DEFAULT_IPV6_PREFIX,
         max_token_ttl_s: int = SESSION_TTL_S,
         session_ttl_s: int = SESSION_TTL_S,
         session_rate_per_s: float = 1.0,
@@ -112,13 +118,23 @@ class WorkerAccess:
     ) -> None:
         self.keys = keys
         self.trusted = parse_networks(trusted_proxies)
+        self.ipv6_prefix = ipv6_prefix
         self.max_ttl_s = max(1, min(max_token_ttl_s, session_ttl_s))
         self.lifetime_s = session_ttl_s  # the longest token verified: as long as a session
         self.creations = Buckets(session_rate_per_s, session_burst)
         self.turns_per_minute = turns_per_minute
 
     def address(self, request: web.Request) -> str:
-        return client_address(request.remote, request.headers.get("X-Forwarded-For"), self.trusted)
+        """The key this request's client is counted under (IPv6: its network); 400
+        ``invalid_forwarded_for`` (:class:`Reject`) for an entry of a trusted proxy's
+        ``X-Forwarded-For`` that is not an address."""
+        forwarded = request.headers.get("X-Forwarded-For")
+        try:
+            return client_address(
+                request.remote, forwarded, self.trusted, ipv6_prefix=self.ipv6_prefix
+            )
+        except BadForwardedFor as exc:
+            raise Reject(400, Refusal.INVALID_FORWARDED_FOR, str(exc)) from None
 
     def authorize(self, request: web.Request, sid: str, need: Scope) -> Claims | None:
         """The request's verified claims (None with auth off); raises AuthError."""
@@ -139,7 +155,8 @@ class WorkerAccess:
         return Minted(token, scope, int(now + ttl))
 
     def check_creation(self, request: web.Request) -> None:
-        """Raise :class:`RateLimited` when this address creates sessions too fast."""
+        """Raise :class:`RateLimited` when this address creates sessions too fast
+        (:class:`Reject` 400 when its address cannot be read)."""
         wait = self.creations.take(self.address(request), time.monotonic())
         if wait > 0:
             raise RateLimited(

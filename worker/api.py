@@ -106,7 +106,7 @@ async def _create_session(request: web.Request) -> web.Response:
         return refusal(503, Refusal.DRAINING, "worker is shutting down", RETRY_AFTER)
     try:
         st.access.check_creation(request)
-    except RateLimited as exc:
+    except Reject as exc:  # RateLimited, or an unreadable X-Forwarded-For
         return _refused(st, exc)
     sid = new_session_id()
     minted = st.access.mint(sid, "write", st.cfg.token_ttl_s)

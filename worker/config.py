@@ -29,11 +29,13 @@ from relay.broker.rediscluster.connect import RedisTLS
 from relay.protocol.auth import DEFAULT_KID
 from relay.protocol.keys import BACKLOG_MAXLEN, SESSION_TTL_S
 from relay.service import settings
+from relay.service.clientaddr import DEFAULT_IPV6_PREFIX
 from relay.service.settings import (
     BacklogMaxlen,
     FailFast,
     Host,
     InsecureNoAuth,
+    IPv6Prefix,
     KeysFile,
     Kid,
     RedisCA,
@@ -89,6 +91,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     keys_file: KeysFile = ""  # JWK Set: previous secrets (rotation), an ES256/RS256 key
     insecure_no_auth: InsecureNoAuth = False
     trusted_proxies: TrustedProxies = ""
+    ipv6_prefix: IPv6Prefix = DEFAULT_IPV6_PREFIX
     # Redis unreachable at start: False keeps retrying in the background (/healthz 200,
     # /readyz 503 redis_unreachable, turns 503), which is what Kubernetes expects; True
     # exits 1 with one line naming the URL (masked) and the cause.

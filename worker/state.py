@@ -58,6 +58,7 @@ def access_check(cfg: WorkerConfig) -> WorkerAccess:
     return WorkerAccess(
         keys,
         trusted_proxies=cfg.trusted_proxies,
+        ipv6_prefix=cfg.ipv6_prefix,
         max_token_ttl_s=cfg.max_token_ttl_s,
         session_ttl_s=cfg.session_ttl_s,
         session_rate_per_s=cfg.session_rate_per_s,

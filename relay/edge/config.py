@@ -25,13 +25,14 @@ from relay.broker.rediscluster.connect import RedisTLS
 from relay.protocol.auth import DEFAULT_KID, KeySet
 from relay.protocol.keys import BACKLOG_MAXLEN, SESSION_TTL_S
 from relay.service import settings
-from relay.service.clientaddr import parse_networks
+from relay.service.clientaddr import DEFAULT_IPV6_PREFIX, parse_networks
 from relay.service.settings import (
     BacklogMaxlen,
     ConfigError,
     FailFast,
     Host,
     InsecureNoAuth,
+    IPv6Prefix,
     KeysFile,
     Kid,
     RedisCA,
@@ -74,6 +75,7 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     keys_file: KeysFile = ""
     insecure_no_auth: InsecureNoAuth = False
     trusted_proxies: TrustedProxies = ""
+    ipv6_prefix: IPv6Prefix = DEFAULT_IPV6_PREFIX
     fail_fast: FailFast = False
     backlog_maxlen: BacklogMaxlen = BACKLOG_MAXLEN
     session_ttl_s: SessionTTL = SESSION_TTL_S

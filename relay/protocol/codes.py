@@ -56,6 +56,7 @@ class Refusal(enum.StrEnum):
     OVERLOADED = "overloaded"  # max_connections reached
     UNAVAILABLE = "unavailable"  # Redis could not be read: connect again
     TOO_MANY_STREAMS = "too_many_streams"  # per-token / per-address stream limit
+    INVALID_FORWARDED_FOR = "invalid_forwarded_for"  # a trusted proxy's entry: no address
     HEAD_TIMEOUT = "head_timeout"  # the request head did not arrive in time (408)
     # -- token checks (relay.protocol.auth) ---------------------------------------------------
     FORBIDDEN = "forbidden"

@@ -70,6 +70,7 @@ __all__ = [
     "ConfigError",
     "FailFast",
     "Host",
+    "IPv6Prefix",
     "InsecureNoAuth",
     "KeysFile",
     "Kid",
@@ -352,6 +353,15 @@ TrustedProxies = Annotated[
     opt(
         "addresses / CIDRs (comma-separated) whose X-Forwarded-For names the client",
         flag="--trusted-proxy",
+    ),
+]
+IPv6Prefix = Annotated[
+    int,
+    opt(
+        "per-address limits count an IPv6 client as its network of this prefix length "
+        "(64: one subscriber's block; 128: each address)",
+        ge=16,
+        le=128,
     ),
 ]
 FailFast = Annotated[

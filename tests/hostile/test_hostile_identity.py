@@ -17,15 +17,27 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import jwt
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from tests.hostile.test_hostile_access import access_stack, open_sse, refused
+from tests.hostile.test_hostile_access import access_stack, open_sse
+from tests.hostile.test_hostile_access import refused as _refused
 from tests.support.hostile import bystander
 from tests.support.worker import SECRET
 
 pytestmark = pytest.mark.integration
+
+
+async def refused(resp: aiohttp.ClientResponse) -> tuple[int, str, str | None]:
+    """The refusal's status, ``error`` and ``Retry-After``; a stream that was served
+    instead is closed at once (its status says so) rather than read."""
+    if resp.status == 200:
+        resp.close()
+        return 200, "", None
+    return await _refused(resp)
+
 
 P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
 

@@ -65,7 +65,7 @@ from relay.protocol.auth import AuthError, extract_token, verify_token
 from relay.protocol.codes import CloseCode, Readiness, Refusal
 from relay.protocol.frame import now_ms
 from relay.protocol.keys import InvalidSessionId, parse_session
-from relay.service.clientaddr import client_address, parse_networks
+from relay.service.clientaddr import BadForwardedFor, client_address, parse_networks
 from relay.service.errors import RETRY_AFTER, Reject
 from relay.service.supervise import QUICK_BACKOFF, Supervisor
 
@@ -239,9 +239,15 @@ class EdgeServer:
 
     def authorize(self, request: web.Request, sid: str) -> Access:
         """The verified token (limits and expiry are applied to it in :meth:`admit`)."""
-        address = client_address(
-            request.remote, request.headers.get("X-Forwarded-For"), self.trusted
-        )
+        try:
+            address = client_address(
+                request.remote,
+                request.headers.get("X-Forwarded-For"),
+                self.trusted,
+                ipv6_prefix=self.config.ipv6_prefix,
+            )
+        except BadForwardedFor as exc:
+            raise Reject(400, Refusal.INVALID_FORWARDED_FOR, str(exc)) from None
         if self.keys is None:
             return Access(None, 0, address)
         try:
