@@ -22,6 +22,7 @@ Order of use: the app builds one :class:`WorkerAccess` at startup; handlers call
 
 from __future__ import annotations
 
+import base64
 import time
 from dataclasses import dataclass
 from typing import Any, Final
@@ -33,6 +34,7 @@ from redis.asyncio.cluster import RedisCluster
 from relay.broker.rediscluster.errors import map_redis_errors
 from relay.protocol.auth import (
     SCOPES,
+    AuthError,
     Claims,
     KeySet,
     Scope,
@@ -144,6 +146,27 @@ class WorkerAccess:
         return verify_token(
             self.keys, token, sid, time.time(), need=need, max_lifetime_s=self.lifetime_s
         )
+
+    def token_session(self, request: web.Request) -> str | None:
+        """The session whose genuine ``write`` token the request carries, whatever
+        session it names elsewhere (its own ``sub``, verified by :meth:`authorize`), or
+        None: no token, not a JWT, not genuine, or not a write token."""
+        if self.keys is None:
+            return None
+        header = request.headers.get("Authorization") or ""
+        scheme, _, token = header.strip().partition(" ")
+        parts = token.strip().split(".")
+        if scheme.lower() != "bearer" or len(parts) != 3:
+            return None
+        try:
+            claims = orjson.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
+            sid = claims["sub"] if isinstance(claims, dict) else None
+            if not isinstance(sid, str):
+                return None
+            self.authorize(request, sid, "write")  # the signature decides, not the text read
+        except (ValueError, KeyError, AuthError):
+            return None
+        return sid
 
     def mint(self, sid: str, scope: Scope, ttl_s: int | None = None) -> Minted:
         """A token for ``sid``; its lifetime is ``ttl_s`` capped by config and session."""

@@ -26,7 +26,9 @@ Routes (the contract: docs/openapi.yaml):
   given (:mod:`worker.jobs.api`; ``tokenrelay jobworker`` runs them);
 * ``GET /healthz`` (the process lives), ``GET /readyz`` (Redis answers, some engine is
   routable, no critical background loop failing, not draining), ``GET /metrics``
-  (Prometheus text), ``GET /openapi.json`` (docs/openapi.yaml, the worker's part).
+  (Prometheus text) and ``GET /v1/router`` (engines and recent placements), both for the
+  operator: the admin key, or a local request without one (:mod:`relay.service.admin`);
+  ``GET /openapi.json`` (docs/openapi.yaml, the worker's part).
 
 Order of use: ``app = make_app(WorkerConfig(...))`` (optionally with an existing Redis
 client); the app's startup (:mod:`worker.lifecycle`) builds the router, engine client,
@@ -50,8 +52,8 @@ from relay.broker.rediscluster.errors import map_redis_errors
 from relay.protocol.auth import AuthError
 from relay.protocol.codes import Refusal
 from relay.protocol.keys import InvalidSessionId, idem_key, new_session_id, parse_session
-from relay.service import openapi
-from relay.service.errors import RETRY_AFTER, Reject, refusal, retry_after
+from relay.service import openapi, settings
+from relay.service.errors import RETRY_AFTER, Reject, admin_refused, refusal, retry_after
 from worker.access import BadTokenRequest, RateLimited, parse_token_request
 from worker.chat import direct
 from worker.chat.turnstate import Draining, IdempotencyKeyReused, IdempotencyPending, TurnBusy
@@ -71,6 +73,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _JSON: Final = "application/json"
+ADMIN_KEY: Final = web.AppKey("tokenrelay_admin_key", bytes)  # b"": none set
 # /readyz: a sentence for each reason not to be ready (a failing loop: its own sentence)
 _NOT_READY: Final = {
     "draining": "worker is shutting down",
@@ -257,8 +260,13 @@ async def _healthz(request: web.Request) -> web.Response:
 
 async def _router_view(request: web.Request) -> web.Response:
     """The router as this worker sees it: engines (in-flight, caps, health) and recent
-    placements of sessions on the ring. Read by the demo's live panel."""
+    placements on the ring (where a turn's routing key fell, no session id). For the
+    operator (:func:`relay.service.errors.admin_refused`); the demo's live panel reads
+    it with the demo's admin key."""
     st = request.app[STATE]
+    refused = admin_refused(request, request.app[ADMIN_KEY] or None)
+    if refused is not None:
+        return _refused(st, refused)
     snap = st.router.snapshot()
     alive = {s.id for s in st.control.alive()}
     engines = [
@@ -304,6 +312,9 @@ async def _readyz(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
+    refused = admin_refused(request, request.app[ADMIN_KEY] or None)
+    if refused is not None:
+        return _refused(request.app[STATE], refused)
     body = request.app[STATE].metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -317,6 +328,7 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
     """The worker application. Pass ``redis`` to share a client (it is not closed)."""
     app = web.Application(client_max_size=cfg.max_body_bytes)
     app[CFG] = cfg
+    app[ADMIN_KEY] = settings.check_admin_key(cfg.admin_key) or b""
     if redis is not None:
         app[REDIS] = redis
     app.cleanup_ctx.append(lifecycle)

@@ -31,6 +31,7 @@ from relay.protocol.keys import BACKLOG_MAXLEN, SESSION_TTL_S
 from relay.service import settings
 from relay.service.clientaddr import DEFAULT_IPV6_PREFIX
 from relay.service.settings import (
+    AdminKey,
     BacklogMaxlen,
     FailFast,
     Host,
@@ -90,6 +91,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     kid: Kid = DEFAULT_KID  # the key the worker signs with (an HS256 secret or a private JWK)
     keys_file: KeysFile = ""  # JWK Set: previous secrets (rotation), an ES256/RS256 key
     insecure_no_auth: InsecureNoAuth = False
+    admin_key: AdminKey = ""
     trusted_proxies: TrustedProxies = ""
     ipv6_prefix: IPv6Prefix = DEFAULT_IPV6_PREFIX
     # Redis unreachable at start: False keeps retrying in the background (/healthz 200,
@@ -220,6 +222,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
         :class:`~relay.service.settings.ConfigError` with a one-line reason."""
         settings.check_redis(self.redis_url, self.redis_tls)
         settings.check_auth(self.secret, self.kid, self.keys_file, self.insecure_no_auth)
+        settings.check_admin_key(self.admin_key)
         if not self.engine_urls and not self.discover_engines:
             raise settings.ConfigError("give at least one --engine (or --discover-engines)")
         if self.default_max_tokens > self.max_tokens_limit:

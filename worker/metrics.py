@@ -23,7 +23,8 @@ Every family the worker exports, by type:
   ``..._router_routes_total``, ``..._router_spills_total``, ``..._router_rejections_total``,
   ``..._router_double_releases_total``;
 - gauges (router, at scrape time): ``..._engine_in_flight{engine}``,
-  ``..._engine_cap{engine}``, ``..._engine_effective_cap{engine}``;
+  ``..._engine_cap{engine}``, ``..._engine_effective_cap{engine}`` (``engine``: the id,
+  never an address: :func:`engine_label`);
 - histograms: ``..._ttft_seconds``, ``..._coalesce_wait_seconds``;
 - the background loops' (declared by :class:`relay.service.supervise.Supervisor` in this
   registry): ``tokenrelay_loop_failures_total{loop}``,
@@ -32,7 +33,10 @@ Every family the worker exports, by type:
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Iterator
+from typing import Final
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -41,9 +45,20 @@ from prometheus_client.registry import Collector
 
 from worker.routing.router import Router
 
-__all__ = ["CONTENT_TYPE_LATEST", "WorkerMetrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "WorkerMetrics", "engine_label"]
 
 _P = "tokenrelay_worker_"
+_HOST_PORT: Final = re.compile(r".+:[0-9]+")
+
+
+def engine_label(engine_id: str) -> str:
+    """The ``engine`` label of an engine: its id, unless the id is its address (the
+    default id of ``--engine URL`` is ``host:port``), which metrics do not publish; then
+    ``engine-<8 hex of the id's SHA-256>``, the same on every worker. Name engines
+    (``--engine ID=URL``) for readable labels."""
+    if _HOST_PORT.fullmatch(engine_id) is None:
+        return engine_id
+    return "engine-" + hashlib.sha256(engine_id.encode()).hexdigest()[:8]
 
 
 class _RouterCollector(Collector):
@@ -62,9 +77,10 @@ class _RouterCollector(Collector):
             labels=["engine"],
         )
         for eid, e in snap["engines"].items():
-            inflight.add_metric([eid], e["in_flight"])
-            cap.add_metric([eid], e["cap"])
-            eff.add_metric([eid], e["effective_cap"])
+            label = [engine_label(eid)]
+            inflight.add_metric(label, e["in_flight"])
+            cap.add_metric(label, e["cap"])
+            eff.add_metric(label, e["effective_cap"])
         c = snap["counters"]
         # the router's own counts only grow: counters (exposed with the _total suffix)
         routes = CounterMetricFamily(_P + "router_routes", "Routes decided by the router.")

@@ -137,7 +137,10 @@ def _next_free(host: str, port: int) -> int:
 
 async def stack_view(stack: Stack, http: aiohttp.ClientSession) -> dict[str, Any]:
     """Processes, engines' in-flight against their caps (summed over workers), and the
-    most recent placements of sessions on the ring."""
+    most recent placements on the ring: each worker's ``/v1/router``, read here with the
+    stack's admin key (the page never sees the key)."""
+    key = stack.spec.admin_key
+    admin = {"Authorization": f"Bearer {key}"} if key else {}
     processes = [
         {"name": p.name, "kind": p.kind, "pid": p.pid, "alive": p.alive, "url": p.url}
         for p in stack.procs.values()
@@ -149,7 +152,7 @@ async def stack_view(stack: Stack, http: aiohttp.ClientSession) -> dict[str, Any
             continue
         try:
             async with http.get(
-                proc.url + "/v1/router", timeout=aiohttp.ClientTimeout(total=1)
+                proc.url + "/v1/router", headers=admin, timeout=aiohttp.ClientTimeout(total=1)
             ) as resp:
                 snap = await resp.json()
         except (TimeoutError, aiohttp.ClientError, ValueError):
@@ -204,6 +207,7 @@ async def run_demo(opts: DemoSettings) -> int:
         model=opts.model,
         insecure_no_auth=opts.insecure_no_auth,
         secret=opts.secret,
+        admin_key=secrets.token_urlsafe(32),  # per run; the front door reads /v1/router
         engine_cap=opts.engine_cap,
     )
     stop = asyncio.Event()

@@ -4,8 +4,9 @@ Used by ``tokenrelay demo``, ``bench.load.loadtest`` and ``bench.faults.drills``
 child started here and stopped here, by pid (SIGTERM, then SIGKILL after a deadline:
 :mod:`devstack.procs`); nothing is ever killed by name. A child that exits before it is
 ready raises :class:`StackError` with the last lines of its log. The token secret
-(random per stack unless given) reaches the children in their environment
-(``TOKENRELAY_SECRET``), never on a command line that ``ps`` shows. Relays and workers
+(random per stack unless given) and the admin key (``StackSpec.admin_key``, when given)
+reach the children in their environment (``TOKENRELAY_SECRET``,
+``TOKENRELAY_ADMIN_KEY``), never on a command line that ``ps`` shows. Relays and workers
 believe ``X-Forwarded-For`` from 127.0.0.1 (the demo's front door);
 ``abuse_limits=False`` lifts the per-address and per-session limits for load generators
 that are all one loopback address.
@@ -52,6 +53,9 @@ class StackSpec:
     replicas: int = 1
     secret: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     insecure_no_auth: bool = False
+    # the operator's endpoints (/metrics, /v1/router) of relays and workers: "" leaves
+    # them to local requests without a key (what the load tests scrape)
+    admin_key: str = ""
     engine_urls: list[str] = field(default_factory=list)  # real engines instead of mocks
     model: str = "mock"
     engine_cap: int = 12  # 1.5 x the mock engines' 8 concurrent requests (docs/ROUTING.md)
@@ -207,6 +211,9 @@ class Stack:
             env.pop("TOKENRELAY_SECRET", None)  # a secret with --insecure-no-auth: exit 2
         else:
             env["TOKENRELAY_SECRET"] = self.spec.secret
+        env.pop("TOKENRELAY_ADMIN_KEY", None)  # the spec's, or none: never a shell's
+        if self.spec.admin_key and member.kind in ("relay", "worker"):
+            env["TOKENRELAY_ADMIN_KEY"] = self.spec.admin_key
         member.proc = Proc.start(
             member.argv, log=member.log_path, name=member.name, env=env, append=True
         )

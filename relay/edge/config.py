@@ -27,6 +27,7 @@ from relay.protocol.keys import BACKLOG_MAXLEN, SESSION_TTL_S
 from relay.service import settings
 from relay.service.clientaddr import DEFAULT_IPV6_PREFIX, parse_networks
 from relay.service.settings import (
+    AdminKey,
     BacklogMaxlen,
     ConfigError,
     FailFast,
@@ -74,6 +75,7 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     kid: Kid = DEFAULT_KID
     keys_file: KeysFile = ""
     insecure_no_auth: InsecureNoAuth = False
+    admin_key: AdminKey = ""
     trusted_proxies: TrustedProxies = ""
     ipv6_prefix: IPv6Prefix = DEFAULT_IPV6_PREFIX
     fail_fast: FailFast = False
@@ -133,6 +135,7 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
         """Return self, or raise :class:`ConfigError`; fills ``relay_id`` if empty."""
         settings.check_fields(self)
         self.keyset()
+        settings.check_admin_key(self.admin_key)
         try:
             parse_networks(self.trusted_proxies)
         except ValueError as exc:

@@ -57,6 +57,10 @@ class Refusal(enum.StrEnum):
     UNAVAILABLE = "unavailable"  # Redis could not be read: connect again
     TOO_MANY_STREAMS = "too_many_streams"  # per-token / per-address stream limit
     INVALID_FORWARDED_FOR = "invalid_forwarded_for"  # a trusted proxy's entry: no address
+    # the operator's endpoints (/metrics, /v1/router): relay.service.admin
+    ADMIN_KEY_MISSING = "admin_key_missing"  # 401: no Bearer admin key
+    ADMIN_KEY_INVALID = "admin_key_invalid"  # 403: another key
+    ADMIN_LOOPBACK_ONLY = "admin_loopback_only"  # 403: no admin key set, not a local request
     HEAD_TIMEOUT = "head_timeout"  # the request head did not arrive in time (408)
     # -- token checks (relay.protocol.auth) ---------------------------------------------------
     FORBIDDEN = "forbidden"
@@ -95,6 +99,7 @@ class Refusal(enum.StrEnum):
     GATEWAY_DISABLED = "gateway_disabled"  # the worker has no --gateway-key
     MISSING_API_KEY = "missing_api_key"
     INVALID_API_KEY = "invalid_api_key"
+    SESSION_TOKEN_REQUIRED = "session_token_required"  # a gateway key naming a session
     # -- the worker's jobs (worker.jobs.api) --------------------------------------------------
     JOBS_DISABLED = "jobs_disabled"  # started without --amqp (404)
     INVALID_JOB = "invalid_job"  # the job's body

@@ -16,6 +16,8 @@ Order of use::
 
 :data:`RETRY_AFTER` is the header of "come back in a second" (a drain, Redis away);
 :func:`retry_after` the one of an estimated wait (whole seconds, at least one).
+:func:`admin_refused` answers a request to an operator's endpoint that may not read it
+(the rule: :mod:`relay.service.admin`).
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
 
-__all__ = ["RETRY_AFTER", "Reject", "refusal", "retry_after"]
+from relay.service.admin import ADMIN_REALM, admin_refusal
+
+__all__ = ["RETRY_AFTER", "Reject", "admin_refused", "refusal", "retry_after"]
 
 RETRY_AFTER: Final = {"Retry-After": "1"}
 
@@ -63,3 +67,15 @@ class Reject(Exception):
 
     def response(self) -> web.Response:
         return refusal(self.status, self.error, self.reason, self.headers, **self.extra)
+
+
+def admin_refused(request: web.Request, key: bytes | None) -> Reject | None:
+    """None when ``request`` may read an operator's endpoint (``/metrics``,
+    ``/v1/router``); else its 401 / 403 refusal (:mod:`relay.service.admin`)."""
+    forwarded = hdrs.X_FORWARDED_FOR in request.headers or hdrs.FORWARDED in request.headers
+    refused = admin_refusal(key, request.headers.get(hdrs.AUTHORIZATION), request.remote,
+                            forwarded)  # fmt: skip
+    if refused is None:
+        return None
+    headers = {"WWW-Authenticate": ADMIN_REALM} if refused.status == 401 else None
+    return Reject(refused.status, refused.error, refused.reason, headers)

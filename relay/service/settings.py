@@ -62,10 +62,12 @@ import msgspec
 
 from relay.broker.rediscluster.connect import RedisTLS
 from relay.protocol.auth import KeySet, WeakSecret, load_keys
+from relay.service.admin import admin_key
 
 __all__ = [
     "ENV_NOTE",
     "PREFIX",
+    "AdminKey",
     "BacklogMaxlen",
     "ConfigError",
     "FailFast",
@@ -84,6 +86,7 @@ __all__ = [
     "TrustedProxies",
     "add_arguments",
     "check",
+    "check_admin_key",
     "check_auth",
     "check_fields",
     "check_redis",
@@ -315,6 +318,15 @@ def check_auth(secret: str, kid: str, keys_file: str, insecure_no_auth: bool) ->
         raise ConfigError(str(exc)) from None
 
 
+def check_admin_key(text: str) -> bytes | None:
+    """The admin key as bytes (None: unset); :class:`ConfigError` naming the setting when
+    it is weak."""
+    try:
+        return admin_key(text)
+    except ValueError as exc:
+        raise ConfigError(f"--admin-key (TOKENRELAY_ADMIN_KEY): {exc}") from None
+
+
 def check_redis(url: str, tls: RedisTLS) -> None:
     """The Redis URL's scheme and the TLS files, as every process checks them."""
     if not url:
@@ -344,6 +356,14 @@ Secret = Annotated[
 Kid = Annotated[str, opt("id of the key tokens are signed with")]
 KeysFile = Annotated[
     str, opt("JWK Set file: previous HS256 secrets (rotation), ES256/RS256 keys", flag="--keys")
+]
+AdminKey = Annotated[
+    str,
+    opt(
+        "Bearer key (>= 32 bytes) of the operator's endpoints (/metrics, the worker's "
+        "/v1/router); unset: they answer local requests only. Prefer the environment "
+        "variable (a flag is visible in ps)"
+    ),
 ]
 InsecureNoAuth = Annotated[
     bool, opt("accept every request without a token (local experiments only)")

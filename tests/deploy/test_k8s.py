@@ -263,7 +263,10 @@ def test_the_token_secret_comes_from_one_secret() -> None:
             ref = e.get("valueFrom", {}).get("secretKeyRef")
             if ref:
                 refs.add((e["name"], ref["name"], ref["key"]))
-    assert refs == {("TOKENRELAY_SECRET", "tokenrelay-secret", "secret")}
+    assert refs == {
+        ("TOKENRELAY_SECRET", "tokenrelay-secret", "secret"),
+        ("TOKENRELAY_ADMIN_KEY", "tokenrelay-secret", "admin-key"),
+    }
     assert not [o for o in OBJECTS if o["kind"] == "Secret"], "never commit a secret"
 
 

@@ -5,6 +5,7 @@ process the demo started."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -92,6 +93,12 @@ async def test_make_demo_serves_one_url_streams_a_turn_and_stops_everything(
             assert refused.value.status == 403
             async with http.get(base + "/api/stack") as r:
                 view = await r.json()
+            # the live panel: the workers' /v1/router, read with the demo's admin key; no
+            # session id in it (the turn above is placed by its ring point)
+            assert view["engines"], view
+            assert view["placements"], view
+            assert all("session" not in p and p["point"] for p in view["placements"]), view
+            assert sid not in json.dumps(view)
             pids = [p["pid"] for p in view["processes"]]
             redis_url = view["redis"]
             kinds_running = sorted({p["kind"] for p in view["processes"] if p["alive"]})

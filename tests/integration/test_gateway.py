@@ -235,14 +235,22 @@ async def test_a_completion_tied_to_a_session_streams_as_one_of_its_turns(
         assert "".join(text) == backlog_text == expected_reply(_plain(msgs), 16)
         assert use is not None
         assert use.completion_tokens > 0
-        # the same session named in `user`, with a gateway key, whole: the history grew
-        _, keyed = gw
-        whole = await keyed.chat.completions.create(
+        # the same session named in `user`, with its write token, whole: the history grew
+        by_user = openai.AsyncOpenAI(base_url=h.url("/v1"), api_key=token, max_retries=0)
+        whole = await by_user.chat.completions.create(
             model=MODEL, messages=[*msgs, {"role": "assistant", "content": backlog_text},
                                    {"role": "user", "content": "And a slot?"}],
             max_tokens=8, user=f"session:{sid}",
         )  # fmt: skip
         assert whole.choices[0].message.content
+        await by_user.close()
+        # a gateway key never writes into a session, in either form
+        _, keyed = gw
+        with pytest.raises(openai.PermissionDeniedError) as denied:
+            await keyed.chat.completions.create(
+                model=MODEL, messages=msgs, max_tokens=8, user=f"session:{sid}"
+            )
+        assert denied.value.code == "session_token_required"
         hist = await h.state.turns.store.load(sid)
         assert [m["content"] for m in hist.messages if m["role"] == "user"] == [
             "What is a shard?",

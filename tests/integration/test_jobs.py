@@ -206,6 +206,9 @@ async def test_a_session_job_is_delivered_on_the_session_as_one_whole_reply(
     await _worker(h, names)
     await runners.start()
     sid, token = await h.session()
+    # the operator's key submits session-less jobs only: a session's job needs its token
+    status, body = await _submit(h, {"prompt": "into your session", "session": sid})
+    assert (status, body["error"]) == (403, "session_token_required"), body
     status, body = await _submit(
         h, {"prompt": "Summarise the ward round.", "max_tokens": 25, "session": sid},
         Authorization=f"Bearer {token}",

@@ -57,6 +57,7 @@ from worker.metrics import WorkerMetrics
 from worker.routing.cost import turn_info
 from worker.routing.key import routing_key
 from worker.routing.lease import Lease, release_once
+from worker.routing.ring import key_hash
 from worker.routing.router import Router
 from worker.routing.wait import route_wait
 
@@ -95,7 +96,8 @@ class TurnManager:
         # The most recent (sid, turn, outcome), for tests and debugging; bounded, so a
         # long-running worker does not keep one entry per turn it ever ran.
         self.outcomes: deque[tuple[str, int, TurnOutcome]] = deque(maxlen=1000)
-        # Recent placements on the ring, for the demo's live panel (GET /v1/router).
+        # Recent placements on the ring (GET /v1/router, the demo's live panel): where a
+        # turn's routing key fell and which engine served it, never the session id.
         self.placements: deque[dict[str, Any]] = deque(maxlen=50)
         self.runner = TurnRunner(
             store=store,
@@ -191,7 +193,7 @@ class TurnManager:
                 self.metrics.spills.inc()
             self.placements.appendleft(
                 {
-                    "session": sid,
+                    "point": f"{key_hash(rkey):08x}",  # where on the ring; no session id
                     "engine": lease.engine.id,
                     "preferred": lease.preferred,
                     "spilled": lease.spilled,

@@ -102,7 +102,9 @@ async def models(request: web.Request) -> web.Response:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     header_sid = request.headers.get(SESSION_HEADER) or None
-    # auth before the body is read: the session's own token (header) or a gateway key
+    # auth before the body is read: the session's own token (header), a gateway key, or a
+    # session's write token that the body's `user` must then name
+    token_sid: str | None = None
     if header_sid is not None:
         try:
             header_sid = parse_session(header_sid)
@@ -111,7 +113,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         refused = gateway_session.authorize(gw, request, header_sid)
     else:
         refused = gw.authorized(request.headers.get("Authorization"))
-    if refused is not None:
+        if refused is not None and gw.access is not None:
+            token_sid = gw.access.token_session(request)
+    if refused is not None and token_sid is None:
         return _error(refused)
     if gw.draining():
         return _error(WireError(503, "the worker is shutting down; retry", kind="api_error",
@@ -135,6 +139,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         sid = gateway_session.session_of(request, req)
     except WireError as exc:
         return _error(exc)
+    if token_sid is not None and sid is None:  # a session's token, for no session: no key
+        return _error(refused or WireError(401, "send a gateway key"))
+    if sid is not None and header_sid is None:  # the `user` form: the session's write token
+        wrong = gateway_session.authorize(gw, request, sid)
+        if wrong is not None:
+            return _error(wrong)
     if sid is not None:
         return await gateway_session.complete(request, gw, req, sid)
     try:

@@ -9,9 +9,12 @@ OpenAI answer is built from the turn's frames as they are published (the closed 
 viewer, :mod:`worker.chat.direct`): ``token`` frames become content deltas, ``done`` the
 finish (``usage`` from its meta), ``error`` an OpenAI error.
 
-Auth, before the body is read: with the header, the session's ``write`` token
-(``OpenAI(api_key=<token>, default_headers={"X-Session-Id": sid})``) or a gateway key;
-the ``user`` form is a gateway request like any other (a gateway key).
+Auth: a completion tied to a session needs that session's ``write`` token as the bearer
+(``OpenAI(api_key=<token>, default_headers={"X-Session-Id": sid})``, or the same token
+with the ``user`` form); with the header it is checked before the body is read. A
+gateway key never writes into a session (403 ``session_token_required``): the key is the
+operator's for session-less completions, and a session's history and screens belong to
+whoever holds its write token.
 
 Order of use: :func:`session_of` on a parsed request; when it names one,
 :func:`complete` answers it (``worker.gateway.openai`` does both).
@@ -64,9 +67,13 @@ def session_of(request: web.Request, req: ChatRequest) -> str | None:
 
 
 def authorize(gw: Gateway, request: web.Request, sid: str) -> WireError | None:
-    """None when the request may run on ``sid``: its write token, or a gateway key."""
-    if not gw.cfg.auth or check_api_key(gw.cfg.keys, request.headers.get("Authorization")) is None:
+    """None when the request may run on ``sid``: it carries the session's write token."""
+    if not gw.cfg.auth:
         return None
+    if gw.cfg.keys and check_api_key(gw.cfg.keys, request.headers.get("Authorization")) is None:
+        return WireError(403, "a gateway key cannot write into a session: send the session's "
+                         "write token as the bearer", kind="permission_error",
+                         code="session_token_required")  # fmt: skip
     if gw.access is None:
         return WireError(401, "no session tokens here", kind="authentication_error")
     try:

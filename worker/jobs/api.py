@@ -11,7 +11,8 @@
 Without ``--amqp`` both answer 404 ``jobs_disabled`` with the reason.
 
 Auth: a job of a session takes that session's token (``write`` to submit; any scope to
-read); a job without a session takes a worker API key (``--gateway-key``). With
+read); a job without a session takes a worker API key (``--gateway-key``), which may read
+any job but never submit one into a session (403 ``session_token_required``). With
 ``--insecure-no-auth`` nothing is checked. Errors: ``{"error": code, "reason"}`` with 400,
 401/403, 404 ``job_not_found``, 413, 415, 503 ``queue_unavailable`` (+ ``Retry-After``).
 """
@@ -62,7 +63,10 @@ def _auth(
         return None
     header = request.headers.get("Authorization")
     if check_api_key(api.api_keys, header) is None:
-        return None  # the operator's key may submit and read any job
+        if session is not None and need == "write":  # its result would land in the session
+            reason = "a worker API key cannot write into a session: submit with its write token"
+            return refusal(403, Refusal.SESSION_TOKEN_REQUIRED, reason)
+        return None  # the operator's key may submit session-less jobs and read any job
     if session is not None:
         try:
             api.access.authorize(request, session, need)

@@ -272,7 +272,7 @@ async function refreshPanel() {
     $("engines").tBodies[0].innerHTML = (s.engines || []).map((e) =>
       `<tr><td>${escapeHtml(e.id)}${e.healthy === false ? " (down)" : ""}</td><td>${e.in_flight} / ${e.cap}</td><td>${bar(e.in_flight, e.cap)}</td></tr>`).join("");
     $("placements").tBodies[0].innerHTML = (s.placements || []).slice(0, 12).map((p) =>
-      `<tr><td><code>${escapeHtml(String(p.session).slice(0, 10))}</code></td><td>${escapeHtml(p.preferred)}</td><td>${escapeHtml(p.engine)}${p.spilled ? " (spill)" : ""}</td></tr>`).join("");
+      `<tr><td><code>${escapeHtml(String(p.point))}</code></td><td>${escapeHtml(p.preferred)}</td><td>${escapeHtml(p.engine)}${p.spilled ? " (spill)" : ""}</td></tr>`).join("");
     $("procs").tBodies[0].innerHTML = (s.processes || []).map((p) =>
       `<tr><td>${escapeHtml(p.name)}</td><td>${p.pid}</td><td>${p.alive ? "running" : "stopped"}</td><td>${
         p.alive ? `<button class="kill" data-action="kill" data-name="${escapeHtml(p.name)}">kill -9</button>`

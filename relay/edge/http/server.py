@@ -65,8 +65,9 @@ from relay.protocol.auth import AuthError, extract_token, verify_token
 from relay.protocol.codes import CloseCode, Readiness, Refusal
 from relay.protocol.frame import now_ms
 from relay.protocol.keys import InvalidSessionId, parse_session
+from relay.service import settings
 from relay.service.clientaddr import BadForwardedFor, client_address, parse_networks
-from relay.service.errors import RETRY_AFTER, Reject
+from relay.service.errors import RETRY_AFTER, Reject, admin_refused
 from relay.service.supervise import QUICK_BACKOFF, Supervisor
 
 __all__ = ["CORS_HEADERS", "EdgeServer", "query_value"]
@@ -114,6 +115,7 @@ class EdgeServer:
         self._closing: set[asyncio.Future[None]] = set()  # abandoned watches being closed
         self.admitted = 0  # streams past admission (includes those still opening)
         self.keys = config.keyset()  # None: auth off
+        self.admin_key = settings.check_admin_key(config.admin_key)  # None: local reads only
         self.trusted = parse_networks(config.trusted_proxies)
         self.guard = StreamGuard(config.max_streams_per_token, config.max_streams_per_address)
         if hub is not None:
@@ -431,6 +433,9 @@ class EdgeServer:
         return web.json_response({"status": Readiness.READY, "relay": relay, "reasons": []})
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
+        refused = admin_refused(request, self.admin_key)
+        if refused is not None:
+            return self.refuse(refused)
         body, ctype = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": ctype})
 
