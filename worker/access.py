@@ -6,7 +6,11 @@ create sessions and a session may post turns.
   token whose lifetime is bounded by ``max_token_ttl_s`` and by the session's lifetime
   (the store's ``ttl_s``: a session lives that long after its last turn).
 - Session creation: a token bucket per client address (``session_rate_per_s``,
-  ``session_burst``), per worker process.
+  ``session_burst``), per worker process; and at most ``max_sessions_per_address`` live
+  sessions per client address, counted in Redis (one sorted set per address, shared by
+  every worker: a session counts for the session lifetime after its creation), so that
+  what one address can make Redis hold is bounded by that many sessions' budgets
+  (backlog bytes, history bytes).
 - Turns: at most ``turns_per_minute`` turn requests per session per clock minute,
   counted in Redis (one ``INCR`` on the session's slot), so shared by every worker.
 - The client address is the peer, or ``X-Forwarded-For`` from a trusted proxy
@@ -16,8 +20,9 @@ Every refusal is a :class:`RateLimited` (a :class:`relay.service.errors.Reject`)
 ``Retry-After`` + a :class:`relay.protocol.codes.Refusal` code and a reason.
 
 Order of use: the app builds one :class:`WorkerAccess` at startup; handlers call
-:meth:`~WorkerAccess.authorize`, :meth:`~WorkerAccess.check_creation`,
-:meth:`~WorkerAccess.check_turn_rate` and :meth:`~WorkerAccess.mint`.
+:meth:`~WorkerAccess.authorize`, :meth:`~WorkerAccess.check_creation` then
+:meth:`~WorkerAccess.take_session`, :meth:`~WorkerAccess.check_turn_rate` and
+:meth:`~WorkerAccess.mint`.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from relay.protocol.auth import (
     verify_token,
 )
 from relay.protocol.codes import Refusal
-from relay.protocol.keys import SESSION_TTL_S, turn_rate_key
+from relay.protocol.keys import SESSION_TTL_S, address_sessions_key, turn_rate_key
 from relay.service.clientaddr import (
     DEFAULT_IPV6_PREFIX,
     BadForwardedFor,
@@ -62,6 +67,21 @@ __all__ = [
 ]
 
 INSECURE_TOKEN: Final = "insecure-no-auth"
+# One address's live sessions (KEYS[1], session id -> when it stops counting, Redis ms):
+# drop the expired, refuse past ARGV[1] (answering the wait for the oldest), else add
+# ARGV[3] for ARGV[2] ms. Returns {1, 0} or {0, wait_ms}.
+_TAKE_SESSION: Final = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  return {0, math.max(tonumber(oldest[2]) - now, 1000)}
+end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return {1, 0}
+"""
 
 
 class RateLimited(Reject):
@@ -117,6 +137,7 @@ class WorkerAccess:
         session_rate_per_s: float = 1.0,
         session_burst: int = 20,
         turns_per_minute: int = 30,
+        max_sessions_per_address: int = 64,
     ) -> None:
         self.keys = keys
         self.trusted = parse_networks(trusted_proxies)
@@ -125,6 +146,8 @@ class WorkerAccess:
         self.lifetime_s = session_ttl_s  # the longest token verified: as long as a session
         self.creations = Buckets(session_rate_per_s, session_burst)
         self.turns_per_minute = turns_per_minute
+        self.max_sessions = max_sessions_per_address  # 0: no limit
+        self.session_ttl_s = session_ttl_s
 
     def address(self, request: web.Request) -> str:
         """The key this request's client is counted under (IPv6: its network); 400
@@ -187,6 +210,26 @@ class WorkerAccess:
                 f"too many new sessions from this address; at most {self.creations.burst} at "
                 f"once and {self.creations.rate:g} per second",
                 wait,
+            )
+
+    async def take_session(self, redis: RedisCluster, request: web.Request, sid: str) -> None:
+        """Count ``sid`` as a live session of this request's address; :class:`RateLimited`
+        ``too_many_sessions`` (``Retry-After``: until its oldest session stops counting)
+        when the address holds ``max_sessions_per_address``. Redis errors surface as
+        RelayError (the API answers 503)."""
+        if self.max_sessions <= 0:
+            return
+        name = address_sessions_key(self.address(request))
+        with map_redis_errors():
+            taken, wait_ms = await redis.eval(
+                _TAKE_SESSION, 1, name, self.max_sessions, self.session_ttl_s * 1000, sid
+            )
+        if not int(taken):
+            raise RateLimited(
+                Refusal.TOO_MANY_SESSIONS,
+                f"this client address holds {self.max_sessions} live sessions; use one of "
+                "them, or wait until the oldest expires",
+                int(wait_ms) / 1000,
             )
 
     async def check_turn_rate(self, redis: RedisCluster, sid: str) -> None:

@@ -91,7 +91,7 @@ def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = No
 def _redis_refusal(st: WorkerState, sid: str, exc: RelayError) -> web.Response:
     """503 for a turn Redis did not take: a code and a short reason; details to the log."""
     st.metrics.rejected.labels(status="503").inc()
-    log.warning("turn of %s refused, redis: %r", sid, exc)
+    log.warning("request on session %s refused, redis: %r", sid, exc)
     refused = isinstance(exc, RedisCommandError)  # e.g. out of memory, noeviction
     reason = "redis refused the command" if refused else "redis did not answer"
     return refusal(503, Refusal.REDIS_UNAVAILABLE, reason, RETRY_AFTER)
@@ -112,6 +112,12 @@ async def _create_session(request: web.Request) -> web.Response:
     except Reject as exc:  # RateLimited, or an unreadable X-Forwarded-For
         return _refused(st, exc)
     sid = new_session_id()
+    try:
+        await st.access.take_session(st.redis, request, sid)
+    except Reject as exc:
+        return _refused(st, exc)
+    except RelayError as exc:
+        return _redis_refusal(st, sid, exc)
     minted = st.access.mint(sid, "write", st.cfg.token_ttl_s)
     return _json(201, {"session": sid, "token": minted.token, "expires_at": minted.expires_at})
 

@@ -27,11 +27,12 @@ import msgspec
 
 from relay.broker.rediscluster.connect import RedisTLS
 from relay.protocol.auth import DEFAULT_KID
-from relay.protocol.keys import BACKLOG_MAXLEN, SESSION_TTL_S
+from relay.protocol.keys import BACKLOG_MAX_BYTES, BACKLOG_MAXLEN, SESSION_TTL_S
 from relay.service import settings
 from relay.service.clientaddr import DEFAULT_IPV6_PREFIX
 from relay.service.settings import (
     AdminKey,
+    BacklogMaxBytes,
     BacklogMaxlen,
     FailFast,
     Host,
@@ -124,6 +125,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     ] = 1.0  # fmt: skip
     session_burst: Annotated[int, opt("new sessions at once per client address", ge=1)] = 20
     turns_per_minute: Annotated[int, opt("turn requests per session per minute; 0: off", ge=0)] = 30
+    max_sessions_per_address: Annotated[
+        int, opt("live sessions one client address may have created (counted in Redis, by "
+                 "every worker; each counts for --session-ttl-s); 0: off", ge=0)
+    ] = 64  # fmt: skip
     default_max_tokens: Annotated[int, opt("max_tokens of a turn that gives none", ge=1)] = 1024
     max_reply_bytes: Annotated[
         int, opt("an engine reply is cut (and stored) at this many bytes", ge=1024)
@@ -146,6 +151,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     ] = 1 << 20  # fmt: skip
     session_ttl_s: SessionTTL = SESSION_TTL_S
     backlog_maxlen: BacklogMaxlen = BACKLOG_MAXLEN
+    backlog_max_bytes: BacklogMaxBytes = BACKLOG_MAX_BYTES
     max_tokens_limit: Annotated[int, opt("largest max_tokens a turn may ask for", ge=1)] = 4096
     first_token_timeout_s: Annotated[
         float, opt("an engine's first token must come this fast", gt=0)

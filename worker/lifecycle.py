@@ -176,7 +176,9 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         ttl_s=cfg.session_ttl_s,
         lock_ttl_s=cfg.lock_ttl_s,
     )
-    publisher = Publisher(redis, maxlen=cfg.backlog_maxlen, ttl_s=cfg.session_ttl_s)
+    publisher = Publisher(
+        redis, maxlen=cfg.backlog_maxlen, ttl_s=cfg.session_ttl_s, max_bytes=cfg.backlog_max_bytes
+    )
     turns = TurnManager(
         publisher=publisher,
         store=store,

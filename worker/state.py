@@ -64,4 +64,5 @@ def access_check(cfg: WorkerConfig) -> WorkerAccess:
         session_rate_per_s=cfg.session_rate_per_s,
         session_burst=cfg.session_burst,
         turns_per_minute=cfg.turns_per_minute,
+        max_sessions_per_address=cfg.max_sessions_per_address,
     )

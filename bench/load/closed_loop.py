@@ -134,7 +134,7 @@ async def run(wl: Workload) -> dict[str, Any]:
                 "--engine", f"stamp=http://127.0.0.1:{ep}", "--worker-id", "w-bench",
                 "--coalesce-tokens", str(wl.coalesce_tokens), "--coalesce-ms", str(wl.coalesce_ms),
                 # every client of the benchmark is 127.0.0.1: no per-address limits
-                "--session-rate", "0", "--turns-per-minute", "0",
+                "--session-rate", "0", "--turns-per-minute", "0", "--max-sessions-per-address", "0",
             ]  # fmt: skip
             relay = [
                 *py, "tokenrelay", "relay", "--port", str(rp), "--redis", info.url,

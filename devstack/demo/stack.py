@@ -157,7 +157,8 @@ class Stack:
         relay_limits = worker_limits = []
         if not spec.abuse_limits:
             relay_limits = ["--max-streams-per-address", "0"]
-            worker_limits = ["--session-rate", "0", "--turns-per-minute", "0"]
+            worker_limits = ["--session-rate", "0", "--turns-per-minute", "0",
+                             "--max-sessions-per-address", "0"]  # fmt: skip
         if not spec.engine_urls:
             for i in range(spec.engines):
                 name = f"engine-{i + 1}"

@@ -2,7 +2,8 @@
 a server.
 
 What the Redis broker's scripts do, in Python, with the same answers: a backlog per
-session (offsets 1, 2, 3, ..., trimmed from the front past ``maxlen``), its generation
+session (offsets 1, 2, 3, ..., trimmed from the front past ``maxlen`` frames or
+``max_bytes`` bytes, the newest frame always kept), its generation
 id, the open turn, the turn lock, presence, and live delivery to subscribers. The
 fan-out tests (tests/unit/test_fanout.py) and ``bench.relay.micro`` run the real hub
 and connections on it; nothing here is on a production path.
@@ -40,7 +41,7 @@ from relay.broker.base import (
 )
 from relay.broker.errors import RedisUnavailable, SubscribeError
 from relay.protocol.frame import Frame, Kind, decode, encode, now_ms
-from relay.protocol.keys import BACKLOG_MAXLEN, live_channel, parse_session
+from relay.protocol.keys import BACKLOG_MAX_BYTES, BACKLOG_MAXLEN, live_channel, parse_session
 from relay.service.supervise import Supervisor
 
 __all__ = ["MemoryBroker"]
@@ -55,14 +56,22 @@ class _Session:
     open: int = 0  # the turn that is generating (0: none)
     locked: bool = False  # a producer holds the turn lock
     lose: int = 0  # live frames still to drop
+    held: int = 0  # bytes of the frames in log
 
 
 class MemoryBroker:
     """See the module docstring."""
 
-    def __init__(self, relay_id: str = "memory", *, maxlen: int = BACKLOG_MAXLEN) -> None:
+    def __init__(
+        self,
+        relay_id: str = "memory",
+        *,
+        maxlen: int = BACKLOG_MAXLEN,
+        max_bytes: int = BACKLOG_MAX_BYTES,
+    ) -> None:
         self.relay_id = relay_id
         self.maxlen = maxlen
+        self.max_bytes = max_bytes  # 0: no byte bound
         self.sessions: dict[str, _Session] = {}
         self.subscribed: set[str] = set()
         self.presence: set[str] = set()
@@ -215,6 +224,7 @@ class MemoryBroker:
         """The backlog of ``sid`` keeps only offsets >= ``first``."""
         s = self._session(sid)
         s.log = [(o, d) for o, d in s.log if o >= first]
+        s.held = sum(len(d) for _, d in s.log)
 
     def restart(self, sid: str) -> str:
         """The session's keys expired: everything gone, a new generation from offset 1."""
@@ -245,9 +255,15 @@ class MemoryBroker:
 
     def _write(self, s: _Session, sid: str, offset: int, data: bytes) -> None:
         s.log.append((offset, data))
+        s.held += len(data)
         s.offset = max(s.offset, offset)
-        if len(s.log) > self.maxlen:
-            del s.log[: len(s.log) - self.maxlen]
+        drop = max(len(s.log) - self.maxlen, 0)
+        s.held -= sum(len(d) for _, d in s.log[:drop])
+        while self.max_bytes and s.held > self.max_bytes and drop < len(s.log) - 1:
+            s.held -= len(s.log[drop][1])
+            drop += 1
+        if drop:
+            del s.log[:drop]
         if sid not in self.subscribed or self._on_message is None:
             return
         if s.lose > 0:

@@ -23,11 +23,12 @@ import msgspec
 
 from relay.broker.rediscluster.connect import RedisTLS
 from relay.protocol.auth import DEFAULT_KID, KeySet
-from relay.protocol.keys import BACKLOG_MAXLEN, SESSION_TTL_S
+from relay.protocol.keys import BACKLOG_MAX_BYTES, BACKLOG_MAXLEN, SESSION_TTL_S
 from relay.service import settings
 from relay.service.clientaddr import DEFAULT_IPV6_PREFIX, parse_networks
 from relay.service.settings import (
     AdminKey,
+    BacklogMaxBytes,
     BacklogMaxlen,
     ConfigError,
     FailFast,
@@ -80,6 +81,7 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     ipv6_prefix: IPv6Prefix = DEFAULT_IPV6_PREFIX
     fail_fast: FailFast = False
     backlog_maxlen: BacklogMaxlen = BACKLOG_MAXLEN
+    backlog_max_bytes: BacklogMaxBytes = BACKLOG_MAX_BYTES
     session_ttl_s: SessionTTL = SESSION_TTL_S
     relay_id: Annotated[str, opt("name shown to clients (empty: <hostname>-<pid>)")] = ""
     heartbeat_s: Annotated[float, opt("SSE comment / WS idle interval", gt=0)] = 15.0

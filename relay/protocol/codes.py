@@ -93,6 +93,7 @@ class Refusal(enum.StrEnum):
     # -- the worker: limits and availability (429, 503) ---------------------------------------
     ENGINES_FULL = "engines_full"  # no engine slot within --admit-wait-s
     SESSION_RATE = "session_rate"  # new sessions per client address
+    TOO_MANY_SESSIONS = "too_many_sessions"  # live sessions per client address
     TURN_RATE = "turn_rate"  # turns per session per minute
     REDIS_UNAVAILABLE = "redis_unavailable"  # Redis did not take the request: retry
     # -- the worker's API keys (worker.apikeys): the session-less routes ----------------------

@@ -10,25 +10,29 @@ load reports, engine heartbeats) are here too. Nothing else in the project forma
 ``tr:`` strings.
 
 Retention, one setting each for every process that writes or reads a session
-(``--backlog-maxlen`` and ``--session-ttl-s`` on relays and workers alike, declared in
-:mod:`relay.service.settings`): :data:`BACKLOG_MAXLEN` frames kept per session's
-backlog, :data:`SESSION_TTL_S` seconds a session lives after its last write.
+(``--backlog-maxlen``, ``--backlog-max-bytes`` and ``--session-ttl-s`` on relays and
+workers alike, declared in :mod:`relay.service.settings`): :data:`BACKLOG_MAXLEN` frames
+and :data:`BACKLOG_MAX_BYTES` bytes of frames kept per session's backlog,
+:data:`SESSION_TTL_S` seconds a session lives after its last write.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import secrets
 from enum import StrEnum
 
 __all__ = [
     "BACKLOG_MAXLEN",
+    "BACKLOG_MAX_BYTES",
     "ENGINES_REGISTRY",
     "SESSION_ID_MAX_LEN",
     "SESSION_TTL_S",
     "WORKERS_REGISTRY",
     "InvalidSessionId",
     "KeyKind",
+    "address_sessions_key",
     "engine_key",
     "hist_key",
     "idem_key",
@@ -45,6 +49,7 @@ __all__ = [
 
 SESSION_ID_MAX_LEN = 64
 BACKLOG_MAXLEN = 10_000  # frames a session's backlog keeps (XADD MAXLEN ~)
+BACKLOG_MAX_BYTES = 4 << 20  # bytes of frames a session's backlog keeps (XTRIM MINID)
 SESSION_TTL_S = 86_400  # a session's keys expire this long after its last write
 _SESSION_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _IDEM_RE = re.compile(r"[\x21-\x7e]{1,128}")
@@ -141,6 +146,14 @@ def worker_key(worker_id: str, namespace: str = "tr") -> str:
     """Per-worker load-report hash (worker.routing.loadshare); the worker id is its hash tag.
     ``namespace`` other than "tr" isolates tests sharing one cluster."""
     return f"{namespace}:workers:{{{_check_member_id('worker', worker_id)}}}"
+
+
+def address_sessions_key(address: str) -> str:
+    """Sorted set of the live sessions a client address created (session id -> when it
+    stops counting, Redis ms; worker/access.py). The address is hashed: a key name holds
+    no client address, and the tag holds no brace whatever the address text is."""
+    digest = hashlib.sha256(address.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return f"tr:addr:{{{digest}}}:sessions"
 
 
 def engine_key(engine_id: str) -> str:

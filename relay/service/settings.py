@@ -62,12 +62,14 @@ import msgspec
 
 from relay.broker.rediscluster.connect import RedisTLS
 from relay.protocol.auth import KeySet, WeakSecret, load_keys
+from relay.protocol.frame import MAX_FRAME_BYTES
 from relay.service.admin import admin_key
 
 __all__ = [
     "ENV_NOTE",
     "PREFIX",
     "AdminKey",
+    "BacklogMaxBytes",
     "BacklogMaxlen",
     "ConfigError",
     "FailFast",
@@ -393,6 +395,14 @@ FailFast = Annotated[
 ]
 BacklogMaxlen = Annotated[
     int, opt("frames a session's backlog keeps (relays and workers must agree)", ge=100)
+]
+BacklogMaxBytes = Annotated[
+    int,
+    opt(
+        "bytes of frames a session's backlog keeps: the oldest go first, a resume past "
+        "them gets a gap frame (relays and workers must agree; at least one largest frame)",
+        ge=MAX_FRAME_BYTES,
+    ),
 ]
 SessionTTL = Annotated[
     int, opt("a session's lifetime in Redis after its last write, seconds (relays and "

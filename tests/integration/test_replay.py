@@ -199,7 +199,7 @@ async def test_a_socket_that_stops_reading_mid_replay_is_cut_and_stalls_nobody(
     cluster: ClusterInfo, redis: RedisCluster
 ) -> None:
     sid, live_sid = new_session_id(), new_session_id()
-    pub = Publisher(redis)
+    pub = Publisher(redis, max_bytes=16 << 20)  # past the default budget: kept whole
     for turn in range(400):  # about 12 MB: more than the kernel buffers of a socket
         gen = await pub.open_generation(sid)
         drafts = [Draft(kind="meta", meta={"message": "q" * 30_000, "turn": turn})]

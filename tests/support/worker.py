@@ -92,6 +92,7 @@ class Harness:
             presence_grace_s=30.0,
             shutdown_deadline_s=1.0,
             session_rate_per_s=0.0,  # every test client is 127.0.0.1; limit tests set it
+            max_sessions_per_address=0,  # counted in the shared cluster: for the whole run
         )
         cfg = msgspec.structs.replace(cfg, **kw)
         if own_redis_url:

@@ -13,9 +13,11 @@ operation below is one round trip to one shard (pipelines and Lua stay single-sl
   with a TTL the turn runner refreshes; one turn at a time per session;
 * ``idem_key(sid, k)`` string: ``Idempotency-Key`` -> the 202 body of the turn it
   started and the request's fingerprint (``{"turn", "offset", "session", "fp"}``, kept
-  ``idem_ttl_s``); while that turn is being admitted, ``pending <owner> <fp>`` with the
-  turn lock's TTL: a worker that dies between claim and resolve holds the key no
-  longer than its lock, and a retry after that starts the turn.
+  ``idem_ttl_s``, an hour: long enough for any retry, short enough that a client posting
+  a fresh key with every turn keeps at most an hour of turns' records per session);
+  while that turn is being admitted, ``pending <owner> <fp>`` with the turn lock's TTL:
+  a worker that dies between claim and resolve holds the key no longer than its lock,
+  and a retry after that starts the turn.
 
 Order of use for one turn: :meth:`SessionStore.claim_idempotency` (when the client sent
 a key) -> :meth:`acquire_lock` -> :meth:`load` -> (route, open the generation) ->
@@ -36,7 +38,9 @@ from redis.asyncio.cluster import RedisCluster
 from relay.broker.rediscluster.errors import map_redis_errors
 from relay.protocol.keys import SESSION_TTL_S, KeyKind, hist_key, idem_key, key
 
-__all__ = ["History", "LockHolder", "SessionStore", "state_key"]
+__all__ = ["IDEM_TTL_S", "History", "LockHolder", "SessionStore", "state_key"]
+
+IDEM_TTL_S: Final = 3600  # how long an Idempotency-Key's record answers a retry
 
 _REFRESH_LUA: Final = """
 local v = redis.call('GET', KEYS[1])
@@ -123,7 +127,7 @@ class SessionStore:
         max_bytes: int = 0,
         ttl_s: int = SESSION_TTL_S,
         lock_ttl_s: float = 15.0,
-        idem_ttl_s: int = SESSION_TTL_S,
+        idem_ttl_s: int = IDEM_TTL_S,
     ) -> None:
         if max_messages < 2:
             raise ValueError("max_messages must be >= 2")

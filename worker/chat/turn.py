@@ -51,6 +51,7 @@ from worker.chat.turnstate import (
     TurnConfig,
     TurnOutcome,
     TurnStarted,
+    message_meta,
     request_fingerprint,
 )
 from worker.metrics import WorkerMetrics
@@ -212,7 +213,7 @@ class TurnManager:
                             kind="meta",
                             meta={
                                 "role": "user",
-                                "message": message,
+                                **message_meta(message),  # bounded: the history has it all
                                 "engine": lease.engine.id,
                                 "preferred": lease.preferred,
                                 "spilled": lease.spilled,

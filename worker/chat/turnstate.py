@@ -50,6 +50,7 @@ from worker.routing.key import DEFAULT_PREFIX_CHARS
 from worker.routing.lease import Lease
 
 __all__ = [
+    "META_MESSAGE_BYTES",
     "AbortReason",
     "Draining",
     "IdempotencyKeyReused",
@@ -61,6 +62,7 @@ __all__ = [
     "TurnConfig",
     "TurnOutcome",
     "TurnStarted",
+    "message_meta",
     "reply_integrity",
     "request_fingerprint",
 ]
@@ -248,4 +250,24 @@ def reply_integrity(text: str, tokens: int) -> dict[str, Any]:
         "tokens": tokens,
         "chars": len(text),
         "sha256": hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest(),
+    }
+
+
+# What a turn's meta frame carries of the user's message: a screen shows it, the history
+# keeps the whole. Every frame stays in the backlog for the session's lifetime.
+META_MESSAGE_BYTES: Final = 2048
+
+
+def message_meta(text: str, max_bytes: int = META_MESSAGE_BYTES) -> dict[str, Any]:
+    """The user's message as a meta frame carries it: whole up to ``max_bytes`` of UTF-8;
+    else its start (whole code points, at most ``max_bytes``), ``message_truncated`` true,
+    and the whole message's ``message_chars`` (code points) and ``message_sha256``."""
+    raw = text.encode("utf-8", "surrogatepass")
+    if len(raw) <= max_bytes:
+        return {"message": text}
+    return {
+        "message": raw[:max_bytes].decode("utf-8", "ignore"),
+        "message_truncated": True,
+        "message_chars": len(text),
+        "message_sha256": hashlib.sha256(raw).hexdigest(),
     }

@@ -25,9 +25,10 @@ from relay.broker.errors import RelayError
 from relay.broker.rediscluster.connect import RedisTLS, connect, mask_url, startup_error
 from relay.broker.rediscluster.errors import map_redis_errors
 from relay.broker.rediscluster.publisher import Publisher
-from relay.protocol.keys import BACKLOG_MAXLEN, SESSION_TTL_S
+from relay.protocol.keys import BACKLOG_MAX_BYTES, BACKLOG_MAXLEN, SESSION_TTL_S
 from relay.service import runtime, settings
 from relay.service.settings import (
+    BacklogMaxBytes,
     BacklogMaxlen,
     RedisCA,
     RedisCert,
@@ -79,6 +80,7 @@ class JobWorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     # a job of a session reports on it: the same retention as the chat workers and relays
     session_ttl_s: SessionTTL = SESSION_TTL_S
     backlog_maxlen: BacklogMaxlen = BACKLOG_MAXLEN
+    backlog_max_bytes: BacklogMaxBytes = BACKLOG_MAX_BYTES
     shutdown_deadline_s: Annotated[
         float, opt("SIGTERM: running jobs may finish for this long", ge=0)
     ] = 30.0
@@ -125,7 +127,12 @@ async def serve(opts: JobWorkerSettings, engines: list[EngineSpec]) -> None:
         jobs=JobStore(redis),
         router=router,
         engine=EngineClient(http),
-        publisher=Publisher(redis, maxlen=opts.backlog_maxlen, ttl_s=opts.session_ttl_s),
+        publisher=Publisher(
+            redis,
+            maxlen=opts.backlog_maxlen,
+            ttl_s=opts.session_ttl_s,
+            max_bytes=opts.backlog_max_bytes,
+        ),
         sessions=SessionStore(redis, ttl_s=opts.session_ttl_s),
         cfg=RunnerConfig(
             worker_id=worker_id,

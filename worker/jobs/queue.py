@@ -54,6 +54,7 @@ from relay.broker.errors import Fenced, RelayError
 from relay.broker.rediscluster.publisher import Draft, Publisher
 from relay.service.supervise import Backoff, Supervisor
 from worker.chat.store import SessionStore
+from worker.chat.turnstate import message_meta
 from worker.engines.client import EngineClient
 from worker.engines.errors import EngineError
 from worker.jobs.record import JobSpec, JobStore, within_reserve
@@ -389,8 +390,9 @@ class JobRunner:
         try:
             gen = await self.publisher.open_generation(sid)
             done = {k: result[k] for k in ("tokens", "chars", "sha256", "engine", "finish_reason")}
+            asked = {"role": "user", **message_meta(spec.prompt), "job": job_id}
             drafts = [
-                Draft(kind="meta", meta={"role": "user", "message": spec.prompt, "job": job_id}),
+                Draft(kind="meta", meta=asked),
                 *(Draft(kind="token", text=t) for t in _whole_reply_frames(str(result["result"]))),
                 Draft(kind="done", meta={**done, "job": job_id}),
             ]

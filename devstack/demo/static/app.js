@@ -109,7 +109,7 @@ function onFrame(f) {
   const m = f.meta || {};
   if (f.kind === "meta") {
     const t = turnEl(f.turn);
-    const msg = m.message ?? m.user ?? "";
+    const msg = (m.message ?? m.user ?? "") + (m.message_truncated ? " …" : "");
     if (msg) { t.user.textContent = msg; t.user.hidden = false; }
     t.engine = m.engine || t.engine;
     t.preferred = m.preferred || t.preferred;

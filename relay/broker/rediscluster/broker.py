@@ -31,7 +31,14 @@ from relay.broker.rediscluster.presence import Presence
 from relay.broker.rediscluster.publisher import read_backlog_page, reap, seal
 from relay.broker.rediscluster.subscriber import ShardedSubscriber
 from relay.protocol.frame import FrameError, decode
-from relay.protocol.keys import BACKLOG_MAXLEN, SESSION_TTL_S, live_channel, log_key, meta_key
+from relay.protocol.keys import (
+    BACKLOG_MAX_BYTES,
+    BACKLOG_MAXLEN,
+    SESSION_TTL_S,
+    live_channel,
+    log_key,
+    meta_key,
+)
 from relay.service.supervise import Supervisor
 
 __all__ = ["RedisBroker"]
@@ -42,8 +49,9 @@ _SCAN: Final = 256  # backlog entries per round trip when looking for a turn's s
 class RedisBroker:
     """The edge's backend on a Redis 7 Cluster. See the module docstring.
 
-    ``maxlen`` / ``ttl_s``: the backlog length and the session lifetime that seals and
-    reaps keep (the producers' own settings: ``--backlog-maxlen``, ``--session-ttl-s``).
+    ``maxlen`` / ``max_bytes`` / ``ttl_s``: the backlog's bounds and the session lifetime
+    that seals and reaps keep (the producers' own settings: ``--backlog-maxlen``,
+    ``--backlog-max-bytes``, ``--session-ttl-s``).
     """
 
     def __init__(
@@ -55,11 +63,12 @@ class RedisBroker:
         presence_ttl_s: float = 30.0,
         maxlen: int = BACKLOG_MAXLEN,
         ttl_s: int = SESSION_TTL_S,
+        max_bytes: int = BACKLOG_MAX_BYTES,
     ) -> None:
         self.redis = redis
         self.relay_id = relay_id
         self.read_from_replicas = read_from_replicas
-        self.maxlen, self.ttl_s = maxlen, ttl_s
+        self.maxlen, self.ttl_s, self.max_bytes = maxlen, ttl_s, max_bytes
         self.presence = Presence(redis, relay_id, ttl_s=presence_ttl_s)
         self.subscriber: ShardedSubscriber | None = None  # made by start()
         self._on_message: MessageHandler | None = None
@@ -118,13 +127,14 @@ class RedisBroker:
     async def seal(self, sid: str, seen: int, gen: str) -> int:
         return await seal(
             self.redis, sid, seen, sealer=self.relay_id, maxlen=self.maxlen, ttl_s=self.ttl_s,
-            gen=gen,
+            gen=gen, max_bytes=self.max_bytes,
         )  # fmt: skip
 
     async def reap(self, sid: str) -> ReapResult:
         return await reap(
-            self.redis, sid, reaper=self.relay_id, maxlen=self.maxlen, ttl_s=self.ttl_s
-        )
+            self.redis, sid, reaper=self.relay_id, maxlen=self.maxlen, ttl_s=self.ttl_s,
+            max_bytes=self.max_bytes,
+        )  # fmt: skip
 
     def present(self, sid: str) -> None:
         self.presence.add(sid)

@@ -12,10 +12,13 @@ Per session, everything sits in the session's hash slot (see :mod:`relay.protoco
   its producer applies it: relays extend a watched session's keys by it, see
   :mod:`relay.broker.rediscluster.presence`);
 - ``log_key(sid)`` stream: the backlog, one entry per frame with the explicit ID
-  ``<offset>-1`` and one field ``f`` = the encoded frame, trimmed with ``MAXLEN ~``;
+  ``<offset>-1``, the field ``f`` = the encoded frame and ``b`` = where it starts in the
+  session's byte count (the hash's ``bytes`` is where the next one starts), trimmed with
+  ``MAXLEN ~`` to about ``maxlen`` frames and with ``MINID`` to ``max_bytes`` bytes;
 - ``live_channel(sid)`` shard channel: every frame is SPUBLISHed there too.
 
-Retention: the backlog keeps at most about ``maxlen`` frames, and every key of the
+Retention: the backlog keeps at most about ``maxlen`` frames and ``max_bytes`` bytes of
+frames (the oldest go first, whole; the newest always stays), and every key of the
 session expires ``ttl_s`` seconds after the last write (each publish and each
 ``open_generation`` refreshes the TTL; a reap or a seal keeps the TTL the session has)
 or after the last presence refresh of a relay that has viewers of it: the age cap *is*
@@ -58,6 +61,7 @@ from relay.broker.errors import Fenced, OffsetConflict, RedisCommandError, Redis
 from relay.broker.rediscluster.scripts import OPEN, PUBLISH, READ, REAP, SEAL
 from relay.protocol.frame import Frame, Kind, encode, now_ms
 from relay.protocol.keys import (
+    BACKLOG_MAX_BYTES,
     BACKLOG_MAXLEN,
     SESSION_TTL_S,
     KeyKind,
@@ -182,7 +186,7 @@ class Generation:
         while True:
             args: list[Any] = [
                 self.epoch, base, pub.maxlen, pub.ttl_s, int(terminal), self.turn, self.gen,
-                *payload,
+                pub.max_bytes, *payload,
             ]  # fmt: skip
             try:
                 return int(await PUBLISH(pub.redis, keys, args))
@@ -236,11 +240,13 @@ class Publisher:
         ttl_s: int = SESSION_TTL_S,
         retry_s: float = 10.0,
         keep_frames: int = 4096,
+        max_bytes: int = BACKLOG_MAX_BYTES,
     ) -> None:
-        if maxlen < 1 or ttl_s < 1 or keep_frames < 1 or retry_s < 0:
+        if maxlen < 1 or ttl_s < 1 or keep_frames < 1 or retry_s < 0 or max_bytes < 0:
             raise ValueError("maxlen, ttl_s and keep_frames must be positive")
         self.redis = redis
         self.maxlen = maxlen
+        self.max_bytes = max_bytes  # bytes of frames the backlog keeps (0: no byte bound)
         self.ttl_s = ttl_s
         self.retry_s = retry_s  # how long a publish retries while Redis is unreachable
         self.keep_frames = keep_frames  # frames a generation keeps to rewrite after failover
@@ -262,6 +268,7 @@ async def reap(
     maxlen: int = BACKLOG_MAXLEN,
     ttl_s: int = SESSION_TTL_S,
     reason: str = WORKER_LOST,
+    max_bytes: int = BACKLOG_MAX_BYTES,
 ) -> ReapResult:
     """End a session's open turn whose worker is gone (its turn lock expired).
 
@@ -273,7 +280,7 @@ async def reap(
     """
     sid = parse_session(sid)
     keys = (meta_key(sid), log_key(sid), live_channel(sid), key(sid, KeyKind.LOCK))
-    reply = await REAP(redis, keys, (maxlen, ttl_s, sid, now_ms(), reason, reaper))
+    reply = await REAP(redis, keys, (maxlen, ttl_s, sid, now_ms(), reason, reaper, max_bytes))
     status = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
     return ReapResult(ReapStatus(status), int(reply[1]), int(reply[2]))
 
@@ -287,6 +294,7 @@ async def seal(
     maxlen: int = BACKLOG_MAXLEN,
     ttl_s: int = SESSION_TTL_S,
     gen: str = "",
+    max_bytes: int = BACKLOG_MAX_BYTES,
 ) -> int:
     """A relay delivered offsets up to ``seen`` but the session now ends before them: a
     failover promoted a replica that never got them (asynchronous replication) and no
@@ -300,7 +308,7 @@ async def seal(
     """
     sid = parse_session(sid)
     keys = (meta_key(sid), log_key(sid), live_channel(sid))
-    args = (seen, maxlen, ttl_s, sid, now_ms(), sealer, gen)
+    args = (seen, maxlen, ttl_s, sid, now_ms(), sealer, gen, max_bytes)
     return int(await SEAL(redis, keys, args))
 
 

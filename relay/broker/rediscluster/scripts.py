@@ -3,7 +3,9 @@
 Each script is a file of ``lua/`` (its KEYS and ARGV are said at its top); a script that
 writes a frame of its own starts with ``lua/frame.lua``, the one template of a frame
 written in Lua (the reap's ``error`` and the seal's ``gap``), so that the frames the
-scripts write cannot drift apart. The files ship inside the package (package data).
+scripts write cannot drift apart, and every script that appends to a backlog starts with
+``lua/backlog.lua``, the one rule of its bounds (frames and bytes). The files ship inside
+the package (package data).
 
 A :class:`Script` runs with ``EVALSHA`` and falls back to ``EVAL`` once on ``NOSCRIPT``
 (a node that restarted or a new replica promoted has an empty script cache); redis-py
@@ -62,9 +64,9 @@ class Script:
 
 
 OPEN: Final = Script("open")
-PUBLISH: Final = Script("publish")
+PUBLISH: Final = Script("publish", uses=("backlog",))
 READ: Final = Script("read")
-REAP: Final = Script("reap", uses=("frame",))
-SEAL: Final = Script("seal", uses=("frame",))
+REAP: Final = Script("reap", uses=("frame", "backlog"))
+SEAL: Final = Script("seal", uses=("frame", "backlog"))
 PRESENCE_WRITE: Final = Script("presence_write")
 PRESENCE_COUNT: Final = Script("presence_count")

@@ -147,8 +147,9 @@ class EdgeServer:
         try:
             await redis.initialize()
             broker = RedisBroker(
-                redis, cfg.relay_id, maxlen=cfg.backlog_maxlen, ttl_s=cfg.session_ttl_s
-            )
+                redis, cfg.relay_id, maxlen=cfg.backlog_maxlen, ttl_s=cfg.session_ttl_s,
+                max_bytes=cfg.backlog_max_bytes,
+            )  # fmt: skip
             hub = Hub(
                 broker,
                 queue_frames=cfg.queue_frames,

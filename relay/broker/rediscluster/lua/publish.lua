@@ -2,7 +2,8 @@
 -- <epoch> and writes nothing; an offset that is not the expected one gets OFFSET <off>.
 -- KEYS: meta hash, backlog stream, live channel.
 -- ARGV: epoch, expected offset, maxlen, ttl_s, terminal (1: the last frame ends the turn),
--- turn, gen, then the encoded frames. Returns the last offset written.
+-- turn, gen, max bytes of the backlog (0: no byte bound), then the encoded frames.
+-- Loaded after backlog.lua. Returns the last offset written.
 local cur = redis.call('HMGET', KEYS[1], 'epoch', 'offset', 'gen')
 local epoch = tonumber(cur[1] or '0')
 local off = tonumber(cur[2] or '0')
@@ -15,11 +16,13 @@ if epoch < tonumber(ARGV[1]) then
   local turn = tonumber(redis.call('HGET', KEYS[1], 'turn') or '0')
   if turn < tonumber(ARGV[6]) then redis.call('HSET', KEYS[1], 'turn', ARGV[6]) end
 end
-for i = 8, #ARGV do
+local total = backlog_total(KEYS[1], KEYS[2])
+for i = 9, #ARGV do
   off = off + 1
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], string.format('%d-1', off), 'f', ARGV[i])
+  total = backlog_add(KEYS[2], ARGV[3], string.format('%d-1', off), ARGV[i], total)
   redis.call('SPUBLISH', KEYS[3], ARGV[i])
 end
+backlog_trim(KEYS[1], KEYS[2], total, tonumber(ARGV[8]))
 redis.call('HSET', KEYS[1], 'offset', off)
 redis.call('HSETNX', KEYS[1], 'ttl', ARGV[4])
 if ARGV[5] == '1' then redis.call('HDEL', KEYS[1], 'open') end

@@ -1,6 +1,7 @@
 -- End a session's open turn whose producer is gone (its turn lock expired), once.
 -- KEYS: meta hash, backlog stream, live channel, turn lock.
--- ARGV: maxlen, ttl_s (when the session has none), session, ts (ms), reason, reaper.
+-- ARGV: maxlen, ttl_s (when the session has none), session, ts (ms), reason, reaper, max
+-- bytes of the backlog (0 or absent: no byte bound). Loaded after frame.lua, backlog.lua.
 -- Returns {'locked'|'idle'|'reaped', offset, turn}.
 if redis.call('EXISTS', KEYS[4]) == 1 then return {'locked', 0, 0} end
 local turn = tonumber(redis.call('HGET', KEYS[1], 'open') or '0')
@@ -11,7 +12,9 @@ local meta = {code = 'worker_lost', reaped_by = ARGV[6]}
 local gen = redis.call('HGET', KEYS[1], 'gen')
 if gen then meta.gen = gen end
 local f = frame(ARGV[3], turn, off, 'error', ARGV[5], epoch, ARGV[4], meta)
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], string.format('%d-1', off), 'f', f)
+local total = backlog_total(KEYS[1], KEYS[2])
+total = backlog_add(KEYS[2], ARGV[1], string.format('%d-1', off), f, total)
+backlog_trim(KEYS[1], KEYS[2], total, tonumber(ARGV[7] or '0'))
 redis.call('SPUBLISH', KEYS[3], f)
 redis.call('HSET', KEYS[1], 'offset', off)
 redis.call('HDEL', KEYS[1], 'open')
