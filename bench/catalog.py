@@ -128,6 +128,11 @@ CATALOG: tuple[Benchmark, ...] = (
         "the relay's own code per frame, shard reader callback to transport.write, no sockets",
     ),
     Benchmark(
+        "address_memory",
+        "bench.storage.address_memory",
+        "hostile: the most Redis memory one client address can make the cluster hold per hour",
+    ),
+    Benchmark(
         "peer_socketio",
         "bench.peers.socketio",
         "the relay beside Socket.IO with the sharded Redis adapter: CPU/msg, latency, RSS/conn",

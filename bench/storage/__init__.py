@@ -1,0 +1,1 @@
+"""What a client can make the cluster store: the hostile storage benchmark."""
