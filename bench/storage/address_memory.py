@@ -304,7 +304,11 @@ async def run(cfg: AttackConfig) -> dict[str, Any]:
     per = _project(filled)
     cap = sessions["created"]
     ceiling = cap * per["per_session_worst_bytes"] + address_set
-    ceiling_mock = cap * per["per_session_measured_bytes"] + address_set
+    fullest = max(filled, key=_keys_total)  # and the idempotency records it could hold
+    idem_more = (per["idem_records_per_session_at_most"] - fullest["idem_records"]) * per[
+        "idem_bytes_per_record"
+    ]
+    ceiling_mock = cap * (per["per_session_measured_bytes"] + max(idem_more, 0)) + address_set
     # what the attacker added per second here, with --fill sessions at once (64 at once
     # would add it faster, never slower): the hour's growth if it kept this pace
     rate = sum(_keys_total(x) for x in filled) / max(fill_s, 1e-9)
