@@ -48,7 +48,8 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 async def test_process_control_needs_same_origin_and_the_run_token(cluster: ClusterInfo) -> None:
-    spec = StackSpec(relays=1, workers=1, engines=1, redis_url=cluster.url)
+    spec = StackSpec(relays=1, workers=1, engines=1, redis_url=cluster.url,
+                     worker_args=["--max-sessions-per-address", "0"])  # fmt: skip
     async with Stack(spec) as stack:
         calls: list[tuple[str, str]] = []
 
