@@ -58,15 +58,22 @@ def config_from_args(
 
 async def serve(cfg: WorkerConfig, host: str, port: int) -> int:
     """Serve until SIGTERM/SIGINT, then drain (see the module docstring); 1 when Redis
-    cannot be reached at start."""
+    cannot be reached at start, 2 when the port cannot be listened on."""
     app = make_app(cfg)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=cfg.shutdown_deadline_s + 5)
+    if (busy := runtime.cannot_listen(host, port)) is not None:
+        print(f"error: {busy}", file=sys.stderr)  # before Redis: the one thing to say
+        return 2
     async with runtime.stop_on_signals() as stop:
         if not await runtime.set_up(runner, cfg.redis_url):
             return 1
         try:
             site = GuardedSite(runner, host, port, backlog=4096)  # 408 for slowloris heads
-            await site.start()
+            try:
+                await site.start()
+            except OSError as exc:  # the port is taken: one line, never a traceback
+                print(f"error: {runtime.listen_error(host, port, exc)}", file=sys.stderr)
+                return 2
             bound = runner.addresses[0][1] if runner.addresses else port
             print(f"worker {cfg.worker_id} listening on http://{host}:{bound}", flush=True)
             await stop.wait()

@@ -46,6 +46,9 @@ async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> int:
     """Serve until ``stop`` is set or SIGTERM / SIGINT arrives; drain; return 0."""
     app = make_app(config)
     runner = make_runner(app, shutdown_timeout=1.0)
+    if (busy := runtime.cannot_listen(config.host, config.port)) is not None:
+        print(f"error: {busy}", file=sys.stderr)  # before Redis: the one thing to say
+        return 2
     async with runtime.stop_on_signals(event=stop) as stopped:
         if not await runtime.set_up(runner, config.redis_url):
             return 1
@@ -62,10 +65,15 @@ async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> int:
                 backlog=4096,
                 on_timeout=rejected.inc,
             )
-            await site.start()
+            try:
+                await site.start()
+            except OSError as exc:  # the port is taken: one line, never a traceback
+                print(f"error: {runtime.listen_error(config.host, config.port, exc)}",
+                      file=sys.stderr)  # fmt: skip
+                return 2
             log.info(
                 "relay %s listening on http://%s:%d (redis %s, auth %s)",
-                config.relay_id, config.host, config.port, mask_url(config.redis_url),
+                config.relay_id, config.host, site.port, mask_url(config.redis_url),
                 "on" if config.auth_enabled else "OFF",
             )  # fmt: skip
             await stopped.wait()
