@@ -42,3 +42,4 @@ async def front_door(
             yield f"http://127.0.0.1:{port}", stack
         finally:
             await runner.cleanup()
+    stack.remove_logs()  # stopped cleanly: no folder left behind (kept when a test failed)
