@@ -1,17 +1,23 @@
 // tokenrelay multi-screen page: no build step. The stream comes from the browser client
 // (tokenrelay.js, the same file as clients/js/tokenrelay.js): resume, reconnect with
 // jittered backoff, duplicate and hole checks, the done frame's integrity check.
-// The URL fragment carries the session and its token: #session=<sid>&token=<token>.
+// The address bar shows the session only (#session=<sid>); the tab keeps its token in
+// sessionStorage, so a copied address bar shares no token. A link may carry one
+// (#session=<sid>&token=<token>): the page takes it into the tab and out of the address.
 // The creator's page holds a write token (it may send, and refreshes its token before it
 // expires); "open on another screen" links carry a watch token minted for them: a
-// screen opened from it watches and cannot send.
+// screen opened from it watches and cannot send, and says so where one would type.
 import { watch } from "./tokenrelay.js";
 
 const $ = (id) => document.getElementById(id);
 const state = {
   sid: null, token: null, transport: "sse", watcher: null, problems: 0, turns: new Map(),
   refreshTimer: null,
+  carried: { frames: 0, duplicates: 0, gaps: 0, reconnects: 0 },  // earlier watchers' counts
 };
+const TOKEN = "tokenrelay-token:";  // sessionStorage key prefix: this tab's token per session
+
+function keepToken(sid, token) { sessionStorage.setItem(TOKEN + sid, token); }
 
 // The claims of a JWT (not verified here: the servers do), or null.
 function claims(token) {
@@ -34,7 +40,8 @@ async function mint(scope) {
 async function manageTokens() {
   clearTimeout(state.refreshTimer);
   const c = claims(state.token || "");
-  $("share").href = location.href;
+  // a watch screen shares what it has: its own watch token
+  $("share").href = `${location.pathname}#session=${state.sid}&token=${encodeURIComponent(state.token || "")}`;
   if (!c || c.scope !== "write") return;
   const watch = await mint("watch");
   if (watch) $("share").href = `${location.pathname}#session=${state.sid}&token=${encodeURIComponent(watch)}`;
@@ -43,7 +50,7 @@ async function manageTokens() {
     const fresh = await mint("write");
     if (!fresh) return;
     state.token = fresh;  // the open stream ends at the old token's expiry; reconnects use this
-    history.replaceState(null, "", `#session=${state.sid}&token=${encodeURIComponent(fresh)}`);
+    keepToken(state.sid, fresh);
     manageTokens();
   }, Math.min(wait, 2 ** 31 - 1));
 }
@@ -59,9 +66,13 @@ function setState(text) {
   el.className = "state " + text.split(" ")[0];
 }
 
+// The counters of this screen's session: the current watcher's plus those of the ones
+// before it (a switch of transport starts a new watcher and must not reset them).
 function counters() {
   const w = state.watcher;
-  const st = w ? w.stats : { frames: 0, duplicates: 0, gaps: 0, reconnects: 0 };
+  const now = w ? w.stats : { frames: 0, duplicates: 0, gaps: 0, reconnects: 0 };
+  const st = {};
+  for (const k of Object.keys(state.carried)) st[k] = state.carried[k] + (now[k] || 0);
   $("offset").textContent = w && w.last !== null ? w.last : 0;
   $("frames").textContent = st.frames;
   $("dups").textContent = st.duplicates;
@@ -173,7 +184,10 @@ function onState(s, info) {
 // client sends both on every reconnect; a session that restarted meanwhile answers with
 // a reset frame, and the page starts its transcript again).
 function connect(from = 0, gen = null) {
-  if (state.watcher) state.watcher.close();
+  if (state.watcher) {
+    for (const k of Object.keys(state.carried)) state.carried[k] += state.watcher.stats[k] || 0;
+    state.watcher.close();
+  }
   state.watcher = null;
   if (!state.sid) return;
   state.watcher = watch(location.origin, state.sid, state.token, {
@@ -194,13 +208,15 @@ async function newSession() {
   const r = await fetch("/v1/sessions", { method: "POST" });
   const body = await r.json();
   if (!r.ok) { $("notice").textContent = `could not create a session: ${body.reason || r.status}`; return; }
-  location.hash = `session=${body.session}&token=${encodeURIComponent(body.token)}`;
+  keepToken(body.session, body.token);  // the write token stays in this tab, not the address
+  location.hash = `session=${body.session}`;
 }
 
 async function send(ev) {
   ev.preventDefault();
   const text = $("message").value.trim();
-  if (!text || !state.sid) return;
+  if (!state.sid) { $("notice").textContent = "Press New session first (or open a shared link)."; return; }
+  if (!text) return;
   $("notice").textContent = "";
   const key = crypto.randomUUID ? crypto.randomUUID() : String(Math.random()).slice(2);
   for (let attempt = 0; attempt < 3; attempt++) {
@@ -271,8 +287,13 @@ async function refreshPanel() {
     const s = await r.json();
     $("engines").tBodies[0].innerHTML = (s.engines || []).map((e) =>
       `<tr><td>${escapeHtml(e.id)}${e.healthy === false ? " (down)" : ""}</td><td>${e.in_flight} / ${e.cap}</td><td>${bar(e.in_flight, e.cap)}</td></tr>`).join("");
-    $("placements").tBodies[0].innerHTML = (s.placements || []).slice(0, 12).map((p) =>
-      `<tr><td><code>${escapeHtml(String(p.session).slice(0, 10))}</code></td><td>${escapeHtml(p.preferred)}</td><td>${escapeHtml(p.engine)}${p.spilled ? " (spill)" : ""}</td></tr>`).join("");
+    $("engine-kind").textContent = s.mock_engines
+      ? "Mock engines: the replies are made-up text from a simulated engine (tokenrelay demo --engine URL runs real ones)."
+      : "";
+    const seen = new Set();  // newest first: one row per session, its latest turn
+    const latest = (s.placements || []).filter((p) => !seen.has(p.session) && seen.add(p.session));
+    $("placements").tBodies[0].innerHTML = latest.slice(0, 12).map((p) =>
+      `<tr><td><code class="sid">${escapeHtml(String(p.session))}</code></td><td>${escapeHtml(p.preferred)}</td><td>${escapeHtml(p.engine)}${p.spilled ? " (spill)" : ""}</td></tr>`).join("");
     $("procs").tBodies[0].innerHTML = (s.processes || []).map((p) =>
       `<tr><td>${escapeHtml(p.name)}</td><td>${p.pid}</td><td>${p.alive ? "running" : "stopped"}</td><td>${
         p.alive ? `<button class="kill" data-action="kill" data-name="${escapeHtml(p.name)}">kill -9</button>`
@@ -314,13 +335,36 @@ document.addEventListener("click", async (ev) => {
   refreshPanel();
 });
 
+// What this screen may do, where one would type: nothing before a session; watch only
+// with a watch token (a shared link), which the servers would refuse to post with.
+function composer() {
+  const c = claims(state.token || "");
+  const why = !state.sid ? "Press New session first (or open a shared link)"
+    : !state.token ? "No token for this session in this tab: open the link you were given"
+    : !c || c.scope !== "write" ? "Watch-only screen: a shared link carries a watch token, which can watch this session but not send to it. Type on the screen that created the session."
+    : "";
+  for (const id of ["message", "send", "job"]) $(id).disabled = Boolean(why);
+  $("message").placeholder = why || "Type a message; every screen on this session sees the reply";
+  $("message").title = why;
+}
+
 function load() {
   takeControlToken();
   const p = params();
-  state.sid = p.sid; state.token = p.token;
+  state.sid = p.sid;
+  state.token = p.token || (p.sid && sessionStorage.getItem(TOKEN + p.sid)) || null;
+  if (p.sid && p.token) {  // a link's token: into this tab, out of the address bar
+    keepToken(p.sid, p.token);
+    const keep = new URLSearchParams(location.hash.slice(1));
+    keep.delete("token");
+    history.replaceState(null, "", `${location.pathname}${location.search}#${keep}`);
+  }
   state.transport = p.transport === "ws" ? "ws" : $("transport").value;
   $("transport").value = state.transport;
+  if (state.watcher) { state.watcher.close(); state.watcher = null; }  // another session
   state.problems = 0; state.turns.clear(); $("log").innerHTML = "";
+  state.carried = { frames: 0, duplicates: 0, gaps: 0, reconnects: 0 };
+  composer();
   $("sid").textContent = state.sid || "—";
   manageTokens();
   if (state.sid) connect(); else setState("idle");
