@@ -37,9 +37,9 @@ DEMO_KEY = "THE-KEY-MAKE-DEMO-PRINTED"  # the README's stand-in for the key make
 KEY = "examples-gateway-key-0123456789"
 
 
-def example(name: str) -> str:
-    """The code block after ``<!-- example: name -->`` in README.md."""
-    text = (ROOT / "README.md").read_text()
+def example(name: str, readme: Path = ROOT / "README.md") -> str:
+    """The code block after ``<!-- example: name -->`` in ``readme`` (this README.md)."""
+    text = readme.read_text()
     m = re.search(rf"<!-- example: {name} -->\n```\w+\n(.*?)```", text, re.S)
     assert m, f"README.md has no example {name!r}"
     return m.group(1)
