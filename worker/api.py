@@ -165,6 +165,8 @@ def _too_large(cfg: WorkerConfig) -> web.Response:
 def _parse_replace(body: dict[str, Any]) -> Replace | None:
     """``regenerate: true`` (the newest turn) or ``replaces: <turn>``; else None."""
     regen, replaces = body.get("regenerate", False), body.get("replaces")
+    if isinstance(replaces, float) and replaces.is_integer():
+        replaces = int(replaces)  # JSON has one number type: 2.0 is the turn 2
     if not isinstance(regen, bool):
         raise Reject(400, Refusal.INVALID_TURN, "'regenerate' must be a boolean")
     if replaces is not None and (

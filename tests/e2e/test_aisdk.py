@@ -94,13 +94,24 @@ def test_the_chat_body_of_the_sdk() -> None:
         b"{": "malformed_json",
         b'{"id":"a b","messages":[]}': "invalid_session",
         b'{"id":"a","messages":[]}': "invalid_messages",
-        b'{"id":"a","trigger":"regenerate-message","messages":[]}': "unsupported_trigger",
+        b'{"id":"a","trigger":"resume","messages":[]}': "unsupported_trigger",
+        b'{"id":"a","trigger":"regenerate-message","messageId":5}': "invalid_messages",
         b'{"id":"a","messages":[{"role":"assistant","parts":[]}]}': "invalid_message",
         b'{"id":"a","messages":[{"role":"user","parts":[{"type":"file"}]}]}': "invalid_message",
         b'{"id":"a","messages":[{"role":"user","content":"' + b"x" * 101 + b'"}]}': (
             "message_too_large"
         ),
     }
+    regen = parse_chat(b'{"id":"a","trigger":"regenerate-message","messages":[]}', 100)
+    assert regen.message is None
+    assert regen.replaces is not None
+    assert regen.replaces.message_id is None  # the newest reply
+    edit = parse_chat(
+        b'{"id":"a","messageId":"u1","messages":[{"id":"u1","role":"user","content":"new"}]}', 100
+    )
+    assert (edit.message, edit.message_id) == ("new", "u1")
+    assert edit.replaces is not None
+    assert edit.replaces.message_id == "u1"
     for raw, code in bad.items():
         with pytest.raises(ChatError) as info:
             parse_chat(raw, 100)

@@ -15,9 +15,15 @@
 - the SDK reconnects to ``GET /v1/chat/{id}/stream``, which a relay serves (any relay,
   any number of screens), so a page reloaded mid-reply resumes with ``resume: true``.
 
-Refusals are JSON ``{"error", "reason"}`` with the turns POST's codes (400, 401/403, 409,
-413, 415, 429, 503); ``trigger: "regenerate-message"`` is a 400 (a session's history
-only grows).
+``trigger: "regenerate-message"`` regenerates the reply ``messageId`` names (the newest
+without one): the turn replaces that turn and every later one (:mod:`worker.chat.replace`);
+a ``submit-message`` whose ``messageId`` is a stored message's id edits it (its turn and
+every later one are replaced, the new text asked); the user message's own ``id`` is
+kept in the history, so a page reloaded from ``GET /v1/sessions/{id}/messages?format=ui``
+edits with the ids it was given.
+
+Refusals are JSON ``{"error", "reason"}`` with the turns POST's codes (400, 401/403, 404
+``unknown_message``, 409 (``nothing_to_regenerate`` too), 413, 415, 429, 503).
 
 Order of use: ``register(app)`` in :func:`worker.api.make_app`.
 """
@@ -40,7 +46,9 @@ from relay.protocol.keys import InvalidSessionId, log_key, parse_session
 from relay.protocol.uistream import DONE, UI_HEADERS, UiTurn, encode_chunk
 from relay.service.errors import RETRY_AFTER, Reject, refusal, retry_after
 from worker.access import RateLimited
-from worker.chat.turnstate import Draining, IdempotencyPending, TurnBusy
+from worker.chat.replace import NothingToRegenerate, Replace, UnknownReplaced
+from worker.chat.turnstate import Draining, IdempotencyPending, TurnBusy, TurnCancelled
+from worker.controls import check_gone
 from worker.routing.lease import AllEnginesFull
 from worker.state import STATE
 
@@ -62,12 +70,22 @@ class ChatError(Reject):
 
 
 class ChatRequest:
-    """What a chat POST asks for: a turn of ``session`` with ``message``."""
+    """What a chat POST asks for: a turn of ``session`` with ``message`` (None: a
+    regenerate), replacing ``replaces`` (None: a new turn); ``message_id`` is the user
+    message's id."""
 
-    __slots__ = ("message", "session", "system")
+    __slots__ = ("message", "message_id", "replaces", "session", "system")
 
-    def __init__(self, session: str, message: str, system: str | None) -> None:
+    def __init__(
+        self,
+        session: str,
+        message: str | None,
+        system: str | None,
+        replaces: Replace | None = None,
+        message_id: str | None = None,
+    ) -> None:
         self.session, self.message, self.system = session, message, system
+        self.replaces, self.message_id = replaces, message_id
 
 
 def _text(msg: dict[str, Any]) -> str:
@@ -96,24 +114,32 @@ def parse_chat(raw: bytes, max_chars: int) -> ChatRequest:
     except InvalidSessionId as exc:
         reason = f"'id' must be a session id: {exc}"
         raise ChatError(400, Refusal.INVALID_SESSION, reason) from None
-    if body.get("trigger", "submit-message") != "submit-message":
-        reason = "only 'submit-message' is supported: a session's history only grows"
+    trigger = body.get("trigger", "submit-message")
+    if trigger not in ("submit-message", "regenerate-message"):
+        reason = "'trigger' must be 'submit-message' or 'regenerate-message'"
         raise ChatError(400, Refusal.UNSUPPORTED_TRIGGER, reason)
+    target = body.get("messageId")
+    if target is not None and (not isinstance(target, str) or not 0 < len(target) <= 256):
+        raise ChatError(400, Refusal.INVALID_MESSAGES, "'messageId' must be a message id")
+    if trigger == "regenerate-message":
+        return ChatRequest(sid, None, None, Replace(message_id=target))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ChatError(400, Refusal.INVALID_MESSAGES, "'messages' must be a non-empty list")
     # The SDK sends the whole history, its last entry the new user message: the turn's
     # message is the last user message with text (the session keeps the history itself).
-    message = next(
+    last = next(
         (
-            t
+            (t, m.get("id"))
             for m in reversed(messages)
             if isinstance(m, dict) and m.get("role") == "user" and (t := _text(m)).strip()
         ),
-        "",
+        None,
     )
-    if not message:
+    if last is None:
         raise ChatError(400, Refusal.INVALID_MESSAGE, "no user message with a text part")
+    message, mid = last
+    mid = mid if isinstance(mid, str) and 0 < len(mid) <= 256 else None
     system = next(
         (_text(m) for m in messages if isinstance(m, dict) and m.get("role") == "system"), None
     )
@@ -123,7 +149,8 @@ def parse_chat(raw: bytes, max_chars: int) -> ChatRequest:
     ):
         if len(value) > max_chars:
             raise ChatError(413, code, f"{name} longer than {max_chars} characters")
-    return ChatRequest(sid, message, system or None)
+    replaces = Replace(message_id=target) if target is not None else None
+    return ChatRequest(sid, message, system or None, replaces, mid)
 
 
 def register(app: web.Application) -> None:
@@ -155,9 +182,20 @@ def register(app: web.Application) -> None:
         except RelayError:
             return refusal(503, Refusal.REDIS_UNAVAILABLE, "redis did not answer", RETRY_AFTER)
         try:
+            await check_gone(st.redis, req.session)
             started = await st.turns.start_turn(
-                req.session, req.message, system=req.system, max_tokens=cfg.default_max_tokens
-            )
+                req.session, req.message, system=req.system, max_tokens=cfg.default_max_tokens,
+                replaces=req.replaces, message_id=req.message_id,
+            )  # fmt: skip
+        except Reject as exc:
+            return exc.response()
+        except TurnCancelled as exc:
+            return refusal(409, Refusal.TURN_CANCELLED, str(exc))
+        except NothingToRegenerate as exc:
+            return refusal(409, Refusal.NOTHING_TO_REGENERATE, str(exc))
+        except UnknownReplaced as exc:
+            code = Refusal.UNKNOWN_MESSAGE if exc.what == "message" else Refusal.UNKNOWN_TURN
+            return refusal(404, code, str(exc))
         except Draining:
             return refusal(503, Refusal.DRAINING, "worker is shutting down", RETRY_AFTER)
         except TurnBusy:
