@@ -180,6 +180,7 @@ export class Continuity {
       if (this.last === null || frame.offset > this.last) this.last = frame.offset;
       return this.done(true, problems);
     }
+    if (frame.kind === "presence") return this.done(true, problems);  // outside the offsets
     if (frame.kind === "reset") {  // a new generation: offsets start again at 1, turns at 1
       this.turns.clear();
       this.last = frame.offset;
@@ -349,9 +350,9 @@ export function deleteSession(workerUrl, session, token, { fetch: f } = {}) {
   return control("DELETE", sessionUrl(workerUrl, session), token, f);
 }
 
-const FATAL_STATUS = new Set([400, 404]);  // bad session id or offset: retrying cannot help
+const FATAL_STATUS = new Set([400, 404, 410]);  // bad id or offset, a deleted session: retrying cannot help
 const AUTH_STATUS = new Set([401, 403]);
-const FATAL_WS_CLOSE = new Set([1003, 1009, 4400]);  // the client broke the protocol
+const FATAL_WS_CLOSE = new Set([1003, 1009, 4400, 4410]);  // the client broke the protocol; the session was deleted
 
 class Fatal extends Error {}
 
