@@ -144,7 +144,7 @@ async def _mint_token(request: web.Request) -> web.Response:
     except Reject as r:
         return r.response()
     try:
-        await check_gone(st.redis, sid)
+        await check_gone(st.turns.store, sid)
     except Reject as r:
         return r.response()
     except RelayError as exc:
@@ -258,7 +258,7 @@ async def _post_turn(request: web.Request) -> web.StreamResponse:
         reason = "redis has not been reached yet"
         return _refused(st, Reject(503, Refusal.REDIS_UNAVAILABLE, reason, RETRY_AFTER))
     try:
-        await check_gone(st.redis, sid)
+        await check_gone(st.turns.store, sid)
         await st.access.check_turn_rate(st.redis, sid)
     except (RateLimited, Reject) as exc:
         return _refused(st, exc)

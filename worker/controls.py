@@ -56,7 +56,7 @@ from relay.protocol.keys import (
 from relay.protocol.slotmap import slot_of
 from relay.service.errors import RETRY_AFTER, Reject, refusal
 from worker.chat.cancel import StopStatus, StopVerdict
-from worker.chat.store import ConversationView
+from worker.chat.store import ConversationView, SessionStore
 from worker.state import STATE, WorkerState
 
 __all__ = ["add_routes", "check_gone", "conversation_page"]
@@ -97,11 +97,9 @@ def _session(request: web.Request, need: str) -> str:
     return sid
 
 
-async def check_gone(redis: RedisCluster, sid: str) -> None:
+async def check_gone(store: SessionStore, sid: str) -> None:
     """Reject (410 ``session_deleted``) a request for a deleted session."""
-    with map_redis_errors():
-        gone = await redis.exists(gone_key(sid))
-    if gone:
+    if await store.gone(sid):
         raise Reject(410, Refusal.SESSION_DELETED, "the session was deleted")
 
 
@@ -133,7 +131,7 @@ async def _cancel(request: web.Request, turn: int) -> web.Response:
     st = request.app[STATE]
     try:
         sid = _session(request, "write")
-        await check_gone(st.redis, sid)
+        await check_gone(st.turns.store, sid)
         v = await st.turns.stop(sid, turn)
         if v.status is StopStatus.FINISHED:
             offset = await _terminal_offset(st, sid, v.turn)
@@ -291,7 +289,7 @@ async def _messages(request: web.Request) -> web.Response:
     try:
         sid = _session(request, "watch")
         limit, before, ui = _page_args(request)
-        await check_gone(st.redis, sid)
+        await check_gone(st.turns.store, sid)
         view = await st.turns.store.view(sid)
         running = await _running_from(st, sid, view) if view.open_turn is not None else None
     except Reject as r:
@@ -323,9 +321,8 @@ async def _delete(request: web.Request) -> web.Response:
     st = request.app[STATE]
     try:
         sid = _session(request, "write")
-        with map_redis_errors():
-            if await st.redis.exists(gone_key(sid)):
-                return refusal(404, Refusal.UNKNOWN_SESSION, "the session was already deleted")
+        if await st.turns.store.gone(sid):
+            return refusal(404, Refusal.UNKNOWN_SESSION, "the session was already deleted")
         v = await st.turns.stop(sid, 0)
         stopping = v.status in (StopStatus.STOPPING, StopStatus.ADMITTING)
         if stopping and not await _wait_idle(st, sid):

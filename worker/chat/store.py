@@ -39,7 +39,15 @@ from typing import Any, Final
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.rediscluster.errors import map_redis_errors
-from relay.protocol.keys import SESSION_TTL_S, KeyKind, cancel_key, hist_key, idem_key, key
+from relay.protocol.keys import (
+    SESSION_TTL_S,
+    KeyKind,
+    cancel_key,
+    gone_key,
+    hist_key,
+    idem_key,
+    key,
+)
 
 __all__ = ["ConversationView", "History", "LockHolder", "SessionStore", "state_key"]
 
@@ -231,6 +239,11 @@ class SessionStore:
         messages = [{"role": str(e.get("role", "user")), "content": e["content"]} for e in entries]
         state = {_s(k): _s(v) for k, v in raw_state.items()}
         return History(state.get("system") or None, messages, state.get("engine") or None, entries)
+
+    async def gone(self, sid: str) -> bool:
+        """Whether the session was deleted (its tombstone, ``gone_key``, is there)."""
+        with map_redis_errors():
+            return bool(await self.redis.exists(gone_key(sid)))
 
     async def truncate_from(self, sid: str, turn: int) -> int:
         """Drop the messages of ``turn`` and every later turn (a regenerate or an edit

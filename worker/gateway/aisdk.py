@@ -182,7 +182,7 @@ def register(app: web.Application) -> None:
         except RelayError:
             return refusal(503, Refusal.REDIS_UNAVAILABLE, "redis did not answer", RETRY_AFTER)
         try:
-            await check_gone(st.redis, req.session)
+            await check_gone(st.turns.store, req.session)
             started = await st.turns.start_turn(
                 req.session, req.message, system=req.system, max_tokens=cfg.default_max_tokens,
                 replaces=req.replaces, message_id=req.message_id,
