@@ -10,8 +10,10 @@
   engine); a ``system`` message's text is the turn's ``system`` prompt;
 - the answer is the turn in the AI SDK's UI message stream protocol
   (:mod:`relay.edge.conn.ui`, the same parts a relay's ``/v1/sessions/{id}/ui-stream``
-  serves), read from the session's backlog with ``XREAD BLOCK`` from the turn's first
-  offset;
+  serves), fed by the turn's generation as it writes (the closed loop,
+  :mod:`worker.chat.direct`: the response counts as a watcher of the session, so the
+  "nobody watches" rule does not stop a turn its own page is reading), or, past the
+  closed loop's bounded queue, read from the backlog with ``XREAD BLOCK``;
 - the SDK reconnects to ``GET /v1/chat/{id}/stream``, which a relay serves (any relay,
   any number of screens), so a page reloaded mid-reply resumes with ``resume: true``.
 
@@ -46,11 +48,12 @@ from relay.protocol.keys import InvalidSessionId, log_key, parse_session
 from relay.protocol.uistream import DONE, UI_HEADERS, UiTurn, encode_chunk
 from relay.service.errors import RETRY_AFTER, Reject, refusal, retry_after
 from worker.access import RateLimited
+from worker.chat.direct import DirectViewer
 from worker.chat.replace import NothingToRegenerate, Replace, UnknownReplaced
 from worker.chat.turnstate import Draining, IdempotencyPending, TurnBusy, TurnCancelled
 from worker.controls import check_gone
 from worker.routing.lease import AllEnginesFull
-from worker.state import STATE
+from worker.state import STATE, WorkerState
 
 __all__ = ["ChatRequest", "parse_chat", "register"]
 
@@ -153,6 +156,36 @@ def parse_chat(raw: bytes, max_chars: int) -> ChatRequest:
     return ChatRequest(sid, message, system or None, replaces, mid)
 
 
+async def _tail(st: WorkerState, sid: str, ui: UiTurn, last: int, resp: web.StreamResponse) -> None:
+    """The rest of the turn from the backlog (``XREAD BLOCK`` after ``last``), for a
+    response that fell behind the closed loop's bounded queue."""
+    idle_since = time.monotonic()
+    while not ui.finished:
+        try:
+            with map_redis_errors():
+                reply: Any = await st.redis.xread(
+                    {log_key(sid): f"{last}-1"}, count=256, block=_BLOCK_MS
+                )
+        except RelayError:
+            reply = None  # a failover: read again from the same offset
+        out = bytearray()
+        for _stream, entries in reply or []:
+            for _id, fields in entries:
+                try:
+                    frame = decode(fields[b"f"])
+                except (FrameError, KeyError):
+                    continue
+                last = max(last, frame.offset)
+                for chunk in ui.feed(frame):
+                    out += encode_chunk(chunk)
+        if out:
+            idle_since = time.monotonic()
+            await resp.write(bytes(out))
+        elif time.monotonic() - idle_since > _IDLE_S:
+            for chunk in ui.fail(f"no frame of the turn for {_IDLE_S:.0f} s"):
+                await resp.write(encode_chunk(chunk))
+
+
 def register(app: web.Application) -> None:
     """Add ``POST /v1/chat`` (the worker's state under :data:`worker.state.STATE`)."""
 
@@ -183,9 +216,10 @@ def register(app: web.Application) -> None:
             return refusal(503, Refusal.REDIS_UNAVAILABLE, "redis did not answer", RETRY_AFTER)
         try:
             await check_gone(st.turns.store, req.session)
+            viewer = DirectViewer()
             started = await st.turns.start_turn(
                 req.session, req.message, system=req.system, max_tokens=cfg.default_max_tokens,
-                replaces=req.replaces, message_id=req.message_id,
+                replaces=req.replaces, message_id=req.message_id, viewer=viewer,
             )  # fmt: skip
         except Reject as exc:
             return exc.response()
@@ -209,39 +243,28 @@ def register(app: web.Application) -> None:
             log.warning("chat of %s refused, redis: %r", req.session, exc)
             return refusal(503, Refusal.REDIS_UNAVAILABLE, "redis did not answer", RETRY_AFTER)
         resp = web.StreamResponse(headers=UI_HEADERS)
-        await resp.prepare(request)
         ui = UiTurn(req.session, started.turn)
         last = started.offset - 1
-        idle_since = time.monotonic()
         try:
-            while not ui.finished:
+            await resp.prepare(request)
+            # the closed loop: the frames as the generation writes them (this response
+            # counts as a watcher meanwhile); the backlog only if it fell behind
+            async for offset, _kind, data in viewer.frames():
+                last = offset
                 try:
-                    with map_redis_errors():
-                        reply: Any = await st.redis.xread(
-                            {log_key(req.session): f"{last}-1"}, count=256, block=_BLOCK_MS
-                        )
-                except RelayError:
-                    reply = None  # a failover: read again from the same offset
-                out = bytearray()
-                for _stream, entries in reply or []:
-                    for _id, fields in entries:
-                        try:
-                            frame = decode(fields[b"f"])
-                        except (FrameError, KeyError):
-                            continue
-                        last = max(last, frame.offset)
-                        for chunk in ui.feed(frame):
-                            out += encode_chunk(chunk)
+                    out = b"".join(encode_chunk(c) for c in ui.feed(decode(data)))
+                except FrameError:
+                    continue
                 if out:
-                    idle_since = time.monotonic()
-                    await resp.write(bytes(out))
-                elif time.monotonic() - idle_since > _IDLE_S:
-                    for chunk in ui.fail(f"no frame of the turn for {_IDLE_S:.0f} s"):
-                        await resp.write(encode_chunk(chunk))
+                    await resp.write(out)
+            if not ui.finished:
+                await _tail(st, req.session, ui, last, resp)
             await resp.write(DONE)
             await resp.write_eof()
         except (ConnectionError, RuntimeError):
             pass  # the page left; the turn goes on, and any relay resumes it
+        finally:
+            viewer.detach()
         return resp
 
     app.router.add_post("/v1/chat", chat)
