@@ -352,3 +352,40 @@ async def test_delete_tells_the_relays(h: Harness, redis: RedisCluster) -> None:
         await sub.close()
     assert got
     assert decode(got[0]).meta == {"code": "session_deleted"}
+
+
+async def test_the_ai_sdk_chat_edits_and_regenerates_by_message_id(
+    h: Harness, redis: RedisCluster
+) -> None:
+    """/v1/chat: a submit-message whose messageId is a stored message edits it; an
+    unknown one is 404 unknown_message; regenerate-message replaces the newest reply."""
+    await h.start_engines(1)
+    await h.start_worker()
+    sid, token = await h.session()
+    assert h.http is not None
+    headers = {"Authorization": f"Bearer {token}"}
+
+    async def chat(body: dict[str, Any]) -> tuple[int, str]:
+        assert h.http is not None
+        async with h.http.post(h.url("/v1/chat"), json=body, headers=headers) as r:
+            return r.status, await r.text()
+
+    user = {"id": "u-1", "role": "user", "parts": [{"type": "text", "text": "hello"}]}
+    status, _ = await chat({"id": sid, "messages": [user]})
+    assert status == 200
+    status, text = await chat({"id": sid, "trigger": "regenerate-message", "messages": []})
+    assert status == 200, text
+    hist = await _history(redis, sid)
+    assert [(m["turn"], m["role"], m.get("id")) for m in hist] == [
+        (2, "user", "u-1"), (2, "assistant", f"{sid}-2")
+    ]  # fmt: skip
+    edited = {**user, "parts": [{"type": "text", "text": "hello, edited"}]}
+    status, text = await chat({"id": sid, "messageId": "u-1", "messages": [edited]})
+    assert status == 200, text
+    hist = await _history(redis, sid)
+    assert [(m["turn"], m["content"]) for m in hist if m["role"] == "user"] == [
+        (3, "hello, edited")
+    ]
+    status, text = await chat({"id": sid, "messageId": "nope", "messages": [edited]})
+    assert status == 404
+    assert json.loads(text)["error"] == "unknown_message"

@@ -53,12 +53,13 @@ class UnknownReplaced(Exception):
 
 def resolve_replace(
     hist: History, replaces: Replace | None, message: str | None
-) -> tuple[int | None, str]:
-    """The turn replaced (None: none) and the new turn's user message."""
+) -> tuple[int | None, str, str | None]:
+    """The turn replaced (None: none), the new turn's user message, and the replaced user
+    message's id (a regenerate or an edit keeps it; None: none stored)."""
     if replaces is None:
         if message is None:
             raise ValueError("a turn that replaces none needs a message")
-        return None, message
+        return None, message, None
     turn = replaces.turn
     if replaces.message_id is not None:
         turn = hist.turn_of_message(replaces.message_id)
@@ -73,4 +74,6 @@ def resolve_replace(
     user = hist.user_message(turn)
     if user is None:
         raise UnknownReplaced("turn", f"turn {turn} is not in the session's history")
-    return turn, message if message is not None else str(user["content"])
+    uid = user.get("id")
+    text = message if message is not None else str(user["content"])
+    return turn, text, uid if isinstance(uid, str) else None

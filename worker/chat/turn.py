@@ -229,7 +229,8 @@ class TurnManager:
         try:
             hist = await self.store.load(sid)
             sys_prompt = system if system else hist.system
-            replaced, message = resolve_replace(hist, replaces, message)
+            replaced, message, replaced_id = resolve_replace(hist, replaces, message)
+            message_id = message_id or replaced_id
             if conversation is not None:
                 prior = conversation[:-1]
             elif replaced is not None:
