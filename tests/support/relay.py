@@ -38,6 +38,7 @@ from relay.edge.config import RelayConfig
 from relay.edge.http.app import SERVER, make_app, make_runner
 from relay.edge.http.server import EdgeServer
 from relay.protocol.auth import issue_token
+from relay.service.httpguard import GUARD, GuardedSite
 from tests.support.sse import STEP, SSEClient
 from tests.support.worker import SECRET as WORKER_SECRET
 
@@ -81,9 +82,10 @@ class Relay:
 
 @asynccontextmanager
 async def running(cluster: ClusterInfo, **overrides: Any) -> AsyncIterator[Relay]:
-    """A relay app on a free 127.0.0.1 port; ``overrides`` are :class:`RelayConfig`
-    fields. These relays publish-test with bare generations (no worker, no turn lock),
-    so the reaper is off unless overridden."""
+    """A relay app on a free 127.0.0.1 port, served as ``tokenrelay relay`` serves it
+    (its HTTP guard's site); ``overrides`` are :class:`RelayConfig` fields. These relays
+    publish-test with bare generations (no worker, no turn lock), so the reaper is off
+    unless overridden."""
     fields: dict[str, Any] = {
         "secret": SECRET, "relay_id": "edge-test", "reap_after_s": 0, **overrides
     }  # fmt: skip
@@ -91,7 +93,7 @@ async def running(cluster: ClusterInfo, **overrides: Any) -> AsyncIterator[Relay
     app = make_app(cfg)
     runner = make_runner(app, shutdown_timeout=2.0)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = GuardedSite(runner, "127.0.0.1", 0, guard=app[GUARD])
     await site.start()
     port = runner.addresses[0][1]
     try:

@@ -19,6 +19,7 @@ from relay.edge.fanout.hub import Hub
 from relay.edge.http import handlers
 from relay.edge.http.server import EdgeServer
 from relay.service import openapi, runtime
+from relay.service.httpguard import ConnLimits, guard_app
 
 __all__ = ["SERVER", "make_app", "make_runner"]
 
@@ -51,6 +52,15 @@ def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
     app.router.add_get("/readyz", server.readyz)
     app.router.add_get("/metrics", server.metrics_handler)
     app.router.add_get("/openapi.json", openapi.handler("relay"))  # docs/openapi.yaml
+    limits = ConnLimits(
+        head_timeout_s=config.head_timeout_s,
+        body_timeout_s=config.body_timeout_s,
+        keepalive_timeout_s=config.keepalive_timeout_s,
+        max_per_address=config.max_connections_per_address,
+        exempt=server.trusted,
+    )
+    http_guard = server.metrics.http_guard
+    guard_app(app, limits, lambda reason: http_guard.labels(reason).inc())  # app[GUARD]
     return app
 
 

@@ -42,6 +42,7 @@ from relay.edge.http.server import EdgeServer, query_value
 from relay.protocol import frame, sse
 from relay.protocol.codes import CloseCode, Refusal
 from relay.service.errors import RETRY_AFTER, Reject
+from relay.service.httpguard import detach_guard
 
 __all__ = ["SSE_HEADERS", "detach", "parse_gen", "parse_offset", "sse_handler", "ui_stream_handler",
            "ws_handler"]  # fmt: skip
@@ -78,12 +79,15 @@ def detach(request: web.Request, conn: asyncio.Protocol) -> asyncio.Transport:
     """Give the request's socket to ``conn`` and make aiohttp forget it: aiohttp's
     connection no longer has a transport (it writes nothing more to it and does not
     close it when the handler returns), and its ``connection_lost`` runs now, which
-    drops the connection from aiohttp's server and frees its request and parser.
-    Call it with no await between the response's last write and the handler's return."""
+    drops the connection from aiohttp's server and frees its request and parser. The
+    HTTP guard lets go of it too (:func:`relay.service.httpguard.detach_guard`): a
+    stream has its own limits. Call it with no await between the response's last write
+    and the handler's return."""
     handler = request.protocol
     transport = request.transport
     if transport is None or transport.is_closing():
         raise ConnectionResetError("the client went away")
+    detach_guard(transport)
     transport.set_protocol(conn)
     handler.transport = None
     handler.connection_lost(None)
