@@ -46,7 +46,10 @@ def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
         "/v1/chat/{sid:[^/]+}/stream": handlers.ui_stream_handler,  # the SDK's resume URL
     }
     for path, handler in streams.items():
-        app.router.add_get(path, functools.partial(handler, server))
+        # no HEAD: a stream's handler writes its body whatever the method, and a HEAD
+        # response has none (RFC 9110 9.3.2); a pooling proxy would hand those bytes to
+        # the next client. HEAD gets aiohttp's 405 (Allow: GET,OPTIONS), headers only.
+        app.router.add_get(path, functools.partial(handler, server), allow_head=False)
         app.router.add_route("OPTIONS", path, server.preflight)
     app.router.add_get("/healthz", server.healthz)
     app.router.add_get("/readyz", server.readyz)
