@@ -59,6 +59,7 @@ class Refusal(enum.StrEnum):
     HEAD_TIMEOUT = "head_timeout"  # the request head did not arrive in time (408)
     # -- any route: the HTTP guard (relay.service.httpguard) --------------------------------
     TOO_MANY_CONNECTIONS = "too_many_connections"  # the peer address's connection cap (429)
+    UNSUPPORTED_WS_VERSION = "unsupported_ws_version"  # Sec-WebSocket-Version is not 13 (426)
     # -- token checks (relay.protocol.auth) ---------------------------------------------------
     FORBIDDEN = "forbidden"
     TOKEN_MISSING = "token_missing"

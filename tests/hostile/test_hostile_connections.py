@@ -122,7 +122,7 @@ async def test_websocket_garbage_and_oversized_frames_get_close_codes(cluster, r
             (_masked(0x01, b"a" * 200) + _masked(0x80, b"b" * 200), 1009),  # fragments add up
             (_masked(0x89, b"p" * 126, bytes([0x80 | 126]) + struct.pack(">H", 126)), 1002),
             (b"\xff" * 64, 1002),
-            (_masked(0x81, hello) + b"\x81\x05hello", 4400),  # unmasked: read as text
+            (_masked(0x81, hello) + b"\x81\x05hello", 1002),  # unmasked (RFC 6455 5.1)
         ]
         for payload, code in raw_cases:
             got, _reason = await _raw_ws_close(env.relay_port, sid, t, payload)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Final
 
 from aiohttp import hdrs, web
 from multidict import istr
@@ -48,6 +49,8 @@ __all__ = ["SSE_HEADERS", "detach", "parse_gen", "parse_offset", "sse_handler", 
            "ws_handler"]  # fmt: skip
 
 log = logging.getLogger(__name__)
+
+WS_VERSION: Final = "13"  # the one WebSocket version (RFC 6455); aiohttp also takes 7 and 8
 
 # Header names as multidict.istr: aiohttp's case-insensitive headers keep a lower-cased
 # copy (and, once written, a title-cased one) of every plain str name, per response,
@@ -153,6 +156,10 @@ async def ws_handler(server: EdgeServer, request: web.Request) -> web.StreamResp
         access = server.authorize(request, sid)
         offset = parse_offset(lambda: sse.parse_offset(query_value(request, "from"), name="from"))
         gen = parse_gen(request)
+        version = request.headers.get(hdrs.SEC_WEBSOCKET_VERSION)
+        if version is not None and version.strip() != WS_VERSION:  # RFC 6455 4.4
+            raise Reject(426, Refusal.UNSUPPORTED_WS_VERSION, "this relay speaks WebSocket "
+                         "version 13 only", {hdrs.SEC_WEBSOCKET_VERSION: WS_VERSION})  # fmt: skip
         if not web.WebSocketResponse().can_prepare(request).ok:
             raise Reject(400, Refusal.NOT_WEBSOCKET, "this endpoint needs a WebSocket upgrade")
         hub = server.check_capacity()
