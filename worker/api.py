@@ -53,7 +53,7 @@ from relay.protocol.keys import InvalidSessionId, idem_key, new_session_id, pars
 from relay.service import openapi
 from relay.service.clientaddr import parse_networks
 from relay.service.errors import RETRY_AFTER, Reject, refusal, retry_after
-from relay.service.httpguard import ConnLimits, guard_app
+from relay.service.httpguard import ConnLimits, client_gone, guard_app
 from worker.access import BadTokenRequest, RateLimited, parse_token_request
 from worker.chat import direct
 from worker.chat.turnstate import Draining, IdempotencyKeyReused, IdempotencyPending, TurnBusy
@@ -138,6 +138,8 @@ async def _mint_token(request: web.Request) -> web.Response:
         return r.response()
     try:
         scope, ttl_s = parse_token_request(await request.read())
+    except ConnectionResetError:  # the client left mid-body: counted by the guard
+        return client_gone()
     except BadTokenRequest as exc:
         return refusal(400, Refusal.INVALID_TOKEN_REQUEST, str(exc))
     except web.HTTPRequestEntityTooLarge:
@@ -200,6 +202,8 @@ async def _post_turn(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return _too_large(cfg)
+    except ConnectionResetError:  # the client left mid-body: counted by the guard
+        return client_gone()
     try:
         message, system, max_tokens = _parse_turn(raw, cfg)
         stream = direct.wants_stream(request.headers.get("Accept"), orjson.loads(raw))
