@@ -21,7 +21,7 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -165,14 +165,15 @@ RelayProcess = RelayProc  # a relay subprocess: .proc, .port, .base, .pid, .log_
 
 @asynccontextmanager
 async def relay_process(
-    cluster: ClusterInfo, log_dir: Path, relay_id: str, *flags: str
+    cluster: ClusterInfo, log_dir: Path, relay_id: str, *flags: str, wrap: Sequence[str] = ()
 ) -> AsyncIterator[RelayProcess]:
     """``tokenrelay relay`` as a subprocess (token secret: the worker harness's), ready
     to serve; stopped by pid on the way out; its log (``log_dir/<relay_id>.log``) must
-    hold no traceback."""
+    hold no traceback. ``wrap``: a command that execs the rest (its pid is the relay's),
+    e.g. ``("prlimit", "--nofile=256")``."""
     port = free_port()
     argv = [
-        sys.executable, "-m", "tokenrelay", "relay", "--port", str(port),
+        *wrap, sys.executable, "-m", "tokenrelay", "relay", "--port", str(port),
         "--redis", cluster.url, "--secret", WORKER_SECRET, "--relay-id", relay_id,
         "--log-level", "INFO", *flags,
     ]  # fmt: skip
