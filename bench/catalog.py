@@ -103,6 +103,11 @@ CATALOG: tuple[Benchmark, ...] = (
         "hostile inputs to the frame, session-id, offset and token parsers",
     ),
     Benchmark(
+        "slow_clients",
+        "bench.hostile.slow_clients",
+        "idle and trickling connections from one address against a relay while viewers stream",
+    ),
+    Benchmark(
         "mq_vs_pubsub",
         "bench.pubsub.mq_vs_pubsub",
         "token streaming: Redis sharded Pub/Sub vs RabbitMQ (queue per connection, topic)",

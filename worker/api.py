@@ -51,7 +51,9 @@ from relay.protocol.auth import AuthError
 from relay.protocol.codes import Refusal
 from relay.protocol.keys import InvalidSessionId, idem_key, new_session_id, parse_session
 from relay.service import openapi
+from relay.service.clientaddr import parse_networks
 from relay.service.errors import RETRY_AFTER, Reject, refusal, retry_after
+from relay.service.httpguard import ConnLimits, client_gone, guard_app
 from worker import controls
 from worker.access import BadTokenRequest, RateLimited, parse_token_request
 from worker.chat import direct
@@ -151,6 +153,8 @@ async def _mint_token(request: web.Request) -> web.Response:
         return _redis_refusal(st, sid, exc)
     try:
         scope, ttl_s = parse_token_request(await request.read())
+    except ConnectionResetError:  # the client left mid-body: counted by the guard
+        return client_gone()
     except BadTokenRequest as exc:
         return refusal(400, Refusal.INVALID_TOKEN_REQUEST, str(exc))
     except web.HTTPRequestEntityTooLarge:
@@ -240,6 +244,8 @@ async def _post_turn(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return _too_large(cfg)
+    except ConnectionResetError:  # the client left mid-body: counted by the guard
+        return client_gone()
     try:
         message, system, max_tokens, replace = _parse_turn(raw, cfg)
         stream = direct.wants_stream(request.headers.get("Accept"), orjson.loads(raw))
@@ -390,4 +396,18 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
     jobs_api.add_routes(app)  # POST /v1/jobs, GET /v1/jobs/{id} (404 without --amqp)
     app.router.add_get("/openapi.json", openapi.handler("worker"))  # docs/openapi.yaml
     aisdk.register(app)  # POST /v1/chat: the Vercel AI SDK's chat (worker/gateway/aisdk.py)
+    limits = ConnLimits(
+        head_timeout_s=cfg.head_timeout_s,
+        body_timeout_s=cfg.body_timeout_s,
+        keepalive_timeout_s=cfg.keepalive_timeout_s,
+        max_per_address=cfg.max_connections_per_address,
+        exempt=parse_networks(cfg.trusted_proxies),
+    )
+
+    def count(reason: str) -> None:  # the metrics exist once the app has started
+        st = app.get(STATE)
+        if st is not None:
+            st.metrics.http_guard.labels(reason).inc()
+
+    guard_app(app, limits, count)  # app[GUARD], for the site that serves the app
     return app

@@ -24,7 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from relay.service import runtime, settings
-from relay.service.httpguard import GuardedSite
+from relay.service.httpguard import GUARD, GuardedSite
 from worker.api import begin_drain, make_app
 from worker.config import WorkerConfig
 from worker.state import STATE, access_check
@@ -65,7 +65,8 @@ async def serve(cfg: WorkerConfig, host: str, port: int) -> int:
         if not await runtime.set_up(runner, cfg.redis_url):
             return 1
         try:
-            site = GuardedSite(runner, host, port, backlog=4096)  # 408 for slowloris heads
+            # slow heads and bodies get 408, idle connections are closed, an address capped
+            site = GuardedSite(runner, host, port, guard=app[GUARD], backlog=4096)
             await site.start()
             bound = runner.addresses[0][1] if runner.addresses else port
             print(f"worker {cfg.worker_id} listening on http://{host}:{bound}", flush=True)

@@ -57,6 +57,9 @@ class Refusal(enum.StrEnum):
     UNAVAILABLE = "unavailable"  # Redis could not be read: connect again
     TOO_MANY_STREAMS = "too_many_streams"  # per-token / per-address stream limit
     HEAD_TIMEOUT = "head_timeout"  # the request head did not arrive in time (408)
+    # -- any route: the HTTP guard (relay.service.httpguard) --------------------------------
+    TOO_MANY_CONNECTIONS = "too_many_connections"  # the peer address's connection cap (429)
+    UNSUPPORTED_WS_VERSION = "unsupported_ws_version"  # Sec-WebSocket-Version is not 13 (426)
     # -- token checks (relay.protocol.auth) ---------------------------------------------------
     FORBIDDEN = "forbidden"
     TOKEN_MISSING = "token_missing"

@@ -47,6 +47,7 @@ from relay.protocol.frame import FrameError, decode
 from relay.protocol.keys import InvalidSessionId, log_key, parse_session
 from relay.protocol.uistream import DONE, UI_HEADERS, UiTurn, encode_chunk
 from relay.service.errors import RETRY_AFTER, Reject, refusal, retry_after
+from relay.service.httpguard import client_gone
 from worker.access import RateLimited
 from worker.chat.direct import DirectViewer
 from worker.chat.replace import NothingToRegenerate, Replace, UnknownReplaced
@@ -199,6 +200,8 @@ def register(app: web.Application) -> None:
         except web.HTTPRequestEntityTooLarge:
             reason = f"body larger than {cfg.max_body_bytes} bytes"
             return refusal(413, Refusal.BODY_TOO_LARGE, reason)
+        except ConnectionResetError:  # the client left mid-body: counted by the HTTP guard
+            return client_gone()
         try:
             req = parse_chat(raw, cfg.max_message_chars)
         except ChatError as exc:
