@@ -24,7 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from relay.service import runtime, settings
-from relay.service.httpguard import GuardedSite
+from relay.service.httpguard import GUARD, GuardedSite
 from worker.api import begin_drain, make_app
 from worker.config import WorkerConfig
 from worker.state import STATE, access_check
@@ -68,10 +68,11 @@ async def serve(cfg: WorkerConfig, host: str, port: int) -> int:
         if not await runtime.set_up(runner, cfg.redis_url):
             return 1
         try:
-            site = GuardedSite(runner, host, port, backlog=4096)  # 408 for slowloris heads
+            # slow heads and bodies get 408, idle connections are closed, an address capped
+            site = GuardedSite(runner, host, port, guard=app[GUARD], backlog=4096)
             try:
                 await site.start()
-            except OSError as exc:  # the port is taken: one line, never a traceback
+            except OSError as exc:  # taken since the check: one line, never a traceback
                 print(f"error: {runtime.listen_error(host, port, exc)}", file=sys.stderr)
                 return 2
             bound = runner.addresses[0][1] if runner.addresses else port

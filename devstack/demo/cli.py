@@ -41,7 +41,7 @@ from devstack.demo.stack import Stack, StackError, StackSpec
 from relay.broker.rediscluster.connect import mask_url
 from relay.protocol.auth import DEFAULT_KID, WeakSecret, check_secret
 from relay.service import runtime, settings
-from relay.service.httpguard import GuardedSite
+from relay.service.httpguard import ConnLimits, GuardedSite, guard_app
 from relay.service.settings import ConfigError, Host, opt
 
 __all__ = [
@@ -252,11 +252,12 @@ async def run_demo(opts: DemoSettings) -> int:
             stack_view=lambda: stack_view(stack, http),
             control=control,
         )
-        runner = web.AppRunner(
-            make_frontdoor_app(door), handle_signals=False, handler_cancellation=True
-        )
+        app = make_frontdoor_app(door)
+        # the relays' and workers' defaults; no cap per address: every browser is local
+        guard = guard_app(app, ConnLimits())
+        runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True)
         await runner.setup()
-        site = GuardedSite(runner, opts.host, opts.port, backlog=4096)
+        site = GuardedSite(runner, opts.host, opts.port, guard=guard, backlog=4096)
         try:
             await site.start()
         except OSError:  # taken since check_port looked: same one line, everything stopped

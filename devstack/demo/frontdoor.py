@@ -337,6 +337,10 @@ def make_frontdoor_app(door: FrontDoor) -> web.Application:
     app.router.add_post("/v1/sessions", door.to_worker)
     app.router.add_route("*", "/v1/sessions/{sid}/turns", door.to_worker)
     app.router.add_post("/v1/sessions/{sid}/tokens", door.to_worker)
+    app.router.add_post("/v1/sessions/{sid}/cancel", door.to_worker)  # the chat controls
+    app.router.add_post("/v1/sessions/{sid}/turns/{turn}/cancel", door.to_worker)
+    app.router.add_get("/v1/sessions/{sid}/messages", door.to_worker)
+    app.router.add_delete("/v1/sessions/{sid}", door.to_worker)
     # The Vercel AI SDK: its chat POST to a worker, its resume GET (and ui-stream) to a relay.
     app.router.add_post("/v1/chat", door.to_worker)
     # Offline jobs, the OpenAI-compatible gateway: workers.

@@ -29,7 +29,10 @@ __all__ = [
     "WORKERS_REGISTRY",
     "InvalidSessionId",
     "KeyKind",
+    "cancel_key",
+    "control_channel",
     "engine_key",
+    "gone_key",
     "hist_key",
     "idem_key",
     "key",
@@ -39,6 +42,7 @@ __all__ = [
     "new_session_id",
     "parse_session",
     "presence_key",
+    "screens_key",
     "turn_rate_key",
     "worker_key",
 ]
@@ -65,6 +69,9 @@ class KeyKind(StrEnum):
     LOCK = "lock"  # string: the turn that currently generates
     IDEM = "idem"  # string: Idempotency-Key -> turn
     RATE = "rate"  # string: turn requests in one minute (worker abuse limit)
+    CANCEL = "cancel"  # hash: turn -> a stop asked for it, or the offset it ended at
+    SCREENS = "screens"  # hash: relay id -> how many screens it serves the session to
+    GONE = "gone"  # string: the session was deleted; its tokens are refused (tombstone)
 
 
 def parse_session(raw: object) -> str:
@@ -112,6 +119,18 @@ def presence_key(sid: str) -> str:
     return key(sid, KeyKind.PRESENCE)
 
 
+def cancel_key(sid: str) -> str:
+    return key(sid, KeyKind.CANCEL)
+
+
+def screens_key(sid: str) -> str:
+    return key(sid, KeyKind.SCREENS)
+
+
+def gone_key(sid: str) -> str:
+    return key(sid, KeyKind.GONE)
+
+
 def idem_key(sid: str, idempotency_key: str) -> str:
     """Name for a client's ``Idempotency-Key`` (printable ASCII, at most 128 characters)."""
     if _IDEM_RE.fullmatch(idempotency_key) is None:
@@ -141,6 +160,12 @@ def worker_key(worker_id: str, namespace: str = "tr") -> str:
     """Per-worker load-report hash (worker.routing.loadshare); the worker id is its hash tag.
     ``namespace`` other than "tr" isolates tests sharing one cluster."""
     return f"{namespace}:workers:{{{_check_member_id('worker', worker_id)}}}"
+
+
+def control_channel(worker_id: str) -> str:
+    """A worker's shard channel for requests about the turns it runs (stop); the worker
+    id is its hash tag."""
+    return f"tr:ctl:{{{_check_member_id('worker', worker_id)}}}"
 
 
 def engine_key(engine_id: str) -> str:

@@ -287,7 +287,7 @@ async def _run_the_demo(clone: Path, tmpdir: Path, python: Path, npm_why: str | 
         assert len(sessions) == len(set(sessions)), sessions  # one row per session
         assert seen["address"].split("session=")[1] in sessions  # its whole id
         assert seen["shared_disabled"] is True
-        assert "Watch-only" in (seen["shared_why"] or ""), seen["shared_why"]
+        assert "only watches" in (seen["shared_why"] or ""), seen["shared_why"]
         assert "live" in " ".join(seen["browser_example"]), seen["browser_example"]
         assert len(seen["browser_example"][-1].strip()) > 20, seen["browser_example"]
         # 6. the README's examples, as written

@@ -5,6 +5,7 @@ timeout ``run_cli`` stops that child by its pid)."""
 
 from __future__ import annotations
 
+import random
 import socket
 from collections.abc import Iterator
 
@@ -31,11 +32,18 @@ def assert_one_line(r: Ran, *words: str) -> None:
 
 @pytest.fixture
 def occupied() -> Iterator[int]:
-    """A port held by another program: a listening socket of this test."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
+    """A port held by another program: a listening socket of this test, below 55536 (a
+    cluster node's bus port is its port + 10000)."""
+    for port in random.sample(range(20000, 55000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            s.listen()
+            yield port
+            return
+    raise RuntimeError("no free port in 20000..55000")
 
 
 WORKER = ["worker", "--port", "0", "--redis", "redis://127.0.0.1:1",

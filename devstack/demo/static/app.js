@@ -2,17 +2,19 @@
 // (tokenrelay.js, the same file as clients/js/tokenrelay.js): resume, reconnect with
 // jittered backoff, duplicate and hole checks, the done frame's integrity check.
 // The address bar shows the session only (#session=<sid>); the tab keeps its token in
-// sessionStorage, so a copied address bar shares no token. A link may carry one
+// sessionStorage, so a copied address bar shares no token. A link carries one
 // (#session=<sid>&token=<token>): the page takes it into the tab and out of the address.
-// The creator's page holds a write token (it may send, and refreshes its token before it
-// expires); "open on another screen" links carry a watch token minted for them: a
-// screen opened from it watches and cannot send, and says so where one would type.
-import { watch } from "./tokenrelay.js";
+// The creator's page holds a write token (it may send, stop, regenerate, and refreshes its
+// token before it expires). "Open on another screen" offers two links: a watch link (a
+// watch token: the screen watches, its input is disabled and says why) and a collaborate
+// link (a write token: that screen may do everything this one does). A reload restores
+// the conversation from the worker's stored messages and watches on from where they end.
+import { cancel, loadMessages, watch } from "./tokenrelay.js";
 
 const $ = (id) => document.getElementById(id);
 const state = {
   sid: null, token: null, transport: "sse", watcher: null, problems: 0, turns: new Map(),
-  refreshTimer: null,
+  refreshTimer: null, canWrite: false, running: null, lastDone: null,
   carried: { frames: 0, duplicates: 0, gaps: 0, reconnects: 0 },  // earlier watchers' counts
 };
 const TOKEN = "tokenrelay-token:";  // sessionStorage key prefix: this tab's token per session
@@ -36,15 +38,26 @@ async function mint(scope) {
   return r.status === 201 ? (await r.json()).token : null;
 }
 
-// A write token: a watch-only share link, and a fresh write token a minute before expiry.
+// A write token: a watch link and a collaborate link (a second write token), and a fresh
+// write token a minute before expiry. A watch token: its input is disabled, and says why.
 async function manageTokens() {
   clearTimeout(state.refreshTimer);
   const c = claims(state.token || "");
-  // a watch screen shares what it has: its own watch token
-  $("share").href = `${location.pathname}#session=${state.sid}&token=${encodeURIComponent(state.token || "")}`;
+  // no claims: auth is off (a token all the same); no token: none in this tab
+  state.canWrite = !!state.sid && !!state.token && (!c || c.scope === "write");
+  $("message").disabled = $("send").disabled = $("job").disabled = !state.canWrite;
+  $("message").placeholder = state.canWrite
+    ? "Type a message; every screen on this session sees the reply"
+    : !state.sid ? "Press New session first"
+    : !state.token ? "No token for this session in this tab: open the link you were given"
+    : "This screen only watches (its link holds a watch token); open a collaborate link to type here";
+  $("share").hidden = $("collaborate").hidden = !(state.sid && state.canWrite);
+  controls();
   if (!c || c.scope !== "write") return;
-  const watch = await mint("watch");
-  if (watch) $("share").href = `${location.pathname}#session=${state.sid}&token=${encodeURIComponent(watch)}`;
+  const link = (t) => `${location.pathname}#session=${state.sid}&token=${encodeURIComponent(t)}`;
+  const [watchToken, writeToken] = await Promise.all([mint("watch"), mint("write")]);
+  if (watchToken) $("share").href = link(watchToken);
+  if (writeToken) $("collaborate").href = link(writeToken);
   const wait = Math.max(5, c.exp - 60 - Date.now() / 1000) * 1000;
   state.refreshTimer = setTimeout(async () => {
     const fresh = await mint("write");
@@ -116,9 +129,26 @@ function describe(t, extra) {
   t.footer.innerHTML = parts.join(" · ");
 }
 
+// Stop while a turn generates, Regenerate on the last reply: on writing screens only.
+function controls() {
+  $("stop").hidden = !(state.canWrite && state.running !== null);
+  $("regenerate").hidden = !(state.canWrite && state.running === null && state.lastDone !== null);
+}
+
+function dropTurnsFrom(turn) {  // a regenerate or an edit replaced them (meta.replaces)
+  for (const [n, t] of state.turns) if (n >= turn) { t.root.remove(); state.turns.delete(n); }
+}
+
 function onFrame(f) {
   const m = f.meta || {};
+  if (f.kind === "presence") {
+    $("screens").textContent = String(m.screens ?? "?");
+    return;
+  }
   if (f.kind === "meta") {
+    if (Number.isInteger(m.replaces)) dropTurnsFrom(m.replaces);
+    state.running = f.turn;
+    controls();
     const t = turnEl(f.turn);
     const msg = m.message ?? m.user ?? "";
     if (msg) { t.user.textContent = msg; t.user.hidden = false; }
@@ -131,6 +161,10 @@ function onFrame(f) {
   } else if (f.kind === "done") {
     const t = turnEl(f.turn);
     t.reply.classList.remove("streaming");
+    if (m.finish_reason === "cancelled") t.reply.classList.add("stopped");
+    if (state.running === f.turn) state.running = null;
+    state.lastDone = f.turn;
+    controls();
     t.engine = m.engine || t.engine;
     if (typeof m.cached_tokens === "number") t.cached = m.cached_tokens;
     t.cache = m.cache || t.cache;  // "hit" | "miss" | "unknown" (engine did not say)
@@ -138,6 +172,8 @@ function onFrame(f) {
     describe(t, [ttft, m.finish_reason ? `finish: ${m.finish_reason}` : ""].filter(Boolean).join(" · "));
   } else if (f.kind === "error") {
     const t = turnEl(f.turn);
+    if (state.running === f.turn) state.running = null;
+    controls();
     t.reply.classList.remove("streaming");
     t.reply.classList.add("error");
     describe(t, `<span class="gap">error: ${escapeHtml(f.text)}</span>`);
@@ -147,9 +183,11 @@ function onFrame(f) {
     p.textContent = `⚠ ${f.text}`;
     $("log").append(p);
   } else if (f.kind === "reset") {
-    // the session restarted (its keys expired): turn numbers start again at 1, so the
-    // old transcript goes and the page says why
+    // the session restarted (its keys expired) or was deleted: turn numbers start
+    // again at 1, so the old transcript goes and the page says why
     state.turns.clear();
+    state.running = state.lastDone = null;
+    controls();
     $("log").innerHTML = "";
     const p = document.createElement("div");
     p.className = "gap";
@@ -212,30 +250,69 @@ async function newSession() {
   location.hash = `session=${body.session}`;
 }
 
-async function send(ev) {
-  ev.preventDefault();
-  const text = $("message").value.trim();
-  if (!state.sid) { $("notice").textContent = "Press New session first (or open a shared link)."; return; }
-  if (!text) return;
-  $("notice").textContent = "";
+// The conversation so far, from the worker's store (a reload shows it at once), and the
+// offset the watch goes on from: no gap and no duplicate with what the page shows.
+async function restore() {
+  try {
+    const page = await loadMessages(location.origin, state.sid, state.token, { limit: 200 });
+    for (const msg of page.messages) {
+      const t = turnEl(msg.turn);
+      if (msg.role === "user") { t.user.textContent = msg.text; t.user.hidden = false; continue; }
+      t.reply.textContent = msg.text;
+      t.reply.classList.remove("streaming");
+      if (msg.finish_reason === "cancelled") t.reply.classList.add("stopped");
+      describe(t, msg.finish_reason ? `finish: ${msg.finish_reason}` : "");
+      state.lastDone = msg.turn;
+    }
+    controls();
+    return { from: page.resume_from, gen: page.gen };
+  } catch (e) {
+    return { from: 0, gen: null };  // the whole backlog then: slower, the same transcript
+  }
+}
+
+async function stopTurn() {
+  try {
+    await cancel(location.origin, state.sid, state.token);
+  } catch (e) {
+    $("notice").textContent = `stop refused: ${e.status || ""} ${e.body ? e.body.reason : e.message}`;
+  }
+}
+
+async function postTurn(body) {
   const key = crypto.randomUUID ? crypto.randomUUID() : String(Math.random()).slice(2);
   for (let attempt = 0; attempt < 3; attempt++) {
     try {
       const r = await fetch(`/v1/sessions/${state.sid}/turns`, {
         method: "POST",
         headers: { "Content-Type": "application/json", "Authorization": `Bearer ${state.token}`, "Idempotency-Key": key },
-        body: JSON.stringify({ message: text }),
+        body: JSON.stringify(body),
       });
-      const body = await r.json().catch(() => ({}));
-      if (r.status === 202) { $("message").value = ""; return; }
+      const out = await r.json().catch(() => ({}));
+      if (r.status === 202) return true;
       const wait = r.headers.get("Retry-After");
-      $("notice").textContent = `${r.status}: ${body.reason || body.error || "refused"}${wait ? ` (retry after ${wait}s)` : ""}`;
-      return;
+      $("notice").textContent = `${r.status}: ${out.reason || out.error || "refused"}${wait ? ` (retry after ${wait}s)` : ""}`;
+      return false;
     } catch (e) {
       $("notice").textContent = `network error, retrying with the same Idempotency-Key…`;
       await new Promise((res) => setTimeout(res, 500));
     }
   }
+  return false;
+}
+
+async function send(ev) {
+  ev.preventDefault();
+  const text = $("message").value.trim();
+  if (!state.sid) { $("notice").textContent = "press New session first"; return; }
+  if (!text || !state.canWrite) return;
+  $("notice").textContent = "";
+  if (await postTurn({ message: text })) $("message").value = "";
+}
+
+async function regenerate() {
+  $("notice").textContent = "";
+  await postTurn({ regenerate: true });
 }
 
 // An offline job: POST /v1/jobs (RabbitMQ), then poll its status; when done, the whole
@@ -335,20 +412,7 @@ document.addEventListener("click", async (ev) => {
   refreshPanel();
 });
 
-// What this screen may do, where one would type: nothing before a session; watch only
-// with a watch token (a shared link), which the servers would refuse to post with.
-function composer() {
-  const c = claims(state.token || "");
-  const why = !state.sid ? "Press New session first (or open a shared link)"
-    : !state.token ? "No token for this session in this tab: open the link you were given"
-    : !c || c.scope !== "write" ? "Watch-only screen: a shared link carries a watch token, which can watch this session but not send to it. Type on the screen that created the session."
-    : "";
-  for (const id of ["message", "send", "job"]) $(id).disabled = Boolean(why);
-  $("message").placeholder = why || "Type a message; every screen on this session sees the reply";
-  $("message").title = why;
-}
-
-function load() {
+async function load() {
   takeControlToken();
   const p = params();
   state.sid = p.sid;
@@ -364,14 +428,19 @@ function load() {
   if (state.watcher) { state.watcher.close(); state.watcher = null; }  // another session
   state.problems = 0; state.turns.clear(); $("log").innerHTML = "";
   state.carried = { frames: 0, duplicates: 0, gaps: 0, reconnects: 0 };
-  composer();
+  state.running = state.lastDone = null;
   $("sid").textContent = state.sid || "—";
+  $("screens").textContent = "—";
   manageTokens();
-  if (state.sid) connect(); else setState("idle");
+  if (!state.sid) { setState("idle"); return; }
+  const { from, gen } = await restore();
+  connect(from, gen);
 }
 
 $("new-session").addEventListener("click", newSession);
 $("composer").addEventListener("submit", send);
+$("stop").addEventListener("click", stopTurn);
+$("regenerate").addEventListener("click", regenerate);
 $("job").addEventListener("click", submitJob);
 $("transport").addEventListener("change", () => {
   state.transport = $("transport").value;
