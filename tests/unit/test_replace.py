@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from worker.chat.replace import NothingToRegenerate, Replace, UnknownReplaced, resolve_replace
 from worker.chat.store import History
 
-ENTRIES = [
+ENTRIES: list[dict[str, Any]] = [
     {"role": "user", "content": "one", "turn": 1, "id": "u1"},
     {"role": "assistant", "content": "r1", "turn": 1, "id": "s-1"},
     {"role": "user", "content": "two", "turn": 2, "id": "u2"},
     {"role": "assistant", "content": "r2", "turn": 2, "id": "s-2"},
 ]
-HIST = History(None, [{"role": e["role"], "content": e["content"]} for e in ENTRIES], None, ENTRIES)
+MESSAGES = [{"role": str(e["role"]), "content": str(e["content"])} for e in ENTRIES]
+HIST = History(None, MESSAGES, None, ENTRIES)
 
 
 def test_a_new_turn_replaces_nothing() -> None:
