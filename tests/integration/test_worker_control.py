@@ -11,7 +11,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from devstack.mockengine.server import EngineConfig, start_engine
 from relay.protocol.keys import engine_key
-from worker.chat.presence import PresenceTracker
+from relay.producer.watch import PresenceTracker
 from worker.routing.control import (
     ControlPlane,
     EngineAnnouncer,

@@ -25,7 +25,7 @@ from relay.edge.fanout.hub import Hub
 from relay.protocol.frame import decode
 from relay.protocol.keys import presence_key
 from tests.support.worker import Harness, wait_turn
-from worker.chat.presence import count_watchers
+from relay.producer.watch import count_watchers
 from worker.routing.lease import EngineSpec
 
 pytestmark = pytest.mark.integration

@@ -8,9 +8,9 @@ terminal frame.
 Generation (a supervised task per turn, ``turn:<sid>``, :meth:`TurnRunner.run`, on the
 worker's :class:`relay.service.supervise.Supervisor`, like its three helpers): an
 engine-reader task (``reader:<sid>``) pushes deltas into a
-:class:`worker.chat.coalesce.TokenPump` whose task (``pump:<sid>``) publishes coalesced
+:class:`relay.producer.coalesce.TokenPump` whose task (``pump:<sid>``) publishes coalesced
 ``token`` frames; a presence task (``presence:<sid>``,
-:func:`worker.chat.presence.watch_presence`) refreshes the lock and aborts the reader
+:func:`relay.producer.watch.watch_presence`) refreshes the lock and aborts the reader
 when nobody watched for the grace period, or when its refresh finds a stop asked of the
 turn (:mod:`worker.chat.cancel`: the fallback of a stop's notification, which aborts
 at once). The reader and the pump end with the engine's
@@ -41,10 +41,10 @@ from typing import Any, Final
 
 from relay.broker.errors import Fenced, RelayError
 from relay.broker.rediscluster.publisher import Draft
+from relay.producer.coalesce import Batch, TokenPump
+from relay.producer.watch import watch_presence
 from relay.service.supervise import Supervisor
 from worker.chat.cancel import record_stopped
-from worker.chat.coalesce import Batch, TokenPump
-from worker.chat.presence import watch_presence
 from worker.chat.store import SessionStore
 from worker.chat.turnstate import (
     CANCELLED_FINISH,

@@ -43,10 +43,11 @@ from typing import Any, Final, Protocol
 
 from relay.broker.errors import RelayError
 from relay.broker.rediscluster.publisher import Generation
-from worker.chat.coalesce import DEFAULT_POLICY, CoalescePolicy
+from relay.producer.coalesce import DEFAULT_POLICY, CoalescePolicy
+from relay.producer.errors import TurnBusy
+from relay.producer.integrity import reply_integrity
+from relay.producer.watch import PresencePolicy
 from worker.chat.direct import DirectViewer
-from worker.chat.presence import PresencePolicy
-from worker.chat.store import LockHolder
 from worker.engines.client import Delta
 from worker.engines.errors import EngineError
 from worker.routing.key import DEFAULT_PREFIX_CHARS
@@ -144,14 +145,6 @@ class StreamChat(Protocol):
         messages: Sequence[Mapping[str, Any]],
         max_tokens: int | None = None,
     ) -> AsyncIterator[Delta]: ...
-
-
-class TurnBusy(Exception):
-    """Another turn of the session is generating (-> 409)."""
-
-    def __init__(self, holder: LockHolder) -> None:
-        super().__init__(f"turn {holder.turn} is generating")
-        self.holder = holder
 
 
 class IdempotencyPending(Exception):
@@ -281,14 +274,3 @@ class RunningTurn:
             self.abort_reason = reason
         if self.reader is not None and not self.reader.done():
             self.reader.cancel()
-
-
-def reply_integrity(text: str, tokens: int) -> dict[str, Any]:
-    """What a ``done`` frame says about the reply, so that a client can check the text it
-    assembled: ``tokens`` (engine token deltas), ``chars`` (Unicode code points) and
-    ``sha256`` (lowercase hex of the UTF-8 bytes)."""
-    return {
-        "tokens": tokens,
-        "chars": len(text),
-        "sha256": hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest(),
-    }
