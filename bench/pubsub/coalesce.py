@@ -38,8 +38,8 @@ from bench._util import free_port
 from devstack.cluster.launcher import LocalCluster
 from devstack.procs import Proc, http_ok
 from relay.broker.rediscluster.publisher import Draft, Publisher
-from relay.protocol.keys import new_session_id
 from relay.producer.coalesce import Batch, CoalescePolicy, TokenPump
+from relay.protocol.keys import new_session_id
 from worker.engines.client import EngineClient
 
 __all__ = ["SETTINGS", "add_arguments", "main", "run_from_args", "run_setting"]

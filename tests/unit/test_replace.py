@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from worker.chat.replace import NothingToRegenerate, Replace, UnknownReplaced, resolve_replace
 from worker.chat.store import History
 
-ENTRIES = [
+ENTRIES: list[dict[str, Any]] = [
     {"role": "user", "content": "one", "turn": 1, "id": "u1"},
     {"role": "assistant", "content": "r1", "turn": 1, "id": "s-1"},
     {"role": "user", "content": "two", "turn": 2, "id": "u2"},

@@ -41,11 +41,10 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
-from relay.broker.errors import RelayError
-from relay.broker.rediscluster.publisher import Generation
 from relay.producer.coalesce import DEFAULT_POLICY, CoalescePolicy
-from relay.producer.errors import TurnBusy
+from relay.producer.errors import LockLost, TurnBusy
 from relay.producer.integrity import reply_integrity
+from relay.producer.turn import Turn
 from relay.producer.watch import PresencePolicy
 from worker.chat.direct import DirectViewer
 from worker.engines.client import Delta
@@ -155,10 +154,6 @@ class IdempotencyKeyReused(Exception):
     """The Idempotency-Key was used before with a different request (-> 422)."""
 
 
-class LockLost(RelayError):
-    """The turn lock stopped being ours while the turn was admitted (-> 503, retry)."""
-
-
 def request_fingerprint(
     message: str, system: str | None, max_tokens: int | None, replaces: str | None = None
 ) -> str:
@@ -210,7 +205,7 @@ class TurnStarted:
 @dataclass(slots=True, eq=False)
 class RunningTurn:
     sid: str
-    gen: Generation
+    gen: Turn  # the producer API's turn: its frames, pump and watch
     lease: Lease
     owner: str
     prompt: list[dict[str, str]]
@@ -239,8 +234,8 @@ class RunningTurn:
         return 1 if self.viewer is not None and self.viewer.attached else 0
 
     def done_meta(self) -> dict[str, Any]:
-        """The ``done`` frame's meta: route, cache, TTFT, the reply's integrity."""
-        text = "".join(self.reply)
+        """The ``done`` frame's meta: route, cache, TTFT (the producer adds the reply's
+        integrity and the finish reason)."""
         cached = self.cached_tokens
         cache = "unknown" if cached is None else ("hit" if cached > 0 else "miss")
         return {
@@ -252,8 +247,6 @@ class RunningTurn:
             "cache": cache,  # "unknown": the engine did not report cached tokens
             "cached_tokens": self.cached_tokens,
             "prompt_tokens": self.prompt_tokens,
-            **reply_integrity(text, len(self.reply)),
-            "finish_reason": self.finish_reason,
             "duration_ms": round((time.monotonic() - self.t0) * 1000, 1),
         }
 
