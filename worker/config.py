@@ -26,6 +26,8 @@ from typing import Annotated, Final
 import msgspec
 
 from relay.broker.rediscluster.connect import RedisTLS
+from relay.producer.coalesce import DEFAULT_POLICY, CoalescePolicy
+from relay.producer.watch import PresencePolicy
 from relay.protocol.auth import DEFAULT_KID
 from relay.protocol.keys import BACKLOG_MAXLEN, SESSION_TTL_S
 from relay.service import settings
@@ -49,8 +51,6 @@ from relay.service.settings import (
     TrustedProxies,
     opt,
 )
-from worker.chat.coalesce import DEFAULT_POLICY, CoalescePolicy
-from worker.chat.presence import PresencePolicy
 from worker.jobs.record import JOB_TTL_S
 from worker.routing.control import parse_engine_arg
 from worker.routing.key import DEFAULT_PREFIX_CHARS

@@ -39,9 +39,9 @@ from bench._util import free_port, ns_ms, percentile
 from devstack.cluster.launcher import LocalCluster
 from devstack.procs import Proc, http_ok, launched
 from relay.client.stream import watch
+from relay.producer.coalesce import DEFAULT_POLICY
 from relay.protocol.sse_reader import SSEDecoder
 from relay.service import runtime
-from worker.chat.coalesce import DEFAULT_POLICY
 
 __all__ = ["Workload", "add_arguments", "main", "run", "run_from_args", "summary"]
 

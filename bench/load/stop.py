@@ -47,8 +47,8 @@ from bench._util import free_port, percentile, write_json
 from devstack.cluster.launcher import LocalCluster
 from devstack.procs import Proc, http_ok, launched
 from relay.client.stream import watch
+from relay.producer.coalesce import DEFAULT_POLICY
 from relay.service import runtime
-from worker.chat.coalesce import DEFAULT_POLICY
 
 __all__ = ["Workload", "add_arguments", "main", "run", "run_from_args", "summary"]
 

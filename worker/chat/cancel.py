@@ -35,6 +35,7 @@ import orjson
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.rediscluster.errors import map_redis_errors
+from relay.broker.rediscluster.scripts import STOPPED
 from relay.broker.rediscluster.subscriber import ShardedSubscriber
 from relay.protocol.keys import KeyKind, cancel_key, control_channel, key
 from relay.service.supervise import Supervisor
@@ -75,13 +76,6 @@ if open == want then
   return {'stopping', want, lock}
 end
 return {'finished', want, ''}
-"""
-
-# KEYS: cancel hash. ARGV: turn, terminal offset, TTL (s).
-_STOPPED_LUA: Final = """
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-return 1
 """
 
 
@@ -132,8 +126,7 @@ async def request_stop(redis: RedisCluster, sid: str, turn: int, ttl_s: int) -> 
 
 async def record_stopped(redis: RedisCluster, sid: str, turn: int, offset: int, ttl_s: int) -> None:
     """A stopped turn ended at ``offset``: a later stop of it answers the same."""
-    with map_redis_errors():
-        await redis.eval(_STOPPED_LUA, 1, cancel_key(sid), turn, offset, ttl_s)
+    await STOPPED(redis, (cancel_key(sid),), (turn, offset, ttl_s))
 
 
 StopHandler = Callable[[str, int, str], None]  # (sid, turn (0: admitting), owner)

@@ -39,10 +39,12 @@ from typing import Any, Final
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.rediscluster.errors import map_redis_errors
+from relay.broker.rediscluster.scripts import LOCK_RELEASE
+from relay.producer import lock as turnlock
+from relay.producer.lock import LockHolder
 from relay.protocol.keys import (
     SESSION_TTL_S,
     KeyKind,
-    cancel_key,
     gone_key,
     hist_key,
     idem_key,
@@ -58,31 +60,6 @@ if v and string.sub(v, 1, #ARGV[1]) == ARGV[1] then
   else redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
   return 1
 end
-return 0
-"""
-
-# KEYS: lock, cancel hash. ARGV: owner prefix, TTL (ms), turn. 0: the lock is not ours;
-# 1: refreshed; 2: refreshed, and a stop of the turn was asked (worker.chat.cancel).
-_REFRESH_TURN_LUA: Final = """
-local v = redis.call('GET', KEYS[1])
-if not (v and string.sub(v, 1, #ARGV[1]) == ARGV[1]) then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-if redis.call('HGET', KEYS[2], ARGV[3]) == 'asked' then return 2 end
-return 1
-"""
-
-_SET_TURN_LUA: Final = """
-local v = redis.call('GET', KEYS[1])
-if (not v) or string.sub(v, 1, #ARGV[1]) == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[2])
-  return 1
-end
-return 0
-"""
-
-_RELEASE_LUA: Final = """
-local v = redis.call('GET', KEYS[1])
-if v and string.sub(v, 1, #ARGV[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
 
@@ -189,15 +166,6 @@ class ConversationView:
     gen: str  # the session's generation id ("" before its first turn)
 
 
-@dataclass(frozen=True, slots=True)
-class LockHolder:
-    """Who holds a session's turn lock (``turn``/``offset`` are 0 while being admitted)."""
-
-    owner: str
-    turn: int
-    offset: int
-
-
 def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
@@ -257,7 +225,7 @@ class SessionStore:
         with map_redis_errors():
             raw = await self.redis.eval(_VIEW_LUA, 3, *keys)
         hist, opened, turn, offset, lock, gen = raw
-        holder = _parse_lock(_s(lock)) if lock else None
+        holder = turnlock.parse_lock(_s(lock)) if lock else None
         open_turn = int(_s(opened)) if opened else None
         return ConversationView(
             _entries(hist), open_turn, int(_s(turn)), int(_s(offset)), holder, _s(gen)
@@ -290,29 +258,13 @@ class SessionStore:
 
     async def acquire_lock(self, sid: str, owner: str) -> LockHolder | None:
         """Take the session's turn lock; ``None`` on success, else the current holder."""
-        value = f"{owner} " + json.dumps({"turn": 0, "offset": 0})
-        lk = key(sid, KeyKind.LOCK)
-        with map_redis_errors():
-            ok = await self.redis.set(lk, value, nx=True, px=self.lock_ttl_ms)
-            if ok:
-                return None
-            cur = await self.redis.get(lk)
-        if cur is not None and _s(cur).startswith(owner + " "):
-            # our own SET landed but its reply was lost and redis-py sent it again
-            # (it retries a command on a connection error): the lock is ours
-            return None
-        if cur is None:  # expired in between: try once more
-            with map_redis_errors():
-                ok = await self.redis.set(lk, value, nx=True, px=self.lock_ttl_ms)
-            return None if ok else LockHolder("?", 0, 0)
-        return _parse_lock(_s(cur))
+        return await turnlock.acquire(self.redis, sid, owner, self.lock_ttl_ms)
 
     async def set_lock_turn(self, sid: str, owner: str, turn: int, offset: int) -> bool:
         """Name the turn in our lock; False if another owner holds it. A lock that
         expired during a slow admission (nobody took it) is taken again: the generation
         just opened fences every older producer anyway."""
-        value = f"{owner} " + json.dumps({"turn": turn, "offset": offset})
-        return await self._lock_script(_SET_TURN_LUA, sid, owner, value)
+        return await turnlock.name_turn(self.redis, sid, owner, self.lock_ttl_ms, turn, offset)
 
     async def refresh_lock(self, sid: str, owner: str) -> bool:
         """Extend the lock's TTL; False if it is no longer ours."""
@@ -321,15 +273,10 @@ class SessionStore:
     async def refresh_turn(self, sid: str, owner: str, turn: int) -> int:
         """Extend a running turn's lock and look for a stop of it, in one round trip:
         0 the lock is no longer ours, 1 refreshed, 2 refreshed and a stop was asked."""
-        keys = (key(sid, KeyKind.LOCK), cancel_key(sid))
-        with map_redis_errors():
-            res = await self.redis.eval(
-                _REFRESH_TURN_LUA, 2, *keys, owner + " ", self.lock_ttl_ms, turn
-            )
-        return int(res)
+        return int(await turnlock.refresh(self.redis, sid, owner, self.lock_ttl_ms, turn))
 
     async def release_lock(self, sid: str, owner: str) -> bool:
-        return await self._lock_script(_RELEASE_LUA, sid, owner, None)
+        return await turnlock.release(self.redis, sid, owner)
 
     async def _lock_script(self, src: str, sid: str, owner: str, value: str | None) -> bool:
         prefix = owner + " "
@@ -368,7 +315,7 @@ class SessionStore:
     async def drop_idempotency(self, sid: str, idem: str, owner: str) -> None:
         """Forget a pending claim (the turn was not admitted: 409, 429, 503)."""
         with map_redis_errors():
-            await self.redis.eval(_RELEASE_LUA, 1, idem_key(sid, idem), f"pending {owner} ")
+            await self.redis.eval(LOCK_RELEASE.source, 1, idem_key(sid, idem), f"pending {owner} ")
 
 
 def _idem_state(text: str, owner: str, fp: str) -> dict[str, Any] | str | None:
@@ -402,12 +349,3 @@ def _entries(raw: list[Any]) -> list[dict[str, Any]]:
             m.setdefault("role", "user")
             out.append(m)
     return out
-
-
-def _parse_lock(text: str) -> LockHolder:
-    owner, _, rest = text.partition(" ")
-    try:
-        data = json.loads(rest)
-        return LockHolder(owner, int(data.get("turn", 0)), int(data.get("offset", 0)))
-    except (ValueError, AttributeError, TypeError):
-        return LockHolder(owner, 0, 0)

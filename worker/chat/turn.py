@@ -38,7 +38,9 @@ from collections.abc import Coroutine
 from typing import Any
 
 from relay.broker.errors import RedisUnavailable, RelayError
-from relay.broker.rediscluster.publisher import Draft, Generation, Publisher
+from relay.broker.rediscluster.publisher import Publisher
+from relay.producer import Claim, Producer, Turn
+from relay.producer.coalesce import Batch
 from relay.service.supervise import Supervisor
 from worker.chat.cancel import ControlChannel, StopStatus, StopVerdict, owner_worker, request_stop
 from worker.chat.direct import DirectViewer
@@ -50,7 +52,6 @@ from worker.chat.turnstate import (
     Draining,
     IdempotencyKeyReused,
     IdempotencyPending,
-    LockLost,
     RunningTurn,
     StreamChat,
     TurnBusy,
@@ -139,6 +140,16 @@ class TurnManager:
         self.outcomes: deque[tuple[str, int, TurnOutcome]] = deque(maxlen=1000)
         # Recent placements on the ring, for the demo's live panel (GET /v1/router).
         self.placements: deque[dict[str, Any]] = deque(maxlen=50)
+        # the one producer implementation: the worker's turns are written with it
+        self.producer = Producer(
+            publisher.redis,
+            publisher=publisher,
+            producer_id=worker_id,
+            lock_ttl_s=store.lock_ttl_ms / 1000,
+            coalesce=self.cfg.coalesce,
+            presence=self.cfg.presence,
+            spawn=self.supervisor.spawn,
+        )
         self.runner = TurnRunner(
             store=store,
             router=router,
@@ -224,7 +235,7 @@ class TurnManager:
                 raise TurnBusy(holder)
             await asyncio.sleep(self.cfg.lock_retry_s)
         lease: Lease | None = None
-        opened: Generation | None = None
+        opened: Turn | None = None
         adm = self.admitting[sid] = _Admission(owner)
         try:
             hist = await self.store.load(sid)
@@ -263,40 +274,33 @@ class TurnManager:
                 await self.store.save_system(sid, system)
             if replaced is not None:  # the replaced turns leave the history now
                 await self.store.truncate_from(sid, replaced)
-            gen = await self.publisher.open_generation(sid)
-            if viewer is not None:
-                gen.observers.append(viewer)
-            offset = (
-                await gen.publish(
-                    [
-                        Draft(
-                            kind="meta",
-                            meta={
-                                "role": "user",
-                                "message": message,
-                                "engine": lease.engine.id,
-                                "preferred": lease.preferred,
-                                "spilled": lease.spilled,
-                                "model": self.cfg.model,
-                                "worker": self.worker_id,
-                                "message_id": message_id or f"{sid}-{gen.turn}-user",
-                                **({"replaces": replaced} if replaced is not None else {}),
-                            },
-                        )
-                    ]
-                )
-            )[0]
+            extra: dict[str, Any] = {
+                "engine": lease.engine.id,
+                "preferred": lease.preferred,
+                "spilled": lease.spilled,
+                "model": self.cfg.model,
+            }
+            if replaced is not None:
+                extra["replaces"] = replaced
+            # the producer API writes the turn: generation, meta frame, the lock named
+            gen = await Claim(self.producer.session(sid), owner).open(
+                message,
+                message_id=message_id,
+                meta=extra,
+                observers=[viewer] if viewer is not None else (),
+                watch=False,  # the runner starts the watch once the turn runs
+                on_batch=self._count_batch,
+            )
             opened = gen  # its meta frame is out: a failure from here on needs an error frame
+            offset = gen.first_offset
             started = TurnStarted(sid, gen.turn, offset)
-            if not await self.store.set_lock_turn(sid, owner, gen.turn, offset):
-                raise LockLost("the turn lock expired while the turn was admitted")
             if idem is not None:
                 await self.store.resolve_idempotency(sid, idem[0], started.body(), idem[1])
         except BaseException:
             release_once(lease)
             if opened is not None:
                 with contextlib.suppress(RelayError):
-                    await opened.error("turn failed to start")
+                    await opened.error("turn failed to start", code=None)
             with contextlib.suppress(RelayError):
                 await self.store.release_lock(sid, owner)
             raise
@@ -314,6 +318,12 @@ class TurnManager:
             turn.abort(AbortReason.CANCELLED)
         turn.task = self.supervisor.spawn(f"turn:{sid}", self.runner.run(turn))
         return started
+
+    def _count_batch(self, b: Batch) -> None:
+        self.metrics.publishes.inc()
+        self.metrics.tokens.inc(b.count)
+        for w in b.waits:
+            self.metrics.coalesce_wait.observe(w)
 
     # ---- stop ----------------------------------------------------------------------------------
 

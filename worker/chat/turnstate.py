@@ -41,12 +41,12 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
-from relay.broker.errors import RelayError
-from relay.broker.rediscluster.publisher import Generation
-from worker.chat.coalesce import DEFAULT_POLICY, CoalescePolicy
+from relay.producer.coalesce import DEFAULT_POLICY, CoalescePolicy
+from relay.producer.errors import LockLost, TurnBusy
+from relay.producer.integrity import reply_integrity
+from relay.producer.turn import Turn
+from relay.producer.watch import PresencePolicy
 from worker.chat.direct import DirectViewer
-from worker.chat.presence import PresencePolicy
-from worker.chat.store import LockHolder
 from worker.engines.client import Delta
 from worker.engines.errors import EngineError
 from worker.routing.key import DEFAULT_PREFIX_CHARS
@@ -146,24 +146,12 @@ class StreamChat(Protocol):
     ) -> AsyncIterator[Delta]: ...
 
 
-class TurnBusy(Exception):
-    """Another turn of the session is generating (-> 409)."""
-
-    def __init__(self, holder: LockHolder) -> None:
-        super().__init__(f"turn {holder.turn} is generating")
-        self.holder = holder
-
-
 class IdempotencyPending(Exception):
     """A request with the same Idempotency-Key is being admitted right now (-> 409)."""
 
 
 class IdempotencyKeyReused(Exception):
     """The Idempotency-Key was used before with a different request (-> 422)."""
-
-
-class LockLost(RelayError):
-    """The turn lock stopped being ours while the turn was admitted (-> 503, retry)."""
 
 
 def request_fingerprint(
@@ -217,7 +205,7 @@ class TurnStarted:
 @dataclass(slots=True, eq=False)
 class RunningTurn:
     sid: str
-    gen: Generation
+    gen: Turn  # the producer API's turn: its frames, pump and watch
     lease: Lease
     owner: str
     prompt: list[dict[str, str]]
@@ -246,8 +234,8 @@ class RunningTurn:
         return 1 if self.viewer is not None and self.viewer.attached else 0
 
     def done_meta(self) -> dict[str, Any]:
-        """The ``done`` frame's meta: route, cache, TTFT, the reply's integrity."""
-        text = "".join(self.reply)
+        """The ``done`` frame's meta: route, cache, TTFT (the producer adds the reply's
+        integrity and the finish reason)."""
         cached = self.cached_tokens
         cache = "unknown" if cached is None else ("hit" if cached > 0 else "miss")
         return {
@@ -259,8 +247,6 @@ class RunningTurn:
             "cache": cache,  # "unknown": the engine did not report cached tokens
             "cached_tokens": self.cached_tokens,
             "prompt_tokens": self.prompt_tokens,
-            **reply_integrity(text, len(self.reply)),
-            "finish_reason": self.finish_reason,
             "duration_ms": round((time.monotonic() - self.t0) * 1000, 1),
         }
 
@@ -281,14 +267,3 @@ class RunningTurn:
             self.abort_reason = reason
         if self.reader is not None and not self.reader.done():
             self.reader.cancel()
-
-
-def reply_integrity(text: str, tokens: int) -> dict[str, Any]:
-    """What a ``done`` frame says about the reply, so that a client can check the text it
-    assembled: ``tokens`` (engine token deltas), ``chars`` (Unicode code points) and
-    ``sha256`` (lowercase hex of the UTF-8 bytes)."""
-    return {
-        "tokens": tokens,
-        "chars": len(text),
-        "sha256": hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest(),
-    }

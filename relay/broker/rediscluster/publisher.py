@@ -54,9 +54,15 @@ import msgspec
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.base import BacklogPage, ReapResult, ReapStatus
-from relay.broker.errors import Fenced, OffsetConflict, RedisCommandError, RedisUnavailable
+from relay.broker.errors import (
+    Fenced,
+    FrameTooLarge,
+    OffsetConflict,
+    RedisCommandError,
+    RedisUnavailable,
+)
 from relay.broker.rediscluster.scripts import OPEN, PUBLISH, READ, REAP, SEAL
-from relay.protocol.frame import Frame, Kind, encode, now_ms
+from relay.protocol.frame import MAX_FRAME_BYTES, Frame, Kind, encode, now_ms
 from relay.protocol.keys import (
     BACKLOG_MAXLEN,
     SESSION_TTL_S,
@@ -128,7 +134,8 @@ class Generation:
     async def publish(self, drafts: Sequence[Draft]) -> list[int]:
         """Append and SPUBLISH ``drafts`` in one round trip; return their offsets.
 
-        Raises :class:`Fenced` (a newer generation exists: nothing written) or
+        Raises :class:`Fenced` (a newer generation exists: nothing written),
+        :class:`FrameTooLarge` (a frame over ``MAX_FRAME_BYTES``: nothing written) or
         :class:`OffsetConflict`; :class:`relay.broker.errors.RedisUnavailable` if Redis stays
         unreachable for ``publisher.retry_s`` (the batch may or may not have been
         written).
@@ -161,6 +168,9 @@ class Generation:
                 )
                 for i, d in enumerate(drafts)
             ]
+            for data in payload:
+                if len(data) > MAX_FRAME_BYTES:  # every reader would refuse it
+                    raise FrameTooLarge(self.session, len(data), MAX_FRAME_BYTES)
             terminal = drafts[-1].kind in ("done", "error")
             last = await self._write(base, payload, terminal)
             for i, data in enumerate(payload):

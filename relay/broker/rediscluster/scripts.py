@@ -28,6 +28,9 @@ from redis.asyncio.cluster import RedisCluster
 from relay.broker.rediscluster.errors import map_redis_errors
 
 __all__ = [
+    "LOCK_NAME",
+    "LOCK_REFRESH",
+    "LOCK_RELEASE",
     "OPEN",
     "PRESENCE_COUNT",
     "PRESENCE_WRITE",
@@ -35,6 +38,7 @@ __all__ = [
     "READ",
     "REAP",
     "SEAL",
+    "STOPPED",
     "Script",
     "lua",
 ]
@@ -68,3 +72,7 @@ REAP: Final = Script("reap", uses=("frame",))
 SEAL: Final = Script("seal", uses=("frame",))
 PRESENCE_WRITE: Final = Script("presence_write")
 PRESENCE_COUNT: Final = Script("presence_count")
+LOCK_NAME: Final = Script("lock_name")
+LOCK_REFRESH: Final = Script("lock_refresh")
+LOCK_RELEASE: Final = Script("lock_release")
+STOPPED: Final = Script("stopped")
