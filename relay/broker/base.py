@@ -29,7 +29,9 @@ the edge:
 
 Failures are :class:`relay.broker.errors.RelayError` subclasses:
 ``RedisUnavailable`` while the store cannot be reached (retry), ``SubscribeError`` when
-a subscription is not confirmed in time.
+a subscription is not confirmed in time, ``SessionDeleted`` from a read of a session
+that was deleted (its tombstone exists; the read that answers it is the one a watch
+makes anyway, so a relay learns it without asking more).
 
 Order of use::
 
@@ -116,7 +118,8 @@ class Broker(Protocol):
         self, sid: str, after: int | None, count: int, max_bytes: int
     ) -> BacklogPage:
         """Up to ``count`` frames after offset ``after`` (at most ``max_bytes`` bytes past
-        the first; 0: no byte bound) and the bounds; ``after`` None: the bounds only."""
+        the first; 0: no byte bound) and the bounds; ``after`` None: the bounds only.
+        Raises ``SessionDeleted`` when the session was deleted."""
 
     async def seal(self, sid: str, seen: int, gen: str) -> int:
         """A ``gap`` frame at ``seen`` over the offsets the backlog lost below it (a
@@ -132,7 +135,8 @@ class Broker(Protocol):
         """This relay has no viewer of ``sid`` any more."""
 
     async def active_turn(self, sid: str) -> tuple[int, int] | None:
-        """The turn that is generating and the offset right before its first frame."""
+        """The turn that is generating and the offset right before its first frame;
+        raises ``SessionDeleted`` when the session was deleted."""
 
     async def ping(self) -> None:
         """Raise unless the store answers (readiness)."""

@@ -8,6 +8,7 @@ The tree::
      +-- Fenced                  a stale generation tried to publish (nothing written)
      +-- OffsetConflict          the session's offset is not the one the generation expected
      +-- SubscribeError          a live channel could not be subscribed in time
+     +-- SessionDeleted          the session was deleted (its tombstone exists)
      +-- WatchClosed             a watcher was dropped (``reason`` for humans, ``code``
                                  for machines: "slow_consumer", "relay_shutdown", ...)
 
@@ -26,6 +27,7 @@ __all__ = [
     "RedisCommandError",
     "RedisUnavailable",
     "RelayError",
+    "SessionDeleted",
     "SubscribeError",
     "WatchClosed",
 ]
@@ -65,6 +67,15 @@ class OffsetConflict(RelayError):
 
 class SubscribeError(RelayError):
     """A shard channel could not be subscribed (no owner reachable before the deadline)."""
+
+
+class SessionDeleted(RelayError):
+    """The session was deleted: its tombstone (:func:`relay.protocol.keys.gone_key`)
+    exists, so nothing of it may be read or watched until the tombstone expires."""
+
+    def __init__(self, session: str) -> None:
+        super().__init__(f"session {session} was deleted")
+        self.session = session
 
 
 class WatchClosed(RelayError):

@@ -20,6 +20,8 @@ What a test can do to it besides producing (:meth:`MemoryBroker.append`,
 - :meth:`MemoryBroker.resubscribed` (what a slot move or failover makes the Redis
   subscriber report);
 - :meth:`MemoryBroker.restart` a session (its keys expired: a new generation);
+- :meth:`MemoryBroker.delete` a session (what the worker's delete does: its keys gone,
+  a tombstone, the deleted notice on its channel);
 - :meth:`MemoryBroker.fail` the next calls (an unreachable store).
 """
 
@@ -38,8 +40,8 @@ from relay.broker.base import (
     ReapStatus,
     ResubscribedHandler,
 )
-from relay.broker.errors import RedisUnavailable, SubscribeError
-from relay.protocol.frame import Frame, Kind, decode, encode, now_ms
+from relay.broker.errors import RedisUnavailable, SessionDeleted, SubscribeError
+from relay.protocol.frame import Frame, Kind, decode, deleted_frame, encode, now_ms
 from relay.protocol.keys import BACKLOG_MAXLEN, live_channel, parse_session
 from relay.service.supervise import Supervisor
 
@@ -66,6 +68,7 @@ class MemoryBroker:
         self.sessions: dict[str, _Session] = {}
         self.subscribed: set[str] = set()
         self.presence: set[str] = set()
+        self.gone: set[str] = set()  # deleted sessions (their tombstones)
         self.reads = 0
         self._on_message: MessageHandler | None = None
         self._on_resubscribed: ResubscribedHandler | None = None
@@ -102,6 +105,7 @@ class MemoryBroker:
     ) -> BacklogPage:
         self._check()
         self.reads += 1
+        self._exists(sid)
         s = self.sessions.get(parse_session(sid))
         if s is None:
             return BacklogPage([], 1, 0, "")
@@ -156,6 +160,7 @@ class MemoryBroker:
 
     async def active_turn(self, sid: str) -> tuple[int, int] | None:
         self._check()
+        self._exists(sid)
         s = self.sessions.get(sid)
         if s is None or not s.open:
             return None
@@ -221,6 +226,14 @@ class MemoryBroker:
         self.sessions[sid] = s = _Session(gen=secrets.token_hex(6))
         return s.gen
 
+    def delete(self, sid: str) -> None:
+        """What a producer's delete does: every key of ``sid`` gone, its tombstone
+        written, :func:`relay.protocol.frame.deleted_frame` sent to its subscribers (not
+        to a backlog: there is none any more)."""
+        self.sessions.pop(parse_session(sid), None)
+        self.gone.add(sid)
+        self._send(sid, encode(deleted_frame(sid)))
+
     def resubscribed(self, sids: list[str]) -> None:
         """Tell the hub its live feed of ``sids`` may have lost frames."""
         assert self._on_resubscribed is not None
@@ -238,6 +251,11 @@ class MemoryBroker:
             s = self.sessions[sid] = _Session(gen=secrets.token_hex(6))
         return s
 
+    def _exists(self, sid: str) -> None:
+        """What the scripts check first: a deleted session answers nothing."""
+        if sid in self.gone:
+            raise SessionDeleted(sid)
+
     def _check(self) -> None:
         if self._failing > 0:
             self._failing -= 1
@@ -248,10 +266,14 @@ class MemoryBroker:
         s.offset = max(s.offset, offset)
         if len(s.log) > self.maxlen:
             del s.log[: len(s.log) - self.maxlen]
-        if sid not in self.subscribed or self._on_message is None:
-            return
-        if s.lose > 0:
+        if s.lose > 0 and sid in self.subscribed and self._on_message is not None:
             s.lose -= 1
+            return
+        self._send(sid, data)
+
+    def _send(self, sid: str, data: bytes) -> None:
+        """``data`` to the subscribers of ``sid`` (SPUBLISH), from the event loop."""
+        if sid not in self.subscribed or self._on_message is None:
             return
         msg = [b"smessage", self.channel(sid), data]
         asyncio.get_running_loop().call_soon(self._deliver, msg)

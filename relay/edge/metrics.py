@@ -244,6 +244,7 @@ HUB_METRICS: Final[dict[str, tuple[str, str]]] = {
     "sealed": (COUNTER, "offsets sealed after a failover lost them"),
     "writes_direct": (COUNTER, "socket writes straight from the Redis reader"),
     "writes_queued": (COUNTER, "socket writes by the stream's task after the socket pushed back"),
+    "deleted": (COUNTER, "deleted sessions whose streams this relay ended"),
     "presence_writes": (COUNTER, "presence entries written"),
     "presence_errors": (COUNTER, "presence pipelines that failed"),
     "reap_checks": (COUNTER, "reaps tried on silent open turns"),

@@ -29,6 +29,7 @@ class CloseCode(enum.StrEnum):
     BINARY = "binary"  # WebSocket: a binary message
     TOO_BIG = "too_big"  # WebSocket: a message over ws_max_message_bytes
     INTERNAL = "internal"  # a bug of the relay
+    SESSION_DELETED = "session_deleted"  # the session was deleted (its streams end)
     CLIENT_GONE = "client_gone"  # the client went away (never sent: a metrics label)
 
 
@@ -41,6 +42,7 @@ class WsClose(enum.IntEnum):
     SLOW_CONSUMER = 4008
     BAD_MESSAGE = 4400
     TOKEN_EXPIRED = 4401
+    SESSION_DELETED = 4410
 
 
 class Refusal(enum.StrEnum):
@@ -56,6 +58,7 @@ class Refusal(enum.StrEnum):
     OVERLOADED = "overloaded"  # max_connections reached
     UNAVAILABLE = "unavailable"  # Redis could not be read: connect again
     TOO_MANY_STREAMS = "too_many_streams"  # per-token / per-address stream limit
+    SESSION_DELETED = "session_deleted"  # 410: the session was deleted (its tombstone exists)
     HEAD_TIMEOUT = "head_timeout"  # the request head did not arrive in time (408)
     # -- token checks (relay.protocol.auth) ---------------------------------------------------
     FORBIDDEN = "forbidden"

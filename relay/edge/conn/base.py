@@ -30,7 +30,9 @@ What a connection does:
   when someone waits), and cancelling it aborts the connection at once;
 - **its end**: :meth:`Conn.shut` (the watch closed: slow consumer, drain, token
   expiry...), then the transport's goodbye (:meth:`Conn.goodbye`), then the socket is
-  closed (aborted if the client has not taken the last bytes after ``GOODBYE_S``).
+  closed (aborted if the client has not taken the last bytes after ``GOODBYE_S``). A
+  deleted session's connection ends with :meth:`Conn.farewell`: its notice is the last
+  frame written, before the goodbye.
 
 Order of use (the stream handlers, relay/edge/http/handlers.py)::
 
@@ -50,9 +52,11 @@ import struct
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Final, Protocol
 
+from relay.broker.errors import SessionDeleted
 from relay.edge.core.resume import Delivery, Fetch
 from relay.edge.core.watch import Closed, Intent, Watch
 from relay.edge.fanout.hub import Hub
+from relay.edge.fanout.notices import DELETED_REASON, deleted_delivery
 from relay.protocol import sse
 from relay.protocol.codes import CloseCode
 from relay.protocol.frame import KINDS
@@ -106,6 +110,7 @@ class Conn(asyncio.Protocol):
         "_closing",
         "_done",
         "_ended",
+        "_farewell",
         "_fetch",
         "_held",
         "_host",
@@ -148,6 +153,7 @@ class Conn(asyncio.Protocol):
         self._stats = hub.counters
         self.watch = Watch(sid, offset, hub.limits, hub.counters, gen or "")
         self._fetch: asyncio.Task[None] | None = None  # the replay page being read
+        self._farewell: Delivery | None = None  # the last frame, written before the goodbye
         self._held = 0  # budget bytes of replay frames read and not yet written
         self._left_hub = False
         self._loop = asyncio.get_running_loop()
@@ -224,6 +230,14 @@ class Conn(asyncio.Protocol):
         if self.stop is None:
             self.stop = (code, reason)
         self.shut(reason, code)
+
+    def farewell(self, d: Delivery, reason: str, code: CloseCode) -> None:
+        """End the stream with ``d`` as its last frame (whatever was still queued is
+        dropped), then the goodbye for ``code``: a deleted session's notice."""
+        if self.closed:
+            return
+        self._farewell = d
+        self.kick(code, reason)
 
     # -- the socket ----------------------------------------------------------------------
 
@@ -340,6 +354,10 @@ class Conn(asyncio.Protocol):
                 self.sid, fetch.after, lim.replay_page_frames, lim.replay_page_bytes,
                 lambda: not self.closed,
             )  # fmt: skip
+        except SessionDeleted:  # the hub ended the session's connections, this one too
+            hub.budget.release(reserved)
+            self.farewell(deleted_delivery(self.sid), DELETED_REASON, CloseCode.SESSION_DELETED)
+            return
         except BaseException:
             hub.budget.release(reserved)
             raise
@@ -436,6 +454,9 @@ class Conn(asyncio.Protocol):
         if t is None or self._closing:
             return
         try:
+            last, self._farewell = self._farewell, None
+            if last is not None:
+                self._write([last])
             await self.goodbye(code, reason)
         finally:
             self.close_transport()

@@ -32,11 +32,16 @@ class Reader(Conn):
     __slots__ = ()
 
     async def next(self) -> list[Delivery]:
-        """Wait for at least one frame; return everything queued, in order."""
+        """Wait for at least one frame; return everything queued, in order. Once the
+        watch is closed: its last frame if it had one (a deleted session's notice),
+        then :class:`WatchClosed`."""
         w = self.watch
         while True:
             closed = w.closed
             if closed is not None:
+                last, self._farewell = self._farewell, None
+                if last is not None:
+                    return [last]
                 raise WatchClosed(closed.reason, closed.code)
             if w.queue:
                 ds, intents = w.take()

@@ -12,7 +12,8 @@ What a :class:`UiConn` adds to :class:`relay.edge.conn.base.Conn`: its encoding 
 own (a :class:`relay.protocol.uistream.UiTurn` per connection: the parts depend on
 where in the turn it is); it ends itself once the turn's terminal frame is written;
 a ``: heartbeat`` comment after ``heartbeat_s`` without a write; on a drain or a cutoff
-it ends the response without ``[DONE]`` (the client resumes: a replay).
+it ends the response without ``[DONE]`` (the client resumes: a replay); when the
+session is deleted, an ``error`` part, ``[DONE]`` and the end.
 
 Any relay serves any session (the backlog and the live channel through the hub, like
 the SSE and WebSocket streams), so many screens can resume the same turn. Same token,
@@ -76,7 +77,11 @@ class UiConn(Conn):
             self.write_raw(HEARTBEAT)
 
     async def goodbye(self, code: CloseCode, reason: str) -> None:
-        """Drained or cut before the turn ended: end the response; the client resumes."""
+        """Drained or cut before the turn ended: end the response; the client resumes.
+        The session was deleted: an error part (and the finish it implies), ``[DONE]``,
+        then the end: there is nothing to resume."""
         t = self._transport
+        if code is CloseCode.SESSION_DELETED and not self._ui.finished:
+            self.write_raw(b"".join([encode_chunk(c) for c in self._ui.fail(reason)]) + DONE)
         if t is not None and self.chunked:
             t.write(_LAST_CHUNK)

@@ -27,6 +27,7 @@ class Watcher(Protocol):
 
     sid: str
     offset: int | None
+    stop: tuple[CloseCode, str] | None  # why the relay ended it, once it said
 
     @property
     def closed(self) -> bool: ...
@@ -42,6 +43,10 @@ class Watcher(Protocol):
 
     def shut(self, reason: str, code: CloseCode) -> None:
         """End the watch."""
+
+    def farewell(self, d: Delivery, reason: str, code: CloseCode) -> None:
+        """End the watch with ``d`` as its last frame, then the goodbye for ``code``
+        (the session was deleted: its notice, then the close)."""
 
 
 class Channel:

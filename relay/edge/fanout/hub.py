@@ -20,6 +20,14 @@ Beside the fan-out, fed by the set of watched sessions: the broker's presence (a
 session's first local connection opens it, its last one closes it) and
 :class:`relay.edge.fanout.reaper.Reaper` (ends turns whose producer died).
 
+A deleted session (the producer's ``reset`` frame with ``meta.code``
+``session_deleted``, or a backlog read that finds its tombstone:
+:class:`relay.broker.errors.SessionDeleted`) ends every connection of it with that
+notice as its last frame (:meth:`Hub._gone`), and its channel goes at once, so that a
+new stream of it reads the backlog again, finds the tombstone and is refused. The
+notice is looked at only where a frame is not the channel's next one: the live path's
+common case does not pay for it.
+
 Background work runs on one :class:`relay.service.supervise.Supervisor` (the relay's, or
 one the hub makes for itself): the broker's loops, the reaper, and every task the hub
 or a connection starts (subscribes, backlog reads, seals, socket writers), whose
@@ -49,11 +57,12 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, NamedTuple
 
 from relay.broker.base import Broker
-from relay.broker.errors import RelayError, WatchClosed
+from relay.broker.errors import RelayError, SessionDeleted, WatchClosed
 from relay.edge.core.resume import Delivery, Fetch, ResumeState, Step
 from relay.edge.core.watch import Limits
 from relay.edge.fanout.budget import ByteBudget
 from relay.edge.fanout.channel import Channel, Watcher
+from relay.edge.fanout.notices import DELETED_REASON, deleted_delivery, is_deleted
 from relay.edge.fanout.reaper import Reaper
 from relay.protocol.codes import CloseCode
 from relay.protocol.frame import FrameError, decode, frame_gen, monotonic_ms
@@ -79,7 +88,7 @@ class Page(NamedTuple):
 _COUNTERS = (
     "watches_opened", "frames_in", "reads", "frames_out", "bad_frames", "conflations",
     "slow_disconnects", "replays", "gaps", "duplicates", "repairs", "subscribes",
-    "unsubscribes", "sealed", "writes_direct", "writes_queued",
+    "unsubscribes", "sealed", "writes_direct", "writes_queued", "deleted",
 )  # fmt: skip
 
 
@@ -175,8 +184,10 @@ class Hub:
         backlog's bounds are read.
 
         Raises :class:`relay.broker.errors.SubscribeError` if the channel cannot be
-        subscribed (after the broker's timeout). Backlog reads are retried while the
-        store is unreachable: wrap the call in ``asyncio.timeout`` to bound the wait.
+        subscribed (after the broker's timeout), :class:`relay.broker.errors.SessionDeleted`
+        if the session was deleted (the channel's first read, or a live-only watch's own,
+        found its tombstone). Backlog reads are retried while the store is unreachable:
+        wrap the call in ``asyncio.timeout`` to bound the wait.
         """
         if self._closed:
             raise WatchClosed("the relay is shutting down", CloseCode.RELAY_SHUTDOWN)
@@ -201,6 +212,8 @@ class Hub:
         except BaseException:
             w.shut("watch setup failed", CloseCode.CLOSED)
             raise
+        if w.stop is not None and w.stop[0] is CloseCode.SESSION_DELETED:
+            raise SessionDeleted(sid)  # its first read found the tombstone
         if not w.closed:
             self.broker.present(sid)  # a no-op unless this is the session's first watcher
 
@@ -223,11 +236,18 @@ class Hub:
         self, sid: str, after: int | None, count: int, max_bytes: int, alive: Callable[[], bool]
     ) -> Page | None:
         """One backlog read, decoded (``after`` None: the bounds only), retried with
-        jittered backoff while the store is unreachable and ``alive()``; None once not."""
+        jittered backoff while the store is unreachable and ``alive()``; None once not.
+        A deleted session raises :class:`SessionDeleted`, after its connections on this
+        relay were ended with the notice (:meth:`_gone`)."""
         failures = 0
         while alive():
             try:
                 page = await self.broker.read_page(sid, after, count, max_bytes)
+            except SessionDeleted:
+                ch = self._channels.get(sid)
+                if ch is not None:
+                    self._gone(ch, deleted_delivery(sid))
+                raise
             except RelayError as exc:
                 failures += 1
                 log.info("backlog read for %s failed: %s", sid, exc)
@@ -325,6 +345,9 @@ class Hub:
             try:
                 if ch.resume.next_live(d):  # the common case: the next frame, in order
                     ds = [d]
+                elif d.offset == 0 and is_deleted(f):
+                    self._gone(ch, d)
+                    continue
                 else:
                     step = ch.resume.live(d)
                     if step.fetch is not None:
@@ -381,6 +404,24 @@ class Hub:
             except Exception:
                 log.exception("fan-out of %s failed", ch.sid)
 
+    def _gone(self, ch: Channel, d: Delivery) -> None:
+        """The session was deleted: the channel goes now (no linger: a stream opened
+        after this reads the backlog, finds the tombstone and is refused), and every
+        connection ends with ``d`` (the notice) as its last frame, then its goodbye."""
+        watchers = ch.watchers()
+        if ch.ready.done():  # streams it served (not only streams it refuses)
+            self.counters["deleted"] += 1
+        else:  # connections still opening: refused
+            ch.ready.set_exception(SessionDeleted(ch.sid))
+        self._drop_channel(ch)
+        if not self._closed:
+            self.broker.absent(ch.sid)
+        for w in watchers:
+            try:
+                w.farewell(d, DELETED_REASON, CloseCode.SESSION_DELETED)
+            except Exception:
+                log.exception("ending a stream of the deleted session %s failed", ch.sid)
+
     def _on_resubscribed(self, sids: list[str]) -> None:
         for sid in sids:
             ch = self._channels.get(sid)
@@ -404,7 +445,10 @@ class Hub:
             return not ch.dead
 
         while fetch is not None and alive():
-            page = await self.read_page(ch.sid, fetch.after, self.backlog_page, 0, alive)
+            try:
+                page = await self.read_page(ch.sid, fetch.after, self.backlog_page, 0, alive)
+            except SessionDeleted:  # the channel is gone, its connections ended (_gone)
+                return
             if page is None:
                 return
             if resume.started and resume.last is not None and page.last < resume.last:

@@ -12,6 +12,9 @@
   running turn in the AI SDK's UI message stream, from its first frame; 204 when no
   turn is generating (:mod:`relay.edge.conn.ui`).
 
+Every stream of a deleted session is refused with 410 ``session_deleted`` (the read the
+open makes anyway finds the session's tombstone: :func:`relay.edge.http.server.deleted`).
+
 Each handler checks the request, builds the transport's connection
 (:class:`relay.edge.conn.sse.SseConn`, :class:`relay.edge.conn.ws.WsConn`,
 :class:`relay.edge.conn.ui.UiConn`), admits it (:meth:`EdgeServer.admit`: limits, then
@@ -33,12 +36,12 @@ from collections.abc import Callable
 from aiohttp import hdrs, web
 from multidict import istr
 
-from relay.broker.errors import RelayError
+from relay.broker.errors import RelayError, SessionDeleted
 from relay.edge.conn.base import Conn, ws_text_frame
 from relay.edge.conn.sse import SseConn
 from relay.edge.conn.ui import UI_HEADERS, UiConn
 from relay.edge.conn.ws import WsConn, upgrade
-from relay.edge.http.server import EdgeServer, query_value
+from relay.edge.http.server import EdgeServer, deleted, query_value
 from relay.protocol import frame, sse
 from relay.protocol.codes import CloseCode, Refusal
 from relay.service.errors import RETRY_AFTER, Reject
@@ -177,6 +180,8 @@ async def ui_stream_handler(server: EdgeServer, request: web.Request) -> web.Str
         return server.refuse(r)
     try:
         found = await hub.broker.active_turn(sid)
+    except SessionDeleted:
+        return server.refuse(deleted())
     except RelayError as exc:
         log.warning("ui-stream of %s: backlog read failed: %r", sid, exc)  # not to clients
         return server.refuse(Reject(503, Refusal.UNAVAILABLE, "cannot read the session",

@@ -1,0 +1,147 @@
+"""The chat controls on the relay side, against the real cluster, through the streams a
+browser opens (SSE, WebSocket, the AI SDK's UI stream) on relays of this process
+(:func:`tests.support.relay.running`):
+
+- a deleted session: every open stream ends with the deleted notice and its close
+  (SSE's ``: close session_deleted``, WebSocket 4410, the UI stream's error part), and a
+  stream opened afterwards is refused with 410 ``session_deleted``, with a token minted
+  before the delete too; a bystander session streams on.
+
+The delete is done here as docs/PROTOCOL.md "A deleted session" says a producer does it
+(:func:`delete_session`), so that these tests do not depend on the worker's route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import WSMsgType
+from redis.asyncio.cluster import RedisCluster
+
+from relay.broker.rediscluster.publisher import Publisher
+from relay.protocol.auth import issue_token
+from relay.protocol.frame import deleted_frame, encode
+from relay.protocol.keys import (
+    KeyKind,
+    gone_key,
+    hist_key,
+    key,
+    live_channel,
+    log_key,
+    meta_key,
+    new_session_id,
+    presence_key,
+    screens_key,
+)
+from tests.support.relay import SECRET, STEP, Relay, publish_turn, running, sse, ws_frames
+
+pytestmark = pytest.mark.integration
+
+# What a producer's delete does, in one script on the session's slot: every key of it
+# gone, the tombstone written, the notice SPUBLISHed.
+# KEYS: the tombstone, the live channel, then the keys to delete. ARGV: ttl_s, notice.
+_DELETE = """
+redis.call('DEL', unpack(KEYS, 3))
+redis.call('SET', KEYS[1], '1', 'EX', ARGV[1])
+redis.call('SPUBLISH', KEYS[2], ARGV[2])
+"""
+
+
+async def delete_session(redis: RedisCluster, sid: str, ttl_s: int = 600) -> None:
+    doomed = (meta_key(sid), log_key(sid), presence_key(sid), screens_key(sid), hist_key(sid),
+              key(sid, KeyKind.HIST, "state"), key(sid, KeyKind.LOCK))  # fmt: skip
+    keys = (gone_key(sid), live_channel(sid), *doomed)
+    await redis.eval(_DELETE, len(keys), *keys, ttl_s, encode(deleted_frame(sid)))
+
+
+def _token(sid: str) -> str:
+    return issue_token(SECRET, sid, 300, time.time())
+
+
+async def _refused(relay: Relay, sid: str, path: str, token: str, **params: str) -> None:
+    """A stream of ``sid`` opened with ``token`` is refused with 410 session_deleted."""
+    async with relay.http.get(
+        relay.url(sid, path), params={"token": token, **params},
+        headers={"Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": "13",
+                 "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="} if path == "ws" else {},
+    ) as resp:  # fmt: skip
+        body: dict[str, Any] = await resp.json()
+        assert resp.status == 410, (path, resp.status, body)
+        assert body["error"] == "session_deleted"
+        assert body["reason"]
+
+
+async def test_a_deleted_sessions_streams_end_and_new_ones_are_refused(
+    cluster: Any, redis: RedisCluster
+) -> None:
+    sid, bystander = new_session_id(), new_session_id()
+    old_token = _token(sid)  # minted before the delete
+    gen = await Publisher(redis).open_generation(sid)
+    await gen.meta({"role": "user"})
+    await gen.token("Hel")
+    async with (
+        running(cluster) as relay,
+        sse(relay, sid, params={"last_event_id": "0"}) as a,
+        sse(relay, bystander) as b,
+        relay.http.ws_connect(relay.url(sid, "ws"), params={"from": "0", "token": old_token}) as ws,
+        relay.http.get(relay.url(sid, "ui-stream"), params={"token": old_token}) as ui,
+    ):
+        assert ui.status == 200
+        assert [k for _, k, _ in await a.events(2)] == ["meta", "token"]
+        assert [f.get("kind") for f in await ws_frames(ws, 3)] == [None, "meta", "token"]
+        await ui.content.readuntil(b'"delta":"Hel"')
+        await delete_session(redis, sid)
+        # SSE: the notice, then the close comment, then the end
+        _, kind, notice = (await a.events(1))[0]
+        assert (kind, notice["offset"], notice["meta"]) == ("reset", 0, {"code": "session_deleted"})
+        await a.until_end()
+        assert a.comments[-1] == "close session_deleted the session was deleted"
+        # WebSocket: the notice, then close 4410
+        (notice,) = await ws_frames(ws, 1)
+        assert notice["meta"] == {"code": "session_deleted"}
+        msg = await asyncio.wait_for(ws.receive(), STEP)
+        assert msg.type is WSMsgType.CLOSE
+        assert (ws.close_code, msg.extra) == (4410, "the session was deleted")
+        # the UI stream: an error part, [DONE], the end
+        rest = (await asyncio.wait_for(ui.content.read(), STEP)).decode()
+        parts = [p[6:] for p in rest.split("\n\n") if p.startswith("data: ")]
+        assert parts[-1] == "[DONE]"
+        assert json.loads(parts[-3]) == {"type": "error", "errorText": "the session was deleted"}
+        # refused from now on, on every route, with the token minted before the delete
+        await _refused(relay, sid, "events", old_token)
+        await _refused(relay, sid, "events", old_token, last_event_id="0")
+        await _refused(relay, sid, "ws", old_token, **{"from": "1"})
+        await _refused(relay, sid, "ui-stream", old_token)
+        await _refused(relay, sid, "ws", _token(sid))
+        # a bystander streams on
+        offsets = await publish_turn(redis, bystander, ["still", " here"])
+        assert [int(i) for i, _, _ in await b.events(3)] == offsets
+        hub = relay.server.hub
+        assert hub is not None
+        assert hub.stats()["deleted"] == 1
+    assert await redis.exists(presence_key(sid)) == 0  # the relay's presence went too
+
+
+async def test_a_stream_opened_on_another_relay_after_the_delete_is_refused(
+    cluster: Any, redis: RedisCluster
+) -> None:
+    sid = new_session_id()
+    await publish_turn(redis, sid, ["a"])
+    token = _token(sid)
+    await delete_session(redis, sid)
+    async with running(cluster, relay_id="edge-other") as relay:
+        await _refused(relay, sid, "events", token)
+        await _refused(relay, sid, "events", token, last_event_id="1")
+        await _refused(relay, sid, "ws", token)
+        async with aiohttp.ClientSession() as http:  # the AI SDK's resume URL as well
+            url = f"{relay.base}/v1/chat/{sid}/stream"
+            async with http.get(url, params={"token": token}) as resp:
+                assert resp.status == 410
+        hub = relay.server.hub
+        assert hub is not None
+        assert hub.stats()["channels"] == 0

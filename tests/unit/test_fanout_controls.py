@@ -1,0 +1,216 @@
+"""The chat controls' rules on the relay, without a server: the real hub and connections
+on the in-memory broker (relay.broker.memory), which answers as the Redis scripts do.
+
+What is checked: a deleted session's streams end with its notice, then the close (SSE,
+WebSocket, the UI stream, a reader), its channel goes at once, and a new stream of it is
+refused (live and resumed). (The same against a real Redis Cluster, through the HTTP
+streams: tests/integration/test_relay_controls.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+import pytest
+
+from relay.broker.errors import SessionDeleted, WatchClosed
+from relay.broker.memory import MemoryBroker
+from relay.edge.conn.base import Conn
+from relay.edge.conn.reader import Reader, open_reader
+from relay.edge.conn.sse import SseConn
+from relay.edge.conn.ui import UiConn
+from relay.edge.conn.ws import WsConn
+from relay.edge.core.resume import Delivery
+from relay.edge.fanout.hub import Hub
+from relay.protocol.codes import CloseCode, WsClose
+from relay.protocol.frame import decode
+
+SID = "controls"
+
+
+class Recorder:
+    """A transport that keeps every byte written, and whether it was closed."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+@pytest.fixture
+async def broker() -> MemoryBroker:
+    return MemoryBroker("unit")
+
+
+@pytest.fixture
+async def hub(broker: MemoryBroker) -> AsyncIterator[Hub]:
+    h = Hub(broker, unsubscribe_delay_s=0.05, reap_interval_s=0)
+    await h.start()
+    try:
+        yield h
+    finally:
+        await h.close()
+
+
+async def collect(r: Reader, until: int, within_s: float = 2.0) -> list[Delivery]:
+    """Frames of ``r`` until one at offset ``until`` (or later) arrived."""
+    out: list[Delivery] = []
+    async with asyncio.timeout(within_s):
+        while not out or max(d.offset for d in out) < until:
+            out += await r.next()
+    return out
+
+
+async def attached(conn: Conn, hub: Hub) -> Recorder:
+    await hub.open(conn)
+    t = Recorder()
+    conn.attach(cast(Any, t))
+    return t
+
+
+def ws_messages(data: bytes) -> list[tuple[int, bytes]]:
+    """The server's unmasked WebSocket frames in ``data``: (first byte, payload)."""
+    out: list[tuple[int, bytes]] = []
+    while data:
+        n, at = data[1], 2
+        if n == 126:
+            n, at = int.from_bytes(data[2:4], "big"), 4
+        out.append((data[0], data[at : at + n]))
+        data = data[at + n :]
+    return out
+
+
+async def until_closed(t: Recorder, within_s: float = 2.0) -> None:
+    async with asyncio.timeout(within_s):
+        while not t.closed:
+            await asyncio.sleep(0.005)
+
+
+# -- a deleted session ---------------------------------------------------------------
+
+
+async def test_a_deleted_sessions_reader_gets_the_notice_then_the_close(
+    hub: Hub, broker: MemoryBroker
+) -> None:
+    readers = [await open_reader(hub, SID, None) for _ in range(3)]
+    broker.append(SID, text="a")
+    for r in readers:
+        await collect(r, 1)
+    broker.delete(SID)
+    for r in readers:
+        last = await r.next()
+        notice = decode(last[0].data)
+        assert (notice.kind, notice.offset, notice.meta) == (
+            "reset", 0, {"code": "session_deleted"}
+        )  # fmt: skip
+        with pytest.raises(WatchClosed) as closed:
+            await r.next()
+        assert closed.value.code is CloseCode.SESSION_DELETED
+    assert broker.subscribed == set()  # at once, no linger: the next stream reads again
+    assert broker.presence == set()
+    assert hub.stats()["channels"] == 0
+    assert hub.stats()["deleted"] == 1
+
+
+@pytest.mark.parametrize("offset", [None, 0, 3])
+async def test_a_new_stream_of_a_deleted_session_is_refused(
+    hub: Hub, broker: MemoryBroker, offset: int | None
+) -> None:
+    for _ in range(3):
+        broker.append(SID)
+    broker.delete(SID)
+    with pytest.raises(SessionDeleted):
+        await open_reader(hub, SID, offset)
+    assert hub.stats()["channels"] == 0
+    assert broker.presence == set()
+
+
+async def test_a_stream_that_joins_a_watched_session_after_a_lost_notice_is_refused(
+    hub: Hub, broker: MemoryBroker
+) -> None:
+    r = await open_reader(hub, SID, None)
+    broker.append(SID)
+    await collect(r, 1)
+    broker.unsubscribe(SID)  # the notice is lost on its way (a dropped connection)
+    broker.delete(SID)
+    broker.subscribed.add(SID)
+    with pytest.raises(SessionDeleted):  # its own first read finds the tombstone
+        await open_reader(hub, SID, None)
+    notice = await r.next()  # and the read ended the session's other streams here too
+    assert decode(notice[0].data).meta == {"code": "session_deleted"}
+    with pytest.raises(WatchClosed):
+        await r.next()
+
+
+async def test_a_deleted_sessions_sse_stream_ends_with_the_notice_and_the_close_comment(
+    hub: Hub, broker: MemoryBroker
+) -> None:
+    conn = SseConn(hub, SID, None)
+    t = await attached(conn, hub)
+    broker.append(SID, text="a")
+    await asyncio.sleep(0.01)
+    broker.delete(SID)
+    await until_closed(t)
+    text = bytes(t.data).decode()
+    events = text.split("\n\n")
+    assert events[0].startswith("id: 1\nevent: token\n")
+    assert events[1].startswith("id: 0\nevent: reset\ndata: ")
+    assert json.loads(events[1].split("data: ", 1)[1])["meta"]["code"] == "session_deleted"
+    assert events[2] == "retry: 1000\n: close session_deleted the session was deleted"
+    assert conn.stop == (CloseCode.SESSION_DELETED, "the session was deleted")
+
+
+async def test_a_deleted_sessions_websocket_gets_the_notice_then_close_4410(
+    hub: Hub, broker: MemoryBroker
+) -> None:
+    conn = WsConn(hub, SID, None)
+    t = await attached(conn, hub)
+    broker.delete(SID)
+    async with asyncio.timeout(2):
+        while b"\x88" not in t.data:  # a close frame
+            await asyncio.sleep(0.005)
+    (op, text), (op_close, close) = ws_messages(bytes(t.data))
+    assert op == 0x81  # the notice: one text message
+    notice = json.loads(text)
+    assert notice["kind"] == "reset"
+    assert notice["meta"] == {"code": "session_deleted"}
+    assert op_close == 0x88
+    assert int.from_bytes(close[:2], "big") == WsClose.SESSION_DELETED
+    assert int(WsClose.SESSION_DELETED) == 4410
+    assert close[2:] == b"the session was deleted"
+    conn.connection_lost(None)  # the client's close never comes here: let the wait end
+
+
+async def test_a_deleted_sessions_ui_stream_ends_with_an_error_part(
+    hub: Hub, broker: MemoryBroker
+) -> None:
+    turn = broker.open_turn(SID)
+    broker.append(SID, "meta")
+    broker.append(SID, text="Hel")
+    conn = UiConn(hub, SID, turn, 0)
+    t = await attached(conn, hub)
+    await asyncio.sleep(0.01)
+    broker.delete(SID)
+    await until_closed(t)
+    parts = [p for p in bytes(t.data).decode().split("\n\n") if p.startswith("data: ")]
+    assert parts[-1] == "data: [DONE]"
+    error, finish = (json.loads(p[6:]) for p in parts[-3:-1])
+    assert error == {"type": "error", "errorText": "the session was deleted"}
+    assert finish == {"type": "finish", "finishReason": "error"}
