@@ -23,7 +23,9 @@ the edge:
 - **seal** and **reap**: the two writes a relay makes (a ``gap`` frame over offsets a
   failover lost; an ``error`` frame ending a turn whose producer died);
 - **presence**: which sessions this relay has viewers of (the producers' "nobody
-  watches" rule reads it);
+  watches" rule reads it), and how many screens it serves each to
+  (:meth:`Broker.screens`: the session's total over every relay comes back to every
+  relay's subscribers as a ``presence`` frame, outside the session's order);
 - :meth:`Broker.active_turn` (the AI SDK's resume), :meth:`Broker.ping` (readiness),
   :meth:`Broker.stats` (metrics).
 
@@ -133,6 +135,12 @@ class Broker(Protocol):
 
     def absent(self, sid: str) -> None:
         """This relay has no viewer of ``sid`` any more."""
+
+    async def screens(self, sid: str, count: int) -> int:
+        """This relay serves ``sid`` to ``count`` screens (0: none): written, and the
+        session's total over the relays whose presence is live sent on its live channel
+        as a ``presence`` frame (offset 0, in no backlog); the total. Raises
+        ``SessionDeleted`` (nothing written) when the session was deleted."""
 
     async def active_turn(self, sid: str) -> tuple[int, int] | None:
         """The turn that is generating and the offset right before its first frame;

@@ -2,6 +2,10 @@
 browser opens (SSE, WebSocket, the AI SDK's UI stream) on relays of this process
 (:func:`tests.support.relay.running`):
 
+- the presence frame: screens on two relays learn the session's total and follow joins
+  and leaves within seconds, a late joiner gets the count at once, a relay whose presence
+  entry expired stops counting (the refresh script puts the total right), the last
+  screen leaving removes the relay's field, and the SSE event moves no resume point;
 - a deleted session: every open stream ends with the deleted notice and its close
   (SSE's ``: close session_deleted``, WebSocket 4410, the UI stream's error part), and a
   stream opened afterwards is refused with 410 ``session_deleted``, with a token minted
@@ -23,6 +27,7 @@ import pytest
 from aiohttp import WSMsgType
 from redis.asyncio.cluster import RedisCluster
 
+from relay.broker.rediscluster.presence import WRITE_LUA, write_keys
 from relay.broker.rediscluster.publisher import Publisher
 from relay.protocol.auth import issue_token
 from relay.protocol.frame import deleted_frame, encode
@@ -39,6 +44,7 @@ from relay.protocol.keys import (
     screens_key,
 )
 from tests.support.relay import SECRET, STEP, Relay, publish_turn, running, sse, ws_frames
+from tests.support.sse import SSEClient
 
 pytestmark = pytest.mark.integration
 
@@ -74,6 +80,71 @@ async def _refused(relay: Relay, sid: str, path: str, token: str, **params: str)
         assert resp.status == 410, (path, resp.status, body)
         assert body["error"] == "session_deleted"
         assert body["reason"]
+
+
+PRESENCE_S = 5.0  # "within a few seconds": a count must be right by then
+
+
+async def sse_count(client: SSEClient, n: int) -> None:
+    """Read the SSE stream until its last presence frame says ``n`` screens."""
+    async with asyncio.timeout(PRESENCE_S):
+        while not client.presence or client.presence[-1]["meta"]["screens"] != n:
+            client.feed(await client.resp.content.readany())
+    assert client.presence[-1]["offset"] == 0
+
+
+async def ws_count(ws: aiohttp.ClientWebSocketResponse, n: int) -> None:
+    """Read the WebSocket until a presence frame says ``n`` screens."""
+    async with asyncio.timeout(PRESENCE_S):
+        while True:
+            msg = await ws.receive()
+            assert msg.type is WSMsgType.TEXT, msg
+            f = json.loads(msg.data)
+            if f.get("kind") == "presence" and f["meta"]["screens"] == n:
+                return
+
+
+async def test_screens_on_two_relays_learn_the_count_and_follow_joins_and_leaves(
+    cluster: Any, redis: RedisCluster
+) -> None:
+    sid = new_session_id()
+    await publish_turn(redis, sid, ["a", "b"])
+    async with (
+        running(cluster, relay_id="edge-a") as a,
+        running(cluster, relay_id="edge-b") as b,
+        sse(a, sid, params={"last_event_id": "0"}) as a1,
+    ):
+        assert len(await a1.events(3)) == 3
+        await sse_count(a1, 1)
+        async with b.http.ws_connect(b.url(sid, "ws"), params={"token": _token(sid)}) as b1:
+            await asyncio.gather(sse_count(a1, 2), ws_count(b1, 2))
+            async with sse(a, sid) as late:  # learns the count this relay knows, at once
+                async with asyncio.timeout(1.0):
+                    while not late.presence:
+                        late.feed(await late.resp.content.readany())
+                assert late.presence[0]["meta"]["screens"] in (2, 3)
+                await asyncio.gather(sse_count(a1, 3), sse_count(late, 3), ws_count(b1, 3))
+                assert await redis.hgetall(screens_key(sid)) == {b"edge-a": b"2", b"edge-b": b"1"}
+            await asyncio.gather(sse_count(a1, 2), ws_count(b1, 2))
+        await sse_count(a1, 1)  # the WebSocket on edge-b closed
+        assert a1.last_id == "3"  # presence events have no id: the resume point stays
+        # a relay that died: its field stays until its presence entry expires, then goes
+        now_ms = int(time.time() * 1000)
+        await redis.hset(screens_key(sid), "edge-dead", 4)
+        await redis.zadd(presence_key(sid), {"edge-dead": now_ms + 2_500})
+        offsets = await publish_turn(redis, sid, ["c"])  # (a write, so the count moves)
+        assert [int(i) for i, _, _ in await a1.events(2)] == offsets
+        async with sse(a, sid) as third:
+            await sse_count(a1, 6)  # edge-a's 2 and edge-dead's 4, still live
+            while int(time.time() * 1000) <= now_ms + 2_600:  # edge-dead's entry expires;
+                await asyncio.sleep(0.1)  # a refresh notices
+            ks = write_keys(sid)
+            await redis.eval(WRITE_LUA, len(ks), *ks, "edge-a", 30_000, sid)
+            await asyncio.gather(sse_count(a1, 2), sse_count(third, 2))
+            assert await redis.hgetall(screens_key(sid)) == {b"edge-a": b"2"}
+    async with asyncio.timeout(PRESENCE_S):  # the last screens left: edge-a's field went
+        while await redis.hexists(screens_key(sid), "edge-a"):
+            await asyncio.sleep(0.05)
 
 
 async def test_a_deleted_sessions_streams_end_and_new_ones_are_refused(

@@ -169,7 +169,7 @@ async def test_a_deleted_sessions_sse_stream_ends_with_the_notice_and_the_close_
     broker.delete(SID)
     await until_closed(t)
     text = bytes(t.data).decode()
-    events = text.split("\n\n")
+    events = [e for e in text.split("\n\n") if not e.startswith("event: presence")]
     assert events[0].startswith("id: 1\nevent: token\n")
     assert events[1].startswith("id: 0\nevent: reset\ndata: ")
     assert json.loads(events[1].split("data: ", 1)[1])["meta"]["code"] == "session_deleted"
@@ -186,7 +186,8 @@ async def test_a_deleted_sessions_websocket_gets_the_notice_then_close_4410(
     async with asyncio.timeout(2):
         while b"\x88" not in t.data:  # a close frame
             await asyncio.sleep(0.005)
-    (op, text), (op_close, close) = ws_messages(bytes(t.data))
+    msgs = [m for m in ws_messages(bytes(t.data)) if b'"kind":"presence"' not in m[1]]
+    (op, text), (op_close, close) = msgs
     assert op == 0x81  # the notice: one text message
     notice = json.loads(text)
     assert notice["kind"] == "reset"
@@ -214,3 +215,150 @@ async def test_a_deleted_sessions_ui_stream_ends_with_an_error_part(
     error, finish = (json.loads(p[6:]) for p in parts[-3:-1])
     assert error == {"type": "error", "errorText": "the session was deleted"}
     assert finish == {"type": "finish", "finishReason": "error"}
+
+
+# -- the presence frame ----------------------------------------------------------------
+
+
+@pytest.fixture
+async def quick(broker: MemoryBroker) -> AsyncIterator[Hub]:
+    """A hub that writes a session's screen count at most every 0.1 s."""
+    h = Hub(broker, unsubscribe_delay_s=0.05, reap_interval_s=0, screens_interval_s=0.1)
+    await h.start()
+    try:
+        yield h
+    finally:
+        await h.close()
+
+
+def screens(ds: list[Delivery]) -> list[int]:
+    """The counts of the presence frames among ``ds``, in order."""
+    return [decode(d.data).meta["screens"] for d in ds if d.kind == "presence"]  # type: ignore[index]
+
+
+async def count_is(r: Reader, n: int, within_s: float = 2.0) -> list[Delivery]:
+    """Read ``r`` until a presence frame says ``n`` screens; what was read."""
+    out: list[Delivery] = []
+    async with asyncio.timeout(within_s):
+        while not screens(out) or screens(out)[-1] != n:
+            out += await r.next()
+    return out
+
+
+async def test_every_screen_learns_the_count_and_it_follows_joins_and_leaves(
+    quick: Hub, broker: MemoryBroker
+) -> None:
+    a = await open_reader(quick, SID, None, notices=True)
+    await count_is(a, 1)
+    b = await open_reader(quick, SID, None, notices=True)
+    await count_is(a, 2)
+    await count_is(b, 2)
+    await b.close()
+    await count_is(a, 1)
+    assert broker.screen_counts[SID] == {"unit": 1}
+    await a.close()
+    async with asyncio.timeout(2):  # the last one gone: this relay's field goes too
+        while broker.screen_counts[SID]:
+            await asyncio.sleep(0.01)
+
+
+async def test_a_burst_of_screens_is_one_or_two_writes_not_one_each(
+    quick: Hub, broker: MemoryBroker
+) -> None:
+    first = await open_reader(quick, SID, None, notices=True)
+    readers = [await open_reader(quick, SID, None, notices=True) for _ in range(19)]
+    await count_is(first, 20)
+    await asyncio.sleep(0.3)
+    assert broker.screen_writes <= 3  # the first at once, then at most one per interval
+    for r in readers:
+        await r.close()
+    await count_is(first, 1)
+    assert broker.screen_writes <= 5
+
+
+async def test_a_screen_that_joins_late_gets_the_count_at_once(broker: MemoryBroker) -> None:
+    hub = Hub(broker, reap_interval_s=0, screens_interval_s=30)  # the next write is far off
+    await hub.start()
+    try:
+        a = await open_reader(hub, SID, None, notices=True)
+        await count_is(a, 1)
+        late = await open_reader(hub, SID, None, notices=True)
+        got = await late.next()  # no write happened since: the count this relay knows
+        assert screens(got) == [1]
+        assert broker.screen_writes == 1
+    finally:
+        await hub.close()
+
+
+async def test_presence_frames_are_outside_the_order(quick: Hub, broker: MemoryBroker) -> None:
+    r = await open_reader(quick, SID, None, notices=True)
+    seen: list[Delivery] = []
+    for i in range(30):
+        broker.append(SID, text=f"t{i}")
+        if i % 10 == 0:
+            other = await open_reader(quick, SID, None)  # the count moves meanwhile
+            await asyncio.sleep(0.12)
+            await other.close()
+        seen += await r.next()
+    async with asyncio.timeout(2):
+        while max(d.offset for d in seen) < 30:
+            seen += await r.next()
+    frames = [d for d in seen if d.kind != "presence"]
+    assert [d.offset for d in frames] == list(range(1, 31))  # no hole, no duplicate
+    assert len(screens(seen)) >= 3
+    assert all(d.offset == 0 for d in seen if d.kind == "presence")
+    assert r.watch.last == 30  # the resume point is the frames', whatever came between
+    assert quick.stats()["gaps"] == 0
+
+
+async def test_other_relays_count_while_their_presence_lives(
+    quick: Hub, broker: MemoryBroker
+) -> None:
+    broker.peer(SID, "edge-b", 3)
+    a = await open_reader(quick, SID, None, notices=True)
+    await count_is(a, 4)  # this relay's 1, and edge-b's 3
+    broker.expire(SID, "edge-b")  # edge-b died: its entry expired, its count goes
+    await count_is(a, 1)
+    broker.peer(SID, "edge-c", 2)
+    broker.live_peers[SID].discard("edge-c")  # a field whose relay has no live entry
+    b = await open_reader(quick, SID, None, notices=True)
+    await count_is(b, 2)  # edge-c's 2 does not count, and is dropped
+    assert broker.screen_counts[SID] == {"unit": 2}
+
+
+async def test_the_sse_presence_event_has_no_id_and_the_ui_stream_skips_it(
+    quick: Hub, broker: MemoryBroker
+) -> None:
+    conn = SseConn(quick, SID, None)
+    t = await attached(conn, quick)
+    broker.open_turn(SID)
+    broker.append(SID, "meta")
+    ui = UiConn(quick, SID, 1, 0)
+    tu = await attached(ui, quick)
+    async with asyncio.timeout(2):
+        while b'"screens":2' not in t.data:
+            await asyncio.sleep(0.01)
+    events = bytes(t.data).decode().split("\n\n")
+    presence = [e for e in events if "event: presence" in e]
+    assert presence
+    assert all(e.startswith("event: presence\ndata: {") for e in presence)  # no id: line
+    assert b"presence" not in tu.data
+
+
+async def test_a_closing_relay_takes_its_count_back(broker: MemoryBroker) -> None:
+    hub = Hub(broker, reap_interval_s=0, screens_interval_s=0.05)
+    await hub.start()
+    r = await open_reader(hub, SID, None, notices=True)
+    await count_is(r, 1)
+    await hub.close()
+    assert broker.screen_counts[SID] == {}
+
+
+async def test_a_deleted_session_gets_no_count_written(quick: Hub, broker: MemoryBroker) -> None:
+    r = await open_reader(quick, SID, None, notices=True)
+    await count_is(r, 1)
+    broker.delete(SID)
+    writes = broker.screen_writes
+    await asyncio.sleep(0.3)
+    assert broker.screen_writes == writes
+    assert SID not in broker.screen_counts

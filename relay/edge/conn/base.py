@@ -221,6 +221,18 @@ class Conn(asyncio.Protocol):
         if w.queue:
             self._flush()
 
+    def notice(self, d: Delivery) -> None:
+        """A frame outside the session's order (presence): written now if nothing waits,
+        else queued after what does; the watch's last offset is not touched."""
+        w = self.watch
+        if w.closed is not None:
+            return
+        if self._room and not w.queue:
+            self._write([d])
+            return
+        w.notice(d)
+        self._flush()
+
     def shut(self, reason: str, code: CloseCode) -> None:
         """End the watch (the connection then says goodbye and closes)."""
         self._apply(self.watch.close(code, reason))

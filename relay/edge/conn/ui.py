@@ -11,7 +11,8 @@ makes of it, then ``data: [DONE]``, and the response ends.
 What a :class:`UiConn` adds to :class:`relay.edge.conn.base.Conn`: its encoding is its
 own (a :class:`relay.protocol.uistream.UiTurn` per connection: the parts depend on
 where in the turn it is); it ends itself once the turn's terminal frame is written;
-a ``: heartbeat`` comment after ``heartbeat_s`` without a write; on a drain or a cutoff
+a ``: heartbeat`` comment after ``heartbeat_s`` without a write; no ``presence`` frame
+(the stream is one reply, not the session); on a drain or a cutoff
 it ends the response without ``[DONE]`` (the client resumes: a replay); when the
 session is deleted, an ``error`` part, ``[DONE]`` and the end.
 
@@ -71,6 +72,9 @@ class UiConn(Conn):
             if t is not None and self.chunked:
                 t.write(_LAST_CHUNK)
             self.close_transport()
+
+    def notice(self, d: Delivery) -> None:
+        """The UI stream is one turn's reply: the presence count is not part of it."""
 
     def beat(self, now: float, heartbeat_s: float) -> None:
         if self.last_write <= now - heartbeat_s and self.idle_room():

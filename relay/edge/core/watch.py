@@ -39,6 +39,7 @@ Order of calls::
     intents = w.subscribed()                   # once the channel is subscribed
     intents = w.offer(deliveries)              # every live frame, in channel order
     intents = w.backlog(entries, first, last, gen)  # the answer to a Fetch
+    w.notice(delivery)                         # a frame outside the order (presence)
     frames, intents = w.take()                 # the socket has room: everything queued
     intents = w.close(code, reason)
 """
@@ -248,6 +249,20 @@ class Watch:
             else:
                 intents.extend(self._fetch_or_defer(step.fetch, replay=True))
         return intents
+
+    def notice(self, d: Delivery) -> None:
+        """A frame outside the session's order (presence), queued after what is queued,
+        past the merge and the replay: it is not an offset. One that is still queued
+        last is replaced by the newer one (a count that waits is never worth two)."""
+        if self.closed is not None:
+            return
+        q = self.queue
+        if q and q[-1].offset == 0 and q[-1].kind == d.kind:
+            self.queued_bytes -= len(q[-1].data)
+            q[-1] = d
+        else:
+            q.append(d)
+        self.queued_bytes += len(d.data)
 
     def take(self) -> tuple[list[Delivery], Sequence[Intent]]:
         """Everything queued, in order (the socket has room), and the held page fetch."""

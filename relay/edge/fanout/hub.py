@@ -17,16 +17,16 @@ first call of a module never comes back to a module already passed
 (``python -m bench.relay.anatomy`` traces it).
 
 Beside the fan-out, fed by the set of watched sessions: the broker's presence (a
-session's first local connection opens it, its last one closes it) and
+session's first local connection opens it, its last one closes it), the screen counts
+(:class:`relay.edge.fanout.notices.Screens`: how many connections each session has
+here, written when it changes; the ``presence`` frames that come back go to every
+connection of the session, outside its order) and
 :class:`relay.edge.fanout.reaper.Reaper` (ends turns whose producer died).
 
-A deleted session (the producer's ``reset`` frame with ``meta.code``
-``session_deleted``, or a backlog read that finds its tombstone:
-:class:`relay.broker.errors.SessionDeleted`) ends every connection of it with that
-notice as its last frame (:meth:`Hub._gone`), and its channel goes at once, so that a
-new stream of it reads the backlog again, finds the tombstone and is refused. The
-notice is looked at only where a frame is not the channel's next one: the live path's
-common case does not pay for it.
+A deleted session (its notice, or a read that finds its tombstone) ends every
+connection of it with the notice as its last frame, and its channel goes at once
+(:meth:`Hub._gone`). Notices are looked at only where a frame is not the channel's next
+one: the live path's common case does not pay for them.
 
 Background work runs on one :class:`relay.service.supervise.Supervisor` (the relay's, or
 one the hub makes for itself): the broker's loops, the reaper, and every task the hub
@@ -62,7 +62,7 @@ from relay.edge.core.resume import Delivery, Fetch, ResumeState, Step
 from relay.edge.core.watch import Limits
 from relay.edge.fanout.budget import ByteBudget
 from relay.edge.fanout.channel import Channel, Watcher
-from relay.edge.fanout.notices import DELETED_REASON, deleted_delivery, is_deleted
+from relay.edge.fanout.notices import DELETED_REASON, Screens, deleted_delivery, is_deleted
 from relay.edge.fanout.reaper import Reaper
 from relay.protocol.codes import CloseCode
 from relay.protocol.frame import FrameError, decode, frame_gen, monotonic_ms
@@ -98,7 +98,9 @@ class Hub:
     Bounds: ``queue_frames`` / ``hard_limit_frames`` / ``max_pending_bytes`` per
     connection (conflation, then ``slow_consumer``); ``backlog_page`` frames and
     ``page_bytes`` bytes per backlog read; ``replay_budget_bytes`` of replay pages in
-    memory relay-wide (past it new replays wait their turn)."""
+    memory relay-wide (past it new replays wait their turn); ``screens_interval_s``: the
+    least time between two writes of a session's screen count (0: no counts, no presence
+    frames)."""
 
     def __init__(
         self,
@@ -113,6 +115,7 @@ class Hub:
         replay_budget_bytes: int = 64 << 20,
         reap_after_s: float = 2.0,
         reap_interval_s: float = 1.0,
+        screens_interval_s: float = 1.0,
         supervisor: Supervisor | None = None,
     ) -> None:
         self.broker = broker
@@ -141,6 +144,10 @@ class Hub:
         self.live_observers: list[Callable[[list[Delivery]], None]] = []
         # plain counters the hub, its connections and their watches add to
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        self.screens = Screens(
+            broker, self._watched, self._spawn, interval_s=screens_interval_s,
+            counters=self.counters,
+        )  # fmt: skip
         broker.bind(self._on_message, self._on_resubscribed)
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -163,6 +170,7 @@ class Hub:
             self._drop_channel(ch)
         if self._owns_supervisor:
             await self.supervisor.stop()
+        await self.screens.close()  # its counts back to 0, before its presence goes
         await self.broker.close()
 
     def stats(self) -> dict[str, Any]:
@@ -216,12 +224,15 @@ class Hub:
             raise SessionDeleted(sid)  # its first read found the tombstone
         if not w.closed:
             self.broker.present(sid)  # a no-op unless this is the session's first watcher
+            self.screens.joined(ch, w)
 
     def conn_closed(self, w: Watcher) -> None:
         """``w``'s watch closed: stop feeding it; the last one leaving unsubscribes later."""
         ch = self._channels.get(w.sid)
         if ch is None or not ch.discard(w):
             return
+        if not self._closed:
+            self.screens.changed(ch.sid)
         if ch.watched or ch.dead or self._closed:
             return
         self.broker.absent(ch.sid)
@@ -315,6 +326,11 @@ class Hub:
         if not self._closed:  # on close, the broker's connections close anyway
             self.broker.unsubscribe(ch.sid)
 
+    def _watched(self, sid: str) -> int:
+        """The session's connections on this relay now."""
+        ch = self._channels.get(sid)
+        return ch.watched if ch is not None else 0
+
     def _reapable(self) -> Iterator[Channel]:
         return (ch for ch in self._channels.values() if ch.watched and ch.ready.done())
 
@@ -345,6 +361,9 @@ class Hub:
             try:
                 if ch.resume.next_live(d):  # the common case: the next frame, in order
                     ds = [d]
+                elif d.offset == 0 and d.kind == "presence":  # outside the order
+                    self.screens.received(ch, d)
+                    continue
                 elif d.offset == 0 and is_deleted(f):
                     self._gone(ch, d)
                     continue
@@ -414,6 +433,7 @@ class Hub:
         else:  # connections still opening: refused
             ch.ready.set_exception(SessionDeleted(ch.sid))
         self._drop_channel(ch)
+        self.screens.forget(ch.sid)
         if not self._closed:
             self.broker.absent(ch.sid)
         for w in watchers:

@@ -154,6 +154,7 @@ class EdgeServer:
                 max_pending_bytes=cfg.max_pending_bytes,
                 replay_budget_bytes=cfg.replay_budget_bytes,
                 unsubscribe_delay_s=cfg.unsubscribe_delay_s,
+                screens_interval_s=cfg.presence_interval_s,
                 reap_after_s=cfg.reap_after_s,
                 reap_interval_s=min(cfg.reap_after_s, 1.0),  # 0 disables the reaper
                 supervisor=self.supervisor,
