@@ -234,6 +234,7 @@ HUB_METRICS: Final[dict[str, tuple[str, str]]] = {
     "frames_out": (COUNTER, "frames handed to watches"),
     "bad_frames": (COUNTER, "live messages that did not decode as frames"),
     "conflations": (COUNTER, "queued token frames merged for a slow socket"),
+    "compacted": (COUNTER, "replay frames a compacted join saved (finished turns' tokens merged)"),
     "slow_disconnects": (COUNTER, "watches closed as slow consumers"),
     "replays": (COUNTER, "watches that replayed the backlog from an offset"),
     "gaps": (COUNTER, "gap frames produced (frames lost for good)"),

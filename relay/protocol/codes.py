@@ -54,6 +54,7 @@ class Refusal(enum.StrEnum):
     # -- the relay's streams ----------------------------------------------------------------
     INVALID_OFFSET = "invalid_offset"  # Last-Event-ID / last_event_id / from: not an offset
     INVALID_GEN = "invalid_gen"  # the stream's ``gen`` parameter is not a generation id
+    INVALID_COMPACT = "invalid_compact"  # the stream's ``compact`` parameter is not 0 / 1
     NOT_WEBSOCKET = "not_websocket"
     OVERLOADED = "overloaded"  # max_connections reached
     UNAVAILABLE = "unavailable"  # Redis could not be read: connect again

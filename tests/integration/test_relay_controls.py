@@ -9,7 +9,11 @@ browser opens (SSE, WebSocket, the AI SDK's UI stream) on relays of this process
 - a deleted session: every open stream ends with the deleted notice and its close
   (SSE's ``: close session_deleted``, WebSocket 4410, the UI stream's error part), and a
   stream opened afterwards is refused with 410 ``session_deleted``, with a token minted
-  before the delete too; a bystander session streams on.
+  before the delete too; a bystander session streams on;
+- a compacted join (``?compact=1``) over SSE and WebSocket: each finished turn as meta,
+  one merged token frame and its terminal frame, the running turn and the live frames
+  frame by frame, the text and the offsets' continuity as a full join's; a ``compact``
+  that is not a flag is a 400 ``invalid_compact``.
 
 The delete is done here as docs/PROTOCOL.md "A deleted session" says a producer does it
 (:func:`delete_session`), so that these tests do not depend on the worker's route.
@@ -28,7 +32,7 @@ from aiohttp import WSMsgType
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.rediscluster.presence import WRITE_LUA, write_keys
-from relay.broker.rediscluster.publisher import Publisher
+from relay.broker.rediscluster.publisher import Draft, Publisher
 from relay.protocol.auth import issue_token
 from relay.protocol.frame import deleted_frame, encode
 from relay.protocol.keys import (
@@ -216,3 +220,62 @@ async def test_a_stream_opened_on_another_relay_after_the_delete_is_refused(
         hub = relay.server.hub
         assert hub is not None
         assert hub.stats()["channels"] == 0
+
+
+async def _long_session(redis: RedisCluster, sid: str, turns: int, tokens: int) -> Any:
+    """``turns`` finished turns of ``tokens`` token frames, then a running turn (meta and
+    two tokens): its generation, to write on."""
+    pub = Publisher(redis)
+    for t in range(turns):
+        gen = await pub.open_generation(sid)
+        drafts = [Draft(kind="meta", meta={"role": "user", "message": f"q{t}"})]
+        drafts += [Draft(kind="token", text=f"{t}.{i} ") for i in range(tokens)]
+        await gen.publish([*drafts, Draft(kind="done")])
+    gen = await pub.open_generation(sid)
+    await gen.publish([Draft(kind="meta"), Draft(kind="token", text="r0 "),
+                       Draft(kind="token", text="r1 ")])  # fmt: skip
+    return gen
+
+
+def _check_join(frames: list[dict[str, Any]], turns: int, tokens: int) -> None:
+    assert [f["kind"] for f in frames[: 3 * turns]] == ["meta", "token", "done"] * turns
+    assert [f["kind"] for f in frames[3 * turns :]] == ["meta", "token", "token"]
+    last = 0
+    for f in frames:
+        meta = f.get("meta") or {}
+        first = meta["from"] if "merged" in meta else f["offset"]
+        assert first == last + 1, (last, f)
+        last = f["offset"]
+    text = "".join(f["text"] for f in frames if f["kind"] == "token")
+    assert text == "".join(f"{t}.{i} " for t in range(turns) for i in range(tokens)) + "r0 r1 "
+
+
+async def test_a_compacted_join_over_sse_and_websocket(cluster: Any, redis: RedisCluster) -> None:
+    sid, turns, tokens = new_session_id(), 30, 20
+    gen = await _long_session(redis, sid, turns, tokens)
+    total = turns * (tokens + 2) + 3
+    async with running(cluster) as relay:
+        async with sse(relay, sid, params={"last_event_id": "0", "compact": "1"}) as client:
+            frames = [f for _, _, f in await client.events(3 * turns + 3)]
+            _check_join(frames, turns, tokens)
+            live = await gen.token("live")  # live frames as they are
+            ((_, kind, f),) = await client.events(1)
+            assert (kind, f["offset"], f["meta"]) == ("token", live, {"gen": gen.gen})
+        async with relay.http.ws_connect(
+            relay.url(sid, "ws"), params={"from": "0", "compact": "true", "token": _token(sid)}
+        ) as ws:
+            hello, *frames = await ws_frames(ws, 1 + 3 * turns + 4)
+            assert hello["type"] == "hello"
+            assert frames[-1]["offset"] == total + 1
+            _check_join(frames[:-1], turns, tokens)
+        async with sse(relay, sid, params={"last_event_id": "0"}) as full:  # not asked: all
+            assert len(await full.events(total + 1)) == total + 1
+        for params in ({"compact": "yes"}, {"compact": "2"}):
+            async with relay.http.get(
+                relay.url(sid), params={"token": _token(sid), **params}
+            ) as resp:
+                assert resp.status == 400
+                assert (await resp.json())["error"] == "invalid_compact"
+        hub = relay.server.hub
+        assert hub is not None
+        assert hub.stats()["compacted"] == 2 * turns * (tokens - 1)

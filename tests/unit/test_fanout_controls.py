@@ -3,8 +3,12 @@ on the in-memory broker (relay.broker.memory), which answers as the Redis script
 
 What is checked: a deleted session's streams end with its notice, then the close (SSE,
 WebSocket, the UI stream, a reader), its channel goes at once, and a new stream of it is
-refused (live and resumed). (The same against a real Redis Cluster, through the HTTP
-streams: tests/integration/test_relay_controls.py.)
+refused (live and resumed); the presence frame (the count over relays, debounced, what a
+late joiner gets, outside the order, its SSE event without an id, skipped by the UI
+stream); a compacted join (finished turns as three frames across replay pages, the
+running turn and the live frames as they are, the UI stream's reply so far as one
+delta). (The same against a real Redis Cluster, through the HTTP streams:
+tests/integration/test_relay_controls.py.)
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from relay.edge.conn.ws import WsConn
 from relay.edge.core.resume import Delivery
 from relay.edge.fanout.hub import Hub
 from relay.protocol.codes import CloseCode, WsClose
-from relay.protocol.frame import decode
+from relay.protocol.frame import decode, first_offset
 
 SID = "controls"
 
@@ -362,3 +366,83 @@ async def test_a_deleted_session_gets_no_count_written(quick: Hub, broker: Memor
     await asyncio.sleep(0.3)
     assert broker.screen_writes == writes
     assert SID not in broker.screen_counts
+
+
+# -- a compacted join ------------------------------------------------------------------
+
+
+def long_session(broker: MemoryBroker, turns: int, tokens: int) -> str:
+    """``turns`` finished turns of ``tokens`` token frames, then a running one of 3; the
+    reply texts, all turns joined."""
+    texts = []
+    for _ in range(turns + 1):
+        t = broker.open_turn(SID)
+        broker.append(SID, "meta")
+        n = tokens if t <= turns else 3
+        for i in range(n):
+            broker.append(SID, text=f"{t}.{i} ")
+            texts.append(f"{t}.{i} ")
+        if t <= turns:
+            broker.append(SID, "done")
+    return "".join(texts)
+
+
+@pytest.mark.parametrize("page", [512, 7])  # one page; turns cut by page ends
+async def test_a_compacted_join_gets_three_frames_per_finished_turn(
+    broker: MemoryBroker, page: int
+) -> None:
+    hub = Hub(broker, reap_interval_s=0, backlog_page=page, screens_interval_s=0)
+    await hub.start()
+    try:
+        text = long_session(broker, 40, 12)
+        last = broker.sessions[SID].offset
+        r = Reader(hub, SID, 0, compact=True)
+        await hub.open(r)
+        got = await collect(r, last)
+        finished = got[: 40 * 3]
+        assert [d.kind for d in finished] == ["meta", "token", "done"] * 40
+        assert [d.kind for d in got[40 * 3 :]] == ["meta", "token", "token", "token"]
+        assert [d.offset for d in got[-3:]] == [last - 2, last - 1, last]  # frame by frame
+        prev = 0
+        for d in got:  # continuous for a client: each frame starts right after the last
+            f = decode(d.data)
+            assert first_offset(f) == prev + 1
+            prev = f.offset
+        assert "".join(decode(d.data).text for d in got if d.kind == "token") == text
+        assert hub.stats()["compacted"] == 40 * 11
+        broker.append(SID, text="live1")  # live frames are never merged
+        broker.append(SID, text="live2")
+        live = await collect(r, last + 2)
+        assert [(d.offset, decode(d.data).meta) for d in live] == [
+            (last + 1, {"gen": broker.sessions[SID].gen}),
+            (last + 2, {"gen": broker.sessions[SID].gen}),
+        ]
+    finally:
+        await hub.close()
+
+
+async def test_a_full_join_is_every_frame(hub: Hub, broker: MemoryBroker) -> None:
+    long_session(broker, 5, 12)
+    last = broker.sessions[SID].offset
+    r = await open_reader(hub, SID, 0)
+    assert [d.offset for d in await collect(r, last)] == list(range(1, last + 1))
+
+
+async def test_a_compacted_ui_stream_gets_the_reply_so_far_as_one_delta(
+    hub: Hub, broker: MemoryBroker
+) -> None:
+    long_session(broker, 2, 5)  # turn 3 runs, 3 tokens in
+    after = broker.sessions[SID].offset - 4  # right before turn 3's meta
+    conn = UiConn(hub, SID, 3, after, compact=True)
+    t = await attached(conn, hub)
+    async with asyncio.timeout(2):
+        while b"text-delta" not in t.data:
+            await asyncio.sleep(0.01)
+    broker.append(SID, text="live")
+    broker.append(SID, "done")
+    await until_closed(t)
+    parts = [json.loads(p[6:]) for p in bytes(t.data).decode().split("\n\n")
+             if p.startswith("data: {")]  # fmt: skip
+    deltas = [p["delta"] for p in parts if p["type"] == "text-delta"]
+    assert deltas == ["3.0 3.1 3.2 ", "live"]
+    assert parts[-1]["type"] == "finish"

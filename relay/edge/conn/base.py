@@ -53,6 +53,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Final, Protocol
 
 from relay.broker.errors import SessionDeleted
+from relay.edge.core.compact import Compactor
 from relay.edge.core.resume import Delivery, Fetch
 from relay.edge.core.watch import Closed, Intent, Watch
 from relay.edge.fanout.hub import Hub
@@ -103,6 +104,8 @@ class Conn(asyncio.Protocol):
     """One connection. See the module docstring."""
 
     transport_kind: ClassVar[Transport] = Transport.READER
+    # a compacted join merges the replay's open run too (a stream of the running turn)
+    compact_open: ClassVar[bool] = False
     # what the frames look like on the socket; made once per frame and shared
     encode: Callable[[Delivery], bytes] = staticmethod(lambda d: d.data)
 
@@ -146,12 +149,14 @@ class Conn(asyncio.Protocol):
         host: ConnHost | None = None,
         sent: Sent = _noop_sent,
         write_timeout_s: float = 10.0,
+        compact: bool = False,
     ) -> None:
         self.sid, self.offset = sid, offset
         self._hub = hub
         self._host = host
         self._stats = hub.counters
-        self.watch = Watch(sid, offset, hub.limits, hub.counters, gen or "")
+        joined = Compactor(merge_open=self.compact_open) if compact else None
+        self.watch = Watch(sid, offset, hub.limits, hub.counters, gen or "", joined)
         self._fetch: asyncio.Task[None] | None = None  # the replay page being read
         self._farewell: Delivery | None = None  # the last frame, written before the goodbye
         self._held = 0  # budget bytes of replay frames read and not yet written

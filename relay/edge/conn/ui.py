@@ -11,6 +11,9 @@ makes of it, then ``data: [DONE]``, and the response ends.
 What a :class:`UiConn` adds to :class:`relay.edge.conn.base.Conn`: its encoding is its
 own (a :class:`relay.protocol.uistream.UiTurn` per connection: the parts depend on
 where in the turn it is); it ends itself once the turn's terminal frame is written;
+a compacted join (``?compact=1``) gets the part of the reply already written as one
+``text-delta`` (the replay's token frames merged, the open run too: the stream is that
+turn), then the live frames one by one;
 a ``: heartbeat`` comment after ``heartbeat_s`` without a write; no ``presence`` frame
 (the stream is one reply, not the session); on a drain or a cutoff
 it ends the response without ``[DONE]`` (the client resumes: a replay); when the
@@ -48,6 +51,7 @@ class UiConn(Conn):
     """One UI message stream of one turn. See the module docstring."""
 
     transport_kind: ClassVar[Transport] = Transport.UI
+    compact_open: ClassVar[bool] = True  # the replay is the running turn: its text so far
 
     __slots__ = ("_ui",)
 

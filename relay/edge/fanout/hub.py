@@ -88,7 +88,7 @@ class Page(NamedTuple):
 _COUNTERS = (
     "watches_opened", "frames_in", "reads", "frames_out", "bad_frames", "conflations",
     "slow_disconnects", "replays", "gaps", "duplicates", "repairs", "subscribes",
-    "unsubscribes", "sealed", "writes_direct", "writes_queued", "deleted",
+    "unsubscribes", "sealed", "writes_direct", "writes_queued", "deleted", "compacted",
 )  # fmt: skip
 
 
