@@ -381,7 +381,7 @@ class Conn(asyncio.Protocol):
         if page is None or self.closed:
             hub.budget.release(reserved)
             return
-        entries, size, first, last, gen = page
+        entries, size, first, last, gen, frames = page
         keep = min(size, reserved)
         hub.budget.release(reserved - keep)
         self._held += keep
@@ -390,7 +390,7 @@ class Conn(asyncio.Protocol):
             hub.offsets_lost(self.sid, r.last)  # a failover lost offsets we delivered
         if self._fetch is asyncio.current_task():
             self._fetch = None
-        self._apply(w.backlog(entries, first, last, gen))
+        self._apply(w.backlog(entries, first, last, gen, frames))
         if w.queue:
             self._flush()
 

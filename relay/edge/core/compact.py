@@ -24,7 +24,7 @@ Order of calls::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from relay.edge.core.resume import Delivery
 from relay.protocol.frame import Frame, decode, encode, first_offset, merge_tokens
@@ -43,17 +43,21 @@ class Compactor:
         self.merged = 0
         self._run: list[tuple[Frame, Delivery]] = []  # the open run: decoded, as delivered
 
-    def feed(self, ds: Sequence[Delivery]) -> list[Delivery]:
+    def feed(
+        self, ds: Sequence[Delivery], decoded: Iterable[tuple[Delivery, Frame]] = ()
+    ) -> list[Delivery]:
         """``ds`` (a replay step's frames, in order) with every run they close merged;
-        the run they end on is held."""
+        the run they end on is held. ``decoded``: deliveries whose frame the caller has
+        decoded already (the page read), so that they are not decoded again."""
         out: list[Delivery] = []
         run = self._run
+        known = {id(d): f for d, f in decoded}
         for d in ds:
             if d.kind != "token":
                 self._close(out)
                 out.append(d)
                 continue
-            f = decode(d.data)
+            f = known.get(id(d)) or decode(d.data)
             if run and (f.turn != run[-1][0].turn or first_offset(f) != run[-1][0].offset + 1):
                 self._close(out)
             run.append((f, d))

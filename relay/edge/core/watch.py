@@ -237,9 +237,15 @@ class Watch:
         return intents or _NONE
 
     def backlog(
-        self, entries: Sequence[Delivery], first_available: int, last_offset: int, gen: str = ""
+        self,
+        entries: Sequence[Delivery],
+        first_available: int,
+        last_offset: int,
+        gen: str = "",
+        decoded: Sequence[Frame] = (),
     ) -> Sequence[Intent]:
-        """The answer to the outstanding fetch (``gen``: the session's generation then):
+        """The answer to the outstanding fetch (``gen``: the session's generation then;
+        ``decoded``: the entries' frames, if the driver has them, for a compacted join):
         frames go to the queue, the next page is asked for now or held until
         :meth:`take` brings the queue below low water; once the replay has caught up
         the watch is :attr:`live`."""
@@ -252,7 +258,7 @@ class Watch:
         emit = step.emit
         compact = self._compact
         if compact is not None:
-            emit = compact.feed(emit)
+            emit = compact.feed(emit, zip(entries, decoded, strict=False))
             if step.fetch is None:  # caught up: the open run as it is, and no more merging
                 emit += compact.flush()
                 self._compact = None

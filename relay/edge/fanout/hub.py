@@ -18,9 +18,8 @@ first call of a module never comes back to a module already passed
 
 Beside the fan-out, fed by the set of watched sessions: the broker's presence (a
 session's first local connection opens it, its last one closes it), the screen counts
-(:class:`relay.edge.fanout.notices.Screens`: how many connections each session has
-here, written when it changes; the ``presence`` frames that come back go to every
-connection of the session, outside its order) and
+(:class:`relay.edge.fanout.notices.Screens`: written when they change; the ``presence``
+frames that come back go to the session's connections, outside its order) and
 :class:`relay.edge.fanout.reaper.Reaper` (ends turns whose producer died).
 
 A deleted session (its notice, or a read that finds its tombstone) ends every
@@ -65,7 +64,7 @@ from relay.edge.fanout.channel import Channel, Watcher
 from relay.edge.fanout.notices import DELETED_REASON, Screens, deleted_delivery, is_deleted
 from relay.edge.fanout.reaper import Reaper
 from relay.protocol.codes import CloseCode
-from relay.protocol.frame import FrameError, decode, frame_gen, monotonic_ms
+from relay.protocol.frame import Frame, FrameError, decode, frame_gen, monotonic_ms
 from relay.protocol.keys import parse_session
 from relay.service.supervise import QUICK_BACKOFF, Supervisor
 
@@ -76,13 +75,14 @@ log = logging.getLogger(__name__)
 
 class Page(NamedTuple):
     """A backlog page, decoded: deliveries, their bytes, first offset held, last written,
-    the session's generation."""
+    the session's generation, the deliveries' frames (a compacted join merges them)."""
 
     entries: list[Delivery]
     size: int
     first: int
     last: int
     gen: str
+    frames: list[Frame]
 
 
 _COUNTERS = (
@@ -247,9 +247,8 @@ class Hub:
         self, sid: str, after: int | None, count: int, max_bytes: int, alive: Callable[[], bool]
     ) -> Page | None:
         """One backlog read, decoded (``after`` None: the bounds only), retried with
-        jittered backoff while the store is unreachable and ``alive()``; None once not.
-        A deleted session raises :class:`SessionDeleted`, after its connections on this
-        relay were ended with the notice (:meth:`_gone`)."""
+        jittered backoff while the store is unreachable and ``alive()``; None once not;
+        :class:`SessionDeleted` once this relay's streams of it were ended (:meth:`_gone`)."""
         failures = 0
         while alive():
             try:
@@ -265,6 +264,7 @@ class Hub:
                 await asyncio.sleep(QUICK_BACKOFF.delay(failures))
                 continue
             entries: list[Delivery] = []
+            frames: list[Frame] = []
             size = 0
             for data in page.frames:
                 size += len(data)
@@ -275,7 +275,8 @@ class Hub:
                     log.warning("backlog of %s: dropping an undecodable frame: %s", sid, exc)
                     continue
                 entries.append(Delivery(f.offset, f.kind, data, f.ts, 0, frame_gen(f)))
-            return Page(entries, size, page.first, page.last, page.gen)
+                frames.append(f)
+            return Page(entries, size, page.first, page.last, page.gen, frames)
         return None
 
     # -- channels ----------------------------------------------------------------------
