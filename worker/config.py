@@ -31,11 +31,15 @@ from relay.protocol.keys import BACKLOG_MAXLEN, SESSION_TTL_S
 from relay.service import settings
 from relay.service.settings import (
     BacklogMaxlen,
+    BodyTimeout,
     FailFast,
+    HeadTimeout,
     Host,
     InsecureNoAuth,
+    KeepaliveTimeout,
     KeysFile,
     Kid,
+    MaxConnectionsPerAddress,
     RedisCA,
     RedisCert,
     RedisKey,
@@ -89,6 +93,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     keys_file: KeysFile = ""  # JWK Set: previous secrets (rotation), an ES256/RS256 key
     insecure_no_auth: InsecureNoAuth = False
     trusted_proxies: TrustedProxies = ""
+    head_timeout_s: HeadTimeout = 10.0
+    body_timeout_s: BodyTimeout = 30.0
+    keepalive_timeout_s: KeepaliveTimeout = 75.0
+    max_connections_per_address: MaxConnectionsPerAddress = 256
     # Redis unreachable at start: False keeps retrying in the background (/healthz 200,
     # /readyz 503 redis_unreachable, turns 503), which is what Kubernetes expects; True
     # exits 1 with one line naming the URL (masked) and the cause.

@@ -135,11 +135,12 @@ async def run(wl: Workload) -> dict[str, Any]:
                 "--coalesce-tokens", str(wl.coalesce_tokens), "--coalesce-ms", str(wl.coalesce_ms),
                 # every client of the benchmark is 127.0.0.1: no per-address limits
                 "--session-rate", "0", "--turns-per-minute", "0",
+                "--max-connections-per-address", "0",
             ]  # fmt: skip
             relay = [
                 *py, "tokenrelay", "relay", "--port", str(rp), "--redis", info.url,
                 "--insecure-no-auth", "--relay-id", "r-bench", "--log-level", "WARNING",
-                "--max-streams-per-address", "0",
+                "--max-streams-per-address", "0", "--max-connections-per-address", "0",
             ]  # fmt: skip
             async with (
                 _serve(engine, f"http://127.0.0.1:{ep}/health", logs / "engine.log"),

@@ -19,7 +19,8 @@ and reported; holes, bad merges and a ``done`` frame whose ``chars`` / ``sha256`
 match the text are reported to ``on_problem``, or raise :class:`ContinuityError` when
 no ``on_problem`` is given (nothing is lost silently).
 
-Refusals: 400 / 404 raise :class:`WatchRefused`; 401 / 403 call ``refresh_token`` (an
+Refusals: 400 / 404 / 410 (a deleted session; WebSocket close 4410) raise
+:class:`WatchRefused`; 401 / 403 call ``refresh_token`` (an
 async function returning a new token) and retry, or raise :class:`WatchRefused`
 without one. A ``reset`` frame (the session's keys expired and restarted) is yielded,
 and offsets start again at 1.
@@ -67,9 +68,9 @@ __all__ = [
 Transport = Literal["sse", "ws"]
 State = Literal["connecting", "live", "reconnecting", "closed"]
 Relays = str | Sequence[str] | Callable[[], Sequence[str]]
-_FATAL_STATUS = frozenset((400, 404))
+_FATAL_STATUS = frozenset((400, 404, 410))  # 410: the session was deleted
 _AUTH_STATUS = frozenset((401, 403))
-_FATAL_WS_CLOSE = frozenset((1003, 1009, 4400))
+_FATAL_WS_CLOSE = frozenset((1003, 1009, 4400, 4410))  # 4410: deleted
 _CLEAN_WS_CLOSE = frozenset((None, 1000, 1001, 1012))  # normal, going away, restarting
 
 

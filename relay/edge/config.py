@@ -28,12 +28,16 @@ from relay.service import settings
 from relay.service.clientaddr import parse_networks
 from relay.service.settings import (
     BacklogMaxlen,
+    BodyTimeout,
     ConfigError,
     FailFast,
+    HeadTimeout,
     Host,
     InsecureNoAuth,
+    KeepaliveTimeout,
     KeysFile,
     Kid,
+    MaxConnectionsPerAddress,
     RedisCA,
     RedisCert,
     RedisKey,
@@ -100,9 +104,11 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     ] = 2.0
     drain_deadline_s: Annotated[float, opt("SIGTERM drain deadline", ge=0)] = 10.0
     write_timeout_s: Annotated[float, opt("slow-client write cutoff", gt=0)] = 10.0
-    head_timeout_s: Annotated[
-        float, opt("408 for a connection whose first request head is slower", gt=0)
-    ] = 10.0
+    head_timeout_s: HeadTimeout = 10.0
+    body_timeout_s: BodyTimeout = 30.0
+    keepalive_timeout_s: KeepaliveTimeout = 75.0
+    # streams are not counted here (--max-streams-per-address counts them): 2 x its default
+    max_connections_per_address: MaxConnectionsPerAddress = 512
     max_connections: Annotated[int, opt("streams at once; more get 503", ge=1)] = 10_000
     ws_max_message_bytes: Annotated[int, opt("largest WS client message", ge=16)] = 4096
     cors_origin: Annotated[str, opt("Access-Control-Allow-Origin")] = "*"

@@ -45,6 +45,7 @@ from prometheus_client.registry import Collector
 
 from relay.edge.core.resume import Delivery
 from relay.protocol.frame import monotonic_ms, now_ms
+from relay.service.httpguard import Reason
 
 __all__ = [
     "HUB_METRICS",
@@ -347,6 +348,15 @@ class RelayMetrics:
         self.rejected = Counter(
             p + "rejected", "requests refused before streaming", ["reason"], registry=r
         )
+        self.http_guard = Counter(
+            p + "http_guard",
+            "connections the HTTP guard refused or closed (head_timeout, body_timeout, "
+            "idle_timeout, too_many_connections) and clients that left mid-body (body_cut)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in Reason:
+            self.http_guard.labels(reason.value)
         self.draining = Gauge(p + "draining", "1 while the server drains", registry=r)
         self.publish_to_edge = LoopHistogram(
             p + "publish_to_edge_seconds",

@@ -59,8 +59,10 @@ class Refusal(enum.StrEnum):
     OVERLOADED = "overloaded"  # max_connections reached
     UNAVAILABLE = "unavailable"  # Redis could not be read: connect again
     TOO_MANY_STREAMS = "too_many_streams"  # per-token / per-address stream limit
-    SESSION_DELETED = "session_deleted"  # 410: the session was deleted (its tombstone exists)
     HEAD_TIMEOUT = "head_timeout"  # the request head did not arrive in time (408)
+    # -- any route: the HTTP guard (relay.service.httpguard) --------------------------------
+    TOO_MANY_CONNECTIONS = "too_many_connections"  # the peer address's connection cap (429)
+    UNSUPPORTED_WS_VERSION = "unsupported_ws_version"  # Sec-WebSocket-Version is not 13 (426)
     # -- token checks (relay.protocol.auth) ---------------------------------------------------
     FORBIDDEN = "forbidden"
     TOKEN_MISSING = "token_missing"
@@ -89,6 +91,17 @@ class Refusal(enum.StrEnum):
     TURN_IN_PROGRESS = "turn_in_progress"  # the body names the running turn
     IDEMPOTENCY_PENDING = "idempotency_pending"  # the same key's request is being admitted
     IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"  # the key came with another body
+    # -- the worker: the chat controls (stop, regenerate, edit, load, delete) -----------------
+    INVALID_TURN = "invalid_turn"  # a turn number in the path or body is not one
+    UNKNOWN_TURN = "unknown_turn"  # 404: the session has no such turn (yet)
+    UNKNOWN_MESSAGE = "unknown_message"  # 404: an edit of a message id the history lacks
+    TURN_FINISHED = "turn_finished"  # 409 on a stop: the turn ended; the body has its offset
+    NO_TURN_RUNNING = "no_turn_running"  # 409 on a stop of "the running turn": none runs
+    TURN_CANCELLED = "turn_cancelled"  # 409: the turn was stopped before it started
+    NOTHING_TO_REGENERATE = "nothing_to_regenerate"  # 409: no reply stored yet
+    INVALID_PAGE = "invalid_page"  # GET .../messages: limit or before out of range
+    UNKNOWN_SESSION = "unknown_session"  # 404: nothing stored for the session (a delete)
+    SESSION_DELETED = "session_deleted"  # 410: the session was deleted; its tokens too
     # -- the worker: limits and availability (429, 503) ---------------------------------------
     ENGINES_FULL = "engines_full"  # no engine slot within --admit-wait-s
     SESSION_RATE = "session_rate"  # new sessions per client address

@@ -1,5 +1,7 @@
 """Real browser: two screens on one session see the same complete reply, even when the
-relay one of them streams from is killed mid-reply.
+relay one of them streams from is killed mid-reply; a screen opened from the share link
+watches and says why it cannot send; the page says what to do before a session exists,
+keeps its counters across a switch of transport and keeps tokens out of the address bar.
 
 Headless Debian Chromium driven by Playwright (no browser download). Skips with a reason
 where Chromium or Playwright is missing. Screenshots land in artifacts/browser/.
@@ -13,7 +15,7 @@ import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 import jwt
 import pytest
@@ -86,6 +88,10 @@ async def test_two_screens_see_the_same_reply_and_survive_a_relay_kill(
             await one.click("#new-session")
             await one.wait_for_function("location.hash.includes('session=')")
             session_url = one.url
+            assert "token=" not in session_url  # a copied address bar shares no token
+            sid = session_url.split("session=")[1].split("&")[0]
+            write = await one.evaluate(f"sessionStorage.getItem('tokenrelay-token:{sid}')")
+            assert jwt.decode(write, options={"verify_signature": False})["scope"] == "write"
             # "open on another screen" carries a watch token minted for it, not ours
             await one.wait_for_function("document.getElementById('share').href !== location.href")
             share = await one.get_attribute("#share", "href") or ""
@@ -94,7 +100,8 @@ async def test_two_screens_see_the_same_reply_and_survive_a_relay_kill(
             assert claims["scope"] == "watch", claims
             assert claims["sub"] == session_url.split("session=")[1].split("&")[0]
             two = await browser.new_page(viewport={"width": 1200, "height": 800})
-            await two.goto(session_url.replace("#", "#transport=ws&"))
+            # a link with a write token (what a collaborate link carries) may send too
+            await two.goto(session_url.replace("#", f"#transport=ws&token={quote(write)}&"))
             for page in (one, two):
                 await page.wait_for_function(
                     "document.getElementById('state').textContent === 'live'", timeout=15_000
@@ -150,3 +157,54 @@ async def test_two_screens_see_the_same_reply_and_survive_a_relay_kill(
         if frame.kind == "token":
             replies[frame.turn] = replies.get(frame.turn, "") + frame.text
     assert [replies[t] for t in sorted(replies)] == texts_one
+
+
+async def test_a_shared_link_watches_and_the_page_says_what_it_can_do(
+    demo: tuple[str, Stack],
+) -> None:
+    from playwright.async_api import async_playwright
+
+    url, _stack = demo
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        try:
+            one = await browser.new_page()
+            missing: list[str] = []
+            one.on("response", lambda r: missing.append(r.url) if r.status == 404 else None)
+            await one.goto(url)
+            # before a session: nothing to send to, and the page says so where one types
+            assert await one.is_disabled("#send")
+            assert "New session first" in (await one.get_attribute("#message", "placeholder") or "")
+            await one.click("#new-session")
+            await one.wait_for_function("document.getElementById('state').textContent === 'live'")
+            assert await one.is_enabled("#send")
+            await one.fill("#message", "count my frames")
+            await one.click("#send")
+            await _wait_done(one, 1)
+            before = await _counter(one, "frames")
+            assert before > 2
+            # a switch of transport resumes where the screen was: the counters go on
+            await one.select_option("#transport", "ws")
+            await one.wait_for_function("document.getElementById('state').textContent === 'live'")
+            assert await _counter(one, "frames") >= before
+            await one.fill("#message", "and more frames")
+            await one.click("#send")
+            await _wait_done(one, 2)
+            assert await _counter(one, "frames") > before
+            assert await _counter(one, "dups") == 0
+            # the share link: a watch token; that screen watches and says why it cannot send
+            await one.wait_for_function("document.getElementById('share').href.includes('token=')")
+            share = await one.get_attribute("#share", "href") or ""
+            three = await browser.new_page()
+            await three.goto(share if share.startswith("http") else url + share)
+            await three.wait_for_function("document.getElementById('state').textContent === 'live'")
+            assert "token=" not in three.url
+            assert await three.is_disabled("#message")
+            assert await three.is_disabled("#send")
+            why = await three.get_attribute("#message", "placeholder") or ""
+            assert "only watches" in why, why
+            assert "watch token" in why, why
+            await _wait_done(three, 2)  # it still sees every reply
+            assert missing == []  # no 404 on a load (no favicon request)
+        finally:
+            await browser.close()

@@ -33,11 +33,11 @@ async def test_a_lost_cancellation_of_the_presence_loop_does_not_hang_the_turn(
     await h.start_engines(1, decode_tok_per_s=200.0)
     st = await h.start_worker(presence_grace_s=30.0, presence_interval_s=0.02)
     store = st.turns.store
-    real_refresh = store.refresh_lock
+    real_refresh = store.refresh_turn
     stalled = asyncio.Event()
     calls = 0
 
-    async def refresh_across_a_stall(sid: str, owner: str) -> bool:
+    async def refresh_across_a_stall(sid: str, owner: str, turn: int) -> int:
         nonlocal calls
         calls += 1
         if calls == 1:  # the round trip a stalled master holds up
@@ -45,9 +45,9 @@ async def test_a_lost_cancellation_of_the_presence_loop_does_not_hang_the_turn(
             # the reply arrives with the cancellation, which is lost
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.sleep(3600)
-        return await real_refresh(sid, owner)
+        return await real_refresh(sid, owner, turn)
 
-    store.refresh_lock = refresh_across_a_stall  # type: ignore[method-assign]
+    store.refresh_turn = refresh_across_a_stall  # type: ignore[method-assign]
     sid, token = await h.session()
     status, body, _ = await h.post_turn(sid, token, {"message": "stall", "max_tokens": 8})
     assert status == 202, body

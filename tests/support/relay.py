@@ -21,7 +21,7 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from relay.edge.config import RelayConfig
 from relay.edge.http.app import SERVER, make_app, make_runner
 from relay.edge.http.server import EdgeServer
 from relay.protocol.auth import issue_token
+from relay.service.httpguard import GUARD, GuardedSite
 from tests.support.sse import STEP, SSEClient
 from tests.support.worker import SECRET as WORKER_SECRET
 
@@ -81,9 +82,10 @@ class Relay:
 
 @asynccontextmanager
 async def running(cluster: ClusterInfo, **overrides: Any) -> AsyncIterator[Relay]:
-    """A relay app on a free 127.0.0.1 port; ``overrides`` are :class:`RelayConfig`
-    fields. These relays publish-test with bare generations (no worker, no turn lock),
-    so the reaper is off unless overridden."""
+    """A relay app on a free 127.0.0.1 port, served as ``tokenrelay relay`` serves it
+    (its HTTP guard's site); ``overrides`` are :class:`RelayConfig` fields. These relays
+    publish-test with bare generations (no worker, no turn lock), so the reaper is off
+    unless overridden."""
     fields: dict[str, Any] = {
         "secret": SECRET, "relay_id": "edge-test", "reap_after_s": 0, **overrides
     }  # fmt: skip
@@ -91,7 +93,7 @@ async def running(cluster: ClusterInfo, **overrides: Any) -> AsyncIterator[Relay
     app = make_app(cfg)
     runner = make_runner(app, shutdown_timeout=2.0)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = GuardedSite(runner, "127.0.0.1", 0, guard=app[GUARD])
     await site.start()
     port = runner.addresses[0][1]
     try:
@@ -176,14 +178,15 @@ RelayProcess = RelayProc  # a relay subprocess: .proc, .port, .base, .pid, .log_
 
 @asynccontextmanager
 async def relay_process(
-    cluster: ClusterInfo, log_dir: Path, relay_id: str, *flags: str
+    cluster: ClusterInfo, log_dir: Path, relay_id: str, *flags: str, wrap: Sequence[str] = ()
 ) -> AsyncIterator[RelayProcess]:
     """``tokenrelay relay`` as a subprocess (token secret: the worker harness's), ready
     to serve; stopped by pid on the way out; its log (``log_dir/<relay_id>.log``) must
-    hold no traceback."""
+    hold no traceback. ``wrap``: a command that execs the rest (its pid is the relay's),
+    e.g. ``("prlimit", "--nofile=256")``."""
     port = free_port()
     argv = [
-        sys.executable, "-m", "tokenrelay", "relay", "--port", str(port),
+        *wrap, sys.executable, "-m", "tokenrelay", "relay", "--port", str(port),
         "--redis", cluster.url, "--secret", WORKER_SECRET, "--relay-id", relay_id,
         "--log-level", "INFO", *flags,
     ]  # fmt: skip

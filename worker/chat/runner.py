@@ -11,7 +11,9 @@ engine-reader task (``reader:<sid>``) pushes deltas into a
 :class:`worker.chat.coalesce.TokenPump` whose task (``pump:<sid>``) publishes coalesced
 ``token`` frames; a presence task (``presence:<sid>``,
 :func:`worker.chat.presence.watch_presence`) refreshes the lock and aborts the reader
-when nobody watched for the grace period. The reader and the pump end with the engine's
+when nobody watched for the grace period, or when its refresh finds a stop asked of the
+turn (:mod:`worker.chat.cancel`: the fallback of a stop's notification, which aborts
+at once). The reader and the pump end with the engine's
 or Redis' failure as their result (the turn's outcome), so the supervisor logs only
 what nobody expected. A runner whose lock refresh finds the lock no longer its own
 (expired during an outage and taken or reaped) stops: it aborts the engine request and
@@ -40,10 +42,18 @@ from typing import Any, Final
 from relay.broker.errors import Fenced, RelayError
 from relay.broker.rediscluster.publisher import Draft
 from relay.service.supervise import Supervisor
+from worker.chat.cancel import record_stopped
 from worker.chat.coalesce import Batch, TokenPump
 from worker.chat.presence import watch_presence
 from worker.chat.store import SessionStore
-from worker.chat.turnstate import AbortReason, RunningTurn, StreamChat, TurnConfig, TurnOutcome
+from worker.chat.turnstate import (
+    CANCELLED_FINISH,
+    AbortReason,
+    RunningTurn,
+    StreamChat,
+    TurnConfig,
+    TurnOutcome,
+)
 from worker.engines.errors import EngineError, EngineTimeout, EngineUnavailable
 from worker.metrics import WorkerMetrics
 from worker.routing.lease import AllEnginesFull, release_once
@@ -102,19 +112,23 @@ class TurnRunner:
         # what is left); run and _end await them. An engine's or Redis' failure is their
         # result: the turn's outcome, not a crash for the supervisor to log.
         t.reader = self.supervisor.spawn(f"reader:{t.sid}", self._read_engine(t, pump))
+        if t.abort_reason is not None:  # stopped before it ran (a stop during admission)
+            t.reader.cancel()
         pump_task = self.supervisor.spawn(f"pump:{t.sid}", _pump(pump))
 
         async def refresh() -> None:
             if t.ended.is_set():
                 return
             try:
-                ours = await self.store.refresh_lock(t.sid, t.owner)
+                state = await self.store.refresh_turn(t.sid, t.owner, t.gen.turn)
             except RelayError:
                 return  # unknown (Redis away): keep going, the publisher retries or fails
-            if not ours:
+            if state == 0:
                 log.warning("turn %s/%d: turn lock lost; stopping", t.sid, t.gen.turn)
                 t.lock_lost = True
                 t.abort(AbortReason.LOCK_LOST)
+            elif state == 2:  # a stop whose notification did not reach us
+                t.abort(AbortReason.CANCELLED)
 
         presence = self.supervisor.spawn(
             f"presence:{t.sid}",
@@ -199,16 +213,16 @@ class TurnRunner:
         # (what a helper raised is the supervisor's to retrieve and log: they are its tasks)
         release_once(t.lease)
         try:
-            if outcome is TurnOutcome.DONE:
-                await self.store.append_exchange(
-                    t.sid,
-                    [
-                        {"role": "user", "content": t.message},
-                        {"role": "assistant", "content": "".join(t.reply)},
-                    ],
-                    t.lease.engine.id,
-                )
-                await t.gen.publish([Draft(kind="done", meta=t.done_meta())])
+            if outcome.keeps_reply:
+                if outcome is TurnOutcome.CANCELLED:
+                    t.finish_reason = CANCELLED_FINISH
+                # the done frame's offset: this generation's next (its publishes are
+                # serialized and the pump has stopped), so the history can name it
+                to = t.gen.next_offset
+                await self.store.append_exchange(t.sid, t.exchange(to), t.lease.engine.id)
+                at = (await t.gen.publish([Draft(kind="done", meta=t.done_meta())]))[0]
+                if outcome is TurnOutcome.CANCELLED:
+                    await record_stopped(self.store.redis, t.sid, t.gen.turn, at, self.store.ttl_s)
             elif not outcome.publishes_nothing:
                 meta = {"code": outcome, "engine": t.lease.engine.id, "tokens": len(t.reply)}
                 await t.gen.publish([Draft(kind="error", text=error or outcome, meta=meta)])

@@ -14,6 +14,9 @@ exit path             outcome     terminal frame
 engine finished       done        ``done`` (ttft, engine, cache hit/miss, finish
                                   reason, and the reply's integrity: ``tokens``,
                                   ``chars``, ``sha256``); history appended
+stopped (a cancel)    cancelled   ``done`` with ``finish_reason`` "cancelled" and the
+                                  partial reply's integrity; history appended, the
+                                  reply marked stopped
 engine error          engine_error ``error`` (the engine's message)
 engine timeout        timeout     ``error``
 nobody watching       no_viewers  ``error`` "no viewers"
@@ -50,6 +53,7 @@ from worker.routing.key import DEFAULT_PREFIX_CHARS
 from worker.routing.lease import Lease
 
 __all__ = [
+    "CANCELLED_FINISH",
     "AbortReason",
     "Draining",
     "IdempotencyKeyReused",
@@ -58,6 +62,7 @@ __all__ = [
     "RunningTurn",
     "StreamChat",
     "TurnBusy",
+    "TurnCancelled",
     "TurnConfig",
     "TurnOutcome",
     "TurnStarted",
@@ -80,6 +85,7 @@ class TurnOutcome(enum.StrEnum):
     LOCK_LOST = "lock_lost"
     REDIS_ERROR = "redis_error"
     INTERNAL_ERROR = "internal_error"
+    CANCELLED = "cancelled"
 
     @property
     def publishes_nothing(self) -> bool:
@@ -89,7 +95,17 @@ class TurnOutcome(enum.StrEnum):
     @property
     def is_cancellation(self) -> bool:
         """Counted in ``tokenrelay_worker_cancellations_total{reason}`` too."""
-        return self in (TurnOutcome.NO_VIEWERS, TurnOutcome.ENGINE_DOWN, TurnOutcome.SHUTDOWN)
+        return self in (
+            TurnOutcome.NO_VIEWERS,
+            TurnOutcome.ENGINE_DOWN,
+            TurnOutcome.SHUTDOWN,
+            TurnOutcome.CANCELLED,
+        )
+
+    @property
+    def keeps_reply(self) -> bool:
+        """Ends with a ``done`` frame and the exchange in the history."""
+        return self in (TurnOutcome.DONE, TurnOutcome.CANCELLED)
 
 
 class AbortReason(enum.StrEnum):
@@ -100,6 +116,7 @@ class AbortReason(enum.StrEnum):
     NO_VIEWERS = "no viewers"
     ENGINE_DOWN = "engine down"
     SHUTDOWN = "worker shutdown"
+    CANCELLED = "cancelled"  # a client stopped the turn (its done frame says so)
 
     @property
     def outcome(self) -> TurnOutcome:
@@ -111,7 +128,10 @@ _ABORT_OUTCOME: Final = {
     AbortReason.NO_VIEWERS: TurnOutcome.NO_VIEWERS,
     AbortReason.ENGINE_DOWN: TurnOutcome.ENGINE_DOWN,
     AbortReason.SHUTDOWN: TurnOutcome.SHUTDOWN,
+    AbortReason.CANCELLED: TurnOutcome.CANCELLED,
 }
+
+CANCELLED_FINISH: Final = "cancelled"  # the finish_reason of a stopped turn's done frame
 
 
 class StreamChat(Protocol):
@@ -146,11 +166,20 @@ class LockLost(RelayError):
     """The turn lock stopped being ours while the turn was admitted (-> 503, retry)."""
 
 
-def request_fingerprint(message: str, system: str | None, max_tokens: int | None) -> str:
+def request_fingerprint(
+    message: str, system: str | None, max_tokens: int | None, replaces: str | None = None
+) -> str:
     """What identifies a turn request for its Idempotency-Key: the same key with another
-    message, system prompt or max_tokens is a different request."""
-    raw = json.dumps([message, system, max_tokens], ensure_ascii=False)
+    message, system prompt, max_tokens or replaced turn is a different request."""
+    fields: list[object] = [message, system, max_tokens]
+    if replaces is not None:
+        fields.append(replaces)
+    raw = json.dumps(fields, ensure_ascii=False)
     return hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+class TurnCancelled(Exception):
+    """The turn was stopped while it waited for an engine slot (-> 409)."""
 
 
 class Draining(Exception):
@@ -210,6 +239,8 @@ class RunningTurn:
     engine_reported: str | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # stops the presence loop
     viewer: DirectViewer | None = None  # the closed-loop client, while it is attached
+    first_offset: int = 0  # the turn's meta frame
+    user_id: str = ""  # the user message's id (the client's, or made from the turn)
 
     def local_watchers(self) -> int:
         return 1 if self.viewer is not None and self.viewer.attached else 0
@@ -232,6 +263,18 @@ class RunningTurn:
             "finish_reason": self.finish_reason,
             "duration_ms": round((time.monotonic() - self.t0) * 1000, 1),
         }
+
+    def exchange(self, to: int) -> list[dict[str, Any]]:
+        """The turn's two history entries (the store's fields), its terminal frame at
+        offset ``to``."""
+        turn = self.gen.turn
+        return [
+            {"role": "user", "content": self.message, "turn": turn,
+             "id": self.user_id or f"{self.sid}-{turn}-user", "from": self.first_offset},
+            {"role": "assistant", "content": "".join(self.reply), "turn": turn,
+             "id": f"{self.sid}-{turn}", "from": self.first_offset, "to": to,
+             "finish": self.finish_reason},
+        ]  # fmt: skip
 
     def abort(self, reason: AbortReason) -> None:
         if self.abort_reason is None:

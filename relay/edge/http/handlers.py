@@ -47,11 +47,14 @@ from relay.edge.http.server import EdgeServer, deleted, query_value
 from relay.protocol import frame, sse
 from relay.protocol.codes import CloseCode, Refusal
 from relay.service.errors import RETRY_AFTER, Reject
+from relay.service.httpguard import detach_guard
 
 __all__ = ["SSE_HEADERS", "detach", "parse_compact", "parse_gen", "parse_offset", "sse_handler",
            "ui_stream_handler", "ws_handler"]  # fmt: skip
 
 log = logging.getLogger(__name__)
+
+WS_VERSION: Final = "13"  # the one WebSocket version (RFC 6455); aiohttp also takes 7 and 8
 
 # Header names as multidict.istr: aiohttp's case-insensitive headers keep a lower-cased
 # copy (and, once written, a title-cased one) of every plain str name, per response,
@@ -97,12 +100,15 @@ def detach(request: web.Request, conn: asyncio.Protocol) -> asyncio.Transport:
     """Give the request's socket to ``conn`` and make aiohttp forget it: aiohttp's
     connection no longer has a transport (it writes nothing more to it and does not
     close it when the handler returns), and its ``connection_lost`` runs now, which
-    drops the connection from aiohttp's server and frees its request and parser.
-    Call it with no await between the response's last write and the handler's return."""
+    drops the connection from aiohttp's server and frees its request and parser. The
+    HTTP guard lets go of it too (:func:`relay.service.httpguard.detach_guard`): a
+    stream has its own limits. Call it with no await between the response's last write
+    and the handler's return."""
     handler = request.protocol
     transport = request.transport
     if transport is None or transport.is_closing():
         raise ConnectionResetError("the client went away")
+    detach_guard(transport)
     transport.set_protocol(conn)
     handler.transport = None
     handler.connection_lost(None)
@@ -170,6 +176,10 @@ async def ws_handler(server: EdgeServer, request: web.Request) -> web.StreamResp
         offset = parse_offset(lambda: sse.parse_offset(query_value(request, "from"), name="from"))
         gen = parse_gen(request)
         compact = parse_compact(request)
+        version = request.headers.get(hdrs.SEC_WEBSOCKET_VERSION)
+        if version is not None and version.strip() != WS_VERSION:  # RFC 6455 4.4
+            raise Reject(426, Refusal.UNSUPPORTED_WS_VERSION, "this relay speaks WebSocket "
+                         "version 13 only", {hdrs.SEC_WEBSOCKET_VERSION: WS_VERSION})  # fmt: skip
         if not web.WebSocketResponse().can_prepare(request).ok:
             raise Reject(400, Refusal.NOT_WEBSOCKET, "this endpoint needs a WebSocket upgrade")
         hub = server.check_capacity()
