@@ -133,6 +133,11 @@ CATALOG: tuple[Benchmark, ...] = (
         "the relay's own code per frame, shard reader callback to transport.write, no sockets",
     ),
     Benchmark(
+        "relay_join",
+        "bench.relay.join",
+        "a late joiner of a 1,000-turn session: frames, bytes, time, compacted vs full (SSE, WS)",
+    ),
+    Benchmark(
         "peer_socketio",
         "bench.peers.socketio",
         "the relay beside Socket.IO with the sharded Redis adapter: CPU/msg, latency, RSS/conn",

@@ -9,6 +9,7 @@ The tree::
      +-- OffsetConflict          the session's offset is not the one the generation expected
  +-- FrameTooLarge           a frame would encode past MAX_FRAME_BYTES (nothing written)
      +-- SubscribeError          a live channel could not be subscribed in time
+     +-- SessionDeleted          the session was deleted (its tombstone exists)
      +-- WatchClosed             a watcher was dropped (``reason`` for humans, ``code``
                                  for machines: "slow_consumer", "relay_shutdown", ...)
 
@@ -28,6 +29,7 @@ __all__ = [
     "RedisCommandError",
     "RedisUnavailable",
     "RelayError",
+    "SessionDeleted",
     "SubscribeError",
     "WatchClosed",
 ]
@@ -78,6 +80,15 @@ class FrameTooLarge(RelayError, ValueError):
 
 class SubscribeError(RelayError):
     """A shard channel could not be subscribed (no owner reachable before the deadline)."""
+
+
+class SessionDeleted(RelayError):
+    """The session was deleted: its tombstone (:func:`relay.protocol.keys.gone_key`)
+    exists, so nothing of it may be read or watched until the tombstone expires."""
+
+    def __init__(self, session: str) -> None:
+        super().__init__(f"session {session} was deleted")
+        self.session = session
 
 
 class WatchClosed(RelayError):

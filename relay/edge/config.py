@@ -93,6 +93,12 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
         int, opt("replay pages in memory, relay-wide; more replays wait", ge=_MIN_BUFFER)
     ] = 64 << 20
     unsubscribe_delay_s: Annotated[float, opt("linger before SUNSUBSCRIBE", ge=0)] = 2.0
+    presence_interval_s: Annotated[
+        float,
+        opt(
+            "least time between two writes of a session's screen count; 0: no presence frames", ge=0
+        ),
+    ] = 1.0
     reap_after_s: Annotated[
         float, opt("end a silent, unlocked turn whose worker is gone after this; 0: never", ge=0)
     ] = 2.0

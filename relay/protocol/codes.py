@@ -29,6 +29,7 @@ class CloseCode(enum.StrEnum):
     BINARY = "binary"  # WebSocket: a binary message
     TOO_BIG = "too_big"  # WebSocket: a message over ws_max_message_bytes
     INTERNAL = "internal"  # a bug of the relay
+    SESSION_DELETED = "session_deleted"  # the session was deleted (its streams end)
     CLIENT_GONE = "client_gone"  # the client went away (never sent: a metrics label)
 
 
@@ -41,6 +42,7 @@ class WsClose(enum.IntEnum):
     SLOW_CONSUMER = 4008
     BAD_MESSAGE = 4400
     TOKEN_EXPIRED = 4401
+    SESSION_DELETED = 4410
 
 
 class Refusal(enum.StrEnum):
@@ -52,6 +54,7 @@ class Refusal(enum.StrEnum):
     # -- the relay's streams ----------------------------------------------------------------
     INVALID_OFFSET = "invalid_offset"  # Last-Event-ID / last_event_id / from: not an offset
     INVALID_GEN = "invalid_gen"  # the stream's ``gen`` parameter is not a generation id
+    INVALID_COMPACT = "invalid_compact"  # the stream's ``compact`` parameter is not 0 / 1
     NOT_WEBSOCKET = "not_websocket"
     OVERLOADED = "overloaded"  # max_connections reached
     UNAVAILABLE = "unavailable"  # Redis could not be read: connect again

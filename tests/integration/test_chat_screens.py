@@ -17,7 +17,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from devstack.cluster.launcher import ClusterInfo
 from relay.client.controls import ControlRefused, cancel, delete_session, load_messages
-from relay.client.stream import watch
+from relay.client.stream import WatchRefused, watch
 from relay.client.transcript import Transcript
 from relay.protocol.keys import hist_key
 from tests.support import relay as relay_support
@@ -41,13 +41,18 @@ class Screen:
                  gen: str | None = None, transcript: Transcript | None = None) -> None:  # fmt: skip
         self.transcript = transcript or Transcript(sid)
         self.last = after
+        self.refused: WatchRefused | None = None  # how the relay ended it (a delete)
         self._w = watch(relay, sid, token, after, transport=transport, gen=gen)  # type: ignore[arg-type]
         self._task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
-        async for f in self._w:
-            self.transcript.apply(f)
-            self.last = f.offset
+        try:
+            async for f in self._w:
+                self.transcript.apply(f)
+                if f.kind != "presence":  # a screen count: offset 0, not a resume point
+                    self.last = f.offset
+        except WatchRefused as exc:  # the session was deleted: its streams end
+            self.refused = exc
 
     async def until(self, offset: int, timeout_s: float = 15.0) -> None:
         async with asyncio.timeout(timeout_s):
@@ -124,6 +129,9 @@ async def test_every_screen_holds_the_stored_history_after_stop_regenerate_and_e
             assert refused.value.code == "turn_finished"
             assert refused.value.body["offset"] == frames[-1].offset
             await delete_session(http, worker, sid, token)
+            async with asyncio.timeout(10):  # every screen's stream ended, and stays refused
+                while not all(s.refused is not None for s in screens):
+                    await asyncio.sleep(0.02)
             with pytest.raises(ControlRefused) as refused:
                 await delete_session(http, worker, sid, token)
             assert (refused.value.status, refused.value.code) == (404, "unknown_session")

@@ -128,26 +128,39 @@ async def wait_ready(http: aiohttp.ClientSession, base: str, within_s: float) ->
             await asyncio.sleep(0.1)
 
 
-async def ws_frames(ws: aiohttp.ClientWebSocketResponse, n: int) -> list[dict[str, Any]]:
-    """The next ``n`` WebSocket text messages, as JSON."""
+async def ws_frames(
+    ws: aiohttp.ClientWebSocketResponse, n: int, presence: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """The next ``n`` WebSocket text messages, as JSON, but the ``presence`` frames (they
+    come whenever a screen joins or leaves, outside the session's order): those go to
+    ``presence`` when it is given, else nowhere."""
     out: list[dict[str, Any]] = []
     async with asyncio.timeout(STEP):
         while len(out) < n:
             msg = await ws.receive()
             assert msg.type is WSMsgType.TEXT, (msg.type, msg.data, ws.close_code)
-            out.append(json.loads(msg.data))
+            obj = json.loads(msg.data)
+            if obj.get("kind") == "presence":
+                if presence is not None:
+                    presence.append(obj)
+                continue
+            out.append(obj)
     return out
 
 
 async def send_expect_close(
     ws: aiohttp.ClientWebSocketResponse, payload: str | bytes
 ) -> aiohttp.WSMessage:
-    """Send ``payload`` (bytes: a binary message) and return the close the relay answers."""
+    """Send ``payload`` (bytes: a binary message) and return the close the relay answers
+    (presence frames that come before it are skipped)."""
     if isinstance(payload, bytes):
         await ws.send_bytes(payload)
     else:
         await ws.send_str(payload)
-    msg = await asyncio.wait_for(ws.receive(), STEP)
+    async with asyncio.timeout(STEP):
+        msg = await ws.receive()
+        while msg.type is WSMsgType.TEXT and json.loads(msg.data).get("kind") == "presence":
+            msg = await ws.receive()
     assert msg.type is WSMsgType.CLOSE, msg
     return msg
 

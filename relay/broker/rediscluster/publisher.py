@@ -60,6 +60,7 @@ from relay.broker.errors import (
     OffsetConflict,
     RedisCommandError,
     RedisUnavailable,
+    SessionDeleted,
 )
 from relay.broker.rediscluster.scripts import OPEN, PUBLISH, READ, REAP, SEAL
 from relay.protocol.frame import MAX_FRAME_BYTES, Frame, Kind, encode, now_ms
@@ -67,6 +68,7 @@ from relay.protocol.keys import (
     BACKLOG_MAXLEN,
     SESSION_TTL_S,
     KeyKind,
+    gone_key,
     key,
     live_channel,
     log_key,
@@ -324,10 +326,17 @@ async def read_backlog_page(
     One round trip (a read-only Lua script), so the answers are consistent.
     ``count=0`` only reads the bounds. ``max_bytes`` > 0: stop before the frame that
     would take the reply past that many bytes (the first frame always comes back).
+    Raises :class:`relay.broker.errors.SessionDeleted` when the session was deleted (its
+    tombstone exists): the same script checks it, so a relay learns it without a trip more.
     """
     sid = parse_session(sid)
     args = (f"{max(after_offset, 0) + 1}-0", max(count, 0), max(max_bytes, 0))
-    r = await READ(redis, (log_key(sid), meta_key(sid)), args)
+    try:
+        r = await READ(redis, (log_key(sid), meta_key(sid), gone_key(sid)), args)
+    except RedisCommandError as exc:
+        if str(exc).startswith("GONE"):
+            raise SessionDeleted(sid) from None
+        raise
     return BacklogPage([_b(x) for x in r[3:]], int(r[0]), int(r[1]), _b(r[2]).decode())
 
 

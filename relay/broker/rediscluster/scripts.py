@@ -2,7 +2,8 @@
 
 Each script is a file of ``lua/`` (its KEYS and ARGV are said at its top); a script that
 writes a frame of its own starts with ``lua/frame.lua``, the one template of a frame
-written in Lua (the reap's ``error`` and the seal's ``gap``), so that the frames the
+written in Lua (the reap's ``error``, the seal's ``gap``, the screen count's
+``presence``, outside the session's order: in no backlog), so that the frames the
 scripts write cannot drift apart. The files ship inside the package (package data).
 
 A :class:`Script` runs with ``EVALSHA`` and falls back to ``EVAL`` once on ``NOSCRIPT``
@@ -37,6 +38,7 @@ __all__ = [
     "PUBLISH",
     "READ",
     "REAP",
+    "SCREENS",
     "SEAL",
     "STOPPED",
     "Script",
@@ -70,7 +72,8 @@ PUBLISH: Final = Script("publish")
 READ: Final = Script("read")
 REAP: Final = Script("reap", uses=("frame",))
 SEAL: Final = Script("seal", uses=("frame",))
-PRESENCE_WRITE: Final = Script("presence_write")
+PRESENCE_WRITE: Final = Script("presence_write", uses=("frame",))
+SCREENS: Final = Script("screens", uses=("frame",))
 PRESENCE_COUNT: Final = Script("presence_count")
 LOCK_NAME: Final = Script("lock_name")
 LOCK_REFRESH: Final = Script("lock_refresh")
