@@ -6,6 +6,7 @@
 //     transport: "sse",               // or "ws"
 //     from: 0,                        // last offset you already have; null/undefined = live
 //     gen: "9f1c2a7d0b3e",            // the generation of that offset (meta.gen), if known
+//     compact: true,                  // a late joiner: each finished turn as <= 3 frames
 //     onFrame(frame) { ... },         // every frame once, in order (duplicates dropped)
 //     onGap(gap) { ... },             // {reason, from, to, turn, detail}: text is missing or wrong
 //     onState(state, info) { ... },   // connecting | live | reconnecting | closed | error
@@ -488,6 +489,7 @@ export class Watcher {
     const doFetch = this.opts.fetch || globalThis.fetch;
     if (typeof doFetch !== "function") throw new Fatal("no fetch in this runtime: pass options.fetch");
     const query = this.check.gen ? { gen: this.check.gen } : {};
+    if (this.opts.compact) query.compact = "1";
     const resp = await doFetch(this.url("events", query), { headers, signal: abort.signal });
     if (conn !== this.conn) return;
     if (!resp.ok) {
@@ -527,6 +529,7 @@ export class Watcher {
     if (this.token) query.token = this.token;
     if (this.check.last !== null) query.from = String(this.check.last);
     if (this.check.gen) query.gen = this.check.gen;
+    if (this.opts.compact) query.compact = "1";
     const url = this.url("ws", query).replace(/^http/, "ws");
     const ws = new WS(url);
     this.ws = ws;

@@ -138,3 +138,36 @@ async def test_every_screen_holds_the_stored_history_after_stop_regenerate_and_e
         finally:
             for s in screens:
                 await s.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_compacted_late_joiner_holds_the_stored_history_in_three_frames_a_turn(
+    cluster: ClusterInfo, h: Harness, redis: RedisCluster
+) -> None:
+    await h.start_engines(1, decode_tok_per_s=400.0)
+    await h.start_worker()
+    async with relay_support.running(cluster) as relay:
+        sid, token = await h.session()
+        last = 0
+        for i in range(4):
+            status, started, _ = await h.post_turn(
+                sid, token, {"message": f"q{i}", "max_tokens": 24}
+            )
+            assert status == 202
+            last = (await wait_turn(redis, sid, started["turn"]))[-1].offset
+        for transport in ("sse", "ws"):
+            per_turn: dict[int, int] = {}
+            transcript = Transcript(sid)
+            w = watch(relay.base, sid, token, 0, transport=transport, compact=True)  # type: ignore[arg-type]
+            async for f in w:
+                if f.kind == "presence":
+                    continue
+                per_turn[f.turn] = per_turn.get(f.turn, 0) + 1
+                transcript.apply(f)
+                if f.offset >= last:
+                    break
+            await w.aclose()
+            assert set(per_turn) == {1, 2, 3, 4}
+            assert max(per_turn.values()) <= 3, per_turn
+            assert w.stats.problems == 0
+            assert transcript.history() == await _stored(redis, sid)
