@@ -158,7 +158,7 @@ async def test_a_compacted_late_joiner_holds_the_stored_history_in_three_frames_
         for transport in ("sse", "ws"):
             per_turn: dict[int, int] = {}
             transcript = Transcript(sid)
-            w = watch(relay.base, sid, token, 0, transport=transport, compact=True)  # type: ignore[arg-type]
+            w = watch(relay.base, sid, token, 0, transport=transport, compact=True)
             async for f in w:
                 if f.kind == "presence":
                     continue
