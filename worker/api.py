@@ -53,11 +53,22 @@ from relay.protocol.auth import AuthError
 from relay.protocol.codes import Refusal
 from relay.protocol.keys import InvalidSessionId, idem_key, new_session_id, parse_session
 from relay.service import openapi, settings
+from relay.service.clientaddr import parse_networks
 from relay.service.errors import RETRY_AFTER, Reject, admin_refused, refusal, retry_after
+from relay.service.httpguard import ConnLimits, client_gone, guard_app
+from worker import controls
 from worker.access import BadTokenRequest, RateLimited, parse_token_request
 from worker.chat import direct
-from worker.chat.turnstate import Draining, IdempotencyKeyReused, IdempotencyPending, TurnBusy
+from worker.chat.replace import NothingToRegenerate, Replace, UnknownReplaced
+from worker.chat.turnstate import (
+    Draining,
+    IdempotencyKeyReused,
+    IdempotencyPending,
+    TurnBusy,
+    TurnCancelled,
+)
 from worker.config import WorkerConfig
+from worker.controls import check_gone
 from worker.gateway import aisdk
 from worker.gateway import openai as gateway
 from worker.jobs import api as jobs_api
@@ -144,7 +155,15 @@ async def _mint_token(request: web.Request) -> web.Response:
     except Reject as r:
         return r.response()
     try:
+        await check_gone(st.turns.store, sid)
+    except Reject as r:
+        return r.response()
+    except RelayError as exc:
+        return _redis_refusal(st, sid, exc)
+    try:
         scope, ttl_s = parse_token_request(await request.read())
+    except ConnectionResetError:  # the client left mid-body: counted by the guard
+        return client_gone()
     except BadTokenRequest as exc:
         return refusal(400, Refusal.INVALID_TOKEN_REQUEST, str(exc))
     except web.HTTPRequestEntityTooLarge:
@@ -156,21 +175,48 @@ def _too_large(cfg: WorkerConfig) -> web.Response:
     return refusal(413, Refusal.BODY_TOO_LARGE, f"body larger than {cfg.max_body_bytes} bytes")
 
 
-def _parse_turn(raw: bytes, cfg: WorkerConfig) -> tuple[str, str | None, int]:
-    """The turn's message, system prompt and max_tokens, or :class:`Reject` (400, 413)."""
+def _parse_replace(body: dict[str, Any]) -> Replace | None:
+    """``regenerate: true`` (the newest turn) or ``replaces: <turn>``; else None."""
+    regen, replaces = body.get("regenerate", False), body.get("replaces")
+    if isinstance(replaces, float) and replaces.is_integer():
+        replaces = int(replaces)  # JSON has one number type: 2.0 is the turn 2
+    if not isinstance(regen, bool):
+        raise Reject(400, Refusal.INVALID_TURN, "'regenerate' must be a boolean")
+    if replaces is not None and (
+        isinstance(replaces, bool) or not isinstance(replaces, int) or replaces < 1
+    ):
+        raise Reject(400, Refusal.INVALID_TURN, "'replaces' must be a positive turn number")
+    if regen and replaces is not None:
+        raise Reject(400, Refusal.INVALID_TURN, "send 'regenerate' or 'replaces', not both")
+    if regen:
+        if body.get("message") is not None:
+            reason = "'regenerate' asks the replaced turn's message again: send no 'message'"
+            raise Reject(400, Refusal.INVALID_MESSAGE, reason)
+        return Replace()
+    return Replace(turn=replaces) if replaces is not None else None
+
+
+def _parse_turn(
+    raw: bytes, cfg: WorkerConfig
+) -> tuple[str | None, str | None, int, Replace | None]:
+    """The turn's message (None: a regenerate), system prompt, max_tokens and the turn
+    it replaces, or :class:`Reject` (400, 413)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise Reject(400, Refusal.MALFORMED_JSON, f"body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise Reject(400, Refusal.INVALID_BODY, "body must be a JSON object")
+    replace = _parse_replace(body)
     message = body.get("message")
-    if not isinstance(message, str):
+    if message is None and replace is not None:
+        pass  # a regenerate: the replaced turn's message
+    elif not isinstance(message, str):
         raise Reject(400, Refusal.INVALID_MESSAGE, "'message' must be a string")
-    if not message.strip():
+    elif not message.strip():
         raise Reject(400, Refusal.INVALID_MESSAGE, "'message' must not be empty")
     limit = cfg.max_message_chars
-    if len(message) > limit:
+    if message is not None and len(message) > limit:
         raise Reject(413, Refusal.MESSAGE_TOO_LARGE, f"'message' longer than {limit} characters")
     system = body.get("system")
     if system is not None and not isinstance(system, str):
@@ -189,7 +235,7 @@ def _parse_turn(raw: bytes, cfg: WorkerConfig) -> tuple[str, str | None, int]:
                 Refusal.INVALID_MAX_TOKENS,
                 f"'max_tokens' must be between 1 and {cfg.max_tokens_limit}",
             )
-    return message, system or None, max_tokens or cfg.default_max_tokens
+    return message, system or None, max_tokens or cfg.default_max_tokens, replace
 
 
 async def _post_turn(request: web.Request) -> web.StreamResponse:
@@ -207,8 +253,10 @@ async def _post_turn(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return _too_large(cfg)
+    except ConnectionResetError:  # the client left mid-body: counted by the guard
+        return client_gone()
     try:
-        message, system, max_tokens = _parse_turn(raw, cfg)
+        message, system, max_tokens, replace = _parse_turn(raw, cfg)
         stream = direct.wants_stream(request.headers.get("Accept"), orjson.loads(raw))
     except Reject as exc:
         return _refused(st, exc)
@@ -225,16 +273,19 @@ async def _post_turn(request: web.Request) -> web.StreamResponse:
         reason = "redis has not been reached yet"
         return _refused(st, Reject(503, Refusal.REDIS_UNAVAILABLE, reason, RETRY_AFTER))
     try:
+        await check_gone(st.turns.store, sid)
         await st.access.check_turn_rate(st.redis, sid)
-    except RateLimited as exc:
+    except (RateLimited, Reject) as exc:
         return _refused(st, exc)
     except RelayError as exc:
         return _redis_refusal(st, sid, exc)
     try:
         started = await st.turns.start_turn(
             sid, message, system=system, max_tokens=max_tokens, idempotency_key=idem,
-            viewer=viewer,
+            viewer=viewer, replaces=replace,
         )  # fmt: skip
+    except (TurnCancelled, NothingToRegenerate, UnknownReplaced) as exc:
+        return _refused(st, _control_refusal(exc))
     except Draining:
         return _refused(st, Reject(503, Refusal.DRAINING, "worker is shutting down", RETRY_AFTER))
     except TurnBusy as exc:
@@ -258,6 +309,19 @@ async def _post_turn(request: web.Request) -> web.StreamResponse:
         return await direct.respond(request, viewer, orjson.dumps(hello))
     headers = {"Idempotent-Replayed": "true"} if started.replayed else None
     return _json(202, started.body(), headers)
+
+
+def _control_refusal(exc: Exception) -> Reject:
+    """The refusal of a turn the chat controls turned down (stopped while it waited, a
+    regenerate or edit of what the history lacks)."""
+    if isinstance(exc, TurnCancelled):
+        return Reject(409, Refusal.TURN_CANCELLED, str(exc))
+    if isinstance(exc, NothingToRegenerate):
+        return Reject(409, Refusal.NOTHING_TO_REGENERATE, str(exc))
+    if isinstance(exc, UnknownReplaced):
+        code = Refusal.UNKNOWN_MESSAGE if exc.what == "message" else Refusal.UNKNOWN_TURN
+        return Reject(404, code, str(exc))
+    raise TypeError(exc)
 
 
 async def _healthz(request: web.Request) -> web.Response:
@@ -341,6 +405,7 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
     app.router.add_post("/v1/sessions", _create_session)
     app.router.add_post("/v1/sessions/{sid:[^/]+}/turns", _post_turn)  # a bad id: 400, not 404
     app.router.add_post("/v1/sessions/{sid:[^/]+}/tokens", _mint_token)
+    controls.add_routes(app)  # stop, messages, delete (worker/controls.py)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
@@ -349,4 +414,18 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
     jobs_api.add_routes(app)  # POST /v1/jobs, GET /v1/jobs/{id} (404 without --amqp)
     app.router.add_get("/openapi.json", openapi.handler("worker"))  # docs/openapi.yaml
     aisdk.register(app)  # POST /v1/chat: the Vercel AI SDK's chat (worker/gateway/aisdk.py)
+    limits = ConnLimits(
+        head_timeout_s=cfg.head_timeout_s,
+        body_timeout_s=cfg.body_timeout_s,
+        keepalive_timeout_s=cfg.keepalive_timeout_s,
+        max_per_address=cfg.max_connections_per_address,
+        exempt=parse_networks(cfg.trusted_proxies),
+    )
+
+    def count(reason: str) -> None:  # the metrics exist once the app has started
+        st = app.get(STATE)
+        if st is not None:
+            st.metrics.http_guard.labels(reason).inc()
+
+    guard_app(app, limits, count)  # app[GUARD], for the site that serves the app
     return app

@@ -24,7 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from relay.service import runtime, settings
-from relay.service.httpguard import GuardedSite
+from relay.service.httpguard import GUARD, GuardedSite
 from worker.api import begin_drain, make_app
 from worker.config import WorkerConfig
 from worker.state import STATE, access_check
@@ -58,15 +58,23 @@ def config_from_args(
 
 async def serve(cfg: WorkerConfig, host: str, port: int) -> int:
     """Serve until SIGTERM/SIGINT, then drain (see the module docstring); 1 when Redis
-    cannot be reached at start."""
+    cannot be reached at start, 2 when the port cannot be listened on."""
     app = make_app(cfg)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=cfg.shutdown_deadline_s + 5)
+    if (busy := runtime.cannot_listen(host, port)) is not None:
+        print(f"error: {busy}", file=sys.stderr)  # before Redis: the one thing to say
+        return 2
     async with runtime.stop_on_signals() as stop:
         if not await runtime.set_up(runner, cfg.redis_url):
             return 1
         try:
-            site = GuardedSite(runner, host, port, backlog=4096)  # 408 for slowloris heads
-            await site.start()
+            # slow heads and bodies get 408, idle connections are closed, an address capped
+            site = GuardedSite(runner, host, port, guard=app[GUARD], backlog=4096)
+            try:
+                await site.start()
+            except OSError as exc:  # taken since the check: one line, never a traceback
+                print(f"error: {runtime.listen_error(host, port, exc)}", file=sys.stderr)
+                return 2
             bound = runner.addresses[0][1] if runner.addresses else port
             print(f"worker {cfg.worker_id} listening on http://{host}:{bound}", flush=True)
             await stop.wait()

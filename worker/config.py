@@ -26,6 +26,8 @@ from typing import Annotated, Final
 import msgspec
 
 from relay.broker.rediscluster.connect import RedisTLS
+from relay.producer.coalesce import DEFAULT_POLICY, CoalescePolicy
+from relay.producer.watch import PresencePolicy
 from relay.protocol.auth import DEFAULT_KID
 from relay.protocol.keys import BACKLOG_MAX_BYTES, BACKLOG_MAXLEN, SESSION_TTL_S
 from relay.service import settings
@@ -34,12 +36,16 @@ from relay.service.settings import (
     AdminKey,
     BacklogMaxBytes,
     BacklogMaxlen,
+    BodyTimeout,
     FailFast,
+    HeadTimeout,
     Host,
     InsecureNoAuth,
     IPv6Prefix,
+    KeepaliveTimeout,
     KeysFile,
     Kid,
+    MaxConnectionsPerAddress,
     RedisCA,
     RedisCert,
     RedisKey,
@@ -49,8 +55,6 @@ from relay.service.settings import (
     TrustedProxies,
     opt,
 )
-from worker.chat.coalesce import DEFAULT_POLICY, CoalescePolicy
-from worker.chat.presence import PresencePolicy
 from worker.jobs.record import JOB_TTL_S
 from worker.routing.control import parse_engine_arg
 from worker.routing.key import DEFAULT_PREFIX_CHARS
@@ -95,6 +99,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     admin_key: AdminKey = ""
     trusted_proxies: TrustedProxies = ""
     ipv6_prefix: IPv6Prefix = DEFAULT_IPV6_PREFIX
+    head_timeout_s: HeadTimeout = 10.0
+    body_timeout_s: BodyTimeout = 30.0
+    keepalive_timeout_s: KeepaliveTimeout = 75.0
+    max_connections_per_address: MaxConnectionsPerAddress = 256
     # Redis unreachable at start: False keeps retrying in the background (/healthz 200,
     # /readyz 503 redis_unreachable, turns 503), which is what Kubernetes expects; True
     # exits 1 with one line naming the URL (masked) and the cause.

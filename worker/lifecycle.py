@@ -240,6 +240,7 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
 
     async def redis_reached() -> None:
         turns.redis_ready = True
+        await turns.control.start(sup)  # stops asked of this worker's turns elsewhere
         control.start_discovery()
         if exchange is not None:
             await exchange.start(sup)
@@ -275,6 +276,7 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await _always(
             lambda: turns.drain(cfg.shutdown_deadline_s),
             sup.stop,
+            turns.control.close,
             withdraw,
             http.close,
             close_submitter,

@@ -43,6 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
+from relay.service.httpguard import Reason
 from worker.routing.router import Router
 
 __all__ = ["CONTENT_TYPE_LATEST", "WorkerMetrics", "engine_label"]
@@ -104,6 +105,15 @@ class WorkerMetrics:
         self.rejected = Counter(
             _P + "rejected_requests", "Turn POSTs refused, by status.", ["status"], registry=reg
         )
+        self.http_guard = Counter(
+            _P + "http_guard",
+            "Connections the HTTP guard refused or closed (head_timeout, body_timeout, "
+            "idle_timeout, too_many_connections) and clients that left mid-body (body_cut).",
+            ["reason"],
+            registry=reg,
+        )
+        for reason in Reason:
+            self.http_guard.labels(reason.value)
         self.ttft = Histogram(
             _P + "ttft_seconds",
             "Time from the POST to the first token from the engine.",

@@ -3,8 +3,10 @@
 For the ``partition`` fault drill (:mod:`bench.faults.drills`): a Redis master's client port
 stops answering in both directions while the process itself runs on (its cluster bus,
 on port + 10000, is untouched, so the cluster does not fail over). Needs root and a
-working ``iptables``; :func:`unsupported` says why not otherwise, and the drill is
-skipped with that reason. Only loopback traffic is matched (``-i lo``, 127.0.0.1).
+working ``iptables`` (``make test`` installs Debian's as it installs Chromium);
+:func:`unsupported` says why not otherwise, and the drill then fails with that reason
+unless it was asked to be skipped. Only loopback traffic is matched (``-i lo``,
+127.0.0.1).
 
 Order of use::
 
@@ -41,7 +43,7 @@ def unsupported() -> str | None:
     if os.geteuid() != 0:
         return "needs root (iptables)"
     if shutil.which("iptables") is None:
-        return "iptables is not installed"
+        return "iptables is not installed (apt-get install iptables; make test does it as root)"
     try:
         probe = _iptables("-S", "INPUT")
     except (OSError, subprocess.TimeoutExpired) as exc:

@@ -39,9 +39,9 @@ from bench._util import free_port, ns_ms, percentile
 from devstack.cluster.launcher import LocalCluster
 from devstack.procs import Proc, http_ok, launched
 from relay.client.stream import watch
+from relay.producer.coalesce import DEFAULT_POLICY
 from relay.protocol.sse_reader import SSEDecoder
 from relay.service import runtime
-from worker.chat.coalesce import DEFAULT_POLICY
 
 __all__ = ["Workload", "add_arguments", "main", "run", "run_from_args", "summary"]
 
@@ -135,11 +135,12 @@ async def run(wl: Workload) -> dict[str, Any]:
                 "--coalesce-tokens", str(wl.coalesce_tokens), "--coalesce-ms", str(wl.coalesce_ms),
                 # every client of the benchmark is 127.0.0.1: no per-address limits
                 "--session-rate", "0", "--turns-per-minute", "0", "--max-sessions-per-address", "0",
+                "--max-connections-per-address", "0",
             ]  # fmt: skip
             relay = [
                 *py, "tokenrelay", "relay", "--port", str(rp), "--redis", info.url,
                 "--insecure-no-auth", "--relay-id", "r-bench", "--log-level", "WARNING",
-                "--max-streams-per-address", "0",
+                "--max-streams-per-address", "0", "--max-connections-per-address", "0",
             ]  # fmt: skip
             async with (
                 _serve(engine, f"http://127.0.0.1:{ep}/health", logs / "engine.log"),

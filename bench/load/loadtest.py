@@ -37,12 +37,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from redis.exceptions import RedisClusterException, RedisError
 
 from bench._util import percentile
 from bench.load.accounting import account, read_logs
 from bench.load.viewer import Viewer
 from devstack.demo.stack import Stack, StackSpec
-from relay.broker.rediscluster.connect import connect
+from relay.broker.errors import RelayError
+from relay.broker.rediscluster.connect import check_url, connect, mask_url
 from relay.service import runtime
 
 __all__ = ["MUST_BE_ZERO", "LoadConfig", "main", "run_loadtest"]
@@ -527,6 +529,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         print("error: give --relay, --worker and --redis URLs, or none", file=sys.stderr)
         return 2
     try:
+        if args.redis:
+            check_url(args.redis)
         cfg = config_from_args(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -539,7 +543,14 @@ def run_from_args(args: argparse.Namespace) -> int:
         engine_cap=args.engine_cap,
         engine_args=["--max-concurrency", str(args.engine_concurrency)],
     )
-    report = runtime.run(run_loadtest(cfg, spec))
+    try:
+        report = runtime.run(run_loadtest(cfg, spec))
+    except (aiohttp.ClientError, OSError, RedisError, RedisClusterException, RelayError) as exc:
+        # a running stack given by URLs that does not answer: one line, never a traceback
+        where = ", ".join([*args.relay, *args.worker, mask_url(args.redis)]) or "its own stack"
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        print(f"error: the load test cannot reach {where}: {first}", file=sys.stderr)
+        return 1
     _print(report)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -189,6 +189,8 @@ class Viewer:
             self.recoveries_ms.append((now - self.disconnected_at) * 1000)
             self.disconnected_at = None
         kind, offset = frame.kind, frame.offset
+        if kind == "presence":  # a screen count: outside the offsets, nothing to tally
+            return
         meta = frame.meta or {}
         if kind == "reset":  # the session restarted: a new stream from offset 1
             self._reset(str(meta.get("gen", "")))

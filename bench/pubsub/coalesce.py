@@ -3,7 +3,7 @@
 What it is for: choose the worker's default (N tokens, T ms) flush policy from numbers.
 For each setting, ``streams`` concurrent turns stream from a mock engine (run as a child
 process, so the CPU figure is the worker side only) decoding at ``rate`` tokens/s per
-stream, through :class:`worker.chat.coalesce.TokenPump` into the real fenced publisher
+stream, through :class:`relay.producer.coalesce.TokenPump` into the real fenced publisher
 (:class:`relay.broker.rediscluster.publisher.Generation`, one Lua round trip per flush) on a
 local Redis
 Cluster. Per setting it reports:
@@ -38,8 +38,8 @@ from bench._util import free_port
 from devstack.cluster.launcher import LocalCluster
 from devstack.procs import Proc, http_ok
 from relay.broker.rediscluster.publisher import Draft, Publisher
+from relay.producer.coalesce import Batch, CoalescePolicy, TokenPump
 from relay.protocol.keys import new_session_id
-from worker.chat.coalesce import Batch, CoalescePolicy, TokenPump
 from worker.engines.client import EngineClient
 
 __all__ = ["SETTINGS", "add_arguments", "main", "run_from_args", "run_setting"]

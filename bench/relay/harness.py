@@ -162,6 +162,7 @@ async def relay_process(
         "--redis", url, "--secret", SECRET, "--relay-id", name,
         "--max-connections", str(max_conn), "--reap-after-s", "0",
         "--max-streams-per-address", "0",  # every client of the bench is 127.0.0.1
+        "--max-connections-per-address", "0",
         "--max-streams-per-token", "0",  # a capacity bench, not an abuse test
         "--log-level", "WARNING",
     ]  # fmt: skip

@@ -95,7 +95,9 @@ def _frames(sids: list[str], n: int, gen: str, offsets: dict[str, int]) -> list[
 async def measure(
     sessions: int, frames: int, per_chunk: int, repeats: int, profile: bool, seed: int
 ) -> dict[str, Any]:
-    hub = Hub(MemoryBroker("bench-micro"), reap_after_s=3600)
+    # no screen counts: what is measured is the frames' path (a count is written when a
+    # screen joins or leaves, never per frame)
+    hub = Hub(MemoryBroker("bench-micro"), reap_after_s=3600, screens_interval_s=0)
     await hub.start()
     sent = OutMeter(RelayMetrics("bench-micro"), "sse").sent
     transports: list[CountingTransport] = []

@@ -6,6 +6,7 @@
 //     transport: "sse",               // or "ws"
 //     from: 0,                        // last offset you already have; null/undefined = live
 //     gen: "9f1c2a7d0b3e",            // the generation of that offset (meta.gen), if known
+//     compact: true,                  // a late joiner: each finished turn as <= 3 frames
 //     onFrame(frame) { ... },         // every frame once, in order (duplicates dropped)
 //     onGap(gap) { ... },             // {reason, from, to, turn, detail}: text is missing or wrong
 //     onState(state, info) { ... },   // connecting | live | reconnecting | closed | error
@@ -13,8 +14,9 @@
 //   });
 //   w.close();
 //
-// Pure parts (exported, tested with `node --test`): SseParser, Continuity, backoffMs,
-// sha256Hex, codePoints. The I/O shell is Watcher (fetch-streamed SSE or WebSocket).
+// Pure parts (exported, tested with `node --test`): SseParser, Continuity, Transcript,
+// backoffMs, sha256Hex, codePoints. The I/O shell is Watcher (fetch-streamed SSE or
+// WebSocket) and the chat controls: cancel, loadMessages, deleteSession (any worker).
 "use strict";
 
 export const VERSION = "0.1.0";
@@ -179,6 +181,7 @@ export class Continuity {
       if (this.last === null || frame.offset > this.last) this.last = frame.offset;
       return this.done(true, problems);
     }
+    if (frame.kind === "presence") return this.done(true, problems);  // outside the offsets
     if (frame.kind === "reset") {  // a new generation: offsets start again at 1, turns at 1
       this.turns.clear();
       this.last = frame.offset;
@@ -240,11 +243,117 @@ export function checkDone(frame, text) {
   return { reason: "integrity", from: null, to: frame.offset, turn: frame.turn, detail: wrong.join("; ") };
 }
 
+/** A screen's conversation, built from the stored page and the frames (the same rules
+ * as the Python client's relay/client/transcript.py). `load(page)` starts from the
+ * worker's GET /v1/sessions/{sid}/messages; `apply(frame)` for every frame delivered
+ * from the page's `resume_from`: a `meta` frame opens its turn (with `meta.replaces` = N
+ * it first drops turns N and later: a regenerate or an edit replaced them), tokens
+ * append, `done` ends it (`finish` = its finish_reason, "cancelled" for a stopped
+ * reply), `error` ends it with `finish` "error", `reset` clears everything.
+ * `entries`: [{turn, role, text, id, finish, error}]; `history()`: what the worker
+ * stores (failed turns left out). */
+export class Transcript {
+  constructor(session) {
+    this.session = session;
+    this.entries = [];
+  }
+
+  load(page) {
+    this.entries = (page.messages || []).map((m) => ({
+      turn: Number.isInteger(m.turn) ? m.turn : 0, role: m.role, text: m.text ?? "",
+      id: m.id ?? null, finish: m.finish_reason ?? null, error: null,
+    }));
+  }
+
+  apply(frame) {
+    const meta = frame.meta || {};
+    if (frame.kind === "reset") { this.entries = []; return; }
+    if (frame.kind === "meta" && frame.turn > 0) {
+      if (Number.isInteger(meta.replaces)) this.entries = this.entries.filter((e) => e.turn < meta.replaces);
+      if (!this.reply(frame.turn)) {
+        this.entries.push({ turn: frame.turn, role: "user", text: String(meta.message ?? ""), id: meta.message_id ?? null, finish: null, error: null });
+        this.open(frame.turn);
+      }
+      return;
+    }
+    if (frame.kind === "token") { (this.reply(frame.turn) || this.open(frame.turn)).text += frame.text || ""; return; }
+    if (frame.kind === "done") { (this.reply(frame.turn) || this.open(frame.turn)).finish = meta.finish_reason || "stop"; return; }
+    if (frame.kind === "error" && frame.turn > 0) {
+      const r = this.reply(frame.turn) || this.open(frame.turn);
+      r.finish = "error";
+      r.error = frame.text || "the turn failed";
+    }
+  }
+
+  history() {
+    const failed = new Set(this.entries.filter((e) => e.finish === "error").map((e) => e.turn));
+    return this.entries.filter((e) => !failed.has(e.turn)).map((e) => ({ role: e.role, content: e.text, turn: e.turn }));
+  }
+
+  reply(turn) {
+    for (let i = this.entries.length - 1; i >= 0; i--) {
+      const e = this.entries[i];
+      if (e.turn === turn && e.role === "assistant") return e;
+    }
+    return null;
+  }
+
+  open(turn) {
+    const e = { turn, role: "assistant", text: "", id: `${this.session}-${turn}`, finish: null, error: null };
+    this.entries.push(e);
+    return e;
+  }
+}
+
 // ---------------------------------------------------------------- the I/O shell
 
-const FATAL_STATUS = new Set([400, 404]);  // bad session id or offset: retrying cannot help
+/** A worker's refusal of a chat control: `status`, `code` (its `error`), `body`. */
+export class ControlRefused extends Error {
+  constructor(status, body) {
+    super(`${status} ${body.error || ""}: ${body.reason || ""}`);
+    this.status = status;
+    this.code = body.error || "";
+    this.body = body;
+  }
+}
+
+async function control(method, url, token, fetchImpl = globalThis.fetch) {
+  const res = await fetchImpl(url, { method, headers: { Authorization: `Bearer ${token}` } });
+  const text = res.status === 204 ? "" : await res.text();
+  let body = {};
+  try { body = text ? JSON.parse(text) : {}; } catch { body = { error: "bad_response", reason: text.slice(0, 200) }; }
+  if (res.status >= 400) throw new ControlRefused(res.status, body);
+  return body;
+}
+
+const sessionUrl = (workerUrl, session) => `${String(workerUrl).replace(/\/$/, "")}/v1/sessions/${encodeURIComponent(session)}`;
+
+/** Stop `turn` of `session` (omit it: whichever turn runs or waits) on any worker:
+ * {session, turn, status: "stopping" | "stopped", offset?}. The turn's `done` frame
+ * (finish_reason "cancelled") reaches every screen. */
+export function cancel(workerUrl, session, token, turn = null, { fetch: f } = {}) {
+  const base = sessionUrl(workerUrl, session);
+  return control("POST", turn == null ? `${base}/cancel` : `${base}/turns/${turn}/cancel`, token, f);
+}
+
+/** A page of the stored conversation: {messages, resume_from, gen, running, next_before};
+ * watch from `resume_from` (with `gen`) for no gap and no duplicate. */
+export function loadMessages(workerUrl, session, token, { limit, before, ui = false, fetch: f } = {}) {
+  const q = new URLSearchParams();
+  if (limit != null) q.set("limit", String(limit));
+  if (before != null) q.set("before", String(before));
+  if (ui) q.set("format", "ui");
+  return control("GET", `${sessionUrl(workerUrl, session)}/messages?${q}`, token, f);
+}
+
+/** Delete the session: its turn stopped, its keys removed, its streams closed. */
+export function deleteSession(workerUrl, session, token, { fetch: f } = {}) {
+  return control("DELETE", sessionUrl(workerUrl, session), token, f);
+}
+
+const FATAL_STATUS = new Set([400, 404, 410]);  // bad id or offset, a deleted session: retrying cannot help
 const AUTH_STATUS = new Set([401, 403]);
-const FATAL_WS_CLOSE = new Set([1003, 1009, 4400]);  // the client broke the protocol
+const FATAL_WS_CLOSE = new Set([1003, 1009, 4400, 4410]);  // the client broke the protocol; the session was deleted
 
 class Fatal extends Error {}
 
@@ -380,6 +489,7 @@ export class Watcher {
     const doFetch = this.opts.fetch || globalThis.fetch;
     if (typeof doFetch !== "function") throw new Fatal("no fetch in this runtime: pass options.fetch");
     const query = this.check.gen ? { gen: this.check.gen } : {};
+    if (this.opts.compact) query.compact = "1";
     const resp = await doFetch(this.url("events", query), { headers, signal: abort.signal });
     if (conn !== this.conn) return;
     if (!resp.ok) {
@@ -419,6 +529,7 @@ export class Watcher {
     if (this.token) query.token = this.token;
     if (this.check.last !== null) query.from = String(this.check.last);
     if (this.check.gen) query.gen = this.check.gen;
+    if (this.opts.compact) query.compact = "1";
     const url = this.url("ws", query).replace(/^http/, "ws");
     const ws = new WS(url);
     this.ws = ws;

@@ -35,15 +35,25 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from devstack.cluster.form import ClusterError
 from devstack.demo.frontdoor import FrontDoor, make_frontdoor_app
-from devstack.demo.stack import Stack, StackSpec
+from devstack.demo.stack import Stack, StackError, StackSpec
 from relay.broker.rediscluster.connect import mask_url
 from relay.protocol.auth import DEFAULT_KID, WeakSecret, check_secret
 from relay.service import runtime, settings
-from relay.service.httpguard import GuardedSite
+from relay.service.httpguard import ConnLimits, GuardedSite, guard_app
 from relay.service.settings import ConfigError, Host, opt
 
-__all__ = ["DemoSettings", "PortBusy", "check_port", "register", "run_demo", "stack_view"]
+__all__ = [
+    "DemoSettings",
+    "PortBusy",
+    "banner",
+    "check_port",
+    "openai_snippet",
+    "register",
+    "run_demo",
+    "stack_view",
+]
 
 DEFAULT_AMQP = "amqp://guest:guest@127.0.0.1:5672/"
 
@@ -82,6 +92,13 @@ class DemoSettings(msgspec.Struct, frozen=True, kw_only=True):
             metavar="URL"),
     ] = ""  # fmt: skip
     no_jobs: Annotated[bool, opt("no offline jobs (no RabbitMQ)")] = False
+    no_gateway: Annotated[
+        bool, opt("no OpenAI-compatible gateway (default: on, with a key made for the run)")
+    ] = False
+    log_dir: Annotated[
+        str, opt("keep the processes' logs in this folder (default: a temporary one, removed "
+                 "when the demo stops)", metavar="DIR")
+    ] = ""  # fmt: skip
 
     def validate(self) -> DemoSettings:
         """The auth rule of every process, except that no secret means a random one."""
@@ -170,6 +187,7 @@ async def stack_view(stack: Stack, http: aiohttp.ClientSession) -> dict[str, Any
         "engines": sorted(engines.values(), key=lambda e: e["id"]),
         "placements": placements[:20],
         "redis": stack.redis_url,
+        "mock_engines": not stack.spec.engine_urls,  # the page says their text is made up
     }
 
 
@@ -198,7 +216,12 @@ async def run_demo(opts: DemoSettings) -> int:
             return 1
         else:
             print(f"offline jobs: off (no RabbitMQ at {mask_url(wanted)}; --amqp URL)", flush=True)
+    # The OpenAI gateway's key: made for this run, printed on this terminal only, given
+    # to the workers in their environment
+    gateway_key = "" if opts.no_gateway else f"demo-{secrets.token_urlsafe(24)}"
     spec = StackSpec(
+        gateway_keys=[gateway_key] if gateway_key else [],
+        log_dir=opts.log_dir or None,
         amqp_url=amqp,
         relays=opts.relays,
         workers=opts.workers,
@@ -233,31 +256,73 @@ async def run_demo(opts: DemoSettings) -> int:
             stack_view=lambda: stack_view(stack, http),
             control=control,
         )
-        runner = web.AppRunner(
-            make_frontdoor_app(door), handle_signals=False, handler_cancellation=True
-        )
+        app = make_frontdoor_app(door)
+        # the relays' and workers' defaults; no cap per address: every browser is local
+        guard = guard_app(app, ConnLimits())
+        runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True)
         await runner.setup()
-        site = GuardedSite(runner, opts.host, opts.port, backlog=4096)
+        site = GuardedSite(runner, opts.host, opts.port, guard=guard, backlog=4096)
         try:
             await site.start()
         except OSError:  # taken since check_port looked: same one line, everything stopped
             await runner.cleanup()
             raise
         try:
-            for p in stack.procs.values():
-                print(f"  {p.name:<9} pid {p.pid:<7} {p.url}", flush=True)
-            print(f"  redis     {stack.redis_url}", flush=True)
             page = f"http://{opts.host}:{site.port}/"
-            print(f"\nopen {page}  (Ctrl-C stops everything)", flush=True)
-            # The kill/restart buttons need this run's control token; it is printed here
-            # only (the page keeps it from the #fragment, which no request carries).
-            print(f"kill/restart buttons: open {page}#control={door.control_token}\n", flush=True)
+            print(banner(stack, page, door.control_token, gateway_key, opts), flush=True)
             await stop.wait()
         finally:
             print("stopping ...", flush=True)
             await runner.cleanup()
-    print("stopped: every process this demo started has exited.", flush=True)
+    # every process has exited here (Stack's exit): their logs go too, unless asked to stay
+    stack.remove_logs()
+    kept = f" (logs kept in {stack.log_dir})" if opts.log_dir else ""
+    print(f"stopped: every process this demo started has exited{kept}.", flush=True)
     return 0
+
+
+def banner(stack: Stack, page: str, control_token: str, gateway_key: str,
+           opts: DemoSettings) -> str:  # fmt: skip
+    """What the terminal shows once the stack runs: the processes, where their logs are,
+    the page's address, the control link and the OpenAI snippet (this run's key)."""
+    rows = [(p.name, f"pid {p.pid}", p.url if p.port else "(no HTTP: reads the job queue)")
+            for p in stack.procs.values()]  # fmt: skip
+    rows.append(("redis", "", stack.redis_url))
+    width = max(len(name) for name, _, _ in rows)
+    lines = [f"  {name:<{width}}  {pid:<10} {where}".rstrip() for name, pid, where in rows]
+    logs = "kept" if opts.log_dir else "removed when the demo stops; --log-dir DIR keeps them"
+    lines.append(f"  {'logs':<{width}}  {'':<10} {stack.log_dir}  ({logs})")
+    engines = "real engines" if opts.engine_urls else "mock engines: replies are made-up text"
+    lines += [
+        "",
+        f"open {page}  (Ctrl-C stops everything; {engines})",
+        # The kill/restart buttons need this run's control token; it is printed here
+        # only (the page keeps it from the #fragment, which no request carries).
+        f"kill/restart buttons: open {page}#control={control_token}",
+    ]
+    if gateway_key:
+        snippet = openai_snippet(page, gateway_key, opts.model)
+        head = "OpenAI gateway (a key made for this run): pip install openai, then in python:"
+        lines += ["", head, *("    " + line for line in snippet)]
+    else:
+        lines += ["", "OpenAI gateway: off (--no-gateway)"]
+    return "\n".join(lines) + "\n"
+
+
+def openai_snippet(page: str, key: str, model: str) -> list[str]:
+    """The lines of a Python program that streams one reply through the gateway with the
+    official ``openai`` package, ready to paste."""
+    return [
+        "from openai import OpenAI",
+        f'client = OpenAI(base_url="{page}v1", api_key="{key}")',
+        "stream = client.chat.completions.create(",
+        f'    model="{model}", messages=[{{"role": "user", "content": "hello"}}], stream=True',
+        ")",
+        "for chunk in stream:",
+        "    if chunk.choices:",
+        '        print(chunk.choices[0].delta.content or "", end="", flush=True)',
+        "print()",
+    ]
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -269,6 +334,10 @@ def _main(args: argparse.Namespace) -> int:
         return 2
     try:
         return runtime.run(run_demo(opts))
+    except (StackError, ClusterError) as exc:  # a child did not start: its log says why
+        first = str(exc).splitlines()[0].rstrip(":")
+        print(f"error: the demo could not start: {first}", file=sys.stderr)
+        return 1
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise

@@ -5,6 +5,10 @@ session and turn paths (``POST /v1/sessions``, ``POST /v1/sessions/{sid}/turns``
 worker; each request picks an upstream at random (a client that reconnects lands
 anywhere, which is the point) and tries the next one when an upstream refuses the
 connection. Streams pass through unbuffered, WebSocket close codes pass through.
+Headers pass as through a reverse proxy: every end-to-end header (``Accept`` for the
+closed loop, ``X-Session-Id`` for the gateway's session mode, ``Last-Event-ID``, ...) in
+both directions, repeated ones repeated; hop-by-hop ones are dropped, and so is what a
+client claims about its address (the door sets ``X-Forwarded-For`` itself).
 It also serves the multi-screen page (``/``) and ``/api/stack``, the live panel's view of
 the stack (processes, engines' in-flight against their caps, recent placements).
 
@@ -38,12 +42,16 @@ from typing import Any
 
 import aiohttp
 from aiohttp import WSMsgType, web
+from multidict import CIMultiDict
 
 __all__ = ["CONTROL_HEADER", "FrontDoor", "make_frontdoor_app", "same_origin"]
 
 log = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).with_name("static")
+# Hop-by-hop headers (RFC 9110 7.6.1) belong to one connection and are not forwarded,
+# in either direction (nor the headers a Connection header names); nor are Host and
+# Content-Length, which the next hop sets itself.
 HOP_HEADERS = frozenset(
     h.lower()
     for h in (
@@ -51,7 +59,9 @@ HOP_HEADERS = frozenset(
         "Keep-Alive",
         "Proxy-Authenticate",
         "Proxy-Authorization",
+        "Proxy-Connection",
         "TE",
+        "Trailer",
         "Trailers",
         "Transfer-Encoding",
         "Upgrade",
@@ -59,7 +69,19 @@ HOP_HEADERS = frozenset(
         "Content-Length",
     )
 )
-FORWARD_REQUEST_HEADERS = ("Authorization", "Last-Event-ID", "Idempotency-Key", "Content-Type")
+# This door is the first proxy a request meets: what a client claims about the addresses
+# before it is not believed. The upstreams trust 127.0.0.1 (this door) to name the client;
+# a client's own X-Forwarded-For passed on would let it pick its address, and so escape
+# its per-address limits. The door sets X-Forwarded-For to the peer it sees.
+NOT_FORWARDED = frozenset(
+    h.lower()
+    for h in ("X-Forwarded-For", "X-Forwarded-Host", "X-Forwarded-Proto", "Forwarded", "X-Real-IP")
+)
+# A WebSocket's handshake is made again by the door's own client (its key, version and
+# extensions): the browser's handshake headers are for the door only.
+WS_HANDSHAKE = frozenset(
+    h.lower() for h in ("Sec-WebSocket-Key", "Sec-WebSocket-Version", "Sec-WebSocket-Extensions")
+)
 CONTROL_HEADER = "X-Control-Token"
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS"})
 
@@ -108,10 +130,34 @@ class FrontDoor:
         random.shuffle(shuffled)
         return shuffled
 
-    def _headers(self, request: web.Request) -> dict[str, str]:
-        out = {h: request.headers[h] for h in FORWARD_REQUEST_HEADERS if h in request.headers}
+    def _headers(self, request: web.Request, *, websocket: bool = False) -> CIMultiDict[str]:
+        """The request's end-to-end headers, as a reverse proxy forwards them: every
+        header but the hop-by-hop ones (and those the ``Connection`` header names), the
+        client's claims about addresses, and (for a WebSocket) the browser's handshake;
+        then ``X-Forwarded-For``: the peer this door sees. Repeated headers stay repeated."""
+        named = {
+            token.strip().lower()
+            for value in request.headers.getall("Connection", ())
+            for token in value.split(",")
+        }
+        drop = HOP_HEADERS | NOT_FORWARDED | named | (WS_HANDSHAKE if websocket else frozenset())
+        out: CIMultiDict[str] = CIMultiDict(
+            (k, v) for k, v in request.headers.items() if k.lower() not in drop
+        )
         out["X-Forwarded-For"] = request.remote or ""
         return out
+
+    @staticmethod
+    def _response_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
+        """The upstream's answer headers less the hop-by-hop ones (and those its
+        ``Connection`` names); repeated ones (``Set-Cookie``) stay repeated."""
+        named = {
+            token.strip().lower()
+            for value in upstream.headers.getall("Connection", ())
+            for token in value.split(",")
+        }
+        drop = HOP_HEADERS | named
+        return CIMultiDict((k, v) for k, v in upstream.headers.items() if k.lower() not in drop)
 
     async def _open(
         self, request: web.Request, upstreams: Sequence[str], body: bytes | None
@@ -146,8 +192,9 @@ class FrontDoor:
         if isinstance(upstream, web.Response):
             return upstream
         try:
-            headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
-            resp = web.StreamResponse(status=upstream.status, headers=headers)
+            resp = web.StreamResponse(
+                status=upstream.status, headers=self._response_headers(upstream)
+            )
             await resp.prepare(request)
             try:
                 async for chunk in upstream.content.iter_any():
@@ -166,7 +213,9 @@ class FrontDoor:
             url = base.replace("http", "ws", 1) + request.rel_url.path_qs
             try:
                 upstream = await self.http.ws_connect(
-                    url, headers=self._headers(request), timeout=aiohttp.ClientWSTimeout(ws_close=5)
+                    url,
+                    headers=self._headers(request, websocket=True),
+                    timeout=aiohttp.ClientWSTimeout(ws_close=5),
                 )
             except aiohttp.WSServerHandshakeError as exc:
                 if exc.status == 503:  # draining or full: another relay may take it
@@ -288,6 +337,10 @@ def make_frontdoor_app(door: FrontDoor) -> web.Application:
     app.router.add_post("/v1/sessions", door.to_worker)
     app.router.add_route("*", "/v1/sessions/{sid}/turns", door.to_worker)
     app.router.add_post("/v1/sessions/{sid}/tokens", door.to_worker)
+    app.router.add_post("/v1/sessions/{sid}/cancel", door.to_worker)  # the chat controls
+    app.router.add_post("/v1/sessions/{sid}/turns/{turn}/cancel", door.to_worker)
+    app.router.add_get("/v1/sessions/{sid}/messages", door.to_worker)
+    app.router.add_delete("/v1/sessions/{sid}", door.to_worker)
     # The Vercel AI SDK: its chat POST to a worker, its resume GET (and ui-stream) to a relay.
     app.router.add_post("/v1/chat", door.to_worker)
     # Offline jobs, the OpenAI-compatible gateway: workers.

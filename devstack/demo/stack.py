@@ -15,6 +15,7 @@ Order of use::
 
     async with Stack(StackSpec(relays=2, workers=2, engines=3)) as stack:
         stack.relay_urls, stack.worker_urls, stack.engine_urls, stack.redis_url
+        stack.log_dir                    # the children's logs; stack.remove_logs() after
         stack.kill("relay-1")            # kill -9 one process (fault injection)
         await stack.restart("relay-1")   # start it again on the same port
 """
@@ -26,6 +27,7 @@ import atexit
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -67,6 +69,9 @@ class StackSpec:
     log_dir: str | None = None
     amqp_url: str | None = None  # RabbitMQ: workers take /v1/jobs and a job worker runs them
     jobs_queue: str = "tokenrelay.demo.jobs"
+    # the workers' OpenAI gateway keys, in their environment (TOKENRELAY_GATEWAY_KEYS, never
+    # a command line): None leaves the variable as this process has it, [] takes it away
+    gateway_keys: list[str] | None = None
 
 
 @dataclass
@@ -108,6 +113,7 @@ class Stack:
         self.cluster_info: ClusterInfo | None = None
         self.redis_url = spec.redis_url or ""
         self._tmp = spec.log_dir or tempfile.mkdtemp(prefix="tokenrelay-stack-")
+        self._own_logs = spec.log_dir is None  # a folder made here: remove_logs() may go
         atexit.register(self.kill_now)  # a caller that dies before stop() leaks nothing
 
     # -- views --------------------------------------------------------------------
@@ -125,6 +131,17 @@ class Stack:
     @property
     def engine_urls(self) -> list[str]:
         return self.spec.engine_urls or self._urls("engine")
+
+    @property
+    def log_dir(self) -> str:
+        """The folder of the children's logs (``<name>.log``)."""
+        return self._tmp
+
+    def remove_logs(self) -> None:
+        """Remove the log folder once the stack has stopped, when this stack made it (a
+        ``log_dir`` the caller gave is the caller's)."""
+        if self._own_logs:
+            shutil.rmtree(self._tmp, ignore_errors=True)
 
     def of_kind(self, kind: str) -> list[Member]:
         return [p for p in self.procs.values() if p.kind == kind]
@@ -215,6 +232,10 @@ class Stack:
         env.pop("TOKENRELAY_ADMIN_KEY", None)  # the spec's, or none: never a shell's
         if self.spec.admin_key and member.kind in ("relay", "worker"):
             env["TOKENRELAY_ADMIN_KEY"] = self.spec.admin_key
+        if member.kind == "worker" and self.spec.gateway_keys is not None:
+            env.pop("TOKENRELAY_GATEWAY_KEYS", None)
+            if self.spec.gateway_keys:
+                env["TOKENRELAY_GATEWAY_KEYS"] = ",".join(self.spec.gateway_keys)
         member.proc = Proc.start(
             member.argv, log=member.log_path, name=member.name, env=env, append=True
         )

@@ -15,7 +15,6 @@ while Redis is away and withdraws the announcement on a clean stop.
 from __future__ import annotations
 
 import argparse
-import errno
 import sys
 from collections.abc import Sequence
 from typing import Annotated, Any
@@ -168,13 +167,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         runtime.run(serve(opts))
     except OSError as exc:  # binding the port: one line, never a traceback
-        if exc.errno == errno.EADDRINUSE:
-            print(f"error: port {opts.port} on {opts.host} is in use by another program: "
-                  "stop it, or pick another port with --port N (0: any free port)",
-                  file=sys.stderr)  # fmt: skip
-        else:
-            print(f"error: cannot listen on {opts.host}:{opts.port}: {exc.strerror or exc}",
-                  file=sys.stderr)  # fmt: skip
+        print(f"error: {runtime.listen_error(opts.host, opts.port, exc)}", file=sys.stderr)
         return 2
     return 0
 

@@ -23,13 +23,17 @@ the edge:
 - **seal** and **reap**: the two writes a relay makes (a ``gap`` frame over offsets a
   failover lost; an ``error`` frame ending a turn whose producer died);
 - **presence**: which sessions this relay has viewers of (the producers' "nobody
-  watches" rule reads it);
+  watches" rule reads it), and how many screens it serves each to
+  (:meth:`Broker.screens`: the session's total over every relay comes back to every
+  relay's subscribers as a ``presence`` frame, outside the session's order);
 - :meth:`Broker.active_turn` (the AI SDK's resume), :meth:`Broker.ping` (readiness),
   :meth:`Broker.stats` (metrics).
 
 Failures are :class:`relay.broker.errors.RelayError` subclasses:
 ``RedisUnavailable`` while the store cannot be reached (retry), ``SubscribeError`` when
-a subscription is not confirmed in time.
+a subscription is not confirmed in time, ``SessionDeleted`` from a read of a session
+that was deleted (its tombstone exists; the read that answers it is the one a watch
+makes anyway, so a relay learns it without asking more).
 
 Order of use::
 
@@ -116,7 +120,8 @@ class Broker(Protocol):
         self, sid: str, after: int | None, count: int, max_bytes: int
     ) -> BacklogPage:
         """Up to ``count`` frames after offset ``after`` (at most ``max_bytes`` bytes past
-        the first; 0: no byte bound) and the bounds; ``after`` None: the bounds only."""
+        the first; 0: no byte bound) and the bounds; ``after`` None: the bounds only.
+        Raises ``SessionDeleted`` when the session was deleted."""
 
     async def seal(self, sid: str, seen: int, gen: str) -> int:
         """A ``gap`` frame at ``seen`` over the offsets the backlog lost below it (a
@@ -131,8 +136,15 @@ class Broker(Protocol):
     def absent(self, sid: str) -> None:
         """This relay has no viewer of ``sid`` any more."""
 
+    async def screens(self, sid: str, count: int) -> int:
+        """This relay serves ``sid`` to ``count`` screens (0: none): written, and the
+        session's total over the relays whose presence is live sent on its live channel
+        as a ``presence`` frame (offset 0, in no backlog); the total. Raises
+        ``SessionDeleted`` (nothing written) when the session was deleted."""
+
     async def active_turn(self, sid: str) -> tuple[int, int] | None:
-        """The turn that is generating and the offset right before its first frame."""
+        """The turn that is generating and the offset right before its first frame;
+        raises ``SessionDeleted`` when the session was deleted."""
 
     async def ping(self) -> None:
         """Raise unless the store answers (readiness)."""

@@ -7,7 +7,9 @@ The tree::
      +-- RedisCommandError       the store answered an error we did not expect
      +-- Fenced                  a stale generation tried to publish (nothing written)
      +-- OffsetConflict          the session's offset is not the one the generation expected
+ +-- FrameTooLarge           a frame would encode past MAX_FRAME_BYTES (nothing written)
      +-- SubscribeError          a live channel could not be subscribed in time
+     +-- SessionDeleted          the session was deleted (its tombstone exists)
      +-- WatchClosed             a watcher was dropped (``reason`` for humans, ``code``
                                  for machines: "slow_consumer", "relay_shutdown", ...)
 
@@ -22,10 +24,12 @@ from relay.protocol.codes import CloseCode
 
 __all__ = [
     "Fenced",
+    "FrameTooLarge",
     "OffsetConflict",
     "RedisCommandError",
     "RedisUnavailable",
     "RelayError",
+    "SessionDeleted",
     "SubscribeError",
     "WatchClosed",
 ]
@@ -63,8 +67,28 @@ class OffsetConflict(RelayError):
         self.current = current
 
 
+class FrameTooLarge(RelayError, ValueError):
+    """A frame would encode past :data:`relay.protocol.frame.MAX_FRAME_BYTES`: every reader
+    would refuse it, so it is never written (nothing of its batch is)."""
+
+    def __init__(self, session: str, size: int, limit: int) -> None:
+        super().__init__(f"session {session}: a frame of {size} bytes is over {limit} bytes")
+        self.session = session
+        self.size = size
+        self.limit = limit
+
+
 class SubscribeError(RelayError):
     """A shard channel could not be subscribed (no owner reachable before the deadline)."""
+
+
+class SessionDeleted(RelayError):
+    """The session was deleted: its tombstone (:func:`relay.protocol.keys.gone_key`)
+    exists, so nothing of it may be read or watched until the tombstone expires."""
+
+    def __init__(self, session: str) -> None:
+        super().__init__(f"session {session} was deleted")
+        self.session = session
 
 
 class WatchClosed(RelayError):

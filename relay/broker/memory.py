@@ -21,6 +21,10 @@ What a test can do to it besides producing (:meth:`MemoryBroker.append`,
 - :meth:`MemoryBroker.resubscribed` (what a slot move or failover makes the Redis
   subscriber report);
 - :meth:`MemoryBroker.restart` a session (its keys expired: a new generation);
+- :meth:`MemoryBroker.peer` another relay's screen count of a session (and
+  :meth:`MemoryBroker.expire` its presence: its count stops counting);
+- :meth:`MemoryBroker.delete` a session (what the worker's delete does: its keys gone,
+  a tombstone, the deleted notice on its channel);
 - :meth:`MemoryBroker.fail` the next calls (an unreachable store).
 """
 
@@ -39,8 +43,8 @@ from relay.broker.base import (
     ReapStatus,
     ResubscribedHandler,
 )
-from relay.broker.errors import RedisUnavailable, SubscribeError
-from relay.protocol.frame import Frame, Kind, decode, encode, now_ms
+from relay.broker.errors import RedisUnavailable, SessionDeleted, SubscribeError
+from relay.protocol.frame import Frame, Kind, decode, deleted_frame, encode, now_ms
 from relay.protocol.keys import BACKLOG_MAX_BYTES, BACKLOG_MAXLEN, live_channel, parse_session
 from relay.service.supervise import Supervisor
 
@@ -75,6 +79,12 @@ class MemoryBroker:
         self.sessions: dict[str, _Session] = {}
         self.subscribed: set[str] = set()
         self.presence: set[str] = set()
+        self.gone: set[str] = set()  # deleted sessions (their tombstones)
+        # sid -> relay -> screens: this relay's field and the peers' a test gave it;
+        # a peer's counts while it is in live_peers (its presence entry has not expired)
+        self.screen_counts: dict[str, dict[str, int]] = {}
+        self.live_peers: dict[str, set[str]] = {}
+        self.screen_writes = 0
         self.reads = 0
         self._on_message: MessageHandler | None = None
         self._on_resubscribed: ResubscribedHandler | None = None
@@ -111,6 +121,7 @@ class MemoryBroker:
     ) -> BacklogPage:
         self._check()
         self.reads += 1
+        self._exists(sid)
         s = self.sessions.get(parse_session(sid))
         if s is None:
             return BacklogPage([], 1, 0, "")
@@ -163,8 +174,20 @@ class MemoryBroker:
     def absent(self, sid: str) -> None:
         self.presence.discard(sid)
 
+    async def screens(self, sid: str, count: int) -> int:
+        self._check()
+        self._exists(sid)
+        self.screen_writes += 1
+        fields = self.screen_counts.setdefault(sid, {})
+        if count > 0:
+            fields[self.relay_id] = count
+        else:
+            fields.pop(self.relay_id, None)
+        return self._total(sid)
+
     async def active_turn(self, sid: str) -> tuple[int, int] | None:
         self._check()
+        self._exists(sid)
         s = self.sessions.get(sid)
         if s is None or not s.open:
             return None
@@ -231,6 +254,29 @@ class MemoryBroker:
         self.sessions[sid] = s = _Session(gen=secrets.token_hex(6))
         return s.gen
 
+    def delete(self, sid: str) -> None:
+        """What a producer's delete does: every key of ``sid`` gone, its tombstone
+        written, :func:`relay.protocol.frame.deleted_frame` sent to its subscribers (not
+        to a backlog: there is none any more)."""
+        self.sessions.pop(parse_session(sid), None)
+        self.screen_counts.pop(sid, None)
+        self.live_peers.pop(sid, None)
+        self.gone.add(sid)
+        self._send(sid, encode(deleted_frame(sid)))
+
+    def peer(self, sid: str, relay: str, count: int) -> None:
+        """Another relay serves ``sid`` to ``count`` screens (its presence is live); the
+        total is sent only with the next count written (as on Redis)."""
+        self.screen_counts.setdefault(sid, {})[relay] = count
+        self.live_peers.setdefault(sid, set()).add(relay)
+
+    def expire(self, sid: str, relay: str) -> None:
+        """``relay``'s presence entry of ``sid`` expired (it died): what the presence
+        refresh script does then, its field dropped and the new total sent."""
+        self.live_peers.get(sid, set()).discard(relay)
+        if self.screen_counts.get(sid, {}).pop(relay, None) is not None:
+            self._total(sid)
+
     def resubscribed(self, sids: list[str]) -> None:
         """Tell the hub its live feed of ``sids`` may have lost frames."""
         assert self._on_resubscribed is not None
@@ -248,6 +294,24 @@ class MemoryBroker:
             s = self.sessions[sid] = _Session(gen=secrets.token_hex(6))
         return s
 
+    def _total(self, sid: str) -> int:
+        """The session's screens over the relays whose presence is live (other fields
+        dropped), sent as a presence frame."""
+        fields = self.screen_counts.get(sid, {})
+        live = self.live_peers.get(sid, set())
+        for relay in [r for r in fields if r != self.relay_id and r not in live]:
+            del fields[relay]
+        total = sum(fields.values())
+        frame = Frame(session=sid, turn=0, offset=0, kind="presence", ts=now_ms(),
+                      meta={"screens": total})  # fmt: skip
+        self._send(sid, encode(frame))
+        return total
+
+    def _exists(self, sid: str) -> None:
+        """What the scripts check first: a deleted session answers nothing."""
+        if sid in self.gone:
+            raise SessionDeleted(sid)
+
     def _check(self) -> None:
         if self._failing > 0:
             self._failing -= 1
@@ -264,10 +328,14 @@ class MemoryBroker:
             drop += 1
         if drop:
             del s.log[:drop]
-        if sid not in self.subscribed or self._on_message is None:
-            return
-        if s.lose > 0:
+        if s.lose > 0 and sid in self.subscribed and self._on_message is not None:
             s.lose -= 1
+            return
+        self._send(sid, data)
+
+    def _send(self, sid: str, data: bytes) -> None:
+        """``data`` to the subscribers of ``sid`` (SPUBLISH), from the event loop."""
+        if sid not in self.subscribed or self._on_message is None:
             return
         msg = [b"smessage", self.channel(sid), data]
         asyncio.get_running_loop().call_soon(self._deliver, msg)

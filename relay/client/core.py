@@ -11,6 +11,8 @@ The same rules as the browser client (clients/js/tokenrelay.js):
   ``overlap``; a ``gap`` frame from the relay: ``gap`` (it is delivered too);
 - a ``reset`` frame (the session's keys expired and restarted) is delivered, and the
   offsets start again: the next frame is offset 1 of the new generation;
+- a ``presence`` frame (how many screens watch, offset 0) is delivered as it comes: it
+  is outside the offsets, never a duplicate or a hole;
 - the generation of the frames delivered (``meta.gen``, and a ``reset``'s new one) is
   kept in ``gen``: a client sends it with its resume offset, so that a relay can tell
   an offset of an older generation from one of the current;
@@ -90,6 +92,8 @@ class Continuity:
             self._break_all()
             if self.last is None or frame.offset > self.last:
                 self.last = frame.offset
+            return self._done(True, problems)
+        if frame.kind == "presence":  # how many screens watch: outside the offsets
             return self._done(True, problems)
         if frame.kind == "reset":  # a new generation: its offsets begin again at 1
             self._turns.clear()

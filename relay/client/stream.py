@@ -19,7 +19,8 @@ and reported; holes, bad merges and a ``done`` frame whose ``chars`` / ``sha256`
 match the text are reported to ``on_problem``, or raise :class:`ContinuityError` when
 no ``on_problem`` is given (nothing is lost silently).
 
-Refusals: 400 / 404 raise :class:`WatchRefused`; 401 / 403 call ``refresh_token`` (an
+Refusals: 400 / 404 / 410 (a deleted session; WebSocket close 4410) raise
+:class:`WatchRefused`; 401 / 403 call ``refresh_token`` (an
 async function returning a new token) and retry, or raise :class:`WatchRefused`
 without one. A ``reset`` frame (the session's keys expired and restarted) is yielded,
 and offsets start again at 1.
@@ -67,9 +68,9 @@ __all__ = [
 Transport = Literal["sse", "ws"]
 State = Literal["connecting", "live", "reconnecting", "closed"]
 Relays = str | Sequence[str] | Callable[[], Sequence[str]]
-_FATAL_STATUS = frozenset((400, 404))
+_FATAL_STATUS = frozenset((400, 404, 410))  # 410: the session was deleted
 _AUTH_STATUS = frozenset((401, 403))
-_FATAL_WS_CLOSE = frozenset((1003, 1009, 4400))
+_FATAL_WS_CLOSE = frozenset((1003, 1009, 4400, 4410))  # 4410: deleted
 _CLEAN_WS_CLOSE = frozenset((None, 1000, 1001, 1012))  # normal, going away, restarting
 
 
@@ -136,6 +137,7 @@ class Watch:
         on_delivered: Callable[[Frame, float], None] | None = None,
         on_state: Callable[[State, StateInfo], None] | None = None,
         gen: str | None = None,
+        compact: bool = False,
     ) -> None:
         if transport not in ("sse", "ws"):
             raise ValueError("transport must be 'sse' or 'ws'")
@@ -160,6 +162,7 @@ class Watch:
         self._on_state = on_state
         self._gen: AsyncGenerator[Frame, None] | None = None
         self._greeted = False  # the current connection got its hello
+        self._compact = compact  # ask for a compacted join (the replay's finished turns merged)
 
     @property
     def last(self) -> int | None:
@@ -277,6 +280,8 @@ class Watch:
         if self.check.last is not None:
             headers["Last-Event-ID"] = str(self.check.last)
         params = {"gen": self.check.gen} if self.check.gen else {}
+        if self._compact:
+            params["compact"] = "1"
         timeout = self._timeout or http.timeout
         url = self._path("events")
         async with http.get(url, headers=headers, params=params, timeout=timeout) as resp:
@@ -318,6 +323,8 @@ class Watch:
             params["from"] = str(self.check.last)
         if self.check.gen:
             params["gen"] = self.check.gen
+        if self._compact:
+            params["compact"] = "1"
         url = self._path("ws").replace("http", "ws", 1)
         try:
             ws = await http.ws_connect(url, params=params, heartbeat=30.0)
@@ -374,6 +381,7 @@ def watch(
     on_delivered: Callable[[Frame, float], None] | None = None,
     on_state: Callable[[State, StateInfo], None] | None = None,
     gen: str | None = None,
+    compact: bool = False,
 ) -> Watch:
     """Watch ``session`` on the relay at ``url`` (see the module docstring); a list of
     relay URLs, or a function returning the relays up now: each (re)connect picks one at
@@ -386,9 +394,12 @@ def watch(
     ``http``: a session to reuse (not closed). ``max_reconnects``: consecutive failed
     reconnects before :class:`ConnectionError` (None = forever). ``timeout``: for each
     SSE request (default: the session's). ``on_delivered`` / ``on_state``: observer
-    hooks (module docstring).
+    hooks (module docstring). ``compact``: a compacted join (docs/PROTOCOL.md): each
+    finished turn of the replay as its meta, one merged token frame and its terminal
+    frame; the running turn and what is live, frame by frame.
     """
     return Watch(url, session, token, from_offset, transport=transport, http=http,
                  on_problem=on_problem, refresh_token=refresh_token, base_s=base_s,
                  max_s=max_s, max_reconnects=max_reconnects, timeout=timeout,
-                 on_delivered=on_delivered, on_state=on_state, gen=gen)  # fmt: skip
+                 on_delivered=on_delivered, on_state=on_state, gen=gen,
+                 compact=compact)  # fmt: skip

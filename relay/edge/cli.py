@@ -21,9 +21,8 @@ from typing import Any
 from relay.broker.rediscluster.connect import mask_url
 from relay.edge.config import RelayConfig, add_arguments, from_args
 from relay.edge.http.app import SERVER, make_app, make_runner
-from relay.protocol.codes import Refusal
 from relay.service import runtime, settings
-from relay.service.httpguard import GuardedSite
+from relay.service.httpguard import GUARD, GuardedSite
 from relay.service.settings import ConfigError
 
 __all__ = ["register", "run", "serve"]
@@ -46,26 +45,26 @@ async def serve(config: RelayConfig, stop: asyncio.Event | None = None) -> int:
     """Serve until ``stop`` is set or SIGTERM / SIGINT arrives; drain; return 0."""
     app = make_app(config)
     runner = make_runner(app, shutdown_timeout=1.0)
+    if (busy := runtime.cannot_listen(config.host, config.port)) is not None:
+        print(f"error: {busy}", file=sys.stderr)  # before Redis: the one thing to say
+        return 2
     async with runtime.stop_on_signals(event=stop) as stopped:
         if not await runtime.set_up(runner, config.redis_url):
             return 1
         try:
             # A reconnect storm (a relay died, its clients come here) arrives as one
-            # burst: aiohttp's default listen backlog of 128 would drop SYNs. A client
-            # that never finishes its request head gets 408 (slowloris).
-            rejected = app[SERVER].metrics.rejected.labels(Refusal.HEAD_TIMEOUT)
-            site = GuardedSite(
-                runner,
-                config.host,
-                config.port,
-                head_timeout_s=config.head_timeout_s,
-                backlog=4096,
-                on_timeout=rejected.inc,
-            )
-            await site.start()
+            # burst: aiohttp's default listen backlog of 128 would drop SYNs. Slow heads
+            # and bodies get 408, idle connections are closed, one address is capped.
+            site = GuardedSite(runner, config.host, config.port, guard=app[GUARD], backlog=4096)
+            try:
+                await site.start()
+            except OSError as exc:  # taken since the check: one line, never a traceback
+                print(f"error: {runtime.listen_error(config.host, config.port, exc)}",
+                      file=sys.stderr)  # fmt: skip
+                return 2
             log.info(
                 "relay %s listening on http://%s:%d (redis %s, auth %s)",
-                config.relay_id, config.host, config.port, mask_url(config.redis_url),
+                config.relay_id, config.host, site.port, mask_url(config.redis_url),
                 "on" if config.auth_enabled else "OFF",
             )  # fmt: skip
             await stopped.wait()

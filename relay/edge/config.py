@@ -30,13 +30,17 @@ from relay.service.settings import (
     AdminKey,
     BacklogMaxBytes,
     BacklogMaxlen,
+    BodyTimeout,
     ConfigError,
     FailFast,
+    HeadTimeout,
     Host,
     InsecureNoAuth,
     IPv6Prefix,
+    KeepaliveTimeout,
     KeysFile,
     Kid,
+    MaxConnectionsPerAddress,
     RedisCA,
     RedisCert,
     RedisKey,
@@ -95,14 +99,22 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
         int, opt("replay pages in memory, relay-wide; more replays wait", ge=_MIN_BUFFER)
     ] = 64 << 20
     unsubscribe_delay_s: Annotated[float, opt("linger before SUNSUBSCRIBE", ge=0)] = 2.0
+    presence_interval_s: Annotated[
+        float,
+        opt(
+            "least time between two writes of a session's screen count; 0: no presence frames", ge=0
+        ),
+    ] = 1.0
     reap_after_s: Annotated[
         float, opt("end a silent, unlocked turn whose worker is gone after this; 0: never", ge=0)
     ] = 2.0
     drain_deadline_s: Annotated[float, opt("SIGTERM drain deadline", ge=0)] = 10.0
     write_timeout_s: Annotated[float, opt("slow-client write cutoff", gt=0)] = 10.0
-    head_timeout_s: Annotated[
-        float, opt("408 for a connection whose first request head is slower", gt=0)
-    ] = 10.0
+    head_timeout_s: HeadTimeout = 10.0
+    body_timeout_s: BodyTimeout = 30.0
+    keepalive_timeout_s: KeepaliveTimeout = 75.0
+    # streams are not counted here (--max-streams-per-address counts them): 2 x its default
+    max_connections_per_address: MaxConnectionsPerAddress = 512
     max_connections: Annotated[int, opt("streams at once; more get 503", ge=1)] = 10_000
     ws_max_message_bytes: Annotated[int, opt("largest WS client message", ge=16)] = 4096
     cors_origin: Annotated[str, opt("Access-Control-Allow-Origin")] = "*"

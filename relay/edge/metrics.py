@@ -45,6 +45,7 @@ from prometheus_client.registry import Collector
 
 from relay.edge.core.resume import Delivery
 from relay.protocol.frame import monotonic_ms, now_ms
+from relay.service.httpguard import Reason
 
 __all__ = [
     "HUB_METRICS",
@@ -234,6 +235,7 @@ HUB_METRICS: Final[dict[str, tuple[str, str]]] = {
     "frames_out": (COUNTER, "frames handed to watches"),
     "bad_frames": (COUNTER, "live messages that did not decode as frames"),
     "conflations": (COUNTER, "queued token frames merged for a slow socket"),
+    "compacted": (COUNTER, "replay frames a compacted join saved (finished turns' tokens merged)"),
     "slow_disconnects": (COUNTER, "watches closed as slow consumers"),
     "replays": (COUNTER, "watches that replayed the backlog from an offset"),
     "gaps": (COUNTER, "gap frames produced (frames lost for good)"),
@@ -244,6 +246,10 @@ HUB_METRICS: Final[dict[str, tuple[str, str]]] = {
     "sealed": (COUNTER, "offsets sealed after a failover lost them"),
     "writes_direct": (COUNTER, "socket writes straight from the Redis reader"),
     "writes_queued": (COUNTER, "socket writes by the stream's task after the socket pushed back"),
+    "deleted": (COUNTER, "deleted sessions whose streams this relay ended"),
+    "screens_writes": (COUNTER, "screen counts of a session written (one script each)"),
+    "screens_errors": (COUNTER, "screen counts that could not be written (tried again)"),
+    "presence_frames": (COUNTER, "presence frames received and handed to a session's screens"),
     "presence_writes": (COUNTER, "presence entries written"),
     "presence_errors": (COUNTER, "presence pipelines that failed"),
     "reap_checks": (COUNTER, "reaps tried on silent open turns"),
@@ -342,6 +348,15 @@ class RelayMetrics:
         self.rejected = Counter(
             p + "rejected", "requests refused before streaming", ["reason"], registry=r
         )
+        self.http_guard = Counter(
+            p + "http_guard",
+            "connections the HTTP guard refused or closed (head_timeout, body_timeout, "
+            "idle_timeout, too_many_connections) and clients that left mid-body (body_cut)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in Reason:
+            self.http_guard.labels(reason.value)
         self.draining = Gauge(p + "draining", "1 while the server drains", registry=r)
         self.publish_to_edge = LoopHistogram(
             p + "publish_to_edge_seconds",

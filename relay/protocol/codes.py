@@ -29,6 +29,7 @@ class CloseCode(enum.StrEnum):
     BINARY = "binary"  # WebSocket: a binary message
     TOO_BIG = "too_big"  # WebSocket: a message over ws_max_message_bytes
     INTERNAL = "internal"  # a bug of the relay
+    SESSION_DELETED = "session_deleted"  # the session was deleted (its streams end)
     CLIENT_GONE = "client_gone"  # the client went away (never sent: a metrics label)
 
 
@@ -41,6 +42,7 @@ class WsClose(enum.IntEnum):
     SLOW_CONSUMER = 4008
     BAD_MESSAGE = 4400
     TOKEN_EXPIRED = 4401
+    SESSION_DELETED = 4410
 
 
 class Refusal(enum.StrEnum):
@@ -52,6 +54,7 @@ class Refusal(enum.StrEnum):
     # -- the relay's streams ----------------------------------------------------------------
     INVALID_OFFSET = "invalid_offset"  # Last-Event-ID / last_event_id / from: not an offset
     INVALID_GEN = "invalid_gen"  # the stream's ``gen`` parameter is not a generation id
+    INVALID_COMPACT = "invalid_compact"  # the stream's ``compact`` parameter is not 0 / 1
     NOT_WEBSOCKET = "not_websocket"
     OVERLOADED = "overloaded"  # max_connections reached
     UNAVAILABLE = "unavailable"  # Redis could not be read: connect again
@@ -62,6 +65,9 @@ class Refusal(enum.StrEnum):
     ADMIN_KEY_INVALID = "admin_key_invalid"  # 403: another key
     ADMIN_LOOPBACK_ONLY = "admin_loopback_only"  # 403: no admin key set, not a local request
     HEAD_TIMEOUT = "head_timeout"  # the request head did not arrive in time (408)
+    # -- any route: the HTTP guard (relay.service.httpguard) --------------------------------
+    TOO_MANY_CONNECTIONS = "too_many_connections"  # the peer address's connection cap (429)
+    UNSUPPORTED_WS_VERSION = "unsupported_ws_version"  # Sec-WebSocket-Version is not 13 (426)
     # -- token checks (relay.protocol.auth) ---------------------------------------------------
     FORBIDDEN = "forbidden"
     TOKEN_MISSING = "token_missing"
@@ -90,6 +96,17 @@ class Refusal(enum.StrEnum):
     TURN_IN_PROGRESS = "turn_in_progress"  # the body names the running turn
     IDEMPOTENCY_PENDING = "idempotency_pending"  # the same key's request is being admitted
     IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"  # the key came with another body
+    # -- the worker: the chat controls (stop, regenerate, edit, load, delete) -----------------
+    INVALID_TURN = "invalid_turn"  # a turn number in the path or body is not one
+    UNKNOWN_TURN = "unknown_turn"  # 404: the session has no such turn (yet)
+    UNKNOWN_MESSAGE = "unknown_message"  # 404: an edit of a message id the history lacks
+    TURN_FINISHED = "turn_finished"  # 409 on a stop: the turn ended; the body has its offset
+    NO_TURN_RUNNING = "no_turn_running"  # 409 on a stop of "the running turn": none runs
+    TURN_CANCELLED = "turn_cancelled"  # 409: the turn was stopped before it started
+    NOTHING_TO_REGENERATE = "nothing_to_regenerate"  # 409: no reply stored yet
+    INVALID_PAGE = "invalid_page"  # GET .../messages: limit or before out of range
+    UNKNOWN_SESSION = "unknown_session"  # 404: nothing stored for the session (a delete)
+    SESSION_DELETED = "session_deleted"  # 410: the session was deleted; its tokens too
     # -- the worker: limits and availability (429, 503) ---------------------------------------
     ENGINES_FULL = "engines_full"  # no engine slot within --admit-wait-s
     SESSION_RATE = "session_rate"  # new sessions per client address

@@ -31,6 +31,7 @@ __all__ = [
     "GenError",
     "Kind",
     "decode",
+    "deleted_frame",
     "encode",
     "first_offset",
     "frame_gen",
@@ -179,6 +180,21 @@ def reset_frame(session: str, gen: str, previous: str) -> Frame:
         text="the session restarted (its keys expired): offsets start again at 1",
         ts=now_ms(),
         meta={"gen": gen, "previous_gen": previous, "code": "session_reset"},
+    )
+
+
+def deleted_frame(session: str) -> Frame:
+    """What the producer that deleted a session SPUBLISHes on its live channel (never
+    written to a backlog: the backlog is gone): a ``reset`` with ``code``
+    ``session_deleted``, offset 0. A relay closes the session's streams on it."""
+    return Frame(
+        session=session,
+        turn=0,
+        offset=0,
+        kind="reset",
+        text="the session was deleted",
+        ts=now_ms(),
+        meta={"code": "session_deleted"},
     )
 
 

@@ -33,7 +33,10 @@ __all__ = [
     "InvalidSessionId",
     "KeyKind",
     "address_sessions_key",
+    "cancel_key",
+    "control_channel",
     "engine_key",
+    "gone_key",
     "hist_key",
     "idem_key",
     "key",
@@ -43,6 +46,7 @@ __all__ = [
     "new_session_id",
     "parse_session",
     "presence_key",
+    "screens_key",
     "turn_rate_key",
     "worker_key",
 ]
@@ -70,6 +74,9 @@ class KeyKind(StrEnum):
     LOCK = "lock"  # string: the turn that currently generates
     IDEM = "idem"  # string: Idempotency-Key -> turn
     RATE = "rate"  # string: turn requests in one minute (worker abuse limit)
+    CANCEL = "cancel"  # hash: turn -> a stop asked for it, or the offset it ended at
+    SCREENS = "screens"  # hash: relay id -> how many screens it serves the session to
+    GONE = "gone"  # string: the session was deleted; its tokens are refused (tombstone)
 
 
 def parse_session(raw: object) -> str:
@@ -117,6 +124,18 @@ def presence_key(sid: str) -> str:
     return key(sid, KeyKind.PRESENCE)
 
 
+def cancel_key(sid: str) -> str:
+    return key(sid, KeyKind.CANCEL)
+
+
+def screens_key(sid: str) -> str:
+    return key(sid, KeyKind.SCREENS)
+
+
+def gone_key(sid: str) -> str:
+    return key(sid, KeyKind.GONE)
+
+
 def idem_key(sid: str, idempotency_key: str) -> str:
     """Name for a client's ``Idempotency-Key`` (printable ASCII, at most 128 characters)."""
     if _IDEM_RE.fullmatch(idempotency_key) is None:
@@ -154,6 +173,12 @@ def address_sessions_key(address: str) -> str:
     no client address, and the tag holds no brace whatever the address text is."""
     digest = hashlib.sha256(address.encode("utf-8", "surrogatepass")).hexdigest()[:32]
     return f"tr:addr:{{{digest}}}:sessions"
+
+
+def control_channel(worker_id: str) -> str:
+    """A worker's shard channel for requests about the turns it runs (stop); the worker
+    id is its hash tag."""
+    return f"tr:ctl:{{{_check_member_id('worker', worker_id)}}}"
 
 
 def engine_key(engine_id: str) -> str:

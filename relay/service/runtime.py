@@ -6,10 +6,17 @@ Order of use, in a command's ``run(args)``::
 
 and inside ``serve``::
 
+    if (busy := runtime.cannot_listen(host, port)) is not None:   # before Redis: exit 2
+        print(f"error: {busy}", file=sys.stderr)
+        return 2
     async with runtime.stop_on_signals() as stop:   # SIGTERM / SIGINT set the event
         if not await runtime.set_up(runner, redis_url):  # one line, exit 1
             return 1
-        ... start ...
+        try:
+            await site.start()
+        except OSError as exc:                      # taken since: the same line
+            print(f"error: {runtime.listen_error(host, port, exc)}", file=sys.stderr)
+            return 2
         await stop.wait()
         ... drain ...
 
@@ -23,8 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
@@ -36,7 +45,16 @@ from redis.exceptions import RedisClusterException, RedisError
 from relay.broker.errors import RelayError
 from relay.broker.rediscluster.connect import startup_error
 
-__all__ = ["ClientErrorFilter", "exit_on_sigterm", "quiet_client_errors", "run", "stop_on_signals"]
+__all__ = [
+    "ClientErrorFilter",
+    "cannot_listen",
+    "exit_on_sigterm",
+    "listen_error",
+    "quiet_client_errors",
+    "run",
+    "set_up",
+    "stop_on_signals",
+]
 
 T = TypeVar("T")
 
@@ -120,3 +138,30 @@ async def set_up(runner: web.AppRunner, redis_url: str) -> bool:
         await runner.cleanup()
         return False
     return True
+
+
+def listen_error(host: str, port: int, exc: OSError) -> str:
+    """The one line a process prints when it cannot listen on ``host:port`` (every
+    subcommand that serves says the same for the same mistake)."""
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"port {port} on {host} is in use by another program: stop it, or pick another "
+            "port with --port N (0: any free port)"
+        )
+    return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+
+
+def cannot_listen(host: str, port: int) -> str | None:
+    """None when ``host:port`` can be listened on now (port 0 always can), else the line
+    of :func:`listen_error`: a process checks its port before it connects to anything,
+    so that a busy port is the one thing it says."""
+    if port == 0:
+        return None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio binds
+            s.bind((host, port))
+    except OSError as exc:
+        return listen_error(host, port, exc)
+    return None

@@ -71,13 +71,17 @@ __all__ = [
     "AdminKey",
     "BacklogMaxBytes",
     "BacklogMaxlen",
+    "BodyTimeout",
     "ConfigError",
     "FailFast",
+    "HeadTimeout",
     "Host",
     "IPv6Prefix",
     "InsecureNoAuth",
+    "KeepaliveTimeout",
     "KeysFile",
     "Kid",
+    "MaxConnectionsPerAddress",
     "RedisCA",
     "RedisCert",
     "RedisKey",
@@ -407,4 +411,18 @@ BacklogMaxBytes = Annotated[
 SessionTTL = Annotated[
     int, opt("a session's lifetime in Redis after its last write, seconds (relays and "
              "workers must agree)", ge=1)
+]  # fmt: skip
+# the HTTP guard of relay.service.httpguard: deadlines and the per-address cap
+HeadTimeout = Annotated[
+    float, opt("408 for a request head slower than this from its first byte (the first "
+               "head of a connection: from its opening)", gt=0)
+]  # fmt: skip
+BodyTimeout = Annotated[float, opt("408 for a request body slower than this from its head", gt=0)]
+KeepaliveTimeout = Annotated[
+    float, opt("close a keep-alive connection idle this long after its last response "
+               "(above a proxy's upstream keep-alive: ingress-nginx keeps them 60 s)", gt=0)
+]  # fmt: skip
+MaxConnectionsPerAddress = Annotated[
+    int, opt("HTTP connections at once from one peer address, trusted proxies not counted; "
+             "more get 429 and are closed; 0: no cap", ge=0)
 ]  # fmt: skip

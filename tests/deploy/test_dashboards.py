@@ -2,7 +2,7 @@
 
 Every metric name in ``deploy/grafana/tokenrelay.json`` and ``deploy/prometheus/alerts.yml``
 must be exported by a relay or a worker (their real registries, the relay's bound to a
-real hub) and listed in the README's metrics table; the one outside name allowed is
+real hub) and listed in the metrics table (docs/METRICS.md); the one outside name allowed is
 kube-state-metrics' readiness series. Where ``promtool`` is installed (PATH, or unpacked
 into .venv/tools by ``make promtool``), it checks the rules, runs their unit tests
 (``alerts_test.yml``) and parses every dashboard query as a recording rule.
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "tokenrelay.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 ALERTS_TEST = ROOT / "deploy" / "prometheus" / "alerts_test.yml"
-README = ROOT / "README.md"
+METRICS = ROOT / "docs" / "METRICS.md"
 EXTERNAL = {"kube_pod_status_ready"}  # kube-state-metrics: the pods' readiness probes
 HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")
 # PromQL words that are not metric names (functions, aggregations, keywords).
@@ -94,8 +94,7 @@ def _exposed(text: bytes) -> set[str]:
 
 
 def _documented() -> set[str]:
-    section = README.read_text().split("## Metrics\n", 1)[1].split("\n## ", 1)[0]
-    return set(re.findall(r"`(tokenrelay_[a-z_]+)", section))
+    return set(re.findall(r"`(tokenrelay_[a-z_]+)", METRICS.read_text()))
 
 
 def _referenced() -> dict[str, set[str]]:
@@ -140,7 +139,7 @@ async def test_every_metric_used_is_exported_and_documented(redis: RedisCluster)
     undocumented = {
         n: sorted(w) for n, w in used.items() if _family(n) not in documented | EXTERNAL
     }
-    assert undocumented == {}, "used but not in the README's metrics table"
+    assert undocumented == {}, "used but not in docs/METRICS.md"
 
 
 def test_dashboard_covers_what_an_operator_asks() -> None:

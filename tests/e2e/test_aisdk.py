@@ -94,13 +94,24 @@ def test_the_chat_body_of_the_sdk() -> None:
         b"{": "malformed_json",
         b'{"id":"a b","messages":[]}': "invalid_session",
         b'{"id":"a","messages":[]}': "invalid_messages",
-        b'{"id":"a","trigger":"regenerate-message","messages":[]}': "unsupported_trigger",
+        b'{"id":"a","trigger":"resume","messages":[]}': "unsupported_trigger",
+        b'{"id":"a","trigger":"regenerate-message","messageId":5}': "invalid_messages",
         b'{"id":"a","messages":[{"role":"assistant","parts":[]}]}': "invalid_message",
         b'{"id":"a","messages":[{"role":"user","parts":[{"type":"file"}]}]}': "invalid_message",
         b'{"id":"a","messages":[{"role":"user","content":"' + b"x" * 101 + b'"}]}': (
             "message_too_large"
         ),
     }
+    regen = parse_chat(b'{"id":"a","trigger":"regenerate-message","messages":[]}', 100)
+    assert regen.message is None
+    assert regen.replaces is not None
+    assert regen.replaces.message_id is None  # the newest reply
+    edit = parse_chat(
+        b'{"id":"a","messageId":"u1","messages":[{"id":"u1","role":"user","content":"new"}]}', 100
+    )
+    assert (edit.message, edit.message_id) == ("new", "u1")
+    assert edit.replaces is not None
+    assert edit.replaces.message_id == "u1"
     for raw, code in bad.items():
         with pytest.raises(ChatError) as info:
             parse_chat(raw, 100)
@@ -256,6 +267,123 @@ async def test_a_page_on_the_sdk_chat_client_streams_and_resumes_on_another_scre
     assert len(texts[0]) == 1
     assert texts[0] == texts[1]
     assert texts[0][0] == await _reply(cluster, sid, 1)
+
+
+@pytest.mark.integration
+@pytest.mark.browser
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_the_sdk_page_stops_regenerates_and_reloads_to_the_stored_history(
+    cluster: ClusterInfo, tmp_path: Path
+) -> None:
+    """The SDK page's Stop (chat.stop() and the cancel endpoint, as the SDK's docs ask for
+    resumable streams), Regenerate (chat.regenerate()) and a reload that starts from the
+    stored messages: the page shows what the worker stores."""
+    from tests.e2e.test_browser import CHROMIUM, LAUNCH_ARGS
+
+    if not CHROMIUM:
+        pytest.skip("no Chromium: apt-get install chromium (make test does it as root)")
+    pytest.importorskip("playwright.async_api", reason="pip install playwright")
+    why = await _npm_ready() or await _bundle(tmp_path / "chat.bundle.js")
+    if why is not None:
+        pytest.skip(why)
+    from playwright.async_api import Route, async_playwright
+
+    html = (AISDK / "page" / "chat.html").read_bytes()
+    bundle = (tmp_path / "chat.bundle.js").read_bytes()
+
+    async def serve(route: Route) -> None:
+        if route.request.url.split("#")[0].endswith("/sdk/chat.bundle.js"):
+            await route.fulfill(body=bundle, content_type="text/javascript")
+        else:
+            await route.fulfill(body=html, content_type="text/html")
+
+    msgs = "els => els.map(e => [e.className, e.textContent])"
+    async with (
+        demo_harness.front_door(
+            cluster,
+            decode_tok_per_s=25,  # a reply lasts 2-4 s: a stop lands mid-reply
+            engine_args=[
+                "--reply-mean-tokens",
+                "70",
+                "--reply-min-tokens",
+                "50",
+                "--reply-max-tokens",
+                "100",
+            ],
+        ) as (front_door, _stack),  # fmt: skip
+        async_playwright() as pw,
+    ):
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        try:
+            ctx = await browser.new_context()
+            await ctx.route(f"{front_door}/sdk/*", serve)
+            page = await ctx.new_page()
+            await page.goto(f"{front_door}/sdk/chat.html")
+            await page.wait_for_function("document.body.dataset.ready === '1'", timeout=15_000)
+            await page.fill("#message", "Tell me a long story")
+            await page.press("#message", "Enter")
+            await page.wait_for_function(
+                "(document.querySelector('.msg.assistant')?.textContent || '').length > 5",
+                timeout=20_000,
+            )
+            await page.click("#stop")
+            sid = page.url.split("session=")[1].split("&")[0]
+            stopped = await _terminal(cluster, sid, 1)
+            assert stopped["finish_reason"] == "cancelled"
+            await page.wait_for_function(
+                "document.getElementById('status').textContent === 'ready'", timeout=20_000
+            )
+            await page.click("#regenerate")
+            done = await _terminal(cluster, sid, 2)
+            assert done["finish_reason"] != "cancelled"
+            await page.wait_for_function(
+                "document.getElementById('status').textContent === 'ready' && "
+                "document.querySelectorAll('.msg.assistant').length === 1 && "
+                "!document.getElementById('regenerate').hidden",
+                timeout=30_000,
+            )
+            shown = await page.eval_on_selector_all(".msg", msgs)
+            await page.reload()
+            await page.wait_for_function("document.body.dataset.ready === '1'", timeout=15_000)
+            reloaded = await page.eval_on_selector_all(".msg", msgs)
+        finally:
+            await browser.close()
+    stored = [("msg " + m["role"], m["content"]) for m in await _history(cluster, sid)]
+    assert [tuple(x) for x in shown] == stored
+    assert [tuple(x) for x in reloaded] == stored
+    assert stored[1][1] == await _reply(cluster, sid, 2)
+
+
+async def _terminal(cluster: ClusterInfo, sid: str, turn: int) -> dict[str, Any]:
+    """The meta of ``turn``'s done frame, once the backlog holds it."""
+    from redis.asyncio.cluster import RedisCluster
+
+    from tests.support.worker import wait_turn
+
+    host, port = cluster.startup_nodes[0]
+    redis = RedisCluster(host=host, port=port)
+    try:
+        frames = await wait_turn(redis, sid, turn, timeout_s=30)
+    finally:
+        await redis.aclose()
+    assert frames[-1].kind == "done", frames[-1]
+    return dict(frames[-1].meta or {})
+
+
+async def _history(cluster: ClusterInfo, sid: str) -> list[dict[str, Any]]:
+    import json
+
+    from redis.asyncio.cluster import RedisCluster
+
+    from relay.protocol.keys import hist_key
+
+    host, port = cluster.startup_nodes[0]
+    redis = RedisCluster(host=host, port=port)
+    try:
+        return [json.loads(x) for x in await redis.lrange(hist_key(sid), 0, -1)]
+    finally:
+        await redis.aclose()
 
 
 async def _reply(cluster: ClusterInfo, sid: str, turn: int) -> str:

@@ -1,5 +1,7 @@
 """Real browser: two screens on one session see the same complete reply, even when the
-relay one of them streams from is killed mid-reply.
+relay one of them streams from is killed mid-reply; a screen opened from the share link
+watches and says why it cannot send; the page says what to do before a session exists,
+keeps its counters across a switch of transport and keeps tokens out of the address bar.
 
 Headless Debian Chromium driven by Playwright (no browser download). Skips with a reason
 where Chromium or Playwright is missing. Screenshots land in artifacts/browser/.
@@ -13,7 +15,7 @@ import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 import jwt
 import pytest
@@ -86,6 +88,10 @@ async def test_two_screens_see_the_same_reply_and_survive_a_relay_kill(
             await one.click("#new-session")
             await one.wait_for_function("location.hash.includes('session=')")
             session_url = one.url
+            assert "token=" not in session_url  # a copied address bar shares no token
+            sid = session_url.split("session=")[1].split("&")[0]
+            write = await one.evaluate(f"sessionStorage.getItem('tokenrelay-token:{sid}')")
+            assert jwt.decode(write, options={"verify_signature": False})["scope"] == "write"
             # "open on another screen" carries a watch token minted for it, not ours
             await one.wait_for_function("document.getElementById('share').href !== location.href")
             share = await one.get_attribute("#share", "href") or ""
@@ -94,7 +100,8 @@ async def test_two_screens_see_the_same_reply_and_survive_a_relay_kill(
             assert claims["scope"] == "watch", claims
             assert claims["sub"] == session_url.split("session=")[1].split("&")[0]
             two = await browser.new_page(viewport={"width": 1200, "height": 800})
-            await two.goto(session_url.replace("#", "#transport=ws&"))
+            # a link with a write token (what a collaborate link carries) may send too
+            await two.goto(session_url.replace("#", f"#transport=ws&token={quote(write)}&"))
             for page in (one, two):
                 await page.wait_for_function(
                     "document.getElementById('state').textContent === 'live'", timeout=15_000
@@ -150,3 +157,196 @@ async def test_two_screens_see_the_same_reply_and_survive_a_relay_kill(
         if frame.kind == "token":
             replies[frame.turn] = replies.get(frame.turn, "") + frame.text
     assert [replies[t] for t in sorted(replies)] == texts_one
+
+
+async def test_a_shared_link_watches_and_the_page_says_what_it_can_do(
+    demo: tuple[str, Stack],
+) -> None:
+    from playwright.async_api import async_playwright
+
+    url, _stack = demo
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        try:
+            one = await browser.new_page()
+            missing: list[str] = []
+            one.on("response", lambda r: missing.append(r.url) if r.status == 404 else None)
+            await one.goto(url)
+            # before a session: nothing to send to, and the page says so where one types
+            assert await one.is_disabled("#send")
+            assert "New session first" in (await one.get_attribute("#message", "placeholder") or "")
+            await one.click("#new-session")
+            await one.wait_for_function("document.getElementById('state').textContent === 'live'")
+            assert await one.is_enabled("#send")
+            await one.fill("#message", "count my frames")
+            await one.click("#send")
+            await _wait_done(one, 1)
+            before = await _counter(one, "frames")
+            assert before > 2
+            # a switch of transport resumes where the screen was: the counters go on
+            await one.select_option("#transport", "ws")
+            await one.wait_for_function("document.getElementById('state').textContent === 'live'")
+            assert await _counter(one, "frames") >= before
+            await one.fill("#message", "and more frames")
+            await one.click("#send")
+            await _wait_done(one, 2)
+            assert await _counter(one, "frames") > before
+            assert await _counter(one, "dups") == 0
+            # the share link: a watch token; that screen watches and says why it cannot send
+            await one.wait_for_function("document.getElementById('share').href.includes('token=')")
+            share = await one.get_attribute("#share", "href") or ""
+            three = await browser.new_page()
+            await three.goto(share if share.startswith("http") else url + share)
+            await three.wait_for_function("document.getElementById('state').textContent === 'live'")
+            assert "token=" not in three.url
+            assert await three.is_disabled("#message")
+            assert await three.is_disabled("#send")
+            why = await three.get_attribute("#message", "placeholder") or ""
+            assert "only watches" in why, why
+            assert "watch token" in why, why
+            await _wait_done(three, 2)  # it still sees every reply
+            assert missing == []  # no 404 on a load (no favicon request)
+        finally:
+            await browser.close()
+
+
+@pytest.fixture(scope="module")
+async def slow_demo(cluster: ClusterInfo) -> AsyncIterator[tuple[str, Stack]]:
+    """The same stack with replies of 10 s or more: a screen can stop one mid-reply."""
+    if not CHROMIUM:
+        pytest.skip("no Chromium: apt-get install chromium (make test does it as root)")
+    pytest.importorskip("playwright.async_api", reason="pip install playwright")
+    async with demo_harness.front_door(
+        cluster, decode_tok_per_s=6,
+        engine_args=["--reply-mean-tokens", "80", "--reply-min-tokens", "60",
+                     "--reply-max-tokens", "100"],
+    ) as (url, stack):  # fmt: skip
+        yield url, stack
+
+
+_DONE_ALL = (
+    "n => document.querySelectorAll('.assistant').length === n && "
+    "document.querySelectorAll('.assistant.streaming').length === 0"
+)
+
+
+async def _transcript(page: Any) -> list[tuple[str, str]]:
+    rows: list[list[str]] = await page.eval_on_selector_all(
+        ".turn .user, .turn .assistant",
+        "els => els.map(e => [e.className.split(' ')[0], e.textContent])",
+    )
+    return [(r[0], r[1]) for r in rows]
+
+
+async def test_screens_collaborate_stop_regenerate_reload_and_count_each_other(
+    slow_demo: tuple[str, Stack], cluster: ClusterInfo
+) -> None:
+    """The article's multi-screen collaboration: screen B (a collaborate link) stops the
+    reply screen A started; A regenerates it; B reloads and has the conversation at once;
+    C (a watch link) cannot type and says why; every screen counts the screens; and
+    every transcript is the stored history."""
+    from playwright.async_api import async_playwright
+
+    url, _stack = slow_demo
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        try:
+            a = await browser.new_page(viewport={"width": 1200, "height": 800})
+            await a.goto(url)
+            await a.click("#new-session")
+            await a.wait_for_function(
+                "document.getElementById('collaborate').href.includes('token=') && "
+                "document.getElementById('share').href.includes('token=')"
+            )
+            collaborate = await a.eval_on_selector("#collaborate", "e => e.href")
+            watch_link = await a.eval_on_selector("#share", "e => e.href")
+            sid = collaborate.split("session=")[1].split("&")[0]
+            scopes = [
+                jwt.decode(unquote(link.split("token=")[1].split("&")[0]),
+                           options={"verify_signature": False})["scope"]
+                for link in (collaborate, watch_link)
+            ]  # fmt: skip
+            assert scopes == ["write", "watch"]
+            b = await browser.new_page(viewport={"width": 1200, "height": 800})
+            await b.goto(collaborate)
+            c = await browser.new_page(viewport={"width": 1200, "height": 800})
+            await c.goto(watch_link.replace("#", "#transport=ws&"))
+            pages = (a, b, c)
+            for page in pages:
+                await page.wait_for_function(
+                    "document.getElementById('state').textContent === 'live'", timeout=15_000
+                )
+            for page in pages:  # every screen counts the three
+                await page.wait_for_function(
+                    "document.getElementById('screens').textContent === '3'", timeout=15_000
+                )
+            assert await c.is_disabled("#message")
+            assert "only watches" in (await c.get_attribute("#message", "placeholder") or "")
+            assert not await b.is_disabled("#message")
+
+            await a.fill("#message", "Tell me a long story about shards")
+            await a.click("#send")
+            await b.wait_for_function(
+                "(document.querySelector('.assistant')?.textContent || '').length > 3",
+                timeout=20_000,
+            )
+            await b.wait_for_selector("#stop", state="visible")
+            await b.click("#stop")  # B stops what A started
+            for page in pages:
+                await page.wait_for_function(
+                    "document.querySelector('.assistant.stopped') !== null", timeout=10_000
+                )
+            stopped = await _turn_frames(cluster, sid, 1)
+            assert stopped[-1].meta is not None
+            assert stopped[-1].meta["finish_reason"] == "cancelled"
+
+            await a.wait_for_selector("#regenerate", state="visible")
+            await a.click("#regenerate")
+            for page in pages:  # turn 2 replaces turn 1 on every screen
+                await page.wait_for_function(
+                    _DONE_ALL + " && !document.querySelector('.assistant.stopped') && "
+                    "document.querySelector('.turn').dataset.turn === '2'",
+                    arg=1, timeout=40_000,
+                )  # fmt: skip
+            shown = [await _transcript(p) for p in pages]
+            await b.reload()
+            await b.wait_for_function(_DONE_ALL, arg=1, timeout=5_000)  # at once, from the store
+            reloaded = await _transcript(b)
+            await c.close()  # one screen leaves: the others count two within seconds
+            for page in (a, b):
+                await page.wait_for_function(
+                    "document.getElementById('screens').textContent === '2'", timeout=15_000
+                )
+            await a.screenshot(path=str(ARTIFACTS / "collaborate-a.png"), full_page=True)
+        finally:
+            await browser.close()
+    stored = await _history(cluster, sid)
+    want = [("user" if m["role"] == "user" else "assistant", m["content"]) for m in stored]
+    assert [m["turn"] for m in stored] == [2, 2]
+    assert shown == [want, want, want]
+    assert reloaded == want
+
+
+async def _turn_frames(cluster: ClusterInfo, sid: str, turn: int) -> list[Any]:
+    from tests.support.worker import wait_turn
+
+    host, port = cluster.startup_nodes[0]
+    redis = RedisCluster(host=host, port=port)
+    try:
+        return await wait_turn(redis, sid, turn, timeout_s=20)
+    finally:
+        await redis.aclose()
+
+
+async def _history(cluster: ClusterInfo, sid: str) -> list[dict[str, Any]]:
+    import json
+
+    from relay.protocol.keys import hist_key
+
+    host, port = cluster.startup_nodes[0]
+    redis = RedisCluster(host=host, port=port)
+    try:
+        return [json.loads(x) for x in await redis.lrange(hist_key(sid), 0, -1)]
+    finally:
+        await redis.aclose()

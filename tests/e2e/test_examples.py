@@ -1,8 +1,12 @@
 """The README's "Use it from your app" examples, run as written against a live stack
 (the demo's front door; the base URL ``http://127.0.0.1:8080`` of ``make demo`` is
-replaced by the test's): the browser one in headless Chromium on the demo page, the
-Python one with this interpreter, the AI SDK one with Node and the real ``ai`` package.
-Each must print the reply the session's backlog holds.
+replaced by the test's): curl's closed loop with bash, the browser one in headless
+Chromium on the demo page, the Python and the OpenAI ones with this interpreter (the
+gateway key ``make demo`` prints replaced by this stack's), the AI SDK one as the
+README says to run it (``cd clients/aisdk && npm ci && node example.mjs``, the file
+being the README's block). Each must print the reply the session's backlog holds (the
+OpenAI one: a reply at all; curl: the turn's frames, ended by its ``done`` frame, and
+not a byte on stderr).
 """
 
 from __future__ import annotations
@@ -10,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import shutil
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -30,11 +33,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_BASE = "http://127.0.0.1:8080"
+DEMO_KEY = "THE-KEY-MAKE-DEMO-PRINTED"  # the README's stand-in for the key make demo prints
+KEY = "examples-gateway-key-0123456789"
 
 
-def example(name: str) -> str:
-    """The code block after ``<!-- example: name -->`` in README.md."""
-    text = (ROOT / "README.md").read_text()
+def example(name: str, readme: Path = ROOT / "README.md") -> str:
+    """The code block after ``<!-- example: name -->`` in ``readme`` (this README.md)."""
+    text = readme.read_text()
     m = re.search(rf"<!-- example: {name} -->\n```\w+\n(.*?)```", text, re.S)
     assert m, f"README.md has no example {name!r}"
     return m.group(1)
@@ -42,7 +47,10 @@ def example(name: str) -> str:
 
 @pytest.fixture(scope="module")
 async def base(cluster: ClusterInfo) -> AsyncIterator[str]:
-    async with demo_harness.front_door(cluster, decode_tok_per_s=200) as (url, _stack):
+    async with demo_harness.front_door(cluster, decode_tok_per_s=200, gateway_keys=[KEY]) as (
+        url,
+        _stack,
+    ):
         yield url
 
 
@@ -66,11 +74,36 @@ async def replies(cluster: ClusterInfo) -> set[str]:
     return out
 
 
-async def run(argv: list[str], cwd: Path, timeout_s: float = 60) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    ran = await run_cli(argv, cwd=cwd, env=env, timeout_s=timeout_s, merge=True)
+async def run(argv: list[str], cwd: Path, timeout_s: float = 60, **env: str) -> str:
+    full = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    ran = await run_cli(argv, cwd=cwd, env=full, timeout_s=timeout_s, merge=True)
     assert ran.code == 0, ran.out[-3000:]
     return ran.out
+
+
+async def test_curl_example(base: str, tmp_path: Path) -> None:
+    """Ends by itself with the turn, and prints no progress meter (nothing on stderr)."""
+    code = example("curl")
+    assert DEMO_BASE in code
+    script = tmp_path / "example.sh"
+    script.write_text("set -eu\n" + code.replace(DEMO_BASE, base))
+    ran = await run_cli(["bash", str(script)], cwd=tmp_path, timeout_s=60)
+    assert ran.code == 0, ran.err
+    assert ran.err == "", ran.err
+    events = [line.split(": ", 1)[1] for line in ran.out.splitlines() if line.startswith("event: ")]
+    assert events[-1] == "done", ran.out[-2000:]
+    assert "token" in events, ran.out[-2000:]
+
+
+async def test_openai_example(base: str, tmp_path: Path) -> None:
+    pytest.importorskip("openai", reason="pip install openai")
+    code = example("openai")
+    assert DEMO_BASE in code
+    assert DEMO_KEY in code
+    script = tmp_path / "example.py"
+    script.write_text(code.replace(DEMO_BASE, base).replace(DEMO_KEY, KEY))
+    printed = (await run([sys.executable, str(script)], tmp_path)).strip()
+    assert len(printed) > 20, printed
 
 
 async def test_python_example(base: str, cluster: ClusterInfo, tmp_path: Path) -> None:
@@ -84,17 +117,19 @@ async def test_python_example(base: str, cluster: ClusterInfo, tmp_path: Path) -
 
 
 async def test_aisdk_example(base: str, cluster: ClusterInfo) -> None:
-    why = await _npm_ready()
+    why = await _npm_ready()  # fills npm's cache from the registry if need be
     if why is not None:
         pytest.skip(why)
     code = example("aisdk")
+    assert code == (AISDK / "example.mjs").read_text(), "the README's block is the file"
     assert DEMO_BASE in code
-    script = AISDK / f".example-{os.getpid()}.mjs"  # beside node_modules, so "ai" resolves
-    script.write_text(code.replace(DEMO_BASE, base))
-    try:
-        printed = (await run([shutil.which("node") or "node", script.name], AISDK)).strip()
-    finally:
-        script.unlink()
+    command = example("aisdk-run").strip()
+    assert command == "cd clients/aisdk && npm ci && node example.mjs", command
+    # as the README says, from the repository's root; the base URL from the environment
+    # (the file reads TOKENRELAY_BASE), npm from its cache
+    out = await run(["bash", "-c", command], ROOT, 300, TOKENRELAY_BASE=base,
+                    npm_config_prefer_offline="true")  # fmt: skip
+    printed = out.strip().splitlines()[-1]
     assert len(printed) > 20
     assert printed in {r.strip() for r in await replies(cluster)}
 

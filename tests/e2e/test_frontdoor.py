@@ -12,6 +12,11 @@
 3. In Chromium: another site's page that posts a form and a fetch at the kill URL gets
    403 and kills nothing; the demo's page without the token asks for it; opened from
    the terminal's ``#control=`` link, its button kills and the token leaves the URL.
+4. Headers pass as through a reverse proxy: every end-to-end header reaches the upstream
+   (repeated ones repeated), hop-by-hop ones and a client's own ``X-Forwarded-For`` do
+   not; so through the door a turn POSTed with ``Accept: text/event-stream`` answers
+   with its frames (the closed loop) and the OpenAI gateway's session mode
+   (``X-Session-Id`` with the session's write token) streams a completion.
 """
 
 from __future__ import annotations
@@ -24,12 +29,15 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 
 from devstack.cluster.launcher import ClusterInfo
 from devstack.demo.frontdoor import CONTROL_HEADER, FrontDoor, make_frontdoor_app
 from devstack.demo.stack import Stack, StackSpec
 from devstack.procs import free_port
 from tests.integration.test_redis_tls import Viewer
+from tests.support import demo as demo_harness
+from tests.support.sse import SSEClient
 
 
 @asynccontextmanager
@@ -238,3 +246,122 @@ async def test_in_a_browser_the_page_kills_with_the_token_and_another_site_canno
                 assert door.control_token not in page.url
             finally:
                 await browser.close()
+
+
+class Echo:
+    """A stand-in upstream that answers with the headers it was sent, and a few of its
+    own: a repeated one, a hop-by-hop one and one its ``Connection`` names."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[tuple[str, str]]] = []
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        self.seen.append(list(request.headers.items()))
+        resp = web.json_response({"ok": True})
+        resp.headers.add("Set-Cookie", "a=1")
+        resp.headers.add("Set-Cookie", "b=2")
+        resp.headers["Connection"] = "X-Upstream-Private"
+        resp.headers["X-Upstream-Private"] = "1"
+        resp.headers["X-Upstream-Public"] = "1"
+        return resp
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        return app
+
+
+async def test_end_to_end_headers_pass_hop_by_hop_ones_do_not() -> None:
+    echo = Echo()
+    async with serving(echo.app()) as upstream, aiohttp.ClientSession() as http:
+        door = FrontDoor(lambda: [upstream], lambda: [upstream])
+        async with serving(make_frontdoor_app(door)) as base:
+            sent = [
+                ("Accept", "text/event-stream"),
+                ("X-Session-Id", "s1"),
+                ("Authorization", "Bearer t"),
+                ("Idempotency-Key", "k1"),
+                ("Last-Event-ID", "7"),
+                ("User-Agent", "newcomer/1"),
+                ("X-Custom", "one"),
+                ("X-Custom", "two"),
+                ("Connection", "keep-alive, X-Hop-Private"),
+                ("X-Hop-Private", "secret of this hop"),
+                ("Keep-Alive", "timeout=5"),
+                ("TE", "trailers"),
+                ("X-Forwarded-For", "10.9.9.9"),  # a client's claim about its address
+                ("Forwarded", "for=10.9.9.9"),
+            ]
+            for method, path in (
+                ("POST", "/v1/sessions/s1/turns"),
+                ("GET", "/v1/sessions/s1/events"),
+            ):
+                async with http.request(
+                    method,
+                    base + path,
+                    headers=CIMultiDict(sent),
+                    json={} if method == "POST" else None,
+                ) as r:
+                    assert r.status == 200, await r.text()
+                    assert r.headers.getall("Set-Cookie") == ["a=1", "b=2"]
+                    assert "X-Upstream-Private" not in r.headers
+                    assert r.headers["X-Upstream-Public"] == "1"
+                got = echo.seen[-1]
+                names = {k.lower() for k, _ in got}
+                for name, value in sent[:8]:
+                    assert (name, value) in got, (name, got)
+                assert [v for k, v in got if k == "X-Custom"] == ["one", "two"]
+                for dropped in ("x-hop-private", "keep-alive", "te", "forwarded"):
+                    assert dropped not in names, got
+                assert [v for k, v in got if k.lower() == "x-forwarded-for"] == ["127.0.0.1"]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_through_the_door_the_closed_loop_and_the_gateway_session_mode(
+    cluster: ClusterInfo,
+) -> None:
+    import openai
+
+    async with (
+        demo_harness.front_door(cluster, relays=1, decode_tok_per_s=400) as (base, _stack),
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http,
+    ):
+        async with http.post(base + "/v1/sessions") as r:
+            s = await r.json()
+        sid, token = s["session"], s["token"]
+        auth = {"Authorization": f"Bearer {token}"}
+        # the closed loop: the turn's frames on the POST's own response
+        async with http.post(
+            f"{base}/v1/sessions/{sid}/turns",
+            json={"message": "hello door", "max_tokens": 16},
+            headers={**auth, "Accept": "text/event-stream"},
+        ) as r:
+            assert r.status == 200, await r.text()
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            sse = SSEClient(r)
+            kinds: list[str] = []
+            async with asyncio.timeout(30):
+                while not kinds or kinds[-1] not in ("done", "error"):
+                    ev = await sse.next_event()
+                    assert ev is not None, kinds
+                    kinds.append(ev[1])
+        assert kinds[-1] == "done", kinds
+        assert "token" in kinds, kinds
+        # the gateway's session mode: the session's write token and X-Session-Id, no
+        # gateway key (this stack's workers have none)
+        client = openai.AsyncOpenAI(
+            base_url=base + "/v1", api_key=token, default_headers={"X-Session-Id": sid},
+            max_retries=0,
+        )  # fmt: skip
+        try:
+            stream = await client.chat.completions.create(
+                model="mock", messages=[{"role": "user", "content": "hello gateway"}],
+                stream=True, max_tokens=16,
+            )  # fmt: skip
+            text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        finally:
+            await client.close()
+        assert len(text) > 5, text

@@ -230,6 +230,8 @@ async def produce_turn(gen: Generation, pieces: list[str], *, pause_s: float,
 async def read_turn(w: AsyncIterable[Frame]) -> tuple[str, list[int]]:
     text, offsets = [], []
     async for f in w:
+        if f.kind == "presence":  # a screen count, outside the offsets
+            continue
         offsets.append(f.offset)
         if f.kind == "token":
             text.append(f.text)
@@ -252,9 +254,13 @@ async def test_watch_survives_a_relay_restart_mid_turn(
     problems: list[Problem] = []
     delivered: list[int] = []
     states: list[tuple[State, StateInfo]] = []
+
+    def seen(f: Frame, _: float) -> None:
+        if f.kind != "presence":  # a screen count, outside the offsets
+            delivered.append(f.offset)
+
     w = watch(relay.base, sid, token, 0, transport=transport,  # type: ignore[arg-type]
-              on_problem=problems.append, base_s=0.1, max_s=0.5,
-              on_delivered=lambda f, _: delivered.append(f.offset),
+              on_problem=problems.append, base_s=0.1, max_s=0.5, on_delivered=seen,
               on_state=lambda s, i: states.append((s, i)))  # fmt: skip
     halfway = asyncio.Event()
     reader = asyncio.create_task(read_turn(w))

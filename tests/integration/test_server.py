@@ -174,7 +174,7 @@ async def test_insecure_relay_needs_no_token(cluster, redis):
 
 async def test_health_ready_and_metrics(cluster, redis):
     sid = new_session_id()
-    async with running(cluster) as relay:
+    async with running(cluster, presence_interval_s=0) as relay:  # frames counted exactly
         async with relay.http.get(relay.base + "/healthz") as r:
             assert r.status == 200
         async with relay.http.get(relay.base + "/readyz") as r:
@@ -287,7 +287,7 @@ async def test_idle_sse_stream_gets_heartbeat_comments(cluster):
 async def test_an_idle_websocket_that_answers_pings_stays_open_and_gets_frames(cluster, redis):
     sid = new_session_id()
     async with (
-        running(cluster, heartbeat_s=0.2) as relay,
+        running(cluster, heartbeat_s=0.2, presence_interval_s=0) as relay,  # pings only
         relay.http.ws_connect(relay.url(sid, "ws"), headers=relay.auth(sid), autoping=False) as ws,
     ):
         assert (await ws_frames(ws, 1))[0]["type"] == "hello"

@@ -21,6 +21,9 @@ import time
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
+import relay.producer.turn as producer_turn
+from relay.producer.lock import LockState
+from relay.producer.lock import refresh as lock_refresh
 from relay.protocol.keys import KeyKind, key
 from tests.support.worker import Harness, wait_turn
 
@@ -28,16 +31,17 @@ pytestmark = pytest.mark.integration
 
 
 async def test_a_lost_cancellation_of_the_presence_loop_does_not_hang_the_turn(
-    h: Harness, redis: RedisCluster
+    h: Harness, redis: RedisCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     await h.start_engines(1, decode_tok_per_s=200.0)
     st = await h.start_worker(presence_grace_s=30.0, presence_interval_s=0.02)
-    store = st.turns.store
-    real_refresh = store.refresh_lock
+    real_refresh = lock_refresh  # what a turn's watch refreshes its lock with
     stalled = asyncio.Event()
     calls = 0
 
-    async def refresh_across_a_stall(sid: str, owner: str) -> bool:
+    async def refresh_across_a_stall(
+        r: RedisCluster, sid: str, owner: str, ttl_ms: int, turn: int
+    ) -> LockState:
         nonlocal calls
         calls += 1
         if calls == 1:  # the round trip a stalled master holds up
@@ -45,9 +49,9 @@ async def test_a_lost_cancellation_of_the_presence_loop_does_not_hang_the_turn(
             # the reply arrives with the cancellation, which is lost
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.sleep(3600)
-        return await real_refresh(sid, owner)
+        return await real_refresh(r, sid, owner, ttl_ms, turn)
 
-    store.refresh_lock = refresh_across_a_stall  # type: ignore[method-assign]
+    monkeypatch.setattr(producer_turn, "lock_refresh", refresh_across_a_stall)
     sid, token = await h.session()
     status, body, _ = await h.post_turn(sid, token, {"message": "stall", "max_tokens": 8})
     assert status == 202, body

@@ -22,10 +22,10 @@ from relay.broker.rediscluster.presence import WRITE_LUA
 from relay.broker.rediscluster.publisher import Publisher, read_backlog
 from relay.edge.conn.reader import Reader, open_reader
 from relay.edge.fanout.hub import Hub
+from relay.producer.watch import count_watchers
 from relay.protocol.frame import decode
 from relay.protocol.keys import presence_key
 from tests.support.worker import Harness, wait_turn
-from worker.chat.presence import count_watchers
 from worker.routing.lease import EngineSpec
 
 pytestmark = pytest.mark.integration

@@ -23,13 +23,16 @@ async def front_door(
     relays: int = 2,
     decode_tok_per_s: int = 40,
     engine_args: Sequence[str] = (),
+    gateway_keys: Sequence[str] = (),
 ) -> AsyncIterator[tuple[str, Stack]]:
     """The front door's base URL and the stack behind it (1 worker, 2 mock engines at
-    ``decode_tok_per_s``, plus ``engine_args``)."""
+    ``decode_tok_per_s``, plus ``engine_args``; the worker's OpenAI gateway on with
+    ``gateway_keys``, off without)."""
     args = ["--decode-tok-per-s", str(decode_tok_per_s), *engine_args]
     # the live-session cap counts in the suite's shared cluster, for a day: not here
     spec = StackSpec(relays=relays, workers=1, engines=2, redis_url=cluster.url,
-                     engine_args=args, worker_args=["--max-sessions-per-address", "0"])  # fmt: skip
+                     engine_args=args, worker_args=["--max-sessions-per-address", "0"],
+                     gateway_keys=list(gateway_keys))  # fmt: skip
     async with Stack(spec) as stack:
         door = FrontDoor(
             lambda: [p.url for p in stack.of_kind("relay") if p.alive],
@@ -43,3 +46,4 @@ async def front_door(
             yield f"http://127.0.0.1:{port}", stack
         finally:
             await runner.cleanup()
+    stack.remove_logs()  # stopped cleanly: no folder left behind (kept when a test failed)

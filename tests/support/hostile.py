@@ -99,12 +99,17 @@ def no_crash() -> Iterator[_Crashes]:
 
 
 @asynccontextmanager
-async def stack(cluster: ClusterInfo, redis: Any, **relay_overrides: Any) -> AsyncIterator[Env]:
+async def stack(
+    cluster: ClusterInfo, redis: Any, *, worker: dict[str, Any] | None = None,
+    **relay_overrides: Any,
+) -> AsyncIterator[Env]:  # fmt: skip
+    """A relay (``relay_overrides``: :class:`RelayConfig` fields) and a worker
+    (``worker``: :class:`WorkerConfig` fields), each served through its HTTP guard."""
     harness = Harness(redis)
     try:
         with no_crash():
             await harness.start_engines(2, decode_tok_per_s=300.0)
-            await harness.start_worker()
+            await harness.start_worker(guarded=True, **(worker or {}))
             async with running(cluster, **relay_overrides) as relay:
                 env = Env(relay, harness, redis)
                 yield env

@@ -21,7 +21,7 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from relay.edge.config import RelayConfig
 from relay.edge.http.app import SERVER, make_app, make_runner
 from relay.edge.http.server import EdgeServer
 from relay.protocol.auth import issue_token
+from relay.service.httpguard import GUARD, GuardedSite
 from tests.support.sse import STEP, SSEClient
 from tests.support.worker import SECRET as WORKER_SECRET
 
@@ -81,9 +82,10 @@ class Relay:
 
 @asynccontextmanager
 async def running(cluster: ClusterInfo, **overrides: Any) -> AsyncIterator[Relay]:
-    """A relay app on a free 127.0.0.1 port; ``overrides`` are :class:`RelayConfig`
-    fields. These relays publish-test with bare generations (no worker, no turn lock),
-    so the reaper is off unless overridden."""
+    """A relay app on a free 127.0.0.1 port, served as ``tokenrelay relay`` serves it
+    (its HTTP guard's site); ``overrides`` are :class:`RelayConfig` fields. These relays
+    publish-test with bare generations (no worker, no turn lock), so the reaper is off
+    unless overridden."""
     fields: dict[str, Any] = {
         "secret": SECRET, "relay_id": "edge-test", "reap_after_s": 0, **overrides
     }  # fmt: skip
@@ -91,7 +93,7 @@ async def running(cluster: ClusterInfo, **overrides: Any) -> AsyncIterator[Relay
     app = make_app(cfg)
     runner = make_runner(app, shutdown_timeout=2.0)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = GuardedSite(runner, "127.0.0.1", 0, guard=app[GUARD])
     await site.start()
     port = runner.addresses[0][1]
     try:
@@ -126,26 +128,39 @@ async def wait_ready(http: aiohttp.ClientSession, base: str, within_s: float) ->
             await asyncio.sleep(0.1)
 
 
-async def ws_frames(ws: aiohttp.ClientWebSocketResponse, n: int) -> list[dict[str, Any]]:
-    """The next ``n`` WebSocket text messages, as JSON."""
+async def ws_frames(
+    ws: aiohttp.ClientWebSocketResponse, n: int, presence: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """The next ``n`` WebSocket text messages, as JSON, but the ``presence`` frames (they
+    come whenever a screen joins or leaves, outside the session's order): those go to
+    ``presence`` when it is given, else nowhere."""
     out: list[dict[str, Any]] = []
     async with asyncio.timeout(STEP):
         while len(out) < n:
             msg = await ws.receive()
             assert msg.type is WSMsgType.TEXT, (msg.type, msg.data, ws.close_code)
-            out.append(json.loads(msg.data))
+            obj = json.loads(msg.data)
+            if obj.get("kind") == "presence":
+                if presence is not None:
+                    presence.append(obj)
+                continue
+            out.append(obj)
     return out
 
 
 async def send_expect_close(
     ws: aiohttp.ClientWebSocketResponse, payload: str | bytes
 ) -> aiohttp.WSMessage:
-    """Send ``payload`` (bytes: a binary message) and return the close the relay answers."""
+    """Send ``payload`` (bytes: a binary message) and return the close the relay answers
+    (presence frames that come before it are skipped)."""
     if isinstance(payload, bytes):
         await ws.send_bytes(payload)
     else:
         await ws.send_str(payload)
-    msg = await asyncio.wait_for(ws.receive(), STEP)
+    async with asyncio.timeout(STEP):
+        msg = await ws.receive()
+        while msg.type is WSMsgType.TEXT and json.loads(msg.data).get("kind") == "presence":
+            msg = await ws.receive()
     assert msg.type is WSMsgType.CLOSE, msg
     return msg
 
@@ -163,14 +178,15 @@ RelayProcess = RelayProc  # a relay subprocess: .proc, .port, .base, .pid, .log_
 
 @asynccontextmanager
 async def relay_process(
-    cluster: ClusterInfo, log_dir: Path, relay_id: str, *flags: str
+    cluster: ClusterInfo, log_dir: Path, relay_id: str, *flags: str, wrap: Sequence[str] = ()
 ) -> AsyncIterator[RelayProcess]:
     """``tokenrelay relay`` as a subprocess (token secret: the worker harness's), ready
     to serve; stopped by pid on the way out; its log (``log_dir/<relay_id>.log``) must
-    hold no traceback."""
+    hold no traceback. ``wrap``: a command that execs the rest (its pid is the relay's),
+    e.g. ``("prlimit", "--nofile=256")``."""
     port = free_port()
     argv = [
-        sys.executable, "-m", "tokenrelay", "relay", "--port", str(port),
+        *wrap, sys.executable, "-m", "tokenrelay", "relay", "--port", str(port),
         "--redis", cluster.url, "--secret", WORKER_SECRET, "--relay-id", relay_id,
         "--log-level", "INFO", *flags,
     ]  # fmt: skip

@@ -13,6 +13,7 @@ Order of use::
     client = SSEClient(resp)                     # or tests.support.relay.sse(relay, sid)
     events = await client.events(3)              # [(id, event, data as JSON), ...]
     client.hello, client.retry, client.comments, client.last_id
+    client.presence                              # the presence frames, kept apart
     await client.until_end()                     # read to the end of the stream
 """
 
@@ -35,13 +36,16 @@ Event = tuple[str, str, dict[str, Any]]
 
 
 class SSEClient:
-    """The events of one SSE response: the ``hello`` is kept apart (:attr:`hello`), every
-    other event's data is JSON; comments (heartbeats, the goodbye) are collected."""
+    """The events of one SSE response: the ``hello`` is kept apart (:attr:`hello`), and so
+    are the ``presence`` frames (:attr:`presence`: outside the session's order, they come
+    whenever a screen joins or leaves); every other event's data is JSON; comments
+    (heartbeats, the goodbye) are collected."""
 
     def __init__(self, resp: aiohttp.ClientResponse) -> None:
         self.resp = resp
         self.comments: list[str] = []
         self.hello: dict[str, Any] | None = None
+        self.presence: list[dict[str, Any]] = []
         self._decoder = SSEDecoder(on_comment=self.comments.append)
         self._pending: deque[SSEEvent] = deque()
         self._ended = False
@@ -56,8 +60,16 @@ class SSEClient:
         return self._decoder.last_id or ""
 
     def feed(self, data: bytes) -> None:
-        """Bytes already read from the response (they come before what is read next)."""
-        self._pending.extend(self._decoder.feed(data))
+        """Bytes already read from the response (they come before what is read next);
+        the presence frames among them go to :attr:`presence` at once."""
+        self._take(self._decoder.feed(data))
+
+    def _take(self, events: list[SSEEvent]) -> None:
+        for ev in events:
+            if ev.event == "presence":
+                self.presence.append(json.loads(ev.data))
+            else:
+                self._pending.append(ev)
 
     async def events(self, n: int) -> list[Event]:
         out: list[Event] = []
@@ -81,7 +93,7 @@ class SSEClient:
                 return None
             chunk = await self.resp.content.readany()
             if not chunk:
-                self._pending.extend(self._decoder.close())
+                self._take(self._decoder.close())
                 self._ended = True
             else:
                 self.feed(chunk)

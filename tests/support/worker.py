@@ -1,7 +1,8 @@
 """Helpers for the worker's integration tests: mock engines and a worker app in-process.
 
 ``Harness`` starts mock engines (``devstack.mockengine.server.start_engine``, 127.0.0.1, port 0)
-and a worker app on an aiohttp ``TestServer`` against the test's real Redis Cluster
+and a worker app on an aiohttp ``TestServer`` (or, with ``guarded=True``, on the HTTP
+guard's site, as ``tokenrelay worker`` serves it) against the test's real Redis Cluster
 client; ``stop()`` tears everything down in reverse order.
 """
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDictProxy
 from redis.asyncio.cluster import RedisCluster
@@ -23,6 +25,7 @@ from devstack.mockengine.reply_length import ReplyLength
 from devstack.mockengine.server import EngineConfig, RunningEngine, start_engine
 from relay.broker.rediscluster.publisher import read_backlog
 from relay.protocol.frame import Frame, decode
+from relay.service.httpguard import GUARD, GuardedSite
 from worker.api import make_app
 from worker.config import WorkerConfig
 from worker.state import STATE, WorkerState
@@ -65,6 +68,8 @@ class Harness:
     engines: list[RunningEngine] = field(default_factory=list)
     server: TestServer | None = None
     http: aiohttp.ClientSession | None = None
+    runner: web.AppRunner | None = None  # guarded=True: the runner, and the site's base URL
+    base: str = ""
 
     async def start_engines(self, n: int, **kw: Any) -> list[RunningEngine]:
         kw.setdefault("decode_tok_per_s", 400.0)
@@ -76,10 +81,11 @@ class Harness:
         return self.engines[-n:]
 
     async def start_worker(
-        self, cap: int = 8, *, own_redis_url: str = "", **kw: Any
+        self, cap: int = 8, *, own_redis_url: str = "", guarded: bool = False, **kw: Any
     ) -> WorkerState:
         """An in-process worker; it shares the test's Redis client unless
-        ``own_redis_url`` is given (then it connects like a worker process does)."""
+        ``own_redis_url`` is given (then it connects like a worker process does);
+        ``guarded``: served through its HTTP guard (deadlines, per-address cap)."""
         cfg = WorkerConfig(
             redis_url="",
             engine_urls=tuple(f"{e.engine.cfg.engine_id}={e.url}" for e in self.engines),
@@ -99,17 +105,28 @@ class Harness:
             app = make_app(msgspec.structs.replace(cfg, redis_url=own_redis_url))
         else:
             app = make_app(cfg, redis=self.redis)
-        self.server = TestServer(app, host="127.0.0.1")
-        await self.server.start_server()
+        if guarded:
+            self.runner = web.AppRunner(app, access_log=None)
+            await self.runner.setup()
+            site = GuardedSite(self.runner, "127.0.0.1", 0, guard=app[GUARD])
+            await site.start()
+            self.base = f"http://127.0.0.1:{site.port}"
+        else:
+            self.server = TestServer(app, host="127.0.0.1")
+            await self.server.start_server()
         self.http = aiohttp.ClientSession()
         return self.state
 
     @property
     def state(self) -> WorkerState:
+        if self.runner is not None:
+            return self.runner.app[STATE]
         assert self.server is not None
         return self.server.app[STATE]
 
     def url(self, path: str) -> str:
+        if self.runner is not None:
+            return self.base + path
         assert self.server is not None
         return str(self.server.make_url(path))
 
@@ -150,5 +167,7 @@ class Harness:
             await self.http.close()
         if self.server is not None:
             await self.server.close()
+        if self.runner is not None:
+            await self.runner.cleanup()
         for e in self.engines:
             await e.stop()

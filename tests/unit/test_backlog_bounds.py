@@ -1,5 +1,5 @@
 """What a session stores, bounded without a server: the user's message as a turn's meta
-frame carries it (worker.chat.turnstate.message_meta), and the in-memory broker's
+frame carries it (relay.producer.integrity.message_meta), and the in-memory broker's
 backlog, which trims by bytes as the publish script does."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import hashlib
 import pytest
 
 from relay.broker.memory import MemoryBroker
-from worker.chat.turnstate import META_MESSAGE_BYTES, message_meta
+from relay.producer.integrity import META_MESSAGE_BYTES, message_meta
 
 
 def test_a_short_message_is_carried_whole() -> None:

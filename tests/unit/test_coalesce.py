@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from worker.chat.coalesce import Batch, CoalescePolicy, Coalescer, TokenPump
+from relay.producer.coalesce import Batch, CoalescePolicy, Coalescer, TokenPump
 
 
 def test_first_token_goes_out_at_once():

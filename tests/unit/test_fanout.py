@@ -38,7 +38,9 @@ async def broker() -> MemoryBroker:
 
 @pytest.fixture
 async def hub(broker: MemoryBroker) -> AsyncIterator[Hub]:
-    h = Hub(broker, unsubscribe_delay_s=0.05, reap_interval_s=0)
+    # no screen counts: these tests count frames and writes (the presence frame's rules:
+    # tests/unit/test_fanout_controls.py)
+    h = Hub(broker, unsubscribe_delay_s=0.05, reap_interval_s=0, screens_interval_s=0)
     await h.start()
     try:
         yield h

@@ -9,15 +9,15 @@ What is checked, and where the rule is written down:
   ``worker`` never imports ``devstack``, ``tokenrelay``, ``bench`` or ``tests``; no
   product package imports ``bench`` or ``tests``; ``relay/protocol`` imports nothing
   outside itself but the standard library and its few small dependencies;
-- the pure cores (the modules the README's Layout map marks ``pure``) import no I/O
+- the pure cores (the modules the Layout map (docs/LAYOUT.md) marks ``pure``) import no I/O
   library and read no time of day;
 - no import cycle between product modules, counting every import (``from pkg import
   mod`` included): one under ``TYPE_CHECKING`` or deferred into a function dodges the
   circular import at run time but leaves two modules that cannot be read, tested or
   moved one without the other;
-- no module in ``relay/`` or ``worker/`` over 500 lines unless the README's Layout names
-  it with a reason;
-- every product package and module that the README's Layout, docs/ARCHITECTURE.md and
+- no module in ``relay/`` or ``worker/`` over 500 lines unless the Layout map
+  (docs/LAYOUT.md) names it with a reason;
+- every product package and module that the Layout map, docs/ARCHITECTURE.md and
   the other docs name exists (a backticked ``relay.edge.fanout.hub.Hub.open`` down to the
   method, a path to a ``.py`` file anywhere), and every product package and module
   appears in the Layout map (a new module cannot land without its line there).
@@ -207,10 +207,13 @@ def test_protocol_imports_only_itself_the_standard_library_and_its_small_deps() 
 # -- pure cores -----------------------------------------------------------------------
 
 
+LAYOUT = "docs/LAYOUT.md"
+
+
 def _layout() -> str:
-    text = (ROOT / "README.md").read_text()
-    assert "\n## Layout\n" in text, "README.md has no ## Layout section"
-    return text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    text = (ROOT / LAYOUT).read_text()
+    assert text.startswith("# Layout\n"), f"{LAYOUT} does not start with its # Layout title"
+    return text.split("\n", 1)[1]
 
 
 @dataclass(frozen=True)
@@ -221,7 +224,7 @@ class MapEntry:
 
 
 def layout_map() -> list[MapEntry]:
-    """The entries of the first code block of the README's Layout section.
+    """The entries of the first code block of docs/LAYOUT.md.
 
     An indented line that starts with ``name/`` is a folder inside the folder above it;
     ``name.py`` words on a line are modules of the folder the line sits in (a word with
@@ -258,7 +261,7 @@ def pure_modules() -> list[str]:
 
 def test_the_layout_map_declares_pure_cores() -> None:
     pure = pure_modules()
-    assert len(pure) >= 10, f"the README's Layout map marks too few modules pure: {pure}"
+    assert len(pure) >= 10, f"the Layout map (docs/LAYOUT.md) marks too few modules pure: {pure}"
     assert {"relay.protocol.frame", "relay.edge.core.resume", "relay.edge.core.watch"} <= set(pure)
 
 
@@ -397,7 +400,7 @@ def test_no_module_in_relay_or_worker_is_over_the_limit_without_a_reason() -> No
     }
     bad = [f"{p}: {n} lines" for p, n in sorted(long.items()) if p not in allowed]
     assert not bad, (
-        f"modules over {MAX_LINES} lines that the README's Layout does not explain:\n"
+        f"modules over {MAX_LINES} lines that the Layout (docs/LAYOUT.md) does not explain:\n"
         + "\n".join(bad)
     )
     stale = sorted(set(allowed) - set(long))
@@ -408,8 +411,14 @@ def test_no_module_in_relay_or_worker_is_over_the_limit_without_a_reason() -> No
 
 
 DOCS = (
-    "README.md#Layout",
+    "docs/LAYOUT.md#map",
     "README.md",
+    "docs/OVERVIEW.md",
+    "docs/HTTP.md",
+    "docs/DEMO.md",
+    "docs/DEPLOY.md",
+    "docs/METRICS.md",
+    "docs/DEVELOPMENT.md",
     "docs/ARCHITECTURE.md",
     "docs/PROTOCOL.md",
     "CONTRIBUTING.md",
@@ -421,7 +430,7 @@ DOCS = (
 
 
 def _doc_text(doc: str) -> str:
-    return _layout() if doc == "README.md#Layout" else (ROOT / doc).read_text()
+    return _layout() if doc == "docs/LAYOUT.md#map" else (ROOT / doc).read_text()
 
 
 def _top_level_names(module: str) -> dict[str, ast.AST]:
@@ -494,7 +503,7 @@ def named_in(doc: str) -> list[str]:
 @pytest.mark.parametrize("doc", DOCS)
 def test_every_module_a_doc_names_exists(doc: str) -> None:
     names = named_in(doc)
-    if doc != "README.md#Layout":  # the map names its modules unquoted: checked below
+    if doc != "docs/LAYOUT.md#map":  # the map names its modules unquoted: checked below
         assert names, f"{doc} names no module"
     bad = [f"{n}: {why}" for n in dict.fromkeys(names) if (why := dangling(n))]
     assert not bad, f"{doc} names what does not exist:\n" + "\n".join(bad)
@@ -505,7 +514,9 @@ def test_the_layout_map_matches_the_tree() -> None:
     missing = [
         f"{e.path}  (line: {e.line.strip()})" for e in entries if not (ROOT / e.path).exists()
     ]
-    assert not missing, "the README's Layout map names what does not exist:\n" + "\n".join(missing)
+    assert not missing, "the Layout map (docs/LAYOUT.md) names what does not exist:\n" + "\n".join(
+        missing
+    )
     mapped = {e.path for e in entries}
     packages = sorted(
         str(p.parent.relative_to(ROOT)) + "/"
@@ -513,8 +524,8 @@ def test_the_layout_map_matches_the_tree() -> None:
         for p in (ROOT / top).rglob("__init__.py")
     )
     absent = [p for p in packages if p not in mapped]
-    assert not absent, "product packages missing from the README's Layout map:\n" + "\n".join(
-        absent
+    assert not absent, (
+        "product packages missing from the Layout map (docs/LAYOUT.md):\n" + "\n".join(absent)
     )
     modules = sorted(
         str(p.relative_to(ROOT))
@@ -524,6 +535,6 @@ def test_the_layout_map_matches_the_tree() -> None:
     )
     unmapped = [m for m in modules if m not in mapped]
     assert not unmapped, (
-        "product modules the README's Layout map does not name (every module has a line "
+        "product modules the Layout map (docs/LAYOUT.md) does not name (every module has a line "
         "that says what it holds):\n" + "\n".join(unmapped)
     )

@@ -5,6 +5,7 @@ timeout ``run_cli`` stops that child by its pid)."""
 
 from __future__ import annotations
 
+import random
 import socket
 from collections.abc import Iterator
 
@@ -31,11 +32,18 @@ def assert_one_line(r: Ran, *words: str) -> None:
 
 @pytest.fixture
 def occupied() -> Iterator[int]:
-    """A port held by another program: a listening socket of this test."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
+    """A port held by another program: a listening socket of this test, below 55536 (a
+    cluster node's bus port is its port + 10000)."""
+    for port in random.sample(range(20000, 55000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            s.listen()
+            yield port
+            return
+    raise RuntimeError("no free port in 20000..55000")
 
 
 WORKER = ["worker", "--port", "0", "--redis", "redis://127.0.0.1:1",
@@ -97,3 +105,112 @@ async def test_demo_port_from_the_environment_is_checked_the_same(occupied: int)
 async def test_an_engine_on_a_busy_port_says_so_in_one_line(occupied: int) -> None:
     r = await tokenrelay("engine", "--port", str(occupied))
     assert_one_line(r, f"port {occupied} on 127.0.0.1 is in use", "--port N")
+
+
+# -- every subcommand, every common mistake ----------------------------------------------
+#
+# For each subcommand of pyproject.toml's entry-point group, what each mistake is for it:
+# an argv (``{port}``: a port held by another program, ``{dir}``: an empty folder), the
+# environment and the words its one line must hold; or, where the mistake cannot be made
+# with that subcommand, why not. A new subcommand fails the test until it has a row.
+
+BAD_URL = "redis://bad:host:x"  # a port that is no number
+DOWN = "redis://127.0.0.1:1"  # nothing listens there
+ENGINE = ["--engine", "http://127.0.0.1:9"]
+AMQP = ["--amqp", "amqp://guest:guest@127.0.0.1:1/"]
+STACK = ["--relay", "http://127.0.0.1:1", "--worker", "http://127.0.0.1:1"]
+SECRET = {"TOKENRELAY_SECRET": K}
+BUSY = "is in use by another program"
+NO_PORT = "has no valid port"
+UNREACHABLE = "cannot connect to Redis at redis://127.0.0.1:1"
+
+Case = tuple[list[str], dict[str, str], list[str]] | str
+MISTAKES: dict[str, dict[str, Case]] = {
+    "relay": {
+        "busy port": (["relay", "--port", "{port}", "--redis", DOWN], SECRET, [BUSY, "--port N"]),
+        "bad Redis URL": (["relay", "--port", "0", "--redis", BAD_URL], SECRET, [NO_PORT]),
+        "Redis down": (["relay", "--port", "0", "--redis", DOWN, "--fail-fast"], SECRET,
+                       [UNREACHABLE]),
+        "no secret": (["relay", "--port", "0", "--redis", DOWN], {}, ["no token secret"]),
+    },
+    "worker": {
+        "busy port": (["worker", "--port", "{port}", "--redis", DOWN, *ENGINE], SECRET, [BUSY]),
+        "bad Redis URL": (["worker", "--port", "0", "--redis", BAD_URL, *ENGINE], SECRET,
+                          [NO_PORT]),
+        "Redis down": (["worker", "--port", "0", "--redis", DOWN, *ENGINE, "--fail-fast"],
+                       SECRET, [UNREACHABLE]),
+        "no secret": (["worker", "--port", "0", "--redis", DOWN, *ENGINE], {},
+                      ["no token secret"]),
+    },
+    "engine": {
+        "busy port": (["engine", "--port", "{port}"], {}, [BUSY]),
+        "bad Redis URL": (["engine", "--port", "7", "--redis", BAD_URL], {}, [NO_PORT]),
+        "Redis down": "an engine serves without Redis: its announcement retries meanwhile",
+        "no secret": "an engine checks no token",
+    },
+    "demo": {
+        "busy port": (["demo", "--port", "{port}"], {}, [BUSY, "e.g. --port"]),
+        "bad Redis URL": "the demo starts its own cluster: it takes no Redis URL",
+        "Redis down": "the demo starts its own cluster: it takes no Redis URL",
+        "no secret": (["demo"], {"TOKENRELAY_SECRET": "too-short"}, ["at least 32"]),
+    },
+    "jobworker": {
+        "busy port": "a job worker listens on no port",
+        "bad Redis URL": (["jobworker", "--redis", BAD_URL, *AMQP, *ENGINE], {}, [NO_PORT]),
+        "Redis down": (["jobworker", "--redis", DOWN, *AMQP, *ENGINE], {}, [UNREACHABLE]),
+        "no secret": "a job worker mints and checks no token",
+    },
+    "cluster": {
+        "busy port": (["cluster", "up", "--port", "{port}", "--dir", "{dir}"], {},
+                      ["is busy", "another --port"]),
+        "bad Redis URL": "cluster up starts its own nodes: it takes no Redis URL",
+        "Redis down": (["cluster", "status", "--dir", "{dir}"], {}, ["no cluster state"]),
+        "no secret": "a cluster takes no token secret",
+    },
+    "bench": {
+        "busy port": "each benchmark listens on free ports it picks",
+        "bad Redis URL": (["bench", "loadtest", *STACK, "--redis", BAD_URL], {}, [NO_PORT]),
+        "Redis down": (["bench", "loadtest", "--quick", "--no-progress", *STACK, "--redis", DOWN],
+                       {}, ["cannot reach"]),
+        "no secret": "a benchmark's stack gets a random secret of its own",
+    },
+    "loadtest": {
+        "busy port": "the load test listens on free ports it picks",
+        "bad Redis URL": (["loadtest", *STACK, "--redis", BAD_URL], {}, [NO_PORT]),
+        "Redis down": (["loadtest", "--quick", "--no-progress", *STACK, "--redis", DOWN], {},
+                       ["cannot reach"]),
+        "no secret": "the load test's stack gets a random secret of its own",
+    },
+}  # fmt: skip
+MISTAKE_NAMES = ("busy port", "bad Redis URL", "Redis down", "no secret")
+
+
+def test_every_subcommand_has_a_row_for_every_mistake() -> None:
+    import tomllib
+    from pathlib import Path
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    group = tomllib.loads(pyproject.read_text())["project"]["entry-points"]["tokenrelay.commands"]
+    assert sorted(MISTAKES) == sorted(group)
+    for name, row in MISTAKES.items():
+        assert sorted(row) == sorted(MISTAKE_NAMES), name
+
+
+@pytest.mark.parametrize(
+    ("command", "mistake"),
+    [(c, m) for c, row in MISTAKES.items() for m, case in row.items() if not isinstance(case, str)],
+)
+async def test_each_subcommand_says_each_mistake_in_one_line(
+    command: str, mistake: str, occupied: int, tmp_path: object
+) -> None:
+    case = MISTAKES[command][mistake]
+    assert not isinstance(case, str)
+    argv, env, words = case
+    argv = [a.format(port=occupied, dir=tmp_path) for a in argv]
+    r = await tokenrelay(*argv, env=clean_env(**env))
+    assert r.code != 0, (argv, r.out, r.err)
+    assert r.err.count("\n") == 1, (argv, r.err)
+    assert r.err.startswith("error: "), (argv, r.err)
+    assert "Traceback" not in r.err + r.out, argv
+    for w in words:
+        assert w.format(port=occupied) in r.err, (argv, r.err)

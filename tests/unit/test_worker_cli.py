@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
+from relay.producer.coalesce import CoalescePolicy
+from relay.producer.watch import PresencePolicy
 from relay.protocol.keys import BACKLOG_MAXLEN, SESSION_TTL_S
-from worker.chat.coalesce import CoalescePolicy
-from worker.chat.presence import PresencePolicy
 from worker.cli import config_from_args, register
 from worker.config import WorkerConfig
 from worker.routing.policy import DEFAULT_SPILL

@@ -72,8 +72,15 @@ def test_any_split_of_the_bytes_gives_the_same_messages(
     assert got == [(PING, b"x"), (TEXT, text.decode())]  # a control frame may interleave
 
 
-def test_an_unmasked_frame_is_read_as_is() -> None:
-    assert WsParser(64).feed(frame(TEXT, b"hello", mask=None)) == [(TEXT, "hello")]
+@pytest.mark.parametrize("op", [TEXT, PING, CLOSE])
+def test_an_unmasked_client_frame_is_a_protocol_error(op: int) -> None:
+    with pytest.raises(WsError) as err:
+        WsParser(64).feed(frame(op, b"", mask=None))
+    assert (err.value.code, err.value.reason) == (1002, "client frame not masked")
+    p = WsParser(64)  # after a masked one too, and before its payload has arrived
+    assert p.feed(frame(TEXT, b"hello")) == [(TEXT, "hello")]
+    with pytest.raises(WsError):
+        p.feed(frame(TEXT, b"hello", mask=None)[:2])
 
 
 def test_a_long_masked_message_of_each_length_form() -> None:

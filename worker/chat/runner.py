@@ -6,17 +6,19 @@ open, ``meta`` frame out), puts it in its table of running turns and spawns
 terminal frame.
 
 Generation (a supervised task per turn, ``turn:<sid>``, :meth:`TurnRunner.run`, on the
-worker's :class:`relay.service.supervise.Supervisor`, like its three helpers): an
-engine-reader task (``reader:<sid>``) pushes deltas into a
-:class:`worker.chat.coalesce.TokenPump` whose task (``pump:<sid>``) publishes coalesced
-``token`` frames; a presence task (``presence:<sid>``,
-:func:`worker.chat.presence.watch_presence`) refreshes the lock and aborts the reader
-when nobody watched for the grace period. The reader and the pump end with the engine's
-or Redis' failure as their result (the turn's outcome), so the supervisor logs only
-what nobody expected. A runner whose lock refresh finds the lock no longer its own
-(expired during an outage and taken or reaped) stops: it aborts the engine request and
-publishes nothing more, not even a terminal frame (the reaper or the newer turn ends the
-stream; the epoch fencing stays as the second line).
+worker's :class:`relay.service.supervise.Supervisor`, like its three helpers): the turn
+is written with the producer API (:class:`relay.producer.Turn`, the one producer
+implementation): an engine-reader task (``reader:<sid>``) writes deltas into the turn,
+whose pump task (``pump:<sid>``) publishes coalesced ``token`` frames; its watch task
+(``presence:<sid>``, :func:`relay.producer.watch.watch_presence`) refreshes the lock and
+tells the runner (``Turn.on_stop``) when nobody watched for the grace period, or when
+its refresh finds a stop asked of the turn (:mod:`worker.chat.cancel`: the fallback of
+a stop's notification, which aborts at once). The reader and the pump end with the
+engine's or Redis' failure as their result (the turn's outcome), so the supervisor
+logs only what nobody expected. A runner whose lock refresh finds the lock no longer
+its own (expired during an outage and taken or reaped) stops: it aborts the engine
+request and publishes nothing more, not even a terminal frame (the reaper or the newer
+turn ends the stream; the epoch fencing stays as the second line).
 The first token frame's meta carries the TTFT and the engine's cached-prefix tokens
 (known only when the engine answers, so not in the ``meta`` frame).
 
@@ -35,15 +37,20 @@ import contextlib
 import logging
 import time
 from collections import deque
-from typing import Any, Final
+from typing import Final
 
 from relay.broker.errors import Fenced, RelayError
-from relay.broker.rediscluster.publisher import Draft
+from relay.producer import StopReason
 from relay.service.supervise import Supervisor
-from worker.chat.coalesce import Batch, TokenPump
-from worker.chat.presence import watch_presence
 from worker.chat.store import SessionStore
-from worker.chat.turnstate import AbortReason, RunningTurn, StreamChat, TurnConfig, TurnOutcome
+from worker.chat.turnstate import (
+    CANCELLED_FINISH,
+    AbortReason,
+    RunningTurn,
+    StreamChat,
+    TurnConfig,
+    TurnOutcome,
+)
 from worker.engines.errors import EngineError, EngineTimeout, EngineUnavailable
 from worker.metrics import WorkerMetrics
 from worker.routing.lease import AllEnginesFull, release_once
@@ -53,17 +60,12 @@ __all__ = ["TurnRunner"]
 
 log = logging.getLogger(__name__)
 
-_HELPER_EXIT_S: Final = 2.0  # how long _end waits for the presence and pump tasks to stop
-
-
-async def _pump(pump: TokenPump) -> RelayError | None:
-    """Run ``pump`` until it is closed and empty; return the Redis failure that stopped
-    it (None: it finished)."""
-    try:
-        await pump.run()
-    except RelayError as exc:
-        return exc
-    return None
+_HELPER_EXIT_S: Final = 2.0
+_ABORTS: Final = {
+    StopReason.CANCELLED: AbortReason.CANCELLED,
+    StopReason.NO_VIEWERS: AbortReason.NO_VIEWERS,
+    StopReason.LOCK_LOST: AbortReason.LOCK_LOST,
+}  # how long _end waits for the presence and pump tasks to stop
 
 
 class TurnRunner:
@@ -97,37 +99,22 @@ class TurnRunner:
     async def run(self, t: RunningTurn) -> None:
         outcome = TurnOutcome.DONE
         error: str | None = None
-        pump = TokenPump(lambda b: self._publish_batch(t, b), self.cfg.coalesce)
         # Supervised like every task (a bug is logged; stop(), after the drain, cancels
         # what is left); run and _end await them. An engine's or Redis' failure is their
         # result: the turn's outcome, not a crash for the supervisor to log.
-        t.reader = self.supervisor.spawn(f"reader:{t.sid}", self._read_engine(t, pump))
-        pump_task = self.supervisor.spawn(f"pump:{t.sid}", _pump(pump))
+        t.reader = self.supervisor.spawn(f"reader:{t.sid}", self._read_engine(t))
+        if t.abort_reason is not None:  # stopped before it ran (a stop during admission)
+            t.reader.cancel()
+        pump_task = t.gen.pump_task  # the producer's pump publishes the coalesced deltas
 
-        async def refresh() -> None:
-            if t.ended.is_set():
-                return
-            try:
-                ours = await self.store.refresh_lock(t.sid, t.owner)
-            except RelayError:
-                return  # unknown (Redis away): keep going, the publisher retries or fails
-            if not ours:
+        def on_stop(reason: StopReason) -> None:
+            if reason is StopReason.LOCK_LOST:
                 log.warning("turn %s/%d: turn lock lost; stopping", t.sid, t.gen.turn)
                 t.lock_lost = True
-                t.abort(AbortReason.LOCK_LOST)
+            t.abort(_ABORTS[reason])
 
-        presence = self.supervisor.spawn(
-            f"presence:{t.sid}",
-            watch_presence(
-                self.store.redis,
-                t.sid,
-                self.cfg.presence,
-                lambda: t.abort(AbortReason.NO_VIEWERS),
-                on_tick=refresh,
-                stop=t.ended,
-                local_watchers=t.local_watchers,
-            ),
-        )
+        t.gen.on_stop(on_stop)  # the lock refresh (a stop's record, a lost lock), presence
+        t.gen.watch(self.cfg.presence, local_watchers=t.local_watchers)
         try:
             done, _ = await asyncio.wait({t.reader, pump_task}, return_when=asyncio.FIRST_COMPLETED)
             if pump_task in done:  # the pump only ends early on an error: stop the engine
@@ -151,10 +138,7 @@ class TurnRunner:
                     outcome, error = TurnOutcome.ENGINE_ERROR, failed.public_reason
             finally:
                 release_once(t.lease)  # the engine is done with us, whatever happens next
-                pump.close()
-            stopped = await pump_task
-            if stopped is not None:
-                raise stopped
+            await t.gen.flush(60.0)  # raises what stopped the pump (publishes retry 10 s)
         except Fenced as exc:
             outcome, error = TurnOutcome.FENCED, None
             log.warning("turn %s/%d fenced: %s", t.sid, t.gen.turn, exc)
@@ -164,59 +148,54 @@ class TurnRunner:
         except asyncio.CancelledError:
             outcome, error = TurnOutcome.SHUTDOWN, AbortReason.SHUTDOWN
             t.abort(AbortReason.SHUTDOWN)
-            await self._end(t, outcome, error, pump, pump_task, presence)
+            await self._end(t, outcome, error)
             raise
         except Exception as exc:
             log.exception("turn %s/%d failed", t.sid, t.gen.turn)
             outcome, error = TurnOutcome.INTERNAL_ERROR, f"internal error: {type(exc).__name__}"
-        await self._end(t, outcome, error, pump, pump_task, presence)
+        await self._end(t, outcome, error)
 
-    async def _end(
-        self,
-        t: RunningTurn,
-        outcome: TurnOutcome,
-        error: str | None,
-        pump: TokenPump,
-        pump_task: asyncio.Task[RelayError | None],
-        presence: asyncio.Task[None],
-    ) -> None:
+    async def _end(self, t: RunningTurn, outcome: TurnOutcome, error: str | None) -> None:
         if t.lock_lost and outcome is not TurnOutcome.FENCED:
             outcome, error = TurnOutcome.LOCK_LOST, None
-        t.ended.set()  # the presence loop returns even if its cancellation is lost
-        presence.cancel()
+        t.ended.set()
+        watch = t.gen.watch_task
+        if watch is not None:
+            watch.cancel()
         if t.reader is not None and not t.reader.done():
             t.reader.cancel()
-        if not pump_task.done():  # let a publish in flight land: never cancel mid-publish
-            pump.close()
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(asyncio.shield(pump_task), 5.0)
-            pump_task.cancel()
+        # let a publish in flight land: never cancel mid-publish (flush waits, then cancels)
+        with contextlib.suppress(BaseException):
+            await t.gen.flush(5.0)
         # Bounded: a helper task that swallowed its cancellation must not keep the turn
         # from its terminal frame and its lock from being released.
-        _, stuck = await asyncio.wait({presence, pump_task}, timeout=_HELPER_EXIT_S)
+        helpers = {t.gen.pump_task, *([watch] if watch is not None else [])}
+        _, stuck = await asyncio.wait(helpers, timeout=_HELPER_EXIT_S)
         for task in stuck:
             log.warning("turn %s/%d: %s did not stop", t.sid, t.gen.turn, task.get_name())
         # (what a helper raised is the supervisor's to retrieve and log: they are its tasks)
         release_once(t.lease)
         try:
-            if outcome is TurnOutcome.DONE:
-                await self.store.append_exchange(
-                    t.sid,
-                    [
-                        {"role": "user", "content": t.message},
-                        {"role": "assistant", "content": "".join(t.reply)},
-                    ],
-                    t.lease.engine.id,
-                )
-                await t.gen.publish([Draft(kind="done", meta=t.done_meta())])
+            if outcome.keeps_reply:
+                if outcome is TurnOutcome.CANCELLED:
+                    t.finish_reason = CANCELLED_FINISH
+                # the done frame's offset: this turn's next (the pump has stopped), so
+                # the history can name it
+                to = t.gen.next_offset
+                await self.store.append_exchange(t.sid, t.exchange(to), t.lease.engine.id)
+                # the producer writes the reply's integrity and, for a stopped turn, the
+                # stop record's terminal offset
+                await t.gen.done(finish_reason=t.finish_reason, meta=t.done_meta())
             elif not outcome.publishes_nothing:
-                meta = {"code": outcome, "engine": t.lease.engine.id, "tokens": len(t.reply)}
-                await t.gen.publish([Draft(kind="error", text=error or outcome, meta=meta)])
+                meta = {"engine": t.lease.engine.id, "tokens": len(t.reply)}
+                await t.gen.error(error or outcome, code=outcome, meta=meta)
         except Fenced:
             outcome = TurnOutcome.FENCED
         except RelayError as exc:
             log.warning("turn %s/%d: terminal frame lost: %s", t.sid, t.gen.turn, exc)
         finally:
+            with contextlib.suppress(RelayError):
+                await t.gen.close()  # no-op after a terminal frame; gives the lock back
             with contextlib.suppress(RelayError):
                 await self.store.release_lock(t.sid, t.owner)
             if self.running.get(t.sid) is t:
@@ -226,13 +205,13 @@ class TurnRunner:
                 self.metrics.cancellations.labels(reason=outcome).inc()
             self.outcomes.append((t.sid, t.gen.turn, outcome))
 
-    async def _read_engine(self, t: RunningTurn, pump: TokenPump) -> EngineError | None:
+    async def _read_engine(self, t: RunningTurn) -> EngineError | None:
         """Stream the reply; return how the engine failed (None: it finished). An engine
         that refuses the connection before answering (killed, restarting; the control
         plane has not seen it leave yet) is skipped once: the lease moves to the next
         engine for the routing key."""
         try:
-            await self._read_engine_once(t, pump)
+            await self._read_engine_once(t)
         except EngineUnavailable as exc:
             if exc.mid_stream or t.reply:
                 return exc
@@ -244,14 +223,14 @@ class TurnRunner:
             release_once(t.lease)
             t.lease = lease
             try:
-                await self._read_engine_once(t, pump)
+                await self._read_engine_once(t)
             except EngineError as again:
                 return again
         except EngineError as exc:
             return exc
         return None
 
-    async def _read_engine_once(self, t: RunningTurn, pump: TokenPump) -> None:
+    async def _read_engine_once(self, t: RunningTurn) -> None:
         stream = self.engine.stream_chat(t.lease.engine.url, self.cfg.model, t.prompt, t.max_tokens)
         try:
             async for d in stream:
@@ -275,8 +254,10 @@ class TurnRunner:
                             "prompt_tokens": t.prompt_tokens,
                             "engine_reported": t.engine_reported,
                         }
+                    first = t.first_meta if not t.sent_first_meta else None
+                    t.sent_first_meta = True
                     t.reply.append(d.text)
-                    pump.push(d.text)
+                    t.gen.write(d.text, first)  # the first token's frame carries its meta
                 if d.finish_reason is not None:
                     t.finish_reason = d.finish_reason
         finally:
@@ -287,17 +268,3 @@ class TurnRunner:
             self.metrics.cached_tokens.inc(t.cached_tokens)
         if t.prompt_tokens:
             self.metrics.prompt_tokens.inc(t.prompt_tokens)
-
-    async def _publish_batch(self, t: RunningTurn, b: Batch) -> None:
-        if t.lock_lost:
-            return  # the stream is no longer ours: publish nothing more
-        meta: dict[str, Any] | None = None
-        if not t.sent_first_meta:
-            meta, t.sent_first_meta = t.first_meta, True
-        if b.count > 1:
-            meta = {**(meta or {}), "n": b.count}
-        await t.gen.publish([Draft(kind="token", text=b.text, meta=meta)])
-        self.metrics.publishes.inc()
-        self.metrics.tokens.inc(b.count)
-        for w in b.waits:
-            self.metrics.coalesce_wait.observe(w)

@@ -17,7 +17,10 @@ Then the turn is :class:`worker.chat.runner.TurnRunner`'s: :meth:`TurnRunner.run
 as a supervised task per turn (``turn:<sid>``) until the turn's one terminal frame; a
 turn in :attr:`TurnManager.running` leaves it when it ends. :meth:`TurnManager.abort_engine`
 (the control plane saw an engine leave) and :meth:`TurnManager.drain` (shutdown) end
-running turns through :meth:`worker.chat.turnstate.RunningTurn.abort`.
+running turns through :meth:`worker.chat.turnstate.RunningTurn.abort`; so does
+:meth:`TurnManager.stop` (a client's stop, :mod:`worker.chat.cancel`), from any worker.
+A regenerate or an edit (``replaces``, :mod:`worker.chat.replace`) is a turn whose
+prompt is the history before the replaced turn, which leaves the history at admission.
 
 A failure before the turn is handed over gives everything back: the lease is released,
 an ``error`` frame ends a generation whose ``meta`` frame is out, the lock is released
@@ -31,12 +34,17 @@ import contextlib
 import time
 import uuid
 from collections import deque
+from collections.abc import Coroutine
 from typing import Any
 
 from relay.broker.errors import RedisUnavailable, RelayError
-from relay.broker.rediscluster.publisher import Draft, Generation, Publisher
+from relay.broker.rediscluster.publisher import Publisher
+from relay.producer import Claim, Producer, Turn
+from relay.producer.coalesce import Batch
 from relay.service.supervise import Supervisor
+from worker.chat.cancel import ControlChannel, StopStatus, StopVerdict, owner_worker, request_stop
 from worker.chat.direct import DirectViewer
+from worker.chat.replace import Replace, resolve_replace
 from worker.chat.runner import TurnRunner
 from worker.chat.store import SessionStore
 from worker.chat.turnstate import (
@@ -44,14 +52,13 @@ from worker.chat.turnstate import (
     Draining,
     IdempotencyKeyReused,
     IdempotencyPending,
-    LockLost,
     RunningTurn,
     StreamChat,
     TurnBusy,
+    TurnCancelled,
     TurnConfig,
     TurnOutcome,
     TurnStarted,
-    message_meta,
     request_fingerprint,
 )
 from worker.metrics import WorkerMetrics
@@ -65,6 +72,38 @@ from worker.routing.wait import route_wait
 __all__ = [
     "TurnManager",
 ]
+
+
+class _Admission:
+    """A turn between its lock and its start: a stop sets ``stopped``, which takes it
+    out of the wait for an engine slot (:meth:`wait`)."""
+
+    __slots__ = ("owner", "stopped")
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.stopped = asyncio.Event()
+
+    async def wait(self, routed: Coroutine[Any, Any, Lease]) -> Lease:
+        """``routed`` (the wait for a slot), unless a stop comes first: TurnCancelled."""
+        if self.stopped.is_set():
+            routed.close()
+            raise TurnCancelled("the turn was stopped before it started")
+        task = asyncio.ensure_future(routed)
+        stop = asyncio.ensure_future(self.stopped.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self.stopped.is_set():
+            if not task.cancelled() and task.exception() is None:
+                release_once(task.result())
+            raise TurnCancelled("the turn was stopped while it waited for an engine slot")
+        return task.result()
 
 
 class TurnManager:
@@ -92,6 +131,9 @@ class TurnManager:
         # logged with its traceback, never lost, and stop() cancels what is left
         self.supervisor = supervisor or Supervisor()
         self.running: dict[str, RunningTurn] = {}
+        self.admitting: dict[str, _Admission] = {}  # turns between the lock and running
+        # stops from other workers arrive here (started with Redis: start_control)
+        self.control = ControlChannel(publisher.redis, worker_id, self.on_stop)
         self.draining = False
         self.redis_ready = True  # False while start-up has not reached Redis yet
         # The most recent (sid, turn, outcome), for tests and debugging; bounded, so a
@@ -100,6 +142,16 @@ class TurnManager:
         # Recent placements on the ring (GET /v1/router, the demo's live panel): where a
         # turn's routing key fell and which engine served it, never the session id.
         self.placements: deque[dict[str, Any]] = deque(maxlen=50)
+        # the one producer implementation: the worker's turns are written with it
+        self.producer = Producer(
+            publisher.redis,
+            publisher=publisher,
+            producer_id=worker_id,
+            lock_ttl_s=store.lock_ttl_ms / 1000,
+            coalesce=self.cfg.coalesce,
+            presence=self.cfg.presence,
+            spawn=self.supervisor.spawn,
+        )
         self.runner = TurnRunner(
             store=store,
             router=router,
@@ -116,23 +168,31 @@ class TurnManager:
     async def start_turn(
         self,
         sid: str,
-        message: str,
+        message: str | None,
         *,
         system: str | None = None,
         max_tokens: int | None = None,
         idempotency_key: str | None = None,
         viewer: DirectViewer | None = None,
         conversation: list[dict[str, str]] | None = None,
+        replaces: Replace | None = None,
+        message_id: str | None = None,
     ) -> TurnStarted:
         """Admit a turn and start it; ``viewer`` (closed loop) receives its frames.
         ``conversation`` (the OpenAI gateway's messages, ending with ``message``) is the
-        prompt instead of the session's stored history; the exchange is stored as usual."""
+        prompt instead of the session's stored history; the exchange is stored as usual.
+        ``replaces``: the turn regenerates (``message`` None: the replaced turn's user
+        message again) or edits an earlier turn, whose messages and every later turn's
+        leave the history; its ``meta`` frame says ``replaces`` so screens drop them too.
+        ``message_id``: the client's id of the user message (kept in the history)."""
         if self.draining:
             raise Draining("worker is shutting down")
         if not self.redis_ready:
             raise RedisUnavailable("redis has not been reached yet")
         owner = f"{self.worker_id}:{uuid.uuid4().hex[:16]}"
-        fp = request_fingerprint(message, system, max_tokens)
+        fp = request_fingerprint(
+            message or "", system, max_tokens, None if replaces is None else replaces.key()
+        )
         if idempotency_key is not None:
             seen = await self.store.claim_idempotency(sid, idempotency_key, owner, fp)
             if isinstance(seen, dict):
@@ -146,8 +206,9 @@ class TurnManager:
         try:
             idem = (idempotency_key, fp) if idempotency_key is not None else None
             return await self._admit(
-                sid, owner, message, system, max_tokens, idem, viewer, conversation
-            )
+                sid, owner, message, system, max_tokens, idem, viewer, conversation,
+                replaces, message_id,
+            )  # fmt: skip
         except BaseException:
             if idempotency_key is not None:
                 with contextlib.suppress(RelayError):
@@ -158,12 +219,14 @@ class TurnManager:
         self,
         sid: str,
         owner: str,
-        message: str,
+        message: str | None,
         system: str | None,
         max_tokens: int | None,
         idem: tuple[str, str] | None,
         viewer: DirectViewer | None = None,
         conversation: list[dict[str, str]] | None = None,
+        replaces: Replace | None = None,
+        message_id: str | None = None,
     ) -> TurnStarted:
         t0 = time.monotonic()
         for attempt in range(self.cfg.lock_retry + 1):
@@ -174,15 +237,23 @@ class TurnManager:
                 raise TurnBusy(holder)
             await asyncio.sleep(self.cfg.lock_retry_s)
         lease: Lease | None = None
-        opened: Generation | None = None
+        opened: Turn | None = None
+        adm = self.admitting[sid] = _Admission(owner)
         try:
             hist = await self.store.load(sid)
             sys_prompt = system if system else hist.system
-            prior = hist.messages if conversation is None else conversation[:-1]
+            replaced, message, replaced_id = resolve_replace(hist, replaces, message)
+            message_id = message_id or replaced_id
+            if conversation is not None:
+                prior = conversation[:-1]
+            elif replaced is not None:
+                prior = hist.before(replaced)
+            else:
+                prior = hist.messages
             convo = [*prior, {"role": "user", "content": message}]
             rkey = routing_key(sys_prompt, convo, prefix_chars=self.cfg.prefix_chars)
             info = turn_info(rkey, sys_prompt, prior, message, hist.last_engine)
-            lease = await route_wait(self.router, rkey, self.cfg.admit_wait_s, info)
+            lease = await adm.wait(route_wait(self.router, rkey, self.cfg.admit_wait_s, info))
             self.metrics.route_decisions.labels(self.router.policy, lease.reason).inc()
             if hist.last_engine is not None and any(
                 s.id == hist.last_engine for s in self.router.engines()
@@ -203,49 +274,82 @@ class TurnManager:
             )
             if system and system != hist.system:
                 await self.store.save_system(sid, system)
-            gen = await self.publisher.open_generation(sid)
-            if viewer is not None:
-                gen.observers.append(viewer)
-            offset = (
-                await gen.publish(
-                    [
-                        Draft(
-                            kind="meta",
-                            meta={
-                                "role": "user",
-                                **message_meta(message),  # bounded: the history has it all
-                                "engine": lease.engine.id,
-                                "preferred": lease.preferred,
-                                "spilled": lease.spilled,
-                                "model": self.cfg.model,
-                                "worker": self.worker_id,
-                            },
-                        )
-                    ]
-                )
-            )[0]
+            if replaced is not None:  # the replaced turns leave the history now
+                await self.store.truncate_from(sid, replaced)
+            extra: dict[str, Any] = {
+                "engine": lease.engine.id,
+                "preferred": lease.preferred,
+                "spilled": lease.spilled,
+                "model": self.cfg.model,
+            }
+            if replaced is not None:
+                extra["replaces"] = replaced
+            # the producer API writes the turn: generation, meta frame, the lock named
+            gen = await Claim(self.producer.session(sid), owner).open(
+                message,
+                message_id=message_id,
+                meta=extra,
+                observers=[viewer] if viewer is not None else (),
+                watch=False,  # the runner starts the watch once the turn runs
+                on_batch=self._count_batch,
+            )
             opened = gen  # its meta frame is out: a failure from here on needs an error frame
+            offset = gen.first_offset
             started = TurnStarted(sid, gen.turn, offset)
-            if not await self.store.set_lock_turn(sid, owner, gen.turn, offset):
-                raise LockLost("the turn lock expired while the turn was admitted")
             if idem is not None:
                 await self.store.resolve_idempotency(sid, idem[0], started.body(), idem[1])
         except BaseException:
             release_once(lease)
             if opened is not None:
                 with contextlib.suppress(RelayError):
-                    await opened.error("turn failed to start")
+                    await opened.error("turn failed to start", code=None)
             with contextlib.suppress(RelayError):
                 await self.store.release_lock(sid, owner)
             raise
+        finally:
+            if self.admitting.get(sid) is adm:
+                del self.admitting[sid]
         prompt = [{"role": "system", "content": sys_prompt}] if sys_prompt else []
         prompt += convo
         turn = RunningTurn(
-            sid, gen, lease, owner, prompt, message, max_tokens, t0, rkey, viewer=viewer
-        )
+            sid, gen, lease, owner, prompt, message, max_tokens, t0, rkey, viewer=viewer,
+            first_offset=offset, user_id=message_id or "",
+        )  # fmt: skip
         self.running[sid] = turn
+        if adm.stopped.is_set():  # a stop that came after the wait: carried out at once
+            turn.abort(AbortReason.CANCELLED)
         turn.task = self.supervisor.spawn(f"turn:{sid}", self.runner.run(turn))
         return started
+
+    def _count_batch(self, b: Batch) -> None:
+        self.metrics.publishes.inc()
+        self.metrics.tokens.inc(b.count)
+        for w in b.waits:
+            self.metrics.coalesce_wait.observe(w)
+
+    # ---- stop ----------------------------------------------------------------------------------
+
+    async def stop(self, sid: str, turn: int) -> StopVerdict:
+        """Stop ``turn`` of ``sid`` (0: whichever runs or waits), whichever worker runs
+        it: record it, then abort it here or tell its worker (:mod:`worker.chat.cancel`)."""
+        v = await request_stop(self.store.redis, sid, turn, self.store.ttl_s)
+        if v.status in (StopStatus.STOPPING, StopStatus.ADMITTING) and v.owner:
+            worker = owner_worker(v.owner)
+            if worker == self.worker_id:
+                self.on_stop(sid, v.turn, v.owner)
+            else:
+                await self.control.notify(worker, sid, v.turn, v.owner)
+        return v
+
+    def on_stop(self, sid: str, turn: int, owner: str) -> None:
+        """A stop for a turn this worker runs (``turn`` 0: the one being admitted)."""
+        t = self.running.get(sid)
+        if t is not None and t.owner == owner and turn in (0, t.gen.turn):
+            t.abort(AbortReason.CANCELLED)
+            return
+        adm = self.admitting.get(sid)
+        if adm is not None and adm.owner == owner:
+            adm.stopped.set()
 
     # ---- aborts ------------------------------------------------------------------------------
 

@@ -14,6 +14,9 @@ exit path             outcome     terminal frame
 engine finished       done        ``done`` (ttft, engine, cache hit/miss, finish
                                   reason, and the reply's integrity: ``tokens``,
                                   ``chars``, ``sha256``); history appended
+stopped (a cancel)    cancelled   ``done`` with ``finish_reason`` "cancelled" and the
+                                  partial reply's integrity; history appended, the
+                                  reply marked stopped
 engine error          engine_error ``error`` (the engine's message)
 engine timeout        timeout     ``error``
 nobody watching       no_viewers  ``error`` "no viewers"
@@ -38,19 +41,19 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
-from relay.broker.errors import RelayError
-from relay.broker.rediscluster.publisher import Generation
-from worker.chat.coalesce import DEFAULT_POLICY, CoalescePolicy
+from relay.producer.coalesce import DEFAULT_POLICY, CoalescePolicy
+from relay.producer.errors import LockLost, TurnBusy
+from relay.producer.integrity import reply_integrity
+from relay.producer.turn import Turn
+from relay.producer.watch import PresencePolicy
 from worker.chat.direct import DirectViewer
-from worker.chat.presence import PresencePolicy
-from worker.chat.store import LockHolder
 from worker.engines.client import Delta
 from worker.engines.errors import EngineError
 from worker.routing.key import DEFAULT_PREFIX_CHARS
 from worker.routing.lease import Lease
 
 __all__ = [
-    "META_MESSAGE_BYTES",
+    "CANCELLED_FINISH",
     "AbortReason",
     "Draining",
     "IdempotencyKeyReused",
@@ -59,10 +62,10 @@ __all__ = [
     "RunningTurn",
     "StreamChat",
     "TurnBusy",
+    "TurnCancelled",
     "TurnConfig",
     "TurnOutcome",
     "TurnStarted",
-    "message_meta",
     "reply_integrity",
     "request_fingerprint",
 ]
@@ -82,6 +85,7 @@ class TurnOutcome(enum.StrEnum):
     LOCK_LOST = "lock_lost"
     REDIS_ERROR = "redis_error"
     INTERNAL_ERROR = "internal_error"
+    CANCELLED = "cancelled"
 
     @property
     def publishes_nothing(self) -> bool:
@@ -91,7 +95,17 @@ class TurnOutcome(enum.StrEnum):
     @property
     def is_cancellation(self) -> bool:
         """Counted in ``tokenrelay_worker_cancellations_total{reason}`` too."""
-        return self in (TurnOutcome.NO_VIEWERS, TurnOutcome.ENGINE_DOWN, TurnOutcome.SHUTDOWN)
+        return self in (
+            TurnOutcome.NO_VIEWERS,
+            TurnOutcome.ENGINE_DOWN,
+            TurnOutcome.SHUTDOWN,
+            TurnOutcome.CANCELLED,
+        )
+
+    @property
+    def keeps_reply(self) -> bool:
+        """Ends with a ``done`` frame and the exchange in the history."""
+        return self in (TurnOutcome.DONE, TurnOutcome.CANCELLED)
 
 
 class AbortReason(enum.StrEnum):
@@ -102,6 +116,7 @@ class AbortReason(enum.StrEnum):
     NO_VIEWERS = "no viewers"
     ENGINE_DOWN = "engine down"
     SHUTDOWN = "worker shutdown"
+    CANCELLED = "cancelled"  # a client stopped the turn (its done frame says so)
 
     @property
     def outcome(self) -> TurnOutcome:
@@ -113,7 +128,10 @@ _ABORT_OUTCOME: Final = {
     AbortReason.NO_VIEWERS: TurnOutcome.NO_VIEWERS,
     AbortReason.ENGINE_DOWN: TurnOutcome.ENGINE_DOWN,
     AbortReason.SHUTDOWN: TurnOutcome.SHUTDOWN,
+    AbortReason.CANCELLED: TurnOutcome.CANCELLED,
 }
+
+CANCELLED_FINISH: Final = "cancelled"  # the finish_reason of a stopped turn's done frame
 
 
 class StreamChat(Protocol):
@@ -128,14 +146,6 @@ class StreamChat(Protocol):
     ) -> AsyncIterator[Delta]: ...
 
 
-class TurnBusy(Exception):
-    """Another turn of the session is generating (-> 409)."""
-
-    def __init__(self, holder: LockHolder) -> None:
-        super().__init__(f"turn {holder.turn} is generating")
-        self.holder = holder
-
-
 class IdempotencyPending(Exception):
     """A request with the same Idempotency-Key is being admitted right now (-> 409)."""
 
@@ -144,15 +154,20 @@ class IdempotencyKeyReused(Exception):
     """The Idempotency-Key was used before with a different request (-> 422)."""
 
 
-class LockLost(RelayError):
-    """The turn lock stopped being ours while the turn was admitted (-> 503, retry)."""
-
-
-def request_fingerprint(message: str, system: str | None, max_tokens: int | None) -> str:
+def request_fingerprint(
+    message: str, system: str | None, max_tokens: int | None, replaces: str | None = None
+) -> str:
     """What identifies a turn request for its Idempotency-Key: the same key with another
-    message, system prompt or max_tokens is a different request."""
-    raw = json.dumps([message, system, max_tokens], ensure_ascii=False)
+    message, system prompt, max_tokens or replaced turn is a different request."""
+    fields: list[object] = [message, system, max_tokens]
+    if replaces is not None:
+        fields.append(replaces)
+    raw = json.dumps(fields, ensure_ascii=False)
     return hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+class TurnCancelled(Exception):
+    """The turn was stopped while it waited for an engine slot (-> 409)."""
 
 
 class Draining(Exception):
@@ -190,7 +205,7 @@ class TurnStarted:
 @dataclass(slots=True, eq=False)
 class RunningTurn:
     sid: str
-    gen: Generation
+    gen: Turn  # the producer API's turn: its frames, pump and watch
     lease: Lease
     owner: str
     prompt: list[dict[str, str]]
@@ -212,13 +227,15 @@ class RunningTurn:
     engine_reported: str | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # stops the presence loop
     viewer: DirectViewer | None = None  # the closed-loop client, while it is attached
+    first_offset: int = 0  # the turn's meta frame
+    user_id: str = ""  # the user message's id (the client's, or made from the turn)
 
     def local_watchers(self) -> int:
         return 1 if self.viewer is not None and self.viewer.attached else 0
 
     def done_meta(self) -> dict[str, Any]:
-        """The ``done`` frame's meta: route, cache, TTFT, the reply's integrity."""
-        text = "".join(self.reply)
+        """The ``done`` frame's meta: route, cache, TTFT (the producer adds the reply's
+        integrity and the finish reason)."""
         cached = self.cached_tokens
         cache = "unknown" if cached is None else ("hit" if cached > 0 else "miss")
         return {
@@ -230,44 +247,23 @@ class RunningTurn:
             "cache": cache,  # "unknown": the engine did not report cached tokens
             "cached_tokens": self.cached_tokens,
             "prompt_tokens": self.prompt_tokens,
-            **reply_integrity(text, len(self.reply)),
-            "finish_reason": self.finish_reason,
             "duration_ms": round((time.monotonic() - self.t0) * 1000, 1),
         }
+
+    def exchange(self, to: int) -> list[dict[str, Any]]:
+        """The turn's two history entries (the store's fields), its terminal frame at
+        offset ``to``."""
+        turn = self.gen.turn
+        return [
+            {"role": "user", "content": self.message, "turn": turn,
+             "id": self.user_id or f"{self.sid}-{turn}-user", "from": self.first_offset},
+            {"role": "assistant", "content": "".join(self.reply), "turn": turn,
+             "id": f"{self.sid}-{turn}", "from": self.first_offset, "to": to,
+             "finish": self.finish_reason},
+        ]  # fmt: skip
 
     def abort(self, reason: AbortReason) -> None:
         if self.abort_reason is None:
             self.abort_reason = reason
         if self.reader is not None and not self.reader.done():
             self.reader.cancel()
-
-
-def reply_integrity(text: str, tokens: int) -> dict[str, Any]:
-    """What a ``done`` frame says about the reply, so that a client can check the text it
-    assembled: ``tokens`` (engine token deltas), ``chars`` (Unicode code points) and
-    ``sha256`` (lowercase hex of the UTF-8 bytes)."""
-    return {
-        "tokens": tokens,
-        "chars": len(text),
-        "sha256": hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest(),
-    }
-
-
-# What a turn's meta frame carries of the user's message: a screen shows it, the history
-# keeps the whole. Every frame stays in the backlog for the session's lifetime.
-META_MESSAGE_BYTES: Final = 2048
-
-
-def message_meta(text: str, max_bytes: int = META_MESSAGE_BYTES) -> dict[str, Any]:
-    """The user's message as a meta frame carries it: whole up to ``max_bytes`` of UTF-8;
-    else its start (whole code points, at most ``max_bytes``), ``message_truncated`` true,
-    and the whole message's ``message_chars`` (code points) and ``message_sha256``."""
-    raw = text.encode("utf-8", "surrogatepass")
-    if len(raw) <= max_bytes:
-        return {"message": text}
-    return {
-        "message": raw[:max_bytes].decode("utf-8", "ignore"),
-        "message_truncated": True,
-        "message_chars": len(text),
-        "message_sha256": hashlib.sha256(raw).hexdigest(),
-    }

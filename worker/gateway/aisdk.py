@@ -10,14 +10,22 @@
   engine); a ``system`` message's text is the turn's ``system`` prompt;
 - the answer is the turn in the AI SDK's UI message stream protocol
   (:mod:`relay.edge.conn.ui`, the same parts a relay's ``/v1/sessions/{id}/ui-stream``
-  serves), read from the session's backlog with ``XREAD BLOCK`` from the turn's first
-  offset;
+  serves), fed by the turn's generation as it writes (the closed loop,
+  :mod:`worker.chat.direct`: the response counts as a watcher of the session, so the
+  "nobody watches" rule does not stop a turn its own page is reading), or, past the
+  closed loop's bounded queue, read from the backlog with ``XREAD BLOCK``;
 - the SDK reconnects to ``GET /v1/chat/{id}/stream``, which a relay serves (any relay,
   any number of screens), so a page reloaded mid-reply resumes with ``resume: true``.
 
-Refusals are JSON ``{"error", "reason"}`` with the turns POST's codes (400, 401/403, 409,
-413, 415, 429, 503); ``trigger: "regenerate-message"`` is a 400 (a session's history
-only grows).
+``trigger: "regenerate-message"`` regenerates the reply ``messageId`` names (the newest
+without one): the turn replaces that turn and every later one (:mod:`worker.chat.replace`);
+a ``submit-message`` whose ``messageId`` is a stored message's id edits it (its turn and
+every later one are replaced, the new text asked); the user message's own ``id`` is
+kept in the history, so a page reloaded from ``GET /v1/sessions/{id}/messages?format=ui``
+edits with the ids it was given.
+
+Refusals are JSON ``{"error", "reason"}`` with the turns POST's codes (400, 401/403, 404
+``unknown_message``, 409 (``nothing_to_regenerate`` too), 413, 415, 429, 503).
 
 Order of use: ``register(app)`` in :func:`worker.api.make_app`.
 """
@@ -39,10 +47,14 @@ from relay.protocol.frame import FrameError, decode
 from relay.protocol.keys import InvalidSessionId, log_key, parse_session
 from relay.protocol.uistream import DONE, UI_HEADERS, UiTurn, encode_chunk
 from relay.service.errors import RETRY_AFTER, Reject, refusal, retry_after
+from relay.service.httpguard import client_gone
 from worker.access import RateLimited
-from worker.chat.turnstate import Draining, IdempotencyPending, TurnBusy
+from worker.chat.direct import DirectViewer
+from worker.chat.replace import NothingToRegenerate, Replace, UnknownReplaced
+from worker.chat.turnstate import Draining, IdempotencyPending, TurnBusy, TurnCancelled
+from worker.controls import check_gone
 from worker.routing.lease import AllEnginesFull
-from worker.state import STATE
+from worker.state import STATE, WorkerState
 
 __all__ = ["ChatRequest", "parse_chat", "register"]
 
@@ -62,12 +74,22 @@ class ChatError(Reject):
 
 
 class ChatRequest:
-    """What a chat POST asks for: a turn of ``session`` with ``message``."""
+    """What a chat POST asks for: a turn of ``session`` with ``message`` (None: a
+    regenerate), replacing ``replaces`` (None: a new turn); ``message_id`` is the user
+    message's id."""
 
-    __slots__ = ("message", "session", "system")
+    __slots__ = ("message", "message_id", "replaces", "session", "system")
 
-    def __init__(self, session: str, message: str, system: str | None) -> None:
+    def __init__(
+        self,
+        session: str,
+        message: str | None,
+        system: str | None,
+        replaces: Replace | None = None,
+        message_id: str | None = None,
+    ) -> None:
         self.session, self.message, self.system = session, message, system
+        self.replaces, self.message_id = replaces, message_id
 
 
 def _text(msg: dict[str, Any]) -> str:
@@ -96,24 +118,32 @@ def parse_chat(raw: bytes, max_chars: int) -> ChatRequest:
     except InvalidSessionId as exc:
         reason = f"'id' must be a session id: {exc}"
         raise ChatError(400, Refusal.INVALID_SESSION, reason) from None
-    if body.get("trigger", "submit-message") != "submit-message":
-        reason = "only 'submit-message' is supported: a session's history only grows"
+    trigger = body.get("trigger", "submit-message")
+    if trigger not in ("submit-message", "regenerate-message"):
+        reason = "'trigger' must be 'submit-message' or 'regenerate-message'"
         raise ChatError(400, Refusal.UNSUPPORTED_TRIGGER, reason)
+    target = body.get("messageId")
+    if target is not None and (not isinstance(target, str) or not 0 < len(target) <= 256):
+        raise ChatError(400, Refusal.INVALID_MESSAGES, "'messageId' must be a message id")
+    if trigger == "regenerate-message":
+        return ChatRequest(sid, None, None, Replace(message_id=target))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ChatError(400, Refusal.INVALID_MESSAGES, "'messages' must be a non-empty list")
     # The SDK sends the whole history, its last entry the new user message: the turn's
     # message is the last user message with text (the session keeps the history itself).
-    message = next(
+    last = next(
         (
-            t
+            (t, m.get("id"))
             for m in reversed(messages)
             if isinstance(m, dict) and m.get("role") == "user" and (t := _text(m)).strip()
         ),
-        "",
+        None,
     )
-    if not message:
+    if last is None:
         raise ChatError(400, Refusal.INVALID_MESSAGE, "no user message with a text part")
+    message, mid = last
+    mid = mid if isinstance(mid, str) and 0 < len(mid) <= 256 else None
     system = next(
         (_text(m) for m in messages if isinstance(m, dict) and m.get("role") == "system"), None
     )
@@ -123,7 +153,38 @@ def parse_chat(raw: bytes, max_chars: int) -> ChatRequest:
     ):
         if len(value) > max_chars:
             raise ChatError(413, code, f"{name} longer than {max_chars} characters")
-    return ChatRequest(sid, message, system or None)
+    replaces = Replace(message_id=target) if target is not None else None
+    return ChatRequest(sid, message, system or None, replaces, mid)
+
+
+async def _tail(st: WorkerState, sid: str, ui: UiTurn, last: int, resp: web.StreamResponse) -> None:
+    """The rest of the turn from the backlog (``XREAD BLOCK`` after ``last``), for a
+    response that fell behind the closed loop's bounded queue."""
+    idle_since = time.monotonic()
+    while not ui.finished:
+        try:
+            with map_redis_errors():
+                reply: Any = await st.redis.xread(
+                    {log_key(sid): f"{last}-1"}, count=256, block=_BLOCK_MS
+                )
+        except RelayError:
+            reply = None  # a failover: read again from the same offset
+        out = bytearray()
+        for _stream, entries in reply or []:
+            for _id, fields in entries:
+                try:
+                    frame = decode(fields[b"f"])
+                except (FrameError, KeyError):
+                    continue
+                last = max(last, frame.offset)
+                for chunk in ui.feed(frame):
+                    out += encode_chunk(chunk)
+        if out:
+            idle_since = time.monotonic()
+            await resp.write(bytes(out))
+        elif time.monotonic() - idle_since > _IDLE_S:
+            for chunk in ui.fail(f"no frame of the turn for {_IDLE_S:.0f} s"):
+                await resp.write(encode_chunk(chunk))
 
 
 def register(app: web.Application) -> None:
@@ -139,6 +200,8 @@ def register(app: web.Application) -> None:
         except web.HTTPRequestEntityTooLarge:
             reason = f"body larger than {cfg.max_body_bytes} bytes"
             return refusal(413, Refusal.BODY_TOO_LARGE, reason)
+        except ConnectionResetError:  # the client left mid-body: counted by the HTTP guard
+            return client_gone()
         try:
             req = parse_chat(raw, cfg.max_message_chars)
         except ChatError as exc:
@@ -155,9 +218,21 @@ def register(app: web.Application) -> None:
         except RelayError:
             return refusal(503, Refusal.REDIS_UNAVAILABLE, "redis did not answer", RETRY_AFTER)
         try:
+            await check_gone(st.turns.store, req.session)
+            viewer = DirectViewer()
             started = await st.turns.start_turn(
-                req.session, req.message, system=req.system, max_tokens=cfg.default_max_tokens
-            )
+                req.session, req.message, system=req.system, max_tokens=cfg.default_max_tokens,
+                replaces=req.replaces, message_id=req.message_id, viewer=viewer,
+            )  # fmt: skip
+        except Reject as exc:
+            return exc.response()
+        except TurnCancelled as exc:
+            return refusal(409, Refusal.TURN_CANCELLED, str(exc))
+        except NothingToRegenerate as exc:
+            return refusal(409, Refusal.NOTHING_TO_REGENERATE, str(exc))
+        except UnknownReplaced as exc:
+            code = Refusal.UNKNOWN_MESSAGE if exc.what == "message" else Refusal.UNKNOWN_TURN
+            return refusal(404, code, str(exc))
         except Draining:
             return refusal(503, Refusal.DRAINING, "worker is shutting down", RETRY_AFTER)
         except TurnBusy:
@@ -171,39 +246,28 @@ def register(app: web.Application) -> None:
             log.warning("chat of %s refused, redis: %r", req.session, exc)
             return refusal(503, Refusal.REDIS_UNAVAILABLE, "redis did not answer", RETRY_AFTER)
         resp = web.StreamResponse(headers=UI_HEADERS)
-        await resp.prepare(request)
         ui = UiTurn(req.session, started.turn)
         last = started.offset - 1
-        idle_since = time.monotonic()
         try:
-            while not ui.finished:
+            await resp.prepare(request)
+            # the closed loop: the frames as the generation writes them (this response
+            # counts as a watcher meanwhile); the backlog only if it fell behind
+            async for offset, _kind, data in viewer.frames():
+                last = offset
                 try:
-                    with map_redis_errors():
-                        reply: Any = await st.redis.xread(
-                            {log_key(req.session): f"{last}-1"}, count=256, block=_BLOCK_MS
-                        )
-                except RelayError:
-                    reply = None  # a failover: read again from the same offset
-                out = bytearray()
-                for _stream, entries in reply or []:
-                    for _id, fields in entries:
-                        try:
-                            frame = decode(fields[b"f"])
-                        except (FrameError, KeyError):
-                            continue
-                        last = max(last, frame.offset)
-                        for chunk in ui.feed(frame):
-                            out += encode_chunk(chunk)
+                    out = b"".join(encode_chunk(c) for c in ui.feed(decode(data)))
+                except FrameError:
+                    continue
                 if out:
-                    idle_since = time.monotonic()
-                    await resp.write(bytes(out))
-                elif time.monotonic() - idle_since > _IDLE_S:
-                    for chunk in ui.fail(f"no frame of the turn for {_IDLE_S:.0f} s"):
-                        await resp.write(encode_chunk(chunk))
+                    await resp.write(out)
+            if not ui.finished:
+                await _tail(st, req.session, ui, last, resp)
             await resp.write(DONE)
             await resp.write_eof()
         except (ConnectionError, RuntimeError):
             pass  # the page left; the turn goes on, and any relay resumes it
+        finally:
+            viewer.detach()
         return resp
 
     app.router.add_post("/v1/chat", chat)

@@ -40,6 +40,7 @@ import orjson
 from aiohttp import web
 
 from relay.protocol.keys import InvalidSessionId, parse_session
+from relay.service.httpguard import client_gone
 from worker.engines.errors import (
     EngineError,
     EngineHTTPError,
@@ -124,6 +125,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return _error(WireError(413, "the request body is too large", code="body_too_large"))
+    except ConnectionResetError:  # the client left mid-body: counted by the HTTP guard
+        return client_gone()
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:

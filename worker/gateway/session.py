@@ -111,6 +111,8 @@ async def complete(
                                   param="messages"))  # fmt: skip
     viewer = DirectViewer()
     try:
+        if await gw.turns.store.gone(sid):
+            return gw.error(WireError(410, "the session was deleted", code="session_deleted"))
         await gw.turns.start_turn(
             sid, convo[-1]["content"], system=req.system, max_tokens=req.max_tokens,
             viewer=viewer, conversation=convo,

@@ -31,6 +31,7 @@ from relay.protocol.auth import AuthError, Scope
 from relay.protocol.codes import Refusal
 from relay.protocol.keys import InvalidSessionId, parse_session
 from relay.service.errors import RETRY_AFTER, refusal
+from relay.service.httpguard import client_gone
 from worker.access import WorkerAccess
 from worker.apikeys import check_api_key
 from worker.jobs.queue import JobSubmitter
@@ -120,6 +121,8 @@ async def submit_job(request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
     except web.HTTPRequestEntityTooLarge:
         return refusal(413, Refusal.BODY_TOO_LARGE, "the body is too large")
+    except ConnectionResetError:  # the client left mid-body: counted by the HTTP guard
+        return client_gone()
     except orjson.JSONDecodeError:
         return refusal(400, Refusal.MALFORMED_JSON, "the body is not valid JSON")
     try:

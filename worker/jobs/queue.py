@@ -52,9 +52,9 @@ from aio_pika.abc import (
 
 from relay.broker.errors import Fenced, RelayError
 from relay.broker.rediscluster.publisher import Draft, Publisher
+from relay.producer.integrity import message_meta
 from relay.service.supervise import Backoff, Supervisor
 from worker.chat.store import SessionStore
-from worker.chat.turnstate import message_meta
 from worker.engines.client import EngineClient
 from worker.engines.errors import EngineError
 from worker.jobs.record import JobSpec, JobStore, within_reserve

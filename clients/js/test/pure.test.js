@@ -2,7 +2,7 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import { createHash } from "node:crypto";
-import { Continuity, SseParser, backoffMs, checkDone, codePoints, firstOffset, sha256Hex } from "../tokenrelay.js";
+import { Continuity, SseParser, Transcript, backoffMs, checkDone, codePoints, firstOffset, sha256Hex } from "../tokenrelay.js";
 
 const frame = (offset, kind, extra = {}) => ({ v: 1, session: "s", turn: 1, offset, kind, text: "", epoch: 1, ts: 0, meta: null, ...extra });
 const node256 = (s) => createHash("sha256").update(Buffer.from(s, "utf8")).digest("hex");
@@ -180,4 +180,27 @@ test("every reconnect sends the generation it knows with its offset (SSE query g
   await w2.closed;
   const q = new URL(urls[0]).searchParams;
   assert.deepEqual([q.get("from"), q.get("gen")], ["7", "g9"]);
+});
+
+test("Transcript: replaces drops the replaced turns, a cancelled done marks the reply, errors leave the history", () => {
+  const f = (offset, turn, kind, text = "", meta = null) => ({ v: 1, session: "s", turn, offset, kind, text, epoch: 1, ts: 0, meta });
+  const t = new Transcript("s");
+  t.load({ messages: [
+    { id: "u1", turn: 1, role: "user", text: "hi", finish_reason: null },
+    { id: "s-1", turn: 1, role: "assistant", text: "hello", finish_reason: "stop" },
+  ] });
+  for (const fr of [
+    f(4, 2, "meta", "", { message: "more", message_id: "u2" }), f(5, 2, "token", "ab"), f(6, 2, "token", "c"),
+    f(7, 2, "done", "", { finish_reason: "cancelled" }),
+    f(8, 3, "meta", "", { message: "x" }), f(9, 3, "error", "engine down"),
+    f(10, 4, "meta", "", { message: "hi again", replaces: 1 }), f(11, 4, "token", "yo"), f(12, 4, "done", "", { finish_reason: "stop" }),
+  ]) t.apply(fr);
+  assert.deepEqual(t.history(), [{ role: "user", content: "hi again", turn: 4 }, { role: "assistant", content: "yo", turn: 4 }]);
+  const t2 = new Transcript("s");
+  for (const fr of [f(4, 2, "meta", "", { message: "more" }), f(5, 2, "token", "ab"), f(7, 2, "done", "", { finish_reason: "cancelled" })]) t2.apply(fr);
+  assert.equal(t2.entries[1].finish, "cancelled");
+  assert.equal(t2.entries[1].text, "ab");
+  assert.equal(t2.entries[1].id, "s-2");
+  t2.apply({ ...f(0, 0, "reset"), meta: { code: "session_reset" } });
+  assert.deepEqual(t2.entries, []);
 });

@@ -1,17 +1,25 @@
 // tokenrelay multi-screen page: no build step. The stream comes from the browser client
 // (tokenrelay.js, the same file as clients/js/tokenrelay.js): resume, reconnect with
 // jittered backoff, duplicate and hole checks, the done frame's integrity check.
-// The URL fragment carries the session and its token: #session=<sid>&token=<token>.
-// The creator's page holds a write token (it may send, and refreshes its token before it
-// expires); "open on another screen" links carry a watch token minted for them: a
-// screen opened from it watches and cannot send.
-import { watch } from "./tokenrelay.js";
+// The address bar shows the session only (#session=<sid>); the tab keeps its token in
+// sessionStorage, so a copied address bar shares no token. A link carries one
+// (#session=<sid>&token=<token>): the page takes it into the tab and out of the address.
+// The creator's page holds a write token (it may send, stop, regenerate, and refreshes its
+// token before it expires). "Open on another screen" offers two links: a watch link (a
+// watch token: the screen watches, its input is disabled and says why) and a collaborate
+// link (a write token: that screen may do everything this one does). A reload restores
+// the conversation from the worker's stored messages and watches on from where they end.
+import { cancel, loadMessages, watch } from "./tokenrelay.js";
 
 const $ = (id) => document.getElementById(id);
 const state = {
   sid: null, token: null, transport: "sse", watcher: null, problems: 0, turns: new Map(),
-  refreshTimer: null,
+  refreshTimer: null, canWrite: false, running: null, lastDone: null,
+  carried: { frames: 0, duplicates: 0, gaps: 0, reconnects: 0 },  // earlier watchers' counts
 };
+const TOKEN = "tokenrelay-token:";  // sessionStorage key prefix: this tab's token per session
+
+function keepToken(sid, token) { sessionStorage.setItem(TOKEN + sid, token); }
 
 // The claims of a JWT (not verified here: the servers do), or null.
 function claims(token) {
@@ -30,20 +38,32 @@ async function mint(scope) {
   return r.status === 201 ? (await r.json()).token : null;
 }
 
-// A write token: a watch-only share link, and a fresh write token a minute before expiry.
+// A write token: a watch link and a collaborate link (a second write token), and a fresh
+// write token a minute before expiry. A watch token: its input is disabled, and says why.
 async function manageTokens() {
   clearTimeout(state.refreshTimer);
   const c = claims(state.token || "");
-  $("share").href = location.href;
+  // no claims: auth is off (a token all the same); no token: none in this tab
+  state.canWrite = !!state.sid && !!state.token && (!c || c.scope === "write");
+  $("message").disabled = $("send").disabled = $("job").disabled = !state.canWrite;
+  $("message").placeholder = state.canWrite
+    ? "Type a message; every screen on this session sees the reply"
+    : !state.sid ? "Press New session first"
+    : !state.token ? "No token for this session in this tab: open the link you were given"
+    : "This screen only watches (its link holds a watch token); open a collaborate link to type here";
+  $("share").hidden = $("collaborate").hidden = !(state.sid && state.canWrite);
+  controls();
   if (!c || c.scope !== "write") return;
-  const watch = await mint("watch");
-  if (watch) $("share").href = `${location.pathname}#session=${state.sid}&token=${encodeURIComponent(watch)}`;
+  const link = (t) => `${location.pathname}#session=${state.sid}&token=${encodeURIComponent(t)}`;
+  const [watchToken, writeToken] = await Promise.all([mint("watch"), mint("write")]);
+  if (watchToken) $("share").href = link(watchToken);
+  if (writeToken) $("collaborate").href = link(writeToken);
   const wait = Math.max(5, c.exp - 60 - Date.now() / 1000) * 1000;
   state.refreshTimer = setTimeout(async () => {
     const fresh = await mint("write");
     if (!fresh) return;
     state.token = fresh;  // the open stream ends at the old token's expiry; reconnects use this
-    history.replaceState(null, "", `#session=${state.sid}&token=${encodeURIComponent(fresh)}`);
+    keepToken(state.sid, fresh);
     manageTokens();
   }, Math.min(wait, 2 ** 31 - 1));
 }
@@ -59,9 +79,13 @@ function setState(text) {
   el.className = "state " + text.split(" ")[0];
 }
 
+// The counters of this screen's session: the current watcher's plus those of the ones
+// before it (a switch of transport starts a new watcher and must not reset them).
 function counters() {
   const w = state.watcher;
-  const st = w ? w.stats : { frames: 0, duplicates: 0, gaps: 0, reconnects: 0 };
+  const now = w ? w.stats : { frames: 0, duplicates: 0, gaps: 0, reconnects: 0 };
+  const st = {};
+  for (const k of Object.keys(state.carried)) st[k] = state.carried[k] + (now[k] || 0);
   $("offset").textContent = w && w.last !== null ? w.last : 0;
   $("frames").textContent = st.frames;
   $("dups").textContent = st.duplicates;
@@ -105,9 +129,26 @@ function describe(t, extra) {
   t.footer.innerHTML = parts.join(" · ");
 }
 
+// Stop while a turn generates, Regenerate on the last reply: on writing screens only.
+function controls() {
+  $("stop").hidden = !(state.canWrite && state.running !== null);
+  $("regenerate").hidden = !(state.canWrite && state.running === null && state.lastDone !== null);
+}
+
+function dropTurnsFrom(turn) {  // a regenerate or an edit replaced them (meta.replaces)
+  for (const [n, t] of state.turns) if (n >= turn) { t.root.remove(); state.turns.delete(n); }
+}
+
 function onFrame(f) {
   const m = f.meta || {};
+  if (f.kind === "presence") {
+    $("screens").textContent = String(m.screens ?? "?");
+    return;
+  }
   if (f.kind === "meta") {
+    if (Number.isInteger(m.replaces)) dropTurnsFrom(m.replaces);
+    state.running = f.turn;
+    controls();
     const t = turnEl(f.turn);
     const msg = (m.message ?? m.user ?? "") + (m.message_truncated ? " …" : "");
     if (msg) { t.user.textContent = msg; t.user.hidden = false; }
@@ -120,6 +161,10 @@ function onFrame(f) {
   } else if (f.kind === "done") {
     const t = turnEl(f.turn);
     t.reply.classList.remove("streaming");
+    if (m.finish_reason === "cancelled") t.reply.classList.add("stopped");
+    if (state.running === f.turn) state.running = null;
+    state.lastDone = f.turn;
+    controls();
     t.engine = m.engine || t.engine;
     if (typeof m.cached_tokens === "number") t.cached = m.cached_tokens;
     t.cache = m.cache || t.cache;  // "hit" | "miss" | "unknown" (engine did not say)
@@ -127,6 +172,8 @@ function onFrame(f) {
     describe(t, [ttft, m.finish_reason ? `finish: ${m.finish_reason}` : ""].filter(Boolean).join(" · "));
   } else if (f.kind === "error") {
     const t = turnEl(f.turn);
+    if (state.running === f.turn) state.running = null;
+    controls();
     t.reply.classList.remove("streaming");
     t.reply.classList.add("error");
     describe(t, `<span class="gap">error: ${escapeHtml(f.text)}</span>`);
@@ -136,9 +183,11 @@ function onFrame(f) {
     p.textContent = `⚠ ${f.text}`;
     $("log").append(p);
   } else if (f.kind === "reset") {
-    // the session restarted (its keys expired): turn numbers start again at 1, so the
-    // old transcript goes and the page says why
+    // the session restarted (its keys expired) or was deleted: turn numbers start
+    // again at 1, so the old transcript goes and the page says why
     state.turns.clear();
+    state.running = state.lastDone = null;
+    controls();
     $("log").innerHTML = "";
     const p = document.createElement("div");
     p.className = "gap";
@@ -173,7 +222,10 @@ function onState(s, info) {
 // client sends both on every reconnect; a session that restarted meanwhile answers with
 // a reset frame, and the page starts its transcript again).
 function connect(from = 0, gen = null) {
-  if (state.watcher) state.watcher.close();
+  if (state.watcher) {
+    for (const k of Object.keys(state.carried)) state.carried[k] += state.watcher.stats[k] || 0;
+    state.watcher.close();
+  }
   state.watcher = null;
   if (!state.sid) return;
   state.watcher = watch(location.origin, state.sid, state.token, {
@@ -194,32 +246,73 @@ async function newSession() {
   const r = await fetch("/v1/sessions", { method: "POST" });
   const body = await r.json();
   if (!r.ok) { $("notice").textContent = `could not create a session: ${body.reason || r.status}`; return; }
-  location.hash = `session=${body.session}&token=${encodeURIComponent(body.token)}`;
+  keepToken(body.session, body.token);  // the write token stays in this tab, not the address
+  location.hash = `session=${body.session}`;
 }
 
-async function send(ev) {
-  ev.preventDefault();
-  const text = $("message").value.trim();
-  if (!text || !state.sid) return;
-  $("notice").textContent = "";
+// The conversation so far, from the worker's store (a reload shows it at once), and the
+// offset the watch goes on from: no gap and no duplicate with what the page shows.
+async function restore() {
+  try {
+    const page = await loadMessages(location.origin, state.sid, state.token, { limit: 200 });
+    for (const msg of page.messages) {
+      const t = turnEl(msg.turn);
+      if (msg.role === "user") { t.user.textContent = msg.text; t.user.hidden = false; continue; }
+      t.reply.textContent = msg.text;
+      t.reply.classList.remove("streaming");
+      if (msg.finish_reason === "cancelled") t.reply.classList.add("stopped");
+      describe(t, msg.finish_reason ? `finish: ${msg.finish_reason}` : "");
+      state.lastDone = msg.turn;
+    }
+    controls();
+    return { from: page.resume_from, gen: page.gen };
+  } catch (e) {
+    return { from: 0, gen: null };  // the whole backlog then: slower, the same transcript
+  }
+}
+
+async function stopTurn() {
+  try {
+    await cancel(location.origin, state.sid, state.token);
+  } catch (e) {
+    $("notice").textContent = `stop refused: ${e.status || ""} ${e.body ? e.body.reason : e.message}`;
+  }
+}
+
+async function postTurn(body) {
   const key = crypto.randomUUID ? crypto.randomUUID() : String(Math.random()).slice(2);
   for (let attempt = 0; attempt < 3; attempt++) {
     try {
       const r = await fetch(`/v1/sessions/${state.sid}/turns`, {
         method: "POST",
         headers: { "Content-Type": "application/json", "Authorization": `Bearer ${state.token}`, "Idempotency-Key": key },
-        body: JSON.stringify({ message: text }),
+        body: JSON.stringify(body),
       });
-      const body = await r.json().catch(() => ({}));
-      if (r.status === 202) { $("message").value = ""; return; }
+      const out = await r.json().catch(() => ({}));
+      if (r.status === 202) return true;
       const wait = r.headers.get("Retry-After");
-      $("notice").textContent = `${r.status}: ${body.reason || body.error || "refused"}${wait ? ` (retry after ${wait}s)` : ""}`;
-      return;
+      $("notice").textContent = `${r.status}: ${out.reason || out.error || "refused"}${wait ? ` (retry after ${wait}s)` : ""}`;
+      return false;
     } catch (e) {
       $("notice").textContent = `network error, retrying with the same Idempotency-Key…`;
       await new Promise((res) => setTimeout(res, 500));
     }
   }
+  return false;
+}
+
+async function send(ev) {
+  ev.preventDefault();
+  const text = $("message").value.trim();
+  if (!state.sid) { $("notice").textContent = "press New session first"; return; }
+  if (!text || !state.canWrite) return;
+  $("notice").textContent = "";
+  if (await postTurn({ message: text })) $("message").value = "";
+}
+
+async function regenerate() {
+  $("notice").textContent = "";
+  await postTurn({ regenerate: true });
 }
 
 // An offline job: POST /v1/jobs (RabbitMQ), then poll its status; when done, the whole
@@ -271,7 +364,12 @@ async function refreshPanel() {
     const s = await r.json();
     $("engines").tBodies[0].innerHTML = (s.engines || []).map((e) =>
       `<tr><td>${escapeHtml(e.id)}${e.healthy === false ? " (down)" : ""}</td><td>${e.in_flight} / ${e.cap}</td><td>${bar(e.in_flight, e.cap)}</td></tr>`).join("");
-    $("placements").tBodies[0].innerHTML = (s.placements || []).slice(0, 12).map((p) =>
+    $("engine-kind").textContent = s.mock_engines
+      ? "Mock engines: the replies are made-up text from a simulated engine (tokenrelay demo --engine URL runs real ones)."
+      : "";
+    const seen = new Set();  // newest first: one row per ring point, its latest turn
+    const latest = (s.placements || []).filter((p) => !seen.has(p.point) && seen.add(p.point));
+    $("placements").tBodies[0].innerHTML = latest.slice(0, 12).map((p) =>
       `<tr><td><code>${escapeHtml(String(p.point))}</code></td><td>${escapeHtml(p.preferred)}</td><td>${escapeHtml(p.engine)}${p.spilled ? " (spill)" : ""}</td></tr>`).join("");
     $("procs").tBodies[0].innerHTML = (s.processes || []).map((p) =>
       `<tr><td>${escapeHtml(p.name)}</td><td>${p.pid}</td><td>${p.alive ? "running" : "stopped"}</td><td>${
@@ -314,20 +412,35 @@ document.addEventListener("click", async (ev) => {
   refreshPanel();
 });
 
-function load() {
+async function load() {
   takeControlToken();
   const p = params();
-  state.sid = p.sid; state.token = p.token;
+  state.sid = p.sid;
+  state.token = p.token || (p.sid && sessionStorage.getItem(TOKEN + p.sid)) || null;
+  if (p.sid && p.token) {  // a link's token: into this tab, out of the address bar
+    keepToken(p.sid, p.token);
+    const keep = new URLSearchParams(location.hash.slice(1));
+    keep.delete("token");
+    history.replaceState(null, "", `${location.pathname}${location.search}#${keep}`);
+  }
   state.transport = p.transport === "ws" ? "ws" : $("transport").value;
   $("transport").value = state.transport;
+  if (state.watcher) { state.watcher.close(); state.watcher = null; }  // another session
   state.problems = 0; state.turns.clear(); $("log").innerHTML = "";
+  state.carried = { frames: 0, duplicates: 0, gaps: 0, reconnects: 0 };
+  state.running = state.lastDone = null;
   $("sid").textContent = state.sid || "—";
+  $("screens").textContent = "—";
   manageTokens();
-  if (state.sid) connect(); else setState("idle");
+  if (!state.sid) { setState("idle"); return; }
+  const { from, gen } = await restore();
+  connect(from, gen);
 }
 
 $("new-session").addEventListener("click", newSession);
 $("composer").addEventListener("submit", send);
+$("stop").addEventListener("click", stopTurn);
+$("regenerate").addEventListener("click", regenerate);
 $("job").addEventListener("click", submitJob);
 $("transport").addEventListener("change", () => {
   state.transport = $("transport").value;

@@ -5,8 +5,10 @@ Live frames come through :class:`relay.broker.rediscluster.subscriber.ShardedSub
 transport's callbacks); backlog reads, seals and reaps are the scripts of
 :mod:`relay.broker.rediscluster.publisher` (one round trip each, on the session's slot);
 presence is :class:`relay.broker.rediscluster.presence.Presence` (one entry per relay in
-a sorted set per session, refreshed by one timer). Every redis-py error arrives as a
-:class:`relay.broker.errors.RelayError` (:func:`relay.broker.rediscluster.errors.map_redis_errors`).
+a sorted set per session, refreshed by one timer), and the screen counts its
+:func:`relay.broker.rediscluster.presence.write_screens` (one script per change). Every
+redis-py error arrives as a :class:`relay.broker.errors.RelayError`
+(:func:`relay.broker.rediscluster.errors.map_redis_errors`).
 
 Order of use (the edge server does this)::
 
@@ -25,9 +27,9 @@ from typing import Any, Final
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.base import BacklogPage, MessageHandler, ReapResult, ResubscribedHandler
-from relay.broker.errors import SubscribeError
+from relay.broker.errors import SessionDeleted, SubscribeError
 from relay.broker.rediscluster.errors import map_redis_errors
-from relay.broker.rediscluster.presence import Presence
+from relay.broker.rediscluster.presence import Presence, write_screens
 from relay.broker.rediscluster.publisher import read_backlog_page, reap, seal
 from relay.broker.rediscluster.subscriber import ShardedSubscriber
 from relay.protocol.frame import FrameError, decode
@@ -35,6 +37,7 @@ from relay.protocol.keys import (
     BACKLOG_MAX_BYTES,
     BACKLOG_MAXLEN,
     SESSION_TTL_S,
+    gone_key,
     live_channel,
     log_key,
     meta_key,
@@ -142,11 +145,21 @@ class RedisBroker:
     def absent(self, sid: str) -> None:
         self.presence.remove(sid)
 
+    async def screens(self, sid: str, count: int) -> int:
+        return await write_screens(self.redis, sid, self.relay_id, count, ttl_s=self.presence.ttl_s)
+
     async def active_turn(self, sid: str) -> tuple[int, int] | None:
-        """The session's ``open`` marker, then the backlog walked back from its end to
-        the turn's first frame (a reply is a few hundred frames: one or two trips)."""
+        """The session's ``open`` marker (and its tombstone, in the same round trip: a
+        deleted session raises :class:`SessionDeleted`), then the backlog walked back from
+        its end to the turn's first frame (a reply is a few hundred frames: one or two
+        trips)."""
         with map_redis_errors():
-            opened, offset = await self.redis.hmget(meta_key(sid), ["open", "offset"])
+            async with self.redis.pipeline(transaction=False) as p:  # one slot: one trip
+                p.hmget(meta_key(sid), ["open", "offset"])
+                p.exists(gone_key(sid))
+                (opened, offset), gone = await p.execute()
+            if gone:
+                raise SessionDeleted(sid)
             if not opened:
                 return None
             turn, after = int(opened), int(offset or 0)

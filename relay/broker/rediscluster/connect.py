@@ -63,6 +63,7 @@ __all__ = [
     "DEFAULT_CONCURRENCY",
     "GatedRedisCluster",
     "RedisTLS",
+    "check_url",
     "connect",
     "mask_url",
     "ssl_context_of",
@@ -172,11 +173,7 @@ class RedisTLS:
 
     def check(self, url: str) -> None:
         """Raise ``ValueError`` with a one-line reason where TLS cannot work as asked."""
-        scheme = urlsplit(url).scheme
-        if scheme not in ("redis", "rediss"):
-            raise ValueError(
-                f"the Redis URL must start with redis:// or rediss://, not {scheme}://"
-            )
+        scheme = check_url(url)
         if self.given and scheme != "rediss":
             raise ValueError(
                 "--redis-ca/--redis-cert/--redis-key need a rediss:// URL "
@@ -198,6 +195,26 @@ class RedisTLS:
             kw["ssl_certfile"] = self.cert
             kw["ssl_keyfile"] = self.key
         return kw
+
+
+def check_url(url: str) -> str:
+    """The scheme of a Redis node URL (``redis`` or ``rediss``); ``ValueError`` with a
+    one-line reason (the URL's password masked) when it is not one: another scheme, no
+    host, a port that is not a number in 1..65535."""
+    example = "e.g. redis://127.0.0.1:7000"
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        given = f", not {parts.scheme}://" if parts.scheme else f" ({example})"
+        raise ValueError(f"the Redis URL must start with redis:// or rediss://{given}")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:  # a port that is no number, or out of range
+        raise ValueError(f"the Redis URL {mask_url(url)} has no valid port ({example})") from None
+    if not host:
+        raise ValueError(f"the Redis URL {mask_url(url)} names no host ({example})")
+    if port == 0:
+        raise ValueError(f"the Redis URL {mask_url(url)} has no valid port ({example})")
+    return parts.scheme
 
 
 def mask_url(url: str) -> str:

@@ -10,9 +10,10 @@ Cost does not grow per second with idle viewers: a session is written when its f
 local watcher opens and removed (``ZREM``) when its last one leaves; in between it is
 refreshed every ``ttl_s / 3`` (with jitter, so refreshes spread over time), by one timer
 that sends at most ``batch`` sessions per pipeline and yields between pipelines, so no
-event-loop turn is spent on more than ``batch`` sessions (25: each script carries five
-keys since it also extends the session's keys, below; a pipeline of 25 costs the client
-no more CPU than one of 50 did with the entry's key alone).
+event-loop turn is spent on more than ``batch`` sessions (25: each script carries seven
+keys since it also extends the session's keys and corrects its screen count, below; a
+pipeline of 25 costs the client no more CPU than one of 50 did with the entry's key
+alone).
 
 Watching keeps a session alive: the same script that writes a relay's entry extends the
 session's keys (its meta hash, backlog, chat history and history state) to at least the
@@ -24,6 +25,15 @@ whose hash has no ``ttl`` (written before producers stored it) is not extended. 
 session expires its lifetime after its last write or the last refresh of a relay that
 has viewers of it, whichever is later. It costs no round trip and no pipeline entry
 more: one script per session per refresh, as before.
+
+Screens: beside its entry, a relay writes how many screens it serves the session to,
+in the hash ``screens_key(sid)`` (relay id -> count), when that number changes (the hub
+debounces it: :mod:`relay.edge.fanout.notices`), with :func:`write_screens`: one script
+that writes this relay's field, sums the fields of the relays whose presence entry is
+live, drops the others, and SPUBLISHes the total as a ``presence`` frame on the session's
+live channel (offset 0, in no backlog). The refresh script does the same correction: a
+field whose relay's entry expired (a relay that died) is removed and the new total sent,
+so the count heals within the entry's TTL. The hash lives as long as the presence set.
 
 The refresh timer is the supervised loop ``presence`` (:class:`relay.service.supervise.Supervisor`):
 a failed pipeline puts its sessions back (nothing is dropped), the supervisor logs the
@@ -47,15 +57,32 @@ from typing import TYPE_CHECKING, Final
 
 from redis.asyncio.cluster import RedisCluster
 
-from relay.broker.errors import RelayError
+from relay.broker.errors import RelayError, SessionDeleted
 from relay.broker.rediscluster.errors import map_redis_errors
-from relay.broker.rediscluster.scripts import PRESENCE_COUNT, PRESENCE_WRITE
-from relay.protocol.keys import KeyKind, hist_key, key, log_key, meta_key, presence_key
+from relay.broker.rediscluster.scripts import PRESENCE_COUNT, PRESENCE_WRITE, SCREENS
+from relay.protocol.keys import (
+    KeyKind,
+    gone_key,
+    hist_key,
+    key,
+    live_channel,
+    log_key,
+    meta_key,
+    presence_key,
+    screens_key,
+)
 
 if TYPE_CHECKING:
     from relay.service.supervise import Supervisor
 
-__all__ = ["COUNT_LUA", "WRITE_LUA", "Presence", "count_present", "write_keys"]
+__all__ = [
+    "COUNT_LUA",
+    "WRITE_LUA",
+    "Presence",
+    "count_present",
+    "write_keys",
+    "write_screens",
+]
 
 WRITE_LUA: Final = PRESENCE_WRITE.source  # lua/presence_write.lua
 
@@ -63,10 +90,25 @@ COUNT_LUA: Final = PRESENCE_COUNT.source  # lua/presence_count.lua
 
 
 def write_keys(sid: str) -> tuple[str, ...]:
-    """The keys of :data:`WRITE_LUA` for ``sid``: its presence, then its meta hash, then
-    the other keys a watched session keeps alive (backlog, history, history state)."""
-    return (presence_key(sid), meta_key(sid), log_key(sid), hist_key(sid),
-            key(sid, KeyKind.HIST, "state"))  # fmt: skip
+    """The keys of :data:`WRITE_LUA` for ``sid``: its presence, its screens hash and live
+    channel (the count's correction), then its meta hash, then the other keys a watched
+    session keeps alive (backlog, history, history state)."""
+    return (presence_key(sid), screens_key(sid), live_channel(sid), meta_key(sid),
+            log_key(sid), hist_key(sid), key(sid, KeyKind.HIST, "state"))  # fmt: skip
+
+
+async def write_screens(
+    redis: RedisCluster, sid: str, relay_id: str, count: int, *, ttl_s: float = 30.0
+) -> int:
+    """This relay serves ``sid`` to ``count`` screens (0: none, its field goes); the
+    session's total over the relays whose presence entry is live, also SPUBLISHed as a
+    ``presence`` frame. ``ttl_s``: the presence entry's (an entry is made if this relay
+    has none yet). Raises :class:`SessionDeleted` (nothing written) for a deleted session."""
+    keys = (screens_key(sid), presence_key(sid), live_channel(sid), gone_key(sid))
+    total = int(await SCREENS(redis, keys, (relay_id, count, sid, int(ttl_s * 1000))))
+    if total < 0:
+        raise SessionDeleted(sid)
+    return total
 
 
 async def count_present(redis: RedisCluster, sid: str) -> int:
@@ -186,11 +228,11 @@ class Presence:
         with map_redis_errors():
             async with self.redis.pipeline(transaction=False) as p:
                 for sid in writes:
-                    # built per write, not kept per watched session: five key names
-                    # (about 500 bytes) for every session, against a few microseconds
+                    # built per write, not kept per watched session: seven key names
+                    # (about 700 bytes) for every session, against a few microseconds
                     # per session every refresh_s
                     ks = write_keys(sid)
-                    p.eval(WRITE_LUA, len(ks), *ks, self.relay_id, ttl_ms)
+                    p.eval(WRITE_LUA, len(ks), *ks, self.relay_id, ttl_ms, sid)
                 for sid in gone:
                     p.zrem(presence_key(sid), self.relay_id)
                 await p.execute()

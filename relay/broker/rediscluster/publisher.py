@@ -57,14 +57,22 @@ import msgspec
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.base import BacklogPage, ReapResult, ReapStatus
-from relay.broker.errors import Fenced, OffsetConflict, RedisCommandError, RedisUnavailable
+from relay.broker.errors import (
+    Fenced,
+    FrameTooLarge,
+    OffsetConflict,
+    RedisCommandError,
+    RedisUnavailable,
+    SessionDeleted,
+)
 from relay.broker.rediscluster.scripts import OPEN, PUBLISH, READ, REAP, SEAL
-from relay.protocol.frame import Frame, Kind, encode, now_ms
+from relay.protocol.frame import MAX_FRAME_BYTES, Frame, Kind, encode, now_ms
 from relay.protocol.keys import (
     BACKLOG_MAX_BYTES,
     BACKLOG_MAXLEN,
     SESSION_TTL_S,
     KeyKind,
+    gone_key,
     key,
     live_channel,
     log_key,
@@ -132,7 +140,8 @@ class Generation:
     async def publish(self, drafts: Sequence[Draft]) -> list[int]:
         """Append and SPUBLISH ``drafts`` in one round trip; return their offsets.
 
-        Raises :class:`Fenced` (a newer generation exists: nothing written) or
+        Raises :class:`Fenced` (a newer generation exists: nothing written),
+        :class:`FrameTooLarge` (a frame over ``MAX_FRAME_BYTES``: nothing written) or
         :class:`OffsetConflict`; :class:`relay.broker.errors.RedisUnavailable` if Redis stays
         unreachable for ``publisher.retry_s`` (the batch may or may not have been
         written).
@@ -165,6 +174,9 @@ class Generation:
                 )
                 for i, d in enumerate(drafts)
             ]
+            for data in payload:
+                if len(data) > MAX_FRAME_BYTES:  # every reader would refuse it
+                    raise FrameTooLarge(self.session, len(data), MAX_FRAME_BYTES)
             terminal = drafts[-1].kind in ("done", "error")
             last = await self._write(base, payload, terminal)
             for i, data in enumerate(payload):
@@ -322,10 +334,17 @@ async def read_backlog_page(
     One round trip (a read-only Lua script), so the answers are consistent.
     ``count=0`` only reads the bounds. ``max_bytes`` > 0: stop before the frame that
     would take the reply past that many bytes (the first frame always comes back).
+    Raises :class:`relay.broker.errors.SessionDeleted` when the session was deleted (its
+    tombstone exists): the same script checks it, so a relay learns it without a trip more.
     """
     sid = parse_session(sid)
     args = (f"{max(after_offset, 0) + 1}-0", max(count, 0), max(max_bytes, 0))
-    r = await READ(redis, (log_key(sid), meta_key(sid)), args)
+    try:
+        r = await READ(redis, (log_key(sid), meta_key(sid), gone_key(sid)), args)
+    except RedisCommandError as exc:
+        if str(exc).startswith("GONE"):
+            raise SessionDeleted(sid) from None
+        raise
     return BacklogPage([_b(x) for x in r[3:]], int(r[0]), int(r[1]), _b(r[2]).decode())
 
 

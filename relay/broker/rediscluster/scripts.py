@@ -2,7 +2,8 @@
 
 Each script is a file of ``lua/`` (its KEYS and ARGV are said at its top); a script that
 writes a frame of its own starts with ``lua/frame.lua``, the one template of a frame
-written in Lua (the reap's ``error`` and the seal's ``gap``), so that the frames the
+written in Lua (the reap's ``error``, the seal's ``gap``, the screen count's
+``presence``, outside the session's order: in no backlog), so that the frames the
 scripts write cannot drift apart, and every script that appends to a backlog starts with
 ``lua/backlog.lua``, the one rule of its bounds (frames and bytes). The files ship inside
 the package (package data).
@@ -30,13 +31,18 @@ from redis.asyncio.cluster import RedisCluster
 from relay.broker.rediscluster.errors import map_redis_errors
 
 __all__ = [
+    "LOCK_NAME",
+    "LOCK_REFRESH",
+    "LOCK_RELEASE",
     "OPEN",
     "PRESENCE_COUNT",
     "PRESENCE_WRITE",
     "PUBLISH",
     "READ",
     "REAP",
+    "SCREENS",
     "SEAL",
+    "STOPPED",
     "Script",
     "lua",
 ]
@@ -68,5 +74,10 @@ PUBLISH: Final = Script("publish", uses=("backlog",))
 READ: Final = Script("read")
 REAP: Final = Script("reap", uses=("frame", "backlog"))
 SEAL: Final = Script("seal", uses=("frame", "backlog"))
-PRESENCE_WRITE: Final = Script("presence_write")
+PRESENCE_WRITE: Final = Script("presence_write", uses=("frame",))
+SCREENS: Final = Script("screens", uses=("frame",))
 PRESENCE_COUNT: Final = Script("presence_count")
+LOCK_NAME: Final = Script("lock_name")
+LOCK_REFRESH: Final = Script("lock_refresh")
+LOCK_RELEASE: Final = Script("lock_release")
+STOPPED: Final = Script("stopped")

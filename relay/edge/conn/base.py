@@ -30,7 +30,9 @@ What a connection does:
   when someone waits), and cancelling it aborts the connection at once;
 - **its end**: :meth:`Conn.shut` (the watch closed: slow consumer, drain, token
   expiry...), then the transport's goodbye (:meth:`Conn.goodbye`), then the socket is
-  closed (aborted if the client has not taken the last bytes after ``GOODBYE_S``).
+  closed (aborted if the client has not taken the last bytes after ``GOODBYE_S``). A
+  deleted session's connection ends with :meth:`Conn.farewell`: its notice is the last
+  frame written, before the goodbye.
 
 Order of use (the stream handlers, relay/edge/http/handlers.py)::
 
@@ -50,9 +52,12 @@ import struct
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Final, Protocol
 
+from relay.broker.errors import SessionDeleted
+from relay.edge.core.compact import Compactor
 from relay.edge.core.resume import Delivery, Fetch
 from relay.edge.core.watch import Closed, Intent, Watch
 from relay.edge.fanout.hub import Hub
+from relay.edge.fanout.notices import DELETED_REASON, deleted_delivery
 from relay.protocol import sse
 from relay.protocol.codes import CloseCode
 from relay.protocol.frame import KINDS
@@ -99,6 +104,8 @@ class Conn(asyncio.Protocol):
     """One connection. See the module docstring."""
 
     transport_kind: ClassVar[Transport] = Transport.READER
+    # a compacted join merges the replay's open run too (a stream of the running turn)
+    compact_open: ClassVar[bool] = False
     # what the frames look like on the socket; made once per frame and shared
     encode: Callable[[Delivery], bytes] = staticmethod(lambda d: d.data)
 
@@ -106,6 +113,7 @@ class Conn(asyncio.Protocol):
         "_closing",
         "_done",
         "_ended",
+        "_farewell",
         "_fetch",
         "_held",
         "_host",
@@ -141,13 +149,16 @@ class Conn(asyncio.Protocol):
         host: ConnHost | None = None,
         sent: Sent = _noop_sent,
         write_timeout_s: float = 10.0,
+        compact: bool = False,
     ) -> None:
         self.sid, self.offset = sid, offset
         self._hub = hub
         self._host = host
         self._stats = hub.counters
-        self.watch = Watch(sid, offset, hub.limits, hub.counters, gen or "")
+        joined = Compactor(merge_open=self.compact_open) if compact else None
+        self.watch = Watch(sid, offset, hub.limits, hub.counters, gen or "", joined)
         self._fetch: asyncio.Task[None] | None = None  # the replay page being read
+        self._farewell: Delivery | None = None  # the last frame, written before the goodbye
         self._held = 0  # budget bytes of replay frames read and not yet written
         self._left_hub = False
         self._loop = asyncio.get_running_loop()
@@ -215,6 +226,18 @@ class Conn(asyncio.Protocol):
         if w.queue:
             self._flush()
 
+    def notice(self, d: Delivery) -> None:
+        """A frame outside the session's order (presence): written now if nothing waits,
+        else queued after what does; the watch's last offset is not touched."""
+        w = self.watch
+        if w.closed is not None:
+            return
+        if self._room and not w.queue:
+            self._write([d])
+            return
+        w.notice(d)
+        self._flush()
+
     def shut(self, reason: str, code: CloseCode) -> None:
         """End the watch (the connection then says goodbye and closes)."""
         self._apply(self.watch.close(code, reason))
@@ -224,6 +247,14 @@ class Conn(asyncio.Protocol):
         if self.stop is None:
             self.stop = (code, reason)
         self.shut(reason, code)
+
+    def farewell(self, d: Delivery, reason: str, code: CloseCode) -> None:
+        """End the stream with ``d`` as its last frame (whatever was still queued is
+        dropped), then the goodbye for ``code``: a deleted session's notice."""
+        if self.closed:
+            return
+        self._farewell = d
+        self.kick(code, reason)
 
     # -- the socket ----------------------------------------------------------------------
 
@@ -340,13 +371,17 @@ class Conn(asyncio.Protocol):
                 self.sid, fetch.after, lim.replay_page_frames, lim.replay_page_bytes,
                 lambda: not self.closed,
             )  # fmt: skip
+        except SessionDeleted:  # the hub ended the session's connections, this one too
+            hub.budget.release(reserved)
+            self.farewell(deleted_delivery(self.sid), DELETED_REASON, CloseCode.SESSION_DELETED)
+            return
         except BaseException:
             hub.budget.release(reserved)
             raise
         if page is None or self.closed:
             hub.budget.release(reserved)
             return
-        entries, size, first, last, gen = page
+        entries, size, first, last, gen, frames = page
         keep = min(size, reserved)
         hub.budget.release(reserved - keep)
         self._held += keep
@@ -355,7 +390,7 @@ class Conn(asyncio.Protocol):
             hub.offsets_lost(self.sid, r.last)  # a failover lost offsets we delivered
         if self._fetch is asyncio.current_task():
             self._fetch = None
-        self._apply(w.backlog(entries, first, last, gen))
+        self._apply(w.backlog(entries, first, last, gen, frames))
         if w.queue:
             self._flush()
 
@@ -436,6 +471,9 @@ class Conn(asyncio.Protocol):
         if t is None or self._closing:
             return
         try:
+            last, self._farewell = self._farewell, None
+            if last is not None:
+                self._write([last])
             await self.goodbye(code, reason)
         finally:
             self.close_transport()

@@ -7,13 +7,14 @@ whose frames are taken with ``await reader.next()`` instead of written to a sock
 Order of use::
 
     r = await open_reader(hub, sid, from_offset, gen)  # None: live only; 0: the whole backlog
+    # (notices=True: the presence frames too, among the others, offset 0)
     while True: deliveries = await r.next()      # raises WatchClosed(reason, code)
     await r.close()
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from relay.broker.errors import WatchClosed
 from relay.edge.conn.base import Conn, Transport
@@ -25,18 +26,35 @@ __all__ = ["Reader", "open_reader"]
 
 
 class Reader(Conn):
-    """A session's frames for code in this process. See the module docstring."""
+    """A session's frames for code in this process. See the module docstring.
+
+    ``notices``: also the frames outside the session's order (the presence count); by
+    default a reader takes the session's frames only."""
 
     transport_kind: ClassVar[Transport] = Transport.READER
 
-    __slots__ = ()
+    __slots__ = ("_notices",)
+
+    def __init__(self, hub: Hub, sid: str, offset: int | None, gen: str | None = None,
+                 *, notices: bool = False, **kw: Any) -> None:  # fmt: skip
+        super().__init__(hub, sid, offset, gen, **kw)
+        self._notices = notices
+
+    def notice(self, d: Delivery) -> None:
+        if self._notices:
+            super().notice(d)
 
     async def next(self) -> list[Delivery]:
-        """Wait for at least one frame; return everything queued, in order."""
+        """Wait for at least one frame; return everything queued, in order. Once the
+        watch is closed: its last frame if it had one (a deleted session's notice),
+        then :class:`WatchClosed`."""
         w = self.watch
         while True:
             closed = w.closed
             if closed is not None:
+                last, self._farewell = self._farewell, None
+                if last is not None:
+                    return [last]
                 raise WatchClosed(closed.reason, closed.code)
             if w.queue:
                 ds, intents = w.take()
@@ -54,8 +72,11 @@ class Reader(Conn):
         self.shut("watch closed", CloseCode.CLOSED)
 
 
-async def open_reader(hub: Hub, sid: str, offset: int | None, gen: str | None = None) -> Reader:
-    """A :class:`Reader` of ``sid`` opened on ``hub``: after ``offset`` (None: live only)."""
-    r = Reader(hub, sid, offset, gen)
+async def open_reader(
+    hub: Hub, sid: str, offset: int | None, gen: str | None = None, *, notices: bool = False
+) -> Reader:
+    """A :class:`Reader` of ``sid`` opened on ``hub``: after ``offset`` (None: live only);
+    ``notices``: the presence frames too."""
+    r = Reader(hub, sid, offset, gen, notices=notices)
     await hub.open(r)
     return r

@@ -11,8 +11,13 @@ makes of it, then ``data: [DONE]``, and the response ends.
 What a :class:`UiConn` adds to :class:`relay.edge.conn.base.Conn`: its encoding is its
 own (a :class:`relay.protocol.uistream.UiTurn` per connection: the parts depend on
 where in the turn it is); it ends itself once the turn's terminal frame is written;
-a ``: heartbeat`` comment after ``heartbeat_s`` without a write; on a drain or a cutoff
-it ends the response without ``[DONE]`` (the client resumes: a replay).
+a compacted join (``?compact=1``) gets the part of the reply already written as one
+``text-delta`` (the replay's token frames merged, the open run too: the stream is that
+turn), then the live frames one by one;
+a ``: heartbeat`` comment after ``heartbeat_s`` without a write; no ``presence`` frame
+(the stream is one reply, not the session); on a drain or a cutoff
+it ends the response without ``[DONE]`` (the client resumes: a replay); when the
+session is deleted, an ``error`` part, ``[DONE]`` and the end.
 
 Any relay serves any session (the backlog and the live channel through the hub, like
 the SSE and WebSocket streams), so many screens can resume the same turn. Same token,
@@ -46,6 +51,7 @@ class UiConn(Conn):
     """One UI message stream of one turn. See the module docstring."""
 
     transport_kind: ClassVar[Transport] = Transport.UI
+    compact_open: ClassVar[bool] = True  # the replay is the running turn: its text so far
 
     __slots__ = ("_ui",)
 
@@ -71,12 +77,19 @@ class UiConn(Conn):
                 t.write(_LAST_CHUNK)
             self.close_transport()
 
+    def notice(self, d: Delivery) -> None:
+        """The UI stream is one turn's reply: the presence count is not part of it."""
+
     def beat(self, now: float, heartbeat_s: float) -> None:
         if self.last_write <= now - heartbeat_s and self.idle_room():
             self.write_raw(HEARTBEAT)
 
     async def goodbye(self, code: CloseCode, reason: str) -> None:
-        """Drained or cut before the turn ended: end the response; the client resumes."""
+        """Drained or cut before the turn ended: end the response; the client resumes.
+        The session was deleted: an error part (and the finish it implies), ``[DONE]``,
+        then the end: there is nothing to resume."""
         t = self._transport
+        if code is CloseCode.SESSION_DELETED and not self._ui.finished:
+            self.write_raw(b"".join([encode_chunk(c) for c in self._ui.fail(reason)]) + DONE)
         if t is not None and self.chunked:
             t.write(_LAST_CHUNK)

@@ -71,6 +71,7 @@ WS_CLOSE: Final[dict[CloseCode, tuple[WsClose, str]]] = {
     CloseCode.BINARY: (WsClose.UNSUPPORTED_DATA, "binary messages are not supported"),
     CloseCode.TOO_BIG: (WsClose.MESSAGE_TOO_BIG, "message too big"),
     CloseCode.INTERNAL: (WsClose.INTERNAL_ERROR, "internal error"),
+    CloseCode.SESSION_DELETED: (WsClose.SESSION_DELETED, "the session was deleted"),
     CloseCode.CLOSED: (WsClose.NORMAL, "closed"),
 }
 _GUID: Final = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455 section 1.3

@@ -29,6 +29,11 @@ Bounds:
   replay of any length reaches the client at the socket's own speed and never trips the
   slow-consumer cutoff (a page is at most ``page_frames`` frames).
 
+A compacted join (``compact``: a :class:`relay.edge.core.compact.Compactor`): until the
+replay has caught up, what it emits passes through the compactor (each finished turn's
+token frames merged into one); then the compactor is dropped, and the live frames (a
+repair's too) pass as they are.
+
 Intents (what the driver must do): :class:`relay.edge.core.resume.Fetch` (read the
 backlog after ``after``; at most one outstanding) and :class:`Closed` (stop; the code
 says why).
@@ -36,9 +41,11 @@ says why).
 Order of calls::
 
     w = Watch(sid, after, limits, counters, gen)  # gen: the client's generation, or ""
+                                               # (compact=Compactor(): a compacted join)
     intents = w.subscribed()                   # once the channel is subscribed
     intents = w.offer(deliveries)              # every live frame, in channel order
     intents = w.backlog(entries, first, last, gen)  # the answer to a Fetch
+    w.notice(delivery)                         # a frame outside the order (presence)
     frames, intents = w.take()                 # the socket has room: everything queued
     intents = w.close(code, reason)
 """
@@ -49,6 +56,7 @@ from collections.abc import Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from relay.edge.core.compact import Compactor
 from relay.edge.core.resume import Delivery, Fetch, Resume, ResumeState
 from relay.protocol.codes import CloseCode
 from relay.protocol.frame import Frame, decode, encode, first_offset, merge_tokens
@@ -143,12 +151,14 @@ class Watch:
     """One watcher's queue and merge state. See the module docstring for the call order.
 
     ``counters`` (a plain dict the owner reads) gets ``conflations``, ``gaps``,
-    ``duplicates``, ``frames_out`` and ``slow_disconnects`` added to it.
+    ``duplicates``, ``frames_out``, ``slow_disconnects`` and ``compacted`` (replay frames
+    a compacted join saved) added to it.
 
     Read by the connection's fast path (plain attributes, no call): :attr:`live`,
     :attr:`last` and :attr:`queue`."""
 
     __slots__ = (
+        "_compact",
         "_conflate_at",
         "_deferred",
         "closed",
@@ -169,6 +179,7 @@ class Watch:
         limits: Limits,
         counters: MutableMapping[str, int] | None = None,
         gen: str = "",
+        compact: Compactor | None = None,
     ) -> None:
         self.session = session
         self.limits = limits
@@ -187,6 +198,7 @@ class Watch:
         self.closed: Closed | None = None
         self._deferred: Fetch | None = None  # the next replay page, held until the queue drains
         self._conflate_at = limits.queue_frames
+        self._compact = compact  # a compacted join's, until its replay caught up
 
     @property
     def pending(self) -> int:
@@ -225,9 +237,15 @@ class Watch:
         return intents or _NONE
 
     def backlog(
-        self, entries: Sequence[Delivery], first_available: int, last_offset: int, gen: str = ""
+        self,
+        entries: Sequence[Delivery],
+        first_available: int,
+        last_offset: int,
+        gen: str = "",
+        decoded: Sequence[Frame] = (),
     ) -> Sequence[Intent]:
-        """The answer to the outstanding fetch (``gen``: the session's generation then):
+        """The answer to the outstanding fetch (``gen``: the session's generation then;
+        ``decoded``: the entries' frames, if the driver has them, for a compacted join):
         frames go to the queue, the next page is asked for now or held until
         :meth:`take` brings the queue below low water; once the replay has caught up
         the watch is :attr:`live`."""
@@ -237,7 +255,17 @@ class Watch:
         step = resume.backlog(entries, first_available, last_offset, gen)
         if self.closed is not None:
             return _NONE
-        intents = list(self._push(step.emit)) if step.emit else []
+        emit = step.emit
+        compact = self._compact
+        if compact is not None:
+            emit = compact.feed(emit, zip(entries, decoded, strict=False))
+            if step.fetch is None:  # caught up: the open run as it is, and no more merging
+                emit += compact.flush()
+                self._compact = None
+                if compact.merged:
+                    c = self.counters
+                    c["compacted"] = c.get("compacted", 0) + compact.merged
+        intents = list(self._push(emit)) if emit else []
         if self.closed is None:
             if step.fetch is None and resume.state is ResumeState.LIVE:
                 # the channel's order is the watch's from now on, unless the watch holds
@@ -248,6 +276,20 @@ class Watch:
             else:
                 intents.extend(self._fetch_or_defer(step.fetch, replay=True))
         return intents
+
+    def notice(self, d: Delivery) -> None:
+        """A frame outside the session's order (presence), queued after what is queued,
+        past the merge and the replay: it is not an offset. One that is still queued
+        last is replaced by the newer one (a count that waits is never worth two)."""
+        if self.closed is not None:
+            return
+        q = self.queue
+        if q and q[-1].offset == 0 and q[-1].kind == d.kind:
+            self.queued_bytes -= len(q[-1].data)
+            q[-1] = d
+        else:
+            q.append(d)
+        self.queued_bytes += len(d.data)
 
     def take(self) -> tuple[list[Delivery], Sequence[Intent]]:
         """Everything queued, in order (the socket has room), and the held page fetch."""

@@ -7,7 +7,8 @@ server to refuse, answering each refusal with the close code a client then gets 
 same codes aiohttp's reader gives, which the relay used before it read its WebSockets
 itself):
 
-- RSV bits set (no extension is negotiated), a reserved opcode, a control frame that
+- a frame without the client's mask (RFC 6455 5.1: a server must close the connection
+  on one), RSV bits set (no extension is negotiated), a reserved opcode, a control frame that
   is fragmented or longer than 125 bytes, a continuation with no message started, a new
   data frame inside a fragmented one, a close frame of 1 byte or with a code no peer may
   send: ``1002`` (protocol error);
@@ -15,7 +16,7 @@ itself):
 - a message (all its fragments) longer than ``max_message`` bytes: ``1009``, as soon
   as a frame header says so (no payload of that size is ever buffered).
 
-A frame without the client's mask is read as is (as aiohttp does). Order of use::
+Order of use::
 
     p = WsParser(max_message=64 * 1024)
     for op, payload in p.feed(chunk):    # raises WsError(code, reason) on a refusal
@@ -122,14 +123,12 @@ class WsParser:
                 n, head = struct.unpack_from("!Q", buf, pos + 2)[0], 10
             if op < CLOSE and self._frags_len + n > self.max_message:
                 raise WsError(TOO_BIG, "")
-            masked = b1 & 0x80
-            if masked:
-                head += 4
+            if not b1 & 0x80:
+                raise WsError(PROTOCOL_ERROR, "client frame not masked")
+            head += 4
             if end - pos < head + n:
                 break
-            payload = buf[pos + head : pos + head + n]
-            if masked:
-                payload = _unmask(payload, buf[pos + head - 4 : pos + head])
+            payload = _unmask(buf[pos + head : pos + head + n], buf[pos + head - 4 : pos + head])
             pos += head + n
             self._frame(fin, op, payload, out)
         self._buf = buf[pos:] if pos < end else b""

@@ -4,7 +4,8 @@ connection (:class:`Watcher`).
 A :class:`Channel` is the hub's state of one session it subscribed for its local
 connections: the connections (one, held without a set, or many), the channel-level
 :class:`relay.edge.core.resume.Resume` (order, holes, repairs), its subscription's
-readiness, the frames of the read being handed out, and the fields the reaper reads
+readiness, the frames of the read being handed out, the last presence frame (what a
+screen that opens gets at once: :mod:`relay.edge.fanout.notices`), and the fields the reaper reads
 (:class:`relay.edge.fanout.reaper.Reapable`). The hub's live path reads and writes its
 fields directly (:meth:`relay.edge.fanout.hub.Hub._on_message`); nothing here does I/O.
 """
@@ -27,6 +28,7 @@ class Watcher(Protocol):
 
     sid: str
     offset: int | None
+    stop: tuple[CloseCode, str] | None  # why the relay ended it, once it said
 
     @property
     def closed(self) -> bool: ...
@@ -43,6 +45,15 @@ class Watcher(Protocol):
     def shut(self, reason: str, code: CloseCode) -> None:
         """End the watch."""
 
+    def notice(self, d: Delivery) -> None:
+        """A frame outside the session's order (the presence count): written when the
+        socket has room, never taken as an offset (not a duplicate, not a gap, not a
+        resume point)."""
+
+    def farewell(self, d: Delivery, reason: str, code: CloseCode) -> None:
+        """End the watch with ``d`` as its last frame, then the goodbye for ``code``
+        (the session was deleted: its notice, then the close)."""
+
 
 class Channel:
     """The hub's state of one subscribed session channel. See the module docstring."""
@@ -55,6 +66,7 @@ class Channel:
         "last_frame",
         "many",
         "one",
+        "presence",
         "ready",
         "reap_next",
         "reaping",
@@ -76,6 +88,7 @@ class Channel:
         self.unsub_handle: asyncio.TimerHandle | None = None
         self.fetch_task: asyncio.Task[None] | None = None
         self.batch: list[Delivery] | None = None  # this read's frames, before the hand-off
+        self.presence: Delivery | None = None  # the last presence frame: a new screen's count
         # the reaper's view (relay.edge.fanout.reaper.Reapable)
         self.turn_open = True  # a turn may be open until a done/error frame says otherwise
         self.last_frame = time.monotonic()

@@ -17,8 +17,15 @@ first call of a module never comes back to a module already passed
 (``python -m bench.relay.anatomy`` traces it).
 
 Beside the fan-out, fed by the set of watched sessions: the broker's presence (a
-session's first local connection opens it, its last one closes it) and
+session's first local connection opens it, its last one closes it), the screen counts
+(:class:`relay.edge.fanout.notices.Screens`: written when they change; the ``presence``
+frames that come back go to the session's connections, outside its order) and
 :class:`relay.edge.fanout.reaper.Reaper` (ends turns whose producer died).
+
+A deleted session (its notice, or a read that finds its tombstone) ends every
+connection of it with the notice as its last frame, and its channel goes at once
+(:meth:`Hub._gone`). Notices are looked at only where a frame is not the channel's next
+one: the live path's common case does not pay for them.
 
 Background work runs on one :class:`relay.service.supervise.Supervisor` (the relay's, or
 one the hub makes for itself): the broker's loops, the reaper, and every task the hub
@@ -49,14 +56,15 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, NamedTuple
 
 from relay.broker.base import Broker
-from relay.broker.errors import RelayError, WatchClosed
+from relay.broker.errors import RelayError, SessionDeleted, WatchClosed
 from relay.edge.core.resume import Delivery, Fetch, ResumeState, Step
 from relay.edge.core.watch import Limits
 from relay.edge.fanout.budget import ByteBudget
 from relay.edge.fanout.channel import Channel, Watcher
+from relay.edge.fanout.notices import DELETED_REASON, Screens, deleted_delivery, is_deleted
 from relay.edge.fanout.reaper import Reaper
 from relay.protocol.codes import CloseCode
-from relay.protocol.frame import FrameError, decode, frame_gen, monotonic_ms
+from relay.protocol.frame import Frame, FrameError, decode, frame_gen, monotonic_ms
 from relay.protocol.keys import parse_session
 from relay.service.supervise import QUICK_BACKOFF, Supervisor
 
@@ -67,19 +75,20 @@ log = logging.getLogger(__name__)
 
 class Page(NamedTuple):
     """A backlog page, decoded: deliveries, their bytes, first offset held, last written,
-    the session's generation."""
+    the session's generation, the deliveries' frames (a compacted join merges them)."""
 
     entries: list[Delivery]
     size: int
     first: int
     last: int
     gen: str
+    frames: list[Frame]
 
 
 _COUNTERS = (
     "watches_opened", "frames_in", "reads", "frames_out", "bad_frames", "conflations",
     "slow_disconnects", "replays", "gaps", "duplicates", "repairs", "subscribes",
-    "unsubscribes", "sealed", "writes_direct", "writes_queued",
+    "unsubscribes", "sealed", "writes_direct", "writes_queued", "deleted", "compacted",
 )  # fmt: skip
 
 
@@ -89,7 +98,9 @@ class Hub:
     Bounds: ``queue_frames`` / ``hard_limit_frames`` / ``max_pending_bytes`` per
     connection (conflation, then ``slow_consumer``); ``backlog_page`` frames and
     ``page_bytes`` bytes per backlog read; ``replay_budget_bytes`` of replay pages in
-    memory relay-wide (past it new replays wait their turn)."""
+    memory relay-wide (past it new replays wait their turn); ``screens_interval_s``: the
+    least time between two writes of a session's screen count (0: no counts, no presence
+    frames)."""
 
     def __init__(
         self,
@@ -104,6 +115,7 @@ class Hub:
         replay_budget_bytes: int = 64 << 20,
         reap_after_s: float = 2.0,
         reap_interval_s: float = 1.0,
+        screens_interval_s: float = 1.0,
         supervisor: Supervisor | None = None,
     ) -> None:
         self.broker = broker
@@ -132,6 +144,10 @@ class Hub:
         self.live_observers: list[Callable[[list[Delivery]], None]] = []
         # plain counters the hub, its connections and their watches add to
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        self.screens = Screens(
+            broker, self._watched, self._spawn, interval_s=screens_interval_s,
+            counters=self.counters,
+        )  # fmt: skip
         broker.bind(self._on_message, self._on_resubscribed)
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -154,6 +170,7 @@ class Hub:
             self._drop_channel(ch)
         if self._owns_supervisor:
             await self.supervisor.stop()
+        await self.screens.close()  # its counts back to 0, before its presence goes
         await self.broker.close()
 
     def stats(self) -> dict[str, Any]:
@@ -175,8 +192,10 @@ class Hub:
         backlog's bounds are read.
 
         Raises :class:`relay.broker.errors.SubscribeError` if the channel cannot be
-        subscribed (after the broker's timeout). Backlog reads are retried while the
-        store is unreachable: wrap the call in ``asyncio.timeout`` to bound the wait.
+        subscribed (after the broker's timeout), :class:`relay.broker.errors.SessionDeleted`
+        if the session was deleted (the channel's first read, or a live-only watch's own,
+        found its tombstone). Backlog reads are retried while the store is unreachable:
+        wrap the call in ``asyncio.timeout`` to bound the wait.
         """
         if self._closed:
             raise WatchClosed("the relay is shutting down", CloseCode.RELAY_SHUTDOWN)
@@ -201,14 +220,19 @@ class Hub:
         except BaseException:
             w.shut("watch setup failed", CloseCode.CLOSED)
             raise
+        if w.stop is not None and w.stop[0] is CloseCode.SESSION_DELETED:
+            raise SessionDeleted(sid)  # its first read found the tombstone
         if not w.closed:
             self.broker.present(sid)  # a no-op unless this is the session's first watcher
+            self.screens.joined(ch, w)
 
     def conn_closed(self, w: Watcher) -> None:
         """``w``'s watch closed: stop feeding it; the last one leaving unsubscribes later."""
         ch = self._channels.get(w.sid)
         if ch is None or not ch.discard(w):
             return
+        if not self._closed:
+            self.screens.changed(ch.sid)
         if ch.watched or ch.dead or self._closed:
             return
         self.broker.absent(ch.sid)
@@ -223,17 +247,24 @@ class Hub:
         self, sid: str, after: int | None, count: int, max_bytes: int, alive: Callable[[], bool]
     ) -> Page | None:
         """One backlog read, decoded (``after`` None: the bounds only), retried with
-        jittered backoff while the store is unreachable and ``alive()``; None once not."""
+        jittered backoff while the store is unreachable and ``alive()``; None once not;
+        :class:`SessionDeleted` once this relay's streams of it were ended (:meth:`_gone`)."""
         failures = 0
         while alive():
             try:
                 page = await self.broker.read_page(sid, after, count, max_bytes)
+            except SessionDeleted:
+                ch = self._channels.get(sid)
+                if ch is not None:
+                    self._gone(ch, deleted_delivery(sid))
+                raise
             except RelayError as exc:
                 failures += 1
                 log.info("backlog read for %s failed: %s", sid, exc)
                 await asyncio.sleep(QUICK_BACKOFF.delay(failures))
                 continue
             entries: list[Delivery] = []
+            frames: list[Frame] = []
             size = 0
             for data in page.frames:
                 size += len(data)
@@ -244,7 +275,8 @@ class Hub:
                     log.warning("backlog of %s: dropping an undecodable frame: %s", sid, exc)
                     continue
                 entries.append(Delivery(f.offset, f.kind, data, f.ts, 0, frame_gen(f)))
-            return Page(entries, size, page.first, page.last, page.gen)
+                frames.append(f)
+            return Page(entries, size, page.first, page.last, page.gen, frames)
         return None
 
     # -- channels ----------------------------------------------------------------------
@@ -295,6 +327,11 @@ class Hub:
         if not self._closed:  # on close, the broker's connections close anyway
             self.broker.unsubscribe(ch.sid)
 
+    def _watched(self, sid: str) -> int:
+        """The session's connections on this relay now."""
+        ch = self._channels.get(sid)
+        return ch.watched if ch is not None else 0
+
     def _reapable(self) -> Iterator[Channel]:
         return (ch for ch in self._channels.values() if ch.watched and ch.ready.done())
 
@@ -325,6 +362,12 @@ class Hub:
             try:
                 if ch.resume.next_live(d):  # the common case: the next frame, in order
                     ds = [d]
+                elif d.offset == 0 and d.kind == "presence":  # outside the order
+                    self.screens.received(ch, d)
+                    continue
+                elif d.offset == 0 and is_deleted(f):
+                    self._gone(ch, d)
+                    continue
                 else:
                     step = ch.resume.live(d)
                     if step.fetch is not None:
@@ -381,6 +424,25 @@ class Hub:
             except Exception:
                 log.exception("fan-out of %s failed", ch.sid)
 
+    def _gone(self, ch: Channel, d: Delivery) -> None:
+        """The session was deleted: the channel goes now (no linger: a stream opened
+        after this reads the backlog, finds the tombstone and is refused), and every
+        connection ends with ``d`` (the notice) as its last frame, then its goodbye."""
+        watchers = ch.watchers()
+        if ch.ready.done():  # streams it served (not only streams it refuses)
+            self.counters["deleted"] += 1
+        else:  # connections still opening: refused
+            ch.ready.set_exception(SessionDeleted(ch.sid))
+        self._drop_channel(ch)
+        self.screens.forget(ch.sid)
+        if not self._closed:
+            self.broker.absent(ch.sid)
+        for w in watchers:
+            try:
+                w.farewell(d, DELETED_REASON, CloseCode.SESSION_DELETED)
+            except Exception:
+                log.exception("ending a stream of the deleted session %s failed", ch.sid)
+
     def _on_resubscribed(self, sids: list[str]) -> None:
         for sid in sids:
             ch = self._channels.get(sid)
@@ -404,7 +466,10 @@ class Hub:
             return not ch.dead
 
         while fetch is not None and alive():
-            page = await self.read_page(ch.sid, fetch.after, self.backlog_page, 0, alive)
+            try:
+                page = await self.read_page(ch.sid, fetch.after, self.backlog_page, 0, alive)
+            except SessionDeleted:  # the channel is gone, its connections ended (_gone)
+                return
             if page is None:
                 return
             if resume.started and resume.last is not None and page.last < resume.last:

@@ -19,6 +19,7 @@ from relay.edge.fanout.hub import Hub
 from relay.edge.http import handlers
 from relay.edge.http.server import EdgeServer
 from relay.service import openapi, runtime
+from relay.service.httpguard import ConnLimits, guard_app
 
 __all__ = ["SERVER", "make_app", "make_runner"]
 
@@ -45,12 +46,24 @@ def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
         "/v1/chat/{sid:[^/]+}/stream": handlers.ui_stream_handler,  # the SDK's resume URL
     }
     for path, handler in streams.items():
-        app.router.add_get(path, functools.partial(handler, server))
+        # no HEAD: a stream's handler writes its body whatever the method, and a HEAD
+        # response has none (RFC 9110 9.3.2); a pooling proxy would hand those bytes to
+        # the next client. HEAD gets aiohttp's 405 (Allow: GET,OPTIONS), headers only.
+        app.router.add_get(path, functools.partial(handler, server), allow_head=False)
         app.router.add_route("OPTIONS", path, server.preflight)
     app.router.add_get("/healthz", server.healthz)
     app.router.add_get("/readyz", server.readyz)
     app.router.add_get("/metrics", server.metrics_handler)
     app.router.add_get("/openapi.json", openapi.handler("relay"))  # docs/openapi.yaml
+    limits = ConnLimits(
+        head_timeout_s=config.head_timeout_s,
+        body_timeout_s=config.body_timeout_s,
+        keepalive_timeout_s=config.keepalive_timeout_s,
+        max_per_address=config.max_connections_per_address,
+        exempt=server.trusted,
+    )
+    http_guard = server.metrics.http_guard
+    guard_app(app, limits, lambda reason: http_guard.labels(reason).inc())  # app[GUARD]
     return app
 
 

@@ -4,13 +4,17 @@
   then per frame ``id: <offset>`` / ``event: <kind>`` / ``data: <frame JSON>``, a
   heartbeat comment after ``heartbeat_s`` of silence, a ``: close <code> <reason>``
   comment last. Resume: ``Last-Event-ID`` header or ``last_event_id`` query, and
-  ``gen`` (the generation the offset belongs to).
+  ``gen`` (the generation the offset belongs to); ``compact=1`` (every stream): a
+  compacted join, each finished turn of the replay as at most three frames.
 - ``GET /v1/sessions/{sid}/ws``: WebSocket. ``{"type":"hello",...}`` first, then one
   text message per frame (the frame JSON as published). Resume: ``?from=<offset>``
   and ``gen``.
 - ``GET /v1/sessions/{sid}/ui-stream`` (and ``GET /v1/chat/{sid}/stream``): the
   running turn in the AI SDK's UI message stream, from its first frame; 204 when no
   turn is generating (:mod:`relay.edge.conn.ui`).
+
+Every stream of a deleted session is refused with 410 ``session_deleted`` (the read the
+open makes anyway finds the session's tombstone: :func:`relay.edge.http.server.deleted`).
 
 Each handler checks the request, builds the transport's connection
 (:class:`relay.edge.conn.sse.SseConn`, :class:`relay.edge.conn.ws.WsConn`,
@@ -29,24 +33,28 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Final
 
 from aiohttp import hdrs, web
 from multidict import istr
 
-from relay.broker.errors import RelayError
+from relay.broker.errors import RelayError, SessionDeleted
 from relay.edge.conn.base import Conn, ws_text_frame
 from relay.edge.conn.sse import SseConn
 from relay.edge.conn.ui import UI_HEADERS, UiConn
 from relay.edge.conn.ws import WsConn, upgrade
-from relay.edge.http.server import EdgeServer, query_value
+from relay.edge.http.server import EdgeServer, deleted, query_value
 from relay.protocol import frame, sse
 from relay.protocol.codes import CloseCode, Refusal
 from relay.service.errors import RETRY_AFTER, Reject
+from relay.service.httpguard import detach_guard
 
-__all__ = ["SSE_HEADERS", "detach", "parse_gen", "parse_offset", "sse_handler", "ui_stream_handler",
-           "ws_handler"]  # fmt: skip
+__all__ = ["SSE_HEADERS", "detach", "parse_compact", "parse_gen", "parse_offset", "sse_handler",
+           "ui_stream_handler", "ws_handler"]  # fmt: skip
 
 log = logging.getLogger(__name__)
+
+WS_VERSION: Final = "13"  # the one WebSocket version (RFC 6455); aiohttp also takes 7 and 8
 
 # Header names as multidict.istr: aiohttp's case-insensitive headers keep a lower-cased
 # copy (and, once written, a title-cased one) of every plain str name, per response,
@@ -74,16 +82,33 @@ def parse_gen(request: web.Request) -> str | None:
         raise Reject(400, Refusal.INVALID_GEN, str(exc)) from None
 
 
+_FLAGS: Final = {"": False, "0": False, "false": False, "1": True, "true": True}
+
+
+def parse_compact(request: web.Request) -> bool:
+    """The ``compact`` query parameter (a compacted join: every finished turn's token
+    frames of the replay merged into one): ``1`` / ``true``, or ``0`` / ``false`` / absent;
+    anything else is Reject 400 ``invalid_compact``."""
+    raw = query_value(request, "compact")
+    flag = _FLAGS.get(raw or "")
+    if flag is None:
+        raise Reject(400, Refusal.INVALID_COMPACT, "compact must be 1, true, 0 or false")
+    return flag
+
+
 def detach(request: web.Request, conn: asyncio.Protocol) -> asyncio.Transport:
     """Give the request's socket to ``conn`` and make aiohttp forget it: aiohttp's
     connection no longer has a transport (it writes nothing more to it and does not
     close it when the handler returns), and its ``connection_lost`` runs now, which
-    drops the connection from aiohttp's server and frees its request and parser.
-    Call it with no await between the response's last write and the handler's return."""
+    drops the connection from aiohttp's server and frees its request and parser. The
+    HTTP guard lets go of it too (:func:`relay.service.httpguard.detach_guard`): a
+    stream has its own limits. Call it with no await between the response's last write
+    and the handler's return."""
     handler = request.protocol
     transport = request.transport
     if transport is None or transport.is_closing():
         raise ConnectionResetError("the client went away")
+    detach_guard(transport)
     transport.set_protocol(conn)
     handler.transport = None
     handler.connection_lost(None)
@@ -130,8 +155,9 @@ async def sse_handler(server: EdgeServer, request: web.Request) -> web.StreamRes
             )
         )
         gen = parse_gen(request)
+        compact = parse_compact(request)
         hub = server.check_capacity()
-        conn = SseConn(hub, sid, offset, gen, retry_ms=cfg.retry_ms,
+        conn = SseConn(hub, sid, offset, gen, retry_ms=cfg.retry_ms, compact=compact,
                        **server.conn_options(SseConn.transport_kind))  # fmt: skip
         await server.admit(conn, access)
     except Reject as r:
@@ -149,11 +175,16 @@ async def ws_handler(server: EdgeServer, request: web.Request) -> web.StreamResp
         access = server.authorize(request, sid)
         offset = parse_offset(lambda: sse.parse_offset(query_value(request, "from"), name="from"))
         gen = parse_gen(request)
+        compact = parse_compact(request)
+        version = request.headers.get(hdrs.SEC_WEBSOCKET_VERSION)
+        if version is not None and version.strip() != WS_VERSION:  # RFC 6455 4.4
+            raise Reject(426, Refusal.UNSUPPORTED_WS_VERSION, "this relay speaks WebSocket "
+                         "version 13 only", {hdrs.SEC_WEBSOCKET_VERSION: WS_VERSION})  # fmt: skip
         if not web.WebSocketResponse().can_prepare(request).ok:
             raise Reject(400, Refusal.NOT_WEBSOCKET, "this endpoint needs a WebSocket upgrade")
         hub = server.check_capacity()
         conn = WsConn(hub, sid, offset, gen, max_message=cfg.ws_max_message_bytes,
-                      **server.conn_options(WsConn.transport_kind))  # fmt: skip
+                      compact=compact, **server.conn_options(WsConn.transport_kind))  # fmt: skip
         await server.admit(conn, access)
     except Reject as r:
         return server.refuse(r)
@@ -172,11 +203,14 @@ async def ui_stream_handler(server: EdgeServer, request: web.Request) -> web.Str
     try:
         sid = server.session(request)
         access = server.authorize(request, sid)
+        compact = parse_compact(request)
         hub = server.check_capacity()
     except Reject as r:
         return server.refuse(r)
     try:
         found = await hub.broker.active_turn(sid)
+    except SessionDeleted:
+        return server.refuse(deleted())
     except RelayError as exc:
         log.warning("ui-stream of %s: backlog read failed: %r", sid, exc)  # not to clients
         return server.refuse(Reject(503, Refusal.UNAVAILABLE, "cannot read the session",
@@ -185,7 +219,8 @@ async def ui_stream_handler(server: EdgeServer, request: web.Request) -> web.Str
         return web.Response(status=204)
     turn, after = found
     try:
-        conn = UiConn(hub, sid, turn, after, **server.conn_options(UiConn.transport_kind))
+        conn = UiConn(hub, sid, turn, after, compact=compact,
+                      **server.conn_options(UiConn.transport_kind))  # fmt: skip
         await server.admit(conn, access)
     except Reject as r:
         return server.refuse(r)

@@ -11,7 +11,7 @@ HTTP contract (docs/openapi.yaml; close codes and error bodies in docs/PROTOCOL.
   background loop keeps failing), ``GET /metrics``, ``GET /openapi.json``.
 
 Refusals before a stream starts are JSON ``{"error": code, "reason": sentence}`` with
-400 / 401 / 403 / 429 / 503 (:class:`relay.protocol.codes.Refusal`). Frames reach a
+400 / 401 / 403 / 410 / 429 / 503 (:class:`relay.protocol.codes.Refusal`). Frames reach a
 socket through its connection (:class:`relay.edge.conn.base.Conn`): written straight from
 the hub's reader while the transport has room, queued (bounded, conflating) while it
 pushes back and drained by the connection's own task; the hub never waits on a socket,
@@ -51,7 +51,7 @@ from aiohttp import hdrs, web
 from multidict import istr
 from redis.asyncio.cluster import RedisCluster
 
-from relay.broker.errors import RelayError, WatchClosed
+from relay.broker.errors import RelayError, SessionDeleted, WatchClosed
 from relay.broker.rediscluster.broker import RedisBroker
 from relay.broker.rediscluster.connect import connect, mask_url, startup_error
 from relay.edge.config import RelayConfig
@@ -70,7 +70,7 @@ from relay.service.clientaddr import BadForwardedFor, client_address, parse_netw
 from relay.service.errors import RETRY_AFTER, Reject, admin_refused
 from relay.service.supervise import QUICK_BACKOFF, Supervisor
 
-__all__ = ["CORS_HEADERS", "EdgeServer", "query_value"]
+__all__ = ["CORS_HEADERS", "EdgeServer", "deleted", "query_value"]
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,7 @@ class EdgeServer:
                 max_pending_bytes=cfg.max_pending_bytes,
                 replay_budget_bytes=cfg.replay_budget_bytes,
                 unsubscribe_delay_s=cfg.unsubscribe_delay_s,
+                screens_interval_s=cfg.presence_interval_s,
                 reap_after_s=cfg.reap_after_s,
                 reap_interval_s=min(cfg.reap_after_s, 1.0),  # 0 disables the reaper
                 supervisor=self.supervisor,
@@ -290,7 +291,8 @@ class EdgeServer:
 
     async def admit(self, conn: Conn, access: Access) -> None:
         """Count ``conn`` in the limits and open its watch on the hub (subscribe, replay);
-        :class:`Reject` 429 / 503 when it may not. Once admitted, the connection ends in
+        :class:`Reject` 429 / 503 when it may not, 410 when the session was deleted
+        (the hub's first read of it found its tombstone). Once admitted, the connection ends in
         :meth:`end_stream` (it calls it when it is over)."""
         hub = self.check_capacity()
         self.guard.admit(conn, access)  # 429 past the per-token / per-address limits
@@ -299,9 +301,9 @@ class EdgeServer:
         # cancelled) or a timeout must not cancel redis-py mid-command, which breaks the
         # pooled connection for other requests. An abandoned watch is closed once open.
         # (a task of the supervisor: a failure is logged there, with its details)
-        opening = self.supervisor.spawn(f"open:{conn.sid}", hub.open(conn))
+        opening = self.supervisor.spawn(f"open:{conn.sid}", _open(hub, conn))
         try:
-            await asyncio.wait_for(asyncio.shield(opening), WATCH_TIMEOUT_S)
+            opened = await asyncio.wait_for(asyncio.shield(opening), WATCH_TIMEOUT_S)
         except WatchClosed as exc:
             self._not_admitted(conn)
             raise Reject(503, Refusal.DRAINING, exc.reason, RETRY_AFTER) from None
@@ -315,6 +317,9 @@ class EdgeServer:
             self._not_admitted(conn)
             opening.add_done_callback(functools.partial(self._close_abandoned, conn))
             raise
+        if not opened:
+            self._not_admitted(conn)
+            raise deleted()
         self.streams.add(conn)
         self.guard.bind(conn)  # ends the stream (token_expired) when the token expires
         m = self.metrics
@@ -331,7 +336,7 @@ class EdgeServer:
         self.admitted -= 1
         self.guard.release(conn)
 
-    def _close_abandoned(self, conn: Conn, opening: asyncio.Future[None]) -> None:
+    def _close_abandoned(self, conn: Conn, opening: asyncio.Future[bool]) -> None:
         """A watch whose client left (or timed out) while it opened: close it once open."""
         if opening.cancelled() or opening.exception() is not None:
             return
@@ -448,6 +453,24 @@ class EdgeServer:
         headers[_X_RELAY_ID] = self.config.relay_id
         headers[hdrs.ACCESS_CONTROL_ALLOW_ORIGIN] = self.config.cors_origin
         headers.setdefault(hdrs.ACCESS_CONTROL_EXPOSE_HEADERS, "X-Relay-Id")
+
+
+async def _open(hub: Hub, conn: Conn) -> bool:
+    """``hub.open(conn)``; False when the session was deleted: a refusal of the client's
+    request, not a failure of the relay's to log."""
+    try:
+        await hub.open(conn)
+    except SessionDeleted:
+        return False
+    return True
+
+
+def deleted() -> Reject:
+    """410 ``session_deleted``: the session's tombstone exists (it was deleted; its
+    tokens, minted before, are refused until the longest token lifetime has passed)."""
+    return Reject(
+        410, Refusal.SESSION_DELETED, "the session was deleted; nothing of it can be watched"
+    )
 
 
 def query_value(request: web.Request, name: str) -> str | None:

@@ -1,6 +1,8 @@
 -- One consistent backlog read: the first offset held, the last written, the session's
 -- generation, then up to ARGV[2] frames from entry id ARGV[1] (at most ARGV[3] bytes
--- past the first; 0: no byte bound). KEYS: backlog stream, meta hash.
+-- past the first; 0: no byte bound). KEYS: backlog stream, meta hash, the session's
+-- tombstone. A deleted session (its tombstone exists) answers the error GONE instead.
+if redis.call('EXISTS', KEYS[3]) == 1 then return redis.error_reply('GONE') end
 local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
 local last = tonumber(redis.call('HGET', KEYS[2], 'offset') or '0')
 local firstoff = last + 1

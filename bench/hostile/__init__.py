@@ -1,0 +1,1 @@
+"""Hostile benchmarks: attacks measured against a running relay (slow_clients.py)."""

@@ -1,0 +1,259 @@
+"""The producer conformance suite: any producer, driven through the line-based JSON
+command protocol (``tests/conformance/py_producer.py`` says it), against the real
+cluster. What it checks, per producer: the frames written (encoding, offsets, epoch,
+meta fields, the ``done`` hash, for every reply of ``vectors.json``), the refusals (one
+code per cause), fencing (a stale producer is refused; two racing one session
+interleave nothing), a producer killed mid-turn (the reaper's script ends the turn with
+``error``), a retry after a lost reply (no duplicate), a long reply past the backlog's
+length. Producers: the Python API; the TypeScript package (``clients/producer``) where
+node >= 18 and its packages are there, else skipped with the reason."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import json
+import os
+import secrets
+import shutil
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis.asyncio.cluster import RedisCluster
+
+from devstack.cluster.launcher import ClusterInfo
+from relay.broker.base import ReapStatus
+from relay.broker.rediscluster.publisher import Publisher, read_backlog_page, reap
+from relay.protocol.frame import Frame, decode
+
+pytestmark = pytest.mark.integration
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+VECTORS: dict[str, Any] = json.loads((HERE / "vectors.json").read_text())
+NODE_PRODUCER = ROOT / "clients" / "producer" / "conformance.mjs"
+
+
+def _command(kind: str) -> list[str]:
+    if kind == "python":
+        return [sys.executable, "-m", "tests.conformance.py_producer"]
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed (apt-get install nodejs npm)")
+    if not NODE_PRODUCER.exists():
+        pytest.skip("clients/producer has no conformance entry point")
+    if not (ROOT / "clients" / "producer" / "node_modules" / "ioredis").exists():
+        pytest.skip("clients/producer's packages are not installed (npm ci there)")
+    return [node, str(NODE_PRODUCER)]
+
+
+class Driver:
+    """One producer process: send a command, read its answer. Stopped by its pid."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+
+    async def send(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        await self.proc.stdin.drain()
+        line = await asyncio.wait_for(self.proc.stdout.readline(), 30)
+        assert line, f"the producer exited (rc {self.proc.returncode})"
+        out: dict[str, Any] = json.loads(line)
+        return out
+
+    def kill(self) -> None:
+        if self.proc.returncode is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+
+    async def stop(self) -> None:
+        if self.proc.returncode is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.proc.wait(), 10)
+            except TimeoutError:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                await self.proc.wait()
+
+
+Spawn = Callable[..., Any]
+
+
+@pytest.fixture(params=["python", "node"])
+async def spawn(request: pytest.FixtureRequest, cluster: ClusterInfo) -> AsyncIterator[Spawn]:
+    argv = _command(str(request.param))
+    drivers: list[Driver] = []
+
+    async def make(**env: str) -> Driver:
+        full = {**os.environ, "TR_REDIS_URL": cluster.url, "PYTHONPATH": str(ROOT), **env}
+        proc = await asyncio.create_subprocess_exec(
+            *argv, cwd=ROOT, env=full, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        d = Driver(proc)
+        drivers.append(d)
+        assert proc.stdout is not None
+        ready = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30) or b"{}")
+        assert ready.get("ok"), ready
+        return d
+
+    try:
+        yield make
+    finally:
+        for d in drivers:
+            await d.stop()
+
+
+def _sid() -> str:
+    return "conf-" + secrets.token_hex(6)
+
+
+async def _frames(redis: RedisCluster, sid: str) -> tuple[list[Frame], int]:
+    page = await read_backlog_page(redis, sid, 0, 100_000)
+    return [decode(f) for f in page.frames], page.first
+
+
+def _check_turn(frames: list[Frame], sid: str, epoch: int, turn: int) -> str:
+    """The frame rules of one turn; returns its reply."""
+    assert frames[0].kind == "meta"
+    assert frames[-1].kind in ("done", "error")
+    gens = {(f.meta or {}).get("gen") for f in frames}
+    assert len(gens) == 1, gens
+    assert None not in gens
+    for prev, f in itertools.pairwise(frames):
+        assert f.offset == prev.offset + 1
+    for f in frames:
+        assert (f.v, f.session, f.turn, f.epoch) == (1, sid, turn, epoch)
+        assert isinstance(f.ts, int)
+        assert f.ts > 0
+    assert all(f.kind == "token" for f in frames[1:-1])
+    return "".join(f.text for f in frames[1:-1])
+
+
+@pytest.mark.parametrize("vector", VECTORS["replies"], ids=lambda v: v["name"])
+async def test_frames_of_a_turn(spawn: Spawn, redis: RedisCluster, vector: dict[str, Any]) -> None:
+    d = await spawn()
+    sid = _sid()
+    started = await d.send(op="start", session=sid, message="q", meta={"model": "m"})
+    assert started["ok"], started
+    assert started["turn"] == 1
+    assert started["offset"] == 1
+    for text in vector["deltas"]:
+        assert (await d.send(op="write", text=text))["ok"]
+    end = await d.send(op="done", finish_reason=vector["finish_reason"],
+                       usage=vector.get("usage"))  # fmt: skip
+    assert end["ok"], end
+    frames, _ = await _frames(redis, sid)
+    assert frames[-1].offset == end["offset"]
+    reply = _check_turn(frames, sid, started["epoch"], 1)
+    assert reply == "".join(vector["deltas"])
+    meta = frames[0].meta or {}
+    assert (meta["role"], meta["message"], meta["message_id"]) == ("user", "q", f"{sid}-1-user")
+    assert meta["model"] == "m"
+    done = frames[-1].meta or {}
+    assert done["chars"] == vector["chars"]
+    assert done["sha256"] == vector["sha256"] == hashlib.sha256(reply.encode()).hexdigest()
+    assert done["tokens"] == len(vector["deltas"])
+    assert done["finish_reason"] == vector["finish_reason"]
+    if "usage" in vector:
+        assert done["usage"] == vector["usage"]
+
+
+async def test_refusals_one_code_per_cause(spawn: Spawn, redis: RedisCluster) -> None:
+    d = await spawn()
+    bad = await d.send(op="start", session="not a session!")
+    assert bad["error"] == "invalid_session"
+    assert "\n" not in bad["message"]
+    sid = _sid()
+    assert (await d.send(op="start", session=sid))["ok"]
+    big = await d.send(op="write", text="x" * (256 * 1024))
+    assert big["error"] == "frame_too_large"
+    assert (await d.send(op="done"))["ok"]
+    again = await d.send(op="write", text="late")
+    assert again["error"] == "turn_closed"
+
+
+async def test_a_stale_producer_is_refused_and_racers_interleave_nothing(
+    spawn: Spawn, redis: RedisCluster
+) -> None:
+    a, b = await spawn(), await spawn()
+    sid = _sid()
+    first, second = await asyncio.gather(
+        a.send(op="start", session=sid), b.send(op="start", session=sid)
+    )
+    assert sorted([first.get("ok", False), second.get("ok", False)]) == [False, True]
+    loser = first if not first.get("ok") else second
+    assert loser["error"] == "turn_busy"
+    winner = a if first.get("ok") else b
+    assert (await winner.send(op="write", text="mine"))["ok"]
+    # a newer generation (another producer that found the lock expired) fences it
+    await Publisher(redis).open_generation(sid)
+    await winner.send(op="write", text="stale")
+    refused = await winner.send(op="done")
+    assert refused["error"] == "stale_epoch", refused
+    frames, _ = await _frames(redis, sid)
+    assert len({f.epoch for f in frames}) == 1  # nothing of the fenced epoch after the new one
+    assert all(f.kind != "done" for f in frames)
+
+
+async def test_a_producer_killed_mid_turn_is_reaped(spawn: Spawn, redis: RedisCluster) -> None:
+    d = await spawn(TR_LOCK_TTL_S="1")
+    sid = _sid()
+    started = await d.send(op="start", session=sid)
+    assert (await d.send(op="write", text="half a rep"))["ok"]
+    await asyncio.sleep(0.3)  # the first delta is published at once
+    d.kill()
+    await d.proc.wait()
+    for _ in range(40):  # the lock expires 1 s after its last refresh
+        res = await reap(redis, sid, reaper="conformance")
+        if res.status is ReapStatus.REAPED:
+            break
+        await asyncio.sleep(0.1)
+    assert res.status is ReapStatus.REAPED
+    frames, _ = await _frames(redis, sid)
+    assert frames[-1].kind == "error"
+    assert (frames[-1].meta or {})["code"] == "worker_lost"
+    assert frames[-1].epoch == started["epoch"] + 1
+    assert "".join(f.text for f in frames if f.kind == "token") == "half a rep"
+
+
+async def test_a_retry_after_a_lost_reply_writes_nothing_twice(
+    spawn: Spawn, redis: RedisCluster
+) -> None:
+    d = await spawn(TR_COALESCE="1")
+    sid = _sid()
+    assert (await d.send(op="start", session=sid))["ok"]
+    assert (await d.send(op="write", text="once"))["ok"]
+    await asyncio.sleep(0.2)
+    replay = await d.send(op="replay_last")
+    assert replay["ok"], replay
+    assert (await d.send(op="done"))["ok"]
+    frames, _ = await _frames(redis, sid)
+    assert [f.kind for f in frames] == ["meta", "token", "done"]
+    assert [f.offset for f in frames] == [1, 2, 3]
+
+
+async def test_a_long_reply_past_the_backlog_length(spawn: Spawn, redis: RedisCluster) -> None:
+    n, maxlen = VECTORS["long_reply"]["deltas"], VECTORS["long_reply"]["maxlen"]
+    d = await spawn(TR_COALESCE="1", TR_MAXLEN=str(maxlen))
+    sid = _sid()
+    assert (await d.send(op="start", session=sid))["ok"]
+    deltas = [f"t{i} " for i in range(n)]
+    for t in deltas:
+        assert (await d.send(op="write", text=t))["ok"]
+    end = await d.send(op="done")
+    assert end["offset"] == n + 2
+    frames, first = await _frames(redis, sid)
+    assert first > 1  # trimmed: a client that asks for the start gets a gap frame
+    assert len(frames) < n
+    assert frames[-1].offset == n + 2
+    done = frames[-1].meta or {}
+    text = "".join(deltas)
+    assert done["chars"] == len(text)
+    assert done["sha256"] == hashlib.sha256(text.encode()).hexdigest()
