@@ -165,7 +165,8 @@ async def run(wl: Workload) -> dict[str, Any]:
                         "--engine-cap", "10000", "--worker-id", wid,
                         "--coalesce-ms", str(wl.coalesce_ms),
                         "--session-rate", "0", "--turns-per-minute", "0",
-                        "--max-sessions-per-address", "0", "--max-connections-per-address", "0"]  # fmt: skip
+                        "--max-sessions-per-address", "0",
+                        "--max-connections-per-address", "0"]  # fmt: skip
 
             relay = [*py, "relay", "--port", str(rp), "--redis", info.url, "--insecure-no-auth",
                      "--relay-id", "r-stop", "--log-level", "WARNING",
