@@ -151,7 +151,8 @@ async def publish_paced(
                 )
             )
             keys = (meta_key(g.session), log_key(g.session), live_channel(g.session))
-            args = (g.epoch, g.offset, pub.maxlen, pub.ttl_s, 0, g.turn, g.gen, frame)
+            args = (g.epoch, g.offset, pub.maxlen, pub.ttl_s, 0, g.turn, g.gen, pub.max_bytes,
+                    frame)  # fmt: skip
             bufs[node_of[i]].append(
                 hiredis.pack_command(cast(Any, ("EVALSHA", PUBLISH.sha, 3, *keys, *args)))
             )
