@@ -35,7 +35,11 @@ function collect(s, token, opts = {}) {
   const w = watch(BASE, s.session, token, {
     transport: "sse",
     ...opts,
-    onFrame(f) { seen.frames.push(f); if (f.kind === "done" || f.kind === "error") finish(); },
+    onFrame(f) {
+      if (f.kind === "presence") return;  // screen counts: outside the session's offsets
+      seen.frames.push(f);
+      if (f.kind === "done" || f.kind === "error") finish();
+    },
     onGap(g) { seen.gaps.push(g); },
     onState(state, info) { seen.states.push([state, info.reason ?? ""]); },
   });
