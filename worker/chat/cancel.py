@@ -35,7 +35,6 @@ import orjson
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.rediscluster.errors import map_redis_errors
-from relay.broker.rediscluster.scripts import STOPPED
 from relay.broker.rediscluster.subscriber import ShardedSubscriber
 from relay.protocol.keys import KeyKind, cancel_key, control_channel, key
 from relay.service.supervise import Supervisor
@@ -46,7 +45,6 @@ __all__ = [
     "StopStatus",
     "StopVerdict",
     "owner_worker",
-    "record_stopped",
     "request_stop",
 ]
 
@@ -122,11 +120,6 @@ async def request_stop(redis: RedisCluster, sid: str, turn: int, ttl_s: int) -> 
     if st is StopStatus.STOPPED:
         return StopVerdict(st, int(found), offset=int(text))
     return StopVerdict(st, int(found))
-
-
-async def record_stopped(redis: RedisCluster, sid: str, turn: int, offset: int, ttl_s: int) -> None:
-    """A stopped turn ended at ``offset``: a later stop of it answers the same."""
-    await STOPPED(redis, (cancel_key(sid),), (turn, offset, ttl_s))
 
 
 StopHandler = Callable[[str, int, str], None]  # (sid, turn (0: admitting), owner)

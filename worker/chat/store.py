@@ -25,9 +25,9 @@ operation below is one round trip to one shard (pipelines and Lua stay single-sl
 
 Order of use for one turn: :meth:`SessionStore.claim_idempotency` (when the client sent
 a key) -> :meth:`acquire_lock` -> :meth:`load` -> (route, open the generation) ->
-:meth:`set_lock_turn` and :meth:`resolve_idempotency` -> ... :meth:`refresh_turn` about
-once a second (which also sees a stop asked of the turn) ... -> :meth:`append_exchange`
-on success -> :meth:`release_lock`.
+:meth:`set_lock_turn` and :meth:`resolve_idempotency` -> ... the lock refreshed about
+once a second (by the producer API's turn, which also sees a stop asked of it) ... ->
+:meth:`append_exchange` on success -> :meth:`release_lock`.
 redis-py errors become :mod:`relay.broker.rediscluster.errors` exceptions here.
 """
 
@@ -56,16 +56,6 @@ from relay.protocol.keys import (
 __all__ = ["IDEM_TTL_S", "ConversationView", "History", "LockHolder", "SessionStore", "state_key"]
 
 IDEM_TTL_S: Final = 3600  # how long an Idempotency-Key's record answers a retry
-
-_REFRESH_LUA: Final = """
-local v = redis.call('GET', KEYS[1])
-if v and string.sub(v, 1, #ARGV[1]) == ARGV[1] then
-  if ARGV[3] ~= '' then redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[2])
-  else redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-  return 1
-end
-return 0
-"""
 
 # ARGV: max messages, TTL, max bytes (0: no byte bound), then the messages to append.
 # The oldest messages go first past either bound; the newest exchange always stays.
@@ -272,22 +262,12 @@ class SessionStore:
 
     async def refresh_lock(self, sid: str, owner: str) -> bool:
         """Extend the lock's TTL; False if it is no longer ours."""
-        return await self._lock_script(_REFRESH_LUA, sid, owner, "")
-
-    async def refresh_turn(self, sid: str, owner: str, turn: int) -> int:
-        """Extend a running turn's lock and look for a stop of it, in one round trip:
-        0 the lock is no longer ours, 1 refreshed, 2 refreshed and a stop was asked."""
-        return int(await turnlock.refresh(self.redis, sid, owner, self.lock_ttl_ms, turn))
+        with map_redis_errors():
+            state = await turnlock.refresh(self.redis, sid, owner, self.lock_ttl_ms, 0)
+        return state is not turnlock.LockState.LOST
 
     async def release_lock(self, sid: str, owner: str) -> bool:
         return await turnlock.release(self.redis, sid, owner)
-
-    async def _lock_script(self, src: str, sid: str, owner: str, value: str | None) -> bool:
-        prefix = owner + " "
-        args: list[Any] = [prefix] if value is None else [prefix, self.lock_ttl_ms, value]
-        with map_redis_errors():
-            res = await self.redis.eval(src, 1, key(sid, KeyKind.LOCK), *args)
-        return bool(int(res))
 
     # ---- idempotency ---------------------------------------------------------------------
 
