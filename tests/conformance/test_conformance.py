@@ -30,6 +30,7 @@ from devstack.cluster.launcher import ClusterInfo
 from relay.broker.base import ReapStatus
 from relay.broker.rediscluster.publisher import Publisher, read_backlog_page, reap
 from relay.protocol.frame import Frame, decode
+from tests.support.npm import npm_ready
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +40,7 @@ VECTORS: dict[str, Any] = json.loads((HERE / "vectors.json").read_text())
 NODE_PRODUCER = ROOT / "clients" / "producer" / "conformance.mjs"
 
 
-def _command(kind: str) -> list[str]:
+async def _command(kind: str) -> list[str]:
     if kind == "python":
         return [sys.executable, "-m", "tests.conformance.py_producer"]
     node = shutil.which("node")
@@ -47,8 +48,9 @@ def _command(kind: str) -> list[str]:
         pytest.skip("node is not installed (apt-get install nodejs npm)")
     if not NODE_PRODUCER.exists():
         pytest.skip("clients/producer has no conformance entry point")
-    if not (ROOT / "clients" / "producer" / "node_modules" / "ioredis").exists():
-        pytest.skip("clients/producer's packages are not installed (npm ci there)")
+    why = await npm_ready(NODE_PRODUCER.parent, "ioredis")
+    if why is not None:
+        pytest.skip(f"clients/producer's packages: {why}")
     return [node, str(NODE_PRODUCER)]
 
 
@@ -87,7 +89,7 @@ Spawn = Callable[..., Any]
 
 @pytest.fixture(params=["python", "node"])
 async def spawn(request: pytest.FixtureRequest, cluster: ClusterInfo) -> AsyncIterator[Spawn]:
-    argv = _command(str(request.param))
+    argv = await _command(str(request.param))
     drivers: list[Driver] = []
 
     async def make(**env: str) -> Driver:

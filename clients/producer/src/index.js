@@ -1,0 +1,10 @@
+// @tokenrelay/producer: stream from your own backend into tokenrelay. See README.md.
+export { Producer, Session, Claim, BACKLOG_MAXLEN, BACKLOG_MAX_BYTES, SESSION_TTL_S } from './producer.js';
+export { Turn, StopReason, CANCELLED, usageMeta, replyIntegrity } from './turn.js';
+export { DEFAULT_POLICY } from './coalesce.js';
+export { MAX_FRAME_BYTES, MAX_DELTA_BYTES } from './frame.js';
+export { pipe, pipeText, pipeStreamText, pipeUIMessageStream } from './adapters.js';
+export { LUA_DIR, scriptSource } from './scripts.js';
+export {
+  ProducerError, InvalidSession, FrameTooLarge, TurnClosed, RedisUnreachable, StaleEpoch, TurnBusy, LockLost,
+} from './errors.js';
