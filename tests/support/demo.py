@@ -37,6 +37,7 @@ async def front_door(
         door = FrontDoor(
             lambda: [p.url for p in stack.of_kind("relay") if p.alive],
             lambda: [p.url for p in stack.of_kind("worker") if p.alive],
+            stack_view=lambda: {"redis": stack.redis_url},  # as make demo's /api/stack says
         )
         runner = web.AppRunner(make_frontdoor_app(door))
         await runner.setup()

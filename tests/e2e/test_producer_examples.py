@@ -1,0 +1,154 @@
+"""The TypeScript producer's examples, run as written against a live stack (the demo's
+front door, its relays and worker, on the session's cluster): ``examples/node.mjs``
+(plain Node), ``examples/next-route.mjs`` (a Next.js route handler's ``POST``, called
+with a web ``Request``) and the README's TypeScript block ("Stream from your own
+backend"; its ``openai(...)`` model replaced by the AI SDK's mock model, its Redis URL
+by this cluster's). Each reply must reach a viewer: an SSE client of the front door,
+with the token the example minted, reads the turn's frames from the start and gets the
+text the example wrote, ended by its ``done`` frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from devstack.cluster.launcher import ClusterInfo
+from devstack.demo.stack import Stack
+from devstack.procs import Proc, log_line
+from tests.support import demo as demo_harness
+from tests.support.cli import run_cli
+from tests.support.npm import npm_ready
+from tests.support.sse import SSEClient
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+PKG = ROOT / "clients" / "producer"
+NODE = shutil.which("node")
+
+
+@pytest.fixture(scope="module")
+async def stack(cluster: ClusterInfo) -> AsyncIterator[tuple[str, Stack]]:
+    async with demo_harness.front_door(cluster, decode_tok_per_s=200) as door:
+        yield door
+
+
+@pytest.fixture(autouse=True)
+async def _packages() -> None:
+    why = await npm_ready(PKG, "ai")
+    if why is not None:
+        pytest.skip(why)
+
+
+def _env(base: str, st: Stack, **extra: str) -> dict[str, str]:
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"),
+            "TOKENRELAY_BASE": base, "TOKENRELAY_SECRET": st.spec.secret, **extra}  # fmt: skip
+
+
+async def watch(base: str, sid: str, token: str, after: int = 0) -> tuple[str, dict[str, Any]]:
+    """What a viewer of the front door gets: the reply of the session's turn and its
+    ``done`` frame."""
+    url = f"{base}/v1/sessions/{sid}/events?last_event_id={after}"
+    text: list[str] = []
+    auth = {"Authorization": f"Bearer {token}"}
+    async with aiohttp.ClientSession() as http, http.get(url, headers=auth) as resp:
+        assert resp.status == 200, await resp.text()
+        client = SSEClient(resp)
+        while True:
+            ev = await asyncio.wait_for(client.next_event(), 30)
+            assert ev is not None, "the stream ended before the done frame"
+            _id, kind, frame = ev
+            if kind == "token":
+                text.append(frame["text"])
+            assert kind != "error", frame
+            if kind == "done":
+                return "".join(text), frame
+
+
+async def test_the_node_example(stack: tuple[str, Stack]) -> None:
+    base, st = stack
+    ran = await run_cli([NODE or "node", "examples/node.mjs"], cwd=PKG, timeout_s=120,
+                        env=_env(base, st))  # fmt: skip
+    assert ran.code == 0, ran.out[-3000:] + ran.err[-3000:]
+    lines = ran.out.strip().splitlines()
+    where = json.loads(lines[0])
+    assert where["events"] == f"{base}/v1/sessions/{where['session']}/events"
+    reply, done = await watch(base, where["session"], where["token"])
+    assert reply == lines[-1]
+    assert len(reply) > 20
+    assert done["meta"]["finish_reason"] == "stop"
+    assert done["meta"]["chars"] == len(reply)
+
+
+async def test_the_next_route_example(stack: tuple[str, Stack], tmp_path: Path) -> None:
+    base, st = stack
+    harness = tmp_path / "call-route.mjs"
+    route = (PKG / "examples" / "next-route.mjs").as_uri()
+    harness.write_text(
+        f"const {{ POST }} = await import({json.dumps(route)});\n"
+        "const call = async (body) => {\n"
+        "  const res = await POST(new Request('http://app.local/api/chat', { method: 'POST',\n"
+        "    headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) }));\n"
+        "  console.log(JSON.stringify({ status: res.status, body: await res.json() }));\n"
+        "};\n"
+        "await call({ message: 'What does a relay do?' });\n"
+        "await call({ message: 'x', session: 'not a session!' });\n"
+        "console.log('called');\n"
+    )
+    proc = Proc.start([NODE or "node", str(harness)], log=tmp_path / "route.log", cwd=PKG,
+                      env=_env(base, st))  # fmt: skip
+    try:
+        await proc.ready(log_line("called"), timeout_s=60)
+        ok, bad = (json.loads(x) for x in proc.output().strip().splitlines()[:2])
+        assert ok["status"] == 200, ok
+        assert bad["status"] == 400
+        assert bad["body"]["error"] == "invalid_session"
+        body = ok["body"]
+        reply, done = await watch(base, body["session"], body["token"], body["offset"] - 1)
+        assert len(reply) > 20
+        assert done["turn"] == body["turn"]
+        assert done["meta"]["chars"] == len(reply)
+    finally:
+        await proc.stop()
+
+
+async def test_the_readme_typescript_block(stack: tuple[str, Stack], cluster: ClusterInfo,
+                                           tmp_path: Path) -> None:  # fmt: skip
+    base, st = stack
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"<!-- example: producer-ts -->\n```js\n(.*?)```", text, re.S)
+    assert m, "README.md has no example 'producer-ts'"
+    code = m.group(1)
+    assert code.count("\n") <= 14, "a dozen lines"
+    mock = json.dumps((PKG / "examples" / "mock-model.mjs").as_uri())
+    swaps = {
+        "import { openai } from '@ai-sdk/openai';": f"import {{ mockModel }} from {mock};",
+        "openai('gpt-4o-mini')": "mockModel()",
+        "'redis://127.0.0.1:7000'": json.dumps(cluster.url),
+    }  # fmt: skip
+    for old, new in swaps.items():
+        assert old in code, old
+        code = code.replace(old, new)
+    # as an app that installed the package: node_modules/@tokenrelay/producer and ai
+    mods = tmp_path / "node_modules"
+    (mods / "@tokenrelay").mkdir(parents=True)
+    (mods / "@tokenrelay" / "producer").symlink_to(PKG)
+    (mods / "ai").symlink_to(PKG / "node_modules" / "ai")
+    (tmp_path / "example.mjs").write_text(code)
+    ran = await run_cli([NODE or "node", "example.mjs"], cwd=tmp_path, timeout_s=120,
+                        env=_env(base, st))  # fmt: skip
+    assert ran.code == 0, ran.out[-3000:] + ran.err[-3000:]
+    sid, token, printed = ran.out.strip().split(" ", 2)
+    reply, _done = await watch(base, sid, token)
+    assert reply == printed
+    assert len(reply) > 20
