@@ -22,15 +22,15 @@ import aiohttp
 import pytest
 
 from devstack.cluster.launcher import ClusterInfo
-from devstack.procs import ProcError
 from relay.protocol.frame import Frame
 from relay.protocol.uistream import UiTurn, encode_chunk
 from tests.support import demo as demo_harness
 from tests.support.cli import run_cli
+from tests.support.npm import npm_ready
 from worker.gateway.aisdk import ChatError, parse_chat
 
 AISDK = Path(__file__).resolve().parents[2] / "clients" / "aisdk"
-NODE, NPM = shutil.which("node"), shutil.which("npm")
+NODE = shutil.which("node")
 
 
 def frame(offset: int, kind: str, text: str = "", turn: int = 2, **meta: Any) -> Frame:
@@ -123,17 +123,7 @@ def test_the_chat_body_of_the_sdk() -> None:
 
 async def _npm_ready() -> str | None:
     """None when clients/aisdk has its packages (installing them if needed), else why not."""
-    if NODE is None or NPM is None:
-        return "node/npm not installed (apt-get install nodejs npm)"
-    if (AISDK / "node_modules" / "ai" / "package.json").exists():
-        return None
-    try:
-        run = await run_cli([NPM, "ci", "--no-audit", "--no-fund"], cwd=AISDK, timeout_s=300)
-    except ProcError:
-        return "npm ci timed out (is the npm registry reachable?)"
-    if run.code != 0:
-        return f"npm ci failed (is the npm registry reachable?): {run.err.strip()[-300:]}"
-    return None
+    return await npm_ready(AISDK, "ai")
 
 
 @pytest.fixture(scope="module")

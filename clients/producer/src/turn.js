@@ -4,6 +4,7 @@ import { createHash } from 'node:crypto';
 import { FrameTooLarge, LockLost, TurnClosed } from './errors.js';
 import { MAX_DELTA_BYTES, chunks, key } from './frame.js';
 import { TokenPump } from './coalesce.js';
+import { withRetry } from './generation.js';
 
 /** Why the caller should stop generating (turn.stopReason, turn.signal.reason). */
 export const StopReason = Object.freeze({
@@ -230,7 +231,7 @@ export class Turn {
       await this.refresh().catch(() => {});
       let watchers = 1; // a failed read counts as watched: never stop for a failed control read
       try {
-        watchers = Number(await p.redis.trPresenceCount(key(this.sid, 'presence')));
+        watchers = Number(await withRetry(() => p.redis.trPresenceCount(key(this.sid, 'presence')), intervalMs));
       } catch {}
       if (localWatchers) watchers += localWatchers();
       if (this.closed) return;

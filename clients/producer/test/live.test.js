@@ -119,4 +119,12 @@ test('bad input and a dead Redis: one error type per cause', { skip }, async () 
   } finally {
     await p.close();
   }
+  // Redis gone mid-turn: the publish is retried for retryMs, then RedisUnreachable
+  const q = await Producer.connect(URL, { retryMs: 300 });
+  const turn = await q.session(sid()).startTurn('hi', { watch: false });
+  q.redis.disconnect();
+  turn.write('a');
+  const t0 = Date.now();
+  await assert.rejects(turn.done(), RedisUnreachable);
+  assert.ok(Date.now() - t0 >= 250);
 });
