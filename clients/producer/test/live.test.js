@@ -106,6 +106,36 @@ test('nobody watching for the grace period ends the turn with error "no viewers"
   }
 });
 
+test('pipe tells a UI chunk stream by its first chunk; an error chunk or a failing source ends the turn with error', { skip }, async () => {
+  const p = await Producer.connect(URL);
+  try {
+    async function* ui() {
+      yield { type: 'start' };
+      yield { type: 'text-delta', id: 't', delta: 'par' };
+      yield { type: 'text-delta', id: 't', delta: 'tial' };
+      yield { type: 'error', errorText: 'the model failed' };
+    }
+    const a = p.session(sid());
+    await pipe(await a.startTurn('hi'), ui());
+    let fs = await frames(p, a.id);
+    assert.equal(reply(fs), 'partial');
+    assert.deepEqual([fs.at(-1).kind, fs.at(-1).text, fs.at(-1).meta.code], ['error', 'the model failed', 'producer_error']);
+
+    async function* broken() {
+      yield 'one ';
+      throw new RangeError('upstream went away');
+    }
+    const b = p.session(sid());
+    await assert.rejects(pipeText(await b.startTurn('hi'), broken()), RangeError);
+    fs = await frames(p, b.id);
+    assert.equal(reply(fs), 'one ');
+    assert.equal(fs.at(-1).text, 'the stream failed: RangeError');
+    await b.startTurn('again', { watch: false }).then((t) => t.done()); // the lock was given back
+  } finally {
+    await p.close();
+  }
+});
+
 test('bad input and a dead Redis: one error type per cause', { skip }, async () => {
   await assert.rejects(Producer.connect('redis://127.0.0.1:1', { connectTimeoutMs: 500 }), RedisUnreachable);
   const p = await Producer.connect(URL);
