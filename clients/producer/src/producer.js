@@ -68,11 +68,22 @@ export class Producer {
   static async connect(url, opts = {}) {
     const cluster = clusterOf(url);
     cluster.on('error', () => {}); // reported through the calls that fail
+    const waitMs = opts.connectTimeoutMs ?? 5000;
+    let timer;
+    let why = `no node answered in ${waitMs} ms`;
     try {
-      await withRetry(() => cluster.connect(), opts.connectTimeoutMs ?? 5000);
+      // one connect; when it fails ioredis goes on trying the seed nodes by itself
+      // (clusterRetryStrategy): wait for its ready until connectTimeoutMs
+      const ready = new Promise((resolve) => cluster.once('ready', resolve));
+      cluster.connect().catch((err) => { why = err.message; });
+      await Promise.race([ready, new Promise((_, reject) => {
+        timer = setTimeout(() => reject(new Error(why)), waitMs);
+      })]);
     } catch (err) {
       cluster.disconnect();
       throw new RedisUnreachable(`redis unreachable at start: ${/** @type {Error} */ (err).message}`);
+    } finally {
+      clearTimeout(timer);
     }
     const p = new Producer(cluster, opts);
     p.ownsRedis = true;
