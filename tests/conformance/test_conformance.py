@@ -6,11 +6,14 @@ code per cause), fencing (a stale producer is refused; two racing one session
 interleave nothing), a producer killed mid-turn (the reaper's script ends the turn with
 ``error``), a retry after a lost reply (no duplicate), a long reply past the backlog's
 length. Producers: the Python API; the TypeScript package (``clients/producer``) where
-node >= 18 and its packages are there, else skipped with the reason."""
+node >= 18 and its packages are there (installed from its lock file), else skipped with
+the reason. And both languages on one session, turn about: one stream."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import hashlib
 import itertools
 import json
@@ -87,12 +90,12 @@ class Driver:
 Spawn = Callable[..., Any]
 
 
-@pytest.fixture(params=["python", "node"])
-async def spawn(request: pytest.FixtureRequest, cluster: ClusterInfo) -> AsyncIterator[Spawn]:
-    argv = await _command(str(request.param))
+@contextlib.asynccontextmanager
+async def _drivers(cluster: ClusterInfo) -> AsyncIterator[Callable[..., Any]]:
+    """``make(argv, **env)``: a producer process ready for commands; all stopped after."""
     drivers: list[Driver] = []
 
-    async def make(**env: str) -> Driver:
+    async def make(argv: list[str], **env: str) -> Driver:
         full = {**os.environ, "TR_REDIS_URL": cluster.url, "PYTHONPATH": str(ROOT), **env}
         proc = await asyncio.create_subprocess_exec(
             *argv, cwd=ROOT, env=full, stdin=asyncio.subprocess.PIPE,
@@ -110,6 +113,13 @@ async def spawn(request: pytest.FixtureRequest, cluster: ClusterInfo) -> AsyncIt
     finally:
         for d in drivers:
             await d.stop()
+
+
+@pytest.fixture(params=["python", "node"])
+async def spawn(request: pytest.FixtureRequest, cluster: ClusterInfo) -> AsyncIterator[Spawn]:
+    argv = await _command(str(request.param))
+    async with _drivers(cluster) as make:
+        yield functools.partial(make, argv)
 
 
 def _sid() -> str:
@@ -259,3 +269,26 @@ async def test_a_long_reply_past_the_backlog_length(spawn: Spawn, redis: RedisCl
     text = "".join(deltas)
     assert done["chars"] == len(text)
     assert done["sha256"] == hashlib.sha256(text.encode()).hexdigest()
+
+
+async def test_python_and_node_take_turns_on_one_session(
+    cluster: ClusterInfo, redis: RedisCluster
+) -> None:
+    """Producers of both languages write one session's turns in turn: one stream, its
+    offsets consecutive across them, one generation id, each turn's own epoch."""
+    py, node = await _command("python"), await _command("node")
+    async with _drivers(cluster) as make:
+        a, b = await make(py), await make(node)
+        sid = _sid()
+        texts = ["from python ", "from node ", "from python again"]
+        for d, text in zip((a, b, a), texts, strict=True):
+            assert (await d.send(op="start", session=sid, message="q"))["ok"]
+            assert (await d.send(op="write", text=text))["ok"]
+            assert (await d.send(op="done"))["ok"]
+        frames, _ = await _frames(redis, sid)
+        assert [f.offset for f in frames] == list(range(1, 10))
+        for turn in (1, 2, 3):
+            of_turn = [f for f in frames if f.turn == turn]
+            assert _check_turn(of_turn, sid, of_turn[0].epoch, turn) == texts[turn - 1]
+        assert len({(f.meta or {})["gen"] for f in frames}) == 1
+        assert [frames[i].epoch for i in (0, 3, 6)] == [1, 2, 3]
