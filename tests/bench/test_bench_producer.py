@@ -13,8 +13,15 @@ import pytest
 
 from bench.producer import cpu, soak
 from devstack.cluster.launcher import ClusterInfo
+from tests.support.npm import npm_ready
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture
+async def node_packages() -> str | None:
+    """clients/producer's packages installed (``npm ci``) if they can be; else why not."""
+    return await npm_ready(cpu.PACKAGE, "ioredis")
 
 
 def _frame(off: int, text: str, kind: str = "token") -> dict[str, Any]:
@@ -43,7 +50,9 @@ def _args(mod: Any, *argv: str) -> argparse.Namespace:
 
 
 @pytest.mark.timeout(300)
-def test_a_tiny_cpu_comparison(cluster: ClusterInfo, tmp_path: Path) -> None:
+def test_a_tiny_cpu_comparison(
+    cluster: ClusterInfo, tmp_path: Path, node_packages: str | None
+) -> None:
     out = tmp_path / "cpu.json"
     args = _args(cpu, "--redis", cluster.url, "--streams", "2", "--tokens", "10", "--rate",
                  "200", "--repeats", "1", "--json", str(out))  # fmt: skip
@@ -61,8 +70,10 @@ def test_a_tiny_cpu_comparison(cluster: ClusterInfo, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_tiny_soak_counts_nothing_wrong(cluster: ClusterInfo, tmp_path: Path) -> None:
-    if (why := cpu.node_missing()) is not None:
+def test_a_tiny_soak_counts_nothing_wrong(
+    cluster: ClusterInfo, tmp_path: Path, node_packages: str | None
+) -> None:
+    if (why := node_packages or cpu.node_missing()) is not None:
         pytest.skip(why)
     out = tmp_path / "soak.json"
     args = _args(soak, "--redis", cluster.url, "--viewers", "8", "--sessions", "2",
