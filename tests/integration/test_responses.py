@@ -85,7 +85,9 @@ async def test_a_whole_response_is_the_engines_reply_with_usage(
     assert r.metadata == {"case": "whole"}
     assert r.instructions == "You are terse."
     assert r.max_output_tokens == 20
-    assert r.usage is not None and r.usage.output_tokens > 0 and r.usage.input_tokens > 0
+    assert r.usage is not None
+    assert r.usage.output_tokens > 0
+    assert r.usage.input_tokens > 0
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
     again = await client.responses.retrieve(r.id)
     assert again.output_text == r.output_text
@@ -113,7 +115,8 @@ async def test_a_streamed_response_is_every_event_in_order(
     assert events[-4].text == text
     final = events[-1].response
     assert final.output_text == text
-    assert final.usage is not None and final.usage.output_tokens > 0
+    assert final.usage is not None
+    assert final.usage.output_tokens > 0
     # the same events again, from the backlog, and from any point on
     rid = final.id
     replay = await collect(await client.responses.retrieve(rid, stream=True))
@@ -188,7 +191,8 @@ async def test_a_chain_of_five_stays_on_one_engine_and_one_session(
     assert [parse_response_id(i).turn for i in ids] == [1, 2, 3, 4, 5]
     raw, _, _ = await read_backlog(h.redis, sid, 0, 10_000)
     engines = [f.meta["engine"] for f in map(decode, raw) if f.kind == "meta" and f.meta]
-    assert len(engines) == 5 and len(set(engines)) == 1, engines
+    assert len(engines) == 5, engines
+    assert len(set(engines)) == 1, engines
     # the conversation is the session: a `conversation` continues it too
     assert r.conversation is not None
     nxt = await client.responses.create(model=MODEL, input="and last?",
