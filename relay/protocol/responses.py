@@ -43,10 +43,12 @@ from typing import Any, Final
 import msgspec
 
 from relay.protocol.frame import Frame
-from relay.protocol.keys import InvalidSessionId, parse_session
+from relay.protocol.keys import InvalidSessionId, KeyKind, key, parse_session
 
 __all__ = [
     "CANCELLED",
+    "OWNER",
+    "OWNER_FIELD",
     "SSE_HEADERS",
     "InvalidResponseId",
     "ResponseId",
@@ -54,6 +56,7 @@ __all__ = [
     "conversation_id",
     "encode_event",
     "error_body",
+    "owner_key",
     "parse_conversation_id",
     "parse_response_id",
     "response_object",
@@ -65,6 +68,10 @@ SSE_HEADERS: Final = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",
 }
+# A session the Responses API created says so in its state hash (the worker's
+# ``worker.chat.store.state_key``): a gateway key reads and writes only those.
+OWNER_FIELD: Final = "api"
+OWNER: Final = "responses"
 CANCELLED: Final = "cancelled"  # the done frame's finish reason of a stopped turn
 _HEAD: Final = 4  # events of the meta frame
 _encode = msgspec.json.Encoder()
@@ -101,6 +108,12 @@ def parse_response_id(raw: str) -> ResponseId:
     if not 1 <= turn <= 2**53 - 1 or not 1 <= first <= 2**53 - 1:
         raise InvalidResponseId(f"no response with id {raw[:80]!r}")
     return ResponseId(sid, turn, first)
+
+
+def owner_key(sid: str) -> str:
+    """The session's state hash, whose :data:`OWNER_FIELD` is :data:`OWNER` when the
+    Responses API created the session."""
+    return key(sid, KeyKind.HIST, "state")
 
 
 def conversation_id(sid: str) -> str:
@@ -265,11 +278,12 @@ class ResponseTurn:
             return self._fail(i, frame.text or "the response failed")
         return []
 
-    def stalled(self, idle_s: float) -> list[dict[str, Any]]:
-        """End a response whose frames stopped coming (its reader waited ``idle_s``)."""
+    def fail(self, reason: str) -> list[dict[str, Any]]:
+        """End the response with ``response.failed`` (its frames stopped coming, its
+        session was deleted); numbered after the newest frame read."""
         if self.finished:
             return []
-        return self._fail(self.last + 1, f"no event of the response for {idle_s:.0f} s")
+        return self._fail(self.last + 1, reason)
 
     def _keep(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [e for e in events if e["sequence_number"] > self.after]

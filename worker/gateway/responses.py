@@ -50,11 +50,14 @@ from relay.broker.rediscluster.errors import map_redis_errors
 from relay.protocol.frame import Frame, FrameError, decode
 from relay.protocol.keys import gone_key, log_key, new_session_id
 from relay.protocol.responses import (
+    OWNER,
+    OWNER_FIELD,
     SSE_HEADERS,
     InvalidResponseId,
     ResponseId,
     ResponseTurn,
     encode_event,
+    owner_key,
     parse_conversation_id,
     parse_response_id,
     response_object,
@@ -64,7 +67,6 @@ from relay.service.httpguard import client_gone
 from worker.access import RateLimited
 from worker.chat.cancel import StopStatus
 from worker.chat.direct import DirectViewer
-from worker.chat.store import state_key
 from worker.chat.turnstate import Draining, TurnBusy
 from worker.controls import delete_session
 from worker.gateway.base import GATEWAY
@@ -78,8 +80,6 @@ __all__ = ["add_routes", "backlog_frames"]
 
 log = logging.getLogger(__name__)
 
-API_FIELD: Final = "api"  # in the session's state hash: which API created it
-API_NAME: Final = "responses"
 _BLOCK_MS: Final = 1000  # below the worker's Redis socket timeout
 _IDLE_S: Final = 120.0  # no frame of the turn for this long: the stream ends, failed
 _PAGE: Final = 256
@@ -103,10 +103,10 @@ async def _ours(st: WorkerState, sid: str) -> bool:
     """Whether ``sid`` is a live session this API created (one round trip)."""
     with map_redis_errors():
         pipe = st.redis.pipeline(transaction=False)
-        pipe.hget(state_key(sid), API_FIELD)
+        pipe.hget(owner_key(sid), OWNER_FIELD)
         pipe.exists(gone_key(sid))
         api, gone = await pipe.execute()
-    return not gone and api in (API_NAME, API_NAME.encode())
+    return not gone and api in (OWNER, OWNER.encode())
 
 
 async def backlog_frames(
@@ -212,7 +212,8 @@ async def _write_events(
             if rt.finished:
                 break
         if not rt.finished:  # the backlog went quiet: nothing more will come
-            await resp.write(b"".join(encode_event(e) for e in rt.stalled(_IDLE_S)))
+            failed = rt.fail(f"no event of the response for {_IDLE_S:.0f} s")
+            await resp.write(b"".join(encode_event(e) for e in failed))
         await resp.write_eof()
     except (ConnectionResetError, ClientConnectionResetError):
         pass  # the client left; the turn goes on (any worker or relay resumes it)
@@ -259,8 +260,8 @@ async def _session_for(st: WorkerState, request: web.Request, req: ResponsesRequ
     await st.access.take_session(st.redis, request, sid)
     with map_redis_errors():
         pipe = st.redis.pipeline(transaction=False)
-        pipe.hset(state_key(sid), API_FIELD, API_NAME)
-        pipe.expire(state_key(sid), st.turns.store.ttl_s)
+        pipe.hset(owner_key(sid), OWNER_FIELD, OWNER)
+        pipe.expire(owner_key(sid), st.turns.store.ttl_s)
         await pipe.execute()
         if len(req.messages) > 1:  # the earlier items become the stored conversation
             await st.turns.store.append_exchange(sid, req.messages[:-1], None)
