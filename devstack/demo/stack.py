@@ -69,8 +69,9 @@ class StackSpec:
     log_dir: str | None = None
     amqp_url: str | None = None  # RabbitMQ: workers take /v1/jobs and a job worker runs them
     jobs_queue: str = "tokenrelay.demo.jobs"
-    # the workers' (and relays') OpenAI gateway keys, in their environment (TOKENRELAY_GATEWAY_KEYS, never
-    # a command line): None leaves the variable as this process has it, [] takes it away
+    # the workers' and relays' OpenAI gateway keys, in their environment
+    # (TOKENRELAY_GATEWAY_KEYS, never a command line): None leaves the variable as this
+    # process has it, [] takes it away
     gateway_keys: list[str] | None = None
 
 

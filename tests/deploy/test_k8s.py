@@ -259,9 +259,14 @@ def test_ingress_is_streaming_safe_and_not_sticky() -> None:
     (path,) = openai["spec"]["rules"][0]["http"]["paths"]
     assert path["backend"]["service"]["name"] == "tokenrelay-worker"
     rid = f"resp_{sid}_3_17"
-    for url, ok in (("/v1/chat/completions", True), ("/v1/responses", True),
-                    (f"/v1/responses/{rid}", True), (f"/v1/responses/{rid}/cancel", True),
-                    (f"/v1/responses/{rid}/input_items", True), ("/v1/jobs", False)):
+    for url, ok in (
+        ("/v1/chat/completions", True),
+        ("/v1/responses", True),
+        (f"/v1/responses/{rid}", True),
+        (f"/v1/responses/{rid}/cancel", True),
+        (f"/v1/responses/{rid}/input_items", True),
+        ("/v1/jobs", False),
+    ):
         assert bool(re.match(path["path"], url)) is ok, url
 
 
