@@ -198,8 +198,9 @@ async def test_a_chain_of_five_stays_on_one_engine_and_one_session(
     nxt = await client.responses.create(model=MODEL, input="and last?",
                                         conversation=r.conversation.id)  # fmt: skip
     assert parse_response_id(nxt.id).session == sid
-    gone = await client.responses.delete(nxt.id)
-    assert gone is None  # the SDK returns nothing for a 200 delete
+    deleted = await client.responses.with_raw_response.delete(nxt.id)
+    assert deleted.status_code == 200
+    assert deleted.http_response.json() == {"id": nxt.id, "object": "response", "deleted": True}
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve(ids[0])
 
