@@ -50,6 +50,7 @@ import aiohttp
 from bench._util import cpu_s, free_port, ns_ms, percentile
 from devstack.cluster.launcher import LocalCluster
 from devstack.procs import http_ok, launched
+from relay.protocol.responses import parse_response_id
 from relay.protocol.sse_reader import SSEDecoder
 from relay.service import runtime
 
@@ -193,17 +194,24 @@ async def _first_event(http: aiohttp.ClientSession, url: str) -> int | None:
             return None
         dec = SSEDecoder()
         async for chunk in r.content.iter_any():
-            if dec.feed(chunk):
+            # a Responses event, or a frame of the relay's SSE (not its hello)
+            if any(ev.event != "hello" for ev in dec.feed(chunk)):
                 return time.perf_counter_ns() - t0
     return None
 
 
-async def _resumes(http: aiohttp.ClientSession, worker: str, base: str,
-                   wl: Workload) -> dict[str, Any]:  # fmt: skip
+async def _resumes(http: aiohttp.ClientSession, worker: str, base: str, wl: Workload,
+                   sse: bool = False) -> dict[str, Any]:  # fmt: skip
+    """``wl.resumes`` background responses, then one resume of each at once: after
+    event 10 (``sse``: the relay's own SSE resume of the same sessions, after the turn's
+    8th frame, which event 10 is)."""
     rids = await asyncio.gather(*(_background(http, worker, wl.resume_tokens)
                                   for _ in range(wl.resumes)))  # fmt: skip
     await asyncio.sleep(1.0)  # each is some way in: a resume replays, then goes on live
-    urls = [f"{base}/v1/responses/{rid}?stream=true&starting_after=10" for rid in rids]
+    urls = []
+    for rid in map(parse_response_id, rids):
+        sse_url = f"{base}/v1/sessions/{rid.session}/events?last_event_id={rid.first + 7}"
+        urls.append(sse_url if sse else f"{base}/v1/responses/{rid}?stream=true&starting_after=10")
     got = await asyncio.gather(*(_first_event(http, u) for u in urls))
     ns = [g for g in got if g is not None]
     return {"n": len(ns), "failed": len(got) - len(ns), "p50_ms": ns_ms(percentile(ns, 0.5)),
@@ -236,7 +244,8 @@ async def run(wl: Workload) -> dict[str, Any]:
                 "--session-rate", "0", "--turns-per-minute", "0", "--max-sessions-per-address", "0",
             ]  # fmt: skip
             relay = [*py, "tokenrelay", "relay", "--port", str(rp), *common, "--relay-id",
-                     "r-bench", "--max-streams-per-address", "0", "--log-level", "WARNING"]  # fmt: skip
+                     "r-bench", "--max-streams-per-address", "0",
+                     "--log-level", "WARNING"]  # fmt: skip
             wurl, rurl = f"http://127.0.0.1:{wp}", f"http://127.0.0.1:{rp}"
             async with (
                 _serve(fast, f"http://127.0.0.1:{ep}/health", logs / "engine.log"),
@@ -272,9 +281,10 @@ async def _resume_phase(http: aiohttp.ClientSession, wurl: str, rurl: str, wl: W
     w2 = f"http://127.0.0.1:{wp2}"
     out: dict[str, Any] = {}
     async with _serve(worker2, f"{w2}/readyz", logs / "worker2.log"):
-        for name, base in (("relay", rurl), ("worker", wurl)):
+        for name, base, sse in (("relay", rurl, False), ("worker", wurl, False),
+                                ("relay_sse", rurl, True)):  # fmt: skip
             log(f"resume: {wl.resumes} at once on the {name}")
-            out[name] = await _resumes(http, w2, base, wl)
+            out[name] = await _resumes(http, w2, base, wl, sse)
     return out
 
 
