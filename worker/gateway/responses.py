@@ -10,8 +10,8 @@
 - ``GET /v1/responses/{id}``: the object as it stands (``in_progress`` while it runs),
   from the backlog (any worker), else from the session's stored history;
   ``?stream=true&starting_after=N``: the events after ``N``, replayed from the backlog
-  and then live (``XREAD BLOCK``), on any worker, for as long as the backlog keeps the
-  turn. The relays serve the same stream (:mod:`relay.edge.http.responses`); both
+  and then live (:func:`backlog_frames`), on any worker, for as long as the backlog
+  keeps the turn. The relays serve the same stream (:mod:`relay.edge.http.responses`); both
   translate with :mod:`relay.protocol.responses`, so both write the same events.
 - ``POST /v1/responses/{id}/cancel``: :meth:`worker.chat.turn.TurnManager.stop` (any
   worker stops any turn), then the object once the turn ended (``cancelled``).
@@ -80,7 +80,8 @@ __all__ = ["add_routes", "backlog_frames"]
 
 log = logging.getLogger(__name__)
 
-_BLOCK_MS: Final = 1000  # below the worker's Redis socket timeout
+_POLL_MIN_S: Final = 0.02  # a backlog stream's wait between reads while frames come
+_POLL_MAX_S: Final = 0.25  # ... and at most, while none does
 _IDLE_S: Final = 120.0  # no frame of the turn for this long: the stream ends, failed
 _PAGE: Final = 256
 _CANCEL_WAIT_S: Final = 5.0
@@ -112,31 +113,38 @@ async def _ours(st: WorkerState, sid: str) -> bool:
 async def backlog_frames(
     st: WorkerState, sid: str, after: int, idle_s: float = _IDLE_S
 ) -> AsyncIterator[Frame]:
-    """The session's frames after offset ``after``: the backlog, then live (``XREAD
-    BLOCK``) until the caller stops, or ``idle_s`` without a frame."""
+    """The session's frames after offset ``after``: the backlog, then its new frames as
+    they come, until the caller stops, or ``idle_s`` without a frame. It polls (every
+    :data:`_POLL_MIN_S` while frames come, backing off to :data:`_POLL_MAX_S`) rather
+    than holding a blocking ``XREAD``: each command holds one of the worker's Redis
+    permits, which its turns need; many resumed screens belong on the relays."""
     idle_since = time.monotonic()
+    delay = _POLL_MIN_S
     while True:
         try:
             with map_redis_errors():
-                reply: Any = await st.redis.xread(
-                    {log_key(sid): f"{after}-1"}, count=_PAGE, block=_BLOCK_MS
-                )
+                reply: Any = await st.redis.xread({log_key(sid): f"{after}-1"}, count=_PAGE)
         except RelayError:
             reply = None  # a failover: read again from the same offset
-            await asyncio.sleep(0.1)
-        got = False
+        n = 0
         for _stream, entries in reply or []:
             for _id, fields in entries:
+                n += 1
                 try:
                     frame = decode(fields[b"f"])
                 except (FrameError, KeyError):
                     continue
-                after, got = max(after, frame.offset), True
+                after = max(after, frame.offset)
                 yield frame
-        if got:
-            idle_since = time.monotonic()
+        if n >= _PAGE:
+            continue  # more is there: no wait
+        if n:
+            idle_since, delay = time.monotonic(), _POLL_MIN_S
         elif time.monotonic() - idle_since > idle_s:
             return
+        await asyncio.sleep(delay)
+        if not n:
+            delay = min(delay * 2, _POLL_MAX_S)
 
 
 async def _stored(st: WorkerState, rid: ResponseId) -> ResponseTurn | None:
