@@ -26,7 +26,7 @@ from relay.broker.errors import RelayError
 from relay.broker.rediscluster.broker import RedisBroker
 from relay.broker.rediscluster.errors import map_redis_errors
 from relay.edge.conn.responses import ResponsesConn
-from relay.edge.http.handlers import _stream
+from relay.edge.http.handlers import SSE_HEADERS, _stream
 from relay.edge.http.limits import Access
 from relay.edge.http.server import EdgeServer
 from relay.protocol.codes import Refusal
@@ -35,7 +35,6 @@ from relay.protocol.keys import gone_key, log_key
 from relay.protocol.responses import (
     OWNER,
     OWNER_FIELD,
-    SSE_HEADERS,
     InvalidResponseId,
     ResponseId,
     error_body,
@@ -135,4 +134,8 @@ async def responses_stream_handler(server: EdgeServer, request: web.Request) -> 
         return _answer(server, r)
     except Reject as r:
         return _answer(server, _Refused(r.status, r.reason, str(r.error), r.headers))
-    return await _stream(server, conn, request, web.StreamResponse(headers=SSE_HEADERS), b"")
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    # the response ends with the socket (the Conn closes it after the last event): say so,
+    # or a client that pools connections sends its next request on one about to close
+    resp.force_close()
+    return await _stream(server, conn, request, resp, b"")
