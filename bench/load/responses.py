@@ -16,8 +16,10 @@ the other:
   ``GET /v1/responses/{id}?stream=true``.
 
 Then the resume: ``--resumes`` background responses run at once, and each is resumed
-with ``starting_after`` by one client at the same instant, on the relay and then on
-the worker: request -> first resumed event, p50 and p99.
+with ``starting_after`` by one client at the same instant, on the relay, on a worker,
+and (the same sessions' frames) through the relay's own SSE resume: request -> first
+resumed event, p50 and p99; two rounds in alternating order, the better one in the
+table.
 
 Participants, each its own process: a local Redis Cluster (3 masters + 3 replicas),
 :mod:`bench.load.stamp_engine`, one ``tokenrelay worker``, one ``tokenrelay relay``; the
@@ -283,10 +285,18 @@ async def _resume_phase(http: aiohttp.ClientSession, wurl: str, rurl: str, wl: W
     w2 = f"http://127.0.0.1:{wp2}"
     out: dict[str, Any] = {}
     async with _serve(worker2, f"{w2}/readyz", logs / "worker2.log"):
-        for name, base, sse in (("relay", rurl, False), ("worker", wurl, False),
-                                ("relay_sse", rurl, True)):  # fmt: skip
-            log(f"resume: {wl.resumes} at once on the {name}")
-            out[name] = await _resumes(http, w2, base, wl, sse)
+        # twice each, in alternating order (the machine's load moves between phases):
+        # the JSON has each round, the table the better of the two
+        order = [("relay", rurl, False), ("relay_sse", rurl, True), ("worker", wurl, False)]
+        for rnd, phases in enumerate((order, order[::-1])):
+            for name, base, sse in phases:
+                log(f"resume round {rnd + 1}: {wl.resumes} at once on the {name}")
+                got = await _resumes(http, w2, base, wl, sse)
+                out.setdefault(name, {"rounds": []})["rounds"].append(got)
+        for r in out.values():
+            best = min(r["rounds"], key=lambda g: g["p50_ms"] or float("inf"))
+            r.update({k: best[k] for k in ("n", "p50_ms", "p99_ms")})
+            r["failed"] = sum(g["failed"] for g in r["rounds"])
     return out
 
 
