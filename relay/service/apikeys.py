@@ -3,8 +3,9 @@
 Session endpoints take a session token (``relay.protocol.auth``); the worker's OpenAI
 gateway (``/v1/chat/completions``, ``/v1/responses``), its jobs without a session, and a
 relay's Responses stream (``GET /v1/responses/{id}?stream=true``) take one of the
-operator's API keys (``--gateway-key``, the same keys on workers and relays). Every configured key is compared, in constant
-time, so the time taken does not tell which key (or how much of one) matched.
+operator's API keys (``--gateway-key``, the same keys on workers and relays). Every
+configured key is compared, in constant time, so the time taken does not tell which key
+(or how much of one) matched.
 """
 
 from __future__ import annotations
