@@ -118,6 +118,11 @@ CATALOG: tuple[Benchmark, ...] = (
         "engine token -> screen latency: the worker's closed loop vs the relay path",
     ),
     Benchmark(
+        "responses",
+        "bench.load.responses",
+        "the Responses API's events/s and CPU/event beside chat completions and relay SSE; resumes",
+    ),
+    Benchmark(
         "relay_throughput",
         "bench.relay.throughput",
         "one relay process: frames/s vs a raw Redis reader, fan-out, latency, RSS per idle conn",

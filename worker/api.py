@@ -20,6 +20,8 @@ Routes (the contract: docs/openapi.yaml):
   413 (body or message too large), 415 (not ``application/json``), 429 + Retry-After
   (every engine full, or ``turns_per_minute`` of this session used), 503 (draining, or
   Redis unavailable). Without ``max_tokens`` the turn gets ``default_max_tokens``.
+* ``/v1/responses`` (create, retrieve and resume, cancel, delete, input items): OpenAI's
+  Responses API, each response a turn of a session (:mod:`worker.gateway.responses`);
 * ``POST /v1/chat/completions`` and ``GET /v1/models``: the OpenAI-compatible gateway
   (:mod:`worker.gateway.openai`), routed by the same router, no session;
 * ``POST /v1/jobs``, ``GET /v1/jobs/{id}``: offline jobs on RabbitMQ when ``--amqp`` is
@@ -69,7 +71,7 @@ from worker.chat.turnstate import (
 )
 from worker.config import WorkerConfig
 from worker.controls import check_gone
-from worker.gateway import aisdk
+from worker.gateway import aisdk, responses
 from worker.gateway import openai as gateway
 from worker.jobs import api as jobs_api
 from worker.lifecycle import CFG, REDIS, REDIS_UNREACHABLE, lifecycle
@@ -411,6 +413,7 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/router", _router_view)
     gateway.add_routes(app)  # POST /v1/chat/completions, GET /v1/models
+    responses.add_routes(app)  # /v1/responses: OpenAI's Responses API (worker/gateway/responses.py)
     jobs_api.add_routes(app)  # POST /v1/jobs, GET /v1/jobs/{id} (404 without --amqp)
     app.router.add_get("/openapi.json", openapi.handler("worker"))  # docs/openapi.yaml
     aisdk.register(app)  # POST /v1/chat: the Vercel AI SDK's chat (worker/gateway/aisdk.py)

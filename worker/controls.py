@@ -59,7 +59,7 @@ from worker.chat.cancel import StopStatus, StopVerdict
 from worker.chat.store import ConversationView, SessionStore
 from worker.state import STATE, WorkerState
 
-__all__ = ["add_routes", "check_gone", "conversation_page"]
+__all__ = ["add_routes", "check_gone", "conversation_page", "delete_session"]
 
 log = logging.getLogger(__name__)
 
@@ -317,35 +317,43 @@ async def _session_keys(redis: RedisCluster, sid: str) -> list[str]:
     return [k for k in out if k.startswith(prefix) and k != gone_key(sid)]
 
 
+async def delete_session(st: WorkerState, sid: str) -> int:
+    """Stop the running turn, then remove every key of ``sid`` and leave its tombstone
+    (its tokens are refused, its screens told); how many keys went. :class:`Reject` 503
+    when the running turn did not stop in time (nothing was deleted); RelayError."""
+    v = await st.turns.stop(sid, 0)
+    stopping = v.status in (StopStatus.STOPPING, StopStatus.ADMITTING)
+    if stopping and not await _wait_idle(st, sid):
+        reason = "the running turn did not stop in time; nothing was deleted, retry"
+        raise Reject(503, Refusal.REDIS_UNAVAILABLE, reason, RETRY_AFTER)
+    removed = 0
+    for _ in range(2):  # a key written meanwhile (a rate counter) goes in the second
+        names = await _session_keys(st.redis, sid)
+        keys = [gone_key(sid), live_channel(sid), *names]
+        with map_redis_errors():
+            removed += int(
+                await st.redis.eval(
+                    _DELETE_LUA, len(keys), *keys, st.access.max_ttl_s,
+                    encode(deleted_frame(sid)),
+                )
+            )  # fmt: skip
+        if not names:
+            break
+    log.info("session %s deleted (%d keys)", sid, removed)
+    return removed
+
+
 async def _delete(request: web.Request) -> web.Response:
     st = request.app[STATE]
     try:
         sid = _session(request, "write")
         if await st.turns.store.gone(sid):
             return refusal(404, Refusal.UNKNOWN_SESSION, "the session was already deleted")
-        v = await st.turns.stop(sid, 0)
-        stopping = v.status in (StopStatus.STOPPING, StopStatus.ADMITTING)
-        if stopping and not await _wait_idle(st, sid):
-            reason = "the running turn did not stop in time; nothing was deleted, retry"
-            return refusal(503, Refusal.REDIS_UNAVAILABLE, reason, RETRY_AFTER)
-        removed = 0
-        for _ in range(2):  # a key written meanwhile (a rate counter) goes in the second
-            names = await _session_keys(st.redis, sid)
-            keys = [gone_key(sid), live_channel(sid), *names]
-            with map_redis_errors():
-                removed += int(
-                    await st.redis.eval(
-                        _DELETE_LUA, len(keys), *keys, st.access.max_ttl_s,
-                        encode(deleted_frame(sid)),
-                    )
-                )  # fmt: skip
-            if not names:
-                break
+        await delete_session(st, sid)
     except Reject as r:
         return r.response()
     except RelayError as exc:
         return _redis_down(exc)
-    log.info("session %s deleted (%d keys)", sid, removed)
     return web.Response(status=204)
 
 

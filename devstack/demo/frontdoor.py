@@ -1,6 +1,7 @@
 """The demo's front door: one URL for the whole HTTP contract, no stickiness.
 
-Edge paths (``/v1/sessions/{sid}/events``, ``/v1/sessions/{sid}/ws``) go to a relay,
+Edge paths (``/v1/sessions/{sid}/events``, ``/v1/sessions/{sid}/ws``, a Responses
+stream ``GET /v1/responses/{id}?stream=true``) go to a relay,
 session and turn paths (``POST /v1/sessions``, ``POST /v1/sessions/{sid}/turns``) to a
 worker; each request picks an upstream at random (a client that reconnects lands
 anywhere, which is the point) and tries the next one when an upstream refuses the
@@ -267,6 +268,12 @@ class FrontDoor:
     async def to_worker(self, request: web.Request) -> web.StreamResponse:
         return await self.proxy_http(request, self._workers())
 
+    async def response(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/responses/{id}``: its event stream (``?stream=true``) from a relay,
+        which serves any response from the backlog and live; the object from a worker."""
+        stream = request.query.get("stream", "").lower() in ("true", "1")
+        return await self.proxy_http(request, self._relays() if stream else self._workers())
+
     async def index(self, request: web.Request) -> web.StreamResponse:
         return web.FileResponse(STATIC_DIR / "index.html")
 
@@ -348,6 +355,12 @@ def make_frontdoor_app(door: FrontDoor) -> web.Application:
     app.router.add_get("/v1/jobs/{job}", door.to_worker)
     app.router.add_post("/v1/chat/completions", door.to_worker)
     app.router.add_get("/v1/models", door.to_worker)
+    # OpenAI's Responses API: workers, but a response's event stream (resumable) from a relay.
+    app.router.add_post("/v1/responses", door.to_worker)
+    app.router.add_get("/v1/responses/{rid}", door.response)
+    app.router.add_delete("/v1/responses/{rid}", door.to_worker)
+    app.router.add_post("/v1/responses/{rid}/cancel", door.to_worker)
+    app.router.add_get("/v1/responses/{rid}/input_items", door.to_worker)
     app.router.add_get("/v1/chat/{sid}/stream", door.events)
     app.router.add_get("/v1/sessions/{sid}/ui-stream", door.events)
     app.on_startup.append(door.on_startup)

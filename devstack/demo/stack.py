@@ -69,8 +69,9 @@ class StackSpec:
     log_dir: str | None = None
     amqp_url: str | None = None  # RabbitMQ: workers take /v1/jobs and a job worker runs them
     jobs_queue: str = "tokenrelay.demo.jobs"
-    # the workers' OpenAI gateway keys, in their environment (TOKENRELAY_GATEWAY_KEYS, never
-    # a command line): None leaves the variable as this process has it, [] takes it away
+    # the workers' and relays' OpenAI gateway keys, in their environment
+    # (TOKENRELAY_GATEWAY_KEYS, never a command line): None leaves the variable as this
+    # process has it, [] takes it away
     gateway_keys: list[str] | None = None
 
 
@@ -232,7 +233,8 @@ class Stack:
         env.pop("TOKENRELAY_ADMIN_KEY", None)  # the spec's, or none: never a shell's
         if self.spec.admin_key and member.kind in ("relay", "worker"):
             env["TOKENRELAY_ADMIN_KEY"] = self.spec.admin_key
-        if member.kind == "worker" and self.spec.gateway_keys is not None:
+        # the relays take the same keys: they serve the Responses API's resumable stream
+        if member.kind in ("worker", "relay") and self.spec.gateway_keys is not None:
             env.pop("TOKENRELAY_GATEWAY_KEYS", None)
             if self.spec.gateway_keys:
                 env["TOKENRELAY_GATEWAY_KEYS"] = ",".join(self.spec.gateway_keys)

@@ -124,6 +124,13 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_streams_per_address: Annotated[
         int, opt("open streams per client address; 0: no limit", ge=0)
     ] = 256
+    gateway_keys: Annotated[
+        tuple[str, ...],
+        opt("a bearer key (>= 16 characters, the workers' --gateway-key) for the Responses "
+            "API's resumable stream GET /v1/responses/{id}?stream=true (repeatable; "
+            "comma-separated in the environment); without one that route answers 401",
+            flag="--gateway-key", metavar="KEY"),
+    ] = ()  # fmt: skip
 
     @property
     def redis_tls(self) -> RedisTLS:
@@ -148,6 +155,8 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     def validate(self) -> RelayConfig:
         """Return self, or raise :class:`ConfigError`; fills ``relay_id`` if empty."""
         settings.check_fields(self)
+        if any(len(k) < 16 for k in self.gateway_keys):
+            raise ConfigError("a --gateway-key must be at least 16 characters")
         self.keyset()
         settings.check_admin_key(self.admin_key)
         try:

@@ -113,7 +113,7 @@ class Refusal(enum.StrEnum):
     TOO_MANY_SESSIONS = "too_many_sessions"  # live sessions per client address
     TURN_RATE = "turn_rate"  # turns per session per minute
     REDIS_UNAVAILABLE = "redis_unavailable"  # Redis did not take the request: retry
-    # -- the worker's API keys (worker.apikeys): the session-less routes ----------------------
+    # -- the gateway keys (relay.service.apikeys): the session-less routes ------------------
     GATEWAY_DISABLED = "gateway_disabled"  # the worker has no --gateway-key
     MISSING_API_KEY = "missing_api_key"
     INVALID_API_KEY = "invalid_api_key"

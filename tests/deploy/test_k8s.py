@@ -254,6 +254,20 @@ def test_ingress_is_streaming_safe_and_not_sticky() -> None:
     (path,) = api["spec"]["rules"][0]["http"]["paths"]
     assert path["backend"]["service"]["name"] == "tokenrelay-worker"
     assert re.match(path["path"], f"/v1/sessions/{sid}/turns")
+    openai = _find(OBJECTS, "Ingress", "tokenrelay-openai")
+    assert openai["metadata"]["annotations"][pre + "proxy-buffering"] == "off"
+    (path,) = openai["spec"]["rules"][0]["http"]["paths"]
+    assert path["backend"]["service"]["name"] == "tokenrelay-worker"
+    rid = f"resp_{sid}_3_17"
+    for url, ok in (
+        ("/v1/chat/completions", True),
+        ("/v1/responses", True),
+        (f"/v1/responses/{rid}", True),
+        (f"/v1/responses/{rid}/cancel", True),
+        (f"/v1/responses/{rid}/input_items", True),
+        ("/v1/jobs", False),
+    ):
+        assert bool(re.match(path["path"], url)) is ok, url
 
 
 def test_the_token_secret_comes_from_one_secret() -> None:
@@ -266,6 +280,7 @@ def test_the_token_secret_comes_from_one_secret() -> None:
     assert refs == {
         ("TOKENRELAY_SECRET", "tokenrelay-secret", "secret"),
         ("TOKENRELAY_ADMIN_KEY", "tokenrelay-secret", "admin-key"),
+        ("TOKENRELAY_GATEWAY_KEYS", "tokenrelay-secret", "gateway-keys"),
     }
     assert not [o for o in OBJECTS if o["kind"] == "Secret"], "never commit a secret"
 

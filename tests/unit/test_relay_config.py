@@ -120,3 +120,14 @@ def test_reaper_delay_from_flag_and_environment_zero_disables_negative_refused()
     assert parse([], env).reap_after_s == 5.0
     with pytest.raises(ConfigError, match="reap"):
         parse(["--reap-after-s", "-1"], {"TOKENRELAY_SECRET": K})
+
+
+def test_gateway_keys_come_from_flags_or_the_environment_and_are_long() -> None:
+    """The Responses stream's keys: the workers' ``--gateway-key`` (an empty variable,
+    as docker-compose passes it unset, is none)."""
+    assert parse([], {"TOKENRELAY_SECRET": K, "TOKENRELAY_GATEWAY_KEYS": ""}).gateway_keys == ()
+    env = {"TOKENRELAY_SECRET": K, "TOKENRELAY_GATEWAY_KEYS": "a" * 16 + "," + "b" * 16}
+    assert parse([], env).gateway_keys == ("a" * 16, "b" * 16)
+    assert parse(["--gateway-key", "c" * 20], {"TOKENRELAY_SECRET": K}).gateway_keys == ("c" * 20,)
+    with pytest.raises(ConfigError, match="at least 16"):
+        parse(["--gateway-key", "short"], {"TOKENRELAY_SECRET": K})

@@ -34,7 +34,7 @@ import contextlib
 import time
 import uuid
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from relay.broker.errors import RedisUnavailable, RelayError
@@ -177,6 +177,8 @@ class TurnManager:
         conversation: list[dict[str, str]] | None = None,
         replaces: Replace | None = None,
         message_id: str | None = None,
+        response: Mapping[str, Any] | None = None,
+        background: bool = False,
     ) -> TurnStarted:
         """Admit a turn and start it; ``viewer`` (closed loop) receives its frames.
         ``conversation`` (the OpenAI gateway's messages, ending with ``message``) is the
@@ -184,7 +186,10 @@ class TurnManager:
         ``replaces``: the turn regenerates (``message`` None: the replaced turn's user
         message again) or edits an earlier turn, whose messages and every later turn's
         leave the history; its ``meta`` frame says ``replaces`` so screens drop them too.
-        ``message_id``: the client's id of the user message (kept in the history)."""
+        ``message_id``: the client's id of the user message (kept in the history).
+        ``response``: the Responses API's request parameters, in the ``meta`` frame (any
+        pod builds the response object from it); ``background``: the turn runs to its
+        end with nobody watching (its worker counts as its watcher)."""
         if self.draining:
             raise Draining("worker is shutting down")
         if not self.redis_ready:
@@ -207,7 +212,7 @@ class TurnManager:
             idem = (idempotency_key, fp) if idempotency_key is not None else None
             return await self._admit(
                 sid, owner, message, system, max_tokens, idem, viewer, conversation,
-                replaces, message_id,
+                replaces, message_id, response=response, background=background,
             )  # fmt: skip
         except BaseException:
             if idempotency_key is not None:
@@ -227,6 +232,9 @@ class TurnManager:
         conversation: list[dict[str, str]] | None = None,
         replaces: Replace | None = None,
         message_id: str | None = None,
+        *,
+        response: Mapping[str, Any] | None = None,
+        background: bool = False,
     ) -> TurnStarted:
         t0 = time.monotonic()
         for attempt in range(self.cfg.lock_retry + 1):
@@ -284,6 +292,8 @@ class TurnManager:
             }
             if replaced is not None:
                 extra["replaces"] = replaced
+            if response is not None:
+                extra["response"] = dict(response)
             # the producer API writes the turn: generation, meta frame, the lock named
             gen = await Claim(self.producer.session(sid), owner).open(
                 message,
@@ -313,7 +323,7 @@ class TurnManager:
         prompt += convo
         turn = RunningTurn(
             sid, gen, lease, owner, prompt, message, max_tokens, t0, rkey, viewer=viewer,
-            first_offset=offset, user_id=message_id or "",
+            first_offset=offset, user_id=message_id or "", background=background,
         )  # fmt: skip
         self.running[sid] = turn
         if adm.stopped.is_set():  # a stop that came after the wait: carried out at once

@@ -229,8 +229,11 @@ class RunningTurn:
     viewer: DirectViewer | None = None  # the closed-loop client, while it is attached
     first_offset: int = 0  # the turn's meta frame
     user_id: str = ""  # the user message's id (the client's, or made from the turn)
+    background: bool = False  # runs to its end unwatched (a Responses background turn)
 
     def local_watchers(self) -> int:
+        if self.background:
+            return 1
         return 1 if self.viewer is not None and self.viewer.attached else 0
 
     def done_meta(self) -> dict[str, Any]:

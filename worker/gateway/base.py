@@ -16,8 +16,8 @@ import orjson
 from aiohttp import web
 
 from relay.protocol.codes import Refusal
+from relay.service.apikeys import check_api_key
 from worker.access import WorkerAccess
-from worker.apikeys import check_api_key
 from worker.chat.turn import TurnManager
 from worker.engines.client import EngineClient
 from worker.gateway.wire import ChatRequest, WireError, error_body

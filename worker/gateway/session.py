@@ -31,7 +31,7 @@ from aiohttp import web
 from relay.broker.errors import RelayError
 from relay.protocol.auth import AuthError
 from relay.protocol.keys import InvalidSessionId, parse_session
-from worker.apikeys import check_api_key
+from relay.service.apikeys import check_api_key
 from worker.chat.direct import DirectViewer
 from worker.chat.turnstate import Draining, TurnBusy
 from worker.gateway.base import Gateway

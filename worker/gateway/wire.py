@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from relay.protocol.responses import error_body
+
 __all__ = [
     "PASS_THROUGH",
     "ChatRequest",
@@ -239,9 +241,3 @@ def completion(
         ],
         "usage": dict(use),
     }
-
-
-def error_body(
-    message: str, kind: str, code: str | None = None, param: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -30,10 +30,10 @@ from relay.broker.errors import RelayError
 from relay.protocol.auth import AuthError, Scope
 from relay.protocol.codes import Refusal
 from relay.protocol.keys import InvalidSessionId, parse_session
+from relay.service.apikeys import check_api_key
 from relay.service.errors import RETRY_AFTER, refusal
 from relay.service.httpguard import client_gone
 from worker.access import WorkerAccess
-from worker.apikeys import check_api_key
 from worker.jobs.queue import JobSubmitter
 from worker.jobs.record import JobSpec, JobStore, new_job_id, parse_job_id, public_view
 

@@ -83,6 +83,7 @@ class Transport(enum.StrEnum):
     SSE = "sse"
     WS = "ws"
     UI = "ui"  # the AI SDK UI message stream (SSE framing of its own)
+    RESPONSES = "responses"  # OpenAI's Responses events of one response
     READER = "reader"  # no socket: code in this process (tests, benchmarks)
 
 

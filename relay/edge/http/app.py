@@ -16,7 +16,7 @@ from aiohttp import web
 
 from relay.edge.config import RelayConfig
 from relay.edge.fanout.hub import Hub
-from relay.edge.http import handlers
+from relay.edge.http import handlers, responses
 from relay.edge.http.server import EdgeServer
 from relay.service import openapi, runtime
 from relay.service.httpguard import ConnLimits, guard_app
@@ -44,6 +44,7 @@ def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
         "/v1/sessions/{sid:[^/]+}/ws": handlers.ws_handler,
         "/v1/sessions/{sid:[^/]+}/ui-stream": handlers.ui_stream_handler,  # the AI SDK's
         "/v1/chat/{sid:[^/]+}/stream": handlers.ui_stream_handler,  # the SDK's resume URL
+        "/v1/responses/{rid}": responses.responses_stream_handler,  # OpenAI's, ?stream=true
     }
     for path, handler in streams.items():
         # no HEAD: a stream's handler writes its body whatever the method, and a HEAD

@@ -100,7 +100,8 @@ class EdgeServer:
         self.metrics = RelayMetrics(config.relay_id)
         self.supervisor = Supervisor(self.metrics.registry, backoff=QUICK_BACKOFF)
         m = self.metrics
-        meters = {t: OutMeter(m, t) for t in (Transport.SSE, Transport.WS, Transport.UI)}
+        meters = {t: OutMeter(m, t) for t in (Transport.SSE, Transport.WS, Transport.UI,
+                                                 Transport.RESPONSES)}  # fmt: skip
         # one bound method per transport, shared by its sockets (not one per socket)
         self._senders: dict[Transport, Callable[[list[Delivery], int], None]] = {
             t: meter.sent for t, meter in meters.items()
@@ -241,10 +242,10 @@ class EdgeServer:
         except InvalidSessionId as exc:
             raise Reject(400, Refusal.INVALID_SESSION, str(exc)) from None
 
-    def authorize(self, request: web.Request, sid: str) -> Access:
-        """The verified token (limits and expiry are applied to it in :meth:`admit`)."""
+    def address(self, request: web.Request) -> str:
+        """The client's address (through trusted proxies); Reject 400 for a bad header."""
         try:
-            address = client_address(
+            return client_address(
                 request.remote,
                 request.headers.get("X-Forwarded-For"),
                 self.trusted,
@@ -252,6 +253,10 @@ class EdgeServer:
             )
         except BadForwardedFor as exc:
             raise Reject(400, Refusal.INVALID_FORWARDED_FOR, str(exc)) from None
+
+    def authorize(self, request: web.Request, sid: str) -> Access:
+        """The verified token (limits and expiry are applied to it in :meth:`admit`)."""
+        address = self.address(request)
         if self.keys is None:
             return Access(None, 0, address)
         try:

@@ -1,9 +1,11 @@
-"""Bearer API keys for the worker's session-less endpoints (OpenAI gateway, jobs).
+"""Bearer API keys for the endpoints that belong to no session token: pure.
 
-Session endpoints take a session token (``relay.protocol.auth``); endpoints that belong to no
-session (``/v1/chat/completions``, ``/v1/jobs`` without a session) take one of the
-operator's API keys (``--gateway-key``). Every configured key is compared, in constant
-time, so the time taken does not tell which key (or how much of one) matched.
+Session endpoints take a session token (``relay.protocol.auth``); the worker's OpenAI
+gateway (``/v1/chat/completions``, ``/v1/responses``), its jobs without a session, and a
+relay's Responses stream (``GET /v1/responses/{id}?stream=true``) take one of the
+operator's API keys (``--gateway-key``, the same keys on workers and relays). Every
+configured key is compared, in constant time, so the time taken does not tell which key
+(or how much of one) matched.
 """
 
 from __future__ import annotations
