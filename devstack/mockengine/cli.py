@@ -79,13 +79,16 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     ] = 0
     kv_events_port: Annotated[
         int,
-        opt("publish vLLM's KV-cache events on this ZeroMQ PUB port of --host (vLLM's "
-            "default 5557; 0: off)", ge=0, le=65535),
+        opt(
+            "publish vLLM's KV-cache events on this ZeroMQ PUB port of --host (vLLM's "
+            "default 5557; 0: off)",
+            ge=0,
+            le=65535,
+        ),
     ] = 0
     kv_events_replay_port: Annotated[
         int,
-        opt("the replay (ROUTER) port of the KV events (0: --kv-events-port + 1)",
-            ge=0, le=65535),
+        opt("the replay (ROUTER) port of the KV events (0: --kv-events-port + 1)", ge=0, le=65535),
     ] = 0
 
     @property

@@ -41,7 +41,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from worker.routing.kvwire import BlockRemoved, BlockStored, KVEvent
+from worker.routing.kvwire import BlockHash, BlockRemoved, BlockStored, KVEvent
 from worker.routing.tokens import message_text, prompt_tokens, token_id, tokenize
 
 __all__ = [
@@ -163,11 +163,11 @@ class PrefixCache:
         if self._events is not None:
             self._record_stored(tokens, hashes)
         self._touch(hashes)
-        gone: list[bytes] = []
+        gone: list[BlockHash] = []
         while len(self._blocks) > self.capacity_blocks:
             gone.append(self._blocks.popitem(last=False)[0])
         if gone and self._events is not None:
-            self._events.append(BlockRemoved(list(gone), "GPU"))
+            self._events.append(BlockRemoved(gone, "GPU"))
         return len(gone)
 
     def take_events(self) -> list[KVEvent]:
@@ -189,7 +189,7 @@ class PrefixCache:
                 first = run[0]
                 ids = [token_id(t) for t in tokens[first * bs : (run[-1] + 1) * bs]]
                 parent = hashes[first - 1] if first else None
-                stored = [hashes[j] for j in run]
+                stored: list[BlockHash] = [hashes[j] for j in run]
                 self._events.append(BlockStored(stored, parent, ids, bs, None, "GPU"))
                 run = []
 

@@ -63,6 +63,7 @@ class IndexStats:
     duplicates: int = 0  # batches already applied (replay overlap)
     gaps: int = 0
     unfilled: int = 0
+    restarts: int = 0
     skipped: dict[str, int] = field(default_factory=dict)  # unusable events, by reason
 
     def skip(self, reason: str, n: int = 1) -> None:
@@ -135,10 +136,15 @@ class BlockIndex:
     def sequence(self, name: str, seq: int) -> SeqVerdict:
         """What to do with the engine's batch numbered ``seq``; ``"apply"`` moves the
         expected number on (the caller then applies it), ``"gap"`` leaves it (replay
-        from :meth:`expected` first)."""
+        from :meth:`expected` first). A batch 0 after later ones is a restarted engine
+        (its counter starts again, its cache is empty): its blocks are dropped."""
         e = self._engines.get(name)
         if e is None:
             return "duplicate"
+        if seq == 0 and e.next_seq is not None and e.next_seq > 1:
+            self.stats.restarts += 1
+            self._clear(e)
+            e.next_seq = None
         if e.next_seq is None or seq == e.next_seq:
             e.next_seq = seq + 1
             return "apply"
@@ -147,6 +153,16 @@ class BlockIndex:
             return "duplicate"
         self.stats.gaps += 1
         return "gap"
+
+    def reset_engine(self, name: str) -> None:
+        """The engine went down (it may come back restarted): forget its blocks and its
+        sequence; it counts again from its next batch."""
+        e = self._engines.get(name)
+        if e is not None:
+            self._clear(e)
+            e.next_seq = None
+            e.resync_until = 0.0
+            self._set_live(e, False)
 
     def expected(self, name: str) -> int | None:
         e = self._engines.get(name)

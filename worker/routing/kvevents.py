@@ -139,9 +139,10 @@ class KVEventFollower:
                 if self._ctx is not None:
                     self._spawn(src)
 
-    def drop_engine(self, name: str) -> None:
-        """The engine left (the control plane removed it): forget its blocks."""
-        self._drop(name)
+    def engine_down(self, name: str) -> None:
+        """The control plane lost the engine: forget its blocks (it may come back
+        restarted, its cache empty); the subscription stays (ZeroMQ reconnects)."""
+        self.index.reset_engine(name)
 
     def _drop(self, name: str) -> None:
         self._sources.pop(name, None)
