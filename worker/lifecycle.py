@@ -235,7 +235,7 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     exchange = LoadExchange(redis, router, cfg.worker_id) if cfg.load_exchange else None
     access = access_check(cfg)
     app[STATE] = WorkerState(
-        cfg, redis, http, router, metrics, turns, control, exchange, own, access, sup
+        cfg, redis, http, router, metrics, turns, control, exchange, own, access, sup, follower
     )
     app[GATEWAY] = Gateway(
         GatewayConfig(

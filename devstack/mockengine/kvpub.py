@@ -91,9 +91,13 @@ class KVEventPublisher:
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))
+        self._send(seq, payload)
+        self.published += 1
+
+    def _send(self, seq: int, payload: bytes) -> None:
+        assert self._pub is not None
         with contextlib.suppress(zmq.Again):
             self._pub.send_multipart((self.topic, encode_seq(seq), payload), flags=zmq.NOBLOCK)
-        self.published += 1
 
     async def _serve_replay(self, router: zmq.asyncio.Socket) -> None:
         while True:

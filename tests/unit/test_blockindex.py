@@ -10,6 +10,7 @@ from devstack.mockengine.prefix_cache import PrefixCache, prompt_tokens
 from worker.routing.blockindex import BlockIndex
 from worker.routing.kvwire import (
     AllBlocksCleared,
+    BlockHash,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
@@ -68,13 +69,14 @@ def test_the_mock_tokenizer_is_shared_and_deterministic() -> None:
     msgs = _msgs("be brief", "hello, world")
     ids = prompt_ids(msgs)
     assert ids == [token_id(t) for t in prompt_tokens(msgs)]
-    assert token_id("<|system|>") == token_id("<|system|>") and 0 <= ids[0] < 2**31
+    assert token_id("<|system|>") == token_id("<|system|>")
+    assert 0 <= ids[0] < 2**31
     longer = prompt_ids([*msgs, {"role": "assistant", "content": "hi"}])
     head = block_keys(ids, BS)
     assert block_keys(longer, BS)[: len(head) - 1] == head[:-1]  # chained: a shared prefix
 
 
-def _stored(hashes: list[int], parent: int | None, tokens: list[int]) -> BlockStored:
+def _stored(hashes: list[BlockHash], parent: BlockHash | None, tokens: list[int]) -> BlockStored:
     return BlockStored(hashes, parent, tokens, BS, None, "GPU")
 
 
@@ -90,11 +92,13 @@ def test_sequence_gaps_duplicates_and_restarts() -> None:
     assert ix.sequence("a", 5) == "apply"  # the first one seen: taken as it comes
     assert ix.sequence("a", 6) == "apply"
     assert ix.sequence("a", 6) == "duplicate"
-    assert ix.sequence("a", 9) == "gap" and ix.expected("a") == 7
+    assert ix.sequence("a", 9) == "gap"
+    assert ix.expected("a") == 7
     ix.apply("a", KVEventBatch(0, [_stored([1], None, [1, 2, 3, 4])]), 0.0)
     assert ix.blocks("a") == 1
     assert ix.sequence("a", 0) == "apply"  # a restarted engine: counts again from 0
-    assert ix.blocks("a") == 0 and ix.stats.restarts == 1
+    assert ix.blocks("a") == 0
+    assert ix.stats.restarts == 1
     assert ix.sequence("nobody", 0) == "duplicate"
 
 
@@ -105,7 +109,9 @@ def test_an_unfilled_gap_drops_the_engine_until_resynced() -> None:
     ix.apply("a", KVEventBatch(0, [_stored([1], None, [1, 2, 3, 4])]), 0.0)
     assert ix.match(keys) == {"a": 1}
     ix.unfilled("a", now=10.0, resync_s=5.0)
-    assert ix.match(keys) == {} and not ix.live("a") and ix.blocks("a") == 0
+    assert ix.match(keys) == {}
+    assert not ix.live("a")
+    assert ix.blocks("a") == 0
     assert ix.sequence("a", 40) == "apply"
     ix.apply("a", KVEventBatch(0, [_stored([1], None, [1, 2, 3, 4])]), 12.0)
     assert not ix.live("a")  # relearning: still estimated
@@ -119,11 +125,13 @@ def test_clear_remove_and_bits_reused() -> None:
     for n in ("a", "b"):
         ix.sequence(n, 0)
         ix.apply(n, KVEventBatch(0, [_stored([10, 11], None, list(range(8)))]), 0.0)
-    assert ix.match(keys) == {"a": 2, "b": 2} and len(ix) == 2
+    assert ix.match(keys) == {"a": 2, "b": 2}
+    assert len(ix) == 2
     ix.apply("a", KVEventBatch(0, [AllBlocksCleared()]), 0.0)
     assert ix.match(keys) == {"a": 0, "b": 2}
     ix.remove_engine("b")
-    assert ix.match(keys) == {"a": 0} and len(ix) == 0
+    assert ix.match(keys) == {"a": 0}
+    assert len(ix) == 0
     ix.add_engine("c")  # takes b's bit, holds nothing of b's
     ix.sequence("c", 0)
     ix.apply("c", KVEventBatch(0, []), 0.0)
@@ -155,7 +163,8 @@ def test_events_it_cannot_use_are_counted() -> None:
     capped.add_engine("a")
     capped.sequence("a", 0)
     capped.apply("a", KVEventBatch(0, [_stored([1, 2], None, list(range(8)))]), 0.0)
-    assert capped.blocks("a") == 1 and capped.stats.skipped == {"max_blocks": 1}
+    assert capped.blocks("a") == 1
+    assert capped.stats.skipped == {"max_blocks": 1}
 
 
 def test_lora_blocks_never_match_a_prompt_without_the_adapter() -> None:

@@ -29,16 +29,15 @@ def _index(live: dict[str, int]) -> BlockIndex:
 
 def _turn(key: str = "k", **kw: object) -> TurnInfo:
     prompt = [*PREFIX, *range(10_000, 10_200)]
-    return TurnInfo(
-        prompt_tokens=len(prompt), key=key, blocks=tuple(block_keys(prompt, BS)), **kw
-    )  # type: ignore[arg-type]
+    return TurnInfo(prompt_tokens=len(prompt), key=key, blocks=tuple(block_keys(prompt, BS)), **kw)  # type: ignore[arg-type]
 
 
 def test_precise_goes_where_the_index_says_the_prefix_is() -> None:
     ix = _index({"a": 0, "b": 0, "c": 4096})
     m = CostModel(["a", "b", "c"], index=ix)
     choice = m.choose(_turn())
-    assert choice.engine == "c" and choice.held_tokens == 4096
+    assert choice.engine == "c"
+    assert choice.held_tokens == 4096
     assert choice.reason is RouteReason.PREFERRED
     # the estimate, without the index, knows nothing of c's cache
     assert CostModel(["a", "b", "c"]).choose(_turn()).held_tokens == 0
@@ -58,7 +57,8 @@ def test_engines_without_events_are_estimated() -> None:
     m = CostModel(["a", "b"], index=ix)
     turn = _turn(prev_engine="b", prev_tokens=4096, prev_mark=0)
     choice = m.choose(turn)
-    assert choice.engine == "b" and choice.held_tokens == 4096  # by the estimate
+    assert choice.engine == "b"
+    assert choice.held_tokens == 4096
     assert m.costs(turn, {})["a"][1] == 0  # by the index
 
 
@@ -70,7 +70,8 @@ def test_a_shared_prefix_in_flight_counts_before_its_blocks_are_published() -> N
     m.admitted(1, c1, first)  # prefill under way: no BlockStored yet
     costs = m.costs(_turn("u2", shared_key="sys", shared_tokens=4096), {})
     other = "b" if c1.engine == "a" else "a"
-    assert costs[c1.engine][1] == 4096 and costs[other][1] == 0
+    assert costs[c1.engine][1] == 4096
+    assert costs[other][1] == 0
 
 
 def test_the_router_routes_precisely_and_turns_without_blocks_fall_back() -> None:

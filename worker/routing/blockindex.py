@@ -180,6 +180,13 @@ class BlockIndex:
         e.resync_until = now + resync_s
         self._set_live(e, False)
 
+    def synced(self, name: str, now: float) -> None:
+        """The engine's replay answered in full: the index knows its cache (empty, if it
+        published nothing), so it counts from now on (unless it is resyncing)."""
+        e = self._engines.get(name)
+        if e is not None and not e.live and now >= e.resync_until:
+            self._set_live(e, True)
+
     def tick(self, now: float) -> None:
         """Engines whose resync time is over count again."""
         for e in self._engines.values():

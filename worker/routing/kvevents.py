@@ -48,7 +48,7 @@ __all__ = ["EventSource", "KVEventFollower", "parse_kv_events_arg"]
 log = logging.getLogger(__name__)
 
 _COUNTS: Final = (
-    "messages",  # live messages received
+    "messages",  # live messages handled
     "batches_applied",
     "events_applied",
     "duplicates",
@@ -189,8 +189,8 @@ class KVEventFollower:
                 replay = await self._replay(src, replay, 0)
             while True:
                 frames = await sub.recv_multipart()
-                self.counts["messages"] += 1
                 replay = await self._message(src, frames, replay)
+                self.counts["messages"] += 1
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug or a dead context: the engine falls back
@@ -282,6 +282,7 @@ class KVEventFollower:
                 self._lost(src.engine, exc.kind, str(exc))
                 continue
             if seq == END_SEQ:
+                self.index.synced(src.engine, self._clock())
                 return sock
             self.counts["replayed"] += 1
             if self.index.sequence(src.engine, seq) == "apply":
