@@ -84,10 +84,15 @@ class _Engine:
 class BlockIndex:
     """Engines -> block keys, and block keys -> engines. Not thread-safe: one event loop."""
 
-    def __init__(self, block_size: int = 16, *, max_blocks: int = 4_000_000) -> None:
+    def __init__(
+        self, block_size: int = 16, *, max_blocks: int = 4_000_000, tokens_per_block: int = 0
+    ) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.block_size = block_size
+        # prompt tokens one block stands for (the cost model's unit): the block size,
+        # unless the events name blocks by one id each (the routing simulator's)
+        self.tokens_per_block = tokens_per_block or block_size
         self.max_blocks = max_blocks  # per engine; beyond it new blocks are skipped
         self.stats = IndexStats()
         self._holders: dict[int, int] = {}

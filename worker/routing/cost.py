@@ -180,7 +180,7 @@ class CostModel:
         turn = self.resolve(turn)
         index = self.index
         known = index.match(turn.blocks) if index is not None and turn.blocks else {}
-        bs = index.block_size if index is not None else 0
+        bs = index.tokens_per_block if index is not None else 0
         for e in self.engines:
             n_other = max(0, others.get(e, 0))
             running = self._count.get(e, 0) + n_other
