@@ -45,7 +45,7 @@ from bench.routing.policies import (
 from bench.routing.workloads import Request
 from worker.routing.blockindex import BlockIndex
 from worker.routing.cost import CostProfile
-from worker.routing.kvwire import BlockRemoved, BlockStored, KVEventBatch
+from worker.routing.kvwire import BlockHash, BlockRemoved, BlockStored, KVEventBatch
 from worker.routing.loadshare import WorkerReport, compute_view
 from worker.routing.policy import DEFAULT_QUEUE, DEFAULT_ROUTING
 
@@ -174,9 +174,9 @@ def run(cfg: SimConfig, reqs: list[Request]) -> dict[str, Any]:
         batch = KVEventBatch(
             now,
             [
-                BlockStored(b, parent, b, 1, None, "GPU")
+                BlockStored(list[BlockHash](b), parent, b, 1, None, "GPU")
                 if kind == "stored"
-                else BlockRemoved(b, "GPU")
+                else BlockRemoved(list[BlockHash](b), "GPU")
                 for kind, b, parent in out
             ],
         )

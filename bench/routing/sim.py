@@ -319,7 +319,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--workloads",
         default=",".join(DEFAULT_WORKLOADS),
-        help=f"comma-separated subset of {','.join(WORKLOADS)} (default: {','.join(DEFAULT_WORKLOADS)})",
+        help=f"comma-separated subset of {','.join(WORKLOADS)} "
+        f"(default: {','.join(DEFAULT_WORKLOADS)})",
     )
     ap.add_argument(
         "--policies", default=",".join(POLICIES), help="comma-separated subset (default: all)"

@@ -299,21 +299,22 @@ class BlockIndex:
         if not mask:
             return out
         names = self._names
-        holders = self._holders
-        depth = 0
-        for k in keys:
-            m = holders.get(k, 0) & mask
-            lost = mask & ~m
+        get = self._holders.get
+        depth = len(keys)
+        for i, k in enumerate(keys):
+            m = get(k, 0) & mask
+            if m == mask:
+                continue
+            lost = mask ^ m
             while lost:
                 low = lost & -lost
                 name = names[low.bit_length() - 1]
                 if name is not None:
-                    out[name] = depth
+                    out[name] = i
                 lost ^= low
             mask = m
             if not mask:
                 return out
-            depth += 1
         while mask:
             low = mask & -mask
             name = names[low.bit_length() - 1]

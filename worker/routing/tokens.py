@@ -36,6 +36,7 @@ __all__ = [
     "Tokenizer",
     "block_keys",
     "chain_key",
+    "clear_cache",
     "message_text",
     "prompt_ids",
     "prompt_tokens",
@@ -85,8 +86,27 @@ def token_id(token: str) -> int:
 
 
 def prompt_ids(messages: Sequence[Mapping[str, object]]) -> list[int]:
-    """The mock model's :data:`Tokenizer`: the rendered prompt as token ids."""
-    return [token_id(t) for t in prompt_tokens(messages)]
+    """The mock model's :data:`Tokenizer`: the rendered prompt as token ids (each
+    message's ids are cached: a session's history and a system prompt come back every
+    turn)."""
+    ids: list[int] = []
+    for message in messages:
+        ids += _message_ids(str(message.get("role", "user")), message_text(message.get("content")))
+    ids.append(_ASSISTANT)
+    return ids
+
+
+def clear_cache() -> None:
+    """Forget the cached messages (a benchmark's cold start)."""
+    _message_ids.cache_clear()
+
+
+@lru_cache(maxsize=16_384)
+def _message_ids(role: str, text: str) -> tuple[int, ...]:
+    return (token_id(f"<|{role}|>"), *map(token_id, tokenize(text)), token_id("<|end|>"))
+
+
+_ASSISTANT: Final = token_id("<|assistant|>")
 
 
 def chain_key(parent: int, tokens: Sequence[int]) -> int:
