@@ -51,7 +51,7 @@ and prefix hits. Deterministic; nothing here reads a clock or a random source.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -428,11 +428,19 @@ class Engine:
             assert s.private == 0
 
 
-def replay(params: EngineParams, seqs: Iterable[Seq], audit: bool = False) -> Engine:
+def replay(
+    params: EngineParams,
+    seqs: Iterable[Seq],
+    audit: bool = False,
+    on_step: Callable[[Engine], object] | None = None,
+) -> Engine:
     """Run one engine over ``seqs``, each submitted at its ``arrival`` (seconds), by the
     clock rule of the module docstring, until all finish; returns the engine (the
-    sequences record their times). ``audit``: :meth:`Engine.check` after every step."""
+    sequences record their times). ``audit``: :meth:`Engine.check` after every step;
+    ``on_step``: called with the engine after every step (its KV events recorded)."""
     e = Engine(params)
+    if on_step is not None:
+        e.kv_events = []
     order = sorted(seqs, key=lambda s: s.arrival)
     now, k, n = 0.0, 0, len(order)
     while k < n or e.has_work():
@@ -448,4 +456,6 @@ def replay(params: EngineParams, seqs: Iterable[Seq], audit: bool = False) -> En
         e.end(now)
         if audit:
             e.check()
+        if on_step is not None:
+            on_step(e)
     return e
