@@ -100,9 +100,8 @@ def _trace(path: str, limit: int) -> tuple[Request, ...]:
     return tuple(load_trace(path, limit=limit))
 
 
-def _synth_cfg(quick: bool, kind: str = "synthetic") -> SynthConfig:
-    base = SHARED_PREFIX if kind == "shared_prefix" else SynthConfig()
-    return replace(base, duration_s=90.0 if quick else 600.0)
+def _synth_cfg(quick: bool) -> SynthConfig:
+    return SynthConfig(duration_s=90.0 if quick else 600.0)
 
 
 def _native_rps(reqs: Sequence[Request]) -> float:
@@ -133,7 +132,9 @@ def capacity(kind: str, path: str, quick: bool, seed: int, engines: int) -> floa
 def _base(kind: str, path: str, quick: bool, seed: int, rate: float) -> tuple[Request, ...]:
     if kind == "trace":
         return _trace(path, 1500 if quick else 0)
-    cfg = replace(_synth_cfg(quick, kind), rate=rate)
+    cfg = replace(_synth_cfg(quick), rate=rate)
+    if kind == "shared_prefix":
+        cfg = replace(SHARED_PREFIX, duration_s=cfg.duration_s, rate=rate)
     return tuple(synthetic(cfg, seed=seed))
 
 
@@ -175,7 +176,7 @@ def run_all(
     engines: int = 8,
     procs: int = 2,
     policies: Sequence[str] = POLICIES,
-    workloads: Sequence[str] = WORKLOADS,
+    workloads: Sequence[str] = DEFAULT_WORKLOADS,
     base: SimConfig | None = None,
 ) -> dict[str, Any]:
     """Every workload, level, policy and seed; ``base``: the settings every run starts
