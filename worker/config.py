@@ -59,6 +59,7 @@ from worker.jobs.record import JOB_TTL_S
 from worker.routing.control import parse_engine_arg
 from worker.routing.key import DEFAULT_PREFIX_CHARS
 from worker.routing.kvevents import EventSource, parse_kv_events_arg
+from worker.routing.tokens import MOCK_MODEL
 from worker.routing.lease import EngineSpec
 from worker.routing.policy import (
     DEFAULT_QUEUE,
@@ -152,7 +153,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_reply_bytes: Annotated[
         int, opt("an engine reply is cut (and stored) at this many bytes", ge=1024)
     ] = 256 * 1024
-    model: Annotated[str, opt("model name sent to engines")] = "tokenrelay-mock"
+    model: Annotated[str, opt("model name sent to engines")] = MOCK_MODEL
     worker_id: Annotated[str, opt("unique id (empty: hostname-pid)")] = ""
     coalesce_tokens: Annotated[int, opt("flush a frame at this many tokens", ge=1)] = (
         DEFAULT_POLICY.max_tokens
@@ -263,6 +264,13 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise settings.ConfigError(str(exc)) from None
         if self.engine_kv_events and self.routing != "precise":
             raise settings.ConfigError("--engine-kv-events needs --routing precise")
+        if self.routing == "precise" and self.model != MOCK_MODEL:
+            # the prompt's block keys come from the served model's tokenizer and chat
+            # template; the worker has the mock engine's only (worker/routing/tokens.py)
+            raise settings.ConfigError(
+                f"--routing precise knows the tokenizer of the mock engine's model "
+                f"({MOCK_MODEL}) only, not {self.model!r}"
+            )
         return self
 
     # -- derived: what the running worker uses, computed from the fields here only ----------

@@ -134,6 +134,7 @@ def test_precise_routing_takes_each_engines_kv_events_endpoint() -> None:
     ("flags", "reason"),
     [
         (["--engine-kv-events", "e1=tcp://127.0.0.1:5557"], "needs --routing precise"),
+        (["--routing", "precise", "--model", "Qwen/Qwen3-32B"], "tokenizer of the mock"),
         (["--routing", "precise", "--engine-kv-events", "tcp://h:1"], "ID=tcp://HOST:PORT"),
         (["--routing", "precise", "--engine-kv-events", "e1=http://h:1"], "tcp://HOST:PORT"),
         (

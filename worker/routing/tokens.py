@@ -33,6 +33,7 @@ from functools import lru_cache
 from typing import Final
 
 __all__ = [
+    "MOCK_MODEL",
     "Tokenizer",
     "block_keys",
     "chain_key",
@@ -45,6 +46,7 @@ __all__ = [
 ]
 
 Tokenizer = Callable[[Sequence[Mapping[str, object]]], list[int]]
+MOCK_MODEL: Final = "tokenrelay-mock"  # the model the mock engine serves with this tokenizer
 
 _TOKEN_RE: Final = re.compile(r"\w+|[^\w\s]")
 
