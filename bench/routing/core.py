@@ -75,9 +75,13 @@ class SimConfig:
     route_queue: float = DEFAULT_QUEUE
     recompute_weight: float = CostProfile().recompute_weight
     # precise: the engines' KV events reach the index this late, and this fraction of
-    # batches never does (lost with no replay: the index does not know it is wrong)
+    # batches never does: lost silently (the index does not know it is wrong) or, with
+    # kv_drop_detected, as a gap no replay fills (the worker's rule: the engine's blocks
+    # are dropped and it is estimated for kv_resync_s)
     kv_delay_s: float = 0.0
     kv_drop: float = 0.0
+    kv_drop_detected: bool = False
+    kv_resync_s: float = 10.0
 
 
 def derived_cap(reqs: list[Request], params: EngineParams) -> int:
@@ -182,6 +186,8 @@ def run(cfg: SimConfig, reqs: list[Request]) -> dict[str, Any]:
         )
         out.clear()
         if cfg.kv_drop and drop_rng.random() < cfg.kv_drop:
+            if cfg.kv_drop_detected:
+                blocks.unfilled(ids[i], now + cfg.kv_delay_s, cfg.kv_resync_s)
             return
         if cfg.kv_delay_s:
             push(now + cfg.kv_delay_s, KV, (i, batch))

@@ -11,8 +11,10 @@ What it answers, in one run (the machine is shared: the timings are ratios of on
 2. **Workers**: the same on the shared-prefix workload at 1.0 x with 2, 4 and 8 workers (the
    estimate knows only its own worker's decisions; the index is the same in every worker).
 3. **Staleness**: ``precise`` on the shared-prefix workload at 1.0 x with its events
-   delayed (0 to 16 s) or lost (5 to 80 % of the batches, silently: no replay) beside
-   ``cost_aware``: how stale the index may get before precise stops winning.
+   delayed (0 to 16 s) or lost (5 to 80 % of the batches), the loss either unseen (the
+   index is silently wrong) or seen as a gap no replay fills (the worker's rule: the
+   engine's blocks dropped, the engine estimated for 10 s), beside ``cost_aware``: how
+   stale the index may get before precise stops winning.
 4. **Costs** (``micro``): the index's memory per million blocks; the events one worker
    absorbs per second (decode + sequence check + apply, CPU per event, vLLM-sized batches);
    a routing decision (route + release) with the index against today's ``cost_aware``
@@ -71,6 +73,7 @@ def _sim(args: tuple[str, str, str, int, bool, SimConfig]) -> tuple[tuple[Any, .
     reqs = workload(kind, level, str(TRACE), quick, seed, base.engines)
     res = run(replace(base, policy=policy, seed=seed), reqs)
     key = (kind, level, policy, seed, base.workers, base.kv_delay_s, base.kv_drop)
+    key += (base.kv_drop_detected,)
     return key, {m: res[m] for m in METRICS}
 
 
@@ -96,12 +99,16 @@ def sweeps(quick: bool, seeds: Sequence[int], procs: int, workers: int) -> dict[
         base = SimConfig(workers=workers, kv_delay_s=d)
         tasks += [("shared_prefix", "1.0", "precise", s, quick, base) for s in seeds]
     for p in DROPS:
-        base = SimConfig(workers=workers, kv_drop=p)
-        tasks += [("shared_prefix", "1.0", "precise", s, quick, base) for s in seeds]
+        for detected in (False, True):
+            base = SimConfig(workers=workers, kv_drop=p, kv_drop_detected=detected)
+            tasks += [("shared_prefix", "1.0", "precise", s, quick, base) for s in seeds]
     got = _pool_map(tasks, procs)
 
-    def mean(pol: str, w: int, delay: float = 0.0, drop: float = 0.0) -> dict[str, float]:
-        return _mean([got[("shared_prefix", "1.0", pol, s, w, delay, drop)] for s in seeds])
+    def mean(
+        pol: str, w: int, delay: float = 0.0, drop: float = 0.0, detected: bool = False
+    ) -> dict[str, float]:
+        keys = [("shared_prefix", "1.0", pol, s, w, delay, drop, detected) for s in seeds]
+        return _mean([got[k] for k in keys])
 
     return {
         "workers": {
@@ -111,6 +118,9 @@ def sweeps(quick: bool, seeds: Sequence[int], procs: int, workers: int) -> dict[
             "cost_aware": mean("cost_aware", workers),
             "delay_s": {f"{d:g}": mean("precise", workers, delay=d) for d in DELAYS},
             "drop": {f"{p:g}": mean("precise", workers, drop=p) for p in DROPS},
+            "drop_detected": {
+                f"{p:g}": mean("precise", workers, drop=p, detected=True) for p in DROPS
+            },
         },
     }
 
@@ -298,7 +308,10 @@ def _sweeps(lines: list[str], res: dict[str, Any]) -> None:
     for d, r in st["delay_s"].items():
         lines.append(_row([f"{d} s late", r["hit_rate"], r["goodput_rps"], r["ttft_p99_ms"]]))
     for p, r in st["drop"].items():
-        lost = f"{float(p):.0%} lost"
+        lost = f"{float(p):.0%} lost, unseen"
+        lines.append(_row([lost, r["hit_rate"], r["goodput_rps"], r["ttft_p99_ms"]]))
+    for p, r in st["drop_detected"].items():
+        lost = f"{float(p):.0%} lost, seen (estimated 10 s)"
         lines.append(_row([lost, r["hit_rate"], r["goodput_rps"], r["ttft_p99_ms"]]))
 
 
