@@ -59,7 +59,6 @@ from worker.jobs.record import JOB_TTL_S
 from worker.routing.control import parse_engine_arg
 from worker.routing.key import DEFAULT_PREFIX_CHARS
 from worker.routing.kvevents import EventSource, parse_kv_events_arg
-from worker.routing.tokens import MOCK_MODEL
 from worker.routing.lease import EngineSpec
 from worker.routing.policy import (
     DEFAULT_QUEUE,
@@ -69,6 +68,7 @@ from worker.routing.policy import (
     ROUTING_POLICIES,
     SPILL_POLICIES,
 )
+from worker.routing.tokens import MOCK_MODEL
 
 __all__ = ["LOCK_TTL_S", "WorkerConfig", "default_worker_id"]
 
