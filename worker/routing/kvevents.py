@@ -14,8 +14,10 @@ BlockIndex`; this shell keeps it current. Per engine that publishes events (vLLM
    for ``resync_s`` (the router estimates it meanwhile);
 4. a message that is not a batch (garbled, truncated, an unknown event tag, a bad frame)
    is lost information too: the same drop, the reason counted and logged once per engine
-   and reason; more than ``max_events_per_s`` events in a second (a flood) drops the
-   engine until the second is over, its batches counted, not applied.
+   and reason; more than ``max_events_per_s`` events in a second (a flood; the default
+   200,000 is below what one worker absorbs, ``bench.routing.precise``, and far above
+   what an engine's steps store and evict) drops the engine until the second is over,
+   its batches counted, not applied.
 
 Where an engine announces its events: the worker's ``--engine-kv-events
 ID=tcp://HOST:PUB[,tcp://HOST:REPLAY]`` (the replay port defaults to the PUB port + 1, as
@@ -103,7 +105,7 @@ class KVEventFollower:
         *,
         replay_timeout_s: float = 1.0,
         resync_s: float = 10.0,
-        max_events_per_s: int = 1_000_000,
+        max_events_per_s: int = 200_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.index = index
