@@ -72,8 +72,8 @@ def _sim(args: tuple[str, str, str, int, bool, SimConfig]) -> tuple[tuple[Any, .
     kind, level, policy, seed, quick, base = args
     reqs = workload(kind, level, str(TRACE), quick, seed, base.engines)
     res = run(replace(base, policy=policy, seed=seed), reqs)
-    key = (kind, level, policy, seed, base.workers, base.kv_delay_s, base.kv_drop)
-    key += (base.kv_drop_detected,)
+    stale = (base.kv_delay_s, base.kv_drop, base.kv_drop_detected)
+    key = (kind, level, policy, seed, base.workers, *stale)
     return key, {m: res[m] for m in METRICS}
 
 
