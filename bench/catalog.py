@@ -65,6 +65,13 @@ CATALOG: tuple[Benchmark, ...] = (
         plot=True,
     ),
     Benchmark(
+        "routing_precise",
+        "bench.routing.precise",
+        "precise routing on the engines' KV events vs the estimate: hits, goodput, TTFT, "
+        "staleness, index memory, events/s, route cost",
+        quick=("--quick", "--seeds", "1"),
+    ),
+    Benchmark(
         "pubsub_cluster",
         "bench.pubsub.cluster",
         "PUBLISH vs SPUBLISH cost on local Redis Clusters",

@@ -58,6 +58,7 @@ from relay.service.settings import (
 from worker.jobs.record import JOB_TTL_S
 from worker.routing.control import parse_engine_arg
 from worker.routing.key import DEFAULT_PREFIX_CHARS
+from worker.routing.kvevents import EventSource, parse_kv_events_arg
 from worker.routing.lease import EngineSpec
 from worker.routing.policy import (
     DEFAULT_QUEUE,
@@ -67,6 +68,7 @@ from worker.routing.policy import (
     ROUTING_POLICIES,
     SPILL_POLICIES,
 )
+from worker.routing.tokens import MOCK_MODEL
 
 __all__ = ["LOCK_TTL_S", "WorkerConfig", "default_worker_id"]
 
@@ -124,6 +126,16 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     discover_engines: Annotated[
         bool, opt("also use engines announced in Redis (tr:engines heartbeats)")
     ] = False
+    # precise routing: where an engine publishes its KV-cache events (worker/routing/kvevents.py)
+    engine_kv_events: Annotated[
+        tuple[str, ...],
+        opt("an engine's KV-cache events (vLLM --kv-events-config; repeatable): its ZeroMQ "
+            "PUB endpoint, and the replay one (default: the PUB port + 1)",
+            flag="--engine-kv-events", metavar="ID=tcp://HOST:PORT[,tcp://HOST:PORT]"),
+    ] = ()  # fmt: skip
+    kv_block_size: Annotated[
+        int, opt("precise: the engines' KV block size in tokens (vLLM --block-size)", ge=1)
+    ] = 16
     max_token_ttl_s: Annotated[
         int, opt("longest token lifetime, also capped by --session-ttl-s", ge=1)
     ] = SESSION_TTL_S
@@ -141,7 +153,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_reply_bytes: Annotated[
         int, opt("an engine reply is cut (and stored) at this many bytes", ge=1024)
     ] = 256 * 1024
-    model: Annotated[str, opt("model name sent to engines")] = "tokenrelay-mock"
+    model: Annotated[str, opt("model name sent to engines")] = MOCK_MODEL
     worker_id: Annotated[str, opt("unique id (empty: hostname-pid)")] = ""
     coalesce_tokens: Annotated[int, opt("flush a frame at this many tokens", ge=1)] = (
         DEFAULT_POLICY.max_tokens
@@ -175,8 +187,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     ] = DEFAULT_SPILL
     routing: Annotated[
         str, opt("cost_aware (default): least expected queue wait + prefill of what the "
-                 "engine does not hold; ring: prefix-aware consistent hashing; round_robin: "
-                 "a cache-blind baseline for measurements", choices=ROUTING_POLICIES)
+                 "engine does not hold; precise: the same with what the engines' KV events "
+                 "say they hold (--engine-kv-events); ring: prefix-aware consistent hashing; "
+                 "round_robin: a cache-blind baseline for measurements",
+                 choices=ROUTING_POLICIES)
     ] = DEFAULT_ROUTING  # fmt: skip
     # cost_aware: turns an engine takes past its cap (x the cap), each expected to get its
     # first token within route_queue_slo_s (worker/routing/router.py); 0: refuse at the cap
@@ -245,8 +259,18 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise settings.ConfigError("a --gateway-key must be at least 16 characters")
         try:
             _ = self.engines  # the URLs and the weights parse
+            _ = self.kv_event_sources
         except ValueError as exc:
             raise settings.ConfigError(str(exc)) from None
+        if self.engine_kv_events and self.routing != "precise":
+            raise settings.ConfigError("--engine-kv-events needs --routing precise")
+        if self.routing == "precise" and self.model != MOCK_MODEL:
+            # the prompt's block keys come from the served model's tokenizer and chat
+            # template; the worker has the mock engine's only (worker/routing/tokens.py)
+            raise settings.ConfigError(
+                f"--routing precise knows the tokenizer of the mock engine's model "
+                f"({MOCK_MODEL}) only, not {self.model!r}"
+            )
         return self
 
     # -- derived: what the running worker uses, computed from the fields here only ----------
@@ -274,6 +298,15 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
         if unknown and not self.discover_engines:
             raise ValueError(f"--engine-weight names no --engine: {', '.join(sorted(unknown))}")
         return specs
+
+    @property
+    def kv_event_sources(self) -> list[EventSource]:
+        """Each ``--engine-kv-events``; ValueError (one line) for a bad one or a repeat."""
+        sources = [parse_kv_events_arg(a) for a in self.engine_kv_events]
+        names = [s.engine for s in sources]
+        if len(set(names)) != len(names):
+            raise ValueError("--engine-kv-events names an engine twice")
+        return sources
 
     @property
     def coalesce(self) -> CoalescePolicy:

@@ -48,7 +48,9 @@ from worker.jobs.api import JOBS, JobsApi
 from worker.jobs.queue import JobSubmitter, QueueNames
 from worker.jobs.record import JobStore
 from worker.metrics import WorkerMetrics
+from worker.routing.blockindex import BlockIndex
 from worker.routing.control import ControlPlane
+from worker.routing.kvevents import KVEventFollower
 from worker.routing.loadshare import LoadExchange
 from worker.routing.router import Router
 from worker.state import STATE, WorkerState, access_check
@@ -114,6 +116,26 @@ def _connect_in_background(
     sup.every("redis_connect", _CONNECT_INTERVAL_S, attempt, critical=False)
 
 
+def _engine_down(
+    abort: Callable[[str, str], object], follower: KVEventFollower | None
+) -> Callable[[str, str], object]:
+    """The control plane lost an engine: its turns end, the block index forgets it."""
+
+    def down(engine_id: str, reason: str) -> object:
+        if follower is not None:
+            follower.engine_down(engine_id)
+        return abort(engine_id, reason)
+
+    return down
+
+
+def _tick(follower: KVEventFollower) -> Callable[[], Awaitable[None]]:
+    async def tick() -> None:
+        follower.tick()
+
+    return tick
+
+
 async def _always(*steps: Callable[[], Awaitable[object]]) -> None:
     """Run every cleanup step, whatever an earlier one raised (logged)."""
     for step in steps:
@@ -152,6 +174,9 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
     )
     engines = cfg.engines  # the static ones (--engine), parsed once
+    kv_sources = cfg.kv_event_sources
+    index = BlockIndex(cfg.kv_block_size) if kv_sources else None
+    follower = KVEventFollower(index, kv_sources) if index is not None else None
     router = Router(
         engines,
         vnodes=cfg.vnodes,
@@ -160,8 +185,11 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         policy=cfg.routing,
         queue=cfg.route_queue,
         queue_slo_s=cfg.route_queue_slo_s,
+        index=index,
     )
     metrics.bind_router(router)
+    if follower is not None:
+        metrics.bind_kv_events(follower)
     engine = EngineClient(
         http,
         max_reply_bytes=cfg.max_reply_bytes,
@@ -202,12 +230,12 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         redis=redis,
         discover=cfg.discover_engines,
         interval_s=cfg.control_interval_s,
-        on_engine_down=turns.abort_engine,
+        on_engine_down=_engine_down(turns.abort_engine, follower),
     )
     exchange = LoadExchange(redis, router, cfg.worker_id) if cfg.load_exchange else None
     access = access_check(cfg)
     app[STATE] = WorkerState(
-        cfg, redis, http, router, metrics, turns, control, exchange, own, access, sup
+        cfg, redis, http, router, metrics, turns, control, exchange, own, access, sup, follower
     )
     app[GATEWAY] = Gateway(
         GatewayConfig(
@@ -246,6 +274,9 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
             await exchange.start(sup)
 
     await control.start(sup, discovery=False)
+    if follower is not None:
+        await follower.start()
+        sup.every("kv_events_tick", 1.0, _tick(follower), critical=False)
     if unreachable is None:
         await redis_reached()
     else:
@@ -273,9 +304,14 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
             if exchange is not None and turns.redis_ready:
                 await exchange.withdraw()
 
+        async def stop_follower() -> None:
+            if follower is not None:
+                await follower.stop()
+
         await _always(
             lambda: turns.drain(cfg.shutdown_deadline_s),
             sup.stop,
+            stop_follower,
             turns.control.close,
             withdraw,
             http.close,

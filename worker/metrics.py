@@ -22,6 +22,10 @@ Every family the worker exports, by type:
   ``..._cancellations_total{reason}``; read from the router at scrape time
   ``..._router_routes_total``, ``..._router_spills_total``, ``..._router_rejections_total``,
   ``..._router_double_releases_total``;
+- precise routing (``--engine-kv-events``, at scrape time): counters
+  ``..._kv_events_total{kind}``, ``..._kv_events_bad_total{reason}``,
+  ``..._kv_blocks_skipped_total{reason}``; gauges ``..._kv_index_blocks{engine}``,
+  ``..._kv_index_live{engine}``;
 - gauges (router, at scrape time): ``..._engine_in_flight{engine}``,
   ``..._engine_cap{engine}``, ``..._engine_effective_cap{engine}`` (``engine``: the id,
   never an address: :func:`engine_label`);
@@ -44,6 +48,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from relay.service.httpguard import Reason
+from worker.routing.kvevents import KVEventFollower
 from worker.routing.router import Router
 
 __all__ = ["CONTENT_TYPE_LATEST", "WorkerMetrics", "engine_label"]
@@ -93,6 +98,55 @@ class _RouterCollector(Collector):
         double = CounterMetricFamily(_P + "router_double_releases", "Leases released twice.")
         double.add_metric([], c["double_releases"])
         yield from (inflight, cap, eff, routes, spills, rejections, double)
+
+
+class _KVEventsCollector(Collector):
+    """The KV-event follower's counts and the block index's (precise routing)."""
+
+    def __init__(self, follower: KVEventFollower) -> None:
+        self.follower = follower
+
+    def collect(self) -> Iterator[Metric]:
+        f, ix = self.follower, self.follower.index
+        st = ix.stats
+        counts = CounterMetricFamily(
+            _P + "kv_events",
+            "KV-event traffic from the engines: messages, batches and events applied, "
+            "duplicates, gaps, replays asked and batches replayed, replays unanswered, "
+            "batches dropped in a flood, engine restarts seen.",
+            labels=["kind"],
+        )
+        for kind, n in f.counts.items():
+            counts.add_metric([kind], n)
+        counts.add_metric(["restarts"], st.restarts)
+        bad = CounterMetricFamily(
+            _P + "kv_events_bad",
+            "KV-event messages that were not a batch (garbled, shape, unknown_tag, seq, "
+            "frames, flood): the engine's blocks dropped, the router estimates it meanwhile.",
+            labels=["reason"],
+        )
+        for reason, n in f.bad.items():
+            bad.add_metric([reason], n)
+        skipped = CounterMetricFamily(
+            _P + "kv_blocks_skipped",
+            "Blocks in events the index could not use (orphan, medium, block_size, "
+            "token_count, unknown_removed, max_blocks).",
+            labels=["reason"],
+        )
+        for reason, n in st.skipped.items():
+            skipped.add_metric([reason], n)
+        blocks = GaugeMetricFamily(
+            _P + "kv_index_blocks", "Blocks the index holds per engine.", labels=["engine"]
+        )
+        live = GaugeMetricFamily(
+            _P + "kv_index_live",
+            "1 when the engine's events are followed (precise), 0 when it is estimated.",
+            labels=["engine"],
+        )
+        for name in ix.engines():
+            blocks.add_metric([engine_label(name)], ix.blocks(name))
+            live.add_metric([engine_label(name)], 1 if ix.live(name) else 0)
+        yield from (counts, bad, skipped, blocks, live)
 
 
 class WorkerMetrics:
@@ -161,6 +215,9 @@ class WorkerMetrics:
 
     def bind_router(self, router: Router) -> None:
         self.registry.register(_RouterCollector(router))
+
+    def bind_kv_events(self, follower: KVEventFollower) -> None:
+        self.registry.register(_KVEventsCollector(follower))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

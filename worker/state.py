@@ -21,6 +21,7 @@ from worker.chat.turn import TurnManager
 from worker.config import WorkerConfig
 from worker.metrics import WorkerMetrics
 from worker.routing.control import ControlPlane
+from worker.routing.kvevents import KVEventFollower
 from worker.routing.loadshare import LoadExchange
 from worker.routing.router import Router
 
@@ -42,6 +43,7 @@ class WorkerState:
     own_redis: bool
     access: WorkerAccess
     supervisor: Supervisor
+    kv_events: KVEventFollower | None = None  # precise routing: the engines' KV events
 
 
 STATE: Final = web.AppKey("tokenrelay_worker", WorkerState)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -42,7 +43,9 @@ from bench.routing.policies import (
     make_policy,
 )
 from bench.routing.workloads import Request
+from worker.routing.blockindex import BlockIndex
 from worker.routing.cost import CostProfile
+from worker.routing.kvwire import BlockHash, BlockRemoved, BlockStored, KVEventBatch
 from worker.routing.loadshare import WorkerReport, compute_view
 from worker.routing.policy import DEFAULT_QUEUE, DEFAULT_ROUTING
 
@@ -71,6 +74,14 @@ class SimConfig:
     # turn them off: its queue past the cap and its weight of recomputed history
     route_queue: float = DEFAULT_QUEUE
     recompute_weight: float = CostProfile().recompute_weight
+    # precise: the engines' KV events reach the index this late, and this fraction of
+    # batches never does: lost silently (the index does not know it is wrong) or, with
+    # kv_drop_detected, as a gap no replay fills (the worker's rule: the engine's blocks
+    # are dropped and it is estimated for kv_resync_s)
+    kv_delay_s: float = 0.0
+    kv_drop: float = 0.0
+    kv_drop_detected: bool = False
+    kv_resync_s: float = 10.0
 
 
 def derived_cap(reqs: list[Request], params: EngineParams) -> int:
@@ -132,9 +143,20 @@ def run(cfg: SimConfig, reqs: list[Request]) -> dict[str, Any]:
         p.per_kv_token_s,
         cfg.recompute_weight,
     )
-    pcfg = PolicyConfig(cfg.engines, cap, cfg.eps, cfg.workers, cfg.seed, profile, cfg.route_queue)
-    policies = [make_policy(cfg.policy, pcfg, clock) for _ in range(cfg.workers)]
     ids = [f"s{cfg.seed}e{i}" for i in range(cfg.engines)]
+    blocks: BlockIndex | None = None
+    if cfg.policy == "precise":
+        # one index for every worker: each follows the same events, so they are equal
+        blocks = BlockIndex(1, tokens_per_block=p.block_tokens, max_blocks=p.blocks + 1)
+        for i, e in enumerate(engines):
+            e.kv_events = []
+            blocks.add_engine(ids[i])
+            blocks.synced(ids[i], 0.0)  # an empty engine, known to be empty
+    drop_rng = random.Random(f"{cfg.seed}:kv-drop")
+    pcfg = PolicyConfig(
+        cfg.engines, cap, cfg.eps, cfg.workers, cfg.seed, profile, cfg.route_queue, blocks
+    )
+    policies = [make_policy(cfg.policy, pcfg, clock) for _ in range(cfg.workers)]
     caps = dict.fromkeys(ids, cap)
     sessions: dict[int, Session] = {}
     recs: dict[int, _Rec] = {}
@@ -143,10 +165,34 @@ def run(cfg: SimConfig, reqs: list[Request]) -> dict[str, Any]:
     reports: dict[int, WorkerReport] = {}
     events: list[tuple[float, int, int, Any]] = []
     order = itertools.count()
-    ARRIVE, STEP, EXCH, DELIVER, DEADLINE, SAMPLE = range(6)
+    ARRIVE, STEP, EXCH, DELIVER, DEADLINE, SAMPLE, KV = range(7)
 
     def push(t: float, kind: int, data: Any) -> None:
         heapq.heappush(events, (t, next(order), kind, data))
+
+    def publish(i: int) -> None:
+        """Engine ``i``'s KV events since the last call, as one batch to the index."""
+        out = engines[i].kv_events
+        if not out or blocks is None:
+            return
+        batch = KVEventBatch(
+            now,
+            [
+                BlockStored(list[BlockHash](b), parent, b, 1, None, "GPU")
+                if kind == "stored"
+                else BlockRemoved(list[BlockHash](b), "GPU")
+                for kind, b, parent in out
+            ],
+        )
+        out.clear()
+        if cfg.kv_drop and drop_rng.random() < cfg.kv_drop:
+            if cfg.kv_drop_detected:
+                blocks.unfilled(ids[i], now + cfg.kv_delay_s, cfg.kv_resync_s)
+            return
+        if cfg.kv_delay_s:
+            push(now + cfg.kv_delay_s, KV, (i, batch))
+        else:
+            blocks.apply(ids[i], batch, now)
 
     for r in reqs:
         if not engines[0].fits(r.prompt, r.out, len(r.ids)):
@@ -184,6 +230,7 @@ def run(cfg: SimConfig, reqs: list[Request]) -> dict[str, Any]:
         e.submit(seq)
         peak[d.engine] = max(peak[d.engine], e.load())
         t = e.start(now)
+        publish(d.engine)
         if t is not None:
             push(t, STEP, d.engine)
         return True
@@ -221,8 +268,12 @@ def run(cfg: SimConfig, reqs: list[Request]) -> dict[str, Any]:
                 policies[rec.worker].finished(s.rid, rec.decision)
                 drain(rec.worker)
             t = e.start(now)
+            publish(data)
             if t is not None:
                 push(t, STEP, data)
+        elif kind == KV:
+            assert blocks is not None
+            blocks.apply(ids[data[0]], data[1], now)
         elif kind == ARRIVE:
             r = data
             if r.rid not in recs:
@@ -259,7 +310,7 @@ def run(cfg: SimConfig, reqs: list[Request]) -> dict[str, Any]:
                     f"w{w}",
                     int(now),
                     router.allowances(),
-                    router.queue if router.policy == "cost_aware" else 0.0,
+                    router.queue if router.policy in ("cost_aware", "precise") else 0.0,
                 )
                 router.apply_load_view(view)
                 demand = {k: mine[k] + unmet.get(k, 0) for k in mine}

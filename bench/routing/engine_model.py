@@ -35,6 +35,11 @@ the model's blind spots. This module is one engine:
   waits for the next arrival. ``Engine.start`` is that rule, ``replay`` runs one engine
   by it.
 
+KV events (``kv_events`` a list): what vLLM would publish, appended as they happen: a
+block *stored* when a prefill gets past it (its parent: the block before it in the
+prompt), *removed* when the LRU evicts it (a block freed before anybody computed it was
+never stored). ``bench/routing/core.py`` feeds them to the ``precise`` policy's index.
+
 Call order: ``e = Engine(params)``; ``e.submit(seq)`` when a request arrives, then
 ``t = e.start(now)``; when a step ends (at ``t``), ``e.end(t)``, which returns the
 sequences that produced their first token and those that finished, then
@@ -46,7 +51,7 @@ and prefix hits. Deterministic; nothing here reads a clock or a random source.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -134,6 +139,9 @@ class Engine:
     computed_tokens: int = 0  # prefill tokens computed, recomputation included
     decoded_tokens: int = 0
     gaps: dict[float, int] = field(default_factory=dict)  # token gap (ms, 0.1) -> count
+    # KV events, as vLLM publishes them (None: not recorded): ("stored", blocks, parent)
+    # when a run of named blocks becomes computed, ("removed", blocks, None) on eviction
+    kv_events: list[tuple[str, list[int], int | None]] | None = None
 
     # ---- what a router could be told -------------------------------------------------
 
@@ -182,8 +190,9 @@ class Engine:
         short = need - (self.free_blocks() - len(self.lru))
         if short > len(self.lru):
             return False
-        for _ in range(max(0, short)):
-            self.lru.popitem(last=False)
+        gone = [self.lru.popitem(last=False)[0] for _ in range(max(0, short))]
+        if gone and self.kv_events is not None:
+            self.kv_events.append(("removed", gone, None))
         return True
 
     def _release(self, s: Seq) -> None:
@@ -207,8 +216,24 @@ class Engine:
         partial one once the whole prompt is)."""
         n = len(s.ids) if s.computed >= s.prompt else s.computed // self.params.block_tokens
         if n > s.marked:
+            if self.kv_events is not None:
+                self._stored(s.ids, s.marked, n)
             self.ready.update(s.ids[s.marked : n])
             s.marked = n
+
+    def _stored(self, ids: tuple[int, ...], lo: int, hi: int) -> None:
+        """The KV events of blocks ``ids[lo:hi]`` becoming computed: one per run of
+        blocks not computed before (another sequence may have computed some)."""
+        assert self.kv_events is not None
+        run: list[int] = []
+        for i in range(lo, hi + 1):
+            if i < hi and ids[i] not in self.ready:
+                run.append(ids[i])
+                continue
+            if run:
+                first = i - len(run)
+                self.kv_events.append(("stored", run, ids[first - 1] if first else None))
+                run = []
 
     def _private_needed(self, s: Seq, context: int) -> int:
         bt = self.params.block_tokens
@@ -403,11 +428,19 @@ class Engine:
             assert s.private == 0
 
 
-def replay(params: EngineParams, seqs: Iterable[Seq], audit: bool = False) -> Engine:
+def replay(
+    params: EngineParams,
+    seqs: Iterable[Seq],
+    audit: bool = False,
+    on_step: Callable[[Engine], object] | None = None,
+) -> Engine:
     """Run one engine over ``seqs``, each submitted at its ``arrival`` (seconds), by the
     clock rule of the module docstring, until all finish; returns the engine (the
-    sequences record their times). ``audit``: :meth:`Engine.check` after every step."""
+    sequences record their times). ``audit``: :meth:`Engine.check` after every step;
+    ``on_step``: called with the engine after every step (its KV events recorded)."""
     e = Engine(params)
+    if on_step is not None:
+        e.kv_events = []
     order = sorted(seqs, key=lambda s: s.arrival)
     now, k, n = 0.0, 0, len(order)
     while k < n or e.has_work():
@@ -423,4 +456,6 @@ def replay(params: EngineParams, seqs: Iterable[Seq], audit: bool = False) -> En
         e.end(now)
         if audit:
             e.check()
+        if on_step is not None:
+            on_step(e)
     return e

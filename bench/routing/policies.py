@@ -3,7 +3,8 @@
 Every policy sees only what a worker can know without I/O on the hot path: its own leases,
 the other workers' in-flight counts as of their last delayed report (``view``), the
 session meta (the previous turn's engine and length) and its own past
-decisions. None reads an engine's cache.
+decisions. None reads an engine's cache but ``precise``, which follows what the engines
+report of it (their KV events).
 
 - ``round_robin``: the next engine in turn.
 - ``least_loaded``: fewest in flight (own + reported), ties rotated.
@@ -25,6 +26,10 @@ decisions. None reads an engine's cache.
   expected queue wait + prefill of what the engine probably does not hold), under the same
   KV-derived cap and allowance as ``bounded_load_eps``, with the worker's queue past the cap
   (``worker.routing.policy.DEFAULT_QUEUE``).
+- ``precise``: the same router with ``policy="precise"``: what each engine holds is read
+  from a ``worker.routing.blockindex.BlockIndex`` fed by the engines' own KV events
+  (``bench/routing/core.py`` delivers them, possibly late or lossy); the one policy here
+  that reads the engines' caches, as the engines themselves report them.
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from bench.routing.workloads import Request
+from worker.routing.blockindex import BlockIndex
 from worker.routing.cost import CostProfile, TurnInfo
 from worker.routing.lease import EngineSpec, Lease, LoadView
 from worker.routing.policy import DEFAULT_QUEUE
 from worker.routing.router import Router
+from worker.routing.tokens import block_keys
 
 __all__ = ["POLICIES", "Decision", "Policy", "Session", "make_policy"]
 
@@ -50,6 +57,7 @@ POLICIES: Final = (
     "bounded_load_eps",
     "sglang_cache_aware",
     "cost_aware",
+    "precise",
 )
 ARTICLE_CAP: Final = 4
 
@@ -242,16 +250,19 @@ class CostAware(RingPolicy):
         seed: int,
         clock: Callable[[], float],
         queue: float = DEFAULT_QUEUE,
+        blocks: BlockIndex | None = None,
     ) -> None:
         Policy.__init__(self, n)
         self.capped = True
         specs = [EngineSpec(id=f"s{seed}e{i}", url=f"sim://{i}", cap=cap) for i in range(n)]
         self.index = {sp.id: i for i, sp in enumerate(specs)}
         self.names = [sp.id for sp in specs]
+        policy = "cost_aware" if blocks is None else "precise"
         self.router = Router(
-            specs, policy="cost_aware", clock=clock, cost_profile=profile, queue=queue
+            specs, policy=policy, clock=clock, cost_profile=profile, queue=queue, index=blocks
         )
         self.leases: dict[int, Lease] = {}
+        self.blocks = blocks
 
     def _turn(self, r: Request, s: Session) -> TurnInfo:
         return TurnInfo(
@@ -261,6 +272,9 @@ class CostAware(RingPolicy):
             prev_tokens=s.tokens,
             shared_key=f"p{r.ids[0]}",
             shared_tokens=r.shared,
+            # precise: the prompt's blocks keyed as the index keys the engines' events
+            # (one id a block: block_keys over the ids, block size 1)
+            blocks=tuple(block_keys(r.ids, 1)) if self.blocks is not None else (),
         )
 
     def wait(self, r: Request, s: Session) -> str:
@@ -292,6 +306,7 @@ class PolicyConfig:
     seed: int = 0
     profile: CostProfile = field(default_factory=CostProfile)
     queue: float = DEFAULT_QUEUE  # cost_aware's queue past the cap (x the cap)
+    blocks: BlockIndex | None = None  # precise: the index the engines' events feed
 
 
 def make_policy(name: str, cfg: PolicyConfig, clock: Callable[[], float]) -> Policy:
@@ -312,4 +327,8 @@ def make_policy(name: str, cfg: PolicyConfig, clock: Callable[[], float]) -> Pol
         return SglangCacheAware(n)
     if name == "cost_aware":
         return CostAware(n, cfg.cap, cfg.profile, cfg.seed, clock, cfg.queue)
+    if name == "precise":
+        if cfg.blocks is None:
+            raise ValueError("precise needs the block index (PolicyConfig.blocks)")
+        return CostAware(n, cfg.cap, cfg.profile, cfg.seed, clock, cfg.queue, cfg.blocks)
     raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")

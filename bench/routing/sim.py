@@ -7,14 +7,17 @@ with decodes, a block KV cache shared by running sequences and an LRU prefix cac
 preemption with recompute); ``bench/routing/core.py`` is one run, ``bench/routing/policies.py``
 the policies, ``bench/routing/workloads.py`` the workloads. Policies: ``round_robin``,
 ``least_loaded``, ``sticky_session``, ``consistent_hash``, ``article_fixed_cap``,
-``bounded_load_eps``, ``sglang_cache_aware``, ``cost_aware`` (the default).
+``bounded_load_eps``, ``sglang_cache_aware``, ``cost_aware`` (the default), ``precise``
+(cost_aware reading the engines' own KV events, ``python -m bench.routing.precise``).
 
 Workloads: ``trace`` (the Mooncake conversation trace, ``--trace PATH``; replayed at its
 own timing as ``native`` and time-scaled to 0.5, 0.75, 1.0 and 1.5 x the fleet's capacity);
 ``synthetic`` (multi-turn chat over Zipf-popular system prompts, one session a second,
 time-scaled to the same load levels); ``pulse`` (the synthetic mix plus 200 sessions on one
 8k-token system prompt within 10 s, time-scaled so that the mix offers 0.5 x: the burst is
-compressed by the same factor).
+compressed by the same factor); ``shared_prefix`` (not run unless named: the mix shaped
+like llm-d's shared-prefix benchmark, ``bench.routing.workloads.SHARED_PREFIX``, at the
+same load levels, its own capacity).
 Capacity: the saturated completion rate under ``least_loaded`` (the workload's arrivals
 compressed in time until they come at least 2 x faster than the fleet serves them;
 completions per second until the last one), per seed for the trace, once (seed 0, at
@@ -52,6 +55,7 @@ from bench.routing.core import DEFAULT_POLICY, SimConfig, run
 from bench.routing.policies import POLICIES
 from bench.routing.report import markdown
 from bench.routing.workloads import (
+    SHARED_PREFIX,
     Request,
     SynthConfig,
     TraceError,
@@ -74,7 +78,8 @@ __all__ = [
 ]
 
 LEVELS: Final = (0.5, 0.75, 1.0, 1.5)
-WORKLOADS: Final = ("trace", "synthetic", "pulse")
+WORKLOADS: Final = ("trace", "synthetic", "pulse", "shared_prefix")
+DEFAULT_WORKLOADS: Final = ("trace", "synthetic", "pulse")
 TRACE: Final = Path(__file__).parent / "traces" / "mooncake_conversation.jsonl"
 _DEFAULTS: Final = SimConfig()
 _BY_SEED: Final = ("goodput_rps", "ttft_p99_ms", "hit_rate", "rejected", "cap", "peak_load")
@@ -128,6 +133,8 @@ def _base(kind: str, path: str, quick: bool, seed: int, rate: float) -> tuple[Re
     if kind == "trace":
         return _trace(path, 1500 if quick else 0)
     cfg = replace(_synth_cfg(quick), rate=rate)
+    if kind == "shared_prefix":
+        cfg = replace(SHARED_PREFIX, duration_s=cfg.duration_s, rate=rate)
     return tuple(synthetic(cfg, seed=seed))
 
 
@@ -142,8 +149,9 @@ def workload(
         cap = capacity("trace", path, quick, seed, engines)
         return scale(base, float(level) * cap / _native_rps(base), seed=seed)
     # sessions at 1/s, then time-scaled like the trace (think times included)
-    cap = capacity("synthetic", path, quick, 0, engines)
-    base = list(_base("synthetic", path, quick, seed, 1.0))
+    mix = "shared_prefix" if kind == "shared_prefix" else "synthetic"
+    cap = capacity(mix, path, quick, 0, engines)
+    base = list(_base(mix, path, quick, seed, 1.0))
     factor = float(level) * cap / _native_rps(base)
     if kind == "pulse":
         cfg = replace(_synth_cfg(quick), rate=1.0)
@@ -168,7 +176,7 @@ def run_all(
     engines: int = 8,
     procs: int = 2,
     policies: Sequence[str] = POLICIES,
-    workloads: Sequence[str] = WORKLOADS,
+    workloads: Sequence[str] = DEFAULT_WORKLOADS,
     base: SimConfig | None = None,
 ) -> dict[str, Any]:
     """Every workload, level, policy and seed; ``base``: the settings every run starts
@@ -179,6 +187,7 @@ def run_all(
         "trace": ["native", *levels],
         "synthetic": levels,
         "pulse": ["0.5"],
+        "shared_prefix": levels,
     }
     plan = {k: v for k, v in full.items() if k in workloads}
     tasks = [
@@ -193,6 +202,8 @@ def run_all(
             capacity("trace", path, quick, s, engines)
     if "synthetic" in plan or "pulse" in plan:
         capacity("synthetic", path, quick, 0, engines)
+    if "shared_prefix" in plan:
+        capacity("shared_prefix", path, quick, 0, engines)
     if procs > 1:
         with get_context("fork").Pool(procs) as pool:
             results = dict(pool.imap_unordered(_task, tasks, chunksize=1))
@@ -211,7 +222,9 @@ def run_all(
         caps = {
             s: capacity("trace", path, quick, s, engines)
             if kind == "trace"
-            else capacity("synthetic", path, quick, 0, engines)
+            else capacity(
+                "shared_prefix" if kind == "shared_prefix" else "synthetic", path, quick, 0, engines
+            )
             for s in seeds
         }
         w: dict[str, Any] = {
@@ -305,7 +318,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--procs", type=int, default=2, help="worker processes (default 2)")
     ap.add_argument(
-        "--workloads", default=",".join(WORKLOADS), help="comma-separated subset (default: all)"
+        "--workloads",
+        default=",".join(DEFAULT_WORKLOADS),
+        help=f"comma-separated subset of {','.join(WORKLOADS)} "
+        f"(default: {','.join(DEFAULT_WORKLOADS)})",
     )
     ap.add_argument(
         "--policies", default=",".join(POLICIES), help="comma-separated subset (default: all)"

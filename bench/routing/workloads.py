@@ -17,7 +17,11 @@ its conversation id and its routing key.
 - :func:`synthetic`: Poisson sessions over Zipf-popular system prompts, multi-turn with
   think time and growing history. :func:`pulse`: the synthetic mix plus a burst of
   sessions on one hot system prompt (the article's hospital: hundreds of doctors with
-  the same long system prompt at once).
+  the same long system prompt at once). :data:`SHARED_PREFIX`: the synthetic mix shaped
+  like llm-d's precise-prefix-cache benchmark (150 groups of users behind 6k-token
+  prefixes, every group as popular, 1,000-1,400-token questions, five turns on average):
+  the prefixes alone (920k tokens) fill more than two engines' KV caches, so an engine's
+  cache churns and where a prefix still is cannot be told from past decisions alone.
 """
 
 from __future__ import annotations
@@ -32,7 +36,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final
 
-__all__ = ["Request", "TraceError", "load_trace", "pulse", "scale", "synthetic"]
+__all__ = [
+    "SHARED_PREFIX",
+    "Request",
+    "TraceError",
+    "load_trace",
+    "pulse",
+    "scale",
+    "synthetic",
+]
 
 BLOCK_TOKENS: Final = 512
 _SYS_BASE: Final = 1 << 40  # synthetic block ids: system prompts live above this
@@ -130,6 +142,16 @@ class SynthConfig:
     think_s: float = 30.0
     msg_tokens: tuple[int, int] = (50, 600)
     out_tokens: tuple[int, int] = (50, 500)
+
+
+SHARED_PREFIX: Final = SynthConfig(
+    system_prompts=150,
+    zipf=0.0,
+    sys_blocks=(12, 12),
+    mean_turns=5.0,
+    msg_tokens=(1000, 1400),
+    out_tokens=(100, 400),
+)
 
 
 def synthetic(

@@ -77,6 +77,19 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
         int,
         opt("announced in-flight cap (0: --max-concurrency)", ge=0, env="TOKENRELAY_ENGINE_CAP"),
     ] = 0
+    kv_events_port: Annotated[
+        int,
+        opt(
+            "publish vLLM's KV-cache events on this ZeroMQ PUB port of --host (vLLM's "
+            "default 5557; 0: off)",
+            ge=0,
+            le=65535,
+        ),
+    ] = 0
+    kv_events_replay_port: Annotated[
+        int,
+        opt("the replay (ROUTER) port of the KV events (0: --kv-events-port + 1)", ge=0, le=65535),
+    ] = 0
 
     @property
     def redis_tls(self) -> RedisTLS:
@@ -101,6 +114,8 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
             max_concurrency=self.max_concurrency,
             engine_id=self.engine_id or f"mock-{self.port}",
             model=self.model,
+            kv_events_port=self.kv_events_port or None,
+            kv_events_replay_port=self.kv_events_replay_port or None,
             reply=ReplyLength(
                 mean=self.reply_mean_tokens,
                 max_tokens=self.reply_max_tokens,
@@ -138,6 +153,9 @@ async def serve(opts: EngineSettings) -> None:
     async with runtime.stop_on_signals() as stop:
         running = await start_engine(cfg)
         print(f"mock engine {cfg.engine_id} listening on {running.url}", flush=True)
+        if running.engine.kv_events is not None:
+            kv = running.engine.kv_events
+            print(f"kv events on {kv.endpoint} (replay {kv.replay_endpoint})", flush=True)
         loops = Supervisor(running.engine.metrics.registry)
         announcer = None
         if opts.redis_url:

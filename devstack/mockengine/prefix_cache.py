@@ -4,7 +4,9 @@ No I/O, no clock: ``devstack.mockengine.server`` drives these functions, and the
 tested with plain values. Order of use for one request:
 
 1. ``prompt_tokens(messages)`` renders the chat into a token list (a toy chat template:
-   ``<|role|>`` + the content's tokens + ``<|end|>`` per message, then ``<|assistant|>``).
+   ``<|role|>`` + the content's tokens + ``<|end|>`` per message, then ``<|assistant|>``;
+   the tokeniser and the template live in ``worker.routing.tokens``, which the router
+   shares to look prompts up in its block index).
 2. ``PrefixCache.lookup(tokens)`` returns how many leading tokens are cached (a multiple
    of the block size) and counts the query in the hit-rate statistics.
 3. ``prefill_seconds(uncached, rate)`` is the simulated prefill time.
@@ -13,7 +15,8 @@ tested with plain values. Order of use for one request:
 5. ``PrefixCache.insert(tokens + reply_tokens(pieces))`` caches prompt and reply, so the
    next turn of the conversation (whose rendering starts with them) hits the cache.
 
-Tokeniser: ``\\w+`` runs and single non-space symbols are tokens; whitespace is dropped.
+Tokeniser: ``\\w+`` runs and single non-space symbols are tokens; whitespace is dropped;
+a token's id is ``worker.routing.tokens.token_id`` (what the KV events carry).
 Messages are tokenised one by one and concatenated, so a conversation's rendering is
 always a token-level prefix of the next turn's rendering.
 
@@ -23,16 +26,23 @@ its parent's hash and its own tokens, and a lookup walks the chain from the star
 the first missing block. Capacity is ``capacity_tokens // block_size`` blocks; the least
 recently used block is evicted first, and a chain is touched tail-first so that, among
 blocks used by the same request, the tail is evicted before the prefix it depends on.
+
+KV events (``record_events=True``): what vLLM publishes with ``--kv-events-config``, from
+the same cache: each run of newly cached blocks of an insert is one ``BlockStored``
+(its blocks' hashes, the parent block's hash or None, their token ids), each eviction
+batch one ``BlockRemoved``; ``take_events()`` hands them over in order.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
-import re
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from worker.routing.kvwire import BlockHash, BlockRemoved, BlockStored, KVEvent
+from worker.routing.tokens import message_text, prompt_tokens, token_id, tokenize
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -49,8 +59,6 @@ __all__ = [
 
 DEFAULT_BLOCK_SIZE = 16
 
-_TOKEN_RE = re.compile(r"\w+|[^\w\s]")
-
 # Readable filler vocabulary for deterministic replies (alphabetic only, so every word
 # is exactly one token of ``tokenize``).
 _WORDS = (  # noqa: SIM905 (readable as prose)
@@ -61,35 +69,6 @@ _WORDS = (  # noqa: SIM905 (readable as prose)
     "river mountain garden window lantern harbor meadow forest signal letter bridge "
     "and then while because after before under over with without through across"
 ).split()
-
-
-def tokenize(text: str) -> list[str]:
-    """Split text into tokens: runs of word characters and single other symbols."""
-    return _TOKEN_RE.findall(text)
-
-
-def message_text(content: object) -> str:
-    """The text of an OpenAI message ``content``: a string or a list of text parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts: list[str] = []
-        for part in content:
-            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-        return " ".join(parts)
-    return ""
-
-
-def prompt_tokens(messages: Iterable[Mapping[str, object]]) -> list[str]:
-    """Render chat messages with the toy template and tokenise them."""
-    tokens: list[str] = []
-    for message in messages:
-        tokens.append(f"<|{message.get('role', 'user')}|>")
-        tokens.extend(tokenize(message_text(message.get("content"))))
-        tokens.append("<|end|>")
-    tokens.append("<|assistant|>")
-    return tokens
 
 
 def block_hashes(tokens: Sequence[str], block_size: int = DEFAULT_BLOCK_SIZE) -> list[bytes]:
@@ -127,7 +106,13 @@ class CacheStats:
 class PrefixCache:
     """LRU cache of prefix blocks with a capacity in tokens."""
 
-    def __init__(self, capacity_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    def __init__(
+        self,
+        capacity_tokens: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        *,
+        record_events: bool = False,
+    ) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         if capacity_tokens < 0:
@@ -137,6 +122,7 @@ class PrefixCache:
         self._blocks: OrderedDict[bytes, None] = OrderedDict()
         self._queries = 0
         self._hits = 0
+        self._events: list[KVEvent] | None = [] if record_events else None
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -174,12 +160,38 @@ class PrefixCache:
             return 0
         # Keep at most the leading blocks that fit: a tail without its prefix is useless.
         hashes = hashes[: self.capacity_blocks]
+        if self._events is not None:
+            self._record_stored(tokens, hashes)
         self._touch(hashes)
-        evicted = 0
+        gone: list[BlockHash] = []
         while len(self._blocks) > self.capacity_blocks:
-            self._blocks.popitem(last=False)
-            evicted += 1
-        return evicted
+            gone.append(self._blocks.popitem(last=False)[0])
+        if gone and self._events is not None:
+            self._events.append(BlockRemoved(gone, "GPU"))
+        return len(gone)
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV events since the last call, in order (empty unless ``record_events``)."""
+        if not self._events:
+            return []
+        out, self._events = self._events, []
+        return out
+
+    def _record_stored(self, tokens: Sequence[str], hashes: Sequence[bytes]) -> None:
+        assert self._events is not None
+        bs = self.block_size
+        run: list[int] = []  # indices of a run of blocks not cached yet
+        for i, h in enumerate([*hashes, b""]):
+            if h and h not in self._blocks:
+                run.append(i)
+                continue
+            if run:
+                first = run[0]
+                ids = [token_id(t) for t in tokens[first * bs : (run[-1] + 1) * bs]]
+                parent = hashes[first - 1] if first else None
+                stored: list[BlockHash] = [hashes[j] for j in run]
+                self._events.append(BlockStored(stored, parent, ids, bs, None, "GPU"))
+                run = []
 
     def stats(self) -> CacheStats:
         return CacheStats(self._queries, self._hits, len(self._blocks), self.capacity_blocks)

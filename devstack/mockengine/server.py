@@ -24,6 +24,10 @@ Lets the whole stack run without a GPU. The simulation itself is pure and lives 
 
 ``GET /metrics`` serves vLLM-style Prometheus metrics from a per-engine
 ``CollectorRegistry``; ``GET /health`` and ``GET /v1/models`` complete the surface.
+
+With ``kv_events_port`` set (``tokenrelay engine --kv-events-port``), every change of the
+prefix cache (a request's blocks stored after its prefill and after its reply, LRU
+evictions) is published as vLLM's KV events (``devstack.mockengine.kvpub``).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.exposition import generate_latest
 
 from devstack.mockengine import prefix_cache as pc
+from devstack.mockengine.kvpub import KVEventPublisher
 from devstack.mockengine.reply_length import ReplyLength
 from relay.service import runtime
 
@@ -71,6 +76,10 @@ class EngineConfig:
     model: str = "tokenrelay-mock"
     block_size: int = pc.DEFAULT_BLOCK_SIZE
     max_body_bytes: int = 1 << 20
+    # KV events as vLLM publishes them (ZeroMQ PUB + replay ROUTER on ``host``):
+    # None: off; 0: free ports; the replay port defaults to the next one
+    kv_events_port: int | None = None
+    kv_events_replay_port: int | None = None
     # natural reply lengths (tokens): log-normal, mean 300, tail to 2,000, per prompt
     reply: ReplyLength = field(default_factory=ReplyLength)
 
@@ -202,9 +211,11 @@ class MockEngine:
     cache: pc.PrefixCache = field(init=False)
     gate: FifoGate = field(init=False)
     metrics: _Metrics = field(init=False)
+    kv_events: KVEventPublisher | None = None
 
     def __post_init__(self) -> None:
-        self.cache = pc.PrefixCache(self.cfg.kv_tokens, self.cfg.block_size)
+        record = self.cfg.kv_events_port is not None
+        self.cache = pc.PrefixCache(self.cfg.kv_tokens, self.cfg.block_size, record_events=record)
         self.gate = FifoGate(self.cfg.max_concurrency)
         self.metrics = _Metrics(self.cfg.engine_id, self.cfg.model, self)
 
@@ -363,7 +374,7 @@ async def _generate(
 
     try:
         await _sleep_until(t0 + prefill_s)
-        engine.cache.insert(tokens)  # the prompt's KV blocks exist once prefill is done
+        _cache_insert(engine, tokens)  # the prompt's KV blocks exist once prefill is done
         first = chunk({"role": "assistant", "content": ""})
         first["tokenrelay"] = meta
         await resp.write(_sse(first))
@@ -392,7 +403,13 @@ async def _generate(
 
 
 def _finish_cache(engine: MockEngine, tokens: list[str], pieces: list[str]) -> None:
-    engine.cache.insert(tokens + pc.reply_tokens(pieces))
+    _cache_insert(engine, tokens + pc.reply_tokens(pieces))
+
+
+def _cache_insert(engine: MockEngine, tokens: list[str]) -> None:
+    engine.cache.insert(tokens)
+    if engine.kv_events is not None:
+        engine.kv_events.publish(engine.cache.take_events())
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -439,6 +456,8 @@ class RunningEngine:
 
     async def stop(self) -> None:
         await self.runner.cleanup()
+        if self.engine.kv_events is not None:
+            await self.engine.kv_events.stop()
 
 
 async def start_engine(cfg: EngineConfig) -> RunningEngine:
@@ -453,7 +472,16 @@ async def start_engine(cfg: EngineConfig) -> RunningEngine:
         await runner.cleanup()
         raise
     port = int(runner.addresses[0][1]) if runner.addresses else cfg.port
-    return RunningEngine(app[ENGINE_KEY], runner, cfg.host, port)
+    engine = app[ENGINE_KEY]
+    if cfg.kv_events_port is not None:
+        pub = KVEventPublisher(cfg.host, cfg.kv_events_port, cfg.kv_events_replay_port)
+        try:
+            await pub.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        engine.kv_events = pub
+    return RunningEngine(engine, runner, cfg.host, port)
 
 
 async def run_engine(cfg: EngineConfig) -> None:

@@ -6,6 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.routing.engine_model import Engine, EngineParams, Seq, replay
+from worker.routing.blockindex import BlockIndex
+from worker.routing.kvwire import BlockRemoved, BlockStored, KVEventBatch
+from worker.routing.tokens import block_keys
 
 SMALL = EngineParams(kv_tokens=64 * 16, block_tokens=16, chunk_tokens=64, max_seqs=8)
 # arrivals on a 5 ms grid: shorter than a step of SMALL (6.5-9 ms), so requests arrive
@@ -156,3 +159,39 @@ def test_step_time_grows_with_tokens_and_kv_read() -> None:
     short.submit(Seq(0, (1, 2), 600, 4, 0.0))
     long_.submit(Seq(0, tuple(range(4)), 1800, 4, 0.0))
     assert long_.begin() > short.begin() > p.step_base_s
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(_req, min_size=1, max_size=25), st.integers(16, 64))
+def test_its_kv_events_let_an_index_see_exactly_what_it_holds(reqs, kv_blocks) -> None:
+    """The engine's KV events, applied to the router's block index after every step,
+    say for every prompt exactly what the engine holds of it (evictions included)."""
+    params = EngineParams(kv_tokens=kv_blocks * 16, block_tokens=16, chunk_tokens=64, max_seqs=8)
+    index = BlockIndex(1, tokens_per_block=16)
+    index.add_engine("e")
+    index.synced("e", 0.0)
+    prompts: list[tuple[int, ...]] = []
+    checked = 0
+
+    def step(e: Engine) -> None:
+        nonlocal checked
+        assert e.kv_events is not None
+        events = [
+            BlockStored(list(b), parent, list(b), 1) if kind == "stored" else BlockRemoved(list(b))
+            for kind, b, parent in e.kv_events
+        ]
+        e.kv_events.clear()
+        index.apply("e", KVEventBatch(0.0, events), 0.0)  # type: ignore[arg-type]
+        for ids in prompts:
+            assert index.match(block_keys(ids, 1))["e"] == e.holds(ids)
+            checked += 1
+
+    seqs = []
+    for rid, (at, shared, own, out) in enumerate(reqs):
+        ids = tuple(range(shared)) + tuple(1000 + rid * 100 + j for j in range(own))
+        prompts.append(ids)
+        seqs.append(Seq(rid, ids, len(ids) * 16 - 3, out, at * ARRIVAL_S))
+    if not all(Engine(params).fits(s.prompt, s.out, len(s.ids)) for s in seqs):
+        return
+    replay(params, seqs, audit=True, on_step=step)
+    assert checked > 0

@@ -13,6 +13,8 @@ from relay.edge.fanout.hub import Hub
 from relay.edge.metrics import RelayMetrics
 from relay.service.supervise import Supervisor
 from worker.metrics import WorkerMetrics
+from worker.routing.blockindex import BlockIndex
+from worker.routing.kvevents import KVEventFollower
 from worker.routing.lease import EngineSpec
 from worker.routing.router import Router
 
@@ -44,6 +46,7 @@ async def test_every_exported_metric_is_documented_and_every_documented_one_expo
     worker = WorkerMetrics()
     Supervisor(worker.registry)
     worker.bind_router(Router([EngineSpec(id="e", url="http://e", cap=1)]))
+    worker.bind_kv_events(KVEventFollower(BlockIndex()))
     exported |= _exported(worker.render())
     documented = _documented()
     assert exported - documented == set(), "exported but not in docs/METRICS.md"

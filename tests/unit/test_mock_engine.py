@@ -359,3 +359,16 @@ def test_cli_reply_flags_reach_the_engine_and_bad_ones_exit_2() -> None:
     assert config_from_args(args).reply == ReplyLength(mean=50, max_tokens=80)
     bad = parser.parse_args(["engine", "--port", "0", "--reply-max-tokens", "0"])
     assert run(bad) == 2
+
+
+def test_cli_kv_events_flags_reach_the_engine_and_are_off_by_default() -> None:
+    import argparse
+
+    from devstack.mockengine.cli import config_from_args, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    off = config_from_args(parser.parse_args(["engine", "--port", "0"]))
+    assert off.kv_events_port is None
+    on = config_from_args(parser.parse_args(["engine", "--port", "0", "--kv-events-port", "5557"]))
+    assert (on.kv_events_port, on.kv_events_replay_port) == (5557, None)

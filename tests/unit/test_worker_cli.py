@@ -114,3 +114,36 @@ def test_the_derived_policies_come_from_the_declared_fields() -> None:
     assert cfg.coalesce == CoalescePolicy(max_tokens=3, max_delay_s=0.02)
     assert cfg.presence == PresencePolicy(grace_s=4.0, interval_s=cfg.presence_interval_s)
     assert WorkerConfig().worker_id  # a config built in code gets a worker id too
+
+
+def test_precise_routing_takes_each_engines_kv_events_endpoint() -> None:
+    cfg = config_from_args(
+        _parse("--routing", "precise", "--engine-kv-events", "e1=tcp://127.0.0.1:5557",
+               "--kv-block-size", "32")
+    )  # fmt: skip
+    (src,) = cfg.kv_event_sources
+    assert (src.engine, src.endpoint, src.replay) == (
+        "e1",
+        "tcp://127.0.0.1:5557",
+        "tcp://127.0.0.1:5558",
+    )
+    assert cfg.kv_block_size == 32
+
+
+@pytest.mark.parametrize(
+    ("flags", "reason"),
+    [
+        (["--engine-kv-events", "e1=tcp://127.0.0.1:5557"], "needs --routing precise"),
+        (["--routing", "precise", "--model", "Qwen/Qwen3-32B"], "tokenizer of the mock"),
+        (["--routing", "precise", "--engine-kv-events", "tcp://h:1"], "ID=tcp://HOST:PORT"),
+        (["--routing", "precise", "--engine-kv-events", "e1=http://h:1"], "tcp://HOST:PORT"),
+        (
+            ["--routing", "precise", "--engine-kv-events", "e1=tcp://h:1",
+             "--engine-kv-events", "e1=tcp://h:3"],
+            "names an engine twice",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_kv_events_flags_are_refused_with_a_reason(flags: list[str], reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        config_from_args(_parse(*flags))

@@ -67,6 +67,7 @@ from worker.routing.key import routing_key
 from worker.routing.lease import Lease, release_once
 from worker.routing.ring import key_hash
 from worker.routing.router import Router
+from worker.routing.tokens import block_keys, prompt_ids
 from worker.routing.wait import route_wait
 
 __all__ = [
@@ -260,7 +261,11 @@ class TurnManager:
                 prior = hist.messages
             convo = [*prior, {"role": "user", "content": message}]
             rkey = routing_key(sys_prompt, convo, prefix_chars=self.cfg.prefix_chars)
-            info = turn_info(rkey, sys_prompt, prior, message, hist.last_engine)
+            prompt = [{"role": "system", "content": sys_prompt}] if sys_prompt else []
+            prompt += convo
+            info = turn_info(
+                rkey, sys_prompt, prior, message, hist.last_engine, self._blocks(prompt)
+            )
             lease = await adm.wait(route_wait(self.router, rkey, self.cfg.admit_wait_s, info))
             self.metrics.route_decisions.labels(self.router.policy, lease.reason).inc()
             if hist.last_engine is not None and any(
@@ -319,8 +324,6 @@ class TurnManager:
         finally:
             if self.admitting.get(sid) is adm:
                 del self.admitting[sid]
-        prompt = [{"role": "system", "content": sys_prompt}] if sys_prompt else []
-        prompt += convo
         turn = RunningTurn(
             sid, gen, lease, owner, prompt, message, max_tokens, t0, rkey, viewer=viewer,
             first_offset=offset, user_id=message_id or "", background=background,
@@ -362,6 +365,14 @@ class TurnManager:
             adm.stopped.set()
 
     # ---- aborts ------------------------------------------------------------------------------
+
+    def _blocks(self, prompt: list[dict[str, str]]) -> list[int]:
+        """precise: the prompt's block keys, as the engines' tokenizer renders it (the
+        mock engine's, worker.routing.tokens); none for the other policies."""
+        index = self.router.index
+        if index is None:
+            return []
+        return block_keys(prompt_ids(prompt), index.block_size)
 
     def abort_engine(self, engine_id: str, reason: str = AbortReason.ENGINE_DOWN) -> int:
         """End every running turn on ``engine_id`` (the control plane saw it leave)."""

@@ -26,6 +26,13 @@ there costs more than recomputing elsewhere). Estimates:
   holds its blocks once (hundreds of turns on one 8k-token system prompt take 8k tokens of
   KV for it, not hundreds of times that).
 
+**Precise** (``policy="precise"``, a :class:`~worker.routing.blockindex.BlockIndex` given):
+for an engine the index follows (it publishes KV events), **held** is what the index says
+it holds of the turn's blocks (``TurnInfo.blocks``: the prompt's block keys, by
+:func:`worker.routing.tokens.block_keys`), or the shared prefix when turns on it are in
+flight there (their blocks appear once their prefill is done); for any other engine, and
+for a turn without block keys, the estimate above. Queue, rate and KV pressure are the same.
+
 Pure: no I/O, no clock. Call order per turn:
 ``choice = m.choose(turn, others)``; ``m.admitted(lease_id, choice, turn)``; on the first
 token ``m.first_token(lease_id)``; at the end ``m.finished(lease_id)`` (both idempotent).
@@ -39,6 +46,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Final
 
+from worker.routing.blockindex import BlockIndex
 from worker.routing.policy import RouteReason
 
 __all__ = [
@@ -84,6 +92,8 @@ class TurnInfo:
     prev_mark: int = -1  # sent_tokens(prev_engine) when that turn was routed (-1: unknown)
     shared_key: str = ""  # the shared-prefix key (system prompt digest)
     shared_tokens: int = 0  # its length in tokens
+    # precise: the keys of the prompt's full blocks (worker.routing.tokens.block_keys)
+    blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +119,7 @@ class CostModel:
     engines: Sequence[str]
     profile: CostProfile = field(default_factory=CostProfile)
     workers: int = 1  # live workers sharing the engines (scales this worker's token counts)
+    index: BlockIndex | None = None  # precise: what the engines' KV events say they hold
     _leases: dict[int, _Lease] = field(default_factory=dict)
     _sent: dict[str, int] = field(default_factory=dict)  # prompt tokens sent, cumulative
     _shared: dict[str, dict[str, int]] = field(default_factory=dict)  # key -> engine -> mark
@@ -167,12 +178,21 @@ class CostModel:
         shared = min(turn.shared_tokens, turn.prompt_tokens) if turn.shared_key else 0
         out: dict[str, tuple[float, int, float]] = {}
         turn = self.resolve(turn)
+        index = self.index
+        known = index.match(turn.blocks) if index is not None and turn.blocks else {}
+        bs = index.tokens_per_block if index is not None else 0
         for e in self.engines:
             n_other = max(0, others.get(e, 0))
             running = self._count.get(e, 0) + n_other
             ctx = self._context.get(e, 0) + n_other * mean_ctx
             queue = self._pending.get(e, 0) + n_other * mean_pending
-            held = self.held(e, turn)
+            blocks = known.get(e)
+            if blocks is None:
+                held = self.held(e, turn)
+            else:
+                held = min(blocks * bs, turn.prompt_tokens)
+                if shared > held and turn.shared_key in self._prefixes.get(e, {}):
+                    held = shared
             # what it computes: the shared prefix it lacks, and the session's own tokens
             # it lacks (weighted: they evict as much of other sessions' cache)
             lacks = max(0, shared - held)
@@ -310,10 +330,12 @@ def turn_info(
     history: Sequence[Mapping[str, str]],
     message: str,
     last_engine: str | None,
+    blocks: Sequence[int] = (),
 ) -> TurnInfo:
     """A turn as the worker sees it before routing: prompt and history lengths estimated
     from their characters, the previous engine from the session meta, the system prompt
-    (the part of the key before its first separator) as the shared prefix."""
+    (the part of the key before its first separator) as the shared prefix; ``blocks``:
+    the prompt's block keys for the precise mode."""
     sys_chars = len(system or "")
     hist_chars = sum(len(m.get("content", "")) for m in history)
     return TurnInfo(
@@ -323,4 +345,5 @@ def turn_info(
         prev_tokens=(sys_chars + hist_chars) // CHARS_PER_TOKEN if last_engine else 0,
         shared_key=key.split("\x1f", 1)[0] if system else "",
         shared_tokens=sys_chars // CHARS_PER_TOKEN,
+        blocks=tuple(blocks),
     )

@@ -258,7 +258,7 @@ class LoadExchange:
             self.worker_id,
             epoch,
             self._router.allowances(),
-            self._router.queue if self._router.policy == "cost_aware" else 0.0,
+            self._router.queue if self._router.policy in ("cost_aware", "precise") else 0.0,
         )
         self._router.apply_load_view(view)
         demand = {eid: mine.get(eid, 0) + unmet.get(eid, 0) for eid in mine}

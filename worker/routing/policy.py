@@ -20,7 +20,9 @@ wait + prefill of the part of the prompt it probably does not hold
 (:mod:`worker.routing.cost`), from the ``TurnInfo`` the worker passes (its session's
 previous engine, lengths) and the router's own leases and decisions. ``Lease.reason``
 says why (``preferred``, ``spilled_cost``, ``least_cost``); ``Lease.first_token()`` tells
-it the engine's prefill is done.
+it the engine's prefill is done. ``policy="precise"`` is the same model with a block index
+fed by the engines' KV-cache events (:mod:`worker.routing.kvevents`): what an engine holds
+is read, not guessed, where it publishes them.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ class RoutingPolicy(enum.StrEnum):
     # least expected queue wait + prefill of what the engine probably does not hold
     # (worker/routing/cost.py), within the same caps
     COST_AWARE = "cost_aware"
+    # cost_aware with what the engines' KV events say they hold (worker/routing/blockindex.py)
+    # for the engines that publish them, the estimate for the others
+    PRECISE = "precise"
     # ignores the key (and so every KV cache): a baseline for measurements
     ROUND_ROBIN = "round_robin"
 

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any, Final
 
+from worker.routing.blockindex import BlockIndex
 from worker.routing.cost import CostModel, CostProfile, TurnInfo
 from worker.routing.lease import AllEnginesFull, EngineSpec, Lease, LoadView
 from worker.routing.policy import (
@@ -104,6 +105,7 @@ class Router:
         cost_profile: CostProfile | None = None,
         queue: float = DEFAULT_QUEUE,
         queue_slo_s: float = DEFAULT_QUEUE_SLO_S,
+        index: BlockIndex | None = None,
     ) -> None:
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"policy must be one of {', '.join(ROUTING_POLICIES)}, got {policy!r}")
@@ -132,6 +134,7 @@ class Router:
         self._lease_ids = 0
         self._cost_profile = cost_profile or CostProfile()
         self._cost: CostModel | None = None
+        self.index = index if self.policy is RoutingPolicy.PRECISE else None
         for spec in engines:
             if spec.id in self._engines:
                 raise ValueError(f"duplicate engine id {spec.id!r}")
@@ -452,8 +455,8 @@ class Router:
         self._total = sum(e.in_flight for e in self._engines.values())
         self._others_total = sum(e.others for e in self._engines.values())
         self._reweigh()
-        if self.policy is RoutingPolicy.COST_AWARE:
+        if self.policy in (RoutingPolicy.COST_AWARE, RoutingPolicy.PRECISE):
             if self._cost is None:
-                self._cost = CostModel(list(self._engines), self._cost_profile)
+                self._cost = CostModel(list(self._engines), self._cost_profile, index=self.index)
             else:
                 self._cost.engines = list(self._engines)
