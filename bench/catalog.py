@@ -84,6 +84,11 @@ CATALOG: tuple[Benchmark, ...] = (
         "the relay's per-node shard reader against redis-py's ClusterPubSub",
     ),
     Benchmark(
+        "publish_cost",
+        "bench.pubsub.publish_cost",
+        "Redis CPU per published frame: the publish script vs pipelined XADD + SPUBLISH",
+    ),
+    Benchmark(
         "coalesce",
         "bench.pubsub.coalesce",
         "token coalescing: Redis operations per token against the delay it adds",

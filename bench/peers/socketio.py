@@ -242,6 +242,9 @@ async def _round(
         # (first + the publisher's own duration) the last delivery came
         "behind_s": round(max(0.0, span - pub["seconds"]), 2),
         "redis_cpu_us_per_msg": round(redis_s / max(1, pub["sent"]) * 1e6, 1),
+        # the whole path (bench.peers.pathcost): the producer's pacing, every Redis node
+        "producer_cpu_s": round(pub.get("publish_cpu_s", pub["cpu_s"]), 3),
+        "redis_cpu_s": round(redis_s, 3),
         "sent": pub["sent"],
         "received": tally.received,
         "messages": tally.messages,

@@ -109,6 +109,53 @@ async def test_backlog_is_trimmed_and_keys_get_the_idle_ttl(redis: RedisCluster)
         assert 0 < await redis.ttl(k) <= 300
 
 
+async def test_the_ttl_is_set_again_once_it_ran_down_by_the_slack_not_every_frame(
+    redis: RedisCluster,
+) -> None:
+    """The publish script refreshes both keys' TTL only when the backlog's has run down
+    by more than min(1 s, ttl_s / 16): here 300 s, so 1 s."""
+    pub = Publisher(redis, ttl_s=300)
+    sid = new_session_id()
+    gen = await pub.open_generation(sid)
+    await gen.token("a")  # the stream's first XADD: a key without a TTL, set at once
+    for k in (meta_key(sid), log_key(sid)):
+        assert 299_000 < await redis.pttl(k) <= 300_000
+    node = await _node_for(redis, meta_key(sid))
+    try:
+        for k in (meta_key(sid), log_key(sid)):
+            await redis.pexpire(k, 299_500)  # within the slack: left as it is
+        await node.config_resetstat()
+        await gen.token("b")
+        assert await _cmdstat(node, "expire") == 0
+        for k in (meta_key(sid), log_key(sid)):
+            assert await redis.pttl(k) <= 299_500
+        for k in (meta_key(sid), log_key(sid)):
+            await redis.pexpire(k, 290_000)  # ran down by more: both set again
+        await gen.token("c")
+        assert await _cmdstat(node, "expire") == 2
+        for k in (meta_key(sid), log_key(sid)):
+            assert 299_000 < await redis.pttl(k) <= 300_000
+    finally:
+        await node.aclose()
+
+
+async def test_a_hash_the_script_restores_gets_its_ttl(redis: RedisCluster) -> None:
+    """A failover lost the meta hash (not the backlog, whose TTL is fresh): the publish
+    script restores the hash, and gives it the TTL and the lifetime field too."""
+    pub = Publisher(redis, ttl_s=300)
+    sid = new_session_id()
+    gen = await pub.open_generation(sid)
+    await gen.token("a")
+    await redis.delete(meta_key(sid), log_key(sid))
+    gen.offset = 0  # the restored hash has no offset: the script expects 0
+    await redis.xadd(log_key(sid), {"f": "x"}, id="0-1")  # a backlog whose TTL is fresh
+    await redis.expire(log_key(sid), 300)
+    await gen.token("b")
+    assert 299_000 < await redis.pttl(meta_key(sid)) <= 300_000
+    assert await redis.hget(meta_key(sid), "ttl") == b"300"
+    assert await redis.hget(meta_key(sid), "offset") == b"1"
+
+
 async def test_read_backlog_pages_after_an_offset(redis: RedisCluster) -> None:
     pub = Publisher(redis)
     sid = new_session_id()

@@ -189,17 +189,26 @@ class Generation:
                     obs(base + i + 1, drafts[i].kind, data)
             return list(range(base + 1, last + 1))
 
+    def script_call(
+        self, base: int, payload: Sequence[bytes], terminal: bool = False
+    ) -> tuple[tuple[str, str, str], list[Any]]:
+        """The publish script's KEYS and ARGV for ``payload`` after offset ``base`` (its
+        layout: ``lua/publish.lua``); for code that sends the call itself (benchmarks)."""
+        pub = self.publisher
+        keys = (meta_key(self.session), log_key(self.session), live_channel(self.session))
+        args: list[Any] = [
+            self.epoch, base, pub.maxlen, pub.ttl_s, int(terminal), self.turn, self.gen,
+            pub.max_bytes, *payload,
+        ]  # fmt: skip
+        return keys, args
+
     async def _write(self, base: int, payload: list[bytes], terminal: bool) -> int:
         """Run the publish script until it answers (retrying while Redis is away)."""
         pub = self.publisher
-        keys = (meta_key(self.session), log_key(self.session), live_channel(self.session))
+        keys, args = self.script_call(base, payload, terminal)
         deadline = time.monotonic() + pub.retry_s
         backoff = 0.05
         while True:
-            args: list[Any] = [
-                self.epoch, base, pub.maxlen, pub.ttl_s, int(terminal), self.turn, self.gen,
-                pub.max_bytes, *payload,
-            ]  # fmt: skip
             try:
                 return int(await PUBLISH(pub.redis, keys, args))
             except RedisUnavailable:

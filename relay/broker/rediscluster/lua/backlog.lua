@@ -6,7 +6,9 @@
 -- (XTRIM MINID), whole, the newest always stays. A reader that asks for a trimmed
 -- offset gets the backlog's first offset back (and its client a `gap` frame), as for
 -- a trim by MAXLEN. Scripts that append (publish.lua, reap.lua, seal.lua) are loaded
--- with this file in front: backlog_total once, backlog_add per frame, backlog_trim once.
+-- with this file in front: backlog_total once (publish.lua reads `bytes` with its other
+-- fields instead), backlog_add per frame, backlog_trim once (publish.lua: backlog_cut,
+-- and `bytes` in its one HSET).
 
 -- Where the next entry starts: the hash's count, or, when a failover or an expiry lost
 -- the hash and not the backlog, the end of the backlog's last entry.
@@ -27,10 +29,10 @@ local function backlog_add(log, maxlen, id, frame, total)
   return total + #frame
 end
 
--- Store the total and drop the oldest entries until the rest fit in maxbytes
--- (0: no byte bound). Reads the entries it drops, one page at a time (1, 2, 4, ... 64).
-local function backlog_trim(meta, log, total, maxbytes)
-  redis.call('HSET', meta, 'bytes', total)
+-- Drop the oldest entries until the rest fit in maxbytes (0: no byte bound); the caller
+-- stores the total in the hash's `bytes`. Reads the entries it drops, one page at a
+-- time (1, 2, 4, ... 64).
+local function backlog_cut(log, total, maxbytes)
   if maxbytes <= 0 or total <= maxbytes then return end
   local floor = total - maxbytes  -- an entry that starts before it does not fit
   local from, count, last = '-', 1, nil
@@ -49,4 +51,10 @@ local function backlog_trim(meta, log, total, maxbytes)
     if count < 64 then count = count * 2 end
   end
   if last then redis.call('XTRIM', log, 'MINID', last) end  -- the newest stays
+end
+
+-- Store the total, then backlog_cut.
+local function backlog_trim(meta, log, total, maxbytes)
+  redis.call('HSET', meta, 'bytes', total)
+  backlog_cut(log, total, maxbytes)
 end

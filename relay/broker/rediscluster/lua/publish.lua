@@ -4,28 +4,45 @@
 -- ARGV: epoch, expected offset, maxlen, ttl_s, terminal (1: the last frame ends the turn),
 -- turn, gen, max bytes of the backlog (0: no byte bound), then the encoded frames.
 -- Loaded after backlog.lua. Returns the last offset written.
-local cur = redis.call('HMGET', KEYS[1], 'epoch', 'offset', 'gen')
+-- Per call, besides an XADD and an SPUBLISH per frame: one HMGET, one HSET, one PTTL
+-- (a read), and the two EXPIREs only when the TTL has run down by more than the slack
+-- (min(1 s, ttl_s / 16)) since it was last set: at most about once a second per session,
+-- not once a frame (bench.pubsub.publish_cost measures it). Every script sets the two
+-- keys' TTLs together, so the backlog's stands for both, except where a key is new: the
+-- stream's first XADD (PTTL -1) and a hash this script restores (refreshed at once).
+local cur = redis.call('HMGET', KEYS[1], 'epoch', 'offset', 'gen', 'bytes', 'ttl')
 local epoch = tonumber(cur[1] or '0')
 local off = tonumber(cur[2] or '0')
 if epoch > tonumber(ARGV[1]) then return redis.error_reply('FENCED ' .. epoch) end
 if cur[3] and cur[3] ~= ARGV[7] then return redis.error_reply('FENCED ' .. epoch) end
 if off ~= tonumber(ARGV[2]) then return redis.error_reply('OFFSET ' .. off) end
+local refresh = false
 if epoch < tonumber(ARGV[1]) then
   -- a failover lost our open_generation (asynchronous replication): restore it
+  refresh = true
   redis.call('HSET', KEYS[1], 'epoch', ARGV[1], 'open', ARGV[6], 'gen', ARGV[7])
   local turn = tonumber(redis.call('HGET', KEYS[1], 'turn') or '0')
   if turn < tonumber(ARGV[6]) then redis.call('HSET', KEYS[1], 'turn', ARGV[6]) end
 end
-local total = backlog_total(KEYS[1], KEYS[2])
+local total = tonumber(cur[4] or '')
+if total == nil then total = backlog_total(KEYS[1], KEYS[2]) end
 for i = 9, #ARGV do
   off = off + 1
   total = backlog_add(KEYS[2], ARGV[3], string.format('%d-1', off), ARGV[i], total)
   redis.call('SPUBLISH', KEYS[3], ARGV[i])
 end
-backlog_trim(KEYS[1], KEYS[2], total, tonumber(ARGV[8]))
-redis.call('HSET', KEYS[1], 'offset', off)
-redis.call('HSETNX', KEYS[1], 'ttl', ARGV[4])
+backlog_cut(KEYS[2], total, tonumber(ARGV[8]))
+if cur[5] then
+  redis.call('HSET', KEYS[1], 'offset', off, 'bytes', total)
+else  -- a failover lost the OPEN: the session's lifetime, for relays to extend it by
+  redis.call('HSET', KEYS[1], 'offset', off, 'bytes', total, 'ttl', ARGV[4])
+end
 if ARGV[5] == '1' then redis.call('HDEL', KEYS[1], 'open') end
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-redis.call('EXPIRE', KEYS[2], ARGV[4])
+local ttl_ms = tonumber(ARGV[4]) * 1000
+local due = ttl_ms - math.min(1000, math.floor(ttl_ms / 16))
+-- PTTL is -1 for a key without a TTL (the stream's first XADD)
+if refresh or redis.call('PTTL', KEYS[2]) < due then
+  redis.call('EXPIRE', KEYS[1], ARGV[4])
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
+end
 return off
