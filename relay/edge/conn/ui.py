@@ -8,7 +8,8 @@ to resume), and otherwise this stream: the running turn **from its first frame**
 SDK's resume is a replay), each frame as the UI parts :mod:`relay.protocol.uistream`
 makes of it, then ``data: [DONE]``, and the response ends.
 
-What a :class:`UiConn` adds to :class:`relay.edge.conn.base.Conn`: its encoding is its
+What a :class:`UiConn` adds to :class:`relay.edge.conn.oneturn.OneTurnConn` (the parts
+below that are the same for every one-turn stream): its encoding is its
 own (a :class:`relay.protocol.uistream.UiTurn` per connection: the parts depend on
 where in the turn it is); it ends itself once the turn's terminal frame is written;
 a compacted join (``?compact=1``) gets the part of the reply already written as one
@@ -30,12 +31,10 @@ from typing import Any, ClassVar, Final
 
 from multidict import istr
 
-from relay.edge.conn.base import Conn, Transport
-from relay.edge.core.resume import Delivery
+from relay.edge.conn.base import Transport
+from relay.edge.conn.oneturn import OneTurnConn
 from relay.edge.fanout.hub import Hub
-from relay.protocol import sse
-from relay.protocol.codes import CloseCode
-from relay.protocol.frame import FrameError, decode
+from relay.protocol.frame import Frame
 from relay.protocol.uistream import DONE, UiTurn, encode_chunk
 from relay.protocol.uistream import UI_HEADERS as PROTOCOL_UI_HEADERS
 
@@ -43,15 +42,14 @@ __all__ = ["UI_HEADERS", "UiConn"]
 
 # istr names: see relay.edge.http.handlers.SSE_HEADERS
 UI_HEADERS: Final = {istr(k): v for k, v in PROTOCOL_UI_HEADERS.items()}
-HEARTBEAT: Final = sse.comment("heartbeat")
-_LAST_CHUNK: Final = b"0\r\n\r\n"
 
 
-class UiConn(Conn):
+class UiConn(OneTurnConn):
     """One UI message stream of one turn. See the module docstring."""
 
     transport_kind: ClassVar[Transport] = Transport.UI
     compact_open: ClassVar[bool] = True  # the replay is the running turn: its text so far
+    tail: ClassVar[bytes] = DONE
 
     __slots__ = ("_ui",)
 
@@ -59,37 +57,14 @@ class UiConn(Conn):
         super().__init__(hub, sid, after, None, **kw)
         self._ui = UiTurn(sid, turn)
 
-    def encode(self, d: Delivery) -> bytes:
+    def translate(self, frame: Frame) -> bytes:
         """The UI parts of one frame (none for frames of other turns)."""
-        try:
-            frame = decode(d.data)
-        except FrameError:
-            return b""
         return b"".join([encode_chunk(c) for c in self._ui.feed(frame)])
 
-    def _write(self, ds: list[Delivery]) -> None:
-        super()._write(ds)
-        if self._ui.finished and self.stop is None:
-            self.stop = (CloseCode.CLOSED, "the turn ended")
-            self.write_raw(DONE)
-            t = self._transport
-            if t is not None and self.chunked:
-                t.write(_LAST_CHUNK)
-            self.close_transport()
+    def failure(self, reason: str) -> bytes:
+        """An error part (and the finish it implies): the session was deleted."""
+        return b"".join([encode_chunk(c) for c in self._ui.fail(reason)])
 
-    def notice(self, d: Delivery) -> None:
-        """The UI stream is one turn's reply: the presence count is not part of it."""
-
-    def beat(self, now: float, heartbeat_s: float) -> None:
-        if self.last_write <= now - heartbeat_s and self.idle_room():
-            self.write_raw(HEARTBEAT)
-
-    async def goodbye(self, code: CloseCode, reason: str) -> None:
-        """Drained or cut before the turn ended: end the response; the client resumes.
-        The session was deleted: an error part (and the finish it implies), ``[DONE]``,
-        then the end: there is nothing to resume."""
-        t = self._transport
-        if code is CloseCode.SESSION_DELETED and not self._ui.finished:
-            self.write_raw(b"".join([encode_chunk(c) for c in self._ui.fail(reason)]) + DONE)
-        if t is not None and self.chunked:
-            t.write(_LAST_CHUNK)
+    @property
+    def turn_finished(self) -> bool:
+        return self._ui.finished
