@@ -167,6 +167,7 @@ async def test_a_deleted_sessions_streams_end_and_new_ones_are_refused(
         relay.http.get(relay.url(sid, "ui-stream"), params={"token": old_token}) as ui,
     ):
         assert ui.status == 200
+        assert ui.headers["Connection"] == "close"  # the stream ends with its socket
         assert [k for _, k, _ in await a.events(2)] == ["meta", "token"]
         assert [f.get("kind") for f in await ws_frames(ws, 3)] == [None, "meta", "token"]
         await ui.content.readuntil(b'"delta":"Hel"')

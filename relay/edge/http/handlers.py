@@ -224,4 +224,6 @@ async def ui_stream_handler(server: EdgeServer, request: web.Request) -> web.Str
         await server.admit(conn, access)
     except Reject as r:
         return server.refuse(r)
-    return await _stream(server, conn, request, web.StreamResponse(headers=UI_HEADERS), b"")
+    resp = web.StreamResponse(headers=UI_HEADERS)
+    resp.force_close()  # the Conn closes the socket after the turn's end: say so to pools
+    return await _stream(server, conn, request, resp, b"")
