@@ -46,6 +46,11 @@ def summarize(rounds: Sequence[RoundFigures]) -> dict[str, Any]:
     per_published = {
         k: round(_median([r.cpu_s.get(k, 0.0) * 1e6 / n for r, n in pairs]), 2) for k in keys
     }
+    for role in ("masters", "replicas"):  # Redis's CPU by role, where the round has it
+        got = [float(r.notes[f"redis_{role}_cpu_s"]) * 1e6 / n for r, n in pairs
+               if f"redis_{role}_cpu_s" in r.notes]  # fmt: skip
+        if got:
+            per_published[f"redis_{role}"] = round(_median(got), 2)
     return {
         "us_per_token": {**us, "whole": whole},
         "shares": {k: round(v / whole, 3) if whole else 0.0 for k, v in us.items()},

@@ -4,8 +4,9 @@ On one local 3 + 3 Redis Cluster, every system (:mod:`bench.peers.pathdrivers`:
 tokenrelay over WebSocket, Socket.IO with its sharded adapter, tokenrelay over SSE and the
 bare relay for the relay-vs-bare ratio; ``resumable-stream`` from
 :mod:`bench.peers.resumable` when that module exists, else named as missing) runs every
-phase it supports, the systems alternating round by round (the order shuffled by
-``--seed``, reversed every other round), each round on fresh sessions:
+phase it supports (after one discarded warm-up round each), the systems alternating round
+by round (the order shuffled by ``--seed``, reversed every other round), each round on
+fresh sessions:
 
 - ``1000x1_<rate>``: 1,000 sessions x 1 reader, ``rate`` tokens/s in all (2,000, 5,000,
   10,000);
@@ -169,6 +170,10 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
                 stack.push_async_callback(system.stop)
         order = list(systems)
         random.Random(cfg.seed).shuffle(order)
+        warm = Phase("warm-up", min(100, cfg.sessions), 1, min(200, cfg.rates[0]), 2.0)
+        for name in order:  # first connections, imports, caches: left out of the figures
+            _progress(started, f"warm-up: {name}")
+            await systems[name].round(warm, cfg.seed)
         for phase in plan:
             rounds: dict[str, list[RoundFigures]] = {k: [] for k in order}
             for i in range(cfg.repeats):
