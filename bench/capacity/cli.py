@@ -52,6 +52,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--replicas-per-master", type=int, default=d.replicas_per_master)
     ap.add_argument("--kb-per-conn", type=float, help=f"relay KB per connection ({d.kb_per_conn})")
     ap.add_argument("--pod-memory-mb", type=float, default=d.pod_memory_mb)
+    ap.add_argument("--tokens-per-frame", type=float, default=d.tokens_per_frame,
+                    help="coalescing: tokens per frame (1, as measured)")  # fmt: skip
     ap.add_argument("--write-defaults", metavar="LABEL",
                     help="with --from: print bench/capacity/defaults.py for those costs, "
                          "LABEL (the run's command and date) as their source")  # fmt: skip
@@ -77,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         redis_core_ceiling=args.redis_core_ceiling,
         replicas_per_master=args.replicas_per_master,
         pod_memory_mb=args.pod_memory_mb,
+        tokens_per_frame=args.tokens_per_frame,
     )
     if args.kb_per_conn is not None:
         a = replace(a, kb_per_conn=args.kb_per_conn, kb_source="--kb-per-conn")

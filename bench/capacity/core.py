@@ -1,7 +1,9 @@
 """Pure: the cluster a target needs, from the whole path's measured costs per token.
 
 A target is ``viewers`` concurrent viewers watching sessions that stream ``tokens_per_s``
-tokens each, ``viewers_per_session`` viewers per session. From :class:`Costs` (CPU µs
+tokens each, ``viewers_per_session`` viewers per session; the producer sends
+``tokens_per_frame`` tokens per frame (1: no coalescing, as the benchmark measured; each
+cost is per frame). From :class:`Costs` (CPU µs
 per token of each participant, as ``bench.peers.pathcost`` measures them: the producer
 and every Redis node per *published* token, the relay per *delivered* token) and
 :class:`Assumptions`, :func:`plan` gives the relays, the Redis masters (and replicas) and
@@ -57,11 +59,13 @@ class Assumptions:
     kb_per_conn: float = 4.85  # relay memory per idle WebSocket connection
     kb_source: str = "python -m bench.peers.socketio (idle tokenrelay, bench/README.md)"
     pod_memory_mb: float = 1024.0
+    tokens_per_frame: float = 1.0  # the producer's coalescing: tokens a frame carries
 
     def check(self) -> None:
         if not (0 < self.utilisation <= 1):
             raise ValueError(f"utilisation must be in (0, 1], got {self.utilisation}")
-        for name in ("cores_per_pod", "redis_core_ceiling", "kb_per_conn", "pod_memory_mb"):
+        for name in ("cores_per_pod", "redis_core_ceiling", "kb_per_conn", "pod_memory_mb",
+                     "tokens_per_frame"):  # fmt: skip
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a number > 0, got {v!r}")
@@ -113,8 +117,8 @@ def plan(target: Target, costs: Costs, a: Assumptions) -> Plan:
     costs.check()
     a.check()
     sessions = math.ceil(target.viewers / target.viewers_per_session)
-    published = sessions * target.tokens_per_s
-    delivered = target.viewers * target.tokens_per_s
+    published = sessions * target.tokens_per_s / a.tokens_per_frame  # frames/s
+    delivered = target.viewers * target.tokens_per_s / a.tokens_per_frame
     relay_cores = delivered * costs.relay_us / 1e6
     by_cpu = _pods(relay_cores, a.cores_per_pod * a.utilisation)
     memory_mb = target.viewers * a.kb_per_conn / 1024
@@ -184,7 +188,7 @@ def _n(v: float) -> str:
 
 def render(plans: Sequence[Plan], costs: Costs, a: Assumptions) -> str:
     """The table and the assumptions it rests on (markdown)."""
-    head = ("viewers", "sessions", "tokens/s published", "deliveries/s", "relays",
+    head = ("viewers", "sessions", "frames/s published", "deliveries/s", "relays",
             "relay cores", "Redis masters (+replicas)", "master cores", "workers",
             "worker cores")  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -200,7 +204,8 @@ def render(plans: Sequence[Plan], costs: Costs, a: Assumptions) -> str:
         if t is None
         else [
             f"- {t.tokens_per_s:g} tokens/s per session, {t.viewers_per_session:g} viewers per "
-            "session, one frame per token (no coalescing)"
+            f"session, {a.tokens_per_frame:g} token(s) per frame (the measured costs are "
+            "per frame of one token)"
         ]
     )
     lines += [

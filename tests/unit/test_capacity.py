@@ -33,6 +33,15 @@ def test_plan_arithmetic() -> None:
     assert p.workers == 6
 
 
+def test_coalescing_divides_the_frames() -> None:
+    a4 = Assumptions(**{**A.__dict__, "tokens_per_frame": 4.0})
+    target = Target(100_000, 30.0, 10.0)
+    one, four = plan(target, COSTS, A), plan(target, COSTS, a4)
+    assert four.published_per_s == one.published_per_s / 4
+    assert math.isclose(four.relay_cores, one.relay_cores / 4)
+    assert four.relay_memory_gb == one.relay_memory_gb
+
+
 def test_memory_can_bind_the_relays() -> None:
     idle = Costs(0.0, 0.0, 0.0, 0.001, "test")
     p = plan(Target(1_000_000, 1.0, 1.0), idle, A)
@@ -58,6 +67,7 @@ def test_replicas_can_need_more_masters() -> None:
         (Target(10, 30, 20), A, "viewers per session"),
         (Target(10, 30, 1), Assumptions(utilisation=1.5), "utilisation"),
         (Target(10, 30, 1), Assumptions(cores_per_pod=0), "cores_per_pod"),
+        (Target(10, 30, 1), Assumptions(tokens_per_frame=0), "tokens_per_frame"),
     ],
 )
 def test_bad_input_is_refused(target: Target, assume: Assumptions, words: str) -> None:
