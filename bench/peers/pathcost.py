@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import inspect
 import json
 import os
 import random
@@ -89,17 +88,13 @@ def phases(cfg: Config) -> list[Phase]:
 
 
 def _resumable(bench: Bench) -> System | str:
-    """The resumable-stream system, or why there is none."""
+    """The resumable-stream system on the run's cluster (through a cluster client), or why
+    there is none."""
     try:
-        from bench.peers import resumable  # type: ignore[attr-defined, unused-ignore]
-    except ImportError:
-        return "bench/peers/resumable.py (its driver) is not on this branch yet"
-    cls = resumable.ResumableStream
-    params = inspect.signature(cls).parameters
-    if "bench" in params:
-        return cls(bench)  # type: ignore[no-any-return]
-    have = {k: v for k, v in asdict(bench).items() if k in params}
-    return cls(**have)  # type: ignore[no-any-return]
+        from bench.peers.resumable import ResumableStream
+    except ImportError as exc:
+        return f"its driver (bench/peers/resumable.py) does not import: {exc}"
+    return ResumableStream(bench.url, bench.log_dir, mode="cluster", warm_s=bench.warm_s)
 
 
 def _systems(cfg: Config, bench: Bench) -> tuple[dict[str, System], dict[str, str]]:

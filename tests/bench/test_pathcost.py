@@ -44,7 +44,10 @@ async def test_tiny_run_adds_up_and_tokenrelay_loses_nothing(cluster: ClusterInf
         for sysname, r in by_sys.items():
             us = r["us_per_token"]
             parts = [us[k] for k in ("producer", "redis", "server") if k in us]
-            assert all(v > 0 for v in parts), (name, sysname, us)
+            assert all(v >= 0 for v in parts), (name, sysname, us)
+            assert us["whole"] > 0, (name, sysname, us)
+            if sysname != "resumable-stream":  # its server (the resumers) is idle without any
+                assert all(v > 0 for v in parts), (name, sysname, us)
             assert math.isclose(sum(parts), us["whole"], abs_tol=0.02), (name, sysname, us)
             assert math.isclose(sum(r["shares"].values()), 1.0, abs_tol=0.01)
             for rnd in r["rounds"]:
