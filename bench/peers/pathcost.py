@@ -46,6 +46,7 @@ from bench._util import raise_nofile
 from bench.peers.node import ensure_socketio, installed_versions
 from bench.peers.pathaims import aims, summarize
 from bench.peers.pathdrivers import Bench, RelaySystem, SocketIOSystem
+from bench.peers.pathround import redis_cpu_by_role
 from bench.peers.pathsystem import Phase, RoundFigures, System
 from bench.relay.harness import slotmap
 from bench.relay.instruments import profiled, summarize_profile
@@ -144,6 +145,7 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
     plan = phases(cfg)
     results: dict[str, dict[str, Any]] = {p.name: {} for p in plan}
     profile: list[dict[str, Any]] = []
+    redis_idle: dict[str, float] = {}
     async with contextlib.AsyncExitStack() as stack:
         own = url is None
         if url is None:
@@ -169,6 +171,10 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
         for name in order:  # first connections, imports, caches: left out of the figures
             _progress(started, f"warm-up: {name}")
             await systems[name].round(warm, cfg.seed)
+        r0, t0 = await redis_cpu_by_role(bench.smap), time.perf_counter()
+        await asyncio.sleep(3.0)  # every system started, no round: Redis's own floor
+        r1, span = await redis_cpu_by_role(bench.smap), time.perf_counter() - t0
+        redis_idle = {k: round((r1[k] - r0[k]) / span, 4) for k in r0}
         for phase in plan:
             rounds: dict[str, list[RoundFigures]] = {k: [] for k in order}
             for i in range(cfg.repeats):
@@ -189,6 +195,7 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
         "aims": aims(by_name, results, missing),
         "guarantees": {n: s.guarantee for n, s in systems.items()},
         "missing": missing,
+        "redis_idle_cpu_s_per_s": redis_idle,
         "profile": profile,
         "order": order,
         "config": asdict(cfg),
@@ -262,6 +269,14 @@ def report(res: dict[str, Any]) -> str:
     if res.get("profile"):
         top = ", ".join(f"{p['function']} {p['self_pct']}%" for p in res["profile"][:8])
         out += ["", f"Relay profile (py-spy, self share of busy samples): {top}"]
+    idle = res.get("redis_idle_cpu_s_per_s")
+    if idle:
+        total = sum(idle.values())
+        rate = min(res["config"]["rates"])
+        out += ["", f"Redis with every system started and no round running: {total:.3f} CPU "
+                f"s/s over its 6 nodes (masters {idle['masters']:.3f}, replicas "
+                f"{idle['replicas']:.3f}): {total * 1e6 / rate:.1f} µs per token at "
+                f"{rate:,} tokens/s, inside every system's Redis share above."]  # fmt: skip
     c = res["config"]
     out += ["", f"{c['repeats']} rounds of {c['seconds']:g} s per system and phase, order "
             f"{', '.join(res['order'])}; {res['cpus']} CPUs, load {' '.join(res['loadavg_start'])}"
