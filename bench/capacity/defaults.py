@@ -9,12 +9,13 @@ from bench.capacity.core import Costs
 __all__ = ["COSTS"]
 
 COSTS = Costs(
-    producer_us=14.74,
-    redis_masters_us=29.94,
-    redis_replicas_us=8.69,
-    relay_us=17.33,
+    producer_us=23.7,
+    redis_masters_us=46.62,
+    redis_replicas_us=13.96,
+    relay_us=27.12,
     source=(
-        "python -m bench.peers.pathcost --quick, 2026-12-02, 2 shared cores, load "
-        "0.4-0.6: producer and Redis from 1000x1_10000, relay from 1000x1_10000"
+        "python -m bench.peers.pathcost --seed 1 --profile prof --json pathcost.json, "
+        "2026-12-02, 2 cores shared with other work (load 1.0 -> 6.6): producer and Redis"
+        " from 1000x1_10000, relay from 1000x1_10000"
     ),
 )
