@@ -157,7 +157,8 @@ class ResumableStream:
         raise_nofile(4096)
 
     async def round(self, phase: Phase, seed: int) -> RoundFigures:
-        assert self.modules is not None and self.target is not None, "start() first"
+        assert self.modules is not None, "start() first"
+        assert self.target is not None, "start() first"
         self.rounds += 1
         storm = phase.kind == "resume_storm"
         per_stream = 0 if storm else phase.viewers - 1
@@ -175,7 +176,8 @@ class ResumableStream:
         """Its producer killed (SIGKILL, by pid) mid-stream with a resumed viewer on every
         stream: what those viewers got after the kill, whether their streams ended, and
         what a fresh resume of a stream gets then."""
-        assert self.modules is not None and self.target is not None, "start() first"
+        assert self.modules is not None, "start() first"
+        assert self.target is not None, "start() first"
         self.rounds += 1
         streams = [f"{uuid.uuid4().hex[:12]}-{i}" for i in range(sessions)]
         work = self.log_dir / f"resumable-{self.mode}-kill-{self.rounds}"
@@ -263,7 +265,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m bench.peers.resumable``: the standalone run (:mod:`bench.peers.resumable_run`)."""
+    """``python -m bench.peers.resumable``: the run of :mod:`bench.peers.resumable_run`."""
     from bench.peers.resumable_run import main as run_main
 
     return run_main(argv)

@@ -11,7 +11,8 @@ token, one per listener), for tokenrelay over its paced publisher
 at the same tokens/s on as many sessions. Each is divided by the tokens published; the
 cluster's own pings over the same seconds are in both.
 
-``python -m bench.peers.resumable [--quick] [--json PATH] [--seed N]``.
+``python -m bench.peers.resumable [--quick] [--json PATH] [--seed N]``; ``--report PATH``
+prints the table of a saved ``--json`` (the one in bench/README.md).
 """
 
 from __future__ import annotations
@@ -93,9 +94,7 @@ async def _bus_window(target: Target, work: Any) -> tuple[dict[str, int], int, A
     return {k: v - c0.get(k, 0) for k, v in c1.items()}, b1 - b0, out
 
 
-async def _bus_compare(
-    system: ResumableStream, url: str, cfg: Config, seed: int
-) -> dict[str, Any]:
+async def _bus_compare(system: ResumableStream, url: str, cfg: Config, seed: int) -> dict[str, Any]:
     """Cluster-bus messages and bytes per published token: resumable-stream's 100 x 10
     round (per-listener PUBLISH) and tokenrelay's publisher at the same rate."""
     from bench.peers.pathsystem import Phase
@@ -212,6 +211,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repeats", type=int, help=f"rounds per phase ({d.repeats})")
     ap.add_argument("--modes", help="comma-separated targets: node,cluster (both)")
     ap.add_argument("--sessions", type=int, help=f"sessions of the 1 x N phases ({d.sessions})")
+    ap.add_argument("--report", metavar="JSON", help="print the table of a saved --json; no run")
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -224,11 +224,19 @@ def config_from_args(args: argparse.Namespace) -> Config:
         modes = tuple(m.strip() for m in args.modes.split(","))
         if bad := [m for m in modes if m not in ("node", "cluster")]:
             raise SystemExit(f"--modes: unknown target {bad[0]!r} (node, cluster)")
-        cfg.modes = modes  # type: ignore[assignment]
+        cfg.modes = modes
     return cfg
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    if getattr(args, "report", None):
+        try:
+            saved = json.loads(Path(args.report).read_text(encoding="utf-8"))
+            print(table(saved))
+        except (OSError, ValueError, KeyError) as e:
+            why = f"--report {args.report}: not a saved run of this benchmark ({e})"
+            raise SystemExit(why) from None
+        return 0
     res = asyncio.run(run(config_from_args(args)))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
