@@ -90,9 +90,11 @@ def figures(run: RoundRun, phase: Phase, per_stream: int, storm: bool) -> RoundF
     published: list[int] = p["published"]
     by_stream: dict[str, list[dict[str, Any]]] = v.get("by_stream", {})
     readers = 1 if storm else 1 + per_stream
-    delivered = duplicated = reordered = 0
+    delivered = duplicated = reordered = tail = 0
     for i, first in enumerate(p["first"]):
         tallies = [first, *by_stream.get(str(i), [])]
+        ends = tallies[1:] if storm and len(tallies) > 1 else tallies
+        tail += sum(published[i] - t["last"] for t in ends)
         delivered += sum(t["received"] for t in tallies)
         duplicated += sum(t["duplicated"] for t in tallies)
         reordered += sum(t["reordered"] for t in tallies)
@@ -104,6 +106,7 @@ def figures(run: RoundRun, phase: Phase, per_stream: int, storm: bool) -> RoundF
         "readers_in_resumer": int(v.get("viewers", 0)),
         "attach_errors": int(v.get("attach_errors", 0)),
         "reordered": reordered,
+        "lost_at_the_end": tail,  # of lost: tokens after a reader's last one
         "after_end": str(p["after_end"]),
     }
     if storm and v.get("storm_resume_s") is not None:

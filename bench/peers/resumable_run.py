@@ -45,7 +45,10 @@ from bench.peers.rsdriver import Mode, Target, ensure_modules, installed_version
 from bench.relay.harness import run_publisher, sessions, slotmap
 from devstack.cluster.binary import find_server_binary
 from devstack.cluster.launcher import local_cluster
-from devstack.procs import free_port, launched, port_open
+from devstack.procs import Proc, ProcError, free_port, launched, port_open
+from relay.broker.rediscluster.nodeconn import raw_command
+from relay.protocol.keys import log_key
+from relay.protocol.slotmap import slot_of
 
 __all__ = ["add_arguments", "bus_bytes", "main", "run", "run_from_args"]
 
@@ -127,6 +130,47 @@ async def _bus_compare(system: ResumableStream, url: str, cfg: Config, seed: int
     }
 
 
+async def tokenrelay_killed(
+    url: str, target: Target, n: int, rate: float, secs: float
+) -> dict[str, Any]:
+    """tokenrelay's publisher (:mod:`bench.relay.publisher`) killed (SIGKILL, by pid) half
+    way through: what its backlogs in Redis hold then, which is what a reader resuming on
+    any relay reads (XRANGE from its offset)."""
+    smap = await slotmap(target.nodes[0])
+    sids = sessions(n, smap, None)
+    spec = {"mode": "paced", "url": url, "sids": sids, "rate": rate / n, "seconds": secs,
+            "stamp": "build"}  # fmt: skip
+    first = smap.node_for(slot_of(log_key(sids[0])))
+    assert first is not None
+    with tempfile.TemporaryDirectory(prefix="bench-tr-kill-") as tmp:
+        (Path(tmp) / "spec.json").write_text(json.dumps(spec))
+        argv = [sys.executable, "-m", "bench.relay.publisher", str(Path(tmp) / "spec.json")]
+        proc = Proc.start(argv, log=Path(tmp) / "publisher.log", name="publisher")
+        try:
+            deadline = time.monotonic() + 60
+            while int(await raw_command(first, "XLEN", log_key(sids[0]))) == 0:
+                if time.monotonic() > deadline or not proc.alive:
+                    raise ProcError(f"the publisher published nothing: {proc.why()}")
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(secs / 2)
+            proc.kill()
+        finally:
+            await proc.stop(grace_s=5)
+    held = []
+    for sid in sids:
+        node = smap.node_for(slot_of(log_key(sid)))
+        assert node is not None
+        held.append(int(await raw_command(node, "XLEN", log_key(sid))))
+    return {
+        "sessions": n,
+        "backlog_frames_after_kill": sum(held),
+        "sessions_with_a_backlog": sum(1 for h in held if h > 0),
+        "note": "a reader resumes from its offset on any relay and reads these (XRANGE); "
+        "a relay ends a watched open turn whose producer fell silent with a reap "
+        "(an error frame, worker_lost: docs/PROTOCOL.md)",
+    }
+
+
 async def run(cfg: Config) -> dict[str, Any]:
     modules = await asyncio.to_thread(ensure_modules)
     if isinstance(modules, str):
@@ -150,6 +194,10 @@ async def run(cfg: Config) -> dict[str, Any]:
                     cfg.kill_sessions, cfg.kill_rate, cfg.seconds
                 )
                 if mode == "cluster":
+                    assert system.target is not None
+                    res["tokenrelay_killed"] = await tokenrelay_killed(
+                        url, system.target, cfg.kill_sessions, cfg.kill_rate, cfg.seconds
+                    )
                     res["cluster_bus"] = await _bus_compare(system, url, cfg, cfg.seed)
                 await system.stop()
                 out["targets"][mode] = res
@@ -195,6 +243,9 @@ def table(res: dict[str, Any]) -> str:
     lines = ["  ".join(f"{v:{w[c]}}" for c, v in enumerate(r)).rstrip() for r in rows]
     for mode, t in res["targets"].items():
         lines.append(f"{mode} producer killed: {json.dumps(t['producer_killed'])}")
+        if "tokenrelay_killed" in t:
+            killed = json.dumps(t["tokenrelay_killed"])
+            lines.append(f"{mode} tokenrelay publisher killed: {killed}")
         for name, b in t.get("cluster_bus", {}).items():
             lines.append(f"{mode} bus {name}: {b['bus_msgs_per_token']} msgs/token, "
                          f"{b['bus_bytes_per_token']} B/token")  # fmt: skip

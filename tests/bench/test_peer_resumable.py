@@ -58,6 +58,8 @@ async def test_tiny_run_has_every_figure_and_keeps_the_librarys_promises() -> No
         assert killed["tokens_before_kill"] > 0
         assert killed["streams_ended"] == 0  # nothing tells them the producer is gone
         assert all(a != "a stream" for a in killed["fresh_resume_after_kill"])
+    # tokenrelay's backlog outlives its producer
+    assert res["targets"]["cluster"]["tokenrelay_killed"]["backlog_frames_after_kill"] > 0
     bus = res["targets"]["cluster"]["cluster_bus"]
     assert len(bus) == 2
     assert all(b["tokens"] > 0 for b in bus.values())
