@@ -170,6 +170,12 @@ CATALOG: tuple[Benchmark, ...] = (
         "bench.peers.socketio",
         "the relay beside Socket.IO with the sharded Redis adapter: CPU/msg, latency, RSS/conn",
     ),
+    Benchmark(
+        "pathcost",
+        "bench.peers.pathcost",
+        "CPU per delivered token over the whole path (producer + Redis + server), tokenrelay "
+        "beside Socket.IO and resumable-stream, each participant's share, p99, loss",
+    ),
     # Not in make bench, as before: the previous routing simulator, kept for what it
     # showed (docs/ROUTING.md), and a profile of memory rather than a measurement.
     Benchmark(
