@@ -90,7 +90,7 @@ def figures(run: RoundRun, phase: Phase, per_stream: int, storm: bool) -> RoundF
     published: list[int] = p["published"]
     by_stream: dict[str, list[dict[str, Any]]] = v.get("by_stream", {})
     readers = 1 if storm else 1 + per_stream
-    delivered = duplicated = reordered = tail = 0
+    delivered = duplicated = reordered = tail = errored = 0
     for i, first in enumerate(p["first"]):
         tallies = [first, *by_stream.get(str(i), [])]
         ends = tallies[1:] if storm and len(tallies) > 1 else tallies
@@ -98,6 +98,7 @@ def figures(run: RoundRun, phase: Phase, per_stream: int, storm: bool) -> RoundF
         delivered += sum(t["received"] for t in tallies)
         duplicated += sum(t["duplicated"] for t in tallies)
         reordered += sum(t["reordered"] for t in tallies)
+        errored += sum(1 for t in tallies if t.get("error"))
     expected = sum(published) * readers
     lat = [*p["lat_us"], *v.get("lat_us", [])]
     last_at = max(int(p["last_at_ns"]), int(v.get("last_at_ns", 0)))
@@ -106,6 +107,7 @@ def figures(run: RoundRun, phase: Phase, per_stream: int, storm: bool) -> RoundF
         "readers_in_resumer": int(v.get("viewers", 0)),
         "attach_errors": int(v.get("attach_errors", 0)),
         "reordered": reordered,
+        "readers_errored": errored,  # "Timeout waiting for ack" mid-stream
         "lost_at_the_end": tail,  # of lost: tokens after a reader's last one
         "after_end": str(p["after_end"]),
     }
@@ -220,6 +222,7 @@ class Config:
     seconds: float = 8.0
     repeats: int = 3
     modes: tuple[Mode, ...] = ("node", "cluster")
+    tokenrelay: bool = True  # tokenrelay's rounds beside it on the cluster, alternating
     seed: int = 0
 
     @classmethod

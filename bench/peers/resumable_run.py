@@ -2,6 +2,11 @@
 node, then the 3+3 cluster, both from devstack's launcher so that their ``INFO cpu`` is
 this run's alone), the phases on each, the producer killed mid-stream, and on the cluster
 the cluster-bus cost of its classic PUBLISH against tokenrelay's publish script (SPUBLISH).
+On the cluster tokenrelay runs the same phases beside it, rounds alternating (the first
+by ``--seed``), driven as the whole-path runner drives it
+(:class:`bench.peers.pathdrivers.RelaySystem`: the relay process, the paced publisher,
+WebSocket readers in this process, loss counted against the backlog); ``--no-tokenrelay``
+leaves it out. Its producer killed: its backlogs' length after the kill.
 
 Bus traffic: ``CLUSTER INFO``'s ``cluster_stats_messages_*`` counters summed over the six
 nodes, and the bytes both ends of every cluster-bus connection received (``ss -tin``,
@@ -171,6 +176,21 @@ async def tokenrelay_killed(
     }
 
 
+async def _tokenrelay(cfg: Config, url: str, target: Target, log_dir: Path) -> Any:
+    """tokenrelay's relay and publisher as the whole-path runner drives them
+    (:class:`bench.peers.pathdrivers.RelaySystem`), started; None with ``--no-tokenrelay``."""
+    if not cfg.tokenrelay:
+        return None
+    from bench.peers.pathdrivers import Bench, RelaySystem
+
+    readers = max(ph.sessions * ph.viewers for ph in phases(cfg))
+    seed = target.nodes[0]
+    bench = Bench(url, seed, await slotmap(seed), log_dir, None, readers + 100, 1.0)
+    relay = RelaySystem(bench, "ws")
+    await relay.start()
+    return relay
+
+
 async def run(cfg: Config) -> dict[str, Any]:
     modules = await asyncio.to_thread(ensure_modules)
     if isinstance(modules, str):
@@ -184,12 +204,31 @@ async def run(cfg: Config) -> dict[str, Any]:
             async with _redis(mode, log_dir) as url:
                 system = ResumableStream(url, log_dir, mode)
                 await system.start()
+                assert system.target is not None
+                tr = (
+                    await _tokenrelay(cfg, url, system.target, log_dir)
+                    if mode == "cluster"
+                    else None
+                )
                 res: dict[str, Any] = {"phases": {}}
+                if tr is not None:
+                    res["tokenrelay_phases"] = {}
                 for k, ph in enumerate(phases(cfg)):
                     print(f"[{time.monotonic() - started:6.1f}s] {mode} {ph.name}", file=sys.stderr)
-                    rounds = [await system.round(ph, cfg.seed + k * 100 + i)
-                              for i in range(cfg.repeats)]  # fmt: skip
-                    res["phases"][ph.name] = summary(rounds)
+                    mine: list[RoundFigures] = []
+                    theirs: list[RoundFigures] = []
+                    for i in range(cfg.repeats):  # alternating, the first by the seed
+                        seed = cfg.seed + k * 100 + i
+                        turns: list[tuple[Any, list[RoundFigures]]] = [(system, mine)]
+                        if tr is not None:
+                            turns.insert((cfg.seed + k + i) % 2, (tr, theirs))
+                        for sys_, into in turns:
+                            into.append(await sys_.round(ph, seed))
+                    res["phases"][ph.name] = summary(mine)
+                    if tr is not None:
+                        res["tokenrelay_phases"][ph.name] = summary(theirs)
+                if tr is not None:
+                    await tr.stop()
                 res["producer_killed"] = await system.kill_round(
                     cfg.kill_sessions, cfg.kill_rate, cfg.seconds
                 )
@@ -228,13 +267,16 @@ def _node_version() -> str:
 
 def table(res: dict[str, Any]) -> str:
     """The results as a text table, one row per target and phase."""
-    head = ("target", "phase", "delivered", "lost", "dup", "producer µs", "redis µs",
+    head = ("system/target", "phase", "delivered", "lost", "dup", "producer µs", "redis µs",
             "server µs", "whole µs", "p50 ms", "p99 ms", "kept up")  # fmt: skip
     rows: list[tuple[str, ...]] = [head]
     for mode, t in res["targets"].items():
-        for name, r in t["phases"].items():
+        both = [("", t["phases"])]
+        if "tokenrelay_phases" in t:
+            both.append(("tokenrelay ", t["tokenrelay_phases"]))
+        for who, name, r in ((w, n, r) for w, ph in both for n, r in ph.items()):
             u = r["us_per_delivered"]
-            rows.append((mode, name, f"{r['delivered']:,.0f}", str(r["lost"]),
+            rows.append((f"{who}{mode}", name, f"{r['delivered']:,.0f}", str(r["lost"]),
                          str(r["duplicated"]), f"{u.get('producer', 0):.1f}",
                          f"{u.get('redis', 0):.1f}", f"{u.get('server', 0):.1f}",
                          f"{u['whole']:.1f}", f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}",
@@ -262,12 +304,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--repeats", type=int, help=f"rounds per phase ({d.repeats})")
     ap.add_argument("--modes", help="comma-separated targets: node,cluster (both)")
     ap.add_argument("--sessions", type=int, help=f"sessions of the 1 x N phases ({d.sessions})")
+    ap.add_argument("--no-tokenrelay", action="store_true",
+                    help="no tokenrelay rounds beside it on the cluster")  # fmt: skip
     ap.add_argument("--report", metavar="JSON", help="print the table of a saved --json; no run")
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
     cfg = Config.quick() if args.quick else Config()
     cfg.seed = args.seed
+    cfg.tokenrelay = not getattr(args, "no_tokenrelay", False)
     for name in ("seconds", "repeats", "sessions"):
         if (v := getattr(args, name, None)) is not None:
             setattr(cfg, name, v)

@@ -58,6 +58,13 @@ async def test_tiny_run_has_every_figure_and_keeps_the_librarys_promises() -> No
         assert killed["tokens_before_kill"] > 0
         assert killed["streams_ended"] == 0  # nothing tells them the producer is gone
         assert all(a != "a stream" for a in killed["fresh_resume_after_kill"])
+    # tokenrelay beside it on the cluster, the same phases, counted against its backlog
+    tr = res["targets"]["cluster"]["tokenrelay_phases"]
+    assert set(tr) == set(PHASES)
+    for name, r in tr.items():
+        assert r["lost"] == 0, (name, r)
+        assert r["delivered"] == r["published"] * PHASES[name], (name, r)
+        assert r["us_per_delivered"]["whole"] > 0
     # tokenrelay's backlog outlives its producer
     assert res["targets"]["cluster"]["tokenrelay_killed"]["backlog_frames_after_kill"] > 0
     bus = res["targets"]["cluster"]["cluster_bus"]
