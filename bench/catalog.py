@@ -160,6 +160,12 @@ CATALOG: tuple[Benchmark, ...] = (
         "a late joiner of a 1,000-turn session: frames, bytes, time, compacted vs full (SSE, WS)",
     ),
     Benchmark(
+        "peer_resumable",
+        "bench.peers.resumable",
+        "Vercel's resumable-stream on a node and the 3+3 cluster: CPU per delivered token "
+        "(producer, Redis, resumer), latency, loss, resume storm, producer killed, bus bytes",
+    ),
+    Benchmark(
         "peer_socketio",
         "bench.peers.socketio",
         "the relay beside Socket.IO with the sharded Redis adapter: CPU/msg, latency, RSS/conn",

@@ -90,12 +90,15 @@ def figures(run: RoundRun, phase: Phase, per_stream: int, storm: bool) -> RoundF
     published: list[int] = p["published"]
     by_stream: dict[str, list[dict[str, Any]]] = v.get("by_stream", {})
     readers = 1 if storm else 1 + per_stream
-    delivered = duplicated = reordered = 0
+    delivered = duplicated = reordered = tail = errored = 0
     for i, first in enumerate(p["first"]):
         tallies = [first, *by_stream.get(str(i), [])]
+        ends = tallies[1:] if storm and len(tallies) > 1 else tallies
+        tail += sum(published[i] - t["last"] for t in ends)
         delivered += sum(t["received"] for t in tallies)
         duplicated += sum(t["duplicated"] for t in tallies)
         reordered += sum(t["reordered"] for t in tallies)
+        errored += sum(1 for t in tallies if t.get("error"))
     expected = sum(published) * readers
     lat = [*p["lat_us"], *v.get("lat_us", [])]
     last_at = max(int(p["last_at_ns"]), int(v.get("last_at_ns", 0)))
@@ -104,6 +107,8 @@ def figures(run: RoundRun, phase: Phase, per_stream: int, storm: bool) -> RoundF
         "readers_in_resumer": int(v.get("viewers", 0)),
         "attach_errors": int(v.get("attach_errors", 0)),
         "reordered": reordered,
+        "readers_errored": errored,  # "Timeout waiting for ack" mid-stream
+        "lost_at_the_end": tail,  # of lost: tokens after a reader's last one
         "after_end": str(p["after_end"]),
     }
     if storm and v.get("storm_resume_s") is not None:
@@ -157,7 +162,8 @@ class ResumableStream:
         raise_nofile(4096)
 
     async def round(self, phase: Phase, seed: int) -> RoundFigures:
-        assert self.modules is not None and self.target is not None, "start() first"
+        assert self.modules is not None, "start() first"
+        assert self.target is not None, "start() first"
         self.rounds += 1
         storm = phase.kind == "resume_storm"
         per_stream = 0 if storm else phase.viewers - 1
@@ -175,7 +181,8 @@ class ResumableStream:
         """Its producer killed (SIGKILL, by pid) mid-stream with a resumed viewer on every
         stream: what those viewers got after the kill, whether their streams ended, and
         what a fresh resume of a stream gets then."""
-        assert self.modules is not None and self.target is not None, "start() first"
+        assert self.modules is not None, "start() first"
+        assert self.target is not None, "start() first"
         self.rounds += 1
         streams = [f"{uuid.uuid4().hex[:12]}-{i}" for i in range(sessions)]
         work = self.log_dir / f"resumable-{self.mode}-kill-{self.rounds}"
@@ -215,6 +222,7 @@ class Config:
     seconds: float = 8.0
     repeats: int = 3
     modes: tuple[Mode, ...] = ("node", "cluster")
+    tokenrelay: bool = True  # tokenrelay's rounds beside it on the cluster, alternating
     seed: int = 0
 
     @classmethod
@@ -263,7 +271,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m bench.peers.resumable``: the standalone run (:mod:`bench.peers.resumable_run`)."""
+    """``python -m bench.peers.resumable``: the run of :mod:`bench.peers.resumable_run`."""
     from bench.peers.resumable_run import main as run_main
 
     return run_main(argv)

@@ -174,7 +174,7 @@ async def run_round(
     pspec = {**base, "rate": rate, "seconds": seconds, "warm_s": warm_s,
              "storm_file": str(storm_file) if storm else None}  # fmt: skip
     vspec = {**base, "per_stream": per_stream, "warm_s": 0.0 if storm else warm_s,
-             "storm_file": str(storm_file) if storm else None, "probe_after_death": kill}  # fmt: skip
+             "storm_file": pspec["storm_file"], "probe_after_death": kill}  # fmt: skip
     (work / "producer.json").write_text(json.dumps(pspec))
     (work / "viewers.json").write_text(json.dumps(vspec))
     procs: list[Proc] = []
@@ -210,9 +210,9 @@ async def run_round(
             producer.kill()
             await asyncio.sleep(2.0)  # anything still in flight arrives
             viewers.send(signal.SIGUSR2)
-            vout = await _exit(viewers, 60)
+            after = await _exit(viewers, 60)
             red, wall = await target.cpu_s() - red0, time.perf_counter() - t0
-            return RoundRun({}, vout, red, wall, await _bus_delta(target, bus0), killed_at)
+            return RoundRun({}, after, red, wall, await _bus_delta(target, bus0), killed_at)
         pout = await _exit(producer, seconds + 120)
         vout = await _exit(viewers, 60) if viewers is not None else None
         red, wall = await target.cpu_s() - red0, time.perf_counter() - t0

@@ -54,6 +54,7 @@ export class Tally {
     this.missing = new Set(); // seqs skipped so far: lost unless they arrive late
     this.reordered = 0; // tokens that arrived after a later one
     this.ended = false; // the library closed the stream (its DONE)
+    this.error = null; // the stream errored: why
     this.chars = 0; // characters received: the skipCharacters of a resume
   }
 
@@ -83,7 +84,8 @@ export class Tally {
 
   json() {
     const { last, received, duplicated, reordered, ended } = this;
-    return { last, received, duplicated, reordered, gaps: this.missing.size, ended };
+    const { error } = this;
+    return { last, received, duplicated, reordered, gaps: this.missing.size, ended, error };
   }
 }
 
@@ -95,7 +97,16 @@ export async function drain(stream, tally, lat, stopped) {
       await reader.cancel().catch(() => {});
       return "dropped";
     }
-    const { done, value } = await reader.read();
+    let got;
+    try {
+      got = await reader.read();
+    } catch (e) {
+      // the library errors a resumed stream whose first answer took over 1 s
+      // ("Timeout waiting for ack"), even when that answer then arrives
+      tally.error = String(e && e.message ? e.message : e);
+      return "error";
+    }
+    const { done, value } = got;
     if (done) {
       tally.ended = true;
       return "done";
