@@ -20,7 +20,7 @@ per delivered token over the whole path (producer + every Redis node + the serve
 each participant's share, p50 / p99 producer-to-screen, whether it kept up, lost and
 duplicated (tokenrelay's against the backlog in Redis); then the aims' ratios
 (:func:`bench.peers.pathaims.aims`) and each system's guarantee. ``--profile DIR`` samples
-the relay with py-spy in one more round of the fastest one-reader phase.
+the relay with py-spy in one more round of the fastest one-reader phase and of the storm.
 
 ``python -m bench.peers.pathcost [--quick] [--json PATH] [--seed N]``;
 ``python -m bench.peers.pathcost --report PATH.json`` prints the markdown of bench/README.md.
@@ -144,7 +144,7 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
     load_start = Path("/proc/loadavg").read_text().split()[:3]
     plan = phases(cfg)
     results: dict[str, dict[str, Any]] = {p.name: {} for p in plan}
-    profile: list[dict[str, Any]] = []
+    profile: dict[str, list[dict[str, Any]]] = {}
     redis_idle: dict[str, float] = {}
     async with contextlib.AsyncExitStack() as stack:
         own = url is None
@@ -211,19 +211,23 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
 
 async def _profile(
     cfg: Config, plan: list[Phase], system: System, out: Path, started: float
-) -> list[dict[str, Any]]:
-    """py-spy on the relay over one more round of the fastest one-reader phase."""
-    phase = max((p for p in plan if p.viewers == 1 and p.kind == "steady"),
-                key=lambda p: p.tokens_per_s)  # fmt: skip
+) -> dict[str, list[dict[str, Any]]]:
+    """py-spy on the relay over one more round of the fastest one-reader phase, and of
+    the resume storm; each phase's functions by self share."""
+    steady = max((p for p in plan if p.viewers == 1 and p.kind == "steady"),
+                 key=lambda p: p.tokens_per_s)  # fmt: skip
     server = getattr(system, "server", None)
     if server is None:
-        return []
+        return {}
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"pathcost-relay-{phase.name}.txt"
-    _progress(started, f"profile: py-spy on the relay, {phase.name}")
-    async with profiled(server.pid, path, phase.seconds + 3):
-        await system.round(phase, cfg.seed)
-    return summarize_profile(path)
+    got: dict[str, list[dict[str, Any]]] = {}
+    for phase in [steady, *(p for p in plan if p.kind == "resume_storm")]:
+        path = out / f"pathcost-relay-{phase.name}.txt"
+        _progress(started, f"profile: py-spy on the relay, {phase.name}")
+        async with profiled(server.pid, path, phase.seconds + 3):
+            await system.round(phase, cfg.seed)
+        got[phase.name] = summarize_profile(path)
+    return got
 
 
 # -- tables --------------------------------------------------------------------------------
@@ -266,9 +270,11 @@ def report(res: dict[str, Any]) -> str:
                 aim_rows), ""]  # fmt: skip
     out += [f"- **{n}**: {g}" for n, g in res["guarantees"].items()]
     out += [f"- **{n}**: not in this run: {why}" for n, why in res["missing"].items()]
-    if res.get("profile"):
-        top = ", ".join(f"{p['function']} {p['self_pct']}%" for p in res["profile"][:8])
-        out += ["", f"Relay profile (py-spy, self share of busy samples): {top}"]
+    prof = res.get("profile") or {}
+    for phase, funcs in prof.items() if isinstance(prof, dict) else [("", prof)]:
+        top = ", ".join(f"{p['function']} {p['self_pct']}%" for p in funcs[:8])
+        name = f" {phase}" if phase else ""
+        out += ["", f"Relay profile{name} (py-spy, self share of busy samples): {top}"]
     idle = res.get("redis_idle_cpu_s_per_s")
     if idle:
         total = sum(idle.values())
