@@ -160,9 +160,21 @@ CATALOG: tuple[Benchmark, ...] = (
         "a late joiner of a 1,000-turn session: frames, bytes, time, compacted vs full (SSE, WS)",
     ),
     Benchmark(
+        "peer_resumable",
+        "bench.peers.resumable",
+        "Vercel's resumable-stream on a node and the 3+3 cluster: CPU per delivered token "
+        "(producer, Redis, resumer), latency, loss, resume storm, producer killed, bus bytes",
+    ),
+    Benchmark(
         "peer_socketio",
         "bench.peers.socketio",
         "the relay beside Socket.IO with the sharded Redis adapter: CPU/msg, latency, RSS/conn",
+    ),
+    Benchmark(
+        "pathcost",
+        "bench.peers.pathcost",
+        "CPU per delivered token over the whole path (producer + Redis + server), tokenrelay "
+        "beside Socket.IO and resumable-stream, each participant's share, p99, loss",
     ),
     # Not in make bench, as before: the previous routing simulator, kept for what it
     # showed (docs/ROUTING.md), and a profile of memory rather than a measurement.

@@ -177,6 +177,19 @@ class WsClient:
         except (ConnectionError, OSError, TimeoutError) as exc:
             tally.errors.append(f"{type(exc).__name__}: {exc}")
 
+    async def reconnect(self, resume: bool) -> None:
+        """Drop the connection from this side and open a new one at once: with
+        ``from=<the last offset received>`` when ``resume`` (tokenrelay), else live (what a
+        Socket.IO client without state recovery gets). The resume storm of
+        :mod:`bench.peers.pathcost`."""
+        if self.http is None:
+            raise RuntimeError("reconnect before open")
+        await self.close()
+        found = _OFFSET.search(self.last) if resume else None
+        offset = int(found.group(1)) if found else (0 if resume else None)
+        ws = await self._handshake(self.http, self.port, offset)
+        self.task = asyncio.create_task(self._pump(ws))
+
     async def close(self) -> None:
         if self.task is not None:
             self.task.cancel()

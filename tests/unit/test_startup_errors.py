@@ -174,6 +174,12 @@ MISTAKES: dict[str, dict[str, Case]] = {
                        {}, ["cannot reach"]),
         "no secret": "a benchmark's stack gets a random secret of its own",
     },
+    "capacity": {
+        "busy port": "it listens on no port: arithmetic on measured costs",
+        "bad Redis URL": "it reads no Redis",
+        "Redis down": "it reads no Redis",
+        "no secret": "it serves nothing",
+    },
     "loadtest": {
         "busy port": "the load test listens on free ports it picks",
         "bad Redis URL": (["loadtest", *STACK, "--redis", BAD_URL], {}, [NO_PORT]),

@@ -1,0 +1,1 @@
+"""``tokenrelay capacity``: the cluster a target needs, from the whole path's costs."""

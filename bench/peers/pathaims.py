@@ -1,0 +1,131 @@
+"""Pure: the whole-path benchmark's summaries and the ratios its aims name, from rounds.
+
+:func:`summarize` turns one system's rounds of one phase into its medians (each
+participant's CPU per delivered token is the median over the rounds; ``whole`` is the sum
+of those medians, so the shares add up to it); :func:`aims` compares tokenrelay with each
+peer in every phase:
+
+- against Socket.IO: whole-path CPU per delivered token <= 0.8x, p99 <= 1x, keeping up
+  at 10,000 tokens/s and more;
+- against resumable-stream: <= 0.5x where a stream has more than one reader or a reader
+  resumes, within 1.5x for one reader that never drops;
+- the relay's CPU per delivered frame against the bare relay's (both over SSE): <= 1.3x.
+
+A missed aim names the participant whose cost misses it: the one furthest over its part
+of the target (ours minus aim x theirs, per participant).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from bench.peers.pathsystem import Phase, RoundFigures
+
+__all__ = ["PARTICIPANTS", "aims", "summarize"]
+
+PARTICIPANTS = ("producer", "redis", "server")
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def summarize(rounds: Sequence[RoundFigures]) -> dict[str, Any]:
+    """Medians of one system's rounds of one phase (lost and duplicated summed)."""
+    if not rounds:
+        raise ValueError("no rounds to summarize")
+    per = [r.us_per_delivered() for r in rounds]
+    keys = [k for k in PARTICIPANTS if any(k in p for p in per)]
+    us = {k: round(_median([p.get(k, 0.0) for p in per]), 2) for k in keys}
+    whole = round(sum(us.values()), 2)
+    pub = [max(r.published, 1) for r in rounds]
+    pairs = list(zip(rounds, pub, strict=True))
+    per_published = {
+        k: round(_median([r.cpu_s.get(k, 0.0) * 1e6 / n for r, n in pairs]), 2) for k in keys
+    }
+    for role in ("masters", "replicas"):  # Redis's CPU by role, where the round has it
+        got = [float(r.notes[f"redis_{role}_cpu_s"]) * 1e6 / n for r, n in pairs
+               if f"redis_{role}_cpu_s" in r.notes]  # fmt: skip
+        if got:
+            per_published[f"redis_{role}"] = round(_median(got), 2)
+    return {
+        "us_per_token": {**us, "whole": whole},
+        "shares": {k: round(v / whole, 3) if whole else 0.0 for k, v in us.items()},
+        "us_per_published": per_published,
+        "p50_ms": _median([r.p50_ms for r in rounds]),
+        "p99_ms": _median([r.p99_ms for r in rounds]),
+        "behind_s": _median([r.behind_s for r in rounds]),
+        "kept_up": all(r.kept_up() for r in rounds),
+        "lost": sum(r.lost for r in rounds),
+        "duplicated": sum(r.duplicated for r in rounds),
+        "published": _median([r.published for r in rounds]),
+        "delivered": _median([r.delivered for r in rounds]),
+        "expected": _median([r.expected for r in rounds]),
+        "rounds": [asdict(r) for r in rounds],
+    }
+
+
+def _miss(ours: Mapping[str, float], theirs: Mapping[str, float], aim: float) -> str:
+    """The participant furthest over its part of the target."""
+    excess = {p: ours.get(p, 0.0) - aim * theirs.get(p, 0.0) for p in PARTICIPANTS}
+    worst = max(excess, key=lambda p: excess[p])
+    return f"{worst} (+{excess[worst]:.1f} µs/token over {aim:g}x its part)"
+
+
+def _row(
+    phase: str, what: str, ours: float, theirs: float, aim: float, **more: Any
+) -> dict[str, Any]:
+    ratio = round(ours / theirs, 3) if theirs else None
+    met = ratio is not None and ratio <= aim
+    return {"phase": phase, "aim": what, "ours": ours, "theirs": theirs, "ratio": ratio,
+            "target": aim, "met": met, "missed_by": "" if met else more.get("missed_by", ""),
+            **{k: v for k, v in more.items() if k != "missed_by"}}  # fmt: skip
+
+
+def aims(
+    phases: Mapping[str, Phase], results: Mapping[str, Mapping[str, Mapping[str, Any]]],
+    missing: Mapping[str, str],
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Every aim's row in every phase where both sides ran; a row per absent peer."""
+    out: list[dict[str, Any]] = []
+    for name, phase in phases.items():
+        got = results.get(name, {})
+        tr = got.get("tokenrelay")
+        if tr is None:
+            continue
+        ours = tr["us_per_token"]
+        sio = got.get("socketio")
+        if sio is not None:
+            theirs = sio["us_per_token"]
+            out.append(_row(name, "whole CPU/token vs socketio", ours["whole"], theirs["whole"],
+                            0.8, missed_by=_miss(ours, theirs, 0.8)))  # fmt: skip
+            out.append(_row(name, "p99 vs socketio", tr["p99_ms"], sio["p99_ms"], 1.0,
+                            missed_by="latency"))  # fmt: skip
+            if phase.tokens_per_s >= 10_000:
+                ok = bool(tr["kept_up"])
+                why = "" if ok else f"behind {tr['behind_s']} s, lost {tr['lost']}"
+                out.append({"phase": name, "aim": "keeps up", "ours": ok,
+                            "theirs": sio["kept_up"], "ratio": None, "target": True, "met": ok,
+                            "missed_by": why})  # fmt: skip
+        many = phase.viewers > 1 or phase.kind == "resume_storm"
+        target = 0.5 if many else 1.5
+        rs = got.get("resumable-stream")
+        if rs is not None:
+            theirs = rs["us_per_token"]
+            miss = _miss(ours, theirs, target)
+            out.append(_row(name, "whole CPU/token vs resumable-stream", ours["whole"],
+                            theirs["whole"], target, missed_by=miss))  # fmt: skip
+        elif "resumable-stream" in missing:
+            why = f"not in this run: {missing['resumable-stream']}"
+            out.append({"phase": name, "aim": "whole CPU/token vs resumable-stream",
+                        "ours": ours["whole"], "theirs": None, "ratio": None, "target": target,
+                        "met": None, "missed_by": why})  # fmt: skip
+        sse, bare = got.get("tokenrelay-sse"), got.get("bare")
+        if sse is not None and bare is not None:
+            a, b = sse["us_per_token"]["server"], bare["us_per_token"]["server"]
+            out.append(_row(name, "relay CPU/frame vs bare relay", a, b, 1.3,
+                            missed_by="server (the relay process)"))  # fmt: skip
+    return out

@@ -1,0 +1,356 @@
+"""The whole path's CPU per delivered token, tokenrelay beside its peers, in one run.
+
+On one local 3 + 3 Redis Cluster, every system (:mod:`bench.peers.pathdrivers`:
+tokenrelay over WebSocket, Socket.IO with its sharded adapter, tokenrelay over SSE and the
+bare relay for the relay-vs-bare ratio; ``resumable-stream`` from
+:mod:`bench.peers.resumable` when that module exists, else named as missing) runs every
+phase it supports (after one discarded warm-up round each), the systems alternating round
+by round (the order shuffled by ``--seed``, reversed every other round), each round on
+fresh sessions:
+
+- ``1000x1_<rate>``: 1,000 sessions x 1 reader, ``rate`` tokens/s in all (2,000, 5,000,
+  10,000);
+- ``100x10_2000``: 100 sessions x 10 readers, 2,000 tokens/s published (20,000
+  deliveries/s);
+- ``storm_1000x1_2000``: as ``1000x1_2000``, and once half the tokens arrived every
+  reader drops and reconnects at once (resuming where the system can).
+
+Per system and phase, medians of the rounds (:func:`bench.peers.pathaims.summarize`): CPU
+per delivered token over the whole path (producer + every Redis node + the server) with
+each participant's share, p50 / p99 producer-to-screen, whether it kept up, lost and
+duplicated (tokenrelay's against the backlog in Redis); then the aims' ratios
+(:func:`bench.peers.pathaims.aims`) and each system's guarantee. ``--profile DIR`` samples
+the relay with py-spy in one more round of the fastest one-reader phase and of the storm.
+
+``python -m bench.peers.pathcost [--quick] [--json PATH] [--seed N]``;
+``python -m bench.peers.pathcost --report PATH.json`` prints the markdown of bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench._util import raise_nofile
+from bench.peers.node import ensure_socketio, installed_versions
+from bench.peers.pathaims import aims, summarize
+from bench.peers.pathdrivers import Bench, RelaySystem, SocketIOSystem
+from bench.peers.pathround import redis_cpu_by_role
+from bench.peers.pathsystem import Phase, RoundFigures, System
+from bench.relay.harness import slotmap
+from bench.relay.instruments import profiled, summarize_profile
+from relay.protocol.slotmap import Addr
+
+__all__ = ["Config", "add_arguments", "main", "phases", "report", "run", "run_from_args"]
+
+ALL = ("tokenrelay", "socketio", "resumable-stream", "tokenrelay-sse", "bare")
+
+
+@dataclass
+class Config:
+    sessions: int = 1_000
+    rates: tuple[int, ...] = (2_000, 5_000, 10_000)  # tokens/s over all sessions
+    fan_sessions: int = 100
+    fan_viewers: int = 10
+    fan_rate: int = 2_000
+    storm_sessions: int = 1_000
+    storm_rate: int = 2_000
+    seconds: float = 8.0
+    warm_s: float = 1.0
+    repeats: int = 3
+    systems: tuple[str, ...] = ALL
+    seed: int = 0
+    profile: str | None = None
+    notes: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def quick(cls) -> Config:
+        return cls(seconds=3.0, repeats=1)
+
+
+def phases(cfg: Config) -> list[Phase]:
+    out = [Phase(f"{cfg.sessions}x1_{r}", cfg.sessions, 1, r, cfg.seconds) for r in cfg.rates]
+    out.append(Phase(f"{cfg.fan_sessions}x{cfg.fan_viewers}_{cfg.fan_rate}", cfg.fan_sessions,
+                     cfg.fan_viewers, cfg.fan_rate, cfg.seconds))  # fmt: skip
+    out.append(Phase(f"storm_{cfg.storm_sessions}x1_{cfg.storm_rate}", cfg.storm_sessions, 1,
+                     cfg.storm_rate, cfg.seconds, "resume_storm"))  # fmt: skip
+    return out
+
+
+def _resumable(bench: Bench) -> System | str:
+    """The resumable-stream system on the run's cluster (through a cluster client), or why
+    there is none."""
+    try:
+        from bench.peers.resumable import ResumableStream
+    except ImportError as exc:
+        return f"its driver (bench/peers/resumable.py) does not import: {exc}"
+    return ResumableStream(bench.url, bench.log_dir, mode="cluster", warm_s=bench.warm_s)
+
+
+def _systems(cfg: Config, bench: Bench) -> tuple[dict[str, System], dict[str, str]]:
+    made: dict[str, System] = {}
+    missing: dict[str, str] = {}
+    for name in cfg.systems:
+        if name == "tokenrelay":
+            made[name] = RelaySystem(bench, "ws")
+        elif name == "tokenrelay-sse":
+            made[name] = RelaySystem(bench, "sse")
+        elif name == "bare":
+            made[name] = RelaySystem(bench, bare=True)
+        elif name == "socketio":
+            if bench.modules is None:
+                missing[name] = cfg.notes.get("socketio", "node_modules missing")
+            else:
+                made[name] = SocketIOSystem(bench)
+        elif name == "resumable-stream":
+            got = _resumable(bench)
+            if isinstance(got, str):
+                missing[name] = got
+            else:
+                made[name] = got
+        else:
+            raise ValueError(f"unknown system {name!r} (one of {', '.join(ALL)})")
+    return made, missing
+
+
+def _supports(system: System, phase: Phase) -> bool:
+    check = getattr(system, "supports", None)
+    return bool(check(phase)) if callable(check) else True
+
+
+def _progress(started: float, msg: str) -> None:
+    print(f"[{time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
+    started = time.monotonic()
+    got = await asyncio.to_thread(ensure_socketio) if "socketio" in cfg.systems else None
+    modules = got if isinstance(got, Path) else None
+    if isinstance(got, str):
+        cfg.notes["socketio"] = got
+    readers = max(cfg.sessions, cfg.fan_sessions * cfg.fan_viewers, cfg.storm_sessions)
+    raise_nofile(4 * readers + 1_000)
+    load_start = Path("/proc/loadavg").read_text().split()[:3]
+    plan = phases(cfg)
+    results: dict[str, dict[str, Any]] = {p.name: {} for p in plan}
+    profile: dict[str, list[dict[str, Any]]] = {}
+    redis_idle: dict[str, float] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        own = url is None
+        if url is None:
+            from devstack.cluster.launcher import local_cluster
+
+            url = (await stack.enter_async_context(local_cluster(masters=3, replicas=1))).url
+        host, port = url.split("//", 1)[1].rsplit(":", 1)
+        seed = Addr(host, int(port))
+        log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pathcost-")))
+        bench = Bench(url, seed, await slotmap(seed), log_dir, modules, readers + 100, cfg.warm_s)
+        systems, missing = _systems(cfg, bench)
+        for name, system in list(systems.items()):
+            try:
+                await system.start()
+            except Exception as exc:  # a peer that cannot start is named, not fatal
+                missing[name] = f"did not start: {exc!r}"[:300]
+                del systems[name]
+            else:
+                stack.push_async_callback(system.stop)
+        order = list(systems)
+        random.Random(cfg.seed).shuffle(order)
+        warm = Phase("warm-up", min(100, cfg.sessions), 1, min(200, cfg.rates[0]), 2.0)
+        for name in order:  # first connections, imports, caches: left out of the figures
+            _progress(started, f"warm-up: {name}")
+            await systems[name].round(warm, cfg.seed)
+        r0, t0 = await redis_cpu_by_role(bench.smap), time.perf_counter()
+        await asyncio.sleep(3.0)  # every system started, no round: Redis's own floor
+        r1, span = await redis_cpu_by_role(bench.smap), time.perf_counter() - t0
+        redis_idle = {k: round((r1[k] - r0[k]) / span, 4) for k in r0}
+        for phase in plan:
+            rounds: dict[str, list[RoundFigures]] = {k: [] for k in order}
+            for i in range(cfg.repeats):
+                for name in order if i % 2 == 0 else order[::-1]:
+                    if not _supports(systems[name], phase):
+                        continue
+                    _progress(started, f"{phase.name} round {i + 1}/{cfg.repeats}: {name}")
+                    rounds[name].append(await systems[name].round(phase, cfg.seed + i))
+            results[phase.name] = {k: summarize(v) for k, v in rounds.items() if v}
+        if cfg.profile and "tokenrelay" in systems:
+            profile = await _profile(cfg, plan, systems["tokenrelay"], Path(cfg.profile), started)
+        logs = "".join(p.read_text(errors="replace") for p in log_dir.glob("*.log"))
+    by_name = {p.name: p for p in plan}
+    versions = installed_versions(modules) if modules else {}
+    return {
+        "phases": {p.name: asdict(p) for p in plan},
+        "results": results,
+        "aims": aims(by_name, results, missing),
+        "guarantees": {n: s.guarantee for n, s in systems.items()},
+        "missing": missing,
+        "redis_idle_cpu_s_per_s": redis_idle,
+        "profile": profile,
+        "order": order,
+        "config": asdict(cfg),
+        "versions": {"python": sys.version.split()[0], **versions},
+        "cluster": "started here (3 masters + 3 replicas)" if own else url,
+        "cpus": os.cpu_count(),
+        "loadavg_start": load_start,
+        "loadavg_end": Path("/proc/loadavg").read_text().split()[:3],
+        "server_log_tracebacks": logs.count("Traceback"),
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
+async def _profile(
+    cfg: Config, plan: list[Phase], system: System, out: Path, started: float
+) -> dict[str, list[dict[str, Any]]]:
+    """py-spy on the relay over one more round of the fastest one-reader phase, and of
+    the resume storm; each phase's functions by self share."""
+    steady = max((p for p in plan if p.viewers == 1 and p.kind == "steady"),
+                 key=lambda p: p.tokens_per_s)  # fmt: skip
+    server = getattr(system, "server", None)
+    if server is None:
+        return {}
+    out.mkdir(parents=True, exist_ok=True)
+    got: dict[str, list[dict[str, Any]]] = {}
+    for phase in [steady, *(p for p in plan if p.kind == "resume_storm")]:
+        path = out / f"pathcost-relay-{phase.name}.txt"
+        _progress(started, f"profile: py-spy on the relay, {phase.name}")
+        async with profiled(server.pid, path, phase.seconds + 3):
+            await system.round(phase, cfg.seed)
+        got[phase.name] = summarize_profile(path)
+    return got
+
+
+# -- tables --------------------------------------------------------------------------------
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:,.2f}"
+    return str(v)
+
+
+def _md(head: tuple[str, ...], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def report(res: dict[str, Any]) -> str:
+    """The markdown of bench/README.md: figures, aims, guarantees, what was missing."""
+    head = ("phase", "system", "µs/token whole", "producer", "Redis", "server", "p50 ms",
+            "p99 ms", "kept up", "lost", "dup")  # fmt: skip
+    rows = []
+    for name, by_sys in res["results"].items():
+        for sysname, r in by_sys.items():
+            us, sh = r["us_per_token"], r["shares"]
+            part = [f"{us[k]:.1f} ({sh[k]:.0%})" if k in us else "-"
+                    for k in ("producer", "redis", "server")]  # fmt: skip
+            rows.append((name, sysname, f"{us['whole']:.1f}", *part, _fmt(r["p50_ms"]),
+                         _fmt(r["p99_ms"]), _fmt(r["kept_up"]), str(r["lost"]),
+                         str(r["duplicated"])))  # fmt: skip
+    out = [_md(head, rows), ""]
+    aim_rows = [(a["phase"], a["aim"], _fmt(a["ours"]), _fmt(a["theirs"]), _fmt(a["ratio"]),
+                 f"<= {a['target']:g}" if not isinstance(a["target"], bool) else "yes",
+                 _fmt(a["met"]), a["missed_by"] or "") for a in res["aims"]]  # fmt: skip
+    out += [_md(("phase", "aim", "tokenrelay", "peer", "ratio", "target", "met", "missed by"),
+                aim_rows), ""]  # fmt: skip
+    out += [f"- **{n}**: {g}" for n, g in res["guarantees"].items()]
+    out += [f"- **{n}**: not in this run: {why}" for n, why in res["missing"].items()]
+    prof = res.get("profile") or {}
+    for phase, funcs in prof.items() if isinstance(prof, dict) else [("", prof)]:
+        top = ", ".join(f"{p['function']} {p['self_pct']}%" for p in funcs[:8])
+        name = f" {phase}" if phase else ""
+        out += ["", f"Relay profile{name} (py-spy, self share of busy samples): {top}"]
+    idle = res.get("redis_idle_cpu_s_per_s")
+    if idle:
+        total = sum(idle.values())
+        rate = min(res["config"]["rates"])
+        out += ["", f"Redis with every system started and no round running: {total:.3f} CPU "
+                f"s/s over its 6 nodes (masters {idle['masters']:.3f}, replicas "
+                f"{idle['replicas']:.3f}): {total * 1e6 / rate:.1f} µs per token at "
+                f"{rate:,} tokens/s, inside every system's Redis share above."]  # fmt: skip
+    c = res["config"]
+    out += ["", f"{c['repeats']} rounds of {c['seconds']:g} s per system and phase, order "
+            f"{', '.join(res['order'])}; {res['cpus']} CPUs, load {' '.join(res['loadavg_start'])}"
+            f" at the start, {' '.join(res['loadavg_end'])} at the end."]  # fmt: skip
+    return "\n".join(out)
+
+
+# -- command line --------------------------------------------------------------------------
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    d = Config()
+    ap.add_argument("--quick", action="store_true", help="1 round of 3 s per system and phase")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    ap.add_argument("--seed", type=int, default=0, help="picks the order of the systems")
+    ap.add_argument("--redis", help="redis://host:port of a running cluster (default: start one)")
+    ap.add_argument("--seconds", type=float, help=f"publishing seconds per round ({d.seconds:g})")
+    ap.add_argument("--repeats", type=int, help=f"rounds per system and phase ({d.repeats})")
+    ap.add_argument("--systems", help=f"comma-separated, of {','.join(ALL)} (all)")
+    ap.add_argument("--profile", metavar="DIR", help="py-spy the relay in one more round")
+    ap.add_argument("--report", metavar="JSON", help="print the markdown table of a result")
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    cfg = Config.quick() if args.quick else Config()
+    cfg.seed = args.seed
+    for name in ("seconds", "repeats", "profile"):
+        if getattr(args, name, None) is not None:
+            setattr(cfg, name, getattr(args, name))
+    if getattr(args, "systems", None):
+        cfg.systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+        bad = [s for s in cfg.systems if s not in ALL]
+        if bad:
+            raise SystemExit(f"pathcost: unknown system {bad[0]!r} (one of {', '.join(ALL)})")
+    if cfg.seconds <= 1.0 or cfg.repeats < 1:
+        raise SystemExit("pathcost: --seconds must be > 1 and --repeats >= 1")
+    return cfg
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    if getattr(args, "report", None):
+        try:
+            res = json.loads(Path(args.report).read_text(encoding="utf-8"))
+            print(report(res))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"pathcost: cannot report {args.report}: {exc!r}") from None
+        return 0
+    cfg = config_from_args(args)
+    with contextlib.suppress(ImportError):  # the readers on uvloop, as the Socket.IO bench
+        import uvloop
+
+        uvloop.install()
+    res = asyncio.run(run(cfg, args.redis))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2), encoding="utf-8")
+    print(report(res))
+    ours = [r[k] for r in res["results"].values() for k in ("tokenrelay", "tokenrelay-sse")
+            if k in r]  # fmt: skip
+    bad = sum(r["lost"] + r["duplicated"] for r in ours)
+    bad += sum(int(x["notes"]["reader_errors"]) for r in ours for x in r["rounds"])
+    return 1 if bad or res["server_log_tracebacks"] else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.peers.pathcost", description=__doc__)
+    add_arguments(ap)
+    return run_from_args(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

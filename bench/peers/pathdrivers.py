@@ -1,0 +1,167 @@
+"""The systems of the whole-path benchmark that have a server (each a
+:class:`bench.peers.pathsystem.System`): tokenrelay's relay (WebSocket or SSE readers), the
+bare relay (SSE, the floor of a relay's CPU per frame) and Socket.IO 4.8 with its sharded
+Redis adapter.
+
+Each is started once per run on the cluster of :class:`Bench` and stopped by pid; a round
+is :func:`bench.peers.pathround.measure` on fresh sessions. Producers:
+
+- tokenrelay and the bare relay: the project's paced publisher (``bench.relay.publisher``,
+  a child process): one call of the real publish script per token (fence, XADD to the
+  backlog, SPUBLISH), stamped as each frame is made, as the Socket.IO emitter stamps;
+- Socket.IO: ``bench/peers/js/socketio_emit.cjs`` (``io.to(room).emit``, one SPUBLISH per
+  message through the adapter), on the same 10 ms tick.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.peers.node import emit, socketio_server
+from bench.peers.pathround import Transport, measure
+from bench.peers.pathsystem import Phase, RoundFigures
+from bench.peers.ws_clients import Kind
+from bench.relay.harness import RelayProc, bare_process, relay_process, run_publisher, sessions
+from relay.protocol.keys import live_channel
+from relay.protocol.slotmap import Addr, SlotMap
+
+__all__ = ["GUARANTEES", "Bench", "RelaySystem", "SocketIOSystem"]
+
+GUARANTEES: dict[str, str] = {
+    "tokenrelay": (
+        "every token in a replicated Redis backlog before it is published: a reader resumes "
+        "from its offset with no gap or duplicate, through any relay, after the end of the "
+        "turn and after its producer died"
+    ),
+    "tokenrelay-sse": "as tokenrelay (its readers over SSE, for the relay-vs-bare ratio)",
+    "bare": (
+        "a measuring stick, not a server: live only (no backlog read, resume, order check, "
+        "token check, heartbeat or flow control); the same producer and backlog as tokenrelay"
+    ),
+    "socketio": (
+        "at most once: a live broadcast through Redis sharded Pub/Sub; a reader that "
+        "reconnects gets only what is sent after it is back (this bench's client asks no "
+        "state recovery; the sharded adapter keeps nothing to recover from), nothing after "
+        "the end, and nothing once its producer died"
+    ),
+}
+
+
+@dataclass
+class Bench:
+    """What every system of one run shares: the cluster, its slot map, a log directory,
+    Socket.IO's ``node_modules``, the largest number of readers a phase opens."""
+
+    url: str
+    seed: Addr
+    smap: SlotMap
+    log_dir: Path
+    modules: Path | None
+    max_conn: int
+    warm_s: float
+
+
+class _ServerSystem:
+    """A server process started once; each round on fresh sessions."""
+
+    name: str
+    guarantee: str
+    kind: Kind
+    transport: Transport
+    resumes: bool
+    held: bool
+
+    def __init__(self, bench: Bench) -> None:
+        self.bench = bench
+        self.stack = contextlib.AsyncExitStack()
+        self.server: RelayProc | None = None
+
+    def supports(self, phase: Phase) -> bool:
+        return phase.kind == "steady" or self.transport == "ws"
+
+    async def stop(self) -> None:
+        await self.stack.aclose()
+        self.server = None
+
+    async def publish(self, sids: list[str], rate: float, seconds: float) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def channel(self, sid: str) -> str:
+        return live_channel(sid)
+
+    def clock(self) -> int:
+        return time.time_ns()
+
+    async def round(self, phase: Phase, seed: int) -> RoundFigures:
+        if self.server is None:
+            raise RuntimeError(f"{self.name}: round before start")
+        b = self.bench
+        sids = sessions(phase.sessions, b.smap, None)
+        return await measure(
+            self.name, self.kind, self.transport, phase, port=self.server.port,
+            pid=self.server.pid, smap=b.smap, sids=sids,
+            channels=[self.channel(s) for s in sids], publish=self.publish, clock=self.clock,
+            resumes=self.resumes, held=self.held, warm_s=b.warm_s,
+        )  # fmt: skip
+
+
+class RelaySystem(_ServerSystem):
+    """``tokenrelay relay`` (:func:`bench.relay.harness.relay_process`), or with ``bare``
+    the bare relay (:mod:`bench.relay.bare`); the paced publisher as producer."""
+
+    kind: Kind = "tokenrelay"
+    held = True
+
+    def __init__(self, bench: Bench, transport: Transport = "ws", *, bare: bool = False) -> None:
+        super().__init__(bench)
+        self.bare = bare
+        self.transport = "sse" if bare else transport
+        self.name = "bare" if bare else ("tokenrelay" if transport == "ws" else "tokenrelay-sse")
+        self.guarantee = GUARANTEES[self.name]
+        self.resumes = not bare
+
+    async def start(self) -> None:
+        b = self.bench
+        if self.bare:
+            cm = bare_process(b.url, b.log_dir)
+        else:
+            cm = relay_process(b.url, b.log_dir, f"pathcost-{self.name}", b.max_conn)
+        self.server = await self.stack.enter_async_context(cm)
+
+    async def publish(self, sids: list[str], rate: float, seconds: float) -> dict[str, Any]:
+        spec = {"mode": "paced", "url": self.bench.url, "sids": sids, "rate": rate,
+                "seconds": seconds, "stamp": "build"}  # fmt: skip
+        return await run_publisher(spec)
+
+
+class SocketIOSystem(_ServerSystem):
+    """``bench/peers/js/socketio_server.cjs`` and its emitter (:mod:`bench.peers.node`)."""
+
+    name = "socketio"
+    guarantee = GUARANTEES["socketio"]
+    kind: Kind = "socketio"
+    transport: Transport = "ws"
+    resumes = False
+    held = False
+
+    async def start(self) -> None:
+        b = self.bench
+        if b.modules is None:
+            raise RuntimeError("Socket.IO's node_modules are not installed")
+        self.server = await self.stack.enter_async_context(
+            socketio_server(b.modules, b.seed, b.log_dir)
+        )
+
+    def channel(self, sid: str) -> str:
+        return f"socket.io#/#{sid}#"
+
+    def clock(self) -> int:
+        return time.monotonic_ns()
+
+    async def publish(self, sids: list[str], rate: float, seconds: float) -> dict[str, Any]:
+        assert self.bench.modules is not None
+        return await emit(self.bench.modules, self.bench.seed, sids, rate, seconds)

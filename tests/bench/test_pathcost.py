@@ -1,0 +1,71 @@
+"""Smoke test of ``bench.peers.pathcost``: a tiny configuration of every phase (one reader
+per session, a fan-out, a resume storm) for every system it has, on the suite's cluster.
+It checks the JSON's shape, that each participant's share of a system's CPU per token adds
+up to the whole, that tokenrelay lost and duplicated nothing against its backlog in Redis
+(the storm included), and that an absent peer is named; it checks no speed. Socket.IO is
+left out (named missing) where node/npm cannot install it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench.peers.pathcost import Config, report, run
+from devstack.cluster.launcher import ClusterInfo
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+TINY = Config(
+    sessions=20,
+    rates=(200,),
+    fan_sessions=5,
+    fan_viewers=3,
+    fan_rate=100,
+    storm_sessions=20,
+    storm_rate=200,
+    seconds=2.0,
+    warm_s=0.5,
+    repeats=1,
+)
+
+
+@pytest.mark.timeout(420)
+async def test_tiny_run_adds_up_and_tokenrelay_loses_nothing(cluster: ClusterInfo) -> None:
+    res = json.loads(json.dumps(await run(TINY, cluster.url)))  # what --json writes
+    assert set(res["phases"]) == {"20x1_200", "5x3_100", "storm_20x1_200"}
+    present = set(res["guarantees"])
+    assert {"tokenrelay", "tokenrelay-sse", "bare"} <= present
+    assert present | set(res["missing"]) == set(TINY.systems)
+    for name, by_sys in res["results"].items():
+        assert "tokenrelay" in by_sys, name
+        for sysname, r in by_sys.items():
+            us = r["us_per_token"]
+            parts = [us[k] for k in ("producer", "redis", "server") if k in us]
+            assert all(v >= 0 for v in parts), (name, sysname, us)
+            assert us["whole"] > 0, (name, sysname, us)
+            if sysname != "resumable-stream":  # its server (the resumers) is idle without any
+                assert all(v > 0 for v in parts), (name, sysname, us)
+            assert math.isclose(sum(parts), us["whole"], abs_tol=0.02), (name, sysname, us)
+            assert math.isclose(sum(r["shares"].values()), 1.0, abs_tol=0.01)
+            for rnd in r["rounds"]:
+                assert rnd["delivered"] > 0
+                assert rnd["published"] > 0
+                assert set(rnd["cpu_s"]) <= {"producer", "redis", "server"}
+            assert math.isfinite(r["p50_ms"])
+            assert math.isfinite(r["p99_ms"])
+            if sysname.startswith("tokenrelay"):
+                assert r["lost"] == 0, (name, sysname, r)
+                assert r["duplicated"] == 0, (name, sysname, r)
+                assert r["expected"] == r["published"] * res["phases"][name]["viewers"]
+                assert r["delivered"] == r["expected"]
+                assert all(x["notes"]["reader_errors"] == 0 for x in r["rounds"])
+    storm = res["results"]["storm_20x1_200"]["tokenrelay"]["rounds"][0]["notes"]
+    assert storm["storm_readers"] == 20
+    assert {a["aim"] for a in res["aims"]} >= {"relay CPU/frame vs bare relay"}
+    if "socketio" in present:
+        assert any(a["aim"] == "whole CPU/token vs socketio" for a in res["aims"])
+    assert res["server_log_tracebacks"] == 0
+    assert "| phase | system |" in report(res)
