@@ -62,7 +62,8 @@ __all__ = [
 GUARANTEE = (
     "resumable-stream: a reader resumes only while its producer lives (chunks are kept in "
     "the producer's memory); after the end a resume gets null ('Stream is already done'); "
-    "after a producer death its readers get nothing more and a fresh resume no answer"
+    "after a producer death its readers get nothing more (and are never ended) and a fresh "
+    "resume gets 'Timeout waiting for ack'"
 )
 TOKENRELAY_GUARANTEE = (
     "tokenrelay: every frame in a backlog in Redis: a reader resumes from its offset on any "
