@@ -245,6 +245,28 @@ def _md(head: tuple[str, ...], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def _commands_md(res: dict[str, Any], n: int = 6) -> list[str]:
+    """Redis's busiest commands per phase and system (INFO commandstats, by role): µs and
+    calls per delivered token, medians of the rounds."""
+    rows = []
+    for name, by_sys in res["results"].items():
+        for sysname, r in by_sys.items():
+            cmds = r.get("redis_commands") or []
+            if cmds:
+                top = ", ".join(f"{c['role'][0]}:{c['command']} {c['us_per_token']:.2f}"
+                                f" (x{c['calls_per_token']:.3g})" for c in cmds[:n])  # fmt: skip
+                rows.append((name, sysname, f"{r['us_per_token'].get('redis', 0.0):.1f}", top))
+    if not rows:
+        return []
+    head = ("phase", "system", "Redis µs/token (INFO cpu)",
+            "busiest commands: m(asters)/r(eplicas):command µs/token (calls/token)")  # fmt: skip
+    return [_md(head, rows), "",
+            "Commands' own time (INFO commandstats) sums below INFO cpu: the event loop, "
+            "reading and writing sockets and replication are outside it. A command a "
+            "script runs counts under its own name and inside the script's evalsha/eval.",
+            ""]  # fmt: skip
+
+
 def report(res: dict[str, Any]) -> str:
     """The markdown of bench/README.md: figures, aims, guarantees, what was missing."""
     head = ("phase", "system", "µs/token whole", "producer", "Redis", "server", "p50 ms",
@@ -264,6 +286,7 @@ def report(res: dict[str, Any]) -> str:
                  _fmt(a["met"]), a["missed_by"] or "") for a in res["aims"]]  # fmt: skip
     out += [_md(("phase", "aim", "tokenrelay", "peer", "ratio", "target", "met", "missed by"),
                 aim_rows), ""]  # fmt: skip
+    out += _commands_md(res)
     out += [f"- **{n}**: {g}" for n, g in res["guarantees"].items()]
     out += [f"- **{n}**: not in this run: {why}" for n, why in res["missing"].items()]
     if res.get("profile"):
