@@ -274,11 +274,23 @@ async def measure(
     system: str, kind: Kind, transport: Transport, phase: Phase, *, port: int, pid: int,
     smap: SlotMap, sids: list[str], channels: list[str], publish: Publish,
     clock: Callable[[], int], resumes: bool, held: bool, warm_s: float, window: int = 200,
+    prepare: Callable[[list[str]], Coroutine[Any, Any, None]] | None = None,
 ) -> RoundFigures:  # fmt: skip
     """One round of ``phase`` (see the module's docstring)."""
     rate = phase.tokens_per_s / phase.sessions  # per session
-    readers = await _open_readers(kind, transport, port, sids, phase.viewers, clock, window)
     notes: dict[str, float | int | str] = {}
+    if prepare is not None:  # the turns' opening, measured apart from the tokens
+        o0, c0 = await redis_cpu_by_role(smap), await command_stats(smap)
+        await prepare(sids)
+        o1, c1 = await redis_cpu_by_role(smap), await command_stats(smap)
+        notes["open_redis_us_per_turn"] = round(
+            sum(o1[k] - o0[k] for k in o0) * 1e6 / max(len(sids), 1), 1
+        )
+        notes["open_top_commands"] = "; ".join(
+            f"{r['role'][0]}:{r['command']} {r['us_per_token']:.1f}us x{r['calls_per_token']:.3g}"
+            for r in top_commands(c0, c1, len(sids), n=6)
+        )  # per turn opened
+    readers = await _open_readers(kind, transport, port, sids, phase.viewers, clock, window)
     try:
         await _wait_subscribed(smap, channels)
         await asyncio.sleep(0.5)
