@@ -9,7 +9,11 @@ before the producer starts until every expected delivery arrived (or none came f
 the producer child's own pacing CPU, every Redis node's ``INFO cpu`` (masters and
 replicas apart), the server's ``/proc/<pid>/stat``. In a ``resume_storm`` phase every
 reader drops at once once half the expected deliveries arrived and reconnects (with its
-last offset where the system resumes).
+last offset where the system resumes). Over the same window, every node's ``INFO
+commandstats`` (:func:`command_stats`, :func:`top_commands`): the busiest commands per
+delivered token, in the round's ``commands``. A system with a ``prepare`` (tokenrelay:
+opening each session's turn) runs it before the readers open, its Redis CPU per turn in
+the notes (``open_redis_us_per_turn``), outside the window.
 
 Lost and duplicated: where the system keeps a backlog (``held``), against what Redis
 holds, read with XRANGE after the round (each token's stamp); otherwise against what the
