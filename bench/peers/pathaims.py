@@ -53,6 +53,7 @@ def summarize(rounds: Sequence[RoundFigures]) -> dict[str, Any]:
             per_published[f"redis_{role}"] = round(_median(got), 2)
     return {
         "us_per_token": {**us, "whole": whole},
+        "redis_commands": _commands(rounds),
         "shares": {k: round(v / whole, 3) if whole else 0.0 for k, v in us.items()},
         "us_per_published": per_published,
         "p50_ms": _median([r.p50_ms for r in rounds]),
@@ -66,6 +67,23 @@ def summarize(rounds: Sequence[RoundFigures]) -> dict[str, Any]:
         "expected": _median([r.expected for r in rounds]),
         "rounds": [asdict(r) for r in rounds],
     }
+
+
+def _commands(rounds: Sequence[RoundFigures], n: int = 8) -> list[dict[str, Any]]:
+    """Per (role, command), the median over the rounds of its usec and calls per
+    delivered token (0 in a round where it did not run); the ``n`` busiest."""
+    names = sorted({(c["role"], c["command"]) for r in rounds for c in r.commands})
+    rows = []
+    for role, cmd in names:
+        got = [next((c for c in r.commands if (c["role"], c["command"]) == (role, cmd)), None)
+               for r in rounds]  # fmt: skip
+        rows.append({"role": role, "command": cmd,
+                     "us_per_token": round(_median([c["us_per_token"] if c else 0.0
+                                                    for c in got]), 3),
+                     "calls_per_token": round(_median([c["calls_per_token"] if c else 0.0
+                                                       for c in got]), 4)})  # fmt: skip
+    rows.sort(key=lambda r: -float(r["us_per_token"]))
+    return rows[:n]
 
 
 def _miss(ours: Mapping[str, float], theirs: Mapping[str, float], aim: float) -> str:

@@ -34,6 +34,7 @@ import contextlib
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -54,6 +55,7 @@ from relay.protocol.slotmap import Addr
 
 __all__ = ["Config", "add_arguments", "main", "phases", "report", "run", "run_from_args"]
 
+TURN_TOKENS = 300  # a real turn's length, for a turn's opening per token in --report
 ALL = ("tokenrelay", "socketio", "resumable-stream", "tokenrelay-sse", "bare")
 
 
@@ -249,6 +251,38 @@ def _md(head: tuple[str, ...], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def _commands_md(res: dict[str, Any], n: int = 6) -> list[str]:
+    """Redis's busiest commands per phase and system (INFO commandstats, by role): µs and
+    calls per delivered token, medians of the rounds."""
+    rows = []
+    for name, by_sys in res["results"].items():
+        for sysname, r in by_sys.items():
+            cmds = r.get("redis_commands") or []
+            if cmds:
+                top = ", ".join(f"{c['role'][0]}:{c['command']} {c['us_per_token']:.2f}"
+                                f" (x{c['calls_per_token']:.3g})" for c in cmds[:n])  # fmt: skip
+                opens = [float(x["notes"]["open_redis_us_per_turn"]) for x in r["rounds"]
+                         if "open_redis_us_per_turn" in x.get("notes", {})]  # fmt: skip
+                op = "-"
+                if opens:
+                    per = statistics.median(opens)
+                    op = f"{per:.0f} ({per / TURN_TOKENS:.2f})"
+                rows.append((name, sysname, f"{r['us_per_token'].get('redis', 0.0):.1f}", op,
+                             top))  # fmt: skip
+    if not rows:
+        return []
+    head = ("phase", "system", "Redis µs/token (INFO cpu)",
+            f"turn's opening, Redis µs (per token of a {TURN_TOKENS}-token turn)",
+            "busiest commands: m(asters)/r(eplicas):command µs/token (calls/token)")  # fmt: skip
+    return [_md(head, rows), "",
+            "Commands' own time (INFO commandstats) sums below INFO cpu: the event loop, "
+            "reading and writing sockets and replication are outside it. A command a "
+            "script runs counts under its own name and inside the script's evalsha/eval. "
+            "A turn's opening (one generation per session) runs before the window and is "
+            "counted per turn: a round's turn is its few seconds, a real one a few hundred "
+            "tokens.", ""]  # fmt: skip
+
+
 def report(res: dict[str, Any]) -> str:
     """The markdown of bench/README.md: figures, aims, guarantees, what was missing."""
     head = ("phase", "system", "µs/token whole", "producer", "Redis", "server", "p50 ms",
@@ -268,6 +302,7 @@ def report(res: dict[str, Any]) -> str:
                  _fmt(a["met"]), a["missed_by"] or "") for a in res["aims"]]  # fmt: skip
     out += [_md(("phase", "aim", "tokenrelay", "peer", "ratio", "target", "met", "missed by"),
                 aim_rows), ""]  # fmt: skip
+    out += _commands_md(res)
     out += [f"- **{n}**: {g}" for n, g in res["guarantees"].items()]
     out += [f"- **{n}**: not in this run: {why}" for n, why in res["missing"].items()]
     prof = res.get("profile") or {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from bench.peers.pathround import Transport, measure
 from bench.peers.pathsystem import Phase, RoundFigures
 from bench.peers.ws_clients import Kind
 from bench.relay.harness import RelayProc, bare_process, relay_process, run_publisher, sessions
+from bench.relay.publisher import open_generations
 from relay.protocol.keys import live_channel
 from relay.protocol.slotmap import Addr, SlotMap
 
@@ -93,6 +95,8 @@ class _ServerSystem:
     def channel(self, sid: str) -> str:
         return live_channel(sid)
 
+    prepare: Callable[[list[str]], Coroutine[Any, Any, None]] | None = None
+
     def clock(self) -> int:
         return time.time_ns()
 
@@ -106,6 +110,7 @@ class _ServerSystem:
             pid=self.server.pid, smap=b.smap, sids=sids,
             channels=[self.channel(s) for s in sids], publish=self.publish, clock=self.clock,
             resumes=self.resumes, held=self.held, warm_s=b.warm_s,
+            prepare=self.prepare,
         )  # fmt: skip
 
 
@@ -123,6 +128,7 @@ class RelaySystem(_ServerSystem):
         self.name = "bare" if bare else ("tokenrelay" if transport == "ws" else "tokenrelay-sse")
         self.guarantee = GUARANTEES[self.name]
         self.resumes = not bare
+        self._opened: list[list[Any]] | None = None
 
     async def start(self) -> None:
         b = self.bench
@@ -132,9 +138,15 @@ class RelaySystem(_ServerSystem):
             cm = relay_process(b.url, b.log_dir, f"pathcost-{self.name}", b.max_conn)
         self.server = await self.stack.enter_async_context(cm)
 
+    async def prepare(self, sids: list[str]) -> None:
+        """Open every session's turn (one generation each) before the round's window: a
+        turn's opening is counted per turn (the round's ``open_redis_us_per_turn``), not
+        as per-token work of a round whose turns are a few seconds long."""
+        self._opened = await open_generations(self.bench.url, sids)
+
     async def publish(self, sids: list[str], rate: float, seconds: float) -> dict[str, Any]:
         spec = {"mode": "paced", "url": self.bench.url, "sids": sids, "rate": rate,
-                "seconds": seconds, "stamp": "build"}  # fmt: skip
+                "seconds": seconds, "stamp": "build", "opened": self._opened}  # fmt: skip
         return await run_publisher(spec)
 
 

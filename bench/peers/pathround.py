@@ -9,7 +9,11 @@ before the producer starts until every expected delivery arrived (or none came f
 the producer child's own pacing CPU, every Redis node's ``INFO cpu`` (masters and
 replicas apart), the server's ``/proc/<pid>/stat``. In a ``resume_storm`` phase every
 reader drops at once once half the expected deliveries arrived and reconnects (with its
-last offset where the system resumes).
+last offset where the system resumes). Over the same window, every node's ``INFO
+commandstats`` (:func:`command_stats`, :func:`top_commands`): the busiest commands per
+delivered token, in the round's ``commands``. A system with a ``prepare`` (tokenrelay:
+opening each session's turn) runs it before the readers open, its Redis CPU per turn in
+the notes (``open_redis_us_per_turn``), outside the window.
 
 Lost and duplicated: where the system keeps a backlog (``held``), against what Redis
 holds, read with XRANGE after the round (each token's stamp); otherwise against what the
@@ -39,7 +43,16 @@ from relay.protocol.auth import issue_token
 from relay.protocol.keys import log_key
 from relay.protocol.slotmap import Addr, SlotMap, slot_of
 
-__all__ = ["Publish", "SseReader", "Transport", "held_stamps", "measure", "redis_cpu_by_role"]
+__all__ = [
+    "Publish",
+    "SseReader",
+    "Transport",
+    "command_stats",
+    "held_stamps",
+    "measure",
+    "redis_cpu_by_role",
+    "top_commands",
+]
 
 Transport = Literal["ws", "sse"]
 Publish = Callable[[list[str], float, float], Coroutine[Any, Any, dict[str, Any]]]
@@ -173,6 +186,49 @@ async def redis_cpu_by_role(smap: SlotMap) -> dict[str, float]:
     return out
 
 
+async def command_stats(smap: SlotMap) -> dict[str, dict[str, tuple[int, int]]]:
+    """``INFO commandstats`` of the masters and of the replicas: command -> (calls, usec),
+    summed over the nodes of each role. Redis 7 counts a command a script runs under
+    its own name as well as inside the script's ``evalsha`` / ``eval`` usec."""
+    from relay.broker.rediscluster.nodeconn import raw_command
+
+    masters = {sh.master for sh in smap.slots if sh is not None}
+    out: dict[str, dict[str, tuple[int, int]]] = {"masters": {}, "replicas": {}}
+    for node in smap.nodes():
+        text = (await raw_command(node, "INFO", "commandstats")).decode()
+        role = out["masters" if node in masters else "replicas"]
+        for line in text.splitlines():
+            if not line.startswith("cmdstat_"):
+                continue
+            name, _, rest = line[len("cmdstat_") :].partition(":")
+            fields = dict(kv.split("=", 1) for kv in rest.split(",") if "=" in kv)
+            calls, usec = role.get(name, (0, 0))
+            role[name] = (calls + int(fields.get("calls", 0)), usec + int(fields.get("usec", 0)))
+    return out
+
+
+def top_commands(
+    before: dict[str, dict[str, tuple[int, int]]],
+    after: dict[str, dict[str, tuple[int, int]]],
+    delivered: int,
+    n: int = 8,
+) -> list[dict[str, Any]]:
+    """The commands that took the most Redis time over a window, per role, each with its
+    calls and usec per delivered token (``INFO commandstats``' own time: without the
+    event loop, the protocol and replication, so they sum below ``INFO cpu``)."""
+    rows: list[dict[str, Any]] = []
+    per = max(delivered, 1)
+    for role, cmds in after.items():
+        for name, (calls, usec) in cmds.items():
+            c0, u0 = before.get(role, {}).get(name, (0, 0))
+            if calls - c0 > 0:
+                rows.append({"role": role, "command": name,
+                             "calls_per_token": round((calls - c0) / per, 4),
+                             "us_per_token": round((usec - u0) / per, 3)})  # fmt: skip
+    rows.sort(key=lambda r: -float(r["us_per_token"]))
+    return rows[:n]
+
+
 async def held_stamps(smap: SlotMap, sids: Sequence[str]) -> dict[str, set[int]]:
     """Every session's token stamps as its backlog in Redis holds them (XRANGE, one
     pipelined connection per master)."""
@@ -222,14 +278,27 @@ async def measure(
     system: str, kind: Kind, transport: Transport, phase: Phase, *, port: int, pid: int,
     smap: SlotMap, sids: list[str], channels: list[str], publish: Publish,
     clock: Callable[[], int], resumes: bool, held: bool, warm_s: float, window: int = 200,
+    prepare: Callable[[list[str]], Coroutine[Any, Any, None]] | None = None,
 ) -> RoundFigures:  # fmt: skip
     """One round of ``phase`` (see the module's docstring)."""
     rate = phase.tokens_per_s / phase.sessions  # per session
-    readers = await _open_readers(kind, transport, port, sids, phase.viewers, clock, window)
     notes: dict[str, float | int | str] = {}
+    if prepare is not None:  # the turns' opening, measured apart from the tokens
+        o0, c0 = await redis_cpu_by_role(smap), await command_stats(smap)
+        await prepare(sids)
+        o1, c1 = await redis_cpu_by_role(smap), await command_stats(smap)
+        notes["open_redis_us_per_turn"] = round(
+            sum(o1[k] - o0[k] for k in o0) * 1e6 / max(len(sids), 1), 1
+        )
+        notes["open_top_commands"] = "; ".join(
+            f"{r['role'][0]}:{r['command']} {r['us_per_token']:.1f}us x{r['calls_per_token']:.3g}"
+            for r in top_commands(c0, c1, len(sids), n=6)
+        )  # per turn opened
+    readers = await _open_readers(kind, transport, port, sids, phase.viewers, clock, window)
     try:
         await _wait_subscribed(smap, channels)
         await asyncio.sleep(0.5)
+        cmd0 = await command_stats(smap)
         red0, srv0, t0 = await redis_cpu_by_role(smap), cpu_s(pid), time.perf_counter()
         task = asyncio.create_task(publish(sids, rate, phase.seconds))
         if phase.kind == "resume_storm":
@@ -243,6 +312,7 @@ async def measure(
         pub = await task
         await _wait(readers, int(pub["sent"]) * phase.viewers)
         red1, srv1, wall = await redis_cpu_by_role(smap), cpu_s(pid), time.perf_counter() - t0
+        cmd1 = await command_stats(smap)
     finally:
         await readers.close()
     redis_s = {k: red1[k] - red0[k] for k in red0}
@@ -267,6 +337,12 @@ async def measure(
     first = min((t.first for t in received), default=0.0)
     last = max((t.last for t in received), default=0.0)
     errors = [e for t in readers.tallies for e in t.errors]
+    delivered = sum(t.received for t in readers.tallies)
+    top = top_commands(cmd0, cmd1, delivered, n=16)
+    notes["redis_top_commands"] = "; ".join(
+        f"{r['role'][0]}:{r['command']} {r['us_per_token']:.2f}us x{r['calls_per_token']:.3g}"
+        for r in top[:8]
+    )
     notes.update(
         redis_masters_cpu_s=round(redis_s["masters"], 4),
         redis_replicas_cpu_s=round(redis_s["replicas"], 4),
@@ -279,7 +355,7 @@ async def measure(
         system=system,
         phase=phase.name,
         published=int(pub["sent"]),
-        delivered=sum(t.received for t in readers.tallies),
+        delivered=delivered,
         expected=expected,
         lost=lost,
         duplicated=dup,
@@ -295,4 +371,5 @@ async def measure(
         behind_s=round(max(0.0, last - first - float(pub["seconds"])), 2) if received else 0.0,
         wall_s=round(wall, 2),
         notes=notes,
+        commands=top,
     )

@@ -16,7 +16,7 @@ CPU seconds are measured over the same window, so shares add up to the whole.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 __all__ = ["Phase", "PhaseKind", "RoundFigures", "System"]
 
@@ -55,6 +55,9 @@ class RoundFigures:
     behind_s: float = 0.0  # last delivery after the producer stopped: > 1 s is not keeping up
     wall_s: float = 0.0
     notes: dict[str, float | int | str] = field(default_factory=dict)
+    # Redis's busiest commands over the window (INFO commandstats, every node by role):
+    # role, command, calls_per_token and us_per_token per delivered token
+    commands: list[dict[str, Any]] = field(default_factory=list)
 
     def us_per_delivered(self) -> dict[str, float]:
         """Each participant's CPU per delivered token (µs), and ``whole``: their sum."""

@@ -41,7 +41,7 @@ from relay.protocol.frame import Frame, encode
 from relay.protocol.keys import live_channel
 from relay.protocol.slotmap import Addr, slot_of
 
-__all__ = ["main", "publish_flood", "publish_paced"]
+__all__ = ["main", "open_generations", "publish_flood", "publish_paced"]
 
 
 async def publish_flood(url: str, sids: list[str], frames: int, batch: int) -> dict[str, Any]:
@@ -73,6 +73,25 @@ async def publish_flood(url: str, sids: list[str], frames: int, batch: int) -> d
     return {"sent": sent, "seconds": took, "errors": 0, "cpu_s": self_cpu_s()}
 
 
+async def open_generations(url: str, sids: list[str]) -> list[list[Any]]:
+    """One :meth:`Publisher.open_generation` per session (a turn's opening), as the
+    ``opened`` of :func:`publish_paced`: ``[sid, epoch, turn, offset, gen]`` each."""
+    redis = connect(url)
+    await redis.initialize()
+    try:
+        pub = Publisher(redis)
+        sem = asyncio.Semaphore(64)
+
+        async def one(sid: str) -> list[Any]:
+            async with sem:
+                g = await pub.open_generation(sid)
+            return [g.session, g.epoch, g.turn, g.offset, g.gen]
+
+        return list(await asyncio.gather(*(one(s) for s in sids)))
+    finally:
+        await redis.aclose()
+
+
 _HOLD = "~" * 19  # the stamp's place in a paced frame until its write
 _HOLD_BYTES = _HOLD.encode()
 
@@ -85,18 +104,24 @@ async def publish_paced(
     tick: float = 0.01,
     *,
     stamp_at_send: bool = True,
+    opened: list[list[Any]] | None = None,
 ) -> dict[str, Any]:
     """``rate`` token frames/s per session for ``seconds``, one frame per call of the
     publish script (:data:`relay.broker.rediscluster.scripts.PUBLISH`, its argument layout of
     ``Generation._write``), pipelined per master on raw connections: redis-py costs more
-    CPU per call than this machine can give to 20,000 calls/s."""
+    CPU per call than this machine can give to 20,000 calls/s. ``opened``: the sessions'
+    generations as :func:`open_generations` returned them (``[sid, epoch, turn, offset,
+    gen]`` each), opened by the caller; else this opens one per session first."""
     redis = connect(url)
-    await redis.initialize()
-    pub = Publisher(redis)
-    try:
-        gens: list[Generation] = list(await asyncio.gather(*(pub.open_generation(s) for s in sids)))
-    finally:
-        await redis.aclose()
+    pub = Publisher(redis)  # its settings (maxlen, TTL) for the script's arguments
+    if opened is not None:  # opened by the caller, outside its measured window
+        gens = [Generation(pub, s, int(e), int(t), int(o), str(g)) for s, e, t, o, g in opened]
+    else:
+        await redis.initialize()
+        try:
+            gens = list(await asyncio.gather(*(pub.open_generation(s) for s in sids)))
+        finally:
+            await redis.aclose()
     host, port = url.split("//", 1)[1].rsplit(":", 1)
     smap = await slotmap(Addr(host, int(port)))
     conns: dict[Addr, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
@@ -203,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
                 spec["seconds"],
                 spec.get("tick_s", 0.01),
                 stamp_at_send=spec.get("stamp", "send") == "send",
+                opened=spec.get("opened"),
             )
         )
     print(json.dumps(out), flush=True)

@@ -62,6 +62,12 @@ async def test_tiny_run_adds_up_and_tokenrelay_loses_nothing(cluster: ClusterInf
                 assert r["expected"] == r["published"] * res["phases"][name]["viewers"]
                 assert r["delivered"] == r["expected"]
                 assert all(x["notes"]["reader_errors"] == 0 for x in r["rounds"])
+                # Redis's time by command over the window: the publish script is in it
+                cmds = {(c["role"], c["command"]) for c in r["redis_commands"]}
+                assert ("masters", "evalsha") in cmds, (name, sysname, cmds)
+                assert all(c["us_per_token"] >= 0 for c in r["redis_commands"])
+                # the turns were opened before the window, and counted per turn apart
+                assert all(float(x["notes"]["open_redis_us_per_turn"]) > 0 for x in r["rounds"])
     storm = res["results"]["storm_20x1_200"]["tokenrelay"]["rounds"][0]["notes"]
     assert storm["storm_readers"] == 20
     assert {a["aim"] for a in res["aims"]} >= {"relay CPU/frame vs bare relay"}
@@ -69,3 +75,4 @@ async def test_tiny_run_adds_up_and_tokenrelay_loses_nothing(cluster: ClusterInf
         assert any(a["aim"] == "whole CPU/token vs socketio" for a in res["aims"])
     assert res["server_log_tracebacks"] == 0
     assert "| phase | system |" in report(res)
+    assert "busiest commands" in report(res)

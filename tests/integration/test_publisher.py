@@ -113,7 +113,8 @@ async def test_the_ttl_is_set_again_once_it_ran_down_by_the_slack_not_every_fram
     redis: RedisCluster,
 ) -> None:
     """The publish script refreshes both keys' TTL only when the backlog's has run down
-    by more than min(1 s, ttl_s / 16): here 300 s, so 1 s."""
+    by more than min(60 s, ttl_s / 16) (here 300 s, so 18.75 s), or after a terminal
+    frame."""
     pub = Publisher(redis, ttl_s=300)
     sid = new_session_id()
     gen = await pub.open_generation(sid)
@@ -130,9 +131,18 @@ async def test_the_ttl_is_set_again_once_it_ran_down_by_the_slack_not_every_fram
         for k in (meta_key(sid), log_key(sid)):
             assert await redis.pttl(k) <= 299_500
         for k in (meta_key(sid), log_key(sid)):
-            await redis.pexpire(k, 290_000)  # ran down by more: both set again
+            await redis.pexpire(k, 290_000)  # 10 s: still within the slack
         await gen.token("c")
+        assert await _cmdstat(node, "expire") == 0
+        for k in (meta_key(sid), log_key(sid)):
+            await redis.pexpire(k, 280_000)  # ran down by more: both set again
+        await gen.token("d")
         assert await _cmdstat(node, "expire") == 2
+        for k in (meta_key(sid), log_key(sid)):
+            assert 299_000 < await redis.pttl(k) <= 300_000
+            await redis.pexpire(k, 295_000)  # within the slack, but the turn ends
+        await gen.done({})
+        assert await _cmdstat(node, "expire") == 4
         for k in (meta_key(sid), log_key(sid)):
             assert 299_000 < await redis.pttl(k) <= 300_000
     finally:

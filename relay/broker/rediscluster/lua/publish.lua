@@ -5,9 +5,11 @@
 -- turn, gen, max bytes of the backlog (0: no byte bound), then the encoded frames.
 -- Loaded after backlog.lua. Returns the last offset written.
 -- Per call, besides an XADD and an SPUBLISH per frame: one HMGET, one HSET, one PTTL
--- (a read), and the two EXPIREs only when the TTL has run down by more than the slack
--- (min(1 s, ttl_s / 16)) since it was last set: at most about once a second per session,
--- not once a frame (bench.pubsub.publish_cost measures it). Every script sets the two
+-- (a read; none after a terminal frame), and the two EXPIREs only after a terminal frame
+-- (the turn's end: the keys live a full TTL from it) or when the TTL has run down by more
+-- than the slack (min(60 s, ttl_s / 16)) since it was last set: once a minute per
+-- streaming session, not once a second (at a few tokens a second per session that was
+-- every other frame: bench.peers.pathcost's commandstats). Every script sets the two
 -- keys' TTLs together, so the backlog's stands for both, except where a key is new: the
 -- stream's first XADD (PTTL -1) and a hash this script restores (refreshed at once).
 local cur = redis.call('HMGET', KEYS[1], 'epoch', 'offset', 'gen', 'bytes', 'ttl')
@@ -39,9 +41,9 @@ else  -- a failover lost the OPEN: the session's lifetime, for relays to extend 
 end
 if ARGV[5] == '1' then redis.call('HDEL', KEYS[1], 'open') end
 local ttl_ms = tonumber(ARGV[4]) * 1000
-local due = ttl_ms - math.min(1000, math.floor(ttl_ms / 16))
+local due = ttl_ms - math.min(60000, math.floor(ttl_ms / 16))
 -- PTTL is -1 for a key without a TTL (the stream's first XADD)
-if refresh or redis.call('PTTL', KEYS[2]) < due then
+if refresh or ARGV[5] == '1' or redis.call('PTTL', KEYS[2]) < due then
   redis.call('EXPIRE', KEYS[1], ARGV[4])
   redis.call('EXPIRE', KEYS[2], ARGV[4])
 end
