@@ -38,6 +38,25 @@ log = logging.getLogger(__name__)
 STREAM_ROUTE: Final = "/v1/stream/{path:.+}"
 SESSION_ROUTE: Final = "/v1/sessions/{sid:[^/]+}/stream"
 _READ_CHUNK: Final = 64 * 1024
+_PROTOCOL_HEADERS: Final = (
+    "Stream-Next-Offset, Stream-Up-To-Date, Stream-Closed, Stream-Cursor, Stream-TTL, "
+    "Stream-Expires-At, Stream-SSE-Data-Encoding, Producer-Epoch, Producer-Seq, "
+    "Producer-Expected-Seq, Producer-Received-Seq, ETag, Location, X-Relay-Id"
+)
+# section 12.7 (browser security headers) and the protocol's headers readable by a page
+SECURITY: Final = {
+    "X-Content-Type-Options": "nosniff",
+    "Cross-Origin-Resource-Policy": "cross-origin",
+    "Access-Control-Expose-Headers": _PROTOCOL_HEADERS,
+}
+PREFLIGHT: Final = {
+    "Access-Control-Allow-Methods": "GET, HEAD, PUT, POST, DELETE, OPTIONS",
+    "Access-Control-Allow-Headers": (
+        "Authorization, Content-Type, If-None-Match, Stream-TTL, Stream-Expires-At, "
+        "Stream-Closed, Stream-Seq, Producer-Id, Producer-Epoch, Producer-Seq"
+    ),
+    "Access-Control-Max-Age": "600",
+}
 
 
 class Durable:
@@ -95,24 +114,31 @@ def _error(status: int, reason: str, headers: dict[str, str] | None = None) -> w
 
 
 async def _guarded(request: web.Request, durable: Durable, path: str | None) -> web.StreamResponse:
+    resp: web.StreamResponse
     try:
-        if path is None:
-            return await _session(request, durable)
-        return await _stream(request, durable, path)
+        if request.method == "OPTIONS":
+            resp = web.Response(status=204, headers=PREFLIGHT)
+        elif path is None:
+            resp = await _session(request, durable)
+        else:
+            resp = await _stream(request, durable, path)
     except BadRequest as exc:
-        return _error(400, str(exc))
+        resp = _error(400, str(exc))
     except Refused as exc:
-        return _error(exc.status, exc.reason, exc.headers)
+        resp = _error(exc.status, exc.reason, exc.headers)
+    except web.HTTPException as exc:
+        resp = _error(exc.status, exc.text or exc.reason)
     except RelayError as exc:
         log.warning("durable %s %s: %s", request.method, request.path, exc)
-        return _error(503, f"Redis is unavailable: {exc}")
+        resp = _error(503, f"Redis is unavailable: {exc}")
+    if not resp.prepared:
+        resp.headers.update(SECURITY)
+    return resp
 
 
 async def _stream(request: web.Request, durable: Durable, path: str) -> web.StreamResponse:
     ref = store.StreamRef.of(path)  # BadRequest for a malformed path
     method = request.method
-    if method == "OPTIONS":
-        return await durable.server.preflight(request)
     need: Scope = "watch" if method in ("GET", "HEAD") else "write"
     address = durable.server.address(request)
     grant = durable.gate.check(request, token_subject(path), need, address, path=path)
@@ -214,6 +240,8 @@ async def _post(request: web.Request, durable: Durable, ref: store.StreamRef) ->
     h = {"Stream-Next-Offset": format_offset(r.next)}
     if r.closed:
         h["Stream-Closed"] = "true"
+    if r.code == 200 and not body:  # close-only with producer headers: nothing appended
+        r = store.WriteResult(204, r.next, r.closed, r.a, r.b)
     if r.code in (200, 204):
         if (w.producer is not None and r.a + r.b > 0) or (w.producer and r.code == 200):
             h["Producer-Epoch"], h["Producer-Seq"] = str(r.a), str(r.b)
@@ -236,8 +264,6 @@ async def _post(request: web.Request, durable: Durable, ref: store.StreamRef) ->
 
 
 async def _session(request: web.Request, durable: Durable) -> web.StreamResponse:
-    if request.method == "OPTIONS":
-        return await durable.server.preflight(request)
     if request.method != "GET":
         return _error(405, "a session's stream is read with GET", {"Allow": "GET"})
     try:

@@ -20,8 +20,12 @@ from relay.durable.core import BadRequest, format_offset
 from relay.durable.live import Waker
 from relay.durable.store import View
 
-__all__ = ["ReadOptions", "Source", "get"]
+__all__ = ["SECURITY", "ReadOptions", "Source", "get"]
 
+SECURITY: Final = {
+    "X-Content-Type-Options": "nosniff",
+    "Cross-Origin-Resource-Policy": "cross-origin",
+}
 CHUNK_MESSAGES: Final = 1000
 CHUNK_BYTES: Final = 1 << 20
 _MODES: Final = (None, "long-poll", "sse")
@@ -157,7 +161,7 @@ async def _sse(
 ) -> web.StreamResponse:
     view = await _load(source, start)  # errors before the 200
     at = view.next if start is None else start
-    h = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    h = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **SECURITY}
     if _binary(view):
         h["Stream-SSE-Data-Encoding"] = "base64"
     resp = web.StreamResponse(headers=h)
@@ -171,11 +175,13 @@ async def _sse(
                 break
             view = now_view
             msgs, up_to_date = _cut(view)
+            out = b""
             if msgs:
                 at = view.start + len(msgs)
-                await resp.write(core.sse_data(msgs, view.json_mode, _binary(view)))
+                out = core.sse_data(msgs, view.json_mode, _binary(view))
             if msgs or not sent_control or (view.closed and up_to_date):
-                await resp.write(_control(view, at, up_to_date, request))
+                # the data and its control in one write: a reader sees both or neither
+                await resp.write(out + _control(view, at, up_to_date, request))
                 sent_control = True
             if view.closed and up_to_date:
                 break

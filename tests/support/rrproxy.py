@@ -44,7 +44,12 @@ async def round_robin(backends: Sequence[str], mount: str) -> AsyncIterator[str]
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         body = request.content if request.body_exists else None
         async with session.request(
-            request.method, base + path, headers=headers, data=body, allow_redirects=False
+            request.method,
+            base + path,
+            headers=headers,
+            data=body,
+            allow_redirects=False,
+            skip_auto_headers=("Content-Type",),  # the client's own, or none
         ) as up:
             out = {k: v for k, v in up.headers.items() if k.lower() not in _HOP}
             if "Location" in out:
