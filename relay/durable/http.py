@@ -280,11 +280,17 @@ async def _session(request: web.Request, durable: Durable) -> web.StreamResponse
 
 
 def routes(app: web.Application, durable: Durable) -> None:
-    async def stream(request: web.Request) -> web.StreamResponse:
+    async def durable_stream(request: web.Request) -> web.StreamResponse:
         return await _guarded(request, durable, request.match_info["path"])
 
-    async def session(request: web.Request) -> web.StreamResponse:
+    async def durable_session(request: web.Request) -> web.StreamResponse:
         return await _guarded(request, durable, None)
 
-    app.router.add_route("*", STREAM_ROUTE, stream)
-    app.router.add_route("*", SESSION_ROUTE, session)
+    # one resource per route, every method on it: a method aiohttp finds no route for
+    # on a resource is a 405, and two resources of one path would shadow each other
+    streams = app.router.add_resource(STREAM_ROUTE)
+    for method in ("GET", "HEAD", "PUT", "POST", "DELETE", "OPTIONS"):
+        streams.add_route(method, durable_stream)
+    sessions = app.router.add_resource(SESSION_ROUTE)
+    for method in ("GET", "OPTIONS"):
+        sessions.add_route(method, durable_session)

@@ -77,6 +77,6 @@ async def test_conformance_suite(cluster: ClusterInfo, tmp_path: Path) -> None:
     passed, failed, skipped = _results(json.loads(out.read_text()))
     summary = f"{len(passed)} passed, {len(failed)} failed, {len(skipped)} skipped"
     (tmp_path / "summary.txt").write_text(summary + "\n" + "\n".join(failed) + "\n")
-    print(f"durable streams conformance: {summary}")  # noqa: T201 - the figure the docs cite
+    print(f"durable streams conformance: {summary}")
     assert not failed, summary + "\n" + "\n".join(failed)
     assert passed, "the suite ran no test"

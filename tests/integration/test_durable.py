@@ -8,7 +8,6 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 import aiohttp
 import pytest
@@ -198,9 +197,11 @@ async def test_auth_scopes_and_limits(relay: Relay) -> None:
         assert r.status == 413
 
 
-async def _key_counts(redis: RedisCluster) -> dict[Any, int]:
-    counts: dict[Any, int] = await redis.dbsize(target_nodes=RedisCluster.PRIMARIES)
-    return counts
+async def _key_counts(redis: RedisCluster) -> dict[str, int]:
+    """DBSIZE of every master, by its address."""
+    return {
+        f"{n.host}:{n.port}": int(await redis.dbsize(target_nodes=n)) for n in redis.get_primaries()
+    }
 
 
 async def test_hostile_batch_writes_nothing(relay: Relay, redis: RedisCluster) -> None:
