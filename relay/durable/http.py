@@ -110,7 +110,9 @@ class Durable:
 
 
 def _error(status: int, reason: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=status, text=reason + "\n", headers=headers)
+    """A refusal: its reason as the body (so the stream's Content-Type is not sent)."""
+    h = {k: v for k, v in (headers or {}).items() if k.lower() != "content-type"}
+    return web.Response(status=status, text=reason + "\n", headers=h)
 
 
 async def _guarded(request: web.Request, durable: Durable, path: str | None) -> web.StreamResponse:
