@@ -19,7 +19,7 @@ from aiohttp import web
 
 from relay.broker.errors import RelayError
 from relay.broker.rediscluster.broker import RedisBroker
-from relay.durable import core, reads, store
+from relay.durable import core, fork, reads, store
 from relay.durable.auth import Gate, Refused, token_subject
 from relay.durable.core import BadRequest, format_offset
 from relay.durable.live import Waker
@@ -128,6 +128,8 @@ async def _guarded(request: web.Request, durable: Durable, path: str | None) -> 
         resp = _error(400, str(exc))
     except Refused as exc:
         resp = _error(exc.status, exc.reason, exc.headers)
+    except store.SoftDeleted:
+        resp = _error(410, "the stream is deleted (its forks still hold its data)")
     except web.HTTPException as exc:
         resp = _error(exc.status, exc.text or exc.reason)
     except RelayError as exc:
@@ -150,8 +152,11 @@ async def _stream(request: web.Request, durable: Durable, path: str) -> web.Stre
         return await _post(request, durable, ref)
     if method == "DELETE":
         redis, _ = durable.ready()
-        if not await store.delete(redis, ref):
+        code = await store.delete(redis, ref)
+        if code == 404:
             return _error(404, "no such stream")
+        if code == 410:
+            return _error(410, "the stream is deleted (its forks still hold its data)")
         return web.Response(status=204)
     if method == "HEAD":
         redis, _ = durable.ready()
@@ -196,8 +201,10 @@ def _write_headers(request: web.Request, op: str) -> store.Write:
     ct = h.get("Content-Type")
     if op == "put" and not ct:
         ct = "application/octet-stream"
-    if "Stream-Forked-From" in h:
-        raise Refused(501, "forks (Stream-Forked-From) are not supported by this server")
+    if "Stream-Forked-From" not in h and (
+        "Stream-Fork-Offset" in h or "Stream-Fork-Sub-Offset" in h
+    ):
+        raise BadRequest("Stream-Fork-Offset / -Sub-Offset need Stream-Forked-From")
     seq = h.get("Stream-Seq")
     if seq is not None and not seq:
         raise BadRequest("Stream-Seq must not be empty")
@@ -214,9 +221,18 @@ def _write_headers(request: web.Request, op: str) -> store.Write:
 async def _put(request: web.Request, durable: Durable, ref: store.StreamRef) -> web.Response:
     w = _write_headers(request, "put")
     body = await durable.body(request)
-    msgs = core.body_messages(body, w.media_type == "application/json", allow_empty_array=True)
     redis, _ = durable.ready()
+    source = None
+    if "Stream-Forked-From" in request.headers:
+        json_body = core.media_type(request.headers.get("Content-Type")) == "application/json"
+        own = core.body_messages(body, json_body, allow_empty_array=True)
+        w, msgs, source = await fork.plan(redis, w, request.headers, own)
+    else:
+        msgs = core.body_messages(body, w.media_type == "application/json", allow_empty_array=True)
     r = await store.write(redis, ref, w, msgs)
+    if r.code == 201 and source is not None and not await store.fork_ref(redis, source, ref.path):
+        await store.delete(redis, ref)  # the source went meanwhile: no orphan fork
+        return _error(409, "the source stream was deleted meanwhile")
     h = {"Content-Type": w.content_type, "Stream-Next-Offset": format_offset(r.next)}
     if r.closed:
         h["Stream-Closed"] = "true"
@@ -252,6 +268,8 @@ async def _post(request: web.Request, durable: Durable, ref: store.StreamRef) ->
         return web.Response(status=r.code, headers=h)
     if r.code == 404:
         return _error(404, "no such stream")
+    if r.code == 410:
+        return _error(410, "the stream is deleted (its forks still hold its data)")
     if r.code == 403:
         h["Producer-Epoch"] = str(r.a)
         return _error(403, "stale producer epoch (fenced)", h)

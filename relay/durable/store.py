@@ -24,7 +24,17 @@ from redis.asyncio.cluster import RedisCluster
 from relay.broker.rediscluster.scripts import Script
 from relay.durable.core import stream_id
 
-__all__ = ["StreamRef", "View", "Write", "WriteResult", "delete", "read", "write"]
+__all__ = [
+    "SoftDeleted",
+    "StreamRef",
+    "View",
+    "Write",
+    "WriteResult",
+    "delete",
+    "fork_ref",
+    "read",
+    "write",
+]
 
 CHANNEL_PREFIX: Final = b"ds:"
 
@@ -41,6 +51,11 @@ class _Script(Script):
 _WRITE: Final = _Script("write")
 _READ: Final = _Script("read")
 _DELETE: Final = _Script("delete")
+_FORK_REF: Final = _Script("fork_ref")
+
+
+class SoftDeleted(Exception):
+    """The stream was deleted while forks hold it: 410 to every direct operation."""
 
 
 @dataclass(frozen=True)
@@ -49,16 +64,18 @@ class StreamRef:
     meta: str
     log: str
     prod: str
+    forks: str
     channel: str
 
     @classmethod
     def of(cls, path: str) -> StreamRef:
         tag = f"ds:{{{stream_id(path)}}}"
-        return cls(path, f"{tag}:meta", f"{tag}:log", f"{tag}:prod", f"{tag}:live")
+        keys = (f"{tag}:{k}" for k in ("meta", "log", "prod", "forks", "live"))
+        return cls(path, *keys)
 
     @property
     def keys(self) -> list[str]:
-        return [self.meta, self.log, self.prod]
+        return [self.meta, self.log, self.prod, self.forks]
 
 
 @dataclass(frozen=True)
@@ -72,6 +89,7 @@ class Write:
     stream_seq: str | None = None
     producer: tuple[str, int, int] | None = None
     has_body: bool = False
+    fork: str = ""  # a fork's identity: "source\noffset\nsub-offset"
 
 
 @dataclass(frozen=True)
@@ -117,7 +135,7 @@ async def write(
         "" if w.expires_at is None else w.expires_at[0],
         "" if w.expires_at is None else str(w.expires_at[1]),
         "1" if w.close else "0", w.stream_seq or "", pid, epoch, seq,
-        secrets.token_hex(6), ref.channel, ref.path, "1" if w.has_body else "0", *messages,
+        secrets.token_hex(6), ref.channel, ref.path, "1" if w.has_body else "0", w.fork, *messages,
     ]  # fmt: skip
     reply = await _WRITE(redis, ref.keys, args)
     code, nxt, closed, a, b = (int(x) for x in reply)
@@ -137,6 +155,8 @@ async def read(
     reply = await _READ(redis, ref.keys, args)
     if not reply:
         return None
+    if reply[0] in (b"gone", "gone"):
+        raise SoftDeleted(ref.path)
     mt, ct, ttl, ea, closed, n, gen, low, frm = (reply[i] for i in range(9))
     return View(
         media_type=_text(mt), content_type=_text(ct),
@@ -146,7 +166,21 @@ async def read(
     )  # fmt: skip
 
 
-async def delete(redis: RedisCluster, ref: StreamRef) -> bool:
-    """Remove the stream's keys (one slot: one trip); whether it existed. Live readers
-    are woken by the SPUBLISH and find no stream."""
-    return bool(await _DELETE(redis, ref.keys, [ref.channel]))
+async def delete(redis: RedisCluster, ref: StreamRef) -> int:
+    """Delete the stream: 404, 410 (already soft-deleted) or 204. A stream forks hold is
+    soft-deleted; a fork removed releases its source, and a soft-deleted source released
+    by its last fork goes too, up the chain."""
+    reply = await _DELETE(redis, ref.keys, [ref.channel])
+    code = int(reply[0])
+    src = _text(reply[1]) if len(reply) > 1 else ""
+    child = ref.path
+    while code == 204 and src:
+        parent = StreamRef.of(src)
+        src = _text(await _FORK_REF(redis, parent.keys, ["-", child]))
+        child = parent.path
+    return code
+
+
+async def fork_ref(redis: RedisCluster, source: StreamRef, fork_path: str) -> bool:
+    """Record ``fork_path`` as a fork of ``source``; False when the source is gone."""
+    return bool(await _FORK_REF(redis, source.keys, ["+", fork_path]))

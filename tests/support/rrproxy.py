@@ -3,7 +3,7 @@ request goes to the next relay in turn (so consecutive requests of one test land
 different relays), bodies streamed both ways (chunked appends, SSE), and the stream
 paths mounted under a prefix (``/v1/stream/X`` -> ``/v1/stream/<mount>X``, the
 ``Location`` header mapped back) so that the run's streams fall under the relays'
-``--durable-open-prefix``.
+``--durable-open-prefix`` (and so a fork's ``Stream-Forked-From``).
 
 Order of use::
 
@@ -42,6 +42,9 @@ async def round_robin(backends: Sequence[str], mount: str) -> AsyncIterator[str]
         if path.startswith(STREAM):
             path = STREAM + mount + path[len(STREAM) :]
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        for k, v in headers.items():  # a fork's source is a stream path too
+            if k.lower() == "stream-forked-from" and v.startswith(STREAM):
+                headers[k] = STREAM + mount + v[len(STREAM) :]
         body = request.content if request.body_exists else None
         async with session.request(
             request.method,

@@ -2,10 +2,11 @@
 -- (a message index; "" for the tail), in one step, so the closure seen goes with them.
 -- A sliding TTL is reset (ARGV[3] = "1": not for HEAD).
 -- KEYS[1] meta  KEYS[2] log  KEYS[3] producers
--- Returns {} when there is no stream, else {mt, ct, ttl, ea, closed, n, gen, low, from, msgs...}
+-- Returns {} when there is no stream, {"gone"} when it is soft-deleted (forks hold it), else {mt, ct, ttl, ea, closed, n, gen, low, from, msgs...}
 local meta, log = KEYS[1], KEYS[2]
-local s = redis.call("HMGET", meta, "mt", "ct", "ttl", "ea", "closed", "n", "gen", "low")
+local s = redis.call("HMGET", meta, "mt", "ct", "ttl", "ea", "closed", "n", "gen", "low", "del")
 if not s[1] then return {} end
+if s[9] == "1" then return {"gone"} end
 local n, low = tonumber(s[6]), tonumber(s[8] or "0")
 if ARGV[3] == "1" and s[3] and s[3] ~= "" then
   for _, k in ipairs(KEYS) do redis.call("PEXPIRE", k, tonumber(s[3]) * 1000) end

@@ -3,14 +3,16 @@
 -- ARGV: 1 op (put|post), 2 media type, 3 content type as given, 4 ttl s or "",
 --   5 expires-at text or "", 6 expires-at ms or "", 7 close "1"/"0", 8 Stream-Seq or "",
 --   9 producer id or "", 10 epoch, 11 seq, 12 new incarnation id, 13 live channel,
---   14 stream path, 15 has body "1"/"0", 16.. messages
+--   14 stream path, 15 has body "1"/"0", 16 fork identity ("source\noffset\nsub" or ""),
+--   17.. messages
 -- Returns {code, next, closed, a, b}: code is the HTTP status; a, b its extra figures
 -- (producer epoch / seq, expected / received seq).
 local meta, log, prods = KEYS[1], KEYS[2], KEYS[3]
 local op, mt, ct, ttl, ea, eams = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local close, sseq, pid, epoch, pseq = ARGV[7] == "1", ARGV[8], ARGV[9], ARGV[10], ARGV[11]
 local gen, channel, path, hasbody = ARGV[12], ARGV[13], ARGV[14], ARGV[15] == "1"
-local nmsg = #ARGV - 15
+local fork = ARGV[16]
+local nmsg = #ARGV - 16
 
 local function expire()
   local t = redis.call("HGET", meta, "ttl")
@@ -26,7 +28,7 @@ end
 
 local function append(n)
   if nmsg > 0 then
-    redis.call("RPUSH", log, unpack(ARGV, 16))
+    redis.call("RPUSH", log, unpack(ARGV, 17))
     n = n + nmsg
     redis.call("HSET", meta, "n", n)
   end
@@ -36,13 +38,14 @@ end
 local exists = redis.call("EXISTS", meta) == 1
 if op == "put" then
   if exists then
-    local s = redis.call("HMGET", meta, "mt", "ttl", "ea", "closed", "n")
+    local s = redis.call("HMGET", meta, "mt", "ttl", "ea", "closed", "n", "del", "fork")
     local same = s[1] == mt and (s[2] or "") == ttl and (s[3] or "") == ea
-      and ((s[4] == "1") == close)
+      and ((s[4] == "1") == close) and s[6] ~= "1" and (s[7] or "") == fork
     return {same and 200 or 409, tonumber(s[5]), s[4] == "1" and 1 or 0, 0, 0}
   end
   redis.call("HSET", meta, "mt", mt, "ct", ct, "ttl", ttl, "ea", ea, "eams", eams,
-    "closed", close and "1" or "0", "n", 0, "gen", gen, "path", path, "sseq", "")
+    "closed", close and "1" or "0", "n", 0, "gen", gen, "path", path, "sseq", "",
+    "fork", fork)
   local n = append(0)
   expire()
   if nmsg > 0 or close then redis.call("SPUBLISH", channel, n) end
@@ -50,7 +53,8 @@ if op == "put" then
 end
 
 if not exists then return {404, 0, 0, 0, 0} end
-local s = redis.call("HMGET", meta, "mt", "closed", "n", "sseq", "closer")
+local s = redis.call("HMGET", meta, "mt", "closed", "n", "sseq", "closer", "del")
+if s[6] == "1" then return {410, 0, 0, 0, 0} end
 local n, closed = tonumber(s[3]), s[2] == "1"
 local tuple = pid ~= "" and (pid .. "\n" .. epoch .. "\n" .. pseq) or ""
 if closed then
