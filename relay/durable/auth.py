@@ -1,7 +1,7 @@
 """Who may read or write a Durable Stream: a token scoped to the stream (its subject
 ``ds_<stream id>``, the hash of the path :func:`relay.durable.core.stream_id` names) and
 to ``watch`` (read) or ``write``, signed with the relays' keys like a session's; or no
-token under ``--durable-open-prefix``. A chat session read as a stream takes the
+token under ``--durable-open-prefix`` (a prefix of ``/<path>``; ``/``: all). A chat session read as a stream takes the
 session's own watch token. Live reads count against ``--max-streams-per-token`` and
 ``--max-streams-per-address`` (429 past either).
 
@@ -68,7 +68,7 @@ class Gate:
         """The grant for ``subject`` (a stream's :func:`token_subject` or a session id);
         ``path``: the stream's, open when under the open prefix."""
         if self.keys is None or (
-            path is not None and self.open_prefix and path.startswith(self.open_prefix)
+            path is not None and self.open_prefix and f"/{path}".startswith(self.open_prefix)
         ):
             return Grant(None, address, True)
         try:

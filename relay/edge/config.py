@@ -133,7 +133,8 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     ] = ()  # fmt: skip
     durable_open_prefix: Annotated[
         str,
-        opt("Durable Streams paths under this prefix (of /v1/stream/) need no token; for the "
+        opt("Durable Streams paths under this prefix (of /<path> in /v1/stream/<path>; '/': "
+            "all) need no token; for the "
             "conformance suite and local experiments, refused with a key file (--keys)",
             metavar="PREFIX"),
     ] = ""  # fmt: skip
@@ -181,6 +182,11 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.queue_frames > self.hard_limit_frames:
             raise ConfigError("need --queue-frames <= --hard-limit-frames")
         settings.check_redis(self.redis_url, self.redis_tls)
+        if self.durable_open_prefix and not self.durable_open_prefix.startswith("/"):
+            raise ConfigError(
+                "--durable-open-prefix must start with '/' (a prefix of /<stream path>; "
+                "'/' opens every stream)"
+            )
         if self.durable_open_prefix and self.keys_file:
             raise ConfigError(
                 "--durable-open-prefix (TOKENRELAY_DURABLE_OPEN_PREFIX) turns auth off for "

@@ -35,7 +35,7 @@ PACKAGE = SUITE / "node_modules" / "@durable-streams" / "server-conformance-test
 MOUNT = "conformance/"
 # the relays' flags: the open prefix, and a long-poll wait the suite's 21 s test timeout
 # holds with room (the suite waits up to its default 20 s + 1)
-FLAGS = ("--durable-open-prefix", MOUNT, "--durable-long-poll-s", "3")
+FLAGS = ("--durable-open-prefix", "/" + MOUNT, "--durable-long-poll-s", "3")
 
 
 def _results(report: dict[str, object]) -> tuple[list[str], list[str], list[str]]:

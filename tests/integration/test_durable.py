@@ -27,7 +27,7 @@ JSON = {"Content-Type": "application/json"}
 
 @pytest.fixture
 async def relay(cluster: ClusterInfo) -> AsyncIterator[Relay]:
-    async with running(cluster, durable_open_prefix=OPEN, durable_long_poll_s=1.0,
+    async with running(cluster, durable_open_prefix="/" + OPEN, durable_long_poll_s=1.0,
                        durable_sse_close_s=2.0, durable_max_body_bytes=4096) as r:  # fmt: skip
         yield r
 
