@@ -1,9 +1,9 @@
 """Who may read or write a Durable Stream: a token scoped to the stream (its subject
 ``ds_<stream id>``, the hash of the path :func:`relay.durable.core.stream_id` names) and
 to ``watch`` (read) or ``write``, signed with the relays' keys like a session's; or no
-token under ``--durable-open-prefix`` (a prefix of ``/<path>``; ``/``: all). A chat session read as a stream takes the
-session's own watch token. Live reads count against ``--max-streams-per-token`` and
-``--max-streams-per-address`` (429 past either).
+token under ``--durable-open-prefix`` (a prefix of ``/<path>``; ``/``: all). A chat
+session read as a stream takes the session's own watch token. Live reads count against
+``--max-streams-per-token`` and ``--max-streams-per-address`` (429 past either).
 
 Order of use::
 
