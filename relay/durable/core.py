@@ -4,9 +4,11 @@ cursor, ETags and Cache-Control (no I/O, no clock of its own: callers pass ``now
 A malformed input raises :class:`BadRequest` (400 with its reason); the handlers of
 :mod:`relay.durable.http` turn it into the response before anything reaches Redis.
 
-Offsets: ``<16 digits>``, the count of messages before the position, zero-padded, so
-that they sort lexicographically as they do by number, hold only digits (URL-safe, never
-``-1`` nor ``now``) and are strictly increasing with every append.
+Offsets: ``0000000000000000_<16 digits>``, the count of messages before the position,
+zero-padded, so that they sort lexicographically as they do by number, hold only digits
+and ``_`` (URL-safe, never ``-1`` nor ``now``) and are strictly increasing with every
+append. The first part (always zeros) is the reference server's shape, which the
+conformance suite writes itself for "the start" (``0000000000000000_0000000000000000``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ OFFSET_DIGITS: Final = 16
 MAX_SAFE_INT: Final = (1 << 53) - 1
 CURSOR_EPOCH_S: Final = 1728432000  # 2024-10-09T00:00:00Z, the spec's default
 CURSOR_INTERVAL_S: Final = 20
-_OFFSET: Final = re.compile(r"[0-9]{16}")
+_OFFSET: Final = re.compile(r"0{16}_([0-9]{16})")
 _DECIMAL: Final = re.compile(r"0|[1-9][0-9]*")
 _PATH: Final = re.compile(r"[A-Za-z0-9._~!$'()*+,;=:@%/-]{1,512}")
 Offset = int | None  # None: "now" (the tail)
@@ -53,7 +55,7 @@ class BadRequest(ValueError):
 
 
 def format_offset(n: int) -> str:
-    return f"{n:0{OFFSET_DIGITS}d}"
+    return f"{0:0{OFFSET_DIGITS}d}_{n:0{OFFSET_DIGITS}d}"
 
 
 def parse_offset(text: str | None) -> Offset:
@@ -63,9 +65,10 @@ def parse_offset(text: str | None) -> Offset:
         return 0
     if text == "now":
         return None
-    if _OFFSET.fullmatch(text) is None:
+    m = _OFFSET.fullmatch(text)
+    if m is None:
         raise BadRequest(f"malformed offset {text[:40]!r}: use -1, now or a Stream-Next-Offset")
-    return int(text)
+    return int(m.group(1))
 
 
 def stream_id(path: str) -> str:
