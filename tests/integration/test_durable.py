@@ -280,3 +280,20 @@ async def test_hostile_batch_writes_nothing(relay: Relay, redis: RedisCluster) -
     assert await _key_counts(redis) == before
     async with relay.http.get(existing) as r:
         assert await r.read() == b""
+
+
+async def test_live_reads_per_address_limit(cluster: ClusterInfo) -> None:
+    """A second live read from one address past --max-streams-per-address is 429."""
+    async with running(cluster, durable_open_prefix="/" + OPEN, max_streams_per_address=1,
+                       durable_sse_close_s=5.0) as relay:  # fmt: skip
+        url = _url(relay, _path())
+        async with relay.http.put(url, headers=JSON) as r:
+            assert r.status == 201
+        async with relay.http.get(url, params={"offset": "-1", "live": "sse"}) as held:
+            assert held.status == 200
+            await asyncio.wait_for(held.content.readuntil(b"upToDate"), 5)
+            async with relay.http.get(url, params={"offset": "now", "live": "long-poll"}) as r:
+                assert r.status == 429
+                assert "max-streams-per-address" in await r.text()
+        async with relay.http.get(url) as r:
+            assert r.status == 200  # catch-up reads are not counted
