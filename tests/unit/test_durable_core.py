@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import base64
+import json
+from pathlib import Path
 
+import jwt
 import pytest
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from relay.durable import core
 from relay.durable.core import BadRequest
+from relay.edge.config import RelayConfig
+from relay.service.settings import ConfigError
 
 
 def test_offsets_sort_as_their_numbers_and_round_trip() -> None:
@@ -98,3 +104,18 @@ def test_stream_paths() -> None:
     for bad in ("", "/a", "a//b", "a b", "x" * 513):
         with pytest.raises(BadRequest):
             core.stream_id(bad)
+
+
+def test_open_prefix_starts_with_a_slash_and_is_refused_with_a_key_file(tmp_path: Path) -> None:
+    secret = "a-durable-test-secret-4f1c9e2a7b3d"
+    ok = RelayConfig(secret=secret, durable_open_prefix="/open/").validate()
+    assert ok.durable_open_prefix == "/open/"
+    with pytest.raises(ConfigError, match="must start with '/'"):
+        RelayConfig(secret=secret, durable_open_prefix="open/").validate()
+    private = ec.generate_private_key(ec.SECP256R1())
+    pub = json.loads(jwt.algorithms.ECAlgorithm.to_jwk(private.public_key()))
+    keys = tmp_path / "relay.json"
+    keys.write_text(json.dumps({"keys": [{**pub, "kid": "e1"}]}))
+    RelayConfig(keys_file=str(keys), kid="e1").validate()  # the key file alone is fine
+    with pytest.raises(ConfigError, match="refused with a production key file"):
+        RelayConfig(keys_file=str(keys), kid="e1", durable_open_prefix="/").validate()
