@@ -54,6 +54,7 @@ def _results(report: dict[str, object]) -> tuple[list[str], list[str], list[str]
     return passed, failed, skipped
 
 
+@pytest.mark.timeout(900)  # about 340 tests, some of them long-polls: 2-4 minutes
 async def test_conformance_suite(cluster: ClusterInfo, tmp_path: Path) -> None:
     why = await npm_ready(SUITE, "@durable-streams/server-conformance-tests")
     if why is not None:
