@@ -131,6 +131,22 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
             "comma-separated in the environment); without one that route answers 401",
             flag="--gateway-key", metavar="KEY"),
     ] = ()  # fmt: skip
+    durable_open_prefix: Annotated[
+        str,
+        opt("Durable Streams paths under this prefix (of /<path> in /v1/stream/<path>; '/': "
+            "all) need no token; for the "
+            "conformance suite and local experiments, refused with a key file (--keys)",
+            metavar="PREFIX"),
+    ] = ""  # fmt: skip
+    durable_long_poll_s: Annotated[
+        float, opt("Durable Streams long-poll wait before 204", gt=0, le=300)
+    ] = 20.0
+    durable_sse_close_s: Annotated[
+        float, opt("Durable Streams SSE connections end after this (clients reconnect)", gt=0)
+    ] = 60.0
+    durable_max_body_bytes: Annotated[
+        int, opt("largest Durable Streams write body; larger gets 413", ge=1, le=64 << 20)
+    ] = 4 << 20
 
     @property
     def redis_tls(self) -> RedisTLS:
@@ -166,6 +182,16 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.queue_frames > self.hard_limit_frames:
             raise ConfigError("need --queue-frames <= --hard-limit-frames")
         settings.check_redis(self.redis_url, self.redis_tls)
+        if self.durable_open_prefix and not self.durable_open_prefix.startswith("/"):
+            raise ConfigError(
+                "--durable-open-prefix must start with '/' (a prefix of /<stream path>; "
+                "'/' opens every stream)"
+            )
+        if self.durable_open_prefix and self.keys_file:
+            raise ConfigError(
+                "--durable-open-prefix (TOKENRELAY_DURABLE_OPEN_PREFIX) turns auth off for "
+                "a path prefix: refused with a production key file (--keys)"
+            )
         if not self.relay_id:
             return msgspec.structs.replace(self, relay_id=default_relay_id())
         return self

@@ -77,6 +77,10 @@ class RedisBroker:
         self._on_message: MessageHandler | None = None
         self._on_resubscribed: ResubscribedHandler | None = None
         self._sids: dict[str, str] = {}  # channel name -> session id, while subscribed
+        # a second reader of the same subscriber (the Durable Streams live reads): every
+        # message also goes to ``tap``; its channels are held while either side wants them
+        self.tap: MessageHandler | None = None
+        self._tapped: set[str] = set()
 
     def channel(self, sid: str) -> bytes:
         return live_channel(sid).encode()
@@ -89,7 +93,7 @@ class RedisBroker:
             raise RuntimeError("bind the broker's handlers before starting it")
         self.subscriber = ShardedSubscriber(
             self.redis,
-            on_message=self._on_message,
+            on_message=self._on_message if self.tap is None else self._both,
             on_resubscribed=self._resubscribed,
             relay_id=self.relay_id,
             read_from_replicas=self.read_from_replicas,
@@ -117,8 +121,30 @@ class RedisBroker:
     def unsubscribe(self, sid: str) -> None:
         name = live_channel(sid)
         self._sids.pop(name, None)
-        if self.subscriber is not None:
+        if self.subscriber is not None and name not in self._tapped:
             self.subscriber.unsubscribe([name])
+
+    def _both(self, msgs: list[list[bytes]]) -> None:
+        assert self._on_message is not None
+        assert self.tap is not None
+        self._on_message(msgs)  # the hub ignores channels it does not watch
+        self.tap(msgs)
+
+    async def tap_subscribe(self, channel: str) -> None:
+        """Subscribe ``channel`` for the tap (a session's channel may be the hub's too)."""
+        if self.subscriber is None:
+            raise SubscribeError("the broker has not started")
+        self._tapped.add(channel)
+        try:
+            await self.subscriber.subscribe([channel])
+        except BaseException:
+            self._tapped.discard(channel)
+            raise
+
+    def tap_unsubscribe(self, channel: str) -> None:
+        self._tapped.discard(channel)
+        if self.subscriber is not None and channel not in self._sids:
+            self.subscriber.unsubscribe([channel])
 
     async def read_page(
         self, sid: str, after: int | None, count: int, max_bytes: int

@@ -14,6 +14,7 @@ from typing import Any, Final
 
 from aiohttp import web
 
+from relay.durable import http as durable_http
 from relay.edge.config import RelayConfig
 from relay.edge.fanout.hub import Hub
 from relay.edge.http import handlers, responses
@@ -52,6 +53,7 @@ def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
         # the next client. HEAD gets aiohttp's 405 (Allow: GET,OPTIONS), headers only.
         app.router.add_get(path, functools.partial(handler, server), allow_head=False)
         app.router.add_route("OPTIONS", path, server.preflight)
+    durable_http.routes(app, durable_http.Durable(server))  # docs/DURABLE.md
     app.router.add_get("/healthz", server.healthz)
     app.router.add_get("/readyz", server.readyz)
     app.router.add_get("/metrics", server.metrics_handler)

@@ -51,6 +51,7 @@ from aiohttp import hdrs, web
 from multidict import istr
 from redis.asyncio.cluster import RedisCluster
 
+from relay.broker.base import MessageHandler
 from relay.broker.errors import RelayError, SessionDeleted, WatchClosed
 from relay.broker.rediscluster.broker import RedisBroker
 from relay.broker.rediscluster.connect import connect, mask_url, startup_error
@@ -109,6 +110,7 @@ class EdgeServer:
         self._publish_to_edge = m.publish_to_edge.labels()
         self.hub: Hub | None = hub
         self.redis: RedisCluster | None = None  # the client this server made, if it did
+        self.broker_tap: MessageHandler | None = None  # the Durable Streams live reads'
         self._owns_hub = hub is None
         self.started = hub is not None
         self.draining = False
@@ -151,6 +153,7 @@ class EdgeServer:
                 redis, cfg.relay_id, maxlen=cfg.backlog_maxlen, ttl_s=cfg.session_ttl_s,
                 max_bytes=cfg.backlog_max_bytes,
             )  # fmt: skip
+            broker.tap = self.broker_tap
             hub = Hub(
                 broker,
                 queue_frames=cfg.queue_frames,

@@ -1,0 +1,1 @@
+"""The Durable Streams protocol on Redis Cluster (docs/DURABLE.md)."""

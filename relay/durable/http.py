@@ -1,0 +1,316 @@
+"""The Durable Streams routes of a relay: ``PUT``, ``POST``, ``GET``, ``HEAD`` and
+``DELETE /v1/stream/{path}`` (one resource, every method, so that no method meets
+aiohttp's 405 of another route), and ``GET /v1/sessions/{sid}/stream`` (a chat session
+read as a JSON-mode stream, :mod:`relay.durable.sessions`).
+
+Every request is checked whole (headers, offset, body) before Redis is touched: a
+refused request writes nothing. Writes: :mod:`relay.durable.store`; reads:
+:mod:`relay.durable.reads`.
+
+Order of use: ``routes(app, Durable(server))`` in :func:`relay.edge.http.app.make_app`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Final
+
+from aiohttp import web
+
+from relay.broker.errors import RelayError
+from relay.broker.rediscluster.broker import RedisBroker
+from relay.durable import core, fork, reads, store
+from relay.durable.auth import Gate, Refused, token_subject
+from relay.durable.core import BadRequest, format_offset
+from relay.durable.live import Waker
+from relay.durable.sessions import SessionSource
+from relay.protocol.auth import Scope
+from relay.protocol.keys import InvalidSessionId, parse_session
+
+if TYPE_CHECKING:
+    from redis.asyncio.cluster import RedisCluster
+
+    from relay.edge.http.server import EdgeServer
+
+__all__ = ["Durable", "routes"]
+
+log = logging.getLogger(__name__)
+STREAM_ROUTE: Final = "/v1/stream/{path:.+}"
+SESSION_ROUTE: Final = "/v1/sessions/{sid:[^/]+}/stream"
+_READ_CHUNK: Final = 64 * 1024
+_PROTOCOL_HEADERS: Final = (
+    "Stream-Next-Offset, Stream-Up-To-Date, Stream-Closed, Stream-Cursor, Stream-TTL, "
+    "Stream-Expires-At, Stream-SSE-Data-Encoding, Producer-Epoch, Producer-Seq, "
+    "Producer-Expected-Seq, Producer-Received-Seq, ETag, Location, X-Relay-Id"
+)
+# section 12.7 (browser security headers) and the protocol's headers readable by a page
+SECURITY: Final = {
+    "X-Content-Type-Options": "nosniff",
+    "Cross-Origin-Resource-Policy": "cross-origin",
+    "Access-Control-Expose-Headers": _PROTOCOL_HEADERS,
+}
+PREFLIGHT: Final = {
+    "Access-Control-Allow-Methods": "GET, HEAD, PUT, POST, DELETE, OPTIONS",
+    "Access-Control-Allow-Headers": (
+        "Authorization, Content-Type, If-None-Match, Stream-TTL, Stream-Expires-At, "
+        "Stream-Closed, Stream-Seq, Producer-Id, Producer-Epoch, Producer-Seq"
+    ),
+    "Access-Control-Max-Age": "600",
+}
+
+
+class Durable:
+    """The routes' state: the server (its Redis client, broker and config), the gate,
+    the waker (bound to the broker's tap when the hub starts)."""
+
+    def __init__(self, server: EdgeServer) -> None:
+        cfg = server.config
+        self.server, self.config = server, cfg
+        self.gate = Gate(
+            server.keys, cfg.durable_open_prefix, max_lifetime_s=cfg.session_ttl_s,
+            per_token=cfg.max_streams_per_token, per_address=cfg.max_streams_per_address,
+        )  # fmt: skip
+        self.waker = Waker(self)
+        server.broker_tap = self.waker.on_message  # set on the broker it makes
+
+    def _broker(self) -> RedisBroker:
+        hub = self.server.hub
+        if hub is None or not isinstance(hub.broker, RedisBroker):
+            raise Refused(503, "not connected to Redis yet: try again or another relay")
+        return hub.broker
+
+    async def tap_subscribe(self, channel: str) -> None:
+        await self._broker().tap_subscribe(channel)
+
+    def tap_unsubscribe(self, channel: str) -> None:
+        hub = self.server.hub
+        if hub is not None and isinstance(hub.broker, RedisBroker):
+            hub.broker.tap_unsubscribe(channel)
+
+    def ready(self) -> tuple[RedisCluster, Waker]:
+        if self.server.draining:
+            raise Refused(503, "draining: try another relay")
+        return self._broker().redis, self.waker
+
+    def options(self, public: bool) -> reads.ReadOptions:
+        c = self.config
+        return reads.ReadOptions(c.durable_long_poll_s, c.durable_sse_close_s, public)
+
+    async def body(self, request: web.Request) -> bytes:
+        limit = self.config.durable_max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise Refused(413, f"body over {limit} bytes (--durable-max-body-bytes)")
+        parts, size = [], 0
+        while chunk := await request.content.read(_READ_CHUNK):
+            size += len(chunk)
+            if size > limit:
+                raise Refused(413, f"body over {limit} bytes (--durable-max-body-bytes)")
+            parts.append(chunk)
+        return b"".join(parts)
+
+
+def _error(status: int, reason: str, headers: dict[str, str] | None = None) -> web.Response:
+    """A refusal: its reason as the body (so the stream's Content-Type is not sent)."""
+    h = {k: v for k, v in (headers or {}).items() if k.lower() != "content-type"}
+    return web.Response(status=status, text=reason + "\n", headers=h)
+
+
+async def _guarded(request: web.Request, durable: Durable, path: str | None) -> web.StreamResponse:
+    resp: web.StreamResponse
+    try:
+        if request.method == "OPTIONS":
+            resp = web.Response(status=204, headers=PREFLIGHT)
+        elif path is None:
+            resp = await _session(request, durable)
+        else:
+            resp = await _stream(request, durable, path)
+    except BadRequest as exc:
+        resp = _error(400, str(exc))
+    except Refused as exc:
+        resp = _error(exc.status, exc.reason, exc.headers)
+    except store.SoftDeleted:
+        resp = _error(410, "the stream is deleted (its forks still hold its data)")
+    except web.HTTPException as exc:
+        resp = _error(exc.status, exc.text or exc.reason)
+    except RelayError as exc:
+        log.warning("durable %s %s: %s", request.method, request.path, exc)
+        resp = _error(503, f"Redis is unavailable: {exc}")
+    if not resp.prepared:
+        resp.headers.update(SECURITY)
+    return resp
+
+
+async def _stream(request: web.Request, durable: Durable, path: str) -> web.StreamResponse:
+    ref = store.StreamRef.of(path)  # BadRequest for a malformed path
+    method = request.method
+    need: Scope = "watch" if method in ("GET", "HEAD") else "write"
+    address = durable.server.address(request)
+    grant = durable.gate.check(request, token_subject(path), need, address, path=path)
+    if method == "PUT":
+        return await _put(request, durable, ref)
+    if method == "POST":
+        return await _post(request, durable, ref)
+    if method == "DELETE":
+        redis, _ = durable.ready()
+        code = await store.delete(redis, ref)
+        if code == 404:
+            return _error(404, "no such stream")
+        if code == 410:
+            return _error(410, "the stream is deleted (its forks still hold its data)")
+        return web.Response(status=204)
+    if method == "HEAD":
+        redis, _ = durable.ready()
+        view = await store.read(redis, ref, None, count=0, touch=False)
+        if view is None:
+            return web.Response(status=404)
+        h = {"Content-Type": view.content_type, "Stream-Next-Offset": format_offset(view.next),
+             "Cache-Control": "no-store"}  # fmt: skip
+        if view.ttl is not None:
+            h["Stream-TTL"] = str(view.ttl)
+        if view.expires_at:
+            h["Stream-Expires-At"] = view.expires_at
+        if view.closed:
+            h["Stream-Closed"] = "true"
+        return web.Response(status=200, headers=h)
+    if method == "GET":
+        redis, waker = durable.ready()
+        source = _StreamSource(redis, ref)
+        if request.query.get("live") is None:
+            return await reads.get(request, source, waker, durable.options(grant.public))
+        with durable.gate.live(grant):
+            return await reads.get(request, source, waker, durable.options(grant.public))
+    return _error(
+        405, f"{method} is not a Durable Streams method", {"Allow": "GET, HEAD, PUT, POST, DELETE"}
+    )
+
+
+class _StreamSource:
+    def __init__(self, redis: RedisCluster, ref: store.StreamRef) -> None:
+        self.redis, self.ref, self.channel = redis, ref, ref.channel
+
+    async def read(self, start: int | None, count: int) -> store.View | None:
+        return await store.read(self.redis, self.ref, start, count=count)
+
+
+def _write_headers(request: web.Request, op: str) -> store.Write:
+    h = request.headers
+    ttl = core.parse_ttl(h.get("Stream-TTL"))
+    expires = core.parse_expires_at(h.get("Stream-Expires-At"))
+    if ttl is not None and expires is not None:
+        raise BadRequest("Stream-TTL and Stream-Expires-At: send one")
+    ct = h.get("Content-Type")
+    if op == "put" and not ct:
+        ct = "application/octet-stream"
+    if "Stream-Forked-From" not in h and (
+        "Stream-Fork-Offset" in h or "Stream-Fork-Sub-Offset" in h
+    ):
+        raise BadRequest("Stream-Fork-Offset / -Sub-Offset need Stream-Forked-From")
+    seq = h.get("Stream-Seq")
+    if seq is not None and not seq:
+        raise BadRequest("Stream-Seq must not be empty")
+    return store.Write(
+        op="put" if op == "put" else "post", media_type=core.media_type(ct),
+        content_type=ct or "", ttl=ttl, expires_at=expires,
+        close=core.is_true(h.get("Stream-Closed")), stream_seq=seq,
+        producer=core.parse_producer(
+            h.get("Producer-Id"), h.get("Producer-Epoch"), h.get("Producer-Seq")
+        ),
+    )  # fmt: skip
+
+
+async def _put(request: web.Request, durable: Durable, ref: store.StreamRef) -> web.Response:
+    w = _write_headers(request, "put")
+    body = await durable.body(request)
+    redis, _ = durable.ready()
+    source = None
+    if "Stream-Forked-From" in request.headers:
+        json_body = core.media_type(request.headers.get("Content-Type")) == "application/json"
+        own = core.body_messages(body, json_body, allow_empty_array=True)
+        w, msgs, source = await fork.plan(redis, w, request.headers, own)
+    else:
+        msgs = core.body_messages(body, w.media_type == "application/json", allow_empty_array=True)
+    r = await store.write(redis, ref, w, msgs)
+    if r.code == 201 and source is not None and not await store.fork_ref(redis, source, ref.path):
+        await store.delete(redis, ref)  # the source went meanwhile: no orphan fork
+        return _error(409, "the source stream was deleted meanwhile")
+    h = {"Content-Type": w.content_type, "Stream-Next-Offset": format_offset(r.next)}
+    if r.closed:
+        h["Stream-Closed"] = "true"
+    if r.code == 201:
+        h["Location"] = str(request.url.with_query(None))
+        return web.Response(status=201, headers=h)
+    if r.code == 409:
+        return _error(409, "the stream exists with another configuration", h)
+    return web.Response(status=200, headers=h)
+
+
+async def _post(request: web.Request, durable: Durable, ref: store.StreamRef) -> web.Response:
+    w = _write_headers(request, "post")
+    body = await durable.body(request)
+    if not body and not w.close:
+        raise BadRequest("an empty body appends nothing (Stream-Closed: true closes)")
+    if body and not w.media_type:
+        raise BadRequest("Content-Type is required with a body")
+    msgs = core.body_messages(body, w.media_type == "application/json", allow_empty_array=False)
+    w = store.Write(**{**w.__dict__, "has_body": bool(body)})
+    redis, _ = durable.ready()
+    r = await store.write(redis, ref, w, msgs)
+    h = {"Stream-Next-Offset": format_offset(r.next)}
+    if r.closed:
+        h["Stream-Closed"] = "true"
+    if r.code == 200 and not body:  # close-only with producer headers: nothing appended
+        r = store.WriteResult(204, r.next, r.closed, r.a, r.b)
+    if r.code in (200, 204):
+        if (w.producer is not None and r.a + r.b > 0) or (w.producer and r.code == 200):
+            h["Producer-Epoch"], h["Producer-Seq"] = str(r.a), str(r.b)
+        elif w.producer is not None:
+            h["Producer-Epoch"], h["Producer-Seq"] = str(w.producer[1]), str(w.producer[2])
+        return web.Response(status=r.code, headers=h)
+    if r.code == 404:
+        return _error(404, "no such stream")
+    if r.code == 410:
+        return _error(410, "the stream is deleted (its forks still hold its data)")
+    if r.code == 403:
+        h["Producer-Epoch"] = str(r.a)
+        return _error(403, "stale producer epoch (fenced)", h)
+    if r.code == 400:
+        return _error(400, "a new producer epoch starts at Producer-Seq 0", h)
+    if r.closed:
+        return _error(409, "the stream is closed", h)
+    if w.producer is not None and r.b > 0:
+        h["Producer-Expected-Seq"], h["Producer-Received-Seq"] = str(r.a), str(r.b)
+        return _error(409, f"producer sequence gap: expected {r.a}, received {r.b}", h)
+    return _error(409, "content type mismatch or Stream-Seq regression", h)
+
+
+async def _session(request: web.Request, durable: Durable) -> web.StreamResponse:
+    if request.method != "GET":
+        return _error(405, "a session's stream is read with GET", {"Allow": "GET"})
+    try:
+        sid = parse_session(request.match_info["sid"])
+    except InvalidSessionId as exc:
+        raise BadRequest(str(exc)) from None
+    grant = durable.gate.check(request, sid, "watch", durable.server.address(request))
+    redis, waker = durable.ready()
+    source = SessionSource(redis, sid)
+    if request.query.get("live") is None:
+        return await reads.get(request, source, waker, durable.options(False))
+    with durable.gate.live(grant):
+        return await reads.get(request, source, waker, durable.options(False))
+
+
+def routes(app: web.Application, durable: Durable) -> None:
+    async def durable_stream(request: web.Request) -> web.StreamResponse:
+        return await _guarded(request, durable, request.match_info["path"])
+
+    async def durable_session(request: web.Request) -> web.StreamResponse:
+        return await _guarded(request, durable, None)
+
+    # one resource per route, every method on it: a method aiohttp finds no route for
+    # on a resource is a 405, and two resources of one path would shadow each other
+    streams = app.router.add_resource(STREAM_ROUTE)
+    for method in ("GET", "HEAD", "PUT", "POST", "DELETE", "OPTIONS"):
+        streams.add_route(method, durable_stream)
+    sessions = app.router.add_resource(SESSION_ROUTE)
+    for method in ("GET", "OPTIONS"):
+        sessions.add_route(method, durable_session)

@@ -1,0 +1,16 @@
+-- Delete a Durable Stream. KEYS[1] meta  KEYS[2] log  KEYS[3] producers  KEYS[4] forks
+-- (the set of the paths of its forks)  ARGV[1] live channel
+-- Returns {404} when there is none, {410} when it is already soft-deleted, {204, ""}
+-- when forks still hold it (soft-deleted: its data kept, its path blocked), else
+-- {204, source path}: removed (the caller releases the source's reference, if a fork).
+local s = redis.call("HMGET", KEYS[1], "mt", "del", "fork")
+if not s[1] then return {404} end
+if s[2] == "1" then return {410} end
+redis.call("SPUBLISH", ARGV[1], "deleted")
+if redis.call("SCARD", KEYS[4]) > 0 then
+  redis.call("HSET", KEYS[1], "del", "1")
+  return {204, ""}
+end
+redis.call("DEL", KEYS[1], KEYS[2], KEYS[3], KEYS[4])
+local src = string.match(s[3] or "", "^([^\n]*)\n") or ""
+return {204, src}

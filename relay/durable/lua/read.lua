@@ -1,0 +1,22 @@
+-- A read of a Durable Stream: its metadata and up to ARGV[2] messages from ARGV[1]
+-- (a message index; "" for the tail), in one step, so the closure seen goes with them.
+-- A sliding TTL is reset (ARGV[3] = "1": not for HEAD).
+-- KEYS[1] meta  KEYS[2] log  KEYS[3] producers
+-- Returns {} when there is no stream, {"gone"} when it is soft-deleted (forks hold it), else {mt, ct, ttl, ea, closed, n, gen, low, from, msgs...}
+local meta, log = KEYS[1], KEYS[2]
+local s = redis.call("HMGET", meta, "mt", "ct", "ttl", "ea", "closed", "n", "gen", "low", "del")
+if not s[1] then return {} end
+if s[9] == "1" then return {"gone"} end
+local n, low = tonumber(s[6]), tonumber(s[8] or "0")
+if ARGV[3] == "1" and s[3] and s[3] ~= "" then
+  for _, k in ipairs(KEYS) do redis.call("PEXPIRE", k, tonumber(s[3]) * 1000) end
+end
+local from = n
+if ARGV[1] ~= "" then from = tonumber(ARGV[1]) end
+local out = {s[1], s[2], s[3] or "", s[4] or "", s[5], n, s[7], low, from}
+local count = tonumber(ARGV[2])
+if from >= low and from < n and count > 0 then
+  local msgs = redis.call("LRANGE", log, from - low, from - low + count - 1)
+  for _, m in ipairs(msgs) do out[#out + 1] = m end
+end
+return out
