@@ -23,7 +23,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,9 +153,10 @@ class RelayProc:
 
 @contextlib.asynccontextmanager
 async def relay_process(
-    url: str, log_dir: Path, name: str, max_conn: int
+    url: str, log_dir: Path, name: str, max_conn: int, extra: Sequence[str] = ()
 ) -> AsyncIterator[RelayProc]:
-    """``tokenrelay relay`` as its own process, ready to serve; stopped by pid."""
+    """``tokenrelay relay`` as its own process (``extra``: more flags), ready to serve;
+    stopped by pid."""
     port = free_port()
     argv = [
         sys.executable, "-m", "tokenrelay", "relay", "--port", str(port),
@@ -164,7 +165,7 @@ async def relay_process(
         "--max-streams-per-address", "0",  # every client of the bench is 127.0.0.1
         "--max-connections-per-address", "0",
         "--max-streams-per-token", "0",  # a capacity bench, not an abuse test
-        "--log-level", "WARNING",
+        "--log-level", "WARNING", *extra,
     ]  # fmt: skip
     ready = http_ok(f"http://127.0.0.1:{port}/readyz")
     async with launched(argv, log=log_dir / f"{name}.log", ready=ready, name=name) as proc:
