@@ -176,6 +176,12 @@ CATALOG: tuple[Benchmark, ...] = (
         "CPU per delivered token over the whole path (producer + Redis + server), tokenrelay "
         "beside Socket.IO and resumable-stream, each participant's share, p99, loss",
     ),
+    Benchmark(
+        "peer_durable",
+        "bench.peers.durable",
+        "Durable Streams on 1 and 2 relays beside the reference server (file, memory): "
+        "appends/s, catch-up MB/s, CPU/msg and latency of 1,000 SSE and long-poll readers",
+    ),
     # Not in make bench, as before: the previous routing simulator, kept for what it
     # showed (docs/ROUTING.md), and a profile of memory rather than a measurement.
     Benchmark(

@@ -295,8 +295,8 @@ async def _sides(
         relays = []
         for i in range(max(int(n.rsplit("-", 1)[1]) for n in tokenrelay)):
             flags = ("--durable-open-prefix", PREFIX)
-            proc = relay_process(url, tmp, f"durable-bench-{i}", need, flags)
-            relays.append(await stack.enter_async_context(proc))
+            launch = relay_process(url, tmp, f"durable-bench-{i}", need, flags)
+            relays.append(await stack.enter_async_context(launch))
         for n in tokenrelay:
             k = int(n.rsplit("-", 1)[1])
             sides[n] = Side(n, [r.pid for r in relays[:k]],
