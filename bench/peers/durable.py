@@ -77,6 +77,7 @@ class Config:
     repeats: int = 3
     seed: int = 0
     systems: tuple[str, ...] = SYSTEMS
+    profile: str | None = None  # a directory: each relay under cProfile, its stats there
 
     @classmethod
     def quick(cls) -> Config:
@@ -122,12 +123,21 @@ class Meter:
         }
 
 
-def _per(cpu: dict[str, float], n: int) -> dict[str, float]:
-    """CPU µs per unit (server, Redis, summed) of ``n`` units."""
-    n = max(1, n)
+def _per(cpu: dict[str, float], n: float) -> dict[str, float]:
+    """CPU µs per unit (server, Redis, summed) of ``n`` units, and the cores each of the
+    server processes, Redis, the readers (this process) and the machine kept busy: which
+    resource ran out."""
+    n, wall = max(1e-9, n), max(1e-9, cpu["wall_s"])
     server, red = cpu["server_cpu_s"] / n * 1e6, cpu["redis_cpu_s"] / n * 1e6
-    return {"server_us": round(server, 1), "redis_us": round(red, 1),
-            "total_us": round(server + red, 1)}  # fmt: skip
+    return {
+        "server_us": round(server, 1),
+        "redis_us": round(red, 1),
+        "total_us": round(server + red, 1),
+        "server_cores": round(cpu["server_cpu_s"] / wall, 2),
+        "redis_cores": round(cpu["redis_cpu_s"] / wall, 2),
+        "readers_cores": round(cpu["readers_cpu_s"] / wall, 2),
+        "machine_busy_share": round(cpu["machine_busy_share"], 3),
+    }
 
 
 def _writer(spec: dict[str, Any], timeout_s: float) -> Any:
@@ -159,7 +169,6 @@ async def _append(http: aiohttp.ClientSession, side: Side, tag: str, cfg: Config
         "errors": len(got["errors"]),
         "error_sample": got["errors"][:3],
         "writer_cpu_s": round(got["cpu_s"], 2),
-        "machine_busy_share": round(cpu["machine_busy_share"], 3),
     }
 
 
@@ -190,11 +199,9 @@ async def _catchup(
     total = sum(b for b, _ in done)
     return {
         "mb_per_s": round(total / 1e6 / wall, 1),
-        **_per(cpu, max(1, round(total / 1e6))),  # µs per MB
+        **_per(cpu, total / 1e6),  # µs per MB
         "bytes": total,
         "requests": sum(r for _, r in done),
-        "readers_cpu_s": round(cpu["readers_cpu_s"], 2),
-        "machine_busy_share": round(cpu["machine_busy_share"], 3),
     }
 
 
@@ -243,9 +250,7 @@ async def _live(
         "requests": tally.requests,
         "errors": len(tally.errors) + len(got["errors"]),
         "error_sample": (tally.errors + got["errors"])[:3],
-        "readers_cpu_s": round(cpu["readers_cpu_s"], 2),
         "writer_cpu_s": round(got["cpu_s"], 2),
-        "machine_busy_share": round(cpu["machine_busy_share"], 3),
     }
 
 
@@ -293,9 +298,12 @@ async def _sides(
         host, port = url.split("//", 1)[1].rsplit(":", 1)
         smap = await slotmap(Addr(host, int(port)))
         relays = []
+        if cfg.profile:
+            Path(cfg.profile).mkdir(parents=True, exist_ok=True)
         for i in range(max(int(n.rsplit("-", 1)[1]) for n in tokenrelay)):
             flags = ("--durable-open-prefix", PREFIX)
-            launch = relay_process(url, tmp, f"durable-bench-{i}", need, flags)
+            prof = Path(cfg.profile) / f"relay-{i}.prof" if cfg.profile else None
+            launch = relay_process(url, tmp, f"durable-bench-{i}", need, flags, prof)
             relays.append(await stack.enter_async_context(launch))
         for n in tokenrelay:
             k = int(n.rsplit("-", 1)[1])
@@ -372,13 +380,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seconds", type=float, help=f"writing seconds per round ({d.seconds:g})")
     ap.add_argument("--repeats", type=int, help=f"rounds per system and phase ({d.repeats})")
     ap.add_argument("--systems", help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    ap.add_argument("--profile", metavar="DIR", help="run each relay under cProfile, stats in DIR")
     ap.add_argument("--report", metavar="PATH", help="print the markdown table of a --json result")
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
     cfg = Config.quick() if args.quick else Config()
     cfg.seed = args.seed
-    for name in ("seconds", "repeats"):
+    for name in ("seconds", "repeats", "profile"):
         if (v := getattr(args, name, None)) is not None:
             setattr(cfg, name, v)
     if getattr(args, "systems", None):

@@ -153,13 +153,19 @@ class RelayProc:
 
 @contextlib.asynccontextmanager
 async def relay_process(
-    url: str, log_dir: Path, name: str, max_conn: int, extra: Sequence[str] = ()
+    url: str,
+    log_dir: Path,
+    name: str,
+    max_conn: int,
+    extra: Sequence[str] = (),
+    profile: Path | None = None,
 ) -> AsyncIterator[RelayProc]:
-    """``tokenrelay relay`` as its own process (``extra``: more flags), ready to serve;
-    stopped by pid."""
+    """``tokenrelay relay`` as its own process (``extra``: more flags; ``profile``: under
+    cProfile, its stats written there when it stops), ready to serve; stopped by pid."""
     port = free_port()
+    under = ("-m", "cProfile", "-o", str(profile)) if profile is not None else ()
     argv = [
-        sys.executable, "-m", "tokenrelay", "relay", "--port", str(port),
+        sys.executable, *under, "-m", "tokenrelay", "relay", "--port", str(port),
         "--redis", url, "--secret", SECRET, "--relay-id", name,
         "--max-connections", str(max_conn), "--reap-after-s", "0",
         "--max-streams-per-address", "0",  # every client of the bench is 127.0.0.1
