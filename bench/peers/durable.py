@@ -19,7 +19,8 @@ tokenrelay Redis CPU from every node's ``INFO cpu``, shown apart and summed):
   over ``append_streams`` streams, from a writer child process, for ``seconds``:
   ``appends_per_s``, ``server_us``/``redis_us``/``total_us`` per append;
 - ``catchup``: ``catchup_readers`` readers at once read a stream of ``catchup_mb`` MB
-  (written once per system, 64 KiB appends) from ``-1`` to its tail: ``mb_per_s``;
+  (written once per system, 64 KiB appends) from ``-1`` to its tail, again and again for
+  half of ``seconds``: ``mb_per_s``, CPU per MB read;
 - ``sse`` / ``longpoll``: ``streams`` x ``readers`` live readers (1,000 by default),
   ``rate`` appends/s over the streams from the paced writer child: CPU per delivered
   message (``server_us``, ``redis_us``, ``total_us``), ``p50_ms``/``p99_ms`` from the
@@ -191,9 +192,17 @@ async def _catchup(
     meter = Meter()
     await meter.start(side)
     t0 = time.perf_counter()
-    done = await asyncio.gather(
-        *(dc.catch_up(http, side.url(i, path)) for i in range(cfg.catchup_readers))
-    )
+    until = t0 + cfg.seconds / 2
+
+    async def reader(i: int) -> tuple[int, int]:
+        """Whole reads from ``-1`` to the tail, again until ``until`` (at least one)."""
+        total, requests = 0, 0
+        while not total or time.perf_counter() < until:
+            got, reqs = await dc.catch_up(http, side.url(i, path))
+            total, requests = total + got, requests + reqs
+        return total, requests
+
+    done = await asyncio.gather(*(reader(i) for i in range(cfg.catchup_readers)))
     wall = time.perf_counter() - t0
     cpu = await meter.stop()
     total = sum(b for b, _ in done)

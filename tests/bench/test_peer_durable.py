@@ -55,7 +55,8 @@ async def test_tiny_run_has_every_figure_and_loses_nothing(cluster: ClusterInfo)
             assert (r["redis_us"] > 0) == name.startswith("tokenrelay"), (p, name, r)
         assert ph["append"]["acks"] > 0, ph["append"]
         assert ph["append"]["errors"] == 0, ph["append"]
-        assert ph["catchup"]["bytes"] == TINY.catchup_readers * 500_000
+        assert ph["catchup"]["bytes"] >= TINY.catchup_readers * 500_000
+        assert ph["catchup"]["bytes"] % 500_000 == 0  # whole reads of the stream only
         assert ph["catchup"]["mb_per_s"] > 0
         for p in ("sse", "longpoll"):
             r = ph[p]
