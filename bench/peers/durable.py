@@ -56,7 +56,15 @@ from bench.peers.durable_report import table
 from bench.relay.harness import machine_busy_s, redis_cpu_s, relay_process, slotmap
 from relay.protocol.slotmap import Addr, SlotMap
 
-__all__ = ["SYSTEMS", "Config", "add_arguments", "main", "run", "run_from_args"]
+__all__ = [
+    "SYSTEMS",
+    "Config",
+    "add_arguments",
+    "main",
+    "routes_missing",
+    "run",
+    "run_from_args",
+]
 
 SYSTEMS = ("reference-file", "reference-memory", "tokenrelay-1", "tokenrelay-2")
 PREFIX = "bench/"  # the paths the bench uses; tokenrelay's open prefix
@@ -83,6 +91,18 @@ class Config:
     @classmethod
     def quick(cls) -> Config:
         return cls(seconds=3.0, catchup_mb=8.0, repeats=1)
+
+
+def routes_missing() -> str | None:
+    """None when ``tokenrelay relay`` has the Durable Streams routes (its
+    ``--durable-open-prefix`` flag), else why tokenrelay cannot be measured here."""
+    import subprocess
+
+    argv = [sys.executable, "-m", "tokenrelay", "relay", "--help"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    if "--durable-open-prefix" in out.stdout:
+        return None
+    return "this tree's relay has no Durable Streams routes (no --durable-open-prefix flag)"
 
 
 @dataclass
@@ -323,13 +343,18 @@ async def _sides(
 
 async def run(cfg: Config, url: str | None = None, modules: Path | None = None) -> dict[str, Any]:
     """Every phase for every system of ``cfg.systems``, or ``{"skipped": reason}`` when the
-    reference server cannot be installed."""
+    reference server cannot be installed or the relay has no Durable Streams routes."""
     started = time.monotonic()
     if modules is None and any(s.startswith("reference") for s in cfg.systems):
         got = await asyncio.to_thread(ensure_reference)
         if isinstance(got, str):
             return {"skipped": got}
         modules = got
+    if any(s.startswith("tokenrelay") for s in cfg.systems):
+        why = await asyncio.to_thread(routes_missing)
+        if why is not None:
+            return {"skipped": f"{why}; measure the reference alone with --systems "
+                    "reference-file,reference-memory"}  # fmt: skip
     raise_nofile(2 * cfg.streams * cfg.readers + 1_000)
     load_start = Path("/proc/loadavg").read_text().split()[:3]
     order = list(cfg.systems)

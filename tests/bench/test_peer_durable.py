@@ -3,7 +3,8 @@ a catch-up read, SSE and long-poll readers) for the reference server in both mod
 tokenrelay on one and two relays, on the suite's cluster. It checks the shape of the
 JSON the benchmark writes, that no reader lost or doubled a message and that the
 table renders; it checks no speed. Skipped with the reason where node/npm are missing
-or npm cannot install the reference server (no access to the registry).
+or npm cannot install the reference server (no access to the registry), and where the
+relay has no Durable Streams routes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 
 import pytest
 
-from bench.peers.durable import SYSTEMS, Config, run
+from bench.peers.durable import SYSTEMS, Config, routes_missing, run
 from bench.peers.durable_node import ensure_reference
 from bench.peers.durable_report import table
 from devstack.cluster.launcher import ClusterInfo
@@ -38,6 +39,9 @@ CPU = ("server_us", "redis_us", "total_us")
 
 @pytest.mark.timeout(420)
 async def test_tiny_run_has_every_figure_and_loses_nothing(cluster: ClusterInfo) -> None:
+    why = await asyncio.to_thread(routes_missing)
+    if why is not None:
+        pytest.skip(why)
     modules = await asyncio.to_thread(ensure_reference)
     if isinstance(modules, str):
         pytest.skip(modules)

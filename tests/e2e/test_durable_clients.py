@@ -32,6 +32,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from bench.peers.durable import routes_missing
 from bench.relay.harness import RelayProc
 from devstack.cluster.launcher import ClusterInfo
 from devstack.procs import launched
@@ -55,6 +56,9 @@ async def _stack(
     cluster: ClusterInfo, tmp_path: Path
 ) -> AsyncIterator[tuple[RelayProc, RelayProc, aiohttp.ClientSession, str]]:
     """Relays A and B, a client session, and a new stream's path (created through B)."""
+    why = await asyncio.to_thread(routes_missing)
+    if why is not None:
+        pytest.skip(why)
     flags = ("--durable-open-prefix", PREFIX)
     async with (
         relay_process(cluster, tmp_path, "ds-edge-a", *flags) as a,
