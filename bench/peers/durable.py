@@ -83,6 +83,7 @@ class Config:
     readers: int = 10
     rate: float = 200.0  # appends/s over all streams (x readers = deliveries/s)
     warm_s: float = 1.0
+    drain_s: float = 15.0  # a live round ends when no message came for this long
     repeats: int = 3
     seed: int = 0
     systems: tuple[str, ...] = SYSTEMS
@@ -258,9 +259,9 @@ async def _live(
         spec = {"mode": "paced", "urls": [u for u, _ in made], "rate": cfg.rate,
                 "seconds": cfg.seconds, "pad": cfg.pad}  # fmt: skip
         got = await _writer(spec, cfg.seconds + 120)
-        expected = got["sent"] * cfg.readers
+        expected = got["acked"] * cfg.readers
         seen, since = tally.received, time.perf_counter()
-        while tally.received < expected and time.perf_counter() - since < 5.0:
+        while tally.received < expected and time.perf_counter() - since < cfg.drain_s:
             await asyncio.sleep(0.02)
             if tally.received != seen:
                 seen, since = tally.received, time.perf_counter()
@@ -274,7 +275,8 @@ async def _live(
         "p50_ms": round(percentile(lat, 0.50, float("nan")), 2),
         "p99_ms": round(percentile(lat, 0.99, float("nan")), 2),
         "lost": expected - tally.received,
-        "sent": got["sent"],
+        "sent": got["acked"],
+        "append_failed": got["failed"],
         "received": tally.received,
         "requests": tally.requests,
         "errors": len(tally.errors) + len(got["errors"]),
@@ -283,7 +285,7 @@ async def _live(
     }
 
 
-_SUMMED = frozenset({"lost", "errors", "acks", "sent", "received", "requests"})
+_SUMMED = frozenset({"lost", "errors", "acks", "sent", "received", "requests", "append_failed"})
 
 
 def _medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -364,7 +366,7 @@ async def run(cfg: Config, url: str | None = None, modules: Path | None = None) 
     async with contextlib.AsyncExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="durable-bench-")))
         sides, where = await _sides(stack, cfg, modules, url, tmp)
-        conn = aiohttp.TCPConnector(limit=0)
+        conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=dc.KEEPALIVE_S)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
         http = await stack.enter_async_context(
             aiohttp.ClientSession(connector=conn, timeout=timeout)

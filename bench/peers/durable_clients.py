@@ -40,6 +40,9 @@ __all__ = [
 
 JSON = "application/json"
 IDENTITY = {"Accept-Encoding": "identity"}
+# below Node's 5 s keep-alive timeout: a pooled connection the server is closing is
+# never reused for a POST (aiohttp does not retry a POST that met a reset)
+KEEPALIVE_S = 2.0
 
 
 @dataclass
@@ -104,10 +107,17 @@ async def paced_writer(
     http: aiohttp.ClientSession, urls: Sequence[str], rate: float, seconds: float, pad: int
 ) -> dict[str, Any]:
     """``rate`` JSON messages/s over ``urls`` (round robin, a 10 ms tick) for ``seconds``:
-    sent, errors, the writer's own seconds."""
+    sent, acked (the appends the server acknowledged), failed, errors, seconds."""
     tick, sent, errors, due = 0.01, 0, [], 0.0
     padding = "x" * pad
     pending: set[asyncio.Task[None]] = set()
+    done: list[asyncio.Task[None]] = []
+
+    def finished(task: asyncio.Task[None]) -> None:
+        pending.discard(task)
+        if not task.cancelled():
+            done.append(task)
+
     t0 = time.perf_counter()
     i = 0
     while (now := time.perf_counter()) - t0 < seconds:
@@ -116,13 +126,15 @@ async def paced_writer(
             body = json.dumps({"t": time.time_ns(), "p": padding}).encode()
             task = asyncio.create_task(send(http, urls[i % len(urls)], body))
             pending.add(task)
-            task.add_done_callback(pending.discard)
+            task.add_done_callback(finished)
             sent += 1
             i += 1
         await asyncio.sleep(tick)
     results = await asyncio.gather(*pending, return_exceptions=True)
     errors = [str(e)[:200] for e in results if isinstance(e, BaseException)]
-    return {"sent": sent, "errors": errors, "seconds": time.perf_counter() - t0}
+    failed = sum(1 for t in done if t.exception() is not None) + len(errors)
+    return {"sent": sent, "acked": sent - failed, "failed": failed, "errors": errors,
+            "seconds": time.perf_counter() - t0}  # fmt: skip
 
 
 async def catch_up(http: aiohttp.ClientSession, url: str) -> tuple[int, int]:
@@ -222,8 +234,8 @@ async def stop_readers(tasks: Sequence[asyncio.Task[None]]) -> None:
 async def _child(spec: dict[str, Any]) -> dict[str, Any]:
     """``append``: ``concurrency`` loops over ``urls`` for ``seconds``; ``paced``:
     :func:`paced_writer`. One JSON result: acks or sent, errors, seconds, cpu_s."""
-    conn = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=60)
+    conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+    timeout = aiohttp.ClientTimeout(total=120)
     cpu0 = _self_cpu()
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
         if spec["mode"] == "append":

@@ -45,7 +45,8 @@ def table(res: dict[str, Any]) -> str:
         f"append: {cfg['append_conc']} in flight over {cfg['append_streams']} streams; "
         f"catch-up: {cfg['catchup_readers']} readers of a {cfg['catchup_mb']:g} MB stream; "
         f"live: {cfg['streams']} streams x {cfg['readers']} readers, "
-        f"{cfg['rate']:g} appends/s; {lost} lost; {res['cpus']} CPUs, load "
+        f"{cfg['rate']:g} appends/s; {lost} acknowledged messages not delivered within the "
+        f"round's drain; {res['cpus']} CPUs, load "
         f"{' '.join(res['loadavg_start'])} at the start; reference server "
         f"{res['versions'].get('@durable-streams/server')}."
     )
