@@ -332,7 +332,7 @@ async def _sides(
         if cfg.profile:
             Path(cfg.profile).mkdir(parents=True, exist_ok=True)
         for i in range(max(int(n.rsplit("-", 1)[1]) for n in tokenrelay)):
-            flags = ("--durable-open-prefix", PREFIX)
+            flags = ("--durable-open-prefix", "/" + PREFIX)
             prof = Path(cfg.profile) / f"relay-{i}.prof" if cfg.profile else None
             launch = relay_process(url, tmp, f"durable-bench-{i}", need, flags, prof)
             relays.append(await stack.enter_async_context(launch))

@@ -59,7 +59,7 @@ async def _stack(
     why = await asyncio.to_thread(routes_missing)
     if why is not None:
         pytest.skip(why)
-    flags = ("--durable-open-prefix", PREFIX)
+    flags = ("--durable-open-prefix", "/" + PREFIX)
     async with (
         relay_process(cluster, tmp_path, "ds-edge-a", *flags) as a,
         relay_process(cluster, tmp_path, "ds-edge-b", *flags) as b,
