@@ -24,7 +24,8 @@ tokenrelay Redis CPU from every node's ``INFO cpu``, shown apart and summed):
 - ``sse`` / ``longpoll``: ``streams`` x ``readers`` live readers (1,000 by default),
   ``rate`` appends/s over the streams from the paced writer child: CPU per delivered
   message (``server_us``, ``redis_us``, ``total_us``), ``p50_ms``/``p99_ms`` from the
-  writer's stamp to the reader (the first ``warm_s`` left out), ``lost``.
+  writer's stamp to the reader (the first ``warm_s`` left out), ``lost`` (what the
+  streams hold, read back after the round, x readers, minus what the readers received).
 
 ``python -m bench.peers.durable [--quick] [--json PATH] [--seed N]``;
 ``python -m bench.peers.durable --report PATH`` prints the markdown table of a result.
@@ -259,7 +260,10 @@ async def _live(
         spec = {"mode": "paced", "urls": [u for u, _ in made], "rate": cfg.rate,
                 "seconds": cfg.seconds, "pad": cfg.pad}  # fmt: skip
         got = await _writer(spec, cfg.seconds + 120)
-        expected = got["acked"] * cfg.readers
+        # what the streams hold (an append whose answer was lost may be there): the
+        # count every reader must reach, no more, no less
+        stored = sum(await asyncio.gather(*(dc.held(http, u) for u, _ in made)))
+        expected = stored * cfg.readers
         seen, since = tally.received, time.perf_counter()
         while tally.received < expected and time.perf_counter() - since < cfg.drain_s:
             await asyncio.sleep(0.02)
@@ -274,9 +278,10 @@ async def _live(
         **_per(cpu, tally.received),
         "p50_ms": round(percentile(lat, 0.50, float("nan")), 2),
         "p99_ms": round(percentile(lat, 0.99, float("nan")), 2),
-        "lost": expected - tally.received,
+        "lost": expected - tally.received,  # < 0: a reader got a message twice
         "sent": got["acked"],
         "append_failed": got["failed"],
+        "held": stored,
         "received": tally.received,
         "requests": tally.requests,
         "errors": len(tally.errors) + len(got["errors"]),
@@ -285,7 +290,9 @@ async def _live(
     }
 
 
-_SUMMED = frozenset({"lost", "errors", "acks", "sent", "received", "requests", "append_failed"})
+_SUMMED = frozenset(
+    {"lost", "errors", "acks", "sent", "held", "received", "requests", "append_failed"}
+)
 
 
 def _medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ __all__ = [
     "append_loop",
     "catch_up",
     "create",
+    "held",
     "longpoll_reader",
     "paced_writer",
     "send",
@@ -132,7 +133,7 @@ async def paced_writer(
         await asyncio.sleep(tick)
     results = await asyncio.gather(*pending, return_exceptions=True)
     errors = [str(e)[:200] for e in results if isinstance(e, BaseException)]
-    failed = sum(1 for t in done if t.exception() is not None) + len(errors)
+    failed = sum(1 for t in done if t.exception() is not None)
     return {"sent": sent, "acked": sent - failed, "failed": failed, "errors": errors,
             "seconds": time.perf_counter() - t0}  # fmt: skip
 
@@ -150,6 +151,20 @@ async def catch_up(http: aiohttp.ClientSession, url: str) -> tuple[int, int]:
             offset = r.headers["Stream-Next-Offset"]
             if r.headers.get("Stream-Up-To-Date") == "true":
                 return total, requests
+
+
+async def held(http: aiohttp.ClientSession, url: str) -> int:
+    """How many messages the JSON stream at ``url`` holds (catch-up reads from ``-1``)."""
+    offset, count = "-1", 0
+    while True:
+        async with http.get(url, params={"offset": offset}, headers=IDENTITY) as r:
+            body = await r.read()
+            if r.status != 200:
+                raise RuntimeError(f"GET {url}?offset={offset}: {r.status} {body[:200]!r}")
+            count += len(_messages(body))
+            offset = r.headers["Stream-Next-Offset"]
+            if r.headers.get("Stream-Up-To-Date") == "true":
+                return count
 
 
 def _messages(payload: bytes) -> list[Any]:
