@@ -61,7 +61,7 @@ PREFLIGHT: Final = {
 
 class Durable:
     """The routes' state: the server (its Redis client, broker and config), the gate,
-    the waker (bound to the broker's tap when the hub starts)."""
+    the waker (the hub's tap, set when the hub starts)."""
 
     def __init__(self, server: EdgeServer) -> None:
         cfg = server.config
@@ -71,7 +71,7 @@ class Durable:
             per_token=cfg.max_streams_per_token, per_address=cfg.max_streams_per_address,
         )  # fmt: skip
         self.waker = Waker(self)
-        server.broker_tap = self.waker.on_message  # set on the broker it makes
+        server.broker_tap = self.waker.on_message  # set on the hub it makes
 
     def _broker(self) -> RedisBroker:
         hub = self.server.hub

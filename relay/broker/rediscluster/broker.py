@@ -77,9 +77,9 @@ class RedisBroker:
         self._on_message: MessageHandler | None = None
         self._on_resubscribed: ResubscribedHandler | None = None
         self._sids: dict[str, str] = {}  # channel name -> session id, while subscribed
-        # a second reader of the same subscriber (the Durable Streams live reads): every
-        # message also goes to ``tap``; its channels are held while either side wants them
-        self.tap: MessageHandler | None = None
+        # a second reader of the same subscriber (the Durable Streams live reads, which
+        # the hub hands every read to, after its own fan-out: :attr:`Hub.tap`): its
+        # channels are held while either side wants them
         self._tapped: set[str] = set()
 
     def channel(self, sid: str) -> bytes:
@@ -93,7 +93,7 @@ class RedisBroker:
             raise RuntimeError("bind the broker's handlers before starting it")
         self.subscriber = ShardedSubscriber(
             self.redis,
-            on_message=self._on_message if self.tap is None else self._both,
+            on_message=self._on_message,
             on_resubscribed=self._resubscribed,
             relay_id=self.relay_id,
             read_from_replicas=self.read_from_replicas,
@@ -123,12 +123,6 @@ class RedisBroker:
         self._sids.pop(name, None)
         if self.subscriber is not None and name not in self._tapped:
             self.subscriber.unsubscribe([name])
-
-    def _both(self, msgs: list[list[bytes]]) -> None:
-        assert self._on_message is not None
-        assert self.tap is not None
-        self._on_message(msgs)  # the hub ignores channels it does not watch
-        self.tap(msgs)
 
     async def tap_subscribe(self, channel: str) -> None:
         """Subscribe ``channel`` for the tap (a session's channel may be the hub's too)."""

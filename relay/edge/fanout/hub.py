@@ -142,6 +142,9 @@ class Hub:
         # called with the live frames of each read (servers time publish -> edge here,
         # once per frame, not once per socket)
         self.live_observers: list[Callable[[list[Delivery]], None]] = []
+        # called with every read's raw messages after the fan-out, the channels the hub
+        # does not watch included (the Durable Streams live reads share the subscriber)
+        self.tap: Callable[[list[list[bytes]]], None] | None = None
         # plain counters the hub, its connections and their watches add to
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self.screens = Screens(
@@ -408,6 +411,8 @@ class Hub:
         if seen:
             for observe in self.live_observers:
                 observe(seen)
+        if self.tap is not None:  # after the sockets' writes: off the frame's walk
+            self.tap(msgs)
 
     def _fan_out(self, ch: Channel, ds: list[Delivery]) -> None:
         """Frames the channel emits outside a live read (a repair's backlog pages)."""

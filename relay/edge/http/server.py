@@ -153,7 +153,6 @@ class EdgeServer:
                 redis, cfg.relay_id, maxlen=cfg.backlog_maxlen, ttl_s=cfg.session_ttl_s,
                 max_bytes=cfg.backlog_max_bytes,
             )  # fmt: skip
-            broker.tap = self.broker_tap
             hub = Hub(
                 broker,
                 queue_frames=cfg.queue_frames,
@@ -166,6 +165,7 @@ class EdgeServer:
                 reap_interval_s=min(cfg.reap_after_s, 1.0),  # 0 disables the reaper
                 supervisor=self.supervisor,
             )
+            hub.tap = self.broker_tap
             await hub.start()
         except BaseException:
             await redis.aclose()
