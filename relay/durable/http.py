@@ -189,7 +189,9 @@ class _StreamSource:
         self.redis, self.ref, self.channel = redis, ref, ref.channel
 
     async def read(self, start: int | None, count: int) -> store.View | None:
-        return await store.read(self.redis, self.ref, start, count=count)
+        return await store.read(
+            self.redis, self.ref, start, count=count, max_bytes=reads.CHUNK_BYTES
+        )
 
 
 def _write_headers(request: web.Request, op: str) -> store.Write:

@@ -147,11 +147,17 @@ def _text(x: Any) -> str:
 
 
 async def read(
-    redis: RedisCluster, ref: StreamRef, start: int | None, *, count: int, touch: bool = True
+    redis: RedisCluster,
+    ref: StreamRef,
+    start: int | None,
+    *,
+    count: int,
+    touch: bool = True,
+    max_bytes: int = 0,
 ) -> View | None:
-    """The stream and up to ``count`` messages from ``start`` (None: the tail); None when
-    there is no stream."""
-    args = ["" if start is None else str(start), count, "1" if touch else "0"]
+    """The stream and up to ``count`` messages from ``start`` (None: the tail), at most
+    ``max_bytes`` of them when > 0 (one message at least); None when there is no stream."""
+    args = ["" if start is None else str(start), count, "1" if touch else "0", max_bytes]
     reply = await _READ(redis, ref.keys, args)
     if not reply:
         return None

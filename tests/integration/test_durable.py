@@ -14,6 +14,7 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from devstack.cluster.launcher import ClusterInfo
+from relay.durable import store
 from relay.durable.auth import token_subject
 from relay.protocol.auth import issue_token
 from relay.protocol.keys import new_session_id
@@ -297,3 +298,27 @@ async def test_live_reads_per_address_limit(cluster: ClusterInfo) -> None:
                 assert "max-streams-per-address" in await r.text()
         async with relay.http.get(url) as r:
             assert r.status == 200  # catch-up reads are not counted
+
+
+async def test_a_read_copies_about_its_byte_budget_not_its_message_count(
+    relay: Relay, redis: RedisCluster
+) -> None:
+    """The read script stops at the byte budget (one message at least): large messages
+    are not all copied out of the log to be cut afterwards."""
+    path = _path()
+    async with relay.http.put(_url(relay, path)) as r:
+        assert r.status == 201, await r.text()
+    for i in range(6):  # 6 x 3 KB, under the fixture's 4 KB body limit
+        async with relay.http.post(_url(relay, path), data=bytes([65 + i]) * 3000) as r:
+            assert r.status == 204, await r.text()
+    ref = store.StreamRef.of(path)
+    budget = await store.read(redis, ref, 0, count=1000, max_bytes=7000, touch=False)
+    assert budget is not None
+    assert budget.next == 6
+    assert [m[:1] for m in budget.messages] == [b"A", b"B"]  # a third would pass 7,000
+    one = await store.read(redis, ref, 2, count=1000, max_bytes=10, touch=False)
+    assert one is not None
+    assert [m[:1] for m in one.messages] == [b"C"]  # one at least
+    every = await store.read(redis, ref, 0, count=1000, touch=False)
+    assert every is not None
+    assert len(every.messages) == 6  # no budget: the count

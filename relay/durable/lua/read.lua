@@ -1,6 +1,8 @@
 -- A read of a Durable Stream: its metadata and up to ARGV[2] messages from ARGV[1]
 -- (a message index; "" for the tail), in one step, so the closure seen goes with them.
--- A sliding TTL is reset (ARGV[3] = "1": not for HEAD).
+-- A sliding TTL is reset (ARGV[3] = "1": not for HEAD). ARGV[4], when > 0, bounds the
+-- messages' bytes (one message at least): the log is read in growing pages, so a read
+-- of large messages copies about the budget, not ARGV[2] messages, into the script.
 -- KEYS[1] meta  KEYS[2] log  KEYS[3] producers
 -- Returns {} when there is no stream, {"gone"} when it is soft-deleted (forks hold it), else {mt, ct, ttl, ea, closed, n, gen, low, from, msgs...}
 local meta, log = KEYS[1], KEYS[2]
@@ -15,8 +17,20 @@ local from = n
 if ARGV[1] ~= "" then from = tonumber(ARGV[1]) end
 local out = {s[1], s[2], s[3] or "", s[4] or "", s[5], n, s[7], low, from}
 local count = tonumber(ARGV[2])
+local budget = tonumber(ARGV[4] or "0")
 if from >= low and from < n and count > 0 then
-  local msgs = redis.call("LRANGE", log, from - low, from - low + count - 1)
-  for _, m in ipairs(msgs) do out[#out + 1] = m end
+  local i, last = from - low, math.min(n, from + count) - low - 1
+  local size, page = 0, 8
+  while i <= last do
+    local msgs = redis.call("LRANGE", log, i, math.min(i + page - 1, last))
+    if #msgs == 0 then break end
+    for _, m in ipairs(msgs) do
+      if budget > 0 and #out > 9 and size + #m > budget then return out end
+      out[#out + 1] = m
+      size = size + #m
+    end
+    i = i + #msgs
+    page = math.min(page * 2, 512)
+  end
 end
 return out
