@@ -12,9 +12,8 @@ socket (:mod:`relay.edge.conn.base`); its backlog pages come from :meth:`Hub.rea
 under the relay-wide :class:`relay.edge.fanout.budget.ByteBudget`.
 
 The path of a live frame is therefore: the broker's reader, this module (decode, the
-channel's order, the hand-off), the connection (its fast path writes at once). The
-first call of a module never comes back to a module already passed
-(``python -m bench.relay.anatomy`` traces it).
+channel's order, the hand-off), the connection (its fast path writes at once); then,
+off that path, :attr:`Hub.tap`. No module is entered twice (``bench.relay.anatomy``).
 
 Beside the fan-out, fed by the set of watched sessions: the broker's presence (a
 session's first local connection opens it, its last one closes it), the screen counts
@@ -28,23 +27,19 @@ connection of it with the notice as its last frame, and its channel goes at once
 one: the live path's common case does not pay for them.
 
 Background work runs on one :class:`relay.service.supervise.Supervisor` (the relay's, or
-one the hub makes for itself): the broker's loops, the reaper, and every task the hub
-or a connection starts (subscribes, backlog reads, seals, socket writers), whose
-failures are logged rather than lost.
+the hub's own): the broker's loops, the reaper, every task the hub or a connection
+starts (subscribes, backlog reads, seals, socket writers); failures are logged, not lost.
 
 Reference counts without races (centrifuge ``node.go``): the first connection of a
 session subscribes (the others await the same future; a failure rolls back); the last
-one leaving schedules an unsubscribe after ``unsubscribe_delay_s`` that re-checks the
-count.
+one leaving schedules an unsubscribe after ``unsubscribe_delay_s``, re-checking the count.
 
 Order of use::
 
     hub = Hub(broker, relay_id="edge-1"); await hub.start()
     await hub.open(conn)        # a relay.edge.conn.base.Conn: subscribe, then its replay
     ...                         # conn.shut(...) leaves; hub.conn_closed(conn) is called
-    await hub.close()
-
-With ``Hub(..., supervisor=s)``, stop ``s`` before ``hub.close()``.
+    await hub.close()           # with Hub(..., supervisor=s): stop s before this
 """
 
 from __future__ import annotations
@@ -142,8 +137,7 @@ class Hub:
         # called with the live frames of each read (servers time publish -> edge here,
         # once per frame, not once per socket)
         self.live_observers: list[Callable[[list[Delivery]], None]] = []
-        # called with every read's raw messages after the fan-out, the channels the hub
-        # does not watch included (the Durable Streams live reads share the subscriber)
+        # every read's raw messages after the fan-out (the Durable Streams wake-ups)
         self.tap: Callable[[list[list[bytes]]], None] | None = None
         # plain counters the hub, its connections and their watches add to
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
