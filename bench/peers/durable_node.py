@@ -15,15 +15,13 @@ Node finds the packages through ``NODE_PATH``; nothing is installed in the repos
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import shutil
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from bench._util import free_port
+from bench.peers.node import npm_ci, peer_cache
 from bench.relay.harness import RelayProc
 from devstack.procs import launched, log_line
 
@@ -33,43 +31,13 @@ PACKAGE = Path(__file__).resolve().parent / "durable_js"
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tokenrelay" / "peer-durable"
+    return peer_cache("peer-durable")
 
 
 def ensure_reference(cache: Path | None = None) -> Path | str:
     """The ``node_modules`` directory with the locked packages (``npm ci``, once per lock),
     or the reason it cannot be had."""
-    cache = cache or cache_dir()
-    node, npm = shutil.which("node"), shutil.which("npm")
-    if node is None or npm is None:
-        return "node and npm are needed for the reference server (not on PATH)"
-    version = subprocess.run([node, "--version"], capture_output=True, text=True, check=False)
-    major = version.stdout.strip().lstrip("v").split(".")[0]
-    if not major.isdigit() or int(major) < 18:
-        return f"node >= 18 is needed, found {version.stdout.strip() or 'no version'}"
-    lock = (PACKAGE / "package-lock.json").read_bytes()
-    digest = hashlib.sha256(lock).hexdigest()
-    modules, stamp = cache / "node_modules", cache / "installed.sha256"
-    with contextlib.suppress(OSError):
-        if stamp.read_text() == digest and modules.is_dir():
-            return modules
-    cache.mkdir(parents=True, exist_ok=True)
-    for name in ("package.json", "package-lock.json"):
-        shutil.copyfile(PACKAGE / name, cache / name)
-    try:
-        done = subprocess.run(
-            [npm, "ci", "--no-audit", "--no-fund", "--omit=dev", "--loglevel=error",
-             "--fetch-retries=2", "--fetch-timeout=30000"],
-            cwd=cache, capture_output=True, text=True, timeout=300, check=False,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return "npm ci took more than 300 s (no access to the npm registry?)"
-    if done.returncode != 0:
-        tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or ["no output"]
-        return f"npm ci failed ({done.returncode}): {tail[0][:200]}"
-    stamp.write_text(digest)
-    return modules
+    return npm_ci(PACKAGE, cache or cache_dir(), "the reference server")
 
 
 def reference_version(modules: Path) -> str:

@@ -17,6 +17,7 @@ Node finds the packages through ``NODE_PATH``; nothing is installed in the repos
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -30,28 +31,84 @@ from bench.relay.harness import RelayProc
 from devstack.procs import launched, log_line
 from relay.protocol.slotmap import Addr
 
-__all__ = ["PINS", "cache_dir", "emit", "ensure_socketio", "installed_versions", "socketio_server"]
+__all__ = [
+    "PINS", "cache_dir", "emit", "ensure_socketio", "installed_versions", "node_missing", "npm_ci",
+    "peer_cache", "socketio_server",
+]  # fmt: skip
 
 PINS = {"socket.io": "4.8.4", "@socket.io/redis-adapter": "8.3.0", "redis": "4.7.1"}
 SCRIPTS = Path(__file__).resolve().parent / "js"
 
 
-def cache_dir() -> Path:
+def peer_cache(name: str) -> Path:
+    """``~/.cache/tokenrelay/<name>`` (``$XDG_CACHE_HOME`` honoured): a peer's npm install."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tokenrelay" / "peer-socketio"
+    return Path(base) / "tokenrelay" / name
+
+
+def cache_dir() -> Path:
+    return peer_cache("peer-socketio")
+
+
+def node_missing(side: str) -> str | None:
+    """Why node >= 18 and npm cannot run ``side`` (None: they can)."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        return f"node and npm are needed for {side} (not on PATH)"
+    version = subprocess.run([node, "--version"], capture_output=True, text=True, check=False)
+    major = version.stdout.strip().lstrip("v").split(".")[0]
+    if not major.isdigit() or int(major) < 18:
+        return f"node >= 18 is needed, found {version.stdout.strip() or 'no version'}"
+    return None
+
+
+def _npm(args: list[str], cache: Path) -> str | None:
+    """``npm <args>`` in ``cache``; the reason it failed, or None."""
+    npm = shutil.which("npm") or "npm"
+    try:
+        done = subprocess.run(
+            [npm, *args, "--no-audit", "--no-fund", "--omit=dev", "--loglevel=error",
+             "--fetch-retries=2", "--fetch-timeout=30000"],
+            cwd=cache, capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"npm {args[0]} took more than 300 s (no access to the npm registry?)"
+    if done.returncode != 0:
+        tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or ["no output"]
+        return f"npm {args[0]} failed ({done.returncode}): {tail[0][:200]}"
+    return None
+
+
+def npm_ci(package: Path, cache: Path, side: str, probe: str = "") -> Path | str:
+    """``npm ci`` of ``package``'s committed package.json and lock into ``cache``, once per
+    lock (redone when either changes or ``node_modules/<probe>`` is missing): the
+    ``node_modules`` directory, or the reason it cannot be had."""
+    missing = node_missing(side)
+    if missing is not None:
+        return missing
+    manifest, lock = (package / "package.json").read_bytes(), (package / "package-lock.json")
+    digest = hashlib.sha256(lock.read_bytes() + manifest).hexdigest()
+    modules, stamp = cache / "node_modules", cache / "installed.sha256"
+    with contextlib.suppress(OSError):
+        if stamp.read_text() == digest and (modules / probe).is_dir():
+            return modules
+    cache.mkdir(parents=True, exist_ok=True)
+    for name in ("package.json", "package-lock.json"):
+        shutil.copyfile(package / name, cache / name)
+    failed = _npm(["ci"], cache)
+    if failed is not None:
+        return failed
+    stamp.write_text(digest)
+    return modules
 
 
 def ensure_socketio(cache: Path | None = None) -> Path | str:
     """The ``node_modules`` directory with :data:`PINS` installed (npm, once per cache),
     or the reason it cannot be had (no node, no npm, the install failed)."""
     cache = cache or cache_dir()
-    node, npm = shutil.which("node"), shutil.which("npm")
-    if node is None or npm is None:
-        return "node and npm are needed for the Socket.IO side (not on PATH)"
-    version = subprocess.run([node, "--version"], capture_output=True, text=True, check=False)
-    major = version.stdout.strip().lstrip("v").split(".")[0]
-    if not major.isdigit() or int(major) < 18:
-        return f"node >= 18 is needed, found {version.stdout.strip() or 'no version'}"
+    missing = node_missing("the Socket.IO side")
+    if missing is not None:
+        return missing
     modules = cache / "node_modules"
     stamp = cache / "installed.json"
     with contextlib.suppress(OSError, ValueError):
@@ -60,17 +117,9 @@ def ensure_socketio(cache: Path | None = None) -> Path | str:
     cache.mkdir(parents=True, exist_ok=True)
     manifest = {"name": "tokenrelay-peer-socketio", "private": True, "dependencies": PINS}
     (cache / "package.json").write_text(json.dumps(manifest, indent=2))
-    try:
-        done = subprocess.run(
-            [npm, "install", "--no-audit", "--no-fund", "--omit=dev", "--loglevel=error",
-             "--fetch-retries=2", "--fetch-timeout=30000"],
-            cwd=cache, capture_output=True, text=True, timeout=300, check=False,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return "npm install took more than 300 s (no access to the npm registry?)"
-    if done.returncode != 0:
-        tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or ["no output"]
-        return f"npm install failed ({done.returncode}): {tail[0][:200]}"
+    failed = _npm(["install"], cache)
+    if failed is not None:
+        return failed
     stamp.write_text(json.dumps(PINS))
     return modules
 

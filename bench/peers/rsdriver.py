@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
-import shutil
 import signal
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from bench.peers.node import npm_ci, peer_cache
 from devstack.procs import Proc, ProcError, log_line
 from relay.broker.rediscluster.nodeconn import raw_command
 from relay.protocol.slotmap import Addr
@@ -42,43 +40,14 @@ PACKAGE = JS / "resumable"
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tokenrelay" / "peer-resumable"
+    return peer_cache("peer-resumable")
 
 
 def ensure_modules(cache: Path | None = None) -> Path | str:
     """The ``node_modules`` with the committed lock installed (``npm ci``, once per lock),
     or why it cannot be had."""
-    cache = cache or cache_dir()
-    node, npm = shutil.which("node"), shutil.which("npm")
-    if node is None or npm is None:
-        return "node and npm are needed for the resumable-stream side (not on PATH)"
-    version = subprocess.run([node, "--version"], capture_output=True, text=True, check=False)
-    major = version.stdout.strip().lstrip("v").split(".")[0]
-    if not major.isdigit() or int(major) < 18:
-        return f"node >= 18 is needed, found {version.stdout.strip() or 'no version'}"
-    lock = (PACKAGE / "package-lock.json").read_bytes()
-    digest = hashlib.sha256(lock + (PACKAGE / "package.json").read_bytes()).hexdigest()
-    modules, stamp = cache / "node_modules", cache / "installed.sha256"
-    with contextlib.suppress(OSError):
-        if stamp.read_text() == digest and (modules / "resumable-stream").is_dir():
-            return modules
-    cache.mkdir(parents=True, exist_ok=True)
-    for name in ("package.json", "package-lock.json"):
-        shutil.copyfile(PACKAGE / name, cache / name)
-    try:
-        done = subprocess.run(
-            [npm, "ci", "--no-audit", "--no-fund", "--omit=dev", "--loglevel=error",
-             "--fetch-retries=2", "--fetch-timeout=30000"],
-            cwd=cache, capture_output=True, text=True, timeout=300, check=False,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return "npm ci took more than 300 s (no access to the npm registry?)"
-    if done.returncode != 0:
-        tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or ["no output"]
-        return f"npm ci failed ({done.returncode}): {tail[0][:200]}"
-    stamp.write_text(digest)
-    return modules
+    side = "the resumable-stream side"
+    return npm_ci(PACKAGE, cache or cache_dir(), side, probe="resumable-stream")
 
 
 def installed_versions(modules: Path) -> dict[str, str]:
