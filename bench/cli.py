@@ -90,6 +90,23 @@ def register_loadtest(subparsers: Any) -> None:
     p.set_defaults(func=_deferred("tokenrelay loadtest", bench))
 
 
+def register_capacity(subparsers: Any) -> None:
+    """``tokenrelay capacity``: :mod:`bench.capacity.cli`, imported when it runs (as a
+    benchmark is), its flags parsed then."""
+    p = subparsers.add_parser(
+        "capacity", help="the relays, Redis masters and workers a number of viewers needs",
+        add_help=False, prefix_chars="\0",
+    )  # fmt: skip
+    p.add_argument("capacity_args", nargs=argparse.REMAINDER)
+
+    def run(args: argparse.Namespace) -> int:
+        from bench.capacity.cli import main
+
+        return main(args.capacity_args, prog="tokenrelay capacity")
+
+    p.set_defaults(func=run)
+
+
 # -- python -m bench -------------------------------------------------------------------------
 
 

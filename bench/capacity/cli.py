@@ -22,9 +22,7 @@ from bench.capacity import defaults
 from bench.capacity.core import Assumptions, Costs, Target, costs_from_pathcost, plan, render
 from bench.capacity.defaults import COSTS
 
-__all__ = ["add_arguments", "main", "register", "run"]
-
-_HELP = "the cluster (relays, Redis masters, workers) a number of viewers needs"
+__all__ = ["add_arguments", "main", "run"]
 
 
 def _viewers(text: str) -> list[int]:
@@ -108,16 +106,8 @@ def defaults_source(costs: Costs) -> str:
     )
 
 
-def register(subparsers: Any) -> None:
-    """``tokenrelay capacity``."""
-    p = subparsers.add_parser("capacity", help=_HELP, description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    add_arguments(p)
-    p.set_defaults(func=run)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.capacity", description=__doc__,
+def main(argv: list[str] | None = None, prog: str = "python -m bench.capacity") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     add_arguments(ap)
     return run(ap.parse_args(argv))
