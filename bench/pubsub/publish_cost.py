@@ -28,6 +28,8 @@ commands run inside scripts included); each as a ratio to ``floor`` of the same 
 The run checks that every frame landed (each session's ``offset`` and stream length) and
 was delivered once to the subscriber; a difference is an error (exit 1).
 
+``--report PATH`` prints a run's JSON as the Markdown table of bench/README.md.
+
 Call order: ``python -m bench.pubsub.publish_cost [--quick] [--json PATH] [--seed N]`` ->
 :func:`run_from_args` -> :func:`run` -> per round and batch :func:`_measure` per
 variant.
@@ -452,8 +454,32 @@ def table(res: dict[str, Any]) -> str:
     return "\n".join("  ".join(f"{x:{w[c]}}" for c, x in enumerate(r)).rstrip() for r in rows)
 
 
+def report(res: dict[str, Any]) -> str:
+    """The bench/README table: the same figures as :func:`table`, as Markdown, with the
+    run's load average under it."""
+    lines = [
+        "| frames/call | variant | Redis µs/frame | x floor | masters µs | masters x floor "
+        "| replicas µs | commands on the master per frame |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for batch, by_v in res["summary"].items():
+        for v in VARIANTS:
+            s = by_v[v]
+            cmds = ", ".join(f"{k} {c:g}" for k, c in s["commands_per_frame"].items())
+            lines.append(f"| {batch} | {v} | {s['redis_us_per_frame']:.1f} | {s['x_floor']:.2f} "
+                         f"| {s['masters_us_per_frame']:.1f} | {s['masters_x_floor']:.2f} "
+                         f"| {s['replicas_us_per_frame']:.1f} | {cmds} |")  # fmt: skip
+    cfg = res["config"]
+    lines += ["", f"{cfg['rounds']} rounds of {cfg['seconds']:g} s per variant, "
+              f"seed {cfg['seed']}, Redis {res['redis']}; {res['cpus']} CPUs, load average "
+              f"{' '.join(res['loadavg_start'])} at the start, {' '.join(res['loadavg_end'])} "
+              "at the end."]  # fmt: skip
+    return "\n".join(lines)
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     d = Config()
+    ap.add_argument("--report", metavar="PATH", help="print a run's JSON as the README's table")
     ap.add_argument("--quick", action="store_true", help="2 rounds of 2 s, 200 sessions")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--seed", type=int, default=0, help="shuffles the variants' order")
@@ -464,6 +490,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    if args.report:
+        try:
+            print(report(json.loads(Path(args.report).read_text())))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"publish_cost: cannot read {args.report}: {exc!r}", file=sys.stderr)
+            return 2
+        return 0
     cfg = Config.quick() if args.quick else Config()
     cfg.seed = args.seed
     for name in ("rounds", "seconds", "rate"):

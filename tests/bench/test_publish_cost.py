@@ -3,9 +3,12 @@ commands per frame it reports are those of each variant (no timing asserted)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from bench.pubsub.publish_cost import VARIANTS, Config, run, table
+from bench.pubsub.publish_cost import VARIANTS, Config, main, report, run, table
 
 pytestmark = pytest.mark.integration
 
@@ -24,3 +27,19 @@ async def test_a_tiny_run_lands_every_frame_and_counts_each_variants_commands() 
     assert script.get("expire", 0) < 1 < by_v["before"]["commands_per_frame"]["expire"]
     assert by_v["function"]["commands_per_frame"]["fcall"] == 1
     assert "script" in table(res)
+    md = report(res).splitlines()
+    rows = [r for r in md if r.startswith("| 1 |")]
+    assert [r.split(" | ")[1] for r in rows] == list(VARIANTS)
+    assert "| 1 | floor | " in md[2]
+    assert "| 1.00 |" in md[2]
+
+
+def test_report_of_an_unreadable_run_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "run.json"
+    bad.write_text(json.dumps({"summary": {}}))
+    assert main(["--report", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("publish_cost: cannot read")
+    assert err.count("\n") == 1
