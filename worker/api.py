@@ -51,9 +51,8 @@ from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.errors import RedisCommandError, RelayError
 from relay.broker.rediscluster.errors import map_redis_errors
-from relay.protocol.auth import AuthError
 from relay.protocol.codes import Refusal
-from relay.protocol.keys import InvalidSessionId, idem_key, new_session_id, parse_session
+from relay.protocol.keys import idem_key, new_session_id
 from relay.service import openapi, settings
 from relay.service.clientaddr import parse_networks
 from relay.service.errors import RETRY_AFTER, Reject, admin_refused, refusal, retry_after
@@ -135,25 +134,11 @@ async def _create_session(request: web.Request) -> web.Response:
     return _json(201, {"session": sid, "token": minted.token, "expires_at": minted.expires_at})
 
 
-def _writer_of(request: web.Request) -> str:
-    """The path's session, which the request's token may write to; else Reject
-    (400 for a malformed id, 401 / 403 for the token)."""
-    try:
-        sid = parse_session(request.match_info["sid"])
-    except InvalidSessionId as exc:
-        raise Reject(400, Refusal.INVALID_SESSION, str(exc)) from None
-    try:
-        request.app[STATE].access.authorize(request, sid, "write")
-    except AuthError as exc:
-        raise Reject(exc.status, exc.error, exc.reason) from None
-    return sid
-
-
 async def _mint_token(request: web.Request) -> web.Response:
     """A watch (share link) or write (refresh) token for a session, given a write token."""
     st = request.app[STATE]
     try:
-        sid = _writer_of(request)
+        sid = controls.session_of(request, "write")
     except Reject as r:
         return r.response()
     try:
@@ -244,7 +229,7 @@ async def _post_turn(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     cfg = st.cfg
     try:
-        sid = _writer_of(request)
+        sid = controls.session_of(request, "write")
     except Reject as r:
         return r.response()
     if request.content_type != _JSON:

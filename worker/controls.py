@@ -59,7 +59,7 @@ from worker.chat.cancel import StopStatus, StopVerdict
 from worker.chat.store import ConversationView, SessionStore
 from worker.state import STATE, WorkerState
 
-__all__ = ["add_routes", "check_gone", "conversation_page", "delete_session"]
+__all__ = ["add_routes", "check_gone", "conversation_page", "delete_session", "session_of"]
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,9 @@ def _json(status: int, body: dict[str, Any]) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(body), content_type=_JSON)
 
 
-def _session(request: web.Request, need: str) -> str:
-    """The path's session, authorized for ``need`` (watch / write); else Reject."""
+def session_of(request: web.Request, need: str) -> str:
+    """The path's session, which the request's token may ``need`` (watch / write); else
+    Reject (400 for a malformed id, 401 / 403 for the token)."""
     try:
         sid = parse_session(request.match_info["sid"])
     except InvalidSessionId as exc:
@@ -130,7 +131,7 @@ def _stop_answer(sid: str, v: StopVerdict) -> web.Response:
 async def _cancel(request: web.Request, turn: int) -> web.Response:
     st = request.app[STATE]
     try:
-        sid = _session(request, "write")
+        sid = session_of(request, "write")
         await check_gone(st.turns.store, sid)
         v = await st.turns.stop(sid, turn)
         if v.status is StopStatus.FINISHED:
@@ -287,7 +288,7 @@ def ui_messages(page: list[dict[str, Any]]) -> list[dict[str, Any]]:
 async def _messages(request: web.Request) -> web.Response:
     st = request.app[STATE]
     try:
-        sid = _session(request, "watch")
+        sid = session_of(request, "watch")
         limit, before, ui = _page_args(request)
         await check_gone(st.turns.store, sid)
         view = await st.turns.store.view(sid)
@@ -346,7 +347,7 @@ async def delete_session(st: WorkerState, sid: str) -> int:
 async def _delete(request: web.Request) -> web.Response:
     st = request.app[STATE]
     try:
-        sid = _session(request, "write")
+        sid = session_of(request, "write")
         if await st.turns.store.gone(sid):
             return refusal(404, Refusal.UNKNOWN_SESSION, "the session was already deleted")
         await delete_session(st, sid)
