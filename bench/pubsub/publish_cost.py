@@ -439,36 +439,35 @@ async def run(cfg: Config) -> dict[str, Any]:
     }
 
 
-def table(res: dict[str, Any]) -> str:
-    head = ("frames/call", "variant", "Redis µs/frame", "x floor", "masters µs", "x floor",
-            "replicas µs", "master commands/frame")  # fmt: skip
-    rows: list[tuple[str, ...]] = [head]
+_HEAD = ("frames/call", "variant", "Redis µs/frame", "x floor", "masters µs", "masters x floor",
+         "replicas µs", "commands on the master per frame")  # fmt: skip
+
+
+def _rows(res: dict[str, Any], sep: str) -> list[tuple[str, ...]]:
+    """One row per batch and variant, as :func:`table` and :func:`report` print them
+    (``sep`` joins the commands)."""
+    rows: list[tuple[str, ...]] = []
     for batch, by_v in res["summary"].items():
         for v in VARIANTS:
             s = by_v[v]
-            cmds = " ".join(f"{k} {c:g}" for k, c in s["commands_per_frame"].items())
+            cmds = sep.join(f"{k} {c:g}" for k, c in s["commands_per_frame"].items())
             rows.append((batch, v, f"{s['redis_us_per_frame']:.1f}", f"{s['x_floor']:.2f}",
                          f"{s['masters_us_per_frame']:.1f}", f"{s['masters_x_floor']:.2f}",
                          f"{s['replicas_us_per_frame']:.1f}", cmds))  # fmt: skip
-    w = [max(len(r[c]) for r in rows) for c in range(len(head))]
+    return rows
+
+
+def table(res: dict[str, Any]) -> str:
+    rows = [_HEAD, *_rows(res, " ")]
+    w = [max(len(r[c]) for r in rows) for c in range(len(_HEAD))]
     return "\n".join("  ".join(f"{x:{w[c]}}" for c, x in enumerate(r)).rstrip() for r in rows)
 
 
 def report(res: dict[str, Any]) -> str:
-    """The bench/README table: the same figures as :func:`table`, as Markdown, with the
-    run's load average under it."""
-    lines = [
-        "| frames/call | variant | Redis µs/frame | x floor | masters µs | masters x floor "
-        "| replicas µs | commands on the master per frame |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for batch, by_v in res["summary"].items():
-        for v in VARIANTS:
-            s = by_v[v]
-            cmds = ", ".join(f"{k} {c:g}" for k, c in s["commands_per_frame"].items())
-            lines.append(f"| {batch} | {v} | {s['redis_us_per_frame']:.1f} | {s['x_floor']:.2f} "
-                         f"| {s['masters_us_per_frame']:.1f} | {s['masters_x_floor']:.2f} "
-                         f"| {s['replicas_us_per_frame']:.1f} | {cmds} |")  # fmt: skip
+    """The bench/README table: :func:`table`'s rows as Markdown, with the run's load
+    average under it."""
+    lines = ["| " + " | ".join(_HEAD) + " |", "|" + "---|" * len(_HEAD)]
+    lines += ["| " + " | ".join(r) + " |" for r in _rows(res, ", ")]
     cfg = res["config"]
     lines += ["", f"{cfg['rounds']} rounds of {cfg['seconds']:g} s per variant, "
               f"seed {cfg['seed']}, Redis {res['redis']}; {res['cpus']} CPUs, load average "
