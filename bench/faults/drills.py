@@ -327,11 +327,14 @@ async def _fault_session_expiry(run: Run) -> None:
         run.posted_turns = {(s, t) for s, t in run.posted_turns if s != sid}  # gone with them
         run.last_posted.pop(sid, None)
         run.paused.discard(sid)
-        after = None
-        while after is None and time.monotonic() < deadline:
+        # the next turn's OPEN writes the new gen before its first frame: wait for both
+        after: bytes | str | None = None
+        frames: list[bytes] = []
+        while not frames and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
             after = await redis.hget(meta_key(sid), "gen")
-        frames, _, _ = await read_backlog(redis, sid, 0, 1)
+            if after is not None:
+                frames, _, _ = await read_backlog(redis, sid, 0, 1)
     finally:
         await redis.aclose()
     run.notes["expired_session"] = sid
