@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from redis import __version__ as redis_py_version
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MaxConnectionsError
@@ -103,6 +104,9 @@ async def test_waiters_are_counted_and_a_cancelled_waiter_leaves_no_trace(
         await client.aclose()
 
 
+_REDIS_PY = tuple(int(p) for p in redis_py_version.split(".")[:2])
+
+
 async def _pipeline(client: RedisCluster, *commands: tuple[str | int, ...]) -> list[object]:
     async with client.pipeline(transaction=False) as pipe:
         for command in commands:
@@ -135,8 +139,9 @@ async def test_a_dead_default_node_does_not_fail_commands_on_the_live_shards(
             # command's error would also move the dead node last; a pipeline's does not)
             with pytest.raises(RedisConnectionError):
                 await _pipeline(client, ("SET", dead_key, "x"))
-        with pytest.raises(RedisConnectionError):  # what the fix is for
-            await _pipeline(plain, ("INCR", live_key))
+        if _REDIS_PY < (8, 2):  # what the fix is for (redis-py 8.2 moves the node itself)
+            with pytest.raises(RedisConnectionError):
+                await _pipeline(plain, ("INCR", live_key))
         for _ in range(3):  # pipelines and single commands on a live shard keep working
             await _pipeline(ours, ("INCR", live_key), ("EXPIRE", live_key, 60))
             assert await ours.get(live_key)
