@@ -72,6 +72,7 @@ class Config:
     warm_s: float = 1.0
     repeats: int = 3
     systems: tuple[str, ...] = ALL
+    only: tuple[str, ...] = ()  # phase names to run (empty: every phase)
     seed: int = 0
     profile: str | None = None
     notes: dict[str, str] = field(default_factory=dict)
@@ -87,7 +88,7 @@ def phases(cfg: Config) -> list[Phase]:
                      cfg.fan_viewers, cfg.fan_rate, cfg.seconds))  # fmt: skip
     out.append(Phase(f"storm_{cfg.storm_sessions}x1_{cfg.storm_rate}", cfg.storm_sessions, 1,
                      cfg.storm_rate, cfg.seconds, "resume_storm"))  # fmt: skip
-    return out
+    return [p for p in out if p.name in cfg.only] if cfg.only else out
 
 
 def _resumable(bench: Bench) -> System | str:
@@ -216,14 +217,14 @@ async def _profile(
 ) -> dict[str, list[dict[str, Any]]]:
     """py-spy on the relay over one more round of the fastest one-reader phase, and of
     the resume storm; each phase's functions by self share."""
-    steady = max((p for p in plan if p.viewers == 1 and p.kind == "steady"),
-                 key=lambda p: p.tokens_per_s)  # fmt: skip
+    steady = sorted((p for p in plan if p.viewers == 1 and p.kind == "steady"),
+                    key=lambda p: p.tokens_per_s)[-1:]  # fmt: skip
     server = getattr(system, "server", None)
     if server is None:
         return {}
     out.mkdir(parents=True, exist_ok=True)
     got: dict[str, list[dict[str, Any]]] = {}
-    for phase in [steady, *(p for p in plan if p.kind == "resume_storm")]:
+    for phase in [*steady, *(p for p in plan if p.kind == "resume_storm")]:
         path = out / f"pathcost-relay-{phase.name}.txt"
         _progress(started, f"profile: py-spy on the relay, {phase.name}")
         async with profiled(server.pid, path, phase.seconds + 3):
@@ -337,6 +338,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seconds", type=float, help=f"publishing seconds per round ({d.seconds:g})")
     ap.add_argument("--repeats", type=int, help=f"rounds per system and phase ({d.repeats})")
     ap.add_argument("--systems", help=f"comma-separated, of {','.join(ALL)} (all)")
+    ap.add_argument("--phases", help="comma-separated phase names (all): "
+                    + ",".join(p.name for p in phases(d)))  # fmt: skip
     ap.add_argument("--profile", metavar="DIR", help="py-spy the relay in one more round")
     ap.add_argument("--report", metavar="JSON", help="print the markdown table of a result")
 
@@ -352,6 +355,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
         bad = [s for s in cfg.systems if s not in ALL]
         if bad:
             raise SystemExit(f"pathcost: unknown system {bad[0]!r} (one of {', '.join(ALL)})")
+    if getattr(args, "phases", None):
+        cfg.only = tuple(s.strip() for s in args.phases.split(",") if s.strip())
+        known = [p.name for p in phases(Config(rates=cfg.rates))]
+        bad = [s for s in cfg.only if s not in known]
+        if bad:
+            raise SystemExit(f"pathcost: unknown phase {bad[0]!r} (one of {', '.join(known)})")
     if cfg.seconds <= 1.0 or cfg.repeats < 1:
         raise SystemExit("pathcost: --seconds must be > 1 and --repeats >= 1")
     return cfg

@@ -47,9 +47,10 @@ Order of use::
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
+from relay.broker.errors import RelayError
 from relay.service.supervise import Supervisor
 
 __all__ = [
@@ -136,11 +137,13 @@ class Broker(Protocol):
     def absent(self, sid: str) -> None:
         """This relay has no viewer of ``sid`` any more."""
 
-    async def screens(self, sid: str, count: int) -> int:
-        """This relay serves ``sid`` to ``count`` screens (0: none): written, and the
-        session's total over the relays whose presence is live sent on its live channel
-        as a ``presence`` frame (offset 0, in no backlog); the total. Raises
-        ``SessionDeleted`` (nothing written) when the session was deleted."""
+    async def screens(self, counts: Sequence[tuple[str, int]]) -> list[int | RelayError]:
+        """For each ``(sid, count)``: this relay serves ``sid`` to ``count`` screens (0:
+        none): written, and the session's total over the relays whose presence is live
+        sent on its live channel as a ``presence`` frame (offset 0, in no backlog). Per
+        session its total, or the error that kept it from being written
+        (``SessionDeleted``: the session was deleted, nothing written); raises
+        ``RelayError`` when none could be."""
 
     async def active_turn(self, sid: str) -> tuple[int, int] | None:
         """The turn that is generating and the offset right before its first frame;

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +43,7 @@ from relay.broker.base import (
     ReapStatus,
     ResubscribedHandler,
 )
-from relay.broker.errors import RedisUnavailable, SessionDeleted, SubscribeError
+from relay.broker.errors import RedisUnavailable, RelayError, SessionDeleted, SubscribeError
 from relay.protocol.frame import Frame, Kind, decode, deleted_frame, encode, now_ms
 from relay.protocol.keys import BACKLOG_MAX_BYTES, BACKLOG_MAXLEN, live_channel, parse_session
 from relay.service.supervise import Supervisor
@@ -84,7 +84,8 @@ class MemoryBroker:
         # a peer's counts while it is in live_peers (its presence entry has not expired)
         self.screen_counts: dict[str, dict[str, int]] = {}
         self.live_peers: dict[str, set[str]] = {}
-        self.screen_writes = 0
+        self.screen_writes = 0  # sessions written
+        self.screen_calls = 0  # calls of screens(): batches
         self.reads = 0
         self._on_message: MessageHandler | None = None
         self._on_resubscribed: ResubscribedHandler | None = None
@@ -174,16 +175,24 @@ class MemoryBroker:
     def absent(self, sid: str) -> None:
         self.presence.discard(sid)
 
-    async def screens(self, sid: str, count: int) -> int:
+    async def screens(self, counts: Sequence[tuple[str, int]]) -> list[int | RelayError]:
         self._check()
-        self._exists(sid)
-        self.screen_writes += 1
-        fields = self.screen_counts.setdefault(sid, {})
-        if count > 0:
-            fields[self.relay_id] = count
-        else:
-            fields.pop(self.relay_id, None)
-        return self._total(sid)
+        self.screen_calls += 1
+        out: list[int | RelayError] = []
+        for sid, count in counts:
+            try:
+                self._exists(sid)
+            except SessionDeleted as exc:
+                out.append(exc)
+                continue
+            self.screen_writes += 1
+            fields = self.screen_counts.setdefault(sid, {})
+            if count > 0:
+                fields[self.relay_id] = count
+            else:
+                fields.pop(self.relay_id, None)
+            out.append(self._total(sid))
+        return out
 
     async def active_turn(self, sid: str) -> tuple[int, int] | None:
         self._check()

@@ -29,6 +29,7 @@ from relay.edge.conn.ui import UiConn
 from relay.edge.conn.ws import WsConn
 from relay.edge.core.resume import Delivery
 from relay.edge.fanout.hub import Hub
+from relay.edge.fanout.notices import BATCH
 from relay.protocol.codes import CloseCode, WsClose
 from relay.protocol.frame import decode, first_offset
 
@@ -280,6 +281,45 @@ async def test_a_burst_of_screens_is_one_or_two_writes_not_one_each(
     assert broker.screen_writes <= 5
 
 
+async def test_a_screen_that_drops_and_comes_back_within_the_settle_time_writes_nothing(
+    broker: MemoryBroker,
+) -> None:
+    hub = Hub(broker, reap_interval_s=0, screens_interval_s=0.4)  # settles in 0.2 s
+    await hub.start()
+    try:
+        a = await open_reader(hub, SID, None, notices=True)
+        b = await open_reader(hub, SID, None, notices=True)
+        await count_is(a, 2)
+        writes = broker.screen_writes
+        await b.close()  # a reconnect: gone, and back well within the settle time
+        b = await open_reader(hub, SID, None, notices=True)
+        await asyncio.sleep(1.0)  # past the settle time and the interval
+        assert broker.screen_writes == writes  # the count never moved: nothing written
+        await b.close()  # a real leave is written, once settled
+        await count_is(a, 1)
+        assert broker.screen_writes == writes + 1
+    finally:
+        await hub.close()
+
+
+async def test_the_counts_of_many_sessions_due_together_go_in_one_call(
+    broker: MemoryBroker,
+) -> None:
+    hub = Hub(broker, reap_interval_s=0, screens_interval_s=0.1)
+    await hub.start()
+    try:
+        sids = [f"s{i:02d}" for i in range(2 * BATCH + 5)]
+        readers = await asyncio.gather(*(open_reader(hub, s, None, notices=True) for s in sids))
+        for r in readers:
+            await count_is(r, 1)
+        assert broker.screen_writes == len(sids)
+        assert broker.screen_calls <= 6, (
+            broker.screen_calls
+        )  # batches of BATCH, a tick or two apart
+    finally:
+        await hub.close()
+
+
 async def test_a_screen_that_joins_late_gets_the_count_at_once(broker: MemoryBroker) -> None:
     hub = Hub(broker, reap_interval_s=0, screens_interval_s=30)  # the next write is far off
     await hub.start()
@@ -301,8 +341,9 @@ async def test_presence_frames_are_outside_the_order(quick: Hub, broker: MemoryB
         broker.append(SID, text=f"t{i}")
         if i % 10 == 0:
             other = await open_reader(quick, SID, None)  # the count moves meanwhile
-            await asyncio.sleep(0.12)
+            await asyncio.sleep(0.12)  # past the settle time (a blip is not written)
             await other.close()
+            await asyncio.sleep(0.12)
         seen += await r.next()
     async with asyncio.timeout(2):
         while max(d.offset for d in seen) < 30:

@@ -6,7 +6,8 @@ transport's callbacks); backlog reads, seals and reaps are the scripts of
 :mod:`relay.broker.rediscluster.publisher` (one round trip each, on the session's slot);
 presence is :class:`relay.broker.rediscluster.presence.Presence` (one entry per relay in
 a sorted set per session, refreshed by one timer), and the screen counts its
-:func:`relay.broker.rediscluster.presence.write_screens` (one script per change). Every
+:func:`relay.broker.rediscluster.presence.write_screens` (one script per session, one
+pipeline per call). Every
 redis-py error arrives as a :class:`relay.broker.errors.RelayError`
 (:func:`relay.broker.rediscluster.errors.map_redis_errors`).
 
@@ -21,13 +22,13 @@ Order of use (the edge server does this)::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.base import BacklogPage, MessageHandler, ReapResult, ResubscribedHandler
-from relay.broker.errors import SessionDeleted, SubscribeError
+from relay.broker.errors import RelayError, SessionDeleted, SubscribeError
 from relay.broker.rediscluster.errors import map_redis_errors
 from relay.broker.rediscluster.presence import Presence, write_screens
 from relay.broker.rediscluster.publisher import read_backlog_page, reap, seal
@@ -165,8 +166,8 @@ class RedisBroker:
     def absent(self, sid: str) -> None:
         self.presence.remove(sid)
 
-    async def screens(self, sid: str, count: int) -> int:
-        return await write_screens(self.redis, sid, self.relay_id, count, ttl_s=self.presence.ttl_s)
+    async def screens(self, counts: Sequence[tuple[str, int]]) -> list[int | RelayError]:
+        return await write_screens(self.redis, counts, self.relay_id, ttl_s=self.presence.ttl_s)
 
     async def active_turn(self, sid: str) -> tuple[int, int] | None:
         """The session's ``open`` marker (and its tombstone, in the same round trip: a

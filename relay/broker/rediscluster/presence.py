@@ -28,12 +28,15 @@ more: one script per session per refresh, as before.
 
 Screens: beside its entry, a relay writes how many screens it serves the session to,
 in the hash ``screens_key(sid)`` (relay id -> count), when that number changes (the hub
-debounces it: :mod:`relay.edge.fanout.notices`), with :func:`write_screens`: one script
-that writes this relay's field, sums the fields of the relays whose presence entry is
-live, drops the others, and SPUBLISHes the total as a ``presence`` frame on the session's
-live channel (offset 0, in no backlog). The refresh script does the same correction: a
-field whose relay's entry expired (a relay that died) is removed and the new total sent,
-so the count heals within the entry's TTL. The hash lives as long as the presence set.
+debounces it and gathers the counts due together: :mod:`relay.edge.fanout.notices`),
+with :func:`write_screens`: per session one script that writes this relay's field, sums
+the fields of the relays whose presence entry is live, drops the others, and SPUBLISHes
+the total as a ``presence`` frame on the session's live channel (offset 0, in no
+backlog); the sessions of one call in one pipeline. Both writers send their scripts by
+``EVALSHA`` (:func:`relay.broker.rediscluster.scripts.run_batch`). The refresh script
+does the same correction: a field whose relay's entry expired (a relay that died) is
+removed and the new total sent, so the count heals within the entry's TTL. The hash
+lives as long as the presence set.
 
 The refresh timer is the supervised loop ``presence`` (:class:`relay.service.supervise.Supervisor`):
 a failed pipeline puts its sessions back (nothing is dropped), the supervisor logs the
@@ -53,13 +56,19 @@ import asyncio
 import contextlib
 import heapq
 import random
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.errors import RelayError, SessionDeleted
-from relay.broker.rediscluster.errors import map_redis_errors
-from relay.broker.rediscluster.scripts import PRESENCE_COUNT, PRESENCE_WRITE, SCREENS
+from relay.broker.rediscluster.scripts import (
+    PRESENCE_COUNT,
+    PRESENCE_WRITE,
+    SCREENS,
+    Call,
+    run_batch,
+)
 from relay.protocol.keys import (
     KeyKind,
     gone_key,
@@ -98,23 +107,35 @@ def write_keys(sid: str) -> tuple[str, ...]:
 
 
 async def write_screens(
-    redis: RedisCluster, sid: str, relay_id: str, count: int, *, ttl_s: float = 30.0
-) -> int:
-    """This relay serves ``sid`` to ``count`` screens (0: none, its field goes); the
-    session's total over the relays whose presence entry is live, also SPUBLISHed as a
-    ``presence`` frame. ``ttl_s``: the presence entry's (an entry is made if this relay
-    has none yet). Raises :class:`SessionDeleted` (nothing written) for a deleted session."""
-    keys = (screens_key(sid), presence_key(sid), live_channel(sid), gone_key(sid))
-    total = int(await SCREENS(redis, keys, (relay_id, count, sid, int(ttl_s * 1000))))
-    if total < 0:
-        raise SessionDeleted(sid)
-    return total
+    redis: RedisCluster, counts: Sequence[tuple[str, int]], relay_id: str, *,
+    ttl_s: float = 30.0,
+) -> list[int | RelayError]:  # fmt: skip
+    """For each ``(sid, count)``: this relay serves ``sid`` to ``count`` screens (0: none,
+    its field goes); the session's total over the relays whose presence entry is live,
+    also SPUBLISHed as a ``presence`` frame. One pipeline for all of them. ``ttl_s``: the
+    presence entry's (an entry is made if this relay has none yet). Per session its
+    total, or what kept it from being written (:class:`SessionDeleted`: nothing written);
+    raises :class:`RelayError` when the pipeline fails as a whole."""
+    ttl_ms = int(ttl_s * 1000)
+    calls: list[Call] = [
+        (SCREENS, (screens_key(sid), presence_key(sid), live_channel(sid), gone_key(sid)),
+         (relay_id, count, sid, ttl_ms))
+        for sid, count in counts
+    ]  # fmt: skip
+    out: list[int | RelayError] = []
+    for (sid, _), reply in zip(counts, await run_batch(redis, calls), strict=True):
+        if isinstance(reply, RelayError):
+            out.append(reply)
+        elif int(reply) < 0:
+            out.append(SessionDeleted(sid))
+        else:
+            out.append(int(reply))
+    return out
 
 
 async def count_present(redis: RedisCluster, sid: str) -> int:
     """Relays whose presence entry for ``sid`` has not expired (Redis server time)."""
-    with map_redis_errors():
-        return int(await redis.eval(COUNT_LUA, 1, presence_key(sid)))
+    return int(await PRESENCE_COUNT(redis, (presence_key(sid),), ()))
 
 
 class Presence:
@@ -225,14 +246,12 @@ class Presence:
         """One pipeline: entries written (and their sessions' keys extended), entries
         removed; a failure raises :class:`relay.broker.errors.RelayError`."""
         ttl_ms = int(self.ttl_s * 1000)
-        with map_redis_errors():
-            async with self.redis.pipeline(transaction=False) as p:
-                for sid in writes:
-                    # built per write, not kept per watched session: seven key names
-                    # (about 700 bytes) for every session, against a few microseconds
-                    # per session every refresh_s
-                    ks = write_keys(sid)
-                    p.eval(WRITE_LUA, len(ks), *ks, self.relay_id, ttl_ms, sid)
-                for sid in gone:
-                    p.zrem(presence_key(sid), self.relay_id)
-                await p.execute()
+        # built per write, not kept per watched session: seven key names (about 700
+        # bytes) for every session, against a few microseconds per session every refresh_s
+        calls: list[Call] = [
+            (PRESENCE_WRITE, write_keys(sid), (self.relay_id, ttl_ms, sid)) for sid in writes
+        ]
+        zrems = [("ZREM", presence_key(sid), self.relay_id) for sid in gone]
+        for reply in await run_batch(self.redis, calls, zrems):
+            if isinstance(reply, RelayError):
+                raise reply

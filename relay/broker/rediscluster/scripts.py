@@ -10,12 +10,15 @@ the package (package data).
 
 A :class:`Script` runs with ``EVALSHA`` and falls back to ``EVAL`` once on ``NOSCRIPT``
 (a node that restarted or a new replica promoted has an empty script cache); redis-py
-errors become :mod:`relay.broker.errors` exceptions.
+errors become :mod:`relay.broker.errors` exceptions. :func:`run_batch` does the same for
+many calls in one pipeline (a relay's presence entries and screen counts): each call by
+``EVALSHA``, only the ones a node answers ``NOSCRIPT`` again by ``EVAL``, so the script's
+source crosses the network and is hashed by Redis once per node, not once per call.
 
 Order of use::
 
     reply = await REAP(redis, keys, args)
-    pipeline.eval(PRESENCE_WRITE.source, len(keys), *keys, *args)
+    replies = await run_batch(redis, [(PRESENCE_WRITE, keys, args), ...], [("ZREM", k, m)])
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from importlib import resources
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 import redis.exceptions as rex
 from redis.asyncio.cluster import RedisCluster
 
-from relay.broker.rediscluster.errors import map_redis_errors
+from relay.broker.errors import RelayError
+from relay.broker.rediscluster.errors import convert, map_redis_errors
 
 __all__ = [
     "LOCK_NAME",
@@ -43,8 +47,10 @@ __all__ = [
     "SCREENS",
     "SEAL",
     "STOPPED",
+    "Call",
     "Script",
     "lua",
+    "run_batch",
 ]
 
 
@@ -81,3 +87,33 @@ LOCK_NAME: Final = Script("lock_name")
 LOCK_REFRESH: Final = Script("lock_refresh")
 LOCK_RELEASE: Final = Script("lock_release")
 STOPPED: Final = Script("stopped")
+
+
+Call: TypeAlias = tuple[Script, Sequence[str], Sequence[Any]]
+
+
+async def run_batch(
+    redis: RedisCluster, calls: Sequence[Call], plain: Sequence[tuple[Any, ...]] = ()
+) -> list[Any]:
+    """``calls`` (each by ``EVALSHA``), then the ``plain`` commands, in one pipeline:
+    redis-py sends each node its share at once. A call a node answers ``NOSCRIPT`` is sent
+    again by ``EVAL`` (which loads the script there). Each command's reply, in order, or
+    the error it got as a :class:`relay.broker.errors.RelayError`; raises one when the
+    pipeline fails as a whole."""
+    with map_redis_errors():
+        async with redis.pipeline(transaction=False) as p:
+            for script, keys, args in calls:
+                p.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            for command in plain:
+                p.execute_command(*command)
+            out: list[Any] = list(await p.execute(raise_on_error=False))
+        again = [i for i, r in enumerate(out[: len(calls)]) if isinstance(r, rex.NoScriptError)]
+        if again:
+            async with redis.pipeline(transaction=False) as p:
+                for i in again:
+                    script, keys, args = calls[i]
+                    p.execute_command("EVAL", script.source, len(keys), *keys, *args)
+                for i, r in zip(again, await p.execute(raise_on_error=False), strict=True):
+                    out[i] = r
+    return [convert(r) if isinstance(r, BaseException) and not isinstance(r, RelayError) else r
+            for r in out]  # fmt: skip

@@ -9,10 +9,16 @@ gap, never a resume point; and this relay's screen counts, which make one of the
 - **The presence frame** (``kind`` ``presence``, ``meta.screens``: how many screens
   watch the session, over every relay). :class:`Screens` keeps, per session this relay
   serves, the count it last wrote; when the number of the session's local connections
-  changes, it writes the new one through :meth:`relay.broker.base.Broker.screens` (one
-  script: this relay's field, the live relays' total, the frame SPUBLISHed), at most once
-  per ``interval_s`` per session, one write in flight per session (a change meanwhile is
-  written once the write is back, with the count of that moment). The frame comes back
+  changes, it writes the new one through :meth:`relay.broker.base.Broker.screens` (per
+  session one script: this relay's field, the live relays' total, the frame SPUBLISHed)
+  once the change has held for ``settle_s`` (half the interval, at most
+  :data:`SETTLE_S`: a screen that drops and reconnects within it changes nothing, so a
+  reconnect storm writes no count), at most once per ``interval_s`` per session, one
+  write in flight per session (a change meanwhile is written once the write is back,
+  with the count of that moment). The writes that fall due in one tick
+  (:data:`TICK_S`) go to the broker together, in batches of :data:`BATCH` (one pipeline
+  each: a storm of changes costs a few round trips, not one task and one round trip per
+  session). The frame comes back
   on the session's channel like any other, to every relay that serves it;
   :meth:`Screens.received` hands it to each local connection
   (:meth:`relay.edge.fanout.channel.Watcher.notice`, outside the session's order) and
@@ -35,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Coroutine, MutableMapping
 from typing import Any, Final
 
@@ -46,12 +53,24 @@ from relay.protocol import sse
 from relay.protocol.codes import CloseCode
 from relay.protocol.frame import Frame, deleted_frame, encode
 
-__all__ = ["CLOSE_WRITES_S", "DELETED_REASON", "Screens", "deleted_delivery", "is_deleted"]
+__all__ = [
+    "BATCH",
+    "CLOSE_WRITES_S",
+    "DELETED_REASON",
+    "SETTLE_S",
+    "TICK_S",
+    "Screens",
+    "deleted_delivery",
+    "is_deleted",
+]
 
 log = logging.getLogger(__name__)
 
 DELETED_REASON: Final = "the session was deleted"
 CLOSE_WRITES_S: Final = 2.0  # how long a closing relay spends writing its counts as 0
+SETTLE_S: Final = 0.5  # the longest a change must hold before it is written
+TICK_S: Final = 0.05  # writes due within one tick go together
+BATCH: Final = 50  # sessions per call of Broker.screens (4 keys each)
 
 
 def is_deleted(f: Frame) -> bool:
@@ -87,12 +106,16 @@ class Screens:
         self.count = count
         self.spawn = spawn
         self.interval_s = interval_s
+        self.settle_s = min(SETTLE_S, interval_s / 2)
+        self._tick = min(TICK_S, self.settle_s) or TICK_S
         self.counters: MutableMapping[str, int] = counters if counters is not None else {}
         for k in ("screens_writes", "screens_errors", "presence_frames"):
             self.counters.setdefault(k, 0)
         self._sent: dict[str, int] = {}  # sid -> the count written last (absent: 0)
         self._at: dict[str, float] = {}  # sid -> when it was written (loop time)
         self._due: dict[str, asyncio.TimerHandle] = {}  # a write waiting for its time
+        self._ready: dict[str, None] = {}  # due now: in the next batch (in order)
+        self._send: asyncio.Handle | None = None  # the next batch, scheduled
         self._busy: set[str] = set()  # a write in flight
 
     @property
@@ -111,13 +134,15 @@ class Screens:
         self.changed(ch.sid)
 
     def changed(self, sid: str) -> None:
-        """The session's local connections changed: write the count when it is due
-        (now, if the last write is ``interval_s`` old)."""
-        if not self.enabled or sid in self._due or sid in self._busy:
+        """The session's local connections changed: write the count once the change has
+        held for ``settle_s`` and the last write is ``interval_s`` old, on a tick."""
+        if not self.enabled or sid in self._due or sid in self._busy or sid in self._ready:
             return  # the write due (or the one after the write in flight) reads it then
         loop = asyncio.get_running_loop()
-        delay = max(self._at.get(sid, -self.interval_s) + self.interval_s - loop.time(), 0.0)
-        self._due[sid] = loop.call_later(delay, self._write_due, sid)
+        now = loop.time()
+        at = max(self._at.get(sid, -self.interval_s) + self.interval_s, now + self.settle_s)
+        at = math.ceil(at / self._tick) * self._tick  # the writes of one tick go together
+        self._due[sid] = loop.call_at(at, self._write_due, sid)
 
     def received(self, ch: Channel, d: Delivery) -> None:
         """A presence frame of ``ch``'s session: to every local connection, and kept for
@@ -136,6 +161,7 @@ class Screens:
         handle = self._due.pop(sid, None)
         if handle is not None:
             handle.cancel()
+        self._ready.pop(sid, None)
         self._sent.pop(sid, None)
         self._at.pop(sid, None)
 
@@ -145,11 +171,16 @@ class Screens:
         for handle in self._due.values():
             handle.cancel()
         self._due.clear()
+        self._ready.clear()
+        if self._send is not None:
+            self._send.cancel()
+            self._send = None
         sids = [sid for sid, n in self._sent.items() if n]
         self._sent.clear()
         if not sids:
             return
-        writes = [self.broker.screens(sid, 0) for sid in sids]
+        writes = [self.broker.screens([(sid, 0) for sid in sids[i : i + BATCH]])
+                  for i in range(0, len(sids), BATCH)]  # fmt: skip
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(CLOSE_WRITES_S):
                 await asyncio.gather(*writes, return_exceptions=True)
@@ -158,35 +189,53 @@ class Screens:
 
     def _write_due(self, sid: str) -> None:
         self._due.pop(sid, None)
-        n = self.count(sid)
-        if n == self._sent.get(sid, 0):
-            if not n:  # nothing is left of the session here
-                self._at.pop(sid, None)
-            return
-        self._busy.add(sid)
-        self.spawn(f"screens:{sid}", self._write(sid, n))
+        self._ready[sid] = None
+        if self._send is None:  # after every timer of this tick has fired
+            self._send = asyncio.get_running_loop().call_soon(self._send_ready)
 
-    async def _write(self, sid: str, n: int) -> None:
-        """One write; then, if the count moved meanwhile (or the write failed), the next
-        one, ``interval_s`` later."""
-        again = True
+    def _send_ready(self) -> None:
+        """The counts due now that differ from the ones written, in batches."""
+        self._send = None
+        items: list[tuple[str, int]] = []
+        for sid in self._ready:
+            n = self.count(sid)
+            if n == self._sent.get(sid, 0):
+                if not n:  # nothing is left of the session here
+                    self._at.pop(sid, None)
+                continue
+            self._busy.add(sid)
+            items.append((sid, n))
+        self._ready.clear()
+        for i in range(0, len(items), BATCH):
+            self.spawn("screens", self._write(items[i : i + BATCH]))
+
+    async def _write(self, items: list[tuple[str, int]]) -> None:
+        """One batch; then, for each session whose count moved meanwhile (or whose write
+        failed), the next write, ``interval_s`` later."""
         try:
-            await self.broker.screens(sid, n)
-        except SessionDeleted:  # the deleted notice ends the streams; nothing to write
-            again = False
-        except RelayError as exc:  # tried again after the interval, while it differs
-            self.counters["screens_errors"] += 1
-            log.info("screen count of %s not written: %s", sid, exc)
-        else:
-            self.counters["screens_writes"] += 1
-            if n:
-                self._sent[sid] = n
-            else:
-                self._sent.pop(sid, None)
+            replies = await self.broker.screens(items)
+        except RelayError as exc:  # none written: each tried again after the interval
+            replies = [exc] * len(items)
         finally:
-            self._busy.discard(sid)
-            self._at[sid] = asyncio.get_running_loop().time()
-        if not again:
-            self.forget(sid)
-        elif not n or self.count(sid) != self._sent.get(sid, 0):
-            self.changed(sid)  # the next write; after a 0, the check that forgets the session
+            now = asyncio.get_running_loop().time()
+            for sid, _ in items:
+                self._busy.discard(sid)
+                self._at[sid] = now
+        failed = 0
+        for (sid, n), reply in zip(items, replies, strict=True):
+            if isinstance(reply, SessionDeleted):  # the deleted notice ends the streams
+                self.forget(sid)
+                continue
+            if isinstance(reply, RelayError):  # tried again while it differs
+                failed += 1
+                if failed == 1:
+                    log.info("screen count of %s not written: %s", sid, reply)
+            else:
+                self.counters["screens_writes"] += 1
+                if n:
+                    self._sent[sid] = n
+                else:
+                    self._sent.pop(sid, None)
+            if not n or self.count(sid) != self._sent.get(sid, 0):
+                self.changed(sid)  # the next write; after a 0, the check that forgets it
+        self.counters["screens_errors"] += failed
