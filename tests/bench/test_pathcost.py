@@ -8,12 +8,13 @@ left out (named missing) where node/npm cannot install it.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
 import pytest
 
-from bench.peers.pathcost import Config, report, run
+from bench.peers.pathcost import Config, add_arguments, config_from_args, phases, report, run
 from devstack.cluster.launcher import ClusterInfo
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -76,3 +77,13 @@ async def test_tiny_run_adds_up_and_tokenrelay_loses_nothing(cluster: ClusterInf
     assert res["server_log_tracebacks"] == 0
     assert "| phase | system |" in report(res)
     assert "busiest commands" in report(res)
+
+
+def test_phases_picks_the_named_ones_and_refuses_an_unknown_one() -> None:
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    cfg = config_from_args(ap.parse_args(["--phases", "storm_1000x1_2000,1000x1_5000"]))
+    assert [p.name for p in phases(cfg)] == ["1000x1_5000", "storm_1000x1_2000"]
+    assert len(phases(Config())) == 5
+    with pytest.raises(SystemExit, match="unknown phase 'storm'"):
+        config_from_args(ap.parse_args(["--phases", "storm"]))
