@@ -94,7 +94,8 @@ def defaults_source(costs: Costs) -> str:
     """The text of bench/capacity/defaults.py holding ``costs``."""
     doc = (defaults.__doc__ or "").strip()
     parts = textwrap.wrap(costs.source, 80, drop_whitespace=False)
-    source = "".join(f"\n        {part!r}" for part in parts)
+    # double quotes, as ruff format writes them: the file is committed as printed
+    source = "".join(f"\n        {json.dumps(part, ensure_ascii=False)}" for part in parts)
     return (
         f'"""{doc}"""\n\nfrom __future__ import annotations\n\n'
         "from bench.capacity.core import Costs\n\n"

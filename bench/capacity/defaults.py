@@ -9,13 +9,13 @@ from bench.capacity.core import Costs
 __all__ = ["COSTS"]
 
 COSTS = Costs(
-    producer_us=23.53,
-    redis_masters_us=53.68,
-    redis_replicas_us=17.31,
-    relay_us=36.12,
+    producer_us=19.75,
+    redis_masters_us=42.42,
+    redis_replicas_us=13.88,
+    relay_us=29.38,
     source=(
         "python -m bench.peers.pathcost --seed 1 --profile prof --json pathcost.json, "
-        "2026-12-03, 2 cores, nothing else running (load 0.4 -> 2.0): producer and Redis "
+        "2026-12-07, 2 cores, nothing else running (load 1.5 -> 1.3): producer and Redis "
         "from 1000x1_10000, relay from 1000x1_10000"
     ),
 )
