@@ -39,7 +39,10 @@ async def front_door(
             lambda: [p.url for p in stack.of_kind("worker") if p.alive],
             stack_view=lambda: {"redis": stack.redis_url},  # as make demo's /api/stack says
         )
-        runner = web.AppRunner(make_frontdoor_app(door))
+        # as make demo runs it: a client that goes away cancels its handler, so the
+        # proxied stream to the relay closes too (as nginx's does), without waiting for
+        # the relay's next write to find the client gone
+        runner = web.AppRunner(make_frontdoor_app(door), handler_cancellation=True)
         await runner.setup()
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
