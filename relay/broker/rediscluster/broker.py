@@ -7,9 +7,8 @@ transport's callbacks); backlog reads, seals and reaps are the scripts of
 presence is :class:`relay.broker.rediscluster.presence.Presence` (one entry per relay in
 a sorted set per session, refreshed by one timer), and the screen counts its
 :func:`relay.broker.rediscluster.presence.write_screens` (one script per session, one
-pipeline per call). Every
-redis-py error arrives as a :class:`relay.broker.errors.RelayError`
-(:func:`relay.broker.rediscluster.errors.map_redis_errors`).
+pipeline per call). Every redis-py error arrives as a
+:class:`relay.broker.errors.RelayError` (:func:`relay.broker.rediscluster.errors.map_redis_errors`).
 
 Order of use (the edge server does this)::
 

@@ -31,7 +31,6 @@ from typing import Any, Final, TypeAlias
 import redis.exceptions as rex
 from redis.asyncio.cluster import RedisCluster
 
-from relay.broker.errors import RelayError
 from relay.broker.rediscluster.errors import convert, map_redis_errors
 
 __all__ = [
@@ -115,5 +114,4 @@ async def run_batch(
                     p.execute_command("EVAL", script.source, len(keys), *keys, *args)
                 for i, r in zip(again, await p.execute(raise_on_error=False), strict=True):
                     out[i] = r
-    return [convert(r) if isinstance(r, BaseException) and not isinstance(r, RelayError) else r
-            for r in out]  # fmt: skip
+    return [convert(r) if isinstance(r, BaseException) else r for r in out]

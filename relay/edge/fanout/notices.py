@@ -179,8 +179,7 @@ class Screens:
         self._sent.clear()
         if not sids:
             return
-        writes = [self.broker.screens([(sid, 0) for sid in sids[i : i + BATCH]])
-                  for i in range(0, len(sids), BATCH)]  # fmt: skip
+        writes = [self.broker.screens(b) for b in _batches([(sid, 0) for sid in sids])]
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(CLOSE_WRITES_S):
                 await asyncio.gather(*writes, return_exceptions=True)
@@ -206,8 +205,8 @@ class Screens:
             self._busy.add(sid)
             items.append((sid, n))
         self._ready.clear()
-        for i in range(0, len(items), BATCH):
-            self.spawn("screens", self._write(items[i : i + BATCH]))
+        for batch in _batches(items):
+            self.spawn("screens", self._write(batch))
 
     async def _write(self, items: list[tuple[str, int]]) -> None:
         """One batch; then, for each session whose count moved meanwhile (or whose write
@@ -239,3 +238,8 @@ class Screens:
             if not n or self.count(sid) != self._sent.get(sid, 0):
                 self.changed(sid)  # the next write; after a 0, the check that forgets it
         self.counters["screens_errors"] += failed
+
+
+def _batches(items: list[tuple[str, int]]) -> list[list[tuple[str, int]]]:
+    """``items`` in calls of :data:`BATCH` sessions at most."""
+    return [items[i : i + BATCH] for i in range(0, len(items), BATCH)]
