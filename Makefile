@@ -11,7 +11,7 @@ DEMO_EXTRAS := embedded
 ALL_EXTRAS  := test,bench,embedded,dev
 PYTEST_ARGS ?=
 
-.PHONY: all demo test test-fast lint format bench fuzz browser-deps promtool openapi clean
+.PHONY: all demo test test-fast lint format bench fuzz test-deps promtool openapi clean
 
 all: test
 
@@ -39,34 +39,44 @@ demo: $(DEMO_STAMP)
 	TOKENRELAY_SECRET="$${TOKENRELAY_SECRET:-$$($(BIN)/python -c 'import secrets; print(secrets.token_urlsafe(32))')}" \
 		$(BIN)/tokenrelay demo $(DEMO_ARGS)
 
-## test: the whole suite against a real local Redis Cluster (started and stopped by the suite).
-## Two parts, each spread over pytest-xdist workers that start a cluster of their own: the
-## unit, integration and hostile tests TEST_JOBS at a time, then everything else (the
-## benchmarks' tests, end-to-end, deploy: heavier, so HEAVY_JOBS at a time). Both parts
-## run even when the first fails. Against one existing cluster (TOKENRELAY_REDIS_URL, or
-## the docker backend's) the tests run one at a time: they would share its keys.
+## test: the whole suite against real servers it starts and stops itself: a local Redis
+## Cluster per pytest worker (Debian's redis-server, Redis 7; the embedded Valkey where it
+## cannot be installed) and one RabbitMQ broker of the run's own for the jobs tests
+## (devstack/rabbit.py: free loopback ports, stopped by pid when the run ends; never a
+## broker that happens to be on the host). Two parts, each spread over pytest-xdist
+## workers: the unit, integration and hostile tests TEST_JOBS at a time, then everything
+## else (the benchmarks' tests, end-to-end, deploy: heavier, so HEAVY_JOBS at a time).
+## Both parts run even when the first fails. Against one existing cluster
+## (TOKENRELAY_REDIS_URL, or the docker backend's) the tests run one at a time: they
+## would share its keys.
 ONE_CLUSTER := $(or $(TOKENRELAY_REDIS_URL),$(filter docker,$(TOKENRELAY_TEST_BACKEND)))
 TEST_JOBS  ?= $(if $(ONE_CLUSTER),0,3)
 HEAVY_JOBS ?= $(if $(ONE_CLUSTER),0,2)
 LIGHT_TESTS := tests/unit tests/integration tests/hostile
-test: $(STAMP) browser-deps promtool
-	@failed=0; \
+test: $(STAMP) test-deps promtool
+	$(BIN)/python -m devstack.rabbit -- sh -c '\
+	failed=0; \
 	$(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) $(LIGHT_TESTS) $(PYTEST_ARGS) || failed=1; \
 	$(BIN)/python -m pytest -q -ra -n $(HEAVY_JOBS) tests $(LIGHT_TESTS:%=--ignore=%) $(PYTEST_ARGS) || failed=1; \
-	exit $$failed
+	exit $$failed'
 
 ## test-fast: pure-core tests only (no Redis, no browser).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not integration and not browser" $(PYTEST_ARGS)
 
-## browser-deps: Debian's chromium (browser test), docker-compose (compose file
-## validation, no engine needed), nginx-light (deploy/nginx.conf, run), openssl
-## (the TLS test's throwaway CA) and iptables (the fault drills' network partition),
-## where we may install them (root + apt). Best effort: without them those checks skip
-## with a reason, except the partition drill, which fails (TOKENRELAY_SKIP_FAULTS=partition
-## skips it on purpose).
-browser-deps:
+## test-deps: the servers and tools the tests run, from Debian's packages where we may
+## install them (root + apt): redis-server (Redis 7, the cluster nodes) and rabbitmq-server
+## (the jobs tests' broker), installed without starting their system services (a
+## policy-rc.d that denies it, unless one is there already); chromium (browser test),
+## docker-compose (compose file validation, no engine needed), nginx-light
+## (deploy/nginx.conf, run), openssl (the TLS test's throwaway CA) and iptables (the
+## fault drills' network partition). Best effort: without them those checks skip with a
+## reason (the cluster falls back to the embedded Valkey), except the partition drill,
+## which fails (TOKENRELAY_SKIP_FAULTS=partition skips it on purpose).
+test-deps:
 	@missing=""; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	[ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || missing="$$missing rabbitmq-server"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	command -v iptables >/dev/null 2>&1 || [ -x /usr/sbin/iptables ] || missing="$$missing iptables"; \
 	command -v docker-compose >/dev/null 2>&1 || missing="$$missing docker-compose"; \
@@ -74,8 +84,13 @@ browser-deps:
 	command -v openssl >/dev/null 2>&1 || missing="$$missing openssl"; \
 	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		echo "installing Debian packages for the tests:$$missing"; \
+		policy=""; \
+		if [ ! -e /usr/sbin/policy-rc.d ]; then \
+			printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && policy=1; \
+		fi; \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
 			|| echo "could not install$$missing: the checks that need them will skip"; \
+		if [ -n "$$policy" ]; then rm -f /usr/sbin/policy-rc.d; fi; \
 	fi
 
 ## openapi: refresh the packaged copy of docs/openapi.yaml (relay/service/openapi.json), which

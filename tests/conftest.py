@@ -25,6 +25,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from devstack.cluster.form import Node
 from devstack.cluster.launcher import ClusterInfo, LocalCluster
+from devstack.rabbit import AMQP_ENV, RabbitMissing, find_rabbit, local_rabbit
 from relay.broker.rediscluster.connect import GatedRedisCluster
 from tests.support.worker import Harness
 
@@ -77,6 +78,24 @@ async def cluster() -> AsyncIterator[ClusterInfo]:
         yield await local.start()
     finally:
         await local.stop()
+
+
+@pytest.fixture(scope="session")
+async def amqp(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
+    """The URL of a RabbitMQ broker of this run's own: the one ``make test`` started around
+    the whole run (``TOKENRELAY_TEST_AMQP``), else one started here for this process and
+    stopped by pid after it (devstack/rabbit.py). Skips with the reason where
+    ``rabbitmq-server`` is not installed; never uses a broker that happens to be on the host."""
+    url = os.environ.get(AMQP_ENV)
+    if url:
+        yield url
+        return
+    try:
+        find_rabbit()
+    except RabbitMissing as exc:
+        pytest.skip(str(exc))
+    async with local_rabbit(tmp_path_factory.mktemp("rabbit")) as started:
+        yield started
 
 
 @pytest.fixture

@@ -70,13 +70,15 @@ class AmqpError(RuntimeError):
     """The broker closed the connection or a channel, or answered unexpectedly."""
 
 
-def find_broker_pid() -> int | None:
+def find_broker_pid(port: int | None = None) -> int | None:
     """The pid of the local RabbitMQ node (an Erlang VM running the ``rabbit`` app), read
-    from /proc; None when there is none. Only read: the broker belongs to the machine."""
+    from /proc; with ``port``, the one whose node name devstack/rabbit.py gave it for that
+    AMQP port, if any. None when there is none. Only read: the broker is not ours to stop."""
     try:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     except OSError:
         return None
+    found: list[tuple[int, list[bytes]]] = []
     for pid in pids:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -84,8 +86,12 @@ def find_broker_pid() -> int | None:
         except OSError:
             continue
         if argv and argv[0].endswith(b"beam.smp") and any(b"rabbit" in a for a in argv):
+            found.append((pid, argv))
+    mine = f"-{port}@".encode()
+    for pid, argv in found:
+        if port is not None and any(mine in a for a in argv):
             return pid
-    return None
+    return found[0][0] if found else None
 
 
 def routing_key(session: str) -> str:

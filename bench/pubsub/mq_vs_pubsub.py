@@ -42,6 +42,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from bench._util import ns_ms, percentile
 from bench.pubsub import amqp_load as amqp_io
@@ -398,7 +399,7 @@ async def run_all(wl: Workload, url: str) -> dict[str, Any]:
         log(f"spublish: {wl.sessions} sessions x {wl.rate} tokens/s")
         modes["spublish"] = await run_spublish(wl, sids, pool)
         reason = await _reachable(url)
-        pid = amqp_io.find_broker_pid()
+        pid = amqp_io.find_broker_pid(urlsplit(url).port)
         if reason is None and pid is None:
             reason = "the broker answers but its process is not on this machine (no CPU figures)"
         for mode in MODES[1:]:

@@ -1,8 +1,8 @@
 """The message-queue vs Pub/Sub benchmark on real brokers, at a tiny scale.
 
 SPUBLISH runs on a cluster the benchmark starts (and stops by pid); the RabbitMQ modes
-use the broker this machine runs (``amqp://guest:guest@127.0.0.1:5672/``) and are
-skipped with the reason where none answers. Every token published at the paced rate
+use a RabbitMQ of the run's own (the ``amqp`` fixture) and are skipped with the reason
+where none can be started. Every token published at the paced rate
 must reach its viewer, and the record must carry the documented keys.
 """
 
@@ -13,7 +13,7 @@ import asyncio
 import pytest
 
 from bench.pubsub import amqp_load as amqp_io
-from bench.pubsub.mq_vs_pubsub import DEFAULT_AMQP, MODES, Workload, _reachable, markdown, run_all
+from bench.pubsub.mq_vs_pubsub import MODES, Workload, _reachable, markdown, run_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -21,15 +21,15 @@ TINY = Workload(sessions=20, rate=20.0, paced_s=0.5, max_s=0.5, churn_s=0.3, chu
 KEYS = ("latency_p50_ms", "latency_p99_ms", "broker_cpu_us_per_token", "max_tokens_per_s")
 
 
-async def _broker_or_skip() -> None:
-    reason = await _reachable(DEFAULT_AMQP)
+async def _broker_or_skip(url: str) -> None:
+    reason = await _reachable(url)
     if reason is not None:
-        pytest.skip(f"no RabbitMQ broker at 127.0.0.1:5672: {reason}")
+        pytest.skip(f"the run's RabbitMQ does not answer at {url}: {reason}")
 
 
 @pytest.mark.timeout(120)
-async def test_every_mode_delivers_every_token_and_reports_its_costs() -> None:
-    result = await run_all(TINY, DEFAULT_AMQP)
+async def test_every_mode_delivers_every_token_and_reports_its_costs(amqp: str) -> None:
+    result = await run_all(TINY, amqp)
     spub = result["modes"]["spublish"]
     assert spub["delivered_ratio"] == 1.0
     assert spub["published"] == int(TINY.sessions * TINY.rate * TINY.paced_s)
@@ -49,10 +49,10 @@ async def test_every_mode_delivers_every_token_and_reports_its_costs() -> None:
 
 
 @pytest.mark.timeout(30)
-async def test_raw_amqp_client_routes_each_publish_to_its_queue_once() -> None:
-    await _broker_or_skip()
-    consumer = await amqp_io.Amqp.connect(DEFAULT_AMQP)
-    producer = await amqp_io.Amqp.connect(DEFAULT_AMQP)
+async def test_raw_amqp_client_routes_each_publish_to_its_queue_once(amqp: str) -> None:
+    await _broker_or_skip(amqp)
+    consumer = await amqp_io.Amqp.connect(amqp)
+    producer = await amqp_io.Amqp.connect(amqp)
     exchange = "tokenrelay.test.raw"
     try:
         ch = await consumer.open_channel()

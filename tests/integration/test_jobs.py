@@ -2,7 +2,7 @@
 
 Each test uses its own queue names (deleted after), an in-process worker with ``--amqp``
 (tests/support/worker.py) and in-process job runners. Skipped with the reason where no
-broker answers at 127.0.0.1:5672.
+broker could be started (the ``amqp`` fixture: a RabbitMQ of the run's own).
 """
 
 from __future__ import annotations
@@ -36,24 +36,14 @@ from worker.routing.router import Router
 
 pytestmark = pytest.mark.integration
 
-AMQP = "amqp://guest:guest@127.0.0.1:5672/"
 KEY = "jobs-test-key-0123456789"
 
 
-async def _broker_or_skip() -> None:
-    try:
-        conn = await asyncio.wait_for(aio_pika.connect(AMQP), 3)
-    except Exception as exc:
-        pytest.skip(f"no RabbitMQ broker at 127.0.0.1:5672: {type(exc).__name__}")
-    await conn.close()
-
-
 @pytest.fixture
-async def names() -> AsyncIterator[QueueNames]:
-    await _broker_or_skip()
+async def names(amqp: str) -> AsyncIterator[QueueNames]:
     q = QueueNames(f"tokenrelay.test.{uuid.uuid4().hex[:8]}", max_attempts=2)
     yield q
-    conn = await aio_pika.connect(AMQP)
+    conn = await aio_pika.connect(amqp)
     try:
         ch = await conn.channel()
         for name in (q.queue, q.dead):
@@ -66,8 +56,8 @@ async def names() -> AsyncIterator[QueueNames]:
 class Runners:
     """Job runners in this process, stopped after the test."""
 
-    def __init__(self, h: Harness, redis: RedisCluster, names: QueueNames) -> None:
-        self.h, self.redis, self.names = h, redis, names
+    def __init__(self, h: Harness, redis: RedisCluster, names: QueueNames, amqp: str) -> None:
+        self.h, self.redis, self.names, self.amqp = h, redis, names, amqp
         self.http = aiohttp.ClientSession()
         self.started: list[JobRunner] = []
 
@@ -78,7 +68,7 @@ class Runners:
         cfg.setdefault("backoff_s", 0.05)
         cfg.setdefault("route_wait_s", 1.0)
         runner = JobRunner(
-            AMQP,
+            self.amqp,
             self.names,
             jobs=JobStore(self.redis),
             router=Router(specs),
@@ -98,14 +88,16 @@ class Runners:
 
 
 @pytest.fixture
-async def runners(h: Harness, redis: RedisCluster, names: QueueNames) -> AsyncIterator[Runners]:
-    rs = Runners(h, redis, names)
+async def runners(
+    h: Harness, redis: RedisCluster, names: QueueNames, amqp: str
+) -> AsyncIterator[Runners]:
+    rs = Runners(h, redis, names, amqp)
     yield rs
     await rs.close()
 
 
-async def _worker(h: Harness, names: QueueNames, **kw: Any) -> None:
-    await h.start_worker(amqp_url=AMQP, jobs_queue=names.queue, gateway_keys=(KEY,), **kw)
+async def _worker(h: Harness, names: QueueNames, amqp: str, **kw: Any) -> None:
+    await h.start_worker(amqp_url=amqp, jobs_queue=names.queue, gateway_keys=(KEY,), **kw)
 
 
 async def _submit(h: Harness, body: dict[str, Any], **headers: str) -> tuple[int, dict[str, Any]]:
@@ -130,10 +122,10 @@ async def _poll(h: Harness, job: str, until: str, timeout_s: float = 20.0) -> di
 
 
 async def test_a_job_runs_once_and_its_whole_result_is_stored(
-    h: Harness, names: QueueNames, runners: Runners
+    h: Harness, names: QueueNames, runners: Runners, amqp: str
 ) -> None:
     await h.start_engines(2)
-    await _worker(h, names)
+    await _worker(h, names, amqp)
     await runners.start()
     status, body = await _submit(h, {"prompt": "Write the case report.", "max_tokens": 30},
                                  **{"Idempotency-Key": "report-1"})  # fmt: skip
@@ -151,10 +143,10 @@ async def test_a_job_runs_once_and_its_whole_result_is_stored(
 
 
 async def test_a_job_worker_killed_mid_job_leads_to_redelivery_and_one_result(
-    h: Harness, redis: RedisCluster, names: QueueNames, runners: Runners
+    h: Harness, redis: RedisCluster, names: QueueNames, runners: Runners, amqp: str
 ) -> None:
     await h.start_engines(1, decode_tok_per_s=15.0)
-    await _worker(h, names)
+    await _worker(h, names, amqp)
     first = await runners.start()
     _, body = await _submit(h, {"prompt": "A long report, please.", "max_tokens": 40})
     job = body["job"]
@@ -176,16 +168,16 @@ async def test_a_job_worker_killed_mid_job_leads_to_redelivery_and_one_result(
 
 
 async def test_a_poison_job_goes_to_the_dead_letter_queue_after_max_attempts(
-    h: Harness, redis: RedisCluster, names: QueueNames, runners: Runners
+    h: Harness, redis: RedisCluster, names: QueueNames, runners: Runners, amqp: str
 ) -> None:
     await h.start_engines(1)
-    await _worker(h, names)
+    await _worker(h, names, amqp)
     dead_engine = [EngineSpec(id="gone", url="http://127.0.0.1:9", cap=4)]  # nothing listens
     await runners.start(engines=dead_engine)
     _, body = await _submit(h, {"prompt": "never works"})
     failed = await _poll(h, body["job"], "failed", timeout_s=30)
     assert "gave up after 2 attempts" in failed["error"]
-    conn = await aio_pika.connect(AMQP)
+    conn = await aio_pika.connect(amqp)
     try:
         ch = await conn.channel()
         dead = await ch.declare_queue(names.dead, passive=True)
@@ -200,10 +192,10 @@ async def test_a_poison_job_goes_to_the_dead_letter_queue_after_max_attempts(
 
 
 async def test_a_session_job_is_delivered_on_the_session_as_one_whole_reply(
-    h: Harness, redis: RedisCluster, names: QueueNames, runners: Runners
+    h: Harness, redis: RedisCluster, names: QueueNames, runners: Runners, amqp: str
 ) -> None:
     await h.start_engines(1)
-    await _worker(h, names)
+    await _worker(h, names, amqp)
     await runners.start()
     sid, token = await h.session()
     # the operator's key submits session-less jobs only: a session's job needs its token
@@ -270,10 +262,10 @@ def test_jobs_never_take_the_slots_reserved_for_chat() -> None:
 
 
 async def test_a_job_waits_while_chat_holds_the_reserve(
-    h: Harness, names: QueueNames, runners: Runners
+    h: Harness, names: QueueNames, runners: Runners, amqp: str
 ) -> None:
     await h.start_engines(1)
-    await _worker(h, names)
+    await _worker(h, names, amqp)
     spec = [EngineSpec(id=h.engines[0].engine.cfg.engine_id, url=h.engines[0].url, cap=2)]
     runner = await runners.start(engines=spec, chat_reserve=1, route_wait_s=30.0)
     chat = runner.router.route("chat-key")  # chat holds the engine's last slot above 1
@@ -302,13 +294,13 @@ async def test_store_rules_make_redelivery_safe(redis: RedisCluster) -> None:
 
 
 async def test_the_jobworker_command_runs_jobs_and_stops_cleanly_on_sigterm(
-    h: Harness, names: QueueNames, cluster: ClusterInfo, tmp_path: Path
+    h: Harness, names: QueueNames, cluster: ClusterInfo, tmp_path: Path, amqp: str
 ) -> None:
     await h.start_engines(1)
-    await _worker(h, names)
+    await _worker(h, names, amqp)
     alive = tmp_path / "alive"
     argv = [sys.executable, "-m", "tokenrelay", "jobworker", "--redis", cluster.url,
-            "--amqp", AMQP, "--queue", names.queue, "--max-attempts", "2",
+            "--amqp", amqp, "--queue", names.queue, "--max-attempts", "2",
             "--engine", f"eng-0={h.engines[0].url}", "--health-file", str(alive)]  # fmt: skip
     proc = Proc.start(argv, log=tmp_path / "jobworker.out", err_log=tmp_path / "jobworker.err")
     try:
@@ -326,7 +318,7 @@ async def test_the_jobworker_command_runs_jobs_and_stops_cleanly_on_sigterm(
 
 async def test_jobworker_bad_flags_exit_2_with_one_line() -> None:
     r = await run_cli(
-        tokenrelay("jobworker", "--redis", "redis://127.0.0.1:1", "--amqp", AMQP,
+        tokenrelay("jobworker", "--redis", "redis://127.0.0.1:1", "--amqp", "amqp://guest:guest@127.0.0.1:9/",
                    "--engine", "not-a-url"),
         timeout_s=60,
     )  # fmt: skip
