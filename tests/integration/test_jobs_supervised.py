@@ -1,7 +1,7 @@
 """The job runner's consumer is a supervised loop: when it fails (here: its queue cannot
 be opened once), the failure is logged with its traceback, the loop is started again
 and jobs still run. Against the real RabbitMQ broker and Redis Cluster of the job tests
-(skipped without a broker)."""
+(the run's own: the amqp fixture)."""
 
 from __future__ import annotations
 
@@ -21,10 +21,14 @@ __all__ = ["names", "runners"]  # the fixtures, used by name
 
 
 async def test_a_consumer_that_fails_is_started_again_and_jobs_still_run(
-    h: Harness, names: QueueNames, runners: Runners, caplog: pytest.LogCaptureFixture
+    h: Harness,
+    names: QueueNames,
+    runners: Runners,
+    amqp: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     await h.start_engines(1)
-    await _worker(h, names)
+    await _worker(h, names, amqp)
     with caplog.at_level(logging.ERROR, "relay.service.supervise"):
         runner = await runners.start()
         real_open = runner._open
