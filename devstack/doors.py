@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib.util
 import re
 import sys
@@ -162,8 +163,8 @@ class Nginx:
         return UPSTREAMS[upstream]
 
 
-def ingress_service(text: str, path: str) -> str | None:
-    """The service an ingress-nginx controller sends ``path`` to (any method)."""
+@functools.cache
+def _ingress_rules(text: str) -> tuple[bool, list[tuple[str, str | None, str]]]:
     import yaml  # a development dependency
 
     objects = [d for d in yaml.safe_load_all(text) if d and d.get("kind") == "Ingress"]
@@ -177,7 +178,13 @@ def ingress_service(text: str, path: str) -> str | None:
         for rule in o["spec"]["rules"]
         for p in rule["http"]["paths"]
     ]
-    for rule_path, kind, service in sorted(rules, key=lambda r: -len(r[0])):
+    return regex_host, sorted(rules, key=lambda r: -len(r[0]))  # the longest path first
+
+
+def ingress_service(text: str, path: str) -> str | None:
+    """The service an ingress-nginx controller sends ``path`` to (any method)."""
+    regex_host, rules = _ingress_rules(text)
+    for rule_path, kind, service in rules:
         if regex_host:
             hit = re.match("^" + rule_path, path, re.IGNORECASE) is not None
         elif kind == "Exact":
