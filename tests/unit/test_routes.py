@@ -197,6 +197,36 @@ async def test_no_door_routes_a_path_the_table_lacks(path: str) -> None:
     assert doors.ingress_service(INGRESS, path) is None
 
 
+def test_every_proxying_location_and_ingress_path_is_generated() -> None:
+    """A location or Ingress path written by hand beside the generated ones would route
+    what the table does not say: there is none."""
+    generated = doors.Nginx("http { server { " + routegen.nginx_locations() + " } }")
+    heads = [b.words for b in generated.locations]
+    assert [b.words for b in NGINX.locations if any(b.find("proxy_pass"))] == heads
+    paths = [
+        p["path"]
+        for o in yaml.safe_load_all(INGRESS)
+        for rule in o["spec"]["rules"]
+        for p in rule["http"]["paths"]
+    ]
+    assert paths == [
+        p["path"]
+        for o in yaml.safe_load_all(routegen.ingress_objects())
+        for rule in o["spec"]["rules"]
+        for p in rule["http"]["paths"]
+    ]
+
+
+def test_the_front_door_has_no_v1_route_beside_the_table() -> None:
+    app = frontdoor.make_frontdoor_app(frontdoor.FrontDoor(list, list))
+    v1 = {
+        r.resource.canonical
+        for r in app.router.routes()
+        if r.resource and r.resource.canonical.startswith("/v1")
+    }
+    assert v1 == {routes.template(p) for p in routes.public_by_path()}
+
+
 @pytest.mark.parametrize("route", OPERATOR, ids=lambda r: r.name)
 async def test_no_door_proxies_an_operator_route(route: routes.Route) -> None:
     path = routes.sample(route.path)
