@@ -11,7 +11,7 @@ DEMO_EXTRAS := embedded
 ALL_EXTRAS  := test,bench,embedded,dev
 PYTEST_ARGS ?=
 
-.PHONY: all demo test test-fast lint format bench fuzz test-deps promtool openapi clean
+.PHONY: all demo test test-fast lint format bench fuzz test-deps promtool openapi routes clean
 
 all: test
 
@@ -97,6 +97,12 @@ test-deps:
 ## the relay and the worker serve at /openapi.json.
 openapi: $(STAMP)
 	$(BIN)/python -m relay.service.openapi docs/openapi.yaml relay/service/openapi.json
+
+## routes: regenerate deploy/nginx.conf's locations and deploy/k8s/base/ingress.yaml's
+## Ingress objects from the route table (relay/service/routes.py); `python -m devstack.doors`
+## then says which fronts each front door reaches.
+routes: $(STAMP)
+	$(BIN)/python -m devstack.routegen
 
 ## promtool: Prometheus's rule checker for deploy/prometheus/alerts.yml, unpacked from
 ## Debian's prometheus package into .venv/tools (apt-get download + dpkg-deb -x: nothing

@@ -57,6 +57,7 @@ from relay.service import openapi, settings
 from relay.service.clientaddr import parse_networks
 from relay.service.errors import RETRY_AFTER, Reject, admin_refused, refusal, retry_after
 from relay.service.httpguard import ConnLimits, client_gone, guard_app
+from relay.service.register import add_routes
 from worker import controls
 from worker.access import BadTokenRequest, RateLimited, parse_token_request
 from worker.chat import direct
@@ -389,19 +390,21 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
     if redis is not None:
         app[REDIS] = redis
     app.cleanup_ctx.append(lifecycle)
-    app.router.add_post("/v1/sessions", _create_session)
-    app.router.add_post("/v1/sessions/{sid:[^/]+}/turns", _post_turn)  # a bad id: 400, not 404
-    app.router.add_post("/v1/sessions/{sid:[^/]+}/tokens", _mint_token)
-    controls.add_routes(app)  # stop, messages, delete (worker/controls.py)
-    app.router.add_get("/healthz", _healthz)
-    app.router.add_get("/readyz", _readyz)
-    app.router.add_get("/metrics", _metrics)
-    app.router.add_get("/v1/router", _router_view)
-    gateway.add_routes(app)  # POST /v1/chat/completions, GET /v1/models
-    responses.add_routes(app)  # /v1/responses: OpenAI's Responses API (worker/gateway/responses.py)
-    jobs_api.add_routes(app)  # POST /v1/jobs, GET /v1/jobs/{id} (404 without --amqp)
-    app.router.add_get("/openapi.json", openapi.handler("worker"))  # docs/openapi.yaml
-    aisdk.register(app)  # POST /v1/chat: the Vercel AI SDK's chat (worker/gateway/aisdk.py)
+    add_routes(app, "worker", {  # the route table: relay/service/routes.py
+        "sessions.create": _create_session,
+        "sessions.turn": _post_turn,  # a bad id: 400, not 404
+        "sessions.token": _mint_token,
+        **controls.handlers(),  # stop, messages, delete (worker/controls.py)
+        **gateway.handlers(),  # POST /v1/chat/completions, GET /v1/models
+        **responses.handlers(),  # /v1/responses: OpenAI's Responses API
+        **jobs_api.handlers(),  # POST /v1/jobs, GET /v1/jobs/{id} (404 without --amqp)
+        **aisdk.handlers(),  # POST /v1/chat: the Vercel AI SDK's chat
+        "healthz": _healthz,
+        "readyz": _readyz,
+        "metrics": _metrics,
+        "router": _router_view,
+        "openapi": openapi.handler("worker"),  # docs/openapi.yaml
+    })  # fmt: skip
     limits = ConnLimits(
         head_timeout_s=cfg.head_timeout_s,
         body_timeout_s=cfg.body_timeout_s,

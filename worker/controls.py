@@ -55,11 +55,12 @@ from relay.protocol.keys import (
 )
 from relay.protocol.slotmap import slot_of
 from relay.service.errors import RETRY_AFTER, Reject, refusal
+from relay.service.register import Handler
 from worker.chat.cancel import StopStatus, StopVerdict
 from worker.chat.store import ConversationView, SessionStore
 from worker.state import STATE, WorkerState
 
-__all__ = ["add_routes", "check_gone", "conversation_page", "delete_session", "session_of"]
+__all__ = ["check_gone", "conversation_page", "delete_session", "handlers", "session_of"]
 
 log = logging.getLogger(__name__)
 
@@ -370,8 +371,11 @@ async def _wait_idle(st: WorkerState, sid: str) -> bool:
     return False
 
 
-def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/sessions/{sid:[^/]+}/turns/{turn}/cancel", _cancel_turn)
-    app.router.add_post("/v1/sessions/{sid:[^/]+}/cancel", _cancel_running)
-    app.router.add_get("/v1/sessions/{sid:[^/]+}/messages", _messages)
-    app.router.add_delete("/v1/sessions/{sid:[^/]+}", _delete)
+def handlers() -> dict[str, Handler]:
+    """The chat controls' handlers, by their names in relay/service/routes.py."""
+    return {
+        "sessions.cancel_turn": _cancel_turn,
+        "sessions.cancel": _cancel_running,
+        "sessions.messages": _messages,
+        "sessions.delete": _delete,
+    }

@@ -1,11 +1,12 @@
 """The demo's front door: one URL for the whole HTTP contract, no stickiness.
 
-Edge paths (``/v1/sessions/{sid}/events``, ``/v1/sessions/{sid}/ws``, a Responses
-stream ``GET /v1/responses/{id}?stream=true``) go to a relay,
-session and turn paths (``POST /v1/sessions``, ``POST /v1/sessions/{sid}/turns``) to a
-worker; each request picks an upstream at random (a client that reconnects lands
-anywhere, which is the point) and tries the next one when an upstream refuses the
-connection. Streams pass through unbuffered, WebSocket close codes pass through.
+Every route of the route table (relay/service/routes.py) that a door proxies goes to the
+service the table names: streams (``/v1/sessions/{sid}/events``, ``.../ws``, the AI
+SDK's, a Responses stream ``GET /v1/responses/{id}?stream=true``) and Durable Streams to
+a relay, session, turn and gateway paths to a worker; each request picks an upstream at
+random (a client that reconnects lands anywhere, which is the point) and tries the next
+one when an upstream refuses the connection. Streams pass through unbuffered, WebSocket
+close codes pass through.
 Headers pass as through a reverse proxy: every end-to-end header (``Accept`` for the
 closed loop, ``X-Session-Id`` for the gateway's session mode, ``Last-Event-ID``, ...) in
 both directions, repeated ones repeated; hop-by-hop ones are dropped, and so is what a
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import random
@@ -44,6 +46,8 @@ from typing import Any
 import aiohttp
 from aiohttp import WSMsgType, web
 from multidict import CIMultiDict
+
+from relay.service.routes import Kind, Route, public_by_path, select
 
 __all__ = ["CONTROL_HEADER", "FrontDoor", "make_frontdoor_app", "same_origin"]
 
@@ -262,17 +266,18 @@ class FrontDoor:
         return client
 
     # -- handlers -----------------------------------------------------------------
-    async def events(self, request: web.Request) -> web.StreamResponse:
-        return await self.proxy_http(request, self._relays())
-
-    async def to_worker(self, request: web.Request) -> web.StreamResponse:
-        return await self.proxy_http(request, self._workers())
-
-    async def response(self, request: web.Request) -> web.StreamResponse:
-        """``GET /v1/responses/{id}``: its event stream (``?stream=true``) from a relay,
-        which serves any response from the backlog and live; the object from a worker."""
-        stream = request.query.get("stream", "").lower() in ("true", "1")
-        return await self.proxy_http(request, self._relays() if stream else self._workers())
+    async def proxy(self, routes: Sequence[Route], request: web.Request) -> web.StreamResponse:
+        """A table route's request (``routes``: the table's routes of its path): to the
+        service :func:`relay.service.routes.select` picks (a Responses stream,
+        ``?stream=true``, from a relay, which serves any response from the backlog and
+        live; the object from a worker), a WebSocket's handshake through :meth:`proxy_ws`."""
+        route = select(routes, request.method, request.query)
+        if route is None:  # the resource holds only its routes' methods: not reached
+            return _error(405, "method_not_allowed", "no route of this path takes it")
+        if route.kind is Kind.WEBSOCKET and request.method == "GET":
+            return await self.proxy_ws(request)
+        upstreams = self._relays() if route.service == "relay" else self._workers()
+        return await self.proxy_http(request, upstreams)
 
     async def index(self, request: web.Request) -> web.StreamResponse:
         return web.FileResponse(STATIC_DIR / "index.html")
@@ -332,37 +337,20 @@ class FrontDoor:
 
 
 def make_frontdoor_app(door: FrontDoor) -> web.Application:
-    app = web.Application(client_max_size=1024 * 1024)
+    # bodies as large as a relay takes for a Durable Streams write by default
+    app = web.Application(client_max_size=4 * 1024 * 1024)
     app.router.add_get("/", door.index)
     app.router.add_static("/static/", STATIC_DIR, follow_symlinks=True)  # tokenrelay.js
     app.router.add_get("/healthz", door.healthz)
     app.router.add_get("/readyz", door.readyz)
     app.router.add_get("/api/stack", door.stack)
     app.router.add_post("/api/{action}/{name}", door.control)
-    app.router.add_get("/v1/sessions/{sid}/events", door.events)
-    app.router.add_get("/v1/sessions/{sid}/ws", door.proxy_ws)
-    app.router.add_post("/v1/sessions", door.to_worker)
-    app.router.add_route("*", "/v1/sessions/{sid}/turns", door.to_worker)
-    app.router.add_post("/v1/sessions/{sid}/tokens", door.to_worker)
-    app.router.add_post("/v1/sessions/{sid}/cancel", door.to_worker)  # the chat controls
-    app.router.add_post("/v1/sessions/{sid}/turns/{turn}/cancel", door.to_worker)
-    app.router.add_get("/v1/sessions/{sid}/messages", door.to_worker)
-    app.router.add_delete("/v1/sessions/{sid}", door.to_worker)
-    # The Vercel AI SDK: its chat POST to a worker, its resume GET (and ui-stream) to a relay.
-    app.router.add_post("/v1/chat", door.to_worker)
-    # Offline jobs, the OpenAI-compatible gateway: workers.
-    app.router.add_post("/v1/jobs", door.to_worker)
-    app.router.add_get("/v1/jobs/{job}", door.to_worker)
-    app.router.add_post("/v1/chat/completions", door.to_worker)
-    app.router.add_get("/v1/models", door.to_worker)
-    # OpenAI's Responses API: workers, but a response's event stream (resumable) from a relay.
-    app.router.add_post("/v1/responses", door.to_worker)
-    app.router.add_get("/v1/responses/{rid}", door.response)
-    app.router.add_delete("/v1/responses/{rid}", door.to_worker)
-    app.router.add_post("/v1/responses/{rid}/cancel", door.to_worker)
-    app.router.add_get("/v1/responses/{rid}/input_items", door.to_worker)
-    app.router.add_get("/v1/chat/{sid}/stream", door.events)
-    app.router.add_get("/v1/sessions/{sid}/ui-stream", door.events)
+    # every route of the table a door proxies (relay/service/routes.py), one resource
+    # per path: the relays' streams and Durable Streams, the workers' API
+    for path, routes in public_by_path().items():
+        resource = app.router.add_resource(path)
+        for method in dict.fromkeys(m for r in routes for m in r.methods):
+            resource.add_route(method, functools.partial(door.proxy, routes))
     app.on_startup.append(door.on_startup)
     app.on_cleanup.append(door.on_cleanup)
     return app

@@ -7,12 +7,14 @@ Every request is checked whole (headers, offset, body) before Redis is touched: 
 refused request writes nothing. Writes: :mod:`relay.durable.store`; reads:
 :mod:`relay.durable.reads`.
 
-Order of use: ``routes(app, Durable(server))`` in :func:`relay.edge.http.app.make_app`.
+Order of use: ``handlers(Durable(server))`` in :func:`relay.edge.http.app.make_app`, which
+registers them on the table's routes.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Final
 
 from aiohttp import web
@@ -32,11 +34,9 @@ if TYPE_CHECKING:
 
     from relay.edge.http.server import EdgeServer
 
-__all__ = ["Durable", "routes"]
+__all__ = ["Durable", "handlers"]
 
 log = logging.getLogger(__name__)
-STREAM_ROUTE: Final = "/v1/stream/{path:.+}"
-SESSION_ROUTE: Final = "/v1/sessions/{sid:[^/]+}/stream"
 _READ_CHUNK: Final = 64 * 1024
 _PROTOCOL_HEADERS: Final = (
     "Stream-Next-Offset, Stream-Up-To-Date, Stream-Closed, Stream-Cursor, Stream-TTL, "
@@ -301,18 +301,14 @@ async def _session(request: web.Request, durable: Durable) -> web.StreamResponse
         return await reads.get(request, source, waker, durable.options(False))
 
 
-def routes(app: web.Application, durable: Durable) -> None:
+def handlers(durable: Durable) -> dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]:
+    """The handlers of the table's ``durable.*`` routes (relay/service/routes.py: every
+    method of a stream on one resource, so that no method meets aiohttp's 405 of another)."""
+
     async def durable_stream(request: web.Request) -> web.StreamResponse:
         return await _guarded(request, durable, request.match_info["path"])
 
     async def durable_session(request: web.Request) -> web.StreamResponse:
         return await _guarded(request, durable, None)
 
-    # one resource per route, every method on it: a method aiohttp finds no route for
-    # on a resource is a 405, and two resources of one path would shadow each other
-    streams = app.router.add_resource(STREAM_ROUTE)
-    for method in ("GET", "HEAD", "PUT", "POST", "DELETE", "OPTIONS"):
-        streams.add_route(method, durable_stream)
-    sessions = app.router.add_resource(SESSION_ROUTE)
-    for method in ("GET", "OPTIONS"):
-        sessions.add_route(method, durable_session)
+    return {"durable.stream": durable_stream, "durable.session": durable_session}

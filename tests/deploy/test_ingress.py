@@ -12,9 +12,11 @@ behaviour under this configuration:
 - the 17th concurrent stream from one address gets 429 (JSON, ``Retry-After``) while
   another address still streams;
 - a session-creation flood from one address gets 429 with ``Retry-After`` past the
-  burst while another address still gets 201.
+  burst while another address still gets 201;
+- Durable Streams reach a real relay (on the local cluster): PUT, POST, a catch-up GET,
+  a long-poll woken by an append, a chat session read as a stream.
 
-Each test keeps a bystander stream from another loopback address (127.0.0.2) open
+Each stand-in test keeps a bystander stream from another loopback address (127.0.0.2) open
 throughout; it must keep receiving events. The configuration is also checked by
 reading it (``nginx -t`` runs on every start here).
 """
@@ -25,6 +27,7 @@ import asyncio
 import contextlib
 import re
 import shutil
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,9 +36,15 @@ import aiohttp
 import pytest
 import yaml
 from aiohttp import web
+from redis.asyncio.cluster import RedisCluster
 
+from devstack.cluster.launcher import ClusterInfo
+from devstack.doors import Block
+from devstack.doors import Nginx as NginxConf
 from devstack.procs import Proc, free_port, port_open
+from relay.protocol.keys import new_session_id
 from tests.support.cli import run_cli
+from tests.support.relay import publish_turn, running
 
 ROOT = Path(__file__).resolve().parents[2]
 NGINX_CONF = ROOT / "deploy" / "nginx.conf"
@@ -316,32 +325,81 @@ async def test_a_session_creation_flood_gets_429_while_another_address_gets_201(
         assert worker.hits == created + 1  # the refused ones never reached a worker
 
 
+@pytest.mark.integration
+async def test_a_durable_stream_round_trip_through_nginx(
+    tmp_path: Path, cluster: ClusterInfo, redis: RedisCluster
+) -> None:
+    """Durable Streams through deploy/nginx.conf to a real relay on the local cluster:
+    PUT, POST, GET (catch-up), a long-poll read woken by an append (unbuffered), and a
+    chat session read as a stream."""
+    nginx_binary()
+    async with (
+        running(cluster, durable_open_prefix="/open/", durable_long_poll_s=5.0) as relay,
+        upstream("ok") as (_, w1),
+        nginx(tmp_path, [int(relay.base.rsplit(":", 1)[1])], [w1]) as ng,
+        client() as http,
+    ):
+        url = f"{ng.base}/v1/stream/open/{uuid.uuid4().hex}"
+        text = {"Content-Type": "text/plain"}
+        async with http.put(url, headers=text) as r:
+            assert r.status == 201, await r.text()
+            assert r.headers["X-Relay-Id"] == "edge-test"
+        async with http.post(url, headers=text, data=b"hello ") as r:
+            assert r.status == 204, await r.text()
+        async with http.get(url, params={"offset": "-1"}) as r:
+            assert r.status == 200
+            assert await r.read() == b"hello "
+            tail = r.headers["Stream-Next-Offset"]
+
+        async def long_poll() -> bytes:
+            async with http.get(url, params={"offset": tail, "live": "long-poll"}) as r:
+                assert r.status == 200, r.status
+                return await r.read()
+
+        waiting = asyncio.create_task(long_poll())
+        await asyncio.sleep(0.3)  # parked on the relay, through nginx
+        async with http.post(url, headers=text, data=b"world") as r:
+            assert r.status == 204
+        async with asyncio.timeout(4):  # well before the relay's 5 s long-poll timeout
+            assert await waiting == b"world"
+        sid = new_session_id()
+        await publish_turn(redis, sid, ["hel", "lo"])
+        async with http.get(f"{ng.base}/v1/sessions/{sid}/stream", headers=relay.auth(sid)) as r:
+            assert r.status == 200, await r.text()
+            frames = await r.json()
+        assert [f["text"] for f in frames if f["kind"] == "token"] == ["hel", "lo"]
+    assert "/v1/stream/open/" in ng.access_log()
+
+
 # -- the file, read -----------------------------------------------------------------------
-
-
-def _location(conf: str, pattern: str) -> str:
-    start = conf.index(f"location {pattern}")
-    depth, i = 0, conf.index("{", start)
-    for j in range(i, len(conf)):
-        depth += {"{": 1, "}": -1}.get(conf[j], 0)
-        if depth == 0:
-            return conf[i : j + 1]
-    raise AssertionError(f"unterminated location {pattern}")
 
 
 def test_only_stream_locations_retry_5xx_and_no_location_retries_a_post() -> None:
     conf = NGINX_CONF.read_text()
-    streams = "~ ^/v1/(sessions/[A-Za-z0-9_-]+/(events|ws|ui-stream)|chat/[A-Za-z0-9_-]+/stream)$"
-    stream = _location(conf, streams)
-    assert "proxy_next_upstream error timeout http_502 http_503 http_504;" in stream
-    assert "limit_except GET OPTIONS { deny all; }" in stream
-    assert "limit_conn streams_per_addr 16;" in stream
-    for pattern in ("= /v1/sessions", "/v1/sessions/ "):
-        loc = _location(conf, pattern.strip() + " ")
-        assert "proxy_next_upstream error timeout;" in loc
-        assert "http_50" not in loc
+    nginx = NginxConf(conf)
+    sid = new_session_id()
+    stream = nginx.location(f"/v1/sessions/{sid}/events")
+    assert stream is not None
+    for tail in ("ws", "ui-stream"):
+        assert nginx.location(f"/v1/sessions/{sid}/{tail}") is stream
+    assert nginx.location(f"/v1/chat/{sid}/stream") is stream
+
+    def text(loc: Block) -> str:
+        return "\n".join(" ".join(b.words) for b in loc.children)
+
+    assert "proxy_next_upstream error timeout http_502 http_503 http_504" in text(stream)
+    assert "limit_except GET OPTIONS" in text(stream)
+    assert "limit_conn streams_per_addr 16" in text(stream)
+    proxied = [loc for loc in nginx.locations if any(loc.find("proxy_pass"))]
+    assert len(proxied) >= 6  # streams, creation, API, gateway, Responses, Durable Streams
+    for loc in proxied:
+        if loc is not stream:
+            (retry,) = loc.find("proxy_next_upstream")
+            assert retry.words == ["proxy_next_upstream", "error", "timeout"], text(loc)
     assert "non_idempotent" not in conf.replace("never non_idempotent", "")
-    assert "limit_req zone=sessions_per_addr" in _location(conf, "= /v1/sessions ")
+    create = nginx.location("/v1/sessions")
+    assert create is not None
+    assert "limit_req zone=sessions_per_addr" in text(create)
 
 
 def test_connection_limits_hold_tens_of_thousands_of_streams() -> None:

@@ -16,12 +16,15 @@
    (repeated ones repeated), hop-by-hop ones and a client's own ``X-Forwarded-For`` do
    not; so through the door a turn POSTed with ``Accept: text/event-stream`` answers
    with its frames (the closed loop) and the OpenAI gateway's session mode
-   (``X-Session-Id`` with the session's write token) streams a completion.
+   (``X-Session-Id`` with the session's write token) streams a completion; and Durable
+   Streams reach a relay through it (PUT, POST, GET, a chat session read as a stream).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -35,6 +38,8 @@ from devstack.cluster.launcher import ClusterInfo
 from devstack.demo.frontdoor import CONTROL_HEADER, FrontDoor, make_frontdoor_app
 from devstack.demo.stack import Stack, StackSpec
 from devstack.procs import free_port
+from relay.durable.auth import token_subject
+from relay.protocol.auth import issue_token
 from tests.integration.test_redis_tls import Viewer
 from tests.support import demo as demo_harness
 from tests.support.sse import SSEClient
@@ -326,7 +331,7 @@ async def test_through_the_door_the_closed_loop_and_the_gateway_session_mode(
     import openai
 
     async with (
-        demo_harness.front_door(cluster, relays=1, decode_tok_per_s=400) as (base, _stack),
+        demo_harness.front_door(cluster, relays=1, decode_tok_per_s=400) as (base, stack),
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http,
     ):
         async with http.post(base + "/v1/sessions") as r:
@@ -365,3 +370,21 @@ async def test_through_the_door_the_closed_loop_and_the_gateway_session_mode(
         finally:
             await client.close()
         assert len(text) > 5, text
+        # Durable Streams through the door to a relay: PUT, POST, GET, a session's stream
+        path = f"door/{uuid.uuid4().hex}"
+        now = time.time()
+        write = issue_token(stack.spec.secret, token_subject(path), 300, now, scope="write")
+        bearer = {"Authorization": f"Bearer {write}", "Content-Type": "text/plain"}
+        url = f"{base}/v1/stream/{path}"
+        async with http.put(url, headers=bearer) as r:
+            assert r.status == 201, await r.text()
+        async with http.post(url, headers=bearer, data=b"through the door") as r:
+            assert r.status == 204, await r.text()
+        async with http.get(url, params={"offset": "-1"}, headers=bearer) as r:
+            assert r.status == 200, await r.text()
+            assert await r.read() == b"through the door"
+        watch = {"Authorization": f"Bearer {issue_token(stack.spec.secret, sid, 300, now)}"}
+        async with http.get(f"{base}/v1/sessions/{sid}/stream", headers=watch) as r:
+            assert r.status == 200, await r.text()
+            frames = await r.json()
+        assert [f["kind"] for f in frames][-1] == "done", frames

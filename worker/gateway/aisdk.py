@@ -27,7 +27,8 @@ edits with the ids it was given.
 Refusals are JSON ``{"error", "reason"}`` with the turns POST's codes (400, 401/403, 404
 ``unknown_message``, 409 (``nothing_to_regenerate`` too), 413, 415, 429, 503).
 
-Order of use: ``register(app)`` in :func:`worker.api.make_app`.
+Order of use: ``handlers()`` in :func:`worker.api.make_app`, which registers it on the
+route table.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from relay.protocol.keys import InvalidSessionId, log_key, parse_session
 from relay.protocol.uistream import DONE, UI_HEADERS, UiTurn, encode_chunk
 from relay.service.errors import RETRY_AFTER, Reject, refusal, retry_after
 from relay.service.httpguard import client_gone
+from relay.service.register import Handler
 from worker.access import RateLimited
 from worker.chat.direct import DirectViewer
 from worker.chat.replace import NothingToRegenerate, Replace, UnknownReplaced
@@ -56,7 +58,7 @@ from worker.controls import check_gone
 from worker.routing.lease import AllEnginesFull
 from worker.state import STATE, WorkerState
 
-__all__ = ["ChatRequest", "parse_chat", "register"]
+__all__ = ["ChatRequest", "handlers", "parse_chat"]
 
 log = logging.getLogger(__name__)
 
@@ -187,8 +189,9 @@ async def _tail(st: WorkerState, sid: str, ui: UiTurn, last: int, resp: web.Stre
                 await resp.write(encode_chunk(chunk))
 
 
-def register(app: web.Application) -> None:
-    """Add ``POST /v1/chat`` (the worker's state under :data:`worker.state.STATE`)."""
+def handlers() -> dict[str, Handler]:
+    """The handler of ``POST /v1/chat`` (the worker's state under
+    :data:`worker.state.STATE`), by its name in relay/service/routes.py."""
 
     async def chat(request: web.Request) -> web.StreamResponse:
         st = request.app[STATE]
@@ -270,4 +273,4 @@ def register(app: web.Application) -> None:
             viewer.detach()
         return resp
 
-    app.router.add_post("/v1/chat", chat)
+    return {"aisdk.chat": chat}

@@ -24,8 +24,8 @@ worker drains, 504 when the engine times out. An error after the stream started 
 Every request holds exactly one lease, released when the engine is done with it, on
 every path (client gone included: the upstream response is closed and the engine aborts).
 
-Order of use: ``add_routes(app)`` when the app is built; ``app[GATEWAY] = Gateway(...)``
-at startup (``worker.api`` does both).
+Order of use: ``handlers()`` when the app is built (registered on the route table);
+``app[GATEWAY] = Gateway(...)`` at startup (``worker.api`` does both).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
 from typing import Any, Final
 
 import orjson
@@ -41,6 +40,7 @@ from aiohttp import web
 
 from relay.protocol.keys import InvalidSessionId, parse_session
 from relay.service.httpguard import client_gone
+from relay.service.register import Handler
 from worker.engines.errors import (
     EngineError,
     EngineHTTPError,
@@ -65,7 +65,7 @@ from worker.routing.lease import AllEnginesFull, Lease, release_once
 
 SESSION_HEADER = gateway_session.SESSION_HEADER
 
-__all__ = ["GATEWAY", "Gateway", "GatewayConfig", "add_routes"]
+__all__ = ["GATEWAY", "Gateway", "GatewayConfig", "handlers"]
 
 log = logging.getLogger(__name__)
 _SSE_HEADERS: Final = {
@@ -248,8 +248,6 @@ async def _stream(
     return resp
 
 
-def add_routes(app: web.Application, paths: Sequence[str] = ("/v1",)) -> None:
-    """Register the gateway's routes under each prefix of ``paths``."""
-    for p in paths:
-        app.router.add_post(f"{p}/chat/completions", chat_completions)
-        app.router.add_get(f"{p}/models", models)
+def handlers() -> dict[str, Handler]:
+    """The gateway's handlers, by their names in relay/service/routes.py."""
+    return {"openai.chat": chat_completions, "openai.models": models}

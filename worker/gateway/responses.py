@@ -30,7 +30,7 @@ engine reachable, Redis down, draining); a turn that fails after a non-streamed,
 non-background create: 503 ``engine_unavailable`` when no engine could serve it, 504
 on the engine's timeout, else 500.
 
-Order of use: ``add_routes(app)`` (``worker.api``).
+Order of use: ``handlers()`` (``worker.api`` registers them on the route table).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any, Final
 
 import orjson
@@ -64,6 +64,7 @@ from relay.protocol.responses import (
 )
 from relay.service.errors import Reject
 from relay.service.httpguard import client_gone
+from relay.service.register import Handler
 from worker.access import RateLimited
 from worker.chat.cancel import StopStatus
 from worker.chat.direct import DirectViewer
@@ -76,7 +77,7 @@ from worker.gateway.wire import WireError
 from worker.routing.lease import AllEnginesFull
 from worker.state import STATE, WorkerState
 
-__all__ = ["add_routes", "backlog_frames"]
+__all__ = ["backlog_frames", "handlers"]
 
 log = logging.getLogger(__name__)
 
@@ -461,11 +462,12 @@ async def input_items(request: web.Request) -> web.StreamResponse:
                   "has_more": False})  # fmt: skip
 
 
-def add_routes(app: web.Application, paths: Sequence[str] = ("/v1",)) -> None:
-    """Register the Responses routes under each prefix of ``paths``."""
-    for p in paths:
-        app.router.add_post(f"{p}/responses", create)
-        app.router.add_get(f"{p}/responses/{{rid}}", retrieve, allow_head=False)
-        app.router.add_post(f"{p}/responses/{{rid}}/cancel", cancel)
-        app.router.add_delete(f"{p}/responses/{{rid}}", delete)
-        app.router.add_get(f"{p}/responses/{{rid}}/input_items", input_items, allow_head=False)
+def handlers() -> dict[str, Handler]:
+    """The Responses handlers, by their names in relay/service/routes.py."""
+    return {
+        "responses.create": create,
+        "responses.get": retrieve,
+        "responses.cancel": cancel,
+        "responses.delete": delete,
+        "responses.input_items": input_items,
+    }

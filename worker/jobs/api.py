@@ -33,11 +33,12 @@ from relay.protocol.keys import InvalidSessionId, parse_session
 from relay.service.apikeys import check_api_key
 from relay.service.errors import RETRY_AFTER, refusal
 from relay.service.httpguard import client_gone
+from relay.service.register import Handler
 from worker.access import WorkerAccess
 from worker.jobs.queue import JobSubmitter
 from worker.jobs.record import JobSpec, JobStore, new_job_id, parse_job_id, public_view
 
-__all__ = ["JOBS", "JobsApi", "add_routes"]
+__all__ = ["JOBS", "JobsApi", "handlers"]
 
 log = logging.getLogger(__name__)
 _JSON: Final = "application/json"
@@ -190,6 +191,6 @@ async def get_job(request: web.Request) -> web.Response:
     return web.Response(body=orjson.dumps(public_view(job_id, rec)), content_type=_JSON)
 
 
-def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/jobs", submit_job)
-    app.router.add_get("/v1/jobs/{job:[^/]+}", get_job)
+def handlers() -> dict[str, Handler]:
+    """The jobs API's handlers, by their names in relay/service/routes.py."""
+    return {"jobs.submit": submit_job, "jobs.get": get_job}

@@ -10,6 +10,7 @@ the stream handlers: :mod:`relay.edge.http.handlers`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from aiohttp import web
@@ -21,10 +22,12 @@ from relay.edge.http import handlers, responses
 from relay.edge.http.server import EdgeServer
 from relay.service import openapi, runtime
 from relay.service.httpguard import ConnLimits, guard_app
+from relay.service.register import Handler, add_routes
 
 __all__ = ["SERVER", "make_app", "make_runner"]
 
 SERVER: Final = web.AppKey("tokenrelay_edge", EdgeServer)
+StreamHandler = Callable[[EdgeServer, web.Request], Awaitable[web.StreamResponse]]
 
 
 def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
@@ -40,24 +43,26 @@ def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
     app.on_shutdown.append(server.on_shutdown)
     app.on_cleanup.append(server.cleanup)
     app.on_response_prepare.append(server.on_prepare)
-    streams = {
-        "/v1/sessions/{sid:[^/]+}/events": handlers.sse_handler,
-        "/v1/sessions/{sid:[^/]+}/ws": handlers.ws_handler,
-        "/v1/sessions/{sid:[^/]+}/ui-stream": handlers.ui_stream_handler,  # the AI SDK's
-        "/v1/chat/{sid:[^/]+}/stream": handlers.ui_stream_handler,  # the SDK's resume URL
-        "/v1/responses/{rid}": responses.responses_stream_handler,  # OpenAI's, ?stream=true
-    }
-    for path, handler in streams.items():
-        # no HEAD: a stream's handler writes its body whatever the method, and a HEAD
-        # response has none (RFC 9110 9.3.2); a pooling proxy would hand those bytes to
-        # the next client. HEAD gets aiohttp's 405 (Allow: GET,OPTIONS), headers only.
-        app.router.add_get(path, functools.partial(handler, server), allow_head=False)
-        app.router.add_route("OPTIONS", path, server.preflight)
-    durable_http.routes(app, durable_http.Durable(server))  # docs/DURABLE.md
-    app.router.add_get("/healthz", server.healthz)
-    app.router.add_get("/readyz", server.readyz)
-    app.router.add_get("/metrics", server.metrics_handler)
-    app.router.add_get("/openapi.json", openapi.handler("relay"))  # docs/openapi.yaml
+
+    # The routes come from the table (relay/service/routes.py). A stream's GET has no
+    # HEAD: its handler writes its body whatever the method, and a HEAD response has none
+    # (RFC 9110 9.3.2); a pooling proxy would hand those bytes to the next client. HEAD
+    # gets aiohttp's 405 (Allow: GET,OPTIONS), headers only.
+    def stream(handler: StreamHandler) -> dict[str, Handler]:
+        return {"GET": functools.partial(handler, server), "OPTIONS": server.preflight}
+
+    add_routes(app, "relay", {
+        "wire.sse": stream(handlers.sse_handler),
+        "wire.ws": stream(handlers.ws_handler),
+        "aisdk.ui_stream": stream(handlers.ui_stream_handler),  # the AI SDK's
+        "aisdk.resume": stream(handlers.ui_stream_handler),  # the SDK's resume URL
+        "responses.stream": stream(responses.responses_stream_handler),  # ?stream=true
+        **durable_http.handlers(durable_http.Durable(server)),  # docs/DURABLE.md
+        "healthz": server.healthz,
+        "readyz": server.readyz,
+        "metrics": server.metrics_handler,
+        "openapi": openapi.handler("relay"),  # docs/openapi.yaml
+    })  # fmt: skip
     limits = ConnLimits(
         head_timeout_s=config.head_timeout_s,
         body_timeout_s=config.body_timeout_s,

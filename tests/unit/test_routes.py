@@ -1,0 +1,273 @@
+"""The route table (relay/service/routes.py) is the one source of every route.
+
+- The table is coherent: unique names, one route per path and method (a query condition
+  aside), every sample path matched by its own pattern only.
+- The relay's and the worker's apps route exactly the table's routes of their service,
+  and an app whose handlers miss a route (or name one the table lacks) is not built.
+- docs/openapi.yaml documents exactly the table's routes, each tagged with the services
+  that serve it.
+- deploy/nginx.conf and deploy/k8s/base/ingress.yaml are what ``make routes`` generates.
+- Each door (nginx read as nginx routes, the Ingress as ingress-nginx routes, the demo's
+  front door through its aiohttp router) sends every table route, each method, to the
+  service that serves it, proxies no operator route, and routes no /v1 path the table
+  lacks; streams are unbuffered with long timeouts.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from devstack import doors, routegen
+from devstack.demo import frontdoor
+from relay.edge.config import RelayConfig
+from relay.edge.http.app import make_app as relay_app
+from relay.service import register, routes
+from relay.service.routes import ROUTES, Door, Kind, RouteTableError
+from worker.api import make_app as worker_app
+from worker.config import WorkerConfig
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[2]
+NGINX = doors.Nginx(routegen.NGINX.read_text())
+INGRESS = routegen.INGRESS.read_text()
+REQUESTS = doors.requests()
+# /v1 paths no route of the table has (a door must answer them itself: 404)
+NOT_ROUTES = [
+    "/v1", "/v1/", "/v1/x", "/v1/sessions/", "/v1/sessions/s/x", "/v1/sessions/s/turns/t",
+    "/v1/sessions/s/turns/t/cancel/x", "/v1/sessions/s/events/x", "/v1/chat/x",
+    "/v1/chat/s/stream/x", "/v1/chat/completions/x", "/v1/responses/r/x", "/v1/jobs/j/x",
+    "/v1/stream", "/v1/stream/", "/v1/models/x", "/v1/router/x", "/v1/sessions/s/stream/x",
+    *(routes.sample(p) + "/x" for p in routes.public_by_path()),
+]  # fmt: skip
+NOT_ROUTES = [
+    p for p in dict.fromkeys(NOT_ROUTES)
+    if not any(re.fullmatch(routes.regex(q), p) for q in routes.public_by_path())
+]  # fmt: skip
+OPERATOR = [r for r in ROUTES if r.door is Door.NONE]
+
+
+# -- the table ---------------------------------------------------------------------------
+
+
+def test_the_table_is_coherent() -> None:
+    names = [r.name for r in ROUTES]
+    assert len(names) == len(set(names)), "route names are handler keys: unique"
+    methods = {"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"}
+    for r in ROUTES:
+        assert r.methods, r.name
+        assert set(r.methods) <= methods, r.name
+        assert len(set(r.methods)) == len(r.methods), r.name
+        assert r.path.startswith("/"), r.name
+        assert (r.door is Door.NONE) == (r.front is routes.Front.OPERATOR), r.name
+        assert r.service in ("relay", "worker") or r.door is Door.NONE, r.name
+    patterns = list(dict.fromkeys(r.path for r in ROUTES))
+    for p in patterns:  # each sample matches its own pattern, and only it
+        hits = [q for q in patterns if re.fullmatch(routes.regex(q), routes.sample(p))]
+        assert hits == [p], (p, hits)
+    for path, rs in routes.public_by_path().items():
+        for m in {m for r in rs for m in r.methods}:
+            plain = [r for r in rs if m in r.methods and r.query is None]
+            assert len(plain) <= 1, (path, m, plain)
+        for r in rs:  # a query condition tells two services of one path apart
+            if r.query is not None:
+                assert any(o.service != r.service and o.query is None for o in rs), r.name
+
+
+def test_select_picks_by_query_and_sends_a_method_only_one_route_has() -> None:
+    (rs,) = [rs for p, rs in routes.public_by_path().items() if "responses/{rid" in p and
+             p.endswith("}")]  # fmt: skip
+    pick = {
+        (m, q): getattr(routes.select(rs, m, dict(q)), "name", None)
+        for m, q in [("GET", ()), ("GET", (("stream", "true"),)), ("GET", (("stream", "TRUE"),)),
+                     ("GET", (("stream", "false"),)), ("OPTIONS", ()), ("DELETE", ()),
+                     ("PUT", ())]
+    }  # fmt: skip
+    assert pick == {
+        ("GET", ()): "responses.get",
+        ("GET", (("stream", "true"),)): "responses.stream",
+        ("GET", (("stream", "TRUE"),)): "responses.stream",
+        ("GET", (("stream", "false"),)): "responses.get",
+        ("OPTIONS", ()): "responses.stream",
+        ("DELETE", ()): "responses.delete",
+        ("PUT", ()): None,
+    }
+
+
+# -- the apps ----------------------------------------------------------------------------
+
+
+def _routed(app: web.Application) -> set[tuple[str, str]]:
+    return {(r.method, r.resource.canonical) for r in app.router.routes() if r.resource}
+
+
+def _table(service: str) -> set[tuple[str, str]]:
+    return {(m, routes.template(r.path)) for r in routes.of_service(service) for m in r.methods}
+
+
+def test_the_apps_route_exactly_the_table() -> None:
+    assert _routed(relay_app(RelayConfig(insecure_no_auth=True))) == _table("relay")
+    assert _routed(worker_app(WorkerConfig())) == _table("worker")
+
+
+async def _ok(request: web.Request) -> web.StreamResponse:
+    return web.Response()
+
+
+def test_registration_fails_on_a_missing_or_extra_handler_or_method() -> None:
+    names = {r.name: _ok for r in routes.of_service("worker")}
+    register.add_routes(web.Application(), "worker", names)
+    missing = {k: v for k, v in names.items() if k != "jobs.get"}
+    with pytest.raises(RouteTableError, match=r"without a handler \['jobs.get'\]"):
+        register.add_routes(web.Application(), "worker", missing)
+    with pytest.raises(RouteTableError, match=r"without a route \['jobs.list'\]"):
+        register.add_routes(web.Application(), "worker", {**names, "jobs.list": _ok})
+    with pytest.raises(RouteTableError, match=r"jobs\.get: handlers for"):
+        register.add_routes(web.Application(), "worker", {**names, "jobs.get": {"GET": _ok}})
+
+
+# -- docs/openapi.yaml ---------------------------------------------------------------------
+
+
+def test_openapi_documents_exactly_the_table() -> None:
+    doc: dict[str, Any] = yaml.safe_load((ROOT / "docs" / "openapi.yaml").read_text())
+    documented = {
+        (m.upper(), path): set(op["tags"])
+        for path, item in doc["paths"].items()
+        for m, op in item.items()
+        if isinstance(op, dict) and "tags" in op
+    }
+    table: dict[tuple[str, str], set[str]] = {}
+    for r in ROUTES:
+        for m in r.methods:
+            if m == "HEAD" and "GET" in r.methods:
+                continue  # answered like the GET, without a body: not documented apart
+            served = {"relay", "worker"} if r.service == "both" else {r.service}
+            table.setdefault((m, routes.template(r.path)), set()).update(served)
+    assert set(documented) - set(table) == set(), "documented, not in relay/service/routes.py"
+    assert set(table) - set(documented) == set(), "in the table, not in docs/openapi.yaml"
+    assert documented == table, "the tags (services) differ from the table's"
+
+
+# -- the generated files ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["nginx", "ingress"])
+def test_committed_deploy_files_are_what_the_table_generates(which: str) -> None:
+    path = routegen.NGINX if which == "nginx" else routegen.INGRESS
+    text = path.read_text()
+    assert routegen.rendered(which, text) == text, f"{path} is stale: run `make routes`"
+
+
+# -- the doors --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("req", REQUESTS, ids=str)
+def test_nginx_sends_every_route_to_its_service(req: doors.Request) -> None:
+    assert NGINX.service(req.method, req.path, req.query) == req.route.service
+
+
+@pytest.mark.parametrize("req", REQUESTS, ids=str)
+def test_the_ingress_sends_every_path_to_its_service(req: doors.Request) -> None:
+    got = doors.ingress_service(INGRESS, req.path)
+    if req.route.query is None:
+        assert got == req.route.service
+    else:  # by path only: to the service of the path's unconditional routes
+        (default,) = {r.service for r in routes.public_by_path()[req.route.path] if r.query is None}
+        assert got == default
+        if req.method != "OPTIONS":  # which serves the request too (a preflight: see docs)
+            assert routes.select(routes.public_by_path()[req.route.path], req.method, {})
+
+
+@pytest.mark.parametrize("req", REQUESTS, ids=str)
+async def test_the_front_door_sends_every_route_to_its_service(req: doors.Request) -> None:
+    assert await doors.frontdoor_service(frontdoor, req.method, req.path_qs) == req.route.service
+
+
+@pytest.mark.parametrize("path", NOT_ROUTES)
+async def test_no_door_routes_a_path_the_table_lacks(path: str) -> None:
+    for method in ("GET", "POST", "DELETE"):
+        assert NGINX.service(method, path, {}) is None, (method, path)
+        assert await doors.frontdoor_service(frontdoor, method, path) is None, (method, path)
+    assert doors.ingress_service(INGRESS, path) is None
+
+
+def test_every_proxying_location_and_ingress_path_is_generated() -> None:
+    """A location or Ingress path written by hand beside the generated ones would route
+    what the table does not say: there is none."""
+    generated = doors.Nginx("http { server { " + routegen.nginx_locations() + " } }")
+    heads = [b.words for b in generated.locations]
+    assert [b.words for b in NGINX.locations if any(b.find("proxy_pass"))] == heads
+    paths = [
+        p["path"]
+        for o in yaml.safe_load_all(INGRESS)
+        for rule in o["spec"]["rules"]
+        for p in rule["http"]["paths"]
+    ]
+    assert paths == [
+        p["path"]
+        for o in yaml.safe_load_all(routegen.ingress_objects())
+        for rule in o["spec"]["rules"]
+        for p in rule["http"]["paths"]
+    ]
+
+
+def test_the_front_door_has_no_v1_route_beside_the_table() -> None:
+    app = frontdoor.make_frontdoor_app(frontdoor.FrontDoor(list, list))
+    v1 = {
+        r.resource.canonical
+        for r in app.router.routes()
+        if r.resource and r.resource.canonical.startswith("/v1")
+    }
+    assert v1 == {routes.template(p) for p in routes.public_by_path()}
+
+
+@pytest.mark.parametrize("route", OPERATOR, ids=lambda r: r.name)
+async def test_no_door_proxies_an_operator_route(route: routes.Route) -> None:
+    path = routes.sample(route.path)
+    assert NGINX.service("GET", path, {}) is None
+    assert doors.ingress_service(INGRESS, path) is None
+    assert await doors.frontdoor_service(frontdoor, "GET", path) is None
+
+
+def _timeout_s(value: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600}
+    return float(value[:-1]) * units[value[-1]] if value[-1] in units else float(value)
+
+
+@pytest.mark.parametrize("req", [r for r in REQUESTS if r.route.kind is not Kind.CALL], ids=str)
+def test_streams_are_unbuffered_and_long_at_every_door(req: doors.Request) -> None:
+    loc = NGINX.location(req.path)
+    assert loc is not None
+    words = {b.words[0]: b.words[1:] for b in loc.children}
+    assert words["proxy_buffering"] == ["off"]
+    assert _timeout_s(words["proxy_read_timeout"][0]) >= 600
+    if req.route.service == "relay":  # a relay's streams: an hour at the Ingress too
+        (obj,) = [
+            o for o in yaml.safe_load_all(INGRESS)
+            if re.match("^" + o["spec"]["rules"][0]["http"]["paths"][0]["path"], req.path)
+        ]  # fmt: skip
+        ann = obj["metadata"]["annotations"]
+        assert ann["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"
+        assert int(ann["nginx.ingress.kubernetes.io/proxy-read-timeout"]) >= 3600
+
+
+def test_every_front_is_reachable_through_every_door() -> None:
+    """The figure ``python -m devstack.doors`` prints: all five fronts at each door (the
+    Ingress routes by path only, so a cross-origin preflight of a resumed Responses stream
+    reaches a worker, which serves the stream but has no CORS: the one request missed)."""
+    where = {
+        "nginx": lambda r: NGINX.service(r.method, r.path, r.query),
+        "ingress": lambda r: doors.ingress_service(INGRESS, r.path),
+    }
+    reach = doors.fronts_reachable(where)
+    assert len(reach["nginx"][0]) == 5, reach["nginx"]
+    assert [str(r) for r in reach["ingress"][1]] == [
+        "OPTIONS /v1/responses/rid-1?stream=true (responses.stream)"
+    ]
+    assert len(doors.fronts_reachable(where, preflights=False)["ingress"][0]) == 5
