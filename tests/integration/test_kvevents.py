@@ -88,7 +88,8 @@ async def test_the_engines_events_reach_the_index(engine: RunningEngine) -> None
         want = engine.engine.cache.peek(prompt_tokens(msgs)) // BS
         assert want >= 6
         await _until(lambda: _held(ix, "kv-0", msgs) == want)
-        assert ix.blocks("kv-0") == len(engine.engine.cache)  # the reply's blocks too
+        # the reply's blocks too: stored by the engine after the prompt's, in a later event
+        await _until(lambda: ix.blocks("kv-0") == len(engine.engine.cache))
         assert follower.counts["events_applied"] > 0
         assert follower.bad == {}
     finally:

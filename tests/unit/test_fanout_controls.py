@@ -334,16 +334,24 @@ async def test_a_screen_that_joins_late_gets_the_count_at_once(broker: MemoryBro
         await hub.close()
 
 
+async def _written(broker: MemoryBroker, writes: int) -> None:
+    """Until the hub has written ``writes`` screen counts (each once settled), 5 s at most."""
+    async with asyncio.timeout(5):
+        while broker.screen_writes < writes:
+            await asyncio.sleep(0.01)
+
+
 async def test_presence_frames_are_outside_the_order(quick: Hub, broker: MemoryBroker) -> None:
     r = await open_reader(quick, SID, None, notices=True)
     seen: list[Delivery] = []
     for i in range(30):
         broker.append(SID, text=f"t{i}")
-        if i % 10 == 0:
-            other = await open_reader(quick, SID, None)  # the count moves meanwhile
-            await asyncio.sleep(0.12)  # past the settle time (a blip is not written)
+        if i % 10 == 0:  # the count moves meanwhile: up, written once settled, then down
+            writes = broker.screen_writes
+            other = await open_reader(quick, SID, None)
+            await _written(broker, writes + 1)  # a fixed sleep lost to a loaded machine
             await other.close()
-            await asyncio.sleep(0.12)
+            await _written(broker, writes + 2)
         seen += await r.next()
     async with asyncio.timeout(2):
         while max(d.offset for d in seen) < 30:
