@@ -17,19 +17,21 @@ from typing import TYPE_CHECKING, Final
 
 from aiohttp import web
 
-from relay.broker.errors import RelayError
+from relay.broker.errors import RelayError, SessionDeleted
 from relay.broker.rediscluster.broker import RedisBroker
 from relay.durable import core, fork, reads, store
 from relay.durable.auth import Gate, Refused, token_subject
 from relay.durable.core import BadRequest, format_offset
 from relay.durable.live import Waker
 from relay.durable.sessions import SessionSource
+from relay.edge.fanout.viewers import viewing
 from relay.protocol.auth import Scope
 from relay.protocol.keys import InvalidSessionId, parse_session
 
 if TYPE_CHECKING:
     from redis.asyncio.cluster import RedisCluster
 
+    from relay.edge.fanout.hub import Hub
     from relay.edge.http.server import EdgeServer
 
 __all__ = ["Durable", "routes"]
@@ -73,11 +75,16 @@ class Durable:
         self.waker = Waker(self)
         server.broker_tap = self.waker.on_message  # set on the hub it makes
 
-    def _broker(self) -> RedisBroker:
+    def hub(self) -> Hub:
         hub = self.server.hub
         if hub is None or not isinstance(hub.broker, RedisBroker):
             raise Refused(503, "not connected to Redis yet: try again or another relay")
-        return hub.broker
+        return hub
+
+    def _broker(self) -> RedisBroker:
+        broker = self.hub().broker
+        assert isinstance(broker, RedisBroker)  # hub() checked it
+        return broker
 
     async def tap_subscribe(self, channel: str) -> None:
         await self._broker().tap_subscribe(channel)
@@ -132,6 +139,8 @@ async def _guarded(request: web.Request, durable: Durable, path: str | None) -> 
         resp = _error(410, "the stream is deleted (its forks still hold its data)")
     except web.HTTPException as exc:
         resp = _error(exc.status, exc.text or exc.reason)
+    except SessionDeleted:  # a live read's viewer found the tombstone
+        resp = _error(404, "no such stream")
     except RelayError as exc:
         log.warning("durable %s %s: %s", request.method, request.path, exc)
         resp = _error(503, f"Redis is unavailable: {exc}")
@@ -297,8 +306,11 @@ async def _session(request: web.Request, durable: Durable) -> web.StreamResponse
     source = SessionSource(redis, sid)
     if request.query.get("live") is None:
         return await reads.get(request, source, waker, durable.options(False))
+    # a live read watches the session: counted as a viewer like an SSE or WebSocket
+    # screen, so a turn read only here is not stopped for nobody watching
     with durable.gate.live(grant):
-        return await reads.get(request, source, waker, durable.options(False))
+        async with viewing(durable.hub(), sid):
+            return await reads.get(request, source, waker, durable.options(False))
 
 
 def routes(app: web.Application, durable: Durable) -> None:
