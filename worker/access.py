@@ -48,7 +48,7 @@ from relay.protocol.auth import (
     verify_token,
 )
 from relay.protocol.codes import Refusal
-from relay.protocol.keys import SESSION_TTL_S, address_sessions_key, turn_rate_key
+from relay.protocol.keys import SESSION_TTL_S, address_sessions_key, parse_session, turn_rate_key
 from relay.service.clientaddr import (
     DEFAULT_IPV6_PREFIX,
     BadForwardedFor,
@@ -186,6 +186,7 @@ class WorkerAccess:
             sid = claims["sub"] if isinstance(claims, dict) else None
             if not isinstance(sid, str):
                 return None
+            sid = parse_session(sid)  # a stream's token names no session (ValueError)
             self.authorize(request, sid, "write")  # the signature decides, not the text read
         except (ValueError, KeyError, AuthError):
             return None

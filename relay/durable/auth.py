@@ -1,5 +1,7 @@
 """Who may read or write a Durable Stream: a token scoped to the stream (its subject
-``ds_<stream id>``, the hash of the path :func:`relay.durable.core.stream_id` names) and
+``ds:<stream id>``, the hash of the path :func:`relay.durable.core.stream_id` names; a
+session's token never opens a stream, nor a stream's a session: the namespace rule of
+:mod:`relay.protocol.auth`) and
 to ``watch`` (read) or ``write``, signed with the relays' keys like a session's; or no
 token under ``--durable-open-prefix`` (a prefix of ``/<path>``; ``/``: all). A chat
 session read as a stream takes the session's own watch token. Live reads count against
@@ -24,7 +26,14 @@ from aiohttp import web
 
 from relay.durable.core import stream_id
 from relay.edge.http.limits import token_key
-from relay.protocol.auth import AuthError, KeySet, Scope, extract_token, verify_token
+from relay.protocol.auth import (
+    AuthError,
+    KeySet,
+    Scope,
+    extract_token,
+    stream_subject,
+    verify_token,
+)
 
 __all__ = ["Gate", "Grant", "Refused", "token_subject"]
 
@@ -43,8 +52,9 @@ class Grant:
 
 
 def token_subject(path: str) -> str:
-    """The ``sub`` of a token for the stream at ``path``."""
-    return f"ds_{stream_id(path)}"
+    """The ``sub`` of a token for the stream at ``path``: ``ds:<stream id>``, a name no
+    session can have (:func:`relay.protocol.auth.stream_subject`: the namespace rule)."""
+    return stream_subject(stream_id(path))
 
 
 class Gate:

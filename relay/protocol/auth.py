@@ -5,7 +5,14 @@ Pure (no clock, no I/O): the caller passes ``now`` (Unix seconds) and the key se
 A token is a JWS compact serialisation signed with one key of a :class:`KeySet`::
 
     header  = {"alg": "HS256" | "ES256" | "RS256", "typ": "JWT", "kid": <key id>}
-    claims  = {"sub": <session id>, "scope": "watch" | "write", "iat": <s>, "exp": <s>}
+    claims  = {"sub": <subject>, "scope": "watch" | "write", "iat": <s>, "exp": <s>}
+
+The subject is a session id (``[A-Za-z0-9_-]{1,64}``) or a Durable Stream's
+(:func:`stream_subject`: ``ds:<stream id>``). The two namespaces are disjoint by their
+spelling (a session id never holds a colon), and :func:`verify_token` refuses a token of
+one kind where the other is asked for: a session's token never opens a stream and a
+stream's token never opens a session, whatever the ids look like (an application may
+name a session ``ds_<anything>``; it still gets no access to any stream).
 
 ``nbf`` is honoured when present; ``jti`` names the token (tokens minted here carry a
 random one); other claims are ignored. A relay counts streams per token identity
@@ -44,7 +51,8 @@ then :func:`verify_token`, which returns :class:`Claims` or raises:
           |    +-- TokenUnknownKey   a kid this process does not hold
           +-- TokenExpired        past its ``exp``
           +-- TokenNotYetValid    ``iat`` / ``nbf`` in the future (beyond the leeway)
-          +-- TokenWrongSession   signed for another session
+          +-- TokenWrongSession   signed for another session (or stream), or a
+          |                       stream's token for a session and the reverse
           +-- TokenWrongScope     a watch token used to write
 
 The signature is checked (constant time, by PyJWT) before any claim is looked at, so a
@@ -91,8 +99,10 @@ __all__ = [
     "WeakSecret",
     "check_secret",
     "extract_token",
+    "is_stream_subject",
     "issue_token",
     "load_keys",
+    "stream_subject",
     "verify_token",
 ]
 
@@ -115,6 +125,8 @@ _MIN_DISTINCT_BYTES: Final = 8
 _KID_MAX: Final = 64
 _JTI_MAX: Final = 128
 _JWS: Final = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+")
+STREAM_PREFIX: Final = "ds:"  # a stream's subject; never a session id (no colon there)
+_STREAM_ID: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class AuthError(Exception):
@@ -317,6 +329,28 @@ def load_keys(secret: str | None, kid: str = DEFAULT_KID, keys_file: str | None 
     return KeySet(keys, signer.kid if signer is not None else None)
 
 
+def stream_subject(stream_id: str) -> str:
+    """The ``sub`` of a token for the Durable Stream ``stream_id`` (the hash tag
+    :func:`relay.durable.core.stream_id` makes of its path): ``ds:<stream id>``."""
+    if _STREAM_ID.fullmatch(stream_id) is None:
+        raise ValueError("a stream id is 1-64 characters of [A-Za-z0-9_-]")
+    return STREAM_PREFIX + stream_id
+
+
+def is_stream_subject(subject: str) -> bool:
+    """Whether ``subject`` names a stream (:func:`stream_subject`), not a session."""
+    return subject.startswith(STREAM_PREFIX)
+
+
+def _parse_subject(subject: object) -> str:
+    """``subject`` if it is a session id or a stream's subject, else ``ValueError``."""
+    if isinstance(subject, str) and is_stream_subject(subject):
+        if _STREAM_ID.fullmatch(subject[len(STREAM_PREFIX) :]) is None:
+            raise ValueError("a stream subject is ds: and 1-64 characters of [A-Za-z0-9_-]")
+        return subject
+    return parse_session(subject)
+
+
 def _as_keyset(keys: KeySet | str | bytes) -> KeySet:
     return keys if isinstance(keys, KeySet) else KeySet.from_secret(keys)
 
@@ -329,12 +363,13 @@ def issue_token(
     *,
     scope: Scope = "watch",
 ) -> str:
-    """A token for ``sid`` valid from ``now`` until ``now + ttl_s`` (whole seconds, down),
-    signed with the key set's signing key (a bare secret is key :data:`DEFAULT_KID`)."""
+    """A token for ``sid`` (a session id, or a stream's :func:`stream_subject`) valid
+    from ``now`` until ``now + ttl_s`` (whole seconds, down), signed with the key set's
+    signing key (a bare secret is key :data:`DEFAULT_KID`)."""
     ks = _as_keyset(keys)
     if ks.signing is None:
         raise ValueError("this key set holds no signing key")
-    sid = parse_session(sid)
+    sid = _parse_subject(sid)
     if ttl_s < 1:
         raise ValueError("ttl_s must be at least 1 second")
     if scope not in SCOPES:
@@ -420,7 +455,8 @@ def verify_token(
     need: Scope = "watch",
     max_lifetime_s: int = MAX_LIFETIME_S,
 ) -> Claims:
-    """The claims of ``token`` if it is genuine, for ``sid``, in its lifetime (at most
+    """The claims of ``token`` if it is genuine, for ``sid`` (a session id, or a stream's
+    :func:`stream_subject`: the namespace rule of the module docstring), in its lifetime (at most
     ``max_lifetime_s`` from ``iat`` to ``exp``) and allows ``need``. Raises (checked in
     this order) :class:`TokenMissing`, :class:`TokenInvalid` / :class:`TokenUnknownKey`,
     :class:`TokenWrongSession`, :class:`TokenNotYetValid`, :class:`TokenExpired`,
@@ -451,9 +487,9 @@ def verify_token(
     claims = _json_object(claims_raw, "claims")
     # Genuine from here on: the claims were written by someone holding the key.
     try:
-        token_sid = parse_session(claims.get("sub"))
-    except InvalidSessionId:
-        raise TokenInvalid("token claim 'sub' is not a session id") from None
+        token_sid = _parse_subject(claims.get("sub"))
+    except (InvalidSessionId, ValueError):
+        raise TokenInvalid("token claim 'sub' is not a session id or a stream's subject") from None
     scope = claims.get("scope")
     if scope not in SCOPES:
         raise TokenInvalid("token claim 'scope' must be 'watch' or 'write'")
@@ -465,8 +501,17 @@ def verify_token(
     jti = claims.get("jti", "")
     if not isinstance(jti, str) or len(jti) > _JTI_MAX:
         raise TokenInvalid(f"token claim 'jti' must be a string of at most {_JTI_MAX} characters")
+    wants_stream = is_stream_subject(sid)
+    if is_stream_subject(token_sid) != wants_stream:  # the namespace rule
+        raise TokenWrongSession(
+            "a session's token does not open a stream"
+            if wants_stream
+            else "a stream's token does not open a session"
+        )
     if not hmac.compare_digest(token_sid.encode(), sid.encode()):
-        raise TokenWrongSession("token was issued for another session")
+        raise TokenWrongSession(
+            f"token was issued for another {'stream' if wants_stream else 'session'}"
+        )
     if issued > now + LEEWAY_S or (not_before is not None and not_before > now + LEEWAY_S):
         raise TokenNotYetValid("token is not valid yet (iat / nbf in the future)")
     if now >= expires:
