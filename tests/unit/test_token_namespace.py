@@ -44,7 +44,7 @@ def test_a_session_named_after_a_stream_gets_no_token_for_the_stream() -> None:
     verify_token(KEYS, token, lookalike, NOW, need="write")  # its own session: fine
     for need in ("watch", "write"):
         with pytest.raises(TokenWrongSession, match="session's token does not open a stream"):
-            verify_token(KEYS, token, token_subject(PATH), NOW, need=need)  # type: ignore[arg-type]
+            verify_token(KEYS, token, token_subject(PATH), NOW, need=need)
 
 
 def test_a_stream_token_opens_no_session() -> None:
