@@ -20,6 +20,8 @@ import json
 import re
 from typing import Final
 
+from relay.protocol import sse
+
 __all__ = [
     "BadRequest",
     "Offset",
@@ -163,10 +165,8 @@ def sse_data(messages: list[bytes], json_mode: bool, binary: bool) -> bytes:
     """One SSE ``data`` event of ``messages``: a JSON array, text lines, or base64."""
     payload = join_body(messages, json_mode)
     if binary:
-        lines = [base64.b64encode(payload)]
-    else:
-        lines = payload.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
-    return b"event: data\n" + b"".join(b"data:" + line + b"\n" for line in lines) + b"\n"
+        payload = base64.b64encode(payload)
+    return sse.event(payload, kind="data", space=False)
 
 
 def cursor(now_s: float, given: str | None, jitter_s: int) -> str:

@@ -39,6 +39,7 @@ from typing import Any, Final
 import orjson
 from aiohttp import web
 
+from relay.protocol import sse
 from relay.protocol.keys import InvalidSessionId, parse_session
 from relay.service.httpguard import client_gone
 from worker.engines.errors import (
@@ -194,7 +195,7 @@ async def _whole(gw: Gateway, req: ChatRequest, lease: Lease) -> web.Response:
 
 
 def _event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+    return sse.event(orjson.dumps(obj))
 
 
 async def _stream(
@@ -243,7 +244,7 @@ async def _stream(
     if req.include_usage:
         use = usage(prompt_tokens, completion_tokens or n, cached)
         await resp.write(_event(usage_chunk(cid, created, req.model, use)))
-    await resp.write(b"data: [DONE]\n\n")
+    await resp.write(sse.DONE)
     await resp.write_eof()
     return resp
 
