@@ -26,14 +26,8 @@ from aiohttp import web
 
 from relay.durable.core import stream_id
 from relay.edge.http.limits import token_key
-from relay.protocol.auth import (
-    AuthError,
-    KeySet,
-    Scope,
-    extract_token,
-    stream_subject,
-    verify_token,
-)
+from relay.protocol.auth import AuthError, KeySet, Scope, extract_token, verify_token
+from relay.protocol.subjects import stream_subject
 
 __all__ = ["Gate", "Grant", "Refused", "token_subject"]
 
@@ -53,7 +47,7 @@ class Grant:
 
 def token_subject(path: str) -> str:
     """The ``sub`` of a token for the stream at ``path``: ``ds:<stream id>``, a name no
-    session can have (:func:`relay.protocol.auth.stream_subject`: the namespace rule)."""
+    session can have (:func:`relay.protocol.subjects.stream_subject`: the namespace rule)."""
     return stream_subject(stream_id(path))
 
 

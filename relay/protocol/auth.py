@@ -5,14 +5,7 @@ Pure (no clock, no I/O): the caller passes ``now`` (Unix seconds) and the key se
 A token is a JWS compact serialisation signed with one key of a :class:`KeySet`::
 
     header  = {"alg": "HS256" | "ES256" | "RS256", "typ": "JWT", "kid": <key id>}
-    claims  = {"sub": <subject>, "scope": "watch" | "write", "iat": <s>, "exp": <s>}
-
-The subject is a session id (``[A-Za-z0-9_-]{1,64}``) or a Durable Stream's
-(:func:`stream_subject`: ``ds:<stream id>``). The two namespaces are disjoint by their
-spelling (a session id never holds a colon), and :func:`verify_token` refuses a token of
-one kind where the other is asked for: a session's token never opens a stream and a
-stream's token never opens a session, whatever the ids look like (an application may
-name a session ``ds_<anything>``; it still gets no access to any stream).
+    claims  = {"sub": <session id>, "scope": "watch" | "write", "iat": <s>, "exp": <s>}
 
 ``nbf`` is honoured when present; ``jti`` names the token (tokens minted here carry a
 random one); other claims are ignored. A relay counts streams per token identity
@@ -51,8 +44,7 @@ then :func:`verify_token`, which returns :class:`Claims` or raises:
           |    +-- TokenUnknownKey   a kid this process does not hold
           +-- TokenExpired        past its ``exp``
           +-- TokenNotYetValid    ``iat`` / ``nbf`` in the future (beyond the leeway)
-          +-- TokenWrongSession   signed for another session (or stream), or a
-          |                       stream's token for a session and the reverse
+          +-- TokenWrongSession   signed for another session or stream (or kind)
           +-- TokenWrongScope     a watch token used to write
 
 The signature is checked (constant time, by PyJWT) before any claim is looked at, so a
@@ -76,7 +68,8 @@ import jwt
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from relay.protocol.codes import Refusal
-from relay.protocol.keys import SESSION_TTL_S, InvalidSessionId, parse_session
+from relay.protocol.keys import SESSION_TTL_S
+from relay.protocol.subjects import namespace_refusal, parse_subject
 
 __all__ = [
     "DEFAULT_KID",
@@ -99,10 +92,8 @@ __all__ = [
     "WeakSecret",
     "check_secret",
     "extract_token",
-    "is_stream_subject",
     "issue_token",
     "load_keys",
-    "stream_subject",
     "verify_token",
 ]
 
@@ -125,8 +116,6 @@ _MIN_DISTINCT_BYTES: Final = 8
 _KID_MAX: Final = 64
 _JTI_MAX: Final = 128
 _JWS: Final = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+")
-STREAM_PREFIX: Final = "ds:"  # a stream's subject; never a session id (no colon there)
-_STREAM_ID: Final = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class AuthError(Exception):
@@ -329,28 +318,6 @@ def load_keys(secret: str | None, kid: str = DEFAULT_KID, keys_file: str | None 
     return KeySet(keys, signer.kid if signer is not None else None)
 
 
-def stream_subject(stream_id: str) -> str:
-    """The ``sub`` of a token for the Durable Stream ``stream_id`` (the hash tag
-    :func:`relay.durable.core.stream_id` makes of its path): ``ds:<stream id>``."""
-    if _STREAM_ID.fullmatch(stream_id) is None:
-        raise ValueError("a stream id is 1-64 characters of [A-Za-z0-9_-]")
-    return STREAM_PREFIX + stream_id
-
-
-def is_stream_subject(subject: str) -> bool:
-    """Whether ``subject`` names a stream (:func:`stream_subject`), not a session."""
-    return subject.startswith(STREAM_PREFIX)
-
-
-def _parse_subject(subject: object) -> str:
-    """``subject`` if it is a session id or a stream's subject, else ``ValueError``."""
-    if isinstance(subject, str) and is_stream_subject(subject):
-        if _STREAM_ID.fullmatch(subject[len(STREAM_PREFIX) :]) is None:
-            raise ValueError("a stream subject is ds: and 1-64 characters of [A-Za-z0-9_-]")
-        return subject
-    return parse_session(subject)
-
-
 def _as_keyset(keys: KeySet | str | bytes) -> KeySet:
     return keys if isinstance(keys, KeySet) else KeySet.from_secret(keys)
 
@@ -363,13 +330,12 @@ def issue_token(
     *,
     scope: Scope = "watch",
 ) -> str:
-    """A token for ``sid`` (a session id, or a stream's :func:`stream_subject`) valid
-    from ``now`` until ``now + ttl_s`` (whole seconds, down), signed with the key set's
-    signing key (a bare secret is key :data:`DEFAULT_KID`)."""
+    """A token for ``sid`` (a session id or a stream's subject) valid from ``now`` until
+    ``now + ttl_s`` (whole seconds, down), signed with the key set's signing key."""
     ks = _as_keyset(keys)
     if ks.signing is None:
         raise ValueError("this key set holds no signing key")
-    sid = _parse_subject(sid)
+    sid = parse_subject(sid)
     if ttl_s < 1:
         raise ValueError("ttl_s must be at least 1 second")
     if scope not in SCOPES:
@@ -455,12 +421,11 @@ def verify_token(
     need: Scope = "watch",
     max_lifetime_s: int = MAX_LIFETIME_S,
 ) -> Claims:
-    """The claims of ``token`` if it is genuine, for ``sid`` (a session id, or a stream's
-    :func:`stream_subject`: the namespace rule of the module docstring), in its lifetime (at most
-    ``max_lifetime_s`` from ``iat`` to ``exp``) and allows ``need``. Raises (checked in
-    this order) :class:`TokenMissing`, :class:`TokenInvalid` / :class:`TokenUnknownKey`,
-    :class:`TokenWrongSession`, :class:`TokenNotYetValid`, :class:`TokenExpired`,
-    :class:`TokenWrongScope`."""
+    """The claims of ``token`` if it is genuine, for ``sid`` (a session's id or a stream's
+    ``ds:<id>``, :mod:`relay.protocol.subjects`), in its lifetime (``exp - iat`` at most
+    ``max_lifetime_s``), allowing ``need``. Raises (in this order) :class:`TokenMissing`,
+    :class:`TokenInvalid` / :class:`TokenUnknownKey`, :class:`TokenWrongSession`,
+    :class:`TokenNotYetValid`, :class:`TokenExpired`, :class:`TokenWrongScope`."""
     ks = _as_keyset(keys)
     if not token:
         raise TokenMissing("no token: send Authorization: Bearer <token> or ?token=")
@@ -487,8 +452,8 @@ def verify_token(
     claims = _json_object(claims_raw, "claims")
     # Genuine from here on: the claims were written by someone holding the key.
     try:
-        token_sid = _parse_subject(claims.get("sub"))
-    except (InvalidSessionId, ValueError):
+        token_sid = parse_subject(claims.get("sub"))
+    except ValueError:  # InvalidSessionId is one
         raise TokenInvalid("token claim 'sub' is not a session id or a stream's subject") from None
     scope = claims.get("scope")
     if scope not in SCOPES:
@@ -501,17 +466,9 @@ def verify_token(
     jti = claims.get("jti", "")
     if not isinstance(jti, str) or len(jti) > _JTI_MAX:
         raise TokenInvalid(f"token claim 'jti' must be a string of at most {_JTI_MAX} characters")
-    wants_stream = is_stream_subject(sid)
-    if is_stream_subject(token_sid) != wants_stream:  # the namespace rule
-        raise TokenWrongSession(
-            "a session's token does not open a stream"
-            if wants_stream
-            else "a stream's token does not open a session"
-        )
-    if not hmac.compare_digest(token_sid.encode(), sid.encode()):
-        raise TokenWrongSession(
-            f"token was issued for another {'stream' if wants_stream else 'session'}"
-        )
+    if not hmac.compare_digest(token_sid.encode(), sid.encode()):  # a stream's sub is no sid
+        why = namespace_refusal(token_sid, sid)  # the one namespace rule, and its reason
+        raise TokenWrongSession(why or "token was issued for another session or stream")
     if issued > now + LEEWAY_S or (not_before is not None and not_before > now + LEEWAY_S):
         raise TokenNotYetValid("token is not valid yet (iat / nbf in the future)")
     if now >= expires:

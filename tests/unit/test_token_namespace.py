@@ -17,11 +17,10 @@ from relay.protocol.auth import (
     KeySet,
     TokenInvalid,
     TokenWrongSession,
-    is_stream_subject,
     issue_token,
-    stream_subject,
     verify_token,
 )
+from relay.protocol.subjects import is_stream_subject, stream_subject
 from worker.access import WorkerAccess
 
 SECRET = "unit-test-secret-3f9a1c7e5b2d8046aa"
