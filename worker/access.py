@@ -56,6 +56,7 @@ from relay.service.clientaddr import (
     parse_networks,
 )
 from relay.service.errors import Reject, retry_after
+from relay.service.jsonbody import BodyRefused, parse_json
 from relay.service.ratelimit import Buckets
 
 __all__ = [
@@ -98,11 +99,9 @@ class BadTokenRequest(ValueError):
 def parse_token_request(raw: bytes) -> tuple[Scope, int | None]:
     """``{"scope": "watch"|"write", "ttl_s"?: int}`` -> (scope, ttl_s or None)."""
     try:
-        body = orjson.loads(raw) if raw.strip() else {}
-    except orjson.JSONDecodeError as exc:
-        raise BadTokenRequest(f"body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadTokenRequest("body must be a JSON object")
+        body = parse_json(raw, empty={})
+    except BodyRefused as exc:
+        raise BadTokenRequest(exc.reason) from None
     scope = body.get("scope", "watch")
     if scope not in SCOPES:
         raise BadTokenRequest("'scope' must be 'watch' or 'write'")

@@ -27,6 +27,8 @@ from relay.durable.sessions import SessionSource
 from relay.edge.fanout.viewers import viewing
 from relay.protocol.auth import Scope
 from relay.protocol.keys import InvalidSessionId, parse_session
+from relay.service.httpbody import read_body
+from relay.service.jsonbody import BodyRefused
 
 if TYPE_CHECKING:
     from redis.asyncio.cluster import RedisCluster
@@ -39,7 +41,6 @@ __all__ = ["Durable", "routes"]
 log = logging.getLogger(__name__)
 STREAM_ROUTE: Final = "/v1/stream/{path:.+}"
 SESSION_ROUTE: Final = "/v1/sessions/{sid:[^/]+}/stream"
-_READ_CHUNK: Final = 64 * 1024
 _PROTOCOL_HEADERS: Final = (
     "Stream-Next-Offset, Stream-Up-To-Date, Stream-Closed, Stream-Cursor, Stream-TTL, "
     "Stream-Expires-At, Stream-SSE-Data-Encoding, Producer-Epoch, Producer-Seq, "
@@ -104,16 +105,13 @@ class Durable:
         return reads.ReadOptions(c.durable_long_poll_s, c.durable_sse_close_s, public)
 
     async def body(self, request: web.Request) -> bytes:
-        limit = self.config.durable_max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise Refused(413, f"body over {limit} bytes (--durable-max-body-bytes)")
-        parts, size = [], 0
-        while chunk := await request.content.read(_READ_CHUNK):
-            size += len(chunk)
-            if size > limit:
-                raise Refused(413, f"body over {limit} bytes (--durable-max-body-bytes)")
-            parts.append(chunk)
-        return b"".join(parts)
+        """The body (any media type: a stream has its own), bounded by
+        ``--durable-max-body-bytes``; refused as plain text, the protocol's way."""
+        try:
+            return await read_body(request, self.config.durable_max_body_bytes, content_type=None)
+        except BodyRefused as r:
+            hint = " (--durable-max-body-bytes)" if r.status == 413 else ""
+            raise Refused(r.status, r.reason + hint) from None
 
 
 def _error(status: int, reason: str, headers: dict[str, str] | None = None) -> web.Response:
