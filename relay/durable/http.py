@@ -27,6 +27,7 @@ from relay.durable.sessions import SessionSource
 from relay.edge.fanout.viewers import viewing
 from relay.protocol.auth import Scope
 from relay.protocol.keys import InvalidSessionId, parse_session
+from relay.service.errors import text_refusal
 from relay.service.httpbody import read_body
 from relay.service.jsonbody import BodyRefused
 
@@ -114,10 +115,7 @@ class Durable:
             raise Refused(r.status, r.reason + hint) from None
 
 
-def _error(status: int, reason: str, headers: dict[str, str] | None = None) -> web.Response:
-    """A refusal: its reason as the body (so the stream's Content-Type is not sent)."""
-    h = {k: v for k, v in (headers or {}).items() if k.lower() != "content-type"}
-    return web.Response(status=status, text=reason + "\n", headers=h)
+_error = text_refusal  # a refusal: its reason as the body, the protocol's way
 
 
 async def _guarded(request: web.Request, durable: Durable, path: str | None) -> web.StreamResponse:

@@ -8,7 +8,8 @@ sentence for people; a route may add fields a client can act on (the running tur
 409, ``retry_after_s`` of a 429). The OpenAI-compatible routes (chat completions, the
 Responses API, on the worker and the relay) answer in OpenAI's own error shape instead,
 because the SDKs parse that one: :func:`openai_refusal`, the one function that writes it.
-(Durable Streams answers a refusal as its protocol does: the reason as plain text.)
+Durable Streams answers as its protocol does, the reason as plain text:
+:func:`text_refusal`.
 
 Order of use::
 
@@ -42,6 +43,7 @@ __all__ = [
     "openai_refusal",
     "refusal",
     "retry_after",
+    "text_refusal",
 ]
 
 RETRY_AFTER: Final = {"Retry-After": "1"}
@@ -73,6 +75,15 @@ def openai_refusal(
     "code"}}`` (``kind`` is its ``type``)."""
     body = orjson.dumps(error_body(message, kind, code, param))
     return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+
+
+def text_refusal(
+    status: int, reason: str, headers: Mapping[str, str] | None = None
+) -> web.Response:
+    """A refusal whose body is its reason as plain text (Durable Streams' convention);
+    a ``Content-Type`` among ``headers`` (a stream's own) is not sent with it."""
+    h = {k: v for k, v in (headers or {}).items() if k.lower() != "content-type"}
+    return web.Response(status=status, text=reason + "\n", headers=h)
 
 
 class Reject(Exception):
