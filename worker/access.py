@@ -43,9 +43,7 @@ from relay.protocol.auth import (
     Claims,
     KeySet,
     Scope,
-    extract_token,
     issue_token,
-    verify_token,
 )
 from relay.protocol.codes import Refusal
 from relay.protocol.keys import SESSION_TTL_S, address_sessions_key, parse_session, turn_rate_key
@@ -58,6 +56,7 @@ from relay.service.clientaddr import (
 from relay.service.errors import Reject, retry_after
 from relay.service.jsonbody import BodyRefused, parse_json
 from relay.service.ratelimit import Buckets
+from relay.service.tokens import request_claims
 
 __all__ = [
     "INSECURE_TOKEN",
@@ -164,10 +163,7 @@ class WorkerAccess:
         """The request's verified claims (None with auth off); raises AuthError."""
         if self.keys is None:
             return None
-        token = extract_token(request.headers.get("Authorization"), request.query.get("token"))
-        return verify_token(
-            self.keys, token, sid, time.time(), need=need, max_lifetime_s=self.lifetime_s
-        )
+        return request_claims(self.keys, request, sid, need, max_lifetime_s=self.lifetime_s)
 
     def token_session(self, request: web.Request) -> str | None:
         """The session whose genuine ``write`` token the request carries, whatever

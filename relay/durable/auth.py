@@ -17,7 +17,6 @@ Order of use::
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,8 +25,9 @@ from aiohttp import web
 
 from relay.durable.core import stream_id
 from relay.edge.http.limits import token_key
-from relay.protocol.auth import AuthError, KeySet, Scope, extract_token, verify_token
+from relay.protocol.auth import AuthError, KeySet, Scope
 from relay.protocol.subjects import stream_subject
+from relay.service.tokens import challenge, request_claims
 
 __all__ = ["Gate", "Grant", "Refused", "token_subject"]
 
@@ -76,14 +76,10 @@ class Gate:
         ):
             return Grant(None, address, True)
         try:
-            token = extract_token(request.headers.get("Authorization"), request.query.get("token"))
-            claims = verify_token(
-                self.keys, token, subject, time.time(), need=need,
-                max_lifetime_s=self.max_lifetime_s,
-            )  # fmt: skip
+            claims = request_claims(self.keys, request, subject, need,
+                                    max_lifetime_s=self.max_lifetime_s)  # fmt: skip
         except AuthError as exc:
-            headers = {"WWW-Authenticate": 'Bearer realm="tokenrelay"'} if exc.status == 401 else {}
-            raise Refused(exc.status, f"{exc.error}: {exc}", headers) from None
+            raise Refused(exc.status, f"{exc.error}: {exc}", challenge(exc)) from None
         return Grant(token_key(claims), address, False)
 
     @contextlib.contextmanager

@@ -85,3 +85,25 @@ def test_a_malformed_stream_subject_is_refused() -> None:
         issue_token(KEYS, "ds:", 300, NOW)
     with pytest.raises(TokenInvalid):
         verify_token(KEYS, "a.b.c", token_subject(PATH), NOW)
+
+
+def test_every_front_reads_the_token_the_same_way() -> None:
+    """relay.service.tokens: the header first, else the first ``token`` parameter; a
+    401 challenges, a 403 does not."""
+    from relay.protocol.auth import TokenMissing
+    from relay.service.tokens import challenge, request_claims, request_token
+
+    token = issue_token(KEYS, "s-1", 300, NOW)
+    by_query = make_mocked_request("GET", f"/x?a=1&token={token}&token=other")
+    assert request_token(by_query) == token
+    both = make_mocked_request(
+        "GET", "/x?token=other", headers={"Authorization": f"Bearer {token}"}
+    )
+    assert request_token(both) == token
+    assert request_claims(KEYS, by_query, "s-1", max_lifetime_s=3600).session == "s-1"
+    with pytest.raises(TokenMissing) as missing:
+        request_claims(KEYS, make_mocked_request("GET", "/x"), "s-1", max_lifetime_s=3600)
+    assert challenge(missing.value) == {"WWW-Authenticate": 'Bearer realm="tokenrelay"'}
+    with pytest.raises(TokenWrongSession) as wrong:
+        request_claims(KEYS, by_query, token_subject(PATH), max_lifetime_s=3600)
+    assert challenge(wrong.value) == {}
