@@ -27,7 +27,7 @@ LONG_48 = ReplyLength(mean=48, max_tokens=48, min_tokens=48, sigma=0)  # every r
 
 @pytest.fixture
 async def relay(cluster: ClusterInfo) -> AsyncIterator[Relay]:
-    async with running(cluster, durable_long_poll_s=1.0, durable_sse_close_s=1.0) as r:
+    async with running(cluster, durable_long_poll_s=3.0, durable_sse_close_s=1.0) as r:
         yield r
 
 
