@@ -43,12 +43,10 @@ from relay.protocol.auth import (
     Claims,
     KeySet,
     Scope,
-    extract_token,
     issue_token,
-    verify_token,
 )
 from relay.protocol.codes import Refusal
-from relay.protocol.keys import SESSION_TTL_S, address_sessions_key, turn_rate_key
+from relay.protocol.keys import SESSION_TTL_S, address_sessions_key, parse_session, turn_rate_key
 from relay.service.clientaddr import (
     DEFAULT_IPV6_PREFIX,
     BadForwardedFor,
@@ -56,7 +54,9 @@ from relay.service.clientaddr import (
     parse_networks,
 )
 from relay.service.errors import Reject, retry_after
+from relay.service.jsonbody import BodyRefused, parse_json
 from relay.service.ratelimit import Buckets
+from relay.service.tokens import request_claims
 
 __all__ = [
     "INSECURE_TOKEN",
@@ -98,11 +98,9 @@ class BadTokenRequest(ValueError):
 def parse_token_request(raw: bytes) -> tuple[Scope, int | None]:
     """``{"scope": "watch"|"write", "ttl_s"?: int}`` -> (scope, ttl_s or None)."""
     try:
-        body = orjson.loads(raw) if raw.strip() else {}
-    except orjson.JSONDecodeError as exc:
-        raise BadTokenRequest(f"body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadTokenRequest("body must be a JSON object")
+        body = parse_json(raw, empty={})
+    except BodyRefused as exc:
+        raise BadTokenRequest(exc.reason) from None
     scope = body.get("scope", "watch")
     if scope not in SCOPES:
         raise BadTokenRequest("'scope' must be 'watch' or 'write'")
@@ -165,10 +163,7 @@ class WorkerAccess:
         """The request's verified claims (None with auth off); raises AuthError."""
         if self.keys is None:
             return None
-        token = extract_token(request.headers.get("Authorization"), request.query.get("token"))
-        return verify_token(
-            self.keys, token, sid, time.time(), need=need, max_lifetime_s=self.lifetime_s
-        )
+        return request_claims(self.keys, request, sid, need, max_lifetime_s=self.lifetime_s)
 
     def token_session(self, request: web.Request) -> str | None:
         """The session whose genuine ``write`` token the request carries, whatever
@@ -186,6 +181,7 @@ class WorkerAccess:
             sid = claims["sub"] if isinstance(claims, dict) else None
             if not isinstance(sid, str):
                 return None
+            sid = parse_session(sid)  # a stream's token names no session (ValueError)
             self.authorize(request, sid, "write")  # the signature decides, not the text read
         except (ValueError, KeyError, AuthError):
             return None

@@ -56,7 +56,9 @@ from relay.protocol.keys import idem_key, new_session_id
 from relay.service import openapi, settings
 from relay.service.clientaddr import parse_networks
 from relay.service.errors import RETRY_AFTER, Reject, admin_refused, refusal, retry_after
-from relay.service.httpguard import ConnLimits, client_gone, guard_app
+from relay.service.httpbody import read_body, read_json, refused
+from relay.service.httpguard import ConnLimits, guard_app
+from relay.service.jsonbody import BodyRefused, ClientGone
 from relay.service.register import add_routes
 from worker import controls
 from worker.access import BadTokenRequest, RateLimited, parse_token_request
@@ -149,18 +151,13 @@ async def _mint_token(request: web.Request) -> web.Response:
     except RelayError as exc:
         return _redis_refusal(st, sid, exc)
     try:
-        scope, ttl_s = parse_token_request(await request.read())
-    except ConnectionResetError:  # the client left mid-body: counted by the guard
-        return client_gone()
+        raw = await read_body(request, st.cfg.max_body_bytes, content_type=None)
+        scope, ttl_s = parse_token_request(raw)
+    except BodyRefused as r:  # too large, or the client left mid-body
+        return refused(r)
     except BadTokenRequest as exc:
         return refusal(400, Refusal.INVALID_TOKEN_REQUEST, str(exc))
-    except web.HTTPRequestEntityTooLarge:
-        return _too_large(st.cfg)
     return _json(201, st.access.mint(sid, scope, ttl_s).body(sid))
-
-
-def _too_large(cfg: WorkerConfig) -> web.Response:
-    return refusal(413, Refusal.BODY_TOO_LARGE, f"body larger than {cfg.max_body_bytes} bytes")
 
 
 def _parse_replace(body: dict[str, Any]) -> Replace | None:
@@ -185,16 +182,10 @@ def _parse_replace(body: dict[str, Any]) -> Replace | None:
 
 
 def _parse_turn(
-    raw: bytes, cfg: WorkerConfig
+    body: dict[str, Any], cfg: WorkerConfig
 ) -> tuple[str | None, str | None, int, Replace | None]:
     """The turn's message (None: a regenerate), system prompt, max_tokens and the turn
     it replaces, or :class:`Reject` (400, 413)."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise Reject(400, Refusal.MALFORMED_JSON, f"body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise Reject(400, Refusal.INVALID_BODY, "body must be a JSON object")
     replace = _parse_replace(body)
     message = body.get("message")
     if message is None and replace is not None:
@@ -233,19 +224,15 @@ async def _post_turn(request: web.Request) -> web.StreamResponse:
         sid = controls.session_of(request, "write")
     except Reject as r:
         return r.response()
-    if request.content_type != _JSON:
-        return refusal(415, Refusal.UNSUPPORTED_MEDIA_TYPE, "send the body as application/json")
-    if request.content_length is not None and request.content_length > cfg.max_body_bytes:
-        return _too_large(cfg)
     try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        return _too_large(cfg)
-    except ConnectionResetError:  # the client left mid-body: counted by the guard
-        return client_gone()
+        body = await read_json(request, cfg.max_body_bytes)
+    except ClientGone as r:  # counted by the guard
+        return refused(r)
+    except BodyRefused as r:  # an unreadable body (400) is counted, as a bad field is
+        return _refused(st, Reject(r.status, r.code, r.reason)) if r.status == 400 else refused(r)
     try:
-        message, system, max_tokens, replace = _parse_turn(raw, cfg)
-        stream = direct.wants_stream(request.headers.get("Accept"), orjson.loads(raw))
+        message, system, max_tokens, replace = _parse_turn(body, cfg)
+        stream = direct.wants_stream(request.headers.get("Accept"), body)
     except Reject as exc:
         return _refused(st, exc)
     except ValueError as exc:  # 'stream' of the wrong type

@@ -246,6 +246,7 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
             max_tokens_limit=cfg.max_tokens_limit,
             admit_wait_s=cfg.admit_wait_s,
             prefix_chars=cfg.prefix_chars,
+            max_body_bytes=cfg.max_body_bytes,
         ),
         router,
         engine,
@@ -264,6 +265,7 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
             default_max_tokens=cfg.default_max_tokens,
             max_tokens_limit=cfg.max_tokens_limit,
             max_prompt_chars=cfg.max_message_chars,
+            max_body_bytes=cfg.max_body_bytes,
         )
 
     async def redis_reached() -> None:

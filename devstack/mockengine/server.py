@@ -48,6 +48,7 @@ from prometheus_client.exposition import generate_latest
 from devstack.mockengine import prefix_cache as pc
 from devstack.mockengine.kvpub import KVEventPublisher
 from devstack.mockengine.reply_length import ReplyLength
+from relay.protocol import sse
 from relay.service import runtime
 
 __all__ = [
@@ -261,7 +262,7 @@ def _parse_chat(raw: bytes, cfg: EngineConfig) -> _ChatRequest:
 
 
 def _sse(obj: object) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+    return sse.event(orjson.dumps(obj))
 
 
 async def _sleep_until(deadline: float) -> None:
@@ -394,7 +395,7 @@ async def _generate(
                 "usage": usage,
             }
             await resp.write(_sse(tail))
-        await resp.write(b"data: [DONE]\n\n")
+        await resp.write(sse.DONE)
         _finish_cache(engine, tokens, pieces)
         await resp.write_eof()
     except ConnectionResetError:  # the client left mid-stream: an abort, not a server error

@@ -1,17 +1,26 @@
 """relay's own exceptions: what the relay and its producers raise on purpose.
 
-The tree::
+The one exception tree of the transport: one class per cause, whoever raises it (the
+edge, the broker, the producer API, the worker's turns). The tree::
 
-    RelayError
-     +-- RedisUnavailable        the store cannot be reached / timed out (retry later)
+    RelayError                   (the producer API's ProducerError is this class)
+     +-- RedisUnavailable        the store cannot be reached / timed out (retry later);
+     |                           the producer API's RedisUnreachable is this class
      +-- RedisCommandError       the store answered an error we did not expect
-     +-- Fenced                  a stale generation tried to publish (nothing written)
+     +-- Fenced                  a stale generation tried to publish (nothing written);
+     |                           the producer API's StaleEpoch is this class
      +-- OffsetConflict          the session's offset is not the one the generation expected
- +-- FrameTooLarge           a frame would encode past MAX_FRAME_BYTES (nothing written)
+     +-- FrameTooLarge           a frame would encode past MAX_FRAME_BYTES (nothing written)
      +-- SubscribeError          a live channel could not be subscribed in time
      +-- SessionDeleted          the session was deleted (its tombstone exists)
      +-- WatchClosed             a watcher was dropped (``reason`` for humans, ``code``
-                                 for machines: "slow_consumer", "relay_shutdown", ...)
+     |                           for machines: "slow_consumer", "relay_shutdown", ...)
+     +-- (relay.producer.errors) InvalidSession, TurnClosed, TurnBusy, LockLost: the
+                                 causes only a producer meets
+
+The engine client's errors (:mod:`worker.engines.errors`, ``EngineError``) are their own
+tree: an engine's failure is not the store's, and the handlers that answer "the store is
+unavailable" for a ``RelayError`` must not catch it.
 
 A broker converts its client library's errors into these where it calls it
 (:func:`relay.broker.rediscluster.errors.map_redis_errors` for redis-py), so nothing above
@@ -40,7 +49,9 @@ class RelayError(Exception):
 
 
 class RedisUnavailable(RelayError):
-    """Redis could not be reached or did not answer in time; the call may be retried."""
+    """Redis could not be reached or did not answer in time; the call may be retried.
+
+    Also importable as ``relay.producer.RedisUnreachable`` (the same class)."""
 
 
 class RedisCommandError(RelayError):
@@ -48,7 +59,11 @@ class RedisCommandError(RelayError):
 
 
 class Fenced(RelayError):
-    """A generation whose epoch is no longer the session's current epoch tried to write."""
+    """A generation whose epoch is no longer the session's current epoch tried to write
+    (a newer producer opened the session, or a relay's reaper ended the turn): nothing
+    was written.
+
+    Also importable as ``relay.producer.StaleEpoch`` (the same class)."""
 
     def __init__(self, session: str, epoch: int, current: int) -> None:
         super().__init__(f"session {session}: generation epoch {epoch} fenced by epoch {current}")

@@ -1,5 +1,7 @@
 """Who may read or write a Durable Stream: a token scoped to the stream (its subject
-``ds_<stream id>``, the hash of the path :func:`relay.durable.core.stream_id` names) and
+``ds:<stream id>``, the hash of the path :func:`relay.durable.core.stream_id` names; a
+session's token never opens a stream, nor a stream's a session: the namespace rule of
+:mod:`relay.protocol.auth`) and
 to ``watch`` (read) or ``write``, signed with the relays' keys like a session's; or no
 token under ``--durable-open-prefix`` (a prefix of ``/<path>``; ``/``: all). A chat
 session read as a stream takes the session's own watch token. Live reads count against
@@ -15,7 +17,6 @@ Order of use::
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,7 +25,9 @@ from aiohttp import web
 
 from relay.durable.core import stream_id
 from relay.edge.http.limits import token_key
-from relay.protocol.auth import AuthError, KeySet, Scope, extract_token, verify_token
+from relay.protocol.auth import AuthError, KeySet, Scope
+from relay.protocol.subjects import stream_subject
+from relay.service.tokens import challenge, request_claims
 
 __all__ = ["Gate", "Grant", "Refused", "token_subject"]
 
@@ -43,8 +46,9 @@ class Grant:
 
 
 def token_subject(path: str) -> str:
-    """The ``sub`` of a token for the stream at ``path``."""
-    return f"ds_{stream_id(path)}"
+    """The ``sub`` of a token for the stream at ``path``: ``ds:<stream id>``, a name no
+    session can have (:func:`relay.protocol.subjects.stream_subject`: the namespace rule)."""
+    return stream_subject(stream_id(path))
 
 
 class Gate:
@@ -72,14 +76,10 @@ class Gate:
         ):
             return Grant(None, address, True)
         try:
-            token = extract_token(request.headers.get("Authorization"), request.query.get("token"))
-            claims = verify_token(
-                self.keys, token, subject, time.time(), need=need,
-                max_lifetime_s=self.max_lifetime_s,
-            )  # fmt: skip
+            claims = request_claims(self.keys, request, subject, need,
+                                    max_lifetime_s=self.max_lifetime_s)  # fmt: skip
         except AuthError as exc:
-            headers = {"WWW-Authenticate": 'Bearer realm="tokenrelay"'} if exc.status == 401 else {}
-            raise Refused(exc.status, f"{exc.error}: {exc}", headers) from None
+            raise Refused(exc.status, f"{exc.error}: {exc}", challenge(exc)) from None
         return Grant(token_key(claims), address, False)
 
     @contextlib.contextmanager

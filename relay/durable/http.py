@@ -19,25 +19,29 @@ from typing import TYPE_CHECKING, Final
 
 from aiohttp import web
 
-from relay.broker.errors import RelayError
+from relay.broker.errors import RelayError, SessionDeleted
 from relay.broker.rediscluster.broker import RedisBroker
 from relay.durable import core, fork, reads, store
 from relay.durable.auth import Gate, Refused, token_subject
 from relay.durable.core import BadRequest, format_offset
 from relay.durable.live import Waker
 from relay.durable.sessions import SessionSource
+from relay.edge.fanout.viewers import viewing
 from relay.protocol.auth import Scope
 from relay.protocol.keys import InvalidSessionId, parse_session
+from relay.service.errors import text_refusal
+from relay.service.httpbody import read_body
+from relay.service.jsonbody import BodyRefused
 
 if TYPE_CHECKING:
     from redis.asyncio.cluster import RedisCluster
 
+    from relay.edge.fanout.hub import Hub
     from relay.edge.http.server import EdgeServer
 
 __all__ = ["Durable", "handlers"]
 
 log = logging.getLogger(__name__)
-_READ_CHUNK: Final = 64 * 1024
 _PROTOCOL_HEADERS: Final = (
     "Stream-Next-Offset, Stream-Up-To-Date, Stream-Closed, Stream-Cursor, Stream-TTL, "
     "Stream-Expires-At, Stream-SSE-Data-Encoding, Producer-Epoch, Producer-Seq, "
@@ -73,11 +77,16 @@ class Durable:
         self.waker = Waker(self)
         server.broker_tap = self.waker.on_message  # set on the hub it makes
 
-    def _broker(self) -> RedisBroker:
+    def hub(self) -> Hub:
         hub = self.server.hub
         if hub is None or not isinstance(hub.broker, RedisBroker):
             raise Refused(503, "not connected to Redis yet: try again or another relay")
-        return hub.broker
+        return hub
+
+    def _broker(self) -> RedisBroker:
+        broker = self.hub().broker
+        assert isinstance(broker, RedisBroker)  # hub() checked it
+        return broker
 
     async def tap_subscribe(self, channel: str) -> None:
         await self._broker().tap_subscribe(channel)
@@ -97,22 +106,16 @@ class Durable:
         return reads.ReadOptions(c.durable_long_poll_s, c.durable_sse_close_s, public)
 
     async def body(self, request: web.Request) -> bytes:
-        limit = self.config.durable_max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise Refused(413, f"body over {limit} bytes (--durable-max-body-bytes)")
-        parts, size = [], 0
-        while chunk := await request.content.read(_READ_CHUNK):
-            size += len(chunk)
-            if size > limit:
-                raise Refused(413, f"body over {limit} bytes (--durable-max-body-bytes)")
-            parts.append(chunk)
-        return b"".join(parts)
+        """The body (any media type: a stream has its own), bounded by
+        ``--durable-max-body-bytes``; refused as plain text, the protocol's way."""
+        try:
+            return await read_body(request, self.config.durable_max_body_bytes, content_type=None)
+        except BodyRefused as r:
+            hint = " (--durable-max-body-bytes)" if r.status == 413 else ""
+            raise Refused(r.status, r.reason + hint) from None
 
 
-def _error(status: int, reason: str, headers: dict[str, str] | None = None) -> web.Response:
-    """A refusal: its reason as the body (so the stream's Content-Type is not sent)."""
-    h = {k: v for k, v in (headers or {}).items() if k.lower() != "content-type"}
-    return web.Response(status=status, text=reason + "\n", headers=h)
+_error = text_refusal  # a refusal: its reason as the body, the protocol's way
 
 
 async def _guarded(request: web.Request, durable: Durable, path: str | None) -> web.StreamResponse:
@@ -132,6 +135,8 @@ async def _guarded(request: web.Request, durable: Durable, path: str | None) -> 
         resp = _error(410, "the stream is deleted (its forks still hold its data)")
     except web.HTTPException as exc:
         resp = _error(exc.status, exc.text or exc.reason)
+    except SessionDeleted:  # a live read's viewer found the tombstone
+        resp = _error(404, "no such stream")
     except RelayError as exc:
         log.warning("durable %s %s: %s", request.method, request.path, exc)
         resp = _error(503, f"Redis is unavailable: {exc}")
@@ -297,8 +302,11 @@ async def _session(request: web.Request, durable: Durable) -> web.StreamResponse
     source = SessionSource(redis, sid)
     if request.query.get("live") is None:
         return await reads.get(request, source, waker, durable.options(False))
+    # a live read watches the session: counted as a viewer like an SSE or WebSocket
+    # screen, so a turn read only here is not stopped for nobody watching
     with durable.gate.live(grant):
-        return await reads.get(request, source, waker, durable.options(False))
+        async with viewing(durable.hub(), sid):
+            return await reads.get(request, source, waker, durable.options(False))
 
 
 def handlers(durable: Durable) -> dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]:

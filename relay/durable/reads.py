@@ -19,6 +19,7 @@ from relay.durable import core
 from relay.durable.core import BadRequest, format_offset
 from relay.durable.live import Waker
 from relay.durable.store import View
+from relay.protocol import sse
 
 __all__ = ["SECURITY", "ReadOptions", "Source", "get"]
 
@@ -153,7 +154,7 @@ def _control(view: View, end: int, up_to_date: bool, request: web.Request) -> by
         c["streamCursor"] = _cursor(request)
         if up_to_date:
             c["upToDate"] = True
-    return b"event: control\ndata:" + json.dumps(c).encode() + b"\n\n"
+    return sse.event(json.dumps(c).encode(), kind="control", space=False)
 
 
 async def _sse(

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Final, Protocol
 
 from redis.asyncio.cluster import RedisCluster
 
-from relay.broker.errors import Fenced, RedisUnavailable
-from relay.broker.errors import FrameTooLarge as _BrokerFrameTooLarge
 from relay.producer.coalesce import CoalescePolicy
-from relay.producer.errors import FrameTooLarge, RedisUnreachable, StaleEpoch
 from relay.producer.watch import PresencePolicy
 from relay.protocol.frame import MAX_FRAME_BYTES
 
@@ -29,10 +26,8 @@ __all__ = [
     "Usage",
     "chunks",
     "default_spawn",
-    "mapped",
 ]
 
-T = TypeVar("T")
 Spawn = Callable[[str, Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
 Observer = Callable[[int, str, bytes], None]
 
@@ -82,20 +77,6 @@ class Usage:
 
 def default_spawn(name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
     return asyncio.create_task(coro, name=name)
-
-
-async def mapped(aw: Awaitable[T]) -> T:
-    """``aw`` with the transport's errors as the producer's types."""
-    try:
-        return await aw
-    except (StaleEpoch, RedisUnreachable, FrameTooLarge):
-        raise
-    except Fenced as exc:
-        raise StaleEpoch(exc.session, exc.epoch, exc.current) from None
-    except RedisUnavailable as exc:
-        raise RedisUnreachable(f"redis unreachable: {exc}") from None
-    except _BrokerFrameTooLarge as exc:
-        raise FrameTooLarge(exc.session, exc.size, exc.limit) from None
 
 
 class ProducerSettings(Protocol):

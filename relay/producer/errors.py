@@ -1,28 +1,35 @@
 """The producer API's exceptions: one type per cause, each with a one-line message.
 
-The tree (every one is a :class:`relay.broker.errors.RelayError`)::
+There is one exception tree, :mod:`relay.broker.errors` (root
+:class:`relay.broker.errors.RelayError`); the producer's names are that tree's classes,
+and the causes only a producer meets are added to it here::
 
-    ProducerError
-     +-- InvalidSession      the session id is not [A-Za-z0-9_-]{1,64} (also a ValueError)
-     +-- FrameTooLarge       a delta or a frame over MAX_FRAME_BYTES (also a ValueError);
-                             nothing of it was written
+    ProducerError           = RelayError (the root: ``except ProducerError`` catches
+                              every cause below, as it always did)
+     +-- InvalidSession      the session id is not [A-Za-z0-9_-]{1,64} (also a ValueError
+                             and a relay.protocol.keys.InvalidSessionId)
+     +-- FrameTooLarge       = relay.broker.errors.FrameTooLarge: a delta or a frame over
+                             MAX_FRAME_BYTES (also a ValueError); nothing of it was written
      +-- TurnClosed          a turn that ended (done, error, closed) was written again
-     +-- RedisUnreachable    Redis did not answer for the retry window (the write may or
-                             may not have landed: a retry of the same turn is safe)
-     +-- StaleEpoch          a newer producer opened the session (or a relay's reaper
-                             ended this turn): nothing was written
+     +-- RedisUnreachable    = relay.broker.errors.RedisUnavailable: Redis did not answer
+                             for the retry window (the write may or may not have landed:
+                             a retry of the same turn is safe)
+     +-- StaleEpoch          = relay.broker.errors.Fenced: a newer producer opened the
+                             session (or a relay's reaper ended this turn): nothing was
+                             written
      +-- TurnBusy            another producer holds the session's turn lock
      +-- LockLost            the turn lock expired and is no longer this producer's
 
-:class:`StaleEpoch` is a :class:`relay.broker.errors.Fenced`, :class:`RedisUnreachable` a
-:class:`relay.broker.errors.RedisUnavailable` and :class:`FrameTooLarge` the broker's own,
-so code that handles the transport's errors handles these too.
+``StaleEpoch``, ``RedisUnreachable``, ``FrameTooLarge`` and ``ProducerError`` are
+aliases (the same class object under the producer's public name), kept so that an
+application's ``except StaleEpoch`` / ``except RedisUnreachable`` / ``except
+ProducerError`` keeps working: ``except StaleEpoch`` and ``except Fenced`` catch the
+same errors, whoever raised them.
 """
 
 from __future__ import annotations
 
-from relay.broker.errors import Fenced, RedisUnavailable, RelayError
-from relay.broker.errors import FrameTooLarge as _BrokerFrameTooLarge
+from relay.broker.errors import Fenced, FrameTooLarge, RedisUnavailable, RelayError
 from relay.producer.lock import LockHolder
 from relay.protocol.keys import InvalidSessionId
 
@@ -37,20 +44,19 @@ __all__ = [
     "TurnClosed",
 ]
 
+ProducerError = RelayError
+"""The producer API's base: the one tree's root (an alias, see the module docstring)."""
+StaleEpoch = Fenced
+"""A newer generation owns the session: an alias of :class:`relay.broker.errors.Fenced`."""
+RedisUnreachable = RedisUnavailable
+"""Redis did not answer in time: an alias of :class:`relay.broker.errors.RedisUnavailable`."""
 
-class ProducerError(RelayError):
-    """Base of the producer API's exceptions."""
 
-
-class InvalidSession(ProducerError, InvalidSessionId):
+class InvalidSession(RelayError, InvalidSessionId):
     """The session id is not ``[A-Za-z0-9_-]{1,64}``."""
 
 
-class FrameTooLarge(ProducerError, _BrokerFrameTooLarge):
-    """A delta or a frame would encode past ``MAX_FRAME_BYTES``; nothing of it was written."""
-
-
-class TurnClosed(ProducerError):
+class TurnClosed(RelayError):
     """The turn ended (its terminal frame is out, or it was closed): nothing more goes."""
 
     def __init__(self, session: str, turn: int, how: str) -> None:
@@ -59,18 +65,7 @@ class TurnClosed(ProducerError):
         self.turn = turn
 
 
-class RedisUnreachable(ProducerError, RedisUnavailable):
-    """Redis could not be reached within the retry window."""
-
-
-class StaleEpoch(ProducerError, Fenced):
-    """A newer generation owns the session: this turn may write nothing more."""
-
-    def __init__(self, session: str, epoch: int, current: int) -> None:
-        Fenced.__init__(self, session, epoch, current)
-
-
-class TurnBusy(ProducerError):
+class TurnBusy(RelayError):
     """Another producer's turn holds the session's turn lock."""
 
     def __init__(self, holder: LockHolder) -> None:
@@ -78,5 +73,5 @@ class TurnBusy(ProducerError):
         self.holder = holder
 
 
-class LockLost(ProducerError):
+class LockLost(RelayError):
     """The turn lock is no longer this producer's (it expired and was taken or reaped)."""

@@ -46,7 +46,6 @@ from relay.producer.base import (
     Observer,
     Spawn,
     default_spawn,
-    mapped,
 )
 from relay.producer.coalesce import DEFAULT_POLICY, Batch, CoalescePolicy
 from relay.producer.errors import (
@@ -171,7 +170,7 @@ class Session:
         p = self.producer
         owner = owner or f"{p.producer_id}:{uuid.uuid4().hex[:16]}"
         for attempt in range(retries + 1):
-            holder = await mapped(lock_acquire(p.redis, self.id, owner, p.lock_ttl_ms))
+            holder = await lock_acquire(p.redis, self.id, owner, p.lock_ttl_ms)
             if holder is None:
                 return Claim(self, owner)
             if attempt == retries:
@@ -226,16 +225,16 @@ class Claim:
         gen: Generation | None = None
         meta_out = False
         try:
-            gen = await mapped(p.publisher.open_generation(sid))
+            gen = await p.publisher.open_generation(sid)
             gen.observers.extend(observers)
             # the message bounded (message_meta): the history keeps it whole
             body = {"role": "user", **message_meta(message), "worker": p.producer_id,
                     **(meta or {})}  # fmt: skip
             body["message_id"] = message_id or f"{sid}-{gen.turn}-user"
-            first = (await mapped(gen.publish([Draft(kind="meta", meta=body)])))[0]
+            first = (await gen.publish([Draft(kind="meta", meta=body)]))[0]
             meta_out = True
-            if not await mapped(lock_name_turn(p.redis, sid, self.owner, p.lock_ttl_ms,
-                                                gen.turn, first)):  # fmt: skip
+            if not await lock_name_turn(p.redis, sid, self.owner, p.lock_ttl_ms,
+                                        gen.turn, first):  # fmt: skip
                 raise LockLost("the turn lock expired while the turn was started")
         except BaseException:
             if gen is not None and meta_out:

@@ -20,7 +20,6 @@ from relay.producer.base import (
     StopReason,
     Usage,
     chunks,
-    mapped,
 )
 from relay.producer.coalesce import Batch, TokenPump
 from relay.producer.errors import (
@@ -204,7 +203,7 @@ class Turn:
         if self.lock_lost:
             raise LockLost(f"session {self.sid}: turn {self.turn} lost its turn lock")
         self._closed = how
-        return (await mapped(self.generation.publish([draft])))[0]
+        return (await self.generation.publish([draft]))[0]
 
     async def close(self) -> None:
         """Stop the turn's helpers and give the lock back (no terminal frame: a turn
@@ -248,7 +247,7 @@ class Turn:
         if len(text.encode("utf-8", "surrogatepass")) > MAX_DELTA_BYTES:
             drafts = [Draft(kind="token", text=c, meta=meta if i == 0 else None)
                       for i, c in enumerate(chunks(text))]  # fmt: skip
-        await mapped(self.generation.publish(drafts))
+        await self.generation.publish(drafts)
         if self._on_batch is not None:
             self._on_batch(b)
 
@@ -282,7 +281,7 @@ class Turn:
         """Extend the turn lock and read the stop record (one round trip); signals
         :attr:`StopReason.LOCK_LOST` or :attr:`StopReason.CANCELLED` as found."""
         p = self.producer
-        state = await mapped(lock_refresh(p.redis, self.sid, self.owner, p.lock_ttl_ms, self.turn))
+        state = await lock_refresh(p.redis, self.sid, self.owner, p.lock_ttl_ms, self.turn)
         if state is LockState.LOST:
             self.signal(StopReason.LOCK_LOST)
         elif state is LockState.STOP_ASKED:

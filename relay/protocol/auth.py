@@ -44,7 +44,7 @@ then :func:`verify_token`, which returns :class:`Claims` or raises:
           |    +-- TokenUnknownKey   a kid this process does not hold
           +-- TokenExpired        past its ``exp``
           +-- TokenNotYetValid    ``iat`` / ``nbf`` in the future (beyond the leeway)
-          +-- TokenWrongSession   signed for another session
+          +-- TokenWrongSession   signed for another session or stream (or kind)
           +-- TokenWrongScope     a watch token used to write
 
 The signature is checked (constant time, by PyJWT) before any claim is looked at, so a
@@ -68,7 +68,8 @@ import jwt
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from relay.protocol.codes import Refusal
-from relay.protocol.keys import SESSION_TTL_S, InvalidSessionId, parse_session
+from relay.protocol.keys import SESSION_TTL_S
+from relay.protocol.subjects import namespace_refusal, parse_subject
 
 __all__ = [
     "DEFAULT_KID",
@@ -329,12 +330,12 @@ def issue_token(
     *,
     scope: Scope = "watch",
 ) -> str:
-    """A token for ``sid`` valid from ``now`` until ``now + ttl_s`` (whole seconds, down),
-    signed with the key set's signing key (a bare secret is key :data:`DEFAULT_KID`)."""
+    """A token for ``sid`` (a session id or a stream's subject) valid from ``now`` until
+    ``now + ttl_s`` (whole seconds, down), signed with the key set's signing key."""
     ks = _as_keyset(keys)
     if ks.signing is None:
         raise ValueError("this key set holds no signing key")
-    sid = parse_session(sid)
+    sid = parse_subject(sid)
     if ttl_s < 1:
         raise ValueError("ttl_s must be at least 1 second")
     if scope not in SCOPES:
@@ -420,11 +421,11 @@ def verify_token(
     need: Scope = "watch",
     max_lifetime_s: int = MAX_LIFETIME_S,
 ) -> Claims:
-    """The claims of ``token`` if it is genuine, for ``sid``, in its lifetime (at most
-    ``max_lifetime_s`` from ``iat`` to ``exp``) and allows ``need``. Raises (checked in
-    this order) :class:`TokenMissing`, :class:`TokenInvalid` / :class:`TokenUnknownKey`,
-    :class:`TokenWrongSession`, :class:`TokenNotYetValid`, :class:`TokenExpired`,
-    :class:`TokenWrongScope`."""
+    """The claims of ``token`` if it is genuine, for ``sid`` (a session's id or a stream's
+    ``ds:<id>``, :mod:`relay.protocol.subjects`), in its lifetime (``exp - iat`` at most
+    ``max_lifetime_s``), allowing ``need``. Raises (in this order) :class:`TokenMissing`,
+    :class:`TokenInvalid` / :class:`TokenUnknownKey`, :class:`TokenWrongSession`,
+    :class:`TokenNotYetValid`, :class:`TokenExpired`, :class:`TokenWrongScope`."""
     ks = _as_keyset(keys)
     if not token:
         raise TokenMissing("no token: send Authorization: Bearer <token> or ?token=")
@@ -451,9 +452,9 @@ def verify_token(
     claims = _json_object(claims_raw, "claims")
     # Genuine from here on: the claims were written by someone holding the key.
     try:
-        token_sid = parse_session(claims.get("sub"))
-    except InvalidSessionId:
-        raise TokenInvalid("token claim 'sub' is not a session id") from None
+        token_sid = parse_subject(claims.get("sub"))
+    except ValueError:  # InvalidSessionId is one
+        raise TokenInvalid("token claim 'sub' is not a session id or a stream's subject") from None
     scope = claims.get("scope")
     if scope not in SCOPES:
         raise TokenInvalid("token claim 'scope' must be 'watch' or 'write'")
@@ -465,8 +466,9 @@ def verify_token(
     jti = claims.get("jti", "")
     if not isinstance(jti, str) or len(jti) > _JTI_MAX:
         raise TokenInvalid(f"token claim 'jti' must be a string of at most {_JTI_MAX} characters")
-    if not hmac.compare_digest(token_sid.encode(), sid.encode()):
-        raise TokenWrongSession("token was issued for another session")
+    if not hmac.compare_digest(token_sid.encode(), sid.encode()):  # a stream's sub is no sid
+        why = namespace_refusal(token_sid, sid)  # the one namespace rule, and its reason
+        raise TokenWrongSession(why or "token was issued for another session or stream")
     if issued > now + LEEWAY_S or (not_before is not None and not_before > now + LEEWAY_S):
         raise TokenNotYetValid("token is not valid yet (iat / nbf in the future)")
     if now >= expires:

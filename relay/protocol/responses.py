@@ -42,6 +42,7 @@ from typing import Any, Final
 
 import msgspec
 
+from relay.protocol import sse
 from relay.protocol.frame import Frame
 from relay.protocol.keys import InvalidSessionId, KeyKind, key, parse_session
 
@@ -140,7 +141,7 @@ def error_body(
 def encode_event(event: dict[str, Any]) -> bytes:
     """One event as Server-Sent Events (``event:`` its type, ``data:`` the JSON)."""
     kind: str = event["type"]
-    return b"event: " + kind.encode() + b"\ndata: " + _encode.encode(event) + b"\n\n"
+    return sse.event(_encode.encode(event), kind=kind)
 
 
 def usage(meta: Mapping[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,8 @@ import re
 from typing import Final
 
 __all__ = [
+    "DONE",
+    "FRAME_EVENT",
     "MAX_OFFSET",
     "OffsetError",
     "comment",
@@ -43,6 +45,12 @@ MAX_OFFSET: Final = 2**53 - 1  # exact in JavaScript numbers and JSON everywhere
 _MAX_OFFSET_DIGITS: Final = len(str(MAX_OFFSET))
 _LINES: Final = re.compile(rb"\r\n|\r|\n")
 _DIGITS: Final = re.compile(r"[0-9]+")
+# an event with an integer id, a checked type and one line of data, in one format step:
+# what event() writes for it, and what the edge's fast path (relay.edge.conn.base) fills
+# in itself, with no call, for a frame it encodes once for all its sockets
+FRAME_EVENT: Final = b"id: %d\nevent: %b\ndata: %b\n\n"
+_KINDS: dict[str, bytes] = {}  # event types checked and encoded, by name
+_MAX_KINDS: Final = 256
 
 
 class OffsetError(ValueError):
@@ -53,27 +61,45 @@ def _lines(payload: bytes) -> list[bytes]:
     return _LINES.split(payload)
 
 
-def event(data: bytes, *, id: int | str | None = None, kind: str | None = None) -> bytes:
-    """One dispatched event: ``id:``, ``event:`` and ``data:`` lines, then a blank line."""
-    out = bytearray()
-    if id is not None:
-        ident = str(id)
-        if any(c in ident for c in "\r\n\0"):
-            raise ValueError("an SSE id may not contain CR, LF or NUL")
-        out += b"id: " + ident.encode()
-        out += b"\n"
-    if kind is not None:
+def _kind(kind: str) -> bytes:
+    """``kind`` checked (non-empty, no CR or LF) and encoded; kept once checked."""
+    out = _KINDS.get(kind)
+    if out is None:
         if not kind or "\r" in kind or "\n" in kind:
             raise ValueError("an SSE event type must be non-empty without CR or LF")
-        out += b"event: " + kind.encode()
-        out += b"\n"
-    if b"\r" not in data and b"\n" not in data:
-        out += b"data: " + data + b"\n"
-    else:
-        for line in _lines(data):
-            out += b"data: " + line + b"\n"
-    out += b"\n"
-    return bytes(out)
+        out = kind.encode()
+        if len(_KINDS) < _MAX_KINDS:  # the event types of a program: a few dozen
+            _KINDS[kind] = out
+    return out
+
+
+def event(
+    data: bytes, *, id: int | str | None = None, kind: str | None = None, space: bool = True
+) -> bytes:
+    """One dispatched event: ``id:``, ``event:`` and ``data:`` lines, then a blank line.
+
+    The one SSE encoder: every front that writes SSE (the relay's own wire, the AI SDK's
+    UI message stream, OpenAI's chat completions and Responses events, Durable Streams)
+    makes its events here. ``space``: a space after ``data:`` (the fields' usual
+    spelling; Durable Streams' wire has none, which a parser reads the same).
+    """
+    if type(id) is int and kind is not None and space and 10 not in data and 13 not in data:
+        return FRAME_EVENT % (id, _KINDS.get(kind) or _kind(kind), data)  # one format step
+    head = b""
+    if id is not None:
+        ident = str(id)
+        if "\r" in ident or "\n" in ident or "\0" in ident:
+            raise ValueError("an SSE id may not contain CR, LF or NUL")
+        head = b"id: " + ident.encode() + b"\n"
+    if kind is not None:
+        head += b"event: " + _kind(kind) + b"\n"
+    field = b"data: " if space else b"data:"
+    if 10 not in data and 13 not in data:
+        return head + field + data + b"\n\n"
+    return head + b"".join([field + line + b"\n" for line in _lines(data)]) + b"\n"
+
+
+DONE: Final = event(b"[DONE]")  # OpenAI's end of a stream (chat completions, the UI stream)
 
 
 def retry(ms: int) -> bytes:

@@ -21,6 +21,7 @@ from typing import Any, Final
 
 import msgspec
 
+from relay.protocol import sse
 from relay.protocol.frame import Frame
 
 __all__ = ["DONE", "UI_HEADERS", "UiTurn", "encode_chunk"]
@@ -31,14 +32,14 @@ UI_HEADERS: Final = {
     "X-Accel-Buffering": "no",
     "x-vercel-ai-ui-message-stream": "v1",
 }
-DONE: Final = b"data: [DONE]\n\n"
+DONE: Final = sse.DONE
 _FINISH_REASONS: Final = frozenset(("stop", "length", "content-filter", "tool-calls", "error"))
 _encode = msgspec.json.Encoder()
 
 
 def encode_chunk(chunk: dict[str, Any]) -> bytes:
     """One UI message chunk as an SSE event (``data: <json>`` + blank line)."""
-    return b"data: " + _encode.encode(chunk) + b"\n\n"
+    return sse.event(_encode.encode(chunk))
 
 
 class UiTurn:

@@ -5,14 +5,18 @@ chat, the streams) answers what it refuses with :func:`refusal`, or raises
 :class:`Reject`, which carries the same and becomes the same response. ``error`` is a
 :class:`relay.protocol.codes.Refusal` (a stable code for machines), ``reason`` a
 sentence for people; a route may add fields a client can act on (the running turn of a
-409, ``retry_after_s`` of a 429). The OpenAI-compatible routes answer in OpenAI's own
-error shape instead (:mod:`worker.gateway.wire`), because the SDKs parse that one.
+409, ``retry_after_s`` of a 429). The OpenAI-compatible routes (chat completions, the
+Responses API, on the worker and the relay) answer in OpenAI's own error shape instead,
+because the SDKs parse that one: :func:`openai_refusal`, the one function that writes it.
+Durable Streams answers as its protocol does, the reason as plain text:
+:func:`text_refusal`.
 
 Order of use::
 
     return refusal(400, Refusal.INVALID_SESSION, str(exc))
     raise Reject(429, Refusal.TOO_MANY_STREAMS, "close one", {"Retry-After": "5"})
     except Reject as r: return r.response()
+    return openai_refusal(413, "the request body is too large", code="body_too_large")
 
 :data:`RETRY_AFTER` is the header of "come back in a second" (a drain, Redis away);
 :func:`retry_after` the one of an estimated wait (whole seconds, at least one).
@@ -29,9 +33,18 @@ from typing import Any, Final
 import orjson
 from aiohttp import hdrs, web
 
+from relay.protocol.responses import error_body
 from relay.service.admin import ADMIN_REALM, admin_refusal
 
-__all__ = ["RETRY_AFTER", "Reject", "admin_refused", "refusal", "retry_after"]
+__all__ = [
+    "RETRY_AFTER",
+    "Reject",
+    "admin_refused",
+    "openai_refusal",
+    "refusal",
+    "retry_after",
+    "text_refusal",
+]
 
 RETRY_AFTER: Final = {"Retry-After": "1"}
 
@@ -47,6 +60,30 @@ def refusal(
     """The JSON answer to a refused request (``extra``: more fields of the body)."""
     body = orjson.dumps({"error": error, "reason": reason, **extra})
     return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+
+
+def openai_refusal(
+    status: int,
+    message: str,
+    *,
+    kind: str = "invalid_request_error",
+    code: str | None = None,
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> web.Response:
+    """OpenAI's answer to a refused request: ``{"error": {"message", "type", "param",
+    "code"}}`` (``kind`` is its ``type``)."""
+    body = orjson.dumps(error_body(message, kind, code, param))
+    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+
+
+def text_refusal(
+    status: int, reason: str, headers: Mapping[str, str] | None = None
+) -> web.Response:
+    """A refusal whose body is its reason as plain text (Durable Streams' convention);
+    a ``Content-Type`` among ``headers`` (a stream's own) is not sent with it."""
+    h = {k: v for k, v in (headers or {}).items() if k.lower() != "content-type"}
+    return web.Response(status=status, text=reason + "\n", headers=h)
 
 
 class Reject(Exception):

@@ -16,6 +16,7 @@ from redis.asyncio.cluster import RedisCluster
 from devstack.cluster.launcher import ClusterInfo
 from relay.durable import store
 from relay.durable.auth import token_subject
+from relay.durable.core import stream_id
 from relay.protocol.auth import issue_token
 from relay.protocol.keys import new_session_id
 from tests.support.relay import SECRET, Relay, publish_turn, running
@@ -322,3 +323,28 @@ async def test_a_read_copies_about_its_byte_budget_not_its_message_count(
     every = await store.read(redis, ref, 0, count=1000, touch=False)
     assert every is not None
     assert len(every.messages) == 6  # no budget: the count
+
+
+async def test_session_and_stream_tokens_never_open_each_other(relay: Relay) -> None:
+    """A session may be named ``ds_<a stream's id>`` (apps choose session ids): its
+    tokens still open no stream, and a stream's token opens no session."""
+    path = f"private/{uuid.uuid4().hex}"
+    url = _url(relay, path)
+    now = time.time()
+    stream_write = issue_token(SECRET, token_subject(path), 300, now, scope="write")
+    async with relay.http.put(
+        url, headers={**JSON, "Authorization": f"Bearer {stream_write}"}
+    ) as r:
+        assert r.status == 201
+    lookalike = f"ds_{stream_id(path)}"  # the stream's old token subject
+    session_write = issue_token(SECRET, lookalike, 300, now, scope="write")
+    for method in ("GET", "POST"):
+        headers = {**JSON, "Authorization": f"Bearer {session_write}"}
+        async with relay.http.request(method, url, headers=headers, data=b"[1]") as r:
+            assert r.status == 403, (method, await r.text())
+    for sid in (lookalike, new_session_id()):
+        bearer = {"Authorization": f"Bearer {stream_write}"}
+        async with relay.http.get(relay.url(sid, "stream"), headers=bearer) as r:
+            assert r.status == 403, await r.text()
+        async with relay.http.get(relay.url(sid, "events"), headers=bearer) as r:
+            assert r.status == 403, await r.text()

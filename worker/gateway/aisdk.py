@@ -37,7 +37,6 @@ import logging
 import time
 from typing import Any, Final
 
-import orjson
 from aiohttp import web
 
 from relay.broker.errors import RelayError
@@ -48,7 +47,8 @@ from relay.protocol.frame import FrameError, decode
 from relay.protocol.keys import InvalidSessionId, log_key, parse_session
 from relay.protocol.uistream import DONE, UI_HEADERS, UiTurn, encode_chunk
 from relay.service.errors import RETRY_AFTER, Reject, refusal, retry_after
-from relay.service.httpguard import client_gone
+from relay.service.httpbody import read_body, refused
+from relay.service.jsonbody import BodyRefused, parse_json
 from relay.service.register import Handler
 from worker.access import RateLimited
 from worker.chat.direct import DirectViewer
@@ -110,11 +110,9 @@ def _text(msg: dict[str, Any]) -> str:
 def parse_chat(raw: bytes, max_chars: int) -> ChatRequest:
     """The AI SDK's chat body -> :class:`ChatRequest`, or :class:`ChatError`."""
     try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise ChatError(400, Refusal.MALFORMED_JSON, f"body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ChatError(400, Refusal.INVALID_BODY, "body must be a JSON object")
+        body = parse_json(raw)
+    except BodyRefused as exc:
+        raise ChatError(exc.status, exc.code, exc.reason) from None
     try:
         sid = parse_session(body.get("id"))
     except InvalidSessionId as exc:
@@ -196,15 +194,10 @@ def handlers() -> dict[str, Handler]:
     async def chat(request: web.Request) -> web.StreamResponse:
         st = request.app[STATE]
         cfg = st.cfg
-        if request.content_type != "application/json":
-            return refusal(415, Refusal.UNSUPPORTED_MEDIA_TYPE, "send the body as application/json")
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            reason = f"body larger than {cfg.max_body_bytes} bytes"
-            return refusal(413, Refusal.BODY_TOO_LARGE, reason)
-        except ConnectionResetError:  # the client left mid-body: counted by the HTTP guard
-            return client_gone()
+            raw = await read_body(request, cfg.max_body_bytes)
+        except BodyRefused as r:  # 415, 413, or the client gone (counted by the HTTP guard)
+            return refused(r)
         try:
             req = parse_chat(raw, cfg.max_message_chars)
         except ChatError as exc:

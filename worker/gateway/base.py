@@ -12,15 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-import orjson
 from aiohttp import web
 
 from relay.protocol.codes import Refusal
 from relay.service.apikeys import check_api_key
+from relay.service.errors import openai_refusal
 from worker.access import WorkerAccess
 from worker.chat.turn import TurnManager
 from worker.engines.client import EngineClient
-from worker.gateway.wire import ChatRequest, WireError, error_body
+from worker.gateway.wire import ChatRequest, WireError
 from worker.metrics import WorkerMetrics
 from worker.routing.key import routing_key
 from worker.routing.lease import Lease
@@ -40,6 +40,7 @@ class GatewayConfig:
     max_chars: int = 256 * 1024
     admit_wait_s: float = 2.0
     prefix_chars: int = 2048
+    max_body_bytes: int = 64 * 1024  # the worker's --max-body-bytes
 
 
 class Gateway:
@@ -95,9 +96,5 @@ GATEWAY: Final = web.AppKey("tokenrelay_gateway", Gateway)
 
 
 def error_response(exc: WireError, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        status=exc.status,
-        body=orjson.dumps(error_body(exc.message, exc.kind, exc.code, exc.param)),
-        content_type="application/json",
-        headers=headers,
-    )
+    return openai_refusal(exc.status, exc.message, kind=exc.kind, code=exc.code,
+                          param=exc.param, headers=headers)  # fmt: skip

@@ -38,8 +38,10 @@ from typing import Any, Final
 import orjson
 from aiohttp import web
 
+from relay.protocol import sse
 from relay.protocol.keys import InvalidSessionId, parse_session
-from relay.service.httpguard import client_gone
+from relay.service.httpbody import read_json, refused_openai
+from relay.service.jsonbody import BodyRefused
 from relay.service.register import Handler
 from worker.engines.errors import (
     EngineError,
@@ -121,16 +123,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if gw.draining():
         return _error(WireError(503, "the worker is shutting down; retry", kind="api_error",
                                 code="draining"), {"Retry-After": "1"})  # fmt: skip
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        return _error(WireError(413, "the request body is too large", code="body_too_large"))
-    except ConnectionResetError:  # the client left mid-body: counted by the HTTP guard
-        return client_gone()
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return _error(WireError(400, "the body is not valid JSON", code="malformed_json"))
+    try:  # any media type, any JSON value (the SDKs send objects; the parser says what else)
+        body = await read_json(request, gw.cfg.max_body_bytes, content_type=None, want_object=False)
+    except BodyRefused as r:  # 413, 400, or the client gone (counted by the HTTP guard)
+        return refused_openai(r)
     try:
         req = parse_request(
             body,
@@ -194,7 +190,7 @@ async def _whole(gw: Gateway, req: ChatRequest, lease: Lease) -> web.Response:
 
 
 def _event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+    return sse.event(orjson.dumps(obj))
 
 
 async def _stream(
@@ -243,7 +239,7 @@ async def _stream(
     if req.include_usage:
         use = usage(prompt_tokens, completion_tokens or n, cached)
         await resp.write(_event(usage_chunk(cid, created, req.model, use)))
-    await resp.write(b"data: [DONE]\n\n")
+    await resp.write(sse.DONE)
     await resp.write_eof()
     return resp
 

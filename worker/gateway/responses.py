@@ -63,7 +63,8 @@ from relay.protocol.responses import (
     response_object,
 )
 from relay.service.errors import Reject
-from relay.service.httpguard import client_gone
+from relay.service.httpbody import read_json, refused_openai
+from relay.service.jsonbody import BodyRefused
 from relay.service.register import Handler
 from worker.access import RateLimited
 from worker.chat.cancel import StopStatus
@@ -285,16 +286,10 @@ async def create(request: web.Request) -> web.StreamResponse:
     if gw.draining():
         return _error(WireError(503, "the worker is shutting down; retry", kind="api_error",
                                 code="draining"), _retry(1))  # fmt: skip
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        return _error(WireError(413, "the request body is too large", code="body_too_large"))
-    except ConnectionResetError:
-        return client_gone()
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return _error(WireError(400, "the body is not valid JSON", code="malformed_json"))
+    try:  # any media type, any JSON value (the SDKs send objects; the parser says what else)
+        body = await read_json(request, gw.cfg.max_body_bytes, content_type=None, want_object=False)
+    except BodyRefused as r:  # 413, 400, or the client gone (counted by the HTTP guard)
+        return refused_openai(r)
     try:
         req = parse_responses(
             body, model=gw.cfg.model, default_max_tokens=gw.cfg.default_max_tokens,

@@ -29,6 +29,7 @@ import orjson
 from aiohttp import web
 
 from relay.broker.errors import RelayError
+from relay.protocol import sse
 from relay.protocol.auth import AuthError
 from relay.protocol.keys import InvalidSessionId, parse_session
 from relay.service.apikeys import check_api_key
@@ -84,7 +85,7 @@ def authorize(gw: Gateway, request: web.Request, sid: str) -> WireError | None:
 
 
 def _event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+    return sse.event(orjson.dumps(obj))
 
 
 def _usage(meta: dict[str, Any], tokens: int) -> dict[str, Any]:
@@ -155,7 +156,7 @@ async def complete(
                 await resp.write(_event(chunk(cid, created, req.model, {}, finish)))
                 if req.include_usage:
                     await resp.write(_event(usage_chunk(cid, created, req.model, use)))
-                await resp.write(b"data: [DONE]\n\n")
+                await resp.write(sse.DONE)
                 await resp.write_eof()
                 return resp
             elif kind == "error":

@@ -30,9 +30,10 @@ from relay.broker.errors import RelayError
 from relay.protocol.auth import AuthError, Scope
 from relay.protocol.codes import Refusal
 from relay.protocol.keys import InvalidSessionId, parse_session
+from relay.service import httpbody
 from relay.service.apikeys import check_api_key
 from relay.service.errors import RETRY_AFTER, refusal
-from relay.service.httpguard import client_gone
+from relay.service.jsonbody import BodyRefused
 from relay.service.register import Handler
 from worker.access import WorkerAccess
 from worker.jobs.queue import JobSubmitter
@@ -53,6 +54,7 @@ class JobsApi:
     default_max_tokens: int
     max_tokens_limit: int
     max_prompt_chars: int
+    max_body_bytes: int = 64 * 1024  # the worker's --max-body-bytes
 
 
 JOBS: Final = web.AppKey("tokenrelay_jobs", JobsApi)
@@ -116,16 +118,10 @@ async def submit_job(request: web.Request) -> web.Response:
     if JOBS not in request.app:
         return _disabled()
     api = request.app[JOBS]
-    if request.content_type != _JSON:
-        return refusal(415, Refusal.UNSUPPORTED_MEDIA_TYPE, "send the body as application/json")
     try:
-        body = orjson.loads(await request.read())
-    except web.HTTPRequestEntityTooLarge:
-        return refusal(413, Refusal.BODY_TOO_LARGE, "the body is too large")
-    except ConnectionResetError:  # the client left mid-body: counted by the HTTP guard
-        return client_gone()
-    except orjson.JSONDecodeError:
-        return refusal(400, Refusal.MALFORMED_JSON, "the body is not valid JSON")
+        body = await httpbody.read_json(request, api.max_body_bytes, want_object=False)
+    except BodyRefused as r:  # 415, 413, 400, or the client gone (counted by the guard)
+        return httpbody.refused(r)
     try:
         spec = _spec(body, api)
     except OverflowError as exc:

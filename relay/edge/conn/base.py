@@ -61,6 +61,7 @@ from relay.edge.fanout.notices import DELETED_REASON, deleted_delivery
 from relay.protocol import sse
 from relay.protocol.codes import CloseCode
 from relay.protocol.frame import KINDS
+from relay.protocol.sse import FRAME_EVENT
 
 __all__ = [
     "GOODBYE_S",
@@ -558,8 +559,8 @@ def sse_bytes(d: Delivery) -> bytes:
         data, kind = d.data, _EVENT_KINDS.get(d.kind)
         if kind is None or 10 in data or 13 in data:  # LF, CR (JSON with line breaks)
             out = sse.event(data, id=d.offset, kind=d.kind)
-        else:  # what sse.event writes, in one step
-            out = b"id: %d\nevent: %b\ndata: %b\n\n" % (d.offset, kind, data)
+        else:  # what sse.event writes for it (its template), without the call
+            out = FRAME_EVENT % (d.offset, kind, data)
         d.sse = out
     return out
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from relay.broker.errors import RelayError
@@ -37,12 +36,11 @@ from relay.protocol.responses import (
     OWNER_FIELD,
     InvalidResponseId,
     ResponseId,
-    error_body,
     owner_key,
     parse_response_id,
 )
 from relay.service.apikeys import check_api_key
-from relay.service.errors import Reject
+from relay.service.errors import Reject, openai_refusal
 
 __all__ = ["responses_stream_handler"]
 
@@ -61,8 +59,7 @@ class _Refused(Exception):
 def _answer(server: EdgeServer, r: _Refused) -> web.Response:
     server.metrics.rejected.labels(r.code).inc()
     kind = _KINDS.get(r.status, "api_error")
-    return web.Response(status=r.status, body=orjson.dumps(error_body(r.message, kind, r.code)),
-                        content_type="application/json", headers=r.headers)  # fmt: skip
+    return openai_refusal(r.status, r.message, kind=kind, code=r.code, headers=r.headers)
 
 
 def _check(server: EdgeServer, request: web.Request) -> tuple[ResponseId, int]:

@@ -40,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from bisect import bisect_left
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
@@ -62,7 +61,7 @@ from relay.edge.core.resume import Delivery
 from relay.edge.fanout.hub import Hub
 from relay.edge.http.limits import Access, StreamGuard, token_key
 from relay.edge.metrics import OutMeter, RelayMetrics
-from relay.protocol.auth import AuthError, extract_token, verify_token
+from relay.protocol.auth import AuthError
 from relay.protocol.codes import CloseCode, Readiness, Refusal
 from relay.protocol.frame import now_ms
 from relay.protocol.keys import InvalidSessionId, parse_session
@@ -70,6 +69,7 @@ from relay.service import settings
 from relay.service.clientaddr import BadForwardedFor, client_address, parse_networks
 from relay.service.errors import RETRY_AFTER, Reject, admin_refused
 from relay.service.supervise import QUICK_BACKOFF, Supervisor
+from relay.service.tokens import challenge, request_claims
 
 __all__ = ["CORS_HEADERS", "EdgeServer", "deleted", "query_value"]
 
@@ -263,16 +263,11 @@ class EdgeServer:
         if self.keys is None:
             return Access(None, 0, address)
         try:
-            token = extract_token(
-                request.headers.get("Authorization"), query_value(request, "token")
-            )
-            claims = verify_token(
-                self.keys, token, sid, time.time(), max_lifetime_s=self.config.session_ttl_s
-            )
+            claims = request_claims(self.keys, request, sid,
+                                    max_lifetime_s=self.config.session_ttl_s)  # fmt: skip
         except AuthError as exc:
             self.metrics.auth_failures.labels(exc.error).inc()
-            headers = {"WWW-Authenticate": 'Bearer realm="tokenrelay"'} if exc.status == 401 else {}
-            raise Reject(exc.status, exc.error, exc.reason, headers) from None
+            raise Reject(exc.status, exc.error, exc.reason, challenge(exc)) from None
         return Access(claims, token_key(claims), address)
 
     def check_capacity(self) -> Hub:
