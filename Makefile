@@ -7,8 +7,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
-DEMO_EXTRAS := embedded
-ALL_EXTRAS  := test,bench,embedded,dev
+DEMO_EXTRAS := embedded,jobs,precise
+ALL_EXTRAS  := test,bench,embedded,dev,jobs,precise
 PYTEST_ARGS ?=
 
 .PHONY: all demo test test-fast lint format bench fuzz browser-deps promtool openapi clean

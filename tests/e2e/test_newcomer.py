@@ -230,7 +230,9 @@ async def test_a_newcomer_clones_runs_the_demo_tries_every_example_and_stops_it(
         # 2. what `make demo` would install: the runtime and the embedded Redis only
         dry = await run_cli(["make", "-n", "demo"], cwd=clone, timeout_s=30)
         installs = [ln for ln in dry.out.splitlines() if "pip install" in ln and " -e " in ln]
-        assert installs == [f"{'.venv/bin/python'} -m pip install -q -e '.[embedded]'"], dry.out
+        assert installs == [
+            f"{'.venv/bin/python'} -m pip install -q -e '.[embedded,jobs,precise]'"
+        ], dry.out
         python = await _make_venv(clone, work)
         (clone / ".venv" / ".installed-demo").touch()  # newer than pyproject.toml
         await _run_the_demo(clone, tmpdir, python, npm_why)
