@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml
 DEMO_ARGS ?=
 demo: $(DEMO_STAMP)
 	TOKENRELAY_SECRET="$${TOKENRELAY_SECRET:-$$($(BIN)/python -c 'import secrets; print(secrets.token_urlsafe(32))')}" \
-		$(BIN)/tokenrelay demo $(DEMO_ARGS)
+		$(BIN)/python -m devstack demo $(DEMO_ARGS)
 
 ## test: the whole suite against a real local Redis Cluster (started and stopped by the suite).
 ## Two parts, each spread over pytest-xdist workers that start a cluster of their own: the
@@ -55,9 +55,9 @@ test: $(STAMP) browser-deps promtool
 	$(BIN)/python -m pytest -q -ra -n $(HEAVY_JOBS) tests $(LIGHT_TESTS:%=--ignore=%) $(PYTEST_ARGS) || failed=1; \
 	exit $$failed
 
-## test-fast: pure-core tests only (no Redis, no browser).
+## test-fast: tests/unit only: pure tests (no process, no server, no Redis, no sleep), in seconds.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not integration and not browser" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n 0 tests/unit $(PYTEST_ARGS)
 
 ## browser-deps: Debian's chromium (browser test), docker-compose (compose file
 ## validation, no engine needed), nginx-light (deploy/nginx.conf, run), openssl

@@ -296,9 +296,12 @@ async def _run_the_demo(clone: Path, tmpdir: Path, python: Path, npm_why: str | 
         assert key is not None, out
         await _readme_examples(clone, tmpdir, python, base, key.group(1), env, npm_why)
         # obvious mistakes meanwhile: a second demo, a relay on the port in use
-        for argv in (["demo", "--port", str(port)], ["relay", "--port", str(port)]):
+        for argv in (
+            [str(python), "-m", "devstack", "demo", "--port", str(port)],
+            [str(clone / ".venv" / "bin" / "tokenrelay"), "relay", "--port", str(port)],
+        ):
             ran = await run_cli(
-                [str(clone / ".venv" / "bin" / "tokenrelay"), *argv], timeout_s=60,
+                argv, timeout_s=60, cwd=clone,
                 env={**env, "TOKENRELAY_SECRET": "newcomer-secret-5f1c9a7e3b2d8046ae1f"},
             )  # fmt: skip
             assert ran.code != 0, (argv, ran.err)
