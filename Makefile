@@ -41,14 +41,14 @@ demo: $(DEMO_STAMP)
 
 ## test: the whole suite against a real local Redis Cluster (started and stopped by the suite).
 ## Two parts, each spread over pytest-xdist workers that start a cluster of their own: the
-## unit, integration and hostile tests TEST_JOBS at a time, then everything else (the
+## unit, cli, integration and hostile tests TEST_JOBS at a time, then everything else (the
 ## benchmarks' tests, end-to-end, deploy: heavier, so HEAVY_JOBS at a time). Both parts
 ## run even when the first fails. Against one existing cluster (TOKENRELAY_REDIS_URL, or
 ## the docker backend's) the tests run one at a time: they would share its keys.
 ONE_CLUSTER := $(or $(TOKENRELAY_REDIS_URL),$(filter docker,$(TOKENRELAY_TEST_BACKEND)))
 TEST_JOBS  ?= $(if $(ONE_CLUSTER),0,3)
 HEAVY_JOBS ?= $(if $(ONE_CLUSTER),0,2)
-LIGHT_TESTS := tests/unit tests/integration tests/hostile
+LIGHT_TESTS := tests/unit tests/cli tests/integration tests/hostile
 test: $(STAMP) browser-deps promtool
 	@failed=0; \
 	$(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) $(LIGHT_TESTS) $(PYTEST_ARGS) || failed=1; \
