@@ -1,5 +1,9 @@
-"""The optional dependencies are extras (pyproject.toml): ``tokenrelay[jobs]`` (aio-pika)
-and ``tokenrelay[precise]`` (pyzmq). An edge install has neither, so:
+"""What the wheel ships (pyproject.toml): the product only, ``relay``, ``worker`` and the
+``tokenrelay`` command, every subcommand of it inside them; the development stack and the
+benchmarks run from a checkout (``python -m devstack``, ``python -m bench``).
+
+The optional dependencies are extras: ``tokenrelay[jobs]`` (aio-pika) and
+``tokenrelay[precise]`` (pyzmq). An edge install has neither, so:
 
 - no module of the wheel imports them when it is imported (only where they are used,
   or under ``TYPE_CHECKING``): every subcommand's parser, and the relay and the worker
@@ -53,6 +57,19 @@ def _top_level_imports(tree: ast.Module) -> set[str]:
 
     visit(tree.body)
     return out
+
+
+def test_the_wheel_holds_the_product_and_its_commands_only() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    setuptools = pyproject["tool"]["setuptools"]
+    assert sorted(setuptools["packages"]["find"]["include"]) == sorted(f"{p}*" for p in WHEEL)
+    assert all(pkg.split(".")[0] in WHEEL for pkg in setuptools["package-data"])
+    commands = pyproject["project"]["entry-points"]["tokenrelay.commands"]
+    scripts = pyproject["project"]["scripts"]
+    for name, target in {**commands, **scripts}.items():
+        assert target.split(".")[0] in WHEEL, f"{name} = {target}: not in the wheel"
+    for top in ("devstack", "bench"):  # from a checkout
+        assert (ROOT / top / "__main__.py").is_file(), f"python -m {top} runs nothing"
 
 
 def test_the_extras_are_the_optional_dependencies() -> None:
