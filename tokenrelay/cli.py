@@ -1,11 +1,12 @@
 """The ``tokenrelay`` command line.
 
-Every subcommand (``relay``, ``worker``, ``engine``, ``demo``, ``cluster``, ``jobworker``,
-``bench``, ``loadtest``) is added by the package that owns it through the entry-point
-group ``tokenrelay.commands``: each entry point is a function ``register(subparsers) ->
-None`` that adds a parser whose default ``func`` takes the parsed arguments and returns an
-exit code. This module imports none of them directly, so no product package depends on
-another through the command line.
+Every subcommand (``relay``, ``worker``, ``jobworker``, ``capacity``: the product's; the
+development stack's are ``python -m devstack``, the benchmarks' ``python -m bench``) is
+added by the package that owns it through the entry-point group ``tokenrelay.commands``:
+each entry point is a function ``register(subparsers) -> None`` that adds a parser whose
+default ``func`` takes the parsed arguments and returns an exit code. This module
+imports none of them directly, so no product package depends on another through the
+command line.
 """
 
 from __future__ import annotations

@@ -264,6 +264,10 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise settings.ConfigError(str(exc)) from None
         if self.engine_kv_events and self.routing != "precise":
             raise settings.ConfigError("--engine-kv-events needs --routing precise")
+        if self.engine_kv_events:  # followed over ZeroMQ (worker/routing/kvevents.py)
+            settings.require_extra("zmq", "precise", "--engine-kv-events")
+        if self.amqp_url:  # jobs go to RabbitMQ (worker/jobs/queue.py)
+            settings.require_extra("aio_pika", "jobs", "--amqp")
         if self.routing == "precise" and self.model != MOCK_MODEL:
             # the prompt's block keys come from the served model's tokenizer and chat
             # template; the worker has the mock engine's only (worker/routing/tokens.py)

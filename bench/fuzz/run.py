@@ -18,7 +18,7 @@ PATH``) with cases, seconds, cases/s and failures per target and engine; exit 1 
 any failure. ``--quick``: 20,000 random cases, 200 hypothesis examples, no atheris.
 
 Order of use: ``main(argv)`` (or :func:`add_arguments` and :func:`run_from_args`, as
-``tokenrelay bench fuzz`` does) -> :func:`run_random` / :func:`run_hypothesis` /
+``python -m bench fuzz`` does) -> :func:`run_random` / :func:`run_hypothesis` /
 :func:`run_atheris` per target -> JSON.
 """
 

@@ -7,7 +7,7 @@ and how many of the engine's tokens still reach the screens after the stop was
 acknowledged (the aim: at most one coalescing flush).
 
 Participants, each its own process: a local Redis Cluster (3 masters + 3 replicas), a
-mock engine (``tokenrelay engine``, long replies), two ``tokenrelay worker`` processes
+mock engine (``python -m devstack engine``, long replies), two ``tokenrelay worker`` processes
 (A generates, B takes the stops) and one ``tokenrelay relay``; the screens (the Python
 client, SSE) run here. Per session: a screen watches through the relay, a turn is
 posted to A, and once the screen has ``--tokens-before`` tokens a stop is posted to B.
@@ -154,7 +154,8 @@ async def run(wl: Workload) -> dict[str, Any]:
         try:
             ep, ap, bp, rp = free_port(), free_port(), free_port(), free_port()
             py = [sys.executable, "-m", "tokenrelay"]
-            engine = [*py, "engine", "--port", str(ep), "--id", "mock-1",
+            engine = [sys.executable, "-m", "devstack", "engine", "--port", str(ep),
+                      "--id", "mock-1",
                       "--decode-tok-per-s", str(wl.decode_tok_per_s), "--max-concurrency", "1000",
                       "--reply-mean-tokens", "3000", "--reply-min-tokens", "2000",
                       "--reply-max-tokens", "4000"]  # fmt: skip

@@ -38,7 +38,7 @@ first and the last delivery, sampled every 50 ms, / deliveries), ``p50_ms`` / ``
 ``behind_s`` (last delivery after the publisher finished), ``redis_cpu_us_per_msg``
 (every node's INFO cpu over the round / messages published).
 
-Call order: :func:`main` (or ``tokenrelay bench peer_socketio``) -> :func:`run_from_args`
+Call order: :func:`main` (or ``python -m bench peer_socketio``) -> :func:`run_from_args`
 -> :func:`run` with a :class:`Config`: npm install (:func:`ensure_socketio`) -> cluster ->
 relay + Socket.IO server -> rounds -> idle on fresh servers -> JSON and table.
 ``python -m bench.peers.socketio [--quick] [--json PATH] [--seed N]``.

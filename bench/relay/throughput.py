@@ -49,7 +49,7 @@ Phases 1-3 run ``repeats`` (3) rounds side by side (raw, relay1, fanout, raw, ..
 report each one's median round (``rounds_per_s`` in the JSON has them all): this
 machine is shared, and a neighbour's burst moves one round, rarely three.
 
-Call order: :func:`main` (or ``tokenrelay bench relay_throughput``) ->
+Call order: :func:`main` (or ``python -m bench relay_throughput``) ->
 :func:`add_arguments` -> :func:`run_from_args` -> :func:`run` with a :class:`Config`:
 cluster -> relay A (rounds of ``raw`` / ``relay1`` / ``fanout10``, then ``latency``) ->
 relay B (``idle``, a session per connection) -> relay C (``idle``, one session) ->

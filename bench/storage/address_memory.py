@@ -2,7 +2,7 @@
 flags: a hostile benchmark.
 
 What it answers: what does the cluster hold after one address has done its worst for an
-hour? A stack as ``tokenrelay demo`` runs it (``devstack.demo.stack``: a local Redis
+hour? A stack as ``python -m devstack demo`` runs it (``devstack.demo.stack``: a local Redis
 Cluster of 3 masters + 3 replicas, 2 workers with **every limit at its default**, mock
 engines) and one attacker behind the workers' trusted proxy, always the same address
 (``X-Forwarded-For``). The engines are the attacker's best case, not the service's: every

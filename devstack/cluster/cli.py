@@ -1,4 +1,4 @@
-"""``tokenrelay cluster up|form|status|down``: a local Redis Cluster for development.
+"""``python -m devstack cluster up|form|status|down``: a local Redis Cluster for development.
 
 ``up`` starts and forms a cluster of local nodes on loopback ports (the nodes outlive the
 command; ``down`` stops them by the pids recorded in the state file), ``status`` asks
@@ -31,7 +31,8 @@ def _state_path(directory: str) -> Path:
 def _cluster_up(args: argparse.Namespace) -> int:
     state = _state_path(args.dir)
     if state.exists():
-        print(f"a cluster is already recorded in {state}; run `tokenrelay cluster down` first")
+        print(f"a cluster is already recorded in {state}; "
+              "run `python -m devstack cluster down` first")  # fmt: skip
         return 1
     data_dir = str(Path(args.dir).resolve() / "data")
     cluster = LocalCluster(
@@ -132,7 +133,7 @@ def _cluster_form(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    """Add ``tokenrelay cluster up|form|status|down`` (entry point ``cluster``)."""
+    """Add ``python -m devstack cluster up|form|status|down`` (:mod:`devstack.cli`)."""
     p = sub.add_parser("cluster", help="a local Redis Cluster on loopback ports")
     csub = p.add_subparsers(dest="cluster_cmd", required=True)
     default_dir = os.environ.get("TOKENRELAY_CLUSTER_DIR", DEFAULT_DIR)

@@ -13,7 +13,7 @@ listens on TLS only (``--port 0 --tls-port``, ``tls-cluster yes`` for the cluste
 ``info.url`` is ``rediss://``; :func:`tls_support` says first whether the binary was
 built with TLS at all.
 
-or, for processes that outlive the caller (``tokenrelay cluster up``): build a
+or, for processes that outlive the caller (``python -m devstack cluster up``): build a
 :class:`LocalCluster`, ``await cluster.start()``, :func:`write_state`; later
 :func:`read_state` and :func:`stop_from_state`.
 
@@ -254,7 +254,7 @@ class LocalCluster:
         return kw
 
     def detach(self) -> None:
-        """Let the nodes outlive this process (``tokenrelay cluster up``): from here on
+        """Let the nodes outlive this process (``python -m devstack cluster up``): from here on
         they are stopped from the state file (:func:`stop_from_state`), not at exit."""
         atexit.unregister(self.kill_now)
 
@@ -328,7 +328,7 @@ async def local_cluster(
         await cluster.stop()
 
 
-# -- state file, for `tokenrelay cluster up/status/down` ----------------------------
+# -- state file, for `python -m devstack cluster up/status/down` ----------------------------
 def write_state(info: ClusterInfo, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(info), indent=2))

@@ -1,4 +1,4 @@
-"""``tokenrelay demo``: the whole stack behind one URL, stopped by Ctrl-C.
+"""``python -m devstack demo``: the whole stack behind one URL, stopped by Ctrl-C.
 
 Starts a local Redis Cluster (3 masters + 3 replicas), 3 mock engines (or the engine
 URLs given with ``--engine``), 2 relays, 2 workers, and, where a RabbitMQ broker answers

@@ -1,15 +1,15 @@
 """Run the whole stack as child processes: Redis Cluster, engines, relays, workers.
 
-Used by ``tokenrelay demo``, ``bench.load.loadtest`` and ``bench.faults.drills``. Every process is a
-child started here and stopped here, by pid (SIGTERM, then SIGKILL after a deadline:
-:mod:`devstack.procs`); nothing is ever killed by name. A child that exits before it is
-ready raises :class:`StackError` with the last lines of its log. The token secret
-(random per stack unless given) and the admin key (``StackSpec.admin_key``, when given)
-reach the children in their environment (``TOKENRELAY_SECRET``,
-``TOKENRELAY_ADMIN_KEY``), never on a command line that ``ps`` shows. Relays and workers
-believe ``X-Forwarded-For`` from 127.0.0.1 (the demo's front door);
-``abuse_limits=False`` lifts the per-address and per-session limits for load generators
-that are all one loopback address.
+Used by ``python -m devstack demo``, ``bench.load.loadtest`` and
+``bench.faults.drills``. Every process is a child started here and stopped here, by pid
+(SIGTERM, then SIGKILL after a deadline: :mod:`devstack.procs`); nothing is ever killed
+by name. A child that exits before it is ready raises :class:`StackError` with the last
+lines of its log. The token secret (random per stack unless given) and the admin key
+(``StackSpec.admin_key``, when given) reach the children in their environment
+(``TOKENRELAY_SECRET``, ``TOKENRELAY_ADMIN_KEY``), never on a command line that ``ps``
+shows. Relays and workers believe ``X-Forwarded-For`` from 127.0.0.1 (the demo's front
+door); ``abuse_limits=False`` lifts the per-address and per-session limits for load
+generators that are all one loopback address.
 
 Order of use::
 
@@ -104,6 +104,12 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "tokenrelay", *args]
 
 
+def _devstack(*args: str) -> list[str]:
+    """A development stack's command (the mock engine): ``python -m devstack``, found
+    from this checkout (:func:`devstack.procs.child_env`)."""
+    return [sys.executable, "-m", "devstack", *args]
+
+
 class Stack:
     """Starts the processes of a :class:`StackSpec` and stops each of them by pid."""
 
@@ -181,7 +187,7 @@ class Stack:
             for i in range(spec.engines):
                 name = f"engine-{i + 1}"
                 port = free_port()
-                argv = _cli("engine", "--port", str(port), "--id", name, *spec.engine_args)
+                argv = _devstack("engine", "--port", str(port), "--id", name, *spec.engine_args)
                 self._add(name, "engine", port, argv)
         if spec.engine_urls:
             named = list(spec.engine_urls)

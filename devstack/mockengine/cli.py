@@ -1,15 +1,14 @@
-"""The ``tokenrelay engine`` subcommand: run one mock inference engine.
+"""The ``python -m devstack engine`` subcommand: run one mock inference engine.
 
-``register(subparsers)`` is the entry point of the group ``tokenrelay.commands``
-(``engine = "devstack.mockengine.cli:register"``); ``tokenrelay.cli`` calls it to add the
-parser, then calls the parser's default ``func`` (``run``) with the parsed arguments.
+``register(subparsers)`` adds the parser (:mod:`devstack.cli` calls it), whose default
+``func`` (``run``) takes the parsed arguments.
 ``run`` reads :class:`EngineSettings` (flags over ``TOKENRELAY_*`` environment over
 defaults, see :mod:`relay.service.settings`), builds an ``EngineConfig`` and serves the
 engine on uvloop (plain asyncio where uvloop is missing) until SIGTERM or SIGINT.
 With ``--redis`` the engine announces itself to workers with expiring heartbeats: a
 supervised loop (:class:`relay.service.supervise.Supervisor`) that retries with backoff
 while Redis is away and withdraws the announcement on a clean stop.
-``python -m devstack.mockengine.cli --port P ...`` does the same without the entry point.
+``python -m devstack.mockengine.cli --port P ...`` does the same without the subcommand.
 """
 
 from __future__ import annotations
@@ -191,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Standalone ``python -m devstack.mockengine.cli`` (same options as ``tokenrelay engine``)."""
+    """Standalone ``python -m devstack.mockengine.cli`` (the same as ``python -m devstack
+    engine``)."""
     parser = argparse.ArgumentParser(prog="python -m devstack.mockengine.cli")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["engine", *(sys.argv[1:] if argv is None else argv)])

@@ -25,7 +25,7 @@ Lets the whole stack run without a GPU. The simulation itself is pure and lives 
 ``GET /metrics`` serves vLLM-style Prometheus metrics from a per-engine
 ``CollectorRegistry``; ``GET /health`` and ``GET /v1/models`` complete the surface.
 
-With ``kv_events_port`` set (``tokenrelay engine --kv-events-port``), every change of the
+With ``kv_events_port`` set (``python -m devstack engine --kv-events-port``), every change of the
 prefix cache (a request's blocks stored after its prefill and after its reply, LRU
 evictions) is published as vLLM's KV events (``devstack.mockengine.kvpub``).
 """

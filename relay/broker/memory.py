@@ -5,8 +5,8 @@ What the Redis broker's scripts do, in Python, with the same answers: a backlog 
 session (offsets 1, 2, 3, ..., trimmed from the front past ``maxlen`` frames or
 ``max_bytes`` bytes, the newest frame always kept), its generation
 id, the open turn, the turn lock, presence, and live delivery to subscribers. The
-fan-out tests (tests/unit/test_fanout.py) and ``bench.relay.micro`` run the real hub
-and connections on it; nothing here is on a production path.
+fan-out tests (tests/integration/test_fanout.py) and ``bench.relay.micro`` run the real
+hub and connections on it; nothing here is on a production path.
 
 A live frame reaches the hub's handler from the event loop (``call_soon``), one read
 per :meth:`MemoryBroker.append` call, as a shard connection's chunk would: never from

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import os
 import typing
 from collections.abc import Mapping, Sequence
@@ -99,6 +100,7 @@ __all__ = [
     "env_names",
     "load",
     "opt",
+    "require_extra",
     "settings_of",
 ]
 
@@ -341,6 +343,18 @@ def check_redis(url: str, tls: RedisTLS) -> None:
         tls.check(url)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def require_extra(module: str, extra: str, what: str) -> None:
+    """:class:`ConfigError` naming the extra (``pip install 'tokenrelay[EXTRA]'``) when
+    ``module``, which ``what`` (a flag, a subcommand) needs, cannot be imported: an edge
+    install leaves the optional dependencies out (pyproject.toml's extras)."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(
+            f"{what} needs the {extra} extra: pip install 'tokenrelay[{extra}]'"
+        ) from None
 
 
 # -- shared declarations: a setting several processes take, declared once ----------------

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from devstack.cli import build_parser as devstack_parser
 from tests.support.cli import run_cli
 from tokenrelay.cli import build_parser
 
@@ -22,6 +23,10 @@ yaml = pytest.importorskip("yaml")
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "Dockerfile"
+# the development stack's commands (mock engine, cluster init): not in the wheel, run
+# from the image's copy of devstack/
+DEVSTACK = ["python", "-m", "devstack"]
 NGINX = ROOT / "deploy" / "nginx.conf"
 _VAR = re.compile(r"\$\{([A-Z0-9_]+):-([^}]*)\}")
 
@@ -48,14 +53,26 @@ def test_the_stack_has_every_service() -> None:
 
 
 def test_every_tokenrelay_command_parses_with_the_real_cli() -> None:
-    parser = build_parser()
-    checked = 0
+    parsers = {"tokenrelay": build_parser(), "devstack": devstack_parser()}
+    checked = {"tokenrelay": 0, "devstack": 0}
     for name, svc in _services().items():
         if svc.get("image", "").startswith("tokenrelay"):
-            args = parser.parse_args(_argv(svc["command"]))
+            assert svc.get("entrypoint", DEVSTACK) == DEVSTACK, name  # else the image's
+            which = "devstack" if "entrypoint" in svc else "tokenrelay"
+            args = parsers[which].parse_args(_argv(svc["command"]))
             assert callable(args.func), name
-            checked += 1
-    assert checked == 1 + 3 + 2 + 1 + 2  # init, engines, workers, job worker, relays
+            checked[which] += 1
+    assert checked == {"tokenrelay": 2 + 1 + 2, "devstack": 1 + 3}  # workers, job worker,
+    # relays; cluster init, engines
+
+
+def test_the_image_holds_the_devstack_its_services_run() -> None:
+    text = DOCKERFILE.read_text()
+    final = text.rsplit("\nFROM ", 1)[1]  # the image's own stage
+    assert "WORKDIR /app" in final  # python -m devstack finds ./devstack there
+    assert "COPY devstack ./devstack" in final
+    assert "COPY bench" not in text  # the benchmarks run from a checkout only
+    assert '"tokenrelay"]' in final.splitlines()[-1]  # ENTRYPOINT: the installed wheel
 
 
 def test_redis_init_forms_exactly_the_nodes_that_run() -> None:

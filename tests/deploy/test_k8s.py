@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from devstack.cli import build_parser as devstack_parser
 from relay.edge.config import ENV, from_args
 from relay.edge.metrics import RelayMetrics
 from relay.protocol.keys import new_session_id
@@ -153,8 +154,9 @@ def test_mock_engine_command_parses_and_announces_itself() -> None:
     from relay.service.settings import load
 
     c = _container(_find(OBJECTS, "StatefulSet", "mock-engine"))
+    assert c["command"] == ["python", "-m", "devstack"]  # the image's copy (Dockerfile)
     env = _pod_env(c)
-    opts = load(EngineSettings, build_parser().parse_args(_expand(c["args"], env)), env)
+    opts = load(EngineSettings, devstack_parser().parse_args(_expand(c["args"], env)), env)
     assert (opts.engine_id, opts.port, opts.host) == ("pod-0", 8000, "0.0.0.0")
     assert opts.redis_url == _config()["TOKENRELAY_REDIS_URL"]
     assert opts.announce_url == "http://10.0.0.7:8000"

@@ -40,7 +40,9 @@ def _argv(container: dict[str, Any], env: dict[str, str], port: int) -> list[str
     if "--announce-url" in args:  # the pod's port 8000 is this process's free port
         i = args.index("--announce-url") + 1
         args[i] = args[i].replace(":8000", f":{port}")
-    return [sys.executable, "-m", "tokenrelay", *args]
+    command = container.get("command", ["python", "-m", "tokenrelay"])  # else the image's
+    assert command[0] == "python", command
+    return [sys.executable, *command[1:], *args]
 
 
 class Pod:

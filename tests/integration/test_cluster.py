@@ -15,7 +15,7 @@ from devstack.cluster import binary as binary_module
 from devstack.cluster import launcher as cl
 from devstack.cluster.form import ClusterError, Node
 from devstack.cluster.launcher import ClusterInfo, LocalCluster
-from tests.support.cli import Ran, run_cli, tokenrelay
+from tests.support.cli import Ran, devstack, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -139,7 +139,7 @@ async def test_spublish_on_a_non_owner_is_moved(cluster: ClusterInfo) -> None:
 
 
 async def _cli(*args: str) -> Ran:
-    return await run_cli(tokenrelay(*args), timeout_s=120)
+    return await run_cli(devstack(*args), timeout_s=120)
 
 
 def _alive(pid: int) -> bool:

@@ -1,4 +1,4 @@
-"""`tokenrelay engine --redis`: the announcement is a supervised loop. It keeps the
+"""`python -m devstack engine --redis`: the announcement is a supervised loop. It keeps the
 engine in the registry of a real Redis Cluster, reports itself in the engine's
 /metrics, survives an unreachable Redis (the engine keeps serving, the loop counts its
 failures and retries), and is withdrawn on SIGTERM."""
@@ -18,7 +18,7 @@ from redis.asyncio.cluster import RedisCluster
 from devstack.cluster.launcher import ClusterInfo
 from devstack.procs import Proc, log_line
 from relay.protocol.keys import engine_key
-from tests.support.cli import clean_env, tokenrelay
+from tests.support.cli import clean_env, devstack
 from worker.routing.control import read_announced
 
 pytestmark = pytest.mark.integration
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 
 async def _engine(tmp: Path, *argv: str) -> tuple[Proc, str]:
     proc = Proc.start(
-        tokenrelay("engine", "--port", "0", *argv), log=tmp / "engine.out",
+        devstack("engine", "--port", "0", *argv), log=tmp / "engine.out",
         err_log=tmp / "engine.err", env=clean_env(), name="engine",
     )  # fmt: skip
     try:

@@ -35,7 +35,7 @@ from devstack.mockengine.reply_length import ReplyLength
 from devstack.procs import Proc, free_port, stop_all
 from relay.protocol.keys import engine_key, live_channel
 from relay.protocol.slotmap import slot_of
-from tests.support.cli import run_cli, tokenrelay
+from tests.support.cli import devstack, run_cli, tokenrelay
 from tests.support.relay import STEP, wait_ready
 from tests.support.sse import SSEClient
 from tests.support.tls_certs import make_ca, make_pki, openssl_missing
@@ -108,7 +108,8 @@ class Procs:
     running: list[Child] = field(default_factory=list)
 
     async def start(self, name: str, *args: str, port: int = 0) -> Child:
-        proc = Proc.start(tokenrelay(*args), log=self.tmp / f"{name}.log", env=self.env, name=name)
+        argv = devstack(*args) if args[0] == "engine" else tokenrelay(*args)  # the mock engine
+        proc = Proc.start(argv, log=self.tmp / f"{name}.log", env=self.env, name=name)
         p = Child(proc, f"http://127.0.0.1:{port}" if port else "")
         self.running.append(p)
         return p

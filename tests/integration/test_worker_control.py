@@ -130,7 +130,7 @@ async def test_engine_cli_announces_itself_and_withdraws_on_sigterm(
     from devstack.procs import Proc, free_port
 
     port = free_port()
-    argv = [sys.executable, "-m", "tokenrelay", "engine", "--port", str(port)]
+    argv = [sys.executable, "-m", "devstack", "engine", "--port", str(port)]
     argv += ["--id", "announced-1", "--redis", cluster.url, "--cap", "5"]
     proc = Proc.start(argv, log=None, err_log=tmp_path / "engine.err", name="engine")
     try:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from devstack.procs import Proc, ProcError
 
-__all__ = ["Ran", "clean_env", "run_cli", "tokenrelay"]
+__all__ = ["Ran", "bench", "clean_env", "devstack", "run_cli", "tokenrelay"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,17 @@ class Ran:
 def tokenrelay(*args: str) -> list[str]:
     """The argv of ``tokenrelay ARGS`` run by this interpreter (so on this checkout)."""
     return [sys.executable, "-m", "tokenrelay", *args]
+
+
+def devstack(*args: str) -> list[str]:
+    """The argv of ``python -m devstack ARGS`` (demo, cluster, engine: not in the wheel;
+    :class:`~devstack.procs.Proc` puts this checkout on the child's path)."""
+    return [sys.executable, "-m", "devstack", *args]
+
+
+def bench(*args: str) -> list[str]:
+    """The argv of ``python -m bench ARGS`` (from this checkout, as :func:`devstack`)."""
+    return [sys.executable, "-m", "bench", *args]
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The capacity core (bench.capacity.core): the arithmetic of relays, Redis masters and
+"""The capacity core (tokenrelay.capacity.core): the arithmetic of relays, Redis masters and
 workers for a target, reading costs out of a pathcost result, and its refusals; and the
 command's one-line exits on bad input."""
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from bench.capacity import cli
-from bench.capacity.core import Assumptions, Costs, Target, costs_from_pathcost, plan, render
+from tokenrelay.capacity import cli
+from tokenrelay.capacity.core import Assumptions, Costs, Target, costs_from_pathcost, plan, render
 
 COSTS = Costs(producer_us=10.0, redis_masters_us=20.0, redis_replicas_us=8.0, relay_us=15.0,
               source="test")  # fmt: skip

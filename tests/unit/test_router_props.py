@@ -100,25 +100,27 @@ def test_removing_an_engine_moves_only_its_keys(n: int, victim: int) -> None:
 @pytest.mark.parametrize("path", ["done", "error", "cancel", "timeout"])
 async def test_a_lease_is_released_exactly_once_on_every_path(path: str) -> None:
     r = Router(_specs([1]), eps=100.0)
+    held = asyncio.Event()
 
     async def use() -> None:
         with await route_wait(r, "k", deadline_s=1.0) as lease:
             assert lease.state is LeaseState.HELD
+            held.set()
             if path == "error":
                 raise RuntimeError("engine error")
             if path in ("cancel", "timeout"):
-                await asyncio.sleep(10)
+                await asyncio.Event().wait()  # until it is cancelled
             assert lease.release() is True  # done: released by hand ...
             assert lease.release() is False  # ... a second release is a counted no-op
             # ... and the with block does not release it a third time
 
     task = asyncio.create_task(use())
-    await asyncio.sleep(0.01)
+    await held.wait()
     if path == "cancel":
         task.cancel()
-    if path == "timeout":
+    if path == "timeout":  # a deadline that has passed: wait_for cancels the task at once
         with pytest.raises(TimeoutError):
-            await asyncio.wait_for(task, 0.05)
+            await asyncio.wait_for(task, 0)
     else:
         outcome = await asyncio.gather(task, return_exceptions=True)
         assert path != "error" or isinstance(outcome[0], RuntimeError)

@@ -97,6 +97,7 @@ class JobWorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
         return RedisTLS(ca=self.redis_ca, cert=self.redis_cert, key=self.redis_key)
 
     def validate(self) -> JobWorkerSettings:
+        settings.require_extra("aio_pika", "jobs", "tokenrelay jobworker")
         settings.check_redis(self.redis_url, self.redis_tls)
         return self
 

@@ -38,17 +38,9 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-import aio_pika
 import orjson
-from aio_pika.abc import (
-    AbstractChannel,
-    AbstractIncomingMessage,
-    AbstractQueue,
-    AbstractQueueIterator,
-    AbstractRobustConnection,
-)
 
 from relay.broker.errors import Fenced, RelayError
 from relay.broker.rediscluster.publisher import Draft, Publisher
@@ -62,6 +54,15 @@ from worker.routing.key import routing_key
 from worker.routing.lease import AllEnginesFull, Lease, release_once
 from worker.routing.router import Router
 from worker.routing.wait import route_wait
+
+if TYPE_CHECKING:  # aio-pika is the jobs extra: imported when a queue is first used
+    from aio_pika.abc import (
+        AbstractChannel,
+        AbstractIncomingMessage,
+        AbstractQueue,
+        AbstractQueueIterator,
+        AbstractRobustConnection,
+    )
 
 __all__ = ["JobRunner", "JobSubmitter", "QueueNames", "RunnerConfig", "declare"]
 
@@ -87,6 +88,8 @@ class QueueNames:
 
 async def declare(channel: AbstractChannel, names: QueueNames) -> AbstractQueue:
     """The queue, its dead-letter exchange and queue; returns the work queue."""
+    import aio_pika  # the jobs extra (the worker and the job worker refuse to start without it)
+
     dlx = await channel.declare_exchange(names.dlx, aio_pika.ExchangeType.FANOUT, durable=True)
     dead = await channel.declare_queue(
         names.dead, durable=True, arguments={"x-queue-type": "quorum"}
@@ -119,6 +122,8 @@ class JobSubmitter:
         self._lock = asyncio.Lock()
 
     async def _ready(self) -> AbstractChannel:
+        import aio_pika
+
         async with self._lock:
             if self._channel is None or self._channel.is_closed:
                 if self._conn is None:
@@ -131,6 +136,8 @@ class JobSubmitter:
 
     async def submit(self, job_id: str) -> None:
         """Returns once the broker confirmed the (persistent) message."""
+        import aio_pika
+
         channel = await self._ready()
         body = orjson.dumps({"v": 1, "job": job_id})
         msg = aio_pika.Message(
@@ -206,6 +213,8 @@ class JobRunner:
         ``supervisor`` (or one of its own): the loop ``job_consumer`` reads deliveries
         and runs each job as a supervised task. Critical: a runner whose consumer died
         takes no job while it looks alive; the supervisor starts it again."""
+        import aio_pika
+
         self._conn = await aio_pika.connect_robust(self.url)
         await self._open()
         self._own_supervisor = supervisor is None

@@ -2,7 +2,7 @@
 
 What it is for: the ``precise`` routing policy reads :class:`worker.routing.blockindex.
 BlockIndex`; this shell keeps it current. Per engine that publishes events (vLLM
-``--kv-events-config``, SGLang, ``tokenrelay engine --kv-events-port``) one task:
+``--kv-events-config``, SGLang, ``python -m devstack engine --kv-events-port``) one task:
 
 1. a SUB socket on the engine's publisher (every topic) and a DEALER on its replay socket;
 2. on connect, a replay from sequence 0 (what the engine's buffer still holds: its cache
@@ -36,14 +36,14 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 from urllib.parse import urlsplit
-
-import zmq
-import zmq.asyncio
 
 from worker.routing.blockindex import BlockIndex
 from worker.routing.kvwire import END_SEQ, KVWireError, decode_batch, decode_seq, encode_seq
+
+if TYPE_CHECKING:  # pyzmq is the precise extra: imported when a follower starts
+    import zmq.asyncio
 
 __all__ = ["EventSource", "KVEventFollower", "parse_kv_events_arg"]
 
@@ -125,6 +125,8 @@ class KVEventFollower:
         return list(self._sources.values())
 
     async def start(self) -> None:
+        import zmq.asyncio  # the precise extra (WorkerConfig refuses the flag without it)
+
         self._ctx = zmq.asyncio.Context()
         for src in self._sources.values():
             self._spawn(src)
@@ -178,6 +180,8 @@ class KVEventFollower:
     # ---- one engine ---------------------------------------------------------------------
 
     async def _follow(self, src: EventSource) -> None:
+        import zmq
+
         assert self._ctx is not None
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
@@ -203,6 +207,8 @@ class KVEventFollower:
                 replay.close(linger=0)
 
     def _dealer(self, src: EventSource) -> zmq.asyncio.Socket:
+        import zmq
+
         assert self._ctx is not None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)

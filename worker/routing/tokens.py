@@ -9,7 +9,7 @@ ids an engine returns (vLLM's ``return_token_ids``): those come after a turn, so
 cover a session's later turns (which the estimate already sends to the session's engine)
 but never a first turn behind a shared system prompt, where precise routing wins most.
 
-The one tokenizer here is the mock engine's (``tokenrelay engine`` renders prompts with
+The one tokenizer here is the mock engine's (``python -m devstack engine`` renders prompts with
 :func:`prompt_tokens` and keys its cache on :func:`prompt_ids`, so the router and the
 engine agree by construction): a toy chat template (``<|role|>`` + the content's tokens +
 ``<|end|>`` per message, then ``<|assistant|>``), tokens the ``\\w+`` runs and single

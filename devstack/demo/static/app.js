@@ -358,14 +358,14 @@ async function refreshPanel() {
     const r = await fetch("/api/stack");
     if (!r.ok) {  // behind a plain ingress (docker-compose): no view of the processes
       $("engines").tBodies[0].innerHTML =
-        `<tr><td colspan="3">live panel: served by <code>tokenrelay demo</code> only</td></tr>`;
+        `<tr><td colspan="3">live panel: served by <code>python -m devstack demo</code> only</td></tr>`;
       return;
     }
     const s = await r.json();
     $("engines").tBodies[0].innerHTML = (s.engines || []).map((e) =>
       `<tr><td>${escapeHtml(e.id)}${e.healthy === false ? " (down)" : ""}</td><td>${e.in_flight} / ${e.cap}</td><td>${bar(e.in_flight, e.cap)}</td></tr>`).join("");
     $("engine-kind").textContent = s.mock_engines
-      ? "Mock engines: the replies are made-up text from a simulated engine (tokenrelay demo --engine URL runs real ones)."
+      ? "Mock engines: the replies are made-up text from a simulated engine (python -m devstack demo --engine URL runs real ones)."
       : "";
     const seen = new Set();  // newest first: one row per ring point, its latest turn
     const latest = (s.placements || []).filter((p) => !seen.has(p.point) && seen.add(p.point));
@@ -378,7 +378,7 @@ async function refreshPanel() {
   } catch (e) { /* the panel is best effort */ }
 }
 
-// Process control needs the per-run token that `tokenrelay demo` prints to its terminal:
+// Process control needs the per-run token that `python -m devstack demo` prints to its terminal:
 // opened as #control=..., it is kept for this tab and taken out of the address (the
 // share link must not carry it); otherwise the first click asks for it.
 const CONTROL = "tokenrelay-control";
@@ -397,7 +397,7 @@ document.addEventListener("click", async (ev) => {
   if (!b) return;
   let token = sessionStorage.getItem(CONTROL);
   if (!token) {
-    token = prompt("Control token (printed in the terminal running tokenrelay demo):");
+    token = prompt("Control token (printed in the terminal running python -m devstack demo):");
     if (!token) return;
     sessionStorage.setItem(CONTROL, token.trim());
   }

@@ -8,6 +8,7 @@ restarted (a new generation) as a reset; a resubscription's repair; a connection
 does not read is cut, after merging; a dead producer's turn reaped once; presence and
 the delayed unsubscribe; a live socket written once per read, straight from the
 reader. (The same rules against a real Redis Cluster: tests/integration/test_hub.py.)
+In real time: the hub's timers and readers run on the loop, hence not in tests/unit.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ async def broker() -> MemoryBroker:
 @pytest.fixture
 async def hub(broker: MemoryBroker) -> AsyncIterator[Hub]:
     # no screen counts: these tests count frames and writes (the presence frame's rules:
-    # tests/unit/test_fanout_controls.py)
+    # tests/integration/test_fanout_controls.py)
     h = Hub(broker, unsubscribe_delay_s=0.05, reap_interval_s=0, screens_interval_s=0)
     await h.start()
     try:

@@ -4,7 +4,7 @@ command and date (written by ``tokenrelay capacity --from RUN.json --write-defau
 
 from __future__ import annotations
 
-from bench.capacity.core import Costs
+from tokenrelay.capacity.core import Costs
 
 __all__ = ["COSTS"]
 

@@ -1,6 +1,7 @@
-"""The stream guard's one expiry timer (no Redis, no sockets): every stream whose token
-expires is told so once, at its second, a stream that ended before is not, and nothing
-stays armed for streams that are gone.
+"""The stream guard's one expiry timer (no Redis, no sockets, in real time: tokens that
+expire a second or two from now): every stream whose token expires is told so once, at
+its second, a stream that ended before is not, and nothing stays armed for streams that
+are gone.
 
 Streams here are stand-ins that record the kick the guard sends them.
 """

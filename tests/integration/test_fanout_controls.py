@@ -8,7 +8,8 @@ late joiner gets, outside the order, its SSE event without an id, skipped by the
 stream); a compacted join (finished turns as three frames across replay pages, the
 running turn and the live frames as they are, the UI stream's reply so far as one
 delta). (The same against a real Redis Cluster, through the HTTP streams:
-tests/integration/test_relay_controls.py.)
+tests/integration/test_relay_controls.py.) In real time: the presence's debounce and the
+streams' ends run on the loop's timers, hence not in tests/unit.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""``tokenrelay capacity`` (and ``python -m bench.capacity``): the I/O shell of
-:mod:`bench.capacity.core`.
+"""``tokenrelay capacity``: the I/O shell of :mod:`tokenrelay.capacity.core`; :func:`register`
+is the entry point ``capacity`` of the group ``tokenrelay.commands``.
 
 Reads the costs from a ``bench.peers.pathcost`` JSON (``--from``) or takes the committed
-ones (:data:`bench.capacity.defaults.COSTS`, labelled with the command and date of their
+ones (:data:`tokenrelay.capacity.defaults.COSTS`, labelled with the command and date of their
 run), and prints the cluster 10k, 100k and 1M concurrent viewers need (``--viewers``),
 with its assumptions. Bad input exits with a one-line message.
 
@@ -18,11 +18,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.capacity import defaults
-from bench.capacity.core import Assumptions, Costs, Target, costs_from_pathcost, plan, render
-from bench.capacity.defaults import COSTS
+from tokenrelay.capacity import defaults
+from tokenrelay.capacity.core import Assumptions, Costs, Target, costs_from_pathcost, plan, render
+from tokenrelay.capacity.defaults import COSTS
 
-__all__ = ["add_arguments", "main", "run"]
+__all__ = ["add_arguments", "main", "register", "run"]
 
 
 def _viewers(text: str) -> list[int]:
@@ -38,8 +38,8 @@ def _viewers(text: str) -> list[int]:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     d = Assumptions()
     ap.add_argument("--from", dest="source", metavar="JSON",
-                    help="costs from this bench.peers.pathcost --json result "
-                         "(default: the committed run's, bench/capacity/defaults.py)")  # fmt: skip
+                    help="costs from this bench.peers.pathcost --json result (default: "
+                         "the committed run's, tokenrelay/capacity/defaults.py)")  # fmt: skip
     ap.add_argument("--viewers", type=_viewers, default=[10_000, 100_000, 1_000_000],
                     help="concurrent viewers, comma-separated (10000,100000,1000000)")  # fmt: skip
     ap.add_argument("--tokens-per-s", type=float, default=30.0, help="per session (30)")
@@ -53,7 +53,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tokens-per-frame", type=float, default=d.tokens_per_frame,
                     help="coalescing: tokens per frame (1, as measured)")  # fmt: skip
     ap.add_argument("--write-defaults", metavar="LABEL",
-                    help="with --from: print bench/capacity/defaults.py for those costs, "
+                    help="with --from: print tokenrelay/capacity/defaults.py for those costs, "
                          "LABEL (the run's command and date) as their source")  # fmt: skip
 
 
@@ -91,14 +91,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def defaults_source(costs: Costs) -> str:
-    """The text of bench/capacity/defaults.py holding ``costs``."""
+    """The text of tokenrelay/capacity/defaults.py holding ``costs``."""
     doc = (defaults.__doc__ or "").strip()
     parts = textwrap.wrap(costs.source, 80, drop_whitespace=False)
     # double quotes, as ruff format writes them: the file is committed as printed
     source = "".join(f"\n        {json.dumps(part, ensure_ascii=False)}" for part in parts)
     return (
         f'"""{doc}"""\n\nfrom __future__ import annotations\n\n'
-        "from bench.capacity.core import Costs\n\n"
+        "from tokenrelay.capacity.core import Costs\n\n"
         '__all__ = ["COSTS"]\n\n'
         f"COSTS = Costs(\n    producer_us={costs.producer_us!r},\n"
         f"    redis_masters_us={costs.redis_masters_us!r},\n"
@@ -107,7 +107,17 @@ def defaults_source(costs: Costs) -> str:
     )
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m bench.capacity") -> int:
+def register(subparsers: Any) -> None:
+    """Add ``capacity`` to the ``tokenrelay`` subcommands."""
+    p = subparsers.add_parser(
+        "capacity", help="the relays, Redis masters and workers a number of viewers needs",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def main(argv: list[str] | None = None, prog: str = "tokenrelay capacity") -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     add_arguments(ap)

@@ -1,8 +1,8 @@
 """The supervised-loop type every background loop runs on (relay.service.supervise).
 
-Pure asyncio, no Redis: failures are raised by the steps themselves, including the
-exception types redis-py leaks on a closed connection, which the one error mapper turns
-into RedisUnavailable.
+In-process asyncio, no Redis, in real time (the loops' backoff): failures are raised by
+the steps themselves, including the exception types redis-py leaks on a closed
+connection, which the one error mapper turns into RedisUnavailable.
 """
 
 from __future__ import annotations

@@ -1,20 +1,43 @@
 """Start-up failures read as one line, never a traceback, with exit code 2: bad flags,
 bad environment values, unsafe configurations, a port another program holds. Each case
-runs the real ``tokenrelay`` command in a child process (which exits by itself; on a
-timeout ``run_cli`` stops that child by its pid)."""
+runs the real command in a child process (which exits by itself; on a timeout
+``run_cli`` stops that child by its pid): ``tokenrelay`` for the product's subcommands,
+``python -m devstack`` for the development stack's (demo, cluster, engine) and
+``python -m bench`` for the benchmarks'."""
 
 from __future__ import annotations
 
+import argparse
 import random
 import socket
 from collections.abc import Iterator
 
 import pytest
 
-from tests.support.cli import Ran, clean_env, run_cli
-from tests.support.cli import tokenrelay as argv_of
+from devstack.cli import build_parser as devstack_parser
+from tests.support.cli import Ran, bench, clean_env, devstack, run_cli
+from tests.support.cli import tokenrelay as product
 
 K = "startup-test-secret-3b8e1f6a9c2d5e7f0a4b"  # strong: >= 32 bytes, varied
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> list[str]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sorted(sub.choices)
+
+
+DEVSTACK = _subcommands(devstack_parser())  # demo, cluster, engine
+
+
+def argv_of(*argv: str) -> list[str]:
+    """``argv`` of the program its first word belongs to: ``python -m devstack`` (the
+    development stack's commands), ``python -m bench`` (``bench NAME ...``), else
+    ``tokenrelay``."""
+    if argv[0] in DEVSTACK:
+        return devstack(*argv)
+    if argv[0] == "bench":
+        return bench(*argv[1:])
+    return product(*argv)
 
 
 async def tokenrelay(*argv: str, env: dict[str, str] | None = None) -> Ran:
@@ -109,7 +132,9 @@ async def test_an_engine_on_a_busy_port_says_so_in_one_line(occupied: int) -> No
 
 # -- every subcommand, every common mistake ----------------------------------------------
 #
-# For each subcommand of pyproject.toml's entry-point group, what each mistake is for it:
+# For each subcommand of pyproject.toml's entry-point group, of ``python -m devstack`` and
+# for ``python -m bench`` (its load test: the benchmark that takes a stack's URLs), what
+# each mistake is for it:
 # an argv (``{port}``: a port held by another program, ``{dir}``: an empty folder), the
 # environment and the words its one line must hold; or, where the mistake cannot be made
 # with that subcommand, why not. A new subcommand fails the test until it has a row.
@@ -180,13 +205,6 @@ MISTAKES: dict[str, dict[str, Case]] = {
         "Redis down": "it reads no Redis",
         "no secret": "it serves nothing",
     },
-    "loadtest": {
-        "busy port": "the load test listens on free ports it picks",
-        "bad Redis URL": (["loadtest", *STACK, "--redis", BAD_URL], {}, [NO_PORT]),
-        "Redis down": (["loadtest", "--quick", "--no-progress", *STACK, "--redis", DOWN], {},
-                       ["cannot reach"]),
-        "no secret": "the load test's stack gets a random secret of its own",
-    },
 }  # fmt: skip
 MISTAKE_NAMES = ("busy port", "bad Redis URL", "Redis down", "no secret")
 
@@ -197,7 +215,7 @@ def test_every_subcommand_has_a_row_for_every_mistake() -> None:
 
     pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     group = tomllib.loads(pyproject.read_text())["project"]["entry-points"]["tokenrelay.commands"]
-    assert sorted(MISTAKES) == sorted(group)
+    assert sorted(MISTAKES) == sorted([*group, *DEVSTACK, "bench"])
     for name, row in MISTAKES.items():
         assert sorted(row) == sorted(MISTAKE_NAMES), name
 
