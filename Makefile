@@ -48,7 +48,7 @@ demo: $(DEMO_STAMP)
 ONE_CLUSTER := $(or $(TOKENRELAY_REDIS_URL),$(filter docker,$(TOKENRELAY_TEST_BACKEND)))
 TEST_JOBS  ?= $(if $(ONE_CLUSTER),0,3)
 HEAVY_JOBS ?= $(if $(ONE_CLUSTER),0,2)
-LIGHT_TESTS := tests/unit tests/integration tests/hostile
+LIGHT_TESTS := tests/unit tests/contract tests/integration tests/hostile
 test: $(STAMP) browser-deps promtool
 	@failed=0; \
 	$(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) $(LIGHT_TESTS) $(PYTEST_ARGS) || failed=1; \

@@ -1,0 +1,67 @@
+"""Sessions' history, idempotency records and job records, once for every store."""
+
+from __future__ import annotations
+
+import json
+
+from tests.contract.conftest import Stores
+
+
+def msg(turn: int, role: str, content: str) -> str:
+    return json.dumps({"role": role, "content": content, "turn": turn})
+
+
+async def test_history_bounds_and_truncate(stores: Stores) -> None:
+    s, sid = stores.store, stores.sid()
+    for t in range(1, 5):
+        n = await s.append_history(sid, [msg(t, "user", "q"), msg(t, "assistant", "a")],
+                                   max_messages=6, max_bytes=0, ttl_s=60)  # fmt: skip
+    assert n == 6
+    hist, _ = await s.history(sid)
+    assert [json.loads(m)["turn"] for m in hist] == [2, 2, 3, 3, 4, 4]
+    assert await s.truncate_history(sid, 3) == 4
+    assert [json.loads(m)["turn"] for m in (await s.history(sid))[0]] == [2, 2]
+    big = msg(9, "user", "x" * 200)
+    await s.append_history(sid, [big], max_messages=10, max_bytes=100, ttl_s=60)
+    assert (await s.history(sid))[0] == [big]  # the appended message always stays
+    await s.set_state(sid, "system", "be brief", 60)
+    assert (await s.history(sid))[1] == {"system": "be brief"}
+
+
+async def test_idempotency_record_once(stores: Stores) -> None:
+    s, k = stores.store, f"tr:{{{stores.sid()}}}:idem:k1"
+    assert await s.claim(k, "pending w:1 fp", 5000) is None
+    assert await s.claim(k, "pending w:2 fp", 5000) == "pending w:1 fp"
+    assert not await s.release(k, "pending w:2 ")  # not its claim
+    await s.put(k, '{"turn": 1}', 60)
+    assert await s.get(k) == '{"turn": 1}'
+    assert await s.claim(k, "pending w:3 fp", 5000) == '{"turn": 1}'
+    assert not await s.release(k, "pending w:1 ")  # resolved: no longer a claim
+    await s.drop(k)
+    assert await s.get(k) is None
+    assert await s.claim(k, "pending w:3 fp", 5000) is None
+    assert await s.release(k, "pending w:3 ")
+
+
+async def test_job_record_keeps_one_result(stores: Stores) -> None:
+    s, k = stores.store, f"tr:job:{{{stores.sid()}}}"
+    assert await s.job_start(k, "w1", 1) == ("missing", 0)
+    assert not await s.job_fail(k, "nothing", 1)
+    await s.job_create(k, {"status": "queued", "prompt": "p", "attempts": "0"}, 60)
+    await s.job_progress(k, 5, 1)  # not running: ignored
+    assert await s.job_start(k, "w1", 2) == ("running", 1)
+    assert await s.job_start(k, "w2", 3) == ("running", 2)  # a redelivery
+    await s.job_progress(k, 7, 4)
+    assert await s.job_finish(k, {"result": "first", "updated_ms": "5"}, 60)
+    assert not await s.job_finish(k, {"result": "second", "updated_ms": "6"}, 60)
+    assert not await s.job_fail(k, "late", 7)
+    assert await s.job_start(k, "w3", 8) == ("done", 0)
+    await s.job_note(k, {"notified": "1"})
+    rec = await s.job_get(k)
+    assert rec is not None
+    assert (rec["status"], rec["result"], rec["progress_tokens"], rec["notified"]) == (
+        "done", "first", "7", "1")  # fmt: skip
+    await s.drop(k)
+    assert await s.job_get(k) is None
+    await s.job_note(k, {"notified": "1"})  # on nothing: nothing
+    assert await s.job_get(k) is None
