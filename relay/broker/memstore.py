@@ -232,6 +232,36 @@ class MemoryStore(MemoryStreams, MemoryBroker):
         self._check()
         return int(sid in self.presence) + len(self.live_peers.get(sid, ()))
 
+    async def lock_holder(self, sid: str) -> LockHolder | None:
+        self._check()
+        cur = self._value(key(sid, KeyKind.LOCK))
+        return None if cur is None else parse_lock(cur)
+
+    async def ask_stop(self, sid: str, turn: int, ttl_s: int) -> tuple[str, int, str]:
+        self._check()
+        s = self.sessions.get(sid)
+        opened, last = (s.open, s.turn) if s is not None else (0, 0)
+        lock = self._value(key(sid, KeyKind.LOCK)) or ""
+        want = turn
+        if want == 0:
+            if opened:
+                want = opened
+            elif lock:
+                return "admitting", 0, lock
+            else:
+                return "idle", last, ""
+        if want > last:
+            return "unknown", want, ""
+        k = key(sid, KeyKind.CANCEL)
+        stops = self._hash(k) or {}
+        rec = stops.get(str(want))
+        if rec is not None and rec != "asked":
+            return "stopped", want, rec
+        if opened == want:
+            self._set_hash(k, {**stops, str(want): "asked"}, ttl_s)
+            return "stopping", want, lock
+        return "finished", want, ""
+
     # ---- sessions -----------------------------------------------------------------------
 
     def _history(self, sid: str) -> list[str]:
@@ -291,6 +321,12 @@ class MemoryStore(MemoryStreams, MemoryBroker):
     async def gone(self, sid: str) -> bool:
         self._check()
         return sid in self.tombstones
+
+    async def frames_before(self, sid: str, before: int | None, count: int) -> list[bytes]:
+        self._check()
+        s = self.sessions.get(sid)
+        log = [] if s is None else [d for o, d in s.log if before is None or o < before]
+        return log[::-1][:count]
 
     async def delete_session(self, sid: str, tombstone_ttl_s: int) -> int:
         self._check()

@@ -208,6 +208,19 @@ class TurnStore(Protocol):
         by the store's clock)."""
         ...
 
+    async def lock_holder(self, sid: str) -> LockHolder | None:
+        """Who holds the session's turn lock now (None: nobody)."""
+        ...
+
+    async def ask_stop(self, sid: str, turn: int, ttl_s: int) -> tuple[str, int, str]:
+        """Record a stop of ``turn`` (0: the one generating) at one instant with the
+        session's state; what it found: ``stopping`` (marked: the turn's next lock
+        refresh sees it; detail: the lock's value), ``admitting`` (no turn open but the
+        lock is held; detail: its value), ``stopped`` (it ended stopped; detail: its
+        terminal offset), ``finished``, ``unknown`` (no such turn yet), ``idle``
+        (nothing runs; the turn is the last one)."""
+        ...
+
 
 # ---- sessions ---------------------------------------------------------------------------
 
@@ -256,6 +269,11 @@ class HistoryStore(Protocol):
 
     async def gone(self, sid: str) -> bool:
         """Whether the session was deleted (its tombstone is there)."""
+        ...
+
+    async def frames_before(self, sid: str, before: int | None, count: int) -> list[bytes]:
+        """Up to ``count`` of the backlog's frames below offset ``before`` (None: from the
+        newest), newest first (a turn's end or start found walking back)."""
         ...
 
     async def delete_session(self, sid: str, tombstone_ttl_s: int) -> int:

@@ -9,10 +9,9 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar
 
-from redis.asyncio.cluster import RedisCluster
-
 from relay.broker.errors import Fenced, RedisUnavailable
 from relay.broker.errors import FrameTooLarge as _BrokerFrameTooLarge
+from relay.broker.port import TurnStore
 from relay.producer.coalesce import CoalescePolicy
 from relay.producer.errors import FrameTooLarge, RedisUnreachable, StaleEpoch
 from relay.producer.watch import PresencePolicy
@@ -101,7 +100,7 @@ async def mapped(aw: Awaitable[T]) -> T:
 class ProducerSettings(Protocol):
     """What a turn needs of its producer (:class:`relay.producer.session.Producer`)."""
 
-    redis: RedisCluster
+    store: TurnStore
     coalesce: CoalescePolicy
     presence: PresencePolicy
     spawn: Spawn

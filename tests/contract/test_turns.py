@@ -152,9 +152,8 @@ async def test_active_turn_and_session_state(stores: Stores) -> None:
     assert st.lock.startswith("w:1 ")
 
 
-async def test_stopped_turn_and_viewers(stores: Stores) -> None:
+async def test_nobody_watches(stores: Stores) -> None:
     s, sid = stores.store, stores.sid()
-    await s.mark_stopped(sid, 1, 9, 60)  # recorded without error; nobody watches
     assert await s.viewers(sid) == 0
 
 
@@ -174,3 +173,38 @@ async def test_tombstone_after_delete(stores: Stores) -> None:
         await stores.edge.active_turn(sid)
     assert (await s.history(sid))[0] == []
     assert await s.acquire_lock(sid, "w:2", TTL_MS) is None  # the lock went too
+
+
+async def test_stop_record(stores: Stores) -> None:
+    s, sid = stores.store, stores.sid()
+    assert await s.ask_stop(sid, 0, 60) == ("idle", 0, "")
+    assert await s.acquire_lock(sid, "w:1", TTL_MS) is None
+    status, turn, lock = await s.ask_stop(sid, 0, 60)
+    assert (status, turn) == ("admitting", 0)
+    assert lock.startswith("w:1 ")
+    gen = await s.open_generation(sid)
+    await gen.publish([Draft(kind="meta")])
+    assert await s.ask_stop(sid, gen.turn + 1, 60) == ("unknown", gen.turn + 1, "")
+    assert (await s.ask_stop(sid, 0, 60))[:2] == ("stopping", gen.turn)
+    assert await s.refresh_lock(sid, "w:1", TTL_MS, gen.turn) is LockState.STOP_ASKED
+    at = (await gen.publish([Draft(kind="done", meta={"finish_reason": "cancelled"})]))[0]
+    await s.mark_stopped(sid, gen.turn, at, 60)
+    assert await s.ask_stop(sid, gen.turn, 60) == ("stopped", gen.turn, str(at))
+    nxt = await s.open_generation(sid)
+    await nxt.publish([Draft(kind="meta"), Draft(kind="done")])
+    assert await s.ask_stop(sid, nxt.turn, 60) == ("finished", nxt.turn, "")
+
+
+async def test_lock_holder_and_frames_before(stores: Stores) -> None:
+    s, sid = stores.store, stores.sid()
+    assert await s.lock_holder(sid) is None
+    assert await s.frames_before(sid, None, 10) == []
+    assert await s.acquire_lock(sid, "w:1", TTL_MS) is None
+    assert await s.name_turn(sid, "w:1", TTL_MS, 1, 1)
+    holder = await s.lock_holder(sid)
+    assert holder is not None
+    assert (holder.owner, holder.turn, holder.offset) == ("w:1", 1, 1)
+    gen = await s.open_generation(sid)
+    await gen.publish(tokens("a", "b", "c", "d"))
+    assert [decode(f).offset for f in await s.frames_before(sid, None, 2)] == [4, 3]
+    assert [decode(f).offset for f in await s.frames_before(sid, 3, 10)] == [2, 1]

@@ -23,7 +23,9 @@ from typing import Any, Final
 
 from redis.asyncio.cluster import RedisCluster
 
+from relay.broker.errors import RedisUnavailable
 from relay.broker.port import LockHolder, LockState, SessionState, lock_value, parse_lock
+from relay.broker.rediscluster.connect import connect
 from relay.broker.rediscluster.errors import map_redis_errors
 from relay.broker.rediscluster.presence import count_present
 from relay.broker.rediscluster.publisher import Generation, Publisher
@@ -40,6 +42,7 @@ from relay.protocol.keys import (
     hist_key,
     key,
     live_channel,
+    log_key,
 )
 from relay.protocol.slotmap import slot_of
 
@@ -97,6 +100,30 @@ for i = 3, #KEYS do redis.call('DEL', KEYS[i]) end
 redis.call('SET', KEYS[1], '1', 'EX', ARGV[1])
 redis.call('SPUBLISH', KEYS[2], ARGV[2])
 return #KEYS - 2
+"""
+
+# KEYS: meta hash, lock, cancel hash. ARGV: the turn (0: whichever runs), the record's
+# TTL (s). Returns {status, turn, detail}: detail is the lock's value (stopping,
+# admitting), the terminal offset (stopped) or ''.
+_STOP_LUA: Final = """
+local m = redis.call('HMGET', KEYS[1], 'open', 'turn')
+local open, last = tonumber(m[1] or ''), tonumber(m[2] or '0')
+local lock = redis.call('GET', KEYS[2]) or ''
+local want = tonumber(ARGV[1])
+if want == 0 then
+  if open then want = open
+  elseif lock ~= '' then return {'admitting', 0, lock}
+  else return {'idle', last, ''} end
+end
+if want > last then return {'unknown', want, ''} end
+local rec = redis.call('HGET', KEYS[3], tostring(want))
+if rec and rec ~= 'asked' then return {'stopped', want, rec} end
+if open == want then
+  redis.call('HSET', KEYS[3], tostring(want), 'asked')
+  redis.call('EXPIRE', KEYS[3], ARGV[2])
+  return {'stopping', want, lock}
+end
+return {'finished', want, ''}
 """
 
 # The job record's rules (worker/jobs/record.py says them): one result per job.
@@ -173,6 +200,19 @@ class RedisStore(RedisStreams):
         )
         self.ttl_s = self.publisher.ttl_s
 
+    @classmethod
+    async def connect(cls, url: str, **kwargs: Any) -> RedisStore:
+        """A store on its own cluster client for ``url`` (closed by :meth:`aclose`);
+        ``RedisUnavailable`` when the cluster cannot be reached."""
+        client = connect(url)
+        try:
+            with map_redis_errors():
+                await client.initialize()
+        except RedisUnavailable:
+            await client.aclose()
+            raise
+        return cls(client, **kwargs)
+
     async def aclose(self) -> None:
         await self.redis.aclose()
 
@@ -215,6 +255,17 @@ class RedisStore(RedisStreams):
     async def viewers(self, sid: str) -> int:
         return await count_present(self.redis, sid)
 
+    async def lock_holder(self, sid: str) -> LockHolder | None:
+        with map_redis_errors():
+            cur = await self.redis.get(key(sid, KeyKind.LOCK))
+        return None if cur is None else parse_lock(_s(cur))
+
+    async def ask_stop(self, sid: str, turn: int, ttl_s: int) -> tuple[str, int, str]:
+        keys = (key(sid, KeyKind.META), key(sid, KeyKind.LOCK), cancel_key(sid))
+        with map_redis_errors():
+            status, found, detail = await self.redis.eval(_STOP_LUA, 3, *keys, turn, ttl_s)
+        return _s(status), int(found), _s(detail)
+
     # ---- sessions -----------------------------------------------------------------------
 
     async def history(self, sid: str) -> tuple[list[str], dict[str, str]]:
@@ -255,6 +306,12 @@ class RedisStore(RedisStreams):
     async def gone(self, sid: str) -> bool:
         with map_redis_errors():
             return bool(await self.redis.exists(gone_key(sid)))
+
+    async def frames_before(self, sid: str, before: int | None, count: int) -> list[bytes]:
+        top = "+" if before is None else f"({before}-1"  # entry ids are "<offset>-1"
+        with map_redis_errors():
+            entries: list[Any] = await self.redis.xrevrange(log_key(sid), max=top, count=count)
+        return [f for _id, fields in entries or [] if (f := fields.get(b"f")) is not None]
 
     async def _session_keys(self, sid: str) -> list[str]:
         """Every key of ``sid`` but its tombstone: they share its hash slot, so the
