@@ -43,6 +43,7 @@ from relay.protocol.keys import (
     parse_session,
 )
 from relay.protocol.responses import OWNER_FIELD, owner_key
+from relay.service.supervise import Supervisor
 
 __all__ = ["MemoryGeneration", "MemoryStore"]
 
@@ -113,6 +114,8 @@ class MemoryStore(MemoryStreams, MemoryBroker):
         self._kv: dict[str, tuple[str, float | None]] = {}
         self._hashes: dict[str, tuple[dict[str, str], float | None]] = {}
         self._lists: dict[str, list[str]] = {}
+        self._slots: dict[str, dict[str, float]] = {}  # key -> member -> counts until
+        self._listeners: dict[str, Callable[[bytes], None]] = {}
 
     @property
     def streams(self) -> MemoryStore:
@@ -126,6 +129,22 @@ class MemoryStore(MemoryStreams, MemoryBroker):
         s = self.sessions.get(sid)
         frame = next((d for o, d in s.log if o == offset), None) if s is not None else None
         return owner, frame
+
+    # ---- messages (one listener per channel) -------------------------------------------
+
+    async def send(self, channel: str, body: bytes) -> None:
+        self._check()
+        handler = self._listeners.get(channel)
+        if handler is not None:
+            asyncio.get_running_loop().call_soon(handler, body)
+
+    async def listen(
+        self, channel: str, handler: Callable[[bytes], None], supervisor: Supervisor
+    ) -> None:
+        self._listeners[channel] = handler
+
+    async def unlisten(self) -> None:
+        self._listeners.clear()
 
     # ---- lifetimes ----------------------------------------------------------------------
 
@@ -369,6 +388,23 @@ class MemoryStore(MemoryStreams, MemoryBroker):
         self._check()
         self._kv.pop(key, None)
         self._hashes.pop(key, None)
+
+    async def take_slot(self, key: str, member: str, limit: int, ttl_ms: int) -> int:
+        self._check()
+        now = self.clock()
+        live = {m: at for m, at in self._slots.get(key, {}).items() if at > now}
+        if len(live) >= limit:
+            self._slots[key] = live
+            return max(round((min(live.values()) - now) * 1000), 1000)
+        live[member] = now + ttl_ms / 1000
+        self._slots[key] = live
+        return 0
+
+    async def count(self, key: str, ttl_s: int) -> int:
+        self._check()
+        n = int(self._value(key) or "0") + 1
+        self._kv[key] = (str(n), self._at(ttl_s))
+        return n
 
     async def job_create(self, key: str, fields: Mapping[str, str], ttl_s: int) -> None:
         self._check()

@@ -24,9 +24,9 @@ The Protocols, by who uses them:
   turn's record, and how many relays have viewers of a session;
 - :class:`HistoryStore` (the worker's sessions): the chat history and the session's
   state, the conversation's view at one instant, the tombstone, a session's delete;
-- :class:`StreamStore` (Durable Streams, :mod:`relay.durable`): a stream's write
-  (create, append, close: its producers' and Stream-Seq rules), read, delete and the
-  fork references;
+- :class:`StreamStore` (Durable Streams, :mod:`relay.durable`; its types are
+  :mod:`relay.broker.streams`'s): a stream's write (create, append, close: its producers'
+  and Stream-Seq rules), read, delete and the fork references;
 - :class:`RecordStore` (idempotency keys, jobs): records claimed once, released by
   their owner only, and the job record's rules (one result per job).
 
@@ -39,13 +39,23 @@ import enum
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, Protocol, Self, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import msgspec
 
 from relay.broker.base import Broker
 from relay.broker.errors import FrameTooLarge
+from relay.broker.streams import (
+    SoftDeleted,
+    StreamRef,
+    StreamsBroker,
+    StreamStore,
+    StreamView,
+    StreamWrite,
+    StreamWriteResult,
+)
 from relay.protocol.frame import MAX_FRAME_BYTES, Frame, Kind, encode
+from relay.service.supervise import Supervisor
 
 __all__ = [
     "Draft",
@@ -53,6 +63,7 @@ __all__ = [
     "HistoryStore",
     "LockHolder",
     "LockState",
+    "Messages",
     "RecordStore",
     "ResponseReads",
     "SessionState",
@@ -222,6 +233,25 @@ class TurnStore(Protocol):
         ...
 
 
+@runtime_checkable
+class Messages(Protocol):
+    """Messages to a named channel (a worker's control channel: a stop asked of a turn
+    it runs): delivered at most once, in order per channel, to whoever listens then."""
+
+    async def send(self, channel: str, body: bytes) -> None: ...
+
+    async def listen(
+        self, channel: str, handler: Callable[[bytes], None], supervisor: Supervisor
+    ) -> None:
+        """Hand every message of ``channel`` to ``handler`` (in the store's reader: it
+        must not block) from when this returns; its loops run on ``supervisor``."""
+        ...
+
+    async def unlisten(self) -> None:
+        """Stop listening (and close what listening opened)."""
+        ...
+
+
 # ---- sessions ---------------------------------------------------------------------------
 
 
@@ -307,6 +337,16 @@ class RecordStore(Protocol):
         """Delete ``key`` (a record or a job record), whoever holds it."""
         ...
 
+    async def take_slot(self, key: str, member: str, limit: int, ttl_ms: int) -> int:
+        """Count ``member`` in ``key``'s set for ``ttl_ms`` (by the store's clock) unless
+        ``limit`` members count already: 0 when taken, else the milliseconds until the
+        oldest stops counting (at least 1000)."""
+        ...
+
+    async def count(self, key: str, ttl_s: int) -> int:
+        """One more in the counter ``key`` (which lives ``ttl_s`` from now); its count."""
+        ...
+
     async def job_create(self, key: str, fields: Mapping[str, str], ttl_s: int) -> None:
         """A fresh job record (``status`` among ``fields``)."""
         ...
@@ -333,131 +373,6 @@ class RecordStore(Protocol):
         ...
 
     async def job_get(self, key: str) -> dict[str, str] | None: ...
-
-
-# ---- Durable Streams --------------------------------------------------------------------
-
-
-class SoftDeleted(Exception):
-    """The stream was deleted while forks hold it: 410 to every direct operation."""
-
-
-@dataclass(frozen=True)
-class StreamRef:
-    """A stream's names in the store, all under one hash tag (``tag`` from
-    :func:`relay.durable.core.stream_id`)."""
-
-    path: str
-    meta: str
-    log: str
-    prod: str
-    forks: str
-    channel: str
-
-    @classmethod
-    def tagged(cls, path: str, tag: str) -> Self:
-        prefix = f"ds:{{{tag}}}"
-        keys = (f"{prefix}:{k}" for k in ("meta", "log", "prod", "forks", "live"))
-        return cls(path, *keys)
-
-    @property
-    def keys(self) -> list[str]:
-        return [self.meta, self.log, self.prod, self.forks]
-
-
-@dataclass(frozen=True)
-class StreamWrite:
-    """One write of a stream (docs/DURABLE.md): create (``put``) or append (``post``)."""
-
-    op: Literal["put", "post"]
-    media_type: str
-    content_type: str
-    ttl: int | None = None
-    expires_at: tuple[str, int] | None = None
-    close: bool = False
-    stream_seq: str | None = None
-    producer: tuple[str, int, int] | None = None
-    has_body: bool = False
-    fork: str = ""  # a fork's identity: "source\noffset\nsub-offset"
-
-
-@dataclass(frozen=True)
-class StreamWriteResult:
-    code: int  # the HTTP status
-    next: int
-    closed: bool
-    a: int  # producer epoch (200/204/403) or expected seq (409 gap)
-    b: int  # producer seq (200/204) or received seq (409 gap)
-
-
-@dataclass(frozen=True)
-class StreamView:
-    """A stream's state and the messages read from ``start``."""
-
-    media_type: str
-    content_type: str
-    ttl: int | None
-    expires_at: str
-    closed: bool
-    next: int  # the tail
-    gen: str
-    low: int  # the earliest retained message
-    start: int
-    messages: list[bytes]
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.messages)
-
-    @property
-    def json_mode(self) -> bool:
-        return self.media_type == "application/json"
-
-
-@runtime_checkable
-class StreamStore(Protocol):
-    """Durable Streams: each operation atomic on the stream."""
-
-    async def stream_write(
-        self, ref: StreamRef, w: StreamWrite, messages: Sequence[bytes]
-    ) -> StreamWriteResult:
-        """Create, append or close; the live readers are woken (the stream's channel)."""
-        ...
-
-    async def stream_read(
-        self, ref: StreamRef, start: int | None, *, count: int, touch: bool = True,
-        max_bytes: int = 0,
-    ) -> StreamView | None:  # fmt: skip
-        """The stream and up to ``count`` messages from ``start`` (None: the tail), at
-        most ``max_bytes`` of them when > 0 (one at least); None when there is none;
-        :class:`SoftDeleted` when forks hold a deleted one. ``touch``: a sliding TTL
-        starts again."""
-        ...
-
-    async def stream_delete(self, ref: StreamRef) -> tuple[int, str]:
-        """404, 410 (soft-deleted already) or 204 and the source path a removed fork
-        releases ("" for none; forks still holding it: soft-deleted)."""
-        ...
-
-    async def stream_fork_ref(self, source: StreamRef, fork_path: str, take: bool) -> str:
-        """Take (``take``: "1" when taken, "" when the source is gone or soft-deleted) or
-        release a fork's reference on ``source`` (the source's own source path when this
-        release removed a soft-deleted source, else "")."""
-        ...
-
-
-@runtime_checkable
-class StreamsBroker(Broker, Protocol):
-    """An edge's broker that serves Durable Streams too: the streams' store, and a second
-    reader of its live subscriptions (the tap: a stream's channel held while a live
-    read waits on it, whoever else holds it)."""
-
-    @property
-    def streams(self) -> StreamStore: ...
-
-    async def tap_subscribe(self, channel: str) -> None: ...
-
-    def tap_unsubscribe(self, channel: str) -> None: ...
 
 
 @runtime_checkable

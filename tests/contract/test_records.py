@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+from relay.service.supervise import Supervisor
 from tests.contract.conftest import Stores
 
 
@@ -65,3 +67,31 @@ async def test_job_record_keeps_one_result(stores: Stores) -> None:
     assert await s.job_get(k) is None
     await s.job_note(k, {"notified": "1"})  # on nothing: nothing
     assert await s.job_get(k) is None
+
+
+async def test_slots_and_counters(stores: Stores) -> None:
+    s, k = stores.store, f"tr:addr:{{{stores.sid()}}}"
+    assert await s.take_slot(k, "a", 2, 60_000) == 0
+    assert await s.take_slot(k, "b", 2, 60_000) == 0
+    wait = await s.take_slot(k, "c", 2, 60_000)
+    assert 1000 <= wait <= 60_000
+    c = f"tr:{{{stores.sid()}}}:rate"
+    assert [await s.count(c, 120) for _ in range(3)] == [1, 2, 3]
+
+
+async def test_messages_reach_the_listener(stores: Stores) -> None:
+    m, got = stores.messages, list[bytes]()
+    channel = f"tr:ctl:{{{stores.sid()}}}"
+    sup = Supervisor()
+    await m.listen(channel, got.append, sup)
+    try:
+        await m.send(channel, b"one")
+        await m.send(channel, b"two")
+        for _ in range(100):
+            if len(got) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert got == [b"one", b"two"]
+    finally:
+        await m.unlisten()
+        await sup.stop()

@@ -30,14 +30,12 @@ import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import orjson
-from redis.asyncio.cluster import RedisCluster
 
-from relay.broker.port import TurnStore
-from relay.broker.rediscluster.errors import map_redis_errors
-from relay.broker.rediscluster.subscriber import ShardedSubscriber
+from relay.broker.port import Messages, TurnStore
+from relay.broker.rediscluster.messages import RedisMessages
 from relay.protocol.keys import control_channel
 from relay.service.supervise import Supervisor
 
@@ -53,8 +51,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 ASKED: Final = "asked"  # a cancel hash field: a stop was asked, the turn has not ended yet
-
-_NOTIFY_LUA: Final = "return redis.call('SPUBLISH', KEYS[1], ARGV[1])"
 
 
 class StopStatus(enum.StrEnum):
@@ -97,44 +93,36 @@ StopHandler = Callable[[str, int, str], None]  # (sid, turn (0: admitting), owne
 
 
 class ControlChannel:
-    """A worker's control channel: SSUBSCRIBEd once, read in the subscriber's callback,
-    each stop request handed to ``on_stop``. :meth:`notify` sends one to a worker."""
+    """A worker's control channel: listened to once, each stop request handed to
+    ``on_stop``. :meth:`notify` sends one to a worker. ``messages``: the store's
+    :class:`relay.broker.port.Messages` (a cluster client is wrapped in a
+    :class:`relay.broker.rediscluster.messages.RedisMessages`)."""
 
-    def __init__(self, redis: RedisCluster, worker_id: str, on_stop: StopHandler) -> None:
-        self.redis = redis
+    def __init__(self, messages: Messages | Any, worker_id: str, on_stop: StopHandler) -> None:
+        if not isinstance(messages, Messages):
+            messages = RedisMessages(messages, f"ctl-{worker_id}")
+        self.messages: Messages = messages
         self.worker_id = worker_id
         self.channel = control_channel(worker_id)
         self.on_stop = on_stop
         self.received = 0
-        self._sub: ShardedSubscriber | None = None
 
     async def start(self, supervisor: Supervisor) -> None:
-        self._sub = ShardedSubscriber(
-            self.redis,
-            on_message=self._on_messages,
-            on_resubscribed=lambda _channels: None,  # a stop missed meanwhile: the refresh
-            relay_id=f"ctl-{self.worker_id}",
-            supervisor=supervisor,
-        )
-        await self._sub.start()
-        await self._sub.subscribe([self.channel])
+        await self.messages.listen(self.channel, self._on_message, supervisor)
 
     async def close(self) -> None:
-        if self._sub is not None:
-            await self._sub.close()
+        await self.messages.unlisten()
 
     async def notify(self, worker_id: str, sid: str, turn: int, owner: str) -> None:
         body = orjson.dumps({"sid": sid, "turn": turn, "owner": owner})
-        with map_redis_errors():  # the channel as the script's key: routed to its shard
-            await self.redis.eval(_NOTIFY_LUA, 1, control_channel(worker_id), body)
+        await self.messages.send(control_channel(worker_id), body)
 
-    def _on_messages(self, messages: list[list[bytes]]) -> None:
-        for msg in messages:
-            try:
-                body = orjson.loads(msg[2])
-                sid, turn, owner = str(body["sid"]), int(body["turn"]), str(body["owner"])
-            except (IndexError, KeyError, TypeError, ValueError, orjson.JSONDecodeError):
-                log.warning("control channel %s: a message that is not a stop", self.channel)
-                continue
-            self.received += 1
-            self.on_stop(sid, turn, owner)
+    def _on_message(self, data: bytes) -> None:
+        try:
+            body = orjson.loads(data)
+            sid, turn, owner = str(body["sid"]), int(body["turn"]), str(body["owner"])
+        except (KeyError, TypeError, ValueError, orjson.JSONDecodeError):
+            log.warning("control channel %s: a message that is not a stop", self.channel)
+            return
+        self.received += 1
+        self.on_stop(sid, turn, owner)

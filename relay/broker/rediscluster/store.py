@@ -126,6 +126,22 @@ end
 return {'finished', want, ''}
 """
 
+# One key's counted members (member -> when it stops counting, Redis ms): drop the
+# expired, refuse past ARGV[1] (answering the wait for the oldest), else add ARGV[3] for
+# ARGV[2] ms. Returns {1, 0} or {0, wait_ms}.
+_TAKE_SLOT: Final = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  return {0, math.max(tonumber(oldest[2]) - now, 1000)}
+end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return {1, 0}
+"""
+
 # The job record's rules (worker/jobs/record.py says them): one result per job.
 _JOB_CREATE: Final = """
 redis.call('HSET', KEYS[1], unpack(ARGV, 2))
@@ -310,7 +326,7 @@ class RedisStore(RedisStreams):
     async def frames_before(self, sid: str, before: int | None, count: int) -> list[bytes]:
         top = "+" if before is None else f"({before}-1"  # entry ids are "<offset>-1"
         with map_redis_errors():
-            entries: list[Any] = await self.redis.xrevrange(log_key(sid), max=top, count=count)
+            entries: Any = await self.redis.xrevrange(log_key(sid), max=top, count=count)
         return [f for _id, fields in entries or [] if (f := fields.get(b"f")) is not None]
 
     async def _session_keys(self, sid: str) -> list[str]:
@@ -361,6 +377,19 @@ class RedisStore(RedisStreams):
     async def drop(self, key: str) -> None:
         with map_redis_errors():
             await self.redis.delete(key)
+
+    async def take_slot(self, key: str, member: str, limit: int, ttl_ms: int) -> int:
+        with map_redis_errors():
+            taken, wait_ms = await self.redis.eval(_TAKE_SLOT, 1, key, limit, ttl_ms, member)
+        return 0 if int(taken) else int(wait_ms)
+
+    async def count(self, key: str, ttl_s: int) -> int:
+        with map_redis_errors():
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.incr(key)
+                pipe.expire(key, ttl_s)
+                n, _ = await pipe.execute()
+        return int(n)
 
     async def job_create(self, key: str, fields: Mapping[str, str], ttl_s: int) -> None:
         with map_redis_errors():
