@@ -22,12 +22,13 @@ Order of use (the edge server does this)::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, Self
 
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.base import BacklogPage, MessageHandler, ReapResult, ResubscribedHandler
 from relay.broker.errors import RelayError, SessionDeleted, SubscribeError
+from relay.broker.rediscluster.connect import RedisTLS, connect
 from relay.broker.rediscluster.errors import map_redis_errors
 from relay.broker.rediscluster.presence import Presence, write_screens
 from relay.broker.rediscluster.publisher import read_backlog_page, reap, seal
@@ -89,6 +90,25 @@ class RedisBroker:
     def streams(self) -> RedisStreams:
         """Durable Streams on the same cluster (:class:`relay.broker.port.StreamsBroker`)."""
         return self._streams
+
+    @classmethod
+    async def connect(
+        cls, url: str, relay_id: str, *, tls: RedisTLS | None = None, **kwargs: Any
+    ) -> Self:
+        """A broker on its own cluster client for ``url`` (``kwargs``: the constructor's;
+        closed by :meth:`aclose`); redis-py's errors when the cluster cannot be reached
+        (the caller names the URL and the cause)."""
+        client = connect(url, tls=tls)  # a burst waits
+        try:
+            await client.initialize()
+        except BaseException:
+            await client.aclose()
+            raise
+        return cls(client, relay_id, **kwargs)
+
+    async def aclose(self) -> None:
+        """Close the cluster client (after :meth:`close`)."""
+        await self.redis.aclose()
 
     def channel(self, sid: str) -> bytes:
         return live_channel(sid).encode()
