@@ -116,6 +116,7 @@ class MemoryStore(MemoryStreams, MemoryBroker):
         self._lists: dict[str, list[str]] = {}
         self._slots: dict[str, dict[str, float]] = {}  # key -> member -> counts until
         self._listeners: dict[str, Callable[[bytes], None]] = {}
+        self._members: dict[str, dict[str, float]] = {}  # registry -> member -> last seen
 
     @property
     def streams(self) -> MemoryStore:
@@ -280,6 +281,29 @@ class MemoryStore(MemoryStreams, MemoryBroker):
             self._set_hash(k, {**stops, str(want): "asked"}, ttl_s)
             return "stopping", want, lock
         return "finished", want, ""
+
+    # ---- the registry of live members ------------------------------------------------------
+
+    async def join(self, registry: str, member: str, now_s: float, forget_s: float) -> list[str]:
+        self._check()
+        seen = self._members.setdefault(registry, {})
+        seen[member] = now_s
+        for m in [m for m, at in seen.items() if at <= now_s - forget_s]:
+            del seen[m]
+        return sorted(seen, key=lambda m: (seen[m], m))
+
+    async def reports(self, keys: Sequence[str]) -> list[dict[str, str]]:
+        self._check()
+        return [dict(self._hash(k) or {}) for k in keys]
+
+    async def report(self, key: str, fields: Mapping[str, str], ttl_ms: int) -> None:
+        self._check()
+        self._set_hash(key, {**(self._hash(key) or {}), **fields}, ttl_ms / 1000)
+
+    async def leave(self, registry: str, member: str, key: str) -> None:
+        self._check()
+        self._hashes.pop(key, None)
+        self._members.get(registry, {}).pop(member, None)
 
     # ---- sessions -----------------------------------------------------------------------
 

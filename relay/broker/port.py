@@ -65,6 +65,7 @@ __all__ = [
     "LockState",
     "Messages",
     "RecordStore",
+    "Registry",
     "ResponseReads",
     "SessionState",
     "SoftDeleted",
@@ -252,6 +253,29 @@ class Messages(Protocol):
         ...
 
 
+@runtime_checkable
+class Registry(Protocol):
+    """The live members of a group, each with a report that expires by itself (the
+    workers' load reports: a worker that dies drops out within the report's TTL)."""
+
+    async def join(self, registry: str, member: str, now_s: float, forget_s: float) -> list[str]:
+        """``member`` is live at ``now_s`` (seconds of the wall clock, every member's);
+        a member not seen for ``forget_s`` is forgotten; every member, at one instant."""
+        ...
+
+    async def reports(self, keys: Sequence[str]) -> list[dict[str, str]]:
+        """Each key's report (an empty one when it expired or never was)."""
+        ...
+
+    async def report(self, key: str, fields: Mapping[str, str], ttl_ms: int) -> None:
+        """Write ``fields`` into the report ``key``, which expires ``ttl_ms`` from now."""
+        ...
+
+    async def leave(self, registry: str, member: str, key: str) -> None:
+        """``member`` leaves at once, its report with it."""
+        ...
+
+
 # ---- sessions ---------------------------------------------------------------------------
 
 
@@ -387,5 +411,5 @@ class ResponseReads(Protocol):
 
 
 @runtime_checkable
-class Store(TurnStore, HistoryStore, RecordStore, StreamStore, Protocol):
+class Store(TurnStore, HistoryStore, RecordStore, Registry, StreamStore, Protocol):
     """Every write side at once (both stores implement all of it)."""

@@ -95,3 +95,15 @@ async def test_messages_reach_the_listener(stores: Stores) -> None:
     finally:
         await m.unlisten()
         await sup.stop()
+
+
+async def test_registry_members_and_reports(stores: Stores) -> None:
+    s, reg = stores.store, f"c{stores.sid()}:workers"
+    assert await s.join(reg, "w1", 100.0, 60.0) == ["w1"]
+    assert await s.join(reg, "w2", 101.0, 60.0) == ["w1", "w2"]
+    assert await s.join(reg, "w3", 170.0, 60.0) == ["w3"]  # w1, w2 unseen for 60 s
+    await s.report(f"{reg}:w3", {"in_flight": "{}"}, 60_000)
+    assert await s.reports([f"{reg}:w3", f"{reg}:w9"]) == [{"in_flight": "{}"}, {}]
+    await s.leave(reg, "w3", f"{reg}:w3")
+    assert await s.reports([f"{reg}:w3"]) == [{}]
+    assert await s.join(reg, "w4", 171.0, 60.0) == ["w4"]

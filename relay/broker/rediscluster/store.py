@@ -282,6 +282,42 @@ class RedisStore(RedisStreams):
             status, found, detail = await self.redis.eval(_STOP_LUA, 3, *keys, turn, ttl_s)
         return _s(status), int(found), _s(detail)
 
+    # ---- the registry of live members ------------------------------------------------------
+
+    async def join(self, registry: str, member: str, now_s: float, forget_s: float) -> list[str]:
+        with map_redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.zadd(registry, {member: now_s})
+            pipe.zremrangebyscore(registry, "-inf", now_s - forget_s)
+            pipe.zrange(registry, 0, -1)
+            results = await pipe.execute()
+        return [_s(x) for x in results[-1]]
+
+    async def reports(self, keys: Sequence[str]) -> list[dict[str, str]]:
+        if not keys:
+            return []
+        with map_redis_errors():
+            read = self.redis.pipeline(transaction=False)
+            for k in keys:
+                read.hgetall(k)
+            raws = await read.execute()
+        return [{_s(k): _s(v) for k, v in (raw or {}).items()} for raw in raws]
+
+    async def report(self, key: str, fields: Mapping[str, str], ttl_ms: int) -> None:
+        with map_redis_errors():
+            write = self.redis.pipeline(transaction=False)
+            mapping: dict[Any, Any] = dict(fields)
+            write.hset(key, mapping=mapping)
+            write.pexpire(key, ttl_ms)
+            await write.execute()
+
+    async def leave(self, registry: str, member: str, key: str) -> None:
+        with map_redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.delete(key)
+            pipe.zrem(registry, member)
+            await pipe.execute()
+
     # ---- sessions -----------------------------------------------------------------------
 
     async def history(self, sid: str) -> tuple[list[str], dict[str, str]]:
