@@ -292,6 +292,11 @@ class MemoryStore(MemoryStreams, MemoryBroker):
             del seen[m]
         return sorted(seen, key=lambda m: (seen[m], m))
 
+    async def members_since(self, registry: str, since: float) -> list[str]:
+        self._check()
+        seen = self._members.get(registry, {})
+        return sorted((m for m in seen if seen[m] >= since), key=lambda m: (seen[m], m))
+
     async def reports(self, keys: Sequence[str]) -> list[dict[str, str]]:
         self._check()
         return [dict(self._hash(k) or {}) for k in keys]

@@ -259,8 +259,13 @@ class Registry(Protocol):
     workers' load reports: a worker that dies drops out within the report's TTL)."""
 
     async def join(self, registry: str, member: str, now_s: float, forget_s: float) -> list[str]:
-        """``member`` is live at ``now_s`` (seconds of the wall clock, every member's);
-        a member not seen for ``forget_s`` is forgotten; every member, at one instant."""
+        """``member`` is live at ``now_s`` (the wall clock, which every member shares, in
+        the unit the registry's users agree on); a member not seen for ``forget_s`` is
+        forgotten; every member, at one instant."""
+        ...
+
+    async def members_since(self, registry: str, since: float) -> list[str]:
+        """The members seen at ``since`` or later (nothing forgotten, nothing written)."""
         ...
 
     async def reports(self, keys: Sequence[str]) -> list[dict[str, str]]:

@@ -107,3 +107,5 @@ async def test_registry_members_and_reports(stores: Stores) -> None:
     await s.leave(reg, "w3", f"{reg}:w3")
     assert await s.reports([f"{reg}:w3"]) == [{}]
     assert await s.join(reg, "w4", 171.0, 60.0) == ["w4"]
+    assert await s.members_since(reg, 171.0) == ["w4"]
+    assert await s.members_since(reg, 172.0) == []

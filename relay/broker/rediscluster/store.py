@@ -293,6 +293,11 @@ class RedisStore(RedisStreams):
             results = await pipe.execute()
         return [_s(x) for x in results[-1]]
 
+    async def members_since(self, registry: str, since: float) -> list[str]:
+        with map_redis_errors():
+            ids = await self.redis.zrangebyscore(registry, since, "+inf")
+        return [_s(x) for x in ids]
+
     async def reports(self, keys: Sequence[str]) -> list[dict[str, str]]:
         if not keys:
             return []
