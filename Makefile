@@ -52,7 +52,7 @@ demo: $(DEMO_STAMP)
 ONE_CLUSTER := $(or $(TOKENRELAY_REDIS_URL),$(filter docker,$(TOKENRELAY_TEST_BACKEND)))
 TEST_JOBS  ?= $(if $(ONE_CLUSTER),0,3)
 HEAVY_JOBS ?= $(if $(ONE_CLUSTER),0,2)
-LIGHT_TESTS := tests/unit tests/cli tests/integration tests/hostile
+LIGHT_TESTS := tests/unit tests/contract tests/cli tests/integration tests/hostile
 test: $(STAMP) test-deps promtool
 	$(BIN)/python -m devstack.rabbit -- sh -c '\
 	failed=0; \

@@ -34,9 +34,9 @@ from typing import Any, Final
 
 import orjson
 from aiohttp import web
-from redis.asyncio.cluster import RedisCluster
 
-from relay.broker.rediscluster.errors import map_redis_errors
+from relay.broker.port import RecordStore
+from relay.broker.rediscluster.store import RedisStore
 from relay.protocol.auth import (
     SCOPES,
     AuthError,
@@ -67,21 +67,12 @@ __all__ = [
 ]
 
 INSECURE_TOKEN: Final = "insecure-no-auth"
-# One address's live sessions (KEYS[1], session id -> when it stops counting, Redis ms):
-# drop the expired, refuse past ARGV[1] (answering the wait for the oldest), else add
-# ARGV[3] for ARGV[2] ms. Returns {1, 0} or {0, wait_ms}.
-_TAKE_SESSION: Final = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then
-  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-  return {0, math.max(tonumber(oldest[2]) - now, 1000)}
-end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {1, 0}
-"""
+
+
+def _records(store: RecordStore | Any) -> RecordStore:
+    """``store``, or the Redis store of a cluster client (the gateway's callers pass
+    their client)."""
+    return store if isinstance(store, RecordStore) else RedisStore(store)
 
 
 class RateLimited(Reject):
@@ -208,19 +199,18 @@ class WorkerAccess:
                 wait,
             )
 
-    async def take_session(self, redis: RedisCluster, request: web.Request, sid: str) -> None:
+    async def take_session(self, store: RecordStore | Any, request: web.Request, sid: str) -> None:
         """Count ``sid`` as a live session of this request's address; :class:`RateLimited`
         ``too_many_sessions`` (``Retry-After``: until its oldest session stops counting)
-        when the address holds ``max_sessions_per_address``. Redis errors surface as
-        RelayError (the API answers 503)."""
+        when the address holds ``max_sessions_per_address`` (the store's clock says when a
+        session stops counting). The store's errors surface as RelayError (the API answers 503)."""
         if self.max_sessions <= 0:
             return
         name = address_sessions_key(self.address(request))
-        with map_redis_errors():
-            taken, wait_ms = await redis.eval(
-                _TAKE_SESSION, 1, name, self.max_sessions, self.session_ttl_s * 1000, sid
-            )
-        if not int(taken):
+        wait_ms = await _records(store).take_slot(
+            name, sid, self.max_sessions, self.session_ttl_s * 1000
+        )
+        if wait_ms:
             raise RateLimited(
                 Refusal.TOO_MANY_SESSIONS,
                 f"this client address holds {self.max_sessions} live sessions; use one of "
@@ -228,20 +218,15 @@ class WorkerAccess:
                 int(wait_ms) / 1000,
             )
 
-    async def check_turn_rate(self, redis: RedisCluster, sid: str) -> None:
+    async def check_turn_rate(self, store: RecordStore | Any, sid: str) -> None:
         """Count one turn request of ``sid``; :class:`RateLimited` past the minute's budget.
-        Redis errors surface as RelayError (the API answers 503)."""
+        The store's errors surface as RelayError (the API answers 503)."""
         if self.turns_per_minute <= 0:
             return
         now = time.time()
         minute = int(now // 60)
-        name = turn_rate_key(sid, minute)
-        with map_redis_errors():
-            async with redis.pipeline(transaction=False) as pipe:
-                pipe.incr(name)
-                pipe.expire(name, 120)
-                count, _ = await pipe.execute()
-        if int(count) > self.turns_per_minute:
+        count = await _records(store).count(turn_rate_key(sid, minute), 120)
+        if count > self.turns_per_minute:
             raise RateLimited(
                 Refusal.TURN_RATE,
                 f"at most {self.turns_per_minute} turns per session per minute",

@@ -128,7 +128,7 @@ async def _create_session(request: web.Request) -> web.Response:
         return _refused(st, exc)
     sid = new_session_id()
     try:
-        await st.access.take_session(st.redis, request, sid)
+        await st.access.take_session(st.turns.store.store, request, sid)
     except Reject as exc:
         return _refused(st, exc)
     except RelayError as exc:
@@ -249,7 +249,7 @@ async def _post_turn(request: web.Request) -> web.StreamResponse:
         return _refused(st, Reject(503, Refusal.REDIS_UNAVAILABLE, reason, RETRY_AFTER))
     try:
         await check_gone(st.turns.store, sid)
-        await st.access.check_turn_rate(st.redis, sid)
+        await st.access.check_turn_rate(st.turns.store.store, sid)
     except (RateLimited, Reject) as exc:
         return _refused(st, exc)
     except RelayError as exc:

@@ -37,23 +37,15 @@ from typing import Any, Final
 
 import orjson
 from aiohttp import web
-from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.errors import RelayError
-from relay.broker.rediscluster.errors import map_redis_errors
 from relay.protocol.auth import AuthError
 from relay.protocol.codes import Refusal
-from relay.protocol.frame import FrameError, decode, deleted_frame, encode
+from relay.protocol.frame import FrameError, decode
 from relay.protocol.keys import (
     InvalidSessionId,
-    KeyKind,
-    gone_key,
-    key,
-    live_channel,
-    log_key,
     parse_session,
 )
-from relay.protocol.slotmap import slot_of
 from relay.service.errors import RETRY_AFTER, Reject, refusal
 from relay.service.register import Handler
 from worker.chat.cancel import StopStatus, StopVerdict
@@ -69,16 +61,6 @@ PAGE_DEFAULT: Final = 50  # turns per page of GET .../messages
 PAGE_MAX: Final = 200
 _DELETE_WAIT_S: Final = 5.0  # how long DELETE waits for a stopped turn to end
 _SCAN: Final = 64  # backlog entries per read when finding a running turn's first frame
-
-# KEYS: the tombstone, the live channel, then every key of the session. ARGV: the
-# tombstone's TTL (s), the deleted frame. Deletes the keys, sets the tombstone and tells
-# the relays, in one step on the session's slot.
-_DELETE_LUA: Final = """
-for i = 3, #KEYS do redis.call('DEL', KEYS[i]) end
-redis.call('SET', KEYS[1], '1', 'EX', ARGV[1])
-redis.call('SPUBLISH', KEYS[2], ARGV[2])
-return #KEYS - 2
-"""
 
 
 def _json(status: int, body: dict[str, Any]) -> web.Response:
@@ -165,22 +147,22 @@ async def _terminal_offset(st: WorkerState, sid: str, turn: int) -> int | None:
     for e in hist.entries:
         if e.get("turn") == turn and isinstance(e.get("to"), int):
             return int(e["to"])
-    top = "+"
-    with map_redis_errors():
-        for _ in range(16):  # bounded: a turn far back in a long backlog is not worth more
-            entries: list[Any] = await st.redis.xrevrange(log_key(sid), max=top, count=_SCAN) or []
-            for _id, fields in entries:
-                try:
-                    f = decode(fields[b"f"])
-                except (FrameError, KeyError, TypeError):
-                    continue
-                if f.turn == turn and f.kind in ("done", "error"):
-                    return f.offset
-                if 0 < f.turn < turn:
-                    return None
-                top = f"({f.offset}-1"
-            if len(entries) < _SCAN:
-                break
+    store = st.turns.store.store
+    before: int | None = None
+    for _ in range(16):  # bounded: a turn far back in a long backlog is not worth more
+        frames = await store.frames_before(sid, before, _SCAN)
+        for data in frames:
+            try:
+                f = decode(data)
+            except (FrameError, TypeError):
+                continue
+            if f.turn == turn and f.kind in ("done", "error"):
+                return f.offset
+            if 0 < f.turn < turn:
+                return None
+            before = f.offset
+        if len(frames) < _SCAN:
+            break
     return None
 
 
@@ -212,12 +194,10 @@ async def _running_from(st: WorkerState, sid: str, view: ConversationView) -> in
     if view.holder is not None and view.holder.turn == turn and view.holder.offset > 0:
         return view.holder.offset
     first = view.last_offset + 1
-    with map_redis_errors():
-        entries: list[Any] = await st.redis.xrevrange(log_key(sid), count=_SCAN) or []
-    for _id, fields in entries:
+    for data in await st.turns.store.store.frames_before(sid, None, _SCAN):
         try:
-            f = decode(fields[b"f"])
-        except (FrameError, KeyError, TypeError):
+            f = decode(data)
+        except (FrameError, TypeError):
             continue
         if f.turn != turn:
             break
@@ -307,18 +287,6 @@ async def _messages(request: web.Request) -> web.Response:
 # ---- delete --------------------------------------------------------------------------------
 
 
-async def _session_keys(redis: RedisCluster, sid: str) -> list[str]:
-    """Every key of ``sid`` but its tombstone: they share its hash slot, so the slot's
-    keys (sessions share slots), filtered by the session's prefix."""
-    slot = slot_of(key(sid, KeyKind.META))
-    prefix = f"tr:{{{sid}}}:"
-    with map_redis_errors():
-        n = int(await redis.cluster_countkeysinslot(slot))
-        names: list[Any] = await redis.cluster_get_keys_in_slot(slot, n) if n else []
-    out = [x.decode() if isinstance(x, bytes) else str(x) for x in names]
-    return [k for k in out if k.startswith(prefix) and k != gone_key(sid)]
-
-
 async def delete_session(st: WorkerState, sid: str) -> int:
     """Stop the running turn, then remove every key of ``sid`` and leave its tombstone
     (its tokens are refused, its screens told); how many keys went. :class:`Reject` 503
@@ -328,19 +296,7 @@ async def delete_session(st: WorkerState, sid: str) -> int:
     if stopping and not await _wait_idle(st, sid):
         reason = "the running turn did not stop in time; nothing was deleted, retry"
         raise Reject(503, Refusal.REDIS_UNAVAILABLE, reason, RETRY_AFTER)
-    removed = 0
-    for _ in range(2):  # a key written meanwhile (a rate counter) goes in the second
-        names = await _session_keys(st.redis, sid)
-        keys = [gone_key(sid), live_channel(sid), *names]
-        with map_redis_errors():
-            removed += int(
-                await st.redis.eval(
-                    _DELETE_LUA, len(keys), *keys, st.access.max_ttl_s,
-                    encode(deleted_frame(sid)),
-                )
-            )  # fmt: skip
-        if not names:
-            break
+    removed = await st.turns.store.store.delete_session(sid, st.access.max_ttl_s)
     log.info("session %s deleted (%d keys)", sid, removed)
     return removed
 
@@ -362,11 +318,10 @@ async def _delete(request: web.Request) -> web.Response:
 async def _wait_idle(st: WorkerState, sid: str) -> bool:
     """Wait until no turn of ``sid`` holds its lock (the stopped turn ended)."""
     end = time.monotonic() + _DELETE_WAIT_S
-    lock = key(sid, KeyKind.LOCK)
+    store = st.turns.store.store
     while time.monotonic() < end:
-        with map_redis_errors():
-            if not await st.redis.exists(lock):
-                return True
+        if await store.lock_holder(sid) is None:
+            return True
         await asyncio.sleep(0.02)
     return False
 

@@ -56,6 +56,7 @@ class _Session:
     gen: str
     log: list[tuple[int, bytes]] = field(default_factory=list)  # (offset, frame), in order
     offset: int = 0  # the last offset written
+    epoch: int = 0  # bumped by every generation and by a reap (a stale one is fenced)
     turn: int = 0
     open: int = 0  # the turn that is generating (0: none)
     locked: bool = False  # a producer holds the turn lock
@@ -79,7 +80,7 @@ class MemoryBroker:
         self.sessions: dict[str, _Session] = {}
         self.subscribed: set[str] = set()
         self.presence: set[str] = set()
-        self.gone: set[str] = set()  # deleted sessions (their tombstones)
+        self.tombstones: set[str] = set()  # deleted sessions (their tombstones)
         # sid -> relay -> screens: this relay's field and the peers' a test gave it;
         # a peer's counts while it is in live_peers (its presence entry has not expired)
         self.screen_counts: dict[str, dict[str, int]] = {}
@@ -270,7 +271,7 @@ class MemoryBroker:
         self.sessions.pop(parse_session(sid), None)
         self.screen_counts.pop(sid, None)
         self.live_peers.pop(sid, None)
-        self.gone.add(sid)
+        self.tombstones.add(sid)
         self._send(sid, encode(deleted_frame(sid)))
 
     def peer(self, sid: str, relay: str, count: int) -> None:
@@ -318,7 +319,7 @@ class MemoryBroker:
 
     def _exists(self, sid: str) -> None:
         """What the scripts check first: a deleted session answers nothing."""
-        if sid in self.gone:
+        if sid in self.tombstones:
             raise SessionDeleted(sid)
 
     def _check(self) -> None:

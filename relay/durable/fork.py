@@ -6,7 +6,7 @@ its reads, appends and live tail never touch the source's. The source records th
 (its reference, ``lua/fork_ref.lua``) so that deleting it while forked soft-deletes it
 (410, path blocked), and the last fork's delete removes it (and so up the chain).
 
-Order of use: ``write, messages, source = await plan(redis, request_write, headers, body)``
+Order of use: ``write, messages, source = await plan(streams, request_write, headers, body)``
 then ``store.write`` and, on 201, ``store.fork_ref``.
 """
 
@@ -17,8 +17,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Final
 
-from redis.asyncio.cluster import RedisCluster
-
+from relay.broker.port import StreamStore
 from relay.durable import core, store
 from relay.durable.auth import Refused
 from relay.durable.core import BadRequest
@@ -48,7 +47,7 @@ def sub_offset(value: str | None) -> int:
 
 
 async def plan(
-    redis: RedisCluster, w: store.Write, headers: Mapping[str, str], own: list[bytes]
+    streams: StreamStore, w: store.Write, headers: Mapping[str, str], own: list[bytes]
 ) -> tuple[store.Write, list[bytes], store.StreamRef]:
     """The fork's create (its configuration, inherited where the request says nothing)
     and its first messages; raises BadRequest / Refused for what the spec refuses."""
@@ -58,7 +57,7 @@ async def plan(
     if k and at_text is None:
         raise BadRequest("Stream-Fork-Sub-Offset > 0 needs Stream-Fork-Offset")
     try:
-        view = await store.read(redis, src, 0, count=_MAX_FORK_MESSAGES, touch=False)
+        view = await store.read(streams, src, 0, count=_MAX_FORK_MESSAGES, touch=False)
     except store.SoftDeleted:
         raise Refused(409, "the source stream is deleted (its forks still hold it)") from None
     if view is None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Final
 from aiohttp import web
 
 from relay.broker.errors import RelayError, SessionDeleted
-from relay.broker.rediscluster.broker import RedisBroker
+from relay.broker.port import StreamsBroker, StreamStore
 from relay.durable import core, fork, reads, store
 from relay.durable.auth import Gate, Refused, token_subject
 from relay.durable.core import BadRequest, format_offset
@@ -34,8 +34,6 @@ from relay.service.httpbody import read_body
 from relay.service.jsonbody import BodyRefused
 
 if TYPE_CHECKING:
-    from redis.asyncio.cluster import RedisCluster
-
     from relay.edge.fanout.hub import Hub
     from relay.edge.http.server import EdgeServer
 
@@ -78,14 +76,15 @@ class Durable:
         server.broker_tap = self.waker.on_message  # set on the hub it makes
 
     def hub(self) -> Hub:
+        """The relay's hub, once its store is reached (and able to hold streams)."""
         hub = self.server.hub
-        if hub is None or not isinstance(hub.broker, RedisBroker):
+        if hub is None or not isinstance(hub.broker, StreamsBroker):
             raise Refused(503, "not connected to Redis yet: try again or another relay")
         return hub
 
-    def _broker(self) -> RedisBroker:
+    def _broker(self) -> StreamsBroker:
         broker = self.hub().broker
-        assert isinstance(broker, RedisBroker)  # hub() checked it
+        assert isinstance(broker, StreamsBroker)  # hub() checked it
         return broker
 
     async def tap_subscribe(self, channel: str) -> None:
@@ -93,13 +92,15 @@ class Durable:
 
     def tap_unsubscribe(self, channel: str) -> None:
         hub = self.server.hub
-        if hub is not None and isinstance(hub.broker, RedisBroker):
+        if hub is not None and isinstance(hub.broker, StreamsBroker):
             hub.broker.tap_unsubscribe(channel)
 
-    def ready(self) -> tuple[RedisCluster, Waker]:
+    def ready(self) -> tuple[StreamsBroker, Waker]:
+        """The broker (the session reads, its ``streams``) and the waker; refused while
+        draining or before the store is reached."""
         if self.server.draining:
             raise Refused(503, "draining: try another relay")
-        return self._broker().redis, self.waker
+        return self._broker(), self.waker
 
     def options(self, public: bool) -> reads.ReadOptions:
         c = self.config
@@ -156,16 +157,16 @@ async def _stream(request: web.Request, durable: Durable, path: str) -> web.Stre
     if method == "POST":
         return await _post(request, durable, ref)
     if method == "DELETE":
-        redis, _ = durable.ready()
-        code = await store.delete(redis, ref)
+        broker, _ = durable.ready()
+        code = await store.delete(broker.streams, ref)
         if code == 404:
             return _error(404, "no such stream")
         if code == 410:
             return _error(410, "the stream is deleted (its forks still hold its data)")
         return web.Response(status=204)
     if method == "HEAD":
-        redis, _ = durable.ready()
-        view = await store.read(redis, ref, None, count=0, touch=False)
+        broker, _ = durable.ready()
+        view = await store.read(broker.streams, ref, None, count=0, touch=False)
         if view is None:
             return web.Response(status=404)
         h = {"Content-Type": view.content_type, "Stream-Next-Offset": format_offset(view.next),
@@ -178,8 +179,8 @@ async def _stream(request: web.Request, durable: Durable, path: str) -> web.Stre
             h["Stream-Closed"] = "true"
         return web.Response(status=200, headers=h)
     if method == "GET":
-        redis, waker = durable.ready()
-        source = _StreamSource(redis, ref)
+        broker, waker = durable.ready()
+        source = _StreamSource(broker.streams, ref)
         if request.query.get("live") is None:
             return await reads.get(request, source, waker, durable.options(grant.public))
         with durable.gate.live(grant):
@@ -190,12 +191,12 @@ async def _stream(request: web.Request, durable: Durable, path: str) -> web.Stre
 
 
 class _StreamSource:
-    def __init__(self, redis: RedisCluster, ref: store.StreamRef) -> None:
-        self.redis, self.ref, self.channel = redis, ref, ref.channel
+    def __init__(self, streams: StreamStore, ref: store.StreamRef) -> None:
+        self.streams, self.ref, self.channel = streams, ref, ref.channel
 
     async def read(self, start: int | None, count: int) -> store.View | None:
         return await store.read(
-            self.redis, self.ref, start, count=count, max_bytes=reads.CHUNK_BYTES
+            self.streams, self.ref, start, count=count, max_bytes=reads.CHUNK_BYTES
         )
 
 
@@ -228,17 +229,17 @@ def _write_headers(request: web.Request, op: str) -> store.Write:
 async def _put(request: web.Request, durable: Durable, ref: store.StreamRef) -> web.Response:
     w = _write_headers(request, "put")
     body = await durable.body(request)
-    redis, _ = durable.ready()
+    streams = durable.ready()[0].streams
     source = None
     if "Stream-Forked-From" in request.headers:
         json_body = core.media_type(request.headers.get("Content-Type")) == "application/json"
         own = core.body_messages(body, json_body, allow_empty_array=True)
-        w, msgs, source = await fork.plan(redis, w, request.headers, own)
+        w, msgs, source = await fork.plan(streams, w, request.headers, own)
     else:
         msgs = core.body_messages(body, w.media_type == "application/json", allow_empty_array=True)
-    r = await store.write(redis, ref, w, msgs)
-    if r.code == 201 and source is not None and not await store.fork_ref(redis, source, ref.path):
-        await store.delete(redis, ref)  # the source went meanwhile: no orphan fork
+    r = await store.write(streams, ref, w, msgs)
+    if r.code == 201 and source is not None and not await store.fork_ref(streams, source, ref.path):
+        await store.delete(streams, ref)  # the source went meanwhile: no orphan fork
         return _error(409, "the source stream was deleted meanwhile")
     h = {"Content-Type": w.content_type, "Stream-Next-Offset": format_offset(r.next)}
     if r.closed:
@@ -260,8 +261,8 @@ async def _post(request: web.Request, durable: Durable, ref: store.StreamRef) ->
         raise BadRequest("Content-Type is required with a body")
     msgs = core.body_messages(body, w.media_type == "application/json", allow_empty_array=False)
     w = store.Write(**{**w.__dict__, "has_body": bool(body)})
-    redis, _ = durable.ready()
-    r = await store.write(redis, ref, w, msgs)
+    streams = durable.ready()[0].streams
+    r = await store.write(streams, ref, w, msgs)
     h = {"Stream-Next-Offset": format_offset(r.next)}
     if r.closed:
         h["Stream-Closed"] = "true"
@@ -298,8 +299,8 @@ async def _session(request: web.Request, durable: Durable) -> web.StreamResponse
     except InvalidSessionId as exc:
         raise BadRequest(str(exc)) from None
     grant = durable.gate.check(request, sid, "watch", durable.server.address(request))
-    redis, waker = durable.ready()
-    source = SessionSource(redis, sid)
+    broker, waker = durable.ready()
+    source = SessionSource(broker, sid)
     if request.query.get("live") is None:
         return await reads.get(request, source, waker, durable.options(False))
     # a live read watches the session: counted as a viewer like an SSE or WebSocket

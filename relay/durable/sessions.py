@@ -5,17 +5,15 @@ live and resumes it where it left. The backlog's trimmed start answers 410; a de
 session 404. Never closed: a session takes more turns. Live reads wake on the session's
 own channel (the one the hub's watches use: :class:`relay.durable.live.Waker` shares it).
 
-Order of use: ``await reads.get(request, SessionSource(redis, sid), waker, options)``.
+Order of use: ``await reads.get(request, SessionSource(broker, sid), waker, options)``.
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-from redis.asyncio.cluster import RedisCluster
-
+from relay.broker.base import Broker
 from relay.broker.errors import SessionDeleted
-from relay.broker.rediscluster.publisher import read_backlog_page
 from relay.durable.store import View
 from relay.protocol.keys import live_channel
 
@@ -25,17 +23,17 @@ PAGE_BYTES: Final = 1 << 20
 
 
 class SessionSource:
-    def __init__(self, redis: RedisCluster, sid: str) -> None:
-        self.redis, self.sid, self.channel = redis, sid, live_channel(sid)
+    def __init__(self, broker: Broker, sid: str) -> None:
+        self.broker, self.sid, self.channel = broker, sid, live_channel(sid)
 
     async def read(self, start: int | None, count: int) -> View | None:
         try:
-            bounds = await read_backlog_page(self.redis, self.sid, 0, 0)
+            bounds = await self.broker.read_page(self.sid, None, 0, 0)
             low, last = bounds.first - 1, bounds.last
             at = last if start is None else start
             frames: list[bytes] = []
             if low <= at < last and count > 0:
-                page = await read_backlog_page(self.redis, self.sid, at, count, PAGE_BYTES)
+                page = await self.broker.read_page(self.sid, at, count, PAGE_BYTES)
                 low, last = page.first - 1, page.last
                 frames = page.frames
         except SessionDeleted:

@@ -9,8 +9,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
-from redis.asyncio.cluster import RedisCluster
-
+from relay.broker.port import TurnStore
 from relay.producer.coalesce import CoalescePolicy
 from relay.producer.watch import PresencePolicy
 from relay.protocol.frame import MAX_FRAME_BYTES
@@ -82,7 +81,7 @@ def default_spawn(name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any
 class ProducerSettings(Protocol):
     """What a turn needs of its producer (:class:`relay.producer.session.Producer`)."""
 
-    redis: RedisCluster
+    store: TurnStore
     coalesce: CoalescePolicy
     presence: PresencePolicy
     spawn: Spawn

@@ -3,9 +3,9 @@ and a relay's reaper ends an open turn only once its lock has expired.
 
 The value is ``<owner> <json {"turn", "offset"}>`` (``turn`` 0 while the turn is being
 started), with a TTL its producer refreshes well within it (:func:`refresh`, which also
-reads the session's stop record, ``tr:{sid}:cancel``: a stop asked of the turn). The
-scripts are files of ``relay/broker/rediscluster/lua/`` (``lock_*.lua``), the same the
-TypeScript producer runs.
+reads the session's stop record, ``tr:{sid}:cancel``: a stop asked of the turn), kept by
+the store (:class:`relay.broker.port.TurnStore`; on Redis the scripts of
+``relay/broker/rediscluster/lua/``, ``lock_*.lua``, the same the TypeScript producer runs).
 
 Order of use: :func:`acquire` -> (open the generation) -> :func:`name_turn` ->
 :func:`refresh` about once a second -> :func:`release`.
@@ -13,16 +13,7 @@ Order of use: :func:`acquire` -> (open the generation) -> :func:`name_turn` ->
 
 from __future__ import annotations
 
-import enum
-import json
-from dataclasses import dataclass
-from typing import Any
-
-from redis.asyncio.cluster import RedisCluster
-
-from relay.broker.rediscluster.errors import map_redis_errors
-from relay.broker.rediscluster.scripts import LOCK_NAME, LOCK_REFRESH, LOCK_RELEASE
-from relay.protocol.keys import KeyKind, cancel_key, key
+from relay.broker.port import LockHolder, LockState, TurnStore, lock_value, parse_lock
 
 __all__ = [
     "LockHolder",
@@ -36,73 +27,24 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class LockHolder:
-    """Who holds a session's turn lock (``turn``/``offset`` are 0 while it starts)."""
-
-    owner: str
-    turn: int
-    offset: int
-
-
-class LockState(enum.IntEnum):
-    """What a refresh found (the script's reply)."""
-
-    LOST = 0  # the lock is no longer ours
-    HELD = 1  # refreshed
-    STOP_ASKED = 2  # refreshed, and a stop of the turn was asked
-
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
-def lock_value(owner: str, turn: int, offset: int) -> str:
-    return f"{owner} " + json.dumps({"turn": turn, "offset": offset})
-
-
-def parse_lock(text: str) -> LockHolder:
-    owner, _, rest = text.partition(" ")
-    try:
-        data = json.loads(rest)
-        return LockHolder(owner, int(data.get("turn", 0)), int(data.get("offset", 0)))
-    except (ValueError, AttributeError, TypeError):
-        return LockHolder(owner, 0, 0)
-
-
-async def acquire(redis: RedisCluster, sid: str, owner: str, ttl_ms: int) -> LockHolder | None:
+async def acquire(store: TurnStore, sid: str, owner: str, ttl_ms: int) -> LockHolder | None:
     """Take the lock (SET NX PX); ``None`` on success, else who holds it."""
-    value = lock_value(owner, 0, 0)
-    lk = key(sid, KeyKind.LOCK)
-    with map_redis_errors():
-        if await redis.set(lk, value, nx=True, px=ttl_ms):
-            return None
-        cur = await redis.get(lk)
-    if cur is not None and _s(cur).startswith(owner + " "):
-        # our own SET landed but its reply was lost and the client sent it again
-        return None
-    if cur is None:  # expired in between: try once more
-        with map_redis_errors():
-            ok = await redis.set(lk, value, nx=True, px=ttl_ms)
-        return None if ok else LockHolder("?", 0, 0)
-    return parse_lock(_s(cur))
+    return await store.acquire_lock(sid, owner, ttl_ms)
 
 
 async def name_turn(
-    redis: RedisCluster, sid: str, owner: str, ttl_ms: int, turn: int, offset: int
+    store: TurnStore, sid: str, owner: str, ttl_ms: int, turn: int, offset: int
 ) -> bool:
     """Name the turn in our lock; False if another owner holds it (a lock that expired
     meanwhile and nobody took is taken again: the new generation fences older ones)."""
-    args = (owner + " ", ttl_ms, lock_value(owner, turn, offset))
-    return bool(int(await LOCK_NAME(redis, (key(sid, KeyKind.LOCK),), args)))
+    return await store.name_turn(sid, owner, ttl_ms, turn, offset)
 
 
-async def refresh(redis: RedisCluster, sid: str, owner: str, ttl_ms: int, turn: int) -> LockState:
+async def refresh(store: TurnStore, sid: str, owner: str, ttl_ms: int, turn: int) -> LockState:
     """Extend the lock and look for a stop of ``turn``, in one round trip."""
-    keys = (key(sid, KeyKind.LOCK), cancel_key(sid))
-    return LockState(int(await LOCK_REFRESH(redis, keys, (owner + " ", ttl_ms, turn))))
+    return await store.refresh_lock(sid, owner, ttl_ms, turn)
 
 
-async def release(redis: RedisCluster, sid: str, owner: str) -> bool:
+async def release(store: TurnStore, sid: str, owner: str) -> bool:
     """Give the lock back if it is still ours."""
-    return bool(int(await LOCK_RELEASE(redis, (key(sid, KeyKind.LOCK),), (owner + " ",))))
+    return await store.release_lock(sid, owner)

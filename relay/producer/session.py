@@ -35,12 +35,10 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from redis.asyncio.cluster import RedisCluster
-
 from relay.broker.errors import RedisUnavailable, RelayError
-from relay.broker.rediscluster.connect import connect
-from relay.broker.rediscluster.errors import map_redis_errors
-from relay.broker.rediscluster.publisher import Draft, Generation, Publisher
+from relay.broker.port import Draft, TurnStore, TurnWriter
+from relay.broker.rediscluster.publisher import Publisher
+from relay.broker.rediscluster.store import RedisStore
 from relay.producer.base import (
     LOCK_TTL_S,
     Observer,
@@ -72,8 +70,10 @@ __all__ = ["Claim", "Producer", "Session"]
 
 
 class Producer:
-    """Opens sessions and their turns on one Redis Cluster. One per process; safe to
-    share between tasks.
+    """Opens sessions and their turns on one store (a
+    :class:`relay.broker.port.TurnStore`; a Redis Cluster client is wrapped in a
+    :class:`relay.broker.rediscluster.store.RedisStore`, on ``publisher`` when given).
+    One per process; safe to share between tasks.
 
     ``keys``: the token key set (or the shared secret) relays verify tokens with, for
     :meth:`Session.token`. ``producer_id`` names this process in lock owners
@@ -84,7 +84,7 @@ class Producer:
 
     def __init__(
         self,
-        redis: RedisCluster,
+        store: TurnStore | Any,
         *,
         keys: KeySet | str | bytes | None = None,
         producer_id: str | None = None,
@@ -97,34 +97,33 @@ class Producer:
         publisher: Publisher | None = None,
         spawn: Spawn | None = None,
     ) -> None:
-        self.redis = redis
+        if not isinstance(store, TurnStore):  # a cluster client (the API before the port)
+            store = RedisStore(store, publisher=publisher, maxlen=maxlen, ttl_s=ttl_s,
+                               retry_s=retry_s)  # fmt: skip
+        self.store: TurnStore = store
         self.keys = keys
         self.producer_id = producer_id or f"producer-{secrets.token_hex(4)}"
-        self.publisher = publisher or Publisher(redis, maxlen=maxlen, ttl_s=ttl_s, retry_s=retry_s)
-        self.ttl_s = self.publisher.ttl_s
+        self.ttl_s = store.ttl_s
         self.lock_ttl_ms = max(1, int(lock_ttl_s * 1000))
         self.coalesce = coalesce
         self.presence = presence or PresencePolicy()
         self.spawn: Spawn = spawn or default_spawn
-        self._owns_redis = False
+        self._owned: RedisStore | None = None
 
     @classmethod
     async def connect(cls, url: str, **kwargs: Any) -> Producer:
         """A producer on its own cluster client for ``url`` (closed by :meth:`aclose`)."""
-        client = connect(url)
         try:
-            with map_redis_errors():
-                await client.initialize()
+            store = await RedisStore.connect(url)
         except RedisUnavailable as exc:
-            await client.aclose()
             raise RedisUnreachable(f"redis unreachable at start: {exc}") from None
-        p = cls(client, **kwargs)
-        p._owns_redis = True
+        p = cls(store.redis, **kwargs)
+        p._owned = store
         return p
 
     async def aclose(self) -> None:
-        if self._owns_redis:
-            await self.redis.aclose()
+        if self._owned is not None:
+            await self._owned.aclose()
 
     async def __aenter__(self) -> Producer:
         return self
@@ -170,7 +169,7 @@ class Session:
         p = self.producer
         owner = owner or f"{p.producer_id}:{uuid.uuid4().hex[:16]}"
         for attempt in range(retries + 1):
-            holder = await lock_acquire(p.redis, self.id, owner, p.lock_ttl_ms)
+            holder = await lock_acquire(p.store, self.id, owner, p.lock_ttl_ms)
             if holder is None:
                 return Claim(self, owner)
             if attempt == retries:
@@ -205,7 +204,7 @@ class Claim:
     async def release(self) -> None:
         p = self.session.producer
         with contextlib.suppress(RelayError):
-            await lock_release(p.redis, self.session.id, self.owner)
+            await lock_release(p.store, self.session.id, self.owner)
 
     async def open(
         self,
@@ -222,10 +221,10 @@ class Claim:
         ``meta`` frame is out, and the lock is released."""
         p, sid = self.session.producer, self.session.id
         t0 = time.monotonic()
-        gen: Generation | None = None
+        gen: TurnWriter | None = None
         meta_out = False
         try:
-            gen = await p.publisher.open_generation(sid)
+            gen = await p.store.open_generation(sid)
             gen.observers.extend(observers)
             # the message bounded (message_meta): the history keeps it whole
             body = {"role": "user", **message_meta(message), "worker": p.producer_id,
@@ -233,7 +232,7 @@ class Claim:
             body["message_id"] = message_id or f"{sid}-{gen.turn}-user"
             first = (await gen.publish([Draft(kind="meta", meta=body)]))[0]
             meta_out = True
-            if not await lock_name_turn(p.redis, sid, self.owner, p.lock_ttl_ms,
+            if not await lock_name_turn(p.store, sid, self.owner, p.lock_ttl_ms,
                                         gen.turn, first):  # fmt: skip
                 raise LockLost("the turn lock expired while the turn was started")
         except BaseException:

@@ -11,8 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from relay.broker.errors import RelayError
-from relay.broker.rediscluster.publisher import Draft, Generation
-from relay.broker.rediscluster.scripts import STOPPED
+from relay.broker.port import Draft, TurnWriter
 from relay.producer.base import (
     CANCELLED,
     MAX_DELTA_BYTES,
@@ -34,7 +33,6 @@ from relay.producer.lock import LockState
 from relay.producer.lock import refresh as lock_refresh
 from relay.producer.lock import release as lock_release
 from relay.producer.watch import PresencePolicy, watch_presence
-from relay.protocol.keys import cancel_key
 
 __all__ = ["Turn"]
 
@@ -49,7 +47,7 @@ class Turn:
         producer: ProducerSettings,
         sid: str,
         owner: str,
-        generation: Generation,
+        generation: TurnWriter,
         first_offset: int,
         t0: float,
         on_batch: Callable[[Batch], None] | None = None,
@@ -172,7 +170,7 @@ class Turn:
             if finish_reason == CANCELLED:
                 p = self.producer
                 with contextlib.suppress(RelayError):
-                    await STOPPED(p.redis, (cancel_key(self.sid),), (self.turn, at, p.ttl_s))
+                    await p.store.mark_stopped(self.sid, self.turn, at, p.ttl_s)
             return at
         finally:
             await self.close()
@@ -221,7 +219,7 @@ class Turn:
             self.watch_task.cancel()
         p = self.producer
         with contextlib.suppress(RelayError):
-            await lock_release(p.redis, self.sid, self.owner)
+            await lock_release(p.store, self.sid, self.owner)
 
     def _check_open(self) -> None:
         if self._closed is not None:
@@ -281,7 +279,7 @@ class Turn:
         """Extend the turn lock and read the stop record (one round trip); signals
         :attr:`StopReason.LOCK_LOST` or :attr:`StopReason.CANCELLED` as found."""
         p = self.producer
-        state = await lock_refresh(p.redis, self.sid, self.owner, p.lock_ttl_ms, self.turn)
+        state = await lock_refresh(p.store, self.sid, self.owner, p.lock_ttl_ms, self.turn)
         if state is LockState.LOST:
             self.signal(StopReason.LOCK_LOST)
         elif state is LockState.STOP_ASKED:
@@ -311,7 +309,7 @@ class Turn:
         self.watch_task = p.spawn(
             f"presence:{self.sid}",
             watch_presence(
-                p.redis,
+                p.store,
                 self.sid,
                 policy or p.presence,
                 lambda: self.signal(StopReason.NO_VIEWERS),

@@ -11,8 +11,9 @@ it off the hot path:
   resets it; when ``grace_s`` passes with no watcher the verdict is ``abandoned``. A
   viewer that comes back within the grace period simply resumes from the backlog.
 * :func:`count_watchers` — relays whose entry has not expired, compared with Redis
-  server ``TIME`` inside a script (:func:`relay.broker.rediscluster.presence.count_present`): no
-  host clock is involved, so clock skew between pods changes nothing.
+  server ``TIME`` inside a script (:meth:`relay.broker.port.TurnStore.viewers`; on Redis
+  :func:`relay.broker.rediscluster.presence.count_present`): no host clock is involved, so
+  clock skew between pods changes nothing.
 * :func:`watch_presence` — the loop the turn runner starts as a supervised task
   (:meth:`relay.service.supervise.Supervisor.spawn`: a failure is logged): every
   ``interval_s`` it counts watchers, feeds the tracker and, on ``abandoned``, calls
@@ -29,10 +30,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from redis.asyncio.cluster import RedisCluster
-
 from relay.broker.errors import RelayError
-from relay.broker.rediscluster.presence import count_present
+from relay.broker.port import TurnStore
 
 __all__ = ["PresencePolicy", "PresenceTracker", "count_watchers", "watch_presence"]
 
@@ -72,13 +71,13 @@ class PresenceTracker:
         return max(0.0, now - self.last_watched)
 
 
-async def count_watchers(redis: RedisCluster, sid: str) -> int:
-    """Relays with watchers of ``sid`` now (entries not expired, by Redis server time)."""
-    return await count_present(redis, sid)
+async def count_watchers(store: TurnStore, sid: str) -> int:
+    """Relays with watchers of ``sid`` now (entries not expired, by the store's clock)."""
+    return await store.viewers(sid)
 
 
 async def watch_presence(
-    redis: RedisCluster,
+    store: TurnStore,
     sid: str,
     policy: PresencePolicy,
     on_abandoned: Callable[[], Awaitable[None] | None],
@@ -110,7 +109,7 @@ async def watch_presence(
         if stopped():
             return
         try:
-            watchers = await count_watchers(redis, sid)
+            watchers = await count_watchers(store, sid)
         except RelayError as exc:
             log.warning("presence check of %s failed: %s", sid, exc)
             watchers = 1

@@ -40,10 +40,10 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from redis.exceptions import RedisClusterException, RedisError
 
 from relay.broker.errors import RelayError
 from relay.broker.rediscluster.connect import startup_error
+from relay.broker.rediscluster.errors import LIBRARY_ERRORS
 
 __all__ = [
     "ClientErrorFilter",
@@ -133,7 +133,7 @@ async def set_up(runner: web.AppRunner, redis_url: str) -> bool:
     and the command exits 1."""
     try:
         await runner.setup()
-    except (RedisError, RedisClusterException, RelayError, OSError) as exc:
+    except (*LIBRARY_ERRORS, RelayError, OSError) as exc:
         print(f"error: {startup_error(redis_url, exc)}", file=sys.stderr)
         await runner.cleanup()
         return False

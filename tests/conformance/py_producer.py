@@ -22,6 +22,7 @@ import os
 import sys
 from typing import Any
 
+from relay.broker.rediscluster.publisher import Generation
 from relay.producer import (
     CoalescePolicy,
     FrameTooLarge,
@@ -74,6 +75,7 @@ async def handle(p: Producer, state: dict[str, Any], cmd: dict[str, Any]) -> dic
         return {"ok": True, "offset": await turn.error(str(cmd["reason"]))}
     if op == "replay_last":
         g = turn.generation
+        assert isinstance(g, Generation)  # a producer on Redis: the publisher's generation
         last = g.offset
         data = g._written[last]  # the bytes of the last frame written, resent as they were
         got = await g._write(last - 1, [data], False)

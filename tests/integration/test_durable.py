@@ -14,6 +14,7 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from devstack.cluster.launcher import ClusterInfo
+from relay.broker.rediscluster.streams import RedisStreams
 from relay.durable import store
 from relay.durable.auth import token_subject
 from relay.durable.core import stream_id
@@ -313,14 +314,15 @@ async def test_a_read_copies_about_its_byte_budget_not_its_message_count(
         async with relay.http.post(_url(relay, path), data=bytes([65 + i]) * 3000) as r:
             assert r.status == 204, await r.text()
     ref = store.StreamRef.of(path)
-    budget = await store.read(redis, ref, 0, count=1000, max_bytes=7000, touch=False)
+    streams = RedisStreams(redis)
+    budget = await store.read(streams, ref, 0, count=1000, max_bytes=7000, touch=False)
     assert budget is not None
     assert budget.next == 6
     assert [m[:1] for m in budget.messages] == [b"A", b"B"]  # a third would pass 7,000
-    one = await store.read(redis, ref, 2, count=1000, max_bytes=10, touch=False)
+    one = await store.read(streams, ref, 2, count=1000, max_bytes=10, touch=False)
     assert one is not None
     assert [m[:1] for m in one.messages] == [b"C"]  # one at least
-    every = await store.read(redis, ref, 0, count=1000, touch=False)
+    every = await store.read(streams, ref, 0, count=1000, touch=False)
     assert every is not None
     assert len(every.messages) == 6  # no budget: the count
 

@@ -16,6 +16,7 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.rediscluster.publisher import read_backlog
+from relay.broker.rediscluster.store import RedisStore
 from relay.producer import (
     CANCELLED,
     MAX_DELTA_BYTES,
@@ -97,7 +98,7 @@ async def test_refusals_one_type_per_cause(producer: Producer, redis: RedisClust
     with pytest.raises(FrameTooLarge):
         turn.write("x" * (MAX_DELTA_BYTES + 1))
     # a newer producer opens the session: the old turn is fenced
-    await producer.publisher.open_generation(s.id)
+    await producer.store.open_generation(s.id)
     turn.write("late")
     with pytest.raises(StaleEpoch):
         await turn.done()
@@ -164,14 +165,14 @@ async def test_a_stop_is_seen_through_the_stop_record(
 
     task = asyncio.create_task(pipe_text(turn, forever()))
     await asyncio.sleep(0.1)
-    verdict = await request_stop(redis, s.id, turn.turn, 600)
+    verdict = await request_stop(RedisStore(redis), s.id, turn.turn, 600)
     assert verdict.status == "stopping"
     await asyncio.wait_for(task, 5)
     assert turn.stop_reason is StopReason.CANCELLED
     done = (await _frames(redis, s.id))[-1]
     assert done.kind == "done"
     assert (done.meta or {})["finish_reason"] == CANCELLED
-    again = await request_stop(redis, s.id, turn.turn, 600)
+    again = await request_stop(RedisStore(redis), s.id, turn.turn, 600)
     assert again.status == "stopped"
     assert again.offset == done.offset
 

@@ -22,6 +22,7 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 import relay.producer.turn as producer_turn
+from relay.broker.port import TurnStore
 from relay.producer.lock import LockState
 from relay.producer.lock import refresh as lock_refresh
 from relay.protocol.keys import KeyKind, key
@@ -40,7 +41,7 @@ async def test_a_lost_cancellation_of_the_presence_loop_does_not_hang_the_turn(
     calls = 0
 
     async def refresh_across_a_stall(
-        r: RedisCluster, sid: str, owner: str, ttl_ms: int, turn: int
+        r: TurnStore, sid: str, owner: str, ttl_ms: int, turn: int
     ) -> LockState:
         nonlocal calls
         calls += 1

@@ -28,7 +28,9 @@ a key) -> :meth:`acquire_lock` -> :meth:`load` -> (route, open the generation) -
 :meth:`set_lock_turn` and :meth:`resolve_idempotency` -> ... the lock refreshed about
 once a second (by the producer API's turn, which also sees a stop asked of it) ... ->
 :meth:`append_exchange` on success -> :meth:`release_lock`.
-redis-py errors become :mod:`relay.broker.rediscluster.errors` exceptions here.
+Every read and write is one call of the store port (:class:`relay.broker.port.Store`: on
+Redis :class:`relay.broker.rediscluster.store.RedisStore`, whose scripts keep the rules
+above; in memory :class:`relay.broker.memstore.MemoryStore`).
 """
 
 from __future__ import annotations
@@ -38,73 +40,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from redis.asyncio.cluster import RedisCluster
-
-from relay.broker.rediscluster.errors import map_redis_errors
-from relay.broker.rediscluster.scripts import LOCK_RELEASE
-from relay.producer import lock as turnlock
-from relay.producer.lock import LockHolder
-from relay.protocol.keys import (
-    SESSION_TTL_S,
-    KeyKind,
-    gone_key,
-    hist_key,
-    idem_key,
-    key,
-)
+from relay.broker.port import LockHolder, LockState, Store, parse_lock
+from relay.broker.rediscluster.store import RedisStore, state_key
+from relay.protocol.keys import SESSION_TTL_S, idem_key
 
 __all__ = ["IDEM_TTL_S", "ConversationView", "History", "LockHolder", "SessionStore", "state_key"]
 
 IDEM_TTL_S: Final = 3600  # how long an Idempotency-Key's record answers a retry
-
-# ARGV: max messages, TTL, max bytes (0: no byte bound), then the messages to append.
-# The oldest messages go first past either bound; the newest exchange always stays.
-# ARGV: the first turn to drop. Drops every message of that turn and later ones (their
-# ``turn`` field; a message without one, from before turns were stored, is kept).
-_TRUNCATE_LUA: Final = """
-local items = redis.call('LRANGE', KEYS[1], 0, -1)
-for i, v in ipairs(items) do
-  local ok, m = pcall(cjson.decode, v)
-  if ok and type(m) == 'table' and tonumber(m.turn) and tonumber(m.turn) >= tonumber(ARGV[1]) then
-    if i == 1 then redis.call('DEL', KEYS[1]) else redis.call('LTRIM', KEYS[1], 0, i - 2) end
-    return #items - i + 1
-  end
-end
-return 0
-"""
-
-# KEYS: history, meta hash, lock. One read of what a conversation's view needs, at one
-# instant: the history, the turn that is open (if any), the last turn and offset, and
-# the lock (its value names the turn that holds it).
-_VIEW_LUA: Final = """
-local m = redis.call('HMGET', KEYS[2], 'open', 'turn', 'offset', 'gen')
-return {redis.call('LRANGE', KEYS[1], 0, -1), m[1] or '', m[2] or '0', m[3] or '0',
-        redis.call('GET', KEYS[3]) or '', m[4] or ''}
-"""
-
-_APPEND_LUA: Final = """
-for i = 4, #ARGV do redis.call('RPUSH', KEYS[1], ARGV[i]) end
-redis.call('LTRIM', KEYS[1], -tonumber(ARGV[1]), -1)
-local maxb = tonumber(ARGV[3])
-if maxb > 0 then
-  local items = redis.call('LRANGE', KEYS[1], 0, -1)
-  local total = 0
-  for _, v in ipairs(items) do total = total + #v end
-  local drop, keep = 0, #ARGV - 3
-  while total > maxb and #items - drop > keep do
-    drop = drop + 1
-    total = total - #items[drop]
-  end
-  if drop > 0 then redis.call('LTRIM', KEYS[1], drop, -1) end
-end
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-return redis.call('LLEN', KEYS[1])
-"""
-
-
-def state_key(sid: str) -> str:
-    """The per-session hash with the system prompt and the last engine."""
-    return key(sid, KeyKind.HIST, "state")
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,16 +102,13 @@ class ConversationView:
     gen: str  # the session's generation id ("" before its first turn)
 
 
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 class SessionStore:
-    """History, turn lock and idempotency records of sessions. Safe to share."""
+    """History, turn lock and idempotency records of sessions, on ``store`` (a cluster
+    client is wrapped in a :class:`RedisStore`). Safe to share."""
 
     def __init__(
         self,
-        redis: RedisCluster,
+        store: Store | Any,
         *,
         max_messages: int = 64,
         max_bytes: int = 0,
@@ -181,7 +120,7 @@ class SessionStore:
             raise ValueError("max_messages must be >= 2")
         if max_bytes < 0:
             raise ValueError("max_bytes must be >= 0 (0: no byte bound)")
-        self.redis = redis
+        self.store: Store = store if isinstance(store, Store) else RedisStore(store, ttl_s=ttl_s)
         self.max_messages = max_messages
         self.max_bytes = max_bytes  # the history's stored size; 0: messages only
         self.ttl_s = ttl_s
@@ -192,45 +131,29 @@ class SessionStore:
 
     async def load(self, sid: str) -> History:
         """The system prompt, the bounded history and the last engine, in one round trip."""
-        with map_redis_errors():
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.lrange(hist_key(sid), 0, -1)
-            pipe.hgetall(state_key(sid))
-            raw_hist, raw_state = await pipe.execute()
+        raw_hist, state = await self.store.history(sid)
         entries = _entries(raw_hist)
         messages = [{"role": str(e.get("role", "user")), "content": e["content"]} for e in entries]
-        state = {_s(k): _s(v) for k, v in raw_state.items()}
         return History(state.get("system") or None, messages, state.get("engine") or None, entries)
 
     async def gone(self, sid: str) -> bool:
         """Whether the session was deleted (its tombstone, ``gone_key``, is there)."""
-        with map_redis_errors():
-            return bool(await self.redis.exists(gone_key(sid)))
+        return await self.store.gone(sid)
 
     async def truncate_from(self, sid: str, turn: int) -> int:
         """Drop the messages of ``turn`` and every later turn (a regenerate or an edit
         replaces them); return how many went."""
-        with map_redis_errors():
-            return int(await self.redis.eval(_TRUNCATE_LUA, 1, hist_key(sid), turn))
+        return await self.store.truncate_history(sid, turn)
 
     async def view(self, sid: str) -> ConversationView:
         """The history and the session's turn state, read in one script (one instant)."""
-        keys = (hist_key(sid), key(sid, KeyKind.META), key(sid, KeyKind.LOCK))
-        with map_redis_errors():
-            raw = await self.redis.eval(_VIEW_LUA, 3, *keys)
-        hist, opened, turn, offset, lock, gen = raw
-        holder = turnlock.parse_lock(_s(lock)) if lock else None
-        open_turn = int(_s(opened)) if opened else None
-        return ConversationView(
-            _entries(hist), open_turn, int(_s(turn)), int(_s(offset)), holder, _s(gen)
-        )
+        st = await self.store.session_state(sid)
+        holder = parse_lock(st.lock) if st.lock else None
+        open_turn = int(st.open) if st.open else None
+        return ConversationView(_entries(st.history), open_turn, st.turn, st.offset, holder, st.gen)
 
     async def save_system(self, sid: str, system: str) -> None:
-        with map_redis_errors():
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hset(state_key(sid), "system", system)
-            pipe.expire(state_key(sid), self.ttl_s)
-            await pipe.execute()
+        await self.store.set_state(sid, "system", system, self.ttl_s)
 
     async def append_exchange(
         self, sid: str, messages: Sequence[Mapping[str, Any]], engine: str | None
@@ -238,36 +161,32 @@ class SessionStore:
         """Append messages (the user's and the assistant's) and remember the engine. The
         oldest messages are dropped past ``max_messages`` or ``max_bytes`` (stored JSON);
         the appended exchange itself always stays."""
-        args: list[Any] = [self.max_messages, self.ttl_s, self.max_bytes]
-        args += [json.dumps(dict(m)) for m in messages]
-        with map_redis_errors():
-            await self.redis.eval(_APPEND_LUA, 1, hist_key(sid), *args)
-            if engine is not None:
-                pipe = self.redis.pipeline(transaction=False)
-                pipe.hset(state_key(sid), "engine", engine)
-                pipe.expire(state_key(sid), self.ttl_s)
-                await pipe.execute()
+        await self.store.append_history(
+            sid, [json.dumps(dict(m)) for m in messages], max_messages=self.max_messages,
+            max_bytes=self.max_bytes, ttl_s=self.ttl_s,
+        )  # fmt: skip
+        if engine is not None:
+            await self.store.set_state(sid, "engine", engine, self.ttl_s)
 
     # ---- the turn lock -------------------------------------------------------------------
 
     async def acquire_lock(self, sid: str, owner: str) -> LockHolder | None:
         """Take the session's turn lock; ``None`` on success, else the current holder."""
-        return await turnlock.acquire(self.redis, sid, owner, self.lock_ttl_ms)
+        return await self.store.acquire_lock(sid, owner, self.lock_ttl_ms)
 
     async def set_lock_turn(self, sid: str, owner: str, turn: int, offset: int) -> bool:
         """Name the turn in our lock; False if another owner holds it. A lock that
         expired during a slow admission (nobody took it) is taken again: the generation
         just opened fences every older producer anyway."""
-        return await turnlock.name_turn(self.redis, sid, owner, self.lock_ttl_ms, turn, offset)
+        return await self.store.name_turn(sid, owner, self.lock_ttl_ms, turn, offset)
 
     async def refresh_lock(self, sid: str, owner: str) -> bool:
         """Extend the lock's TTL; False if it is no longer ours."""
-        with map_redis_errors():
-            state = await turnlock.refresh(self.redis, sid, owner, self.lock_ttl_ms, 0)
-        return state is not turnlock.LockState.LOST
+        state = await self.store.refresh_lock(sid, owner, self.lock_ttl_ms, 0)
+        return state is not LockState.LOST
 
     async def release_lock(self, sid: str, owner: str) -> bool:
-        return await turnlock.release(self.redis, sid, owner)
+        return await self.store.release_lock(sid, owner)
 
     # ---- idempotency ---------------------------------------------------------------------
 
@@ -280,26 +199,22 @@ class SessionStore:
         ``"reused"``: the key was used with another request (fingerprint ``fp``)."""
         k = idem_key(sid, idem)
         for _ in range(3):  # the record may expire between SET NX and GET
-            with map_redis_errors():
-                ok = await self.redis.set(k, f"pending {owner} {fp}", nx=True, px=self.lock_ttl_ms)
-                if ok:
-                    return None
-                cur = await self.redis.get(k)
-            if cur is not None:
-                return _idem_state(_s(cur), owner, fp)
+            cur = await self.store.claim(k, f"pending {owner} {fp}", self.lock_ttl_ms)
+            if cur is None:
+                return None
+            if cur:
+                return _idem_state(cur, owner, fp)
         return "pending"
 
     async def resolve_idempotency(
         self, sid: str, idem: str, body: Mapping[str, Any], fp: str = ""
     ) -> None:
         record = json.dumps({**dict(body), "fp": fp})
-        with map_redis_errors():
-            await self.redis.set(idem_key(sid, idem), record, ex=self.idem_ttl_s)
+        await self.store.put(idem_key(sid, idem), record, self.idem_ttl_s)
 
     async def drop_idempotency(self, sid: str, idem: str, owner: str) -> None:
         """Forget a pending claim (the turn was not admitted: 409, 429, 503)."""
-        with map_redis_errors():
-            await self.redis.eval(LOCK_RELEASE.source, 1, idem_key(sid, idem), f"pending {owner} ")
+        await self.store.release(idem_key(sid, idem), f"pending {owner} ")
 
 
 def _idem_state(text: str, owner: str, fp: str) -> dict[str, Any] | str | None:

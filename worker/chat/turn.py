@@ -345,7 +345,7 @@ class TurnManager:
     async def stop(self, sid: str, turn: int) -> StopVerdict:
         """Stop ``turn`` of ``sid`` (0: whichever runs or waits), whichever worker runs
         it: record it, then abort it here or tell its worker (:mod:`worker.chat.cancel`)."""
-        v = await request_stop(self.store.redis, sid, turn, self.store.ttl_s)
+        v = await request_stop(self.store.store, sid, turn, self.store.ttl_s)
         if v.status in (StopStatus.STOPPING, StopStatus.ADMITTING) and v.owner:
             worker = owner_worker(v.owner)
             if worker == self.worker_id:

@@ -5,8 +5,9 @@ shaved off peaks, so it travels on a real message queue (:mod:`worker.jobs.queue
 RabbitMQ) and not on Pub/Sub. This module holds what does not depend on the broker:
 
 - :class:`JobSpec`: what the client asked for (prompt, system, max_tokens, session);
-- :class:`JobStore`: the job's record in Redis, one hash ``tr:job:{<id>}`` with a TTL,
-  changed only by Lua scripts whose rules make retries safe:
+- :class:`JobStore`: the job's record in the store, one hash ``tr:job:{<id>}`` with a
+  TTL, changed only by the store's atomic steps (on Redis, Lua scripts:
+  :mod:`relay.broker.rediscluster.store`) whose rules make retries safe:
 
   =============  ============================================================
   script         rule
@@ -34,9 +35,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from redis.asyncio.cluster import RedisCluster
-
-from relay.broker.rediscluster.errors import map_redis_errors
+from relay.broker.port import RecordStore
+from relay.broker.rediscluster.store import RedisStore
 from relay.protocol.keys import SESSION_TTL_S, parse_session
 
 __all__ = [
@@ -105,55 +105,9 @@ class JobSpec:
         return [*sys, {"role": "user", "content": self.prompt}]
 
 
-_CREATE = """
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-return 1
-"""
-_START = """
-local st = redis.call('HGET', KEYS[1], 'status')
-if not st then return {'missing', 0} end
-if st == 'done' or st == 'failed' then return {st, 0} end
-local n = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
-redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'updated_ms', ARGV[2])
-return {'running', n}
-"""
-_PROGRESS = """
-if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return 0 end
-redis.call('HSET', KEYS[1], 'progress_tokens', ARGV[1], 'updated_ms', ARGV[2])
-return 1
-"""
-_FINISH = """
-local st = redis.call('HGET', KEYS[1], 'status')
-if not st or st == 'done' then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'done', unpack(ARGV, 2))
-redis.call('HDEL', KEYS[1], 'error')
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-return 1
-"""
-_FAIL = """
-local st = redis.call('HGET', KEYS[1], 'status')
-if not st or st == 'done' then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'failed', 'error', ARGV[1], 'updated_ms', ARGV[2])
-return 1
-"""
-_NOTE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV))
-return 1
-"""
-
-
-def _flat(fields: Mapping[str, Any]) -> list[str]:
-    out: list[str] = []
-    for k, v in fields.items():
-        if v is not None:
-            out += [k, str(v)]
-    return out
-
-
-def _text(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
+def _flat(fields: Mapping[str, Any]) -> dict[str, str]:
+    """The fields a record keeps: every one that is not None, as text."""
+    return {k: str(v) for k, v in fields.items() if v is not None}
 
 
 def _now_ms() -> int:
@@ -161,10 +115,12 @@ def _now_ms() -> int:
 
 
 class JobStore:
-    """Job records in Redis (see the module docstring for the rules)."""
+    """Job records on the store port (see the module docstring for the rules: the
+    store's :class:`relay.broker.port.RecordStore` keeps them; a cluster client is
+    wrapped in a :class:`RedisStore`)."""
 
-    def __init__(self, redis: RedisCluster, ttl_s: int = JOB_TTL_S) -> None:
-        self.redis = redis
+    def __init__(self, store: RecordStore | Any, ttl_s: int = JOB_TTL_S) -> None:
+        self.store: RecordStore = store if isinstance(store, RecordStore) else RedisStore(store)
         self.ttl_s = ttl_s
 
     async def create(self, job_id: str, spec: JobSpec) -> None:
@@ -177,58 +133,46 @@ class JobStore:
             "attempts": 0,
             "created_ms": _now_ms(),
         }
-        with map_redis_errors():
-            await self.redis.eval(_CREATE, 1, job_key(job_id), self.ttl_s, *_flat(fields))
+        await self.store.job_create(job_key(job_id), _flat(fields), self.ttl_s)
 
     async def claim_idempotency(self, idem: str, owner: str, job_id: str) -> str | None:
         """None: ``job_id`` now answers for this key; else the job it already names."""
         k = job_idem_key(idem, owner)
-        with map_redis_errors():
-            if await self.redis.set(k, job_id, nx=True, ex=self.ttl_s):
-                return None
-            prior = await self.redis.get(k)
-        return prior.decode() if isinstance(prior, bytes) else str(prior)
+        prior: str | None = ""
+        for _ in range(3):  # the record may expire between SET NX and GET
+            prior = await self.store.claim(k, job_id, self.ttl_s * 1000)
+            if prior != "":
+                break
+        return prior
 
     async def drop_idempotency(self, idem: str, owner: str) -> None:
-        with map_redis_errors():
-            await self.redis.delete(job_idem_key(idem, owner))
+        await self.store.drop(job_idem_key(idem, owner))
 
     async def get(self, job_id: str) -> dict[str, str] | None:
-        with map_redis_errors():
-            raw = await self.redis.hgetall(job_key(job_id))
-        if not raw:
-            return None
-        return {_text(k): _text(v) for k, v in raw.items()}
+        return await self.store.job_get(job_key(job_id))
 
     async def delete(self, job_id: str) -> None:
-        with map_redis_errors():
-            await self.redis.delete(job_key(job_id))
+        await self.store.drop(job_key(job_id))
 
     async def start(self, job_id: str, worker: str) -> tuple[str, int]:
         """(status, attempt): ``running`` with this delivery's attempt number, or the
         terminal status / ``missing`` (nothing to run)."""
-        with map_redis_errors():
-            st, n = await self.redis.eval(_START, 1, job_key(job_id), worker, _now_ms())
-        return (st.decode() if isinstance(st, bytes) else str(st)), int(n)
+        return await self.store.job_start(job_key(job_id), worker, _now_ms())
 
     async def progress(self, job_id: str, tokens: int) -> None:
-        with map_redis_errors():
-            await self.redis.eval(_PROGRESS, 1, job_key(job_id), tokens, _now_ms())
+        await self.store.job_progress(job_key(job_id), tokens, _now_ms())
 
     async def finish(self, job_id: str, result: Mapping[str, Any]) -> bool:
         """Store the result; False when one is stored already (a second delivery)."""
         fields = _flat({**result, "updated_ms": _now_ms()})
-        with map_redis_errors():
-            return bool(await self.redis.eval(_FINISH, 1, job_key(job_id), self.ttl_s, *fields))
+        return await self.store.job_finish(job_key(job_id), fields, self.ttl_s)
 
     async def note(self, job_id: str, fields: Mapping[str, Any]) -> None:
         """Extra fields on an existing record (e.g. whether its session was told)."""
-        with map_redis_errors():
-            await self.redis.eval(_NOTE, 1, job_key(job_id), *_flat(fields))
+        await self.store.job_note(job_key(job_id), _flat(fields))
 
     async def fail(self, job_id: str, reason: str) -> bool:
-        with map_redis_errors():
-            return bool(await self.redis.eval(_FAIL, 1, job_key(job_id), reason, _now_ms()))
+        return await self.store.job_fail(job_key(job_id), reason, _now_ms())
 
 
 def public_view(job_id: str, rec: Mapping[str, str]) -> dict[str, Any]:

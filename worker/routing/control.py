@@ -43,13 +43,14 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
-from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.errors import RelayError
-from relay.broker.rediscluster.errors import map_redis_errors
+from relay.broker.port import Registry
+from relay.broker.rediscluster.store import RedisStore
 from relay.protocol.keys import ENGINES_REGISTRY, engine_key
 from relay.service.supervise import Supervisor
 from worker.routing.lease import EngineSpec
@@ -122,24 +123,21 @@ async def probe(http: aiohttp.ClientSession, url: str, timeout_s: float) -> bool
         return False
 
 
-async def read_announced(redis: RedisCluster, ttl_s: float) -> list[EngineSpec]:
-    """Engines whose heartbeat is fresh, from the registry and their hashes."""
+def _registry(store: Registry | Any) -> Registry:
+    """``store``, or the Redis store of a cluster client."""
+    return store if isinstance(store, Registry) else RedisStore(store)
+
+
+async def read_announced(store: Registry | Any, ttl_s: float) -> list[EngineSpec]:
+    """Engines whose heartbeat is fresh, from the registry and their reports."""
     now_ms = time.time_ns() // 1_000_000
-    with map_redis_errors():
-        ids = await redis.zrangebyscore(ENGINES_REGISTRY, now_ms - int(ttl_s * 1000), "+inf")
-        names = [x.decode() if isinstance(x, bytes) else str(x) for x in ids]
-        if not names:
-            return []
-        pipe = redis.pipeline(transaction=False)
-        for eid in names:
-            pipe.hgetall(engine_key(eid))
-        rows = await pipe.execute()
+    registry = _registry(store)
+    names = await registry.members_since(ENGINES_REGISTRY, now_ms - int(ttl_s * 1000))
+    if not names:
+        return []
+    rows = await registry.reports([engine_key(eid) for eid in names])
     out: list[EngineSpec] = []
-    for eid, raw in zip(names, rows, strict=True):
-        fields = {
-            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-            for k, v in (raw or {}).items()
-        }
+    for eid, fields in zip(names, rows, strict=True):
         try:
             out.append(
                 EngineSpec(
@@ -155,10 +153,13 @@ async def read_announced(redis: RedisCluster, ttl_s: float) -> list[EngineSpec]:
 
 
 class EngineAnnouncer:
-    """Writes one engine's heartbeat every ``ttl_s / 3`` seconds until stopped."""
+    """Writes one engine's heartbeat every ``ttl_s / 3`` seconds until stopped, into
+    ``store``'s registry (a cluster client: its Redis store's; ``redis`` is what was
+    given, the caller's to close)."""
 
-    def __init__(self, redis: RedisCluster, spec: EngineSpec, *, ttl_s: float = 3.0) -> None:
-        self.redis = redis
+    def __init__(self, store: Registry | Any, spec: EngineSpec, *, ttl_s: float = 3.0) -> None:
+        self.redis: Any = store
+        self.registry = _registry(store)
         self.spec = spec
         self.ttl_s = ttl_s
         self._supervisor: Supervisor | None = None
@@ -166,24 +167,12 @@ class EngineAnnouncer:
 
     async def beat(self) -> None:
         now_ms = time.time_ns() // 1_000_000  # a score other processes compare: wall clock
-        k = engine_key(self.spec.id)
-        with map_redis_errors():
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hset(
-                k,
-                mapping={
-                    "url": self.spec.url,
-                    "cap": str(self.spec.cap),
-                    "weight": str(self.spec.weight),
-                },
-            )
-            pipe.pexpire(k, int(self.ttl_s * 1000))
-            pipe.zadd(ENGINES_REGISTRY, {self.spec.id: now_ms})
-            pipe.zremrangebyscore(ENGINES_REGISTRY, "-inf", now_ms - 3_600_000)
-            await pipe.execute()
+        fields = {"url": self.spec.url, "cap": str(self.spec.cap), "weight": str(self.spec.weight)}
+        await self.registry.report(engine_key(self.spec.id), fields, int(self.ttl_s * 1000))
+        await self.registry.join(ENGINES_REGISTRY, self.spec.id, now_ms, 3_600_000)
 
     async def start(self, supervisor: Supervisor | None = None) -> None:
-        """Beat once (raises when Redis cannot take it), then every ``ttl_s / 3`` on
+        """Beat once (raises when the store cannot take it), then every ``ttl_s / 3`` on
         ``supervisor`` (or one of its own). Critical: an engine whose heartbeat stops is
         taken out of every worker's ring when its entry expires."""
         await self.beat()
@@ -204,9 +193,7 @@ class EngineAnnouncer:
             await sup.stop()
         if withdraw:
             try:
-                with map_redis_errors():
-                    await self.redis.delete(engine_key(self.spec.id))
-                    await self.redis.zrem(ENGINES_REGISTRY, self.spec.id)
+                await self.registry.leave(ENGINES_REGISTRY, self.spec.id, engine_key(self.spec.id))
             except RelayError as exc:  # the entry expires by itself within ttl_s
                 log.warning("engine heartbeat: could not withdraw %s: %s", self.spec.id, exc)
 
@@ -220,7 +207,7 @@ class ControlPlane:
         http: aiohttp.ClientSession,
         static: Iterable[EngineSpec],
         *,
-        redis: RedisCluster | None = None,
+        redis: Registry | Any | None = None,
         discover: bool = False,
         interval_s: float = 1.0,
         probe_timeout_s: float = 1.0,
@@ -231,7 +218,7 @@ class ControlPlane:
         self.router = router
         self.http = http
         self.static = {s.id: s for s in static}
-        self.redis = redis
+        self.registry = None if redis is None else _registry(redis)
         self.discover = discover and redis is not None
         self.interval_s = interval_s
         self.probe_timeout_s = probe_timeout_s
@@ -262,9 +249,9 @@ class ControlPlane:
     async def heartbeat_step(self) -> None:
         """Read the announced engines once and reconcile the router. Raises what Redis
         raised (mapped); the last view stays meanwhile."""
-        if not self.discover or self.redis is None:
+        if not self.discover or self.registry is None:
             return
-        fresh = await read_announced(self.redis, self.heartbeat_ttl_s)
+        fresh = await read_announced(self.registry, self.heartbeat_ttl_s)
         self._announced = {s.id: s for s in fresh}
         self._reconcile()
 

@@ -65,12 +65,11 @@ import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Final
-
-from redis.asyncio import RedisCluster
+from typing import Any, Final
 
 from relay.broker.errors import RelayError
-from relay.broker.rediscluster.errors import map_redis_errors
+from relay.broker.port import Registry
+from relay.broker.rediscluster.store import RedisStore
 from relay.protocol.keys import WORKERS_REGISTRY, worker_key
 from relay.service.supervise import Supervisor
 from worker.routing.lease import LoadView
@@ -193,7 +192,7 @@ class LoadExchange:
 
     def __init__(
         self,
-        redis: RedisCluster,
+        registry: Registry | Any,
         router: Router,
         worker_id: str,
         *,
@@ -203,7 +202,8 @@ class LoadExchange:
         rotate_s: float = 1.0,
         namespace: str = "tr",
     ) -> None:
-        self._redis = redis
+        # the store's registry of live members (a cluster client: its Redis store's)
+        self._store: Registry = registry if isinstance(registry, Registry) else RedisStore(registry)
         self._router = router
         self.worker_id = worker_id
         self._ns = namespace
@@ -222,26 +222,16 @@ class LoadExchange:
 
     async def tick(self) -> LoadView:
         """One exchange round: read the peers, compute and install the view, then publish
-        this worker's report with its new reservation (three pipelined round trips).
-        Raises what Redis raised, mapped (:class:`relay.broker.errors.RelayError`)."""
-        with map_redis_errors():
-            return await self._tick()
-
-    async def _tick(self) -> LoadView:
+        this worker's report with its new reservation (three round trips of the store's
+        registry).
+        Raises what the store raised (:class:`relay.broker.errors.RelayError`)."""
         now = time.time()
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.zadd(self._registry, {self.worker_id: now})
-        pipe.zremrangebyscore(self._registry, "-inf", now - 60.0)
-        pipe.zrange(self._registry, 0, -1)
-        results = await pipe.execute()
-        ids = [_text(x) for x in results[-1]]
+        ids = await self._store.join(self._registry, self.worker_id, now, 60.0)
         peers = [w for w in ids if w != self.worker_id]
         reports: list[WorkerReport] = []
         if peers:
-            read = self._redis.pipeline(transaction=False)
-            for w in peers:
-                read.hgetall(worker_key(w, self._ns))
-            for w, raw in zip(peers, await read.execute(), strict=True):
+            raws = await self._store.reports([worker_key(w, self._ns) for w in peers])
+            for w, raw in zip(peers, raws, strict=True):
                 report = _parse(w, raw)
                 if report is not None:  # an expired hash: that worker is gone
                     reports.append(report)
@@ -262,17 +252,12 @@ class LoadExchange:
         )
         self._router.apply_load_view(view)
         demand = {eid: mine.get(eid, 0) + unmet.get(eid, 0) for eid in mine}
-        write = self._redis.pipeline(transaction=False)
-        write.hset(
-            self._key,
-            mapping={
-                "in_flight": json.dumps(mine),
-                "demand": json.dumps(demand),
-                "allowance": json.dumps(dict(view.allowance)),
-            },
-        )
-        write.pexpire(self._key, self.ttl_ms)
-        await write.execute()
+        fields = {
+            "in_flight": json.dumps(mine),
+            "demand": json.dumps(demand),
+            "allowance": json.dumps(dict(view.allowance)),
+        }
+        await self._store.report(self._key, fields, self.ttl_ms)
         self._last_ok = time.monotonic()
         self.ticks += 1
         return view
@@ -315,25 +300,16 @@ class LoadExchange:
     async def withdraw(self) -> None:
         """Delete this worker's report and registry entry; a failure is logged, not raised."""
         try:
-            with map_redis_errors():
-                pipe = self._redis.pipeline(transaction=False)
-                pipe.delete(self._key)
-                pipe.zrem(self._registry, self.worker_id)
-                await pipe.execute()
+            await self._store.leave(self._registry, self.worker_id, self._key)
         except RelayError as exc:  # the report expires by itself within ttl_s
             log.warning("load exchange: could not withdraw the report: %s", exc)
         except Exception:
             log.exception("load exchange: withdrawing the report failed")
 
 
-def _text(x: bytes | str) -> str:
-    return x.decode() if isinstance(x, bytes) else x
-
-
-def _parse(worker_id: str, raw: Mapping[bytes | str, bytes | str]) -> WorkerReport | None:
-    if not raw:
+def _parse(worker_id: str, fields: Mapping[str, str]) -> WorkerReport | None:
+    if not fields:
         return None
-    fields = {_text(k): _text(v) for k, v in raw.items()}
     try:
         in_flight = {str(k): int(v) for k, v in json.loads(fields["in_flight"]).items()}
         demand = {str(k): int(v) for k, v in json.loads(fields.get("demand", "{}")).items()}

@@ -22,15 +22,17 @@ Order of use (the edge server does this)::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, Self
 
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.base import BacklogPage, MessageHandler, ReapResult, ResubscribedHandler
 from relay.broker.errors import RelayError, SessionDeleted, SubscribeError
+from relay.broker.rediscluster.connect import RedisTLS, connect
 from relay.broker.rediscluster.errors import map_redis_errors
 from relay.broker.rediscluster.presence import Presence, write_screens
 from relay.broker.rediscluster.publisher import read_backlog_page, reap, seal
+from relay.broker.rediscluster.streams import RedisStreams
 from relay.broker.rediscluster.subscriber import ShardedSubscriber
 from relay.protocol.frame import FrameError, decode
 from relay.protocol.keys import (
@@ -42,6 +44,7 @@ from relay.protocol.keys import (
     log_key,
     meta_key,
 )
+from relay.protocol.responses import OWNER_FIELD, owner_key
 from relay.service.supervise import Supervisor
 
 __all__ = ["RedisBroker"]
@@ -81,6 +84,31 @@ class RedisBroker:
         # the hub hands every read to, after its own fan-out: :attr:`Hub.tap`): its
         # channels are held while either side wants them
         self._tapped: set[str] = set()
+        self._streams = RedisStreams(redis)
+
+    @property
+    def streams(self) -> RedisStreams:
+        """Durable Streams on the same cluster (:class:`relay.broker.port.StreamsBroker`)."""
+        return self._streams
+
+    @classmethod
+    async def connect(
+        cls, url: str, relay_id: str, *, tls: RedisTLS | None = None, **kwargs: Any
+    ) -> Self:
+        """A broker on its own cluster client for ``url`` (``kwargs``: the constructor's;
+        closed by :meth:`aclose`); redis-py's errors when the cluster cannot be reached
+        (the caller names the URL and the cause)."""
+        client = connect(url, tls=tls)  # a burst waits
+        try:
+            await client.initialize()
+        except BaseException:
+            await client.aclose()
+            raise
+        return cls(client, relay_id, **kwargs)
+
+    async def aclose(self) -> None:
+        """Close the cluster client (after :meth:`close`)."""
+        await self.redis.aclose()
 
     def channel(self, sid: str) -> bytes:
         return live_channel(sid).encode()
@@ -199,6 +227,23 @@ class RedisBroker:
                 if len(entries) < _SCAN or after <= 0:
                     return turn, max(after, 0)
                 top = f"{after}-1"  # entry ids are "<offset>-1": go on below the oldest read
+
+    async def response_head(self, sid: str, offset: int) -> tuple[str, bytes | None]:
+        """The session's API owner tag and the frame at ``offset``, with its tombstone,
+        in one round trip (the session's keys share a slot)."""
+        with map_redis_errors():
+            async with self.redis.pipeline(transaction=False) as p:
+                p.hget(owner_key(sid), OWNER_FIELD)
+                p.exists(gone_key(sid))
+                at = f"{offset}-1"
+                p.xrange(log_key(sid), min=at, max=at, count=1)
+                owner, gone, entries = await p.execute()
+        if gone:
+            raise SessionDeleted(sid)
+        frame: bytes | None = None
+        for _id, fields in entries or []:
+            frame = fields.get(b"f")
+        return (owner.decode() if isinstance(owner, bytes) else owner or ""), frame
 
     async def ping(self) -> None:
         with map_redis_errors():

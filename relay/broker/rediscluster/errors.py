@@ -28,7 +28,11 @@ import redis.exceptions as rex
 
 from relay.broker.errors import RedisCommandError, RedisUnavailable, RelayError
 
-__all__ = ["convert", "is_closed_connection_race", "map_redis_errors"]
+__all__ = ["LIBRARY_ERRORS", "convert", "is_closed_connection_race", "map_redis_errors"]
+
+# What redis-py raises on its own (a start-up that cannot reach the cluster, outside
+# map_redis_errors): for callers that catch it without naming the library.
+LIBRARY_ERRORS: Final = (rex.RedisError, rex.RedisClusterException)
 
 
 def convert(exc: BaseException) -> RelayError:

@@ -53,20 +53,19 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-import msgspec
 from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.base import BacklogPage, ReapResult, ReapStatus
 from relay.broker.errors import (
     Fenced,
-    FrameTooLarge,
     OffsetConflict,
     RedisCommandError,
     RedisUnavailable,
     SessionDeleted,
 )
+from relay.broker.port import Draft, encode_drafts
 from relay.broker.rediscluster.scripts import OPEN, PUBLISH, READ, REAP, SEAL
-from relay.protocol.frame import MAX_FRAME_BYTES, Frame, Kind, encode, now_ms
+from relay.protocol.frame import now_ms
 from relay.protocol.keys import (
     BACKLOG_MAX_BYTES,
     BACKLOG_MAXLEN,
@@ -92,14 +91,6 @@ __all__ = [
 ]
 
 WORKER_LOST: Final = "worker lost"
-
-
-class Draft(msgspec.Struct, frozen=True, kw_only=True):
-    """What a producer says; the generation fills session, turn, offset, epoch and ts."""
-
-    kind: Kind
-    text: str = ""
-    meta: dict[str, Any] | None = None
 
 
 def _b(v: Any) -> bytes:
@@ -159,24 +150,10 @@ class Generation:
             pub = self.publisher
             base = self.offset
             ts = now_ms()
-            payload = [
-                encode(
-                    Frame(
-                        session=self.session,
-                        turn=self.turn,
-                        offset=base + i + 1,
-                        kind=d.kind,
-                        text=d.text,
-                        epoch=self.epoch,
-                        ts=ts,
-                        meta={**d.meta, "gen": self.gen} if d.meta else {"gen": self.gen},
-                    )
-                )
-                for i, d in enumerate(drafts)
-            ]
-            for data in payload:
-                if len(data) > MAX_FRAME_BYTES:  # every reader would refuse it
-                    raise FrameTooLarge(self.session, len(data), MAX_FRAME_BYTES)
+            payload = encode_drafts(
+                drafts, session=self.session, turn=self.turn, epoch=self.epoch, gen=self.gen,
+                base=base, ts=ts,
+            )  # fmt: skip
             terminal = drafts[-1].kind in ("done", "error")
             last = await self._write(base, payload, terminal)
             for i, data in enumerate(payload):

@@ -21,22 +21,18 @@ from typing import Any
 
 from aiohttp import web
 
-from relay.broker.errors import RelayError
-from relay.broker.rediscluster.broker import RedisBroker
-from relay.broker.rediscluster.errors import map_redis_errors
+from relay.broker.errors import RelayError, SessionDeleted
+from relay.broker.port import ResponseReads
 from relay.edge.conn.responses import ResponsesConn
 from relay.edge.http.handlers import SSE_HEADERS, _stream
 from relay.edge.http.limits import Access
 from relay.edge.http.server import EdgeServer
 from relay.protocol.codes import Refusal
 from relay.protocol.frame import FrameError, decode
-from relay.protocol.keys import gone_key, log_key
 from relay.protocol.responses import (
     OWNER,
-    OWNER_FIELD,
     InvalidResponseId,
     ResponseId,
-    owner_key,
     parse_response_id,
 )
 from relay.service.apikeys import check_api_key
@@ -85,25 +81,20 @@ def _check(server: EdgeServer, request: web.Request) -> tuple[ResponseId, int]:
     return rid, int(after)
 
 
-async def _exists(broker: RedisBroker, rid: ResponseId) -> bool:
+async def _exists(broker: ResponseReads, rid: ResponseId) -> bool:
     """The session is the Responses API's and alive, and the id's first offset is its
-    turn's ``meta`` frame (one round trip: the session's keys share a slot)."""
-    with map_redis_errors():
-        async with broker.redis.pipeline(transaction=False) as p:
-            p.hget(owner_key(rid.session), OWNER_FIELD)
-            p.exists(gone_key(rid.session))
-            at = f"{rid.first}-1"
-            p.xrange(log_key(rid.session), min=at, max=at, count=1)
-            owner, gone, entries = await p.execute()
-    if gone or owner not in (OWNER, OWNER.encode()):
+    turn's ``meta`` frame (one read: the session's keys share a slot)."""
+    try:
+        owner, data = await broker.response_head(rid.session, rid.first)
+    except SessionDeleted:
         return False
-    for _id, fields in entries or []:
-        try:
-            frame = decode(fields[b"f"])
-        except (FrameError, KeyError):
-            return False
-        return frame.kind == "meta" and frame.turn == rid.turn
-    return False
+    if owner != OWNER or data is None:
+        return False
+    try:
+        frame = decode(data)
+    except FrameError:
+        return False
+    return frame.kind == "meta" and frame.turn == rid.turn
 
 
 async def responses_stream_handler(server: EdgeServer, request: web.Request) -> web.StreamResponse:
@@ -113,7 +104,7 @@ async def responses_stream_handler(server: EdgeServer, request: web.Request) -> 
         rid, after = _check(server, request)
         hub = server.check_capacity()
         broker = hub.broker
-        if not isinstance(broker, RedisBroker):
+        if not isinstance(broker, ResponseReads):
             raise _Refused(503, "this relay has no Redis backlog", "unavailable")
         try:
             found = await _exists(broker, rid)

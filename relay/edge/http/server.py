@@ -48,12 +48,11 @@ from urllib.parse import parse_qsl
 import orjson
 from aiohttp import hdrs, web
 from multidict import istr
-from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.base import MessageHandler
 from relay.broker.errors import RelayError, SessionDeleted, WatchClosed
 from relay.broker.rediscluster.broker import RedisBroker
-from relay.broker.rediscluster.connect import connect, mask_url, startup_error
+from relay.broker.rediscluster.connect import mask_url, startup_error
 from relay.edge.config import RelayConfig
 from relay.edge.conn import beats
 from relay.edge.conn.base import Conn, Transport
@@ -109,7 +108,7 @@ class EdgeServer:
         }
         self._publish_to_edge = m.publish_to_edge.labels()
         self.hub: Hub | None = hub
-        self.redis: RedisCluster | None = None  # the client this server made, if it did
+        self.broker: RedisBroker | None = None  # the broker this server made (its client)
         self.broker_tap: MessageHandler | None = None  # the Durable Streams live reads'
         self._owns_hub = hub is None
         self.started = hub is not None
@@ -146,13 +145,11 @@ class EdgeServer:
     async def _connect(self) -> None:
         """Connect to Redis and start the hub on this server's supervisor."""
         cfg = self.config
-        redis = connect(cfg.redis_url, tls=cfg.redis_tls)  # a burst waits
+        broker = await RedisBroker.connect(
+            cfg.redis_url, cfg.relay_id, tls=cfg.redis_tls, maxlen=cfg.backlog_maxlen,
+            ttl_s=cfg.session_ttl_s, max_bytes=cfg.backlog_max_bytes,
+        )  # fmt: skip
         try:
-            await redis.initialize()
-            broker = RedisBroker(
-                redis, cfg.relay_id, maxlen=cfg.backlog_maxlen, ttl_s=cfg.session_ttl_s,
-                max_bytes=cfg.backlog_max_bytes,
-            )  # fmt: skip
             hub = Hub(
                 broker,
                 queue_frames=cfg.queue_frames,
@@ -168,9 +165,9 @@ class EdgeServer:
             hub.tap = self.broker_tap
             await hub.start()
         except BaseException:
-            await redis.aclose()
+            await broker.aclose()
             raise
-        self.redis, self.hub = redis, hub
+        self.broker, self.hub = broker, hub
         self._bind(hub)
 
     async def _connect_until_up(self) -> None:
@@ -210,8 +207,8 @@ class EdgeServer:
         if self._owns_hub:
             if self.hub is not None:
                 await self.hub.close()
-            if self.redis is not None:
-                await self.redis.aclose()
+            if self.broker is not None:
+                await self.broker.aclose()
 
     async def drain(self, deadline_s: float | None = None) -> None:
         """readyz -> 503, refuse new streams, tell every client to reconnect (SSE: retry

@@ -1,0 +1,207 @@
+"""Durable Streams in this process's memory (the :class:`relay.broker.port.StreamStore`
+part of :class:`relay.broker.memstore.MemoryStore`): the rules of
+``relay/durable/lua/{write,read,delete,fork_ref}.lua`` in Python, with the same answers.
+A write wakes the stream's live readers as the script's SPUBLISH does (the tap's
+channels, :meth:`MemoryStreams.tap_subscribe`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from relay.broker.base import MessageHandler
+from relay.broker.port import (
+    SoftDeleted,
+    StreamRef,
+    StreamView,
+    StreamWrite,
+    StreamWriteResult,
+)
+
+__all__ = ["MemoryStreams"]
+
+
+@dataclass
+class _Stream:
+    mt: str
+    ct: str
+    ttl: str
+    ea: str
+    eams: str
+    fork: str
+    gen: str
+    closed: bool = False
+    deleted: bool = False
+    sseq: str = ""
+    closer: str = ""
+    log: list[bytes] = field(default_factory=list)
+    prods: dict[str, tuple[int, int]] = field(default_factory=dict)
+    forks: set[str] = field(default_factory=set)
+    expires: float | None = None  # by the store's clock
+
+
+class MemoryStreams:
+    """See the module docstring."""
+
+    _on_message: MessageHandler | None
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._by_meta: dict[str, _Stream] = {}  # the streams, by their meta key
+        self._tapped: set[str] = set()
+
+    # ---- the tap (live readers' wake-ups) --------------------------------------------------
+
+    async def tap_subscribe(self, channel: str) -> None:
+        self._tapped.add(channel)
+
+    def tap_unsubscribe(self, channel: str) -> None:
+        self._tapped.discard(channel)
+
+    def _wake(self, channel: str, data: bytes) -> None:
+        if channel in self._tapped and self._on_message is not None:
+            msg = [b"smessage", channel.encode(), data]
+            handler = self._on_message
+            asyncio.get_running_loop().call_soon(handler, [msg])
+
+    # ---- the streams ----------------------------------------------------------------------
+
+    def _get(self, ref: StreamRef) -> _Stream | None:
+        s = self._by_meta.get(ref.meta)
+        if s is not None and s.expires is not None and s.expires <= self._clock():
+            del self._by_meta[ref.meta]
+            return None
+        return s
+
+    def _expire(self, s: _Stream) -> None:
+        if s.ttl:
+            s.expires = self._clock() + int(s.ttl)
+        elif s.eams:
+            s.expires = self._clock() + (int(s.eams) / 1000 - time.time())
+
+    async def stream_write(
+        self, ref: StreamRef, w: StreamWrite, messages: Sequence[bytes]
+    ) -> StreamWriteResult:
+        s = self._get(ref)
+        ttl = "" if w.ttl is None else str(w.ttl)
+        ea = "" if w.expires_at is None else w.expires_at[0]
+        if w.op == "put":
+            if s is not None:
+                same = (s.mt == w.media_type and s.ttl == ttl and s.ea == ea
+                        and s.closed == w.close and not s.deleted and s.fork == w.fork)  # fmt: skip
+                return StreamWriteResult(200 if same else 409, len(s.log), s.closed, 0, 0)
+            eams = "" if w.expires_at is None else str(w.expires_at[1])
+            s = _Stream(w.media_type, w.content_type, ttl, ea, eams, w.fork,
+                        secrets.token_hex(6), closed=w.close)  # fmt: skip
+            self._by_meta[ref.meta] = s
+            s.log.extend(messages)
+            self._expire(s)
+            if messages or w.close:
+                self._wake(ref.channel, str(len(s.log)).encode())
+            return StreamWriteResult(201, len(s.log), w.close, 0, 0)
+        if s is None:
+            return StreamWriteResult(404, 0, False, 0, 0)
+        if s.deleted:
+            return StreamWriteResult(410, 0, False, 0, 0)
+        n = len(s.log)
+        pid, epoch, seq = w.producer if w.producer is not None else ("", 0, 0)
+        tuple_ = f"{pid}\n{epoch}\n{seq}" if pid else ""
+        if s.closed:
+            if tuple_ and s.closer == tuple_:
+                return StreamWriteResult(204, n, True, epoch, seq)
+            if w.close and not w.has_body:
+                return StreamWriteResult(204, n, True, 0, 0)
+            return StreamWriteResult(409, n, True, 0, 0)
+        if w.has_body and s.mt != w.media_type:
+            return StreamWriteResult(409, n, False, 0, 0)
+        if pid:
+            st = s.prods.get(pid)
+            if st is not None:
+                se, sq = st
+                if epoch < se:
+                    return StreamWriteResult(403, n, False, se, 0)
+                if epoch > se:
+                    if seq != 0:
+                        return StreamWriteResult(400, n, False, 0, 0)
+                elif seq <= sq:
+                    return StreamWriteResult(204, n, False, epoch, sq)
+                elif seq != sq + 1:
+                    return StreamWriteResult(409, n, False, sq + 1, seq)
+            elif seq != 0:
+                return StreamWriteResult(409, n, False, 0, seq)
+        if w.stream_seq:
+            if s.sseq and w.stream_seq <= s.sseq:
+                return StreamWriteResult(409, n, False, 0, 0)
+            s.sseq = w.stream_seq
+        if pid:
+            s.prods[pid] = (epoch, seq)
+        s.log.extend(messages)
+        n = len(s.log)
+        if w.close:
+            s.closed = True
+            if tuple_:
+                s.closer = tuple_
+        self._expire(s)
+        self._wake(ref.channel, str(n).encode())
+        if pid:
+            return StreamWriteResult(200, n, w.close, epoch, seq)
+        return StreamWriteResult(204, n, w.close, 0, 0)
+
+    async def stream_read(
+        self, ref: StreamRef, start: int | None, *, count: int, touch: bool = True,
+        max_bytes: int = 0,
+    ) -> StreamView | None:  # fmt: skip
+        s = self._get(ref)
+        if s is None:
+            return None
+        if s.deleted:
+            raise SoftDeleted(ref.path)
+        if touch and s.ttl:
+            s.expires = self._clock() + int(s.ttl)
+        n = len(s.log)
+        frm = n if start is None else start
+        out: list[bytes] = []
+        if 0 <= frm < n and count > 0:
+            size = 0
+            for m in s.log[frm : min(n, frm + count)]:
+                if max_bytes > 0 and out and size + len(m) > max_bytes:
+                    break
+                out.append(m)
+                size += len(m)
+        ttl = int(s.ttl) if s.ttl else None
+        return StreamView(s.mt, s.ct, ttl, s.ea, s.closed, n, s.gen, 0, frm, out)
+
+    def _source_of(self, s: _Stream) -> str:
+        return s.fork.split("\n", 1)[0] if "\n" in s.fork else ""
+
+    async def stream_delete(self, ref: StreamRef) -> tuple[int, str]:
+        s = self._get(ref)
+        if s is None:
+            return 404, ""
+        if s.deleted:
+            return 410, ""
+        self._wake(ref.channel, b"deleted")
+        if s.forks:
+            s.deleted = True
+            return 204, ""
+        del self._by_meta[ref.meta]
+        return 204, self._source_of(s)
+
+    async def stream_fork_ref(self, source: StreamRef, fork_path: str, take: bool) -> str:
+        s = self._get(source)
+        if take:
+            if s is None or s.deleted:
+                return ""
+            s.forks.add(fork_path)
+            return "1"
+        if s is None:
+            return ""
+        s.forks.discard(fork_path)
+        if s.deleted and not s.forks:
+            del self._by_meta[source.meta]
+            return self._source_of(s)
+        return ""
