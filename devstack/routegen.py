@@ -24,6 +24,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
+import orjson
+
+from relay.protocol.codes import Refusal
+from relay.protocol.responses import error_body
+from relay.service.errors import OPENAI_SHAPED
 from relay.service.routes import ROUTES, Door, Route, regex
 
 __all__ = [
@@ -42,6 +47,7 @@ NGINX: Final = ROOT / "deploy" / "nginx.conf"
 INGRESS: Final = ROOT / "deploy" / "k8s" / "base" / "ingress.yaml"
 UPSTREAM: Final = {"relay": "relays", "worker": "workers"}  # nginx's upstream blocks
 SERVICE: Final = {"relay": "tokenrelay-relay", "worker": "tokenrelay-worker"}  # k8s Services
+NO_ROUTE: Final = "no route for this path"  # a door's 404: the reason it gives
 _GEN: Final = "generated from relay/service/routes.py by `python -m devstack.routegen`"
 MARKS: Final = {"maps": ("# BEGIN ROUTE MAPS", "# END ROUTE MAPS"),
                  "routes": ("# BEGIN ROUTES", "# END ROUTES")}  # fmt: skip
@@ -214,7 +220,32 @@ def nginx_locations() -> str:
         out += textwrap.wrap("routes: " + " ".join(r.name for r in routes), 86,
                              initial_indent="# ", subsequent_indent="#   ")  # fmt: skip
         out += [head + " {", *(f"    {d}" for d in body), "}"]
+    out += ["", *_openai_unrouted()]
     return "".join(f"        {line}\n" if line else "\n" for line in out[1:])
+
+
+def _openai_unrouted() -> list[str]:
+    """The location that answers a path under the OpenAI-shaped fronts' paths that no
+    route above takes: 404 in OpenAI's error shape, as the workers and relays answer it
+    (:func:`relay.service.errors.unrouted`); any other path meets the file's own JSON 404."""
+    heads = dict.fromkeys(r.path.split("{", 1)[0].rstrip("/") for r in ROUTES
+                          if r.front in OPENAI_SHAPED)  # fmt: skip
+    pattern = "^(?:" + "|".join(regex(h) for h in heads) + ")(?:/|$)"
+    if re.search(r"[\s{};'\"]", pattern):
+        raise ValueError(f"{pattern!r} needs quoting in nginx.conf")
+    body = orjson.dumps(error_body(NO_ROUTE, "invalid_request_error", Refusal.NOT_FOUND.value),
+                        option=orjson.OPT_SORT_KEYS).decode()  # fmt: skip
+    if "'" in body or "$" in body:
+        raise ValueError(f"{body!r} needs escaping in nginx.conf")
+    return [
+        "# A path under the OpenAI-compatible fronts' paths that no location above takes:",
+        "# a 404 in OpenAI's error shape, which their SDKs parse (any other path: the JSON",
+        "# 404 at the end of the file, in tokenrelay's own shape).",
+        f"location ~ {pattern} {{",
+        "    default_type application/json;",
+        f"    return 404 '{body}';",
+        "}",
+    ]
 
 
 def ingress_objects() -> str:

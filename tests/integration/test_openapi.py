@@ -70,7 +70,7 @@ def _routed(app: web.Application) -> dict[tuple[str, str], Callable[..., Any]]:
     beside each GET are left out (they answer like the GET without a body)."""
     out: dict[tuple[str, str], Callable[..., Any]] = {}
     for route in app.router.routes():
-        if route.resource is None:
+        if route.resource is None or route.method == "*":  # the refusals of what no route takes
             continue
         info = route.resource.get_info()
         path = info.get("path") or info.get("formatter")

@@ -15,18 +15,20 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.test_utils import make_mocked_request
 
 from devstack import doors, routegen
 from devstack.demo import frontdoor
 from relay.edge.config import RelayConfig
 from relay.edge.http.app import make_app as relay_app
-from relay.service import register, routes
+from relay.service import errors, register, routes
 from relay.service.routes import ROUTES, Door, Kind, RouteTableError
 from worker.api import make_app as worker_app
 from worker.config import WorkerConfig
@@ -103,7 +105,13 @@ def test_select_picks_by_query_and_sends_a_method_only_one_route_has() -> None:
 
 
 def _routed(app: web.Application) -> set[tuple[str, str]]:
-    return {(r.method, r.resource.canonical) for r in app.router.routes() if r.resource}
+    """The app's routes, less those :func:`relay.service.register.refuse_unrouted` adds
+    (any method: the refusals of what no route takes)."""
+    return {
+        (r.method, r.resource.canonical)
+        for r in app.router.routes()
+        if r.resource and r.method != hdrs.METH_ANY
+    }
 
 
 def _table(service: str) -> set[tuple[str, str]]:
@@ -129,6 +137,110 @@ def test_registration_fails_on_a_missing_or_extra_handler_or_method() -> None:
         register.add_routes(web.Application(), "worker", {**names, "jobs.list": _ok})
     with pytest.raises(RouteTableError, match=r"jobs\.get: handlers for"):
         register.add_routes(web.Application(), "worker", {**names, "jobs.get": {"GET": _ok}})
+
+
+# -- what no route takes: refused in the path's front's shape ----------------------------------
+
+UNROUTED = ["/", "/nope", "/v1", "/v1/x", "/healthz/x", *NOT_ROUTES]
+
+
+def test_front_of_says_whose_path_it_is() -> None:
+    for r in ROUTES:
+        assert routes.front_of(routes.sample(r.path)) is r.front, r.name
+    assert routes.front_of("/v1/chat/completions/x") is routes.Front.OPENAI
+    assert routes.front_of("/v1/models/x") is routes.Front.OPENAI
+    assert routes.front_of("/v1/responses/r/x") is routes.Front.RESPONSES
+    assert routes.front_of("/v1/responses") is routes.Front.RESPONSES
+    assert routes.front_of("/v1/chat/x") is routes.Front.AISDK
+    assert routes.front_of("/v1/stream") is routes.Front.DURABLE
+    assert routes.front_of("/v1/sessions/s/x") is routes.Front.WIRE
+    for path in ("/", "/nope", "/v1", "/v1/x", "/v1/modelsx", "/v1/responsesx"):
+        assert routes.front_of(path) is None, path
+
+
+def _shape_ok(path: str, status: int, body: Any) -> bool:
+    """The refusal shape of ``path``'s front: OpenAI's for its two fronts, else ours."""
+    if routes.front_of(path) in errors.OPENAI_SHAPED:
+        err = body["error"]
+        return (
+            set(err) >= {"message", "type", "code"}
+            and err["type"] == "invalid_request_error"
+            and err["code"] == ("not_found" if status == 404 else "method_not_allowed")
+        )
+    return body["error"] == ("not_found" if status == 404 else "method_not_allowed") and bool(
+        body["reason"]
+    )
+
+
+async def _answer(app: web.Application, method: str, path: str) -> web.Response:
+    request = make_mocked_request(method, path, app=app)
+    match = await app.router.resolve(request)
+    assert match.http_exception is None, (method, path, "aiohttp's own plain-text answer")
+    request._match_info = match  # as aiohttp's request handler sets it
+    response = await match.handler(request)
+    assert isinstance(response, web.Response)
+    return response
+
+
+APPS = {
+    "relay": lambda: relay_app(RelayConfig(insecure_no_auth=True)),
+    "worker": lambda: worker_app(WorkerConfig()),
+}
+
+
+@pytest.mark.parametrize("service", ["relay", "worker"])
+async def test_the_apps_refuse_an_unrouted_path_in_its_fronts_shape(service: str) -> None:
+    app = APPS[service]()
+    for path in UNROUTED:
+        for method in ("GET", "POST", "DELETE"):
+            resp = await _answer(app, method, path)
+            assert resp.status == 404, (method, path)
+            assert resp.content_type == "application/json"
+            assert isinstance(resp.body, bytes)
+            assert _shape_ok(path, 404, json.loads(resp.body)), (method, path, resp.body)
+
+
+@pytest.mark.parametrize("service", ["relay", "worker"])
+async def test_the_apps_refuse_a_wrong_method_with_allow_in_its_fronts_shape(service: str) -> None:
+    app = APPS[service]()
+    by_path: dict[str, set[str]] = {}
+    for r in routes.of_service(service):
+        by_path.setdefault(r.path, set()).update(r.methods)
+    for pattern, methods in by_path.items():
+        path = routes.sample(pattern)
+        for method in sorted({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH"} - methods):
+            resp = await _answer(app, method, path)
+            assert resp.status == 405, (method, path)
+            assert resp.headers["Allow"] == ",".join(sorted(methods)), (method, path)
+            assert isinstance(resp.body, bytes)
+            assert _shape_ok(path, 405, json.loads(resp.body)), (method, path, resp.body)
+
+
+async def test_the_front_door_refuses_an_unrouted_path_in_its_fronts_shape() -> None:
+    app = frontdoor.make_frontdoor_app(frontdoor.FrontDoor(list, list))
+    for path in UNROUTED:
+        if path == "/":
+            continue  # the page
+        resp = await _answer(app, "GET", path)
+        assert resp.status == 404, path
+        assert isinstance(resp.body, bytes)
+        assert _shape_ok(path, 404, json.loads(resp.body)), (path, resp.body)
+    resp = await _answer(app, "PUT", "/v1/chat/completions")
+    assert (resp.status, resp.headers["Allow"]) == (405, "POST")
+    assert isinstance(resp.body, bytes)
+    assert _shape_ok("/v1/chat/completions", 405, json.loads(resp.body))
+
+
+def test_nginx_refuses_an_unrouted_path_in_its_fronts_shape() -> None:
+    for path in UNROUTED:
+        if path == "/":
+            continue  # the page
+        loc = NGINX.location(path)
+        assert loc is not None, path
+        ((status, body),) = [b.words[1:] for b in loc.find("return")]
+        assert status == "404", path
+        assert ["application/json"] in [b.words[1:] for b in loc.find("default_type")], path
+        assert _shape_ok(path, 404, json.loads(body)), (path, body)
 
 
 # -- docs/openapi.yaml ---------------------------------------------------------------------
@@ -201,7 +313,7 @@ def test_every_proxying_location_and_ingress_path_is_generated() -> None:
     """A location or Ingress path written by hand beside the generated ones would route
     what the table does not say: there is none."""
     generated = doors.Nginx("http { server { " + routegen.nginx_locations() + " } }")
-    heads = [b.words for b in generated.locations]
+    heads = [b.words for b in generated.locations if any(b.find("proxy_pass"))]
     assert [b.words for b in NGINX.locations if any(b.find("proxy_pass"))] == heads
     paths = [
         p["path"]
