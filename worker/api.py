@@ -53,13 +53,14 @@ from relay.broker.errors import RedisCommandError, RelayError
 from relay.broker.rediscluster.errors import map_redis_errors
 from relay.protocol.codes import Refusal
 from relay.protocol.keys import idem_key, new_session_id
-from relay.service import openapi, settings
+from relay.service import cors, openapi, settings
 from relay.service.clientaddr import parse_networks
 from relay.service.errors import RETRY_AFTER, Reject, admin_refused, refusal, retry_after
 from relay.service.httpbody import read_body, read_json, refused
 from relay.service.httpguard import ConnLimits, guard_app
 from relay.service.jsonbody import BodyRefused, ClientGone
 from relay.service.register import add_routes
+from relay.service.routes import of_service, template
 from worker import controls
 from worker.access import BadTokenRequest, RateLimited, parse_token_request
 from worker.chat import direct
@@ -383,7 +384,7 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
         "sessions.token": _mint_token,
         **controls.handlers(),  # stop, messages, delete (worker/controls.py)
         **gateway.handlers(),  # POST /v1/chat/completions, GET /v1/models
-        **responses.handlers(),  # /v1/responses: OpenAI's Responses API
+        **responses.handlers(cfg.cors_origin),  # /v1/responses: OpenAI's Responses API
         **jobs_api.handlers(),  # POST /v1/jobs, GET /v1/jobs/{id} (404 without --amqp)
         **aisdk.handlers(),  # POST /v1/chat: the Vercel AI SDK's chat
         "healthz": _healthz,
@@ -392,6 +393,10 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
         "router": _router_view,
         "openapi": openapi.handler("worker"),  # docs/openapi.yaml
     })  # fmt: skip
+    # the routes a browser reads from another origin (a resumed Responses stream through
+    # a door that routes by path): their answers name the allowed origin, as a relay's
+    cross_origin = {template(r.path) for r in of_service("worker") if "OPTIONS" in r.methods}
+    app.on_response_prepare.append(cors.allow_on(cross_origin, cfg.cors_origin))
     limits = ConnLimits(
         head_timeout_s=cfg.head_timeout_s,
         body_timeout_s=cfg.body_timeout_s,

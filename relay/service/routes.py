@@ -18,7 +18,8 @@ policy: the nginx location and the Ingress object it lands in). Everything else 
 One path may be served by two services only when a query parameter tells them apart
 (``GET /v1/responses/{rid}?stream=true``: the relays; the rest of that path: the
 workers); a door that cannot read the query (a Kubernetes Ingress) sends the path to the
-service of its unconditional routes, which serves that request too.
+service of its unconditional routes, which serves that request too (a cross-origin
+preflight included: :mod:`relay.service.cors`).
 
 Operator routes (``/healthz``, ``/readyz``, ``/metrics``, ``/openapi.json``,
 ``/v1/router``) are each process's own: in the table (each app registers them from it)
@@ -160,7 +161,9 @@ ROUTES: Final[tuple[Route, ...]] = (
     Route("responses.create", ("POST",), "/v1/responses", "worker", R, Door.RESPONSES, S),
     Route("responses.stream", _GO, f"/v1/responses/{_RID}", "relay", R, Door.RESPONSES, S,
           _STREAM_Q),
-    Route("responses.get", ("GET",), f"/v1/responses/{_RID}", "worker", R, Door.RESPONSES, S),
+    # ... and the rest from a worker, which serves that stream too (and its preflight) to a
+    # door that routes by path only
+    Route("responses.get", _GO, f"/v1/responses/{_RID}", "worker", R, Door.RESPONSES, S),
     Route("responses.delete", ("DELETE",), f"/v1/responses/{_RID}", "worker", R, Door.RESPONSES),
     Route("responses.cancel", ("POST",), f"/v1/responses/{_RID}/cancel", "worker", R,
           Door.RESPONSES),

@@ -87,7 +87,8 @@ def test_select_picks_by_query_and_sends_a_method_only_one_route_has() -> None:
     pick = {
         (m, q): getattr(routes.select(rs, m, dict(q)), "name", None)
         for m, q in [("GET", ()), ("GET", (("stream", "true"),)), ("GET", (("stream", "TRUE"),)),
-                     ("GET", (("stream", "false"),)), ("OPTIONS", ()), ("DELETE", ()),
+                     ("GET", (("stream", "false"),)), ("OPTIONS", ()),
+                     ("OPTIONS", (("stream", "true"),)), ("DELETE", ()),
                      ("PUT", ())]
     }  # fmt: skip
     assert pick == {
@@ -95,7 +96,8 @@ def test_select_picks_by_query_and_sends_a_method_only_one_route_has() -> None:
         ("GET", (("stream", "true"),)): "responses.stream",
         ("GET", (("stream", "TRUE"),)): "responses.stream",
         ("GET", (("stream", "false"),)): "responses.get",
-        ("OPTIONS", ()): "responses.stream",
+        ("OPTIONS", ()): "responses.get",
+        ("OPTIONS", (("stream", "true"),)): "responses.stream",
         ("DELETE", ()): "responses.delete",
         ("PUT", ()): None,
     }
@@ -291,9 +293,8 @@ def test_the_ingress_sends_every_path_to_its_service(req: doors.Request) -> None
         assert got == req.route.service
     else:  # by path only: to the service of the path's unconditional routes
         (default,) = {r.service for r in routes.public_by_path()[req.route.path] if r.query is None}
-        assert got == default
-        if req.method != "OPTIONS":  # which serves the request too (a preflight: see docs)
-            assert routes.select(routes.public_by_path()[req.route.path], req.method, {})
+        assert got == default  # which serves the request too, a preflight included
+        assert routes.select(routes.public_by_path()[req.route.path], req.method, {})
 
 
 @pytest.mark.parametrize("req", REQUESTS, ids=str)
@@ -369,17 +370,53 @@ def test_streams_are_unbuffered_and_long_at_every_door(req: doors.Request) -> No
         assert int(ann["nginx.ingress.kubernetes.io/proxy-read-timeout"]) >= 3600
 
 
-def test_every_front_is_reachable_through_every_door() -> None:
-    """The figure ``python -m devstack.doors`` prints: all five fronts at each door (the
-    Ingress routes by path only, so a cross-origin preflight of a resumed Responses stream
-    reaches a worker, which serves the stream but has no CORS: the one request missed)."""
+async def test_every_front_is_reachable_through_every_door() -> None:
+    """The figure ``python -m devstack.doors`` prints: all five fronts at each door, every
+    request (the Ingress routes by path only, so a cross-origin preflight of a resumed
+    Responses stream reaches a worker, which answers it as a relay does)."""
+    answers = {
+        (req.method, req.path_qs): await doors.frontdoor_service(frontdoor, req.method,
+                                                                 req.path_qs)
+        for req in REQUESTS
+    }  # fmt: skip
     where = {
         "nginx": lambda r: NGINX.service(r.method, r.path, r.query),
         "ingress": lambda r: doors.ingress_service(INGRESS, r.path),
+        "frontdoor": lambda r: answers[r.method, r.path_qs],
     }
-    reach = doors.fronts_reachable(where)
-    assert len(reach["nginx"][0]) == 5, reach["nginx"]
-    assert [str(r) for r in reach["ingress"][1]] == [
-        "OPTIONS /v1/responses/rid-1?stream=true (responses.stream)"
-    ]
-    assert len(doors.fronts_reachable(where, preflights=False)["ingress"][0]) == 5
+    for door, (fronts, missed) in doors.fronts_reachable(where).items():
+        assert (len(fronts), missed) == (5, []), door
+
+
+@pytest.mark.parametrize("path", ["/v1/responses/resp_x?stream=true", "/v1/responses/resp_x"])
+async def test_the_worker_answers_a_streams_preflight_as_a_relay_does(path: str) -> None:
+    got = {}
+    for service in ("relay", "worker"):
+        app = APPS[service]()
+        app.freeze()  # its signals may be sent
+        request = make_mocked_request("OPTIONS", path, app=app)
+        match = await app.router.resolve(request)
+        request._match_info = match
+        response = await match.handler(request)
+        await app.on_response_prepare.send(request, response)
+        got[service] = (response.status, {k: v for k, v in response.headers.items()
+                                          if k.startswith("Access-Control-")})  # fmt: skip
+    assert got["worker"] == got["relay"]
+    assert got["worker"][0] == 204
+    assert got["worker"][1]["Access-Control-Allow-Origin"] == "*"
+
+
+async def test_the_workers_cross_origin_answers_name_the_origin_and_no_other_route() -> None:
+    app = worker_app(WorkerConfig(cors_origin="https://app.example"))
+    app.freeze()
+    for path, crossed in [
+        ("/v1/responses/resp_x?stream=true", True),
+        ("/v1/sessions/s/messages", False),
+        ("/v1/chat/completions", False),
+    ]:
+        request = make_mocked_request("GET", path, app=app)
+        request._match_info = await app.router.resolve(request)
+        response = web.Response()
+        await app.on_response_prepare.send(request, response)
+        origin = response.headers.get("Access-Control-Allow-Origin")
+        assert origin == ("https://app.example" if crossed else None), path
