@@ -14,7 +14,8 @@ behaviour under this configuration:
 - a session-creation flood from one address gets 429 with ``Retry-After`` past the
   burst while another address still gets 201;
 - Durable Streams reach a real relay (on the local cluster): PUT, POST, a catch-up GET,
-  a long-poll woken by an append, a chat session read as a stream.
+  a long-poll woken by an append, a chat session read as a stream;
+- a path no route has gets nginx's own JSON 404, in the shape of the path's front.
 
 Each stand-in test keeps a bystander stream from another loopback address (127.0.0.2) open
 throughout; it must keep receiving events. The configuration is also checked by
@@ -372,6 +373,32 @@ async def test_a_durable_stream_round_trip_through_nginx(
 
 
 # -- the file, read -----------------------------------------------------------------------
+
+
+async def test_a_path_no_route_has_gets_a_json_404_in_its_fronts_shape(tmp_path: Path) -> None:
+    """nginx answers it itself: OpenAI's error body under the OpenAI-compatible fronts'
+    paths, tokenrelay's own anywhere else, as the relays and workers answer it."""
+    cases = [("/nope", False), ("/v1/x", False), ("/v1/chat/x", False),
+             ("/v1/sessions/s/x", False), ("/v1/chat/completions/x", True),
+             ("/v1/models/x", True), ("/v1/responses/r/x", True)]  # fmt: skip
+    async with (
+        upstream("ok") as (relay, relay_port),
+        upstream("ok") as (worker, worker_port),
+        nginx(tmp_path, [relay_port], [worker_port]) as ng,
+        client() as http,
+    ):
+        for path, openai_shaped in cases:
+            async with http.post(ng.base + path, data=b"{}") as r:
+                assert (r.status, r.content_type) == (404, "application/json"), path
+                body = await r.json()
+            if openai_shaped:
+                assert body["error"]["type"] == "invalid_request_error", path
+                assert body["error"]["code"] == "not_found", path
+                assert body["error"]["message"], path
+            else:
+                assert body["error"] == "not_found", path
+                assert body["reason"], path
+    assert relay.hits == worker.hits == 0
 
 
 def test_only_stream_locations_retry_5xx_and_no_location_retries_a_post() -> None:
