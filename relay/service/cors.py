@@ -46,12 +46,12 @@ def allow(headers: MutableMapping[str, str], origin: str) -> None:
 def preflight(origin: str) -> Handler:
     """The handler of a cross-origin route's ``OPTIONS``: 204 with :data:`PREFLIGHT`."""
 
-    async def handler(request: web.Request) -> web.Response:
+    async def answer_preflight(request: web.Request) -> web.Response:
         response = web.Response(status=204, headers=PREFLIGHT)
         allow(response.headers, origin)
         return response
 
-    return handler
+    return answer_preflight
 
 
 def allow_on(paths: Collection[str], origin: str) -> Signal:
