@@ -245,6 +245,25 @@ def test_nginx_refuses_an_unrouted_path_in_its_fronts_shape() -> None:
         assert _shape_ok(path, 404, json.loads(body)), (path, body)
 
 
+def test_nginx_refuses_a_streams_other_method_as_a_relay_does() -> None:
+    """A stream location lets only its routes' methods through (limit_except); what it
+    refuses becomes the relays' 405 with Allow, in their shape, not nginx's 403 page."""
+    named = {b.words[1]: b for b in NGINX.server.find("location") if b.words[1][0] == "@"}
+    for r in ROUTES:
+        if r.door is not Door.STREAM:
+            continue
+        loc = NGINX.location(routes.sample(r.path))
+        assert loc is not None, r.name
+        pages = {b.words[1]: b.words[-1] for b in loc.find("error_page")}
+        assert "429" in pages, "a location's error_page would drop the server's 429 page"
+        target = named[pages["403"].removeprefix("=").strip()]
+        ((status, body),) = [b.words[1:] for b in target.find("return")]
+        headers = {b.words[1]: b.words[2] for b in target.find("add_header")}
+        assert status == "405", r.name
+        assert headers["Allow"] == ",".join(sorted(r.methods)), r.name
+        assert _shape_ok(routes.sample(r.path), 405, json.loads(body)), r.name
+
+
 # -- docs/openapi.yaml ---------------------------------------------------------------------
 
 
