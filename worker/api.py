@@ -60,7 +60,6 @@ from relay.service.httpbody import read_body, read_json, refused
 from relay.service.httpguard import ConnLimits, guard_app
 from relay.service.jsonbody import BodyRefused, ClientGone
 from relay.service.register import add_routes
-from relay.service.routes import of_service, template
 from worker import controls
 from worker.access import BadTokenRequest, RateLimited, parse_token_request
 from worker.chat import direct
@@ -395,8 +394,7 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
     })  # fmt: skip
     # the routes a browser reads from another origin (a resumed Responses stream through
     # a door that routes by path): their answers name the allowed origin, as a relay's
-    cross_origin = {template(r.path) for r in of_service("worker") if "OPTIONS" in r.methods}
-    app.on_response_prepare.append(cors.allow_on(cross_origin, cfg.cors_origin))
+    app.on_response_prepare.append(cors.allow_on(cors.paths("worker"), cfg.cors_origin))
     limits = ConnLimits(
         head_timeout_s=cfg.head_timeout_s,
         body_timeout_s=cfg.body_timeout_s,

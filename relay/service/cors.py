@@ -11,7 +11,7 @@ protocol's preflight: :mod:`relay.durable.http`).
 Order of use: register :func:`preflight` (given the process's allowed origin, the
 ``--cors-origin`` setting) as the route's ``OPTIONS`` handler; put :func:`allow` on its
 answers (a relay: on every answer, from its response-prepare signal; a worker: with
-:func:`allow_on`, on the answers of its cross-origin routes only).
+``allow_on(paths("worker"), origin)``, on the answers of its cross-origin routes only).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from typing import Final
 from aiohttp import hdrs, web
 
 from relay.service.register import Handler
+from relay.service.routes import of_service, template
 
-__all__ = ["EXPOSED", "PREFLIGHT", "allow", "allow_on", "preflight"]
+__all__ = ["EXPOSED", "PREFLIGHT", "allow", "allow_on", "paths", "preflight"]
 
 EXPOSED: Final = "X-Relay-Id"  # the relay that serves a stream, readable by scripts
 PREFLIGHT: Final = {
@@ -52,6 +53,11 @@ def preflight(origin: str) -> Handler:
         return response
 
     return answer_preflight
+
+
+def paths(service: str) -> frozenset[str]:
+    """The path patterns (``/v1/responses/{rid}``) of ``service``'s cross-origin routes."""
+    return frozenset(template(r.path) for r in of_service(service) if "OPTIONS" in r.methods)
 
 
 def allow_on(paths: Collection[str], origin: str) -> Signal:
