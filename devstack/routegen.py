@@ -24,6 +24,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
+import orjson
+
+from relay.protocol.codes import Refusal
+from relay.protocol.responses import error_body
+from relay.service.errors import OPENAI_SHAPED
 from relay.service.routes import ROUTES, Door, Route, regex
 
 __all__ = [
@@ -42,6 +47,8 @@ NGINX: Final = ROOT / "deploy" / "nginx.conf"
 INGRESS: Final = ROOT / "deploy" / "k8s" / "base" / "ingress.yaml"
 UPSTREAM: Final = {"relay": "relays", "worker": "workers"}  # nginx's upstream blocks
 SERVICE: Final = {"relay": "tokenrelay-relay", "worker": "tokenrelay-worker"}  # k8s Services
+_STREAM_METHOD: Final = "@stream_method"  # the stream location's 405
+NO_ROUTE: Final = "no route for this path"  # a door's 404: the reason it gives
 _GEN: Final = "generated from relay/service/routes.py by `python -m devstack.routegen`"
 MARKS: Final = {"maps": ("# BEGIN ROUTE MAPS", "# END ROUTE MAPS"),
                  "routes": ("# BEGIN ROUTES", "# END ROUTES")}  # fmt: skip
@@ -209,12 +216,60 @@ def nginx_locations() -> str:
         body = [d.replace("{proxy_pass}", f"proxy_pass http://{upstream};") for d in directives]
         if door is Door.STREAM:  # only the methods of its routes reach a relay's stream
             methods = " ".join(dict.fromkeys(m for r in routes for m in r.methods))
-            body.insert(0, f"limit_except {methods} {{ deny all; }}")
+            body[:0] = [f"limit_except {methods} {{ deny all; }}",
+                        f"error_page 403 = {_STREAM_METHOD};   # that refusal: a JSON 405",
+                        "error_page 429 = @too_many;   # (a location's error_page drops the "
+                        "server's)"]  # fmt: skip
         out += [""] + [f"# {c}" for c in comment.splitlines()]
         out += textwrap.wrap("routes: " + " ".join(r.name for r in routes), 86,
                              initial_indent="# ", subsequent_indent="#   ")  # fmt: skip
         out += [head + " {", *(f"    {d}" for d in body), "}"]
+    out += ["", *_stream_method(), "", *_openai_unrouted()]
     return "".join(f"        {line}\n" if line else "\n" for line in out[1:])
+
+
+def _stream_method() -> list[str]:
+    """The named location that turns the stream location's ``limit_except`` refusal into
+    the relays' own answer to that request: 405 ``method_not_allowed`` with ``Allow``."""
+    routes = _routes([Door.STREAM])
+    if any(r.front in OPENAI_SHAPED for r in routes):
+        raise ValueError("a stream location of an OpenAI-shaped front needs OpenAI's 405")
+    methods = sorted({m for r in routes for m in r.methods})
+    body = orjson.dumps({"error": Refusal.METHOD_NOT_ALLOWED.value,
+                         "reason": f"a stream takes {', '.join(methods)}"}).decode()  # fmt: skip
+    return [
+        "# A stream location's refusal of another method (its limit_except), as a relay",
+        "# answers it: 405 with Allow, in tokenrelay's JSON shape.",
+        f"location {_STREAM_METHOD} {{",
+        "    default_type application/json;",
+        f'    add_header Allow "{",".join(methods)}" always;',
+        f"    return 405 '{body}';",
+        "}",
+    ]
+
+
+def _openai_unrouted() -> list[str]:
+    """The location that answers a path under the OpenAI-shaped fronts' paths that no
+    route above takes: 404 in OpenAI's error shape, as the workers and relays answer it
+    (:func:`relay.service.errors.unrouted`); any other path meets the file's own JSON 404."""
+    heads = dict.fromkeys(r.path.split("{", 1)[0].rstrip("/") for r in ROUTES
+                          if r.front in OPENAI_SHAPED)  # fmt: skip
+    pattern = "^(?:" + "|".join(regex(h) for h in heads) + ")(?:/|$)"
+    if re.search(r"[\s{};'\"]", pattern):
+        raise ValueError(f"{pattern!r} needs quoting in nginx.conf")
+    body = orjson.dumps(error_body(NO_ROUTE, "invalid_request_error", Refusal.NOT_FOUND.value),
+                        option=orjson.OPT_SORT_KEYS).decode()  # fmt: skip
+    if "'" in body or "$" in body:
+        raise ValueError(f"{body!r} needs escaping in nginx.conf")
+    return [
+        "# A path under the OpenAI-compatible fronts' paths that no location above takes:",
+        "# a 404 in OpenAI's error shape, which their SDKs parse (any other path: the JSON",
+        "# 404 at the end of the file, in tokenrelay's own shape).",
+        f"location ~ {pattern} {{",
+        "    default_type application/json;",
+        f"    return 404 '{body}';",
+        "}",
+    ]
 
 
 def ingress_objects() -> str:

@@ -53,7 +53,7 @@ from relay.broker.errors import RedisCommandError, RelayError
 from relay.broker.rediscluster.errors import map_redis_errors
 from relay.protocol.codes import Refusal
 from relay.protocol.keys import idem_key, new_session_id
-from relay.service import openapi, settings
+from relay.service import cors, openapi, settings
 from relay.service.clientaddr import parse_networks
 from relay.service.errors import RETRY_AFTER, Reject, admin_refused, refusal, retry_after
 from relay.service.httpbody import read_body, read_json, refused
@@ -383,7 +383,7 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
         "sessions.token": _mint_token,
         **controls.handlers(),  # stop, messages, delete (worker/controls.py)
         **gateway.handlers(),  # POST /v1/chat/completions, GET /v1/models
-        **responses.handlers(),  # /v1/responses: OpenAI's Responses API
+        **responses.handlers(cfg.cors_origin),  # /v1/responses: OpenAI's Responses API
         **jobs_api.handlers(),  # POST /v1/jobs, GET /v1/jobs/{id} (404 without --amqp)
         **aisdk.handlers(),  # POST /v1/chat: the Vercel AI SDK's chat
         "healthz": _healthz,
@@ -392,6 +392,9 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
         "router": _router_view,
         "openapi": openapi.handler("worker"),  # docs/openapi.yaml
     })  # fmt: skip
+    # the routes a browser reads from another origin (a resumed Responses stream through
+    # a door that routes by path): their answers name the allowed origin, as a relay's
+    app.on_response_prepare.append(cors.allow_on(cors.paths("worker"), cfg.cors_origin))
     limits = ConnLimits(
         head_timeout_s=cfg.head_timeout_s,
         body_timeout_s=cfg.body_timeout_s,

@@ -37,6 +37,7 @@ from relay.service.settings import (
     BacklogMaxBytes,
     BacklogMaxlen,
     BodyTimeout,
+    CorsOrigin,
     FailFast,
     HeadTimeout,
     Host,
@@ -221,6 +222,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
             "(repeatable; comma-separated in the environment); without one the gateway "
             "answers 401", flag="--gateway-key", metavar="KEY"),
     ] = ()  # fmt: skip
+    # a resumed Responses stream read from another origin through a door that routes by
+    # path only reaches a worker: its preflight and answers name this origin (as a relay's)
+    cors_origin: CorsOrigin = "*"
     admit_wait_s: Annotated[
         float, opt("how long a turn waits for an engine slot before 429 (below the session "
                    "lock's TTL, which it holds meanwhile)", ge=0, lt=LOCK_TTL_S)

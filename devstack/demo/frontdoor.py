@@ -47,6 +47,7 @@ import aiohttp
 from aiohttp import WSMsgType, web
 from multidict import CIMultiDict
 
+from relay.service.register import refuse_unrouted
 from relay.service.routes import Kind, Route, public_by_path, select
 
 __all__ = ["CONTROL_HEADER", "FrontDoor", "make_frontdoor_app", "same_origin"]
@@ -351,6 +352,9 @@ def make_frontdoor_app(door: FrontDoor) -> web.Application:
         resource = app.router.add_resource(path)
         for method in dict.fromkeys(m for r in routes for m in r.methods):
             resource.add_route(method, functools.partial(door.proxy, routes))
+    # what no route takes: 404 / 405 in the refusal shape of the path's front, as the
+    # relays and workers answer it (relay.service.register)
+    refuse_unrouted(app)
     app.on_startup.append(door.on_startup)
     app.on_cleanup.append(door.on_cleanup)
     return app

@@ -32,6 +32,7 @@ from relay.service.settings import (
     BacklogMaxlen,
     BodyTimeout,
     ConfigError,
+    CorsOrigin,
     FailFast,
     HeadTimeout,
     Host,
@@ -117,7 +118,7 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_connections_per_address: MaxConnectionsPerAddress = 512
     max_connections: Annotated[int, opt("streams at once; more get 503", ge=1)] = 10_000
     ws_max_message_bytes: Annotated[int, opt("largest WS client message", ge=16)] = 4096
-    cors_origin: Annotated[str, opt("Access-Control-Allow-Origin")] = "*"
+    cors_origin: CorsOrigin = "*"
     max_streams_per_token: Annotated[
         int, opt("open streams per token; more get 429; 0: no limit", ge=0)
     ] = 16

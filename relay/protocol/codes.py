@@ -65,6 +65,9 @@ class Refusal(enum.StrEnum):
     ADMIN_KEY_INVALID = "admin_key_invalid"  # 403: another key
     ADMIN_LOOPBACK_ONLY = "admin_loopback_only"  # 403: no admin key set, not a local request
     HEAD_TIMEOUT = "head_timeout"  # the request head did not arrive in time (408)
+    # -- any path: no route (relay.service.register; the front doors answer the same) -------
+    NOT_FOUND = "not_found"  # 404: no route has the path
+    METHOD_NOT_ALLOWED = "method_not_allowed"  # 405: the path's routes lack the method (Allow)
     # -- any route: the HTTP guard (relay.service.httpguard) --------------------------------
     TOO_MANY_CONNECTIONS = "too_many_connections"  # the peer address's connection cap (429)
     UNSUPPORTED_WS_VERSION = "unsupported_ws_version"  # Sec-WebSocket-Version is not 13 (426)

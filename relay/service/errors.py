@@ -10,6 +10,9 @@ Responses API, on the worker and the relay) answer in OpenAI's own error shape i
 because the SDKs parse that one: :func:`openai_refusal`, the one function that writes it.
 Durable Streams answers as its protocol does, the reason as plain text:
 :func:`text_refusal`.
+A path no route has, or a method its routes lack, is answered by :func:`unrouted` in
+the shape of the front the path belongs to (:func:`relay.service.routes.front_of`):
+OpenAI's for the OpenAI and Responses fronts, this one for every other path.
 
 Order of use::
 
@@ -27,16 +30,19 @@ Order of use::
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 import orjson
 from aiohttp import hdrs, web
 
+from relay.protocol.codes import Refusal
 from relay.protocol.responses import error_body
 from relay.service.admin import ADMIN_REALM, admin_refusal
+from relay.service.routes import Front, front_of
 
 __all__ = [
+    "OPENAI_SHAPED",
     "RETRY_AFTER",
     "Reject",
     "admin_refused",
@@ -44,9 +50,13 @@ __all__ = [
     "refusal",
     "retry_after",
     "text_refusal",
+    "unrouted",
 ]
 
 RETRY_AFTER: Final = {"Retry-After": "1"}
+# the fronts whose clients (OpenAI's SDKs) parse OpenAI's error body
+OPENAI_SHAPED: Final = frozenset({Front.OPENAI, Front.RESPONSES})
+_PATH_SAID: Final = 120  # characters of a refused path said back in its reason
 
 
 def retry_after(seconds: float) -> dict[str, str]:
@@ -116,3 +126,20 @@ def admin_refused(request: web.Request, key: bytes | None) -> Reject | None:
         return None
     headers = {"WWW-Authenticate": ADMIN_REALM} if refused.status == 401 else None
     return Reject(refused.status, refused.error, refused.reason, headers)
+
+
+def unrouted(method: str, path: str, allow: Iterable[str] = ()) -> web.Response:
+    """404 ``not_found`` (no route has ``path``), or with ``allow`` (the methods the
+    path's routes take) 405 ``method_not_allowed`` with its ``Allow`` header; in the
+    shape of the front ``path`` belongs to."""
+    said = f"{method} {path[:_PATH_SAID]}"
+    methods = sorted(allow)
+    if methods:
+        status, code = 405, Refusal.METHOD_NOT_ALLOWED
+        reason = f"{said}: this path takes {', '.join(methods)}"
+        headers: dict[str, str] | None = {hdrs.ALLOW: ",".join(methods)}
+    else:
+        status, code, reason, headers = 404, Refusal.NOT_FOUND, f"no route for {said}", None
+    if front_of(path) in OPENAI_SHAPED:
+        return openai_refusal(status, reason, code=code.value, headers=headers)
+    return refusal(status, code, reason, headers)

@@ -18,7 +18,8 @@ policy: the nginx location and the Ingress object it lands in). Everything else 
 One path may be served by two services only when a query parameter tells them apart
 (``GET /v1/responses/{rid}?stream=true``: the relays; the rest of that path: the
 workers); a door that cannot read the query (a Kubernetes Ingress) sends the path to the
-service of its unconditional routes, which serves that request too.
+service of its unconditional routes, which serves that request too (a cross-origin
+preflight included: :mod:`relay.service.cors`).
 
 Operator routes (``/healthz``, ``/readyz``, ``/metrics``, ``/openapi.json``,
 ``/v1/router``) are each process's own: in the table (each app registers them from it)
@@ -31,6 +32,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cache
 from typing import Final, Literal
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "RouteTableError",
     "Service",
     "check_handlers",
+    "front_of",
     "match",
     "of_service",
     "public",
@@ -158,7 +161,9 @@ ROUTES: Final[tuple[Route, ...]] = (
     Route("responses.create", ("POST",), "/v1/responses", "worker", R, Door.RESPONSES, S),
     Route("responses.stream", _GO, f"/v1/responses/{_RID}", "relay", R, Door.RESPONSES, S,
           _STREAM_Q),
-    Route("responses.get", ("GET",), f"/v1/responses/{_RID}", "worker", R, Door.RESPONSES, S),
+    # ... and the rest from a worker, which serves that stream too (and its preflight) to a
+    # door that routes by path only
+    Route("responses.get", _GO, f"/v1/responses/{_RID}", "worker", R, Door.RESPONSES, S),
     Route("responses.delete", ("DELETE",), f"/v1/responses/{_RID}", "worker", R, Door.RESPONSES),
     Route("responses.cancel", ("POST",), f"/v1/responses/{_RID}/cancel", "worker", R,
           Door.RESPONSES),
@@ -247,6 +252,31 @@ def match(method: str, path: str, query: Mapping[str, str]) -> Route | None:
         if re.fullmatch(regex(pattern), path):
             return select(routes, method, query)
     return None
+
+
+@cache
+def _heads() -> tuple[tuple[re.Pattern[str], str, Front], ...]:
+    """Each route's full-match regex, its literal head (the pattern before its first
+    parameter, without a trailing slash) and its front, in table order."""
+    return tuple(
+        (re.compile(regex(r.path)), r.path.split("{", 1)[0].rstrip("/"), r.front) for r in ROUTES
+    )
+
+
+def front_of(path: str) -> Front | None:
+    """The front a request path belongs to, whether or not a route serves it: the front
+    of the route whose pattern it matches, else of the route whose literal head it
+    extends by whole segments, the longest head first (``/v1/chat/completions/x``:
+    OpenAI's, ``/v1/chat/x``: the AI SDK's); None: no route's (``/v1/x``)."""
+    heads = _heads()
+    for pattern, _, front in heads:
+        if pattern.fullmatch(path):
+            return front
+    best: tuple[int, Front] | None = None
+    for _, head, front in heads:
+        if (path == head or path.startswith(head + "/")) and (best is None or len(head) > best[0]):
+            best = (len(head), front)
+    return None if best is None else best[1]
 
 
 def check_handlers(service: str, names: Iterable[str]) -> None:

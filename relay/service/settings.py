@@ -74,6 +74,7 @@ __all__ = [
     "BacklogMaxlen",
     "BodyTimeout",
     "ConfigError",
+    "CorsOrigin",
     "FailFast",
     "HeadTimeout",
     "Host",
@@ -426,6 +427,8 @@ SessionTTL = Annotated[
     int, opt("a session's lifetime in Redis after its last write, seconds (relays and "
              "workers must agree)", ge=1)
 ]  # fmt: skip
+# the cross-origin routes' allowed origin (relay.service.cors)
+CorsOrigin = Annotated[str, opt("Access-Control-Allow-Origin")]
 # the HTTP guard of relay.service.httpguard: deadlines and the per-address cap
 HeadTimeout = Annotated[
     float, opt("408 for a request head slower than this from its first byte (the first "

@@ -14,7 +14,8 @@ behaviour under this configuration:
 - a session-creation flood from one address gets 429 with ``Retry-After`` past the
   burst while another address still gets 201;
 - Durable Streams reach a real relay (on the local cluster): PUT, POST, a catch-up GET,
-  a long-poll woken by an append, a chat session read as a stream.
+  a long-poll woken by an append, a chat session read as a stream;
+- a path no route has gets nginx's own JSON 404, in the shape of the path's front.
 
 Each stand-in test keeps a bystander stream from another loopback address (127.0.0.2) open
 throughout; it must keep receiving events. The configuration is also checked by
@@ -58,7 +59,8 @@ BYSTANDER_ADDR = "127.0.0.2"
 @dataclass
 class Upstream:
     """``mode``: "stream" (200 SSE, an event every 50 ms until the client leaves),
-    "draining" (503 like a draining relay), "ok" (201 JSON), "die" (reads the request,
+    "draining" (503 like a draining relay), "ok" (201 JSON), "forbidden" (403 JSON like a
+    relay refusing a token), "die" (reads the request,
     then drops the connection without an answer: a worker killed mid-request)."""
 
     mode: str
@@ -75,6 +77,8 @@ class Upstream:
             return web.json_response({"error": "draining"}, status=503)
         if self.mode == "ok":
             return web.json_response({"session": "s", "token": "t"}, status=201)
+        if self.mode == "forbidden":
+            return web.json_response({"error": "token_invalid", "reason": "r"}, status=403)
         if self.mode == "die":
             assert request.transport is not None
             request.transport.close()
@@ -250,9 +254,11 @@ async def test_a_draining_relay_is_skipped_and_a_post_is_never_retried(tmp_path:
         seen = dying.bodies + dying2.bodies
         assert 1 <= len(seen) == len(set(seen)) <= 4, seen
         assert set(dying.methods + dying2.methods) == {"POST"}
-        # a stream location takes GET (and a CORS preflight) only
+        # a stream location takes GET (and a CORS preflight) only: another method gets
+        # the relays' own 405, with Allow, as JSON
         async with http.post(f"{ng.base}/v1/sessions/s0/events") as r:
-            assert r.status == 403
+            assert (r.status, r.headers["Allow"]) == (405, "GET,OPTIONS")
+            assert (await r.json())["error"] == "method_not_allowed"
         async with http.options(f"{ng.base}/v1/sessions/s0/events") as r:
             assert r.status != 403
         # tokens in query strings stay out of the access log
@@ -372,6 +378,47 @@ async def test_a_durable_stream_round_trip_through_nginx(
 
 
 # -- the file, read -----------------------------------------------------------------------
+
+
+async def test_a_path_no_route_has_gets_a_json_404_in_its_fronts_shape(tmp_path: Path) -> None:
+    """nginx answers it itself: OpenAI's error body under the OpenAI-compatible fronts'
+    paths, tokenrelay's own anywhere else, as the relays and workers answer it."""
+    cases = [("/nope", False), ("/v1/x", False), ("/v1/chat/x", False),
+             ("/v1/sessions/s/x", False), ("/v1/chat/completions/x", True),
+             ("/v1/models/x", True), ("/v1/responses/r/x", True)]  # fmt: skip
+    async with (
+        upstream("ok") as (relay, relay_port),
+        upstream("ok") as (worker, worker_port),
+        nginx(tmp_path, [relay_port], [worker_port]) as ng,
+        client() as http,
+    ):
+        for path, openai_shaped in cases:
+            async with http.post(ng.base + path, data=b"{}") as r:
+                assert (r.status, r.content_type) == (404, "application/json"), path
+                body = await r.json()
+            if openai_shaped:
+                assert body["error"]["type"] == "invalid_request_error", path
+                assert body["error"]["code"] == "not_found", path
+                assert body["error"]["message"], path
+            else:
+                assert body["error"] == "not_found", path
+                assert body["reason"], path
+    assert relay.hits == worker.hits == 0
+
+
+async def test_a_relays_own_403_on_a_stream_passes_through(tmp_path: Path) -> None:
+    """The stream location turns its own 403 (another method) into a 405; a relay's 403
+    (a token refused) reaches the client as the relay wrote it."""
+    async with (
+        upstream("forbidden") as (relay, relay_port),
+        upstream("ok") as (_, worker_port),
+        nginx(tmp_path, [relay_port], [worker_port]) as ng,
+        client() as http,
+        http.get(f"{ng.base}/v1/sessions/s/events?token=x") as r,
+    ):
+        assert r.status == 403
+        assert await r.json() == {"error": "token_invalid", "reason": "r"}
+    assert relay.hits == 1
 
 
 def test_only_stream_locations_retry_5xx_and_no_location_retries_a_post() -> None:

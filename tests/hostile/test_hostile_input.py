@@ -62,7 +62,7 @@ async def test_malformed_json_bodies_get_400_with_the_documented_error(cluster, 
             )
             assert (status, body.get("error")) == (400, error), (raw[:40], body)
             assert body["reason"]
-        # the relay takes no body at all: any other method is aiohttp's 405
+        # the relay takes no body at all: any other method is the registration's 405
         for method in ("POST", "PUT", "DELETE"):
             async with env.relay.http.request(
                 method, env.relay.url(sid), data=b'{"x":', headers={"Content-Type": "text/x"}

@@ -39,7 +39,7 @@ from relay.edge.http.app import make_runner
 from relay.edge.http.server import EdgeServer
 from relay.protocol.auth import issue_token
 from relay.protocol.keys import new_session_id
-from relay.service import openapi
+from relay.service import cors, openapi
 from tests.support.cli import run_cli
 from tests.support.worker import SECRET, Harness
 from worker import api as worker_api
@@ -70,7 +70,7 @@ def _routed(app: web.Application) -> dict[tuple[str, str], Callable[..., Any]]:
     beside each GET are left out (they answer like the GET without a body)."""
     out: dict[tuple[str, str], Callable[..., Any]] = {}
     for route in app.router.routes():
-        if route.resource is None:
+        if route.resource is None or route.method == "*":  # the refusals of what no route takes
             continue
         info = route.resource.get_info()
         path = info.get("path") or info.get("formatter")
@@ -154,9 +154,10 @@ def _codes(fn: Callable[..., Any], scope: dict[str, Any], seen: set[str]) -> set
 
 
 def _scope(service: str) -> dict[str, Any]:
+    shared = {"answer_preflight": cors.preflight("*")}  # both services' stream preflights
     if service == "relay":
-        return {n: getattr(EdgeServer, n) for n, _ in inspect.getmembers(EdgeServer)}
-    return {n: v for n, v in vars(worker_api).items() if inspect.isfunction(v)}
+        return {n: getattr(EdgeServer, n) for n, _ in inspect.getmembers(EdgeServer)} | shared
+    return {n: v for n, v in vars(worker_api).items() if inspect.isfunction(v)} | shared
 
 
 @pytest.mark.parametrize("service", openapi.SERVICES)

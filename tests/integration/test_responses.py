@@ -21,6 +21,7 @@ from pydantic import BaseModel, TypeAdapter
 from relay.broker.rediscluster.publisher import read_backlog
 from relay.protocol.frame import decode
 from relay.protocol.responses import parse_response_id
+from relay.service import cors
 from tests.support.worker import Harness, expected_reply
 
 pytestmark = pytest.mark.integration
@@ -123,6 +124,30 @@ async def test_a_streamed_response_is_every_event_in_order(
     assert [e.to_dict() for e in replay] == [e.to_dict() for e in events]
     tail = await collect(await client.responses.retrieve(rid, stream=True, starting_after=5))
     assert [e.to_dict() for e in tail] == [e.to_dict() for e in events[6:]]
+
+
+async def test_a_worker_serves_a_resumed_stream_to_another_origin_as_a_relay_does(
+    gw: tuple[Harness, openai.AsyncOpenAI],
+) -> None:
+    """A door that routes by path only (a Kubernetes Ingress) sends a cross-origin
+    resume, its preflight and its GET, to a worker: both answer as a relay's would."""
+    h, client = gw
+    done = await client.responses.create(model=MODEL, input="Name a sea.", max_output_tokens=8)
+    assert h.http is not None
+    url = h.url(f"/v1/responses/{done.id}?stream=true")
+    asked = {"Origin": "https://app.example", "Access-Control-Request-Method": "GET",
+             "Access-Control-Request-Headers": "authorization"}  # fmt: skip
+    async with h.http.options(url, headers=asked) as r:
+        assert r.status == 204
+        for name, value in cors.PREFLIGHT.items():
+            assert r.headers[name] == value, name
+        assert r.headers["Access-Control-Allow-Origin"] == "*"
+    headers = {"Origin": "https://app.example", "Authorization": f"Bearer {KEY}"}
+    async with h.http.get(url, headers=headers) as r:
+        assert r.status == 200
+        assert r.content_type == "text/event-stream"
+        assert r.headers["Access-Control-Allow-Origin"] == "*"
+        assert (await r.read()).startswith(b"event: response.created\n")
 
 
 async def test_background_and_stream_resumes_where_it_left_off(h: Harness) -> None:

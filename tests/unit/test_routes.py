@@ -15,18 +15,20 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.test_utils import make_mocked_request
 
 from devstack import doors, routegen
 from devstack.demo import frontdoor
 from relay.edge.config import RelayConfig
 from relay.edge.http.app import make_app as relay_app
-from relay.service import register, routes
+from relay.service import errors, register, routes
 from relay.service.routes import ROUTES, Door, Kind, RouteTableError
 from worker.api import make_app as worker_app
 from worker.config import WorkerConfig
@@ -85,7 +87,8 @@ def test_select_picks_by_query_and_sends_a_method_only_one_route_has() -> None:
     pick = {
         (m, q): getattr(routes.select(rs, m, dict(q)), "name", None)
         for m, q in [("GET", ()), ("GET", (("stream", "true"),)), ("GET", (("stream", "TRUE"),)),
-                     ("GET", (("stream", "false"),)), ("OPTIONS", ()), ("DELETE", ()),
+                     ("GET", (("stream", "false"),)), ("OPTIONS", ()),
+                     ("OPTIONS", (("stream", "true"),)), ("DELETE", ()),
                      ("PUT", ())]
     }  # fmt: skip
     assert pick == {
@@ -93,7 +96,8 @@ def test_select_picks_by_query_and_sends_a_method_only_one_route_has() -> None:
         ("GET", (("stream", "true"),)): "responses.stream",
         ("GET", (("stream", "TRUE"),)): "responses.stream",
         ("GET", (("stream", "false"),)): "responses.get",
-        ("OPTIONS", ()): "responses.stream",
+        ("OPTIONS", ()): "responses.get",
+        ("OPTIONS", (("stream", "true"),)): "responses.stream",
         ("DELETE", ()): "responses.delete",
         ("PUT", ()): None,
     }
@@ -103,7 +107,13 @@ def test_select_picks_by_query_and_sends_a_method_only_one_route_has() -> None:
 
 
 def _routed(app: web.Application) -> set[tuple[str, str]]:
-    return {(r.method, r.resource.canonical) for r in app.router.routes() if r.resource}
+    """The app's routes, less those :func:`relay.service.register.refuse_unrouted` adds
+    (any method: the refusals of what no route takes)."""
+    return {
+        (r.method, r.resource.canonical)
+        for r in app.router.routes()
+        if r.resource and r.method != hdrs.METH_ANY
+    }
 
 
 def _table(service: str) -> set[tuple[str, str]]:
@@ -129,6 +139,129 @@ def test_registration_fails_on_a_missing_or_extra_handler_or_method() -> None:
         register.add_routes(web.Application(), "worker", {**names, "jobs.list": _ok})
     with pytest.raises(RouteTableError, match=r"jobs\.get: handlers for"):
         register.add_routes(web.Application(), "worker", {**names, "jobs.get": {"GET": _ok}})
+
+
+# -- what no route takes: refused in the path's front's shape ----------------------------------
+
+UNROUTED = ["/", "/nope", "/v1", "/v1/x", "/healthz/x", *NOT_ROUTES]
+
+
+def test_front_of_says_whose_path_it_is() -> None:
+    for r in ROUTES:
+        assert routes.front_of(routes.sample(r.path)) is r.front, r.name
+    assert routes.front_of("/v1/chat/completions/x") is routes.Front.OPENAI
+    assert routes.front_of("/v1/models/x") is routes.Front.OPENAI
+    assert routes.front_of("/v1/responses/r/x") is routes.Front.RESPONSES
+    assert routes.front_of("/v1/responses") is routes.Front.RESPONSES
+    assert routes.front_of("/v1/chat/x") is routes.Front.AISDK
+    assert routes.front_of("/v1/stream") is routes.Front.DURABLE
+    assert routes.front_of("/v1/sessions/s/x") is routes.Front.WIRE
+    for path in ("/", "/nope", "/v1", "/v1/x", "/v1/modelsx", "/v1/responsesx"):
+        assert routes.front_of(path) is None, path
+
+
+def _shape_ok(path: str, status: int, body: Any) -> bool:
+    """The refusal shape of ``path``'s front: OpenAI's for its two fronts, else ours."""
+    if routes.front_of(path) in errors.OPENAI_SHAPED:
+        err = body["error"]
+        return (
+            set(err) >= {"message", "type", "code"}
+            and err["type"] == "invalid_request_error"
+            and err["code"] == ("not_found" if status == 404 else "method_not_allowed")
+        )
+    return body["error"] == ("not_found" if status == 404 else "method_not_allowed") and bool(
+        body["reason"]
+    )
+
+
+async def _answer(app: web.Application, method: str, path: str) -> web.Response:
+    request = make_mocked_request(method, path, app=app)
+    match = await app.router.resolve(request)
+    assert match.http_exception is None, (method, path, "aiohttp's own plain-text answer")
+    request._match_info = match  # as aiohttp's request handler sets it
+    response = await match.handler(request)
+    assert isinstance(response, web.Response)
+    return response
+
+
+APPS = {
+    "relay": lambda: relay_app(RelayConfig(insecure_no_auth=True)),
+    "worker": lambda: worker_app(WorkerConfig()),
+}
+
+
+@pytest.mark.parametrize("service", ["relay", "worker"])
+async def test_the_apps_refuse_an_unrouted_path_in_its_fronts_shape(service: str) -> None:
+    app = APPS[service]()
+    for path in UNROUTED:
+        for method in ("GET", "POST", "DELETE"):
+            resp = await _answer(app, method, path)
+            assert resp.status == 404, (method, path)
+            assert resp.content_type == "application/json"
+            assert isinstance(resp.body, bytes)
+            assert _shape_ok(path, 404, json.loads(resp.body)), (method, path, resp.body)
+
+
+@pytest.mark.parametrize("service", ["relay", "worker"])
+async def test_the_apps_refuse_a_wrong_method_with_allow_in_its_fronts_shape(service: str) -> None:
+    app = APPS[service]()
+    by_path: dict[str, set[str]] = {}
+    for r in routes.of_service(service):
+        by_path.setdefault(r.path, set()).update(r.methods)
+    for pattern, methods in by_path.items():
+        path = routes.sample(pattern)
+        for method in sorted({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH"} - methods):
+            resp = await _answer(app, method, path)
+            assert resp.status == 405, (method, path)
+            assert resp.headers["Allow"] == ",".join(sorted(methods)), (method, path)
+            assert isinstance(resp.body, bytes)
+            assert _shape_ok(path, 405, json.loads(resp.body)), (method, path, resp.body)
+
+
+async def test_the_front_door_refuses_an_unrouted_path_in_its_fronts_shape() -> None:
+    app = frontdoor.make_frontdoor_app(frontdoor.FrontDoor(list, list))
+    for path in UNROUTED:
+        if path == "/":
+            continue  # the page
+        resp = await _answer(app, "GET", path)
+        assert resp.status == 404, path
+        assert isinstance(resp.body, bytes)
+        assert _shape_ok(path, 404, json.loads(resp.body)), (path, resp.body)
+    resp = await _answer(app, "PUT", "/v1/chat/completions")
+    assert (resp.status, resp.headers["Allow"]) == (405, "POST")
+    assert isinstance(resp.body, bytes)
+    assert _shape_ok("/v1/chat/completions", 405, json.loads(resp.body))
+
+
+def test_nginx_refuses_an_unrouted_path_in_its_fronts_shape() -> None:
+    for path in UNROUTED:
+        if path == "/":
+            continue  # the page
+        loc = NGINX.location(path)
+        assert loc is not None, path
+        ((status, body),) = [b.words[1:] for b in loc.find("return")]
+        assert status == "404", path
+        assert ["application/json"] in [b.words[1:] for b in loc.find("default_type")], path
+        assert _shape_ok(path, 404, json.loads(body)), (path, body)
+
+
+def test_nginx_refuses_a_streams_other_method_as_a_relay_does() -> None:
+    """A stream location lets only its routes' methods through (limit_except); what it
+    refuses becomes the relays' 405 with Allow, in their shape, not nginx's 403 page."""
+    named = {b.words[1]: b for b in NGINX.server.find("location") if b.words[1][0] == "@"}
+    for r in ROUTES:
+        if r.door is not Door.STREAM:
+            continue
+        loc = NGINX.location(routes.sample(r.path))
+        assert loc is not None, r.name
+        pages = {b.words[1]: b.words[-1] for b in loc.find("error_page")}
+        assert "429" in pages, "a location's error_page would drop the server's 429 page"
+        target = named[pages["403"].removeprefix("=").strip()]
+        ((status, body),) = [b.words[1:] for b in target.find("return")]
+        headers = {b.words[1]: b.words[2] for b in target.find("add_header")}
+        assert status == "405", r.name
+        assert headers["Allow"] == ",".join(sorted(r.methods)), r.name
+        assert _shape_ok(routes.sample(r.path), 405, json.loads(body)), r.name
 
 
 # -- docs/openapi.yaml ---------------------------------------------------------------------
@@ -179,9 +312,8 @@ def test_the_ingress_sends_every_path_to_its_service(req: doors.Request) -> None
         assert got == req.route.service
     else:  # by path only: to the service of the path's unconditional routes
         (default,) = {r.service for r in routes.public_by_path()[req.route.path] if r.query is None}
-        assert got == default
-        if req.method != "OPTIONS":  # which serves the request too (a preflight: see docs)
-            assert routes.select(routes.public_by_path()[req.route.path], req.method, {})
+        assert got == default  # which serves the request too, a preflight included
+        assert routes.select(routes.public_by_path()[req.route.path], req.method, {})
 
 
 @pytest.mark.parametrize("req", REQUESTS, ids=str)
@@ -201,7 +333,7 @@ def test_every_proxying_location_and_ingress_path_is_generated() -> None:
     """A location or Ingress path written by hand beside the generated ones would route
     what the table does not say: there is none."""
     generated = doors.Nginx("http { server { " + routegen.nginx_locations() + " } }")
-    heads = [b.words for b in generated.locations]
+    heads = [b.words for b in generated.locations if any(b.find("proxy_pass"))]
     assert [b.words for b in NGINX.locations if any(b.find("proxy_pass"))] == heads
     paths = [
         p["path"]
@@ -257,17 +389,53 @@ def test_streams_are_unbuffered_and_long_at_every_door(req: doors.Request) -> No
         assert int(ann["nginx.ingress.kubernetes.io/proxy-read-timeout"]) >= 3600
 
 
-def test_every_front_is_reachable_through_every_door() -> None:
-    """The figure ``python -m devstack.doors`` prints: all five fronts at each door (the
-    Ingress routes by path only, so a cross-origin preflight of a resumed Responses stream
-    reaches a worker, which serves the stream but has no CORS: the one request missed)."""
+async def test_every_front_is_reachable_through_every_door() -> None:
+    """The figure ``python -m devstack.doors`` prints: all five fronts at each door, every
+    request (the Ingress routes by path only, so a cross-origin preflight of a resumed
+    Responses stream reaches a worker, which answers it as a relay does)."""
+    answers = {
+        (req.method, req.path_qs): await doors.frontdoor_service(frontdoor, req.method,
+                                                                 req.path_qs)
+        for req in REQUESTS
+    }  # fmt: skip
     where = {
         "nginx": lambda r: NGINX.service(r.method, r.path, r.query),
         "ingress": lambda r: doors.ingress_service(INGRESS, r.path),
+        "frontdoor": lambda r: answers[r.method, r.path_qs],
     }
-    reach = doors.fronts_reachable(where)
-    assert len(reach["nginx"][0]) == 5, reach["nginx"]
-    assert [str(r) for r in reach["ingress"][1]] == [
-        "OPTIONS /v1/responses/rid-1?stream=true (responses.stream)"
-    ]
-    assert len(doors.fronts_reachable(where, preflights=False)["ingress"][0]) == 5
+    for door, (fronts, missed) in doors.fronts_reachable(where).items():
+        assert (len(fronts), missed) == (5, []), door
+
+
+@pytest.mark.parametrize("path", ["/v1/responses/resp_x?stream=true", "/v1/responses/resp_x"])
+async def test_the_worker_answers_a_streams_preflight_as_a_relay_does(path: str) -> None:
+    got = {}
+    for service in ("relay", "worker"):
+        app = APPS[service]()
+        app.freeze()  # its signals may be sent
+        request = make_mocked_request("OPTIONS", path, app=app)
+        match = await app.router.resolve(request)
+        request._match_info = match
+        response = await match.handler(request)
+        await app.on_response_prepare.send(request, response)
+        got[service] = (response.status, {k: v for k, v in response.headers.items()
+                                          if k.startswith("Access-Control-")})  # fmt: skip
+    assert got["worker"] == got["relay"]
+    assert got["worker"][0] == 204
+    assert got["worker"][1]["Access-Control-Allow-Origin"] == "*"
+
+
+async def test_the_workers_cross_origin_answers_name_the_origin_and_no_other_route() -> None:
+    app = worker_app(WorkerConfig(cors_origin="https://app.example"))
+    app.freeze()
+    for path, crossed in [
+        ("/v1/responses/resp_x?stream=true", True),
+        ("/v1/sessions/s/messages", False),
+        ("/v1/chat/completions", False),
+    ]:
+        request = make_mocked_request("GET", path, app=app)
+        request._match_info = await app.router.resolve(request)
+        response = web.Response()
+        await app.on_response_prepare.send(request, response)
+        origin = response.headers.get("Access-Control-Allow-Origin")
+        assert origin == ("https://app.example" if crossed else None), path

@@ -62,6 +62,7 @@ from relay.protocol.responses import (
     parse_response_id,
     response_object,
 )
+from relay.service import cors
 from relay.service.errors import Reject
 from relay.service.httpbody import read_json, refused_openai
 from relay.service.jsonbody import BodyRefused
@@ -457,11 +458,12 @@ async def input_items(request: web.Request) -> web.StreamResponse:
                   "has_more": False})  # fmt: skip
 
 
-def handlers() -> dict[str, Handler]:
-    """The Responses handlers, by their names in relay/service/routes.py."""
+def handlers(cors_origin: str) -> dict[str, Handler | dict[str, Handler]]:
+    """The Responses handlers, by their names in relay/service/routes.py; a response's
+    ``OPTIONS``: the relays' preflight of its stream, allowing ``cors_origin``."""
     return {
         "responses.create": create,
-        "responses.get": retrieve,
+        "responses.get": {"GET": retrieve, "OPTIONS": cors.preflight(cors_origin)},
         "responses.cancel": cancel,
         "responses.delete": delete,
         "responses.input_items": input_items,

@@ -47,7 +47,7 @@ def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
     # The routes come from the table (relay/service/routes.py). A stream's GET has no
     # HEAD: its handler writes its body whatever the method, and a HEAD response has none
     # (RFC 9110 9.3.2); a pooling proxy would hand those bytes to the next client. HEAD
-    # gets aiohttp's 405 (Allow: GET,OPTIONS), headers only.
+    # gets the registration's 405 (Allow: GET,OPTIONS), headers only.
     def stream(handler: StreamHandler) -> dict[str, Handler]:
         return {"GET": functools.partial(handler, server), "OPTIONS": server.preflight}
 

@@ -46,7 +46,7 @@ from typing import Any, Final
 from urllib.parse import parse_qsl
 
 import orjson
-from aiohttp import hdrs, web
+from aiohttp import web
 from multidict import istr
 
 from relay.broker.base import MessageHandler
@@ -64,13 +64,13 @@ from relay.protocol.auth import AuthError
 from relay.protocol.codes import CloseCode, Readiness, Refusal
 from relay.protocol.frame import now_ms
 from relay.protocol.keys import InvalidSessionId, parse_session
-from relay.service import settings
+from relay.service import cors, settings
 from relay.service.clientaddr import BadForwardedFor, client_address, parse_networks
 from relay.service.errors import RETRY_AFTER, Reject, admin_refused
 from relay.service.supervise import QUICK_BACKOFF, Supervisor
 from relay.service.tokens import challenge, request_claims
 
-__all__ = ["CORS_HEADERS", "EdgeServer", "deleted", "query_value"]
+__all__ = ["EdgeServer", "deleted", "query_value"]
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +80,6 @@ _CONNECT_LOG_EVERY: Final = 20  # while Redis stays unreachable at start: one li
 
 WATCH_TIMEOUT_S: Final = 10.0  # subscribe + replay; past it the client gets 503 unavailable
 SHUTDOWN_REASON: Final = "the relay is restarting; reconnect"
-CORS_HEADERS: Final = {
-    "Access-Control-Allow-Headers": "Authorization, Last-Event-ID, Content-Type",
-    "Access-Control-Allow-Methods": "GET, OPTIONS",
-    "Access-Control-Expose-Headers": "X-Relay-Id",
-    "Access-Control-Max-Age": "600",
-}
 
 
 class EdgeServer:
@@ -120,6 +114,7 @@ class EdgeServer:
         self.admin_key = settings.check_admin_key(config.admin_key)  # None: local reads only
         self.trusted = parse_networks(config.trusted_proxies)
         self.guard = StreamGuard(config.max_streams_per_token, config.max_streams_per_address)
+        self.preflight = cors.preflight(config.cors_origin)  # a stream's OPTIONS
         if hub is not None:
             self._bind(hub)
 
@@ -445,14 +440,10 @@ class EdgeServer:
         body, ctype = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": ctype})
 
-    async def preflight(self, request: web.Request) -> web.Response:
-        return web.Response(status=204, headers=CORS_HEADERS)
-
     async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
         headers = response.headers  # istr names: see relay.edge.http.handlers.SSE_HEADERS
         headers[_X_RELAY_ID] = self.config.relay_id
-        headers[hdrs.ACCESS_CONTROL_ALLOW_ORIGIN] = self.config.cors_origin
-        headers.setdefault(hdrs.ACCESS_CONTROL_EXPOSE_HEADERS, "X-Relay-Id")
+        cors.allow(headers, self.config.cors_origin)  # every answer: the streams' rule
 
 
 async def _open(hub: Hub, conn: Conn) -> bool:
