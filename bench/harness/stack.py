@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,6 +113,12 @@ class BenchStack:
         port = free_port()
         ready = http_ok(f"http://{HOST}:{port}{health}")
         return Served(await self.start(name, argv(port), ready=ready, env=env), port)
+
+    def on_exit(self, *close: Callable[[], Awaitable[object]]) -> None:
+        """Call each of ``close`` on the way out (the last given first), before what was
+        started earlier (the cluster) stops."""
+        for c in close:
+            self._exits.push_async_callback(c)
 
     def _redis(self, redis: str | None) -> str:
         url = redis or self.redis_url
