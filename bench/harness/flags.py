@@ -51,12 +51,15 @@ def flag(
     metavar: str | None = None,
     name: str | None = None,
     hidden: bool = False,
+    nargs: int | None = None,
 ) -> Any:
     """One option of a benchmark: a dataclass field holding its flag's help, default, the
     value of a quick run and the smallest number it takes (``least``: >=, ``above``: >).
-    ``name``: the flag when it is not ``--<field>``; ``hidden``: not in ``--help``."""
+    ``name``: the flag when it is not ``--<field>``; ``hidden``: not in ``--help``;
+    ``nargs``: a ``list[str]`` flag that takes this many values at once."""
     meta = {"help": help, "quick": quick, "least": least, "above": above,
-            "choices": choices, "metavar": metavar, "name": name, "hidden": hidden}  # fmt: skip
+            "choices": choices, "metavar": metavar, "name": name, "hidden": hidden,
+            "nargs": nargs}  # fmt: skip
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -135,7 +138,10 @@ def add_flags(parser: argparse.ArgumentParser, cls: type[Common], quick_help: st
             parser.add_argument(_flag_name(f), action="store_true", default=None, **kwargs)
             continue
         if typing.get_origin(kind) is list:
-            kwargs["action"] = "append"
+            if f.metadata.get("nargs"):
+                kwargs["nargs"] = f.metadata["nargs"]
+            else:
+                kwargs["action"] = "append"
             kind = typing.get_args(kind)[0]
         kwargs["type"] = kind if kind in (int, float, Path) else str
         if f.metadata.get("choices"):
