@@ -56,8 +56,10 @@ SETTINGS: list[tuple[int, float]] = [
 def _engine_argv(port: int, rate: float, concurrency: int, reply: int) -> list[str]:
     code = (
         "import asyncio; from devstack.mockengine.server import EngineConfig, run_engine; "
+        "from devstack.mockengine.reply_length import ReplyLength; "
         f"asyncio.run(run_engine(EngineConfig(port={port}, decode_tok_per_s={rate}, "
-        f"max_concurrency={concurrency}, max_reply_tokens={reply}, "
+        f"max_concurrency={concurrency}, "
+        f"reply=ReplyLength(max_tokens={reply}, min_tokens={min(8, reply)}), "
         "prefill_tok_per_s=0.0, engine_id='bench')))"
     )
     return [sys.executable, "-c", code]
