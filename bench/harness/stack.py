@@ -30,12 +30,14 @@ import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from devstack.cluster.launcher import ClusterInfo, LocalCluster
 from devstack.procs import Probe, Proc, free_port, http_ok, launched
 
 __all__ = ["BenchStack", "Served", "bench_stack"]
 
+T = TypeVar("T")
 HOST = "127.0.0.1"
 # every client of a benchmark is 127.0.0.1: the per-address limits would refuse it
 RELAY_OPEN = ("--insecure-no-auth", "--log-level", "WARNING", "--max-streams-per-address", "0",
@@ -113,6 +115,10 @@ class BenchStack:
         port = free_port()
         ready = http_ok(f"http://{HOST}:{port}{health}")
         return Served(await self.start(name, argv(port), ready=ready, env=env), port)
+
+    async def enter(self, cm: contextlib.AbstractAsyncContextManager[T]) -> T:
+        """Enter ``cm`` (a process of a peer, a client session); left on the way out."""
+        return await self._exits.enter_async_context(cm)
 
     def on_exit(self, *close: Callable[[], Awaitable[object]]) -> None:
         """Call each of ``close`` on the way out (the last given first), before what was
