@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 
 from bench._util import ns_ms, percentile
-from bench.harness import Bench, Common, Outcome, bench_stack, flag
+from bench.harness import Bench, Common, Outcome, bench_stack, flag, markdown_table
 from relay.client.stream import watch
 from relay.producer.coalesce import DEFAULT_POLICY
 from relay.protocol.sse_reader import SSEDecoder
@@ -153,14 +153,16 @@ def summary(wl: Workload, s: Samples, elapsed: float) -> dict[str, Any]:
 
 
 def markdown(r: dict[str, Any]) -> str:
-    rows = "".join(
-        f"| {name} | {p['p50_ms']} | {p['p99_ms']} | {p['tokens']:,} | {p['missed']} |\n"
-        for name, p in r["paths"].items()
+    table = markdown_table(
+        ["path", "engine -> screen p50 ms", "p99 ms", "tokens seen", "missed"],
+        [
+            [name, str(p["p50_ms"]), str(p["p99_ms"]), p["tokens"], p["missed"]]
+            for name, p in r["paths"].items()
+        ],
     )
     wl = r["workload"]
     return (
-        "| path | engine -> screen p50 ms | p99 ms | tokens seen | missed |\n"
-        "|---|---|---|---|---|\n" + rows +
+        table + "\n" +
         f"\n{wl['sessions']} sessions x {wl['turns']} turns x {wl['tokens']} tokens at "
         f"{wl['tokens_per_s']:g} tokens/s per turn ({r['tokens_per_s']:,} tokens/s in all), "
         f"worker coalescing {wl['coalesce_tokens']} tokens / {wl['coalesce_ms']:g} ms; "

@@ -46,7 +46,7 @@ from typing import Any
 import aiohttp
 
 from bench._util import cpu_s, ns_ms, percentile
-from bench.harness import Bench, Common, Outcome, bench_stack, flag
+from bench.harness import Bench, Common, Outcome, bench_stack, flag, markdown_table
 from relay.protocol.responses import parse_response_id
 from relay.protocol.sse_reader import SSEDecoder
 
@@ -257,23 +257,20 @@ async def _resume_phase(http: aiohttp.ClientSession, w2: str, wurl: str, rurl: s
 
 
 def markdown(r: dict[str, Any]) -> str:
-    rows = "".join(
-        f"| {n} | {p['events']:,} | {p['tokens']:,} | {p['events_per_s']:,} | "
-        f"{p['cpu_us_per_event']} | {p['cpu_us_per_token']} |\n"
-        for n, p in r["paths"].items()
-    )
-    res = "".join(
-        f"| {n} | {p['n']} | {p['p50_ms']} | {p['p99_ms']} |\n" for n, p in r["resume"].items()
+    paths = markdown_table(
+        ["path", "events", "tokens", "events/s", "CPU µs/event", "CPU µs/token"],
+        [[n, p["events"], p["tokens"], p["events_per_s"], str(p["cpu_us_per_event"]),
+          str(p["cpu_us_per_token"])] for n, p in r["paths"].items()],
+    )  # fmt: skip
+    resumes = markdown_table(
+        ["resume on", "resumes", "request -> first event p50 ms", "p99 ms"],
+        [[n, str(p["n"]), str(p["p50_ms"]), str(p["p99_ms"])] for n, p in r["resume"].items()],
     )
     wl = r["workload"]
     return (
-        "| path | events | tokens | events/s | CPU µs/event | CPU µs/token |\n"
-        "|---|---|---|---|---|---|\n" + rows +
-        f"\n{wl['sessions']} sessions x {wl['turns']} turns x {wl['tokens']} tokens per path "
-        "(CPU: the worker's + the relay's)\n\n"
-        "| resume on | resumes | request -> first event p50 ms | p99 ms |\n"
-        "|---|---|---|---|\n" + res
-    )  # fmt: skip
+        f"{paths}\n\n{wl['sessions']} sessions x {wl['turns']} turns x {wl['tokens']} tokens "
+        f"per path (CPU: the worker's + the relay's)\n\n{resumes}\n"
+    )
 
 
 @dataclass

@@ -40,7 +40,7 @@ import aiohttp
 from redis.asyncio.cluster import RedisCluster
 
 from bench._util import cpu_s, raise_nofile, run_json
-from bench.harness import Bench, Common, Outcome, bench_stack, flag
+from bench.harness import Bench, Common, Outcome, bench_stack, flag, markdown_table
 from bench.load.accounting import account, read_logs
 from bench.load.viewer import Viewer
 from bench.producer.cpu import ROOT, node_missing
@@ -232,7 +232,7 @@ def report(r: dict[str, Any]) -> str:
         ("producer errors / reconnects", of("producer_errors", "reconnects")),
         ("CPU s: producer / relays", of("producer_cpu_s", "relay_cpu_s")),
     ]
-    return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+    return markdown_table(["", ""], rows).replace("|  |  |", "| | |", 1)
 
 
 def _run(f: Flags) -> Outcome:
