@@ -23,6 +23,7 @@ refuses a smaller number (exit 2, as every benchmark did by hand).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import types
@@ -35,7 +36,7 @@ from typing import Any, Generic, TypeVar
 from bench.harness.report import read_result, write_result
 from relay.service import runtime
 
-__all__ = ["Bench", "Common", "Outcome", "flag", "parse_flags"]
+__all__ = ["Bench", "Common", "OnCluster", "Outcome", "flag", "parse_flags"]
 
 _MISSING: Any = object()
 
@@ -73,6 +74,14 @@ class Common:
     json: Path | None = flag(None, "write the results as JSON", metavar="PATH")
     quick: bool = flag(False, "a short run (make bench)")
     seed: int = flag(0, "accepted for symmetry; no randomness")
+
+
+@dataclass
+class OnCluster(Common):
+    """The flags of a benchmark on a Redis Cluster: ``--redis URL`` of a running one, or
+    none for one started by its stack (:meth:`bench.harness.stack.BenchStack.cluster`)."""
+
+    redis: str | None = flag(None, "redis://host:port of a running cluster (default: start one)")
 
 
 F = TypeVar("F", bound=Common)
@@ -184,7 +193,9 @@ class Bench(Generic[F]):
 
     ``run_from_args`` prints the outcome's text, writes its result to ``--json`` with the
     run's settings (:func:`bench.harness.report.write_result`) and returns its code.
-    ``sigterm``: a SIGTERM unwinds the run (its stack stops every process it started)."""
+    ``sigterm``: a SIGTERM unwinds the run (its stack stops every process it started);
+    ``uvloop``: the run's event loops are uvloop's where it is installed; ``markdown``: the
+    Markdown table of a result, printed again from a stored run by ``--report PATH``."""
 
     def __init__(
         self,
@@ -197,6 +208,7 @@ class Bench(Generic[F]):
         sigterm: bool = True,
         raw_description: bool = False,
         markdown: Callable[[dict[str, Any]], str] | None = None,
+        uvloop: bool = False,
     ) -> None:
         self.cls = cls
         self.measure = measure
@@ -206,6 +218,7 @@ class Bench(Generic[F]):
         self.sigterm = sigterm
         self.raw_description = raw_description
         self.markdown = markdown
+        self.uvloop = uvloop
 
     @property
     def module(self) -> str:
@@ -240,6 +253,11 @@ class Bench(Generic[F]):
         except FlagError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        if self.uvloop:  # the clients on uvloop where it is installed
+            with contextlib.suppress(ImportError):
+                import uvloop
+
+                uvloop.install()
         out = self.measure(flags)
         if isinstance(out, int):
             return out

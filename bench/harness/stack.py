@@ -62,6 +62,8 @@ class Served:
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
 
+    base = url  # the name the relay benchmarks use
+
     @property
     def log_path(self) -> Path:
         assert self.proc.log is not None

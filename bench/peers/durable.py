@@ -50,7 +50,7 @@ from typing import Any
 import aiohttp
 
 from bench._util import cpu_s, percentile, raise_nofile, run_json, self_cpu_s
-from bench.harness import Bench, Common, Outcome, flag
+from bench.harness import Bench, OnCluster, Outcome, flag
 from bench.peers import durable_clients as dc
 from bench.peers.durable_node import ensure_reference, reference_server, reference_version
 from bench.peers.durable_report import table
@@ -418,9 +418,8 @@ _D, _Q = Config(), Config.quick()
 
 
 @dataclass
-class Flags(Common):
+class Flags(OnCluster):
     seed: int = flag(0, "picks the order of the systems")
-    redis: str | None = flag(None, "redis://host:port of a running cluster (default: start one)")
     seconds: float = flag(_D.seconds, "writing seconds per round", quick=_Q.seconds, above=0)
     repeats: int = flag(_D.repeats, "rounds per system and phase", quick=_Q.repeats, least=1)
     catchup_mb: float = flag(_D.catchup_mb, "MB of the catch-up stream", quick=_Q.catchup_mb,
@@ -444,10 +443,6 @@ def config_from_args(args: argparse.Namespace | Flags) -> Config:
 
 def _run(f: Flags) -> Outcome:
     cfg = config_from_args(f)
-    with contextlib.suppress(ImportError):
-        import uvloop
-
-        uvloop.install()
     res = asyncio.run(run(cfg, f.redis))
     if "skipped" in res:
         print(f"peer_durable: skipped: {res['skipped']}", file=sys.stderr)
@@ -458,7 +453,7 @@ def _run(f: Flags) -> Outcome:
     return Outcome(res, table(res), 1 if bad or res["server_log_tracebacks"] else 0)
 
 
-BENCH = Bench(Flags, _run, prog="python -m bench.peers.durable", description=__doc__,
+BENCH = Bench(Flags, _run, uvloop=True, prog="python -m bench.peers.durable", description=__doc__,
               quick_help="1 round of 3 s per phase, 8 MB catch-up", markdown=table)  # fmt: skip
 add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import random
 import statistics
@@ -43,7 +42,7 @@ from typing import Any
 
 from bench._util import raise_nofile
 from bench.harness import Bench as Harness
-from bench.harness import Common, Outcome, bench_stack, flag
+from bench.harness import OnCluster, Outcome, bench_stack, flag
 from bench.peers.node import ensure_socketio, installed_versions
 from bench.peers.pathaims import aims, summarize
 from bench.peers.pathdrivers import Bench, RelaySystem, SocketIOSystem
@@ -333,9 +332,8 @@ _D, _Q = Config(), Config.quick()
 
 
 @dataclass
-class Flags(Common):
+class Flags(OnCluster):
     seed: int = flag(0, "picks the order of the systems")
-    redis: str | None = flag(None, "redis://host:port of a running cluster (default: start one)")
     seconds: float = flag(_D.seconds, "publishing seconds per round", quick=_Q.seconds)
     repeats: int = flag(_D.repeats, "rounds per system and phase", quick=_Q.repeats)
     systems: str = flag("", f"comma-separated, of {','.join(ALL)} (all)")
@@ -365,10 +363,6 @@ def config_from_args(args: argparse.Namespace | Flags) -> Config:
 
 def _run(f: Flags) -> Outcome:
     cfg = config_from_args(f)
-    with contextlib.suppress(ImportError):  # the readers on uvloop, as the Socket.IO bench
-        import uvloop
-
-        uvloop.install()
     res = asyncio.run(run(cfg, f.redis))
     ours = [r[k] for r in res["results"].values() for k in ("tokenrelay", "tokenrelay-sse")
             if k in r]  # fmt: skip
@@ -377,8 +371,15 @@ def _run(f: Flags) -> Outcome:
     return Outcome(res, report(res), 1 if bad or res["server_log_tracebacks"] else 0)
 
 
-BENCH = Harness(Flags, _run, prog="python -m bench.peers.pathcost", description=__doc__,
-                quick_help="1 round of 3 s per system and phase", markdown=report)  # fmt: skip
+BENCH = Harness(
+    Flags,
+    _run,
+    uvloop=True,
+    prog="python -m bench.peers.pathcost",
+    description=__doc__,
+    quick_help="1 round of 3 s per system and phase",
+    markdown=report,
+)
 add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._util import cpu_s, percentile, raise_nofile, rss_kb, self_cpu_s
-from bench.harness import Bench, Common, Outcome, bench_stack, flag
+from bench.harness import Bench, OnCluster, Outcome, bench_stack, flag
 from bench.peers.node import emit, ensure_socketio, installed_versions, socketio_server
 from bench.peers.ws_clients import Kind, Tally, close_clients, open_clients
 from bench.relay.harness import (
@@ -412,9 +412,8 @@ _D, _Q = Config(), Config.quick()
 
 
 @dataclass
-class Flags(Common):
+class Flags(OnCluster):
     seed: int = flag(0, "picks the system of the first round")
-    redis: str | None = flag(None, "redis://host:port of a running cluster (default: start one)")
     seconds: float = flag(_D.seconds, "publishing seconds per round", quick=_Q.seconds, above=0)
     repeats: int = flag(_D.repeats, "rounds per system and phase", quick=_Q.repeats, least=1)
     idle: int = flag(_D.idle, "idle connections per system", quick=_Q.idle, least=0)
@@ -426,10 +425,6 @@ def config_from_args(args: argparse.Namespace | Flags) -> Config:
 
 
 def _run(f: Flags) -> Outcome:
-    with contextlib.suppress(ImportError):  # the clients on uvloop, through every entry point
-        import uvloop
-
-        uvloop.install()
     res = asyncio.run(run(config_from_args(f), f.redis))
     if "skipped" in res:
         print(f"peer_socketio: skipped: {res['skipped']}", file=sys.stderr)
@@ -438,7 +433,7 @@ def _run(f: Flags) -> Outcome:
     return Outcome(res, _table(res), 1 if bad or res["server_log_tracebacks"] else 0)
 
 
-BENCH = Bench(Flags, _run, prog="python -m bench.peers.socketio", description=__doc__,
+BENCH = Bench(Flags, _run, uvloop=True, prog="python -m bench.peers.socketio", description=__doc__,
               quick_help="1 round of 3 s per phase, 1,000 idle")  # fmt: skip
 add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._util import run_json
-from bench.harness import Bench, Common, Outcome, bench_stack, flag
+from bench.harness import Bench, OnCluster, Outcome, bench_stack, flag
 from bench.relay.harness import redis_cpu_s, slotmap
 from relay.broker.rediscluster.nodeconn import raw_command
 from relay.protocol.keys import meta_key
@@ -171,9 +171,8 @@ def report(result: dict[str, Any]) -> str:
 
 
 @dataclass
-class Flags(Common):
+class Flags(OnCluster):
     seed: int = flag(0, "unused: the workload is fixed")
-    redis: str | None = flag(None, "an existing cluster (default: start a local one)")
     streams: int = flag(32, "turns at once per producer", quick=8, least=1)
     tokens: int = flag(300, "deltas per turn", quick=40, least=1)
     rate: float = flag(50.0, "deltas/s per turn", quick=100.0, above=0)

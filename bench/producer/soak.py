@@ -40,7 +40,7 @@ import aiohttp
 from redis.asyncio.cluster import RedisCluster
 
 from bench._util import cpu_s, raise_nofile, run_json
-from bench.harness import Bench, Common, Outcome, bench_stack, flag, markdown_table
+from bench.harness import Bench, OnCluster, Outcome, bench_stack, flag, markdown_table
 from bench.load.accounting import account, read_logs
 from bench.load.viewer import Viewer
 from bench.producer.cpu import ROOT, node_missing
@@ -203,9 +203,8 @@ async def _main(args: Flags) -> dict[str, Any]:
 
 
 @dataclass
-class Flags(Common):
+class Flags(OnCluster):
     seed: int = flag(1, "the producer's replies")
-    redis: str | None = flag(None, "an existing cluster (default: start a local one)")
     viewers: int = flag(1000, "SSE viewers", quick=60, least=1)
     sessions: int = flag(20, "sessions", quick=6, least=1)
     duration_s: float = flag(60.0, "producing seconds", quick=4.0, above=0)

@@ -33,7 +33,7 @@ from typing import Any
 import aiohttp
 from redis.asyncio.cluster import RedisCluster
 
-from bench.harness import Bench, Common, Outcome, bench_stack, flag
+from bench.harness import Bench, OnCluster, Outcome, bench_stack, flag
 from relay.broker.rediscluster.publisher import Draft, Publisher
 from relay.producer.coalesce import Batch, CoalescePolicy, TokenPump
 from relay.protocol.keys import new_session_id
@@ -177,8 +177,7 @@ async def _main(args: Flags) -> dict[str, Any]:
 
 
 @dataclass
-class Flags(Common):
-    redis: str | None = flag(None, "an existing cluster (default: start a local one)")
+class Flags(OnCluster):
     rate: float = flag(40.0, "decode tokens/s per stream", above=0)
     streams: int = flag(32, "streams at once", quick=8, least=1)
     reply: int = flag(128, "max reply tokens", quick=48, least=1)

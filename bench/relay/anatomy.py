@@ -38,7 +38,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from bench.harness import Bench, Common, Outcome, bench_stack, flag
+from bench.harness import Bench, OnCluster, Outcome, bench_stack, flag
 from devstack.procs import free_port
 from relay.broker.rediscluster.connect import connect
 from relay.broker.rediscluster.publisher import Generation, Publisher
@@ -246,8 +246,7 @@ async def count_idle(url: str, n: int) -> dict[str, Any]:
 
 
 @dataclass
-class Flags(Common):
-    redis: str | None = flag(None, "redis://host:port of a running cluster (default: start one)")
+class Flags(OnCluster):
     idle: int = flag(200, "idle connections per transport", quick=50, least=1)
     seed: int = flag(0, "(nothing here is random)")
 

@@ -36,7 +36,7 @@ import aiohttp
 import orjson
 
 from bench._util import cpu_s
-from bench.harness import Bench, Common, Outcome, bench_stack, flag
+from bench.harness import Bench, OnCluster, Outcome, bench_stack, flag
 from bench.relay.harness import SECRET, relay_process
 from relay.broker.rediscluster.connect import connect
 from relay.broker.rediscluster.publisher import Draft, Publisher
@@ -219,8 +219,7 @@ def table(res: dict[str, Any]) -> str:
 
 
 @dataclass
-class Flags(Common):
-    redis: str | None = flag(None, "redis://host:port of a running cluster (default: start one)")
+class Flags(OnCluster):
     turns: int = flag(1000, "finished turns in the session", quick=100, least=1)
     tokens: int = flag(30, "token frames per turn", least=1)
     repeats: int = flag(5, "joins per transport and mode", quick=3, least=1)

@@ -41,7 +41,7 @@ from typing import Any
 import aiohttp
 
 from bench._util import free_port, raise_nofile, rss_kb
-from bench.harness import Bench, Common, Outcome, bench_stack, flag
+from bench.harness import Bench, OnCluster, Outcome, bench_stack, flag
 from bench.relay.harness import SECRET, sessions, slotmap
 from devstack.procs import Proc, http_ok, log_line
 from relay.edge.cli import serve
@@ -240,13 +240,12 @@ def _report(res: dict[str, Any]) -> str:
 
 
 @dataclass
-class Flags(Common):
+class Flags(OnCluster):
     transport: str = flag("sse", "the idle connections' transport", choices=("sse", "ws"))
     n: int = flag(2_000, "idle connections", least=1)
     frames: int = flag(1, "tracemalloc frames per trace; past 1 the top stacks are shown too",
                        least=1)  # fmt: skip
     top: int = flag(25, "rows per table", least=1)
-    redis: str | None = flag(None, "redis://host:port of a running cluster (default: start one)")
 
 
 async def _run(args: Flags) -> dict[str, Any]:

@@ -276,10 +276,6 @@ class Flags(Common):
 
 
 def _run(f: Flags) -> Outcome:
-    with contextlib.suppress(ImportError):
-        import uvloop
-
-        uvloop.install()
     if f.publish:
         host, port, channels, n, rate = json.loads(Path(f.publish).read_text())
         asyncio.run(_publish(Addr(host, port), channels, n, rate))
@@ -299,8 +295,14 @@ def _run(f: Flags) -> Outcome:
     return Outcome(report, "\n".join(lines))
 
 
-BENCH = Bench(Flags, _run, prog="python -m bench.relay.subscriber_compare", description=__doc__,
-              quick_help="20k messages over 60 channels")  # fmt: skip
+BENCH = Bench(
+    Flags,
+    _run,
+    uvloop=True,
+    prog="python -m bench.relay.subscriber_compare",
+    description=__doc__,
+    quick_help="20k messages over 60 channels",
+)
 add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import sys
 import time
@@ -72,7 +71,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._util import raise_nofile
-from bench.harness import Bench, Common, Outcome, bench_stack, flag
+from bench.harness import Bench, OnCluster, Outcome, bench_stack, flag
 from bench.relay.ceilings import raw_hiredis_phase, raw_phase
 from bench.relay.harness import (
     SECRET,
@@ -401,8 +400,7 @@ _D, _Q = Config(), Config.quick()
 
 
 @dataclass
-class Flags(Common):
-    redis: str | None = flag(None, "redis://host:port of a running cluster (default: start one)")
+class Flags(OnCluster):
     sessions: int = flag(_D.sessions, "K, flood sessions = clients", quick=_Q.sessions, least=1)
     frames: int = flag(_D.frames, "F, frames per session in the flood", quick=_Q.frames, least=1)
     lat_sessions: int = flag(_D.lat_sessions, "sessions in the latency phase", least=1)
@@ -433,10 +431,6 @@ def config_from_args(args: argparse.Namespace | Flags) -> Config:
 
 
 def _run(f: Flags) -> Outcome:
-    with contextlib.suppress(ImportError):  # the clients on uvloop, through every entry point
-        import uvloop
-
-        uvloop.install()
     res = asyncio.run(run(config_from_args(f), f.redis))
     ph = res["phases"]
     lost = sum(
@@ -448,8 +442,14 @@ def _run(f: Flags) -> Outcome:
     return Outcome(res, _table(res), 1 if lost or res["relay_log_tracebacks"] else 0)
 
 
-BENCH = Bench(Flags, _run, prog="python -m bench.relay.throughput", description=__doc__,
-              quick_help="400 sessions, 4 s latency, 2,000 idle")  # fmt: skip
+BENCH = Bench(
+    Flags,
+    _run,
+    uvloop=True,
+    prog="python -m bench.relay.throughput",
+    description=__doc__,
+    quick_help="400 sessions, 4 s latency, 2,000 idle",
+)
 add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 

@@ -36,7 +36,7 @@ import aiohttp
 from redis.asyncio import RedisCluster
 
 from bench._util import percentile
-from bench.harness import Bench, Common, Outcome, bench_stack, flag
+from bench.harness import Bench, OnCluster, Outcome, bench_stack, flag
 from devstack.demo.stack import Stack, StackSpec
 from relay.broker.rediscluster.connect import connect
 from relay.broker.rediscluster.publisher import read_backlog
@@ -266,12 +266,11 @@ _D = AffinityConfig()
 
 
 @dataclass
-class Flags(Common):
+class Flags(OnCluster):
     sessions: int = flag(_D.sessions, "concurrent sessions", quick=60, least=1)
     turns: int = flag(_D.turns, "turns per session", quick=3, least=1)
     engines: int = flag(_D.engines, "mock engines", least=1)
     kv_tokens: int = flag(_D.kv_tokens, "KV tokens per engine", least=1)
-    redis: str | None = flag(None, "redis://host:port of a running cluster (default: start one)")
     seed: int = flag(_D.seed, "the sessions' prompts")
 
 
