@@ -96,14 +96,15 @@ def read_result(path: str | Path) -> dict[str, Any]:
     return doc
 
 
-def cell(value: Any, none: str = "-") -> str:
-    """A table cell: thousands separated, floats to 2 places, None as ``none``."""
+def cell(value: Any, none: str = "-", digits: int = 2, grouped: bool = True) -> str:
+    """A table cell: thousands separated, floats to ``digits`` places (``grouped``: with
+    the separator too), None as ``none``."""
     if value is None:
         return none
     if isinstance(value, bool):
         return str(value)
     if isinstance(value, float):
-        return f"{value:,.2f}"
+        return f"{value:,.{digits}f}" if grouped else f"{value:.{digits}f}"
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 

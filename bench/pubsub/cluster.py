@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._util import ns_ms, percentile
-from bench.harness import Bench, Common, Outcome, flag
+from bench.harness import Bench, Common, Outcome, cell, flag
 from bench.pubsub.resp_load import (
     PAYLOAD_LEN,
     Counters,
@@ -370,12 +370,8 @@ async def run_all(masters: list[int], replicas: int, wl: Workload) -> dict[str, 
     }
 
 
-def _fmt(v: Any, digits: int = 2) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.{digits}f}"
-    return f"{v:,}" if isinstance(v, int) else str(v)
+def _fmt(v: Any) -> str:
+    return cell(v, grouped=False)
 
 
 def markdown(result: dict[str, Any]) -> str:

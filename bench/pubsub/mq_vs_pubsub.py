@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from bench._util import ns_ms, percentile
-from bench.harness import Bench, Common, Outcome, bench_stack, flag
+from bench.harness import Bench, Common, Outcome, bench_stack, cell, flag
 from bench.pubsub import amqp_load as amqp_io
 from bench.pubsub.resp_load import PublishSpec, SubscriberSet, publish, run_publisher, warm_worker
 from devstack.cluster.launcher import ClusterInfo
@@ -422,14 +422,6 @@ async def run_all(wl: Workload, url: str) -> dict[str, Any]:
     }
 
 
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:,.2f}"
-    return f"{v:,}" if isinstance(v, int) else str(v)
-
-
 def markdown(result: dict[str, Any]) -> str:
     head = (
         "| mode | latency p50 ms | p99 ms | broker CPU µs/token | max tokens/s | "
@@ -442,10 +434,10 @@ def markdown(result: dict[str, Any]) -> str:
             rows += f"| {mode} | skipped: {result['skipped'].get(mode, '')} |||||||\n"
             continue
         rows += (
-            f"| {mode} | {_fmt(r['latency_p50_ms'])} | {_fmt(r['latency_p99_ms'])} | "
-            f"{_fmt(r['broker_cpu_us_per_token'])} | {_fmt(r['max_tokens_per_s'])} | "
-            f"{r['delivered_ratio']:.2%} | {_fmt(r.get('queues', r.get('shards')))} | "
-            f"{_fmt(r.get('queue_churn_per_s'))} |\n"
+            f"| {mode} | {cell(r['latency_p50_ms'])} | {cell(r['latency_p99_ms'])} | "
+            f"{cell(r['broker_cpu_us_per_token'])} | {cell(r['max_tokens_per_s'])} | "
+            f"{r['delivered_ratio']:.2%} | {cell(r.get('queues', r.get('shards')))} | "
+            f"{cell(r.get('queue_churn_per_s'))} |\n"
         )
     wl = result["workload"]
     return (
