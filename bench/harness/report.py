@@ -16,12 +16,13 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RUN_KEY", "cell", "markdown_table", "read_result", "run_info", "text_table",
-           "write_result"]  # fmt: skip
+__all__ = ["RUN_KEY", "cell", "logger", "markdown_table", "progress", "read_result", "run_info",
+           "text_table", "write_result"]  # fmt: skip
 
 RUN_KEY = "run"  # the key of the run's settings in every JSON result
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,6 +95,21 @@ def read_result(path: str | Path) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: not a benchmark's JSON result")
     return doc
+
+
+def logger(name: str) -> Callable[[str], None]:
+    """A run's progress lines on stderr, ``[name HH:MM:SS] message``."""
+
+    def log(msg: str) -> None:
+        print(f"[{name} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    return log
+
+
+def progress(started: float, msg: str) -> None:
+    """A progress line on stderr, ``[  12.3s] message``: seconds since ``started``
+    (``time.monotonic()``)."""
+    print(f"[{time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def cell(value: Any, none: str = "-", digits: int = 2, grouped: bool = True) -> str:

@@ -48,6 +48,7 @@ import aiohttp
 
 from bench._util import percentile, raise_nofile, rss_kb, run_json
 from bench.harness import Bench, Common, Outcome, bench_stack, flag
+from bench.harness.report import logger
 from relay.broker.rediscluster.connect import connect
 from relay.broker.rediscluster.publisher import Publisher, read_backlog
 from relay.protocol.frame import decode
@@ -63,8 +64,7 @@ VIEWER_ADDRESSES: Final = tuple(f"127.0.0.{i}" for i in range(2, 10))
 HEAD = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
-def log(msg: str) -> None:
-    print(f"[slow_clients {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("slow_clients")
 
 
 @dataclass

@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import re
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -33,6 +32,7 @@ import aiohttp
 
 from bench._util import ns_ms, percentile
 from bench.harness import Bench, Common, Outcome, bench_stack, flag, markdown_table
+from bench.harness.report import logger
 from relay.client.stream import watch
 from relay.producer.coalesce import DEFAULT_POLICY
 from relay.protocol.sse_reader import SSEDecoder
@@ -42,8 +42,7 @@ __all__ = ["Workload", "add_arguments", "main", "run", "run_from_args", "summary
 _STAMP = re.compile(r"\[(\d{19})\]")
 
 
-def log(msg: str) -> None:
-    print(f"[closed_loop {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("closed_loop")
 
 
 @dataclass

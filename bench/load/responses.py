@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -47,6 +46,7 @@ import aiohttp
 
 from bench._util import cpu_s, ns_ms, percentile
 from bench.harness import Bench, Common, Outcome, bench_stack, flag, markdown_table
+from bench.harness.report import logger
 from relay.protocol.responses import parse_response_id
 from relay.protocol.sse_reader import SSEDecoder
 
@@ -56,8 +56,7 @@ MODEL = "stamp"
 _STAMP = re.compile(r"\[\d{19}\]")  # one token of the stamp engine
 
 
-def log(msg: str) -> None:
-    print(f"[responses {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("responses")
 
 
 @dataclass

@@ -32,7 +32,6 @@ import asyncio
 import os
 import random
 import re
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -41,14 +40,14 @@ import aiohttp
 
 from bench._util import percentile
 from bench.harness import Bench, Common, Outcome, bench_stack, flag
+from bench.harness.report import logger
 from relay.client.stream import watch
 from relay.producer.coalesce import DEFAULT_POLICY
 
 __all__ = ["Workload", "add_arguments", "main", "run", "run_from_args", "summary"]
 
 
-def log(msg: str) -> None:
-    print(f"[stop {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("stop")
 
 
 @dataclass

@@ -51,6 +51,7 @@ import aiohttp
 
 from bench._util import cpu_s, percentile, raise_nofile, run_json, self_cpu_s
 from bench.harness import Bench, OnCluster, Outcome, flag
+from bench.harness.report import progress as _progress
 from bench.peers import durable_clients as dc
 from bench.peers.durable_node import ensure_reference, reference_server, reference_version
 from bench.peers.durable_report import table
@@ -305,10 +306,6 @@ def _medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             out[key] = sum(vals) if key in _SUMMED else statistics.median(vals)
     out["rounds"] = rounds
     return out
-
-
-def _progress(started: float, msg: str) -> None:
-    print(f"[{time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 async def _sides(

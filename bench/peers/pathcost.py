@@ -43,6 +43,7 @@ from typing import Any
 from bench._util import raise_nofile
 from bench.harness import Bench as Harness
 from bench.harness import OnCluster, Outcome, bench_stack, flag
+from bench.harness.report import progress as _progress
 from bench.peers.node import ensure_socketio, installed_versions
 from bench.peers.pathaims import aims, summarize
 from bench.peers.pathdrivers import Bench, RelaySystem, SocketIOSystem
@@ -129,10 +130,6 @@ def _systems(cfg: Config, bench: Bench) -> tuple[dict[str, System], dict[str, st
 def _supports(system: System, phase: Phase) -> bool:
     check = getattr(system, "supports", None)
     return bool(check(phase)) if callable(check) else True
-
-
-def _progress(started: float, msg: str) -> None:
-    print(f"[{time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:

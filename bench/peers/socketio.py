@@ -62,6 +62,7 @@ from typing import Any
 
 from bench._util import cpu_s, percentile, raise_nofile, rss_kb, self_cpu_s
 from bench.harness import Bench, OnCluster, Outcome, bench_stack, flag
+from bench.harness.report import progress as _progress
 from bench.peers.node import emit, ensure_socketio, installed_versions, socketio_server
 from bench.peers.ws_clients import Kind, Tally, close_clients, open_clients
 from bench.relay.harness import (
@@ -316,10 +317,6 @@ def _phases(cfg: Config) -> list[tuple[str, int, int, float]]:
     per_session = cfg.fan_deliveries / cfg.fan_viewers / cfg.fan_sessions
     name = f"{cfg.fan_sessions}x{cfg.fan_viewers}_{cfg.fan_deliveries}"
     return [*out, (name, cfg.fan_sessions, cfg.fan_viewers, per_session)]
-
-
-def _progress(started: float, msg: str) -> None:
-    print(f"[{time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 async def run(cfg: Config, url: str | None = None, modules: Path | None = None) -> dict[str, Any]:

@@ -28,7 +28,6 @@ import platform
 import random
 import shutil
 import statistics
-import sys
 import time
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import asdict, dataclass
@@ -37,6 +36,7 @@ from typing import Any
 
 from bench._util import ns_ms, percentile
 from bench.harness import Bench, Common, Outcome, cell, flag
+from bench.harness.report import logger
 from bench.pubsub.resp_load import (
     PAYLOAD_LEN,
     Counters,
@@ -88,8 +88,7 @@ CLIENT_NOTE = (
 )
 
 
-def log(msg: str) -> None:
-    print(f"[pubsub {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("pubsub")
 
 
 @dataclass

@@ -34,7 +34,6 @@ import asyncio
 import multiprocessing
 import os
 import platform
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -43,6 +42,7 @@ from typing import Any
 
 from bench._util import ns_ms, percentile
 from bench.harness import Bench, Common, Outcome, bench_stack, cell, flag
+from bench.harness.report import logger
 from bench.pubsub import amqp_load as amqp_io
 from bench.pubsub.resp_load import PublishSpec, SubscriberSet, publish, run_publisher, warm_worker
 from devstack.cluster.launcher import ClusterInfo
@@ -57,8 +57,7 @@ DEFAULT_AMQP = "amqp://guest:guest@127.0.0.1:5672/"
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def log(msg: str) -> None:
-    print(f"[mq_vs_pubsub {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("mq_vs_pubsub")
 
 
 @dataclass

@@ -53,6 +53,7 @@ from typing import Any, cast
 import hiredis
 
 from bench.harness import Bench, Common, Outcome, flag
+from bench.harness.report import progress as _progress
 from bench.relay.harness import sessions, slotmap
 from devstack.cluster.launcher import local_cluster
 from relay.broker.rediscluster.connect import connect
@@ -327,10 +328,6 @@ async def _window(
 
 
 # -- the run -----------------------------------------------------------------------------
-
-
-def _progress(started: float, msg: str) -> None:
-    print(f"[{time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 _NOT_PUBLISHING = frozenset({"info", "ssubscribe", "replconf", "ping", "cluster"})
