@@ -117,7 +117,7 @@ def _help(f: dataclasses.Field[Any], default: Any) -> str:
     if isinstance(default, bool) or f.name in ("json", "quick"):
         return text
     notes = []
-    if default is not None and default != []:
+    if default not in (None, [], ""):
         notes.append(f"default {default}")
     if meta.get("quick", _MISSING) is not _MISSING:
         notes.append(f"quick {meta['quick']}")
