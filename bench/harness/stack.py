@@ -80,13 +80,15 @@ class BenchStack:
         self.cluster_info: ClusterInfo | None = None
         self.redis_url = ""
 
-    async def cluster(self, *, masters: int = 3, replicas: int = 1, url: str | None = None) -> str:
-        """A local Redis Cluster (stopped on the way out), or ``url`` when one is given;
-        its URL."""
+    async def cluster(self, *, masters: int = 3, replicas: int = 1, url: str | None = None,
+                      extra_args: Sequence[str] = ()) -> str:  # fmt: skip
+        """A local Redis Cluster (stopped on the way out; ``extra_args``: more flags of
+        every node), or ``url`` when one is given; its URL. :attr:`cluster_info`: the
+        nodes of the one started here."""
         if url:
             self.redis_url = url
             return url
-        cluster = LocalCluster(masters=masters, replicas=replicas)
+        cluster = LocalCluster(masters=masters, replicas=replicas, extra_args=extra_args)
         self._exits.push_async_callback(cluster.stop)  # before start: a half-formed one too
         self.cluster_info = await cluster.start()
         self.redis_url = self.cluster_info.url

@@ -15,7 +15,7 @@ on every node before and after each phase.
 
 Call order: ``python -m bench.pubsub.cluster [--quick] [--masters 3,6,9] [--replicas 1]
 [--json PATH] [--plot PATH] [--md PATH]`` -> :func:`main` -> :func:`run_all` (per size:
-``LocalCluster.start`` -> :func:`measure` x 2 -> ``stop``) -> :func:`markdown`,
+a cluster of the harness stack -> :func:`measure` x 2 -> stopped) -> :func:`markdown`,
 :func:`plot`. Tests call :func:`measure` on an existing cluster.
 """
 
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._util import ns_ms, percentile
-from bench.harness import Bench, Common, Outcome, cell, flag
+from bench.harness import Bench, Common, Outcome, bench_stack, cell, flag
 from bench.harness.report import logger
 from bench.pubsub.resp_load import (
     PAYLOAD_LEN,
@@ -50,7 +50,7 @@ from bench.pubsub.resp_load import (
     run_publisher,
     warm_worker,
 )
-from devstack.cluster.launcher import ClusterInfo, LocalCluster
+from devstack.cluster.launcher import ClusterInfo
 from relay.protocol.keys import live_channel
 from relay.protocol.slotmap import Addr, SlotMap, parse_shards, parse_slots, slot_of
 
@@ -338,21 +338,17 @@ async def run_all(masters: list[int], replicas: int, wl: Workload) -> dict[str, 
         await asyncio.gather(*(loop.run_in_executor(pool, warm_worker, 0.5) for _ in range(procs)))
         for m in masters:
             log(f"starting {m} masters x {replicas} replica(s)")
-            cluster = LocalCluster(
-                masters=m,
-                replicas=replicas,
-                extra_args=["--client-output-buffer-limit", PUBSUB_BUFFER],
-            )
-            try:
-                info = await cluster.start()
+            async with bench_stack("pubsub-cluster-") as st:
+                buffers = ["--client-output-buffer-limit", PUBSUB_BUFFER]
+                await st.cluster(masters=m, replicas=replicas, extra_args=buffers)
+                info = st.cluster_info
+                assert info is not None
                 server = server or f"{info.flavor} {await _server_version(info)}"
                 for mode in MODES:
                     log(f"{m} masters / {len(info.nodes)} nodes: {mode}")
                     run = await asyncio.wait_for(measure(info, mode, wl, pool), 120)
                     log(_summary(run))
                     runs.append(run)
-            finally:
-                await cluster.stop()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     cpus = os.cpu_count() or 1
