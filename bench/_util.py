@@ -1,9 +1,9 @@
-"""Helpers every benchmark shares: percentiles, JSON results, a process's CPU and memory
+"""Helpers every benchmark shares: percentiles, a process's CPU and memory
 from ``/proc``, the open-file limit, and (from :mod:`devstack.procs`) free ports and the
 process launcher.
 
 Pure except the ``/proc`` and file readers, which say so. Order of use: any, e.g.
-``percentile(samples, 0.99)``, ``write_json(path, result)``, ``cpu_s(pid)``.
+``percentile(samples, 0.99)``, ``cpu_s(pid)``. A result's JSON: :mod:`bench.harness.report`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ __all__ = [
     "rss_kb",
     "run_json",
     "self_cpu_s",
-    "write_json",
 ]
 
 
@@ -48,11 +47,6 @@ def percentile(values: Sequence[float], q: float, default: float | None = None) 
 def ns_ms(value: float | None, digits: int = 3) -> float | None:
     """Nanoseconds as milliseconds, rounded; None stays None."""
     return None if value is None else round(value / 1e6, digits)
-
-
-def write_json(path: str | Path, result: Any) -> None:
-    """A benchmark's result as indented JSON (UTF-8)."""
-    Path(path).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 
 
 def rss_kb(pid: int, field: str = "VmRSS") -> int:

@@ -37,7 +37,6 @@ is the CLI. Every process is started and stopped by :class:`~devstack.demo.stack
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -46,7 +45,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Collection
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -56,6 +55,7 @@ from bench.faults import partition
 from bench.faults.evidence import MUST_BE_ZERO, judge
 from bench.faults.probes import each_node, ping, relay_stats, samples, sub_connections
 from bench.faults.run import FaultConfig, Run
+from bench.harness import Bench, Common, Outcome, flag
 from bench.load.viewer import Viewer
 from devstack.cluster.launcher import LocalCluster
 from devstack.demo.stack import Stack, StackSpec
@@ -64,7 +64,6 @@ from relay.protocol.auth import issue_token
 from relay.protocol.frame import decode
 from relay.protocol.keys import hist_key, live_channel, log_key, meta_key, new_session_id
 from relay.protocol.slotmap import slot_of
-from relay.service import runtime
 from worker.chat.store import state_key
 
 __all__ = [
@@ -464,60 +463,31 @@ def failures(report: dict[str, Any], skip: Collection[str] = ()) -> list[str]:
     return bad
 
 
-def _max_tokens(text: str) -> int:
-    """``--max-tokens``: a whole number >= 0 (0: the engine's natural length)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError("must be >= 0")
-    return n
+@dataclass
+class Flags(Common):
+    only: list[str] | None = flag(None, "run only this fault", choices=FAULTS)
+    skip: list[str] = flag([], "do not run this fault (a fault that cannot run here and is not "
+                           "skipped fails)", choices=FAULTS)  # fmt: skip
+    seed: int | None = flag(None, "seed each drill's random choices")  # type: ignore[assignment]
+    max_tokens: int = flag(0, "cap every reply (0: natural length)", least=0)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="fewer sessions, shorter phases")
-    p.add_argument("--json", type=Path, help="write the report here")
-    p.add_argument("--only", action="append", choices=FAULTS, help="run only this fault")
-    p.add_argument(
-        "--skip",
-        action="append",
-        default=[],
-        choices=FAULTS,
-        help="do not run this fault (a fault that cannot run here and is not skipped fails)",
-    )
-    p.add_argument("--seed", type=int, default=None, help="seed each drill's random choices")
-    p.add_argument(
-        "--max-tokens",
-        type=_max_tokens,
-        default=0,
-        help="cap every reply (default 0: natural length)",
-    )
-
-
-def run_from_args(args: argparse.Namespace) -> int:
-    runtime.exit_on_sigterm()  # a killed run still stops its clusters and processes
-    cfg = FaultConfig.quick() if args.quick else FaultConfig()
-    cfg.seed, cfg.max_tokens = args.seed, args.max_tokens
-    names = [n for n in args.only or list(FAULTS) if n not in args.skip]
+def _run(f: Flags) -> Outcome:
+    cfg = FaultConfig.quick() if f.quick else FaultConfig()
+    cfg.seed, cfg.max_tokens = f.seed, f.max_tokens
+    names = [n for n in f.only or list(FAULTS) if n not in f.skip]
     report = asyncio.run(run_all(names, cfg))
-    report["skipped_on_request"] = list(args.skip)
+    report["skipped_on_request"] = list(f.skip)
     report["config"] = vars(cfg)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text)
-    bad = failures(report, args.skip)
+    bad = failures(report, f.skip)
     for line in bad:
         print(f"FAILED {line}", file=sys.stderr)
-    return 1 if bad else 0
+    return Outcome(report, json.dumps(report, indent=2), 1 if bad else 0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench.faults.drills", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    return run_from_args(p.parse_args(argv))
+BENCH = Bench(Flags, _run, prog="python -m bench.faults", description=__doc__.split("\n\n")[0],
+              quick_help="fewer sessions, shorter phases")  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

@@ -31,9 +31,11 @@ import random
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from bench.fuzz.props import SEEDS, TARGETS, Target
+from bench.harness import Bench, Common, Outcome, flag
 
 __all__ = ["add_arguments", "main", "run_atheris", "run_from_args", "run_hypothesis", "run_random"]
 
@@ -170,24 +172,25 @@ def _command() -> str:
     return " ".join(["python", *argv])
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cases", type=int, default=1_000_000, help="random cases, all targets")
-    p.add_argument("--hypothesis-examples", type=int, default=2_000, help="per target")
-    p.add_argument("--atheris-runs", type=int, default=50_000, help="per target (0: skip)")
-    p.add_argument("--targets", type=_targets, default=",".join(TARGETS), help="comma-separated")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--json", dest="json_path", help="also write the report here")
-    p.add_argument("--quick", action="store_true", help="20k cases, 200 examples, no atheris")
-    p.add_argument("--atheris-child", nargs=2, help=argparse.SUPPRESS)
+@dataclass
+class Flags(Common):
+    cases: int = flag(1_000_000, "random cases, all targets", quick=20_000, least=1)
+    hypothesis_examples: int = flag(2_000, "per target", quick=200, least=0)
+    atheris_runs: int = flag(50_000, "per target (0: skip)", quick=0, least=0)
+    targets: str = flag(",".join(TARGETS), "comma-separated")
+    seed: int = flag(1, "the random cases")
+    atheris_child: list[str] | None = flag(None, "", nargs=2, hidden=True)
 
 
-def run_from_args(args: argparse.Namespace) -> int:
+def _run(args: Flags) -> Outcome | int:
     if args.atheris_child:
         _atheris_child(args.atheris_child[0], int(args.atheris_child[1]))
-        return 0
-    if args.quick:
-        args.cases, args.hypothesis_examples, args.atheris_runs = 20_000, 200, 0
-    names: list[str] = args.targets
+        return Outcome({})
+    try:
+        names = _targets(args.targets)
+    except argparse.ArgumentTypeError as exc:
+        print(f"error: --targets: {exc}", file=sys.stderr)
+        return 2
     per_target = max(args.cases // len(names), 1)
     python = sys.version.split()[0]
     report: dict[str, Any] = {"command": _command(), "python": python, "targets": {}}
@@ -206,18 +209,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"{name}: " + "; ".join(_line(r) for r in rows), file=sys.stderr)
     report["total_cases"] = total_cases
     report["total_failures"] = total_failures
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            f.write(text + "\n")
-    return 1 if total_failures else 0
+    return Outcome(report, json.dumps(report, indent=2), 1 if total_failures else 0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__.split("\n")[0])
-    add_arguments(p)
-    return run_from_args(p.parse_args(argv))
+BENCH = Bench(Flags, _run, prog="python -m bench.fuzz", description=(__doc__ or "").split("\n")[0],
+              quick_help="20k cases, 200 examples, no atheris", sigterm=False)  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 def _line(row: dict[str, Any]) -> str:

@@ -31,7 +31,6 @@ repeated or reordered a frame, an admitted attacker outlived its deadline by mor
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -40,7 +39,6 @@ import random
 import shutil
 import socket
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,15 +46,14 @@ from typing import Any, Final
 
 import aiohttp
 
-from bench._util import free_port, percentile, raise_nofile, rss_kb, run_json, write_json
-from devstack.cluster.launcher import LocalCluster
-from devstack.procs import http_ok, launched
+from bench._util import percentile, raise_nofile, rss_kb, run_json
+from bench.harness import Bench, Common, Outcome, bench_stack, flag
+from bench.harness.report import logger
 from relay.broker.rediscluster.connect import connect
 from relay.broker.rediscluster.publisher import Publisher, read_backlog
 from relay.protocol.frame import decode
 from relay.protocol.keys import new_session_id
 from relay.protocol.sse_reader import SSEDecoder
-from relay.service import runtime
 
 __all__ = ["KINDS", "Workload", "add_arguments", "main", "markdown", "run", "run_from_args"]
 
@@ -67,8 +64,7 @@ VIEWER_ADDRESSES: Final = tuple(f"127.0.0.{i}" for i in range(2, 10))
 HEAD = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
-def log(msg: str) -> None:
-    print(f"[slow_clients {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("slow_clients")
 
 
 @dataclass
@@ -274,29 +270,20 @@ async def run(wl: Workload) -> dict[str, Any]:
     raise_nofile(wl.attackers + wl.viewers * 2 + 1024)
     relay_fds = wl.viewers + wl.max_per_address + 512
     wrap = ("prlimit", f"--nofile={relay_fds}") if shutil.which("prlimit") else ()
-    cluster = LocalCluster(masters=3, replicas=0)
-    info = await cluster.start()
-    redis = connect(info.url)
-    port = free_port()
-    argv = [*wrap, sys.executable, "-m", "tokenrelay", "relay", "--port", str(port),
-            "--redis", info.url, "--insecure-no-auth", "--relay-id", "slow-bench",
+    async with bench_stack("slow-clients-") as st:
+        url = await st.cluster(masters=3, replicas=0)
+        relay = await st.serve("relay", lambda port: [
+            *wrap, sys.executable, "-m", "tokenrelay", "relay", "--port", str(port),
+            "--redis", url, "--insecure-no-auth", "--relay-id", "slow-bench",
             "--log-level", "WARNING", "--head-timeout-s", str(wl.head_timeout_s),
             "--body-timeout-s", str(wl.body_timeout_s),
             "--keepalive-timeout-s", str(wl.keepalive_timeout_s),
-            "--max-connections-per-address", str(wl.max_per_address)]  # fmt: skip
-    try:
+            "--max-connections-per-address", str(wl.max_per_address)], "/readyz")  # fmt: skip
+        redis = connect(url)
+        st.on_exit(redis.aclose)
         await redis.initialize()
-        with tempfile.TemporaryDirectory(prefix="slow-clients-") as tmp:
-            ready = http_ok(f"http://127.0.0.1:{port}/readyz")
-            async with launched(argv, log=Path(tmp) / "relay.log", ready=ready,
-                                name="relay") as proc:  # fmt: skip
-                result = await _measure(wl, redis, port, proc.pid)
-                result["relay_log_tracebacks"] = (
-                    (Path(tmp) / "relay.log").read_bytes().count(b"Traceback")
-                )
-    finally:
-        await redis.aclose()
-        await cluster.stop()
+        result = await _measure(wl, redis, relay.port, relay.pid)
+        result["relay_log_tracebacks"] = relay.log_path.read_bytes().count(b"Traceback")
     result["workload"] = asdict(wl)
     result["relay_nofile"] = relay_fds if wrap else None
     return result
@@ -464,49 +451,30 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--quick", action="store_true", help="500 attackers, 100 viewers (< 1 min)")
-    ap.add_argument("--attackers", type=int, help="slow connections from one address (5000)")
-    ap.add_argument("--viewers", type=int, help="SSE viewers, 10 per session (1000)")
-    ap.add_argument("--seed", type=int, default=0, help="the attackers' start jitter")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    ap.add_argument("--attack-spec", metavar="PATH", help=argparse.SUPPRESS)  # the child
+@dataclass
+class Flags(Common):
+    attackers: int = flag(5000, "slow connections from one address", quick=500, least=1)
+    viewers: int = flag(1000, "SSE viewers, 10 per session", quick=100, least=1)
+    seed: int = flag(0, "the attackers' start jitter")
+    attack_spec: Path | None = flag(None, "the attackers' child", hidden=True)
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    runtime.exit_on_sigterm()
-    if args.attack_spec:
-        return attack_child(args.attack_spec)
-    wl = (
-        Workload(attackers=500, viewers=100, quiet_s=3.0, attack_s=8.0)
-        if args.quick
-        else Workload()
-    )
-    wl.seed = args.seed
-    for name in ("attackers", "viewers"):
-        value = getattr(args, name)
-        if value is not None:
-            if value < 1:
-                print(f"error: --{name} must be >= 1", file=sys.stderr)
-                return 2
-            setattr(wl, name, value)
+def measure(f: Flags) -> Outcome | int:
+    if f.attack_spec:
+        return attack_child(str(f.attack_spec))
+    wl = Workload(quiet_s=3.0, attack_s=8.0) if f.quick else Workload()
+    wl.seed, wl.attackers, wl.viewers = f.seed, f.attackers, f.viewers
     result = asyncio.run(run(wl))
-    print(markdown(result))
-    if args.json:
-        write_json(args.json, result)
     bad = verdict(result)
     for line in bad:
         log(line)
-    return 1 if bad else 0
+    return Outcome(result, markdown(result), 1 if bad else 0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.hostile.slow_clients",
-        description="Slow clients from one address against one relay while viewers stream.",
-    )
-    add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
+BENCH = Bench(Flags, measure, prog="python -m bench.hostile.slow_clients",
+              description="Slow clients from one address against one relay while viewers stream.",
+              quick_help="500 attackers, 100 viewers (< 1 min)")  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

@@ -20,36 +20,29 @@ either path missed a token.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import re
-import sys
-import tempfile
 import time
-from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from bench._util import free_port, ns_ms, percentile
-from devstack.cluster.launcher import LocalCluster
-from devstack.procs import Proc, http_ok, launched
+from bench._util import ns_ms, percentile
+from bench.harness import Bench, Common, Outcome, bench_stack, flag, markdown_table
+from bench.harness.report import logger
 from relay.client.stream import watch
 from relay.producer.coalesce import DEFAULT_POLICY
 from relay.protocol.sse_reader import SSEDecoder
-from relay.service import runtime
 
 __all__ = ["Workload", "add_arguments", "main", "run", "run_from_args", "summary"]
 
 _STAMP = re.compile(r"\[(\d{19})\]")
 
 
-def log(msg: str) -> None:
-    print(f"[closed_loop {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("closed_loop")
 
 
 @dataclass
@@ -74,10 +67,6 @@ def _stamps(frame_json: str) -> list[int]:
     if frame.get("kind") != "token":
         return []
     return [int(s) for s in _STAMP.findall(frame.get("text", ""))]
-
-
-def _serve(argv: list[str], ready_url: str, log_path: Path) -> AbstractAsyncContextManager[Proc]:
-    return launched(argv, log=log_path, ready=http_ok(ready_url), name=argv[3])
 
 
 async def _watch(http: aiohttp.ClientSession, relay: str, sid: str, out: list[int],
@@ -119,45 +108,22 @@ async def _session(http: aiohttp.ClientSession, worker: str, relay: str, wl: Wor
 
 async def run(wl: Workload) -> dict[str, Any]:
     samples = Samples()
-    with tempfile.TemporaryDirectory(prefix="closed-loop-") as tmp:
-        logs = Path(tmp)
-        cluster = LocalCluster(masters=3, replicas=1)
-        info = await cluster.start()
-        try:
-            ep, wp, rp = free_port(), free_port(), free_port()
-            py = [sys.executable, "-m"]
-            engine = [*py, "bench.load.stamp_engine", "--port", str(ep),
-                      "--tokens-per-s", str(wl.tokens_per_s)]  # fmt: skip
-            worker = [
-                *py, "tokenrelay", "worker", "--port", str(wp), "--redis", info.url,
-                "--insecure-no-auth", "--model", "stamp", "--engine-cap", "10000",
-                "--engine", f"stamp=http://127.0.0.1:{ep}", "--worker-id", "w-bench",
-                "--coalesce-tokens", str(wl.coalesce_tokens), "--coalesce-ms", str(wl.coalesce_ms),
-                # every client of the benchmark is 127.0.0.1: no per-address limits
-                "--session-rate", "0", "--turns-per-minute", "0", "--max-sessions-per-address", "0",
-                "--max-connections-per-address", "0",
-            ]  # fmt: skip
-            relay = [
-                *py, "tokenrelay", "relay", "--port", str(rp), "--redis", info.url,
-                "--insecure-no-auth", "--relay-id", "r-bench", "--log-level", "WARNING",
-                "--max-streams-per-address", "0", "--max-connections-per-address", "0",
-            ]  # fmt: skip
-            async with (
-                _serve(engine, f"http://127.0.0.1:{ep}/health", logs / "engine.log"),
-                _serve(worker, f"http://127.0.0.1:{wp}/readyz", logs / "worker.log"),
-                _serve(relay, f"http://127.0.0.1:{rp}/readyz", logs / "relay.log"),
-                aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http,
-            ):
-                log(f"{wl.sessions} sessions x {wl.turns} turns x {wl.tokens} tokens "
-                    f"at {wl.tokens_per_s:g}/s")  # fmt: skip
-                t0 = time.monotonic()
-                await asyncio.gather(*(
-                    _session(http, f"http://127.0.0.1:{wp}", f"http://127.0.0.1:{rp}", wl, samples)
-                    for _ in range(wl.sessions)
-                ))  # fmt: skip
-                elapsed = time.monotonic() - t0
-        finally:
-            await cluster.stop()
+    async with bench_stack("closed-loop-") as st:
+        await st.cluster(masters=3, replicas=1)
+        engine = await st.stamp_engine("engine", wl.tokens_per_s)
+        worker = await st.worker(
+            "w-bench", "--coalesce-tokens", str(wl.coalesce_tokens),
+            "--coalesce-ms", str(wl.coalesce_ms), engines={"stamp": engine.url}, model="stamp",
+        )  # fmt: skip
+        relay = await st.relay("r-bench")
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            log(f"{wl.sessions} sessions x {wl.turns} turns x {wl.tokens} tokens "
+                f"at {wl.tokens_per_s:g}/s")  # fmt: skip
+            t0 = time.monotonic()
+            await asyncio.gather(
+                *(_session(http, worker.url, relay.url, wl, samples) for _ in range(wl.sessions))
+            )
+            elapsed = time.monotonic() - t0
     return summary(wl, samples, elapsed)
 
 
@@ -186,14 +152,16 @@ def summary(wl: Workload, s: Samples, elapsed: float) -> dict[str, Any]:
 
 
 def markdown(r: dict[str, Any]) -> str:
-    rows = "".join(
-        f"| {name} | {p['p50_ms']} | {p['p99_ms']} | {p['tokens']:,} | {p['missed']} |\n"
-        for name, p in r["paths"].items()
+    table = markdown_table(
+        ["path", "engine -> screen p50 ms", "p99 ms", "tokens seen", "missed"],
+        [
+            [name, str(p["p50_ms"]), str(p["p99_ms"]), p["tokens"], p["missed"]]
+            for name, p in r["paths"].items()
+        ],
     )
     wl = r["workload"]
     return (
-        "| path | engine -> screen p50 ms | p99 ms | tokens seen | missed |\n"
-        "|---|---|---|---|---|\n" + rows +
+        table + "\n" +
         f"\n{wl['sessions']} sessions x {wl['turns']} turns x {wl['tokens']} tokens at "
         f"{wl['tokens_per_s']:g} tokens/s per turn ({r['tokens_per_s']:,} tokens/s in all), "
         f"worker coalescing {wl['coalesce_tokens']} tokens / {wl['coalesce_ms']:g} ms; "
@@ -202,46 +170,29 @@ def markdown(r: dict[str, Any]) -> str:
     )  # fmt: skip
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--quick", action="store_true", help="10 sessions, 1 turn (< 30 s)")
-    ap.add_argument("--sessions", type=int, help="concurrent sessions (default 50)")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    ap.add_argument("--seed", type=int, default=0, help="accepted for symmetry; no randomness")
-    ap.add_argument("--coalesce-ms", type=float, help="the worker's coalescing delay (shipped: 50)")
-    ap.add_argument("--coalesce-tokens", type=int, help="the worker's batch size (1: no merging)")
+@dataclass
+class Flags(Common):
+    sessions: int = flag(50, "concurrent sessions", quick=10, least=1)
+    turns: int = flag(2, "turns per session", quick=1, least=1)
+    tokens: int = flag(64, "tokens per turn", quick=32, least=1)
+    coalesce_ms: float = flag(Workload.coalesce_ms, "the worker's coalescing delay (shipped)")
+    coalesce_tokens: int = flag(Workload.coalesce_tokens, "the worker's batch size (1: no merging)")
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    runtime.exit_on_sigterm()
-    wl = Workload(sessions=10, turns=1, tokens=32) if args.quick else Workload()
-    if args.sessions is not None:
-        if args.sessions < 1:
-            print("error: --sessions must be >= 1", file=sys.stderr)
-            return 2
-        wl.sessions = args.sessions
-    if args.coalesce_ms is not None:
-        wl.coalesce_ms = args.coalesce_ms
-    if args.coalesce_tokens is not None:
-        wl.coalesce_tokens = args.coalesce_tokens
+def measure(f: Flags) -> Outcome:
+    wl = Workload(sessions=f.sessions, turns=f.turns, tokens=f.tokens, coalesce_ms=f.coalesce_ms,
+                  coalesce_tokens=f.coalesce_tokens)  # fmt: skip
     result = asyncio.run(run(wl))
-    print(markdown(result))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
     missed = {k: p["missed"] for k, p in result["paths"].items() if p["missed"]}
     if missed:
         log(f"tokens missed: {missed}")
-        return 1
-    return 0
+    return Outcome(result, markdown(result), 1 if missed else 0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.load.closed_loop",
-        description="Engine token -> screen latency: closed loop vs relay, same tokens.",
-    )
-    add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
+BENCH = Bench(Flags, measure, prog="python -m bench.load.closed_loop",
+              description="Engine token -> screen latency: closed loop vs relay, same tokens.",
+              quick_help="10 sessions, 1 turn (< 30 s)")  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

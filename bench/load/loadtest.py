@@ -22,10 +22,8 @@ held by workers and the subscriptions still open on relays (both must be 0).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import json
 import math
 import random
 import re
@@ -40,6 +38,7 @@ import aiohttp
 from redis.exceptions import RedisClusterException, RedisError
 
 from bench._util import percentile
+from bench.harness import Bench, Common, Outcome, flag
 from bench.load.accounting import account, read_logs
 from bench.load.viewer import Viewer
 from devstack.demo.stack import Stack, StackSpec
@@ -448,90 +447,55 @@ MUST_BE_ZERO = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench.load.loadtest", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    return p
+@dataclass
+class Flags(Common):
+    duration: float = flag(60.0, "seconds of load", quick=20.0, above=0)
+    viewers: int = flag(500, "concurrent viewers", quick=60, least=1)
+    screens_per_session: int = flag(5, "screens per session", least=1)
+    turns_per_s: float = flag(5.0, "new turns per second (0: no open-loop turns)", quick=3.0,
+                              least=0)  # fmt: skip
+    generations: int = flag(0, "closed loop: keep N turns generating at all times (instead of "
+                            "--turns-per-s)", least=0)  # fmt: skip
+    ws_share: float = flag(0.5, "share of viewers on WebSocket", least=0)
+    max_turns: int = flag(0, "post at most N turns (0: no bound)", least=0)
+    connects_per_s: float = flag(500.0, "ramp-up rate of new viewers", above=0)
+    max_tokens: int = flag(0, "cap every reply (0: not sent; the engine's natural length)",
+                           least=0)  # fmt: skip
+    seed: int | None = flag(None, "seed the load generator's choices")  # type: ignore[assignment]
+    redis: str = flag("", "the Redis Cluster of a running stack (URLs)")
+    relay: list[str] = flag([], "relay URL of a running stack")
+    worker: list[str] = flag([], "worker URL of a running stack")
+    engine_cap: int = flag(16, "in-flight cap per engine", least=1)
+    engine_concurrency: int = flag(32, "mock engines' --max-concurrency", least=1)
+    no_progress: bool = flag(False, "no progress lines")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="20 s, 60 viewers, 3 turns/s")
-    p.add_argument("--duration", type=float, default=None, help="seconds of load (default 60)")
-    p.add_argument("--viewers", type=int, default=None, help="concurrent viewers (default 500)")
-    p.add_argument("--screens-per-session", type=int, default=5)
-    p.add_argument("--turns-per-s", type=float, default=None, help="new turns per second")
-    p.add_argument(
-        "--generations",
-        type=int,
-        default=0,
-        help="closed loop: keep N turns generating at all times (instead of --turns-per-s)",
-    )
-    p.add_argument("--ws-share", type=float, default=0.5, help="share of viewers on WebSocket")
-    p.add_argument(
-        "--max-turns", type=int, default=0, help="post at most N turns (default: no bound)"
-    )
-    p.add_argument(
-        "--connects-per-s", type=float, default=500.0, help="ramp-up rate of new viewers"
-    )
-    p.add_argument(
-        "--max-tokens",
-        type=int,
-        default=0,
-        help="cap every reply (default 0: not sent; the engine's natural length)",
-    )
-    p.add_argument("--seed", type=int, default=None, help="seed the load generator's choices")
-    p.add_argument("--redis", default="", help="the Redis Cluster of a running stack (URLs)")
-    p.add_argument("--relay", action="append", default=[], help="relay URL of a running stack")
-    p.add_argument("--worker", action="append", default=[], help="worker URL of a running stack")
-    p.add_argument("--engine-cap", type=int, default=16, help="in-flight cap per engine")
-    p.add_argument(
-        "--engine-concurrency", type=int, default=32, help="mock engines' --max-concurrency"
-    )
-    p.add_argument("--json", type=Path, help="write the report here")
-    p.add_argument("--no-progress", action="store_true")
-
-
-def config_from_args(args: argparse.Namespace) -> LoadConfig:
-    quick = args.quick
-
-    def given(value: Any, default: Any) -> Any:
-        return default if value is None else value
-
-    if args.duration is not None and args.duration <= 0:
-        raise ValueError("--duration must be > 0")
-    if args.viewers is not None and args.viewers < 1:
-        raise ValueError("--viewers must be >= 1")
-    if args.max_tokens < 0:
-        raise ValueError("--max-tokens must be >= 0 (0: not sent)")
-    if args.turns_per_s is not None and args.turns_per_s < 0:
-        raise ValueError("--turns-per-s must be >= 0 (0: no open-loop turns)")
+def config_from_args(f: Flags) -> LoadConfig:
     return LoadConfig(
-        duration_s=given(args.duration, 20.0 if quick else 60.0),
-        viewers=given(args.viewers, 60 if quick else 500),
-        screens_per_session=args.screens_per_session,
-        turns_per_s=given(args.turns_per_s, 3.0 if quick else 5.0),
-        max_turns=args.max_turns,
-        generations=args.generations,
-        connects_per_s=args.connects_per_s,
-        ws_share=args.ws_share,
-        max_tokens=args.max_tokens,
-        relays=args.relay,
-        workers=args.worker,
-        redis=args.redis,
-        seed=args.seed,
-        progress=not args.no_progress,
+        duration_s=f.duration,
+        viewers=f.viewers,
+        screens_per_session=f.screens_per_session,
+        turns_per_s=f.turns_per_s,
+        max_turns=f.max_turns,
+        generations=f.generations,
+        connects_per_s=f.connects_per_s,
+        ws_share=f.ws_share,
+        max_tokens=f.max_tokens,
+        relays=f.relay,
+        workers=f.worker,
+        redis=f.redis,
+        seed=f.seed,
+        progress=not f.no_progress,
     )
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    runtime.exit_on_sigterm()  # a killed run still stops its clusters and processes
-    if bool(args.relay) != bool(args.worker) or bool(args.relay) != bool(args.redis):
+def _run(f: Flags) -> Outcome | int:
+    if bool(f.relay) != bool(f.worker) or bool(f.relay) != bool(f.redis):
         print("error: give --relay, --worker and --redis URLs, or none", file=sys.stderr)
         return 2
     try:
-        if args.redis:
-            check_url(args.redis)
-        cfg = config_from_args(args)
+        if f.redis:
+            check_url(f.redis)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -540,30 +504,28 @@ def run_from_args(args: argparse.Namespace) -> int:
         workers=2,
         engines=3,
         abuse_limits=False,  # every simulated client is 127.0.0.1
-        engine_cap=args.engine_cap,
-        engine_args=["--max-concurrency", str(args.engine_concurrency)],
+        engine_cap=f.engine_cap,
+        engine_args=["--max-concurrency", str(f.engine_concurrency)],
     )
     try:
-        report = runtime.run(run_loadtest(cfg, spec))
+        report = runtime.run(run_loadtest(config_from_args(f), spec))
     except (aiohttp.ClientError, OSError, RedisError, RedisClusterException, RelayError) as exc:
         # a running stack given by URLs that does not answer: one line, never a traceback
-        where = ", ".join([*args.relay, *args.worker, mask_url(args.redis)]) or "its own stack"
+        where = ", ".join([*f.relay, *f.worker, mask_url(f.redis)]) or "its own stack"
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         print(f"error: the load test cannot reach {where}: {first}", file=sys.stderr)
         return 1
     _print(report)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
     # the promise (nothing lost, duplicated or reordered, no error) and a clean end state
     bad = [k for k in MUST_BE_ZERO if report[k]]
     if bad:
         print(f"FAILED: non-zero {', '.join(bad)}", file=sys.stderr)
-    return 1 if bad else 0
+    return Outcome(report, code=1 if bad else 0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_from_args(build_parser().parse_args(argv))
+BENCH = Bench(Flags, _run, prog="python -m bench.load.loadtest", quick_help="20 s, 60 viewers, "
+              "3 turns/s", description=__doc__.split("\n\n")[0])  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

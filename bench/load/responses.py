@@ -34,27 +34,21 @@ when a path lost a token or a resume failed.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import re
-import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from bench._util import cpu_s, free_port, ns_ms, percentile
-from devstack.cluster.launcher import LocalCluster
-from devstack.procs import http_ok, launched
+from bench._util import cpu_s, ns_ms, percentile
+from bench.harness import Bench, Common, Outcome, bench_stack, flag, markdown_table
+from bench.harness.report import logger
 from relay.protocol.responses import parse_response_id
 from relay.protocol.sse_reader import SSEDecoder
-from relay.service import runtime
 
 __all__ = ["Workload", "add_arguments", "main", "run", "run_from_args"]
 
@@ -62,8 +56,7 @@ MODEL = "stamp"
 _STAMP = re.compile(r"\[\d{19}\]")  # one token of the stamp engine
 
 
-def log(msg: str) -> None:
-    print(f"[responses {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("responses")
 
 
 @dataclass
@@ -222,142 +215,85 @@ async def _resumes(http: aiohttp.ClientSession, worker: str, base: str, wl: Work
             "p99_ms": ns_ms(percentile(ns, 0.99))}  # fmt: skip
 
 
-def _serve(argv: list[str], ready_url: str, log_path: Path) -> Any:
-    return launched(argv, log=log_path, ready=http_ok(ready_url), name=argv[3])
-
-
 async def run(wl: Workload) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="responses-bench-") as tmp:
-        logs = Path(tmp)
-        cluster = LocalCluster(masters=3, replicas=1)
-        info = await cluster.start()
-        try:
-            ep, ep2, wp, rp = free_port(), free_port(), free_port(), free_port()
-            py = [sys.executable, "-m"]
-            fast = [*py, "bench.load.stamp_engine", "--port", str(ep),
-                    "--tokens-per-s", str(wl.tokens_per_s)]  # fmt: skip
-            slow = [*py, "bench.load.stamp_engine", "--port", str(ep2),
-                    "--tokens-per-s", str(wl.resume_tokens_per_s)]  # fmt: skip
-            common = ["--redis", info.url, "--insecure-no-auth", "--max-connections-per-address",
-                      "0"]  # fmt: skip
-            worker = [
-                *py, "tokenrelay", "worker", "--port", str(wp), *common, "--model", MODEL,
-                "--engine-cap", "10000", "--engine", f"fast=http://127.0.0.1:{ep}",
-                "--worker-id", "w-bench", "--max-tokens-limit", "4096",
-                # every client of the benchmark is 127.0.0.1: no per-address limits
-                "--session-rate", "0", "--turns-per-minute", "0", "--max-sessions-per-address", "0",
-            ]  # fmt: skip
-            relay = [*py, "tokenrelay", "relay", "--port", str(rp), *common, "--relay-id",
-                     "r-bench", "--max-streams-per-address", "0",
-                     "--log-level", "WARNING"]  # fmt: skip
-            wurl, rurl = f"http://127.0.0.1:{wp}", f"http://127.0.0.1:{rp}"
-            async with (
-                _serve(fast, f"http://127.0.0.1:{ep}/health", logs / "engine.log"),
-                _serve(slow, f"http://127.0.0.1:{ep2}/health", logs / "engine2.log"),
-                _serve(worker, f"{wurl}/readyz", logs / "worker.log") as wproc,
-                _serve(relay, f"{rurl}/readyz", logs / "relay.log") as rproc,
-                aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http,
-            ):
-                pids = [wproc.pid, rproc.pid]
-                paths: dict[str, Any] = {}
-                for name, stream in PATHS.items():
-                    log(f"{name}: {wl.sessions} sessions x {wl.turns} turns x {wl.tokens} tokens")
-                    paths[name] = await _path(http, wurl, rurl, pids, wl, stream)
-                resume = await _resume_phase(http, wurl, rurl, wl, logs, info.url, ep2)
-        finally:
-            await cluster.stop()
+    async with bench_stack("responses-bench-") as st:
+        await st.cluster(masters=3, replicas=1)
+        fast = await st.stamp_engine("engine", wl.tokens_per_s)
+        slow = await st.stamp_engine("engine2", wl.resume_tokens_per_s)
+        worker = await st.worker("w-bench", "--max-tokens-limit", "4096",
+                                 engines={"fast": fast.url}, model=MODEL)  # fmt: skip
+        relay = await st.relay("r-bench")
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            pids = [worker.pid, relay.pid]
+            paths: dict[str, Any] = {}
+            for name, stream in PATHS.items():
+                log(f"{name}: {wl.sessions} sessions x {wl.turns} turns x {wl.tokens} tokens")
+                paths[name] = await _path(http, worker.url, relay.url, pids, wl, stream)
+            # the resumes, on a second worker routed to the slow engine (the responses
+            # must still run), through the relay and then the first worker
+            worker2 = await st.worker("w-bench-2", engines={"slow": slow.url}, model=MODEL)
+            resume = await _resume_phase(http, worker2.url, worker.url, relay.url, wl)
     return {"benchmark": "responses", "cpus": os.cpu_count(), "workload": asdict(wl),
             "paths": paths, "resume": resume}  # fmt: skip
 
 
-async def _resume_phase(http: aiohttp.ClientSession, wurl: str, rurl: str, wl: Workload,
-                        logs: Path, redis_url: str, slow_port: int) -> dict[str, Any]:  # fmt: skip
-    """The resumes, on a second worker routed to the slow engine (the responses must
-    still run), through the relay and then the first worker."""
-    wp2 = free_port()
-    worker2 = [
-        sys.executable, "-m", "tokenrelay", "worker", "--port", str(wp2), "--redis", redis_url,
-        "--insecure-no-auth", "--model", MODEL, "--engine-cap", "10000",
-        "--engine", f"slow=http://127.0.0.1:{slow_port}", "--worker-id", "w-bench-2",
-        "--session-rate", "0", "--turns-per-minute", "0", "--max-sessions-per-address", "0",
-        "--max-connections-per-address", "0",
-    ]  # fmt: skip
-    w2 = f"http://127.0.0.1:{wp2}"
+async def _resume_phase(http: aiohttp.ClientSession, w2: str, wurl: str, rurl: str,
+                        wl: Workload) -> dict[str, Any]:  # fmt: skip
+    """Twice each, in alternating order (the machine's load moves between phases): the
+    JSON has each round, the table the better of the two."""
     out: dict[str, Any] = {}
-    async with _serve(worker2, f"{w2}/readyz", logs / "worker2.log"):
-        # twice each, in alternating order (the machine's load moves between phases):
-        # the JSON has each round, the table the better of the two
-        order = [("relay", rurl, False), ("relay_sse", rurl, True), ("worker", wurl, False)]
-        for rnd, phases in enumerate((order, order[::-1])):
-            for name, base, sse in phases:
-                log(f"resume round {rnd + 1}: {wl.resumes} at once on the {name}")
-                got = await _resumes(http, w2, base, wl, sse)
-                out.setdefault(name, {"rounds": []})["rounds"].append(got)
-        for r in out.values():
-            best = min(r["rounds"], key=lambda g: g["p50_ms"] or float("inf"))
-            r.update({k: best[k] for k in ("n", "p50_ms", "p99_ms")})
-            r["failed"] = sum(g["failed"] for g in r["rounds"])
+    order = [("relay", rurl, False), ("relay_sse", rurl, True), ("worker", wurl, False)]
+    for rnd, phases in enumerate((order, order[::-1])):
+        for name, base, sse in phases:
+            log(f"resume round {rnd + 1}: {wl.resumes} at once on the {name}")
+            got = await _resumes(http, w2, base, wl, sse)
+            out.setdefault(name, {"rounds": []})["rounds"].append(got)
+    for r in out.values():
+        best = min(r["rounds"], key=lambda g: g["p50_ms"] or float("inf"))
+        r.update({k: best[k] for k in ("n", "p50_ms", "p99_ms")})
+        r["failed"] = sum(g["failed"] for g in r["rounds"])
     return out
 
 
 def markdown(r: dict[str, Any]) -> str:
-    rows = "".join(
-        f"| {n} | {p['events']:,} | {p['tokens']:,} | {p['events_per_s']:,} | "
-        f"{p['cpu_us_per_event']} | {p['cpu_us_per_token']} |\n"
-        for n, p in r["paths"].items()
-    )
-    res = "".join(
-        f"| {n} | {p['n']} | {p['p50_ms']} | {p['p99_ms']} |\n" for n, p in r["resume"].items()
+    paths = markdown_table(
+        ["path", "events", "tokens", "events/s", "CPU µs/event", "CPU µs/token"],
+        [[n, p["events"], p["tokens"], p["events_per_s"], str(p["cpu_us_per_event"]),
+          str(p["cpu_us_per_token"])] for n, p in r["paths"].items()],
+    )  # fmt: skip
+    resumes = markdown_table(
+        ["resume on", "resumes", "request -> first event p50 ms", "p99 ms"],
+        [[n, str(p["n"]), str(p["p50_ms"]), str(p["p99_ms"])] for n, p in r["resume"].items()],
     )
     wl = r["workload"]
     return (
-        "| path | events | tokens | events/s | CPU µs/event | CPU µs/token |\n"
-        "|---|---|---|---|---|---|\n" + rows +
-        f"\n{wl['sessions']} sessions x {wl['turns']} turns x {wl['tokens']} tokens per path "
-        "(CPU: the worker's + the relay's)\n\n"
-        "| resume on | resumes | request -> first event p50 ms | p99 ms |\n"
-        "|---|---|---|---|\n" + res
-    )  # fmt: skip
+        f"{paths}\n\n{wl['sessions']} sessions x {wl['turns']} turns x {wl['tokens']} tokens "
+        f"per path (CPU: the worker's + the relay's)\n\n{resumes}\n"
+    )
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--quick", action="store_true", help="5 sessions, 1 turn, 20 resumes")
-    ap.add_argument("--sessions", type=int, help="concurrent sessions per path (default 20)")
-    ap.add_argument("--resumes", type=int, help="concurrent resumes (default 100)")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    ap.add_argument("--seed", type=int, default=0, help="accepted for symmetry; no randomness")
+@dataclass
+class Flags(Common):
+    sessions: int = flag(20, "concurrent sessions per path", quick=5, least=1)
+    turns: int = flag(3, "turns per session, per path", quick=1, least=1)
+    tokens: int = flag(128, "tokens per turn", quick=64, least=1)
+    resumes: int = flag(100, "concurrent resumes", quick=20, least=1)
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    runtime.exit_on_sigterm()
-    wl = Workload(sessions=5, turns=1, tokens=64, resumes=20) if args.quick else Workload()
-    for name in ("sessions", "resumes"):
-        v = getattr(args, name)
-        if v is not None:
-            if v < 1:
-                print(f"error: --{name} must be >= 1", file=sys.stderr)
-                return 2
-            setattr(wl, name, v)
+def measure(f: Flags) -> Outcome:
+    wl = Workload(sessions=f.sessions, turns=f.turns, tokens=f.tokens, resumes=f.resumes)
     result = asyncio.run(run(wl))
-    print(markdown(result))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
     missed = {k: p["missed"] for k, p in result["paths"].items() if p["missed"]}
     failed = {k: p["failed"] for k, p in result["resume"].items() if p["failed"]}
     if missed or failed:
         log(f"tokens missed: {missed}; resumes failed: {failed}")
-        return 1
-    return 0
+    return Outcome(result, markdown(result), 1 if missed or failed else 0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.load.responses",
-        description="The Responses API beside chat completions and the relay's SSE; resumes.",
-    )
-    add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
+BENCH = Bench(Flags, measure, prog="python -m bench.load.responses",
+              description="The Responses API beside chat completions and relay SSE; resumes.",
+              quick_help="5 sessions, 1 turn, 20 resumes")  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

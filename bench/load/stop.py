@@ -28,33 +28,26 @@ Call order: ``python -m bench.load.stop [--quick] [--sessions K] [--seed S] [--j
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import random
 import re
-import sys
-import tempfile
 import time
-from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from bench._util import free_port, percentile, write_json
-from devstack.cluster.launcher import LocalCluster
-from devstack.procs import Proc, http_ok, launched
+from bench._util import percentile
+from bench.harness import Bench, Common, Outcome, bench_stack, flag
+from bench.harness.report import logger
 from relay.client.stream import watch
 from relay.producer.coalesce import DEFAULT_POLICY
-from relay.service import runtime
 
 __all__ = ["Workload", "add_arguments", "main", "run", "run_from_args", "summary"]
 
 
-def log(msg: str) -> None:
-    print(f"[stop {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("stop")
 
 
 @dataclass
@@ -140,61 +133,33 @@ async def _aborted(http: aiohttp.ClientSession, engine: str) -> float:
     return float(m.group(1)) if m else float("nan")
 
 
-def _serve(argv: list[str], url: str, logs: Path, name: str) -> AbstractAsyncContextManager[Proc]:
-    return launched(argv, log=logs / f"{name}.log", ready=http_ok(url), name=name)
-
-
 async def run(wl: Workload) -> dict[str, Any]:
     res = Result()
     rng = random.Random(wl.seed)
-    with tempfile.TemporaryDirectory(prefix="stop-bench-") as tmp:
-        logs = Path(tmp)
-        cluster = LocalCluster(masters=3, replicas=1)
-        info = await cluster.start()
-        try:
-            ep, ap, bp, rp = free_port(), free_port(), free_port(), free_port()
-            py = [sys.executable, "-m", "tokenrelay"]
-            engine = [sys.executable, "-m", "devstack", "engine", "--port", str(ep),
-                      "--id", "mock-1",
-                      "--decode-tok-per-s", str(wl.decode_tok_per_s), "--max-concurrency", "1000",
-                      "--reply-mean-tokens", "3000", "--reply-min-tokens", "2000",
-                      "--reply-max-tokens", "4000"]  # fmt: skip
+    async with bench_stack("stop-bench-") as st:
+        await st.cluster(masters=3, replicas=1)
+        engine = await st.mock_engine(
+            "mock-1", "--decode-tok-per-s", str(wl.decode_tok_per_s), "--max-concurrency", "1000",
+            "--reply-mean-tokens", "3000", "--reply-min-tokens", "2000",
+            "--reply-max-tokens", "4000",
+        )  # fmt: skip
+        coalesce = ("--coalesce-ms", str(wl.coalesce_ms))
+        a = await st.worker("w-generates", *coalesce, engines={"mock-1": engine.url})
+        b = await st.worker("w-stops", *coalesce, engines={"mock-1": engine.url})
+        relay = await st.relay("r-stop")
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            log(f"{wl.sessions} sessions, {wl.concurrency} at once; stops go to worker B")
+            gate = asyncio.Semaphore(wl.concurrency)
 
-            def worker(port: int, wid: str) -> list[str]:
-                return [*py, "worker", "--port", str(port), "--redis", info.url,
-                        "--insecure-no-auth", "--engine", f"mock-1=http://127.0.0.1:{ep}",
-                        "--engine-cap", "10000", "--worker-id", wid,
-                        "--coalesce-ms", str(wl.coalesce_ms),
-                        "--session-rate", "0", "--turns-per-minute", "0",
-                        "--max-sessions-per-address", "0",
-                        "--max-connections-per-address", "0"]  # fmt: skip
+            async def bounded() -> None:
+                async with gate:
+                    await _one(http, a.url, b.url, relay.url, wl, rng, res)
 
-            relay = [*py, "relay", "--port", str(rp), "--redis", info.url, "--insecure-no-auth",
-                     "--relay-id", "r-stop", "--log-level", "WARNING",
-                     "--max-streams-per-address", "0"]  # fmt: skip
-            a, b = f"http://127.0.0.1:{ap}", f"http://127.0.0.1:{bp}"
-            eng = f"http://127.0.0.1:{ep}"
-            async with (
-                _serve(engine, f"{eng}/health", logs, "engine"),
-                _serve(worker(ap, "w-generates"), f"{a}/readyz", logs, "worker-a"),
-                _serve(worker(bp, "w-stops"), f"{b}/readyz", logs, "worker-b"),
-                _serve(relay, f"http://127.0.0.1:{rp}/readyz", logs, "relay"),
-                aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http,
-            ):
-                log(f"{wl.sessions} sessions, {wl.concurrency} at once; stops go to worker B")
-                gate = asyncio.Semaphore(wl.concurrency)
-
-                async def bounded() -> None:
-                    async with gate:
-                        await _one(http, a, b, f"http://127.0.0.1:{rp}", wl, rng, res)
-
-                t0 = time.monotonic()
-                await asyncio.gather(*(bounded() for _ in range(wl.sessions)))
-                elapsed = time.monotonic() - t0
-                await asyncio.sleep(0.5)  # the engine counts the last aborts
-                aborted = await _aborted(http, eng)
-        finally:
-            await cluster.stop()
+            t0 = time.monotonic()
+            await asyncio.gather(*(bounded() for _ in range(wl.sessions)))
+            elapsed = time.monotonic() - t0
+            await asyncio.sleep(0.5)  # the engine counts the last aborts
+            aborted = await _aborted(http, engine.url)
     return summary(wl, res, elapsed, aborted)
 
 
@@ -240,39 +205,25 @@ def markdown(r: dict[str, Any]) -> str:
     )
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--quick", action="store_true", help="40 sessions, 10 at once (< 40 s)")
-    ap.add_argument("--sessions", type=int, help="stops measured (default 200)")
-    ap.add_argument("--seed", type=int, default=0, help="the jitter of when each stop comes")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+@dataclass
+class Flags(Common):
+    sessions: int = flag(200, "stops measured", quick=40, least=1)
+    concurrency: int = flag(20, "sessions stopping at once", quick=10, least=1)
+    seed: int = flag(0, "the jitter of when each stop comes")
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    runtime.exit_on_sigterm()
-    wl = Workload(sessions=40, concurrency=10) if args.quick else Workload()
-    wl.seed = args.seed
-    if args.sessions is not None:
-        if args.sessions < 1:
-            print("error: --sessions must be >= 1", file=sys.stderr)
-            return 2
-        wl.sessions = args.sessions
-    result = asyncio.run(run(wl))
-    print(markdown(result))
-    if args.json:
-        write_json(args.json, result)
-    if result["refused"] or result["stopped"] != result["stops"]:
+def measure(f: Flags) -> Outcome:
+    result = asyncio.run(run(Workload(sessions=f.sessions, concurrency=f.concurrency, seed=f.seed)))
+    ok = not result["refused"] and result["stopped"] == result["stops"]
+    if not ok:
         log(f"not every stop took: {result['refused'][:5]}, stopped {result['stopped']}")
-        return 1
-    return 0
+    return Outcome(result, markdown(result), 0 if ok else 1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.load.stop",
-        description="Stop: the cancel's acknowledgement -> the terminal frame on a screen.",
-    )
-    add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
+BENCH = Bench(Flags, measure, prog="python -m bench.load.stop",
+              description="Stop: the cancel's acknowledgement -> the terminal frame on a screen.",
+              quick_help="40 sessions, 10 at once (< 40 s)")  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

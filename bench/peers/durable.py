@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import statistics
@@ -51,6 +50,8 @@ from typing import Any
 import aiohttp
 
 from bench._util import cpu_s, percentile, raise_nofile, run_json, self_cpu_s
+from bench.harness import Bench, OnCluster, Outcome, flag
+from bench.harness.report import progress as _progress
 from bench.peers import durable_clients as dc
 from bench.peers.durable_node import ensure_reference, reference_server, reference_version
 from bench.peers.durable_report import table
@@ -307,10 +308,6 @@ def _medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _progress(started: float, msg: str) -> None:
-    print(f"[{time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
 async def _sides(
     stack: contextlib.AsyncExitStack, cfg: Config, modules: Path | None, url: str | None, tmp: Path
 ) -> tuple[dict[str, Side], str]:
@@ -414,27 +411,26 @@ async def run(cfg: Config, url: str | None = None, modules: Path | None = None) 
     }
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    d = Config()
-    ap.add_argument("--quick", action="store_true", help="1 round of 3 s per phase, 8 MB catch-up")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    ap.add_argument("--seed", type=int, default=0, help="picks the order of the systems")
-    ap.add_argument("--redis", help="redis://host:port of a running cluster (default: start one)")
-    ap.add_argument("--seconds", type=float, help=f"writing seconds per round ({d.seconds:g})")
-    ap.add_argument("--repeats", type=int, help=f"rounds per system and phase ({d.repeats})")
-    ap.add_argument("--systems", help=f"comma-separated subset of {','.join(SYSTEMS)}")
-    ap.add_argument("--profile", metavar="DIR", help="run each relay under cProfile, stats in DIR")
-    ap.add_argument("--report", metavar="PATH", help="print the markdown table of a --json result")
+_D, _Q = Config(), Config.quick()
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    cfg = Config.quick() if args.quick else Config()
-    cfg.seed = args.seed
-    for name in ("seconds", "repeats", "profile"):
-        if (v := getattr(args, name, None)) is not None:
-            setattr(cfg, name, v)
-    if getattr(args, "systems", None):
-        picked = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+@dataclass
+class Flags(OnCluster):
+    seed: int = flag(0, "picks the order of the systems")
+    seconds: float = flag(_D.seconds, "writing seconds per round", quick=_Q.seconds, above=0)
+    repeats: int = flag(_D.repeats, "rounds per system and phase", quick=_Q.repeats, least=1)
+    catchup_mb: float = flag(_D.catchup_mb, "MB of the catch-up stream", quick=_Q.catchup_mb,
+                             above=0)  # fmt: skip
+    systems: str = flag("", f"comma-separated subset of {','.join(SYSTEMS)}")
+    profile: str | None = flag(None, "run each relay under cProfile, stats in DIR", metavar="DIR")
+
+
+def config_from_args(args: argparse.Namespace | Flags) -> Config:
+    f = args if isinstance(args, Flags) else BENCH.flags(args)
+    cfg = Config(seed=f.seed, seconds=f.seconds, repeats=f.repeats, catchup_mb=f.catchup_mb,
+                 profile=f.profile)  # fmt: skip
+    if f.systems:
+        picked = tuple(s.strip() for s in f.systems.split(",") if s.strip())
         unknown = sorted(set(picked) - set(SYSTEMS))
         if unknown:
             raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
@@ -442,36 +438,21 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return cfg
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    if getattr(args, "report", None):
-        try:
-            res = json.loads(Path(args.report).read_text())
-            print(table(res))
-        except (OSError, ValueError, KeyError) as e:
-            raise SystemExit(f"cannot make a table of {args.report}: {e}") from None
-        return 0
-    cfg = config_from_args(args)
-    with contextlib.suppress(ImportError):
-        import uvloop
-
-        uvloop.install()
-    res = asyncio.run(run(cfg, args.redis))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
+def _run(f: Flags) -> Outcome:
+    cfg = config_from_args(f)
+    res = asyncio.run(run(cfg, f.redis))
     if "skipped" in res:
         print(f"peer_durable: skipped: {res['skipped']}", file=sys.stderr)
-        return 0
-    print(table(res))
+        return Outcome(res)
     bad = sum(
         r.get("lost", 0) + r.get("errors", 0) for p in res["phases"].values() for r in p.values()
     )
-    return 1 if bad or res["server_log_tracebacks"] else 0
+    return Outcome(res, table(res), 1 if bad or res["server_log_tracebacks"] else 0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.peers.durable", description=__doc__)
-    add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
+BENCH = Bench(Flags, _run, uvloop=True, prog="python -m bench.peers.durable", description=__doc__,
+              quick_help="1 round of 3 s per phase, 8 MB catch-up", markdown=table)  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

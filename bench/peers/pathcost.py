@@ -30,13 +30,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -44,6 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from bench._util import raise_nofile
+from bench.harness import Bench as Harness
+from bench.harness import OnCluster, Outcome, bench_stack, flag
+from bench.harness.report import progress as _progress
 from bench.peers.node import ensure_socketio, installed_versions
 from bench.peers.pathaims import aims, summarize
 from bench.peers.pathdrivers import Bench, RelaySystem, SocketIOSystem
@@ -132,10 +132,6 @@ def _supports(system: System, phase: Phase) -> bool:
     return bool(check(phase)) if callable(check) else True
 
 
-def _progress(started: float, msg: str) -> None:
-    print(f"[{time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
 async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
     started = time.monotonic()
     got = await asyncio.to_thread(ensure_socketio) if "socketio" in cfg.systems else None
@@ -149,15 +145,12 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {p.name: {} for p in plan}
     profile: dict[str, list[dict[str, Any]]] = {}
     redis_idle: dict[str, float] = {}
-    async with contextlib.AsyncExitStack() as stack:
+    async with bench_stack("pathcost-") as st:
         own = url is None
-        if url is None:
-            from devstack.cluster.launcher import local_cluster
-
-            url = (await stack.enter_async_context(local_cluster(masters=3, replicas=1))).url
+        url = await st.cluster(masters=3, replicas=1, url=url)
         host, port = url.split("//", 1)[1].rsplit(":", 1)
         seed = Addr(host, int(port))
-        log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pathcost-")))
+        log_dir = st.log_dir
         bench = Bench(url, seed, await slotmap(seed), log_dir, modules, readers + 100, cfg.warm_s)
         systems, missing = _systems(cfg, bench)
         for name, system in list(systems.items()):
@@ -167,7 +160,7 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
                 missing[name] = f"did not start: {exc!r}"[:300]
                 del systems[name]
             else:
-                stack.push_async_callback(system.stop)
+                st.on_exit(system.stop)
         order = list(systems)
         random.Random(cfg.seed).shuffle(order)
         warm = Phase("warm-up", min(100, cfg.sessions), 1, min(200, cfg.rates[0]), 2.0)
@@ -332,34 +325,30 @@ def report(res: dict[str, Any]) -> str:
 # -- command line --------------------------------------------------------------------------
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    d = Config()
-    ap.add_argument("--quick", action="store_true", help="1 round of 3 s per system and phase")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    ap.add_argument("--seed", type=int, default=0, help="picks the order of the systems")
-    ap.add_argument("--redis", help="redis://host:port of a running cluster (default: start one)")
-    ap.add_argument("--seconds", type=float, help=f"publishing seconds per round ({d.seconds:g})")
-    ap.add_argument("--repeats", type=int, help=f"rounds per system and phase ({d.repeats})")
-    ap.add_argument("--systems", help=f"comma-separated, of {','.join(ALL)} (all)")
-    ap.add_argument("--phases", help="comma-separated phase names (all): "
-                    + ",".join(p.name for p in phases(d)))  # fmt: skip
-    ap.add_argument("--profile", metavar="DIR", help="py-spy the relay in one more round")
-    ap.add_argument("--report", metavar="JSON", help="print the markdown table of a result")
+_D, _Q = Config(), Config.quick()
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    cfg = Config.quick() if args.quick else Config()
-    cfg.seed = args.seed
-    for name in ("seconds", "repeats", "profile"):
-        if getattr(args, name, None) is not None:
-            setattr(cfg, name, getattr(args, name))
-    if getattr(args, "systems", None):
-        cfg.systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+@dataclass
+class Flags(OnCluster):
+    seed: int = flag(0, "picks the order of the systems")
+    seconds: float = flag(_D.seconds, "publishing seconds per round", quick=_Q.seconds)
+    repeats: int = flag(_D.repeats, "rounds per system and phase", quick=_Q.repeats)
+    systems: str = flag("", f"comma-separated, of {','.join(ALL)} (all)")
+    phases: str = flag("", "comma-separated phase names (all): "
+                       + ",".join(p.name for p in phases(_D)))  # fmt: skip
+    profile: str | None = flag(None, "py-spy the relay in one more round", metavar="DIR")
+
+
+def config_from_args(args: argparse.Namespace | Flags) -> Config:
+    f = args if isinstance(args, Flags) else BENCH.flags(args)
+    cfg = Config(seed=f.seed, seconds=f.seconds, repeats=f.repeats, profile=f.profile)
+    if f.systems:
+        cfg.systems = tuple(s.strip() for s in f.systems.split(",") if s.strip())
         bad = [s for s in cfg.systems if s not in ALL]
         if bad:
             raise SystemExit(f"pathcost: unknown system {bad[0]!r} (one of {', '.join(ALL)})")
-    if getattr(args, "phases", None):
-        cfg.only = tuple(s.strip() for s in args.phases.split(",") if s.strip())
+    if f.phases:
+        cfg.only = tuple(s.strip() for s in f.phases.split(",") if s.strip())
         known = [p.name for p in phases(Config(rates=cfg.rates))]
         bad = [s for s in cfg.only if s not in known]
         if bad:
@@ -369,34 +358,26 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return cfg
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    if getattr(args, "report", None):
-        try:
-            res = json.loads(Path(args.report).read_text(encoding="utf-8"))
-            print(report(res))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise SystemExit(f"pathcost: cannot report {args.report}: {exc!r}") from None
-        return 0
-    cfg = config_from_args(args)
-    with contextlib.suppress(ImportError):  # the readers on uvloop, as the Socket.IO bench
-        import uvloop
-
-        uvloop.install()
-    res = asyncio.run(run(cfg, args.redis))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2), encoding="utf-8")
-    print(report(res))
+def _run(f: Flags) -> Outcome:
+    cfg = config_from_args(f)
+    res = asyncio.run(run(cfg, f.redis))
     ours = [r[k] for r in res["results"].values() for k in ("tokenrelay", "tokenrelay-sse")
             if k in r]  # fmt: skip
     bad = sum(r["lost"] + r["duplicated"] for r in ours)
     bad += sum(int(x["notes"]["reader_errors"]) for r in ours for x in r["rounds"])
-    return 1 if bad or res["server_log_tracebacks"] else 0
+    return Outcome(res, report(res), 1 if bad or res["server_log_tracebacks"] else 0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.peers.pathcost", description=__doc__)
-    add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
+BENCH = Harness(
+    Flags,
+    _run,
+    uvloop=True,
+    prog="python -m bench.peers.pathcost",
+    description=__doc__,
+    quick_help="1 round of 3 s per system and phase",
+    markdown=report,
+)
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

@@ -33,10 +33,11 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.harness import Bench, Common, Outcome, flag
 from bench.peers.pathsystem import RoundFigures
 from bench.peers.resumable import (
     GUARANTEE,
@@ -295,55 +296,38 @@ def table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    d = Config()
-    ap.add_argument("--quick", action="store_true", help="1 round of 3 s per phase")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    ap.add_argument("--seed", type=int, default=0, help="names the rounds' streams")
-    ap.add_argument("--seconds", type=float, help=f"publishing seconds per round ({d.seconds:g})")
-    ap.add_argument("--repeats", type=int, help=f"rounds per phase ({d.repeats})")
-    ap.add_argument("--modes", help="comma-separated targets: node,cluster (both)")
-    ap.add_argument("--sessions", type=int, help=f"sessions of the 1 x N phases ({d.sessions})")
-    ap.add_argument("--no-tokenrelay", action="store_true",
-                    help="no tokenrelay rounds beside it on the cluster")  # fmt: skip
-    ap.add_argument("--report", metavar="JSON", help="print the table of a saved --json; no run")
+_D, _Q = Config(), Config.quick()
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    cfg = Config.quick() if args.quick else Config()
-    cfg.seed = args.seed
-    cfg.tokenrelay = not getattr(args, "no_tokenrelay", False)
-    for name in ("seconds", "repeats", "sessions"):
-        if (v := getattr(args, name, None)) is not None:
-            setattr(cfg, name, v)
-    if getattr(args, "modes", None):
-        modes = tuple(m.strip() for m in args.modes.split(","))
-        if bad := [m for m in modes if m not in ("node", "cluster")]:
-            raise SystemExit(f"--modes: unknown target {bad[0]!r} (node, cluster)")
-        cfg.modes = modes
+@dataclass
+class Flags(Common):
+    seed: int = flag(0, "names the rounds' streams")
+    seconds: float = flag(_D.seconds, "publishing seconds per round", quick=_Q.seconds, above=0)
+    repeats: int = flag(_D.repeats, "rounds per phase", quick=_Q.repeats, least=1)
+    modes: str = flag("node,cluster", "comma-separated targets: node,cluster")
+    sessions: int = flag(_D.sessions, "sessions of the 1 x N phases", least=1)
+    no_tokenrelay: bool = flag(False, "no tokenrelay rounds beside it on the cluster")
+
+
+def config_from_args(args: argparse.Namespace | Flags) -> Config:
+    f = args if isinstance(args, Flags) else BENCH.flags(args)
+    cfg = Config(seed=f.seed, seconds=f.seconds, repeats=f.repeats, sessions=f.sessions,
+                 tokenrelay=not f.no_tokenrelay)  # fmt: skip
+    modes = tuple(m.strip() for m in f.modes.split(","))
+    if bad := [m for m in modes if m not in ("node", "cluster")]:
+        raise SystemExit(f"--modes: unknown target {bad[0]!r} (node, cluster)")
+    cfg.modes = modes  # type: ignore[assignment]
     return cfg
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    if getattr(args, "report", None):
-        try:
-            saved = json.loads(Path(args.report).read_text(encoding="utf-8"))
-            print(table(saved))
-        except (OSError, ValueError, KeyError) as e:
-            why = f"--report {args.report}: not a saved run of this benchmark ({e})"
-            raise SystemExit(why) from None
-        return 0
-    res = asyncio.run(run(config_from_args(args)))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
+def _run(f: Flags) -> Outcome:
+    res = asyncio.run(run(config_from_args(f)))
     if "skipped" in res:
         print(f"peer_resumable: skipped: {res['skipped']}", file=sys.stderr)
-        return 0
-    print(table(res))
-    return 0
+        return Outcome(res)
+    return Outcome(res, table(res))
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.peers.resumable", description=__doc__)
-    add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
+BENCH = Bench(Flags, _run, prog="python -m bench.peers.resumable", description=__doc__,
+              quick_help="1 round of 3 s per phase", markdown=table)  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main

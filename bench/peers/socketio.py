@@ -50,12 +50,10 @@ import argparse
 import asyncio
 import contextlib
 import itertools
-import json
 import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -63,6 +61,8 @@ from pathlib import Path
 from typing import Any
 
 from bench._util import cpu_s, percentile, raise_nofile, rss_kb, self_cpu_s
+from bench.harness import Bench, OnCluster, Outcome, bench_stack, flag
+from bench.harness.report import progress as _progress
 from bench.peers.node import emit, ensure_socketio, installed_versions, socketio_server
 from bench.peers.ws_clients import Kind, Tally, close_clients, open_clients
 from bench.relay.harness import (
@@ -319,10 +319,6 @@ def _phases(cfg: Config) -> list[tuple[str, int, int, float]]:
     return [*out, (name, cfg.fan_sessions, cfg.fan_viewers, per_session)]
 
 
-def _progress(started: float, msg: str) -> None:
-    print(f"[{time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
 async def run(cfg: Config, url: str | None = None, modules: Path | None = None) -> dict[str, Any]:
     """Every phase on the cluster at ``url`` (or on a 3+3 cluster started here), or
     ``{"skipped": reason}`` when Socket.IO cannot be installed."""
@@ -336,16 +332,13 @@ async def run(cfg: Config, url: str | None = None, modules: Path | None = None) 
     load_start = Path("/proc/loadavg").read_text().split()[:3]
     order = list(SYSTEMS)
     random.Random(cfg.seed).shuffle(order)
-    async with contextlib.AsyncExitStack() as stack:
+    async with bench_stack("peer-bench-") as st:
         own = url is None
-        if url is None:
-            from devstack.cluster.launcher import local_cluster
-
-            url = (await stack.enter_async_context(local_cluster(masters=3, replicas=1))).url
+        url = await st.cluster(masters=3, replicas=1, url=url)
         host, port = url.split("//", 1)[1].rsplit(":", 1)
         seed = Addr(host, int(port))
         smap = await slotmap(seed)
-        log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="peer-bench-")))
+        log_dir = st.log_dir
         max_conn = max(cfg.sessions, cfg.fan_sessions * cfg.fan_viewers) + 100
 
         async def sides(
@@ -412,48 +405,34 @@ def _table(res: dict[str, Any]) -> str:
     return "\n".join("  ".join(f"{v:{w[c]}}" for c, v in enumerate(r)).rstrip() for r in rows)
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    d = Config()
-    ap.add_argument("--quick", action="store_true", help="1 round of 3 s per phase, 1,000 idle")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    ap.add_argument("--seed", type=int, default=0, help="picks the system of the first round")
-    ap.add_argument("--redis", help="redis://host:port of a running cluster (default: start one)")
-    ap.add_argument("--seconds", type=float, help=f"publishing seconds per round ({d.seconds:g})")
-    ap.add_argument("--repeats", type=int, help=f"rounds per system and phase ({d.repeats})")
-    ap.add_argument("--idle", type=int, help=f"idle connections per system ({d.idle})")
+_D, _Q = Config(), Config.quick()
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    cfg = Config.quick() if args.quick else Config()
-    cfg.seed = args.seed
-    for name in ("seconds", "repeats", "idle"):
-        v = getattr(args, name, None)
-        if v is not None:
-            setattr(cfg, name, v)
-    return cfg
+@dataclass
+class Flags(OnCluster):
+    seed: int = flag(0, "picks the system of the first round")
+    seconds: float = flag(_D.seconds, "publishing seconds per round", quick=_Q.seconds, above=0)
+    repeats: int = flag(_D.repeats, "rounds per system and phase", quick=_Q.repeats, least=1)
+    idle: int = flag(_D.idle, "idle connections per system", quick=_Q.idle, least=0)
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    with contextlib.suppress(ImportError):  # the clients on uvloop, through every entry point
-        import uvloop
+def config_from_args(args: argparse.Namespace | Flags) -> Config:
+    f = args if isinstance(args, Flags) else BENCH.flags(args)
+    return Config(seed=f.seed, seconds=f.seconds, repeats=f.repeats, idle=f.idle)
 
-        uvloop.install()
-    res = asyncio.run(run(config_from_args(args), args.redis))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=2)
+
+def _run(f: Flags) -> Outcome:
+    res = asyncio.run(run(config_from_args(f), f.redis))
     if "skipped" in res:
         print(f"peer_socketio: skipped: {res['skipped']}", file=sys.stderr)
-        return 0
-    print(_table(res))
+        return Outcome(res)
     bad = sum(r[k]["lost"] + r[k]["client_errors"] for r in res["phases"].values() for k in SYSTEMS)
-    return 1 if bad or res["server_log_tracebacks"] else 0
+    return Outcome(res, _table(res), 1 if bad or res["server_log_tracebacks"] else 0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.peers.socketio", description=__doc__)
-    add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
+BENCH = Bench(Flags, _run, uvloop=True, prog="python -m bench.peers.socketio", description=__doc__,
+              quick_help="1 round of 3 s per phase, 1,000 idle")  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ skipped with the reason.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import platform
@@ -40,12 +39,13 @@ import secrets
 import shutil
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench._util import run_json, write_json
+from bench._util import run_json
+from bench.harness import Bench, OnCluster, Outcome, bench_stack, flag
 from bench.relay.harness import redis_cpu_s, slotmap
-from devstack.cluster.launcher import LocalCluster
 from relay.broker.rediscluster.nodeconn import raw_command
 from relay.protocol.keys import meta_key
 from relay.protocol.slotmap import Addr, SlotMap, slot_of
@@ -81,7 +81,7 @@ async def _frames(smap: SlotMap, prefix: str, streams: int) -> int:
 
 
 async def run_one(url: str, smap: SlotMap, impl: str, n: int, t_ms: float,
-                  args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+                  args: Flags) -> dict[str, Any]:  # fmt: skip
     prefix = f"bcpu-{impl}-{secrets.token_hex(4)}"
     spec = {"url": url, "impl": impl, "streams": args.streams, "tokens": args.tokens,
             "rate": args.rate, "max_tokens": n, "max_delay_ms": t_ms, "prefix": prefix}  # fmt: skip
@@ -110,15 +110,11 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-async def _main(args: argparse.Namespace) -> dict[str, Any]:
+async def _main(args: Flags) -> dict[str, Any]:
     skipped = node_missing()
     impls = [i for i in IMPLS if i != "node" or skipped is None]
-    cluster: LocalCluster | None = None
-    url = args.redis
-    if not url:
-        cluster = LocalCluster(masters=3, replicas=0)
-        url = (await cluster.start()).url
-    try:
+    async with bench_stack("producer-cpu-") as st:
+        url = await st.cluster(masters=3, replicas=0, url=args.redis)
         host, port = url.split("://", 1)[1].split(",")[0].rsplit(":", 1)
         smap = await slotmap(Addr(host, int(port)))
         runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -130,9 +126,6 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"{name:<16} {impl:<10} {r['cpu_us_per_token']:8.1f} us/token "
                           f"(redis {r['redis_cpu_us_per_token']:6.1f}) frames/token "
                           f"{r['frames_per_token']:.3f}", flush=True)  # fmt: skip
-    finally:
-        if cluster is not None:
-            await cluster.stop()
     settings: list[dict[str, Any]] = []
     for name, n, t_ms in SETTINGS:
         rows = {impl: _summary(runs[(name, impl)]) for impl in impls}
@@ -177,39 +170,23 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--quick", action="store_true", help="fewer streams and tokens, one repeat")
-    p.add_argument("--seed", type=int, default=0, help="unused: the workload is fixed")
-    p.add_argument("--redis", help="an existing cluster (default: start a local one)")
-    p.add_argument("--streams", type=int, default=None, help="turns at once per producer")
-    p.add_argument("--tokens", type=int, default=None, help="deltas per turn")
-    p.add_argument("--rate", type=float, default=None, help="deltas/s per turn")
-    p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--report", help="print the markdown table of this JSON result and exit")
+@dataclass
+class Flags(OnCluster):
+    seed: int = flag(0, "unused: the workload is fixed")
+    streams: int = flag(32, "turns at once per producer", quick=8, least=1)
+    tokens: int = flag(300, "deltas per turn", quick=40, least=1)
+    rate: float = flag(50.0, "deltas/s per turn", quick=100.0, above=0)
+    repeats: int = flag(3, "runs of each setting (the median kept)", quick=1, least=1)
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    if args.report:
-        import json
-
-        print(report(json.loads(Path(args.report).read_text())))
-        return 0
-    args.streams = args.streams or (8 if args.quick else 32)
-    args.tokens = args.tokens or (40 if args.quick else 300)
-    args.rate = args.rate or (100.0 if args.quick else 50.0)
-    args.repeats = args.repeats or (1 if args.quick else 3)
-    out = asyncio.run(_main(args))
-    print(report(out))
-    if args.json:
-        write_json(args.json, out)
-    return 0
+def _run(f: Flags) -> Outcome:
+    out = asyncio.run(_main(f))
+    return Outcome(out, report(out))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.producer.cpu", description=__doc__)
-    add_arguments(p)
-    return run_from_args(p.parse_args(argv))
+BENCH = Bench(Flags, _run, prog="python -m bench.producer.cpu", description=__doc__,
+              quick_help="fewer streams and tokens, one repeat", markdown=report)  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

@@ -25,28 +25,26 @@ else it is skipped with the reason (``{"skipped": ...}``).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import platform
 import random
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from redis.asyncio.cluster import RedisCluster
 
-from bench._util import cpu_s, raise_nofile, run_json, write_json
+from bench._util import cpu_s, raise_nofile, run_json
+from bench.harness import Bench, OnCluster, Outcome, bench_stack, flag, markdown_table
 from bench.load.accounting import account, read_logs
 from bench.load.viewer import Viewer
 from bench.producer.cpu import ROOT, node_missing
 from bench.relay.harness import SECRET, relay_process
-from devstack.cluster.launcher import LocalCluster
 from relay.protocol.auth import issue_token
 from relay.protocol.keys import log_key, new_session_id
 
@@ -106,19 +104,16 @@ async def _backlog(redis: RedisCluster, sid: str) -> dict[int, dict[str, Any]]:
     return out
 
 
-async def _main(args: argparse.Namespace) -> dict[str, Any]:
+async def _main(args: Flags) -> dict[str, Any]:
     raise_nofile(args.viewers * 2 + 1024)
     random.seed(args.seed)
-    cluster: LocalCluster | None = None
-    url = args.redis
-    if not url:
-        cluster = LocalCluster(masters=3, replicas=0)
-        url = (await cluster.start()).url
-    host, port = url.split("://", 1)[1].split(",")[0].rsplit(":", 1)
-    redis = RedisCluster(host=host, port=int(port))
-    log_dir = Path(tempfile.mkdtemp(prefix="producer-soak-"))
-    sids = [new_session_id() for _ in range(args.sessions)]
-    try:
+    async with bench_stack("producer-soak-") as st:
+        url = await st.cluster(masters=3, replicas=0, url=args.redis)
+        host, port = url.split("://", 1)[1].split(",")[0].rsplit(":", 1)
+        redis = RedisCluster(host=host, port=int(port))
+        st.on_exit(redis.aclose)
+        log_dir = st.log_dir
+        sids = [new_session_id() for _ in range(args.sessions)]
         await redis.initialize()
         async with relay_process(url, log_dir, "relay-a", args.viewers + 100) as ra, \
                 relay_process(url, log_dir, "relay-b", args.viewers + 100) as rb:  # fmt: skip
@@ -172,11 +167,6 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             c, b, sm = check_frames(backlogs[v.sid], fl)
             checked, bad = checked + c, bad + b
             samples += sm[: max(0, 5 - len(samples))]
-    finally:
-        await redis.aclose()
-        if cluster is not None:
-            await cluster.stop()
-        shutil.rmtree(log_dir, ignore_errors=True)
     frames = sum(len(b) for b in backlogs.values())
     return {
         "bench": "producer_soak",
@@ -212,18 +202,15 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--quick", action="store_true", help="a few seconds, fewer viewers")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--redis", help="an existing cluster (default: start a local one)")
-    p.add_argument("--viewers", type=int, default=None, help="SSE viewers (default 1000)")
-    p.add_argument("--sessions", type=int, default=None, help="sessions (default 20)")
-    p.add_argument("--duration-s", type=float, default=None, help="default 60")
-    p.add_argument("--rate", type=float, default=20.0, help="deltas/s per session")
-    p.add_argument("--reply-min", type=int, default=None, help="deltas per reply, at least")
-    p.add_argument("--reply-max", type=int, default=None, help="deltas per reply, at most")
-    p.add_argument("--report", help="print the markdown table of this JSON result and exit")
+@dataclass
+class Flags(OnCluster):
+    seed: int = flag(1, "the producer's replies")
+    viewers: int = flag(1000, "SSE viewers", quick=60, least=1)
+    sessions: int = flag(20, "sessions", quick=6, least=1)
+    duration_s: float = flag(60.0, "producing seconds", quick=4.0, above=0)
+    rate: float = flag(20.0, "deltas/s per session", above=0)
+    reply_min: int = flag(20, "deltas per reply, at least", quick=10, least=1)
+    reply_max: int = flag(120, "deltas per reply, at most", quick=40, least=1)
 
 
 def report(r: dict[str, Any]) -> str:
@@ -244,41 +231,25 @@ def report(r: dict[str, Any]) -> str:
         ("producer errors / reconnects", of("producer_errors", "reconnects")),
         ("CPU s: producer / relays", of("producer_cpu_s", "relay_cpu_s")),
     ]
-    return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+    return markdown_table(["", ""], rows).replace("|  |  |", "| | |", 1)
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    if args.report:
-        import json
-
-        print(report(json.loads(Path(args.report).read_text())))
-        return 0
-    args.reply_min = args.reply_min or (10 if args.quick else 20)
-    args.reply_max = args.reply_max or (40 if args.quick else 120)
+def _run(f: Flags) -> Outcome:
     why = node_missing()
     if why is not None:  # as the other benchmarks on node: skipped with the reason
         print(f"producer_soak: skipped: {why}", file=sys.stderr)
-        if args.json:
-            write_json(args.json, {"bench": "producer_soak", "skipped": why})
-        return 0
-    args.viewers = args.viewers or (60 if args.quick else 1000)
-    args.sessions = args.sessions or (6 if args.quick else 20)
-    args.duration_s = args.duration_s or (4.0 if args.quick else 60.0)
-    out = asyncio.run(_main(args))
+        return Outcome({"bench": "producer_soak", "skipped": why})
+    out = asyncio.run(_main(f))
     keys = ("viewers", "turns", "backlog_frames", "frames_checked", "lost", "duplicated",
             "out_of_order", "mismatched", "content_mismatches", "unended_turns")  # fmt: skip
-    print("  ".join(f"{k} {out[k]}" for k in keys), flush=True)
-    if args.json:
-        write_json(args.json, out)
     bad = ("lost", "duplicated", "out_of_order", "mismatched", "content_mismatches",
            "unended_turns", "viewers_behind", "producer_errors")  # fmt: skip
-    return 1 if any(out[k] for k in bad) else 0
+    return Outcome(out, "  ".join(f"{k} {out[k]}" for k in keys), int(any(out[k] for k in bad)))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.producer.soak", description=__doc__)
-    add_arguments(p)
-    return run_from_args(p.parse_args(argv))
+BENCH = Bench(Flags, _run, prog="python -m bench.producer.soak", description=__doc__,
+              quick_help="a few seconds, fewer viewers", markdown=report)  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

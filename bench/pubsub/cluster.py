@@ -15,28 +15,28 @@ on every node before and after each phase.
 
 Call order: ``python -m bench.pubsub.cluster [--quick] [--masters 3,6,9] [--replicas 1]
 [--json PATH] [--plot PATH] [--md PATH]`` -> :func:`main` -> :func:`run_all` (per size:
-``LocalCluster.start`` -> :func:`measure` x 2 -> ``stop``) -> :func:`markdown`,
+a cluster of the harness stack -> :func:`measure` x 2 -> stopped) -> :func:`markdown`,
 :func:`plot`. Tests call :func:`measure` on an existing cluster.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import multiprocessing
 import os
 import platform
 import random
 import shutil
 import statistics
-import sys
 import time
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from bench._util import ns_ms, percentile
+from bench.harness import Bench, Common, Outcome, bench_stack, cell, flag
+from bench.harness.report import logger
 from bench.pubsub.resp_load import (
     PAYLOAD_LEN,
     Counters,
@@ -50,10 +50,9 @@ from bench.pubsub.resp_load import (
     run_publisher,
     warm_worker,
 )
-from devstack.cluster.launcher import ClusterInfo, LocalCluster
+from devstack.cluster.launcher import ClusterInfo
 from relay.protocol.keys import live_channel
 from relay.protocol.slotmap import Addr, SlotMap, parse_shards, parse_slots, slot_of
-from relay.service import runtime
 
 __all__ = [
     "MODES",
@@ -89,8 +88,7 @@ CLIENT_NOTE = (
 )
 
 
-def log(msg: str) -> None:
-    print(f"[pubsub {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("pubsub")
 
 
 @dataclass
@@ -340,21 +338,17 @@ async def run_all(masters: list[int], replicas: int, wl: Workload) -> dict[str, 
         await asyncio.gather(*(loop.run_in_executor(pool, warm_worker, 0.5) for _ in range(procs)))
         for m in masters:
             log(f"starting {m} masters x {replicas} replica(s)")
-            cluster = LocalCluster(
-                masters=m,
-                replicas=replicas,
-                extra_args=["--client-output-buffer-limit", PUBSUB_BUFFER],
-            )
-            try:
-                info = await cluster.start()
+            async with bench_stack("pubsub-cluster-") as st:
+                buffers = ["--client-output-buffer-limit", PUBSUB_BUFFER]
+                await st.cluster(masters=m, replicas=replicas, extra_args=buffers)
+                info = st.cluster_info
+                assert info is not None
                 server = server or f"{info.flavor} {await _server_version(info)}"
                 for mode in MODES:
                     log(f"{m} masters / {len(info.nodes)} nodes: {mode}")
                     run = await asyncio.wait_for(measure(info, mode, wl, pool), 120)
                     log(_summary(run))
                     runs.append(run)
-            finally:
-                await cluster.stop()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     cpus = os.cpu_count() or 1
@@ -371,12 +365,8 @@ async def run_all(masters: list[int], replicas: int, wl: Workload) -> dict[str, 
     }
 
 
-def _fmt(v: Any, digits: int = 2) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.{digits}f}"
-    return f"{v:,}" if isinstance(v, int) else str(v)
+def _fmt(v: Any) -> str:
+    return cell(v, grouped=False)
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -435,59 +425,43 @@ def plot(result: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--quick", action="store_true", help="3 and 6 masters, short phases (< 60 s)")
-    ap.add_argument("--masters", help="comma-separated cluster sizes (default 3,6,9)")
-    ap.add_argument("--replicas", type=int, default=1, help="replicas per master (default 1)")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    ap.add_argument("--plot", metavar="PATH", help="write a PNG of cost against masters")
-    ap.add_argument("--md", metavar="PATH", help="write the Markdown table")
-    ap.add_argument(
-        "--redis-benchmark",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="cross-check the max rate with redis-benchmark, no subscribers "
-        "(auto: when it is on PATH)",
-    )
+@dataclass
+class Flags(Common):
+    masters: str = flag("3,6,9", "comma-separated cluster sizes", quick="3,6")
+    replicas: int = flag(1, "replicas per master", least=0)
+    seed: int = flag(1, "the channels' names and the publishers' order")
+    plot: str | None = flag(None, "write a PNG of cost against masters", metavar="PATH")
+    md: str | None = flag(None, "write the Markdown table", metavar="PATH")
+    redis_benchmark: str = flag("auto", "cross-check the max rate with redis-benchmark, no "
+                                "subscribers (auto: when it is on PATH)",
+                                choices=("auto", "on", "off"))  # fmt: skip
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    runtime.exit_on_sigterm()  # a killed run still stops its clusters and processes
-    if args.quick:
-        sizes, wl = [3, 6], Workload(fixed_s=1.0, max_s=1.5, repeats=1)
-    else:
-        sizes, wl = [3, 6, 9], Workload()
-    if args.masters:
-        sizes = [int(x) for x in args.masters.split(",") if x.strip()]
-    if args.redis_benchmark == "on" and shutil.which("redis-benchmark") is None:
+def measure_all(f: Flags) -> Outcome | int:
+    wl = Workload(fixed_s=1.0, max_s=1.5, repeats=1) if f.quick else Workload()
+    wl.seed = f.seed
+    sizes = [int(x) for x in f.masters.split(",") if x.strip()]
+    if f.redis_benchmark == "on" and shutil.which("redis-benchmark") is None:
         log("redis-benchmark is not on PATH")
         return 2
-    wl.redis_benchmark = args.redis_benchmark == "on" or (
-        args.redis_benchmark == "auto" and shutil.which("redis-benchmark") is not None
+    wl.redis_benchmark = f.redis_benchmark == "on" or (
+        f.redis_benchmark == "auto" and shutil.which("redis-benchmark") is not None
     )
     t0 = time.monotonic()
-    result = asyncio.run(run_all(sizes, args.replicas, wl))
+    result = asyncio.run(run_all(sizes, f.replicas, wl))
     log(f"done in {time.monotonic() - t0:.0f} s")
     table = markdown(result)
-    print(table)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-    if args.md:
-        with open(args.md, "w", encoding="utf-8") as f:
-            f.write(table)
-    if args.plot:
-        plot(result, args.plot)
-    return 0
+    if f.md:
+        Path(f.md).write_text(table, encoding="utf-8")
+    if f.plot:
+        plot(result, f.plot)
+    return Outcome(result, table)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.pubsub.cluster",
-        description="PUBLISH vs SPUBLISH cost on local Redis Clusters of growing size.",
-    )
-    add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
+BENCH = Bench(Flags, measure_all, prog="python -m bench.pubsub.cluster",
+              description="PUBLISH vs SPUBLISH cost on local Redis Clusters of growing size.",
+              quick_help="3 and 6 masters, short phases (< 60 s)")  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

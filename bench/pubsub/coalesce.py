@@ -21,22 +21,19 @@ Call order: ``main()`` is the CLI, ``python -m bench.pubsub.coalesce [--json PAT
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from redis.asyncio.cluster import RedisCluster
 
-from bench._util import free_port
-from devstack.cluster.launcher import LocalCluster
-from devstack.procs import Proc, http_ok
+from bench.harness import Bench, OnCluster, Outcome, bench_stack, flag
 from relay.broker.rediscluster.publisher import Draft, Publisher
 from relay.producer.coalesce import Batch, CoalescePolicy, TokenPump
 from relay.protocol.keys import new_session_id
@@ -56,14 +53,16 @@ SETTINGS: list[tuple[int, float]] = [
 ]
 
 
-def _start_engine(port: int, rate: float, concurrency: int, reply: int) -> Proc:
+def _engine_argv(port: int, rate: float, concurrency: int, reply: int) -> list[str]:
     code = (
         "import asyncio; from devstack.mockengine.server import EngineConfig, run_engine; "
+        "from devstack.mockengine.reply_length import ReplyLength; "
         f"asyncio.run(run_engine(EngineConfig(port={port}, decode_tok_per_s={rate}, "
-        f"max_concurrency={concurrency}, max_reply_tokens={reply}, "
+        f"max_concurrency={concurrency}, "
+        f"reply=ReplyLength(max_tokens={reply}, min_tokens={min(8, reply)}), "
         "prefill_tok_per_s=0.0, engine_id='bench')))"
     )
-    return Proc.start([sys.executable, "-c", code], log=None, name="mock engine")
+    return [sys.executable, "-c", code]
 
 
 async def _one_stream(
@@ -140,25 +139,20 @@ async def run_setting(
     }
 
 
-async def _main(args: argparse.Namespace) -> dict[str, Any]:
-    cluster: LocalCluster | None = None
-    url = args.redis
-    if not url:
-        cluster = LocalCluster(masters=3, replicas=0)
-        url = (await cluster.start()).url
-    port = free_port()
-    engine = _start_engine(port, args.rate, args.streams, args.reply)
-    engine_url = f"http://127.0.0.1:{port}"
-    redis = RedisCluster.from_url(url)
-    try:
+async def _main(args: Flags) -> dict[str, Any]:
+    async with bench_stack("coalesce-") as st:
+        url = await st.cluster(masters=3, replicas=0, url=args.redis)
+        engine = await st.serve("mock engine", lambda port: _engine_argv(
+            port, args.rate, args.streams, args.reply), "/health")  # fmt: skip
+        redis = RedisCluster.from_url(url)
+        st.on_exit(redis.aclose)
         await redis.initialize()
-        await engine.ready(http_ok(engine_url + "/health"), timeout_s=20)
         rows = []
         for n, t in SETTINGS:
             policy = CoalescePolicy(max_tokens=n, max_delay_s=t)
             best: dict[str, Any] | None = None
             for _ in range(args.repeats):
-                row = await run_setting(redis, engine_url, policy, args.streams, args.reply)
+                row = await run_setting(redis, engine.url, policy, args.streams, args.reply)
                 if best is None or row["delay_ms"]["p99"] < best["delay_ms"]["p99"]:
                     best = row
             assert best is not None
@@ -170,11 +164,6 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
                 f"cpu {best['cpu_us_per_token']:6.1f} us/token",
                 flush=True,
             )
-    finally:
-        await redis.aclose()
-        await engine.stop()
-        if cluster is not None:
-            await cluster.stop()
     return {
         "bench": "coalesce",
         "rate_tok_per_s": args.rate,
@@ -187,31 +176,21 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--quick", action="store_true", help="fewer streams, shorter replies")
-    p.add_argument("--redis", help="an existing cluster (default: start a local one)")
-    p.add_argument("--rate", type=float, default=40.0, help="decode tokens/s per stream")
-    p.add_argument("--streams", type=int, default=None)
-    p.add_argument("--reply", type=int, default=None, help="max reply tokens")
-    p.add_argument("--repeats", type=int, default=None)
+@dataclass
+class Flags(OnCluster):
+    rate: float = flag(40.0, "decode tokens/s per stream", above=0)
+    streams: int = flag(32, "streams at once", quick=8, least=1)
+    reply: int = flag(128, "max reply tokens", quick=48, least=1)
+    repeats: int = flag(2, "runs per setting (the best p99 kept)", quick=1, least=1)
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    args.streams = args.streams or (8 if args.quick else 32)
-    args.reply = args.reply or (48 if args.quick else 128)
-    args.repeats = args.repeats or (1 if args.quick else 2)
-    out = asyncio.run(_main(args))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-    return 0
+def _run(f: Flags) -> Outcome:
+    return Outcome(asyncio.run(_main(f)))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.pubsub.coalesce", description=__doc__)
-    add_arguments(p)
-    return run_from_args(p.parse_args(argv))
+BENCH = Bench(Flags, _run, prog="python -m bench.pubsub.coalesce", description=__doc__,
+              quick_help="fewer streams, shorter replies")  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

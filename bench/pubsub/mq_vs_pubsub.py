@@ -30,13 +30,10 @@ by the benchmark.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import multiprocessing
 import os
 import platform
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -45,13 +42,14 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from bench._util import ns_ms, percentile
+from bench.harness import Bench, Common, Outcome, bench_stack, cell, flag
+from bench.harness.report import logger
 from bench.pubsub import amqp_load as amqp_io
 from bench.pubsub.resp_load import PublishSpec, SubscriberSet, publish, run_publisher, warm_worker
-from devstack.cluster.launcher import ClusterInfo, LocalCluster
+from devstack.cluster.launcher import ClusterInfo
 from relay.broker.rediscluster.connect import mask_url
 from relay.protocol.keys import live_channel
 from relay.protocol.slotmap import slot_of
-from relay.service import runtime
 
 __all__ = ["MODES", "Workload", "add_arguments", "main", "markdown", "run_all", "run_from_args"]
 
@@ -60,8 +58,7 @@ DEFAULT_AMQP = "amqp://guest:guest@127.0.0.1:5672/"
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def log(msg: str) -> None:
-    print(f"[mq_vs_pubsub {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("mq_vs_pubsub")
 
 
 @dataclass
@@ -143,10 +140,12 @@ def _latency(ns: list[int]) -> dict[str, Any]:
 
 
 async def run_spublish(wl: Workload, sids: list[str], pool: ProcessPoolExecutor) -> dict[str, Any]:
-    cluster = LocalCluster(masters=3, replicas=0)
-    info: ClusterInfo = await cluster.start()
     relays = [SubscriberSet() for _ in range(wl.relays)]
-    try:
+    async with bench_stack("mq-vs-pubsub-") as st:
+        await st.cluster(masters=3, replicas=0)
+        assert st.cluster_info is not None
+        info = st.cluster_info
+        st.on_exit(*(s.close for s in relays))  # the subscribers, before the cluster
         masters = sorted(info.masters, key=lambda n: n.port)
         owner = await _owners(info)
         channels = [live_channel(s) for s in sids]
@@ -186,10 +185,6 @@ async def run_spublish(wl: Workload, sids: list[str], pool: ProcessPoolExecutor)
         out.update(_saturation(top, received(), max(s.last_ns for s in relays)))
         out["shards"] = len(masters)
         return out
-    finally:
-        for s in relays:
-            await s.close()
-        await cluster.stop()
 
 
 async def _owners(info: ClusterInfo) -> Callable[[int], tuple[str, int]]:
@@ -427,14 +422,6 @@ async def run_all(wl: Workload, url: str) -> dict[str, Any]:
     }
 
 
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:,.2f}"
-    return f"{v:,}" if isinstance(v, int) else str(v)
-
-
 def markdown(result: dict[str, Any]) -> str:
     head = (
         "| mode | latency p50 ms | p99 ms | broker CPU µs/token | max tokens/s | "
@@ -447,10 +434,10 @@ def markdown(result: dict[str, Any]) -> str:
             rows += f"| {mode} | skipped: {result['skipped'].get(mode, '')} |||||||\n"
             continue
         rows += (
-            f"| {mode} | {_fmt(r['latency_p50_ms'])} | {_fmt(r['latency_p99_ms'])} | "
-            f"{_fmt(r['broker_cpu_us_per_token'])} | {_fmt(r['max_tokens_per_s'])} | "
-            f"{r['delivered_ratio']:.2%} | {_fmt(r.get('queues', r.get('shards')))} | "
-            f"{_fmt(r.get('queue_churn_per_s'))} |\n"
+            f"| {mode} | {cell(r['latency_p50_ms'])} | {cell(r['latency_p99_ms'])} | "
+            f"{cell(r['broker_cpu_us_per_token'])} | {cell(r['max_tokens_per_s'])} | "
+            f"{r['delivered_ratio']:.2%} | {cell(r.get('queues', r.get('shards')))} | "
+            f"{cell(r.get('queue_churn_per_s'))} |\n"
         )
     wl = result["workload"]
     return (
@@ -464,47 +451,27 @@ def markdown(result: dict[str, Any]) -> str:
     )
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--quick", action="store_true", help="200 sessions, short phases (< 60 s)")
-    ap.add_argument("--sessions", type=int, help="concurrent sessions K (default 1000)")
-    ap.add_argument("--rate", type=float, help="tokens/s per session R (default 5)")
-    ap.add_argument("--amqp", default=DEFAULT_AMQP, help="RabbitMQ URL")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    ap.add_argument("--seed", type=int, default=0, help="accepted for symmetry; no randomness")
+@dataclass
+class Flags(Common):
+    sessions: int = flag(1000, "concurrent sessions K", quick=200, least=1)
+    rate: float = flag(5.0, "tokens/s per session R", above=0)
+    amqp: str = flag(DEFAULT_AMQP, "RabbitMQ URL")
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    runtime.exit_on_sigterm()
-    wl = Workload(sessions=200, paced_s=3.0, max_s=2.0, churn_s=1.5) if args.quick else Workload()
-    if args.sessions is not None:
-        if args.sessions < 1:
-            print("error: --sessions must be >= 1", file=sys.stderr)
-            return 2
-        wl.sessions = args.sessions
-    if args.rate is not None:
-        if args.rate <= 0:
-            print("error: --rate must be > 0", file=sys.stderr)
-            return 2
-        wl.rate = args.rate
-    result = asyncio.run(run_all(wl, args.amqp))
-    print(markdown(result))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+def measure(f: Flags) -> Outcome:
+    wl = Workload(sessions=200, paced_s=3.0, max_s=2.0, churn_s=1.5) if f.quick else Workload()
+    wl.sessions, wl.rate = f.sessions, f.rate
+    result = asyncio.run(run_all(wl, f.amqp))
     lost = [m for m, r in result["modes"].items() if r["delivered_ratio"] < 1.0]
     if lost:
         log(f"tokens lost at the paced rate in: {', '.join(lost)}")
-        return 1
-    return 0
+    return Outcome(result, markdown(result), 1 if lost else 0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.pubsub.mq_vs_pubsub",
-        description="Token streaming: Redis sharded Pub/Sub vs RabbitMQ, side by side.",
-    )
-    add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
+BENCH = Bench(Flags, measure, prog="python -m bench.pubsub.mq_vs_pubsub",
+              description="Token streaming: Redis sharded Pub/Sub vs RabbitMQ, side by side.",
+              quick_help="200 sessions, short phases (< 60 s)")  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

@@ -37,11 +37,9 @@ variant.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hashlib
-import json
 import os
 import random
 import statistics
@@ -54,6 +52,8 @@ from typing import Any, cast
 
 import hiredis
 
+from bench.harness import Bench, Common, Outcome, flag
+from bench.harness.report import progress as _progress
 from bench.relay.harness import sessions, slotmap
 from devstack.cluster.launcher import local_cluster
 from relay.broker.rediscluster.connect import connect
@@ -330,10 +330,6 @@ async def _window(
 # -- the run -----------------------------------------------------------------------------
 
 
-def _progress(started: float, msg: str) -> None:
-    print(f"[{time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
 _NOT_PUBLISHING = frozenset({"info", "ssubscribe", "replconf", "ping", "cluster"})
 
 
@@ -476,48 +472,31 @@ def report(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    d = Config()
-    ap.add_argument("--report", metavar="PATH", help="print a run's JSON as the README's table")
-    ap.add_argument("--quick", action="store_true", help="2 rounds of 2 s, 200 sessions")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    ap.add_argument("--seed", type=int, default=0, help="shuffles the variants' order")
-    ap.add_argument("--rounds", type=int, help=f"rounds per variant ({d.rounds})")
-    ap.add_argument("--seconds", type=float, help=f"publishing seconds per variant ({d.seconds:g})")
-    ap.add_argument("--rate", type=int, help=f"frames/s over all sessions ({d.rate})")
-    ap.add_argument("--no-subscriber", action="store_true", help="no SSUBSCRIBEd reader")
+@dataclass
+class Flags(Common):
+    seed: int = flag(0, "shuffles the variants' order")
+    rounds: int = flag(Config.rounds, "rounds per variant", quick=Config.quick().rounds, least=1)
+    seconds: float = flag(Config.seconds, "publishing seconds per variant",
+                          quick=Config.quick().seconds, above=0)  # fmt: skip
+    rate: int = flag(Config.rate, "frames/s over all sessions", quick=Config.quick().rate, least=1)
+    sessions: int = flag(Config.sessions, "sessions", quick=Config.quick().sessions, least=1)
+    no_subscriber: bool = flag(False, "no SSUBSCRIBEd reader")
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    if args.report:
-        try:
-            print(report(json.loads(Path(args.report).read_text())))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            print(f"publish_cost: cannot read {args.report}: {exc!r}", file=sys.stderr)
-            return 2
-        return 0
-    cfg = Config.quick() if args.quick else Config()
-    cfg.seed = args.seed
-    for name in ("rounds", "seconds", "rate"):
-        if getattr(args, name, None) is not None:
-            setattr(cfg, name, getattr(args, name))
-    cfg.subscribed = not args.no_subscriber
+def _run(f: Flags) -> Outcome:
+    cfg = Config(sessions=f.sessions, rate=f.rate, seconds=f.seconds, rounds=f.rounds,
+                 subscribed=not f.no_subscriber, seed=f.seed)  # fmt: skip
     res = asyncio.run(run(cfg))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
-    print(table(res))
-    print(f"load average {' '.join(res['loadavg_start'])} -> {' '.join(res['loadavg_end'])} "
-          f"on {res['cpus']} CPUs (a shared machine)")  # fmt: skip
+    text = (f"{table(res)}\nload average {' '.join(res['loadavg_start'])} -> "
+            f"{' '.join(res['loadavg_end'])} on {res['cpus']} CPUs (a shared machine)")  # fmt: skip
     if res["errors"]:
         print(f"publish_cost: {res['errors']} frames failed, missing or doubled", file=sys.stderr)
-        return 1
-    return 0
+    return Outcome(res, text, 1 if res["errors"] else 0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.pubsub.publish_cost", description=__doc__)
-    add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
+BENCH = Bench(Flags, _run, prog="python -m bench.pubsub.publish_cost", description=__doc__,
+              quick_help="2 rounds of 2 s, 200 sessions", markdown=report)  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

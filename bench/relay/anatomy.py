@@ -24,13 +24,13 @@ benchmarks' common command line; nothing here is random.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import gc
 import sys
 from collections import Counter
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -38,7 +38,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from bench._util import write_json
+from bench.harness import Bench, OnCluster, Outcome, bench_stack, flag
 from devstack.procs import free_port
 from relay.broker.rediscluster.connect import connect
 from relay.broker.rediscluster.publisher import Generation, Publisher
@@ -50,17 +50,6 @@ __all__ = ["add_arguments", "count_idle", "main", "run_from_args", "trace_walk"]
 
 ROOT = Path(__file__).resolve().parents[2]
 _PROJECT = tuple(str(ROOT / p) for p in ("relay", "worker", "devstack"))
-
-
-@contextlib.asynccontextmanager
-async def _cluster(url: str | None) -> AsyncIterator[str]:
-    if url is not None:
-        yield url
-        return
-    from devstack.cluster.launcher import local_cluster
-
-    async with local_cluster(masters=3, replicas=0) as info:
-        yield info.url
 
 
 @contextlib.asynccontextmanager
@@ -256,44 +245,37 @@ async def count_idle(url: str, n: int) -> dict[str, Any]:
     return out
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--redis", help="redis://host:port of a running cluster (default: start one)")
-    ap.add_argument("--idle", type=int, default=200, help="idle connections per transport (200)")
-    ap.add_argument("--quick", action="store_true", help="50 idle connections per transport")
-    ap.add_argument("--seed", type=int, default=0, help="(nothing here is random)")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+@dataclass
+class Flags(OnCluster):
+    idle: int = flag(200, "idle connections per transport", quick=50, least=1)
+    seed: int = flag(0, "(nothing here is random)")
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    n = 50 if args.quick else args.idle
-    if n < 1:
-        raise SystemExit("--idle must be >= 1")
-
+def _run(f: Flags) -> Outcome:
     async def run() -> dict[str, Any]:
-        async with _cluster(args.redis) as url:
-            return {"walk": await trace_walk(url), "idle": await count_idle(url, n)}
+        async with bench_stack("anatomy-") as st:
+            url = await st.cluster(masters=3, replicas=0, url=f.redis)
+            return {"walk": await trace_walk(url), "idle": await count_idle(url, f.idle)}
 
     res = asyncio.run(run())  # the plain asyncio loop: its transport's write is Python
+    lines: list[str] = []
     for transport, w in res["walk"].items():
-        print(f"walk ({transport}): {w['calls']} calls, {w['visits']} visits of "
-              f"{w['modules']} modules, entered again: {w['revisited'] or 'none'}")  # fmt: skip
-        print("  " + " -> ".join(w["path"]))
-        for line in w["trace"]:
-            print("    " + line)
+        again = w["revisited"] or "none"
+        lines.append(f"walk ({transport}): {w['calls']} calls, {w['visits']} visits of "
+                     f"{w['modules']} modules, entered again: {again}")  # fmt: skip
+        lines.append("  " + " -> ".join(w["path"]))
+        lines += ["    " + line for line in w["trace"]]
     for transport, c in res["idle"].items():
         own = ", ".join(f"{k} {v:g}" for k, v in sorted(c["project"].items()))
-        print(f"idle {transport}: project objects per connection: {own or 'none'}")
+        lines.append(f"idle {transport}: project objects per connection: {own or 'none'}")
         every = ", ".join(f"{k} {v:g}" for k, v in c["all"].items())
-        print(f"  every tracked object per connection: {every}")
-    if args.json:
-        write_json(args.json, res)
-    return 0
+        lines.append(f"  every tracked object per connection: {every}")
+    return Outcome(res, "\n".join(lines))
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.relay.anatomy", description=__doc__)
-    add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
+BENCH = Bench(Flags, _run, prog="python -m bench.relay.anatomy", description=__doc__,
+              quick_help="50 idle connections per transport")  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

@@ -24,12 +24,12 @@ import re
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench._util import cpu_s, free_port, run_json, self_cpu_s
-from devstack.procs import Proc, http_ok, launched, log_line
+from bench.harness.stack import Served
+from devstack.procs import http_ok, launched, log_line
 from relay.broker.rediscluster.nodeconn import raw_command
 from relay.protocol.keys import live_channel, new_session_id
 from relay.protocol.slotmap import Addr, SlotMap, parse_shards, slot_of
@@ -130,25 +130,7 @@ async def run_publisher(spec: dict[str, Any]) -> dict[str, Any]:
     return await run_json(argv, spec, name="publisher", timeout_s=300)
 
 
-@dataclass
-class RelayProc:
-    """A relay (or a peer server) under test: its process and port."""
-
-    proc: Proc
-    port: int
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def log_path(self) -> Path:
-        assert self.proc.log is not None
-        return self.proc.log
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+RelayProc = Served  # a relay (or a peer server) under test: its process and port
 
 
 @contextlib.asynccontextmanager

@@ -23,21 +23,20 @@ frame from ``meta.from``), a compacted one has three frames per finished turn.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
 import random
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 
-from bench._util import cpu_s, write_json
+from bench._util import cpu_s
+from bench.harness import Bench, OnCluster, Outcome, bench_stack, flag
 from bench.relay.harness import SECRET, relay_process
 from relay.broker.rediscluster.connect import connect
 from relay.broker.rediscluster.publisher import Draft, Publisher
@@ -49,17 +48,6 @@ __all__ = ["add_arguments", "main", "measure", "run_from_args"]
 
 _WORDS = ("the ", "relay ", "streams ", "tokens ", "to ", "every ", "screen ", "and ",
           "resumes ", "after ", "a ", "drop ", "of ", "its ", "socket ", "quickly ")  # fmt: skip
-
-
-@contextlib.asynccontextmanager
-async def _cluster(url: str | None) -> AsyncIterator[str]:
-    if url is not None:
-        yield url
-        return
-    from devstack.cluster.launcher import local_cluster
-
-    async with local_cluster(masters=3, replicas=0) as info:
-        yield info.url
 
 
 async def _write_session(url: str, turns: int, tokens: int, seed: int) -> tuple[str, int, str]:
@@ -230,40 +218,33 @@ def table(res: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--redis", help="redis://host:port of a running cluster (default: start one)")
-    ap.add_argument("--turns", type=int, default=1000, help="finished turns in the session (1000)")
-    ap.add_argument("--tokens", type=int, default=30, help="token frames per turn (30)")
-    ap.add_argument("--repeats", type=int, default=5, help="joins per transport and mode (5)")
-    ap.add_argument("--quick", action="store_true", help="100 turns, 3 repeats")
-    ap.add_argument("--seed", type=int, default=0, help="the session's text (0)")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+@dataclass
+class Flags(OnCluster):
+    turns: int = flag(1000, "finished turns in the session", quick=100, least=1)
+    tokens: int = flag(30, "token frames per turn", least=1)
+    repeats: int = flag(5, "joins per transport and mode", quick=3, least=1)
+    seed: int = flag(0, "the session's text")
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    turns, repeats = (100, 3) if args.quick else (args.turns, args.repeats)
-    if turns < 1 or args.tokens < 1 or repeats < 1:
-        raise SystemExit("--turns, --tokens and --repeats must be >= 1")
-
+def _run(f: Flags) -> Outcome:
     async def run() -> dict[str, Any]:
-        async with _cluster(args.redis) as url:
-            return await measure(url, turns=turns, tokens=args.tokens, repeats=repeats,
-                                 seed=args.seed)  # fmt: skip
+        async with bench_stack("join-") as st:
+            url = await st.cluster(masters=3, replicas=0, url=f.redis)
+            return await measure(url, turns=f.turns, tokens=f.tokens, repeats=f.repeats,
+                                 seed=f.seed)  # fmt: skip
 
     res = asyncio.run(run())
     s = res["session"]
-    print(f"session: {s['turns']} finished turns x {s['tokens_per_turn']} token frames "
-          f"+ a running turn = {s['offsets']:,} offsets; {res['repeats']} joins each")  # fmt: skip
-    print(table(res))
-    if args.json:
-        write_json(args.json, res)
-    return 0
+    head = (
+        f"session: {s['turns']} finished turns x {s['tokens_per_turn']} token frames "
+        f"+ a running turn = {s['offsets']:,} offsets; {res['repeats']} joins each"
+    )
+    return Outcome(res, f"{head}\n{table(res)}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.relay.join", description=__doc__)
-    add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
+BENCH = Bench(Flags, _run, prog="python -m bench.relay.join", description=__doc__,
+              quick_help="100 turns, 3 repeats")  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

@@ -25,9 +25,7 @@ here unless ``--redis``. Loopback only.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
 import gc
 import json
 import os
@@ -36,12 +34,14 @@ import tempfile
 import time
 import tracemalloc
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from bench._util import free_port, raise_nofile, rss_kb, write_json
+from bench._util import free_port, raise_nofile, rss_kb
+from bench.harness import Bench, OnCluster, Outcome, bench_stack, flag
 from bench.relay.harness import SECRET, sessions, slotmap
 from devstack.procs import Proc, http_ok, log_line
 from relay.edge.cli import serve
@@ -239,28 +239,19 @@ def _report(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--transport", choices=("sse", "ws"), default="sse")
-    ap.add_argument("--n", type=int, default=2_000, help="idle connections (2,000)")
-    ap.add_argument(
-        "--frames",
-        type=int,
-        default=1,
-        help="tracemalloc frames per trace (1); past 1 the top stacks are shown too",
-    )
-    ap.add_argument("--top", type=int, default=25, help="rows per table (25)")
-    ap.add_argument("--redis", help="redis://host:port of a running cluster (default: start one)")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+@dataclass
+class Flags(OnCluster):
+    transport: str = flag("sse", "the idle connections' transport", choices=("sse", "ws"))
+    n: int = flag(2_000, "idle connections", least=1)
+    frames: int = flag(1, "tracemalloc frames per trace; past 1 the top stacks are shown too",
+                       least=1)  # fmt: skip
+    top: int = flag(25, "rows per table", least=1)
 
 
-async def _run(args: argparse.Namespace) -> dict[str, Any]:
+async def _run(args: Flags) -> dict[str, Any]:
     raise_nofile(args.n + 1_000)
-    async with contextlib.AsyncExitStack() as stack:
-        url = args.redis
-        if url is None:
-            from devstack.cluster.launcher import local_cluster
-
-            url = (await stack.enter_async_context(local_cluster(masters=3, replicas=1))).url
+    async with bench_stack("relay-memory-") as st:
+        url = await st.cluster(masters=3, replicas=1, url=args.redis)
         tracemalloc.start(args.frames)
         try:
             return await measure(url, args.transport, args.n, args.top)
@@ -268,27 +259,26 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             tracemalloc.stop()
 
 
-def run_from_args(args: argparse.Namespace) -> int:
+def _measure(f: Flags) -> Outcome:
     import uvloop
 
-    res = uvloop.run(_run(args))
-    print(_report(res))
-    if args.json:
-        write_json(args.json, res)
-    return 0
+    res = uvloop.run(_run(f))
+    return Outcome(res, _report(res))
 
 
-def main(argv: list[str] | None = None) -> None:
+BENCH = Bench(Flags, _measure, prog="python -m bench.relay.memory", description=__doc__)
+add_arguments, run_from_args = BENCH.add_arguments, BENCH.run_from_args
+
+
+def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) == 2 and args[0] == "--_clients":
+    if len(args) == 2 and args[0] == "--_clients":  # the client child
         import uvloop
 
         uvloop.run(_clients(json.loads(Path(args[1]).read_text())))
-        return
-    ap = argparse.ArgumentParser(prog="python -m bench.relay.memory", description=__doc__)
-    add_arguments(ap)
-    sys.exit(run_from_args(ap.parse_args(args)))
+        return 0
+    return BENCH.main(args)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

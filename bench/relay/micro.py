@@ -20,7 +20,6 @@ overhead, several times the code's: read them as shares, not as µs).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import cProfile
 import io
@@ -29,10 +28,11 @@ import random
 import statistics
 import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from bench._util import write_json
+from bench.harness import Bench, Common, Outcome, flag
 from relay.broker.memory import MemoryBroker
 from relay.edge.conn.sse import SseConn
 from relay.edge.fanout.hub import Hub
@@ -151,43 +151,30 @@ async def measure(
     }
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--quick", action="store_true", help="100,000 frames, 3 runs")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    ap.add_argument("--seed", type=int, default=0, help="shuffles the sessions' order (0)")
-    ap.add_argument("--sessions", type=int, default=1_000, help="watched sessions (1,000)")
-    ap.add_argument("--frames", type=int, help="frames per run (300,000; quick 100,000)")
-    ap.add_argument("--per-chunk", type=int, default=2, help="frames per read chunk (2)")
-    ap.add_argument("--repeats", type=int, help="runs (5; quick 3)")
-    ap.add_argument("--profile", action="store_true", help="cProfile one more run")
+@dataclass
+class Flags(Common):
+    seed: int = flag(0, "shuffles the sessions' order")
+    sessions: int = flag(1_000, "watched sessions", least=1)
+    frames: int = flag(300_000, "frames per run", quick=100_000, least=1)
+    per_chunk: int = flag(2, "frames per read chunk", least=1)
+    repeats: int = flag(5, "runs", quick=3, least=1)
+    profile: bool = flag(False, "cProfile one more run")
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    if args.sessions < 1 or args.per_chunk < 1:
-        raise SystemExit("--sessions and --per-chunk must be >= 1")
-    frames = args.frames or (100_000 if args.quick else 300_000)
-    repeats = args.repeats or (3 if args.quick else 5)
-
-    res = asyncio.run(
-        measure(args.sessions, frames, args.per_chunk, repeats, args.profile, args.seed)
-    )
+def _run(f: Flags) -> Outcome:
+    res = asyncio.run(measure(f.sessions, f.frames, f.per_chunk, f.repeats, f.profile, f.seed))
     prof = res.pop("profile")
-    print(
+    text = (
         f"hub_us_per_frame {res['hub_us_per_frame']} (median {res['hub_us_per_frame_median']};"
         f" runs {res['runs_us_per_frame']}), {res['sessions']:,} sessions,"
         f" {res['per_chunk']} frames per read chunk, {res['socket_writes']:,} socket writes"
     )
-    if prof:
-        print(prof)
-    if args.json:
-        write_json(args.json, res)
-    return 0
+    return Outcome(res, text + (f"\n{prof}" if prof else ""))
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.relay.micro", description=__doc__)
-    add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
+BENCH = Bench(Flags, _run, prog="python -m bench.relay.micro", description=__doc__,
+              quick_help="100,000 frames, 3 runs")  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

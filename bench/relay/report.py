@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.harness.report import markdown_table
 from bench.relay.throughput import TARGETS
 
 __all__ = ["FIGURES", "main", "table"]
@@ -61,15 +62,14 @@ def table(runs: list[tuple[str, dict[str, Any]]]) -> str:
     last = runs[-1][1]
     met = last.get("targets_met", {})
     head = ["figure", "target", *(label for label, _ in runs), "met (last)?"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for key in FIGURES:
         values = [res.get(key) for _, res in runs]
         if all(v is None for v in values):
             continue
         ok = "" if key not in met else ("yes" if met[key] else "no")
-        row = [f"`{key}`", TARGETS.get(key, ""), *(_cell(v) for v in values), ok]
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+        rows.append([f"`{key}`", TARGETS.get(key, ""), *(_cell(v) for v in values), ok])
+    return markdown_table(head, rows)
 
 
 def main(argv: list[str] | None = None) -> None:

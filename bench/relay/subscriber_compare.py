@@ -27,7 +27,6 @@ and stops it at the end. ``python -m bench.relay.subscriber_compare --quick``.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -35,6 +34,7 @@ import statistics
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ import hiredis
 from redis.asyncio.cluster import RedisCluster
 
 from bench._util import percentile, run_json
+from bench.harness import Bench, Common, Outcome, bench_stack, flag
 from relay.broker.rediscluster.nodeconn import pack_command, raw_command
 from relay.broker.rediscluster.subscriber import ShardedSubscriber
 from relay.protocol.keys import live_channel
@@ -240,18 +241,12 @@ async def run(url: str | None, *, quick: bool, publishers: int = 1) -> dict[str,
     k = 60 if quick else 300
     rate = 5_000.0
     paced_n = 5_000 if quick else 25_000
-    async with contextlib.AsyncExitStack() as stack:
-        if url is None:
-            from devstack.cluster.launcher import local_cluster
-
-            info = await stack.enter_async_context(local_cluster(masters=3, replicas=1))
-            host, port = info.startup_nodes[0]
-        else:
-            hp = url.split("//", 1)[-1]
-            host, port = hp.rsplit(":", 1)[0], int(hp.rsplit(":", 1)[1])
+    async with bench_stack("subscriber-compare-") as st:
+        hp = (await st.cluster(masters=3, replicas=1, url=url)).split("//", 1)[-1]
+        host, port = hp.rsplit(":", 1)[0], int(hp.rsplit(":", 1)[1])
         redis = RedisCluster(host=host, port=int(port))
+        st.on_exit(redis.aclose)
         await redis.initialize()
-        stack.push_async_callback(redis.aclose)
         channels = [live_channel(f"bench-{i}") for i in range(k)]
         shards = {str(redis.get_node_from_key(c)) for c in channels}
         results = []
@@ -273,49 +268,42 @@ async def run(url: str | None, *, quick: bool, publishers: int = 1) -> dict[str,
         }
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--quick", action="store_true", help="20k messages over 60 channels")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    ap.add_argument("--url", help="use this cluster instead of starting one")
-    ap.add_argument("--publishers", type=int, default=1, help="publisher processes (flood)")
-    ap.add_argument("--_publish", help=argparse.SUPPRESS)
+@dataclass
+class Flags(Common):
+    url: str | None = flag(None, "use this cluster instead of starting one")
+    publishers: int = flag(1, "publisher processes (flood)", least=1)
+    publish: str | None = flag(None, "a publisher child's spec", name="--_publish", hidden=True)
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    if args._publish:
-        host, port, channels, n, rate = json.loads(Path(args._publish).read_text())
+def _run(f: Flags) -> Outcome:
+    if f.publish:
+        host, port, channels, n, rate = json.loads(Path(f.publish).read_text())
         asyncio.run(_publish(Addr(host, port), channels, n, rate))
-        return 0
-    report = asyncio.run(run(args.url, quick=args.quick, publishers=args.publishers))
-    print(f"\n{report['messages']} msgs, {report['channels']} channels, {report['shards']} shards")
-    print(
+        return Outcome({})
+    report = asyncio.run(run(f.url, quick=f.quick, publishers=f.publishers))
+    lines = [
+        f"\n{report['messages']} msgs, {report['channels']} channels, {report['shards']} shards",
         f"{'contender':15} {'mode':13} {'recv/sent':>13} {'recv msg/s':>11} {'pub msg/s':>10}"
-        f" {'p50 us':>9} {'p99 us':>9} {'max us':>9}"
-    )
-    for r in report["results"]:
-        print(
-            f"{r['contender']:15} {r['mode']:13} {r['received']:>6}/{r['sent']:<6} "
-            f"{r['recv_msgs_per_s']:>11} {r['publish_msgs_per_s']:>10} {r['lat_p50_us']:>9} "
-            f"{r['lat_p99_us']:>9} {r['lat_max_us']:>9}"
-        )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-    return 0
+        f" {'p50 us':>9} {'p99 us':>9} {'max us':>9}",
+    ]
+    lines += [
+        f"{r['contender']:15} {r['mode']:13} {r['received']:>6}/{r['sent']:<6} "
+        f"{r['recv_msgs_per_s']:>11} {r['publish_msgs_per_s']:>10} {r['lat_p50_us']:>9} "
+        f"{r['lat_p99_us']:>9} {r['lat_max_us']:>9}"
+        for r in report["results"]
+    ]
+    return Outcome(report, "\n".join(lines))
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.relay.subscriber_compare", description=__doc__
-    )
-    add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
+BENCH = Bench(
+    Flags,
+    _run,
+    uvloop=True,
+    prog="python -m bench.relay.subscriber_compare",
+    description=__doc__,
+    quick_help="20k messages over 60 channels",
+)
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

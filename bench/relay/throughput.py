@@ -36,7 +36,7 @@ regex per chunk: :mod:`bench.relay.sse_clients`); the relay runs as ``python -m 
 relay`` with its log in a temporary file (:func:`bench.relay.harness.relay_process`);
 publishers run as ``python -m bench.relay.publisher SPEC``. Each is stopped by its
 pid (:mod:`devstack.procs`: SIGCONT, SIGTERM, SIGKILL after 15 s); a cluster started
-here is stopped by :func:`devstack.cluster.launcher.local_cluster`. Loopback only.
+here is stopped by :func:`bench.harness.stack.bench_stack`. Loopback only.
 
 Modules: this one (the run, the table, the flags), :mod:`bench.relay.ceilings` (the
 redis-py and hiredis readers without a relay: phase 1 and its hiredis twin),
@@ -62,17 +62,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench._util import raise_nofile, write_json
+from bench._util import raise_nofile
+from bench.harness import Bench, OnCluster, Outcome, bench_stack, flag
 from bench.relay.ceilings import raw_hiredis_phase, raw_phase
 from bench.relay.harness import (
     SECRET,
@@ -132,13 +131,9 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
     load_start = Path("/proc/loadavg").read_text().split()[:3]
     ph: dict[str, dict[str, Any]] = {}
     logs: list[str] = []
-    async with contextlib.AsyncExitStack() as stack:
+    async with bench_stack("relay-bench-") as st:
         own = url is None
-        if url is None:
-            from devstack.cluster.launcher import local_cluster
-
-            info = await stack.enter_async_context(local_cluster(masters=3, replicas=1))
-            url = info.url
+        url = await st.cluster(masters=3, replicas=1, url=url)
         host, port = url.split("//", 1)[1].rsplit(":", 1)
         smap = await slotmap(Addr(host, int(port)))
         master = sorted({sh.master for sh in smap.slots if sh is not None})[0]
@@ -147,7 +142,7 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
                 await raw_command(
                     node, "CONFIG", "SET", "client-output-buffer-limit", "pubsub 0 0 0"
                 )
-        log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="relay-bench-")))
+        log_dir = st.log_dir
 
         def progress(msg: str) -> None:
             print(f"[{time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
@@ -401,83 +396,42 @@ def _table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    d = Config()
-    ap.add_argument("--quick", action="store_true", help="400 sessions, 4 s latency, 2,000 idle")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    ap.add_argument("--redis", help="redis://host:port of a running cluster (default: start one)")
-    ap.add_argument("--sessions", type=int, help=f"K, flood sessions = clients ({d.sessions})")
-    ap.add_argument("--frames", type=int, help=f"F, frames per session in the flood ({d.frames})")
-    ap.add_argument(
-        "--lat-sessions", type=int, help=f"sessions in the latency phase ({d.lat_sessions})"
-    )
-    ap.add_argument(
-        "--lat-seconds", type=float, help=f"measured seconds of the latency phase ({d.lat_seconds})"
-    )
-    ap.add_argument(
-        "--lat-rate", type=float, help=f"tokens/s per session in the latency phase ({d.lat_rate:g})"
-    )
-    ap.add_argument(
-        "--lat-tick-ms",
-        type=float,
-        help="the paced publisher's tick: each tick's share of the sessions goes out in one"
-        f" write per master ({d.lat_tick_ms:g})",
-    )
-    ap.add_argument(
-        "--lat-stamp",
-        choices=("send", "build"),
-        help="paced frames carry the time their tick's write is handed to the socket (send)"
-        f" or the time each was made (build: the method before the bare relay) ({d.lat_stamp})",
-    )
-    ap.add_argument("--idle", type=int, help=f"idle SSE connections ({d.idle})")
-    ap.add_argument(
-        "--profile", metavar="DIR", help="sample the relay with py-spy in the 5,000/s phase"
-    )
-    ap.add_argument(
-        "--profile-native",
-        action="store_true",
-        help="with --profile: C frames and system calls too (py-spy --native; it pauses"
-        " the relay for each sample)",
-    )
-    ap.add_argument(
-        "--phases",
-        metavar="LIST",
-        help=f"run only these phases, comma-separated (default: all): {','.join(PHASES)}",
-    )
+_D, _Q = Config(), Config.quick()
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    cfg = Config.quick() if args.quick else Config()
-    for name in (
-        "sessions",
-        "frames",
-        "lat_sessions",
-        "lat_rate",
-        "lat_seconds",
-        "lat_tick_ms",
-        "lat_stamp",
-        "idle",
-        "profile",
-    ):
-        v = getattr(args, name, None)
-        if v is not None:
-            setattr(cfg, name, v)
-    if getattr(args, "profile_native", False):
-        cfg.profile_native = True
-    if getattr(args, "phases", None):
-        cfg.phases = tuple(p.strip() for p in args.phases.split(",") if p.strip())
+@dataclass
+class Flags(OnCluster):
+    sessions: int = flag(_D.sessions, "K, flood sessions = clients", quick=_Q.sessions, least=1)
+    frames: int = flag(_D.frames, "F, frames per session in the flood", quick=_Q.frames, least=1)
+    lat_sessions: int = flag(_D.lat_sessions, "sessions in the latency phase", least=1)
+    lat_seconds: float = flag(_D.lat_seconds, "measured seconds of the latency phase",
+                              quick=_Q.lat_seconds, above=0)  # fmt: skip
+    lat_rate: float = flag(_D.lat_rate, "tokens/s per session in the latency phase", above=0)
+    lat_tick_ms: float = flag(_D.lat_tick_ms, "the paced publisher's tick: each tick's share of "
+                              "the sessions goes out in one write per master", above=0)  # fmt: skip
+    lat_stamp: str = flag(_D.lat_stamp, "paced frames carry the time their tick's write is "
+                          "handed to the socket (send) or the time each was made (build: the "
+                          "method before the bare relay)", choices=("send", "build"))  # fmt: skip
+    idle: int = flag(_D.idle, "idle SSE connections", quick=_Q.idle, least=0)
+    profile: str = flag("", "sample the relay with py-spy in the 5,000/s phase", metavar="DIR")
+    profile_native: bool = flag(False, "with --profile: C frames and system calls too (py-spy "
+                                "--native; it pauses the relay for each sample)")  # fmt: skip
+    phases: str = flag("", f"run only these phases, comma-separated (default: all): "
+                       f"{','.join(PHASES)}", metavar="LIST")  # fmt: skip
+
+
+def config_from_args(args: argparse.Namespace | Flags) -> Config:
+    f = args if isinstance(args, Flags) else BENCH.flags(args)
+    cfg = Config.quick() if f.quick else Config()
+    for name in ("sessions", "frames", "lat_sessions", "lat_rate", "lat_seconds", "lat_tick_ms",
+                 "lat_stamp", "idle", "profile", "profile_native"):  # fmt: skip
+        setattr(cfg, name, getattr(f, name))
+    cfg.phases = tuple(p.strip() for p in f.phases.split(",") if p.strip())
     return cfg
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    with contextlib.suppress(ImportError):  # the clients on uvloop, through every entry point
-        import uvloop
-
-        uvloop.install()
-    res = asyncio.run(run(config_from_args(args), args.redis))
-    print(_table(res))
-    if args.json:
-        write_json(args.json, res)
+def _run(f: Flags) -> Outcome:
+    res = asyncio.run(run(config_from_args(f), f.redis))
     ph = res["phases"]
     lost = sum(
         ph[k]["lost_all_rounds"] for k in ("raw", "raw_hiredis", "relay1", "fanout") if k in ph
@@ -485,13 +439,18 @@ def run_from_args(args: argparse.Namespace) -> int:
     lost += sum(
         ph[k]["lost"] for k in ("latency", "latency_5k", "bare_5k", "bare_relay1") if k in ph
     )
-    return 1 if lost or res["relay_log_tracebacks"] else 0
+    return Outcome(res, _table(res), 1 if lost or res["relay_log_tracebacks"] else 0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.relay.throughput", description=__doc__)
-    add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
+BENCH = Bench(
+    Flags,
+    _run,
+    uvloop=True,
+    prog="python -m bench.relay.throughput",
+    description=__doc__,
+    quick_help="400 sessions, 4 s latency, 2,000 idle",
+)
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

@@ -25,12 +25,9 @@ suite's cluster) -> dict; ``main()`` is the CLI and starts a local cluster itsel
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import random
 import re
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -39,6 +36,7 @@ import aiohttp
 from redis.asyncio import RedisCluster
 
 from bench._util import percentile
+from bench.harness import Bench, OnCluster, Outcome, bench_stack, flag
 from devstack.demo.stack import Stack, StackSpec
 from relay.broker.rediscluster.connect import connect
 from relay.broker.rediscluster.publisher import read_backlog
@@ -264,56 +262,39 @@ def _table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    d = AffinityConfig()
-    ap.add_argument("--sessions", type=int, default=d.sessions)
-    ap.add_argument("--turns", type=int, default=d.turns)
-    ap.add_argument("--engines", type=int, default=d.engines)
-    ap.add_argument("--kv-tokens", type=int, default=d.kv_tokens)
-    ap.add_argument("--quick", action="store_true", help="60 sessions x 3 turns")
-    ap.add_argument("--redis", help="redis://host:port of a running cluster (default: start one)")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+_D = AffinityConfig()
 
 
-async def _main(args: argparse.Namespace) -> dict[str, Any]:
-    cfg = AffinityConfig(
-        sessions=60 if args.quick else args.sessions,
-        turns=3 if args.quick else args.turns,
-        engines=args.engines,
-        kv_tokens=args.kv_tokens,
-    )
-    if args.redis:
-        return await _with_client(cfg, args.redis)
-    from devstack.cluster.launcher import local_cluster
-
-    async with local_cluster(masters=3, replicas=1) as info:
-        return await _with_client(cfg, info.url)
+@dataclass
+class Flags(OnCluster):
+    sessions: int = flag(_D.sessions, "concurrent sessions", quick=60, least=1)
+    turns: int = flag(_D.turns, "turns per session", quick=3, least=1)
+    engines: int = flag(_D.engines, "mock engines", least=1)
+    kv_tokens: int = flag(_D.kv_tokens, "KV tokens per engine", least=1)
+    seed: int = flag(_D.seed, "the sessions' prompts")
 
 
-async def _with_client(cfg: AffinityConfig, url: str) -> dict[str, Any]:
-    redis = connect(url)
-    await redis.initialize()
-    try:
+async def _main(f: Flags) -> dict[str, Any]:
+    cfg = AffinityConfig(sessions=f.sessions, turns=f.turns, engines=f.engines,
+                         kv_tokens=f.kv_tokens, seed=f.seed)  # fmt: skip
+    async with bench_stack("affinity-") as st:
+        url = await st.cluster(masters=3, replicas=1, url=f.redis)
+        redis = connect(url)
+        st.on_exit(redis.aclose)
+        await redis.initialize()
         return await run(cfg, redis, url)
-    finally:
-        await redis.aclose()
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    res = asyncio.run(_main(args))
-    print(_table(res))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=2)
+def _run(f: Flags) -> Outcome:
+    res = asyncio.run(_main(f))
     bad = sum(r["errors"] for r in res["policies"].values())
-    return 1 if bad else 0
+    return Outcome(res, _table(res), 1 if bad else 0)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.routing.affinity", description=__doc__)
-    add_arguments(ap)
-    sys.exit(run_from_args(ap.parse_args(argv)))
+BENCH = Bench(Flags, _run, prog="python -m bench.routing.affinity", description=__doc__,
+              quick_help="60 sessions x 3 turns")  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -60,10 +60,8 @@ Call order: ``run(SimConfig(...)) -> dict`` per scenario, ``run_all(quick, seed)
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import itertools
-import json
 import math
 import random
 import time
@@ -73,6 +71,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Final
 
 from bench._util import percentile
+from bench.harness import Bench, Common, Outcome, flag
 from worker.routing.key import routing_key
 from worker.routing.lease import EngineSpec, Lease
 from worker.routing.loadshare import WorkerReport, compute_view
@@ -608,35 +607,26 @@ def plot(res: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--quick", action="store_true", help="150 simulated seconds instead of 600")
-    ap.add_argument("--seed", type=int, default=7, help="random seed (default 7)")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    ap.add_argument("--plot", metavar="PATH", help="PNG of hit rate and TTFT p99 against load")
+@dataclass
+class Flags(Common):
+    seed: int = flag(7, "random seed")
+    plot: str | None = flag(None, "PNG of hit rate and TTFT p99 against load", metavar="PATH")
 
 
-def run_from_args(args: argparse.Namespace) -> int:
+def _run(f: Flags) -> Outcome:
     t0 = time.perf_counter()
-    res = run_all(quick=args.quick, seed=args.seed)
+    res = run_all(quick=f.quick, seed=f.seed)
     res["wall_s"] = round(time.perf_counter() - t0, 2)
-    print(_table(res))
-    print(f"\n(wall {res['wall_s']} s)")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=2)
-    if args.plot:
-        plot(res, args.plot)
-    return 0
+    print(f"{_table(res)}\n\n(wall {res['wall_s']} s)")
+    if f.plot:
+        plot(res, f.plot)
+    return Outcome(res)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.routing.loadshare_sim",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
+BENCH = Bench(Flags, _run, prog="python -m bench.routing.loadshare_sim", description=__doc__,
+              quick_help="150 simulated seconds instead of 600", raw_description=True,
+              sigterm=False)  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

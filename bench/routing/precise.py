@@ -30,19 +30,16 @@ not the figures the docs quote) and shorter micro-benchmarks.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import statistics
-import sys
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from multiprocessing import get_context
-from pathlib import Path
 from typing import Any, Final
 
+from bench.harness import Bench, Common, Outcome, flag
 from bench.routing.core import SimConfig, run
 from bench.routing.sim import TRACE, capacity, run_all, workload
 from worker.routing.blockindex import BlockIndex
@@ -342,48 +339,37 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--quick", action="store_true", help="the simulator's quick workloads")
-    ap.add_argument("--seed", type=int, default=7, help="first seed (default 7)")
-    ap.add_argument("--seeds", type=int, default=2, help="seeds averaged (default 2)")
-    ap.add_argument("--procs", type=int, default=2, help="worker processes (default 2)")
-    ap.add_argument("--workers", type=int, default=2, help="workers in the simulator (default 2)")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+@dataclass
+class Flags(Common):
+    seed: int = flag(7, "first seed")
+    seeds: int = flag(2, "seeds averaged", least=1)
+    procs: int = flag(2, "worker processes", least=1)
+    workers: int = flag(2, "workers in the simulator", least=1)
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    if min(args.seeds, args.procs, args.workers) < 1:
-        sys.exit("precise: --seeds, --procs and --workers must be >= 1")
-    seeds = [args.seed + i for i in range(args.seeds)]
+def _run(f: Flags) -> Outcome:
+    seeds = [f.seed + i for i in range(f.seeds)]
     t0 = time.perf_counter()
-    res: dict[str, Any] = {"seeds": seeds, "workers": args.workers, "quick": args.quick}
-    res["micro"] = micro(args.quick)  # first: the simulations after it load the machine
+    res: dict[str, Any] = {"seeds": seeds, "workers": f.workers, "quick": f.quick}
+    res["micro"] = micro(f.quick)  # first: the simulations after it load the machine
     res["compare"] = run_all(
-        quick=args.quick,
+        quick=f.quick,
         seeds=seeds,
         path=str(TRACE),
-        procs=args.procs,
+        procs=f.procs,
         policies=POLICIES,
         workloads=("trace", "shared_prefix"),
-        base=SimConfig(workers=args.workers),
+        base=SimConfig(workers=f.workers),
     )
-    res["sweeps"] = sweeps(args.quick, seeds, args.procs, args.workers)
+    res["sweeps"] = sweeps(f.quick, seeds, f.procs, f.workers)
     res["wall_s"] = round(time.perf_counter() - t0, 1)
-    print(markdown(res))
-    print(f"\n(wall {res['wall_s']} s)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2), encoding="utf-8")
-    return 0
+    return Outcome(res, f"{markdown(res)}\n\n(wall {res['wall_s']} s)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.routing.precise",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
+BENCH = Bench(Flags, _run, prog="python -m bench.routing.precise", description=__doc__,
+              quick_help="the simulator's quick workloads", raw_description=True,
+              markdown=markdown, sigterm=False)  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

@@ -15,17 +15,17 @@ median over repeats of the mean over a batch of keys.
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import platform
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import mmh3
 
+from bench.harness import Bench, Common, Outcome, flag
 from worker.routing.lease import AllEnginesFull, EngineSpec, Lease
 from worker.routing.policy import DEFAULT_SPILL
 from worker.routing.router import Router
@@ -100,16 +100,15 @@ def measure(n_engines: int, mode: str, repeats: int) -> float:
     return ns
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    ap.add_argument("--quick", action="store_true", help="fewer repeats")
+@dataclass
+class Flags(Common):
+    repeats: int = flag(31, "timed repeats per figure (the median kept)", quick=5, least=1)
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    repeats = 5 if args.quick else 31
+def _run(f: Flags) -> Outcome:
     out: dict[str, Any] = {
         "route_release_ns": {},
-        "hash_ns": round(hash_ns(repeats), 1),
+        "hash_ns": round(hash_ns(f.repeats), 1),
         "vnodes": 160,
         "default_spill": DEFAULT_SPILL,
         "python": sys.version.split()[0],
@@ -118,19 +117,15 @@ def run_from_args(args: argparse.Namespace) -> int:
     print(f"bare mmh3.hash of the key: {out['hash_ns']:.0f} ns")
     print(f"{'engines':>8}" + "".join(f"{m:>24}" for m in MODES) + "   (ns per operation)")
     for n in ENGINE_COUNTS:
-        row = {m: round(measure(n, m, repeats), 1) for m in MODES}
+        row = {m: round(measure(n, m, f.repeats), 1) for m in MODES}
         out["route_release_ns"][str(n)] = row
-        print(f"{n:>8}" + "".join(f"{row[m]:>24.0f}" for m in MODES))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=2)
-    return 0
+        print(f"{n:>8}" + "".join(f"{row[m]:>24.0f}" for m in MODES), flush=True)
+    return Outcome(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.routing.router_micro", description=__doc__)
-    add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
+BENCH = Bench(Flags, _run, prog="python -m bench.routing.router_micro", description=__doc__,
+              quick_help="fewer repeats")  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

@@ -40,17 +40,16 @@ measure what each one does.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Final
 
+from bench.harness import Bench, Common, Outcome, flag
 from bench.routing.core import DEFAULT_POLICY, SimConfig, run
 from bench.routing.policies import POLICIES
 from bench.routing.report import markdown
@@ -310,87 +309,61 @@ def plot(res: dict[str, Any], prefix: str) -> list[str]:
     return paths
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--quick", action="store_true", help="1,500 trace requests, 90 s synthetic")
-    ap.add_argument("--seed", type=int, default=7, help="first seed (default 7)")
-    ap.add_argument("--seeds", type=int, default=3, help="seeds averaged (default 3)")
-    ap.add_argument("--trace", default=str(TRACE), help="a Mooncake-format JSONL trace")
-    ap.add_argument("--engines", type=int, default=8)
-    ap.add_argument("--procs", type=int, default=2, help="worker processes (default 2)")
-    ap.add_argument(
-        "--workloads",
-        default=",".join(DEFAULT_WORKLOADS),
-        help=f"comma-separated subset of {','.join(WORKLOADS)} "
-        f"(default: {','.join(DEFAULT_WORKLOADS)})",
-    )
-    ap.add_argument(
-        "--policies", default=",".join(POLICIES), help="comma-separated subset (default: all)"
-    )
-    ap.add_argument(
-        "--route-queue",
-        type=float,
-        default=_DEFAULTS.route_queue,
-        help="cost_aware's queue past the cap, x the cap (default: the worker's)",
-    )
-    ap.add_argument(
-        "--recompute-weight",
-        type=float,
-        default=_DEFAULTS.recompute_weight,
-        help="cost_aware's weight of a session's tokens an engine lacks (default: the worker's)",
-    )
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    ap.add_argument("--plot", metavar="PREFIX", help="write PREFIX_<workload>.png")
+@dataclass
+class Flags(Common):
+    seed: int = flag(7, "first seed")
+    seeds: int = flag(3, "seeds averaged", least=1)
+    trace: str = flag(str(TRACE), "a Mooncake-format JSONL trace")
+    engines: int = flag(8, "engines", least=1)
+    procs: int = flag(2, "worker processes", least=1)
+    workloads: str = flag(",".join(DEFAULT_WORKLOADS),
+                          f"comma-separated subset of {','.join(WORKLOADS)}")  # fmt: skip
+    policies: str = flag(",".join(POLICIES), "comma-separated subset (default: all)")
+    route_queue: float = flag(_DEFAULTS.route_queue,
+                              "cost_aware's queue past the cap, x the cap (the worker's)",
+                              least=0)  # fmt: skip
+    recompute_weight: float = flag(_DEFAULTS.recompute_weight, "cost_aware's weight of a "
+                                   "session's tokens an engine lacks (the worker's)",
+                                   least=0)  # fmt: skip
+    plot: str | None = flag(None, "write PREFIX_<workload>.png", metavar="PREFIX")
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    if args.seeds < 1 or args.engines < 1 or args.procs < 1:
-        sys.exit("routing_sim: --seeds, --engines and --procs must be >= 1")
-    if not (args.route_queue >= 0 and args.recompute_weight >= 0):
-        sys.exit("routing_sim: --route-queue and --recompute-weight must be >= 0")
-    workloads = [w for w in args.workloads.split(",") if w]
+def _run(f: Flags) -> Outcome:
+    workloads = [w for w in f.workloads.split(",") if w]
     if not workloads or any(w not in WORKLOADS for w in workloads):
         sys.exit(
             f"routing_sim: --workloads takes a comma-separated subset of {','.join(WORKLOADS)}"
         )
-    policies = [p for p in args.policies.split(",") if p]
+    policies = [p for p in f.policies.split(",") if p]
     if not policies or any(p not in POLICIES for p in policies):
         sys.exit(f"routing_sim: --policies takes a comma-separated subset of {','.join(POLICIES)}")
     try:
-        load_trace(args.trace, limit=1)
+        load_trace(f.trace, limit=1)
     except TraceError as exc:
         sys.exit(f"routing_sim: {exc}")
     t0 = time.perf_counter()
     res = run_all(
-        quick=args.quick,
-        seeds=[args.seed + i for i in range(args.seeds)],
-        path=args.trace,
-        engines=args.engines,
-        procs=args.procs,
+        quick=f.quick,
+        seeds=[f.seed + i for i in range(f.seeds)],
+        path=f.trace,
+        engines=f.engines,
+        procs=f.procs,
         policies=policies,
         workloads=workloads,
-        base=SimConfig(route_queue=args.route_queue, recompute_weight=args.recompute_weight),
+        base=SimConfig(route_queue=f.route_queue, recompute_weight=f.recompute_weight),
     )
     res["wall_s"] = round(time.perf_counter() - t0, 1)
-    print(table(res))
-    print(f"(wall {res['wall_s']} s)")
-    print()
-    print(markdown(res))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2), encoding="utf-8")
-    if args.plot:
-        for p in plot(res, args.plot):
+    print(f"{table(res)}\n(wall {res['wall_s']} s)\n\n{markdown(res)}")
+    if f.plot:
+        for p in plot(res, f.plot):
             print(f"wrote {p}")
-    return 0
+    return Outcome(res)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.routing.sim",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
+BENCH = Bench(Flags, _run, prog="python -m bench.routing.sim", description=__doc__,
+              quick_help="1,500 trace requests, 90 s synthetic", raw_description=True,
+              markdown=markdown, sigterm=False)  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":

@@ -47,11 +47,9 @@ Order of use: ``python -m bench.storage.address_memory [--quick] [--json PATH] [
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -59,6 +57,7 @@ from typing import Any
 import aiohttp
 import redis.asyncio as aioredis
 
+from bench.harness import Bench, Common, Outcome, flag
 from devstack.demo.stack import Stack, StackSpec
 from relay.protocol.keys import (
     BACKLOG_MAX_BYTES,
@@ -381,46 +380,34 @@ def _table(res: dict[str, Any]) -> str:
     ])  # fmt: skip
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    d = AttackConfig()
-    ap.add_argument("--workers", type=int, default=d.workers)
-    ap.add_argument("--engines", type=int, default=d.engines)
-    ap.add_argument("--fill", type=int, default=d.fill, help="sessions that get turns")
-    ap.add_argument("--turns", type=int, default=d.turns, help="turns per filled session")
-    ap.add_argument("--message-chars", type=int, default=d.message_chars)
-    ap.add_argument("--max-creations", type=int, default=d.max_creations)
-    ap.add_argument("--seed", type=int, default=d.seed)
-    ap.add_argument(
-        "--quick",
-        action="store_true",
-        help="2 sessions x 40 turns: filled to their budgets (about 2 minutes)",
-    )
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+_D = AttackConfig()
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    cfg = AttackConfig(
-        workers=args.workers,
-        engines=args.engines,
-        fill=2 if args.quick else args.fill,
-        turns=40 if args.quick else args.turns,
-        message_chars=args.message_chars,
-        max_creations=args.max_creations,
-        seed=args.seed,
-    )
+@dataclass
+class Flags(Common):
+    workers: int = flag(_D.workers, "workers", least=1)
+    engines: int = flag(_D.engines, "mock engines", least=1)
+    fill: int = flag(_D.fill, "sessions that get turns", quick=2, least=0)
+    turns: int = flag(_D.turns, "turns per filled session", quick=40, least=0)
+    message_chars: int = flag(_D.message_chars, "characters per message", least=1)
+    max_creations: int = flag(_D.max_creations, "stop creating sessions here", least=1)
+    seed: int = flag(_D.seed, "the messages' text")
+
+
+def _run(f: Flags) -> Outcome:
+    cfg = AttackConfig(workers=f.workers, engines=f.engines, fill=f.fill, turns=f.turns,
+                       message_chars=f.message_chars, max_creations=f.max_creations,
+                       seed=f.seed)  # fmt: skip
     res = asyncio.run(run(cfg))
-    print(_table(res))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=2)
-    return 0 if res["sessions"]["refused_by"] == "too_many_sessions" else 1
+    return Outcome(
+        res, _table(res), 0 if res["sessions"]["refused_by"] == "too_many_sessions" else 1
+    )
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.storage.address_memory", description=__doc__)
-    add_arguments(ap)
-    sys.exit(run_from_args(ap.parse_args(argv)))
+BENCH = Bench(Flags, _run, prog="python -m bench.storage.address_memory", description=__doc__,
+              quick_help="2 sessions x 40 turns: filled to their budgets (~2 minutes)")  # fmt: skip
+add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
