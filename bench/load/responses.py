@@ -52,7 +52,7 @@ import aiohttp
 from bench._util import cpu_s, free_port, ns_ms, percentile
 from devstack.cluster.launcher import LocalCluster
 from devstack.procs import http_ok, launched
-from relay.protocol.responses import parse_response_id
+from relay.fronts.responses.wire import parse_response_id
 from relay.protocol.sse_reader import SSEDecoder
 from relay.service import runtime
 

@@ -79,7 +79,7 @@ WALL_CLOCK = {
 # The only functions of pure modules that read the time of day, and why.
 WALL_CLOCK_ALLOWED: dict[tuple[str, str], str] = {
     ("relay.protocol.frame", "now_ms"): "a frame's ts is wall-clock Unix ms by contract",
-    ("worker.gateway.wire", "completion"): "OpenAI's created is Unix seconds",
+    ("worker.fronts.openai.wire", "completion"): "OpenAI's created is Unix seconds",
 }
 # Backticked names in the docs that look like modules but are not: the entry-point
 # group, the job queues' names.

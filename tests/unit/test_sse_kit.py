@@ -16,9 +16,12 @@ from hypothesis import strategies as st
 from relay.durable import core
 from relay.edge.conn.base import sse_bytes
 from relay.edge.core.resume import Delivery
-from relay.protocol import responses, sse, uistream
+from relay.fronts.aisdk import wire as uistream
+from relay.fronts.responses import wire as responses
+from relay.protocol import sse
 from relay.protocol.frame import KINDS
-from worker.gateway import openai, session
+from worker.fronts.openai import http as openai
+from worker.fronts.openai import session
 
 _LINES = re.compile(rb"\r\n|\r|\n")
 _enc = msgspec.json.Encoder()

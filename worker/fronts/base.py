@@ -1,8 +1,8 @@
 """The OpenAI gateway's shared state: its configuration, the :class:`Gateway` the app
 holds under :data:`GATEWAY`, and the error answer in OpenAI's body.
 
-Apart from the handlers so that both :mod:`worker.gateway.openai` (bare engine
-requests) and :mod:`worker.gateway.session` (requests tied to a session) import it,
+Apart from the handlers so that both :mod:`worker.fronts.openai.http` (bare engine
+requests) and :mod:`worker.fronts.openai.session` (requests tied to a session) import it,
 and neither imports the other's module for it.
 """
 
@@ -20,7 +20,8 @@ from relay.service.errors import openai_refusal
 from worker.access import WorkerAccess
 from worker.chat.turn import TurnManager
 from worker.engines.client import EngineClient
-from worker.gateway.wire import ChatRequest, WireError
+from worker.fronts.errors import WireError
+from worker.fronts.openai.wire import ChatRequest
 from worker.metrics import WorkerMetrics
 from worker.routing.key import routing_key
 from worker.routing.lease import Lease
@@ -61,7 +62,7 @@ class Gateway:
         self.engine = engine
         self.metrics = metrics
         self._draining = draining  # a callable returning True while the worker drains
-        self.turns = turns  # for requests tied to a session (worker.gateway.session)
+        self.turns = turns  # for requests tied to a session (worker.fronts.openai.session)
         self.access = access
 
     @staticmethod

@@ -56,7 +56,6 @@ __all__ = [
     "ResponseTurn",
     "conversation_id",
     "encode_event",
-    "error_body",
     "owner_key",
     "parse_conversation_id",
     "parse_response_id",
@@ -129,13 +128,6 @@ def parse_conversation_id(raw: str) -> str:
         return parse_session(raw[5:])
     except InvalidSessionId:
         raise InvalidResponseId(f"no conversation with id {raw[:80]!r}") from None
-
-
-def error_body(
-    message: str, kind: str, code: str | None = None, param: str | None = None
-) -> dict[str, Any]:
-    """OpenAI's error body (every OpenAI route of the worker and the relay answers it)."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def encode_event(event: dict[str, Any]) -> bytes:
