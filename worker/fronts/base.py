@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
 from aiohttp import web
 
@@ -21,14 +21,24 @@ from worker.access import WorkerAccess
 from worker.chat.turn import TurnManager
 from worker.engines.client import EngineClient
 from worker.fronts.errors import WireError
-from worker.fronts.openai.wire import ChatRequest
 from worker.metrics import WorkerMetrics
 from worker.routing.key import routing_key
 from worker.routing.lease import Lease
 from worker.routing.router import Router
 from worker.routing.wait import route_wait
 
-__all__ = ["GATEWAY", "Gateway", "GatewayConfig", "error_response"]
+__all__ = ["GATEWAY", "Gateway", "GatewayConfig", "Routed", "error_response"]
+
+
+class Routed(Protocol):
+    """What routing reads of a request (a front's checked request, e.g.
+    :class:`worker.fronts.openai.wire.ChatRequest`): its system prompt and conversation."""
+
+    @property
+    def system(self) -> str | None: ...
+
+    @property
+    def conversation(self) -> list[dict[str, str]]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +95,7 @@ class Gateway:
         }.get(code, "invalid gateway key")
         return WireError(401, reason, kind="authentication_error", code=code)
 
-    async def lease(self, req: ChatRequest) -> Lease:
+    async def lease(self, req: Routed) -> Lease:
         key = routing_key(req.system, req.conversation, prefix_chars=self.cfg.prefix_chars)
         lease = await route_wait(self.router, key, self.cfg.admit_wait_s)
         if lease.spilled:

@@ -132,12 +132,12 @@ async def start_stream(
         conn.chunked = bool(getattr(writer, "chunked", False))
         conn.attach(detach(request, conn))  # no await since the head: aiohttp read no more
     except (ConnectionError, RuntimeError):  # the client went away, or was cut
-        server.endstart_stream(conn, conn.gone())
+        server.end_stream(conn, conn.gone())
     except asyncio.CancelledError:  # the connection was lost (make_runner cancels)
-        server.endstart_stream(conn, conn.gone())
+        server.end_stream(conn, conn.gone())
         raise
     except Exception:
-        server.endstart_stream(conn, CloseCode.INTERNAL)
+        server.end_stream(conn, CloseCode.INTERNAL)
         raise
     return resp
 
@@ -205,6 +205,6 @@ async def ws_handler(server: EdgeServer, request: web.Request) -> web.StreamResp
         resp, _ = await upgrade(request)
         conn.attach(detach(request, conn), ws_text_frame(server.hello(conn)))
     except BaseException:  # the client went away mid-upgrade, or the task was cancelled
-        server.endstart_stream(conn, conn.gone())
+        server.end_stream(conn, conn.gone())
         raise
     return resp
