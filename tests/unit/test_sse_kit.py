@@ -52,7 +52,11 @@ payloads = st.binary(max_size=64) | st.sampled_from([b"", b"\n", b"a\r\nb", b"\r
 kinds = st.sampled_from(sorted(KINDS)) | st.from_regex(r"[a-z.]{1,12}", fullmatch=True)
 
 
-@given(payloads, st.none() | st.integers(0, 2**53) | st.from_regex(r"[0-9a-z]{0,8}"), kinds)
+@given(
+    payloads,
+    st.none() | st.integers(0, 2**53) | st.from_regex(r"[0-9a-z]{0,8}", fullmatch=True),
+    kinds,
+)
 def test_event_is_the_relay_wire_as_it_was(data: bytes, ident: Any, kind: str) -> None:
     assert sse.event(data, id=ident, kind=kind) == ref_event(data, id=ident, kind=kind)
     assert sse.event(data) == ref_event(data)
