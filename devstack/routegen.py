@@ -27,8 +27,7 @@ from typing import Final
 import orjson
 
 from relay.protocol.codes import Refusal
-from relay.protocol.responses import error_body
-from relay.service.errors import OPENAI_SHAPED
+from relay.service.errors import OPENAI_SHAPED, error_body
 from relay.service.routes import ROUTES, Door, Route, regex
 
 __all__ = [

@@ -21,9 +21,9 @@ Routes (the contract: docs/openapi.yaml):
   (every engine full, or ``turns_per_minute`` of this session used), 503 (draining, or
   Redis unavailable). Without ``max_tokens`` the turn gets ``default_max_tokens``.
 * ``/v1/responses`` (create, retrieve and resume, cancel, delete, input items): OpenAI's
-  Responses API, each response a turn of a session (:mod:`worker.gateway.responses`);
+  Responses API, each response a turn of a session (:mod:`worker.fronts.responses.http`);
 * ``POST /v1/chat/completions`` and ``GET /v1/models``: the OpenAI-compatible gateway
-  (:mod:`worker.gateway.openai`), routed by the same router, no session;
+  (:mod:`worker.fronts.openai.http`), routed by the same router, no session;
 * ``POST /v1/jobs``, ``GET /v1/jobs/{id}``: offline jobs on RabbitMQ when ``--amqp`` is
   given (:mod:`worker.jobs.api`; ``tokenrelay jobworker`` runs them);
 * ``GET /healthz`` (the process lives), ``GET /readyz`` (Redis answers, some engine is
@@ -73,8 +73,9 @@ from worker.chat.turnstate import (
 )
 from worker.config import WorkerConfig
 from worker.controls import check_gone
-from worker.gateway import aisdk, responses
-from worker.gateway import openai as gateway
+from worker.fronts.aisdk import http as aisdk
+from worker.fronts.openai import http as openai
+from worker.fronts.responses import http as responses
 from worker.jobs import api as jobs_api
 from worker.lifecycle import CFG, REDIS, REDIS_UNREACHABLE, lifecycle
 from worker.metrics import CONTENT_TYPE_LATEST
@@ -382,7 +383,7 @@ def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.App
         "sessions.turn": _post_turn,  # a bad id: 400, not 404
         "sessions.token": _mint_token,
         **controls.handlers(),  # stop, messages, delete (worker/controls.py)
-        **gateway.handlers(),  # POST /v1/chat/completions, GET /v1/models
+        **openai.handlers(),  # POST /v1/chat/completions, GET /v1/models
         **responses.handlers(cfg.cors_origin),  # /v1/responses: OpenAI's Responses API
         **jobs_api.handlers(),  # POST /v1/jobs, GET /v1/jobs/{id} (404 without --amqp)
         **aisdk.handlers(),  # POST /v1/chat: the Vercel AI SDK's chat

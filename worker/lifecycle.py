@@ -43,7 +43,7 @@ from worker.chat.turn import TurnManager
 from worker.chat.turnstate import TurnConfig
 from worker.config import WorkerConfig
 from worker.engines.client import EngineClient
-from worker.gateway.base import GATEWAY, Gateway, GatewayConfig
+from worker.fronts.base import GATEWAY, Gateway, GatewayConfig
 from worker.jobs.api import JOBS, JobsApi
 from worker.jobs.queue import JobSubmitter, QueueNames
 from worker.jobs.record import JobStore

@@ -2,7 +2,7 @@
 :data:`STATE` (built by :mod:`worker.lifecycle` at startup), and the access rules.
 
 Its own module so that the handlers' modules (:mod:`worker.api`,
-:mod:`worker.gateway.aisdk`) import it without importing one another.
+:mod:`worker.fronts.aisdk.http`) import it without importing one another.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ import aiohttp
 from bench._util import cpu_s, ns_ms, percentile
 from bench.harness import Bench, Common, Outcome, bench_stack, flag, markdown_table
 from bench.harness.report import logger
-from relay.protocol.responses import parse_response_id
+from relay.fronts.responses.wire import parse_response_id
 from relay.protocol.sse_reader import SSEDecoder
 
 __all__ = ["Workload", "add_arguments", "main", "run", "run_from_args"]

@@ -19,7 +19,7 @@ Cluster. Per setting and producer:
   over Python's.
 
 ``python`` and ``node`` do what a library producer does (turn lock, fenced generation,
-``meta`` frame, coalescing, a watch task refreshing the lock every second, ``done``
+``meta`` frame, coalescing, a guard task refreshing the lock every second, ``done``
 with the reply's sha256, lock release); ``publisher`` is the
 :class:`~relay.broker.rediscluster.publisher.Generation` and
 :class:`~relay.producer.coalesce.TokenPump` under them (no lock, no watch, no hash).

@@ -2,7 +2,7 @@
 once, each writing ``tokens`` deltas paced at ``rate`` per second, through either
 
 * ``python`` — the producer API (:mod:`relay.producer`: turn lock, fenced generation,
-  meta frame, coalescing pump, the watch task, ``done`` with its hash), or
+  meta frame, coalescing pump, the guard task, ``done`` with its hash), or
 * ``publisher`` — the worker's publisher layer under it
   (:class:`relay.broker.rediscluster.publisher.Generation` with the coalescing
   :class:`relay.producer.coalesce.TokenPump`: no lock, no watch, no hash).

@@ -37,12 +37,13 @@ from relay.protocol.frame import now_ms
 from relay.protocol.keys import (
     BACKLOG_MAX_BYTES,
     BACKLOG_MAXLEN,
+    OWNER_FIELD,
     SESSION_TTL_S,
     KeyKind,
     key,
+    owner_key,
     parse_session,
 )
-from relay.protocol.responses import OWNER_FIELD, owner_key
 from relay.service.supervise import Supervisor
 
 __all__ = ["MemoryGeneration", "MemoryStore"]

@@ -409,7 +409,7 @@ class ResponseReads(Protocol):
     """What the Responses API's resume reads of a session at one instant."""
 
     async def response_head(self, sid: str, offset: int) -> tuple[str, bytes | None]:
-        """The session's API owner tag (:data:`relay.protocol.responses.OWNER_FIELD` of
+        """The session's API owner tag (:data:`relay.protocol.keys.OWNER_FIELD` of
         its state hash, "" for none) and the frame at ``offset`` (None: not held).
         Raises ``SessionDeleted`` when the session was deleted."""
         ...

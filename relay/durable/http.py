@@ -26,7 +26,7 @@ from relay.durable.auth import Gate, Refused, token_subject
 from relay.durable.core import BadRequest, format_offset
 from relay.durable.live import Waker
 from relay.durable.sessions import SessionSource
-from relay.edge.fanout.viewers import viewing
+from relay.edge.fanout.presence import viewing
 from relay.protocol.auth import Scope
 from relay.protocol.keys import InvalidSessionId, parse_session
 from relay.service.errors import text_refusal

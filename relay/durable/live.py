@@ -8,7 +8,7 @@ wake-up lost in a failover delays a reader, never loses data.
 Order of use::
 
     waker = Waker(broker)                       # hub.tap = waker.on_message
-    async with waker.watch(ref.channel) as wake:
+    async with waker.wakeups(ref.channel) as wake:
         view = await read(...)                  # after subscribing: no write is missed
         await wake.wait(timeout_s)
 """
@@ -69,7 +69,9 @@ class Waker:
                 self.woken += 1
 
     @contextlib.asynccontextmanager
-    async def watch(self, channel: str) -> AsyncIterator[Wake]:
+    async def wakeups(self, channel: str) -> AsyncIterator[Wake]:
+        """Wake-ups of ``channel`` while the block runs (subscribed on entry by the
+        first waiter, unsubscribed on exit by the last)."""
         key = channel.encode()
         wake = Wake()
         first = key not in self._waiters

@@ -134,7 +134,7 @@ def _chunk(request: web.Request, view: View, opt: ReadOptions) -> web.Response:
 async def _long_poll(source: Source, waker: Waker, at: int, wait_s: float) -> View:
     """The stream read at ``at`` once it holds more, is closed or ``wait_s`` passed."""
     deadline = time.monotonic() + wait_s
-    async with waker.watch(source.channel) as wake:
+    async with waker.wakeups(source.channel) as wake:
         while True:
             view = await _load(source, at)
             if view.next > at or view.closed:
@@ -169,7 +169,7 @@ async def _sse(
     await resp.prepare(request)
     deadline = time.monotonic() + opt.sse_close_s
     sent_control = False
-    async with waker.watch(source.channel) as wake:
+    async with waker.wakeups(source.channel) as wake:
         while True:
             now_view = await source.read(at, CHUNK_MESSAGES)
             if now_view is None:  # deleted under us: end; the reconnect gets 404

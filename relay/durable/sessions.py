@@ -3,7 +3,7 @@
 frame ``n`` (frame offsets are 1, 2, 3, ...), so a Durable Streams client follows a chat
 live and resumes it where it left. The backlog's trimmed start answers 410; a deleted
 session 404. Never closed: a session takes more turns. Live reads wake on the session's
-own channel (the one the hub's watches use: :class:`relay.durable.live.Waker` shares it).
+own channel (the one the hub's screens read: :class:`relay.durable.live.Waker` shares it).
 
 Order of use: ``await reads.get(request, SessionSource(broker, sid), waker, options)``.
 """

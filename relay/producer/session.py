@@ -9,7 +9,7 @@ A turn, as every producer of docs/PROTOCOL.md writes it:
    and the caller's fields), then name the turn in the lock;
 3. **write** text deltas: :meth:`Turn.write` never blocks; the turn's pump coalesces
    them (:mod:`relay.producer.coalesce`, the worker's defaults) into ``token`` frames;
-   a watch task refreshes the lock about once a second, reads the stop record and
+   a guard task refreshes the lock about once a second, reads the stop record and
    counts the relays with viewers (:mod:`relay.producer.watch`), and tells the caller
    when the turn was stopped or nobody watches any more (:meth:`Turn.stopped`,
    :meth:`Turn.on_stop`);
@@ -243,5 +243,5 @@ class Claim:
             raise
         turn = Turn(p, sid, self.owner, gen, first, t0, on_batch)
         if watch:
-            turn.watch()
+            turn.guard()
         return turn

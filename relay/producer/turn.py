@@ -1,4 +1,4 @@
-"""One turn being written: its deltas through the coalescing pump, its watch (lock
+"""One turn being written: its deltas through the coalescing pump, its guard (lock
 refresh, stop record, viewers), its one terminal frame. Opened by
 :meth:`relay.producer.session.Claim.open`; the rules are :mod:`relay.producer.session`'s."""
 
@@ -72,7 +72,7 @@ class Turn:
         # the task that publishes coalesced deltas; its result is the failure that
         # stopped it (None: it finished)
         self.pump_task: asyncio.Task[RelayError | None] = p.spawn(f"pump:{sid}", self._run_pump())
-        self.watch_task: asyncio.Task[None] | None = None
+        self.guard_task: asyncio.Task[None] | None = None
 
     # ---- what it is ---------------------------------------------------------------------
 
@@ -215,8 +215,8 @@ class Turn:
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(asyncio.shield(self.pump_task), 5.0)
             self.pump_task.cancel()
-        if self.watch_task is not None and not self.watch_task.done():
-            self.watch_task.cancel()
+        if self.guard_task is not None and not self.guard_task.done():
+            self.guard_task.cancel()
         p = self.producer
         with contextlib.suppress(RelayError):
             await lock_release(p.store, self.sid, self.owner)
@@ -265,7 +265,7 @@ class Turn:
         return self.stop_reason
 
     def signal(self, reason: StopReason) -> None:
-        """Record that the turn should stop (the watch task does; a caller may too)."""
+        """Record that the turn should stop (the guard task does; a caller may too)."""
         if reason is StopReason.LOCK_LOST:
             self.lock_lost = True
         if self.stop_reason is not None:
@@ -286,18 +286,18 @@ class Turn:
             self.signal(StopReason.CANCELLED)
         return state
 
-    def watch(
+    def guard(
         self,
         policy: PresencePolicy | None = None,
         *,
         local_watchers: Callable[[], int] | None = None,
     ) -> asyncio.Task[None]:
-        """Start the watch task: every ``policy.interval_s`` refresh the lock (see
+        """Start the guard task: every ``policy.interval_s`` refresh the lock (see
         :meth:`refresh`) and count the relays with viewers; none for ``grace_s``:
         :attr:`StopReason.NO_VIEWERS`. ``local_watchers``: viewers in this process that
         no relay reports. Ends with the turn."""
-        if self.watch_task is not None:
-            return self.watch_task
+        if self.guard_task is not None:
+            return self.guard_task
         p = self.producer
 
         async def tick() -> None:
@@ -306,7 +306,7 @@ class Turn:
             with contextlib.suppress(RelayError):  # Redis away: keep going
                 await self.refresh()
 
-        self.watch_task = p.spawn(
+        self.guard_task = p.spawn(
             f"presence:{self.sid}",
             watch_presence(
                 p.store,
@@ -318,7 +318,7 @@ class Turn:
                 local_watchers=local_watchers,
             ),
         )
-        return self.watch_task
+        return self.guard_task
 
     # ---- async with ---------------------------------------------------------------------------
 

@@ -22,11 +22,13 @@ import hashlib
 import re
 import secrets
 from enum import StrEnum
+from typing import Final
 
 __all__ = [
     "BACKLOG_MAXLEN",
     "BACKLOG_MAX_BYTES",
     "ENGINES_REGISTRY",
+    "OWNER_FIELD",
     "SESSION_ID_MAX_LEN",
     "SESSION_TTL_S",
     "WORKERS_REGISTRY",
@@ -44,6 +46,7 @@ __all__ = [
     "log_key",
     "meta_key",
     "new_session_id",
+    "owner_key",
     "parse_session",
     "presence_key",
     "screens_key",
@@ -130,6 +133,17 @@ def cancel_key(sid: str) -> str:
 
 def screens_key(sid: str) -> str:
     return key(sid, KeyKind.SCREENS)
+
+
+# A session the Responses API created says so in its state hash (the worker's
+# ``worker.chat.store.state_key``): a gateway key reads and writes only those.
+OWNER_FIELD: Final = "api"
+
+
+def owner_key(sid: str) -> str:
+    """The session's state hash, whose :data:`OWNER_FIELD` names the API that created the
+    session (``responses`` for the Responses API)."""
+    return key(sid, KeyKind.HIST, "state")
 
 
 def gone_key(sid: str) -> str:

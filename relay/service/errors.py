@@ -37,7 +37,6 @@ import orjson
 from aiohttp import hdrs, web
 
 from relay.protocol.codes import Refusal
-from relay.protocol.responses import error_body
 from relay.service.admin import ADMIN_REALM, admin_refusal
 from relay.service.routes import Front, front_of
 
@@ -46,6 +45,7 @@ __all__ = [
     "RETRY_AFTER",
     "Reject",
     "admin_refused",
+    "error_body",
     "openai_refusal",
     "refusal",
     "retry_after",
@@ -70,6 +70,14 @@ def refusal(
     """The JSON answer to a refused request (``extra``: more fields of the body)."""
     body = orjson.dumps({"error": error, "reason": reason, **extra})
     return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+
+
+def error_body(
+    message: str, kind: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error body (every OpenAI route of the worker and the relay answers it:
+    :func:`openai_refusal`, and an error event of a streamed answer)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def openai_refusal(

@@ -22,12 +22,12 @@ import aiohttp
 import pytest
 
 from devstack.cluster.launcher import ClusterInfo
+from relay.fronts.aisdk.wire import UiTurn, encode_chunk
 from relay.protocol.frame import Frame
-from relay.protocol.uistream import UiTurn, encode_chunk
 from tests.support import demo as demo_harness
 from tests.support.cli import run_cli
 from tests.support.npm import npm_ready
-from worker.gateway.aisdk import ChatError, parse_chat
+from worker.fronts.aisdk.http import ChatError, parse_chat
 
 AISDK = Path(__file__).resolve().parents[2] / "clients" / "aisdk"
 NODE = shutil.which("node")

@@ -26,11 +26,11 @@ from relay.broker.memory import MemoryBroker
 from relay.edge.conn.base import Conn
 from relay.edge.conn.reader import Reader, open_reader
 from relay.edge.conn.sse import SseConn
-from relay.edge.conn.ui import UiConn
 from relay.edge.conn.ws import WsConn
 from relay.edge.core.resume import Delivery
 from relay.edge.fanout.hub import Hub
 from relay.edge.fanout.notices import BATCH
+from relay.fronts.aisdk.conn import UiConn
 from relay.protocol.codes import CloseCode, WsClose
 from relay.protocol.frame import decode, first_offset
 

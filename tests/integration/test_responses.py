@@ -19,8 +19,8 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
 
 from relay.broker.rediscluster.publisher import read_backlog
+from relay.fronts.responses.wire import parse_response_id
 from relay.protocol.frame import decode
-from relay.protocol.responses import parse_response_id
 from relay.service import cors
 from tests.support.worker import Harness, expected_reply
 

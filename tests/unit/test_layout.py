@@ -5,6 +5,10 @@ What is checked, and where the rule is written down:
 - which package may import which (CONTRIBUTING.md, "Which package may import which"),
   and inside relay which layer may import which (the broker below the edge; the edge's
   core <- fanout <- conn <- http, only http knowing the Redis broker);
+  each front is a unit: a front's folder (``relay/fronts/<front>/``, ``worker/fronts/<front>/``,
+  ``relay/durable/``) imports no other front, and only the apps import a front (the worker's
+  side of a front may import the relay's side of the same front, for its pure wire); a
+  front's folder is named by the route table's ``Front``;
   ``relay`` never imports ``worker``, ``devstack``, ``tokenrelay``, ``bench`` or ``tests``;
   ``worker`` never imports ``devstack``, ``tokenrelay``, ``bench`` or ``tests``; no
   product package imports ``bench`` or ``tests``; ``relay/protocol`` imports nothing
@@ -52,13 +56,21 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 # below the edge; the edge's layers go core <- fanout <- conn <- http, and only the app
 # (http) knows which broker it runs on.
 INSIDE_RELAY: dict[str, tuple[str, ...]] = {
-    "relay.broker": ("relay.edge", "relay.client"),
+    "relay.broker": ("relay.edge", "relay.client", "relay.fronts", "relay.durable"),
     "relay.edge.core": ("relay.edge.fanout", "relay.edge.conn", "relay.edge.http",
-                        "relay.broker"),
+                        "relay.broker", "relay.fronts", "relay.durable"),
     "relay.edge.fanout": ("relay.edge.conn", "relay.edge.http", "relay.broker.rediscluster",
-                          "relay.broker.memory"),
-    "relay.edge.conn": ("relay.edge.http", "relay.broker.rediscluster", "relay.broker.memory"),
+                          "relay.broker.memory", "relay.fronts", "relay.durable"),
+    "relay.edge.conn": ("relay.edge.http", "relay.broker.rediscluster", "relay.broker.memory",
+                        "relay.fronts", "relay.durable"),
+    "relay.fronts": ("relay.edge.http.app",),
+    "relay.durable": ("relay.edge.http.app",),
 }  # fmt: skip
+# The fronts (CONTRIBUTING.md, "The fronts"): one folder per front and side, named by the
+# route table's Front; these modules register them, and only they may import a front.
+FRONT_ROOTS = ("relay.fronts", "worker.fronts")
+FRONT_APPS = ("relay.edge.http.app", "worker.api")
+DURABLE_FRONT = "relay.durable"  # Durable Streams: one folder, read and write, on the relays
 # relay/protocol: the standard library, relay.protocol itself, and these.
 PROTOCOL_DEPS = ("msgspec", "jwt", "cryptography", "redis.crc")
 # A pure module imports none of these (redis.crc is the cluster's CRC16: a pure function).
@@ -79,7 +91,7 @@ WALL_CLOCK = {
 # The only functions of pure modules that read the time of day, and why.
 WALL_CLOCK_ALLOWED: dict[tuple[str, str], str] = {
     ("relay.protocol.frame", "now_ms"): "a frame's ts is wall-clock Unix ms by contract",
-    ("worker.gateway.wire", "completion"): "OpenAI's created is Unix seconds",
+    ("worker.fronts.openai.wire", "completion"): "OpenAI's created is Unix seconds",
 }
 # Backticked names in the docs that look like modules but are not: the entry-point
 # group, the job queues' names.
@@ -184,6 +196,62 @@ def test_inside_relay_the_layers_import_only_downwards() -> None:
         if _under(imp.target, other)
     ]
     assert not bad, "imports against relay's layers (CONTRIBUTING.md):\n" + "\n".join(bad)
+
+
+def front_packages() -> list[str]:
+    """Every front's folder, as a dotted package: relay.fronts.aisdk, worker.fronts.openai, ..."""
+    out = [DURABLE_FRONT]
+    for root in FRONT_ROOTS:
+        base = ROOT.joinpath(*root.split("."))
+        out += [f"{root}.{p.parent.name}" for p in sorted(base.glob("*/__init__.py"))]
+    return out
+
+
+def _front_of(module: str) -> str | None:
+    return next((f for f in front_packages() if _under(module, f)), None)
+
+
+def _may_import_front(module: str, front: str) -> bool:
+    """A front is imported by itself, by the apps that register it, and by the worker's
+    side of the same front (the relay's side holds the pure wire both write)."""
+    if _under(module, front) or module in FRONT_APPS:
+        return True
+    mine = _front_of(module)
+    return (
+        mine is not None
+        and mine.startswith("worker.fronts.")
+        and front == "relay.fronts." + mine.rsplit(".", 1)[1]
+    )
+
+
+def test_a_front_is_a_unit_imported_only_by_the_apps() -> None:
+    fronts = front_packages()
+    assert {"relay.fronts.aisdk", "relay.fronts.responses", "worker.fronts.openai"} <= set(fronts)
+    bad = [
+        f"{_where(m, imp.line)}: {m} imports {imp.target} (the front {front})"
+        for m in product_modules()
+        for imp in imports(m)
+        if (front := _front_of(imp.target)) is not None and not _may_import_front(m, front)
+    ]
+    assert not bad, "a front imported outside its apps (CONTRIBUTING.md):\n" + "\n".join(bad)
+
+
+def _route_table_fronts() -> set[str]:
+    """The values of relay.service.routes.Front, read from its source."""
+    for node in tree("relay.service.routes").body:
+        if isinstance(node, ast.ClassDef) and node.name == "Front":
+            return {
+                str(stmt.value.value)
+                for stmt in node.body
+                if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Constant)
+            }
+    raise AssertionError("relay/service/routes.py has no class Front")
+
+
+def test_a_front_folder_is_named_by_the_route_table() -> None:
+    names = _route_table_fronts()
+    bad = [f for f in front_packages() if f != DURABLE_FRONT and f.rsplit(".", 1)[1] not in names]
+    assert not bad, f"front folders the route table's Front does not name ({sorted(names)}): {bad}"
 
 
 def _stdlib(name: str) -> bool:

@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from relay.protocol.frame import Frame
-from relay.protocol.responses import (
+from relay.fronts.responses.wire import (
     InvalidResponseId,
     ResponseId,
     ResponseTurn,
@@ -16,8 +15,9 @@ from relay.protocol.responses import (
     parse_conversation_id,
     parse_response_id,
 )
-from worker.gateway.respwire import parse_responses
-from worker.gateway.wire import WireError
+from relay.protocol.frame import Frame
+from worker.fronts.errors import WireError
+from worker.fronts.responses.request import parse_responses
 
 RID = ResponseId("s_1-x", 2, 10)
 

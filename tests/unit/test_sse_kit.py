@@ -16,9 +16,12 @@ from hypothesis import strategies as st
 from relay.durable import core
 from relay.edge.conn.base import sse_bytes
 from relay.edge.core.resume import Delivery
-from relay.protocol import responses, sse, uistream
+from relay.fronts.aisdk import wire as uistream
+from relay.fronts.responses import wire as responses
+from relay.protocol import sse
 from relay.protocol.frame import KINDS
-from worker.gateway import openai, session
+from worker.fronts.openai import http as openai
+from worker.fronts.openai import session
 
 _LINES = re.compile(rb"\r\n|\r|\n")
 _enc = msgspec.json.Encoder()
@@ -49,7 +52,11 @@ payloads = st.binary(max_size=64) | st.sampled_from([b"", b"\n", b"a\r\nb", b"\r
 kinds = st.sampled_from(sorted(KINDS)) | st.from_regex(r"[a-z.]{1,12}", fullmatch=True)
 
 
-@given(payloads, st.none() | st.integers(0, 2**53) | st.from_regex(r"[0-9a-z]{0,8}"), kinds)
+@given(
+    payloads,
+    st.none() | st.integers(0, 2**53) | st.from_regex(r"[0-9a-z]{0,8}", fullmatch=True),
+    kinds,
+)
 def test_event_is_the_relay_wire_as_it_was(data: bytes, ident: Any, kind: str) -> None:
     assert sse.event(data, id=ident, kind=kind) == ref_event(data, id=ident, kind=kind)
     assert sse.event(data) == ref_event(data)

@@ -9,7 +9,7 @@ Generation (a supervised task per turn, ``turn:<sid>``, :meth:`TurnRunner.run`, 
 worker's :class:`relay.service.supervise.Supervisor`, like its three helpers): the turn
 is written with the producer API (:class:`relay.producer.Turn`, the one producer
 implementation): an engine-reader task (``reader:<sid>``) writes deltas into the turn,
-whose pump task (``pump:<sid>``) publishes coalesced ``token`` frames; its watch task
+whose pump task (``pump:<sid>``) publishes coalesced ``token`` frames; its guard task
 (``presence:<sid>``, :func:`relay.producer.watch.watch_presence`) refreshes the lock and
 tells the runner (``Turn.on_stop``) when nobody watched for the grace period, or when
 its refresh finds a stop asked of the turn (:mod:`worker.chat.cancel`: the fallback of
@@ -114,7 +114,7 @@ class TurnRunner:
             t.abort(_ABORTS[reason])
 
         t.gen.on_stop(on_stop)  # the lock refresh (a stop's record, a lost lock), presence
-        t.gen.watch(self.cfg.presence, local_watchers=t.local_watchers)
+        t.gen.guard(self.cfg.presence, local_watchers=t.local_watchers)
         try:
             done, _ = await asyncio.wait({t.reader, pump_task}, return_when=asyncio.FIRST_COMPLETED)
             if pump_task in done:  # the pump only ends early on an error: stop the engine
@@ -159,9 +159,9 @@ class TurnRunner:
         if t.lock_lost and outcome is not TurnOutcome.FENCED:
             outcome, error = TurnOutcome.LOCK_LOST, None
         t.ended.set()
-        watch = t.gen.watch_task
-        if watch is not None:
-            watch.cancel()
+        guard = t.gen.guard_task
+        if guard is not None:
+            guard.cancel()
         if t.reader is not None and not t.reader.done():
             t.reader.cancel()
         # let a publish in flight land: never cancel mid-publish (flush waits, then cancels)
@@ -169,7 +169,7 @@ class TurnRunner:
             await t.gen.flush(5.0)
         # Bounded: a helper task that swallowed its cancellation must not keep the turn
         # from its terminal frame and its lock from being released.
-        helpers = {t.gen.pump_task, *([watch] if watch is not None else [])}
+        helpers = {t.gen.pump_task, *([guard] if guard is not None else [])}
         _, stuck = await asyncio.wait(helpers, timeout=_HELPER_EXIT_S)
         for task in stuck:
             log.warning("turn %s/%d: %s did not stop", t.sid, t.gen.turn, task.get_name())

@@ -38,13 +38,14 @@ from relay.protocol.frame import FrameError, decode
 from relay.protocol.keys import (
     BACKLOG_MAX_BYTES,
     BACKLOG_MAXLEN,
+    OWNER_FIELD,
     SESSION_TTL_S,
     gone_key,
     live_channel,
     log_key,
     meta_key,
+    owner_key,
 )
-from relay.protocol.responses import OWNER_FIELD, owner_key
 from relay.service.supervise import Supervisor
 
 __all__ = ["RedisBroker"]

@@ -6,7 +6,7 @@ and the connection's end. Around it there is only its pure
 :class:`relay.edge.core.watch.Watch` (queue, replay merge, cutoff) and the transport.
 Subclasses say how a transport frames what it writes and how it says goodbye:
 :class:`relay.edge.conn.sse.SseConn`, :class:`relay.edge.conn.ws.WsConn`,
-:class:`relay.edge.conn.ui.UiConn` (the AI SDK's UI message stream), and
+:class:`relay.fronts.aisdk.conn.UiConn` (the AI SDK's UI message stream), and
 :class:`relay.edge.conn.reader.Reader` (no socket: frames for code in this process).
 
 What a connection does:

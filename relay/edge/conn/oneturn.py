@@ -1,6 +1,6 @@
 """One turn of a session in another stream format, as one connection: what the AI SDK's
-UI message stream (:mod:`relay.edge.conn.ui`) and the Responses API's event stream
-(:mod:`relay.edge.conn.responses`) share.
+UI message stream (:mod:`relay.fronts.aisdk.conn`) and the Responses API's event stream
+(:mod:`relay.fronts.responses.conn`) share.
 
 A :class:`OneTurnConn` encodes each frame through its translator (one per connection:
 the output depends on where in the turn it is; frames of other turns give nothing),

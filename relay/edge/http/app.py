@@ -9,8 +9,6 @@ the stream handlers: :mod:`relay.edge.http.handlers`.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from aiohttp import web
@@ -18,16 +16,18 @@ from aiohttp import web
 from relay.durable import http as durable_http
 from relay.edge.config import RelayConfig
 from relay.edge.fanout.hub import Hub
-from relay.edge.http import handlers, responses
+from relay.edge.http import handlers
+from relay.edge.http.handlers import stream_route
 from relay.edge.http.server import EdgeServer
+from relay.fronts.aisdk import http as aisdk
+from relay.fronts.responses import http as responses
 from relay.service import openapi, runtime
 from relay.service.httpguard import ConnLimits, guard_app
-from relay.service.register import Handler, add_routes
+from relay.service.register import add_routes
 
 __all__ = ["SERVER", "make_app", "make_runner"]
 
 SERVER: Final = web.AppKey("tokenrelay_edge", EdgeServer)
-StreamHandler = Callable[[EdgeServer, web.Request], Awaitable[web.StreamResponse]]
 
 
 def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
@@ -44,19 +44,14 @@ def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
     app.on_cleanup.append(server.cleanup)
     app.on_response_prepare.append(server.on_prepare)
 
-    # The routes come from the table (relay/service/routes.py). A stream's GET has no
-    # HEAD: its handler writes its body whatever the method, and a HEAD response has none
-    # (RFC 9110 9.3.2); a pooling proxy would hand those bytes to the next client. HEAD
-    # gets the registration's 405 (Allow: GET,OPTIONS), headers only.
-    def stream(handler: StreamHandler) -> dict[str, Handler]:
-        return {"GET": functools.partial(handler, server), "OPTIONS": server.preflight}
-
+    # The routes come from the table (relay/service/routes.py): the own wire's streams,
+    # then each front's handlers() (relay/fronts/, and relay/durable/: Durable Streams).
+    # A stream's GET has no HEAD (relay.edge.http.handlers.stream_route says why).
     add_routes(app, "relay", {
-        "wire.sse": stream(handlers.sse_handler),
-        "wire.ws": stream(handlers.ws_handler),
-        "aisdk.ui_stream": stream(handlers.ui_stream_handler),  # the AI SDK's
-        "aisdk.resume": stream(handlers.ui_stream_handler),  # the SDK's resume URL
-        "responses.stream": stream(responses.responses_stream_handler),  # ?stream=true
+        "wire.sse": stream_route(server, handlers.sse_handler),
+        "wire.ws": stream_route(server, handlers.ws_handler),
+        **aisdk.handlers(server),  # the AI SDK's UI stream and its resume URL
+        **responses.handlers(server),  # the Responses API's events, ?stream=true
         **durable_http.handlers(durable_http.Durable(server)),  # docs/DURABLE.md
         "healthz": server.healthz,
         "readyz": server.readyz,

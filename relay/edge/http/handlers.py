@@ -9,20 +9,20 @@
 - ``GET /v1/sessions/{sid}/ws``: WebSocket. ``{"type":"hello",...}`` first, then one
   text message per frame (the frame JSON as published). Resume: ``?from=<offset>``
   and ``gen``.
-- ``GET /v1/sessions/{sid}/ui-stream`` (and ``GET /v1/chat/{sid}/stream``): the
-  running turn in the AI SDK's UI message stream, from its first frame; 204 when no
-  turn is generating (:mod:`relay.edge.conn.ui`).
+
+The fronts' streams (the AI SDK's UI stream, the Responses API's events:
+:mod:`relay.fronts`) are answered the same way, with :func:`start_stream` and
+:func:`stream_route`.
 
 Every stream of a deleted session is refused with 410 ``session_deleted`` (the read the
 open makes anyway finds the session's tombstone: :func:`relay.edge.http.server.deleted`).
 
 Each handler checks the request, builds the transport's connection
-(:class:`relay.edge.conn.sse.SseConn`, :class:`relay.edge.conn.ws.WsConn`,
-:class:`relay.edge.conn.ui.UiConn`), admits it (:meth:`EdgeServer.admit`: limits, then
-the hub's subscription and replay), answers the request through aiohttp (the response
-head and preamble, or the 101), hands the socket to the connection
-(:func:`detach`) and returns: from then on the connection is the
-socket's, and no task or aiohttp object is held while it is idle.
+(:class:`relay.edge.conn.sse.SseConn`, :class:`relay.edge.conn.ws.WsConn`), admits it
+(:meth:`EdgeServer.admit`: limits, then the hub's subscription and replay), answers
+the request through aiohttp (the response head and preamble, or the 101), hands the
+socket to the connection (:func:`detach`) and returns: from then on the connection is
+the socket's, and no task or aiohttp object is held while it is idle.
 
 Order of use: :func:`relay.edge.http.app.make_app` routes the paths to these handlers
 with its server as their first argument.
@@ -31,26 +31,26 @@ with its server as their first argument.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 from aiohttp import hdrs, web
 from multidict import istr
 
-from relay.broker.errors import RelayError, SessionDeleted
 from relay.edge.conn.base import Conn, ws_text_frame
 from relay.edge.conn.sse import SseConn
-from relay.edge.conn.ui import UI_HEADERS, UiConn
 from relay.edge.conn.ws import WsConn, upgrade
-from relay.edge.http.server import EdgeServer, deleted, query_value
+from relay.edge.http.server import EdgeServer, query_value
 from relay.protocol import frame, sse
 from relay.protocol.codes import CloseCode, Refusal
-from relay.service.errors import RETRY_AFTER, Reject
+from relay.service.errors import Reject
 from relay.service.httpguard import detach_guard
+from relay.service.register import Handler
 
 __all__ = ["SSE_HEADERS", "detach", "parse_compact", "parse_gen", "parse_offset", "sse_handler",
-           "ui_stream_handler", "ws_handler"]  # fmt: skip
+           "start_stream", "stream_route", "ws_handler"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def detach(request: web.Request, conn: asyncio.Protocol) -> asyncio.Transport:
     return transport
 
 
-async def _stream(
+async def start_stream(
     server: EdgeServer, conn: Conn, request: web.Request, resp: web.StreamResponse,
     preamble: bytes,
 ) -> web.StreamResponse:  # fmt: skip
@@ -142,6 +142,17 @@ async def _stream(
     return resp
 
 
+def stream_route(
+    server: EdgeServer, handler: Callable[[EdgeServer, web.Request], Awaitable[web.StreamResponse]]
+) -> dict[str, Handler]:
+    """A stream's methods for the route table: its GET (``handler`` with ``server``
+    first) and the cross-origin preflight. No HEAD: a stream's handler writes its body
+    whatever the method, and a HEAD response has none (RFC 9110 9.3.2); a pooling proxy
+    would hand those bytes to the next client. HEAD gets aiohttp's 405 (Allow:
+    GET,OPTIONS), headers only."""
+    return {"GET": functools.partial(handler, server), "OPTIONS": server.preflight}
+
+
 async def sse_handler(server: EdgeServer, request: web.Request) -> web.StreamResponse:
     """Check the request, send the response head and the preamble, hand the socket to
     an :class:`SseConn` and return: the stream goes on without this task."""
@@ -163,7 +174,9 @@ async def sse_handler(server: EdgeServer, request: web.Request) -> web.StreamRes
     except Reject as r:
         return server.refuse(r)
     preamble = sse.preamble(cfg.retry_ms, server.hello(conn))
-    return await _stream(server, conn, request, web.StreamResponse(headers=SSE_HEADERS), preamble)
+    return await start_stream(
+        server, conn, request, web.StreamResponse(headers=SSE_HEADERS), preamble
+    )
 
 
 async def ws_handler(server: EdgeServer, request: web.Request) -> web.StreamResponse:
@@ -195,35 +208,3 @@ async def ws_handler(server: EdgeServer, request: web.Request) -> web.StreamResp
         server.end_stream(conn, conn.gone())
         raise
     return resp
-
-
-async def ui_stream_handler(server: EdgeServer, request: web.Request) -> web.StreamResponse:
-    """204 when no turn is generating; else the turn as the UI message stream, by a
-    :class:`UiConn` once the response head is sent."""
-    try:
-        sid = server.session(request)
-        access = server.authorize(request, sid)
-        compact = parse_compact(request)
-        hub = server.check_capacity()
-    except Reject as r:
-        return server.refuse(r)
-    try:
-        found = await hub.broker.active_turn(sid)
-    except SessionDeleted:
-        return server.refuse(deleted())
-    except RelayError as exc:
-        log.warning("ui-stream of %s: backlog read failed: %r", sid, exc)  # not to clients
-        return server.refuse(Reject(503, Refusal.UNAVAILABLE, "cannot read the session",
-                                    RETRY_AFTER))  # fmt: skip
-    if found is None:
-        return web.Response(status=204)
-    turn, after = found
-    try:
-        conn = UiConn(hub, sid, turn, after, compact=compact,
-                      **server.conn_options(UiConn.transport_kind))  # fmt: skip
-        await server.admit(conn, access)
-    except Reject as r:
-        return server.refuse(r)
-    resp = web.StreamResponse(headers=UI_HEADERS)
-    resp.force_close()  # the Conn closes the socket after the turn's end: say so to pools
-    return await _stream(server, conn, request, resp, b"")

@@ -17,7 +17,7 @@ operator's for session-less completions, and a session's history and screens bel
 whoever holds its write token.
 
 Order of use: :func:`session_of` on a parsed request; when it names one,
-:func:`complete` answers it (``worker.gateway.openai`` does both).
+:func:`complete` answers it (``worker.fronts.openai.http`` does both).
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ from relay.protocol import sse
 from relay.protocol.auth import AuthError
 from relay.protocol.keys import InvalidSessionId, parse_session
 from relay.service.apikeys import check_api_key
+from relay.service.errors import error_body
 from worker.chat.direct import DirectViewer
 from worker.chat.turnstate import Draining, TurnBusy
-from worker.gateway.base import Gateway
-from worker.gateway.wire import (
+from worker.fronts.base import Gateway
+from worker.fronts.errors import WireError
+from worker.fronts.openai.wire import (
     ChatRequest,
-    WireError,
     chunk,
     completion,
-    error_body,
     new_id,
     usage,
     usage_chunk,

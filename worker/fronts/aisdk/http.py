@@ -9,7 +9,7 @@
   in Redis is the conversation: earlier messages of the body are not re-sent to the
   engine); a ``system`` message's text is the turn's ``system`` prompt;
 - the answer is the turn in the AI SDK's UI message stream protocol
-  (:mod:`relay.edge.conn.ui`, the same parts a relay's ``/v1/sessions/{id}/ui-stream``
+  (:mod:`relay.fronts.aisdk.conn`, the same parts a relay's ``/v1/sessions/{id}/ui-stream``
   serves), fed by the turn's generation as it writes (the closed loop,
   :mod:`worker.chat.direct`: the response counts as a watcher of the session, so the
   "nobody watches" rule does not stop a turn its own page is reading), or, past the
@@ -41,11 +41,11 @@ from aiohttp import web
 
 from relay.broker.errors import RelayError
 from relay.broker.rediscluster.errors import map_redis_errors
+from relay.fronts.aisdk.wire import DONE, UI_HEADERS, UiTurn, encode_chunk
 from relay.protocol.auth import AuthError
 from relay.protocol.codes import Refusal
 from relay.protocol.frame import FrameError, decode
 from relay.protocol.keys import InvalidSessionId, log_key, parse_session
-from relay.protocol.uistream import DONE, UI_HEADERS, UiTurn, encode_chunk
 from relay.service.errors import RETRY_AFTER, Reject, refusal, retry_after
 from relay.service.httpbody import read_body, refused
 from relay.service.jsonbody import BodyRefused, parse_json

@@ -1,8 +1,8 @@
 """The OpenAI gateway's shared state: its configuration, the :class:`Gateway` the app
 holds under :data:`GATEWAY`, and the error answer in OpenAI's body.
 
-Apart from the handlers so that both :mod:`worker.gateway.openai` (bare engine
-requests) and :mod:`worker.gateway.session` (requests tied to a session) import it,
+Apart from the handlers so that both :mod:`worker.fronts.openai.http` (bare engine
+requests) and :mod:`worker.fronts.openai.session` (requests tied to a session) import it,
 and neither imports the other's module for it.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
 from aiohttp import web
 
@@ -20,14 +20,25 @@ from relay.service.errors import openai_refusal
 from worker.access import WorkerAccess
 from worker.chat.turn import TurnManager
 from worker.engines.client import EngineClient
-from worker.gateway.wire import ChatRequest, WireError
+from worker.fronts.errors import WireError
 from worker.metrics import WorkerMetrics
 from worker.routing.key import routing_key
 from worker.routing.lease import Lease
 from worker.routing.router import Router
 from worker.routing.wait import route_wait
 
-__all__ = ["GATEWAY", "Gateway", "GatewayConfig", "error_response"]
+__all__ = ["GATEWAY", "Gateway", "GatewayConfig", "Routed", "error_response"]
+
+
+class Routed(Protocol):
+    """What routing reads of a request (a front's checked request, e.g.
+    :class:`worker.fronts.openai.wire.ChatRequest`): its system prompt and conversation."""
+
+    @property
+    def system(self) -> str | None: ...
+
+    @property
+    def conversation(self) -> list[dict[str, str]]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +72,7 @@ class Gateway:
         self.engine = engine
         self.metrics = metrics
         self._draining = draining  # a callable returning True while the worker drains
-        self.turns = turns  # for requests tied to a session (worker.gateway.session)
+        self.turns = turns  # for requests tied to a session (worker.fronts.openai.session)
         self.access = access
 
     @staticmethod
@@ -84,7 +95,7 @@ class Gateway:
         }.get(code, "invalid gateway key")
         return WireError(401, reason, kind="authentication_error", code=code)
 
-    async def lease(self, req: ChatRequest) -> Lease:
+    async def lease(self, req: Routed) -> Lease:
         key = routing_key(req.system, req.conversation, prefix_chars=self.cfg.prefix_chars)
         lease = await route_wait(self.router, key, self.cfg.admit_wait_s)
         if lease.spilled:

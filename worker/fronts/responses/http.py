@@ -11,8 +11,8 @@
   from the backlog (any worker), else from the session's stored history;
   ``?stream=true&starting_after=N``: the events after ``N``, replayed from the backlog
   and then live (:func:`backlog_frames`), on any worker, for as long as the backlog
-  keeps the turn. The relays serve the same stream (:mod:`relay.edge.http.responses`); both
-  translate with :mod:`relay.protocol.responses`, so both write the same events.
+  keeps the turn. The relays serve the same stream (:mod:`relay.fronts.responses.http`); both
+  translate with :mod:`relay.fronts.responses.wire`, so both write the same events.
 - ``POST /v1/responses/{id}/cancel``: :meth:`worker.chat.turn.TurnManager.stop` (any
   worker stops any turn), then the object once the turn ended (``cancelled``).
 - ``DELETE /v1/responses/{id}``: the response's conversation is its session, and that
@@ -47,9 +47,7 @@ from aiohttp import ClientConnectionResetError, web
 
 from relay.broker.errors import RelayError
 from relay.broker.rediscluster.errors import map_redis_errors
-from relay.protocol.frame import Frame, FrameError, decode
-from relay.protocol.keys import gone_key, log_key, new_session_id
-from relay.protocol.responses import (
+from relay.fronts.responses.wire import (
     OWNER,
     OWNER_FIELD,
     SSE_HEADERS,
@@ -62,6 +60,8 @@ from relay.protocol.responses import (
     parse_response_id,
     response_object,
 )
+from relay.protocol.frame import Frame, FrameError, decode
+from relay.protocol.keys import gone_key, log_key, new_session_id
 from relay.service import cors
 from relay.service.errors import Reject
 from relay.service.httpbody import read_json, refused_openai
@@ -72,10 +72,10 @@ from worker.chat.cancel import StopStatus
 from worker.chat.direct import DirectViewer
 from worker.chat.turnstate import Draining, TurnBusy
 from worker.controls import delete_session
-from worker.gateway.base import GATEWAY
-from worker.gateway.base import error_response as _error
-from worker.gateway.respwire import ResponsesRequest, parse_responses
-from worker.gateway.wire import WireError
+from worker.fronts.base import GATEWAY
+from worker.fronts.base import error_response as _error
+from worker.fronts.errors import WireError
+from worker.fronts.responses.request import ResponsesRequest, parse_responses
 from worker.routing.lease import AllEnginesFull
 from worker.state import STATE, WorkerState
 

@@ -11,7 +11,7 @@ import pytest
 from relay.broker.memory import MemoryBroker
 from relay.edge.conn.reader import open_reader
 from relay.edge.fanout.hub import Hub
-from relay.edge.fanout.viewers import viewing
+from relay.edge.fanout.presence import viewing
 
 SID = "viewed"
 

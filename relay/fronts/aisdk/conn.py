@@ -5,12 +5,12 @@ URL the SDK's ``DefaultChatTransport({api: "/v1/chat"})`` reconnects to;
 :func:`relay.edge.http.handlers.ui_stream_handler`) answers ``204`` when no turn of the
 session is generating (what ``useChat({resume: true})`` expects when there is nothing
 to resume), and otherwise this stream: the running turn **from its first frame** (the
-SDK's resume is a replay), each frame as the UI parts :mod:`relay.protocol.uistream`
+SDK's resume is a replay), each frame as the UI parts :mod:`relay.fronts.aisdk.wire`
 makes of it, then ``data: [DONE]``, and the response ends.
 
 What a :class:`UiConn` adds to :class:`relay.edge.conn.oneturn.OneTurnConn` (the parts
 below that are the same for every one-turn stream): its encoding is its
-own (a :class:`relay.protocol.uistream.UiTurn` per connection: the parts depend on
+own (a :class:`relay.fronts.aisdk.wire.UiTurn` per connection: the parts depend on
 where in the turn it is); it ends itself once the turn's terminal frame is written;
 a compacted join (``?compact=1``) gets the part of the reply already written as one
 ``text-delta`` (the replay's token frames merged, the open run too: the stream is that
@@ -34,9 +34,9 @@ from multidict import istr
 from relay.edge.conn.base import Transport
 from relay.edge.conn.oneturn import OneTurnConn
 from relay.edge.fanout.hub import Hub
+from relay.fronts.aisdk.wire import DONE, UiTurn, encode_chunk
+from relay.fronts.aisdk.wire import UI_HEADERS as PROTOCOL_UI_HEADERS
 from relay.protocol.frame import Frame
-from relay.protocol.uistream import DONE, UiTurn, encode_chunk
-from relay.protocol.uistream import UI_HEADERS as PROTOCOL_UI_HEADERS
 
 __all__ = ["UI_HEADERS", "UiConn"]
 

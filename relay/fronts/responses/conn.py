@@ -1,8 +1,8 @@
 """One response of OpenAI's Responses API as its event stream, as one connection.
 
 ``GET /v1/responses/{id}?stream=true&starting_after=N``
-(:func:`relay.edge.http.responses.responses_stream_handler`) replays the response's
-turn from its first frame (the id names it: :mod:`relay.protocol.responses`) and goes
+(:func:`relay.fronts.responses.http.responses_stream_handler`) replays the response's
+turn from its first frame (the id names it: :mod:`relay.fronts.responses.wire`) and goes
 on live, writing the events numbered after ``N``, then ends the response once the
 turn's terminal frame is written. Every relay writes the same events with the same
 ``sequence_number`` for the same frames, so a client whose relay died resumes on any
@@ -11,7 +11,7 @@ other with the last number it read.
 What a :class:`ResponsesConn` adds to :class:`relay.edge.conn.oneturn.OneTurnConn`
 (no ``presence`` frame, heartbeat comments, which the SDK skips; the end on a drain or
 a cutoff, the client resuming after its last event): its encoding (a
-:class:`relay.protocol.responses.ResponseTurn` per connection); a deleted session ends
+:class:`relay.fronts.responses.wire.ResponseTurn` per connection); a deleted session ends
 it with ``response.failed``. A consumer that falls
 behind past ``--queue-frames`` gets its queued token frames merged (one delta each
 run: the text is the same, the merged runs' numbers are not sent).
@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 from relay.edge.conn.base import Transport
 from relay.edge.conn.oneturn import OneTurnConn
 from relay.edge.fanout.hub import Hub
+from relay.fronts.responses.wire import ResponseId, ResponseTurn, encode_event
 from relay.protocol.frame import Frame
-from relay.protocol.responses import ResponseId, ResponseTurn, encode_event
 
 __all__ = ["ResponsesConn"]
 

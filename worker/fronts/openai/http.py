@@ -8,7 +8,7 @@ engine slot, and streams from the engine; ``GET /v1/models`` lists the served mo
 Any OpenAI client works: ``OpenAI(base_url="http://worker:8000/v1", api_key=KEY)``.
 
 With ``X-Session-Id: <sid>`` (or ``"user": "session:<sid>"``) the request runs as a turn
-of that session, watched by its other screens (:mod:`worker.gateway.session`).
+of that session, watched by its other screens (:mod:`worker.fronts.openai.session`).
 
 Auth: ``Authorization: Bearer <key>`` with one of the worker's gateway keys
 (``--gateway-key``, compared in constant time). A worker started with
@@ -16,7 +16,7 @@ Auth: ``Authorization: Bearer <key>`` with one of the worker's gateway keys
 401 with the reason (the gateway is off rather than open).
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400/404/413
-for the request (:mod:`worker.gateway.wire`), 401, 429 + ``Retry-After`` when every
+for the request (:mod:`worker.fronts.openai.wire`), 401, 429 + ``Retry-After`` when every
 engine is full, 502 for an engine's error answer, 503 when no engine is reachable or the
 worker drains, 504 when the engine times out. An error after the stream started is one
 ``data: {"error": ...}`` event, and the stream ends without ``[DONE]``.
@@ -40,6 +40,7 @@ from aiohttp import web
 
 from relay.protocol import sse
 from relay.protocol.keys import InvalidSessionId, parse_session
+from relay.service.errors import error_body
 from relay.service.httpbody import read_json, refused_openai
 from relay.service.jsonbody import BodyRefused
 from relay.service.register import Handler
@@ -49,15 +50,14 @@ from worker.engines.errors import (
     EngineTimeout,
     EngineUnavailable,
 )
-from worker.gateway import session as gateway_session
-from worker.gateway.base import GATEWAY, Gateway, GatewayConfig
-from worker.gateway.base import error_response as _error
-from worker.gateway.wire import (
+from worker.fronts.base import GATEWAY, Gateway, GatewayConfig
+from worker.fronts.base import error_response as _error
+from worker.fronts.errors import WireError
+from worker.fronts.openai import session as gateway_session
+from worker.fronts.openai.wire import (
     ChatRequest,
-    WireError,
     chunk,
     completion,
-    error_body,
     new_id,
     parse_request,
     usage,

@@ -1,12 +1,12 @@
 """The OpenAI chat-completions wire format, as pure functions (no I/O).
 
-What the gateway (:mod:`worker.gateway.openai`) needs to speak OpenAI to any client: parse and
-bound a ``POST /v1/chat/completions`` body, build the streamed ``chat.completion.chunk``
-objects and the whole ``chat.completion``, and error bodies in OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``.
+What the gateway (:mod:`worker.fronts.openai.http`) needs to speak OpenAI to any client:
+parse and bound a ``POST /v1/chat/completions`` body, build the streamed
+``chat.completion.chunk`` objects and the whole ``chat.completion`` (error bodies in
+OpenAI's shape: :func:`relay.service.errors.error_body`).
 
-Order of use: :func:`parse_request` (raises :class:`WireError` -> :func:`error_body`
-with its status) -> per delta :func:`chunk` -> :func:`usage_chunk` when asked ->
+Order of use: :func:`parse_request` (raises :class:`worker.fronts.errors.WireError`,
+answered with its status) -> per delta :func:`chunk` -> :func:`usage_chunk` when asked ->
 ``data: [DONE]``; or :func:`completion` for ``stream: false``.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from relay.protocol.responses import error_body
+from worker.fronts.errors import WireError
 
 __all__ = [
     "PASS_THROUGH",
@@ -26,7 +26,6 @@ __all__ = [
     "WireError",
     "chunk",
     "completion",
-    "error_body",
     "new_id",
     "parse_request",
     "usage",
@@ -45,19 +44,6 @@ PASS_THROUGH: Final = (
     "n",
 )
 _MAX_MESSAGES: Final = 1024
-
-
-class WireError(Exception):
-    """A request the gateway refuses: HTTP ``status``, OpenAI ``type`` and ``code``."""
-
-    def __init__(
-        self, status: int, message: str, *, kind: str = "invalid_request_error",
-        code: str | None = None, param: str | None = None,
-    ) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code, self.param = (
-            status, message, kind, code, param,
-        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

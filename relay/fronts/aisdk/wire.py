@@ -6,7 +6,8 @@ The SDK's ``useChat`` reads a reply as Server-Sent Events whose ``data:`` are JS
 (``finishReason``; the done frame's meta as ``messageMetadata``), or ``error`` (+
 ``finish`` with ``finishReason: "error"``) for an error frame or frames lost for good;
 then ``data: [DONE]``. Both ends that speak it use this module: the relay's resumable
-stream (:mod:`relay.edge.conn.ui`) and the worker's chat POST (:mod:`worker.gateway.aisdk`).
+stream (:mod:`relay.fronts.aisdk.conn`) and the worker's chat POST
+(:mod:`worker.fronts.aisdk.http`).
 
 Order of use::
 

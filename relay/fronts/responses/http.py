@@ -2,16 +2,19 @@
 
 ``GET /v1/responses/{id}?stream=true&starting_after=N``: the same events the worker's
 ``POST /v1/responses`` streams (the same translation,
-:mod:`relay.protocol.responses`), from the backlog and then live through the hub, so
+:mod:`relay.fronts.responses.wire`), from the backlog and then live through the hub, so
 any relay serves any response to any number of clients, and a client whose relay died
 resumes on another after the last ``sequence_number`` it read, for as long as the
 session's backlog holds the turn. Everything else of the API (create, the object,
-cancel, delete, input items) is the worker's (:mod:`worker.gateway.responses`); a
+cancel, delete, input items) is the worker's (:mod:`worker.fronts.responses.http`); a
 request here without ``stream=true`` is a 400 that says so.
 
 Auth: a gateway key (``--gateway-key``, the workers' keys), as the OpenAI SDK sends its
 ``api_key``; the response must belong to a session the Responses API created. Errors
 in OpenAI's shape: 400, 401, 404, 429 (stream limits), 503 (draining, Redis).
+
+Order of use: :func:`handlers` in :func:`relay.edge.http.app.make_app`, which registers
+them from the route table.
 """
 
 from __future__ import annotations
@@ -23,24 +26,31 @@ from aiohttp import web
 
 from relay.broker.errors import RelayError, SessionDeleted
 from relay.broker.port import ResponseReads
-from relay.edge.conn.responses import ResponsesConn
-from relay.edge.http.handlers import SSE_HEADERS, _stream
+from relay.edge.http.handlers import SSE_HEADERS, start_stream, stream_route
 from relay.edge.http.limits import Access
 from relay.edge.http.server import EdgeServer
-from relay.protocol.codes import Refusal
-from relay.protocol.frame import FrameError, decode
-from relay.protocol.responses import (
+from relay.fronts.responses.conn import ResponsesConn
+from relay.fronts.responses.wire import (
     OWNER,
     InvalidResponseId,
     ResponseId,
     parse_response_id,
 )
+from relay.protocol.codes import Refusal
+from relay.protocol.frame import FrameError, decode
 from relay.service.apikeys import check_api_key
 from relay.service.errors import Reject, openai_refusal
+from relay.service.register import Handler
 
-__all__ = ["responses_stream_handler"]
+__all__ = ["handlers", "responses_stream_handler"]
 
 log = logging.getLogger(__name__)
+
+
+def handlers(server: EdgeServer) -> dict[str, dict[str, Handler]]:
+    """This front's routes of the table (relay/service/routes.py), name -> handler."""
+    return {"responses.stream": stream_route(server, responses_stream_handler)}  # ?stream=true
+
 
 _KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           429: "rate_limit_error"}  # fmt: skip
@@ -126,4 +136,4 @@ async def responses_stream_handler(server: EdgeServer, request: web.Request) -> 
     # the response ends with the socket (the Conn closes it after the last event): say so,
     # or a client that pools connections sends its next request on one about to close
     resp.force_close()
-    return await _stream(server, conn, request, resp, b"")
+    return await start_stream(server, conn, request, resp, b"")

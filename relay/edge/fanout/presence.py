@@ -1,4 +1,5 @@
-"""Viewer accounting for readers that take a session's frames outside the hub.
+"""Presence (how many screens watch a session) for readers that take its frames outside
+the hub: viewer accounting.
 
 Every reader of a session counts as a viewer, whatever its front: the producer stops
 a turn that nobody watches (``no_viewers``, :mod:`relay.producer.watch`), and it knows

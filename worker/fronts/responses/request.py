@@ -1,6 +1,6 @@
 """The Responses API's request body, checked: pure.
 
-``POST /v1/responses`` as :mod:`worker.gateway.responses` serves it: ``input`` (a
+``POST /v1/responses`` as :mod:`worker.fronts.responses.http` serves it: ``input`` (a
 string, or message items: ``{"role", "content"}`` with ``type: "message"`` or none, the
 content a string or ``input_text`` / ``output_text`` parts), ``instructions``,
 ``max_output_tokens``, ``stream``, ``background``, ``store``, ``metadata`` (at most 16
@@ -10,7 +10,7 @@ string pairs, keys <= 64 and values <= 512 characters, as OpenAI bounds them),
 sampling is refused by name rather than ignored, so a client never believes a setting
 took effect. Too much text is 400 ``context_length_exceeded`` (what OpenAI answers).
 
-Order of use: :func:`parse_responses` (raises :class:`~worker.gateway.wire.WireError`).
+Order of use: :func:`parse_responses` (raises :class:`~worker.fronts.errors.WireError`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from worker.gateway.wire import WireError
+from worker.fronts.errors import WireError
 
 __all__ = ["ResponsesRequest", "parse_responses"]
 

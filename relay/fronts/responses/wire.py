@@ -44,7 +44,12 @@ import msgspec
 
 from relay.protocol import sse
 from relay.protocol.frame import Frame
-from relay.protocol.keys import InvalidSessionId, KeyKind, key, parse_session
+from relay.protocol.keys import (
+    OWNER_FIELD,
+    InvalidSessionId,
+    owner_key,
+    parse_session,
+)
 
 __all__ = [
     "CANCELLED",
@@ -56,7 +61,6 @@ __all__ = [
     "ResponseTurn",
     "conversation_id",
     "encode_event",
-    "error_body",
     "owner_key",
     "parse_conversation_id",
     "parse_response_id",
@@ -69,10 +73,7 @@ SSE_HEADERS: Final = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",
 }
-# A session the Responses API created says so in its state hash (the worker's
-# ``worker.chat.store.state_key``): a gateway key reads and writes only those.
-OWNER_FIELD: Final = "api"
-OWNER: Final = "responses"
+OWNER: Final = "responses"  # the state hash's OWNER_FIELD (relay.protocol.keys) of its sessions
 CANCELLED: Final = "cancelled"  # the done frame's finish reason of a stopped turn
 _HEAD: Final = 4  # events of the meta frame
 _encode = msgspec.json.Encoder()
@@ -111,12 +112,6 @@ def parse_response_id(raw: str) -> ResponseId:
     return ResponseId(sid, turn, first)
 
 
-def owner_key(sid: str) -> str:
-    """The session's state hash, whose :data:`OWNER_FIELD` is :data:`OWNER` when the
-    Responses API created the session."""
-    return key(sid, KeyKind.HIST, "state")
-
-
 def conversation_id(sid: str) -> str:
     return f"conv_{sid}"
 
@@ -129,13 +124,6 @@ def parse_conversation_id(raw: str) -> str:
         return parse_session(raw[5:])
     except InvalidSessionId:
         raise InvalidResponseId(f"no conversation with id {raw[:80]!r}") from None
-
-
-def error_body(
-    message: str, kind: str, code: str | None = None, param: str | None = None
-) -> dict[str, Any]:
-    """OpenAI's error body (every OpenAI route of the worker and the relay answers it)."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def encode_event(event: dict[str, Any]) -> bytes:

@@ -1,0 +1,1 @@
+"""OpenAI chat completions (and the model list) on the worker's router."""

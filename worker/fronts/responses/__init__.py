@@ -1,0 +1,1 @@
+"""OpenAI's Responses API on the worker: a response is a turn of a session."""
