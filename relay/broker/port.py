@@ -335,6 +335,19 @@ class HistoryStore(Protocol):
         newest), newest first (a turn's end or start found walking back)."""
         ...
 
+    async def frames_after(
+        self, sid: str, after: int, count: int, *, block_ms: int = 0
+    ) -> list[bytes]:
+        """Up to ``count`` of the backlog's frames above offset ``after``, oldest first;
+        when there is none, wait up to ``block_ms`` (0: not at all) for the first ones
+        written (a reader following the backlog). An empty list: none yet."""
+        ...
+
+    async def session_owner(self, sid: str) -> tuple[str, bool]:
+        """The session's API owner tag (:data:`relay.protocol.keys.OWNER_FIELD` of its
+        state, "" for none) and whether it was deleted (its tombstone), in one answer."""
+        ...
+
     async def delete_session(self, sid: str, tombstone_ttl_s: int) -> int:
         """Every record of ``sid`` gone (backlog, history, lock, records), its tombstone
         set for ``tombstone_ttl_s`` and :func:`relay.protocol.frame.deleted_frame` sent
@@ -417,4 +430,14 @@ class ResponseReads(Protocol):
 
 @runtime_checkable
 class Store(TurnStore, HistoryStore, RecordStore, Registry, StreamStore, Protocol):
-    """Every write side at once (both stores implement all of it)."""
+    """Every write side at once (both stores implement all of it), with what a process
+    holding one store asks of it besides."""
+
+    async def ping(self) -> None:
+        """Answer when the store does (readiness); ``RedisUnavailable`` when not."""
+        ...
+
+    def messages(self, name: str) -> Messages:
+        """Messages on this store; ``name`` names what listening opens (its
+        connections, its logs)."""
+        ...
