@@ -22,8 +22,9 @@ The Protocols, by who uses them:
   :meth:`TurnWriter.publish` appends frames at contiguous offsets within the backlog's
   frame and byte bounds, or raises :class:`relay.broker.errors.Fenced`), the stopped
   turn's record, and how many relays have viewers of a session;
-- :class:`HistoryStore` (the worker's sessions): the chat history and the session's
-  state, the conversation's view at one instant, the tombstone, a session's delete;
+- :class:`HistoryStore` (the worker's sessions and fronts): the chat history and the
+  session's state, the conversation's view at one instant, the tombstone, the session's
+  owner, the backlog's frames read before or after an offset, a session's delete;
 - :class:`StreamStore` (Durable Streams, :mod:`relay.durable`; its types are
   :mod:`relay.broker.streams`'s): a stream's write (create, append, close: its producers'
   and Stream-Seq rules), read, delete and the fork references;
