@@ -93,7 +93,8 @@ class MemoryBroker:
         self._on_resubscribed: ResubscribedHandler | None = None
         self._failing = 0
         self._closed = False
-        self._wrote = asyncio.Event()  # set (and replaced) by every backlog write
+        self._wrote = asyncio.Event()  # set (and replaced) by a backlog write ...
+        self._waiting = 0  # ... while frames_after waits
 
     # -- the Broker interface ------------------------------------------------------------
 
@@ -343,12 +344,17 @@ class MemoryBroker:
             left = deadline - loop.time()
             if out or left <= 0:
                 return out
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wrote.wait(), left)
+            self._waiting += 1
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wrote.wait(), left)
+            finally:
+                self._waiting -= 1
 
     def _write(self, s: _Session, sid: str, offset: int, data: bytes) -> None:
-        self._wrote.set()  # the readers waiting in frames_after read again
-        self._wrote = asyncio.Event()
+        if self._waiting:  # the readers waiting in frames_after read again
+            self._wrote.set()
+            self._wrote = asyncio.Event()
         s.log.append((offset, data))
         s.held += len(data)
         s.offset = max(s.offset, offset)
