@@ -33,7 +33,7 @@ Routes (the contract: docs/openapi.yaml):
   ``GET /openapi.json`` (docs/openapi.yaml, the worker's part).
 
 Order of use: ``app = make_app(WorkerConfig(...))`` (optionally with an existing Redis
-client); the app's startup (:mod:`worker.lifecycle`) builds the router, engine client,
+store); the app's startup (:mod:`worker.lifecycle`) builds the router, engine client,
 control plane, load exchange and :class:`worker.chat.turn.TurnManager` and runs the
 background loops on one supervisor; :func:`begin_drain` + the app's cleanup end it (see
 ``worker.cli``). The configuration is :class:`worker.config.WorkerConfig`, the shared
@@ -47,10 +47,9 @@ from typing import Any, Final
 
 import orjson
 from aiohttp import web
-from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.errors import RedisCommandError, RelayError
-from relay.broker.rediscluster.errors import map_redis_errors
+from relay.broker.rediscluster.store import RedisStore
 from relay.protocol.codes import Refusal
 from relay.protocol.keys import idem_key, new_session_id
 from relay.service import cors, openapi, settings
@@ -77,7 +76,7 @@ from worker.fronts.aisdk import http as aisdk
 from worker.fronts.openai import http as openai
 from worker.fronts.responses import http as responses
 from worker.jobs import api as jobs_api
-from worker.lifecycle import CFG, REDIS, REDIS_UNREACHABLE, lifecycle
+from worker.lifecycle import CFG, REDIS_UNREACHABLE, STORE, lifecycle
 from worker.metrics import CONTENT_TYPE_LATEST
 from worker.routing.lease import AllEnginesFull
 from worker.state import STATE, WorkerState
@@ -346,8 +345,7 @@ async def _readyz(request: web.Request) -> web.Response:
         reasons.append("no_engines")
     if REDIS_UNREACHABLE not in reasons:
         try:
-            with map_redis_errors():
-                await st.redis.ping()
+            await st.store.ping()
         except RelayError as exc:
             log.warning("readyz: redis ping failed: %r", exc)
             reasons.append("redis_unavailable")
@@ -370,13 +368,13 @@ def begin_drain(app: web.Application) -> None:
     app[STATE].turns.draining = True
 
 
-def make_app(cfg: WorkerConfig, *, redis: RedisCluster | None = None) -> web.Application:
-    """The worker application. Pass ``redis`` to share a client (it is not closed)."""
+def make_app(cfg: WorkerConfig, *, store: RedisStore | None = None) -> web.Application:
+    """The worker application. Pass ``store`` to share one (it is not closed)."""
     app = web.Application(client_max_size=cfg.max_body_bytes)
     app[CFG] = cfg
     app[ADMIN_KEY] = settings.check_admin_key(cfg.admin_key) or b""
-    if redis is not None:
-        app[REDIS] = redis
+    if store is not None:
+        app[STORE] = store
     app.cleanup_ctx.append(lifecycle)
     add_routes(app, "worker", {  # the route table: relay/service/routes.py
         "sessions.create": _create_session,

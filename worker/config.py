@@ -27,7 +27,7 @@ import msgspec
 
 from relay.broker.rediscluster.connect import RedisTLS
 from relay.producer.coalesce import DEFAULT_POLICY, CoalescePolicy
-from relay.producer.watch import PresencePolicy
+from relay.producer.presence import PresencePolicy
 from relay.protocol.auth import DEFAULT_KID
 from relay.protocol.keys import BACKLOG_MAX_BYTES, BACKLOG_MAXLEN, SESSION_TTL_S
 from relay.service import settings

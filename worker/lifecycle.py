@@ -2,13 +2,14 @@
 
 Startup (:func:`lifecycle`, the app's cleanup context):
 
-1. the Redis client (unless the app was given one) and one attempt at the first
-   connection. When it fails, ``fail_fast`` (or a cause no retry can fix: a server
-   certificate the worker does not trust, a refused password) ends the start with the
-   error (the CLI prints one line and exits 1); otherwise the worker starts anyway with
-   the condition ``redis_unreachable`` raised (``/readyz`` 503, turns 503) and the loop
+1. the Redis store (:meth:`relay.broker.rediscluster.store.RedisStore.at`, unless the
+   app was given one) and one attempt at the first connection. When it fails,
+   ``fail_fast`` (or a cause no retry can fix: a server certificate the worker does not
+   trust, a refused password) ends the start with the error (the CLI prints one line
+   and exits 1); otherwise the worker starts anyway with the condition
+   ``redis_unreachable`` raised (``/readyz`` 503, turns 503) and the loop
    ``redis_connect`` retries in the background until the cluster answers;
-2. the router, engine client, session store, publisher, turn manager, control plane,
+2. the router, engine client, session store, turn manager, control plane,
    load exchange, gateway and jobs API;
 3. the background loops, all on one :class:`relay.service.supervise.Supervisor` in the
    worker's metrics registry: ``engine_probes`` at once; ``engine_heartbeats`` and
@@ -16,7 +17,7 @@ Startup (:func:`lifecycle`, the app's cleanup context):
    condition says why the worker is not ready).
 
 Cleanup: drain the turns, stop the supervisor (every loop and task), withdraw the load
-report, close the HTTP session, the jobs submitter and the Redis client: each step runs
+report, close the HTTP session, the jobs submitter and the Redis store: each step runs
 whatever the one before it raised.
 """
 
@@ -24,19 +25,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Final
 
 import aiohttp
 from aiohttp import web
-from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import AuthenticationError
 
 from relay.broker.errors import RelayError
-from relay.broker.rediscluster.connect import connect, mask_url
-from relay.broker.rediscluster.errors import map_redis_errors
-from relay.broker.rediscluster.publisher import Publisher
+from relay.broker.rediscluster.connect import mask_url
+from relay.broker.rediscluster.errors import beyond_retry
+from relay.broker.rediscluster.store import RedisStore
 from relay.service.supervise import Supervisor
 from worker.chat.store import SessionStore
 from worker.chat.turn import TurnManager
@@ -55,36 +53,20 @@ from worker.routing.loadshare import LoadExchange
 from worker.routing.router import Router
 from worker.state import STATE, WorkerState, access_check
 
-__all__ = ["CFG", "REDIS", "REDIS_UNREACHABLE", "lifecycle"]
+__all__ = ["CFG", "REDIS_UNREACHABLE", "STORE", "lifecycle"]
 
 log = logging.getLogger(__name__)
 
 CFG: Final = web.AppKey("tokenrelay_worker_cfg", WorkerConfig)
-REDIS: Final = web.AppKey("tokenrelay_worker_redis", object)
+STORE: Final = web.AppKey("tokenrelay_worker_store", RedisStore)
 REDIS_UNREACHABLE: Final = "redis_unreachable"
 _CONNECT_INTERVAL_S: Final = 1.0  # between connection attempts; failures back off longer
 
 
-def _beyond_retry(exc: BaseException) -> bool:
-    """A first-connection failure no retry can fix: the server's certificate is not
-    trusted, or the password is refused. The start ends on it even without fail_fast."""
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, ssl.SSLCertVerificationError | AuthenticationError):
-            return True
-        if any(words in str(e) for words in ("certificate verify failed", "WRONGPASS")):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-async def _first_connection(redis: RedisCluster) -> RelayError | None:
+async def _first_connection(store: RedisStore) -> RelayError | None:
     """One attempt at the cluster's first connection; the error, or None."""
     try:
-        with map_redis_errors():
-            await redis.initialize()
+        await store.reach()
     except RelayError as exc:
         return exc
     return None
@@ -92,7 +74,7 @@ async def _first_connection(redis: RedisCluster) -> RelayError | None:
 
 def _connect_in_background(
     sup: Supervisor,
-    redis: RedisCluster,
+    store: RedisStore,
     cfg: WorkerConfig,
     on_connected: Callable[[], Awaitable[None]],
 ) -> None:
@@ -105,8 +87,7 @@ def _connect_in_background(
         nonlocal connected
         if connected:
             return
-        with map_redis_errors():
-            await redis.initialize()
+        await store.reach()
         connected = True
         sup.set_condition(REDIS_UNREACHABLE, False)
         log.info("redis at %s reached", mask_url(cfg.redis_url))
@@ -148,25 +129,23 @@ async def _always(*steps: Callable[[], Awaitable[object]]) -> None:
 async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     """The app's cleanup context: see the module docstring."""
     cfg = app[CFG]
-    given = app.get(REDIS)
+    given = app.get(STORE)
     own = given is None
-    redis = (
-        connect(  # waits for a pooled connection in a burst instead of failing
-            cfg.redis_url,
-            tls=cfg.redis_tls,
-            socket_timeout=cfg.redis_timeout_s,
-            socket_connect_timeout=cfg.redis_timeout_s,
-        )
-        if own
-        else given
+    # its client waits for a pooled connection in a burst instead of failing
+    shared = given or RedisStore.at(cfg.redis_url, cfg.redis_tls, cfg.redis_timeout_s)
+    # the worker's writes: the shared client, this worker's backlog bounds and lifetime
+    store = RedisStore(
+        shared.redis,
+        maxlen=cfg.backlog_maxlen,
+        ttl_s=cfg.session_ttl_s,
+        max_bytes=cfg.backlog_max_bytes,
     )
-    assert isinstance(redis, RedisCluster)
     unreachable: RelayError | None = None
     if own:
-        unreachable = await _first_connection(redis)
-        if unreachable is not None and (cfg.fail_fast or _beyond_retry(unreachable)):
+        unreachable = await _first_connection(store)
+        if unreachable is not None and (cfg.fail_fast or beyond_retry(unreachable)):
             with contextlib.suppress(Exception):
-                await redis.aclose()
+                await store.aclose()
             raise unreachable  # the CLI prints it as one line and exits 1
     metrics = WorkerMetrics()
     sup = Supervisor(metrics.registry)
@@ -197,19 +176,15 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         first_token_timeout_s=cfg.first_token_timeout_s,
         idle_timeout_s=cfg.idle_timeout_s,
     )
-    store = SessionStore(
-        redis,
+    sessions = SessionStore(
+        store,
         max_messages=cfg.history_messages,
         max_bytes=cfg.history_max_bytes,
         ttl_s=cfg.session_ttl_s,
         lock_ttl_s=cfg.lock_ttl_s,
     )
-    publisher = Publisher(
-        redis, maxlen=cfg.backlog_maxlen, ttl_s=cfg.session_ttl_s, max_bytes=cfg.backlog_max_bytes
-    )
     turns = TurnManager(
-        publisher=publisher,
-        store=store,
+        store=sessions,
         router=router,
         engine=engine,
         metrics=metrics,
@@ -227,15 +202,15 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         router,
         http,
         engines,
-        redis=redis,
+        redis=store,
         discover=cfg.discover_engines,
         interval_s=cfg.control_interval_s,
         on_engine_down=_engine_down(turns.abort_engine, follower),
     )
-    exchange = LoadExchange(redis, router, cfg.worker_id) if cfg.load_exchange else None
+    exchange = LoadExchange(store, router, cfg.worker_id) if cfg.load_exchange else None
     access = access_check(cfg)
     app[STATE] = WorkerState(
-        cfg, redis, http, router, metrics, turns, control, exchange, own, access, sup, follower
+        cfg, store, http, router, metrics, turns, control, exchange, own, access, sup, follower
     )
     app[GATEWAY] = Gateway(
         GatewayConfig(
@@ -258,7 +233,7 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     submitter = JobSubmitter(cfg.amqp_url, QueueNames(cfg.jobs_queue)) if cfg.amqp_url else None
     if submitter is not None:
         app[JOBS] = JobsApi(
-            store=JobStore(redis, ttl_s=cfg.job_ttl_s),
+            store=JobStore(store, ttl_s=cfg.job_ttl_s),
             submitter=submitter,
             access=access,
             api_keys=cfg.gateway_keys,
@@ -289,14 +264,14 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         )
         turns.redis_ready = False
         sup.set_condition(REDIS_UNREACHABLE, True)
-        _connect_in_background(sup, redis, cfg, redis_reached)
+        _connect_in_background(sup, store, cfg, redis_reached)
     try:
         yield
     finally:
 
         async def close_redis() -> None:
             if own:
-                await redis.aclose()
+                await store.aclose()
 
         async def close_submitter() -> None:
             if submitter is not None:

@@ -12,8 +12,8 @@ from typing import Final
 
 import aiohttp
 from aiohttp import web
-from redis.asyncio.cluster import RedisCluster
 
+from relay.broker.port import Store
 from relay.protocol.auth import load_keys
 from relay.service.supervise import Supervisor
 from worker.access import WorkerAccess
@@ -33,14 +33,14 @@ class WorkerState:
     """What the app's handlers share (built at startup)."""
 
     cfg: WorkerConfig
-    redis: RedisCluster
+    store: Store  # every read and write of the worker's (a Redis store: lifecycle's)
     http: aiohttp.ClientSession
     router: Router
     metrics: WorkerMetrics
     turns: TurnManager
     control: ControlPlane
     exchange: LoadExchange | None
-    own_redis: bool
+    own_store: bool  # connected at startup (closed at cleanup), not given to make_app
     access: WorkerAccess
     supervisor: Supervisor
     kv_events: KVEventFollower | None = None  # precise routing: the engines' KV events

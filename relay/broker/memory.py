@@ -31,6 +31,7 @@ What a test can do to it besides producing (:meth:`MemoryBroker.append`,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -92,6 +93,8 @@ class MemoryBroker:
         self._on_resubscribed: ResubscribedHandler | None = None
         self._failing = 0
         self._closed = False
+        self._wrote = asyncio.Event()  # set (and replaced) by a backlog write ...
+        self._waiting = 0  # ... while frames_after waits
 
     # -- the Broker interface ------------------------------------------------------------
 
@@ -327,7 +330,31 @@ class MemoryBroker:
             self._failing -= 1
             raise RedisUnavailable("memory broker: failing on purpose")
 
+    async def frames_after(
+        self, sid: str, after: int, count: int, *, block_ms: int = 0
+    ) -> list[bytes]:
+        """The port's :meth:`relay.broker.port.HistoryStore.frames_after`: a wait ends at
+        the next backlog write (of any session: read again) or after ``block_ms``."""
+        self._check()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + block_ms / 1000
+        while True:
+            s = self.sessions.get(sid)
+            out = [] if s is None else [d for o, d in s.log if o > after][:count]
+            left = deadline - loop.time()
+            if out or left <= 0:
+                return out
+            self._waiting += 1
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wrote.wait(), left)
+            finally:
+                self._waiting -= 1
+
     def _write(self, s: _Session, sid: str, offset: int, data: bytes) -> None:
+        if self._waiting:  # the readers waiting in frames_after read again
+            self._wrote.set()
+            self._wrote = asyncio.Event()
         s.log.append((offset, data))
         s.held += len(data)
         s.offset = max(s.offset, offset)

@@ -132,7 +132,15 @@ class MemoryStore(MemoryStreams, MemoryBroker):
         frame = next((d for o, d in s.log if o == offset), None) if s is not None else None
         return owner, frame
 
+    async def session_owner(self, sid: str) -> tuple[str, bool]:
+        self._check()
+        return (self._hash(owner_key(sid)) or {}).get(OWNER_FIELD, ""), sid in self.tombstones
+
     # ---- messages (one listener per channel) -------------------------------------------
+
+    def messages(self, name: str) -> MemoryStore:
+        """This store itself (its messages need nothing opened)."""
+        return self
 
     async def send(self, channel: str, body: bytes) -> None:
         self._check()

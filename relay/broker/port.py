@@ -22,8 +22,9 @@ The Protocols, by who uses them:
   :meth:`TurnWriter.publish` appends frames at contiguous offsets within the backlog's
   frame and byte bounds, or raises :class:`relay.broker.errors.Fenced`), the stopped
   turn's record, and how many relays have viewers of a session;
-- :class:`HistoryStore` (the worker's sessions): the chat history and the session's
-  state, the conversation's view at one instant, the tombstone, a session's delete;
+- :class:`HistoryStore` (the worker's sessions and fronts): the chat history and the
+  session's state, the conversation's view at one instant, the tombstone, the session's
+  owner, the backlog's frames read before or after an offset, a session's delete;
 - :class:`StreamStore` (Durable Streams, :mod:`relay.durable`; its types are
   :mod:`relay.broker.streams`'s): a stream's write (create, append, close: its producers'
   and Stream-Seq rules), read, delete and the fork references;
@@ -335,6 +336,19 @@ class HistoryStore(Protocol):
         newest), newest first (a turn's end or start found walking back)."""
         ...
 
+    async def frames_after(
+        self, sid: str, after: int, count: int, *, block_ms: int = 0
+    ) -> list[bytes]:
+        """Up to ``count`` of the backlog's frames above offset ``after``, oldest first;
+        when there is none, wait up to ``block_ms`` (0: not at all) for the first ones
+        written (a reader following the backlog). An empty list: none yet."""
+        ...
+
+    async def session_owner(self, sid: str) -> tuple[str, bool]:
+        """The session's API owner tag (:data:`relay.protocol.keys.OWNER_FIELD` of its
+        state, "" for none) and whether it was deleted (its tombstone), in one answer."""
+        ...
+
     async def delete_session(self, sid: str, tombstone_ttl_s: int) -> int:
         """Every record of ``sid`` gone (backlog, history, lock, records), its tombstone
         set for ``tombstone_ttl_s`` and :func:`relay.protocol.frame.deleted_frame` sent
@@ -417,4 +431,14 @@ class ResponseReads(Protocol):
 
 @runtime_checkable
 class Store(TurnStore, HistoryStore, RecordStore, Registry, StreamStore, Protocol):
-    """Every write side at once (both stores implement all of it)."""
+    """Every write side at once (both stores implement all of it), with what a process
+    holding one store asks of it besides."""
+
+    async def ping(self) -> None:
+        """Answer when the store does (readiness); ``RedisUnavailable`` when not."""
+        ...
+
+    def messages(self, name: str) -> Messages:
+        """Messages on this store; ``name`` names what listening opens (its
+        connections, its logs)."""
+        ...

@@ -34,9 +34,9 @@ from relay.producer.errors import (
     TurnBusy,
     TurnClosed,
 )
+from relay.producer.presence import PresencePolicy
 from relay.producer.session import Claim, Producer, Session
 from relay.producer.turn import Turn
-from relay.producer.watch import PresencePolicy
 
 __all__ = [
     "CANCELLED",

@@ -11,7 +11,7 @@ from typing import Any, Final, Protocol
 
 from relay.broker.port import TurnStore
 from relay.producer.coalesce import CoalescePolicy
-from relay.producer.watch import PresencePolicy
+from relay.producer.presence import PresencePolicy
 from relay.protocol.frame import MAX_FRAME_BYTES
 
 __all__ = [

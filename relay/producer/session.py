@@ -10,7 +10,7 @@ A turn, as every producer of docs/PROTOCOL.md writes it:
 3. **write** text deltas: :meth:`Turn.write` never blocks; the turn's pump coalesces
    them (:mod:`relay.producer.coalesce`, the worker's defaults) into ``token`` frames;
    a guard task refreshes the lock about once a second, reads the stop record and
-   counts the relays with viewers (:mod:`relay.producer.watch`), and tells the caller
+   counts the relays with viewers (:mod:`relay.producer.presence`), and tells the caller
    when the turn was stopped or nobody watches any more (:meth:`Turn.stopped`,
    :meth:`Turn.on_stop`);
 4. **end** with exactly one terminal frame: :meth:`Turn.done` (``tokens``, ``chars``,
@@ -56,8 +56,8 @@ from relay.producer.integrity import message_meta
 from relay.producer.lock import acquire as lock_acquire
 from relay.producer.lock import name_turn as lock_name_turn
 from relay.producer.lock import release as lock_release
+from relay.producer.presence import PresencePolicy
 from relay.producer.turn import Turn
-from relay.producer.watch import PresencePolicy
 from relay.protocol.auth import KeySet, Scope, issue_token
 from relay.protocol.keys import (
     BACKLOG_MAXLEN,

@@ -32,7 +32,7 @@ from relay.producer.integrity import reply_integrity
 from relay.producer.lock import LockState
 from relay.producer.lock import refresh as lock_refresh
 from relay.producer.lock import release as lock_release
-from relay.producer.watch import PresencePolicy, watch_presence
+from relay.producer.presence import PresencePolicy, follow_presence
 
 __all__ = ["Turn"]
 
@@ -308,7 +308,7 @@ class Turn:
 
         self.guard_task = p.spawn(
             f"presence:{self.sid}",
-            watch_presence(
+            follow_presence(
                 p.store,
                 self.sid,
                 policy or p.presence,

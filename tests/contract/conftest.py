@@ -16,7 +16,6 @@ from relay.broker.memstore import MemoryStore
 from relay.broker.port import Messages, Store, StreamsBroker
 from relay.broker.rediscluster.broker import RedisBroker
 from relay.broker.rediscluster.connect import GatedRedisCluster
-from relay.broker.rediscluster.messages import RedisMessages
 from relay.broker.rediscluster.store import RedisStore
 
 MAXLEN = 1000
@@ -53,7 +52,7 @@ async def stores(backend: ClusterInfo | None) -> AsyncIterator[Stores]:
     if backend is None:
         mem = MemoryStore("contract", maxlen=MAXLEN, max_bytes=MAX_BYTES, ttl_s=TTL_S)
         assert isinstance(mem, StreamsBroker)
-        yield Stores("memory", mem, mem, mem)
+        yield Stores("memory", mem, mem, mem.messages("contract"))
         return
     host, port = backend.startup_nodes[0]
     redis = GatedRedisCluster(host=host, port=port)
@@ -62,6 +61,6 @@ async def stores(backend: ClusterInfo | None) -> AsyncIterator[Stores]:
         store = RedisStore(redis, maxlen=MAXLEN, max_bytes=MAX_BYTES, ttl_s=TTL_S)
         edge = RedisBroker(redis, "contract", maxlen=MAXLEN, ttl_s=TTL_S, max_bytes=MAX_BYTES)
         assert isinstance(edge, StreamsBroker)
-        yield Stores("redis", store, edge, RedisMessages(redis, "contract"))
+        yield Stores("redis", store, edge, store.messages("contract"))
     finally:
         await redis.aclose()

@@ -3,12 +3,16 @@ the backlog's page and byte bounds, seal, reap, the tombstone after a delete."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from relay.broker.base import ReapStatus
 from relay.broker.errors import Fenced, FrameTooLarge, SessionDeleted
 from relay.broker.port import Draft, LockState
 from relay.protocol.frame import MAX_FRAME_BYTES, decode
+from relay.protocol.keys import OWNER_FIELD
 from tests.contract.conftest import MAX_BYTES, Stores
 
 TTL_MS = 5000
@@ -208,3 +212,44 @@ async def test_lock_holder_and_frames_before(stores: Stores) -> None:
     await gen.publish(tokens("a", "b", "c", "d"))
     assert [decode(f).offset for f in await s.frames_before(sid, None, 2)] == [4, 3]
     assert [decode(f).offset for f in await s.frames_before(sid, 3, 10)] == [2, 1]
+
+
+async def test_frames_after_pages_the_backlog_oldest_first(stores: Stores) -> None:
+    s, sid = stores.store, stores.sid()
+    assert await s.frames_after(sid, 0, 10) == []
+    gen = await s.open_generation(sid)
+    await gen.publish(tokens("a", "b", "c", "d"))
+    assert [decode(f).offset for f in await s.frames_after(sid, 0, 2)] == [1, 2]
+    assert [decode(f).offset for f in await s.frames_after(sid, 2, 10)] == [3, 4]
+    assert await s.frames_after(sid, 4, 10) == []
+
+
+async def test_frames_after_waits_for_the_first_frame_written(stores: Stores) -> None:
+    s, sid = stores.store, stores.sid()
+    gen = await s.open_generation(sid)
+    await gen.publish(tokens("a"))
+    t0 = time.monotonic()
+    assert await s.frames_after(sid, 1, 10, block_ms=100) == []  # nothing came: waited
+    assert time.monotonic() - t0 >= 0.08
+    waiting = asyncio.create_task(s.frames_after(sid, 1, 10, block_ms=5000))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    await gen.publish(tokens("b", "c"))
+    got = await asyncio.wait_for(waiting, 2)
+    assert decode(got[0]).offset == 2
+    t0 = time.monotonic()  # frames there: no wait
+    assert [decode(f).offset for f in await s.frames_after(sid, 0, 1, block_ms=5000)] == [1]
+    assert time.monotonic() - t0 < 1
+
+
+async def test_session_owner_and_tombstone_in_one_answer(stores: Stores) -> None:
+    s, sid = stores.store, stores.sid()
+    assert await s.session_owner(sid) == ("", False)
+    await s.set_state(sid, OWNER_FIELD, "responses", 60)
+    assert await s.session_owner(sid) == ("responses", False)
+    await s.delete_session(sid, 60)
+    assert await s.session_owner(sid) == ("", True)
+
+
+async def test_ping_answers(stores: Stores) -> None:
+    await stores.store.ping()

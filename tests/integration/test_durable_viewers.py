@@ -16,7 +16,7 @@ from redis.asyncio.cluster import RedisCluster
 from devstack.cluster.launcher import ClusterInfo
 from devstack.mockengine.reply_length import ReplyLength
 from relay.broker.rediscluster.store import RedisStore
-from relay.producer.watch import count_watchers
+from relay.producer.presence import present_relays
 from tests.support.relay import Relay, running
 from tests.support.worker import Harness
 
@@ -35,7 +35,7 @@ async def relay(cluster: ClusterInfo) -> AsyncIterator[Relay]:
 async def _watchers(redis: RedisCluster, sid: str, want: int, within_s: float = 5.0) -> int:
     deadline = time.monotonic() + within_s
     while True:
-        n = await count_watchers(RedisStore(redis), sid)
+        n = await present_relays(RedisStore(redis), sid)
         if n == want or time.monotonic() > deadline:
             return n
         await asyncio.sleep(0.05)
@@ -57,7 +57,7 @@ async def test_a_live_session_read_is_a_viewer_while_it_waits(
     assert await _watchers(redis, sid, 0) == 0  # the reader left: no longer counted
     async with relay.http.get(url, params={"offset": "-1"}, headers=auth) as r:
         assert r.status == 200  # a catch-up read waits for nothing: not a viewer
-    assert await count_watchers(RedisStore(redis), sid) == 0
+    assert await present_relays(RedisStore(redis), sid) == 0
 
 
 async def _follow(relay: Relay, sid: str) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from devstack.mockengine.server import EngineConfig, start_engine
-from relay.producer.watch import PresenceTracker
+from relay.producer.presence import PresenceTracker
 from relay.protocol.keys import engine_key
 from worker.routing.control import (
     ControlPlane,

@@ -23,7 +23,7 @@ from relay.broker.rediscluster.publisher import Publisher, read_backlog
 from relay.broker.rediscluster.store import RedisStore
 from relay.edge.conn.reader import Reader, open_reader
 from relay.edge.fanout.hub import Hub
-from relay.producer.watch import count_watchers
+from relay.producer.presence import present_relays
 from relay.protocol.frame import decode
 from relay.protocol.keys import presence_key
 from tests.support.worker import Harness, wait_turn
@@ -131,7 +131,7 @@ async def test_a_watched_turn_runs_to_the_end(h: Harness, redis: RedisCluster):
     watcher = asyncio.create_task(_watched(redis, sid, stop))
     try:
         await asyncio.sleep(0.1)
-        assert await count_watchers(RedisStore(redis), sid) == 1
+        assert await present_relays(RedisStore(redis), sid) == 1
         frames = await wait_turn(redis, sid, body["turn"])
     finally:
         stop.set()

@@ -24,6 +24,7 @@ from devstack.mockengine import prefix_cache as pc
 from devstack.mockengine.reply_length import ReplyLength
 from devstack.mockengine.server import EngineConfig, RunningEngine, start_engine
 from relay.broker.rediscluster.publisher import read_backlog
+from relay.broker.rediscluster.store import RedisStore
 from relay.protocol.frame import Frame, decode
 from relay.service.httpguard import GUARD, GuardedSite
 from worker.api import make_app
@@ -104,7 +105,7 @@ class Harness:
         if own_redis_url:
             app = make_app(msgspec.structs.replace(cfg, redis_url=own_redis_url))
         else:
-            app = make_app(cfg, redis=self.redis)
+            app = make_app(cfg, store=RedisStore(self.redis))
         if guarded:
             self.runner = web.AppRunner(app, access_log=None)
             await self.runner.setup()

@@ -198,6 +198,22 @@ def test_inside_relay_the_layers_import_only_downwards() -> None:
     assert not bad, "imports against relay's layers (CONTRIBUTING.md):\n" + "\n".join(bad)
 
 
+# Only the Redis store imports redis-py in relay and worker (and the protocol's slot map
+# its CRC16): everything else reaches the store through its port.
+REDIS_ALLOWED = ("relay.broker.rediscluster", "relay.protocol.slotmap")
+
+
+def test_only_the_redis_store_imports_redis() -> None:
+    bad = [
+        f"{_where(m, imp.line)}: {m} imports {imp.target}"
+        for m in product_modules()
+        if m.split(".")[0] in ("relay", "worker") and not any(_under(m, ok) for ok in REDIS_ALLOWED)
+        for imp in imports(m)
+        if _under(imp.target, "redis")
+    ]
+    assert not bad, "redis imported outside the Redis store:\n" + "\n".join(bad)
+
+
 def front_packages() -> list[str]:
     """Every front's folder, as a dotted package: relay.fronts.aisdk, worker.fronts.openai, ..."""
     out = [DURABLE_FRONT]

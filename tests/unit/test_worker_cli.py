@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from relay.producer.coalesce import CoalescePolicy
-from relay.producer.watch import PresencePolicy
+from relay.producer.presence import PresencePolicy
 from relay.protocol.keys import BACKLOG_MAXLEN, SESSION_TTL_S
 from worker.cli import config_from_args, register
 from worker.config import WorkerConfig

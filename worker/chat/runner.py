@@ -10,7 +10,7 @@ worker's :class:`relay.service.supervise.Supervisor`, like its three helpers): t
 is written with the producer API (:class:`relay.producer.Turn`, the one producer
 implementation): an engine-reader task (``reader:<sid>``) writes deltas into the turn,
 whose pump task (``pump:<sid>``) publishes coalesced ``token`` frames; its guard task
-(``presence:<sid>``, :func:`relay.producer.watch.watch_presence`) refreshes the lock and
+(``presence:<sid>``, :func:`relay.producer.presence.follow_presence`) refreshes the lock and
 tells the runner (``Turn.on_stop``) when nobody watched for the grace period, or when
 its refresh finds a stop asked of the turn (:mod:`worker.chat.cancel`: the fallback of
 a stop's notification, which aborts at once). The reader and the pump end with the

@@ -38,7 +38,6 @@ from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from relay.broker.errors import RedisUnavailable, RelayError
-from relay.broker.rediscluster.publisher import Publisher
 from relay.producer import Claim, Producer, Turn
 from relay.producer.coalesce import Batch
 from relay.service.supervise import Supervisor
@@ -113,7 +112,6 @@ class TurnManager:
     def __init__(
         self,
         *,
-        publisher: Publisher,
         store: SessionStore,
         router: Router,
         engine: StreamChat,
@@ -122,7 +120,6 @@ class TurnManager:
         config: TurnConfig | None = None,
         supervisor: Supervisor | None = None,
     ) -> None:
-        self.publisher = publisher
         self.store = store
         self.router = router
         self.metrics = metrics
@@ -134,7 +131,9 @@ class TurnManager:
         self.running: dict[str, RunningTurn] = {}
         self.admitting: dict[str, _Admission] = {}  # turns between the lock and running
         # stops from other workers arrive here (started with Redis: start_control)
-        self.control = ControlChannel(publisher.redis, worker_id, self.on_stop)
+        self.control = ControlChannel(
+            store.store.messages(f"ctl-{worker_id}"), worker_id, self.on_stop
+        )
         self.draining = False
         self.redis_ready = True  # False while start-up has not reached Redis yet
         # The most recent (sid, turn, outcome), for tests and debugging; bounded, so a
@@ -145,8 +144,7 @@ class TurnManager:
         self.placements: deque[dict[str, Any]] = deque(maxlen=50)
         # the one producer implementation: the worker's turns are written with it
         self.producer = Producer(
-            publisher.redis,
-            publisher=publisher,
+            store.store,  # its turns are written with the sessions' store
             producer_id=worker_id,
             lock_ttl_s=store.lock_ttl_ms / 1000,
             coalesce=self.cfg.coalesce,

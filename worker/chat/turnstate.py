@@ -44,8 +44,8 @@ from typing import Any, Final, Protocol
 from relay.producer.coalesce import DEFAULT_POLICY, CoalescePolicy
 from relay.producer.errors import LockLost, TurnBusy
 from relay.producer.integrity import reply_integrity
+from relay.producer.presence import PresencePolicy
 from relay.producer.turn import Turn
-from relay.producer.watch import PresencePolicy
 from worker.chat.direct import DirectViewer
 from worker.engines.client import Delta
 from worker.engines.errors import EngineError

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Final
@@ -28,7 +29,13 @@ import redis.exceptions as rex
 
 from relay.broker.errors import RedisCommandError, RedisUnavailable, RelayError
 
-__all__ = ["LIBRARY_ERRORS", "convert", "is_closed_connection_race", "map_redis_errors"]
+__all__ = [
+    "LIBRARY_ERRORS",
+    "beyond_retry",
+    "convert",
+    "is_closed_connection_race",
+    "map_redis_errors",
+]
 
 # What redis-py raises on its own (a start-up that cannot reach the cluster, outside
 # map_redis_errors): for callers that catch it without naming the library.
@@ -89,3 +96,18 @@ def map_redis_errors() -> Iterator[None]:
         if not is_closed_connection_race(exc):
             raise
         raise RedisUnavailable(f"connection closed under the command: {exc}") from exc
+
+
+def beyond_retry(exc: BaseException) -> bool:
+    """A first-connection failure no retry can fix: the server's certificate is not
+    trusted, or the password is refused (``exc`` or what it was raised from)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, ssl.SSLCertVerificationError | rex.AuthenticationError):
+            return True
+        if any(words in str(e) for words in ("certificate verify failed", "WRONGPASS")):
+            return True
+        e = e.__cause__ or e.__context__
+    return False

@@ -25,8 +25,9 @@ from redis.asyncio.cluster import RedisCluster
 
 from relay.broker.errors import RedisUnavailable
 from relay.broker.port import LockHolder, LockState, SessionState, lock_value, parse_lock
-from relay.broker.rediscluster.connect import connect
+from relay.broker.rediscluster.connect import RedisTLS, connect
 from relay.broker.rediscluster.errors import map_redis_errors
+from relay.broker.rediscluster.messages import RedisMessages
 from relay.broker.rediscluster.presence import count_present
 from relay.broker.rediscluster.publisher import Generation, Publisher
 from relay.broker.rediscluster.scripts import LOCK_NAME, LOCK_REFRESH, LOCK_RELEASE, STOPPED
@@ -35,6 +36,7 @@ from relay.protocol.frame import deleted_frame, encode
 from relay.protocol.keys import (
     BACKLOG_MAX_BYTES,
     BACKLOG_MAXLEN,
+    OWNER_FIELD,
     SESSION_TTL_S,
     KeyKind,
     cancel_key,
@@ -217,17 +219,34 @@ class RedisStore(RedisStreams):
         self.ttl_s = self.publisher.ttl_s
 
     @classmethod
+    def at(cls, url: str, tls: RedisTLS | None, timeout_s: float | None, **kw: Any) -> RedisStore:
+        """A store on its own cluster client for ``url``, not reached yet (:meth:`reach`;
+        closed by :meth:`aclose`); ``timeout_s`` bounds each connect and each reply."""
+        client = connect(url, tls=tls, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        return cls(client, **kw)
+
+    @classmethod
     async def connect(cls, url: str, **kwargs: Any) -> RedisStore:
-        """A store on its own cluster client for ``url`` (closed by :meth:`aclose`);
-        ``RedisUnavailable`` when the cluster cannot be reached."""
-        client = connect(url)
+        """:meth:`at`, then :meth:`reach` (``RedisUnavailable``: the client closed)."""
+        store = cls.at(url, None, None, **kwargs)
         try:
-            with map_redis_errors():
-                await client.initialize()
+            await store.reach()
         except RedisUnavailable:
-            await client.aclose()
+            await store.aclose()
             raise
-        return cls(client, **kwargs)
+        return store
+
+    async def reach(self) -> None:
+        """The client's first connection (again after a failure); a ``RelayError``."""
+        with map_redis_errors():
+            await self.redis.initialize()
+
+    async def ping(self) -> None:
+        with map_redis_errors():
+            await self.redis.ping()
+
+    def messages(self, name: str) -> RedisMessages:
+        return RedisMessages(self.redis, name)
 
     async def aclose(self) -> None:
         await self.redis.aclose()
@@ -369,6 +388,24 @@ class RedisStore(RedisStreams):
         with map_redis_errors():
             entries: Any = await self.redis.xrevrange(log_key(sid), max=top, count=count)
         return [f for _id, fields in entries or [] if (f := fields.get(b"f")) is not None]
+
+    async def frames_after(
+        self, sid: str, after: int, count: int, *, block_ms: int = 0
+    ) -> list[bytes]:
+        with map_redis_errors():  # entry ids are "<offset>-1"
+            reply: Any = await self.redis.xread(
+                {log_key(sid): f"{after}-1"}, count=count, block=block_ms or None
+            )
+        return [f for _k, entries in reply or [] for _id, fields in entries
+                if (f := fields.get(b"f")) is not None]  # fmt: skip
+
+    async def session_owner(self, sid: str) -> tuple[str, bool]:
+        with map_redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hget(state_key(sid), OWNER_FIELD)
+            pipe.exists(gone_key(sid))
+            owner, gone = await pipe.execute()
+        return _s(owner or b""), bool(gone)
 
     async def _session_keys(self, sid: str) -> list[str]:
         """Every key of ``sid`` but its tombstone: they share its hash slot, so the

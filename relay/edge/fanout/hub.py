@@ -17,7 +17,7 @@ off that path, :attr:`Hub.tap`. No module is entered twice (``bench.relay.anatom
 
 Beside the fan-out, fed by the set of watched sessions: the broker's presence (a
 session's first local connection opens it, its last one closes it), the screen counts
-(:class:`relay.edge.fanout.notices.Screens`: written when they change; the ``presence``
+(:class:`relay.edge.fanout.notices.PresenceWriter`: written when they change; the ``presence``
 frames that come back go to the session's connections, outside its order) and
 :class:`relay.edge.fanout.reaper.Reaper` (ends turns whose producer died).
 
@@ -56,7 +56,7 @@ from relay.edge.core.resume import Delivery, Fetch, ResumeState, Step
 from relay.edge.core.watch import Limits
 from relay.edge.fanout.budget import ByteBudget
 from relay.edge.fanout.channel import Channel, Watcher
-from relay.edge.fanout.notices import DELETED_REASON, Screens, deleted_delivery, is_deleted
+from relay.edge.fanout.notices import DELETED_REASON, PresenceWriter, deleted_delivery, is_deleted
 from relay.edge.fanout.reaper import Reaper
 from relay.protocol.codes import CloseCode
 from relay.protocol.frame import Frame, FrameError, decode, frame_gen, monotonic_ms
@@ -141,7 +141,7 @@ class Hub:
         self.tap: Callable[[list[list[bytes]]], None] | None = None
         # plain counters the hub, its connections and their watches add to
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
-        self.screens = Screens(
+        self.screens = PresenceWriter(
             broker, self._watched, self._spawn, interval_s=screens_interval_s,
             counters=self.counters,
         )  # fmt: skip

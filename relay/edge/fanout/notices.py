@@ -7,7 +7,7 @@ gap, never a resume point; and this relay's screen counts, which make one of the
   (:meth:`relay.edge.fanout.hub.Hub._gone`); a relay that learns the deletion from a read
   instead makes its own (:func:`deleted_delivery`).
 - **The presence frame** (``kind`` ``presence``, ``meta.screens``: how many screens
-  watch the session, over every relay). :class:`Screens` keeps, per session this relay
+  watch the session, over every relay). :class:`PresenceWriter` keeps, per session this relay
   serves, the count it last wrote; when the number of the session's local connections
   changes, it writes the new one through :meth:`relay.broker.base.Broker.screens` (per
   session one script: this relay's field, the live relays' total, the frame SPUBLISHed)
@@ -20,15 +20,15 @@ gap, never a resume point; and this relay's screen counts, which make one of the
   each: a storm of changes costs a few round trips, not one task and one round trip per
   session). The frame comes back
   on the session's channel like any other, to every relay that serves it;
-  :meth:`Screens.received` hands it to each local connection
+  :meth:`PresenceWriter.received` hands it to each local connection
   (:meth:`relay.edge.fanout.channel.Watcher.notice`, outside the session's order) and
   keeps it on the channel, so that a screen that opens later gets the count at once
-  (:meth:`Screens.joined`). Nothing here runs per token: a count changes when a screen
+  (:meth:`PresenceWriter.joined`). Nothing here runs per token: a count changes when a screen
   comes or goes.
 
 Order of use (the hub)::
 
-    screens = Screens(broker, count, spawn, interval_s=1.0, counters=hub.counters)
+    screens = PresenceWriter(broker, count, spawn, interval_s=1.0, counters=hub.counters)
     screens.joined(ch, w)          # a connection of ch's session opened here
     screens.changed(sid)           # one closed
     screens.received(ch, d)        # a presence frame of ch's session arrived
@@ -59,7 +59,7 @@ __all__ = [
     "DELETED_REASON",
     "SETTLE_S",
     "TICK_S",
-    "Screens",
+    "PresenceWriter",
     "deleted_delivery",
     "is_deleted",
 ]
@@ -86,7 +86,7 @@ def deleted_delivery(sid: str) -> Delivery:
     return Delivery(0, "reset", encode(deleted_frame(sid)))
 
 
-class Screens:
+class PresenceWriter:
     """This relay's screen counts, written when they change. See the module docstring.
 
     ``count(sid)``: the session's local connections now; ``spawn``: runs a write as a

@@ -2,7 +2,7 @@
 the hub: viewer accounting.
 
 Every reader of a session counts as a viewer, whatever its front: the producer stops
-a turn that nobody watches (``no_viewers``, :mod:`relay.producer.watch`), and it knows
+a turn that nobody watches (``no_viewers``, :mod:`relay.producer.presence`), and it knows
 who watches from the hub's presence and screen counts, which count the hub's watchers.
 SSE, WebSocket, the UI message stream and the Responses stream are connections the hub
 feeds (:class:`relay.edge.conn.base.Conn`), so they are counted by being opened. A

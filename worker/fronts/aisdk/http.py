@@ -40,12 +40,11 @@ from typing import Any, Final
 from aiohttp import web
 
 from relay.broker.errors import RelayError
-from relay.broker.rediscluster.errors import map_redis_errors
 from relay.fronts.aisdk.wire import DONE, UI_HEADERS, UiTurn, encode_chunk
 from relay.protocol.auth import AuthError
 from relay.protocol.codes import Refusal
 from relay.protocol.frame import FrameError, decode
-from relay.protocol.keys import InvalidSessionId, log_key, parse_session
+from relay.protocol.keys import InvalidSessionId, parse_session
 from relay.service.errors import RETRY_AFTER, Reject, refusal, retry_after
 from relay.service.httpbody import read_body, refused
 from relay.service.jsonbody import BodyRefused, parse_json
@@ -158,27 +157,24 @@ def parse_chat(raw: bytes, max_chars: int) -> ChatRequest:
 
 
 async def _tail(st: WorkerState, sid: str, ui: UiTurn, last: int, resp: web.StreamResponse) -> None:
-    """The rest of the turn from the backlog (``XREAD BLOCK`` after ``last``), for a
-    response that fell behind the closed loop's bounded queue."""
+    """The rest of the turn from the backlog (the frames after ``last``, waiting up to
+    :data:`_BLOCK_MS` for each next one), for a response that fell behind the closed
+    loop's bounded queue."""
     idle_since = time.monotonic()
     while not ui.finished:
         try:
-            with map_redis_errors():
-                reply: Any = await st.redis.xread(
-                    {log_key(sid): f"{last}-1"}, count=256, block=_BLOCK_MS
-                )
+            frames = await st.store.frames_after(sid, last, 256, block_ms=_BLOCK_MS)
         except RelayError:
-            reply = None  # a failover: read again from the same offset
+            frames = []  # a failover: read again from the same offset
         out = bytearray()
-        for _stream, entries in reply or []:
-            for _id, fields in entries:
-                try:
-                    frame = decode(fields[b"f"])
-                except (FrameError, KeyError):
-                    continue
-                last = max(last, frame.offset)
-                for chunk in ui.feed(frame):
-                    out += encode_chunk(chunk)
+        for data in frames:
+            try:
+                frame = decode(data)
+            except FrameError:
+                continue
+            last = max(last, frame.offset)
+            for chunk in ui.feed(frame):
+                out += encode_chunk(chunk)
         if out:
             idle_since = time.monotonic()
             await resp.write(bytes(out))
@@ -208,7 +204,7 @@ def handlers() -> dict[str, Handler]:
         except AuthError as exc:
             return refusal(exc.status, exc.error, exc.reason)
         try:
-            await st.access.check_turn_rate(st.redis, req.session)
+            await st.access.check_turn_rate(st.store, req.session)
         except RateLimited as exc:
             return exc.response()
         except RelayError:

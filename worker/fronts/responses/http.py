@@ -46,7 +46,6 @@ import orjson
 from aiohttp import ClientConnectionResetError, web
 
 from relay.broker.errors import RelayError
-from relay.broker.rediscluster.errors import map_redis_errors
 from relay.fronts.responses.wire import (
     OWNER,
     OWNER_FIELD,
@@ -55,13 +54,12 @@ from relay.fronts.responses.wire import (
     ResponseId,
     ResponseTurn,
     encode_event,
-    owner_key,
     parse_conversation_id,
     parse_response_id,
     response_object,
 )
 from relay.protocol.frame import Frame, FrameError, decode
-from relay.protocol.keys import gone_key, log_key, new_session_id
+from relay.protocol.keys import new_session_id
 from relay.service import cors
 from relay.service.errors import Reject
 from relay.service.httpbody import read_json, refused_openai
@@ -105,12 +103,8 @@ def _retry(seconds: float) -> dict[str, str]:
 
 async def _ours(st: WorkerState, sid: str) -> bool:
     """Whether ``sid`` is a live session this API created (one round trip)."""
-    with map_redis_errors():
-        pipe = st.redis.pipeline(transaction=False)
-        pipe.hget(owner_key(sid), OWNER_FIELD)
-        pipe.exists(gone_key(sid))
-        api, gone = await pipe.execute()
-    return not gone and api in (OWNER, OWNER.encode())
+    api, gone = await st.store.session_owner(sid)
+    return not gone and api == OWNER
 
 
 async def backlog_frames(
@@ -119,26 +113,23 @@ async def backlog_frames(
     """The session's frames after offset ``after``: the backlog, then its new frames as
     they come, until the caller stops, or ``idle_s`` without a frame. It polls (every
     :data:`_POLL_MIN_S` while frames come, backing off to :data:`_POLL_MAX_S`) rather
-    than holding a blocking ``XREAD``: each command holds one of the worker's Redis
-    permits, which its turns need; many resumed screens belong on the relays."""
+    than holding a blocking read: each read holds one of the worker's Redis permits,
+    which its turns need; many resumed screens belong on the relays."""
     idle_since = time.monotonic()
     delay = _POLL_MIN_S
     while True:
         try:
-            with map_redis_errors():
-                reply: Any = await st.redis.xread({log_key(sid): f"{after}-1"}, count=_PAGE)
+            frames = await st.store.frames_after(sid, after, _PAGE)
         except RelayError:
-            reply = None  # a failover: read again from the same offset
-        n = 0
-        for _stream, entries in reply or []:
-            for _id, fields in entries:
-                n += 1
-                try:
-                    frame = decode(fields[b"f"])
-                except (FrameError, KeyError):
-                    continue
-                after = max(after, frame.offset)
-                yield frame
+            frames = []  # a failover: read again from the same offset
+        n = len(frames)
+        for data in frames:
+            try:
+                frame = decode(data)
+            except FrameError:
+                continue
+            after = max(after, frame.offset)
+            yield frame
         if n >= _PAGE:
             continue  # more is there: no wait
         if n:
@@ -154,23 +145,23 @@ async def _stored(st: WorkerState, rid: ResponseId) -> ResponseTurn | None:
     """The response as the backlog holds it now (None: its first frame is not there)."""
     rt = ResponseTurn(rid)
     top = rid.first + 100_000  # a reply longer than this is read no further for the object
-    start = f"{rid.first}-1"
-    with map_redis_errors():
-        while not rt.finished:
-            entries: Any = await st.redis.xrange(log_key(rid.session), min=start,
-                                                 max=f"{top}-1", count=_PAGE)  # fmt: skip
-            for _id, fields in entries or []:
-                try:
-                    frame = decode(fields[b"f"])
-                except (FrameError, KeyError):
-                    continue
-                if not rt.started and (frame.offset != rid.first or frame.kind != "meta"
-                                       or frame.turn != rid.turn):  # fmt: skip
-                    return None
-                rt.feed(frame)
-                start = f"({frame.offset}-1"
-            if len(entries or []) < _PAGE:
-                break
+    after = rid.first - 1
+    while not rt.finished:
+        frames = await st.store.frames_after(rid.session, after, _PAGE)
+        for data in frames:
+            try:
+                frame = decode(data)
+            except FrameError:
+                continue
+            if frame.offset > top:
+                return rt if rt.started else None
+            if not rt.started and (frame.offset != rid.first or frame.kind != "meta"
+                                   or frame.turn != rid.turn):  # fmt: skip
+                return None
+            rt.feed(frame)
+            after = frame.offset
+        if len(frames) < _PAGE:
+            break
     return rt if rt.started else None
 
 
@@ -268,14 +259,10 @@ async def _session_for(st: WorkerState, request: web.Request, req: ResponsesRequ
                             param=param, code="not_found")  # fmt: skip
         return sid
     sid = new_session_id()
-    await st.access.take_session(st.redis, request, sid)
-    with map_redis_errors():
-        pipe = st.redis.pipeline(transaction=False)
-        pipe.hset(owner_key(sid), OWNER_FIELD, OWNER)
-        pipe.expire(owner_key(sid), st.turns.store.ttl_s)
-        await pipe.execute()
-        if len(req.messages) > 1:  # the earlier items become the stored conversation
-            await st.turns.store.append_exchange(sid, req.messages[:-1], None)
+    await st.access.take_session(st.store, request, sid)
+    await st.store.set_state(sid, OWNER_FIELD, OWNER, st.turns.store.ttl_s)
+    if len(req.messages) > 1:  # the earlier items become the stored conversation
+        await st.turns.store.append_exchange(sid, req.messages[:-1], None)
     return sid
 
 
@@ -297,7 +284,7 @@ async def create(request: web.Request) -> web.StreamResponse:
             max_tokens_limit=gw.cfg.max_tokens_limit, max_chars=st.cfg.max_message_chars,
         )  # fmt: skip
         sid = await _session_for(st, request, req)
-        await st.access.check_turn_rate(st.redis, sid)
+        await st.access.check_turn_rate(st.store, sid)
         viewer = DirectViewer()
         prior = req.messages[:-1] if req.previous_response_id or req.conversation else []
         convo = None

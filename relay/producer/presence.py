@@ -10,11 +10,11 @@ it off the hot path:
   viewer that POSTed may not have connected yet); every observation that finds a watcher
   resets it; when ``grace_s`` passes with no watcher the verdict is ``abandoned``. A
   viewer that comes back within the grace period simply resumes from the backlog.
-* :func:`count_watchers` — relays whose entry has not expired, compared with Redis
+* :func:`present_relays` — relays whose entry has not expired, compared with Redis
   server ``TIME`` inside a script (:meth:`relay.broker.port.TurnStore.viewers`; on Redis
   :func:`relay.broker.rediscluster.presence.count_present`): no host clock is involved, so
   clock skew between pods changes nothing.
-* :func:`watch_presence` — the loop the turn runner starts as a supervised task
+* :func:`follow_presence` — the loop the turn runner starts as a supervised task
   (:meth:`relay.service.supervise.Supervisor.spawn`: a failure is logged): every
   ``interval_s`` it counts watchers, feeds the tracker and, on ``abandoned``, calls
   ``on_abandoned()`` and returns; it also returns once its ``stop`` event is set (the
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from relay.broker.errors import RelayError
 from relay.broker.port import TurnStore
 
-__all__ = ["PresencePolicy", "PresenceTracker", "count_watchers", "watch_presence"]
+__all__ = ["PresencePolicy", "PresenceTracker", "follow_presence", "present_relays"]
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +71,12 @@ class PresenceTracker:
         return max(0.0, now - self.last_watched)
 
 
-async def count_watchers(store: TurnStore, sid: str) -> int:
+async def present_relays(store: TurnStore, sid: str) -> int:
     """Relays with watchers of ``sid`` now (entries not expired, by the store's clock)."""
     return await store.viewers(sid)
 
 
-async def watch_presence(
+async def follow_presence(
     store: TurnStore,
     sid: str,
     policy: PresencePolicy,
@@ -109,7 +109,7 @@ async def watch_presence(
         if stopped():
             return
         try:
-            watchers = await count_watchers(store, sid)
+            watchers = await present_relays(store, sid)
         except RelayError as exc:
             log.warning("presence check of %s failed: %s", sid, exc)
             watchers = 1
