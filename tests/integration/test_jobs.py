@@ -23,7 +23,8 @@ from redis.asyncio.cluster import RedisCluster
 
 from devstack.cluster.launcher import ClusterInfo
 from devstack.procs import Proc
-from relay.broker.rediscluster.publisher import Publisher, read_backlog
+from relay.broker.rediscluster.publisher import read_backlog
+from relay.broker.rediscluster.store import RedisStore
 from relay.protocol.frame import decode
 from tests.support.cli import run_cli, tokenrelay
 from tests.support.worker import Harness, expected_reply
@@ -73,7 +74,7 @@ class Runners:
             jobs=JobStore(self.redis),
             router=Router(specs),
             engine=EngineClient(self.http),
-            publisher=Publisher(self.redis),
+            turns=RedisStore(self.redis),
             sessions=SessionStore(self.redis),
             cfg=RunnerConfig(worker_id=f"jr-{len(self.started)}", **cfg),
         )

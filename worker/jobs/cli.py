@@ -22,9 +22,8 @@ import aiohttp
 import msgspec
 
 from relay.broker.errors import RelayError
-from relay.broker.rediscluster.connect import RedisTLS, connect, mask_url, startup_error
-from relay.broker.rediscluster.errors import map_redis_errors
-from relay.broker.rediscluster.publisher import Publisher
+from relay.broker.rediscluster.connect import RedisTLS, mask_url, startup_error
+from relay.broker.rediscluster.store import RedisStore
 from relay.protocol.keys import BACKLOG_MAX_BYTES, BACKLOG_MAXLEN, SESSION_TTL_S
 from relay.service import runtime, settings
 from relay.service.settings import (
@@ -115,26 +114,22 @@ def register(subparsers: Any) -> None:
 
 async def serve(opts: JobWorkerSettings, engines: list[EngineSpec]) -> None:
     worker_id = opts.worker_id or f"job-{default_worker_id()}"
-    redis = connect(opts.redis_url, tls=opts.redis_tls, socket_timeout=2.0,
-                    socket_connect_timeout=2.0)  # fmt: skip
-    with map_redis_errors():
-        await redis.initialize()
+    store = RedisStore.at(
+        opts.redis_url, opts.redis_tls, 2.0, maxlen=opts.backlog_maxlen,
+        ttl_s=opts.session_ttl_s, max_bytes=opts.backlog_max_bytes,
+    )  # fmt: skip
+    await store.reach()
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     router = Router(engines)
-    exchange = LoadExchange(redis, router, worker_id)
+    exchange = LoadExchange(store, router, worker_id)
     runner = JobRunner(
         opts.amqp_url,
         QueueNames(opts.jobs_queue, opts.max_attempts),
-        jobs=JobStore(redis),
+        jobs=JobStore(store),
         router=router,
         engine=EngineClient(http),
-        publisher=Publisher(
-            redis,
-            maxlen=opts.backlog_maxlen,
-            ttl_s=opts.session_ttl_s,
-            max_bytes=opts.backlog_max_bytes,
-        ),
-        sessions=SessionStore(redis, ttl_s=opts.session_ttl_s),
+        turns=store,
+        sessions=SessionStore(store, ttl_s=opts.session_ttl_s),
         cfg=RunnerConfig(
             worker_id=worker_id,
             model=opts.model,
@@ -166,7 +161,7 @@ async def serve(opts: JobWorkerSettings, engines: list[EngineSpec]) -> None:
         await exchange.stop()  # never raises: withdraws this worker's load report
         await http.close()
         with contextlib.suppress(Exception):
-            await redis.aclose()
+            await store.aclose()
 
 
 def _touch(path: str) -> None:

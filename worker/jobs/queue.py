@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Final
 import orjson
 
 from relay.broker.errors import Fenced, RelayError
-from relay.broker.rediscluster.publisher import Draft, Publisher
+from relay.broker.port import Draft, TurnStore
 from relay.producer.integrity import message_meta
 from relay.service.supervise import Backoff, Supervisor
 from worker.chat.store import SessionStore
@@ -185,7 +185,7 @@ class JobRunner:
         jobs: JobStore,
         router: Router,
         engine: EngineClient,
-        publisher: Publisher,
+        turns: TurnStore,
         sessions: SessionStore,
         cfg: RunnerConfig,
     ) -> None:
@@ -194,7 +194,7 @@ class JobRunner:
         self.jobs = jobs
         self.router = router
         self.engine = engine
-        self.publisher = publisher
+        self.turns = turns
         self.sessions = sessions
         self.cfg = cfg
         self.outcomes: list[tuple[str, str]] = []  # (job, outcome), for tests and logs
@@ -397,7 +397,7 @@ class JobRunner:
                 return
             await asyncio.sleep(0.2)
         try:
-            gen = await self.publisher.open_generation(sid)
+            gen = await self.turns.open_generation(sid)
             done = {k: result[k] for k in ("tokens", "chars", "sha256", "engine", "finish_reason")}
             asked = {"role": "user", **message_meta(spec.prompt), "job": job_id}
             drafts = [
