@@ -1,1 +1,2 @@
-"""The store behind the edge: what the edge needs of it (base.py) and two of them."""
+"""The store: its port (port.py, streams.py; the edge's part in base.py) and two stores,
+in memory (memory.py, memstore.py, memstreams.py) and on Redis Cluster (rediscluster/)."""
