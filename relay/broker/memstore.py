@@ -19,6 +19,7 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from relay.broker.base import ReapResult, ReapStatus
 from relay.broker.errors import Fenced, OffsetConflict
@@ -49,6 +50,7 @@ from relay.service.supervise import Supervisor
 __all__ = ["MemoryGeneration", "MemoryStore"]
 
 Observer = Callable[[int, str, bytes], None]
+_V = TypeVar("_V")
 
 
 @dataclass(slots=True)
@@ -161,23 +163,21 @@ class MemoryStore(MemoryStreams, MemoryBroker):
     def _at(self, ttl_s: float | None) -> float | None:
         return None if ttl_s is None else self.clock() + ttl_s
 
-    def _value(self, k: str) -> str | None:
-        item = self._kv.get(k)
+    def _live(self, table: dict[str, tuple[_V, float | None]], k: str) -> _V | None:
+        """``table[k]``'s value while it has not expired (an expired one is dropped)."""
+        item = table.get(k)
         if item is None:
             return None
         if item[1] is not None and item[1] <= self.clock():
-            del self._kv[k]
+            del table[k]
             return None
         return item[0]
 
+    def _value(self, k: str) -> str | None:
+        return self._live(self._kv, k)
+
     def _hash(self, k: str) -> dict[str, str] | None:
-        item = self._hashes.get(k)
-        if item is None:
-            return None
-        if item[1] is not None and item[1] <= self.clock():
-            del self._hashes[k]
-            return None
-        return item[0]
+        return self._live(self._hashes, k)
 
     def _set_hash(self, k: str, values: dict[str, str], ttl_s: float | None) -> None:
         self._hashes[k] = (values, self._at(ttl_s))
