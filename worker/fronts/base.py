@@ -17,6 +17,8 @@ from aiohttp import web
 from relay.protocol.codes import Refusal
 from relay.service.apikeys import check_api_key
 from relay.service.errors import openai_refusal
+from relay.service.httpbody import read_json, refused_openai
+from relay.service.jsonbody import BodyRefused
 from worker.access import WorkerAccess
 from worker.chat.turn import TurnManager
 from worker.engines.client import EngineClient
@@ -101,6 +103,23 @@ class Gateway:
         if lease.spilled:
             self.metrics.spills.inc()
         return lease
+
+    async def create_body(self, request: web.Request) -> object | web.Response:
+        """A create's body, or the refusal to answer: 503 while the worker drains, else
+        the kit's bounded read (any media type, any JSON value: the SDKs send objects,
+        the front's parser says what else), refused in OpenAI's shape (413, 400, or the
+        client gone, counted by the HTTP guard)."""
+        if self.draining():
+            return error_response(WireError(503, "the worker is shutting down; retry",
+                                            kind="api_error", code="draining"),
+                                  {"Retry-After": "1"})  # fmt: skip
+        try:
+            body: object = await read_json(
+                request, self.cfg.max_body_bytes, content_type=None, want_object=False
+            )
+        except BodyRefused as r:
+            return refused_openai(r)
+        return body
 
 
 GATEWAY: Final = web.AppKey("tokenrelay_gateway", Gateway)

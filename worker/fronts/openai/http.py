@@ -41,8 +41,6 @@ from aiohttp import web
 from relay.protocol import sse
 from relay.protocol.keys import InvalidSessionId, parse_session
 from relay.service.errors import error_body
-from relay.service.httpbody import read_json, refused_openai
-from relay.service.jsonbody import BodyRefused
 from relay.service.register import Handler
 from worker.engines.errors import (
     EngineError,
@@ -120,13 +118,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             token_sid = gw.access.token_session(request)
     if refused is not None and token_sid is None:
         return _error(refused)
-    if gw.draining():
-        return _error(WireError(503, "the worker is shutting down; retry", kind="api_error",
-                                code="draining"), {"Retry-After": "1"})  # fmt: skip
-    try:  # any media type, any JSON value (the SDKs send objects; the parser says what else)
-        body = await read_json(request, gw.cfg.max_body_bytes, content_type=None, want_object=False)
-    except BodyRefused as r:  # 413, 400, or the client gone (counted by the HTTP guard)
-        return refused_openai(r)
+    body = await gw.create_body(request)
+    if isinstance(body, web.Response):
+        return body
     try:
         req = parse_request(
             body,

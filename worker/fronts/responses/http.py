@@ -62,8 +62,6 @@ from relay.protocol.frame import Frame, FrameError, decode
 from relay.protocol.keys import new_session_id
 from relay.service import cors
 from relay.service.errors import Reject
-from relay.service.httpbody import read_json, refused_openai
-from relay.service.jsonbody import BodyRefused
 from relay.service.register import Handler
 from worker.access import RateLimited
 from worker.chat.cancel import StopStatus
@@ -271,13 +269,9 @@ async def create(request: web.Request) -> web.StreamResponse:
     refused = gw.authorized(request.headers.get("Authorization"))
     if refused is not None:
         return _error(refused)
-    if gw.draining():
-        return _error(WireError(503, "the worker is shutting down; retry", kind="api_error",
-                                code="draining"), _retry(1))  # fmt: skip
-    try:  # any media type, any JSON value (the SDKs send objects; the parser says what else)
-        body = await read_json(request, gw.cfg.max_body_bytes, content_type=None, want_object=False)
-    except BodyRefused as r:  # 413, 400, or the client gone (counted by the HTTP guard)
-        return refused_openai(r)
+    body = await gw.create_body(request)
+    if isinstance(body, web.Response):
+        return body
     try:
         req = parse_responses(
             body, model=gw.cfg.model, default_max_tokens=gw.cfg.default_max_tokens,
