@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -69,9 +70,32 @@ class ProcError(RuntimeError):
 Probe = Callable[["Proc"], Awaitable[bool]]
 
 
+# Ports handed out for listeners come from below the kernel's ephemeral range (32768 and
+# up on Linux) and below the local clusters' node ports (20000-29000, buses 30000-39000):
+# a port the kernel picks for bind(0) is one it may hand to the next outgoing connection
+# (a client's socket to Redis) before the child that was given it listens there.
+_LISTEN_PORTS = (10000, 20000)
+_handed: set[int] = set()
+_rng = random.Random(os.getpid() ^ time.time_ns())
+
+
 def free_port(host: str = HOST) -> int:
-    """A TCP port nobody listens on right now (the kernel's pick)."""
-    with socket.socket() as s:
+    """A TCP port nobody listens on right now, never one this process handed out before
+    and never one the kernel gives outgoing connections (see ``_LISTEN_PORTS``)."""
+    low, high = _LISTEN_PORTS
+    for _ in range(500):
+        port = _rng.randrange(low, high)
+        if port in _handed:
+            continue
+        try:
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind
+                s.bind((host, port))
+        except OSError:
+            continue
+        _handed.add(port)
+        return port
+    with socket.socket() as s:  # the range is full: the kernel's pick
         s.bind((host, 0))
         return int(s.getsockname()[1])
 

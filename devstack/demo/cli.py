@@ -335,8 +335,12 @@ def _main(args: argparse.Namespace) -> int:
     try:
         return runtime.run(run_demo(opts))
     except (StackError, ClusterError) as exc:  # a child did not start: its log says why
-        first = str(exc).splitlines()[0].rstrip(":")
-        print(f"error: the demo could not start: {first}", file=sys.stderr)
+        # one line: which child, and the last line of its log (the log itself is removed)
+        first, *rest = str(exc).splitlines() or [""]
+        first = first.split("; last lines of ")[0].rstrip(":")
+        said = [line.strip() for line in rest if line.strip()]
+        why = f": {said[-1]}" if said else ""
+        print(f"error: the demo could not start: {first}{why}", file=sys.stderr)
         return 1
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:

@@ -52,3 +52,34 @@ async def test_the_next_turn_on_another_worker_process_sees_the_history(
             messages.append({"role": "assistant", "content": reply})
             replies.append(reply)
         assert replies[0] != replies[1]
+
+
+@pytest.mark.timeout(120)
+async def test_a_stack_whose_port_was_taken_before_its_child_listened_starts_on_another(
+    cluster: ClusterInfo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tests run side by side: a port picked for a child can be taken by another program
+    before the child listens. The stack gives that child a new port instead of failing."""
+    import socket
+
+    from devstack.demo import stack as stack_module
+
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    picks = iter([taken])
+    real = stack_module.free_port
+    monkeypatch.setattr(stack_module, "free_port", lambda: next(picks, None) or real())
+    spec = StackSpec(relays=0, workers=1, engines=0, engine_urls=["e=http://127.0.0.1:9"],
+                     redis_url=cluster.url, insecure_no_auth=True)  # fmt: skip
+    try:
+        async with Stack(spec) as stack:
+            (worker,) = stack.of_kind("worker")
+            assert worker.port != taken
+            assert str(worker.port) in worker.argv
+            assert str(taken) not in worker.argv
+            assert worker.proc is not None
+            assert "in use" in worker.proc.output()  # the first child said why it left
+    finally:
+        squatter.close()
