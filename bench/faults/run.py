@@ -10,6 +10,7 @@ Used by :mod:`bench.faults.drills`, which injects the fault. Order of use::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import time
@@ -41,6 +42,8 @@ class FaultConfig:
     seed: int | None = None
     partition_s: float = 8.0
     stall_s: float = 1.5
+    regenerate_share: float = 0.0  # of turns posted as "regenerate the newest reply"
+    stop_share: float = 0.0  # of turns stopped (POST .../cancel) a moment after they start
 
     @classmethod
     def quick(cls) -> FaultConfig:
@@ -116,6 +119,8 @@ class Run:
                 await asyncio.sleep(0.05)
                 continue
             body: dict[str, Any] = {"message": f"fault drill {random.randrange(1 << 30)}"}
+            if sid in self.last_posted and random.random() < self.cfg.regenerate_share:
+                body = {"regenerate": True}
             if self.cfg.max_tokens:
                 body["max_tokens"] = self.cfg.max_tokens
             turn = 0
@@ -141,6 +146,15 @@ class Run:
                 self.post_errors += 1
                 await asyncio.sleep(0.3)
                 continue
+            if random.random() < self.cfg.stop_share:  # Stop, as a screen presses it
+                await asyncio.sleep(random.uniform(0.2, 1.5))
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError, IndexError):
+                    async with self.http.post(
+                        f"{random.choice(self.workers())}/v1/sessions/{sid}/cancel",
+                        headers=headers, timeout=aiohttp.ClientTimeout(total=10),
+                    ) as r:  # fmt: skip
+                        key = f"cancel {r.status}"
+                        self.post_status[key] = self.post_status.get(key, 0) + 1
             deadline = time.monotonic() + 90  # the longest reply: 2,000 tokens at 40/s
             while self.ended.get(sid, 0) < turn and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
