@@ -110,6 +110,12 @@ CATALOG: tuple[Benchmark, ...] = (
         "fault drills: loss, duplicates, order and recovery while a stack is broken",
     ),
     Benchmark(
+        "nemesis",
+        "bench.faults.nemesis",
+        "overlapping faults from a seed under load, every screen checked against Redis",
+        quick=("--quick", "--seed", "3"),
+    ),
+    Benchmark(
         "fuzz",
         "bench.fuzz.run",
         "hostile inputs to the frame, session-id, offset and token parsers",
