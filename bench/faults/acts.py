@@ -29,6 +29,7 @@ import aiohttp
 
 from bench.faults import partition
 from bench.faults.probes import ping
+from bench.faults.producers import Producers
 from bench.faults.run import Run
 from bench.faults.schedule import Fault
 from devstack.cluster.launcher import LocalCluster
@@ -43,13 +44,20 @@ class Nemesis:
     history. Redis faults touch at most one node per shard at a time; relay and worker
     faults leave one of each running."""
 
-    def __init__(self, run: Run, viewers: dict[int, tuple[asyncio.Task[None], asyncio.Event]]):
+    def __init__(
+        self,
+        run: Run,
+        viewers: dict[int, tuple[asyncio.Task[None], asyncio.Event]],
+        producers: Producers | None = None,
+    ) -> None:
         self.run = run
+        self.producers = producers
         self.stack = run.stack
         self.viewers = viewers
         self.history: list[dict[str, Any]] = []
         self.busy_nodes: set[int] = set()  # Redis ports down, frozen, cut off or rejoining
         self.busy_procs: set[str] = set()  # relays and workers down or frozen
+        self._picking = asyncio.Lock()  # a target's choice and its marking, one at a time
         self.t0 = time.monotonic()
         self._tasks: list[asyncio.Task[None]] = []
         self.can_partition = partition.unsupported() is None
@@ -176,24 +184,30 @@ class Nemesis:
 
     # -- Redis ----------------------------------------------------------------------
     async def _shard(self, fault: Fault, entry: dict[str, Any]) -> tuple[int, tuple[int, ...]]:
-        """A healthy shard, preferring one that serves a watched session; (0, ()) and the
-        refusal in ``entry`` when every shard has a node down already."""
-        shards = await self._healthy_shards()
-        if not shards:
-            entry["refused"] = "every shard has a node down or rejoining (by design: not both)"
-            entry["took_effect"] = None
-            return 0, ()
-        ports = sorted(shards)
-        watched = [p for p in ports if await self._live_slot(p) is not None]
-        pool = watched or ports
-        master = pool[fault.pick % len(pool)]
-        return master, shards[master]
+        """A healthy shard, preferring one that serves a watched session, taken whole
+        (every node of it marked busy, in one step with the choice, so that two faults
+        starting together never pick the same shard; :meth:`_free` gives it back); (0, ())
+        and the refusal in ``entry`` when every shard has a node down already."""
+        async with self._picking:
+            shards = await self._healthy_shards()
+            if not shards:
+                entry["refused"] = "every shard has a node down or rejoining (by design: not both)"
+                entry["took_effect"] = None
+                return 0, ()
+            ports = sorted(shards)
+            watched = [p for p in ports if await self._live_slot(p) is not None]
+            pool = watched or ports
+            master = pool[fault.pick % len(pool)]
+            self.busy_nodes |= {master, *shards[master]}
+            return master, shards[master]
+
+    def _free(self, master: int, replicas: tuple[int, ...]) -> None:
+        self.busy_nodes -= {master, *replicas}
 
     async def _master_kill(self, fault: Fault, entry: dict[str, Any]) -> None:
-        master, _ = await self._shard(fault, entry)
+        master, replicas = await self._shard(fault, entry)
         if not master:
             return
-        self.busy_nodes.add(master)
         try:
             slot = await self._live_slot(master) or (await self.cluster.masters_now())[master][0]
             entry.update(target=master, slot=slot)
@@ -209,13 +223,12 @@ class Nemesis:
                 and entry["rejoined"]
             )
         finally:
-            self.busy_nodes.discard(master)
+            self._free(master, replicas)
 
     async def _master_freeze(self, fault: Fault, entry: dict[str, Any]) -> None:
-        master, _ = await self._shard(fault, entry)
+        master, replicas = await self._shard(fault, entry)
         if not master:
             return
-        self.busy_nodes.add(master)
         try:
             entry["target"] = master
             self.cluster.pause_node(master)
@@ -229,14 +242,13 @@ class Nemesis:
             entry["took_effect"] = answer == "PONG" and took >= fault.hold_s * 0.8
             entry["rejoined"] = await self._rejoined(master)  # maybe a replica now
         finally:
-            self.busy_nodes.discard(master)
+            self._free(master, replicas)
 
     async def _replica_kill(self, fault: Fault, entry: dict[str, Any]) -> None:
         master, replicas = await self._shard(fault, entry)
         if not master:
             return
         replica = replicas[fault.pick % len(replicas)]
-        self.busy_nodes.add(replica)
         try:
             entry["target"] = replica
             self.cluster.kill_node(replica)
@@ -246,14 +258,13 @@ class Nemesis:
             entry["rejoined"] = await self._rejoined(replica)
             entry["took_effect"] = entry["exit"] == -signal.SIGKILL and entry["rejoined"]
         finally:
-            self.busy_nodes.discard(replica)
+            self._free(master, replicas)
 
     async def _failover(self, fault: Fault, entry: dict[str, Any]) -> None:
         master, replicas = await self._shard(fault, entry)
         if not master:
             return
         replica = replicas[fault.pick % len(replicas)]
-        self.busy_nodes |= {master, replica}
         try:
             entry.update(target=replica, master_before=master)
             await self.cluster.failover(replica)
@@ -264,37 +275,38 @@ class Nemesis:
                 await asyncio.sleep(0.2)
             entry["took_effect"] = replica in await self.cluster.masters_now()
         finally:
-            self.busy_nodes -= {master, replica}
+            self._free(master, replicas)
 
     async def _migrate(self, fault: Fault, entry: dict[str, Any]) -> None:
-        shards = await self._healthy_shards()
-        sources = [p for p in sorted(shards) if await self._live_slot(p) is not None]
-        if len(shards) < 2 or not sources:
-            entry["refused"] = "no two healthy shards with a watched session on one"
-            entry["took_effect"] = None
-            return
-        src = sources[fault.pick % len(sources)]
-        dst = next(p for p in sorted(shards) if p != src)
-        slot = await self._live_slot(src)
-        assert slot is not None
-        self.busy_nodes |= {src, dst}
+        async with self._picking:  # choice and marking in one step, as in _shard
+            shards = await self._healthy_shards()
+            sources = [p for p in sorted(shards) if await self._live_slot(p) is not None]
+            if len(shards) < 2 or not sources:
+                entry["refused"] = "no two healthy shards with a watched session on one"
+                entry["took_effect"] = None
+                return
+            src = sources[fault.pick % len(sources)]
+            dst = next(p for p in sorted(shards) if p != src)
+            slot = await self._live_slot(src)
+            assert slot is not None
+            taken = {src, dst, *shards[src], *shards[dst]}
+            self.busy_nodes |= taken
         try:
             entry.update(target=slot, source=src, destination=dst)
             entry["keys_moved"] = await self.cluster.migrate_slot(slot, src, dst)
             entry["slot_owner_after"] = await self._owner(slot)
             entry["took_effect"] = entry["slot_owner_after"] == dst and entry["keys_moved"] > 0
         finally:
-            self.busy_nodes -= {src, dst}
+            self.busy_nodes -= taken
 
     async def _partition(self, fault: Fault, entry: dict[str, Any]) -> None:
         if not self.can_partition:
             entry["refused"] = f"cannot partition here: {partition.unsupported()}"
             entry["took_effect"] = None
             return
-        master, _ = await self._shard(fault, entry)
+        master, replicas = await self._shard(fault, entry)
         if not master:
             return
-        self.busy_nodes.add(master)
         try:
             entry["target"] = master
             t0 = time.monotonic()
@@ -304,26 +316,58 @@ class Nemesis:
             entry["ping_after"], _ = await ping(master, 5.0)
             entry["took_effect"] = entry["ping_during"] != "PONG" and entry["ping_after"] == "PONG"
         finally:
-            self.busy_nodes.discard(master)
+            self._free(master, replicas)
+
+    # -- producers of your own --------------------------------------------------------
+    async def _producer_kill(self, fault: Fault, entry: dict[str, Any]) -> None:
+        """SIGKILL a producer process mid-turn, start it again after the hold: its open
+        turn is the relays' (its lock expires) or the next start's to end."""
+        names = [n for n in (self.producers.names if self.producers else [])
+                 if n not in self.busy_procs]  # fmt: skip
+        if not names or self.producers is None:
+            entry["refused"] = "no producer process to kill"
+            entry["took_effect"] = None
+            return
+        name = names[fault.pick % len(names)]
+        self.busy_procs.add(name)
+        try:
+            proc = self.producers.procs[name]
+            if not proc.alive:
+                entry["refused"] = f"{name} has ended (the run is nearly over)"
+                entry["took_effect"] = None
+                return
+            entry["target"] = name
+            old = self.producers.kill(name)
+            entry["exit"] = await proc.wait(5)
+            await asyncio.sleep(fault.hold_s)
+            new = self.producers.restart(name)
+            entry["pids"] = [old, new]
+            entry["took_effect"] = entry["exit"] == -signal.SIGKILL
+        finally:
+            self.busy_procs.discard(name)
 
     # -- screens ----------------------------------------------------------------------
     async def _storm(self, fault: Fault, entry: dict[str, Any]) -> None:
-        """Half the screens drop their connection at once and reconnect with their offset."""
+        """Half the screens drop their connection at once and reconnect with their
+        offset. Evidence: every one of them connected again (within 20 s)."""
         rng = random.Random(fault.pick)
         chosen = rng.sample(self.run.viewers, len(self.run.viewers) // 2)
         before = sum(v.connects for v in chosen)
-        for v in chosen:
-            task, stop = self.viewers[id(v)]
+        dropped = [self.viewers[id(v)] for v in chosen]
+        for _task, stop in dropped:
             stop.set()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*(task for task, _ in dropped), return_exceptions=True)
+        for v in chosen:
             again = asyncio.Event()
             self.viewers[id(v)] = (asyncio.create_task(v.run(again)), again)
-        await asyncio.sleep(2.0)
-        entry.update(
-            target=f"{len(chosen)} screens", reconnected=sum(v.connects for v in chosen) - before
-        )
-        entry["took_effect"] = entry["reconnected"] >= len(chosen) * 0.9
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if sum(v.connects for v in chosen) - before >= len(chosen):
+                break
+            await asyncio.sleep(0.2)
+        reconnected = sum(v.connects for v in chosen) - before
+        entry.update(target=f"{len(chosen)} screens", reconnected=reconnected)
+        entry["took_effect"] = reconnected >= len(chosen)
 
 
 async def _answers(http: aiohttp.ClientSession, url: str, within_s: float) -> bool:

@@ -5,14 +5,18 @@
 One stack (local Redis Cluster 3 masters + 3 replicas, 2 relays, 2 workers, 2 mock
 engines) carries a workload for the whole run: sessions posting turns of the mock
 engine's natural lengths back to back, some regenerated, some stopped a moment after
-they start; screens over SSE and WebSocket (the Python client, which resumes from its
-last offset). A schedule drawn from the seed (:mod:`bench.faults.schedule`) starts faults
-in bursts so that they overlap: relays and workers killed (SIGKILL, restarted after a
-hold) or frozen (SIGSTOP, SIGCONT after the hold), masters killed (the replica is
-promoted, the node comes back as a replica) or frozen (past the 2 s node timeout: an
-automatic failover), replicas killed, manual failovers, slot migrations of live
-sessions, partitions of a master's client port (iptables, root only) and reconnect
-storms (half the screens drop at once).
+they start; producers of your own in both libraries (a Python process on the producer
+API, a Node process on ``@tokenrelay/producer``: :mod:`bench.faults.producers`) writing
+sessions of their own; screens over SSE and WebSocket (the Python client, which resumes
+from its last offset) on every session. A schedule drawn from the seed
+(:mod:`bench.faults.schedule`) starts faults in bursts so that they overlap: relays and
+workers killed (SIGKILL, restarted after a hold) or frozen (SIGSTOP, SIGCONT after the
+hold), masters killed (the replica is promoted, the node comes back as a replica) or
+frozen (past the 2 s node timeout: an automatic failover), replicas killed, manual
+failovers, slot migrations of live sessions, partitions of a master's client port
+(iptables, root only), producer processes killed and started again, and reconnect
+storms (half the screens drop at once). The faults are carried out by
+:mod:`bench.faults.acts`.
 
 Each fault records its evidence as the single-fault drills do (the killed process's exit
 status, who serves a slot before and after, a PING waiting out a freeze or refused by a
@@ -40,12 +44,14 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from bench.faults.acts import Nemesis, line
 from bench.faults.evidence import MUST_BE_ZERO
+from bench.faults.producers import Producers
 from bench.faults.run import FaultConfig, Run
 from bench.faults.schedule import KINDS, overlapping, plan
 from bench.harness import Bench, Common, Outcome, flag
@@ -64,10 +70,11 @@ class NemesisConfig:
     kinds: list[str] = field(default_factory=lambda: list(KINDS))
     decode_tok_per_s: float = 40.0
     quiet_s: float = 20.0  # after the last fault's start: every screen catches up
+    producer_sessions: int = 3  # per library (Python, Node): sessions of their own
 
     @classmethod
     def quick(cls) -> NemesisConfig:
-        return cls(minutes=3.0, bursts=4, sessions=8, viewers_per_session=3)
+        return cls(minutes=3.0, bursts=4, sessions=8, viewers_per_session=3, producer_sessions=1)
 
 
 async def run_nemesis(cfg: NemesisConfig) -> dict[str, Any]:
@@ -86,6 +93,13 @@ async def run_nemesis(cfg: NemesisConfig) -> dict[str, Any]:
         async with aiohttp.ClientSession(connector=conn) as http:
             run = Run(fcfg, stack, http)
             await run.setup()
+            worker_sessions = list(run.sessions)
+            until = time.monotonic() + duration - 10
+            producers = Producers(
+                stack, run, Path(stack.log_dir), sessions=cfg.producer_sessions, seed=cfg.seed,
+                until=until,
+            )  # fmt: skip
+            producers.add_sessions()
             tasks: dict[int, tuple[asyncio.Task[None], asyncio.Event]] = {}
             for v in run.viewers:
                 stop = asyncio.Event()
@@ -93,8 +107,9 @@ async def run_nemesis(cfg: NemesisConfig) -> dict[str, Any]:
             await asyncio.sleep(0.5)
             stop_turns = asyncio.Event()
             drivers = [asyncio.create_task(run.drive(sid, tok, stop_turns))
-                       for sid, tok in run.sessions]  # fmt: skip
-            nemesis = Nemesis(run, tasks)
+                       for sid, tok in worker_sessions]  # fmt: skip
+            producers.start()
+            nemesis = Nemesis(run, tasks, producers)
             run.fault_at = nemesis.t0
             print(f"nemesis: seed {cfg.seed}, {len(faults)} faults in {cfg.bursts} bursts, "
                   f"{overlapping(faults)} overlapping, {cfg.minutes:g} min", file=sys.stderr,
@@ -107,14 +122,17 @@ async def run_nemesis(cfg: NemesisConfig) -> dict[str, Any]:
                     await asyncio.gather(*drivers, return_exceptions=True)
             for d in drivers:
                 d.cancel()
+            produced = await producers.finish()
             await asyncio.sleep(3.0)  # the last frames reach every screen
             for _task, stop in tasks.values():
                 stop.set()
             await asyncio.gather(*(t for t, _ in tasks.values()), return_exceptions=True)
             counts = run.report(await run.account())
-            pids = [m.pid for m in stack.procs.values()] + [
-                p.pid for p in (stack.cluster.procs.values() if stack.cluster else [])
-            ]
+            pids = (
+                [m.pid for m in stack.procs.values()]
+                + [p.pid for p in (stack.cluster.procs.values() if stack.cluster else [])]
+                + [p.pid for p in producers.procs.values()]
+            )
     left = [p for p in pids if _alive(p)]
     history = nemesis.history
     done = [e for e in history if "refused" not in e]
@@ -131,6 +149,7 @@ async def run_nemesis(cfg: NemesisConfig) -> dict[str, Any]:
         "overlapping_planned": overlapping(faults),
         "overlapping_carried_out": _overlapping_done(done),
         "history": history,
+        "producers": produced,
         **counts,
         "anomalies": anomalies,
         "replay": f"python -m bench.faults.nemesis --seed {cfg.seed} --minutes {cfg.minutes:g} "
@@ -178,9 +197,11 @@ def _run(f: Flags) -> Outcome:
         f"nemesis seed {report['seed']}: {report['faults_carried_out']} faults carried out "
         f"({report['overlapping_carried_out']} overlapping), {report['faults_refused']} refused; "
         f"{report['viewers']} screens, {report['sessions']} sessions, {report['turns']} turns, "
-        f"{report['frames']} frames; lost {report['lost']}, duplicated {report['duplicated']}, "
+        f"{report['frames']} frames (producers' turns: {report['producers']['turns']}); "
+        f"lost {report['lost']}, duplicated {report['duplicated']}, "
         f"out of order {report['out_of_order']}, unended {report['unended_turns']}, "
-        f"stuck {report['viewers_behind']}, gaps reported {report['gaps_reported']}"
+        f"stuck {report['viewers_behind']}, lost writes {report['lost_writes']}, "
+        f"gaps reported {report['gaps_reported']}"
     )
     text = "\n".join(["history:", *lines, summary, *(f"ANOMALY {a}" for a in report["anomalies"]),
                       f"replay: {report['replay']}"])  # fmt: skip
@@ -189,8 +210,8 @@ def _run(f: Flags) -> Outcome:
 
 def markdown(r: dict[str, Any]) -> str:
     """RELIABILITY.md's tables of a stored run: the counts, then each kind of fault."""
-    counts = ("lost", "duplicated", "out_of_order", "content_mismatches", "unended_turns",
-              "viewers_behind", "gaps_reported", "error_frames")  # fmt: skip
+    counts = ("lost", "duplicated", "out_of_order", "content_mismatches", "lost_writes",
+              "unended_turns", "viewers_behind", "gaps_reported", "error_frames")  # fmt: skip
     head = ["| seed | minutes | screens | sessions | turns | frames | faults (overlapping) "
             "| refused | " + " | ".join(c.replace("_", " ") for c in counts) + " |",
             "|" + "---|" * (8 + len(counts))]  # fmt: skip

@@ -22,7 +22,7 @@ import aiohttp
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
 from bench._util import percentile
-from bench.load.accounting import account, read_logs
+from bench.load.accounting import SessionLog, account, read_logs
 from bench.load.viewer import Viewer
 from devstack.demo.stack import Stack
 
@@ -73,6 +73,11 @@ class Run:
         self.notes: dict[str, Any] = {}
         self.placed: dict[tuple[str, int], tuple[float, str]] = {}  # turn -> (at, engine)
         self.after_drill: Callable[[Run], Awaitable[None]] | None = None
+        # (viewer, turn, epoch) of every frame a viewer was given: a generation whose
+        # frames reached screens but not the backlog (a failover lost them, and their
+        # writer is gone) shows as an epoch the backlog's turn does not have
+        self.seen_epochs: set[tuple[int, int, int]] = set()
+        self.logs: dict[str, SessionLog] = {}
 
     def relays(self) -> list[str]:
         return [p.url for p in self.stack.of_kind("relay") if p.alive]
@@ -89,6 +94,7 @@ class Run:
                 self.ended[v.sid] = 0
             return
         self.arrivals.setdefault(id(v), []).append(now)
+        self.seen_epochs.add((id(v), int(frame.get("turn", 0)), int(frame.get("epoch", 0))))
         if frame["kind"] == "meta":
             engine = str((frame.get("meta") or {}).get("engine", ""))
             self.placed.setdefault((v.sid, int(frame.get("turn", 0))), (now, engine))
@@ -174,7 +180,33 @@ class Run:
             logs = await read_logs(redis, [sid for sid, _ in self.sessions])
         finally:
             await redis.aclose()
-        return account(logs, self.viewers, self.posted_turns)
+        self.logs = logs
+        return {**account(logs, self.viewers, self.posted_turns), **self.lost_writes()}
+
+    def lost_writes(self) -> dict[str, Any]:
+        """Frames screens were given whose generation the backlog's turn does not hold:
+        ``lost_writes`` (viewer, turn) pairs and a few samples. Counted against Redis after
+        :meth:`account` read the backlogs."""
+        by_id = {id(v): v for v in self.viewers}
+        bad: list[str] = []
+        for vid, turn, epoch in sorted(self.seen_epochs):
+            v = by_id.get(vid)
+            log = self.logs.get(v.sid) if v is not None else None
+            if v is None or log is None or turn == 0:
+                continue
+            tl = log.turns.get(turn)
+            if tl is not None and tl.complete and epoch not in tl.epochs:
+                bad.append(f"{v.sid}/{turn}: epoch {epoch} reached a screen, the backlog has "
+                           f"{sorted(tl.epochs)}")  # fmt: skip
+        unended = [
+            f"{log.sid}/{turn}: {len(tl.offsets)} frames to offset {max(tl.offsets)}, "
+            f"epochs {sorted(tl.epochs)}, session's last offset {log.last}"
+            for log in self.logs.values()
+            for turn, tl in sorted(log.turns.items())
+            if tl.end is None and tl.offsets
+        ]
+        return {"lost_writes": len(bad), "lost_write_samples": sorted(set(bad))[:5],
+                "unended_samples": unended[:5]}  # fmt: skip
 
     def report(self, counts: dict[str, Any]) -> dict[str, Any]:
         vs = self.viewers

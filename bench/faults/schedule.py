@@ -38,6 +38,7 @@ HOLD_S: Final[dict[str, tuple[float, float]]] = {
     "migrate": (0.0, 0.0),  # a slot with live sessions moves to another master
     "partition": (2.0, 6.0),  # a master's client port drops every packet (iptables)
     "storm": (0.0, 0.0),  # half the screens drop and reconnect at once
+    "producer_kill": (1.0, 6.0),  # a producer of your own (Python or Node), restarted
 }
 KINDS: Final = tuple(HOLD_S)
 
