@@ -181,7 +181,8 @@ class Flags(Common):
     minutes: float = flag(0.0, "length of the run (0: 30, or 3 with --quick)", least=0)
     bursts: int = flag(0, "bursts of 2-4 overlapping faults (0: 25, or 4 with --quick)", least=0)
     sessions: int = flag(0, "live sessions (0: 50, or 8 with --quick)", least=0)
-    kinds: list[str] | None = flag(None, "schedule only this kind of fault", choices=KINDS)
+    kind: list[str] | None = flag(None, "schedule only this kind of fault (repeat for more)",
+                                  choices=KINDS)  # fmt: skip
 
 
 def _run(f: Flags) -> Outcome:
@@ -190,7 +191,7 @@ def _run(f: Flags) -> Outcome:
     cfg.minutes = f.minutes or cfg.minutes
     cfg.bursts = f.bursts or cfg.bursts
     cfg.sessions = f.sessions or cfg.sessions
-    cfg.kinds = list(f.kinds or cfg.kinds)
+    cfg.kinds = list(f.kind or cfg.kinds)
     report = asyncio.run(run_nemesis(cfg))
     lines = [line(e) for e in report["history"]]
     summary = (
