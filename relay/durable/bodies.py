@@ -33,7 +33,7 @@ from relay.durable.auth import Refused
 __all__ = ["MAX_PENDING", "ON_LOOP_BYTES", "Parser"]
 
 log = logging.getLogger(__name__)
-ON_LOOP_BYTES: Final = 64 * 1024  # parsed on the loop: a few ms at worst
+ON_LOOP_BYTES: Final = 4096  # parsed on the loop: ~2,000 elements, a few ms at worst
 MAX_PENDING: Final = 4
 _RETRY: Final = {"Retry-After": "1"}
 

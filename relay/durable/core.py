@@ -80,6 +80,45 @@ def _loads(raw: bytes) -> object:
     return json.loads(raw, parse_constant=_no_constant)
 
 
+_WS: Final = re.compile(r"[ \t\n\r]*")
+_DECODER: Final = json.JSONDecoder(parse_constant=_no_constant)
+
+
+def _skip(text: str, i: int) -> int:
+    m = _WS.match(text, i)
+    return i if m is None else m.end()
+
+
+def _refuse_past(body: bytes, limit: int) -> None:
+    """:class:`TooLarge` when ``body`` is a JSON array of more than ``limit`` elements,
+    found after ``limit + 1`` of them (a million tiny ones cost no more than that); any
+    other body is left to the parse (which says what is wrong with it)."""
+    if body.count(b",") < limit:  # fewer commas than that: not that many elements
+        return
+    try:
+        text = body.decode()
+    except UnicodeDecodeError:
+        return
+    i = _skip(text, 0)
+    if not text.startswith("[", i):
+        return
+    i = _skip(text, i + 1)
+    n = 0
+    while not text.startswith("]", i):
+        try:
+            _, i = _DECODER.raw_decode(text, i)
+        except (ValueError, RecursionError):
+            return
+        n += 1
+        if n > limit:
+            raise TooLarge(f"more than {limit} JSON messages in one write (at most {limit}): "
+                           "split it")  # fmt: skip
+        i = _skip(text, i)
+        if not text.startswith(",", i):
+            return
+        i = _skip(text, i + 1)
+
+
 def _compact(value: object) -> bytes:
     """One message's stored form; refuses what JSON.parse would not read back."""
     try:
@@ -188,6 +227,7 @@ def body_messages(
         return [body] if body else []
     if not body:
         return []
+    _refuse_past(body, max_messages)
     try:  # the kit's JSON rule (its depth bound); any integer survives as it was written
         value = parse_json(body, want_object=False, loads=_loads)
     except BodyRefused as exc:
@@ -196,7 +236,8 @@ def body_messages(
     if not items and not allow_empty_array:
         raise BadRequest("an empty JSON array appends nothing")
     if len(items) > max_messages:
-        raise TooLarge(f"{len(items)} JSON messages in one write; at most {max_messages}: split it")
+        n = len(items)
+        raise TooLarge(f"{n} JSON messages in one write (at most {max_messages}): split it")
     return [_compact(v) for v in items]
 
 
