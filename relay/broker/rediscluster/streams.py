@@ -64,7 +64,7 @@ class RedisStreams:
             "" if w.expires_at is None else str(w.expires_at[1]),
             "1" if w.close else "0", w.stream_seq or "", pid, epoch, seq,
             w.build or secrets.token_hex(6), ref.channel, ref.path, "1" if w.has_body else "0",
-            w.fork, w.build, *messages,
+            w.fork, w.build, b"".join(b"%d:%b" % (len(m), m) for m in messages),
         ]  # fmt: skip
         reply = await _WRITE(self.redis, ref.keys, args)
         code, nxt, closed, a, b = (int(x) for x in reply)

@@ -5,7 +5,9 @@
 --   5 expires-at text or "", 6 expires-at ms or "", 7 close "1"/"0", 8 Stream-Seq or "",
 --   9 producer id or "", 10 epoch, 11 seq, 12 new incarnation id, 13 live channel,
 --   14 stream path, 15 has body "1"/"0", 16 fork identity ("source\noffset\nsub" or ""),
---   17 build id ("" but for a built create: its build steps' and its commit's), 18.. messages
+--   17 build id ("" but for a built create: its build steps' and its commit's), 18 the
+--   messages, each "<length>:<bytes>" one after the other (one argument: the relay packs
+--   a write of 10,000 messages as one string, not 10,000 arguments)
 -- Returns {code, next, closed, a, b}: code is the HTTP status (202: a build step taken,
 -- 412: a commit whose build is not there); a, b its extra figures (producer epoch / seq,
 -- expected / received seq).
@@ -16,9 +18,7 @@ local meta, log, prods = KEYS[1], KEYS[2], KEYS[3]
 local op, mt, ct, ttl, ea, eams = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local close, sseq, pid, epoch, pseq = ARGV[7] == "1", ARGV[8], ARGV[9], ARGV[10], ARGV[11]
 local gen, channel, path, hasbody = ARGV[12], ARGV[13], ARGV[14], ARGV[15] == "1"
-local fork, build = ARGV[16], ARGV[17]
-local FIRST = 18
-local nmsg = #ARGV - FIRST + 1
+local fork, build, packed = ARGV[16], ARGV[17], ARGV[18]
 local BUILD_MS = 10000 -- a build's keys live this long past its last step
 
 local function expire(persist)
@@ -36,12 +36,21 @@ local function expire(persist)
 end
 
 local function append(n)
-  if nmsg > 0 then
-    -- in steps: unpack() of more than about 8,000 values overflows Lua's C stack
-    for i = FIRST, #ARGV, 1000 do
-      redis.call("RPUSH", log, unpack(ARGV, i, math.min(i + 999, #ARGV)))
+  -- in steps of 1,000: unpack() of more than about 8,000 values overflows Lua's C stack
+  local pos, size, batch, added = 1, #packed, {}, 0
+  while pos <= size do
+    local colon = string.find(packed, ":", pos, true)
+    local len = tonumber(string.sub(packed, pos, colon - 1))
+    batch[#batch + 1] = string.sub(packed, colon + 1, colon + len)
+    pos = colon + len + 1
+    if #batch == 1000 or pos > size then
+      redis.call("RPUSH", log, unpack(batch))
+      added = added + #batch
+      batch = {}
     end
-    n = n + nmsg
+  end
+  if added > 0 then
+    n = n + added
     redis.call("HSET", meta, "n", n)
   end
   return n
