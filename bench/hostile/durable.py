@@ -23,12 +23,16 @@ attacker, one request at a time, ``--rounds`` times over:
 - ``fork``: a ``PUT`` fork of a source of 100,000 messages (the documented bound:
   201), copied in pages.
 
-The bodies are built before the prober starts. Measured: the prober's round trips
-before the batch (the baseline) and during it (max, p99, p50, count), each request
-kind's statuses and time, and, for each body, how long
+The bodies are built before the prober starts. Measured: the relay's own
+``tokenrelay_relay_loop_lag_seconds`` histogram (how late its 10 ms timer fired) over
+the batch, read from ``/metrics`` before and after: the longest event-loop stall, as the
+bucket bound it fell under (the figure against the aim), and the samples past 1 ms; the
+prober's round trips before the batch (the baseline) and during it (max, p99, p50,
+count: they add this process's and the machine's scheduling to the relay's); each
+request kind's statuses and time; and, for each body, how long
 :func:`relay.durable.core.body_messages` takes in this process (what the relay's loop
 would hold if it parsed the body there). Exit 1 when a request got a 5xx, the relay
-logged a traceback, or the longest round trip during the batch passed ``AIM_MS``.
+logged a traceback, or the longest stall passed ``AIM_MS``.
 
 Order of use: ``python -m bench.hostile.durable [--quick] [--rounds N] [--json PATH]
 [--seed N]`` (``run_from_args``), or ``await run(rounds)`` -> dict.
@@ -48,6 +52,7 @@ import aiohttp
 
 from bench._util import percentile
 from bench.harness import Bench, Common, Outcome, bench_stack, flag
+from bench.relay.instruments import loop_lag
 from relay.durable import core, fork
 
 __all__ = ["AIM_MS", "add_arguments", "main", "run", "run_from_args"]
@@ -99,6 +104,11 @@ class Probe:
                 await r.read()
             self.rtts.append((time.perf_counter() - t) * 1000)
             await asyncio.sleep(PROBE_EVERY_S)
+
+
+async def _metrics(http: aiohttp.ClientSession, base: str) -> str:
+    async with http.get(f"{base}/metrics") as r:
+        return await r.text()
 
 
 def _stats(rtts: list[float]) -> dict[str, float | int]:
@@ -168,6 +178,7 @@ async def run(rounds: int, seed: int = 0) -> dict[str, Any]:
             before.stop.set()
             await task
             during = Probe(prober, base, [], asyncio.Event())
+            metrics_before = await _metrics(prober, base)
             task = asyncio.create_task(during.loop())
             t0 = time.perf_counter()
             try:
@@ -176,6 +187,7 @@ async def run(rounds: int, seed: int = 0) -> dict[str, Any]:
                 during.stop.set()
                 await task
             seconds = round(time.perf_counter() - t0, 1)
+            lag = loop_lag(metrics_before, await _metrics(prober, base))
         tracebacks = relay.log_path.read_bytes().count(b"Traceback")
     return {
         "rounds": rounds,
@@ -183,7 +195,8 @@ async def run(rounds: int, seed: int = 0) -> dict[str, Any]:
         "batch_seconds": seconds,
         "healthz_before": _stats(before.rtts),
         "healthz_during": _stats(during.rtts),
-        "longest_stall_ms": _stats(during.rtts)["max_ms"],
+        "loop_lag": lag,
+        "longest_stall_ms_at_most": lag["max_ms_at_most"],
         "aim_ms": AIM_MS,
         "kinds": kinds,
         "body_bytes": {k: len(b) for k, b in bodies.items()},
@@ -196,10 +209,13 @@ def _table(res: dict[str, Any]) -> str:
     b, d = res["healthz_before"], res["healthz_during"]
     lines = [
         f"hostile batch: {res['rounds']} rounds in {res['batch_seconds']} s",
+        f"relay event loop: longest stall <= {res['longest_stall_ms_at_most']} ms (aim < "
+        f"{res['aim_ms']:.0f} ms); {res['loop_lag']['over_1ms']} of "
+        f"{res['loop_lag']['samples']} timer samples over 1 ms",
         f"/healthz before: p50 {b['p50_ms']} ms, p99 {b['p99_ms']} ms, max {b['max_ms']} ms "
         f"({b['count']} probes)",
         f"/healthz during: p50 {d['p50_ms']} ms, p99 {d['p99_ms']} ms, max {d['max_ms']} ms "
-        f"({d['count']} probes); aim < {res['aim_ms']:.0f} ms",
+        f"({d['count']} probes)",
         "| request | bytes | statuses | slowest answer s | parse on a loop ms |",
         "|---|---|---|---|---|",
     ]
@@ -214,7 +230,8 @@ def _table(res: dict[str, Any]) -> str:
 
 def _failed(res: dict[str, Any]) -> bool:
     fives = any(s.startswith("5") for k in res["kinds"].values() for s in k["statuses"])
-    return fives or res["relay_log_tracebacks"] > 0 or res["longest_stall_ms"] > AIM_MS
+    stall = res["longest_stall_ms_at_most"]
+    return fives or res["relay_log_tracebacks"] > 0 or stall is None or stall > AIM_MS
 
 
 @dataclass

@@ -215,6 +215,10 @@ class MemoryStreams:
         del self._by_meta[ref.meta]
         return 204, self._source_of(s)
 
+    async def stream_forks(self, ref: StreamRef, limit: int) -> list[str]:
+        s = self._get(ref)
+        return [] if s is None else sorted(s.forks)[:limit]
+
     async def stream_fork_ref(self, source: StreamRef, fork_path: str, take: bool) -> str:
         s = self._get(source)
         if take:

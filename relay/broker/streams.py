@@ -130,6 +130,10 @@ class StreamStore(Protocol):
         releases ("" for none; forks still holding it: soft-deleted)."""
         ...
 
+    async def stream_forks(self, ref: StreamRef, limit: int) -> list[str]:
+        """Up to ``limit`` of the paths of the forks that hold ``ref`` (any of them)."""
+        ...
+
     async def stream_fork_ref(self, source: StreamRef, fork_path: str, take: bool) -> str:
         """Take (``take``: "1" when taken, "" when the source is gone or soft-deleted) or
         release a fork's reference on ``source`` (the source's own source path when this

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from relay.broker.port import SoftDeleted, StreamWrite
@@ -151,3 +153,25 @@ async def test_a_soft_deleted_source_keeps_no_data(stores: Stores) -> None:
     assert view.messages == [b"new"]
     r = await store.write(s, src, post(producer=("p", 0, 0)), [b"again"])
     assert r.code == 200  # the old producer state went with the data
+
+
+async def test_an_expired_fork_frees_its_deleted_source(stores: Stores) -> None:
+    """A fork that expires says nothing to its source: its reference is released when
+    the source is deleted or its path re-created, so a tombstone whose forks all
+    expired goes, and the path takes a new stream."""
+    s = stores.store
+    src = store.StreamRef.of(f"c/{stores.sid()}")
+    child = store.StreamRef.of(f"c/{stores.sid()}")
+    await store.write(s, src, put(), [b"1"])
+    assert (await store.write(s, child, put(ttl=1, fork=f"{src.path}\n1\n0"), [b"1"])).code == 201
+    assert await store.fork_ref(s, src, child.path)
+    assert await s.stream_forks(src, 10) == [child.path]
+    assert await store.delete(s, src) == 204  # soft: the fork is alive
+    assert (await store.write(s, src, put(), [])).code == 409
+    await asyncio.sleep(1.3)
+    assert await store.read(s, child, 0, count=1) is None  # expired
+    await store.prune(s, src)
+    assert (await store.write(s, src, put(), [b"new"])).code == 201
+    view = await store.read(s, src, 0, count=10)
+    assert view is not None
+    assert view.messages == [b"new"]

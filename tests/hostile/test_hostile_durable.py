@@ -11,6 +11,7 @@ attack, and checks that nothing was logged as an unhandled exception.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -143,6 +144,29 @@ async def test_a_sources_delete_removes_its_data_and_the_fork_lives_on(
         assert await redis.exists(*ref.keys) == 0
         async with relay.http.put(_url(relay, src), headers=JSON, data=b"[1]") as r:
             assert r.status == 201, await r.text()
+
+
+async def test_a_fork_that_expired_no_longer_blocks_its_deleted_source(
+    cluster: ClusterInfo, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fork's expiry released nothing: its deleted source's path answered 409 to a
+    re-create for ever. Now the re-create releases the expired fork's reference."""
+    async with _relay(cluster, caplog) as relay:
+        src, child = f"{OPEN}{uuid.uuid4().hex}", f"{OPEN}{uuid.uuid4().hex}"
+        async with relay.http.put(_url(relay, src), headers=JSON, data=b"[1]") as r:
+            assert r.status == 201
+        h = {**JSON, "Stream-Forked-From": f"/v1/stream/{src}", "Stream-TTL": "1"}
+        async with relay.http.put(_url(relay, child), headers=h) as r:
+            assert r.status == 201
+        async with relay.http.delete(_url(relay, src)) as r:
+            assert r.status == 204
+        async with relay.http.put(_url(relay, src), headers=JSON) as r:
+            assert r.status == 409  # the fork lives: the protocol's tombstone
+        await asyncio.sleep(1.3)
+        async with relay.http.put(_url(relay, src), headers=JSON, data=b"[2]") as r:
+            assert r.status == 201, await r.text()
+        async with relay.http.get(_url(relay, src)) as r:
+            assert await r.json() == [2]
 
 
 async def test_writes_past_luas_unpack_limit_are_whole(

@@ -23,6 +23,7 @@ from relay.broker.port import (
     StreamWrite,
     StreamWriteResult,
 )
+from relay.broker.rediscluster.errors import map_redis_errors
 from relay.broker.rediscluster.scripts import Script
 
 __all__ = ["RedisStreams"]
@@ -91,6 +92,11 @@ class RedisStreams:
     async def stream_delete(self, ref: StreamRef) -> tuple[int, str]:
         reply = await _DELETE(self.redis, ref.keys, [ref.channel])
         return int(reply[0]), _text(reply[1]) if len(reply) > 1 else ""
+
+    async def stream_forks(self, ref: StreamRef, limit: int) -> list[str]:
+        with map_redis_errors():
+            members = await self.redis.srandmember(ref.forks, limit)
+        return [_text(m) for m in members or []]
 
     async def stream_fork_ref(self, source: StreamRef, fork_path: str, take: bool) -> str:
         reply = await _FORK_REF(self.redis, source.keys, ["+" if take else "-", fork_path])
