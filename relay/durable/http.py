@@ -267,9 +267,8 @@ async def _put(request: web.Request, durable: Durable, ref: store.StreamRef) -> 
         json_mode = w.media_type == "application/json"
         msgs = await durable.parser.messages(body, json_mode, allow_empty_array=True)
         r = await store.write(streams, ref, w, msgs)
-        if r.code == 409:  # a tombstone whose forks all expired frees its path
-            await store.prune(streams, ref)
-            r = await store.write(streams, ref, w, msgs)
+        if r.code == 409 and await store.prune(streams, ref):  # forks that expired
+            r = await store.write(streams, ref, w, msgs)  # may have freed the path
     if r.code == 201 and source is not None and not await store.fork_ref(streams, source, ref.path):
         await store.delete(streams, ref)  # the source went meanwhile: no orphan fork
         return _error(409, "the source stream was deleted meanwhile")

@@ -86,11 +86,12 @@ async def _release(streams: StreamStore, src: str, child: str) -> None:
         child = parent.path
 
 
-async def prune(streams: StreamStore, ref: _Ref) -> None:
+async def prune(streams: StreamStore, ref: _Ref) -> bool:
     """Release the references of ``ref``'s forks that are gone without a delete (they
     expired: a TTL ends a stream without a word to its source), up to
     :data:`PRUNE_FORKS` of them: a soft-deleted stream whose forks all expired is then
-    removed, and its path free."""
+    removed, and its path free. Whether any reference was released."""
+    released = False
     for path in await streams.stream_forks(ref, PRUNE_FORKS):
         try:
             alive = await read(streams, StreamRef.of(path), None, count=0, touch=False)
@@ -98,6 +99,8 @@ async def prune(streams: StreamStore, ref: _Ref) -> None:
             continue  # a tombstone still holds what forked it
         if alive is None:
             await _release(streams, ref.path, path)
+            released = True
+    return released
 
 
 async def fork_ref(streams: StreamStore, source: _Ref, fork_path: str) -> bool:
