@@ -126,6 +126,11 @@ CATALOG: tuple[Benchmark, ...] = (
         "idle and trickling connections from one address against a relay while viewers stream",
     ),
     Benchmark(
+        "durable_hostile",
+        "bench.hostile.durable",
+        "hostile: the Durable Streams attack batch against a relay; its longest /healthz stall",
+    ),
+    Benchmark(
         "mq_vs_pubsub",
         "bench.pubsub.mq_vs_pubsub",
         "token streaming: Redis sharded Pub/Sub vs RabbitMQ (queue per connection, topic)",

@@ -23,6 +23,7 @@ from relay.broker.port import (
     StreamWrite,
     StreamWriteResult,
 )
+from relay.broker.rediscluster.errors import map_redis_errors
 from relay.broker.rediscluster.scripts import Script
 
 __all__ = ["RedisStreams"]
@@ -63,8 +64,8 @@ class RedisStreams:
             "" if w.expires_at is None else w.expires_at[0],
             "" if w.expires_at is None else str(w.expires_at[1]),
             "1" if w.close else "0", w.stream_seq or "", pid, epoch, seq,
-            secrets.token_hex(6), ref.channel, ref.path, "1" if w.has_body else "0", w.fork,
-            *messages,
+            w.build or secrets.token_hex(6), ref.channel, ref.path, "1" if w.has_body else "0",
+            w.fork, w.build, b"".join(b"%d:%b" % (len(m), m) for m in messages),
         ]  # fmt: skip
         reply = await _WRITE(self.redis, ref.keys, args)
         code, nxt, closed, a, b = (int(x) for x in reply)
@@ -91,6 +92,11 @@ class RedisStreams:
     async def stream_delete(self, ref: StreamRef) -> tuple[int, str]:
         reply = await _DELETE(self.redis, ref.keys, [ref.channel])
         return int(reply[0]), _text(reply[1]) if len(reply) > 1 else ""
+
+    async def stream_forks(self, ref: StreamRef, limit: int) -> list[str]:
+        with map_redis_errors():
+            members = await self.redis.srandmember(ref.forks, limit)
+        return [_text(m) for m in members or []]
 
     async def stream_fork_ref(self, source: StreamRef, fork_path: str, take: bool) -> str:
         reply = await _FORK_REF(self.redis, source.keys, ["+" if take else "-", fork_path])
