@@ -44,9 +44,12 @@ from bench._util import raise_nofile
 from bench.harness import Bench as Harness
 from bench.harness import OnCluster, Outcome, bench_stack, flag
 from bench.harness.report import progress as _progress
+from bench.peers.centrifugo import PIN as CENTRIFUGO_PIN
+from bench.peers.centrifugo import ensure_centrifugo
+from bench.peers.llmshape import mean_rate
 from bench.peers.node import ensure_socketio, installed_versions
 from bench.peers.pathaims import aims, summarize
-from bench.peers.pathdrivers import Bench, RelaySystem, SocketIOSystem
+from bench.peers.pathdrivers import Bench, CentrifugoSystem, RelaySystem, SocketIOSystem
 from bench.peers.pathround import redis_cpu_by_role
 from bench.peers.pathsystem import Phase, RoundFigures, System
 from bench.relay.harness import slotmap
@@ -56,7 +59,8 @@ from relay.protocol.slotmap import Addr
 __all__ = ["Config", "add_arguments", "main", "phases", "report", "run", "run_from_args"]
 
 TURN_TOKENS = 300  # a real turn's length, for a turn's opening per token in --report
-ALL = ("tokenrelay", "socketio", "resumable-stream", "tokenrelay-sse", "bare")
+ALL = ("tokenrelay", "socketio", "socketio-streams", "centrifugo", "resumable-stream",
+       "tokenrelay-sse", "bare")  # fmt: skip
 
 
 @dataclass
@@ -68,6 +72,13 @@ class Config:
     fan_rate: int = 2_000
     storm_sessions: int = 1_000
     storm_rate: int = 2_000
+    # the LLM-rate phases (bench.peers.llmshape): tokens/s of each replying session
+    llm_rates: tuple[int, ...] = (30, 60, 100)
+    llm_sessions: int = 400  # live sessions, 1 screen each (about 1 in 8 replying at once)
+    llm_fan_sessions: int = 100  # with llm_fan_viewers screens each, at 60 tokens/s
+    llm_fan_viewers: int = 10
+    llm_storm_rate: int = 60
+    coalesce: tuple[int, float] = (8, 0.05)  # tokenrelay's flush size and window (s)
     seconds: float = 8.0
     warm_s: float = 1.0
     repeats: int = 3
@@ -88,6 +99,14 @@ def phases(cfg: Config) -> list[Phase]:
                      cfg.fan_viewers, cfg.fan_rate, cfg.seconds))  # fmt: skip
     out.append(Phase(f"storm_{cfg.storm_sessions}x1_{cfg.storm_rate}", cfg.storm_sessions, 1,
                      cfg.storm_rate, cfg.seconds, "resume_storm"))  # fmt: skip
+    for r in cfg.llm_rates:
+        out.append(Phase(f"llm{r}_{cfg.llm_sessions}x1", cfg.llm_sessions, 1,
+                         round(mean_rate(cfg.llm_sessions, r)), cfg.seconds, "llm", r))  # fmt: skip
+    fan, r, n = cfg.llm_fan_sessions, cfg.llm_storm_rate, cfg.llm_sessions
+    out.append(Phase(f"llm{r}_{fan}x{cfg.llm_fan_viewers}", fan, cfg.llm_fan_viewers,
+                     round(mean_rate(fan, r)), cfg.seconds, "llm", r))  # fmt: skip
+    out.append(Phase(f"llm{r}_storm_{n}x1", n, 1, round(mean_rate(n, r)), cfg.seconds,
+                     "llm_storm", r))  # fmt: skip
     return [p for p in out if p.name in cfg.only] if cfg.only else out
 
 
@@ -111,11 +130,16 @@ def _systems(cfg: Config, bench: Bench) -> tuple[dict[str, System], dict[str, st
             made[name] = RelaySystem(bench, "sse")
         elif name == "bare":
             made[name] = RelaySystem(bench, bare=True)
-        elif name == "socketio":
+        elif name in ("socketio", "socketio-streams"):
             if bench.modules is None:
                 missing[name] = cfg.notes.get("socketio", "node_modules missing")
             else:
-                made[name] = SocketIOSystem(bench)
+                made[name] = SocketIOSystem(bench, streams=name == "socketio-streams")
+        elif name == "centrifugo":
+            if bench.centrifugo is None:
+                missing[name] = cfg.notes.get("centrifugo", "not built")
+            else:
+                made[name] = CentrifugoSystem(bench)
         elif name == "resumable-stream":
             got = _resumable(bench)
             if isinstance(got, str):
@@ -134,24 +158,31 @@ def _supports(system: System, phase: Phase) -> bool:
 
 async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
     started = time.monotonic()
-    got = await asyncio.to_thread(ensure_socketio) if "socketio" in cfg.systems else None
+    sio = {"socketio", "socketio-streams"} & set(cfg.systems)
+    got = await asyncio.to_thread(ensure_socketio) if sio else None
     modules = got if isinstance(got, Path) else None
     if isinstance(got, str):
         cfg.notes["socketio"] = got
-    readers = max(cfg.sessions, cfg.fan_sessions * cfg.fan_viewers, cfg.storm_sessions)
+    built = await asyncio.to_thread(ensure_centrifugo) if "centrifugo" in cfg.systems else None
+    if isinstance(built, str):
+        cfg.notes["centrifugo"] = built
+    readers = max(cfg.sessions, cfg.fan_sessions * cfg.fan_viewers, cfg.storm_sessions,
+                  cfg.llm_sessions, cfg.llm_fan_sessions * cfg.llm_fan_viewers)  # fmt: skip
     raise_nofile(4 * readers + 1_000)
     load_start = Path("/proc/loadavg").read_text().split()[:3]
     plan = phases(cfg)
     results: dict[str, dict[str, Any]] = {p.name: {} for p in plan}
     profile: dict[str, list[dict[str, Any]]] = {}
     redis_idle: dict[str, float] = {}
+    failed: dict[str, dict[str, str]] = {}  # phase -> peer -> why its round failed
     async with bench_stack("pathcost-") as st:
         own = url is None
         url = await st.cluster(masters=3, replicas=1, url=url)
         host, port = url.split("//", 1)[1].rsplit(":", 1)
         seed = Addr(host, int(port))
         log_dir = st.log_dir
-        bench = Bench(url, seed, await slotmap(seed), log_dir, modules, readers + 100, cfg.warm_s)
+        bench = Bench(url, seed, await slotmap(seed), log_dir, modules, readers + 100, cfg.warm_s,
+                      built if isinstance(built, Path) else None, cfg.coalesce)  # fmt: skip
         systems, missing = _systems(cfg, bench)
         for name, system in list(systems.items()):
             try:
@@ -178,19 +209,27 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
                     if not _supports(systems[name], phase):
                         continue
                     _progress(started, f"{phase.name} round {i + 1}/{cfg.repeats}: {name}")
-                    rounds[name].append(await systems[name].round(phase, cfg.seed + i))
+                    try:
+                        rounds[name].append(await systems[name].round(phase, cfg.seed + i))
+                    except Exception as exc:  # a peer's failed round is named, not fatal
+                        if name.startswith("tokenrelay"):
+                            raise
+                        failed.setdefault(phase.name, {})[name] = f"{exc!r}"[:300]
             results[phase.name] = {k: summarize(v) for k, v in rounds.items() if v}
         if cfg.profile and "tokenrelay" in systems:
             profile = await _profile(cfg, plan, systems["tokenrelay"], Path(cfg.profile), started)
         logs = "".join(p.read_text(errors="replace") for p in log_dir.glob("*.log"))
     by_name = {p.name: p for p in plan}
     versions = installed_versions(modules) if modules else {}
+    if isinstance(built, Path):
+        versions["centrifugo"] = CENTRIFUGO_PIN
     return {
         "phases": {p.name: asdict(p) for p in plan},
         "results": results,
-        "aims": aims(by_name, results, missing),
+        "aims": aims(by_name, results, missing, cfg.coalesce[1] * 1e3),
         "guarantees": {n: s.guarantee for n, s in systems.items()},
         "missing": missing,
+        "failed_rounds": failed,
         "redis_idle_cpu_s_per_s": redis_idle,
         "profile": profile,
         "order": order,
@@ -237,6 +276,12 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:,.2f}"
     return str(v)
+
+
+def _target(t: Any) -> str:
+    if isinstance(t, bool):
+        return "yes"
+    return f"<= {t:g}" if isinstance(t, (int, float)) else str(t)
 
 
 def _md(head: tuple[str, ...], rows: Sequence[Sequence[str]]) -> str:
@@ -293,15 +338,17 @@ def report(res: dict[str, Any]) -> str:
     out = [_md(head, rows), ""]
     # the aims again from the run's figures (pure), so a saved run reads as this code judges
     plan = {n: Phase(**p) for n, p in res["phases"].items()}
-    judged = aims(plan, res["results"], res["missing"])
+    judged = aims(plan, res["results"], res["missing"], res["config"]["coalesce"][1] * 1e3)
     aim_rows = [(a["phase"], a["aim"], _fmt(a["ours"]), _fmt(a["theirs"]), _fmt(a["ratio"]),
-                 f"<= {a['target']:g}" if not isinstance(a["target"], bool) else "yes",
+                 _target(a["target"]),
                  _fmt(a["met"]), a["missed_by"] or "") for a in judged]  # fmt: skip
     out += [_md(("phase", "aim", "tokenrelay", "peer", "ratio", "target", "met", "missed by"),
                 aim_rows), ""]  # fmt: skip
     out += _commands_md(res)
     out += [f"- **{n}**: {g}" for n, g in res["guarantees"].items()]
     out += [f"- **{n}**: not in this run: {why}" for n, why in res["missing"].items()]
+    out += [f"- **{n}** in {ph}: its round failed: {why}"
+            for ph, by in (res.get("failed_rounds") or {}).items() for n, why in by.items()]  # fmt: skip
     prof = res.get("profile") or {}
     for phase, funcs in prof.items() if isinstance(prof, dict) else [("", prof)]:
         top = ", ".join(f"{p['function']} {p['self_pct']}%" for p in funcs[:8])

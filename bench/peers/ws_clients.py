@@ -39,7 +39,7 @@ from relay.protocol.auth import issue_token
 
 __all__ = ["Kind", "Tally", "WsClient", "close_clients", "open_clients"]
 
-Kind = Literal["tokenrelay", "socketio"]
+Kind = Literal["tokenrelay", "socketio", "socketio-csr"]
 _OPEN_TIMEOUT_S = 60.0
 _RETRIES = 5
 # the relay's close codes after which a client reconnects with its last offset (and
@@ -47,6 +47,11 @@ _RETRIES = 5
 _RESUME_CODES = frozenset({1012, 4008})
 _OFFSET = re.compile(r'"offset":(\d+)')
 _STAMP = re.compile(STAMP.pattern.decode())  # the same pattern, on str
+# Socket.IO's connection state recovery: the namespace ack's session id (pid), and the
+# offset the server appends to every broadcast event (a Redis stream id with the streams
+# adapter) as the event's last argument
+_SIO_PID = re.compile(r'"pid":"([^"]+)"')
+_SIO_OFFSET = re.compile(r',"(\d+-\d+)"\]$')
 
 
 @dataclass
@@ -103,12 +108,14 @@ class WsClient:
         self.http: aiohttp.ClientSession | None = None
         self.port = 0
         self.last = ""  # the last message with a stamp: its offset is the resume point
+        self.pid = ""  # Socket.IO's session id, for connection state recovery
+        self.recovered = 0  # reconnects the server said it recovered (Socket.IO)
 
     async def open(self, http: aiohttp.ClientSession, port: int) -> None:
         self.task = asyncio.create_task(self._pump(await self._handshake(http, port, None)))
 
     async def _handshake(
-        self, http: aiohttp.ClientSession, port: int, resume_from: int | None
+        self, http: aiohttp.ClientSession, port: int, resume_from: int | str | None
     ) -> aiohttp.ClientWebSocketResponse:
         """Connect; return once the server will send this client its room's messages."""
         if self.kind == "tokenrelay":
@@ -126,10 +133,24 @@ class WsClient:
             else:
                 if not first.startswith("0{"):
                     raise ConnectionError(f"expected an Engine.IO open packet, got {first[:200]!r}")
-                await ws.send_str("40")
+                if isinstance(resume_from, str) and self.pid:  # state recovery asked
+                    await ws.send_str(f'40{{"pid":"{self.pid}","offset":"{resume_from}"}}')
+                else:
+                    await ws.send_str("40")
                 ack = await ws.receive_str()
+                while self.kind == "socketio-csr" and ack.startswith("42"):
+                    # a recovered session is back in its rooms before its ack is written:
+                    # a broadcast may come first, and it counts
+                    if self.tally.note(ack):
+                        self.last = ack
+                    ack = await ws.receive_str()
                 if not ack.startswith("40"):
                     raise ConnectionError(f"expected a namespace connect ack, got {ack[:200]!r}")
+                pid = _SIO_PID.search(ack)
+                if pid is not None:
+                    if pid.group(1) == self.pid and isinstance(resume_from, str):
+                        self.recovered += 1  # the same session: the server recovered it
+                    self.pid = pid.group(1)
         self.http, self.port = http, port
         return ws
 
@@ -151,7 +172,7 @@ class WsClient:
 
     async def _pump(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         tally = self.tally
-        pong = self.kind == "socketio"
+        pong = self.kind != "tokenrelay"
         try:
             while True:
                 msg = await ws.receive()
@@ -185,8 +206,13 @@ class WsClient:
         if self.http is None:
             raise RuntimeError("reconnect before open")
         await self.close()
-        found = _OFFSET.search(self.last) if resume else None
-        offset = int(found.group(1)) if found else (0 if resume else None)
+        offset: int | str | None = None
+        if resume and self.kind == "socketio-csr":
+            sio = _SIO_OFFSET.search(self.last)
+            offset = sio.group(1) if sio else None
+        elif resume:
+            found = _OFFSET.search(self.last)
+            offset = int(found.group(1)) if found else 0
         ws = await self._handshake(self.http, self.port, offset)
         self.task = asyncio.create_task(self._pump(ws))
 
