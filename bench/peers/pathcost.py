@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -322,6 +322,41 @@ def _commands_md(res: dict[str, Any], n: int = 6) -> list[str]:
             "tokens.", ""]  # fmt: skip
 
 
+def _llm_md(res: dict[str, Any]) -> list[str]:
+    """The LLM-rate phases' extras: tokens and frames per round, tokenrelay's coalescing
+    (frames per token, the mean and longest wait a token had in the coalescer), and the
+    screens each system recovered in a storm (medians of the rounds)."""
+    rows = []
+    for name, by_sys in res["results"].items():
+        if not res["phases"][name]["kind"].startswith("llm"):
+            continue
+        for sysname, r in by_sys.items():
+            notes = [x["notes"] for x in r["rounds"]]
+
+            def med(key: str, notes: list[dict[str, Any]] = notes) -> str:
+                got = [float(n[key]) for n in notes if key in n]
+                return f"{statistics.median(got):,.2f}" if got else "-"
+
+            frames = [float(n["coalesce_frames"]) / max(float(x["published"]), 1.0)
+                      for n, x in zip(notes, r["rounds"], strict=True)
+                      if "coalesce_frames" in n]  # fmt: skip
+            rows.append((name, sysname, f"{r['published']:,.0f}",
+                         f"{statistics.median(frames):.2f}" if frames else "1 (none)",
+                         med("coalesce_wait_ms_mean"), med("coalesce_wait_ms_max"),
+                         med("storm_recovered"), med("storm_reconnect_s")))  # fmt: skip
+    if not rows:
+        return []
+    n, window = res["config"]["coalesce"]
+    head = ("phase", "system", "tokens published", "frames per token",
+            "coalescer wait, mean ms", "max ms", "screens recovered (storm)",
+            "storm reconnect s")  # fmt: skip
+    return [_md(head, rows), "",
+            f"tokenrelay's coalescing in these phases: a frame at {n} tokens or after "
+            f"{window * 1e3:g} ms, the first token of a reply at once (the worker's "
+            "TokenPump policy); its wait is inside tokenrelay's latency above. The peers "
+            "publish one message per token.", ""]  # fmt: skip
+
+
 def report(res: dict[str, Any]) -> str:
     """The markdown of bench/README.md: figures, aims, guarantees, what was missing."""
     head = ("phase", "system", "µs/token whole", "producer", "Redis", "server", "p50 ms",
@@ -345,10 +380,12 @@ def report(res: dict[str, Any]) -> str:
     out += [_md(("phase", "aim", "tokenrelay", "peer", "ratio", "target", "met", "missed by"),
                 aim_rows), ""]  # fmt: skip
     out += _commands_md(res)
+    out += _llm_md(res)
     out += [f"- **{n}**: {g}" for n, g in res["guarantees"].items()]
     out += [f"- **{n}**: not in this run: {why}" for n, why in res["missing"].items()]
+    failed = res.get("failed_rounds") or {}
     out += [f"- **{n}** in {ph}: its round failed: {why}"
-            for ph, by in (res.get("failed_rounds") or {}).items() for n, why in by.items()]  # fmt: skip
+            for ph, by in failed.items() for n, why in by.items()]  # fmt: skip
     prof = res.get("profile") or {}
     for phase, funcs in prof.items() if isinstance(prof, dict) else [("", prof)]:
         top = ", ".join(f"{p['function']} {p['self_pct']}%" for p in funcs[:8])
@@ -384,11 +421,24 @@ class Flags(OnCluster):
     phases: str = flag("", "comma-separated phase names (all): "
                        + ",".join(p.name for p in phases(_D)))  # fmt: skip
     profile: str | None = flag(None, "py-spy the relay in one more round", metavar="DIR")
+    llm_sessions: int = flag(_D.llm_sessions, "live sessions of the 1-screen LLM-rate phases")
+    coalesce: str = flag("8,50", "tokenrelay's coalescing in the LLM-rate phases: flush "
+                         "size (tokens) and window (ms)", metavar="N,MS")  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace | Flags) -> Config:
     f = args if isinstance(args, Flags) else BENCH.flags(args)
-    cfg = Config(seed=f.seed, seconds=f.seconds, repeats=f.repeats, profile=f.profile)
+    cfg = Config(seed=f.seed, seconds=f.seconds, repeats=f.repeats, profile=f.profile,
+                 llm_sessions=f.llm_sessions)  # fmt: skip
+    try:
+        n, ms = (float(x) for x in f.coalesce.split(","))
+    except ValueError:
+        raise SystemExit(
+            f"pathcost: --coalesce wants N,MS (e.g. 8,50), got {f.coalesce!r}"
+        ) from None
+    if n < 1 or ms < 0 or n != int(n):
+        raise SystemExit("pathcost: --coalesce wants a flush size >= 1 and a window >= 0 ms")
+    cfg.coalesce = (int(n), ms / 1e3)
     if f.systems:
         cfg.systems = tuple(s.strip() for s in f.systems.split(",") if s.strip())
         bad = [s for s in cfg.systems if s not in ALL]
@@ -396,7 +446,7 @@ def config_from_args(args: argparse.Namespace | Flags) -> Config:
             raise SystemExit(f"pathcost: unknown system {bad[0]!r} (one of {', '.join(ALL)})")
     if f.phases:
         cfg.only = tuple(s.strip() for s in f.phases.split(",") if s.strip())
-        known = [p.name for p in phases(Config(rates=cfg.rates))]
+        known = [p.name for p in phases(replace(cfg, only=()))]
         bad = [s for s in cfg.only if s not in known]
         if bad:
             raise SystemExit(f"pathcost: unknown phase {bad[0]!r} (one of {', '.join(known)})")

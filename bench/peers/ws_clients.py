@@ -25,6 +25,7 @@ tally, window)``; ... ``tally.received``, ``tally.latencies_ms(warm_s)``;
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import time
 from array import array
@@ -51,6 +52,7 @@ _STAMP = re.compile(STAMP.pattern.decode())  # the same pattern, on str
 # offset the server appends to every broadcast event (a Redis stream id with the streams
 # adapter) as the event's last argument
 _SIO_PID = re.compile(r'"pid":"([^"]+)"')
+_SIO_DELAY_S = 1.0  # socket.io-client's reconnectionDelay (randomizationFactor 0.5)
 _SIO_OFFSET = re.compile(r',"(\d+-\d+)"\]$')
 
 
@@ -138,10 +140,12 @@ class WsClient:
                 else:
                     await ws.send_str("40")
                 ack = await ws.receive_str()
-                while self.kind == "socketio-csr" and ack.startswith("42"):
+                while self.kind == "socketio-csr" and (ack == "2" or ack.startswith("42")):
                     # a recovered session is back in its rooms before its ack is written:
-                    # a broadcast may come first, and it counts
-                    if self.tally.note(ack):
+                    # a broadcast (which counts) or the server's ping may come first
+                    if ack == "2":
+                        await ws.send_str("3")
+                    elif self.tally.note(ack):
                         self.last = ack
                     ack = await ws.receive_str()
                 if not ack.startswith("40"):
@@ -199,10 +203,12 @@ class WsClient:
             tally.errors.append(f"{type(exc).__name__}: {exc}")
 
     async def reconnect(self, resume: bool) -> None:
-        """Drop the connection from this side and open a new one at once: with
-        ``from=<the last offset received>`` when ``resume`` (tokenrelay), else live (what a
-        Socket.IO client without state recovery gets). The resume storm of
-        :mod:`bench.peers.pathcost`."""
+        """Drop the connection from this side and open a new one: with
+        ``from=<the last offset received>`` when ``resume`` (tokenrelay, at once), with its
+        session id and last offset (Socket.IO with state recovery, after the first delay
+        of socket.io-client's reconnection, 0.5-1.5 s: its server keeps the session only
+        once it has seen the disconnect), else live at once (what a Socket.IO client
+        without state recovery gets). The resume storm of :mod:`bench.peers.pathcost`."""
         if self.http is None:
             raise RuntimeError("reconnect before open")
         await self.close()
@@ -210,10 +216,13 @@ class WsClient:
         if resume and self.kind == "socketio-csr":
             sio = _SIO_OFFSET.search(self.last)
             offset = sio.group(1) if sio else None
+            await asyncio.sleep(_SIO_DELAY_S * random.uniform(0.5, 1.5))
         elif resume:
             found = _OFFSET.search(self.last)
             offset = int(found.group(1)) if found else 0
         ws = await self._handshake(self.http, self.port, offset)
+        if self.kind == "tokenrelay" and offset is not None:
+            self.recovered += 1  # the relay said hello to a resume from the offset
         self.task = asyncio.create_task(self._pump(ws))
 
     async def close(self) -> None:

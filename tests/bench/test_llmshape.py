@@ -62,8 +62,11 @@ def test_llm_aims_ratio_window_and_storm() -> None:
     one = Phase("llm60_400x1", 400, 1, 3000, 3.0, "llm", 60)
     storm = Phase("llm60_storm_400x1", 400, 1, 3000, 3.0, "llm_storm", 60)
     results = {
-        one.name: {"tokenrelay": _sys(90.0, 70.0), "centrifugo": _sys(100.0, 30.0),
-                   "socketio-streams": _sys(120.0, 10.0)},  # fmt: skip
+        one.name: {
+            "tokenrelay": _sys(90.0, 70.0),
+            "centrifugo": _sys(100.0, 30.0),
+            "socketio-streams": _sys(120.0, 10.0),
+        },  # fmt: skip
         storm.name: {"tokenrelay": _sys(90.0, 1200.0, lost=1)},
     }
     got = {(a["phase"], a["aim"]): a for a in aims({one.name: one, storm.name: storm}, results,
