@@ -3,7 +3,8 @@ build, its configuration, its process, its screens and its history.
 
 - :func:`ensure_centrifugo`: ``go install github.com/centrifugal/centrifugo/v6@`` :data:`PIN`
   (under ``nice -n 10``) into ``~/.cache/tokenrelay/peer-centrifugo`` once per machine;
-  the binary, or why there is none (no Go, the build failed).
+  the binary, or why there is none (no Go, the build failed). ``python -m
+  bench.peers.centrifugo`` builds it ahead (about 10 minutes on two busy cores).
 - :func:`config`: its Redis engine on the run's cluster (``engine.redis.cluster_address``),
   one namespace ``ai`` as its docs' AI-streaming example sets it (history and
   ``force_recovery`` on: every publication goes to a Redis stream per channel, offset +
@@ -72,12 +73,15 @@ def _version(binary: Path) -> str:
     return done.stdout.strip()
 
 
-def ensure_centrifugo(cache: Path | None = None) -> Path | str:
-    """The ``centrifugo`` binary at :data:`PIN` (built here once per cache), or why not."""
+def ensure_centrifugo(cache: Path | None = None, *, build: bool = True) -> Path | str:
+    """The ``centrifugo`` binary at :data:`PIN` (built here once per cache unless
+    ``build`` is false), or why there is none."""
     cache = cache or peer_cache("peer-centrifugo")
     binary = cache / "centrifugo"
     if binary.is_file() and PIN.lstrip("v") in _version(binary):
         return binary
+    if not build:
+        return f"not built here (python -m bench.peers.centrifugo builds it into {cache})"
     go = shutil.which("go")
     if go is None:
         return "Go is needed to build Centrifugo (go install; not on PATH)"
@@ -195,3 +199,9 @@ class CentrifugoReader:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(5):
                 await self.client.disconnect()
+
+
+if __name__ == "__main__":  # build it once: minutes on two cores
+    got = ensure_centrifugo()
+    print(got)
+    raise SystemExit(0 if isinstance(got, Path) else 1)

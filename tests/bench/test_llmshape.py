@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ def test_draw_is_seeded_and_each_reply_streams_at_the_session_rate() -> None:
         for start, tokens in replies:
             assert 0.0 <= start < 8.0
             assert 1 <= tokens <= REPLY.max_tokens
-        for (start, tokens), nxt in zip(replies, replies[1:], strict=False):
+        for (start, tokens), nxt in pairwise(replies):
             # the next turn starts after this reply and a gap of at least 5 s
             assert nxt[0] >= start + tokens / 60.0 + 5.0 - 1e-9
     # the stationary mix: some sessions mid-reply at 0, most between turns
@@ -36,8 +37,8 @@ def test_ticks_put_every_due_token_once_and_mark_each_reply_start() -> None:
     assert sum(1 for e in flat if session_of(e) == 0) == 13
     assert sum(1 for e in flat if session_of(e) == 2) == 5  # cut at the round's end
     assert not any(session_of(e) == 1 for e in flat)
-    assert got[0] == [-1] and got[50] == [-1] and got[95] == [-3]  # first tokens
-    assert got[1] == [0] and got[96] == [2]
+    assert (got[0], got[50], got[95]) == ([-1], [-1], [-3])  # first tokens
+    assert (got[1], got[96]) == ([0], [2])
 
 
 def test_even_ticks_is_todays_pacing() -> None:
@@ -66,17 +67,20 @@ def test_llm_aims_ratio_window_and_storm() -> None:
             "tokenrelay": _sys(90.0, 70.0),
             "centrifugo": _sys(100.0, 30.0),
             "socketio-streams": _sys(120.0, 10.0),
-        },  # fmt: skip
+        },
         storm.name: {"tokenrelay": _sys(90.0, 1200.0, lost=1)},
     }
-    got = {(a["phase"], a["aim"]): a for a in aims({one.name: one, storm.name: storm}, results,
-                                                   {"socketio-streams": "no npm"}, 50.0)}  # fmt: skip
+    judged = aims({one.name: one, storm.name: storm}, results, {"socketio-streams": "no npm"}, 50.0)
+    got = {(a["phase"], a["aim"]): a for a in judged}
     cf = got[(one.name, "whole CPU/token vs centrifugo")]
-    assert cf["ratio"] == pytest.approx(0.9) and cf["met"]
+    assert cf["ratio"] == pytest.approx(0.9)
+    assert cf["met"]
     ss = got[(one.name, "whole CPU/token vs socketio-streams")]
-    assert ss["ratio"] == pytest.approx(0.75) and not ss["met"]
+    assert ss["ratio"] == pytest.approx(0.75)
+    assert not ss["met"]
     assert got[(one.name, "p99 vs centrifugo + 50 ms window")]["met"]  # 70 <= 30 + 50
     assert not got[(one.name, "p99 vs socketio-streams + 50 ms window")]["met"]  # 70 > 60
     assert not got[(storm.name, "storm: p99 < 1 s, 0 lost, 0 dup")]["met"]
     absent = got[(storm.name, "whole CPU/token vs socketio-streams")]
-    assert absent["met"] is None and "no npm" in absent["missed_by"]
+    assert absent["met"] is None
+    assert "no npm" in absent["missed_by"]

@@ -35,6 +35,8 @@ TINY = Config(
     seconds=2.0,
     warm_s=0.5,
     repeats=1,
+    # the LLM-rate peers have their own test below (Centrifugo needs a Go build)
+    systems=("tokenrelay", "socketio", "resumable-stream", "tokenrelay-sse", "bare"),
 )
 
 
@@ -93,3 +95,46 @@ def test_phases_picks_the_named_ones_and_refuses_an_unknown_one() -> None:
     assert len(phases(Config())) == 10
     with pytest.raises(SystemExit, match="unknown phase 'storm'"):
         config_from_args(ap.parse_args(["--phases", "storm"]))
+
+
+LLM_PEERS = Config(
+    llm_rates=(60,),
+    llm_sessions=30,
+    llm_fan_sessions=30,
+    llm_fan_viewers=2,
+    seconds=2.0,
+    warm_s=0.5,
+    repeats=1,
+    systems=("tokenrelay", "centrifugo", "socketio-streams"),
+    only=("llm60_30x1", "llm60_storm_30x1"),
+)
+
+
+@pytest.mark.timeout(300)
+async def test_llm_phases_beside_the_peers_that_keep_what_they_send(cluster: ClusterInfo) -> None:
+    """Centrifugo (when built here: this test builds nothing) and Socket.IO with the
+    streams adapter (when npm can install it) in the LLM-rate phases: their Redis work is
+    what their guarantees say (Centrifugo's history in Redis streams, the streams
+    adapter's XADD), tokenrelay loses nothing in the storm, and Centrifugo's screens lose
+    nothing against its history."""
+    from bench.peers.centrifugo import ensure_centrifugo
+    from bench.peers.node import node_missing
+
+    if isinstance(built := ensure_centrifugo(build=False), str):
+        pytest.skip(f"Centrifugo: {built}")
+    if (why := node_missing("the Socket.IO side")) is not None:
+        pytest.skip(why)
+    res = json.loads(json.dumps(await run(LLM_PEERS, cluster.url)))
+    assert not res["missing"], res["missing"]
+    assert not res["failed_rounds"], res["failed_rounds"]
+    steady, storm = res["results"]["llm60_30x1"], res["results"]["llm60_storm_30x1"]
+    for by_sys in (steady, storm):
+        assert set(by_sys) == {"tokenrelay", "centrifugo", "socketio-streams"}
+        assert by_sys["tokenrelay"]["lost"] == 0
+        assert by_sys["tokenrelay"]["duplicated"] == 0
+        cmds = {c["command"] for c in by_sys["centrifugo"]["redis_commands"]}
+        assert cmds & {"xadd", "evalsha", "fcall"}, cmds  # its history is in Redis
+        assert "xadd" in {c["command"] for c in by_sys["socketio-streams"]["redis_commands"]}
+    assert steady["centrifugo"]["lost"] == 0  # against its own history in Redis
+    assert storm["tokenrelay"]["rounds"][0]["notes"]["storm_recovered"] == 30
+    assert "| llm60_storm_30x1 | centrifugo |" in report(res)
