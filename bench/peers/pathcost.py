@@ -84,6 +84,7 @@ class Config:
     repeats: int = 3
     systems: tuple[str, ...] = ALL
     only: tuple[str, ...] = ()  # phase names to run (empty: every phase)
+    custom: tuple[Phase, ...] = ()  # these instead of the phases above (pathscale)
     seed: int = 0
     profile: str | None = None
     notes: dict[str, str] = field(default_factory=dict)
@@ -94,6 +95,8 @@ class Config:
 
 
 def phases(cfg: Config) -> list[Phase]:
+    if cfg.custom:
+        return [p for p in cfg.custom if not cfg.only or p.name in cfg.only]
     out = [Phase(f"{cfg.sessions}x1_{r}", cfg.sessions, 1, r, cfg.seconds) for r in cfg.rates]
     out.append(Phase(f"{cfg.fan_sessions}x{cfg.fan_viewers}_{cfg.fan_rate}", cfg.fan_sessions,
                      cfg.fan_viewers, cfg.fan_rate, cfg.seconds))  # fmt: skip
@@ -166,11 +169,10 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
     built = await asyncio.to_thread(ensure_centrifugo) if "centrifugo" in cfg.systems else None
     if isinstance(built, str):
         cfg.notes["centrifugo"] = built
-    readers = max(cfg.sessions, cfg.fan_sessions * cfg.fan_viewers, cfg.storm_sessions,
-                  cfg.llm_sessions, cfg.llm_fan_sessions * cfg.llm_fan_viewers)  # fmt: skip
+    plan = phases(cfg)
+    readers = max((p.sessions * p.viewers for p in plan), default=1)
     raise_nofile(4 * readers + 1_000)
     load_start = Path("/proc/loadavg").read_text().split()[:3]
-    plan = phases(cfg)
     results: dict[str, dict[str, Any]] = {p.name: {} for p in plan}
     profile: dict[str, list[dict[str, Any]]] = {}
     redis_idle: dict[str, float] = {}
