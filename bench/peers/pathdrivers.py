@@ -111,7 +111,7 @@ class _ServerSystem:
         self.server: RelayProc | None = None
 
     def supports(self, phase: Phase) -> bool:
-        return phase.kind in ("steady", "llm") or self.transport == "ws"
+        return phase.kind == "steady" or self.transport == "ws"  # SSE: the bare-ratio phases
 
     async def stop(self) -> None:
         await self.stack.aclose()

@@ -9,8 +9,8 @@ alternating, medians of rounds; each point is one LLM-rate phase of it).
   so this grows idle and streaming sessions together);
 - ``screens_<k>``: ``--fan-sessions`` sessions x ``k`` screens each.
 
-``python -m bench.peers.pathscale [--quick] [--json PATH] [--seed N] [--png PATH]``;
-``--png`` plots the four curves (matplotlib; the run says so when it is missing).
+``python -m bench.peers.pathscale [--quick] [--json PATH] [--seed N] [--plot PATH]``;
+``--plot`` draws the four curves as a PNG (matplotlib; the run says so when it is missing).
 ``--report PATH.json`` prints the markdown of bench/README.md.
 """
 
@@ -131,7 +131,7 @@ class Flags(OnCluster):
     seconds: float = flag(8.0, "publishing seconds per round", quick=3.0)
     repeats: int = flag(3, "rounds per system and point", quick=1, least=1)
     systems: str = flag(",".join(SYSTEMS), "comma-separated systems")
-    png: Path | None = flag(None, "where to write the plot", metavar="PATH")
+    plot: Path | None = flag(None, "where to write the plot (PNG)", metavar="PATH")
 
 
 def _run(f: Flags) -> Outcome:
@@ -142,8 +142,8 @@ def _run(f: Flags) -> Outcome:
                  custom=custom, llm_storm_rate=f.rate)  # fmt: skip
     res = asyncio.run(run(cfg, f.redis))
     text = report(res)
-    if f.png is not None:
-        res["png"] = plot(res, f.png)
+    if f.plot is not None:
+        res["png"] = plot(res, f.plot)
         text += "\n" + res["png"]
     return Outcome(res, text, 0)
 
