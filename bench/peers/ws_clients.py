@@ -9,6 +9,10 @@ one aiohttp WebSocket per viewer, one text message per delivered message.
   framing done here: the server's open packet (``0{...}``), our namespace connect
   (``40``), its acknowledgement (``40{...}``); then event packets (``42["m",{...}]``), and
   a server ping (``2``) is answered with a pong (``3``).
+- Socket.IO with connection state recovery (``socketio-csr``, the streams adapter's
+  server): the same, keeping the session id of the namespace ack (``pid``) and the offset
+  the server appends to each event; a resume sends ``40{"pid":...,"offset":...}``, and
+  ``recovered`` counts the reconnects whose ack kept the same session.
 
 Both sides carry the send time in the message text as 19 digits and ``;``
 (``bench.relay.harness.STAMP``); a message may carry several (a tokenrelay frame that
