@@ -345,18 +345,21 @@ def _llm_md(res: dict[str, Any]) -> list[str]:
             rows.append((name, sysname, f"{r['published']:,.0f}",
                          f"{statistics.median(frames):.2f}" if frames else "1 (none)",
                          med("coalesce_wait_ms_mean"), med("coalesce_wait_ms_max"),
-                         med("storm_recovered"), med("storm_reconnect_s")))  # fmt: skip
+                         med("storm_recovered"), med("storm_reconnect_s"),
+                         med("readers_cpu_share")))  # fmt: skip
     if not rows:
         return []
     n, window = res["config"]["coalesce"]
     head = ("phase", "system", "tokens published", "frames per token",
             "coalescer wait, mean ms", "max ms", "screens recovered (storm)",
-            "storm reconnect s")  # fmt: skip
+            "storm reconnect s", "readers' CPU share")  # fmt: skip
     return [_md(head, rows), "",
             f"tokenrelay's coalescing in these phases: a frame at {n} tokens or after "
             f"{window * 1e3:g} ms, the first token of a reply at once (the worker's "
             "TokenPump policy); its wait is inside tokenrelay's latency above. The peers "
-            "publish one message per token.", ""]  # fmt: skip
+            "publish one message per token. The readers' CPU share is the bench process's "
+            "(every screen's client) CPU seconds per second over the window: near 1 its one "
+            "core, not the system under test, sets the latency.", ""]  # fmt: skip
 
 
 def report(res: dict[str, Any]) -> str:

@@ -333,6 +333,7 @@ async def measure(
         await asyncio.sleep(0.5)
         cmd0 = await command_stats(smap)
         red0, srv0, t0 = await redis_cpu_by_role(smap), cpu_s(pid), time.perf_counter()
+        own0 = time.process_time()  # the readers' process (this one): not a participant
         task = asyncio.create_task(publish(sids, rate, phase.seconds, plan))
         if phase.storm:
             half = int(total * phase.viewers / 2)
@@ -346,6 +347,8 @@ async def measure(
         pub = await task
         await _wait(readers, int(pub["sent"]) * phase.viewers)
         red1, srv1, wall = await redis_cpu_by_role(smap), cpu_s(pid), time.perf_counter() - t0
+        # how busy the readers were: near 1.0, their one core, not the system, set latency
+        notes["readers_cpu_share"] = round((time.process_time() - own0) / max(wall, 1e-9), 3)
         cmd1 = await command_stats(smap)
     finally:
         await readers.close()
