@@ -1,7 +1,9 @@
 """The TypeScript producer's examples, run as written against a live stack (the demo's
 front door, its relays and worker, on the session's cluster): ``examples/node.mjs``
 (plain Node), ``examples/next-route.mjs`` (a Next.js route handler's ``POST``, called
-with a web ``Request``) and the README's TypeScript block ("Stream from your own
+with a web ``Request``), ``examples/usechat-route.mjs`` (useChat with one's own backend:
+the AI SDK's stock ``DefaultChatTransport`` against the route served by Node's http
+server as Next.js serves it) and the README's TypeScript block ("Stream from your own
 backend"; its ``openai(...)`` model replaced by the AI SDK's mock model, its Redis URL
 by this cluster's). Each reply must reach a viewer: an SSE client of the front door,
 with the token the example minted, reads the turn's frames from the start and gets the
@@ -15,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,7 @@ import pytest
 from devstack.cluster.launcher import ClusterInfo
 from devstack.demo.stack import Stack
 from devstack.procs import Proc, log_line
+from relay.protocol.auth import issue_token
 from tests.support import demo as demo_harness
 from tests.support.cli import run_cli
 from tests.support.npm import npm_ready
@@ -120,6 +124,69 @@ async def test_the_next_route_example(stack: tuple[str, Stack], tmp_path: Path) 
         assert done["meta"]["chars"] == len(reply)
     finally:
         await proc.stop()
+
+
+# The route served as Next.js serves it (a web Request in, a web Response streamed out),
+# read by the AI SDK's stock transport: a whole reply, then the resume GET once it ended.
+USECHAT_HARNESS = """
+import { createServer } from 'node:http';
+import { Readable } from 'node:stream';
+import { DefaultChatTransport, readUIMessageStream } from 'ai';
+const { POST, GET } = await import(ROUTE);
+const server = createServer(async (req, res) => {
+  const url = new URL(req.url, 'http://app.local');
+  const body = req.method === 'POST' ? Readable.toWeb(req) : undefined;
+  const request = new Request(url, { method: req.method, headers: req.headers, body,
+    duplex: 'half' });
+  const resume = url.pathname.match(/^\\/api\\/chat\\/([^/]+)\\/stream$/);
+  const response = req.method === 'POST' && url.pathname === '/api/chat' ? await POST(request)
+    : req.method === 'GET' && resume
+      ? await GET(request, { params: Promise.resolve({ id: resume[1] }) })
+    : new Response(null, { status: 404 });
+  res.writeHead(response.status, Object.fromEntries(response.headers));
+  if (response.body) for await (const chunk of response.body) res.write(chunk);
+  res.end();
+});
+await new Promise((ok) => server.listen(0, '127.0.0.1', ok));
+const api = `http://127.0.0.1:${server.address().port}/api/chat`;
+const transport = new DefaultChatTransport({ api });
+const chatId = `chat-${Date.now()}`;
+const stream = await transport.sendMessages({
+  chatId, trigger: 'submit-message', messageId: undefined, abortSignal: undefined,
+  messages: [{ id: 'm1', role: 'user', parts: [{ type: 'text', text: 'hello' }] }],
+});
+let reply;
+for await (const message of readUIMessageStream({ stream })) reply = message;
+const text = reply.parts.filter((p) => p.type === 'text').map((p) => p.text).join('');
+const after = await transport.reconnectToStream({ chatId });
+console.log(JSON.stringify({ chatId, id: reply.id, text, resumedAfterEnd: after }));
+console.log('called');
+process.exit(0);
+"""
+
+
+async def test_the_usechat_route_example(stack: tuple[str, Stack], tmp_path: Path) -> None:
+    base, st = stack
+    harness = tmp_path / "usechat.mjs"
+    route = (PKG / "examples" / "usechat-route.mjs").as_uri()
+    harness.write_text(f"const ROUTE = {json.dumps(route)};\n" + USECHAT_HARNESS)
+    (tmp_path / "node_modules").mkdir()
+    (tmp_path / "node_modules" / "ai").symlink_to(PKG / "node_modules" / "ai")
+    proc = Proc.start([NODE or "node", str(harness)], log=tmp_path / "usechat.log", cwd=PKG,
+                      env=_env(base, st))  # fmt: skip
+    try:
+        await proc.ready(log_line("called"), timeout_s=60)
+        out = json.loads(proc.output().strip().splitlines()[0])
+    finally:
+        await proc.stop()
+    # the transport got the turn's whole reply, as a viewer of the session sees it
+    token = issue_token(st.spec.secret, out["chatId"], 300, time.time())
+    reply, done = await watch(base, out["chatId"], token)
+    assert out["text"] == reply
+    assert len(reply) > 20
+    assert out["id"] == f"{out['chatId']}-1"
+    assert done["meta"]["chars"] == len(reply)
+    assert out["resumedAfterEnd"] is None  # nothing runs: the resume GET is a 204
 
 
 async def test_the_readme_typescript_block(stack: tuple[str, Stack], cluster: ClusterInfo,
