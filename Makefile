@@ -142,10 +142,11 @@ fuzz: $(STAMP)
 ## from the sdist; `pip install tokenrelay-*.whl` is the producer API, `[server]` adds the
 ## servers) and the npm tarball of @tokenrelay/producer (`npm install ./tokenrelay-producer-*.tgz`;
 ## npm pack copies the relay's Lua scripts into it).
+DIST ?= dist
 dist: $(STAMP)
-	rm -rf dist && mkdir dist
-	$(BIN)/python -m build --outdir dist .
-	cd clients/producer && npm pack --pack-destination ../../dist
+	rm -rf $(DIST) && mkdir -p $(DIST)
+	$(BIN)/python -m build --outdir $(DIST) .
+	cd clients/producer && npm pack --pack-destination $(abspath $(DIST))
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache artifacts
