@@ -316,9 +316,9 @@ def banner(stack: Stack, page: str, control_token: str, gateway_key: str,
     if env_file is not None:
         lines += [
             "",
-            f"your own backend (README.md, \"Stream from your own backend\"): Redis at "
-            f"{stack.redis_url}; its URL, the token secret and the gateway as environment "
-            "variables:",
+            f"Redis Cluster: {stack.redis_url}",
+            'your own backend (README.md, "Stream from your own backend"): this run\'s Redis',
+            "URL, token secret and gateway key as environment variables, for your shell:",
             f"    set -a; . {env_file}; set +a",
         ]
     return "\n".join(lines) + "\n"

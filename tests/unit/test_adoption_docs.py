@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -66,14 +67,14 @@ def test_the_readme_backend_programs_import_what_make_demo_installs() -> None:
         installed |= _requirement_names(project["optional-dependencies"][extra])
     tree = ast.parse(example("producer-py"))
     imported = {
-        (n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+        ((n.module or "") if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
         for n in ast.walk(tree)
         if isinstance(n, ast.Import | ast.ImportFrom)
         for a in n.names
     }
     own = {"relay", "worker", "tokenrelay"}
-    missing = sorted(m for m in imported - own if not m.startswith("_") and m not in (
-        "asyncio", "os") and m.replace("_", "-") not in installed)  # fmt: skip
+    missing = sorted(m for m in imported - own - set(sys.stdlib_module_names)
+                     if m.replace("_", "-") not in installed)  # fmt: skip
     assert missing == [], f"README's Python producer imports what make demo lacks: {missing}"
     # no top-level await/async with: a script runs it with python
     assert not [n for n in tree.body if isinstance(n, ast.AsyncWith | ast.Await | ast.Expr)
