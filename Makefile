@@ -142,8 +142,10 @@ fuzz: $(STAMP)
 ## from the sdist; `pip install tokenrelay-*.whl` is the producer API, `[server]` adds the
 ## servers) and the npm tarball of @tokenrelay/producer (`npm install ./tokenrelay-producer-*.tgz`;
 ## npm pack copies the relay's Lua scripts into it).
+## Needs the demo's install only, and pypa's build (the dev extra has it too).
 DIST ?= dist
-dist: $(STAMP)
+dist: $(DEMO_STAMP)
+	$(BIN)/python -m pip install -q 'build>=1.2'
 	rm -rf $(DIST) && mkdir -p $(DIST)
 	$(BIN)/python -m build --outdir $(DIST) .
 	cd clients/producer && npm pack --pack-destination $(abspath $(DIST))

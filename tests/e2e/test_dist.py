@@ -84,7 +84,7 @@ async def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(ROOT / "clients" / "producer", src / "clients" / "producer", ignore=skip)
     bindir = Path(sys.executable).parent
     ran = await run_cli(
-        ["make", "-o", ".venv/.installed", "dist", f"DIST={out}", f"BIN={bindir}"],
+        ["make", "-o", ".venv/.installed-demo", "dist", f"DIST={out}", f"BIN={bindir}"],
         cwd=src, timeout_s=600, merge=True, env=os.environ,
     )  # fmt: skip
     _skip_if_offline(ran, "make dist")
