@@ -197,6 +197,13 @@ CATALOG: tuple[Benchmark, ...] = (
     # Not in make bench, as before: the previous routing simulator, kept for what it
     # showed (docs/ROUTING.md), and a profile of memory rather than a measurement.
     Benchmark(
+        "first_demo",
+        "bench.adoption.first_demo",
+        "a fresh clone's first make demo: seconds to the URL (install, start), venv size "
+        "(needs the package index)",
+        quick=None,
+    ),
+    Benchmark(
         "loadshare_sim",
         "bench.routing.loadshare_sim",
         "several worker pods sharing each engine's cap: peak in-flight / cap, shares",
