@@ -30,7 +30,7 @@ from relay.broker.base import BacklogPage, MessageHandler, ReapResult, Resubscri
 from relay.broker.errors import RelayError, SessionDeleted, SubscribeError
 from relay.broker.rediscluster.connect import RedisTLS, connect
 from relay.broker.rediscluster.errors import map_redis_errors
-from relay.broker.rediscluster.presence import Presence, write_screens
+from relay.broker.rediscluster.presence import PRESENCE_TTL_S, Presence, write_screens
 from relay.broker.rediscluster.publisher import read_backlog_page, reap, seal
 from relay.broker.rediscluster.streams import RedisStreams
 from relay.broker.rediscluster.subscriber import ShardedSubscriber
@@ -67,7 +67,7 @@ class RedisBroker:
         relay_id: str,
         *,
         read_from_replicas: bool = False,
-        presence_ttl_s: float = 30.0,
+        presence_ttl_s: float = PRESENCE_TTL_S,
         maxlen: int = BACKLOG_MAXLEN,
         ttl_s: int = SESSION_TTL_S,
         max_bytes: int = BACKLOG_MAX_BYTES,

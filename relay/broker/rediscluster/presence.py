@@ -6,7 +6,16 @@ local watchers; its score is when that entry expires, in Redis server millisecon
 off by seconds writes the same scores as any other). A worker counts the members whose
 expiry is still ahead of the server's ``TIME`` (:func:`count_present`).
 
-Cost does not grow per second with idle viewers: a session is written when its first
+An entry lives :data:`PRESENCE_TTL_S` (6 s) and is refreshed every third of that: short,
+so that the screens of a relay that died (``kill -9``: it removes nothing) stop counting
+within seconds. A dead relay's entries expire at most ``ttl_s`` after its death; the next
+refresh of any relay that still serves the session (at most ``ttl_s / 3`` later) removes
+its screen counts and sends the corrected total (below): every screen shows the right
+count within ``ttl_s * 4 / 3`` (8 s) plus one tick. What that costs: one script per
+watched session and relay every 2 s, in pipelines (a 30 s entry cost a fifth of it and
+left a dead relay's screens counted for up to 40 s).
+
+A session is written when its first
 local watcher opens and removed (``ZREM``) when its last one leaves; in between it is
 refreshed every ``ttl_s / 3`` (with jitter, so refreshes spread over time), by one timer
 that sends at most ``batch`` sessions per pipeline and yields between pipelines, so no
@@ -35,7 +44,8 @@ the total as a ``presence`` frame on the session's live channel (offset 0, in no
 backlog); the sessions of one call in one pipeline. Both writers send their scripts by
 ``EVALSHA`` (:func:`relay.broker.rediscluster.scripts.run_batch`). The refresh script
 does the same correction: a field whose relay's entry expired (a relay that died) is
-removed and the new total sent, so the count heals within the entry's TTL. The hash
+removed and the new total sent, so the count heals within the entry's TTL and one
+refresh period. The hash
 lives as long as the presence set.
 
 The refresh timer is the supervised loop ``presence`` (:class:`relay.service.supervise.Supervisor`):
@@ -86,6 +96,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COUNT_LUA",
+    "PRESENCE_TTL_S",
     "WRITE_LUA",
     "Presence",
     "count_present",
@@ -96,6 +107,10 @@ __all__ = [
 WRITE_LUA: Final = PRESENCE_WRITE.source  # lua/presence_write.lua
 
 COUNT_LUA: Final = PRESENCE_COUNT.source  # lua/presence_count.lua
+
+# How long a relay's presence entry counts without a refresh: a dead relay's screens
+# count at most this long plus one refresh period (a third of it) after its death.
+PRESENCE_TTL_S: Final = 6.0
 
 
 def write_keys(sid: str) -> tuple[str, ...]:
@@ -108,7 +123,7 @@ def write_keys(sid: str) -> tuple[str, ...]:
 
 async def write_screens(
     redis: RedisCluster, counts: Sequence[tuple[str, int]], relay_id: str, *,
-    ttl_s: float = 30.0,
+    ttl_s: float = PRESENCE_TTL_S,
 ) -> list[int | RelayError]:  # fmt: skip
     """For each ``(sid, count)``: this relay serves ``sid`` to ``count`` screens (0: none,
     its field goes); the session's total over the relays whose presence entry is live,
@@ -146,12 +161,12 @@ class Presence:
         redis: RedisCluster,
         relay_id: str,
         *,
-        ttl_s: float = 30.0,
+        ttl_s: float = PRESENCE_TTL_S,
         batch: int = 25,
         tick_s: float | None = None,
     ) -> None:
         # due refreshes are written every tick (new and gone entries at once): a tick of
-        # a thirtieth of the TTL (1 s for 30 s) fills pipelines instead of sending a few
+        # a thirtieth of the TTL (0.2 s for 6 s, at most 1 s) fills pipelines instead of sending a few
         # sessions ten times a second, and leaves two thirds of the TTL to spare
         tick_s = min(1.0, ttl_s / 30) if tick_s is None else tick_s
         if ttl_s <= 0 or batch < 1 or tick_s <= 0:
