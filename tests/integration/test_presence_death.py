@@ -107,8 +107,10 @@ async def test_the_screen_count_is_right_within_10_s_of_a_relay_killed_by_sigkil
             try:
                 right = max([await s.until(4, within_s=BOUND_S + 5, since=six) for s in every])
             except TimeoutError:
-                raise AssertionError(f"still {[s.now for s in every]} screens "
-                                     f"{time.monotonic() - killed_at:.1f} s after the kill") from None
+                late = time.monotonic() - killed_at
+                raise AssertionError(
+                    f"still {[s.now for s in every]} screens {late:.1f} s after the kill"
+                ) from None
             took = right - killed_at
             print(f"screen count right again {took:.1f} s after the kill")
             assert took <= BOUND_S, f"the dead relay's screens counted for {took:.1f} s"

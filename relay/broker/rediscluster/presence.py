@@ -166,8 +166,9 @@ class Presence:
         tick_s: float | None = None,
     ) -> None:
         # due refreshes are written every tick (new and gone entries at once): a tick of
-        # a thirtieth of the TTL (0.2 s for 6 s, at most 1 s) fills pipelines instead of sending a few
-        # sessions ten times a second, and leaves two thirds of the TTL to spare
+        # a thirtieth of the TTL (0.2 s for 6 s, at most 1 s) fills pipelines instead of
+        # sending a few sessions ten times a second, and leaves two thirds of the TTL to
+        # spare
         tick_s = min(1.0, ttl_s / 30) if tick_s is None else tick_s
         if ttl_s <= 0 or batch < 1 or tick_s <= 0:
             raise ValueError("presence ttl, batch and tick must be positive")
