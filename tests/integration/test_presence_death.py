@@ -5,8 +5,8 @@ relay is killed (``kill -9``: it removes nothing of its own), its two screens re
 to the other relay, as a client behind a load balancer does. For a moment every screen
 is told six (the four open ones and the dead relay's two, whose presence entry still
 lives); the count must be four again within 10 s of the kill, the bound
-docs/PROTOCOL.md states ("The presence frame": a presence entry lives 6 s, a surviving
-relay refreshes its own every 2 s and drops the dead one's screens then).
+docs/PROTOCOL.md states ("The presence frame": the dead relay's heartbeat stops, the
+surviving relay takes it for dead 5 s later and drops its screens at once).
 """
 
 from __future__ import annotations
