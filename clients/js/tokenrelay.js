@@ -353,6 +353,12 @@ export function deleteSession(workerUrl, session, token, { fetch: f } = {}) {
 
 const FATAL_STATUS = new Set([400, 404, 410]);  // bad id or offset, a deleted session: retrying cannot help
 const AUTH_STATUS = new Set([401, 403]);
+/** The subprotocols a WebSocket offers to carry `token` (a browser cannot set headers on
+ * one): "tokenrelay", the one the relay answers with, and "tokenrelay.bearer.<token>". */
+export function wsProtocols(token) {
+  return ["tokenrelay", `tokenrelay.bearer.${token}`];
+}
+
 const FATAL_WS_CLOSE = new Set([1003, 1009, 4400, 4410]);  // the client broke the protocol; the session was deleted
 
 class Fatal extends Error {}
@@ -526,12 +532,13 @@ export class Watcher {
     const WS = this.opts.WebSocket || globalThis.WebSocket;
     if (typeof WS !== "function") throw new Fatal("no WebSocket in this runtime: pass options.WebSocket");
     const query = {};
-    if (this.token) query.token = this.token;
     if (this.check.last !== null) query.from = String(this.check.last);
     if (this.check.gen) query.gen = this.check.gen;
     if (this.opts.compact) query.compact = "1";
     const url = this.url("ws", query).replace(/^http/, "ws");
-    const ws = new WS(url);
+    // The token goes as a subprotocol, never in the URL (a URL ends up in logs and in the
+    // browser's console lines); the relay answers with "tokenrelay", never the token.
+    const ws = this.token ? new WS(url, wsProtocols(this.token)) : new WS(url);
     this.ws = ws;
     let greeted = false;
     ws.onmessage = (ev) => {

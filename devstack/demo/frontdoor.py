@@ -6,7 +6,12 @@ SDK's, a Responses stream ``GET /v1/responses/{id}?stream=true``) and Durable St
 a relay, session, turn and gateway paths to a worker; each request picks an upstream at
 random (a client that reconnects lands anywhere, which is the point) and tries the next
 one when an upstream refuses the connection. Streams pass through unbuffered, WebSocket
-close codes pass through.
+close codes pass through, but for the ones RFC 6455 forbids on the wire (1005, 1006,
+1015: they only say that no close frame came): a relay that died (its socket dropped
+without a close frame) is told to the client as 1012, "service restart", so that it
+reconnects (:func:`sendable_close`). A WebSocket's subprotocols pass through too (a
+browser sends its token as one: :mod:`relay.service.tokens`), and the one the relay
+answers with is the door's answer.
 Headers pass as through a reverse proxy: every end-to-end header (``Accept`` for the
 closed loop, ``X-Session-Id`` for the gateway's session mode, ``Last-Event-ID``, ...) in
 both directions, repeated ones repeated; hop-by-hop ones are dropped, and so is what a
@@ -50,7 +55,7 @@ from multidict import CIMultiDict
 from relay.service.register import refuse_unrouted
 from relay.service.routes import Kind, Route, public_by_path, select
 
-__all__ = ["CONTROL_HEADER", "FrontDoor", "make_frontdoor_app", "same_origin"]
+__all__ = ["CONTROL_HEADER", "FrontDoor", "make_frontdoor_app", "same_origin", "sendable_close"]
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +91,15 @@ NOT_FORWARDED = frozenset(
 # A WebSocket's handshake is made again by the door's own client (its key, version and
 # extensions): the browser's handshake headers are for the door only.
 WS_HANDSHAKE = frozenset(
-    h.lower() for h in ("Sec-WebSocket-Key", "Sec-WebSocket-Version", "Sec-WebSocket-Extensions")
+    h.lower()
+    for h in (
+        "Sec-WebSocket-Key",
+        "Sec-WebSocket-Version",
+        "Sec-WebSocket-Extensions",
+        "Sec-WebSocket-Protocol",
+    )
 )
+SERVICE_RESTART = 1012  # RFC 6455 7.4.1 (IANA registry): "come back later", the client retries
 CONTROL_HEADER = "X-Control-Token"
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS"})
 
@@ -107,6 +119,16 @@ def same_origin(request: web.Request) -> bool:
     if authority.lower() != host.lower():
         return False
     return request.headers.get("Sec-Fetch-Site", "same-origin") == "same-origin"
+
+
+def sendable_close(code: int | None) -> int:
+    """The close code to send a client for the upstream's ``code``: the upstream's own
+    when a close frame may carry it (1000-1003, 1007-1014, 3000-4999), else
+    :data:`SERVICE_RESTART` (no close frame came: the relay died or the socket broke;
+    RFC 6455 7.4.1 forbids sending 1005, 1006 and 1015, and 1004 is reserved)."""
+    if code is not None and (1000 <= code <= 1003 or 1007 <= code <= 1014 or 3000 <= code <= 4999):
+        return code
+    return SERVICE_RESTART
 
 
 def _error(status: int, code: str, reason: str) -> web.Response:
@@ -215,12 +237,15 @@ class FrontDoor:
 
     async def proxy_ws(self, request: web.Request) -> web.StreamResponse:
         assert self.http is not None
+        offered = [p.strip() for v in request.headers.getall("Sec-WebSocket-Protocol", ())
+                   for p in v.split(",") if p.strip()]  # fmt: skip
         for base in self._order(self._relays()):
             url = base.replace("http", "ws", 1) + request.rel_url.path_qs
             try:
                 upstream = await self.http.ws_connect(
                     url,
                     headers=self._headers(request, websocket=True),
+                    protocols=offered,
                     timeout=aiohttp.ClientWSTimeout(ws_close=5),
                 )
             except aiohttp.WSServerHandshakeError as exc:
@@ -234,7 +259,8 @@ class FrontDoor:
             break
         else:
             return _error(502, "no_upstream", "no relay took the stream")
-        client = web.WebSocketResponse(max_msg_size=64 * 1024)
+        chosen = (upstream.protocol,) if upstream.protocol else ()
+        client = web.WebSocketResponse(max_msg_size=64 * 1024, protocols=chosen)
         await client.prepare(request)
 
         async def down() -> None:
@@ -243,7 +269,7 @@ class FrontDoor:
                     await client.send_str(msg.data)
                 elif msg.type == WSMsgType.BINARY:
                     await client.send_bytes(msg.data)
-            code = upstream.close_code or 1011
+            code = sendable_close(upstream.close_code)
             await client.close(code=code, message=b"relay closed")
 
         async def up() -> None:
@@ -262,7 +288,7 @@ class FrontDoor:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             if not client.closed:
-                await client.close(code=upstream.close_code or 1012, message=b"relay gone")
+                await client.close(code=sendable_close(upstream.close_code), message=b"relay gone")
             await upstream.close()
         return client
 

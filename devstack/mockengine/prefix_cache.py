@@ -211,16 +211,20 @@ def prefill_seconds(uncached_tokens: int, tok_per_s: float) -> float:
 
 
 def reply_pieces(
-    tokens: Sequence[str], max_tokens: int, *, min_len: int = 8, max_len: int = 48
-) -> tuple[list[str], str]:
+    tokens: Sequence[str], max_tokens: int, *, min_len: int = 8, max_len: int = 48,
+    seed: int | None = None,
+) -> tuple[list[str], str]:  # fmt: skip
     """Deterministic reply to a prompt: text pieces (one per token) and finish reason.
 
     The natural length (``min_len``..``max_len`` tokens) and the words derive from a hash
-    of the prompt tokens; the reply is cut at ``max_tokens`` with finish reason "length".
-    Sentences of readable words, capitalised, ending in ".". Joining the pieces gives
-    the reply text, and ``tokenize`` of that text gives back one token per piece.
+    of the prompt tokens and ``seed`` (None: the prompt's alone, so the same prompt gets
+    the same reply; another seed, other words: a regenerate is sent with one); the
+    reply is cut at ``max_tokens`` with finish reason "length". Sentences of readable
+    words, capitalised, ending in ".". Joining the pieces gives the reply text, and
+    ``tokenize`` of that text gives back one token per piece.
     """
-    digest = hashlib.blake2b("\x00".join(tokens).encode("utf-8", "surrogatepass")).digest()
+    text = "\x00".join(tokens) + ("" if seed is None else f"\x01{seed}")
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass")).digest()
     rng = random.Random(int.from_bytes(digest[:8], "big"))
     natural = rng.randint(min_len, max(min_len, max_len))
     limit = min(natural, max(0, max_tokens))

@@ -16,7 +16,11 @@ Lets the whole stack run without a GPU. The simulation itself is pure and lives 
    ``chat.completion.chunk`` SSE events (the first one also carries a non-standard
    ``"tokenrelay"`` object with the same metadata), a final chunk with
    ``finish_reason``, an optional usage chunk (``stream_options.include_usage``), and
-   ``data: [DONE]``. The prompt and reply blocks are then in the cache.
+   ``data: [DONE]``. The prompt and reply blocks are then in the cache. The reply is a
+   function of the prompt (the same prompt, the same reply), and of the request header
+   ``X-Reply-Seed`` (an integer) when it is sent: the worker sends the turn number with
+   a turn that regenerates another, so that a regenerate says something else, as a
+   sampling engine would (a real engine ignores the header).
 4. A client that disconnects aborts its request at once: the handler is cancelled
    (the server runs with ``handler_cancellation=True``), the slot is released and
    ``vllm:request_success_total{finished_reason="abort"}`` and
@@ -37,7 +41,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -50,6 +54,7 @@ from devstack.mockengine.kvpub import KVEventPublisher
 from devstack.mockengine.reply_length import ReplyLength
 from relay.protocol import sse
 from relay.service import runtime
+from worker.engines.client import REPLY_SEED_HEADER
 
 __all__ = [
     "ENGINE_KEY",
@@ -140,6 +145,7 @@ class _ChatRequest:
     stream: bool
     max_tokens: int
     include_usage: bool
+    seed: int | None = None  # X-Reply-Seed
 
 
 class _Metrics:
@@ -261,6 +267,16 @@ def _parse_chat(raw: bytes, cfg: EngineConfig) -> _ChatRequest:
     return _ChatRequest(model, messages, stream, max_tokens, include_usage)
 
 
+def _seed(value: str) -> int:
+    """The ``X-Reply-Seed`` header's integer; 400 for anything else."""
+    try:
+        if len(value) > 20:
+            raise ValueError(value)
+        return int(value, 10)
+    except ValueError:
+        raise _RequestError(400, f"{REPLY_SEED_HEADER} must be an integer") from None
+
+
 def _sse(obj: object) -> bytes:
     return sse.event(orjson.dumps(obj))
 
@@ -280,6 +296,9 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         return _error(413, f"request body larger than {cfg.max_body_bytes} bytes")
     try:
         req = _parse_chat(raw, cfg)
+        seed = request.headers.get(REPLY_SEED_HEADER)
+        if seed is not None:
+            req = replace(req, seed=_seed(seed))
     except _RequestError as exc:
         return _error(exc.status, exc.message, exc.param)
 
@@ -311,7 +330,9 @@ async def _generate(
     engine.metrics.prompt_tokens.inc(len(tokens))
     prefill_s = pc.prefill_seconds(len(tokens) - cached, cfg.prefill_tok_per_s)
     natural = cfg.reply.length(tokens)
-    pieces, finish = pc.reply_pieces(tokens, req.max_tokens, min_len=natural, max_len=natural)
+    pieces, finish = pc.reply_pieces(
+        tokens, req.max_tokens, min_len=natural, max_len=natural, seed=req.seed
+    )
     meta = {
         "engine_id": cfg.engine_id,
         "cached_tokens": cached,

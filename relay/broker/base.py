@@ -110,8 +110,13 @@ class Broker(Protocol):
     def channel(self, sid: str) -> bytes:
         """What the live messages of ``sid`` carry as ``message[1]``."""
 
-    def bind(self, on_message: MessageHandler, on_resubscribed: ResubscribedHandler) -> None:
-        """Where live messages and resubscriptions go (before :meth:`start`)."""
+    def bind(
+        self, on_message: MessageHandler, on_resubscribed: ResubscribedHandler,
+        on_recount: Callable[[], None] | None = None,
+    ) -> None:  # fmt: skip
+        """Where live messages and resubscriptions go (before :meth:`start`);
+        ``on_recount``: called when this relay's screen counts must be written again
+        (other relays took it for dead while it stalled, and dropped them)."""
 
     async def start(self, supervisor: Supervisor) -> None:
         """Connect; run the background loops (subscriptions, presence) on ``supervisor``."""

@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,7 +101,11 @@ class MemoryBroker:
     def channel(self, sid: str) -> bytes:
         return live_channel(sid).encode()
 
-    def bind(self, on_message: MessageHandler, on_resubscribed: ResubscribedHandler) -> None:
+    def bind(
+        self, on_message: MessageHandler, on_resubscribed: ResubscribedHandler,
+        on_recount: Callable[[], None] | None = None,
+    ) -> None:  # fmt: skip
+        """``on_recount`` is never called: one process, no relay taken for dead."""
         self._on_message, self._on_resubscribed = on_message, on_resubscribed
 
     async def start(self, supervisor: Supervisor) -> None:

@@ -317,8 +317,8 @@ class Watch:
 
     async def _ws(self, http: aiohttp.ClientSession) -> AsyncIterator[Frame]:
         params: dict[str, str] = {}
-        if self.token:
-            params["token"] = self.token
+        # the token in a header, never in the URL (a URL ends up in logs)
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         if self.check.last is not None:
             params["from"] = str(self.check.last)
         if self.check.gen:
@@ -327,7 +327,7 @@ class Watch:
             params["compact"] = "1"
         url = self._path("ws").replace("http", "ws", 1)
         try:
-            ws = await http.ws_connect(url, params=params, heartbeat=30.0)
+            ws = await http.ws_connect(url, params=params, headers=headers, heartbeat=30.0)
         except aiohttp.WSServerHandshakeError as exc:
             await self._refused(exc.status, exc.message, None)
             raise  # unreachable: _refused always raises

@@ -32,6 +32,7 @@ __all__ = [
     "MAX_LOCK_TTL_S",
     "OWNER_FIELD",
     "PRODUCER_LOST_S",
+    "RELAYS_REGISTRY",
     "SESSION_ID_MAX_LEN",
     "SESSION_TTL_S",
     "WORKERS_REGISTRY",
@@ -178,6 +179,7 @@ def turn_rate_key(sid: str, minute: int) -> str:
 
 WORKERS_REGISTRY = "tr:workers"  # sorted set: worker id -> last load report (s)
 ENGINES_REGISTRY = "tr:engines"  # sorted set: engine id -> last heartbeat (ms)
+RELAYS_REGISTRY = "tr:relays"  # sorted set: relay id -> when its heartbeat expires (ms)
 
 
 def _check_member_id(what: str, ident: str) -> str:

@@ -1,7 +1,10 @@
 """Real browser: two screens on one session see the same complete reply, even when the
 relay one of them streams from is killed mid-reply; a screen opened from the share link
 watches and says why it cannot send; the page says what to do before a session exists,
-keeps its counters across a switch of transport and keeps tokens out of the address bar.
+keeps its counters across a switch of transport and keeps tokens out of the address bar,
+out of every WebSocket URL and out of the console; the page's marks work without an
+emoji font, disabled buttons look disabled, a screen without a token says so in words,
+and a regenerate with the mock engines is another reply.
 
 Headless Debian Chromium driven by Playwright (no browser download). Skips with a reason
 where Chromium or Playwright is missing. Screenshots land in artifacts/browser/.
@@ -55,6 +58,22 @@ async def demo(cluster: ClusterInfo) -> AsyncIterator[tuple[str, Stack]]:
         yield url, stack
 
 
+def _watch_sockets(page: Any, urls: list[str], console: list[str]) -> None:
+    """Every WebSocket URL ``page`` opens goes to ``urls``, every console line to
+    ``console``: neither may carry a token (a URL is logged and repeated in Chromium's
+    console when its socket fails; the page sends its token as a subprotocol)."""
+    page.on("websocket", lambda ws: urls.append(ws.url))
+    page.on("console", lambda msg: console.append(msg.text))
+
+
+def _no_token_in(urls: list[str], console: list[str], *tokens: str) -> None:
+    for u in urls:
+        assert "token=" not in u, u
+        assert not any(t in u for t in tokens), u
+    for line in console:
+        assert not any(t in line for t in tokens), line
+
+
 async def _texts(page: Any) -> list[str]:
     texts: list[str] = await page.eval_on_selector_all(
         ".assistant", "els => els.map(e => e.textContent)"
@@ -100,6 +119,10 @@ async def test_two_screens_see_the_same_reply_and_survive_a_relay_kill(
             assert claims["scope"] == "watch", claims
             assert claims["sub"] == session_url.split("session=")[1].split("&")[0]
             two = await browser.new_page(viewport={"width": 1200, "height": 800})
+            sockets: list[str] = []
+            console: list[str] = []
+            for page in (one, two):
+                _watch_sockets(page, sockets, console)
             # a link with a write token (what a collaborate link carries) may send too
             await two.goto(session_url.replace("#", f"#transport=ws&token={quote(write)}&"))
             for page in (one, two):
@@ -138,6 +161,8 @@ async def test_two_screens_see_the_same_reply_and_survive_a_relay_kill(
             for page in (one, two):
                 for name in ("dups", "problems", "gaps"):
                     assert await _counter(page, name) == 0, name
+            assert sockets  # screen two watched over WebSockets, and no URL held its token
+            _no_token_in(sockets, console, write, unquote(shared))
         finally:
             await browser.close()
             if relay_id_alive := [p for p in stack.of_kind("relay") if not p.alive]:
@@ -201,10 +226,27 @@ async def test_a_shared_link_watches_and_the_page_says_what_it_can_do(
             assert "token=" not in three.url
             assert await three.is_disabled("#message")
             assert await three.is_disabled("#send")
+            # and a disabled button looks it: not the enabled one's colour, no hand cursor
+            style = "e => [getComputedStyle(e).backgroundColor, getComputedStyle(e).cursor]"
+            assert await three.eval_on_selector("#send", style) != await one.eval_on_selector(
+                "#send", style
+            )
+            assert (await three.eval_on_selector("#send", style))[1] == "not-allowed"
             why = await three.get_attribute("#message", "placeholder") or ""
             assert "only watches" in why, why
             assert "watch token" in why, why
             await _wait_done(three, 2)  # it still sees every reply
+            # a screen with no token for the session says so in words, not the API's text
+            sid = one.url.split("session=")[1].split("&")[0]
+            four = await browser.new_page()
+            await four.goto(f"{url}/#session={sid}")
+            await four.wait_for_function(
+                "document.getElementById('state').textContent.includes('no token')"
+            )
+            said = await four.text_content("#state") or ""
+            assert "open the watch or collaborate link" in said, said
+            for api in ("401", "token_missing", "Authorization", "?token="):
+                assert api not in said, said
             assert missing == []  # no 404 on a load (no favicon request)
         finally:
             await browser.close()
@@ -271,6 +313,9 @@ async def test_screens_collaborate_stop_regenerate_reload_and_count_each_other(
             b = await browser.new_page(viewport={"width": 1200, "height": 800})
             await b.goto(collaborate)
             c = await browser.new_page(viewport={"width": 1200, "height": 800})
+            sockets: list[str] = []
+            console: list[str] = []
+            _watch_sockets(c, sockets, console)
             await c.goto(watch_link.replace("#", "#transport=ws&"))
             pages = (a, b, c)
             for page in pages:
@@ -300,6 +345,13 @@ async def test_screens_collaborate_stop_regenerate_reload_and_count_each_other(
             stopped = await _turn_frames(cluster, sid, 1)
             assert stopped[-1].meta is not None
             assert stopped[-1].meta["finish_reason"] == "cancelled"
+            # the stopped mark is text (an emoji is a box on a machine without its font)
+            mark = await a.eval_on_selector(
+                ".assistant.stopped", "e => getComputedStyle(e, '::after').content"
+            )
+            assert mark == '"stopped"', mark
+            cut = await a.text_content(".assistant.stopped") or ""
+            assert cut
 
             await a.wait_for_selector("#regenerate", state="visible")
             await a.click("#regenerate")
@@ -310,6 +362,10 @@ async def test_screens_collaborate_stop_regenerate_reload_and_count_each_other(
                     arg=1, timeout=40_000,
                 )  # fmt: skip
             shown = [await _transcript(p) for p in pages]
+            # the regenerated reply is another one (the mock engines take the turn as a
+            # seed), not the stopped one's words again
+            again = shown[0][1][1]
+            assert not again.startswith(cut), (cut, again)
             await b.reload()
             await b.wait_for_function(_DONE_ALL, arg=1, timeout=5_000)  # at once, from the store
             reloaded = await _transcript(b)
@@ -319,6 +375,9 @@ async def test_screens_collaborate_stop_regenerate_reload_and_count_each_other(
                     "document.getElementById('screens').textContent === '2'", timeout=15_000
                 )
             await a.screenshot(path=str(ARTIFACTS / "collaborate-a.png"), full_page=True)
+            assert sockets
+            watch_token = unquote(watch_link.split("token=")[1].split("&")[0])
+            _no_token_in(sockets, console, watch_token)
         finally:
             await browser.close()
     stored = await _history(cluster, sid)

@@ -11,7 +11,8 @@
    byte sent) moves on to the next upstream; a GET that fails mid-request is retried.
 3. In Chromium: another site's page that posts a form and a fetch at the kill URL gets
    403 and kills nothing; the demo's page without the token asks for it; opened from
-   the terminal's ``#control=`` link, its button kills and the token leaves the URL.
+   the terminal's ``#control=`` link, its button kills, the token leaves the URL and a
+   badge says control is on; a refused click is said beside the buttons, on screen.
 4. Headers pass as through a reverse proxy: every end-to-end header reaches the upstream
    (repeated ones repeated), hop-by-hop ones and a client's own ``X-Forwarded-For`` do
    not; so through the door a turn POSTed with ``Accept: text/event-stream`` answers
@@ -249,6 +250,19 @@ async def test_in_a_browser_the_page_kills_with_the_token_and_another_site_canno
                         await asyncio.sleep(0.05)
                 assert calls == [("kill", "engine-1")]
                 assert door.control_token not in page.url
+                # the tab says control is on; a refusal shows by the buttons, on screen
+                assert await page.is_visible("#control-badge")
+                await page.evaluate("sessionStorage.setItem('tokenrelay-control', 'wrong')")
+                await page.click("button[data-action=kill][data-name=engine-1]")
+                await page.wait_for_function(
+                    "document.getElementById('control-notice').textContent.includes('refused')"
+                )
+                box = await page.eval_on_selector(
+                    "#control-notice", "e => e.getBoundingClientRect().bottom"
+                )
+                assert 0 < box <= (page.viewport_size or {"height": 0})["height"], box
+                assert not await page.is_visible("#control-badge")  # the token was dropped
+                assert calls == [("kill", "engine-1")]
             finally:
                 await browser.close()
 

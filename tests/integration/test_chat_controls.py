@@ -17,7 +17,7 @@ from relay.broker.rediscluster.publisher import read_backlog
 from relay.broker.rediscluster.subscriber import ShardedSubscriber
 from relay.protocol.frame import Frame, decode
 from relay.protocol.keys import gone_key, hist_key, live_channel
-from tests.support.worker import Harness, wait_turn
+from tests.support.worker import Harness, expected_reply, wait_turn
 
 pytestmark = [pytest.mark.integration]
 
@@ -231,12 +231,21 @@ async def test_regenerate_and_edit_replace_turns_in_the_history_and_say_so(
         status, body, _ = await h.post_turn(sid, token, {"message": text, "max_tokens": 6})
         assert status == 202
         await wait_turn(redis, sid, body["turn"])
+    before = await _history(redis, sid)
     status, body, _ = await h.post_turn(sid, token, {"regenerate": True, "max_tokens": 6})
     assert status == 202, body
     frames = await wait_turn(redis, sid, body["turn"])
     assert frames[0].meta is not None
     assert frames[0].meta["replaces"] == 2
     assert frames[0].meta["message"] == "second"
+    # another reply, as a sampling engine gives: the worker sends the mock engine the
+    # regenerating turn's number (X-Reply-Seed), and the mock mixes it in
+    replaced = before[3]["content"]
+    prompt = [{"role": m["role"], "content": m["content"]} for m in before[:3]]
+    assert replaced == expected_reply(prompt, 6)
+    again = "".join(f.text for f in frames if f.kind == "token")
+    assert again != replaced
+    assert again == expected_reply(prompt, 6, seed=body["turn"])
     hist = await _history(redis, sid)
     assert [(m["turn"], m["role"]) for m in hist] == [
         (1, "user"),

@@ -345,3 +345,23 @@ async def test_a_list_of_relays_skips_a_dead_one(relay: Relay, redis: object) ->
     assert got == sent
     assert offsets == list(range(1, 23))
     assert w.url == relay.base
+
+
+async def test_a_websocket_watch_sends_its_token_in_a_header_not_the_url() -> None:
+    """A URL ends up in access logs: the client's WebSocket handshake carries the token
+    as ``Authorization: Bearer``, as its SSE requests do."""
+    seen: list[tuple[str, str]] = []
+
+    async def ws(request: web.Request) -> web.Response:
+        seen.append((request.rel_url.query_string, request.headers.get("Authorization", "")))
+        return web.json_response({"error": "token_invalid", "reason": "seen"}, status=403)
+
+    app = web.Application()
+    app.router.add_get("/v1/sessions/{sid}/ws", ws)
+    async with serve(app) as base:
+        with pytest.raises(WatchRefused, match="403"):
+            await read_turn(watch(base, "s1", "the.secret.token", 0, transport="ws"))
+    assert seen, "the client never reached the relay"
+    query, auth = seen[0]
+    assert "secret" not in query, query
+    assert auth == "Bearer the.secret.token"

@@ -55,8 +55,15 @@ async def read_events(resp: aiohttp.ClientResponse) -> list[str]:
     return [block.removeprefix("data: ") for block in body.strip().split("\n\n")]
 
 
-async def stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    async with http.post(f"{url}/v1/chat/completions", json={**body, "stream": True}) as resp:
+async def stream(
+    http: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    async with http.post(
+        f"{url}/v1/chat/completions", json={**body, "stream": True}, headers=headers
+    ) as resp:
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/event-stream")
         events = await read_events(resp)
@@ -124,6 +131,24 @@ async def test_same_prompt_gives_the_same_reply_across_engines(start: StartEngin
     assert ra == rb
     assert ra != rc
     assert re.fullmatch(r"[A-Z][a-z]+([ .a-zA-Z]+)", ra)
+
+
+async def test_a_reply_seed_header_gives_another_reply_to_the_same_prompt(
+    start: StartEngine, http
+) -> None:
+    """What a regenerate sends (the worker: X-Reply-Seed, the new turn's number)."""
+    eng = await start(**FAST)
+    plain = reply_text(await stream(http, eng.url, chat("same prompt")))
+    two = reply_text(await stream(http, eng.url, chat("same prompt"), {"X-Reply-Seed": "2"}))
+    again = reply_text(await stream(http, eng.url, chat("same prompt"), {"X-Reply-Seed": "2"}))
+    three = reply_text(await stream(http, eng.url, chat("same prompt"), {"X-Reply-Seed": "3"}))
+    assert len({plain, two, three}) == 3
+    assert two == again
+    async with http.post(
+        f"{eng.url}/v1/chat/completions", json=chat("x"), headers={"X-Reply-Seed": "²"}
+    ) as resp:
+        assert resp.status == 400
+        assert "X-Reply-Seed" in (await resp.json())["error"]["message"]
 
 
 async def test_max_tokens_cuts_the_reply_with_finish_length(start: StartEngine, http) -> None:

@@ -39,12 +39,15 @@ SHORT_REPLIES = ReplyLength(mean=28.0, max_tokens=48, min_tokens=8, sigma=0.5)
 
 
 def expected_reply(
-    messages: list[dict[str, str]], max_tokens: int, reply: ReplyLength = SHORT_REPLIES
-) -> str:
-    """The mock engine's reply to ``messages`` (engines with the ``reply`` lengths)."""
+    messages: list[dict[str, str]], max_tokens: int, reply: ReplyLength = SHORT_REPLIES,
+    *, seed: int | None = None,
+) -> str:  # fmt: skip
+    """The mock engine's reply to ``messages`` (engines with the ``reply`` lengths);
+    ``seed``: for a turn that regenerates another, its turn number (the worker sends it
+    to the engine as ``X-Reply-Seed``)."""
     tokens = pc.prompt_tokens(messages)
     n = reply.length(tokens)
-    pieces, _ = pc.reply_pieces(tokens, max_tokens, min_len=n, max_len=n)
+    pieces, _ = pc.reply_pieces(tokens, max_tokens, min_len=n, max_len=n, seed=seed)
     return "".join(pieces)
 
 

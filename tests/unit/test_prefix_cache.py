@@ -138,6 +138,16 @@ def test_reply_is_deterministic_readable_and_tokenises_to_its_pieces() -> None:
     assert other != pieces
 
 
+def test_a_seed_gives_other_words_of_the_same_length_and_no_seed_the_prompts_own() -> None:
+    prompt = prompt_tokens([{"role": "user", "content": "tell me a story"}])
+    plain, _ = reply_pieces(prompt, 1000, min_len=20, max_len=20)
+    seeded = [reply_pieces(prompt, 1000, min_len=20, max_len=20, seed=n)[0] for n in (2, 3)]
+    assert seeded[0] == reply_pieces(prompt, 1000, min_len=20, max_len=20, seed=2)[0]
+    assert len({"".join(p) for p in (plain, *seeded)}) == 3  # a regenerate says another thing
+    assert [len(p) for p in seeded] == [20, 20]
+    assert reply_pieces(prompt, 1000, seed=None) == reply_pieces(prompt, 1000)
+
+
 def test_reply_is_cut_at_max_tokens_with_finish_length() -> None:
     prompt = prompt_tokens([{"role": "user", "content": "tell me a story"}])
     full, _ = reply_pieces(prompt, 1000)

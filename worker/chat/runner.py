@@ -51,6 +51,7 @@ from worker.chat.turnstate import (
     TurnConfig,
     TurnOutcome,
 )
+from worker.engines.client import REPLY_SEED_HEADER
 from worker.engines.errors import EngineError, EngineTimeout, EngineUnavailable
 from worker.metrics import WorkerMetrics
 from worker.routing.lease import AllEnginesFull, release_once
@@ -231,7 +232,10 @@ class TurnRunner:
         return None
 
     async def _read_engine_once(self, t: RunningTurn) -> None:
-        stream = self.engine.stream_chat(t.lease.engine.url, self.cfg.model, t.prompt, t.max_tokens)
+        seed = None if t.reply_seed is None else {REPLY_SEED_HEADER: str(t.reply_seed)}
+        stream = self.engine.stream_chat(
+            t.lease.engine.url, self.cfg.model, t.prompt, t.max_tokens, headers=seed
+        )
         try:
             async for d in stream:
                 if d.meta is not None and t.first_meta is None:

@@ -325,6 +325,7 @@ class TurnManager:
         turn = RunningTurn(
             sid, gen, lease, owner, prompt, message, max_tokens, t0, rkey, viewer=viewer,
             first_offset=offset, user_id=message_id or "", background=background,
+            reply_seed=None if replaced is None else gen.turn,
         )  # fmt: skip
         self.running[sid] = turn
         if adm.stopped.is_set():  # a stop that came after the wait: carried out at once

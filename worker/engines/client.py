@@ -24,6 +24,12 @@ for any gap between bytes after that (SSE keep-alive comments count as bytes).
 A 200 answer with a JSON body (a server that ignored ``stream``) is accepted as a
 single delta.
 
+``headers`` go with the request: the turn runner sends :data:`REPLY_SEED_HEADER` (the
+turn number) with a turn that regenerates another. A real engine ignores it (its
+sampling already makes another reply; a ``seed`` field in the body would make a vLLM
+request take its slower per-request sampler); the mock engine, whose reply is a
+function of the prompt, mixes it in, so a regenerate there says something else too.
+
 Bounds, whatever the engine does: the request always carries ``max_tokens`` when the
 caller gives one, and the client itself stops reading after ``max_tokens`` content
 chunks (engines send about one token per chunk) or ``max_reply_bytes`` of text, closes
@@ -51,7 +57,16 @@ from worker.engines.errors import (
     EngineUnavailable,
 )
 
-__all__ = ["Delta", "EngineClient", "EngineMeta", "Usage", "chat_completions_url"]
+__all__ = [
+    "REPLY_SEED_HEADER",
+    "Delta",
+    "EngineClient",
+    "EngineMeta",
+    "Usage",
+    "chat_completions_url",
+]
+
+REPLY_SEED_HEADER = "X-Reply-Seed"  # an integer: another reply to the same prompt
 
 _ERROR_BODY_LIMIT = 64 * 1024
 

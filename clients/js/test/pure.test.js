@@ -182,6 +182,19 @@ test("every reconnect sends the generation it knows with its offset (SSE query g
   assert.deepEqual([q.get("from"), q.get("gen")], ["7", "g9"]);
 });
 
+test("a WebSocket carries its token as a subprotocol, never in its URL", async () => {
+  const { watch, wsProtocols } = await import("../tokenrelay.js");
+  const opened = [];
+  class FakeWs { constructor(url, protocols) { opened.push([url, protocols]); setTimeout(() => w.close(), 0); } close() {} }
+  const w = watch("http://relay.test", "s1", "secret.jwt.sig", { transport: "ws", WebSocket: FakeWs });
+  await w.closed;
+  const [url, protocols] = opened[0];
+  assert.ok(!url.includes("secret"), url);
+  assert.equal(new URL(url).searchParams.get("token"), null);
+  assert.deepEqual(protocols, ["tokenrelay", "tokenrelay.bearer.secret.jwt.sig"]);
+  assert.deepEqual(protocols, wsProtocols("secret.jwt.sig"));
+});
+
 test("Transcript: replaces drops the replaced turns, a cancelled done marks the reply, errors leave the history", () => {
   const f = (offset, turn, kind, text = "", meta = null) => ({ v: 1, session: "s", turn, offset, kind, text, epoch: 1, ts: 0, meta });
   const t = new Transcript("s");

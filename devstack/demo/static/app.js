@@ -73,10 +73,23 @@ function params() {
   return { sid: p.get("session"), token: p.get("token"), transport: p.get("transport") };
 }
 
-function setState(text) {
+function setState(text, kind = text.split(" ")[0]) {
   const el = $("state");
   el.textContent = text;
-  el.className = "state " + text.split(" ")[0];
+  el.className = "state " + kind;
+}
+
+// Why a watch ended, in words: the client's reason is the API's ("401 token_missing no
+// token: send Authorization: Bearer <token> or ?token="), which says nothing to a reader.
+function inWords(reason) {
+  const r = String(reason || "");
+  if (state.sid && !state.token) return "this tab has no token for this session: open the watch or collaborate link you were given";
+  if (/^401\b|token_missing/.test(r)) return "this tab has no token for this session: open the watch or collaborate link you were given";
+  if (/token_expired|\b4401\b/.test(r)) return "this screen's token has expired: ask for a new link";
+  if (/^403\b|token_/.test(r)) return "this screen's token was not accepted (another session's, or damaged): ask for a new link";
+  if (/^410\b|session_deleted|\b4410\b/.test(r)) return "this session was deleted: press New session";
+  if (/^400\b/.test(r)) return "this address names no valid session: press New session";
+  return `stopped (${r})`;
 }
 
 // The counters of this screen's session: the current watcher's plus those of the ones
@@ -214,7 +227,8 @@ function onGap(g) {
 
 function onState(s, info) {
   if (info.relay) $("relay").textContent = info.relay;
-  setState(s === "reconnecting" ? `reconnecting (${info.reason})` : s === "error" ? `error (${info.reason})` : s);
+  if (s === "error") setState(inWords(info.reason), "closed");
+  else setState(s === "reconnecting" ? `reconnecting (${info.reason})` : s);
   counters();
 }
 
@@ -234,7 +248,7 @@ function connect(from = 0, gen = null) {
     // cannot, and says so
     refreshToken: async () => {
       const c = claims(state.token || "");
-      if (!c || c.scope !== "write") { setState("token expired: ask for a new link"); return null; }
+      if (!c || c.scope !== "write") return null;  // the watch ends: onState says why in words
       const fresh = await mint("write");
       if (fresh) state.token = fresh;
       return fresh;
@@ -383,11 +397,17 @@ async function refreshPanel() {
 // share link must not carry it); otherwise the first click asks for it.
 const CONTROL = "tokenrelay-control";
 
+// A tab that holds the control token says so (its buttons act), and refusals show under
+// the buttons, not below the fold.
+function controlBadge() { $("control-badge").hidden = !sessionStorage.getItem(CONTROL); }
+
 function takeControlToken() {
   const p = new URLSearchParams(location.hash.slice(1));
   const token = p.get("control");
+  controlBadge();
   if (!token) return;
   sessionStorage.setItem(CONTROL, token);
+  controlBadge();
   p.delete("control");
   history.replaceState(null, "", location.pathname + location.search + (p.toString() ? `#${p}` : ""));
 }
@@ -400,14 +420,16 @@ document.addEventListener("click", async (ev) => {
     token = prompt("Control token (printed in the terminal running python -m devstack demo):");
     if (!token) return;
     sessionStorage.setItem(CONTROL, token.trim());
+    controlBadge();
   }
   const r = await fetch(`/api/${b.dataset.action}/${b.dataset.name}`, {
     method: "POST", headers: { "X-Control-Token": sessionStorage.getItem(CONTROL) },
   });
+  const body = await r.json().catch(() => ({}));
+  $("control-notice").textContent = r.ok ? "" : `${b.dataset.action} ${b.dataset.name} refused: ${body.reason || r.status}`;
   if (r.status === 403) {
     sessionStorage.removeItem(CONTROL);
-    const body = await r.json().catch(() => ({}));
-    $("notice").textContent = `control refused: ${body.reason || r.status}`;
+    controlBadge();
   }
   refreshPanel();
 });

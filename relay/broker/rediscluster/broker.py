@@ -21,7 +21,7 @@ Order of use (the edge server does this)::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Self
 
 from redis.asyncio.cluster import RedisCluster
@@ -30,8 +30,9 @@ from relay.broker.base import BacklogPage, MessageHandler, ReapResult, Resubscri
 from relay.broker.errors import RelayError, SessionDeleted, SubscribeError
 from relay.broker.rediscluster.connect import RedisTLS, connect
 from relay.broker.rediscluster.errors import map_redis_errors
-from relay.broker.rediscluster.presence import Presence, write_screens
+from relay.broker.rediscluster.presence import PRESENCE_TTL_S, Presence, write_screens
 from relay.broker.rediscluster.publisher import read_backlog_page, reap, seal
+from relay.broker.rediscluster.relays import Heartbeats
 from relay.broker.rediscluster.streams import RedisStreams
 from relay.broker.rediscluster.subscriber import ShardedSubscriber
 from relay.protocol.frame import FrameError, decode
@@ -67,7 +68,7 @@ class RedisBroker:
         relay_id: str,
         *,
         read_from_replicas: bool = False,
-        presence_ttl_s: float = 30.0,
+        presence_ttl_s: float = PRESENCE_TTL_S,
         maxlen: int = BACKLOG_MAXLEN,
         ttl_s: int = SESSION_TTL_S,
         max_bytes: int = BACKLOG_MAX_BYTES,
@@ -77,6 +78,8 @@ class RedisBroker:
         self.read_from_replicas = read_from_replicas
         self.maxlen, self.ttl_s, self.max_bytes = maxlen, ttl_s, max_bytes
         self.presence = Presence(redis, relay_id, ttl_s=presence_ttl_s)
+        self.heartbeats = Heartbeats(redis, relay_id, on_dead=self._dead, on_lapsed=self._lapsed)
+        self._on_recount: Callable[[], None] | None = None
         self.subscriber: ShardedSubscriber | None = None  # made by start()
         self._on_message: MessageHandler | None = None
         self._on_resubscribed: ResubscribedHandler | None = None
@@ -114,8 +117,22 @@ class RedisBroker:
     def channel(self, sid: str) -> bytes:
         return live_channel(sid).encode()
 
-    def bind(self, on_message: MessageHandler, on_resubscribed: ResubscribedHandler) -> None:
+    def bind(
+        self, on_message: MessageHandler, on_resubscribed: ResubscribedHandler,
+        on_recount: Callable[[], None] | None = None,
+    ) -> None:  # fmt: skip
         self._on_message, self._on_resubscribed = on_message, on_resubscribed
+        self._on_recount = on_recount
+
+    def _dead(self, dead: Mapping[str, int]) -> None:
+        """Relays ``dead`` died: their entries and counts go from every session here."""
+        self.presence.drop_dead(dead, self.heartbeats.ttl_s)
+
+    def _lapsed(self) -> None:
+        """This relay was taken for dead (it stalled): its entries and counts again."""
+        self.presence.rewrite()
+        if self._on_recount is not None:
+            self._on_recount()
 
     async def start(self, supervisor: Supervisor) -> None:
         if self._on_message is None:
@@ -130,9 +147,11 @@ class RedisBroker:
         )
         await self.subscriber.start()
         self.presence.start(supervisor)
+        self.heartbeats.start(supervisor)
 
     async def close(self) -> None:
         await self.presence.close()
+        await self.heartbeats.close()
         if self.subscriber is not None:
             await self.subscriber.close()
 
@@ -195,7 +214,10 @@ class RedisBroker:
         self.presence.remove(sid)
 
     async def screens(self, counts: Sequence[tuple[str, int]]) -> list[int | RelayError]:
-        return await write_screens(self.redis, counts, self.relay_id, ttl_s=self.presence.ttl_s)
+        return await write_screens(
+            self.redis, counts, self.relay_id, ttl_s=self.presence.ttl_s,
+            dead=self.heartbeats.dead, silent_s=self.heartbeats.ttl_s,
+        )  # fmt: skip
 
     async def active_turn(self, sid: str) -> tuple[int, int] | None:
         """The session's ``open`` marker (and its tombstone, in the same round trip: a

@@ -6,7 +6,15 @@ local watchers; its score is when that entry expires, in Redis server millisecon
 off by seconds writes the same scores as any other). A worker counts the members whose
 expiry is still ahead of the server's ``TIME`` (:func:`count_present`).
 
-Cost does not grow per second with idle viewers: a session is written when its first
+An entry lives :data:`PRESENCE_TTL_S` (30 s) and is refreshed every third of that. A
+relay killed with ``kill -9`` removes nothing, and its screens would count until its
+entries expire: the relays' heartbeats (:mod:`relay.broker.rediscluster.relays`) tell
+the others within seconds, and each then refreshes every session it serves at once with
+the dead relays' ids (:meth:`Presence.drop_dead`: their entries and screen counts go,
+the corrected total is sent, below). The entries' TTL is what is left when the
+heartbeats cannot be read.
+
+A session is written when its first
 local watcher opens and removed (``ZREM``) when its last one leaves; in between it is
 refreshed every ``ttl_s / 3`` (with jitter, so refreshes spread over time), by one timer
 that sends at most ``batch`` sessions per pipeline and yields between pipelines, so no
@@ -35,7 +43,8 @@ the total as a ``presence`` frame on the session's live channel (offset 0, in no
 backlog); the sessions of one call in one pipeline. Both writers send their scripts by
 ``EVALSHA`` (:func:`relay.broker.rediscluster.scripts.run_batch`). The refresh script
 does the same correction: a field whose relay's entry expired (a relay that died) is
-removed and the new total sent, so the count heals within the entry's TTL. The hash
+removed and the new total sent, so the count heals within the entry's TTL and one
+refresh period. The hash
 lives as long as the presence set.
 
 The refresh timer is the supervised loop ``presence`` (:class:`relay.service.supervise.Supervisor`):
@@ -56,7 +65,7 @@ import asyncio
 import contextlib
 import heapq
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Final
 
 from redis.asyncio.cluster import RedisCluster
@@ -86,9 +95,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COUNT_LUA",
+    "DEAD_SLACK_MS",
+    "PRESENCE_TTL_S",
     "WRITE_LUA",
     "Presence",
     "count_present",
+    "dead_args",
     "write_keys",
     "write_screens",
 ]
@@ -96,6 +108,12 @@ __all__ = [
 WRITE_LUA: Final = PRESENCE_WRITE.source  # lua/presence_write.lua
 
 COUNT_LUA: Final = PRESENCE_COUNT.source  # lua/presence_count.lua
+
+# How long a relay's presence entry counts without a refresh (a dead relay's heartbeat
+# stops long before: relay.broker.rediscluster.relays)
+PRESENCE_TTL_S: Final = 30.0
+# a dead relay's last write may come after its last beat: by this much (ms) at most
+DEAD_SLACK_MS: Final = 3000
 
 
 def write_keys(sid: str) -> tuple[str, ...]:
@@ -106,20 +124,35 @@ def write_keys(sid: str) -> tuple[str, ...]:
             log_key(sid), hist_key(sid), key(sid, KeyKind.HIST, "state"))  # fmt: skip
 
 
+def dead_args(dead: Mapping[str, int], ttl_s: float, silent_s: float) -> tuple[str | int, ...]:
+    """The scripts' last arguments for the relays ``dead`` (id -> when its heartbeat
+    expired, server ms; a heartbeat lives ``silent_s``): per relay its id and the time by
+    which an entry of its own expires if it was written before it went silent (its last
+    beat, the entry's ``ttl_s`` and :data:`DEAD_SLACK_MS` for a write between its last
+    beat and its death). One written later, by a relay back under the same id, stays."""
+    out: list[str | int] = []
+    for rid, expired in sorted(dead.items()):
+        out += [rid, expired - int(silent_s * 1000) + int(ttl_s * 1000) + DEAD_SLACK_MS]
+    return tuple(out)
+
+
 async def write_screens(
     redis: RedisCluster, counts: Sequence[tuple[str, int]], relay_id: str, *,
-    ttl_s: float = 30.0,
+    ttl_s: float = PRESENCE_TTL_S, dead: Mapping[str, int] | None = None,
+    silent_s: float = 0.0,
 ) -> list[int | RelayError]:  # fmt: skip
     """For each ``(sid, count)``: this relay serves ``sid`` to ``count`` screens (0: none,
     its field goes); the session's total over the relays whose presence entry is live,
     also SPUBLISHed as a ``presence`` frame. One pipeline for all of them. ``ttl_s``: the
-    presence entry's (an entry is made if this relay has none yet). Per session its
+    presence entry's (an entry is made if this relay has none yet); ``dead``: relays
+    taken for dead (silent ``silent_s``), whose entries and fields go. Per session its
     total, or what kept it from being written (:class:`SessionDeleted`: nothing written);
     raises :class:`RelayError` when the pipeline fails as a whole."""
     ttl_ms = int(ttl_s * 1000)
+    gone = dead_args(dead or {}, ttl_s, silent_s)
     calls: list[Call] = [
         (SCREENS, (screens_key(sid), presence_key(sid), live_channel(sid), gone_key(sid)),
-         (relay_id, count, sid, ttl_ms))
+         (relay_id, count, sid, ttl_ms, *gone))
         for sid, count in counts
     ]  # fmt: skip
     out: list[int | RelayError] = []
@@ -146,7 +179,7 @@ class Presence:
         redis: RedisCluster,
         relay_id: str,
         *,
-        ttl_s: float = 30.0,
+        ttl_s: float = PRESENCE_TTL_S,
         batch: int = 25,
         tick_s: float | None = None,
     ) -> None:
@@ -166,6 +199,8 @@ class Presence:
         self._new: set[str] = set()
         self._gone: set[str] = set()
         self._kick = asyncio.Event()
+        self._dead: tuple[str | int, ...] = ()  # relays taken for dead: entries go ...
+        self._purging: set[str] = set()  # ... in these sessions' next refresh
         self.stats: dict[str, int] = {"presence_writes": 0, "presence_errors": 0}
 
     @property
@@ -193,6 +228,19 @@ class Presence:
         self._gone.discard(sid)
         self._watched[sid] = 0.0
         self._new.add(sid)
+        self._kick.set()
+
+    def drop_dead(self, dead: Mapping[str, int], silent_s: float) -> None:
+        """Relays ``dead`` died (id -> when its heartbeat, of ``silent_s``, expired):
+        every session this relay serves is refreshed now, and its refresh removes their
+        entries and screen counts (and sends the corrected total)."""
+        self._dead = dead_args(dead, self.ttl_s, silent_s)
+        self._purging = set(self._watched)
+        self.rewrite()
+
+    def rewrite(self) -> None:
+        """Every entry written again now (others may have taken this relay for dead)."""
+        self._new.update(self._watched)
         self._kick.set()
 
     def remove(self, sid: str) -> None:
@@ -249,9 +297,12 @@ class Presence:
         # built per write, not kept per watched session: seven key names (about 700
         # bytes) for every session, against a few microseconds per session every refresh_s
         calls: list[Call] = [
-            (PRESENCE_WRITE, write_keys(sid), (self.relay_id, ttl_ms, sid)) for sid in writes
-        ]
+            (PRESENCE_WRITE, write_keys(sid),
+             (self.relay_id, ttl_ms, sid, *(self._dead if sid in self._purging else ())))
+            for sid in writes
+        ]  # fmt: skip
         zrems = [("ZREM", presence_key(sid), self.relay_id) for sid in gone]
         for reply in await run_batch(self.redis, calls, zrems):
             if isinstance(reply, RelayError):
                 raise reply
+        self._purging.difference_update(writes)

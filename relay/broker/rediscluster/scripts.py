@@ -43,6 +43,7 @@ __all__ = [
     "PUBLISH",
     "READ",
     "REAP",
+    "RELAYS",
     "SCREENS",
     "SEAL",
     "STOPPED",
@@ -82,6 +83,7 @@ SEAL: Final = Script("seal", uses=("frame", "backlog"))
 PRESENCE_WRITE: Final = Script("presence_write", uses=("frame",))
 SCREENS: Final = Script("screens", uses=("frame",))
 PRESENCE_COUNT: Final = Script("presence_count")
+RELAYS: Final = Script("relays")
 LOCK_NAME: Final = Script("lock_name")
 LOCK_REFRESH: Final = Script("lock_refresh")
 LOCK_RELEASE: Final = Script("lock_release")

@@ -55,6 +55,7 @@ from relay.edge.core.wsframes import (
 )
 from relay.edge.fanout.hub import Hub
 from relay.protocol.codes import CloseCode, WsClose
+from relay.service.tokens import WS_PROTOCOL, offered_protocols
 
 __all__ = ["CLOSE_WAIT_S", "WS_CLOSE", "WS_PING", "WsConn", "client_reason", "is_ping", "upgrade"]
 
@@ -79,17 +80,19 @@ _GUID: Final = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455 section 1.3
 
 async def upgrade(request: web.Request) -> tuple[web.StreamResponse, asyncio.Transport]:
     """Answer a checked upgrade request (``WebSocketResponse.can_prepare`` said ok) with
-    101, sent now. Raises ConnectionResetError if the client is gone."""
+    101, sent now; with the subprotocol ``tokenrelay`` when the client offers it (the
+    one it sends its token beside: :func:`relay.service.tokens.protocol_token`).
+    Raises ConnectionResetError if the client is gone."""
     key = request.headers[hdrs.SEC_WEBSOCKET_KEY].strip().encode()
     accept = base64.b64encode(hashlib.sha1(key + _GUID).digest()).decode()
-    resp = web.StreamResponse(
-        status=101,
-        headers={
-            hdrs.UPGRADE: "websocket",
-            hdrs.CONNECTION: "upgrade",
-            hdrs.SEC_WEBSOCKET_ACCEPT: accept,
-        },
-    )
+    headers = {
+        hdrs.UPGRADE: "websocket",
+        hdrs.CONNECTION: "upgrade",
+        hdrs.SEC_WEBSOCKET_ACCEPT: accept,
+    }
+    if WS_PROTOCOL in offered_protocols(request):  # never the token's own subprotocol
+        headers[hdrs.SEC_WEBSOCKET_PROTOCOL] = WS_PROTOCOL
+    resp = web.StreamResponse(status=101, headers=headers)
     resp.force_close()  # no HTTP keep-alive after an upgrade
     writer = await resp.prepare(request)
     transport = request.transport

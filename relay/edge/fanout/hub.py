@@ -145,7 +145,7 @@ class Hub:
             broker, self._watched, self._spawn, interval_s=screens_interval_s,
             counters=self.counters,
         )  # fmt: skip
-        broker.bind(self._on_message, self._on_resubscribed)
+        broker.bind(self._on_message, self._on_resubscribed, self.screens.recount)
 
     # -- lifecycle ---------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ Order of use (the hub)::
     screens.changed(sid)           # one closed
     screens.received(ch, d)        # a presence frame of ch's session arrived
     screens.forget(sid)            # the session was deleted
+    screens.recount()              # others dropped this relay's counts: all written again
     await screens.close()          # the relay stops: its fields written as 0
 """
 
@@ -117,6 +118,7 @@ class PresenceWriter:
         self._ready: dict[str, None] = {}  # due now: in the next batch (in order)
         self._send: asyncio.Handle | None = None  # the next batch, scheduled
         self._busy: set[str] = set()  # a write in flight
+        self._force: set[str] = set()  # written even if unchanged (recount)
 
     @property
     def enabled(self) -> bool:
@@ -156,6 +158,13 @@ class PresenceWriter:
         for w in ch.watchers():
             w.notice(d)
 
+    def recount(self) -> None:
+        """Every count this relay wrote is written again, unchanged or not (the others
+        took this relay for dead while it stalled, and dropped its counts)."""
+        for sid in list(self._sent):
+            self._force.add(sid)
+            self.changed(sid)
+
     def forget(self, sid: str) -> None:
         """The session was deleted: nothing more is written for it."""
         handle = self._due.pop(sid, None)
@@ -164,6 +173,7 @@ class PresenceWriter:
         self._ready.pop(sid, None)
         self._sent.pop(sid, None)
         self._at.pop(sid, None)
+        self._force.discard(sid)
 
     async def close(self) -> None:
         """The relay stops: every count it wrote goes back to 0 (bounded by
@@ -198,7 +208,9 @@ class PresenceWriter:
         items: list[tuple[str, int]] = []
         for sid in self._ready:
             n = self.count(sid)
-            if n == self._sent.get(sid, 0):
+            if sid in self._force:
+                self._force.discard(sid)
+            elif n == self._sent.get(sid, 0):
                 if not n:  # nothing is left of the session here
                     self._at.pop(sid, None)
                 continue

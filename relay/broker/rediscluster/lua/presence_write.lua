@@ -2,7 +2,10 @@
 -- screen count put right when a relay's entry expired.
 -- KEYS[1] presence key; then (only KEYS[1]: the entry alone) KEYS[2] the screens hash,
 -- KEYS[3] the live channel, KEYS[4] the session's meta hash, KEYS[5..] its other keys to
--- keep alive. ARGV[1] relay id, ARGV[2] ttl ms, ARGV[3] the session (with KEYS[2..]).
+-- keep alive. ARGV[1] relay id, ARGV[2] ttl ms, ARGV[3] the session (with KEYS[2..]),
+-- ARGV[4..]: pairs of a relay known dead (its heartbeat stopped) and a time (server
+-- ms): its entry goes now if it expires by then (it was written before the relay went
+-- silent; one written since, by a relay back under the same id, stays).
 -- Score = server now + ttl; entries already expired are dropped; the key lives as long
 -- as its newest entry, and the screens hash with it. A screens field whose relay has no
 -- live entry any more (it died) is removed, and the total of the others is sent as a
@@ -15,6 +18,10 @@ redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
 if not KEYS[2] then return now end
+for i = 4, #ARGV - 1, 2 do
+  local at = redis.call('ZSCORE', KEYS[1], ARGV[i])
+  if at and tonumber(at) <= tonumber(ARGV[i + 1]) then redis.call('ZREM', KEYS[1], ARGV[i]) end
+end
 local all = redis.call('HGETALL', KEYS[2])
 if #all > 0 then
   local total, stale = 0, false

@@ -1,7 +1,9 @@
 -- A relay's count of the screens it serves a session to, and the session's total over
 -- every relay, sent as one presence frame on its live channel (offset 0, in no backlog).
 -- KEYS: screens hash, presence sorted set, live channel, tombstone.
--- ARGV: relay id, its count (0: its field removed), session, the presence entry's ttl ms.
+-- ARGV: relay id, its count (0: its field removed), session, the presence entry's ttl ms;
+-- ARGV[5..]: pairs of a relay known dead and a time (server ms): its entry goes if it
+-- expires by then (it was written before the relay went silent), and so its field.
 -- A field counts while its relay's presence entry has not expired (server time); this
 -- relay's own counts, and gets an entry if it has none yet (NX: one it has is left as it
 -- is), so that its screens count before its first presence refresh lands. Fields of
@@ -18,6 +20,10 @@ if mine > 0 then
   if redis.call('PTTL', KEYS[2]) < ttl then redis.call('PEXPIRE', KEYS[2], ttl) end
 else
   redis.call('HDEL', KEYS[1], ARGV[1])
+end
+for i = 5, #ARGV - 1, 2 do
+  local at = redis.call('ZSCORE', KEYS[2], ARGV[i])
+  if at and tonumber(at) <= tonumber(ARGV[i + 1]) then redis.call('ZREM', KEYS[2], ARGV[i]) end
 end
 local total = mine
 local all = redis.call('HGETALL', KEYS[1])
