@@ -289,7 +289,8 @@ class LocalCluster:
         keeps its identity and rejoins the cluster (a master whose slots were failed over
         meanwhile comes back as a replica of the new owner; its data is gone, as nothing
         is persisted). A node still running is left alone."""
-        assert self.info is not None and self._binary is not None
+        assert self.info is not None
+        assert self._binary is not None
         if self.procs[port].alive:
             return
         node = next(n for n in self.info.nodes if n.port == port)
