@@ -214,7 +214,14 @@ class Nemesis:
             self.cluster.kill_node(master)
             entry["exit"] = await self.cluster.process(master).wait(5)
             await asyncio.sleep(fault.hold_s)
-            entry["slot_owner_after"] = await self._owner(slot)
+            # the replica's election may outlast a short hold on a busy machine: wait for
+            # it (the evidence) before the node comes back, at most 20 s
+            deadline = time.monotonic() + 20
+            while (owner := await self._owner(slot)) in (None, master):
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.2)
+            entry["slot_owner_after"] = owner
             self.cluster.restart_node(master)
             entry["rejoined"] = await self._rejoined(master)
             entry["took_effect"] = (
