@@ -20,6 +20,7 @@ from relay.broker.port import (
     StreamView,
     StreamWrite,
     StreamWriteResult,
+    charge,
 )
 
 __all__ = ["MemoryStreams"]
@@ -38,6 +39,7 @@ class _Stream:
     deleted: bool = False
     sseq: str = ""
     closer: str = ""
+    held: int = 0  # bytes charged (charge()) since its creation
     log: list[bytes] = field(default_factory=list)
     prods: dict[str, tuple[int, int]] = field(default_factory=dict)
     forks: set[str] = field(default_factory=set)
@@ -53,6 +55,7 @@ class MemoryStreams:
         self._clock = clock
         self._by_meta: dict[str, _Stream] = {}  # the streams, by their meta key
         self._tapped: set[str] = set()
+        self._windows: dict[str, dict[int, int]] = {}  # take_bytes: key -> step -> bytes
 
     # ---- the tap (live readers' wake-ups) --------------------------------------------------
 
@@ -94,11 +97,15 @@ class MemoryStreams:
                 same = (s.mt == w.media_type and s.ttl == ttl and s.ea == ea
                         and s.closed == w.close and not s.deleted and s.fork == w.fork)  # fmt: skip
                 return StreamWriteResult(200 if same else 409, len(s.log), s.closed, 0, 0)
+            size = charge(messages)
+            if w.max_bytes > 0 and size > w.max_bytes:
+                return StreamWriteResult(413, 0, False, 0, w.max_bytes)
             eams = "" if w.expires_at is None else str(w.expires_at[1])
             s = _Stream(w.media_type, w.content_type, ttl, ea, eams, w.fork,
                         secrets.token_hex(6), closed=w.close)  # fmt: skip
             self._by_meta[ref.meta] = s
             s.log.extend(messages)
+            s.held = size if messages else 0
             self._expire(s)
             if messages or w.close:
                 self._wake(ref.channel, str(len(s.log)).encode())
@@ -133,6 +140,9 @@ class MemoryStreams:
                     return StreamWriteResult(409, n, False, sq + 1, seq)
             elif seq != 0:
                 return StreamWriteResult(409, n, False, 0, seq)
+        size = charge(messages)
+        if w.max_bytes > 0 and messages and s.held + size > w.max_bytes:
+            return StreamWriteResult(413, n, False, s.held, w.max_bytes)
         if w.stream_seq:
             if s.sseq and w.stream_seq <= s.sseq:
                 return StreamWriteResult(409, n, False, 0, 0)
@@ -140,6 +150,7 @@ class MemoryStreams:
         if pid:
             s.prods[pid] = (epoch, seq)
         s.log.extend(messages)
+        s.held += size if messages else 0
         n = len(s.log)
         if w.close:
             s.closed = True
@@ -190,6 +201,25 @@ class MemoryStreams:
             return 204, ""
         del self._by_meta[ref.meta]
         return 204, self._source_of(s)
+
+    async def take_bytes(self, key: str, n: int, limit: int, window_ms: int) -> int:
+        now = round(self._clock() * 1000)
+        step = max(window_ms // 60, 1000)
+        first = (now - window_ms) // step + 1
+        live = {b: v for b, v in self._windows.get(key, {}).items() if b >= first}
+        self._windows[key] = live
+        used = sum(live.values())
+        if n > 0 and used + n > limit:
+            if n > limit:
+                return -1
+            over = used + n - limit
+            for b in sorted(live):
+                over -= live[b]
+                if over <= 0:
+                    return max(b * step + window_ms - now, 1000)
+            return window_ms
+        live[now // step] = live.get(now // step, 0) + n
+        return 0
 
     async def stream_fork_ref(self, source: StreamRef, fork_path: str, take: bool) -> str:
         s = self._get(source)

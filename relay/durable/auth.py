@@ -43,6 +43,7 @@ class Grant:
     token: int | None  # the token's count key; None: an open path
     address: str
     public: bool  # no token: responses may be cached publicly
+    identity: str | None = None  # the token's identity as text (its byte budget's key)
 
 
 def token_subject(path: str) -> str:
@@ -80,7 +81,7 @@ class Gate:
                                     max_lifetime_s=self.max_lifetime_s)  # fmt: skip
         except AuthError as exc:
             raise Refused(exc.status, f"{exc.error}: {exc}", challenge(exc)) from None
-        return Grant(token_key(claims), address, False)
+        return Grant(token_key(claims), address, False, repr(claims.identity))
 
     @contextlib.contextmanager
     def live(self, grant: Grant) -> Iterator[None]:

@@ -21,14 +21,15 @@ from aiohttp import web
 
 from relay.broker.errors import RelayError, SessionDeleted
 from relay.broker.port import StreamsBroker, StreamStore
-from relay.durable import core, fork, reads, store
-from relay.durable.auth import Gate, Refused, token_subject
+from relay.durable import core, fork, quota, reads, store
+from relay.durable.auth import Gate, Grant, Refused, token_subject
 from relay.durable.core import BadRequest, format_offset
 from relay.durable.live import Waker
 from relay.durable.sessions import SessionSource
 from relay.edge.fanout.presence import viewing
 from relay.protocol.auth import Scope
 from relay.protocol.keys import InvalidSessionId, parse_session
+from relay.service.budget import ByteBudgets
 from relay.service.errors import text_refusal
 from relay.service.httpbody import read_body
 from relay.service.jsonbody import BodyRefused
@@ -73,6 +74,9 @@ class Durable:
             per_token=cfg.max_streams_per_token, per_address=cfg.max_streams_per_address,
         )  # fmt: skip
         self.waker = Waker(self)
+        self.quota = quota.Quota(cfg.durable_max_stream_bytes, ByteBudgets(
+            per_token=cfg.durable_token_bytes, per_address=cfg.durable_address_bytes,
+            window_s=cfg.durable_budget_window_s))  # fmt: skip
         server.broker_tap = self.waker.on_message  # set on the hub it makes
 
     def hub(self) -> Hub:
@@ -153,9 +157,9 @@ async def _stream(request: web.Request, durable: Durable, path: str) -> web.Stre
     address = durable.server.address(request)
     grant = durable.gate.check(request, token_subject(path), need, address, path=path)
     if method == "PUT":
-        return await _put(request, durable, ref)
+        return await _put(request, durable, ref, grant)
     if method == "POST":
-        return await _post(request, durable, ref)
+        return await _post(request, durable, ref, grant)
     if method == "DELETE":
         broker, _ = durable.ready()
         code = await store.delete(broker.streams, ref)
@@ -226,7 +230,9 @@ def _write_headers(request: web.Request, op: str) -> store.Write:
     )  # fmt: skip
 
 
-async def _put(request: web.Request, durable: Durable, ref: store.StreamRef) -> web.Response:
+async def _put(
+    request: web.Request, durable: Durable, ref: store.StreamRef, grant: Grant
+) -> web.Response:
     w = _write_headers(request, "put")
     body = await durable.body(request)
     streams = durable.ready()[0].streams
@@ -237,7 +243,7 @@ async def _put(request: web.Request, durable: Durable, ref: store.StreamRef) -> 
         w, msgs, source = await fork.plan(streams, w, request.headers, own)
     else:
         msgs = core.body_messages(body, w.media_type == "application/json", allow_empty_array=True)
-    r = await store.write(streams, ref, w, msgs)
+    r = await quota.write(durable.quota, streams, ref, w, msgs, grant)
     if r.code == 201 and source is not None and not await store.fork_ref(streams, source, ref.path):
         await store.delete(streams, ref)  # the source went meanwhile: no orphan fork
         return _error(409, "the source stream was deleted meanwhile")
@@ -252,7 +258,9 @@ async def _put(request: web.Request, durable: Durable, ref: store.StreamRef) -> 
     return web.Response(status=200, headers=h)
 
 
-async def _post(request: web.Request, durable: Durable, ref: store.StreamRef) -> web.Response:
+async def _post(
+    request: web.Request, durable: Durable, ref: store.StreamRef, grant: Grant
+) -> web.Response:
     w = _write_headers(request, "post")
     body = await durable.body(request)
     if not body and not w.close:
@@ -262,7 +270,7 @@ async def _post(request: web.Request, durable: Durable, ref: store.StreamRef) ->
     msgs = core.body_messages(body, w.media_type == "application/json", allow_empty_array=False)
     w = store.Write(**{**w.__dict__, "has_body": bool(body)})
     streams = durable.ready()[0].streams
-    r = await store.write(streams, ref, w, msgs)
+    r = await quota.write(durable.quota, streams, ref, w, msgs, grant)
     h = {"Stream-Next-Offset": format_offset(r.next)}
     if r.closed:
         h["Stream-Closed"] = "true"

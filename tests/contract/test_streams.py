@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from relay.broker.port import SoftDeleted, StreamWrite
+from relay.broker.port import MESSAGE_OVERHEAD, SoftDeleted, StreamWrite, charge
 from relay.durable import store
 from tests.contract.conftest import Stores
 
@@ -75,3 +75,45 @@ async def test_fork_and_delete(stores: Stores) -> None:
     assert await store.read(s, child, 0, count=10) is None
     assert await store.read(s, src, 0, count=10) is None
     assert await store.delete(s, src) == 404
+
+
+async def test_a_stream_holds_at_most_its_byte_bound(stores: Stores) -> None:
+    """``max_bytes``: a write that would make the stream hold more (each message counted
+    as its bytes + MESSAGE_OVERHEAD, since its creation) is 413 and stores nothing."""
+    s, ref = stores.store, store.StreamRef.of(f"c/{stores.sid()}")
+    per = MESSAGE_OVERHEAD
+    bound = 3 * (100 + per)
+    too_big = await store.write(s, ref, put(max_bytes=bound), [b"x" * 100] * 4)
+    assert (too_big.code, too_big.b) == (413, bound)
+    assert await store.read(s, ref, 0, count=10) is None  # nothing created
+    assert (await store.write(s, ref, put(max_bytes=bound), [b"x" * 100])).code == 201
+    assert (await store.write(s, ref, post(max_bytes=bound), [b"y" * 100])).code == 204
+    over = await store.write(s, ref, post(max_bytes=bound), [b"z" * 100, b"z"])
+    assert (over.code, over.next, over.a, over.b) == (413, 2, 2 * (100 + per), bound)
+    view = await store.read(s, ref, 0, count=10)
+    assert view is not None
+    assert view.messages == [b"x" * 100, b"y" * 100]  # the refused write left nothing
+    assert (await store.write(s, ref, post(max_bytes=bound), [b"z" * 100])).code == 204
+    assert (await store.write(s, ref, post(max_bytes=bound), [b"!"])).code == 413
+    assert (await store.write(s, ref, post(), [b"!"])).code == 204  # max_bytes 0: no bound
+    # a million tiny messages are not a million bytes: each counts its overhead
+    assert charge([b"1"] * 1000) == 1000 * (1 + per)
+    # deleted: a new stream at the path starts from nothing
+    await store.delete(s, ref)
+    assert (await store.write(s, ref, put(max_bytes=bound), [b"x" * 100] * 3)).code == 201
+
+
+async def test_byte_windows(stores: Stores) -> None:
+    """``take_bytes``: a sliding window of bytes per key, shared by whoever asks."""
+    s = stores.store
+    k = f"tr:tok:{{{stores.sid()}}}:bytes"
+    assert await s.take_bytes(k, 600, 1000, 3_600_000) == 0
+    assert await s.take_bytes(k, 400, 1000, 3_600_000) == 0
+    wait = await s.take_bytes(k, 1, 1000, 3_600_000)
+    assert 3_500_000 <= wait <= 3_600_000  # when the first bytes stop counting
+    assert await s.take_bytes(k, 1001, 1000, 3_600_000) == -1  # never fits
+    assert await s.take_bytes(k, -400, 0, 3_600_000) == 0  # given back
+    assert await s.take_bytes(k, 400, 1000, 3_600_000) == 0
+    assert await s.take_bytes(k, 1, 1000, 3_600_000) > 0
+    other = f"tr:tok:{{{stores.sid()}}}:bytes"
+    assert await s.take_bytes(other, 1000, 1000, 3_600_000) == 0  # keys apart

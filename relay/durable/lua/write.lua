@@ -4,15 +4,20 @@
 --   5 expires-at text or "", 6 expires-at ms or "", 7 close "1"/"0", 8 Stream-Seq or "",
 --   9 producer id or "", 10 epoch, 11 seq, 12 new incarnation id, 13 live channel,
 --   14 stream path, 15 has body "1"/"0", 16 fork identity ("source\noffset\nsub" or ""),
---   17.. messages
+--   17 the most bytes the stream may hold ("0": no bound; relay.broker.streams.charge),
+--   18.. messages
 -- Returns {code, next, closed, a, b}: code is the HTTP status; a, b its extra figures
--- (producer epoch / seq, expected / received seq).
+-- (producer epoch / seq, expected / received seq; 413: the bytes held, the bound).
 local meta, log, prods = KEYS[1], KEYS[2], KEYS[3]
 local op, mt, ct, ttl, ea, eams = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local close, sseq, pid, epoch, pseq = ARGV[7] == "1", ARGV[8], ARGV[9], ARGV[10], ARGV[11]
 local gen, channel, path, hasbody = ARGV[12], ARGV[13], ARGV[14], ARGV[15] == "1"
 local fork = ARGV[16]
-local nmsg = #ARGV - 16
+local FIRST = 18  -- the first message's ARGV
+local nmsg = #ARGV - FIRST + 1
+-- the byte bound: what a message is charged (its bytes + the store's overhead per message)
+local cap, size = tonumber(ARGV[17]), 0
+for i = FIRST, #ARGV do size = size + #ARGV[i] + 16 end
 
 local function expire()
   local t = redis.call("HGET", meta, "ttl")
@@ -28,9 +33,10 @@ end
 
 local function append(n)
   if nmsg > 0 then
-    redis.call("RPUSH", log, unpack(ARGV, 17))
+    redis.call("RPUSH", log, unpack(ARGV, FIRST))
     n = n + nmsg
     redis.call("HSET", meta, "n", n)
+    redis.call("HINCRBY", meta, "bytes", size)
   end
   return n
 end
@@ -43,6 +49,7 @@ if op == "put" then
       and ((s[4] == "1") == close) and s[6] ~= "1" and (s[7] or "") == fork
     return {same and 200 or 409, tonumber(s[5]), s[4] == "1" and 1 or 0, 0, 0}
   end
+  if cap > 0 and size > cap then return {413, 0, 0, 0, cap} end
   redis.call("HSET", meta, "mt", mt, "ct", ct, "ttl", ttl, "ea", ea, "eams", eams,
     "closed", close and "1" or "0", "n", 0, "gen", gen, "path", path, "sseq", "",
     "fork", fork)
@@ -84,6 +91,8 @@ if pid ~= "" then
   end
   accepted = true
 end
+local held = tonumber(redis.call("HGET", meta, "bytes") or "0")
+if cap > 0 and nmsg > 0 and held + size > cap then return {413, n, 0, held, cap} end
 if sseq ~= "" then
   if s[4] ~= "" and sseq <= s[4] then return {409, n, 0, 0, 0} end
   redis.call("HSET", meta, "sseq", sseq)
