@@ -107,8 +107,13 @@ class Durable:
         return self._broker(), self.waker
 
     def options(self, public: bool) -> reads.ReadOptions:
+        """How a read is served; its bytes in memory under the hub's replay budget."""
         c = self.config
-        return reads.ReadOptions(c.durable_long_poll_s, c.durable_sse_close_s, public)
+        return reads.ReadOptions(
+            c.durable_long_poll_s, c.durable_sse_close_s, public, budget=self.hub().budget,
+            reserve=max(reads.CHUNK_BYTES, c.durable_max_body_bytes),
+            write_timeout_s=c.write_timeout_s, headers=SECURITY,
+        )  # fmt: skip
 
     async def body(self, request: web.Request) -> bytes:
         """The body (any media type: a stream has its own), bounded by
@@ -185,9 +190,7 @@ async def _stream(request: web.Request, durable: Durable, path: str) -> web.Stre
     if method == "GET":
         broker, waker = durable.ready()
         source = _StreamSource(broker.streams, ref)
-        if request.query.get("live") is None:
-            return await reads.get(request, source, waker, durable.options(grant.public))
-        with durable.gate.live(grant):
+        with durable.gate.live(grant):  # every read counts, a catch-up's too
             return await reads.get(request, source, waker, durable.options(grant.public))
     return _error(
         405, f"{method} is not a Durable Streams method", {"Allow": "GET, HEAD, PUT, POST, DELETE"}
@@ -310,7 +313,8 @@ async def _session(request: web.Request, durable: Durable) -> web.StreamResponse
     broker, waker = durable.ready()
     source = SessionSource(broker, sid)
     if request.query.get("live") is None:
-        return await reads.get(request, source, waker, durable.options(False))
+        with durable.gate.live(grant):  # a catch-up read counts, but watches nothing
+            return await reads.get(request, source, waker, durable.options(False))
     # a live read watches the session: counted as a viewer like an SSE or WebSocket
     # screen, so a turn read only here is not stopped for nobody watching
     with durable.gate.live(grant):
