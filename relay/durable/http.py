@@ -106,13 +106,14 @@ class Durable:
             raise Refused(503, "draining: try another relay")
         return self._broker(), self.waker
 
-    def options(self, public: bool) -> reads.ReadOptions:
-        """How a read is served; its bytes in memory under the hub's replay budget."""
+    def options(self, public: bool, address: str) -> reads.ReadOptions:
+        """How a read is served; its bytes in memory under the hub's replay budget, an
+        address's catch-up reads within its share."""
         c = self.config
         return reads.ReadOptions(
             c.durable_long_poll_s, c.durable_sse_close_s, public, budget=self.hub().budget,
             reserve=max(reads.CHUNK_BYTES, c.durable_max_body_bytes),
-            write_timeout_s=c.write_timeout_s, headers=SECURITY,
+            write_timeout_s=c.write_timeout_s, headers=SECURITY, key=address,
         )  # fmt: skip
 
     async def body(self, request: web.Request) -> bytes:
@@ -191,7 +192,9 @@ async def _stream(request: web.Request, durable: Durable, path: str) -> web.Stre
         broker, waker = durable.ready()
         source = _StreamSource(broker.streams, ref)
         with durable.gate.live(grant):  # every read counts, a catch-up's too
-            return await reads.get(request, source, waker, durable.options(grant.public))
+            return await reads.get(
+                request, source, waker, durable.options(grant.public, grant.address)
+            )
     return _error(
         405, f"{method} is not a Durable Streams method", {"Allow": "GET, HEAD, PUT, POST, DELETE"}
     )
@@ -314,12 +317,12 @@ async def _session(request: web.Request, durable: Durable) -> web.StreamResponse
     source = SessionSource(broker, sid)
     if request.query.get("live") is None:
         with durable.gate.live(grant):  # a catch-up read counts, but watches nothing
-            return await reads.get(request, source, waker, durable.options(False))
+            return await reads.get(request, source, waker, durable.options(False, grant.address))
     # a live read watches the session: counted as a viewer like an SSE or WebSocket
     # screen, so a turn read only here is not stopped for nobody watching
     with durable.gate.live(grant):
         async with viewing(durable.hub(), sid):
-            return await reads.get(request, source, waker, durable.options(False))
+            return await reads.get(request, source, waker, durable.options(False, grant.address))
 
 
 def handlers(durable: Durable) -> dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]:

@@ -15,6 +15,7 @@ not read is cut and what it held is freed. Long-poll waits with no messages read
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import random
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Final, Protocol
 from aiohttp import web
 
 from relay.durable import core
+from relay.durable.auth import Refused
 from relay.durable.core import BadRequest, format_offset
 from relay.durable.live import Waker
 from relay.durable.store import View
@@ -43,6 +45,7 @@ SECURITY: Final = {
 }
 CHUNK_MESSAGES: Final = 1000
 CHUNK_BYTES: Final = 1 << 20
+TAIL_RESERVE: Final = 64 << 10  # reserved for a read at the tail (what one append adds)
 _MODES: Final = (None, "long-poll", "sse")
 
 
@@ -61,34 +64,60 @@ class ReadOptions:
     reserve: int = CHUNK_BYTES  # reserved before a read: the most one read returns
     write_timeout_s: float = 10.0  # a slice of a body not taken in this long: cut
     headers: Mapping[str, str] = field(default_factory=lambda: dict(SECURITY))  # on every body
+    key: str | None = None  # whose share of the budget (the client address)
 
 
 class _Hold:
     """What one read holds of the budget (see the module docstring)."""
 
-    def __init__(self, budget: ByteBudget | None, reserved: int) -> None:
-        self.budget, self.reserved = budget, reserved
+    def __init__(self, opt: ReadOptions, behind: bool) -> None:
+        self.budget, self.wait_s = opt.budget, opt.write_timeout_s
+        self.key = opt.key if behind else None
+        self.reserved = 0
+
+    async def take(self, n: int) -> None:
+        """Reserve ``n`` more bytes, waiting at most ``--write-timeout-s`` (:class:`Busy`)."""
+        if self.budget is None:
+            return
+        try:
+            async with asyncio.timeout(self.wait_s):
+                self.reserved += await self.budget.acquire(n, self.key)
+        except TimeoutError:
+            raise Busy from None
 
     async def keep(self, n: int) -> None:
         """Hold ``n`` bytes from now on (give back the rest, or reserve more)."""
         if self.budget is None:
             return
         if n > self.reserved:
-            self.reserved += await self.budget.acquire(n - self.reserved)
+            await self.take(n - self.reserved)
         else:
-            self.budget.release(self.reserved - n)
+            self.budget.release(self.reserved - n, self.key)
             self.reserved = n
 
 
+class Busy(Exception):
+    """The relay's read budget (or this client's share of it) stayed spent too long."""
+
+
+BUSY_REASON: Final = (
+    "this relay holds as many bytes of reads as it may (--replay-budget-bytes; a client "
+    "address a quarter of it): retry"
+)
+
+
 @contextlib.asynccontextmanager
-async def _reserved(opt: ReadOptions) -> AsyncIterator[_Hold]:
-    budget = opt.budget
-    hold = _Hold(budget, await budget.acquire(opt.reserve) if budget is not None else 0)
+async def _reserved(opt: ReadOptions, behind: bool) -> AsyncIterator[_Hold]:
+    """A read's hold on the budget: ``behind`` (a catch-up: the reader is behind the tail)
+    reserves the most one read returns, within the client's share; a read at the tail
+    (woken by an append) reserves :data:`TAIL_RESERVE` and more only if it got more."""
+    hold = _Hold(opt, behind)
     try:
+        await hold.take(opt.reserve if behind else TAIL_RESERVE)
         yield hold
     finally:
-        if budget is not None:
-            budget.release(hold.reserved)
+        if hold.budget is not None:
+            hold.budget.release(hold.reserved, hold.key)
 
 
 class Gone(Exception):
@@ -155,20 +184,26 @@ async def get(
         h = _headers(view, view.next, True, request)
         h["Cache-Control"] = "no-store"
         return web.Response(body=core.join_body([], view.json_mode), headers=h)
+    behind = True
     if live == "long-poll":  # wait with no messages read, then read under the budget
         view = await _load(source, start, 0)
         at = view.next if start is None else start
+        first_next = view.next
         if at >= view.next and not view.closed:
             view = await _long_poll(source, waker, at, opt.long_poll_s)
         if at >= view.next:
             h = _headers(view, view.next, True, request)
             return web.Response(status=204, headers=h)
+        behind = at < first_next  # else it waited at the tail
         start = at
-    async with _reserved(opt) as hold:
-        view = await _load(source, start)
-        msgs, up_to_date = _cut(view)
-        await hold.keep(sum(len(m) for m in msgs))
-        return await _chunk(request, view, opt, msgs, up_to_date)
+    try:
+        async with _reserved(opt, behind) as hold:
+            view = await _load(source, start)
+            msgs, up_to_date = _cut(view)
+            await hold.keep(sum(len(m) for m in msgs))
+            return await _chunk(request, view, opt, msgs, up_to_date)
+    except Busy:
+        raise Refused(503, BUSY_REASON, {"Retry-After": "1"}) from None
 
 
 async def _chunk(
@@ -236,33 +271,37 @@ async def _sse(
     resp = web.StreamResponse(headers=h)
     await resp.prepare(request)
     deadline = time.monotonic() + opt.sse_close_s
-    sent_control = False
+    sent_control, behind = False, at < view.next
     async with waker.wakeups(source.channel) as wake:
         while True:
-            async with _reserved(opt) as hold:
-                page = await source.read(at, CHUNK_MESSAGES)
-                if page is None:  # deleted under us: end; the reconnect gets 404
-                    break
-                msgs, up_to_date = _cut(page)
-                ended = page.closed and up_to_date
-                event = b""
-                if msgs:
-                    at = page.start + len(msgs)
-                    event = core.sse_data(msgs, page.json_mode, _binary(page))
-                if msgs or not sent_control or ended:
-                    # the data and its control in one write: a reader sees both or neither
-                    event += _control(page, at, up_to_date, request)
-                del msgs, page  # only the event is held while it is written
-                await hold.keep(len(event))
-                if event:
-                    try:
-                        await write_paced(request, resp, [event], timeout_s=opt.write_timeout_s)
-                    except SlowReader:
-                        return resp  # cut: the connection is gone, and what it held with it
-                    sent_control = True
+            try:
+                async with _reserved(opt, behind) as hold:
+                    page = await source.read(at, CHUNK_MESSAGES)
+                    if page is None:  # deleted under us: end; the reconnect gets 404
+                        break
+                    msgs, up_to_date = _cut(page)
+                    ended = page.closed and up_to_date
+                    event = b""
+                    if msgs:
+                        at = page.start + len(msgs)
+                        event = core.sse_data(msgs, page.json_mode, _binary(page))
+                    if msgs or not sent_control or ended:
+                        # the data and its control in one write: a reader sees both or neither
+                        event += _control(page, at, up_to_date, request)
+                    del msgs, page  # only the event is held while it is written
+                    await hold.keep(len(event))
+                    if event:
+                        try:
+                            await write_paced(request, resp, [event], timeout_s=opt.write_timeout_s)
+                        except SlowReader:
+                            return resp  # cut: the connection is gone, and what it held with it
+                        sent_control = True
+            except Busy:
+                break  # the reader reconnects, as at --durable-sse-close-s
             if ended:
                 break
-            if not up_to_date:
+            behind = not up_to_date
+            if behind:
                 continue
             left = deadline - time.monotonic()
             if left <= 0:
