@@ -120,6 +120,11 @@ CATALOG: tuple[Benchmark, ...] = (
         "idle and trickling connections from one address against a relay while viewers stream",
     ),
     Benchmark(
+        "slow_readers",
+        "bench.hostile.slow_readers",
+        "Durable Streams catch-up readers that never read, against a relay's memory",
+    ),
+    Benchmark(
         "mq_vs_pubsub",
         "bench.pubsub.mq_vs_pubsub",
         "token streaming: Redis sharded Pub/Sub vs RabbitMQ (queue per connection, topic)",

@@ -179,3 +179,42 @@ async def test_one_address_is_bounded_across_relays_and_streams(cluster: Cluster
         assert status == 201, text
         for i, path in enumerate(paths):
             await Client(relays[i % 2], address).send("DELETE", path, _token(path))
+
+
+async def test_what_one_address_makes_the_masters_hold(
+    cluster: ClusterInfo, redis: RedisCluster
+) -> None:
+    """Every default: one address writes 4 MiB bodies into streams of its own (a token
+    each, a new stream when one is full) until refused; the masters' growth and the bytes
+    its streams' keys hold (``MEMORY USAGE``) stay under ``--durable-address-bytes`` x 1.25
+    (jemalloc rounds a large allocation up to its size class, four per doubling: a 4 MiB
+    message takes 5 MiB) plus a few MiB of the masters' transient buffers: the figure
+    RELIABILITY.md adds to the sessions' ceiling. Old code: nothing refused it."""
+    assert D.durable_address_bytes == 64 * MIB
+    body, address = random.randbytes(BODY), _address()
+    paths: list[str] = []
+    before = await _masters_used(cluster)
+    statuses: list[int] = []
+    async with _relays(cluster, 2) as relays:
+        status = 204
+        while status != 429 and len(statuses) < 40:
+            path = f"budget/{random.randrange(1 << 30)}"
+            paths.append(path)
+            c = Client(relays[len(paths) % 2], address)
+            status, text, _ = await c.send("PUT", path, _token(path))
+            assert status == 201, text
+            while True:
+                status, text, _ = await c.send("POST", path, _token(path), body)
+                statuses.append(status)
+                if status != 204:
+                    break
+        assert status == 429, statuses
+        grew, held = await _masters_used(cluster) - before, await _held(redis, paths)
+        for i, path in enumerate(paths):
+            await Client(relays[i % 2], address).send("DELETE", path, _token(path))
+    accepted = statuses.count(204)
+    print(f"\none address: {accepted} x 4 MiB into {len(paths)} streams, then 429; keys hold "
+          f"{held / MIB:.1f} MiB, masters' used_memory +{grew / MIB:.1f} MiB")  # fmt: skip
+    assert accepted == D.durable_address_bytes // (BODY + MESSAGE_OVERHEAD)
+    assert held <= 1.25 * D.durable_address_bytes + MIB, held
+    assert grew <= 1.25 * D.durable_address_bytes + 8 * MIB, grew
