@@ -60,10 +60,10 @@ async def write(
     if charged is not None and not _stored(w, result):
         await quota.budgets.refund(streams, charged)
     if result.code == 413:
-        held = f"holds {result.a} bytes; " if result.a else ""
+        held = f"the stream holds {result.a} bytes; " if result.a else ""
         raise Refused(
             413,
-            f"the stream {held}this write of {n} bytes would pass the {result.b} it may "
+            f"{held}this write of {n} bytes would pass the {result.b} bytes a stream may "
             "hold (--durable-max-stream-bytes; each message counts its bytes + 16)",
         )
     return result
