@@ -42,15 +42,37 @@ async def write_paced(
     timeout_s: float,
 ) -> None:
     """Write ``parts`` to the prepared ``resp`` in slices, each within ``timeout_s``;
-    :class:`SlowReader` (the transport aborted) when one is not taken in time."""
+    :class:`SlowReader` (the transport aborted) when one is not taken in time. Small parts
+    are gathered into one slice (a thousand JSON messages are a few writes, not a
+    thousand); a large one is written from its own memory, a slice at a time."""
+    pending = bytearray()
     for part in parts:
+        if len(pending) + len(part) <= SLICE:
+            pending += part
+            continue
+        if pending:
+            await _write(request, resp, pending, timeout_s)
+            pending = bytearray()
         view = memoryview(part)
         for i in range(0, len(view), SLICE):
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await resp.write(view[i : i + SLICE])
-            except TimeoutError:
-                transport = request.transport
-                if transport is not None:
-                    transport.abort()
-                raise SlowReader(f"no slice of the body taken in {timeout_s:g} s") from None
+            piece = view[i : i + SLICE]
+            if len(piece) < SLICE:  # the tail: gathered with what follows
+                pending += piece
+            else:
+                await _write(request, resp, piece, timeout_s)
+    if pending:
+        await _write(request, resp, pending, timeout_s)
+
+
+async def _write(
+    request: web.BaseRequest, resp: web.StreamResponse, data: bytes | bytearray | memoryview,
+    timeout_s: float,
+) -> None:  # fmt: skip
+    try:
+        async with asyncio.timeout(timeout_s):
+            await resp.write(data)
+    except TimeoutError:
+        transport = request.transport
+        if transport is not None:
+            transport.abort()
+        raise SlowReader(f"no slice of the body taken in {timeout_s:g} s") from None
