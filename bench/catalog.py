@@ -110,6 +110,12 @@ CATALOG: tuple[Benchmark, ...] = (
         "fault drills: loss, duplicates, order and recovery while a stack is broken",
     ),
     Benchmark(
+        "nemesis",
+        "bench.faults.nemesis",
+        "overlapping faults from a seed under load, every screen checked against Redis",
+        quick=("--quick", "--seed", "3"),
+    ),
+    Benchmark(
         "fuzz",
         "bench.fuzz.run",
         "hostile inputs to the frame, session-id, offset and token parsers",
@@ -123,6 +129,11 @@ CATALOG: tuple[Benchmark, ...] = (
         "slow_readers",
         "bench.hostile.slow_readers",
         "Durable Streams catch-up readers that never read, against a relay's memory",
+    ),
+    Benchmark(
+        "durable_hostile",
+        "bench.hostile.durable",
+        "hostile: the Durable Streams attack batch against a relay; its longest /healthz stall",
     ),
     Benchmark(
         "mq_vs_pubsub",

@@ -81,11 +81,12 @@ async def cluster() -> AsyncIterator[ClusterInfo]:
 
 
 @pytest.fixture(scope="session")
-async def amqp(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
+async def amqp_or_why(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
     """The URL of a RabbitMQ broker of this run's own: the one ``make test`` started around
     the whole run (``TOKENRELAY_TEST_AMQP``), else one started here for this process and
-    stopped by pid after it (devstack/rabbit.py). Skips with the reason where
-    ``rabbitmq-server`` is not installed; never uses a broker that happens to be on the host."""
+    stopped by pid after it (devstack/rabbit.py); where ``rabbitmq-server`` is not
+    installed, the reason, starting with "no:". Never a broker that happens to be on the
+    host."""
     url = os.environ.get(AMQP_ENV)
     if url:
         yield url
@@ -93,9 +94,18 @@ async def amqp(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
     try:
         find_rabbit()
     except RabbitMissing as exc:
-        pytest.skip(str(exc))
+        yield f"no: {exc}"
+        return
     async with local_rabbit(tmp_path_factory.mktemp("rabbit")) as started:
         yield started
+
+
+@pytest.fixture
+def amqp(amqp_or_why: str) -> str:
+    """:func:`amqp_or_why`'s broker; the test skips with the reason where there is none."""
+    if amqp_or_why.startswith("no: "):
+        pytest.skip(amqp_or_why.removeprefix("no: "))
+    return amqp_or_why
 
 
 @pytest.fixture

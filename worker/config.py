@@ -29,7 +29,13 @@ from relay.broker.rediscluster.connect import RedisTLS
 from relay.producer.coalesce import DEFAULT_POLICY, CoalescePolicy
 from relay.producer.presence import PresencePolicy
 from relay.protocol.auth import DEFAULT_KID
-from relay.protocol.keys import BACKLOG_MAX_BYTES, BACKLOG_MAXLEN, SESSION_TTL_S
+from relay.protocol.keys import (
+    BACKLOG_MAX_BYTES,
+    BACKLOG_MAXLEN,
+    LOCK_TTL_S,
+    MAX_LOCK_TTL_S,
+    SESSION_TTL_S,
+)
 from relay.service import settings
 from relay.service.clientaddr import DEFAULT_IPV6_PREFIX
 from relay.service.settings import (
@@ -73,8 +79,8 @@ from worker.routing.tokens import MOCK_MODEL
 
 __all__ = ["LOCK_TTL_S", "WorkerConfig", "default_worker_id"]
 
-# A session's turn lock: refreshed every second; a dead worker's turn is reaped after it.
-LOCK_TTL_S: Final = 5.0
+# A session's turn lock: refreshed every second; a dead worker's turn is reaped after it
+# (the bound every producer keeps: relay.protocol.keys.PRODUCER_LOST_S).
 _PRESENCE: Final = PresencePolicy()
 
 
@@ -261,6 +267,11 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise settings.ConfigError("--default-max-tokens must be in [1, --max-tokens-limit]")
         if any(len(k) < 16 for k in self.gateway_keys):
             raise settings.ConfigError("a --gateway-key must be at least 16 characters")
+        if not 0 < self.lock_ttl_s <= MAX_LOCK_TTL_S:
+            raise settings.ConfigError(
+                f"the turn lock's TTL must be in (0, {MAX_LOCK_TTL_S:g}] s: a dead worker's "
+                "turn must end within the producers' bound"
+            )
         try:
             _ = self.engines  # the URLs and the weights parse
             _ = self.kv_event_sources

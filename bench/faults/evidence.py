@@ -26,6 +26,7 @@ MUST_BE_ZERO: Final = (
     "unended_turns",
     "viewers_behind",
     "stalled_viewers",
+    "lost_writes",
 )
 
 Check = Callable[[Mapping[str, Any]], bool]

@@ -10,6 +10,7 @@ Used by :mod:`bench.faults.drills`, which injects the fault. Order of use::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import time
@@ -21,7 +22,7 @@ import aiohttp
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
 from bench._util import percentile
-from bench.load.accounting import account, read_logs
+from bench.load.accounting import SessionLog, account, read_logs
 from bench.load.viewer import Viewer
 from devstack.demo.stack import Stack
 
@@ -41,6 +42,8 @@ class FaultConfig:
     seed: int | None = None
     partition_s: float = 8.0
     stall_s: float = 1.5
+    regenerate_share: float = 0.0  # of turns posted as "regenerate the newest reply"
+    stop_share: float = 0.0  # of turns stopped (POST .../cancel) a moment after they start
 
     @classmethod
     def quick(cls) -> FaultConfig:
@@ -70,6 +73,11 @@ class Run:
         self.notes: dict[str, Any] = {}
         self.placed: dict[tuple[str, int], tuple[float, str]] = {}  # turn -> (at, engine)
         self.after_drill: Callable[[Run], Awaitable[None]] | None = None
+        # (viewer, turn, epoch) of every frame a viewer was given: a generation whose
+        # frames reached screens but not the backlog (a failover lost them, and their
+        # writer is gone) shows as an epoch the backlog's turn does not have
+        self.seen_epochs: set[tuple[int, int, int]] = set()
+        self.logs: dict[str, SessionLog] = {}
 
     def relays(self) -> list[str]:
         return [p.url for p in self.stack.of_kind("relay") if p.alive]
@@ -86,6 +94,7 @@ class Run:
                 self.ended[v.sid] = 0
             return
         self.arrivals.setdefault(id(v), []).append(now)
+        self.seen_epochs.add((id(v), int(frame.get("turn", 0)), int(frame.get("epoch", 0))))
         if frame["kind"] == "meta":
             engine = str((frame.get("meta") or {}).get("engine", ""))
             self.placed.setdefault((v.sid, int(frame.get("turn", 0))), (now, engine))
@@ -116,6 +125,8 @@ class Run:
                 await asyncio.sleep(0.05)
                 continue
             body: dict[str, Any] = {"message": f"fault drill {random.randrange(1 << 30)}"}
+            if sid in self.last_posted and random.random() < self.cfg.regenerate_share:
+                body = {"regenerate": True}
             if self.cfg.max_tokens:
                 body["max_tokens"] = self.cfg.max_tokens
             turn = 0
@@ -141,6 +152,15 @@ class Run:
                 self.post_errors += 1
                 await asyncio.sleep(0.3)
                 continue
+            if random.random() < self.cfg.stop_share:  # Stop, as a screen presses it
+                await asyncio.sleep(random.uniform(0.2, 1.5))
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError, IndexError):
+                    async with self.http.post(
+                        f"{random.choice(self.workers())}/v1/sessions/{sid}/cancel",
+                        headers=headers, timeout=aiohttp.ClientTimeout(total=10),
+                    ) as r:  # fmt: skip
+                        key = f"cancel {r.status}"
+                        self.post_status[key] = self.post_status.get(key, 0) + 1
             deadline = time.monotonic() + 90  # the longest reply: 2,000 tokens at 40/s
             while self.ended.get(sid, 0) < turn and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
@@ -160,7 +180,33 @@ class Run:
             logs = await read_logs(redis, [sid for sid, _ in self.sessions])
         finally:
             await redis.aclose()
-        return account(logs, self.viewers, self.posted_turns)
+        self.logs = logs
+        return {**account(logs, self.viewers, self.posted_turns), **self.lost_writes()}
+
+    def lost_writes(self) -> dict[str, Any]:
+        """Frames screens were given whose generation the backlog's turn does not hold:
+        ``lost_writes`` (viewer, turn) pairs and a few samples. Counted against Redis after
+        :meth:`account` read the backlogs."""
+        by_id = {id(v): v for v in self.viewers}
+        bad: list[str] = []
+        for vid, turn, epoch in sorted(self.seen_epochs):
+            v = by_id.get(vid)
+            log = self.logs.get(v.sid) if v is not None else None
+            if v is None or log is None or turn == 0:
+                continue
+            tl = log.turns.get(turn)
+            if tl is not None and tl.complete and epoch not in tl.epochs:
+                bad.append(f"{v.sid}/{turn}: epoch {epoch} reached a screen, the backlog has "
+                           f"{sorted(tl.epochs)}")  # fmt: skip
+        unended = [
+            f"{log.sid}/{turn}: {len(tl.offsets)} frames to offset {max(tl.offsets)}, "
+            f"epochs {sorted(tl.epochs)}, session's last offset {log.last}"
+            for log in self.logs.values()
+            for turn, tl in sorted(log.turns.items())
+            if tl.end is None and tl.offsets
+        ]
+        return {"lost_writes": len(bad), "lost_write_samples": sorted(set(bad))[:5],
+                "unended_samples": unended[:5]}  # fmt: skip
 
     def report(self, counts: dict[str, Any]) -> dict[str, Any]:
         vs = self.viewers

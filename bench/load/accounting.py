@@ -51,6 +51,7 @@ class TurnLog:
     done_meta: dict[str, Any] | None = None
     complete: bool = True  # False: the backlog was trimmed into this turn
     offsets: list[int] = field(default_factory=list)
+    epochs: set[int] = field(default_factory=set)  # the generations that wrote it
 
     @property
     def text(self) -> str:
@@ -77,6 +78,7 @@ class SessionLog:
         if t is None:
             t = self.turns[turn] = TurnLog(complete=kind == "meta" or offset == 1)
         t.offsets.append(offset)
+        t.epochs.add(int(frame.get("epoch", 0)))
         if kind == "token":
             t.pieces.append(str(frame.get("text", "")))
         elif kind in ("done", "error"):

@@ -8,7 +8,7 @@ import { Producer, ProducerError } from './src/index.js';
 const env = process.env;
 const producer = await Producer.connect(env.TR_REDIS_URL ?? 'redis://127.0.0.1:7000', {
   producerId: 'conformance-node',
-  lockTtlMs: Number(env.TR_LOCK_TTL_S ?? '15') * 1000,
+  lockTtlMs: env.TR_LOCK_TTL_S ? Number(env.TR_LOCK_TTL_S) * 1000 : undefined,
   maxlen: Number(env.TR_MAXLEN ?? '10000'),
   coalesce: { maxTokens: Number(env.TR_COALESCE ?? '8') },
 });
@@ -17,7 +17,7 @@ const state = { turn: null };
 async function handle(cmd) {
   const { op } = cmd;
   if (op === 'start') {
-    const t = await producer.session(cmd.session).startTurn(String(cmd.message ?? ''), { meta: cmd.meta, watch: false });
+    const t = await producer.session(cmd.session).startTurn(String(cmd.message ?? ''), { meta: cmd.meta, watch: Boolean(cmd.watch) });
     state.turn = t;
     return { ok: true, turn: t.turn, offset: t.firstOffset, epoch: t.epoch };
   }

@@ -36,7 +36,9 @@ export interface ProducerOptions {
   retryMs?: number;
   /** Frames a generation keeps to write again after a failover (default 4096). */
   keepFrames?: number;
-  /** The turn lock's TTL (default 15 000); refreshed every presence.intervalMs. */
+  /** The turn lock's TTL (default LOCK_TTL_MS, 5 000; RangeError above MAX_LOCK_TTL_MS,
+   * 7 000, so that a dead producer's turn ends within PRODUCER_LOST_MS); refreshed every
+   * presence.intervalMs. */
   lockTtlMs?: number;
   coalesce?: Partial<CoalescePolicy>;
   presence?: Partial<PresencePolicy>;
@@ -63,6 +65,9 @@ export const MAX_FRAME_BYTES: number;
 export const MAX_DELTA_BYTES: number;
 export const BACKLOG_MAXLEN: number;
 export const BACKLOG_MAX_BYTES: number;
+export const LOCK_TTL_MS: number;
+export const MAX_LOCK_TTL_MS: number;
+export const PRODUCER_LOST_MS: number;
 export const SESSION_TTL_S: number;
 /** The directory the Lua scripts are read from. */
 export const LUA_DIR: string;

@@ -231,6 +231,39 @@ async def masters_now(
     raise ClusterError("no node answered CLUSTER NODES")
 
 
+async def shards_now(
+    nodes: list[Node],
+    procs: Mapping[int, Proc],
+    client_kwargs: Mapping[str, Any] | None = None,
+) -> dict[int, tuple[int, ...]]:
+    """Current master port -> the ports of its replicas that are not marked failed, from
+    the first running node that answers (as :func:`masters_now`)."""
+    for node in nodes:
+        if node.port not in procs or not procs[node.port].alive:
+            continue
+        c = aioredis.Redis(host=node.host, port=node.port, **dict(client_kwargs or {}))
+        try:
+            text = (await c.execute_command("CLUSTER", "NODES")).decode()
+        except (aioredis.ConnectionError, OSError):
+            continue
+        finally:
+            await c.aclose()
+        return {master: replicas for _lo, _hi, master, replicas in _topology(text)}
+    raise ClusterError("no node answered CLUSTER NODES")
+
+
+async def failover(
+    node: Node, *, force: bool = False, client_kwargs: Mapping[str, Any] | None = None
+) -> None:
+    """``CLUSTER FAILOVER`` on the replica ``node``: it takes over its master's slots
+    (``force``: without the master's agreement, for a master that does not answer)."""
+    c = aioredis.Redis(host=node.host, port=node.port, **dict(client_kwargs or {}))
+    try:
+        await c.execute_command("CLUSTER", "FAILOVER", *(["FORCE"] if force else []))
+    finally:
+        await c.aclose()
+
+
 async def migrate_slot(
     nodes: list[Node],
     procs: Mapping[int, Proc],

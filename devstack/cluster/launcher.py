@@ -169,6 +169,7 @@ class LocalCluster:
         self.password = password  # requirepass and masterauth of every node
         self.procs: dict[int, Proc] = {}
         self.info: ClusterInfo | None = None
+        self._binary: ServerBinary | None = None
         atexit.register(self.kill_now)  # a caller that dies before stop() leaks nothing
 
     # -- lifecycle ---------------------------------------------------------------
@@ -194,6 +195,7 @@ class LocalCluster:
             version=binary.version_text,
             tls=self.tls is not None,
         )
+        self._binary = binary
         try:
             for node in nodes:
                 self._spawn(binary, node)
@@ -281,6 +283,29 @@ class LocalCluster:
     def kill_node(self, port: int) -> None:
         """kill -9 one node (it stays dead; :meth:`stop` reaps it)."""
         self.procs[port].kill()
+
+    def restart_node(self, port: int) -> None:
+        """Start a node that was killed again, on its port with its ``nodes.conf``: it
+        keeps its identity and rejoins the cluster (a master whose slots were failed over
+        meanwhile comes back as a replica of the new owner; its data is gone, as nothing
+        is persisted). A node still running is left alone."""
+        assert self.info is not None
+        assert self._binary is not None
+        if self.procs[port].alive:
+            return
+        node = next(n for n in self.info.nodes if n.port == port)
+        self._spawn(self._binary, node)
+
+    async def shards_now(self) -> dict[int, tuple[int, ...]]:
+        """Current master port -> its replicas' ports (see :func:`masters_now`)."""
+        assert self.info is not None
+        return await cluster_form.shards_now(self.info.nodes, self.procs, self.client_kwargs())
+
+    async def failover(self, replica_port: int, *, force: bool = False) -> None:
+        """A manual failover: the replica on ``replica_port`` becomes its shard's master."""
+        assert self.info is not None
+        node = next(n for n in self.info.nodes if n.port == replica_port)
+        await cluster_form.failover(node, force=force, client_kwargs=self.client_kwargs())
 
     def pause_node(self, port: int) -> None:
         self.procs[port].send(signal.SIGSTOP)

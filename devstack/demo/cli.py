@@ -25,10 +25,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import logging
+import os
 import secrets
 import signal
 import socket
 import sys
+from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
 import aiohttp
@@ -43,6 +46,7 @@ from relay.protocol.auth import DEFAULT_KID, WeakSecret, check_secret
 from relay.service import runtime, settings
 from relay.service.httpguard import ConnLimits, GuardedSite, guard_app
 from relay.service.settings import ConfigError, Host, opt
+from worker.jobs.queue import QueueNames
 
 __all__ = [
     "DemoSettings",
@@ -96,12 +100,22 @@ class DemoSettings(msgspec.Struct, frozen=True, kw_only=True):
         bool, opt("no OpenAI-compatible gateway (default: on, with a key made for the run)")
     ] = False
     log_dir: Annotated[
-        str, opt("keep the processes' logs in this folder (default: a temporary one, removed "
-                 "when the demo stops)", metavar="DIR")
+        str, opt("keep the processes' logs in this folder, made if missing (default: a "
+                 "temporary one, removed when the demo stops)", metavar="DIR")
     ] = ""  # fmt: skip
 
     def validate(self) -> DemoSettings:
-        """The auth rule of every process, except that no secret means a random one."""
+        """The auth rule of every process, except that no secret means a random one; a
+        ``--log-dir`` that does not exist yet is made, one that cannot be is one line."""
+        if self.log_dir:
+            folder = Path(self.log_dir)
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"--log-dir {self.log_dir}: cannot make it "
+                                  f"({exc.strerror or exc})") from None  # fmt: skip
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise ConfigError(f"--log-dir {self.log_dir}: not writable by this user")
         if self.secret and not self.insecure_no_auth:
             try:  # named as the user set it: the demo's secret has no flag
                 check_secret(self.secret, "TOKENRELAY_SECRET")
@@ -192,25 +206,57 @@ async def stack_view(stack: Stack, http: aiohttp.ClientSession) -> dict[str, Any
 
 
 async def _broker_answers(url: str) -> bool:
-    """True when an AMQP broker accepts a connection at ``url`` (3 s at most)."""
+    """True when an AMQP broker accepts a connection at ``url`` (3 s at most). The AMQP
+    library's own ERROR line for a refused connection is kept off the terminal: the
+    demo says in one line what it does without a broker."""
     import aio_pika
 
+    amqp_log = logging.getLogger("aiormq.connection")
+    level = amqp_log.level
+    amqp_log.setLevel(logging.CRITICAL)
     try:
         conn = await asyncio.wait_for(aio_pika.connect(url), 3.0)
     except Exception:  # unreachable, refused, bad credentials: no jobs in this demo
         return False
+    finally:
+        amqp_log.setLevel(level)
     await conn.close()
+    return True
+
+
+async def _remove_queue(url: str, queue: str) -> bool:
+    """Delete this run's job queue, its dead-letter queue and exchange from the broker
+    (the demo made them; a broker it shares with others keeps nothing of the run)."""
+    import aio_pika
+
+    names = QueueNames(queue=queue)
+    try:
+        conn = await asyncio.wait_for(aio_pika.connect(url), 3.0)
+    except Exception:
+        return False
+    try:
+        async with conn:
+            channel = await conn.channel()
+            for name in (names.queue, names.dead):
+                await channel.queue_delete(name, if_unused=False, if_empty=False)
+            await channel.exchange_delete(names.dlx)
+    except Exception:  # gone already, or the broker went away: nothing left to do
+        return False
     return True
 
 
 async def run_demo(opts: DemoSettings) -> int:
     """Start the stack and the front door, serve until SIGINT/SIGTERM, stop everything."""
     amqp = None
+    # a queue of this run's own: two demos on one host (or an app's queue on the same
+    # broker) never share jobs
+    queue = f"tokenrelay.demo.{secrets.token_hex(4)}.jobs"
     if not opts.no_jobs:
         wanted = opts.amqp_url or DEFAULT_AMQP
         if await _broker_answers(wanted):
             amqp = wanted
-            print(f"offline jobs: on (RabbitMQ at {mask_url(wanted)})", flush=True)
+            print(f"offline jobs: on (RabbitMQ at {mask_url(wanted)}, queue {queue} of this "
+                  "run, removed when the demo stops)", flush=True)  # fmt: skip
         elif opts.amqp_url:
             print(f"error: no RabbitMQ answers at {mask_url(wanted)} (--amqp)", file=sys.stderr)
             return 1
@@ -223,6 +269,7 @@ async def run_demo(opts: DemoSettings) -> int:
         gateway_keys=[gateway_key] if gateway_key else [],
         log_dir=opts.log_dir or None,
         amqp_url=amqp,
+        jobs_queue=queue,
         relays=opts.relays,
         workers=opts.workers,
         engines=opts.engines,
@@ -276,6 +323,8 @@ async def run_demo(opts: DemoSettings) -> int:
             await runner.cleanup()
     # every process has exited here (Stack's exit): their logs go too, unless asked to stay
     stack.remove_logs()
+    if amqp is not None:
+        await _remove_queue(amqp, queue)
     kept = f" (logs kept in {stack.log_dir})" if opts.log_dir else ""
     print(f"stopped: every process this demo started has exited{kept}.", flush=True)
     return 0

@@ -48,12 +48,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Final, NamedTuple, Protocol
 
 from relay.broker.errors import RelayError
 from relay.service.supervise import Supervisor
 
 __all__ = [
+    "SUPERSEDED",
+    "SUPERSEDED_TEXT",
     "BacklogPage",
     "Broker",
     "MessageHandler",
@@ -61,6 +63,12 @@ __all__ = [
     "ReapStatus",
     "ResubscribedHandler",
 ]
+
+# The error frame that ends a turn still open when the session's next turn opens (its
+# producer died or lost its lock, and the next turn came before a relay reaped it):
+# ``meta.code`` and text, as lua/open.lua writes them.
+SUPERSEDED: Final = "superseded"
+SUPERSEDED_TEXT: Final = "interrupted: the next turn started"
 
 # the live messages of one read, in order: message[1] the channel, message[2] the frame
 MessageHandler = Callable[[list[list[bytes]]], None]

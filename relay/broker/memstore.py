@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from relay.broker.base import ReapResult, ReapStatus
+from relay.broker.base import SUPERSEDED, SUPERSEDED_TEXT, ReapResult, ReapStatus
 from relay.broker.errors import Fenced, OffsetConflict
 from relay.broker.memory import MemoryBroker
 from relay.broker.memstreams import MemoryStreams
@@ -34,7 +34,7 @@ from relay.broker.port import (
     lock_value,
     parse_lock,
 )
-from relay.protocol.frame import now_ms
+from relay.protocol.frame import Frame, encode, now_ms
 from relay.protocol.keys import (
     BACKLOG_MAX_BYTES,
     BACKLOG_MAXLEN,
@@ -190,6 +190,11 @@ class MemoryStore(MemoryStreams, MemoryBroker):
         s = self._session(sid)
         s.epoch += 1
         s.turn += 1
+        if s.open:  # the open script's rule: a turn still open ends, fenced, superseded
+            meta = {"code": SUPERSEDED, "by_turn": s.turn, "gen": s.gen}
+            ended = Frame(session=sid, turn=s.open, offset=s.offset + 1, kind="error",
+                          text=SUPERSEDED_TEXT, epoch=s.epoch, ts=now_ms(), meta=meta)  # fmt: skip
+            self._write(s, sid, ended.offset, encode(ended))
         s.open = s.turn
         return MemoryGeneration(self, sid, s.epoch, s.turn, s.offset, s.gen)
 

@@ -25,6 +25,8 @@ from relay.broker.port import (
 
 __all__ = ["MemoryStreams"]
 
+BUILD_S = 10.0  # a build's stream lives this long past its last step (write.lua's BUILD_MS)
+
 
 @dataclass
 class _Stream:
@@ -37,6 +39,7 @@ class _Stream:
     gen: str
     closed: bool = False
     deleted: bool = False
+    building: str = ""  # a built create's id while it copies (read as absent)
     sseq: str = ""
     closer: str = ""
     held: int = 0  # bytes charged (charge()) since its creation
@@ -80,11 +83,28 @@ class MemoryStreams:
             return None
         return s
 
-    def _expire(self, s: _Stream) -> None:
+    def _expire(self, s: _Stream, persist: bool = False) -> None:
         if s.ttl:
             s.expires = self._clock() + int(s.ttl)
         elif s.eams:
             s.expires = self._clock() + (int(s.eams) / 1000 - time.time())
+        elif persist:
+            s.expires = None
+
+    def _build(self, ref: StreamRef, s: _Stream | None, w: StreamWrite,
+               messages: Sequence[bytes]) -> StreamWriteResult:  # fmt: skip
+        if s is not None and s.building != w.build:
+            return StreamWriteResult(409, 0, False, 0, 0)
+        held, size = (0 if s is None else s.held), charge(messages)
+        if w.max_bytes > 0 and messages and held + size > w.max_bytes:
+            return StreamWriteResult(413, 0 if s is None else len(s.log), False, held, w.max_bytes)
+        if s is None:
+            s = _Stream(w.media_type, "", "", "", "", "", w.build, building=w.build)
+            self._by_meta[ref.meta] = s
+        s.log.extend(messages)
+        s.held += size if messages else 0
+        s.expires = self._clock() + BUILD_S
+        return StreamWriteResult(202, len(s.log), False, 0, 0)
 
     async def stream_write(
         self, ref: StreamRef, w: StreamWrite, messages: Sequence[bytes]
@@ -92,25 +112,33 @@ class MemoryStreams:
         s = self._get(ref)
         ttl = "" if w.ttl is None else str(w.ttl)
         ea = "" if w.expires_at is None else w.expires_at[0]
+        if w.op == "build":
+            return self._build(ref, s, w, messages)
         if w.op == "put":
-            if s is not None:
+            built = s is not None and bool(s.building) and s.building == w.build
+            if w.build and not built:
+                return StreamWriteResult(412, 0, False, 0, 0)
+            if s is not None and not built:
                 same = (s.mt == w.media_type and s.ttl == ttl and s.ea == ea
-                        and s.closed == w.close and not s.deleted and s.fork == w.fork)  # fmt: skip
+                        and s.closed == w.close and not s.deleted and s.fork == w.fork
+                        and not s.building)  # fmt: skip
                 return StreamWriteResult(200 if same else 409, len(s.log), s.closed, 0, 0)
+            held = s.held if s is not None else 0  # a build's copied bytes
             size = charge(messages)
-            if w.max_bytes > 0 and size > w.max_bytes:
-                return StreamWriteResult(413, 0, False, 0, w.max_bytes)
+            if w.max_bytes > 0 and messages and held + size > w.max_bytes:
+                return StreamWriteResult(413, 0, False, held, w.max_bytes)
             eams = "" if w.expires_at is None else str(w.expires_at[1])
+            log = s.log if s is not None else []
             s = _Stream(w.media_type, w.content_type, ttl, ea, eams, w.fork,
-                        secrets.token_hex(6), closed=w.close)  # fmt: skip
+                        w.build or secrets.token_hex(6), closed=w.close, log=log)  # fmt: skip
             self._by_meta[ref.meta] = s
             s.log.extend(messages)
-            s.held = size if messages else 0
-            self._expire(s)
-            if messages or w.close:
+            s.held = held + (size if messages else 0)
+            self._expire(s, persist=built)
+            if s.log or w.close:
                 self._wake(ref.channel, str(len(s.log)).encode())
             return StreamWriteResult(201, len(s.log), w.close, 0, 0)
-        if s is None:
+        if s is None or s.building:
             return StreamWriteResult(404, 0, False, 0, 0)
         if s.deleted:
             return StreamWriteResult(410, 0, False, 0, 0)
@@ -167,7 +195,7 @@ class MemoryStreams:
         max_bytes: int = 0,
     ) -> StreamView | None:  # fmt: skip
         s = self._get(ref)
-        if s is None:
+        if s is None or s.building:
             return None
         if s.deleted:
             raise SoftDeleted(ref.path)
@@ -191,13 +219,14 @@ class MemoryStreams:
 
     async def stream_delete(self, ref: StreamRef) -> tuple[int, str]:
         s = self._get(ref)
-        if s is None:
+        if s is None or s.building:
             return 404, ""
         if s.deleted:
             return 410, ""
         self._wake(ref.channel, b"deleted")
-        if s.forks:
+        if s.forks:  # forks hold copies: the data goes, the tombstone blocks the path
             s.deleted = True
+            s.log, s.prods = [], {}
             return 204, ""
         del self._by_meta[ref.meta]
         return 204, self._source_of(s)
@@ -221,10 +250,14 @@ class MemoryStreams:
         live[now // step] = live.get(now // step, 0) + n
         return 0
 
+    async def stream_forks(self, ref: StreamRef, limit: int) -> list[str]:
+        s = self._get(ref)
+        return [] if s is None else sorted(s.forks)[:limit]
+
     async def stream_fork_ref(self, source: StreamRef, fork_path: str, take: bool) -> str:
         s = self._get(source)
         if take:
-            if s is None or s.deleted:
+            if s is None or s.deleted or s.building:
                 return ""
             s.forks.add(fork_path)
             return "1"

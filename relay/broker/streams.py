@@ -63,9 +63,11 @@ class StreamRef:
 
 @dataclass(frozen=True)
 class StreamWrite:
-    """One write of a stream (docs/DURABLE.md): create (``put``) or append (``post``)."""
+    """One write of a stream (docs/DURABLE.md): create (``put``) or append (``post``); a
+    create too large for one call (a fork's copy) is ``build`` steps, each appending to a
+    stream nobody sees yet, then its ``put`` with the same ``build`` id (the commit)."""
 
-    op: Literal["put", "post"]
+    op: Literal["put", "post", "build"]
     media_type: str
     content_type: str
     ttl: int | None = None
@@ -75,6 +77,7 @@ class StreamWrite:
     producer: tuple[str, int, int] | None = None
     has_body: bool = False
     fork: str = ""  # a fork's identity: "source\noffset\nsub-offset"
+    build: str = ""  # a built create's id (its steps and its commit; its incarnation)
     max_bytes: int = 0  # the most the stream may hold (charge()); past it 413; 0: no bound
 
 
@@ -118,10 +121,14 @@ class StreamStore(Protocol):
     async def stream_write(
         self, ref: StreamRef, w: StreamWrite, messages: Sequence[bytes]
     ) -> StreamWriteResult:
-        """Create, append or close; the live readers are woken (the stream's channel).
-        A write that would make the stream hold more than ``w.max_bytes`` (> 0) bytes,
-        counted by :func:`charge` (its messages since its creation), is 413 and stores
-        nothing."""
+        """Create, append or close, atomically whatever the number of ``messages``; the
+        live readers are woken (the stream's channel). A ``build`` step answers 202 (409
+        when the stream exists or another build holds it) and leaves a stream that reads
+        as absent for a few seconds past its last step; its commit (``put`` with its id)
+        answers 201, or 412 when the build is not there (expired). A write (a build step
+        or its commit included) that would make the stream hold more than ``w.max_bytes``
+        (> 0) bytes, counted by :func:`charge` (its messages since its creation), is 413
+        and stores nothing."""
         ...
 
     async def stream_read(
@@ -137,6 +144,10 @@ class StreamStore(Protocol):
     async def stream_delete(self, ref: StreamRef) -> tuple[int, str]:
         """404, 410 (soft-deleted already) or 204 and the source path a removed fork
         releases ("" for none; forks still holding it: soft-deleted)."""
+        ...
+
+    async def stream_forks(self, ref: StreamRef, limit: int) -> list[str]:
+        """Up to ``limit`` of the paths of the forks that hold ``ref`` (any of them)."""
         ...
 
     async def stream_fork_ref(self, source: StreamRef, fork_path: str, take: bool) -> str:

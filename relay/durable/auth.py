@@ -70,16 +70,17 @@ class Gate:
         self._addresses: Counter[str] = Counter()
 
     def check(self, request: web.Request, subject: str, need: Scope, address: str, *,
-              path: str | None = None) -> Grant:  # fmt: skip
+              path: str | None = None, header: str | None = None) -> Grant:  # fmt: skip
         """The grant for ``subject`` (a stream's :func:`token_subject` or a session id);
-        ``path``: the stream's, open when under the open prefix."""
+        ``path``: the stream's, open when under the open prefix; ``header``: the
+        request header that carries the token instead (a fork's source's)."""
         if self.keys is None or (
             path is not None and self.open_prefix and f"/{path}".startswith(self.open_prefix)
         ):
             return Grant(None, address, True)
         try:
             claims = request_claims(self.keys, request, subject, need,
-                                    max_lifetime_s=self.max_lifetime_s)  # fmt: skip
+                                    max_lifetime_s=self.max_lifetime_s, header=header)  # fmt: skip
         except AuthError as exc:
             raise Refused(exc.status, f"{exc.error}: {exc}", challenge(exc)) from None
         return Grant(token_key(claims), address, False, repr(claims.identity))

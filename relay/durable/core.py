@@ -24,8 +24,10 @@ from relay.protocol import sse
 from relay.service.jsonbody import BodyRefused, parse_json
 
 __all__ = [
+    "MAX_WRITE_MESSAGES",
     "BadRequest",
     "Offset",
+    "TooLarge",
     "body_messages",
     "cache_control",
     "cursor",
@@ -51,10 +53,82 @@ _OFFSET: Final = re.compile(r"0{16}_([0-9]{16})")
 _DECIMAL: Final = re.compile(r"0|[1-9][0-9]*")
 _PATH: Final = re.compile(r"[A-Za-z0-9._~!$'()*+,;=:@%/-]{1,512}")
 Offset = int | None  # None: "now" (the tail)
+# messages of one write (a JSON array's elements): each is one Redis list element, and
+# the write one atomic call whose length this bounds (docs/DURABLE.md)
+MAX_WRITE_MESSAGES: Final = 10_000
 
 
 class BadRequest(ValueError):
     """A 400 with this reason."""
+
+    status = 400
+
+
+class TooLarge(BadRequest):
+    """A 413 with this reason: a write past a bound of the front (its messages)."""
+
+    status = 413
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON (RFC 8259 has no NaN or Infinity)")
+
+
+def _loads(raw: bytes) -> object:
+    """:func:`json.loads` (any integer survives as it was written) without the NaN and
+    Infinity it accepts by default."""
+    return json.loads(raw, parse_constant=_no_constant)
+
+
+_WS: Final = re.compile(r"[ \t\n\r]*")
+_DECODER: Final = json.JSONDecoder(parse_constant=_no_constant)
+
+
+def _skip(text: str, i: int) -> int:
+    m = _WS.match(text, i)
+    return i if m is None else m.end()
+
+
+def _refuse_past(body: bytes, limit: int) -> None:
+    """:class:`TooLarge` when ``body`` is a JSON array of more than ``limit`` elements,
+    found after ``limit + 1`` of them (a million tiny ones cost no more than that); any
+    other body is left to the parse (which says what is wrong with it)."""
+    if body.count(b",") < limit:  # fewer commas than that: not that many elements
+        return
+    try:
+        text = body.decode()
+    except UnicodeDecodeError:
+        return
+    i = _skip(text, 0)
+    if not text.startswith("[", i):
+        return
+    i = _skip(text, i + 1)
+    n = 0
+    while not text.startswith("]", i):
+        try:
+            _, i = _DECODER.raw_decode(text, i)
+        except (ValueError, RecursionError):
+            return
+        n += 1
+        if n > limit:
+            raise TooLarge(f"more than {limit} JSON messages in one write (at most {limit}): "
+                           "split it")  # fmt: skip
+        i = _skip(text, i)
+        if not text.startswith(",", i):
+            return
+        i = _skip(text, i + 1)
+
+
+def _compact(value: object) -> bytes:
+    """One message's stored form; refuses what JSON.parse would not read back."""
+    try:
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except ValueError:  # a number that overflows a double (1e400) became inf
+        raise BadRequest("a number out of the range of a double (it reads as Infinity)") from None
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        raise BadRequest("a lone UTF-16 surrogate escape (\\ud800-\\udfff) in a string") from None
 
 
 def format_offset(n: int) -> str:
@@ -140,22 +214,31 @@ def parse_producer(
     return pid, _producer_int("Producer-Epoch", epoch), _producer_int("Producer-Seq", seq)
 
 
-def body_messages(body: bytes, json_mode: bool, *, allow_empty_array: bool) -> list[bytes]:
+def body_messages(
+    body: bytes, json_mode: bool, *, allow_empty_array: bool, max_messages: int = MAX_WRITE_MESSAGES
+) -> list[bytes]:
     """The messages a body stores: in JSON mode one per element of a top-level array
     (exactly one level flattened), each validated and stored compact; otherwise the body
-    itself (none when empty)."""
+    itself (none when empty). JSON mode refuses (400) what is not RFC 8259 JSON or what
+    JSON.parse would not read back (NaN, Infinity, a number past a double's range, a lone
+    surrogate), nesting past the kit's depth, and (413, :class:`TooLarge`) more than
+    ``max_messages`` messages."""
     if not json_mode:
         return [body] if body else []
     if not body:
         return []
-    try:  # the kit's JSON rule; json.loads: any number survives as it was written
-        value = parse_json(body, want_object=False, loads=json.loads)
+    _refuse_past(body, max_messages)
+    try:  # the kit's JSON rule (its depth bound); any integer survives as it was written
+        value = parse_json(body, want_object=False, loads=_loads)
     except BodyRefused as exc:
         raise BadRequest(exc.reason) from None
     items = value if isinstance(value, list) else [value]
     if not items and not allow_empty_array:
         raise BadRequest("an empty JSON array appends nothing")
-    return [json.dumps(v, separators=(",", ":"), ensure_ascii=False).encode() for v in items]
+    if len(items) > max_messages:
+        n = len(items)
+        raise TooLarge(f"{n} JSON messages in one write (at most {max_messages}): split it")
+    return [_compact(v) for v in items]
 
 
 def join_body(messages: list[bytes], json_mode: bool) -> bytes:

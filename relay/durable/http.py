@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Final
 
 from aiohttp import web
 
-from relay.broker.errors import RelayError, SessionDeleted
+from relay.broker.errors import RedisUnavailable, RelayError, SessionDeleted
 from relay.broker.port import StreamsBroker, StreamStore
-from relay.durable import core, fork, quota, reads, store
+from relay.durable import bodies, core, fork, quota, reads, store
 from relay.durable.auth import Gate, Grant, Refused, token_subject
 from relay.durable.core import BadRequest, format_offset
 from relay.durable.live import Waker
@@ -46,6 +46,8 @@ _PROTOCOL_HEADERS: Final = (
     "Stream-Expires-At, Stream-SSE-Data-Encoding, Producer-Epoch, Producer-Seq, "
     "Producer-Expected-Seq, Producer-Received-Seq, ETag, Location, X-Relay-Id"
 )
+# a token of a fork's source (bare), when the request's own token is the fork's
+FORK_TOKEN: Final = "Stream-Forked-From-Token"
 # section 12.7 (browser security headers) and the protocol's headers readable by a page
 SECURITY: Final = {
     "X-Content-Type-Options": "nosniff",
@@ -56,7 +58,9 @@ PREFLIGHT: Final = {
     "Access-Control-Allow-Methods": "GET, HEAD, PUT, POST, DELETE, OPTIONS",
     "Access-Control-Allow-Headers": (
         "Authorization, Content-Type, If-None-Match, Stream-TTL, Stream-Expires-At, "
-        "Stream-Closed, Stream-Seq, Producer-Id, Producer-Epoch, Producer-Seq"
+        "Stream-Closed, Stream-Seq, Producer-Id, Producer-Epoch, Producer-Seq, "
+        "Stream-Forked-From, Stream-Fork-Offset, Stream-Fork-Sub-Offset, "
+        f"{FORK_TOKEN}"
     ),
     "Access-Control-Max-Age": "600",
 }
@@ -78,6 +82,11 @@ class Durable:
             per_token=cfg.durable_token_bytes, per_address=cfg.durable_address_bytes,
             window_s=cfg.durable_budget_window_s))  # fmt: skip
         server.broker_tap = self.waker.on_message  # set on the hub it makes
+        self.parser = bodies.Parser()  # large JSON bodies, parsed off the loop
+
+    async def cleanup(self, _app: web.Application) -> None:
+        """The app's cleanup: the body parser's process stops."""
+        self.parser.close()
 
     def hub(self) -> Hub:
         """The relay's hub, once its store is reached (and able to hold streams)."""
@@ -139,7 +148,7 @@ async def _guarded(request: web.Request, durable: Durable, path: str | None) -> 
         else:
             resp = await _stream(request, durable, path)
     except BadRequest as exc:
-        resp = _error(400, str(exc))
+        resp = _error(exc.status, str(exc))
     except Refused as exc:
         resp = _error(exc.status, exc.reason, exc.headers)
     except store.SoftDeleted:
@@ -148,9 +157,12 @@ async def _guarded(request: web.Request, durable: Durable, path: str | None) -> 
         resp = _error(exc.status, exc.text or exc.reason)
     except SessionDeleted:  # a live read's viewer found the tombstone
         resp = _error(404, "no such stream")
-    except RelayError as exc:
+    except RedisUnavailable as exc:  # the detail (a node, a timeout) goes to the log only
         log.warning("durable %s %s: %s", request.method, request.path, exc)
-        resp = _error(503, f"Redis is unavailable: {exc}")
+        resp = _error(503, "Redis did not answer: try again", {"Retry-After": "1"})
+    except RelayError as exc:  # a reply we did not expect: ours to fix, never the client's
+        log.error("durable %s %s: %s: %s", request.method, request.path, type(exc).__name__, exc)
+        resp = _error(500, "the store refused this operation; the relay logged why")
     if not resp.prepared:
         resp.headers.update(SECURITY)
     return resp
@@ -162,6 +174,8 @@ async def _stream(request: web.Request, durable: Durable, path: str) -> web.Stre
     need: Scope = "watch" if method in ("GET", "HEAD") else "write"
     address = durable.server.address(request)
     grant = durable.gate.check(request, token_subject(path), need, address, path=path)
+    if method == "PUT" and "Stream-Forked-From" in request.headers:
+        _may_read_source(request, durable, address)
     if method == "PUT":
         return await _put(request, durable, ref, grant)
     if method == "POST":
@@ -198,6 +212,18 @@ async def _stream(request: web.Request, durable: Durable, path: str) -> web.Stre
     return _error(
         405, f"{method} is not a Durable Streams method", {"Allow": "GET, HEAD, PUT, POST, DELETE"}
     )
+
+
+def _may_read_source(request: web.Request, durable: Durable, address: str) -> None:
+    """A fork reads its source: a token that reads it (``Stream-Forked-From-Token``, else
+    the request's own), unless the source is under the open prefix."""
+    src = fork.source_path(request.headers["Stream-Forked-From"])
+    header = FORK_TOKEN if FORK_TOKEN in request.headers else None
+    try:
+        durable.gate.check(request, token_subject(src), "watch", address, path=src, header=header)
+    except Refused as exc:
+        hint = "" if header else f" (send a token of the source in {FORK_TOKEN})"
+        raise Refused(exc.status, f"the fork's source: {exc.reason}{hint}", exc.headers) from None
 
 
 class _StreamSource:
@@ -245,11 +271,20 @@ async def _put(
     source = None
     if "Stream-Forked-From" in request.headers:
         json_body = core.media_type(request.headers.get("Content-Type")) == "application/json"
-        own = core.body_messages(body, json_body, allow_empty_array=True)
-        w, msgs, source = await fork.plan(streams, w, request.headers, own)
+        own = await durable.parser.messages(body, json_body, allow_empty_array=True)
+        plan = await fork.plan(streams, w, request.headers, own)
+        w, source = plan.write, plan.source
+
+        async def write(step: store.Write, msgs: list[bytes]) -> store.WriteResult:
+            return await quota.write(durable.quota, streams, ref, step, msgs, grant)
+
+        r = await fork.create(streams, ref, plan, write)  # its copy under the byte bounds
     else:
-        msgs = core.body_messages(body, w.media_type == "application/json", allow_empty_array=True)
-    r = await quota.write(durable.quota, streams, ref, w, msgs, grant)
+        json_mode = w.media_type == "application/json"
+        msgs = await durable.parser.messages(body, json_mode, allow_empty_array=True)
+        r = await quota.write(durable.quota, streams, ref, w, msgs, grant)
+        if r.code == 409 and await store.prune(streams, ref):  # forks that expired
+            r = await quota.write(durable.quota, streams, ref, w, msgs, grant)  # path freed?
     if r.code == 201 and source is not None and not await store.fork_ref(streams, source, ref.path):
         await store.delete(streams, ref)  # the source went meanwhile: no orphan fork
         return _error(409, "the source stream was deleted meanwhile")
@@ -273,7 +308,8 @@ async def _post(
         raise BadRequest("an empty body appends nothing (Stream-Closed: true closes)")
     if body and not w.media_type:
         raise BadRequest("Content-Type is required with a body")
-    msgs = core.body_messages(body, w.media_type == "application/json", allow_empty_array=False)
+    json_mode = w.media_type == "application/json"
+    msgs = await durable.parser.messages(body, json_mode, allow_empty_array=False)
     w = store.Write(**{**w.__dict__, "has_body": bool(body)})
     streams = durable.ready()[0].streams
     r = await quota.write(durable.quota, streams, ref, w, msgs, grant)

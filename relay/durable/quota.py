@@ -60,10 +60,15 @@ async def write(
     if charged is not None and not _stored(w, result):
         await quota.budgets.refund(streams, charged)
     if result.code == 413:
+        rule = "(--durable-max-stream-bytes; each message counts its bytes + 16)"
+        if w.fork:  # its copy, a page at a time (relay.durable.fork.create)
+            raise Refused(
+                413, f"the fork would hold more than the {result.b} bytes a stream may hold {rule}"
+            )
         held = f"the stream holds {result.a} bytes; " if result.a else ""
         raise Refused(
             413,
             f"{held}this write of {n} bytes would pass the {result.b} bytes a stream may "
-            "hold (--durable-max-stream-bytes; each message counts its bytes + 16)",
+            f"hold {rule}",
         )
     return result

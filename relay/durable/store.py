@@ -30,11 +30,13 @@ __all__ = [
     "WriteResult",
     "delete",
     "fork_ref",
+    "prune",
     "read",
     "write",
 ]
 
 CHANNEL_PREFIX: Final = b"ds:"
+PRUNE_FORKS: Final = 100  # fork references checked per delete or blocked re-create
 
 
 class StreamRef(_Ref):
@@ -65,15 +67,40 @@ async def read(
 
 async def delete(streams: StreamStore, ref: _Ref) -> int:
     """Delete the stream: 404, 410 (already soft-deleted) or 204. A stream forks hold is
-    soft-deleted; a fork removed releases its source, and a soft-deleted source released
-    by its last fork goes too, up the chain."""
+    soft-deleted (only while a fork still exists: :func:`prune`); a fork removed
+    releases its source, and a soft-deleted source released by its last fork goes too,
+    up the chain."""
+    await prune(streams, ref)
     code, src = await streams.stream_delete(ref)
-    child = ref.path
-    while code == 204 and src:
+    if code == 204 and src:
+        await _release(streams, src, ref.path)
+    return code
+
+
+async def _release(streams: StreamStore, src: str, child: str) -> None:
+    """Release ``child``'s reference on ``src``, and so on up the chain while a release
+    removes a soft-deleted source."""
+    while src:
         parent = StreamRef.of(src)
         src = await streams.stream_fork_ref(parent, child, take=False)
         child = parent.path
-    return code
+
+
+async def prune(streams: StreamStore, ref: _Ref) -> bool:
+    """Release the references of ``ref``'s forks that are gone without a delete (they
+    expired: a TTL ends a stream without a word to its source), up to
+    :data:`PRUNE_FORKS` of them: a soft-deleted stream whose forks all expired is then
+    removed, and its path free. Whether any reference was released."""
+    released = False
+    for path in await streams.stream_forks(ref, PRUNE_FORKS):
+        try:
+            alive = await read(streams, StreamRef.of(path), None, count=0, touch=False)
+        except SoftDeleted:
+            continue  # a tombstone still holds what forked it
+        if alive is None:
+            await _release(streams, ref.path, path)
+            released = True
+    return released
 
 
 async def fork_ref(streams: StreamStore, source: _Ref, fork_path: str) -> bool:

@@ -13,6 +13,7 @@ from relay.broker.port import TurnStore
 from relay.producer.coalesce import CoalescePolicy
 from relay.producer.presence import PresencePolicy
 from relay.protocol.frame import MAX_FRAME_BYTES
+from relay.protocol.keys import LOCK_TTL_S  # the turn lock of every producer (its bound)
 
 __all__ = [
     "CANCELLED",
@@ -33,7 +34,6 @@ Observer = Callable[[int, str, bytes], None]
 CANCELLED: Final = "cancelled"  # the finish_reason of a stopped turn's done frame
 # The largest delta one token frame carries: the frame's other fields fit in the rest.
 MAX_DELTA_BYTES: Final = MAX_FRAME_BYTES - 4096
-LOCK_TTL_S: Final = 15.0
 
 
 class StopReason(enum.StrEnum):

@@ -61,6 +61,8 @@ from relay.producer.turn import Turn
 from relay.protocol.auth import KeySet, Scope, issue_token
 from relay.protocol.keys import (
     BACKLOG_MAXLEN,
+    MAX_LOCK_TTL_S,
+    PRODUCER_LOST_S,
     SESSION_TTL_S,
     InvalidSessionId,
     parse_session,
@@ -79,7 +81,10 @@ class Producer:
     :meth:`Session.token`. ``producer_id`` names this process in lock owners
     (``<producer_id>:<random>``) and in the ``meta`` frame's ``worker``.
     ``coalesce``: the worker's defaults (8 deltas or 50 ms, the first at once);
-    ``CoalescePolicy(max_tokens=1)`` writes one frame per delta.
+    ``CoalescePolicy(max_tokens=1)`` writes one frame per delta. ``lock_ttl_s``: the turn
+    lock's TTL (:data:`relay.protocol.keys.LOCK_TTL_S`, 5 s, at most 7 s: a turn of a
+    producer that died ends with an ``error`` frame on the screens within
+    :data:`relay.protocol.keys.PRODUCER_LOST_S`, 10 s; ValueError beyond).
     """
 
     def __init__(
@@ -104,6 +109,9 @@ class Producer:
         self.keys = keys
         self.producer_id = producer_id or f"producer-{secrets.token_hex(4)}"
         self.ttl_s = store.ttl_s
+        if not 0 < lock_ttl_s <= MAX_LOCK_TTL_S:  # a dead producer's turn ends in the bound
+            raise ValueError(f"lock_ttl_s must be in (0, {MAX_LOCK_TTL_S:g}] s: a turn of a "
+                             f"dead producer must end within {PRODUCER_LOST_S:g} s")  # fmt: skip
         self.lock_ttl_ms = max(1, int(lock_ttl_s * 1000))
         self.coalesce = coalesce
         self.presence = presence or PresencePolicy()

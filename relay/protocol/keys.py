@@ -28,7 +28,10 @@ __all__ = [
     "BACKLOG_MAXLEN",
     "BACKLOG_MAX_BYTES",
     "ENGINES_REGISTRY",
+    "LOCK_TTL_S",
+    "MAX_LOCK_TTL_S",
     "OWNER_FIELD",
+    "PRODUCER_LOST_S",
     "SESSION_ID_MAX_LEN",
     "SESSION_TTL_S",
     "WORKERS_REGISTRY",
@@ -60,6 +63,15 @@ SESSION_ID_MAX_LEN = 64
 BACKLOG_MAXLEN = 10_000  # frames a session's backlog keeps (XADD MAXLEN ~)
 BACKLOG_MAX_BYTES = 4 << 20  # bytes of frames a session's backlog keeps (XTRIM MINID)
 SESSION_TTL_S = 86_400  # a session's keys expire this long after its last write
+# A producer's death (kill -9, a lost host) ends its open turn with an ``error`` frame on
+# the screens within PRODUCER_LOST_S, for every producer (the worker, relay.producer, the
+# TypeScript producer): the relays' reaper (--reap-after-s 2, one look a second) ends a
+# silent turn once its turn lock has expired, so a producer's lock TTL (LOCK_TTL_S by
+# default, refreshed about once a second) may be at most MAX_LOCK_TTL_S: that TTL + the
+# reaper's second + round trips stay within the bound.
+PRODUCER_LOST_S = 10.0
+LOCK_TTL_S = 5.0
+MAX_LOCK_TTL_S = 7.0
 _SESSION_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _IDEM_RE = re.compile(r"[\x21-\x7e]{1,128}")
 

@@ -46,14 +46,20 @@ class ClientGone(BodyRefused):
 
 
 def _too_deep(value: Any, max_depth: int) -> bool:
-    """Whether ``value`` nests arrays / objects past ``max_depth`` (iterative)."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
+    """Whether ``value`` nests arrays / objects past ``max_depth``: level by level, an
+    empty container counted at its level and never walked (a body of a million ``{}``
+    is one pass, not a million)."""
+    level = [value] if isinstance(value, (dict, list)) and value else []
+    depth = 1
+    while level:
+        inner = [x for v in level for x in (v.values() if isinstance(v, dict) else v)
+                 if isinstance(x, (dict, list))]  # fmt: skip
+        if not inner:
+            return False
+        depth += 1
         if depth > max_depth:
             return True
-        items = v.values() if isinstance(v, dict) else v
-        stack.extend((x, depth + 1) for x in items if isinstance(x, (dict, list)))
+        level = [x for x in inner if x]
     return False
 
 

@@ -46,11 +46,16 @@ def request_token(request: web.BaseRequest) -> str:
 
 def request_claims(
     keys: KeySet, request: web.BaseRequest, subject: str, need: Scope = "watch", *,
-    max_lifetime_s: int, now: float | None = None,
+    max_lifetime_s: int, now: float | None = None, header: str | None = None,
 ) -> Claims:  # fmt: skip
     """The verified claims of the request's token for ``subject`` and ``need``; raises
-    :class:`relay.protocol.auth.AuthError` (see the module docstring)."""
-    token = request_token(request)
+    :class:`relay.protocol.auth.AuthError` (see the module docstring). ``header``: a
+    request header that carries a second token, bare (a route that opens two subjects:
+    a Durable Streams fork reads its source), checked instead of the request's own."""
+    if header is not None:
+        token = extract_token(None, request.headers.get(header))
+    else:
+        token = request_token(request)
     at = time.time() if now is None else now
     return verify_token(keys, token, subject, at, need=need, max_lifetime_s=max_lifetime_s)
 

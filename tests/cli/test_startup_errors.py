@@ -94,6 +94,7 @@ WORKER = ["worker", "--port", "0", "--redis", "redis://127.0.0.1:1",
         (["jobworker", "--redis", "redis://127.0.0.1:1"], {}, ["--amqp"]),
         (["demo", "--relays", "0"], {}, ["--relays (TOKENRELAY_DEMO_RELAYS)"]),
         (["demo"], {"TOKENRELAY_SECRET": "too-short"}, ["at least 32"]),
+        (["demo", "--log-dir", "/dev/null/logs"], {}, ["--log-dir /dev/null/logs", "cannot make"]),
     ],
 )
 async def test_bad_configuration_is_one_line_and_exit_2(

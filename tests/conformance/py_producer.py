@@ -1,14 +1,16 @@
 """The Python producer API behind the conformance command protocol.
 
 One JSON object per line on stdin, one answer per line on stdout (docs/PROTOCOL.md,
-"Producer conformance"). Commands: ``start`` {session, message, meta?}, ``write``
+"Producer conformance"). Commands: ``start`` {session, message, meta?, watch?: the
+turn refreshes its lock and counts its viewers, as a product's turn does}, ``write``
 {text}, ``done`` {finish_reason?, usage?}, ``error`` {reason}, ``replay_last`` (send
 the last publish again with the same bytes and expected offset, as a retry after a
 lost reply does), ``quit``. Answers: ``{"ok": true, ...}`` or ``{"ok": false,
 "error": <code>, "message": <line>}``; codes: invalid_session, frame_too_large,
 turn_closed, redis_unreachable, stale_epoch, turn_busy, lock_lost.
 
-Settings from the environment: ``TR_REDIS_URL``, ``TR_LOCK_TTL_S``, ``TR_MAXLEN``,
+Settings from the environment: ``TR_REDIS_URL``, ``TR_LOCK_TTL_S`` (unset: the
+producer's default), ``TR_MAXLEN``,
 ``TR_COALESCE`` (max deltas per frame; 1: none).
 
 Run: ``python -m tests.conformance.py_producer``.
@@ -58,7 +60,8 @@ async def handle(p: Producer, state: dict[str, Any], cmd: dict[str, Any]) -> dic
     turn: Turn | None = state.get("turn")
     if op == "start":
         s = p.session(str(cmd["session"]))
-        t = await s.start_turn(str(cmd.get("message", "")), meta=cmd.get("meta"), watch=False)
+        t = await s.start_turn(str(cmd.get("message", "")), meta=cmd.get("meta"),
+                               watch=bool(cmd.get("watch")))  # fmt: skip
         state["turn"] = t
         return {"ok": True, "turn": t.turn, "offset": t.first_offset, "epoch": t.epoch}
     if turn is None:
@@ -88,7 +91,7 @@ async def main() -> None:
     p = await Producer.connect(
         env.get("TR_REDIS_URL", "redis://127.0.0.1:7000"),
         producer_id="conformance-py",
-        lock_ttl_s=float(env.get("TR_LOCK_TTL_S", "15")),
+        **({"lock_ttl_s": float(env["TR_LOCK_TTL_S"])} if env.get("TR_LOCK_TTL_S") else {}),
         maxlen=int(env.get("TR_MAXLEN", "10000")),
         coalesce=CoalescePolicy(max_tokens=int(env.get("TR_COALESCE", "8"))),
     )

@@ -203,6 +203,7 @@ async def test_a_stale_producer_is_refused_and_racers_interleave_nothing(
     loser = first if not first.get("ok") else second
     assert loser["error"] == "turn_busy"
     winner = a if first.get("ok") else b
+    started_epoch = (first if first.get("ok") else second)["epoch"]
     assert (await winner.send(op="write", text="mine"))["ok"]
     # a newer generation (another producer that found the lock expired) fences it
     await Publisher(redis).open_generation(sid)
@@ -210,8 +211,10 @@ async def test_a_stale_producer_is_refused_and_racers_interleave_nothing(
     refused = await winner.send(op="done")
     assert refused["error"] == "stale_epoch", refused
     frames, _ = await _frames(redis, sid)
-    assert len({f.epoch for f in frames}) == 1  # nothing of the fenced epoch after the new one
+    # nothing of the fenced epoch after the new one, whose opening ended the fenced turn
+    assert [f.epoch for f in frames] == [started_epoch] * (len(frames) - 1) + [started_epoch + 1]
     assert all(f.kind != "done" for f in frames)
+    assert (frames[-1].kind, (frames[-1].meta or {})["code"]) == ("error", "superseded")
 
 
 async def test_a_producer_killed_mid_turn_is_reaped(spawn: Spawn, redis: RedisCluster) -> None:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from relay.broker.base import ReapStatus
+from relay.broker.base import SUPERSEDED, SUPERSEDED_TEXT, ReapStatus
 from relay.broker.errors import Fenced, FrameTooLarge, SessionDeleted
 from relay.broker.port import Draft, LockState
 from relay.protocol.frame import MAX_FRAME_BYTES, decode
@@ -42,17 +42,29 @@ async def test_lock_acquire_refresh_release(stores: Stores) -> None:
     assert await s.acquire_lock(sid, "b:2", TTL_MS) is None
 
 
-async def test_stale_generation_is_fenced(stores: Stores) -> None:
+async def test_stale_generation_is_fenced_and_its_open_turn_ended(stores: Stores) -> None:
+    """A turn still open when the next one opens (its producer died or lost its lock)
+    ends first with one ``error`` frame (``superseded``) under the new epoch: every turn
+    ends with exactly one terminal frame, and the stale producer writes nothing more."""
     s, sid = stores.store, stores.sid()
     old = await s.open_generation(sid)
     assert await old.publish(tokens("a")) == [1]
     new = await s.open_generation(sid)
-    assert (new.epoch, new.turn, new.offset, new.gen) == (old.epoch + 1, old.turn + 1, 1, old.gen)
+    assert (new.epoch, new.turn, new.offset, new.gen) == (old.epoch + 1, old.turn + 1, 2, old.gen)
     with pytest.raises(Fenced):
         await old.publish(tokens("stale"))
-    assert await new.publish(tokens("b")) == [2]
-    page = await stores.edge.read_page(sid, 0, 10, 0)
-    assert [decode(f).text for f in page.frames] == ["a", "b"]  # nothing of the stale one
+    assert await new.publish(tokens("b")) == [3]
+    assert await new.publish([Draft(kind="done")]) == [4]
+    frames = [decode(f) for f in (await stores.edge.read_page(sid, 0, 10, 0)).frames]
+    assert [(f.turn, f.kind, f.text) for f in frames] == [
+        (1, "token", "a"), (1, "error", SUPERSEDED_TEXT), (2, "token", "b"), (2, "done", ""),
+    ]  # fmt: skip
+    ended = frames[1]
+    assert ended.epoch == new.epoch
+    assert ended.meta == {"code": SUPERSEDED, "by_turn": 2, "gen": new.gen}
+    after = await s.open_generation(sid)  # a turn that ended is not ended again
+    assert after.offset == 4
+    assert await after.publish([Draft(kind="done")]) == [5]
 
 
 async def test_offsets_are_contiguous(stores: Stores) -> None:

@@ -33,19 +33,37 @@ def _gone(pid: int) -> bool:
     return False
 
 
+async def _queue_exists(url: str, name: str) -> bool:
+    import aio_pika
+    import aiormq
+
+    async with await aio_pika.connect(url) as conn:
+        channel = await conn.channel()
+        try:
+            await channel.declare_queue(name, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            return False
+    return True
+
+
 @pytest.mark.timeout(240)
 async def test_make_demo_serves_one_url_streams_a_turn_and_stops_everything(
-    tmp_path: Path,
+    tmp_path: Path, amqp_or_why: str
 ) -> None:
     port = free_port()
     out_path = tmp_path / "demo.out"
+    logs = tmp_path / "not" / "made" / "yet"  # --log-dir makes a folder that is missing
+    # the run's own RabbitMQ, where one can be started: the jobs run too
+    jobs = [] if amqp_or_why.startswith("no: ") else ["--amqp", amqp_or_why]
     proc = Proc.start(
-        [sys.executable, "-m", "devstack", "demo", "--port", str(port)],
+        [sys.executable, "-m", "devstack", "demo", "--port", str(port), "--log-dir", str(logs),
+         *jobs],
         log=out_path, name="demo",
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     pids: list[int] = []
     redis_url = ""
+    queue: re.Match[bytes] | None = None
     try:
         await proc.ready(log_line(f"open {base}/"), timeout_s=120, every_s=0.2)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
@@ -103,6 +121,11 @@ async def test_make_demo_serves_one_url_streams_a_turn_and_stops_everything(
             redis_url = view["redis"]
             kinds_running = sorted({p["kind"] for p in view["processes"] if p["alive"]})
             jobs_on = b"offline jobs: on" in out_path.read_bytes()  # a RabbitMQ answered
+            assert jobs_on == bool(jobs), out_path.read_text()[-3000:]
+            # a queue of this run's own, named on the terminal, gone when the demo stops
+            queue = re.search(rb"queue (tokenrelay\.demo\.[0-9a-f]+\.jobs) of this run",
+                              out_path.read_bytes())  # fmt: skip
+            assert (queue is not None) == jobs_on, out_path.read_text()[-3000:]
             want = ["engine", *(["jobworker"] if jobs_on else []), "relay", "worker"]
             assert kinds_running == want, view["processes"]
             if jobs_on:  # a job through the front door: queued, run, its whole result
@@ -167,6 +190,9 @@ async def test_make_demo_serves_one_url_streams_a_turn_and_stops_everything(
         while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         assert [p for p in pids if not _gone(p)] == []
+        assert (logs / "relay-1.log").is_file()  # kept where asked
+        if queue is not None:
+            assert not await _queue_exists(jobs[1], queue.group(1).decode())
         redis_port = int(redis_url.rsplit(":", 1)[1])
         with pytest.raises(OSError):  # the first master, like every node, has stopped
             await asyncio.open_connection("127.0.0.1", redis_port)

@@ -33,7 +33,13 @@ async def test_open_generation_bumps_epoch_and_turn(redis: RedisCluster) -> None
     g1 = await pub.open_generation(sid)
     g2 = await pub.open_generation(sid)
     assert (g1.epoch, g1.turn, g1.offset) == (1, 1, 0)
-    assert (g2.epoch, g2.turn, g2.next_offset) == (2, 2, 1)
+    # turn 1 never ended: the next open ends it first, with one error frame at offset 1
+    assert (g2.epoch, g2.turn, g2.next_offset) == (2, 2, 2)
+    (ended,), _, _ = await read_backlog(redis, sid, 0, 10)
+    f = decode(ended)
+    assert (f.turn, f.offset, f.kind, f.epoch) == (1, 1, "error", 2)
+    assert (f.meta or {})["code"] == "superseded"
+    assert g2._written[1] == ended  # written again, should a failover lose it
 
 
 async def test_publish_returns_offsets_and_fills_the_frame(redis: RedisCluster) -> None:
@@ -87,9 +93,9 @@ async def test_stale_generation_is_fenced_and_writes_nothing(redis: RedisCluster
     with pytest.raises(Fenced) as info:
         await old.publish([Draft(kind="token", text="late")])
     assert info.value.current == new.epoch
-    assert await redis.xlen(log_key(sid)) == 1
-    assert await redis.hget(meta_key(sid), "offset") == b"1"
-    assert await new.token("y") == 2
+    assert await redis.xlen(log_key(sid)) == 2  # "x", and the error frame that ended its turn
+    assert await redis.hget(meta_key(sid), "offset") == b"2"
+    assert await new.token("y") == 3
 
 
 async def test_backlog_is_trimmed_and_keys_get_the_idle_ttl(redis: RedisCluster) -> None:

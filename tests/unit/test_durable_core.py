@@ -119,3 +119,39 @@ def test_open_prefix_starts_with_a_slash_and_is_refused_with_a_key_file(tmp_path
     RelayConfig(keys_file=str(keys), kid="e1").validate()  # the key file alone is fine
     with pytest.raises(ConfigError, match="refused with a production key file"):
         RelayConfig(keys_file=str(keys), kid="e1", durable_open_prefix="/").validate()
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        (b"[NaN]", "NaN"),
+        (b'{"a":Infinity}', "Infinity"),
+        (b"[-Infinity]", "Infinity"),
+        (b"[1e400]", "Infinity"),
+        (b'["\\ud800"]', "surrogate"),
+        (b'[{"k":["x\\udc00y"]}]', "surrogate"),
+        (b"[" * 300 + b"]" * 300, "deep"),
+        (b"[" * 100_000 + b"]" * 100_000, "JSON"),
+    ],
+)
+def test_json_mode_refuses_what_json_parse_would_not_read_back(body: bytes, words: str) -> None:
+    with pytest.raises(core.BadRequest, match=words) as got:
+        core.body_messages(body, True, allow_empty_array=False)
+    assert got.value.status == 400
+
+
+def test_json_mode_bounds_the_messages_of_one_write_early() -> None:
+    """More than the bound is 413, found after bound + 1 elements (commas inside an
+    element or a string do not count); a big integer survives as written."""
+    assert core.body_messages(b"[1,2,3]", True, allow_empty_array=False, max_messages=3) == [
+        b"1", b"2", b"3"
+    ]  # fmt: skip
+    same = core.body_messages(b'[[1,2,3,4], "a,b,c,d"]', True, allow_empty_array=False,
+                              max_messages=2)  # fmt: skip
+    assert same == [b"[1,2,3,4]", b'"a,b,c,d"']
+    for body in (b"[1,2,3,4]", b" [ 1 , 2 , 3 , 4 ] ", b"[" + b"0," * 1_000_000 + b"0]"):
+        with pytest.raises(core.TooLarge, match="at most 3") as got:
+            core.body_messages(body, True, allow_empty_array=False, max_messages=3)
+        assert got.value.status == 413
+    big = b"123456789012345678901234567890"
+    assert core.body_messages(b"[" + big + b"]", True, allow_empty_array=False) == [big]

@@ -107,3 +107,25 @@ def test_every_front_reads_the_token_the_same_way() -> None:
     with pytest.raises(TokenWrongSession) as wrong:
         request_claims(KEYS, by_query, token_subject(PATH), max_lifetime_s=3600)
     assert challenge(wrong.value) == {}
+
+
+def test_a_second_token_is_read_from_its_own_header() -> None:
+    """``request_claims(header=...)``: a route that opens two subjects (a fork reads its
+    source) checks the second one's token from that header, bare, never the request's
+    own; without the header, no token."""
+    from relay.protocol.auth import TokenMissing
+    from relay.service.tokens import request_claims
+
+    source = token_subject("chats/source")
+    own = issue_token(KEYS, token_subject(PATH), 300, NOW, scope="write")
+    theirs = issue_token(KEYS, source, 300, NOW)
+    h = "Stream-Forked-From-Token"
+    request = make_mocked_request(
+        "PUT", "/x", headers={"Authorization": f"Bearer {own}", h: theirs}
+    )
+    assert request_claims(KEYS, request, source, max_lifetime_s=3600, header=h).session == source
+    with pytest.raises(TokenWrongSession):
+        request_claims(KEYS, request, token_subject(PATH), max_lifetime_s=3600, header=h)
+    alone = make_mocked_request("PUT", "/x", headers={"Authorization": f"Bearer {theirs}"})
+    with pytest.raises(TokenMissing):
+        request_claims(KEYS, alone, source, max_lifetime_s=3600, header=h)

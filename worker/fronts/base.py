@@ -15,7 +15,7 @@ from typing import Final, Protocol
 from aiohttp import web
 
 from relay.protocol.codes import Refusal
-from relay.service.apikeys import check_api_key
+from relay.service.apikeys import caller, check_api_key
 from relay.service.errors import openai_refusal
 from relay.service.httpbody import read_json, refused_openai
 from relay.service.jsonbody import BodyRefused
@@ -96,6 +96,11 @@ class Gateway:
             Refusal.MISSING_API_KEY: "send 'Authorization: Bearer <gateway key>'",
         }.get(code, "invalid gateway key")
         return WireError(401, reason, kind="authentication_error", code=code)
+
+    def caller(self, header: str | None) -> str:
+        """Who an authorized request is: the key its objects belong to
+        (:func:`relay.service.apikeys.caller`)."""
+        return caller(header, auth=self.cfg.auth)
 
     async def lease(self, req: Routed) -> Lease:
         key = routing_key(req.system, req.conversation, prefix_chars=self.cfg.prefix_chars)

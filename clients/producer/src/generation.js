@@ -69,9 +69,15 @@ export class Generation {
   /** @param {import('./producer.js').Producer} p @param {string} sid */
   static async open(p, sid) {
     const fresh = randomBytes(6).toString('hex');
-    const reply = await p.call(() => p.redis.trOpen(key(sid, 'meta'), key(sid, 'log'), p.ttlS, fresh));
+    // a turn still open (its producer died) is ended by the script first: its error frame
+    // (superseded) at the next offset, kept with the frames written (for a failover)
+    const reply = await p.call(() => p.redis.trOpen(
+      key(sid, 'meta'), key(sid, 'log'), key(sid, 'live'), p.ttlS, fresh, sid, Date.now(),
+      p.maxlen, p.maxBytes));
     const [epoch, turn, offset] = reply.slice(0, 3).map(Number);
-    return new Generation(p, sid, epoch, turn, offset, String(reply[3]));
+    const g = new Generation(p, sid, epoch, turn, offset, String(reply[3]));
+    if (reply.length > 4) g.written.set(offset, String(reply[4]));
+    return g;
   }
 
   /**

@@ -1,5 +1,8 @@
 // @tokenrelay/producer: stream from your own backend into tokenrelay. See README.md.
-export { Producer, Session, Claim, BACKLOG_MAXLEN, BACKLOG_MAX_BYTES, SESSION_TTL_S } from './producer.js';
+export {
+  Producer, Session, Claim, BACKLOG_MAXLEN, BACKLOG_MAX_BYTES, SESSION_TTL_S, LOCK_TTL_MS,
+  MAX_LOCK_TTL_MS, PRODUCER_LOST_MS,
+} from './producer.js';
 export { Turn, StopReason, CANCELLED, usageMeta, replyIntegrity } from './turn.js';
 export { DEFAULT_POLICY } from './coalesce.js';
 export { MAX_FRAME_BYTES, MAX_DELTA_BYTES } from './frame.js';

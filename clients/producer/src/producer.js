@@ -19,7 +19,12 @@ import { Turn } from './turn.js';
 export const BACKLOG_MAXLEN = 10_000;
 export const BACKLOG_MAX_BYTES = 4 << 20;
 export const SESSION_TTL_S = 86_400;
-export const LOCK_TTL_MS = 15_000;
+// A producer's death ends its open turn with an error frame on the screens within
+// PRODUCER_LOST_MS, for every producer (docs/PROTOCOL.md, "Producers"): the relays' reaper
+// ends a silent turn once its lock expired, so the lock's TTL is at most MAX_LOCK_TTL_MS.
+export const PRODUCER_LOST_MS = 10_000;
+export const LOCK_TTL_MS = 5_000;
+export const MAX_LOCK_TTL_MS = 7_000;
 export const META_MESSAGE_BYTES = 2048;
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
@@ -55,6 +60,10 @@ export class Producer {
     this.retryMs = opts.retryMs ?? 10_000;
     this.keepFrames = opts.keepFrames ?? 4096;
     this.lockTtlMs = Math.max(1, Math.round(opts.lockTtlMs ?? LOCK_TTL_MS));
+    if (!(this.lockTtlMs <= MAX_LOCK_TTL_MS)) {
+      throw new RangeError(`lockTtlMs must be at most ${MAX_LOCK_TTL_MS}: a turn of a dead ` +
+        `producer must end within ${PRODUCER_LOST_MS} ms`);
+    }
     this.coalesce = policy(opts.coalesce);
     this.presence = { graceMs: 10_000, intervalMs: 1000, ...(opts.presence ?? {}) };
     this.ownsRedis = false;

@@ -79,3 +79,13 @@ test('the scripts are the relay files, joined as the Python side joins them', ()
   assert.match(publish, /\nlocal cur = redis.call\('HMGET'/);
   if (process.env.TR_PUBLISH_SHA) assert.equal(sha1(publish), process.env.TR_PUBLISH_SHA);
 });
+
+test('the turn lock keeps the bound every producer states: 5 s, at most 7 s', async () => {
+  const { Producer, LOCK_TTL_MS, MAX_LOCK_TTL_MS, PRODUCER_LOST_MS } = await import('../src/index.js');
+  assert.deepEqual([LOCK_TTL_MS, MAX_LOCK_TTL_MS, PRODUCER_LOST_MS], [5000, 7000, 10_000]);
+  const redis = { defineCommand() {} }; // no Redis: the constructor only declares scripts
+  assert.equal(new Producer(redis).lockTtlMs, LOCK_TTL_MS);
+  assert.equal(new Producer(redis, { lockTtlMs: 7000 }).lockTtlMs, 7000);
+  assert.throws(() => new Producer(redis, { lockTtlMs: 15_000 }), RangeError);
+  assert.throws(() => new Producer(redis, { lockTtlMs: Number.NaN }), RangeError);
+});

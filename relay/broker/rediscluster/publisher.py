@@ -250,12 +250,21 @@ class Publisher:
         self.keep_frames = keep_frames  # frames a generation keeps to rewrite after failover
 
     async def open_generation(self, sid: str) -> Generation:
-        """Bump epoch and turn atomically; the returned generation fences all older ones."""
+        """Bump epoch and turn atomically; the returned generation fences all older ones.
+        A turn the session still has open (its producer died or lost its lock) is ended
+        first, in the same script: its ``error`` frame (``superseded``) at the next
+        offset, which the generation keeps among the frames it wrote (written again
+        should a failover lose it)."""
         sid = parse_session(sid)
         fresh = secrets.token_hex(6)  # the session's gen if this call creates it
-        reply = await OPEN(self.redis, (meta_key(sid), log_key(sid)), (self.ttl_s, fresh))
+        keys = (meta_key(sid), log_key(sid), live_channel(sid))
+        args = (self.ttl_s, fresh, sid, now_ms(), self.maxlen, self.max_bytes)
+        reply = await OPEN(self.redis, keys, args)
         epoch, turn, offset = (int(x) for x in reply[:3])
-        return Generation(self, sid, epoch, turn, offset, _b(reply[3]).decode())
+        g = Generation(self, sid, epoch, turn, offset, _b(reply[3]).decode())
+        if len(reply) > 4:  # the frame that ended the open turn
+            g._written[offset] = _b(reply[4])
+        return g
 
 
 async def reap(

@@ -74,7 +74,7 @@ class Script:
                 return await redis.execute_command("EVAL", self.source, len(keys), *keys, *args)
 
 
-OPEN: Final = Script("open")
+OPEN: Final = Script("open", uses=("frame", "backlog"))
 PUBLISH: Final = Script("publish", uses=("backlog",))
 READ: Final = Script("read")
 REAP: Final = Script("reap", uses=("frame", "backlog"))

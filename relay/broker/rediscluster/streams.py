@@ -100,8 +100,9 @@ class RedisStreams:
             "" if w.expires_at is None else w.expires_at[0],
             "" if w.expires_at is None else str(w.expires_at[1]),
             "1" if w.close else "0", w.stream_seq or "", pid, epoch, seq,
-            secrets.token_hex(6), ref.channel, ref.path, "1" if w.has_body else "0", w.fork,
-            max(w.max_bytes, 0), *messages,
+            w.build or secrets.token_hex(6), ref.channel, ref.path, "1" if w.has_body else "0",
+            w.fork, w.build, max(w.max_bytes, 0),
+            b"".join(b"%d:%b" % (len(m), m) for m in messages),
         ]  # fmt: skip
         reply = await _WRITE(self.redis, ref.keys, args)
         code, nxt, closed, a, b = (int(x) for x in reply)
@@ -133,6 +134,11 @@ class RedisStreams:
         with map_redis_errors():
             got = await self.redis.eval(_TAKE_BYTES, 1, key, n, limit, window_ms)
         return int(got)
+
+    async def stream_forks(self, ref: StreamRef, limit: int) -> list[str]:
+        with map_redis_errors():
+            members = await self.redis.srandmember(ref.forks, limit)
+        return [_text(m) for m in members or []]
 
     async def stream_fork_ref(self, source: StreamRef, fork_path: str, take: bool) -> str:
         reply = await _FORK_REF(self.redis, source.keys, ["+" if take else "-", fork_path])

@@ -4,14 +4,15 @@
 -- messages' bytes (one message at least): the log is read in growing pages, so a read
 -- of large messages copies about the budget, not ARGV[2] messages, into the script.
 -- KEYS[1] meta  KEYS[2] log  KEYS[3] producers
--- Returns {} when there is no stream, {"gone"} when it is soft-deleted (forks hold it), else {mt, ct, ttl, ea, closed, n, gen, low, from, msgs...}
+-- Returns {} when there is no stream (or a fork's create is still copying into it), {"gone"} when it is soft-deleted (forks hold it), else {mt, ct, ttl, ea, closed, n, gen, low, from, msgs...}
 local meta, log = KEYS[1], KEYS[2]
-local s = redis.call("HMGET", meta, "mt", "ct", "ttl", "ea", "closed", "n", "gen", "low", "del")
-if not s[1] then return {} end
+local s = redis.call("HMGET", meta, "mt", "ct", "ttl", "ea", "closed", "n", "gen", "low", "del",
+  "building")
+if not s[1] or s[10] then return {} end -- none, or a fork's create still copying
 if s[9] == "1" then return {"gone"} end
 local n, low = tonumber(s[6]), tonumber(s[8] or "0")
 if ARGV[3] == "1" and s[3] and s[3] ~= "" then
-  for _, k in ipairs(KEYS) do redis.call("PEXPIRE", k, tonumber(s[3]) * 1000) end
+  for _, k in ipairs(KEYS) do redis.call("PEXPIRE", k, s[3] .. "000") end -- whole ms
 end
 local from = n
 if ARGV[1] ~= "" then from = tonumber(ARGV[1]) end

@@ -43,6 +43,8 @@ def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
     app.on_shutdown.append(server.on_shutdown)
     app.on_cleanup.append(server.cleanup)
     app.on_response_prepare.append(server.on_prepare)
+    durable = durable_http.Durable(server)
+    app.on_cleanup.append(durable.cleanup)  # its body parser's process
 
     # The routes come from the table (relay/service/routes.py): the own wire's streams,
     # then each front's handlers() (relay/fronts/, and relay/durable/: Durable Streams).
@@ -52,7 +54,7 @@ def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
         "wire.ws": stream_route(server, handlers.ws_handler),
         **aisdk.handlers(server),  # the AI SDK's UI stream and its resume URL
         **responses.handlers(server),  # the Responses API's events, ?stream=true
-        **durable_http.handlers(durable_http.Durable(server)),  # docs/DURABLE.md
+        **durable_http.handlers(durable),  # docs/DURABLE.md
         "healthz": server.healthz,
         "readyz": server.readyz,
         "metrics": server.metrics_handler,

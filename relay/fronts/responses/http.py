@@ -10,8 +10,10 @@ cancel, delete, input items) is the worker's (:mod:`worker.fronts.responses.http
 request here without ``stream=true`` is a 400 that says so.
 
 Auth: a gateway key (``--gateway-key``, the workers' keys), as the OpenAI SDK sends its
-``api_key``; the response must belong to a session the Responses API created. Errors
-in OpenAI's shape: 400, 401, 404, 429 (stream limits), 503 (draining, Redis).
+``api_key``; the response must belong to that key (its session's owner tag,
+:func:`relay.service.apikeys.owns`): any other is a 404, as for an id that never
+existed. Errors in OpenAI's shape: 400, 401, 404, 429 (stream limits), 503 (draining,
+Redis).
 
 Order of use: :func:`handlers` in :func:`relay.edge.http.app.make_app`, which registers
 them from the route table.
@@ -38,7 +40,7 @@ from relay.fronts.responses.wire import (
 )
 from relay.protocol.codes import Refusal
 from relay.protocol.frame import FrameError, decode
-from relay.service.apikeys import check_api_key
+from relay.service.apikeys import caller, check_api_key, owns
 from relay.service.errors import Reject, openai_refusal
 from relay.service.register import Handler
 
@@ -68,9 +70,12 @@ def _answer(server: EdgeServer, r: _Refused) -> web.Response:
     return openai_refusal(r.status, r.message, kind=kind, code=r.code, headers=r.headers)
 
 
-def _check(server: EdgeServer, request: web.Request) -> tuple[ResponseId, int]:
+def _check(server: EdgeServer, request: web.Request) -> tuple[ResponseId, int, str]:
+    """The response, the offset to resume after and who asks (the kit's
+    :func:`relay.service.apikeys.caller`), or :class:`_Refused`."""
+    header = request.headers.get("Authorization")
     if server.config.auth_enabled:
-        code = check_api_key(server.config.gateway_keys, request.headers.get("Authorization"))
+        code = check_api_key(server.config.gateway_keys, header)
         if code is Refusal.GATEWAY_DISABLED:
             raise _Refused(401, "this relay takes no gateway key: start it with --gateway-key",
                            code)  # fmt: skip
@@ -88,17 +93,17 @@ def _check(server: EdgeServer, request: web.Request) -> tuple[ResponseId, int]:
     if after != "-1" and (not after.isdigit() or int(after) > 2**53):
         raise _Refused(400, "'starting_after' must be a non-negative integer",
                        "invalid_starting_after")  # fmt: skip
-    return rid, int(after)
+    return rid, int(after), caller(header, auth=server.config.auth_enabled)
 
 
-async def _exists(broker: ResponseReads, rid: ResponseId) -> bool:
-    """The session is the Responses API's and alive, and the id's first offset is its
-    turn's ``meta`` frame (one read: the session's keys share a slot)."""
+async def _exists(broker: ResponseReads, rid: ResponseId, who: str) -> bool:
+    """The session is alive and the Responses API's, made by ``who``, and the id's first
+    offset is its turn's ``meta`` frame (one read: the session's keys share a slot)."""
     try:
         owner, data = await broker.response_head(rid.session, rid.first)
     except SessionDeleted:
         return False
-    if owner != OWNER or data is None:
+    if data is None or not owns(owner, OWNER, who, rid.session):
         return False
     try:
         frame = decode(data)
@@ -111,13 +116,13 @@ async def responses_stream_handler(server: EdgeServer, request: web.Request) -> 
     """Check the request and the response's existence, then hand the socket to a
     :class:`ResponsesConn` (the replay from the response's first frame, then live)."""
     try:
-        rid, after = _check(server, request)
+        rid, after, who = _check(server, request)
         hub = server.check_capacity()
         broker = hub.broker
         if not isinstance(broker, ResponseReads):
             raise _Refused(503, "this relay has no Redis backlog", "unavailable")
         try:
-            found = await _exists(broker, rid)
+            found = await _exists(broker, rid, who)
         except RelayError as exc:
             log.warning("responses of %s: read failed: %r", rid.session, exc)
             raise _Refused(503, "cannot read the response; retry", "unavailable",

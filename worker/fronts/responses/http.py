@@ -19,9 +19,12 @@
   session is deleted (:func:`worker.controls.delete_session`): every response of it.
 - ``GET /v1/responses/{id}/input_items``: the turn's user message.
 
-Auth: a gateway key (``--gateway-key``). The API only reads and writes sessions it
-created (their state hash says ``api: responses``): a session of the session API
-(whose history belongs to its write token's holder) is a 404 here.
+Auth: a gateway key (``--gateway-key``). A response and its conversation belong to the
+key that created them (their session's state hash holds the kit's owner tag,
+:func:`relay.service.apikeys.owner_tag`: ``responses:`` and a keyed digest of the key):
+another key, like a session of the session API (whose history belongs to its write
+token's holder), gets a 404 as for an id that never existed, on every route and as a
+``previous_response_id`` or ``conversation``.
 
 Errors: OpenAI's body; 400 (``context_length_exceeded`` for too much text), 401, 404,
 409 (a response of the conversation is still generating), 413 (a body past the
@@ -61,6 +64,7 @@ from relay.fronts.responses.wire import (
 from relay.protocol.frame import Frame, FrameError, decode
 from relay.protocol.keys import new_session_id
 from relay.service import cors
+from relay.service.apikeys import owner_tag, owns
 from relay.service.errors import Reject
 from relay.service.register import Handler
 from worker.access import RateLimited
@@ -99,10 +103,11 @@ def _retry(seconds: float) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
-async def _ours(st: WorkerState, sid: str) -> bool:
-    """Whether ``sid`` is a live session this API created (one round trip)."""
-    api, gone = await st.store.session_owner(sid)
-    return not gone and api == OWNER
+async def _ours(st: WorkerState, sid: str, who: str) -> bool:
+    """Whether ``sid`` is a live session this API created for the caller ``who`` (one
+    round trip)."""
+    tag, gone = await st.store.session_owner(sid)
+    return not gone and owns(tag, OWNER, who, sid)
 
 
 async def backlog_frames(
@@ -182,7 +187,8 @@ async def _from_history(st: WorkerState, rid: ResponseId) -> dict[str, Any] | No
 async def _lookup(request: web.Request) -> tuple[WorkerState, ResponseId] | web.Response:
     """The checked request for an existing response's route, or the error answer."""
     gw = request.app[GATEWAY]
-    refused = gw.authorized(request.headers.get("Authorization"))
+    header = request.headers.get("Authorization")
+    refused = gw.authorized(header)
     if refused is not None:
         return _error(refused)
     raw = request.match_info["rid"]
@@ -192,7 +198,7 @@ async def _lookup(request: web.Request) -> tuple[WorkerState, ResponseId] | web.
         return _error(_unknown(raw))
     st = request.app[STATE]
     try:
-        if not await _ours(st, rid.session):
+        if not await _ours(st, rid.session, gw.caller(header)):
             return _error(_unknown(raw))
     except RelayError:
         return _error(_unavailable("redis did not answer; retry"), _retry(1))
@@ -237,9 +243,12 @@ async def _closed_loop(
         yield frame
 
 
-async def _session_for(st: WorkerState, request: web.Request, req: ResponsesRequest) -> str:
+async def _session_for(
+    st: WorkerState, request: web.Request, req: ResponsesRequest, who: str
+) -> str:
     """The session the response is a turn of: the previous response's or the
-    conversation's (WireError 404 unless this API created it), else a new one."""
+    conversation's (WireError 404 unless this API created it for ``who``), else a new
+    one, owned by ``who``."""
     named = req.previous_response_id or req.conversation
     if named is not None:
         try:
@@ -252,13 +261,13 @@ async def _session_for(st: WorkerState, request: web.Request, req: ResponsesRequ
             raise WireError(404, str(exc), param="previous_response_id"
                             if req.previous_response_id else "conversation",
                             code="not_found") from None  # fmt: skip
-        if not await _ours(st, sid):
+        if not await _ours(st, sid, who):
             raise WireError(404, f"no such {param.replace('_', ' ')}: {named[:80]!r}",
                             param=param, code="not_found")  # fmt: skip
         return sid
     sid = new_session_id()
     await st.access.take_session(st.store, request, sid)
-    await st.store.set_state(sid, OWNER_FIELD, OWNER, st.turns.store.ttl_s)
+    await st.store.set_state(sid, OWNER_FIELD, owner_tag(OWNER, who, sid), st.turns.store.ttl_s)
     if len(req.messages) > 1:  # the earlier items become the stored conversation
         await st.turns.store.append_exchange(sid, req.messages[:-1], None)
     return sid
@@ -266,7 +275,8 @@ async def _session_for(st: WorkerState, request: web.Request, req: ResponsesRequ
 
 async def create(request: web.Request) -> web.StreamResponse:
     gw, st = request.app[GATEWAY], request.app[STATE]
-    refused = gw.authorized(request.headers.get("Authorization"))
+    header = request.headers.get("Authorization")
+    refused = gw.authorized(header)
     if refused is not None:
         return _error(refused)
     body = await gw.create_body(request)
@@ -277,7 +287,7 @@ async def create(request: web.Request) -> web.StreamResponse:
             body, model=gw.cfg.model, default_max_tokens=gw.cfg.default_max_tokens,
             max_tokens_limit=gw.cfg.max_tokens_limit, max_chars=st.cfg.max_message_chars,
         )  # fmt: skip
-        sid = await _session_for(st, request, req)
+        sid = await _session_for(st, request, req, gw.caller(header))
         await st.access.check_turn_rate(st.store, sid)
         viewer = DirectViewer()
         prior = req.messages[:-1] if req.previous_response_id or req.conversation else []

@@ -1,0 +1,394 @@
+"""The nemesis's acts: one fault carried out against a running stack, with its evidence.
+
+Used by :mod:`bench.faults.nemesis`, which draws the schedule and runs the workload.
+Each act records in its history entry what it did (``target``), the evidence that it
+took effect (an exit status, who serves a slot after, a PING that waited or got no
+answer, a reconnect count) and ``took_effect``; or ``refused`` with the reason where the
+combination cannot be survived by design (both nodes of one shard, every relay or
+every worker at once). Redis faults touch at most one node per shard at a time.
+
+Order of use::
+
+    nemesis = Nemesis(run, viewer_tasks)
+    await nemesis.play(faults)        # each at its time, overlapping
+    nemesis.history                   # one entry per fault; line(entry) prints one
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import signal
+import sys
+import time
+from typing import Any
+
+import aiohttp
+
+from bench.faults import partition
+from bench.faults.probes import ping
+from bench.faults.producers import Producers
+from bench.faults.run import Run
+from bench.faults.schedule import Fault
+from devstack.cluster.launcher import LocalCluster
+from relay.protocol.keys import live_channel
+from relay.protocol.slotmap import slot_of
+
+__all__ = ["Nemesis", "line"]
+
+
+class Nemesis:
+    """Runs the schedule against one stack, one fault at its time each, and keeps the
+    history. Redis faults touch at most one node per shard at a time; relay and worker
+    faults leave one of each running."""
+
+    def __init__(
+        self,
+        run: Run,
+        viewers: dict[int, tuple[asyncio.Task[None], asyncio.Event]],
+        producers: Producers | None = None,
+    ) -> None:
+        self.run = run
+        self.producers = producers
+        self.stack = run.stack
+        self.viewers = viewers
+        self.history: list[dict[str, Any]] = []
+        self.busy_nodes: set[int] = set()  # Redis ports down, frozen, cut off or rejoining
+        self.busy_procs: set[str] = set()  # relays and workers down or frozen
+        self._picking = asyncio.Lock()  # a target's choice and its marking, one at a time
+        self.t0 = time.monotonic()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.can_partition = partition.unsupported() is None
+
+    @property
+    def cluster(self) -> LocalCluster:
+        assert self.stack.cluster is not None
+        return self.stack.cluster
+
+    def _now(self) -> float:
+        return round(time.monotonic() - self.t0, 2)
+
+    async def play(self, faults: list[Fault]) -> None:
+        for fault in faults:
+            await asyncio.sleep(max(0.0, fault.at_s - (time.monotonic() - self.t0)))
+            self._tasks.append(asyncio.create_task(self._one(fault)))
+        await asyncio.gather(*self._tasks)
+
+    async def _one(self, fault: Fault) -> None:
+        entry: dict[str, Any] = {"at_s": self._now(), "kind": fault.kind, "hold_s": fault.hold_s}
+        self.history.append(entry)
+        act = getattr(self, f"_{fault.kind}")
+        try:
+            await act(fault, entry)
+        except Exception as exc:  # a fault that could not be carried out is an anomaly
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+        entry["ended_s"] = self._now()
+        entry.setdefault("took_effect", False)
+        print(line(entry), file=sys.stderr, flush=True)
+
+    # -- targets --------------------------------------------------------------------
+    def _pick_proc(self, kind: str, fault: Fault) -> str | None:
+        members = [m.name for m in self.stack.of_kind(kind) if m.alive]
+        free = [n for n in members if n not in self.busy_procs]
+        if len(members) - len(free) >= len(self.stack.of_kind(kind)) - 1 or not free:
+            return None  # one of each kind keeps running
+        return free[fault.pick % len(free)]
+
+    async def _healthy_shards(self) -> dict[int, tuple[int, ...]]:
+        """Shards none of whose nodes is busy and which have a replica."""
+        shards = await self.cluster.shards_now()
+        return {
+            m: reps
+            for m, reps in shards.items()
+            if reps and m not in self.busy_nodes and not (set(reps) & self.busy_nodes)
+        }
+
+    async def _live_slot(self, master: int) -> int | None:
+        """A slot of a watched session that ``master`` serves, if any."""
+        masters = await self.cluster.masters_now()
+        mine = set(masters.get(master, []))
+        slots = sorted({slot_of(live_channel(sid)) for sid, _ in self.run.sessions} & mine)
+        return slots[0] if slots else None
+
+    async def _owner(self, slot: int) -> int | None:
+        masters = await self.cluster.masters_now()
+        return next((p for p, ss in masters.items() if slot in ss), None)
+
+    async def _rejoined(self, port: int, timeout_s: float = 60.0) -> bool:
+        """Wait until the node on ``port`` is listed again as a replica (or a master)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                shards = await self.cluster.shards_now()
+                if port in shards or any(port in reps for reps in shards.values()):
+                    return True
+            await asyncio.sleep(0.5)
+        return False
+
+    # -- relays and workers ------------------------------------------------------------
+    async def _proc_kill(self, kind: str, fault: Fault, entry: dict[str, Any]) -> None:
+        name = self._pick_proc(kind, fault)
+        if name is None:
+            entry["refused"] = f"every {kind} but one is down already"
+            entry["took_effect"] = None
+            return
+        self.busy_procs.add(name)
+        entry["target"] = name
+        try:
+            member = self.stack.procs[name]
+            old_pid = self.stack.kill(name)
+            assert member.proc is not None
+            entry["exit"] = await member.proc.wait(5)
+            await asyncio.sleep(fault.hold_s)
+            await self.stack.restart(name)
+            entry["pids"] = [old_pid, member.pid]
+            entry["took_effect"] = entry["exit"] == -signal.SIGKILL and member.pid != old_pid
+        finally:
+            self.busy_procs.discard(name)
+
+    async def _proc_freeze(self, kind: str, fault: Fault, entry: dict[str, Any]) -> None:
+        name = self._pick_proc(kind, fault)
+        if name is None:
+            entry["refused"] = f"every {kind} but one is down already"
+            entry["took_effect"] = None
+            return
+        self.busy_procs.add(name)
+        entry["target"] = name
+        member = self.stack.procs[name]
+        assert member.proc is not None
+        try:
+            member.proc.send(signal.SIGSTOP)
+            t0 = time.monotonic()
+            answered = await _answers(self.run.http, member.url + "/healthz", fault.hold_s * 0.8)
+            await asyncio.sleep(max(0.0, fault.hold_s - (time.monotonic() - t0)))
+        finally:
+            member.proc.send(signal.SIGCONT)
+            self.busy_procs.discard(name)
+        entry["answered_while_frozen"] = answered
+        entry["answers_after"] = await _answers(self.run.http, member.url + "/healthz", 10.0)
+        entry["took_effect"] = not answered and entry["answers_after"]
+
+    async def _relay_kill(self, fault: Fault, entry: dict[str, Any]) -> None:
+        await self._proc_kill("relay", fault, entry)
+
+    async def _worker_kill(self, fault: Fault, entry: dict[str, Any]) -> None:
+        await self._proc_kill("worker", fault, entry)
+
+    async def _relay_freeze(self, fault: Fault, entry: dict[str, Any]) -> None:
+        await self._proc_freeze("relay", fault, entry)
+
+    async def _worker_freeze(self, fault: Fault, entry: dict[str, Any]) -> None:
+        await self._proc_freeze("worker", fault, entry)
+
+    # -- Redis ----------------------------------------------------------------------
+    async def _shard(self, fault: Fault, entry: dict[str, Any]) -> tuple[int, tuple[int, ...]]:
+        """A healthy shard, preferring one that serves a watched session, taken whole
+        (every node of it marked busy, in one step with the choice, so that two faults
+        starting together never pick the same shard; :meth:`_free` gives it back); (0, ())
+        and the refusal in ``entry`` when every shard has a node down already."""
+        async with self._picking:
+            shards = await self._healthy_shards()
+            if not shards:
+                entry["refused"] = "every shard has a node down or rejoining (by design: not both)"
+                entry["took_effect"] = None
+                return 0, ()
+            ports = sorted(shards)
+            watched = [p for p in ports if await self._live_slot(p) is not None]
+            pool = watched or ports
+            master = pool[fault.pick % len(pool)]
+            self.busy_nodes |= {master, *shards[master]}
+            return master, shards[master]
+
+    def _free(self, master: int, replicas: tuple[int, ...]) -> None:
+        self.busy_nodes -= {master, *replicas}
+
+    async def _master_kill(self, fault: Fault, entry: dict[str, Any]) -> None:
+        master, replicas = await self._shard(fault, entry)
+        if not master:
+            return
+        try:
+            slot = await self._live_slot(master) or (await self.cluster.masters_now())[master][0]
+            entry.update(target=master, slot=slot)
+            self.cluster.kill_node(master)
+            entry["exit"] = await self.cluster.process(master).wait(5)
+            await asyncio.sleep(fault.hold_s)
+            entry["slot_owner_after"] = await self._owner(slot)
+            self.cluster.restart_node(master)
+            entry["rejoined"] = await self._rejoined(master)
+            entry["took_effect"] = (
+                entry["exit"] == -signal.SIGKILL
+                and entry["slot_owner_after"] not in (None, master)
+                and entry["rejoined"]
+            )
+        finally:
+            self._free(master, replicas)
+
+    async def _master_freeze(self, fault: Fault, entry: dict[str, Any]) -> None:
+        master, replicas = await self._shard(fault, entry)
+        if not master:
+            return
+        try:
+            entry["target"] = master
+            self.cluster.pause_node(master)
+            try:
+                pinged = asyncio.create_task(ping(master, fault.hold_s + 5))
+                await asyncio.sleep(fault.hold_s)
+            finally:
+                self.cluster.resume_node(master)
+            answer, took = await pinged
+            entry["ping_waited_s"] = round(took, 2) if answer == "PONG" else None
+            entry["took_effect"] = answer == "PONG" and took >= fault.hold_s * 0.8
+            entry["rejoined"] = await self._rejoined(master)  # maybe a replica now
+        finally:
+            self._free(master, replicas)
+
+    async def _replica_kill(self, fault: Fault, entry: dict[str, Any]) -> None:
+        master, replicas = await self._shard(fault, entry)
+        if not master:
+            return
+        replica = replicas[fault.pick % len(replicas)]
+        try:
+            entry["target"] = replica
+            self.cluster.kill_node(replica)
+            entry["exit"] = await self.cluster.process(replica).wait(5)
+            await asyncio.sleep(fault.hold_s)
+            self.cluster.restart_node(replica)
+            entry["rejoined"] = await self._rejoined(replica)
+            entry["took_effect"] = entry["exit"] == -signal.SIGKILL and entry["rejoined"]
+        finally:
+            self._free(master, replicas)
+
+    async def _failover(self, fault: Fault, entry: dict[str, Any]) -> None:
+        master, replicas = await self._shard(fault, entry)
+        if not master:
+            return
+        replica = replicas[fault.pick % len(replicas)]
+        try:
+            entry.update(target=replica, master_before=master)
+            await self.cluster.failover(replica)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                if replica in await self.cluster.masters_now():
+                    break
+                await asyncio.sleep(0.2)
+            entry["took_effect"] = replica in await self.cluster.masters_now()
+        finally:
+            self._free(master, replicas)
+
+    async def _migrate(self, fault: Fault, entry: dict[str, Any]) -> None:
+        async with self._picking:  # choice and marking in one step, as in _shard
+            shards = await self._healthy_shards()
+            sources = [p for p in sorted(shards) if await self._live_slot(p) is not None]
+            if len(shards) < 2 or not sources:
+                entry["refused"] = "no two healthy shards with a watched session on one"
+                entry["took_effect"] = None
+                return
+            src = sources[fault.pick % len(sources)]
+            dst = next(p for p in sorted(shards) if p != src)
+            slot = await self._live_slot(src)
+            assert slot is not None
+            taken = {src, dst, *shards[src], *shards[dst]}
+            self.busy_nodes |= taken
+        try:
+            entry.update(target=slot, source=src, destination=dst)
+            entry["keys_moved"] = await self.cluster.migrate_slot(slot, src, dst)
+            entry["slot_owner_after"] = await self._owner(slot)
+            entry["took_effect"] = entry["slot_owner_after"] == dst and entry["keys_moved"] > 0
+        finally:
+            self.busy_nodes -= taken
+
+    async def _partition(self, fault: Fault, entry: dict[str, Any]) -> None:
+        if not self.can_partition:
+            entry["refused"] = f"cannot partition here: {partition.unsupported()}"
+            entry["took_effect"] = None
+            return
+        master, replicas = await self._shard(fault, entry)
+        if not master:
+            return
+        try:
+            entry["target"] = master
+            t0 = time.monotonic()
+            with partition.dropped(master):
+                entry["ping_during"], _ = await ping(master, 1.0)
+                await asyncio.sleep(max(0.0, fault.hold_s - (time.monotonic() - t0)))
+            entry["ping_after"], _ = await ping(master, 5.0)
+            entry["took_effect"] = entry["ping_during"] != "PONG" and entry["ping_after"] == "PONG"
+        finally:
+            self._free(master, replicas)
+
+    # -- producers of your own --------------------------------------------------------
+    async def _producer_kill(self, fault: Fault, entry: dict[str, Any]) -> None:
+        """SIGKILL a producer process mid-turn, start it again after the hold: its open
+        turn is the relays' (its lock expires) or the next start's to end."""
+        names = [n for n in (self.producers.names if self.producers else [])
+                 if n not in self.busy_procs]  # fmt: skip
+        if not names or self.producers is None:
+            entry["refused"] = "no producer process to kill"
+            entry["took_effect"] = None
+            return
+        name = names[fault.pick % len(names)]
+        self.busy_procs.add(name)
+        try:
+            proc = self.producers.procs[name]
+            if not proc.alive:
+                entry["refused"] = f"{name} has ended (the run is nearly over)"
+                entry["took_effect"] = None
+                return
+            entry["target"] = name
+            old = self.producers.kill(name)
+            entry["exit"] = await proc.wait(5)
+            await asyncio.sleep(fault.hold_s)
+            new = self.producers.restart(name)
+            entry["pids"] = [old, new]
+            entry["took_effect"] = entry["exit"] == -signal.SIGKILL
+        finally:
+            self.busy_procs.discard(name)
+
+    # -- screens ----------------------------------------------------------------------
+    async def _storm(self, fault: Fault, entry: dict[str, Any]) -> None:
+        """Half the screens drop their connection at once and reconnect with their
+        offset. Evidence: every one of them connected again (within 20 s)."""
+        rng = random.Random(fault.pick)
+        chosen = rng.sample(self.run.viewers, len(self.run.viewers) // 2)
+        before = sum(v.connects for v in chosen)
+        dropped = [self.viewers[id(v)] for v in chosen]
+        for _task, stop in dropped:
+            stop.set()
+        await asyncio.gather(*(task for task, _ in dropped), return_exceptions=True)
+        for v in chosen:
+            again = asyncio.Event()
+            self.viewers[id(v)] = (asyncio.create_task(v.run(again)), again)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if sum(v.connects for v in chosen) - before >= len(chosen):
+                break
+            await asyncio.sleep(0.2)
+        reconnected = sum(v.connects for v in chosen) - before
+        entry.update(target=f"{len(chosen)} screens", reconnected=reconnected)
+        entry["took_effect"] = reconnected >= len(chosen)
+
+
+async def _answers(http: aiohttp.ClientSession, url: str, within_s: float) -> bool:
+    try:
+        async with http.get(url, timeout=aiohttp.ClientTimeout(total=within_s)) as r:
+            return r.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
+_PLAIN = ("at_s", "kind", "hold_s", "ended_s", "took_effect", "refused", "error")
+
+
+def line(e: dict[str, Any]) -> str:
+    """One fault of the history, for a person."""
+    if "refused" in e:
+        what = "refused: " + e["refused"]
+    elif "error" in e:
+        what = "error: " + e["error"]
+    else:
+        what = "took effect" if e.get("took_effect") else "NO EVIDENCE IT TOOK EFFECT"
+    detail = json.dumps({k: v for k, v in e.items() if k not in _PLAIN}, sort_keys=True)
+    span = f"{e['at_s']:>7.1f}s-{e.get('ended_s', 0):>7.1f}s"
+    return f"  {span}  {e['kind']:<14} hold {e['hold_s']:>4.1f}s  {what}  {detail}"
