@@ -13,8 +13,9 @@ RUN pip wheel --no-cache-dir --no-deps -w /wheels .
 FROM python:3.11-slim
 WORKDIR /app
 COPY --from=build /wheels /wheels
-# jobs: the worker's --amqp and the job worker; precise: KV events (and the mock engine's)
-RUN pip install --no-cache-dir "$(echo /wheels/tokenrelay-*.whl)[jobs,precise]" && rm -rf /wheels
+# server: the processes' HTTP stack; jobs: the worker's --amqp and the job worker;
+# precise: KV events (and the mock engine's)
+RUN pip install --no-cache-dir "$(echo /wheels/tokenrelay-*.whl)[server,jobs,precise]" && rm -rf /wheels
 COPY devstack ./devstack
 USER nobody
 ENTRYPOINT ["tokenrelay"]

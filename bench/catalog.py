@@ -190,7 +190,8 @@ CATALOG: tuple[Benchmark, ...] = (
         "pathcost",
         "bench.peers.pathcost",
         "CPU per delivered token over the whole path (producer + Redis + server), tokenrelay "
-        "beside Socket.IO and resumable-stream, each participant's share, p99, loss",
+        "beside Socket.IO, Centrifugo and resumable-stream, each participant's share, p99, "
+        "loss; LLM-rate phases",
     ),
     Benchmark(
         "peer_durable",
@@ -201,10 +202,26 @@ CATALOG: tuple[Benchmark, ...] = (
     # Not in make bench, as before: the previous routing simulator, kept for what it
     # showed (docs/ROUTING.md), and a profile of memory rather than a measurement.
     Benchmark(
+        "first_demo",
+        "bench.adoption.first_demo",
+        "a fresh clone's first make demo: seconds to the URL (install, start), venv size "
+        "(needs the package index)",
+        quick=None,
+    ),
+    Benchmark(
         "loadshare_sim",
         "bench.routing.loadshare_sim",
         "several worker pods sharing each engine's cap: peak in-flight / cap, shares",
         quick=None,
+    ),
+    # Not in make bench: a sweep of pathcost's LLM-rate phases, minutes even when quick
+    Benchmark(
+        "pathscale",
+        "bench.peers.pathscale",
+        "whole-path CPU per token and p99 as live sessions and screens per session grow, "
+        "tokenrelay beside Centrifugo and Socket.IO-with-streams",
+        quick=None,
+        plot=True,
     ),
     Benchmark(
         "relay_memory",

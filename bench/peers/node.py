@@ -36,7 +36,10 @@ __all__ = [
     "peer_cache", "socketio_server",
 ]  # fmt: skip
 
-PINS = {"socket.io": "4.8.4", "@socket.io/redis-adapter": "8.3.0", "redis": "4.7.1"}
+PINS = {
+    "socket.io": "4.8.4", "@socket.io/redis-adapter": "8.3.0",
+    "@socket.io/redis-streams-adapter": "0.3.1", "redis": "4.7.1",
+}  # fmt: skip
 SCRIPTS = Path(__file__).resolve().parent / "js"
 
 
@@ -137,22 +140,31 @@ def _node_env(modules: Path) -> dict[str, str]:
 
 
 @contextlib.asynccontextmanager
-async def socketio_server(modules: Path, seed: Addr, log_dir: Path) -> AsyncIterator[RelayProc]:
-    """``socketio_server.cjs`` as its own process, listening; stopped by pid."""
+async def socketio_server(
+    modules: Path, seed: Addr, log_dir: Path, adapter: str = "sharded"
+) -> AsyncIterator[RelayProc]:
+    """``socketio_server.cjs`` as its own process, listening; stopped by pid. ``adapter``:
+    ``sharded`` (at most once) or ``streams`` (the streams adapter, state recovery on)."""
     port = free_port()
-    argv = ["node", str(SCRIPTS / "socketio_server.cjs"), str(port), f"{seed.host}:{seed.port}"]
+    argv = ["node", str(SCRIPTS / "socketio_server.cjs"), str(port), f"{seed.host}:{seed.port}",
+            adapter]  # fmt: skip
     async with launched(
-        argv, log=log_dir / f"socketio-{port}.log", ready=log_line(f"ready {port}"),
+        argv, log=log_dir / f"socketio-{adapter}-{port}.log", ready=log_line(f"ready {port}"),
         name="Socket.IO server", env=_node_env(modules),
     ) as proc:  # fmt: skip
         yield RelayProc(proc, port)
 
 
 async def emit(
-    modules: Path, seed: Addr, sids: list[str], rate: float, secs: float
-) -> dict[str, Any]:
-    """Run ``socketio_emit.cjs`` (a child process) and return its JSON line."""
-    spec = {"seed": f"{seed.host}:{seed.port}", "rooms": sids, "rate": rate, "seconds": secs}
+    modules: Path, seed: Addr, sids: list[str], rate: float, secs: float,
+    plan: list[list[int]] | None = None, adapter: str = "sharded",
+) -> dict[str, Any]:  # fmt: skip
+    """Run ``socketio_emit.cjs`` (a child process) and return its JSON line: even pacing,
+    or the tick schedule ``plan`` of an LLM-rate phase."""
+    spec: dict[str, Any] = {"seed": f"{seed.host}:{seed.port}", "rooms": sids, "rate": rate,
+                            "seconds": secs, "adapter": adapter}  # fmt: skip
+    if plan is not None:
+        spec["ticks"] = plan
     argv = ["node", str(SCRIPTS / "socketio_emit.cjs")]
     return await run_json(
         argv, spec, name="Socket.IO emitter", timeout_s=secs + 60, env=_node_env(modules)

@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +44,12 @@ from bench._util import raise_nofile
 from bench.harness import Bench as Harness
 from bench.harness import OnCluster, Outcome, bench_stack, flag
 from bench.harness.report import progress as _progress
+from bench.peers.centrifugo import PIN as CENTRIFUGO_PIN
+from bench.peers.centrifugo import ensure_centrifugo
+from bench.peers.llmshape import mean_rate
 from bench.peers.node import ensure_socketio, installed_versions
 from bench.peers.pathaims import aims, summarize
-from bench.peers.pathdrivers import Bench, RelaySystem, SocketIOSystem
+from bench.peers.pathdrivers import Bench, CentrifugoSystem, RelaySystem, SocketIOSystem
 from bench.peers.pathround import redis_cpu_by_role
 from bench.peers.pathsystem import Phase, RoundFigures, System
 from bench.relay.harness import slotmap
@@ -56,7 +59,8 @@ from relay.protocol.slotmap import Addr
 __all__ = ["Config", "add_arguments", "main", "phases", "report", "run", "run_from_args"]
 
 TURN_TOKENS = 300  # a real turn's length, for a turn's opening per token in --report
-ALL = ("tokenrelay", "socketio", "resumable-stream", "tokenrelay-sse", "bare")
+ALL = ("tokenrelay", "socketio", "socketio-streams", "centrifugo", "resumable-stream",
+       "tokenrelay-sse", "bare")  # fmt: skip
 
 
 @dataclass
@@ -68,11 +72,19 @@ class Config:
     fan_rate: int = 2_000
     storm_sessions: int = 1_000
     storm_rate: int = 2_000
+    # the LLM-rate phases (bench.peers.llmshape): tokens/s of each replying session
+    llm_rates: tuple[int, ...] = (30, 60, 100)
+    llm_sessions: int = 400  # live sessions, 1 screen each (about 1 in 8 replying at once)
+    llm_fan_sessions: int = 100  # with llm_fan_viewers screens each, at 60 tokens/s
+    llm_fan_viewers: int = 10
+    llm_storm_rate: int = 60
+    coalesce: tuple[int, float] = (8, 0.05)  # tokenrelay's flush size and window (s)
     seconds: float = 8.0
     warm_s: float = 1.0
     repeats: int = 3
     systems: tuple[str, ...] = ALL
     only: tuple[str, ...] = ()  # phase names to run (empty: every phase)
+    custom: tuple[Phase, ...] = ()  # these instead of the phases above (pathscale)
     seed: int = 0
     profile: str | None = None
     notes: dict[str, str] = field(default_factory=dict)
@@ -83,11 +95,21 @@ class Config:
 
 
 def phases(cfg: Config) -> list[Phase]:
+    if cfg.custom:
+        return [p for p in cfg.custom if not cfg.only or p.name in cfg.only]
     out = [Phase(f"{cfg.sessions}x1_{r}", cfg.sessions, 1, r, cfg.seconds) for r in cfg.rates]
     out.append(Phase(f"{cfg.fan_sessions}x{cfg.fan_viewers}_{cfg.fan_rate}", cfg.fan_sessions,
                      cfg.fan_viewers, cfg.fan_rate, cfg.seconds))  # fmt: skip
     out.append(Phase(f"storm_{cfg.storm_sessions}x1_{cfg.storm_rate}", cfg.storm_sessions, 1,
                      cfg.storm_rate, cfg.seconds, "resume_storm"))  # fmt: skip
+    for r in cfg.llm_rates:
+        out.append(Phase(f"llm{r}_{cfg.llm_sessions}x1", cfg.llm_sessions, 1,
+                         round(mean_rate(cfg.llm_sessions, r)), cfg.seconds, "llm", r))  # fmt: skip
+    fan, r, n = cfg.llm_fan_sessions, cfg.llm_storm_rate, cfg.llm_sessions
+    out.append(Phase(f"llm{r}_{fan}x{cfg.llm_fan_viewers}", fan, cfg.llm_fan_viewers,
+                     round(mean_rate(fan, r)), cfg.seconds, "llm", r))  # fmt: skip
+    out.append(Phase(f"llm{r}_storm_{n}x1", n, 1, round(mean_rate(n, r)), cfg.seconds,
+                     "llm_storm", r))  # fmt: skip
     return [p for p in out if p.name in cfg.only] if cfg.only else out
 
 
@@ -111,11 +133,16 @@ def _systems(cfg: Config, bench: Bench) -> tuple[dict[str, System], dict[str, st
             made[name] = RelaySystem(bench, "sse")
         elif name == "bare":
             made[name] = RelaySystem(bench, bare=True)
-        elif name == "socketio":
+        elif name in ("socketio", "socketio-streams"):
             if bench.modules is None:
                 missing[name] = cfg.notes.get("socketio", "node_modules missing")
             else:
-                made[name] = SocketIOSystem(bench)
+                made[name] = SocketIOSystem(bench, streams=name == "socketio-streams")
+        elif name == "centrifugo":
+            if bench.centrifugo is None:
+                missing[name] = cfg.notes.get("centrifugo", "not built")
+            else:
+                made[name] = CentrifugoSystem(bench)
         elif name == "resumable-stream":
             got = _resumable(bench)
             if isinstance(got, str):
@@ -134,24 +161,30 @@ def _supports(system: System, phase: Phase) -> bool:
 
 async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
     started = time.monotonic()
-    got = await asyncio.to_thread(ensure_socketio) if "socketio" in cfg.systems else None
+    sio = {"socketio", "socketio-streams"} & set(cfg.systems)
+    got = await asyncio.to_thread(ensure_socketio) if sio else None
     modules = got if isinstance(got, Path) else None
     if isinstance(got, str):
         cfg.notes["socketio"] = got
-    readers = max(cfg.sessions, cfg.fan_sessions * cfg.fan_viewers, cfg.storm_sessions)
+    built = await asyncio.to_thread(ensure_centrifugo) if "centrifugo" in cfg.systems else None
+    if isinstance(built, str):
+        cfg.notes["centrifugo"] = built
+    plan = phases(cfg)
+    readers = max((p.sessions * p.viewers for p in plan), default=1)
     raise_nofile(4 * readers + 1_000)
     load_start = Path("/proc/loadavg").read_text().split()[:3]
-    plan = phases(cfg)
     results: dict[str, dict[str, Any]] = {p.name: {} for p in plan}
     profile: dict[str, list[dict[str, Any]]] = {}
     redis_idle: dict[str, float] = {}
+    failed: dict[str, dict[str, str]] = {}  # phase -> peer -> why its round failed
     async with bench_stack("pathcost-") as st:
         own = url is None
         url = await st.cluster(masters=3, replicas=1, url=url)
         host, port = url.split("//", 1)[1].rsplit(":", 1)
         seed = Addr(host, int(port))
         log_dir = st.log_dir
-        bench = Bench(url, seed, await slotmap(seed), log_dir, modules, readers + 100, cfg.warm_s)
+        bench = Bench(url, seed, await slotmap(seed), log_dir, modules, readers + 100, cfg.warm_s,
+                      built if isinstance(built, Path) else None, cfg.coalesce)  # fmt: skip
         systems, missing = _systems(cfg, bench)
         for name, system in list(systems.items()):
             try:
@@ -178,19 +211,27 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
                     if not _supports(systems[name], phase):
                         continue
                     _progress(started, f"{phase.name} round {i + 1}/{cfg.repeats}: {name}")
-                    rounds[name].append(await systems[name].round(phase, cfg.seed + i))
+                    try:
+                        rounds[name].append(await systems[name].round(phase, cfg.seed + i))
+                    except Exception as exc:  # a peer's failed round is named, not fatal
+                        if name.startswith("tokenrelay"):
+                            raise
+                        failed.setdefault(phase.name, {})[name] = f"{exc!r}"[:300]
             results[phase.name] = {k: summarize(v) for k, v in rounds.items() if v}
         if cfg.profile and "tokenrelay" in systems:
             profile = await _profile(cfg, plan, systems["tokenrelay"], Path(cfg.profile), started)
         logs = "".join(p.read_text(errors="replace") for p in log_dir.glob("*.log"))
     by_name = {p.name: p for p in plan}
     versions = installed_versions(modules) if modules else {}
+    if isinstance(built, Path):
+        versions["centrifugo"] = CENTRIFUGO_PIN
     return {
         "phases": {p.name: asdict(p) for p in plan},
         "results": results,
-        "aims": aims(by_name, results, missing),
+        "aims": aims(by_name, results, missing, cfg.coalesce[1] * 1e3),
         "guarantees": {n: s.guarantee for n, s in systems.items()},
         "missing": missing,
+        "failed_rounds": failed,
         "redis_idle_cpu_s_per_s": redis_idle,
         "profile": profile,
         "order": order,
@@ -239,6 +280,12 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _target(t: Any) -> str:
+    if isinstance(t, bool):
+        return "yes"
+    return f"<= {t:g}" if isinstance(t, (int, float)) else str(t)
+
+
 def _md(head: tuple[str, ...], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -277,6 +324,44 @@ def _commands_md(res: dict[str, Any], n: int = 6) -> list[str]:
             "tokens.", ""]  # fmt: skip
 
 
+def _llm_md(res: dict[str, Any]) -> list[str]:
+    """The LLM-rate phases' extras: tokens and frames per round, tokenrelay's coalescing
+    (frames per token, the mean and longest wait a token had in the coalescer), and the
+    screens each system recovered in a storm (medians of the rounds)."""
+    rows = []
+    for name, by_sys in res["results"].items():
+        if not res["phases"][name]["kind"].startswith("llm"):
+            continue
+        for sysname, r in by_sys.items():
+            notes = [x["notes"] for x in r["rounds"]]
+
+            def med(key: str, notes: list[dict[str, Any]] = notes) -> str:
+                got = [float(n[key]) for n in notes if key in n]
+                return f"{statistics.median(got):,.2f}" if got else "-"
+
+            frames = [float(n["coalesce_frames"]) / max(float(x["published"]), 1.0)
+                      for n, x in zip(notes, r["rounds"], strict=True)
+                      if "coalesce_frames" in n]  # fmt: skip
+            rows.append((name, sysname, f"{r['published']:,.0f}",
+                         f"{statistics.median(frames):.2f}" if frames else "1 (none)",
+                         med("coalesce_wait_ms_mean"), med("coalesce_wait_ms_max"),
+                         med("storm_recovered"), med("storm_reconnect_s"),
+                         med("readers_cpu_share")))  # fmt: skip
+    if not rows:
+        return []
+    n, window = res["config"]["coalesce"]
+    head = ("phase", "system", "tokens published", "frames per token",
+            "coalescer wait, mean ms", "max ms", "screens recovered (storm)",
+            "storm reconnect s", "readers' CPU share")  # fmt: skip
+    return [_md(head, rows), "",
+            f"tokenrelay's coalescing in these phases: a frame at {n} tokens or after "
+            f"{window * 1e3:g} ms, the first token of a reply at once (the worker's "
+            "TokenPump policy); its wait is inside tokenrelay's latency above. The peers "
+            "publish one message per token. The readers' CPU share is the bench process's "
+            "(every screen's client) CPU seconds per second over the window: near 1 its one "
+            "core, not the system under test, sets the latency.", ""]  # fmt: skip
+
+
 def report(res: dict[str, Any]) -> str:
     """The markdown of bench/README.md: figures, aims, guarantees, what was missing."""
     head = ("phase", "system", "µs/token whole", "producer", "Redis", "server", "p50 ms",
@@ -293,15 +378,19 @@ def report(res: dict[str, Any]) -> str:
     out = [_md(head, rows), ""]
     # the aims again from the run's figures (pure), so a saved run reads as this code judges
     plan = {n: Phase(**p) for n, p in res["phases"].items()}
-    judged = aims(plan, res["results"], res["missing"])
+    judged = aims(plan, res["results"], res["missing"], res["config"]["coalesce"][1] * 1e3)
     aim_rows = [(a["phase"], a["aim"], _fmt(a["ours"]), _fmt(a["theirs"]), _fmt(a["ratio"]),
-                 f"<= {a['target']:g}" if not isinstance(a["target"], bool) else "yes",
+                 _target(a["target"]),
                  _fmt(a["met"]), a["missed_by"] or "") for a in judged]  # fmt: skip
     out += [_md(("phase", "aim", "tokenrelay", "peer", "ratio", "target", "met", "missed by"),
                 aim_rows), ""]  # fmt: skip
     out += _commands_md(res)
+    out += _llm_md(res)
     out += [f"- **{n}**: {g}" for n, g in res["guarantees"].items()]
     out += [f"- **{n}**: not in this run: {why}" for n, why in res["missing"].items()]
+    failed = res.get("failed_rounds") or {}
+    out += [f"- **{n}** in {ph}: its round failed: {why}"
+            for ph, by in failed.items() for n, why in by.items()]  # fmt: skip
     prof = res.get("profile") or {}
     for phase, funcs in prof.items() if isinstance(prof, dict) else [("", prof)]:
         top = ", ".join(f"{p['function']} {p['self_pct']}%" for p in funcs[:8])
@@ -337,11 +426,24 @@ class Flags(OnCluster):
     phases: str = flag("", "comma-separated phase names (all): "
                        + ",".join(p.name for p in phases(_D)))  # fmt: skip
     profile: str | None = flag(None, "py-spy the relay in one more round", metavar="DIR")
+    llm_sessions: int = flag(_D.llm_sessions, "live sessions of the 1-screen LLM-rate phases")
+    coalesce: str = flag("8,50", "tokenrelay's coalescing in the LLM-rate phases: flush "
+                         "size (tokens) and window (ms)", metavar="N,MS")  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace | Flags) -> Config:
     f = args if isinstance(args, Flags) else BENCH.flags(args)
-    cfg = Config(seed=f.seed, seconds=f.seconds, repeats=f.repeats, profile=f.profile)
+    cfg = Config(seed=f.seed, seconds=f.seconds, repeats=f.repeats, profile=f.profile,
+                 llm_sessions=f.llm_sessions)  # fmt: skip
+    try:
+        n, ms = (float(x) for x in f.coalesce.split(","))
+    except ValueError:
+        raise SystemExit(
+            f"pathcost: --coalesce wants N,MS (e.g. 8,50), got {f.coalesce!r}"
+        ) from None
+    if n < 1 or ms < 0 or n != int(n):
+        raise SystemExit("pathcost: --coalesce wants a flush size >= 1 and a window >= 0 ms")
+    cfg.coalesce = (int(n), ms / 1e3)
     if f.systems:
         cfg.systems = tuple(s.strip() for s in f.systems.split(",") if s.strip())
         bad = [s for s in cfg.systems if s not in ALL]
@@ -349,7 +451,7 @@ def config_from_args(args: argparse.Namespace | Flags) -> Config:
             raise SystemExit(f"pathcost: unknown system {bad[0]!r} (one of {', '.join(ALL)})")
     if f.phases:
         cfg.only = tuple(s.strip() for s in f.phases.split(",") if s.strip())
-        known = [p.name for p in phases(Config(rates=cfg.rates))]
+        known = [p.name for p in phases(replace(cfg, only=()))]
         bad = [s for s in cfg.only if s not in known]
         if bad:
             raise SystemExit(f"pathcost: unknown phase {bad[0]!r} (one of {', '.join(known)})")

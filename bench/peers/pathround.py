@@ -29,12 +29,13 @@ import asyncio
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal, Protocol, cast
 
 import aiohttp
 import hiredis
 
 from bench._util import cpu_s, percentile
+from bench.peers.llmshape import draw, ticks
 from bench.peers.pathsystem import Phase, RoundFigures
 from bench.peers.socketio import _wait_subscribed
 from bench.peers.ws_clients import Kind, Tally, WsClient
@@ -55,7 +56,26 @@ __all__ = [
 ]
 
 Transport = Literal["ws", "sse"]
-Publish = Callable[[list[str], float, float], Coroutine[Any, Any, dict[str, Any]]]
+# the producer: (sessions, tokens/s per session, seconds, the LLM phases' tick schedule
+# or None for today's even pacing) -> its JSON line (sent, seconds, cpu_s...)
+Publish = Callable[
+    [list[str], float, float, list[list[int]] | None], Coroutine[Any, Any, dict[str, Any]]
+]
+Backlog = Callable[[list[str]], Coroutine[Any, Any, dict[str, set[int]]]]
+
+
+class Reader(Protocol):
+    """A screen of a system with its own client (Centrifugo's SDK): ``open`` returns once
+    it will receive its session's tokens."""
+
+    async def open(self) -> None: ...
+
+    async def reconnect(self, resume: bool) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+MakeReader = Callable[[Tally, str, int], Reader]  # (tally, session, port)
 _STALL_S = 5.0
 
 
@@ -120,7 +140,7 @@ class SseReader:
 @dataclass
 class _Readers:
     http: aiohttp.ClientSession | None
-    items: list[WsClient | SseReader]
+    items: list[WsClient | SseReader | Reader]
     tallies: list[Tally]
     sids: list[str]  # the session of each reader
 
@@ -135,14 +155,20 @@ class _Readers:
 
 async def _open_readers(
     kind: Kind, transport: Transport, port: int, sids: Sequence[str], viewers: int,
-    clock: Callable[[], int], window: int,
+    clock: Callable[[], int], window: int, make: MakeReader | None = None,
 ) -> _Readers:  # fmt: skip
     """``viewers`` readers per session, ``window`` handshakes at a time; raises if any fails."""
     per = [s for s in sids for _ in range(viewers)]
     tallies = [Tally(clock) for _ in per]
     http: aiohttp.ClientSession | None = None
-    items: list[WsClient | SseReader]
-    if transport == "ws":
+    items: list[WsClient | SseReader | Reader]
+    if make is not None:
+        own = [make(t, s, port) for t, s in zip(tallies, per, strict=True)]
+        items = list(own)
+
+        async def open_one(i: int) -> None:
+            await own[i].open()
+    elif transport == "ws":
         http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True))
         session = http
         ws = [WsClient(kind, t, s) for t, s in zip(tallies, per, strict=True)]
@@ -279,9 +305,16 @@ async def measure(
     smap: SlotMap, sids: list[str], channels: list[str], publish: Publish,
     clock: Callable[[], int], resumes: bool, held: bool, warm_s: float, window: int = 200,
     prepare: Callable[[list[str]], Coroutine[Any, Any, None]] | None = None,
+    seed: int = 0, make: MakeReader | None = None, backlog: Backlog | None = None,
 ) -> RoundFigures:  # fmt: skip
     """One round of ``phase`` (see the module's docstring)."""
     rate = phase.tokens_per_s / phase.sessions  # per session
+    plan: list[list[int]] | None = None
+    total = phase.tokens_per_s * phase.seconds
+    if phase.llm:  # this round's replies and gaps, the same for every system
+        rate = phase.session_rate
+        plan = ticks(draw(phase.sessions, rate, phase.seconds, seed), rate, phase.seconds)
+        total = sum(len(t) for t in plan)
     notes: dict[str, float | int | str] = {}
     if prepare is not None:  # the turns' opening, measured apart from the tokens
         o0, c0 = await redis_cpu_by_role(smap), await command_stats(smap)
@@ -294,29 +327,36 @@ async def measure(
             f"{r['role'][0]}:{r['command']} {r['us_per_token']:.1f}us x{r['calls_per_token']:.3g}"
             for r in top_commands(c0, c1, len(sids), n=6)
         )  # per turn opened
-    readers = await _open_readers(kind, transport, port, sids, phase.viewers, clock, window)
+    readers = await _open_readers(kind, transport, port, sids, phase.viewers, clock, window, make)
     try:
         await _wait_subscribed(smap, channels)
         await asyncio.sleep(0.5)
         cmd0 = await command_stats(smap)
         red0, srv0, t0 = await redis_cpu_by_role(smap), cpu_s(pid), time.perf_counter()
-        task = asyncio.create_task(publish(sids, rate, phase.seconds))
-        if phase.kind == "resume_storm":
-            half = int(phase.tokens_per_s * phase.seconds * phase.viewers / 2)
+        own0 = time.process_time()  # the readers' process (this one): not a participant
+        task = asyncio.create_task(publish(sids, rate, phase.seconds, plan))
+        if phase.storm:
+            half = int(total * phase.viewers / 2)
             while readers.received() < half and not task.done():
                 await asyncio.sleep(0.01)
             s0 = time.perf_counter()
             await asyncio.gather(*(r.reconnect(resumes) for r in readers.items))
             notes["storm_reconnect_s"] = round(time.perf_counter() - s0, 3)
             notes["storm_readers"] = len(readers.items)
+            notes["storm_recovered"] = sum(int(getattr(r, "recovered", 0)) for r in readers.items)
         pub = await task
         await _wait(readers, int(pub["sent"]) * phase.viewers)
         red1, srv1, wall = await redis_cpu_by_role(smap), cpu_s(pid), time.perf_counter() - t0
+        # how busy the readers were: near 1.0, their one core, not the system, set latency
+        notes["readers_cpu_share"] = round((time.process_time() - own0) / max(wall, 1e-9), 3)
         cmd1 = await command_stats(smap)
     finally:
         await readers.close()
     redis_s = {k: red1[k] - red0[k] for k in red0}
-    backlog = await held_stamps(smap, sids) if held else {}
+    if held:
+        backlog_of = await (backlog(sids) if backlog is not None else held_stamps(smap, sids))
+    else:
+        backlog_of = {}
     lost = dup = extra = 0
     expected = 0
     arrivals: list[tuple[int, int]] = []
@@ -324,9 +364,9 @@ async def measure(
         uniq = set(t.stamps)
         dup += len(t.stamps) - len(uniq)
         if held:
-            lost += len(backlog[sid] - uniq)
-            extra += len(uniq - backlog[sid])
-            expected += len(backlog[sid])
+            lost += len(backlog_of[sid] - uniq)
+            extra += len(uniq - backlog_of[sid])
+            expected += len(backlog_of[sid])
         arrivals.extend(zip(t.stamps, t.arrivals, strict=True))
     if not held:
         expected = int(pub["sent"]) * phase.viewers
@@ -351,6 +391,9 @@ async def measure(
         producer_seconds=round(float(pub["seconds"]), 3),
         handshake_retries=sum(t.retries for t in readers.tallies),
     )  # fmt: skip
+    for k in ("frames", "wait_ms_mean", "wait_ms_max"):  # a coalescing producer's
+        if k in pub:
+            notes[f"coalesce_{k}"] = pub[k]
     return RoundFigures(
         system=system,
         phase=phase.name,

@@ -20,14 +20,17 @@ from typing import Any, Literal, Protocol
 
 __all__ = ["Phase", "PhaseKind", "RoundFigures", "System"]
 
-PhaseKind = Literal["steady", "resume_storm"]
+PhaseKind = Literal["steady", "resume_storm", "llm", "llm_storm"]
 
 
 @dataclass(frozen=True)
 class Phase:
     """One phase: ``sessions`` streams, ``viewers`` readers on each, ``tokens_per_s`` tokens
     published per second across all sessions, for ``seconds``. ``resume_storm``: every
-    reader drops at once mid-phase and reconnects, resuming from its last token."""
+    reader drops at once mid-phase and reconnects, resuming from its last token. ``llm``
+    and ``llm_storm``: the same at LLM rates, each session replying at ``session_rate``
+    tokens/s with gaps between turns (:mod:`bench.peers.llmshape`, drawn per round from
+    its seed; ``tokens_per_s`` is then the expected mean over all sessions)."""
 
     name: str
     sessions: int
@@ -35,6 +38,15 @@ class Phase:
     tokens_per_s: float
     seconds: float
     kind: PhaseKind = "steady"
+    session_rate: float = 0.0
+
+    @property
+    def storm(self) -> bool:
+        return self.kind in ("resume_storm", "llm_storm")
+
+    @property
+    def llm(self) -> bool:
+        return self.kind in ("llm", "llm_storm")
 
 
 @dataclass

@@ -9,6 +9,10 @@ one aiohttp WebSocket per viewer, one text message per delivered message.
   framing done here: the server's open packet (``0{...}``), our namespace connect
   (``40``), its acknowledgement (``40{...}``); then event packets (``42["m",{...}]``), and
   a server ping (``2``) is answered with a pong (``3``).
+- Socket.IO with connection state recovery (``socketio-csr``, the streams adapter's
+  server): the same, keeping the session id of the namespace ack (``pid``) and the offset
+  the server appends to each event; a resume sends ``40{"pid":...,"offset":...}``, and
+  ``recovered`` counts the reconnects whose ack kept the same session.
 
 Both sides carry the send time in the message text as 19 digits and ``;``
 (``bench.relay.harness.STAMP``); a message may carry several (a tokenrelay frame that
@@ -25,6 +29,7 @@ tally, window)``; ... ``tally.received``, ``tally.latencies_ms(warm_s)``;
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import time
 from array import array
@@ -39,7 +44,7 @@ from relay.protocol.auth import issue_token
 
 __all__ = ["Kind", "Tally", "WsClient", "close_clients", "open_clients"]
 
-Kind = Literal["tokenrelay", "socketio"]
+Kind = Literal["tokenrelay", "socketio", "socketio-csr"]
 _OPEN_TIMEOUT_S = 60.0
 _RETRIES = 5
 # the relay's close codes after which a client reconnects with its last offset (and
@@ -47,6 +52,12 @@ _RETRIES = 5
 _RESUME_CODES = frozenset({1012, 4008})
 _OFFSET = re.compile(r'"offset":(\d+)')
 _STAMP = re.compile(STAMP.pattern.decode())  # the same pattern, on str
+# Socket.IO's connection state recovery: the namespace ack's session id (pid), and the
+# offset the server appends to every broadcast event (a Redis stream id with the streams
+# adapter) as the event's last argument
+_SIO_PID = re.compile(r'"pid":"([^"]+)"')
+_SIO_DELAY_S = 1.0  # socket.io-client's reconnectionDelay (randomizationFactor 0.5)
+_SIO_OFFSET = re.compile(r',"(\d+-\d+)"\]$')
 
 
 @dataclass
@@ -103,12 +114,14 @@ class WsClient:
         self.http: aiohttp.ClientSession | None = None
         self.port = 0
         self.last = ""  # the last message with a stamp: its offset is the resume point
+        self.pid = ""  # Socket.IO's session id, for connection state recovery
+        self.recovered = 0  # reconnects the server said it recovered (Socket.IO)
 
     async def open(self, http: aiohttp.ClientSession, port: int) -> None:
         self.task = asyncio.create_task(self._pump(await self._handshake(http, port, None)))
 
     async def _handshake(
-        self, http: aiohttp.ClientSession, port: int, resume_from: int | None
+        self, http: aiohttp.ClientSession, port: int, resume_from: int | str | None
     ) -> aiohttp.ClientWebSocketResponse:
         """Connect; return once the server will send this client its room's messages."""
         if self.kind == "tokenrelay":
@@ -126,10 +139,26 @@ class WsClient:
             else:
                 if not first.startswith("0{"):
                     raise ConnectionError(f"expected an Engine.IO open packet, got {first[:200]!r}")
-                await ws.send_str("40")
+                if isinstance(resume_from, str) and self.pid:  # state recovery asked
+                    await ws.send_str(f'40{{"pid":"{self.pid}","offset":"{resume_from}"}}')
+                else:
+                    await ws.send_str("40")
                 ack = await ws.receive_str()
+                while self.kind == "socketio-csr" and (ack == "2" or ack.startswith("42")):
+                    # a recovered session is back in its rooms before its ack is written:
+                    # a broadcast (which counts) or the server's ping may come first
+                    if ack == "2":
+                        await ws.send_str("3")
+                    elif self.tally.note(ack):
+                        self.last = ack
+                    ack = await ws.receive_str()
                 if not ack.startswith("40"):
                     raise ConnectionError(f"expected a namespace connect ack, got {ack[:200]!r}")
+                pid = _SIO_PID.search(ack)
+                if pid is not None:
+                    if pid.group(1) == self.pid and isinstance(resume_from, str):
+                        self.recovered += 1  # the same session: the server recovered it
+                    self.pid = pid.group(1)
         self.http, self.port = http, port
         return ws
 
@@ -151,7 +180,7 @@ class WsClient:
 
     async def _pump(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         tally = self.tally
-        pong = self.kind == "socketio"
+        pong = self.kind != "tokenrelay"
         try:
             while True:
                 msg = await ws.receive()
@@ -178,16 +207,26 @@ class WsClient:
             tally.errors.append(f"{type(exc).__name__}: {exc}")
 
     async def reconnect(self, resume: bool) -> None:
-        """Drop the connection from this side and open a new one at once: with
-        ``from=<the last offset received>`` when ``resume`` (tokenrelay), else live (what a
-        Socket.IO client without state recovery gets). The resume storm of
-        :mod:`bench.peers.pathcost`."""
+        """Drop the connection from this side and open a new one: with
+        ``from=<the last offset received>`` when ``resume`` (tokenrelay, at once), with its
+        session id and last offset (Socket.IO with state recovery, after the first delay
+        of socket.io-client's reconnection, 0.5-1.5 s: its server keeps the session only
+        once it has seen the disconnect), else live at once (what a Socket.IO client
+        without state recovery gets). The resume storm of :mod:`bench.peers.pathcost`."""
         if self.http is None:
             raise RuntimeError("reconnect before open")
         await self.close()
-        found = _OFFSET.search(self.last) if resume else None
-        offset = int(found.group(1)) if found else (0 if resume else None)
+        offset: int | str | None = None
+        if resume and self.kind == "socketio-csr":
+            sio = _SIO_OFFSET.search(self.last)
+            offset = sio.group(1) if sio else None
+            await asyncio.sleep(_SIO_DELAY_S * random.uniform(0.5, 1.5))
+        elif resume:
+            found = _OFFSET.search(self.last)
+            offset = int(found.group(1)) if found else 0
         ws = await self._handshake(self.http, self.port, offset)
+        if self.kind == "tokenrelay" and offset is not None:
+            self.recovered += 1  # the relay said hello to a resume from the offset
         self.task = asyncio.create_task(self._pump(ws))
 
     async def close(self) -> None:

@@ -1,5 +1,5 @@
 // tokenrelay browser client: watch one session's frames from any relay, with resume.
-// One dependency-free ES module (browsers, Node >= 18, Deno, Bun). See README.md.
+// One dependency-free ES module (browsers, Node >= 20, Deno, Bun). See README.md.
 //
 //   import { watch } from "./tokenrelay.js";
 //   const w = watch("https://chat.example", session, token, {

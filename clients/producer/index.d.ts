@@ -1,6 +1,19 @@
 // Types of @tokenrelay/producer (hand-written; `npm run typecheck` checks them with tsc
 // together with a typed use of the API, test/types.ts).
-import type { Cluster, Redis } from 'ioredis';
+import type { Cluster } from 'ioredis';
+
+/**
+ * What the producer calls on a Redis client you pass in: ioredis's `Cluster` (or `Redis`),
+ * of ioredis 5 or 6. Structural, so a client from your app's own ioredis install (another
+ * major, another copy) type-checks; the scripts are added with `defineCommand`.
+ */
+export interface RedisClient {
+  defineCommand(name: string, definition: { lua: string; numberOfKeys?: number }): void;
+  set(key: string, value: string, px: 'PX', ms: number, nx: 'NX'): Promise<'OK' | null>;
+  get(key: string): Promise<string | null>;
+  quit(): Promise<'OK'>;
+  disconnect(): void;
+}
 
 /** Coalescing: flush at `maxTokens` pending deltas or after `maxDelayMs`, whichever first. */
 export interface CoalescePolicy {
@@ -76,11 +89,12 @@ export function scriptSource(name: string): string;
 export function usageMeta(u: Usage | null | undefined): Record<string, unknown>;
 export function replyIntegrity(text: string, tokens: number): { tokens: number; chars: number; sha256: string };
 
-export class Producer {
-  constructor(redis: Cluster | Redis, opts?: ProducerOptions);
+export class Producer<R extends RedisClient = RedisClient> {
+  constructor(redis: R, opts?: ProducerOptions);
   /** A producer on its own ioredis Cluster client; RedisUnreachable if no node answers. */
-  static connect(url: string | string[], opts?: ProducerOptions): Promise<Producer>;
-  readonly redis: Cluster | Redis;
+  static connect(url: string | string[], opts?: ProducerOptions): Promise<Producer<Cluster>>;
+  /** The client given to the constructor (connect: the package's own ioredis Cluster). */
+  readonly redis: R;
   readonly producerId: string;
   /** The session `sid` (a new random id when omitted); throws InvalidSession. */
   session(sid?: string): Session;

@@ -39,6 +39,7 @@ import msgspec
 from aiohttp import web
 
 from devstack.cluster.form import ClusterError
+from devstack.demo.backend import ENV_FILE, backend_env, write_env_file
 from devstack.demo.frontdoor import FrontDoor, make_frontdoor_app
 from devstack.demo.stack import Stack, StackError, StackSpec
 from relay.broker.rediscluster.connect import mask_url
@@ -316,11 +317,15 @@ async def run_demo(opts: DemoSettings) -> int:
             raise
         try:
             page = f"http://{opts.host}:{site.port}/"
-            print(banner(stack, page, door.control_token, gateway_key, opts), flush=True)
+            env = backend_env(stack.redis_url, opts.secret, page, gateway_key, opts.model)
+            env_file = write_env_file(stack.log_dir, env)
+            print(banner(stack, page, door.control_token, gateway_key, opts, env_file), flush=True)
             await stop.wait()
         finally:
             print("stopping ...", flush=True)
             await runner.cleanup()
+            if stack.log_dir:  # it holds the secret: gone even where the logs stay
+                (Path(stack.log_dir) / ENV_FILE).unlink(missing_ok=True)
     # every process has exited here (Stack's exit): their logs go too, unless asked to stay
     stack.remove_logs()
     if amqp is not None:
@@ -331,9 +336,10 @@ async def run_demo(opts: DemoSettings) -> int:
 
 
 def banner(stack: Stack, page: str, control_token: str, gateway_key: str,
-           opts: DemoSettings) -> str:  # fmt: skip
+           opts: DemoSettings, env_file: Path | None = None) -> str:  # fmt: skip
     """What the terminal shows once the stack runs: the processes, where their logs are,
-    the page's address, the control link and the OpenAI snippet (this run's key)."""
+    the page's address, the control link, the OpenAI snippet (this run's key) and the
+    Redis URL with the file that gives a backend of one's own the run's settings."""
     rows = [(p.name, f"pid {p.pid}", p.url if p.port else "(no HTTP: reads the job queue)")
             for p in stack.procs.values()]  # fmt: skip
     rows.append(("redis", "", stack.redis_url))
@@ -355,6 +361,14 @@ def banner(stack: Stack, page: str, control_token: str, gateway_key: str,
         lines += ["", head, *("    " + line for line in snippet)]
     else:
         lines += ["", "OpenAI gateway: off (--no-gateway)"]
+    if env_file is not None:
+        lines += [
+            "",
+            f"Redis Cluster: {stack.redis_url}",
+            'your own backend (README.md, "Stream from your own backend"): this run\'s Redis',
+            "URL, token secret and gateway key as environment variables, for your shell:",
+            f"    set -a; . {env_file}; set +a",
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -3,7 +3,8 @@ per session, a fan-out, a resume storm) for every system it has, on the suite's 
 It checks the JSON's shape, that each participant's share of a system's CPU per token adds
 up to the whole, that tokenrelay lost and duplicated nothing against its backlog in Redis
 (the storm included), and that an absent peer is named; it checks no speed. Socket.IO is
-left out (named missing) where node/npm cannot install it.
+left out (named missing) where node/npm cannot install it, Centrifugo where Go cannot
+build it (the first run on a machine builds it: minutes).
 """
 
 from __future__ import annotations
@@ -27,16 +28,23 @@ TINY = Config(
     fan_rate=100,
     storm_sessions=20,
     storm_rate=200,
+    llm_rates=(60,),
+    llm_sessions=30,
+    llm_fan_sessions=30,
+    llm_fan_viewers=2,
     seconds=2.0,
     warm_s=0.5,
     repeats=1,
+    # the LLM-rate peers have their own test below (Centrifugo needs a Go build)
+    systems=("tokenrelay", "socketio", "resumable-stream", "tokenrelay-sse", "bare"),
 )
 
 
 @pytest.mark.timeout(420)
 async def test_tiny_run_adds_up_and_tokenrelay_loses_nothing(cluster: ClusterInfo) -> None:
     res = json.loads(json.dumps(await run(TINY, cluster.url)))  # what --json writes
-    assert set(res["phases"]) == {"20x1_200", "5x3_100", "storm_20x1_200"}
+    assert set(res["phases"]) == {"20x1_200", "5x3_100", "storm_20x1_200", "llm60_30x1",
+                                  "llm60_30x2", "llm60_storm_30x1"}  # fmt: skip
     present = set(res["guarantees"])
     assert {"tokenrelay", "tokenrelay-sse", "bare"} <= present
     assert present | set(res["missing"]) == set(TINY.systems)
@@ -84,6 +92,49 @@ def test_phases_picks_the_named_ones_and_refuses_an_unknown_one() -> None:
     add_arguments(ap)
     cfg = config_from_args(ap.parse_args(["--phases", "storm_1000x1_2000,1000x1_5000"]))
     assert [p.name for p in phases(cfg)] == ["1000x1_5000", "storm_1000x1_2000"]
-    assert len(phases(Config())) == 5
+    assert len(phases(Config())) == 10
     with pytest.raises(SystemExit, match="unknown phase 'storm'"):
         config_from_args(ap.parse_args(["--phases", "storm"]))
+
+
+LLM_PEERS = Config(
+    llm_rates=(60,),
+    llm_sessions=30,
+    llm_fan_sessions=30,
+    llm_fan_viewers=2,
+    seconds=2.0,
+    warm_s=0.5,
+    repeats=1,
+    systems=("tokenrelay", "centrifugo", "socketio-streams"),
+    only=("llm60_30x1", "llm60_storm_30x1"),
+)
+
+
+@pytest.mark.timeout(300)
+async def test_llm_phases_beside_the_peers_that_keep_what_they_send(cluster: ClusterInfo) -> None:
+    """Centrifugo (when built here: this test builds nothing) and Socket.IO with the
+    streams adapter (when npm can install it) in the LLM-rate phases: their Redis work is
+    what their guarantees say (Centrifugo's history in Redis streams, the streams
+    adapter's XADD), tokenrelay loses nothing in the storm, and Centrifugo's screens lose
+    nothing against its history."""
+    from bench.peers.centrifugo import ensure_centrifugo
+    from bench.peers.node import node_missing
+
+    if isinstance(built := ensure_centrifugo(build=False), str):
+        pytest.skip(f"Centrifugo: {built}")
+    if (why := node_missing("the Socket.IO side")) is not None:
+        pytest.skip(why)
+    res = json.loads(json.dumps(await run(LLM_PEERS, cluster.url)))
+    assert not res["missing"], res["missing"]
+    assert not res["failed_rounds"], res["failed_rounds"]
+    steady, storm = res["results"]["llm60_30x1"], res["results"]["llm60_storm_30x1"]
+    for by_sys in (steady, storm):
+        assert set(by_sys) == {"tokenrelay", "centrifugo", "socketio-streams"}
+        assert by_sys["tokenrelay"]["lost"] == 0
+        assert by_sys["tokenrelay"]["duplicated"] == 0
+        cmds = {c["command"] for c in by_sys["centrifugo"]["redis_commands"]}
+        assert cmds & {"xadd", "evalsha", "fcall"}, cmds  # its history is in Redis
+        assert "xadd" in {c["command"] for c in by_sys["socketio-streams"]["redis_commands"]}
+    assert steady["centrifugo"]["lost"] == 0  # against its own history in Redis
+    assert storm["tokenrelay"]["rounds"][0]["notes"]["storm_recovered"] == 30
+    assert "| llm60_storm_30x1 | centrifugo |" in report(res)

@@ -64,6 +64,7 @@ async def test_make_demo_serves_one_url_streams_a_turn_and_stops_everything(
     pids: list[int] = []
     redis_url = ""
     queue: re.Match[bytes] | None = None
+    env_file = Path()
     try:
         await proc.ready(log_line(f"open {base}/"), timeout_s=120, every_s=0.2)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
@@ -119,6 +120,17 @@ async def test_make_demo_serves_one_url_streams_a_turn_and_stops_everything(
             assert sid not in json.dumps(view)
             pids = [p["pid"] for p in view["processes"]]
             redis_url = view["redis"]
+            # your own backend's settings: a file the terminal names, its owner's only
+            sourced = re.search(r"^    set -a; \. (\S+); set \+a$", out_path.read_text(), re.M)
+            assert sourced is not None, out_path.read_text()[-3000:]
+            env_file = Path(sourced.group(1))
+            assert env_file.stat().st_mode & 0o077 == 0
+            settings = dict(ln.split("=", 1) for ln in env_file.read_text().splitlines())
+            assert settings["TOKENRELAY_REDIS_URL"] == redis_url
+            assert settings["TOKENRELAY_BASE"] == base
+            assert settings["OPENAI_BASE_URL"] == base + "/v1"
+            assert settings["OPENAI_MODEL"] == "mock"
+            assert len(settings["TOKENRELAY_SECRET"]) >= 32
             kinds_running = sorted({p["kind"] for p in view["processes"] if p["alive"]})
             jobs_on = b"offline jobs: on" in out_path.read_bytes()  # a RabbitMQ answered
             assert jobs_on == bool(jobs), out_path.read_text()[-3000:]
@@ -186,6 +198,7 @@ async def test_make_demo_serves_one_url_streams_a_turn_and_stops_everything(
         proc.send(signal.SIGINT)
         assert await proc.wait(60) == 0, out_path.read_text()[-3000:]
         assert b"stopped: every process this demo started has exited" in out_path.read_bytes()
+        assert not env_file.exists()  # it holds the secret
         deadline = time.monotonic() + 5
         while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)

@@ -8,6 +8,7 @@ Skips with the reason where Node is missing (or older than 18: no ``node --test`
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -63,6 +64,40 @@ async def test_io_shell_against_a_live_stack(base: str) -> None:
     assert ran.code == 0, out[-5000:]
     assert "# fail 0" in out
     assert "# skipped 0" in out
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_websocket_mode_on_this_node_as_the_readme_states(base: str) -> None:
+    """clients/js/README.md: Node >= 20; WebSocket mode uses the global WebSocket of Node
+    >= 22, and on Node 20 needs one passed in (``options.WebSocket``). Checked on the Node
+    of this machine: whether it has the global, the clear error without one, and a turn
+    over WebSocket with the one passed in (on Node 20: the runtime's own, behind
+    ``--experimental-websocket``)."""
+    major = await _node_major()
+    if major == 0:
+        pytest.skip("node is not installed (apt-get install nodejs)")
+    assert major >= 20, f"clients/js/README.md states Node >= 20; this is {major}"
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "TOKENRELAY_BASE": base}
+    probe = await run_cli([NODE or "node", "-e", "console.log(typeof WebSocket)"], env=env,
+                          timeout_s=60)  # fmt: skip
+    assert probe.out.strip() == ("function" if major >= 22 else "undefined"), probe.out
+    flags = [] if major >= 22 else ["--experimental-websocket"]
+    ran = await run_cli([NODE or "node", *flags, "--test", "test/ws.test.js"], cwd=CLIENT,
+                        timeout_s=120, merge=True, env=env)  # fmt: skip
+    assert ran.code == 0, ran.out[-5000:]
+    assert "# pass 2" in ran.out, ran.out[-3000:]
+    assert "# fail 0" in ran.out
+
+
+def test_the_stated_node_versions_are_the_package_s() -> None:
+    readme = (CLIENT / "README.md").read_text()
+    engines = json.loads((CLIENT / "package.json").read_text())["engines"]["node"]
+    assert engines == ">=20"
+    assert "Node >= 20" in readme
+    assert "Node >= 18" not in readme
+    assert "on Node 20 pass one in" in " ".join(readme.split())
 
 
 def test_demo_page_serves_the_client_itself() -> None:

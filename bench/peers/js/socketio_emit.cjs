@@ -4,7 +4,13 @@
 // bench/peers/socketio.py with NODE_PATH pointing at its npm cache.
 //
 //   node socketio_emit.cjs <spec.json>
-//   spec: {"seed": "host:port", "rooms": [...], "rate": <msgs/s per room>, "seconds": <s>}
+//   spec: {"seed": "host:port", "rooms": [...], "rate": <msgs/s per room>, "seconds": <s>,
+//          "adapter": "sharded" | "streams", "ticks": [[room index, ...], ...] (optional)}
+//
+// With "streams" the broadcast is the streams adapter's XADD to its one stream (what the
+// server of that mode reads); with "ticks" (the LLM-rate phases' schedule,
+// bench/peers/llmshape.py) tick t sends one message per entry of ticks[t] (a reply's
+// first token written -(index + 1)) instead of the even pacing below.
 //
 // Pacing: a 10 ms tick; at tick t the rooms i with i % groups == t % groups get one
 // message, groups = round(1 / (rate * 0.01)), the schedule of the tokenrelay side's
@@ -40,25 +46,46 @@ async function main() {
       (e) => { pending -= 1; failed += 1; throw e; },
     );
   };
-  const io = new Server({ adapter: createShardedAdapter(pub, sub, { subscriptionMode: "dynamic" }) });
+  let adapter;
+  if (spec.adapter === "streams") {
+    const xAdd = pub.xAdd.bind(pub); // the streams adapter publishes with XADD
+    pub.xAdd = (...args) => {
+      pending += 1;
+      return xAdd(...args).then(
+        (n) => { pending -= 1; acked += 1; return n; },
+        (e) => { pending -= 1; failed += 1; throw e; },
+      );
+    };
+    const { createAdapter } = require("@socket.io/redis-streams-adapter");
+    adapter = createAdapter(pub, { useShardedPubSub: true });
+  } else {
+    adapter = createShardedAdapter(pub, sub, { subscriptionMode: "dynamic" });
+  }
+  const io = new Server({ adapter });
 
   const rooms = spec.rooms;
   const tick = 10;
   const perTick = spec.rate * (tick / 1000);
   const groups = perTick < 1 ? Math.max(1, Math.round(1 / perTick)) : 1;
-  const nTicks = Math.floor((spec.seconds * 1000) / tick);
+  const plan = spec.ticks || null;
+  const nTicks = plan ? plan.length : Math.floor((spec.seconds * 1000) / tick);
   const offsets = new Array(rooms.length).fill(0);
   let sent = 0;
+  const send = (i) => {
+    offsets[i] += 1;
+    io.to(rooms[i]).emit("m", {
+      v: 1, session: rooms[i], turn: 1, offset: offsets[i], kind: "token",
+      text: `${process.hrtime.bigint().toString().padStart(19, "0")};`, epoch: 1, ts: Date.now(),
+    });
+    sent += 1;
+  };
   const cpu0 = process.cpuUsage(); // the pacing's own CPU, without start-up
   const t0 = performance.now();
   for (let t = 0; t < nTicks; t++) {
-    for (let i = t % groups; i < rooms.length; i += groups) {
-      offsets[i] += 1;
-      io.to(rooms[i]).emit("m", {
-        v: 1, session: rooms[i], turn: 1, offset: offsets[i], kind: "token",
-        text: `${process.hrtime.bigint().toString().padStart(19, "0")};`, epoch: 1, ts: Date.now(),
-      });
-      sent += 1;
+    if (plan) {
+      for (const e of plan[t]) send(e >= 0 ? e : -e - 1);
+    } else {
+      for (let i = t % groups; i < rooms.length; i += groups) send(i);
     }
     const delay = t0 + (t + 1) * tick - performance.now();
     if (delay > 0) await sleep(delay);

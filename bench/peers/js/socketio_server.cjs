@@ -1,8 +1,13 @@
-// The peer under test: one Socket.IO 4.8 server process with @socket.io/redis-adapter's
-// sharded adapter (SSUBSCRIBE per room, "dynamic" subscription mode) on a Redis Cluster.
-// Started by bench/peers/socketio.py with NODE_PATH pointing at its npm cache.
+// The peer under test: one Socket.IO 4.8 server process on a Redis Cluster, with either
+// - "sharded" (the default): @socket.io/redis-adapter's sharded adapter (SSUBSCRIBE per
+//   room, "dynamic" subscription mode), no state recovery: at most once;
+// - "streams": @socket.io/redis-streams-adapter (every broadcast an XADD to one stream,
+//   read by every server with XREAD) and connection state recovery on: a client that
+//   comes back within maxDisconnectionDuration with its pid and last offset gets what it
+//   missed (XRANGE from that offset), its rooms restored.
+// Started by bench/peers/node.py with NODE_PATH pointing at its npm cache.
 //
-//   node socketio_server.cjs <port> <host:port of a cluster node>
+//   node socketio_server.cjs <port> <host:port of a cluster node> [sharded|streams]
 //
 // A client connects with the WebSocket transport and `?room=<session id>`; the
 // server puts it in that room and sends it whatever is broadcast there. It prints
@@ -14,8 +19,16 @@ const { Server } = require("socket.io");
 const { createShardedAdapter } = require("@socket.io/redis-adapter");
 const { createCluster } = require("redis");
 
+function streamsAdapter(pub) {
+  // the Socket.IO setup that keeps what it sends: its docs' options for connection state
+  // recovery, the adapter's defaults (one stream, MAXLEN ~10000) but its own heartbeats
+  // over sharded Pub/Sub, as the sharded adapter publishes on a cluster
+  const { createAdapter } = require("@socket.io/redis-streams-adapter");
+  return createAdapter(pub, { useShardedPubSub: true });
+}
+
 async function main() {
-  const [port, seed] = process.argv.slice(2);
+  const [port, seed, mode = "sharded"] = process.argv.slice(2);
   if (!port || !seed) {
     console.error("usage: socketio_server.cjs <port> <host:port>");
     process.exit(2);
@@ -26,10 +39,16 @@ async function main() {
   await Promise.all([pub.connect(), sub.connect()]);
 
   const httpServer = http.createServer();
+  const streams = mode === "streams";
   const io = new Server(httpServer, {
     transports: ["websocket"],
     serveClient: false,
-    adapter: createShardedAdapter(pub, sub, { subscriptionMode: "dynamic" }),
+    adapter: streams
+      ? streamsAdapter(pub)
+      : createShardedAdapter(pub, sub, { subscriptionMode: "dynamic" }),
+    ...(streams
+      ? { connectionStateRecovery: { maxDisconnectionDuration: 2 * 60 * 1000, skipMiddlewares: true } }
+      : {}),
   });
   io.on("connection", (socket) => {
     const room = socket.handshake.query.room;

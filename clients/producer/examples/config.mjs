@@ -1,7 +1,8 @@
 // Where the examples find the stack: `make demo`'s front door (TOKENRELAY_BASE,
 // default http://127.0.0.1:8080), its Redis Cluster (TOKENRELAY_REDIS_URL, else the one
 // the demo reports at /api/stack) and the token secret its relays verify
-// (TOKENRELAY_SECRET: export it before `make demo`, which then uses it).
+// (TOKENRELAY_SECRET: export it before `make demo`, which then uses it). Simplest: the
+// line `make demo` prints, `set -a; . /tmp/.../backend.env; set +a`, sets all three.
 export const BASE = (process.env.TOKENRELAY_BASE ?? 'http://127.0.0.1:8080').replace(/\/$/, '');
 export const SECRET = process.env.TOKENRELAY_SECRET;
 

@@ -5,6 +5,7 @@ import assert from 'node:assert/strict';
 import { randomBytes } from 'node:crypto';
 import { test } from 'node:test';
 import { streamText } from 'ai';
+import IORedis6 from 'ioredis6';
 import {
   InvalidSession, Producer, RedisUnreachable, StopReason, TurnClosed, pipe, pipeText, pipeUIMessageStream,
 } from '../src/index.js';
@@ -157,4 +158,23 @@ test('bad input and a dead Redis: one error type per cause', { skip }, async () 
   const t0 = Date.now();
   await assert.rejects(turn.done(), RedisUnreachable);
   assert.ok(Date.now() - t0 >= 250);
+});
+
+test("an app's own client of ioredis 6 (the package's dependency is 5): a whole turn", { skip }, async () => {
+  const { hostname, port } = new globalThis.URL(URL.split(',')[0]);
+  const cluster = new IORedis6.Cluster([{ host: hostname, port: Number(port) }]);
+  const p = new Producer(cluster, { secret: randomBytes(32).toString('hex') });
+  try {
+    const s = p.session(sid());
+    const turn = await s.startTurn('hi', { watch: false });
+    const result = streamText({ model: mockModel('six majors later'), prompt: 'hi' });
+    const at = await pipe(turn, result);
+    const fs = await frames(p, s.id);
+    assert.equal(fs.at(-1).offset, at);
+    assert.equal(reply(fs), 'six majors later');
+    assert.equal(fs.at(-1).kind, 'done');
+    assert.ok(s.token().split('.').length === 3);
+  } finally {
+    await cluster.quit();
+  }
 });

@@ -21,3 +21,13 @@ export function code(err: unknown): string {
   if (err instanceof InvalidSession) return err.code;
   return err instanceof ProducerError ? err.code : 'internal';
 }
+
+// An app's own client, of ioredis 5 or 6 (the producer calls only what both have).
+import { Cluster as Cluster6, Redis as Redis6 } from 'ioredis6';
+export function ownClients(secret: string): string[] {
+  const cluster = new Producer(new Cluster6([{ host: '127.0.0.1', port: 7000 }]), { secret });
+  const single = new Producer(new Redis6(), { secret });
+  return [cluster.session().id, single.producerId];
+}
+// @ts-expect-error: not a Redis client
+export const notAClient = new Producer({ get: 1 });

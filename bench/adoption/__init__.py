@@ -1,0 +1,1 @@
+"""What a newcomer and an adopter meet first: the first make demo on a fresh clone."""
