@@ -126,6 +126,11 @@ CATALOG: tuple[Benchmark, ...] = (
         "idle and trickling connections from one address against a relay while viewers stream",
     ),
     Benchmark(
+        "slow_readers",
+        "bench.hostile.slow_readers",
+        "Durable Streams catch-up readers that never read, against a relay's memory",
+    ),
+    Benchmark(
         "durable_hostile",
         "bench.hostile.durable",
         "hostile: the Durable Streams attack batch against a relay; its longest /healthz stall",

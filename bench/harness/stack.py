@@ -41,7 +41,8 @@ T = TypeVar("T")
 HOST = "127.0.0.1"
 # every client of a benchmark is 127.0.0.1: the per-address limits would refuse it
 RELAY_OPEN = ("--insecure-no-auth", "--log-level", "WARNING", "--max-streams-per-address", "0",
-              "--max-connections-per-address", "0")  # fmt: skip
+              "--max-connections-per-address", "0", "--durable-address-bytes", "0",
+              "--durable-token-bytes", "0")  # fmt: skip
 WORKER_OPEN = ("--insecure-no-auth", "--engine-cap", "10000", "--session-rate", "0",
                "--turns-per-minute", "0", "--max-sessions-per-address", "0",
                "--max-connections-per-address", "0")  # fmt: skip

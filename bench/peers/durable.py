@@ -336,7 +336,9 @@ async def _sides(
         if cfg.profile:
             Path(cfg.profile).mkdir(parents=True, exist_ok=True)
         for i in range(max(int(n.rsplit("-", 1)[1]) for n in tokenrelay)):
-            flags = ("--durable-open-prefix", "/" + PREFIX)
+            # a capacity bench, every client 127.0.0.1, a catch-up stream of 32 MB: no byte bounds
+            flags = ("--durable-open-prefix", "/" + PREFIX, "--durable-max-stream-bytes", "0",
+                     "--durable-token-bytes", "0", "--durable-address-bytes", "0")  # fmt: skip
             prof = Path(cfg.profile) / f"relay-{i}.prof" if cfg.profile else None
             launch = relay_process(url, tmp, f"durable-bench-{i}", need, flags, prof)
             relays.append(await stack.enter_async_context(launch))

@@ -20,6 +20,7 @@ from relay.broker.port import (
     StreamView,
     StreamWrite,
     StreamWriteResult,
+    charge,
 )
 
 __all__ = ["MemoryStreams"]
@@ -41,6 +42,7 @@ class _Stream:
     building: str = ""  # a built create's id while it copies (read as absent)
     sseq: str = ""
     closer: str = ""
+    held: int = 0  # bytes charged (charge()) since its creation
     log: list[bytes] = field(default_factory=list)
     prods: dict[str, tuple[int, int]] = field(default_factory=dict)
     forks: set[str] = field(default_factory=set)
@@ -56,6 +58,7 @@ class MemoryStreams:
         self._clock = clock
         self._by_meta: dict[str, _Stream] = {}  # the streams, by their meta key
         self._tapped: set[str] = set()
+        self._windows: dict[str, dict[int, int]] = {}  # take_bytes: key -> step -> bytes
 
     # ---- the tap (live readers' wake-ups) --------------------------------------------------
 
@@ -92,10 +95,14 @@ class MemoryStreams:
                messages: Sequence[bytes]) -> StreamWriteResult:  # fmt: skip
         if s is not None and s.building != w.build:
             return StreamWriteResult(409, 0, False, 0, 0)
+        held, size = (0 if s is None else s.held), charge(messages)
+        if w.max_bytes > 0 and messages and held + size > w.max_bytes:
+            return StreamWriteResult(413, 0 if s is None else len(s.log), False, held, w.max_bytes)
         if s is None:
             s = _Stream(w.media_type, "", "", "", "", "", w.build, building=w.build)
             self._by_meta[ref.meta] = s
         s.log.extend(messages)
+        s.held += size if messages else 0
         s.expires = self._clock() + BUILD_S
         return StreamWriteResult(202, len(s.log), False, 0, 0)
 
@@ -116,12 +123,17 @@ class MemoryStreams:
                         and s.closed == w.close and not s.deleted and s.fork == w.fork
                         and not s.building)  # fmt: skip
                 return StreamWriteResult(200 if same else 409, len(s.log), s.closed, 0, 0)
+            held = s.held if s is not None else 0  # a build's copied bytes
+            size = charge(messages)
+            if w.max_bytes > 0 and messages and held + size > w.max_bytes:
+                return StreamWriteResult(413, 0, False, held, w.max_bytes)
             eams = "" if w.expires_at is None else str(w.expires_at[1])
             log = s.log if s is not None else []
             s = _Stream(w.media_type, w.content_type, ttl, ea, eams, w.fork,
                         w.build or secrets.token_hex(6), closed=w.close, log=log)  # fmt: skip
             self._by_meta[ref.meta] = s
             s.log.extend(messages)
+            s.held = held + (size if messages else 0)
             self._expire(s, persist=built)
             if s.log or w.close:
                 self._wake(ref.channel, str(len(s.log)).encode())
@@ -156,6 +168,9 @@ class MemoryStreams:
                     return StreamWriteResult(409, n, False, sq + 1, seq)
             elif seq != 0:
                 return StreamWriteResult(409, n, False, 0, seq)
+        size = charge(messages)
+        if w.max_bytes > 0 and messages and s.held + size > w.max_bytes:
+            return StreamWriteResult(413, n, False, s.held, w.max_bytes)
         if w.stream_seq:
             if s.sseq and w.stream_seq <= s.sseq:
                 return StreamWriteResult(409, n, False, 0, 0)
@@ -163,6 +178,7 @@ class MemoryStreams:
         if pid:
             s.prods[pid] = (epoch, seq)
         s.log.extend(messages)
+        s.held += size if messages else 0
         n = len(s.log)
         if w.close:
             s.closed = True
@@ -214,6 +230,25 @@ class MemoryStreams:
             return 204, ""
         del self._by_meta[ref.meta]
         return 204, self._source_of(s)
+
+    async def take_bytes(self, key: str, n: int, limit: int, window_ms: int) -> int:
+        now = round(self._clock() * 1000)
+        step = max(window_ms // 60, 1000)
+        first = (now - window_ms) // step + 1
+        live = {b: v for b, v in self._windows.get(key, {}).items() if b >= first}
+        self._windows[key] = live
+        used = sum(live.values())
+        if n > 0 and used + n > limit:
+            if n > limit:
+                return -1
+            over = used + n - limit
+            for b in sorted(live):
+                over -= live[b]
+                if over <= 0:
+                    return max(b * step + window_ms - now, 1000)
+            return window_ms
+        live[now // step] = live.get(now // step, 0) + n
+        return 0
 
     async def stream_forks(self, ref: StreamRef, limit: int) -> list[str]:
         s = self._get(ref)

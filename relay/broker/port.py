@@ -47,6 +47,7 @@ import msgspec
 from relay.broker.base import Broker
 from relay.broker.errors import FrameTooLarge
 from relay.broker.streams import (
+    MESSAGE_OVERHEAD,
     SoftDeleted,
     StreamRef,
     StreamsBroker,
@@ -54,11 +55,13 @@ from relay.broker.streams import (
     StreamView,
     StreamWrite,
     StreamWriteResult,
+    charge,
 )
 from relay.protocol.frame import MAX_FRAME_BYTES, Frame, Kind, encode
 from relay.service.supervise import Supervisor
 
 __all__ = [
+    "MESSAGE_OVERHEAD",
     "Draft",
     "EdgeStore",
     "HistoryStore",
@@ -79,6 +82,7 @@ __all__ = [
     "StreamsBroker",
     "TurnStore",
     "TurnWriter",
+    "charge",
     "encode_drafts",
     "lock_value",
     "parse_lock",

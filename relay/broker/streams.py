@@ -12,6 +12,7 @@ from typing import Literal, Protocol, Self, runtime_checkable
 from relay.broker.base import Broker
 
 __all__ = [
+    "MESSAGE_OVERHEAD",
     "SoftDeleted",
     "StreamRef",
     "StreamStore",
@@ -19,7 +20,18 @@ __all__ = [
     "StreamWrite",
     "StreamWriteResult",
     "StreamsBroker",
+    "charge",
 ]
+
+# What a stored message is charged beyond its bytes (a stream's byte bound, the byte
+# budgets of relay.service.budget): about what the store spends per list element, so
+# that a million 1-byte messages are not counted as 1 MB. lua/write.lua says it too.
+MESSAGE_OVERHEAD = 16
+
+
+def charge(messages: Sequence[bytes]) -> int:
+    """The bytes ``messages`` are charged: their length + :data:`MESSAGE_OVERHEAD` each."""
+    return sum(len(m) for m in messages) + MESSAGE_OVERHEAD * len(messages)
 
 
 class SoftDeleted(Exception):
@@ -66,15 +78,16 @@ class StreamWrite:
     has_body: bool = False
     fork: str = ""  # a fork's identity: "source\noffset\nsub-offset"
     build: str = ""  # a built create's id (its steps and its commit; its incarnation)
+    max_bytes: int = 0  # the most the stream may hold (charge()); past it 413; 0: no bound
 
 
 @dataclass(frozen=True)
 class StreamWriteResult:
-    code: int  # the HTTP status
+    code: int  # the HTTP status (413: the write would pass the stream's max_bytes)
     next: int
     closed: bool
-    a: int  # producer epoch (200/204/403) or expected seq (409 gap)
-    b: int  # producer seq (200/204) or received seq (409 gap)
+    a: int  # producer epoch (200/204/403), expected seq (409 gap) or bytes held (413)
+    b: int  # producer seq (200/204), received seq (409 gap) or the bound (413)
 
 
 @dataclass(frozen=True)
@@ -112,7 +125,10 @@ class StreamStore(Protocol):
         live readers are woken (the stream's channel). A ``build`` step answers 202 (409
         when the stream exists or another build holds it) and leaves a stream that reads
         as absent for a few seconds past its last step; its commit (``put`` with its id)
-        answers 201, or 412 when the build is not there (expired)."""
+        answers 201, or 412 when the build is not there (expired). A write (a build step
+        or its commit included) that would make the stream hold more than ``w.max_bytes``
+        (> 0) bytes, counted by :func:`charge` (its messages since its creation), is 413
+        and stores nothing."""
         ...
 
     async def stream_read(
@@ -138,6 +154,13 @@ class StreamStore(Protocol):
         """Take (``take``: "1" when taken, "" when the source is gone or soft-deleted) or
         release a fork's reference on ``source`` (the source's own source path when this
         release removed a soft-deleted source, else "")."""
+        ...
+
+    async def take_bytes(self, key: str, n: int, limit: int, window_ms: int) -> int:
+        """Count ``n`` bytes in ``key``'s sliding window of ``window_ms`` (by the store's
+        clock, in steps of a sixtieth of it) unless that passes ``limit``: 0 when counted,
+        -1 when ``n`` alone passes it, else the milliseconds until enough leaves the window
+        (at least 1000). ``n`` < 0 gives back bytes counted earlier (never refused)."""
         ...
 
 

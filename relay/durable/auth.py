@@ -4,8 +4,9 @@ session's token never opens a stream, nor a stream's a session: the namespace ru
 :mod:`relay.protocol.auth`) and
 to ``watch`` (read) or ``write``, signed with the relays' keys like a session's; or no
 token under ``--durable-open-prefix`` (a prefix of ``/<path>``; ``/``: all). A chat
-session read as a stream takes the session's own watch token. Live reads count against
-``--max-streams-per-token`` and ``--max-streams-per-address`` (429 past either).
+session read as a stream takes the session's own watch token. Reads (catch-up, long-poll
+and SSE) count against ``--max-streams-per-token`` and ``--max-streams-per-address`` while
+they last (429 past either).
 
 Order of use::
 
@@ -43,6 +44,7 @@ class Grant:
     token: int | None  # the token's count key; None: an open path
     address: str
     public: bool  # no token: responses may be cached publicly
+    identity: str | None = None  # the token's identity as text (its byte budget's key)
 
 
 def token_subject(path: str) -> str:
@@ -81,19 +83,21 @@ class Gate:
                                     max_lifetime_s=self.max_lifetime_s, header=header)  # fmt: skip
         except AuthError as exc:
             raise Refused(exc.status, f"{exc.error}: {exc}", challenge(exc)) from None
-        return Grant(token_key(claims), address, False)
+        return Grant(token_key(claims), address, False, repr(claims.identity))
 
     @contextlib.contextmanager
     def live(self, grant: Grant) -> Iterator[None]:
-        """Count one live read (long-poll or SSE) of ``grant`` while it lasts."""
+        """Count one read (catch-up, long-poll or SSE) of ``grant`` while it lasts."""
         if (
             grant.token is not None
             and self.per_token
             and self._tokens[grant.token] >= self.per_token
         ):
-            raise Refused(429, "too many live reads with this token (--max-streams-per-token)")
+            raise Refused(429, "too many reads at once with this token (--max-streams-per-token)")
         if self.per_address and self._addresses[grant.address] >= self.per_address:
-            raise Refused(429, "too many live reads from this address (--max-streams-per-address)")
+            raise Refused(
+                429, "too many reads at once from this address (--max-streams-per-address)"
+            )
         if grant.token is not None:
             self._tokens[grant.token] += 1
         self._addresses[grant.address] += 1

@@ -19,14 +19,14 @@ the copy fails the fork (409); a copy left half-way (the relay died) expires wit
 seconds and was never visible.
 
 Order of use: ``p = await plan(streams, request_write, headers, own)``, then
-``result = await create(streams, ref, p)`` and, on 201, ``store.fork_ref``.
+``result = await create(streams, ref, p, write)`` and, on 201, ``store.fork_ref``.
 """
 
 from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Final
 
@@ -35,8 +35,8 @@ from relay.durable import core, store
 from relay.durable.auth import Refused
 from relay.durable.core import BadRequest
 
-__all__ = ["MAX_FORK_MESSAGES", "PAGE_BYTES", "PAGE_MESSAGES", "Plan", "create", "plan",
-           "source_path"]  # fmt: skip
+__all__ = ["MAX_FORK_MESSAGES", "PAGE_BYTES", "PAGE_MESSAGES", "Plan", "Writer", "create",
+           "plan", "source_path"]  # fmt: skip
 
 ROOT: Final = "/v1/stream/"
 _DECIMAL: Final = re.compile(r"0|[1-9][0-9]*")
@@ -141,21 +141,30 @@ async def _page(streams: StreamStore, p: Plan, at: int) -> list[bytes]:
     return view.messages
 
 
-async def create(streams: StreamStore, ref: store.StreamRef, p: Plan) -> store.WriteResult:
+Writer = Callable[[store.Write, list[bytes]], Awaitable[store.WriteResult]]
+
+
+async def create(
+    streams: StreamStore, ref: store.StreamRef, p: Plan, write: Writer
+) -> store.WriteResult:
     """Copy the source's messages and create the fork: one call when they fit one page,
-    else ``build`` steps of a page each and the commit (see the module docstring)."""
+    else ``build`` steps of a page each and the commit (see the module docstring). Every
+    call is ``write(w, messages)`` on ``ref`` (the relay's: :func:`relay.durable.quota.write`,
+    so the copy counts against the byte bounds as any write does; 413 stops it)."""
     page = await _page(streams, p, 0)
     if len(page) >= p.upto:
-        return await store.write(streams, ref, p.write, page + p.tail)
+        return await write(p.write, page + p.tail)
     step = replace(p.write, op="build", build=secrets.token_hex(8))
     copied = 0
     while page:
-        r = await store.write(streams, ref, step, page)
+        r = await write(step, page)
+        if r.code == 413:  # past the stream's byte bound: the build expires unseen
+            return r
         if r.code != 202:  # the path exists (or another create holds it): the PUT's answer
-            return await store.write(streams, ref, p.write, p.tail)
+            return await write(p.write, p.tail)
         copied += len(page)
         page = await _page(streams, p, copied)
-    r = await store.write(streams, ref, replace(p.write, build=step.build), p.tail)
+    r = await write(replace(p.write, build=step.build), p.tail)
     if r.code == 412:  # the build expired between two steps: nothing is visible
         raise Refused(503, "the fork's copy did not finish in time: try again", _RETRY)
     return r

@@ -21,14 +21,15 @@ from aiohttp import web
 
 from relay.broker.errors import RedisUnavailable, RelayError, SessionDeleted
 from relay.broker.port import StreamsBroker, StreamStore
-from relay.durable import bodies, core, fork, reads, store
-from relay.durable.auth import Gate, Refused, token_subject
+from relay.durable import bodies, core, fork, quota, reads, store
+from relay.durable.auth import Gate, Grant, Refused, token_subject
 from relay.durable.core import BadRequest, format_offset
 from relay.durable.live import Waker
 from relay.durable.sessions import SessionSource
 from relay.edge.fanout.presence import viewing
 from relay.protocol.auth import Scope
 from relay.protocol.keys import InvalidSessionId, parse_session
+from relay.service.budget import ByteBudgets
 from relay.service.errors import text_refusal
 from relay.service.httpbody import read_body
 from relay.service.jsonbody import BodyRefused
@@ -77,6 +78,9 @@ class Durable:
             per_token=cfg.max_streams_per_token, per_address=cfg.max_streams_per_address,
         )  # fmt: skip
         self.waker = Waker(self)
+        self.quota = quota.Quota(cfg.durable_max_stream_bytes, ByteBudgets(
+            per_token=cfg.durable_token_bytes, per_address=cfg.durable_address_bytes,
+            window_s=cfg.durable_budget_window_s))  # fmt: skip
         server.broker_tap = self.waker.on_message  # set on the hub it makes
         self.parser = bodies.Parser()  # large JSON bodies, parsed off the loop
 
@@ -111,9 +115,15 @@ class Durable:
             raise Refused(503, "draining: try another relay")
         return self._broker(), self.waker
 
-    def options(self, public: bool) -> reads.ReadOptions:
+    def options(self, public: bool, address: str) -> reads.ReadOptions:
+        """How a read is served; its bytes in memory under the hub's replay budget, an
+        address's catch-up reads within its share."""
         c = self.config
-        return reads.ReadOptions(c.durable_long_poll_s, c.durable_sse_close_s, public)
+        return reads.ReadOptions(
+            c.durable_long_poll_s, c.durable_sse_close_s, public, budget=self.hub().budget,
+            reserve=max(reads.CHUNK_BYTES, c.durable_max_body_bytes),
+            write_timeout_s=c.write_timeout_s, headers=SECURITY, key=address,
+        )  # fmt: skip
 
     async def body(self, request: web.Request) -> bytes:
         """The body (any media type: a stream has its own), bounded by
@@ -167,9 +177,9 @@ async def _stream(request: web.Request, durable: Durable, path: str) -> web.Stre
     if method == "PUT" and "Stream-Forked-From" in request.headers:
         _may_read_source(request, durable, address)
     if method == "PUT":
-        return await _put(request, durable, ref)
+        return await _put(request, durable, ref, grant)
     if method == "POST":
-        return await _post(request, durable, ref)
+        return await _post(request, durable, ref, grant)
     if method == "DELETE":
         broker, _ = durable.ready()
         code = await store.delete(broker.streams, ref)
@@ -195,10 +205,10 @@ async def _stream(request: web.Request, durable: Durable, path: str) -> web.Stre
     if method == "GET":
         broker, waker = durable.ready()
         source = _StreamSource(broker.streams, ref)
-        if request.query.get("live") is None:
-            return await reads.get(request, source, waker, durable.options(grant.public))
-        with durable.gate.live(grant):
-            return await reads.get(request, source, waker, durable.options(grant.public))
+        with durable.gate.live(grant):  # every read counts, a catch-up's too
+            return await reads.get(
+                request, source, waker, durable.options(grant.public, grant.address)
+            )
     return _error(
         405, f"{method} is not a Durable Streams method", {"Allow": "GET, HEAD, PUT, POST, DELETE"}
     )
@@ -252,7 +262,9 @@ def _write_headers(request: web.Request, op: str) -> store.Write:
     )  # fmt: skip
 
 
-async def _put(request: web.Request, durable: Durable, ref: store.StreamRef) -> web.Response:
+async def _put(
+    request: web.Request, durable: Durable, ref: store.StreamRef, grant: Grant
+) -> web.Response:
     w = _write_headers(request, "put")
     body = await durable.body(request)
     streams = durable.ready()[0].streams
@@ -262,13 +274,17 @@ async def _put(request: web.Request, durable: Durable, ref: store.StreamRef) -> 
         own = await durable.parser.messages(body, json_body, allow_empty_array=True)
         plan = await fork.plan(streams, w, request.headers, own)
         w, source = plan.write, plan.source
-        r = await fork.create(streams, ref, plan)
+
+        async def write(step: store.Write, msgs: list[bytes]) -> store.WriteResult:
+            return await quota.write(durable.quota, streams, ref, step, msgs, grant)
+
+        r = await fork.create(streams, ref, plan, write)  # its copy under the byte bounds
     else:
         json_mode = w.media_type == "application/json"
         msgs = await durable.parser.messages(body, json_mode, allow_empty_array=True)
-        r = await store.write(streams, ref, w, msgs)
+        r = await quota.write(durable.quota, streams, ref, w, msgs, grant)
         if r.code == 409 and await store.prune(streams, ref):  # forks that expired
-            r = await store.write(streams, ref, w, msgs)  # may have freed the path
+            r = await quota.write(durable.quota, streams, ref, w, msgs, grant)  # path freed?
     if r.code == 201 and source is not None and not await store.fork_ref(streams, source, ref.path):
         await store.delete(streams, ref)  # the source went meanwhile: no orphan fork
         return _error(409, "the source stream was deleted meanwhile")
@@ -283,7 +299,9 @@ async def _put(request: web.Request, durable: Durable, ref: store.StreamRef) -> 
     return web.Response(status=200, headers=h)
 
 
-async def _post(request: web.Request, durable: Durable, ref: store.StreamRef) -> web.Response:
+async def _post(
+    request: web.Request, durable: Durable, ref: store.StreamRef, grant: Grant
+) -> web.Response:
     w = _write_headers(request, "post")
     body = await durable.body(request)
     if not body and not w.close:
@@ -294,7 +312,7 @@ async def _post(request: web.Request, durable: Durable, ref: store.StreamRef) ->
     msgs = await durable.parser.messages(body, json_mode, allow_empty_array=False)
     w = store.Write(**{**w.__dict__, "has_body": bool(body)})
     streams = durable.ready()[0].streams
-    r = await store.write(streams, ref, w, msgs)
+    r = await quota.write(durable.quota, streams, ref, w, msgs, grant)
     h = {"Stream-Next-Offset": format_offset(r.next)}
     if r.closed:
         h["Stream-Closed"] = "true"
@@ -334,12 +352,13 @@ async def _session(request: web.Request, durable: Durable) -> web.StreamResponse
     broker, waker = durable.ready()
     source = SessionSource(broker, sid)
     if request.query.get("live") is None:
-        return await reads.get(request, source, waker, durable.options(False))
+        with durable.gate.live(grant):  # a catch-up read counts, but watches nothing
+            return await reads.get(request, source, waker, durable.options(False, grant.address))
     # a live read watches the session: counted as a viewer like an SSE or WebSocket
     # screen, so a turn read only here is not stopped for nobody watching
     with durable.gate.live(grant):
         async with viewing(durable.hub(), sid):
-            return await reads.get(request, source, waker, durable.options(False))
+            return await reads.get(request, source, waker, durable.options(False, grant.address))
 
 
 def handlers(durable: Durable) -> dict[str, Callable[[web.Request], Awaitable[web.StreamResponse]]]:

@@ -148,6 +148,23 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True):
     durable_max_body_bytes: Annotated[
         int, opt("largest Durable Streams write body; larger gets 413", ge=1, le=64 << 20)
     ] = 4 << 20
+    durable_max_stream_bytes: Annotated[
+        int, opt("bytes one Durable Stream may hold (its messages + 16 each, since its "
+                 "creation); a write past it gets 413; 0: no bound", ge=0)
+    ] = 16 << 20  # fmt: skip
+    durable_token_bytes: Annotated[
+        int, opt("bytes one token may write into Durable Streams per --durable-budget-window-s "
+                 "(counted in Redis, by every relay); past it 429; 0: no budget", ge=0)
+    ] = 32 << 20  # fmt: skip
+    durable_address_bytes: Annotated[
+        int, opt("bytes one client address may write into Durable Streams per "
+                 "--durable-budget-window-s (counted in Redis, by every relay); past it "
+                 "429; 0: no budget", ge=0)
+    ] = 64 << 20  # fmt: skip
+    durable_budget_window_s: Annotated[
+        int, opt("the sliding window of --durable-token-bytes and --durable-address-bytes",
+                 ge=60)
+    ] = SESSION_TTL_S  # fmt: skip
 
     @property
     def redis_tls(self) -> RedisTLS:

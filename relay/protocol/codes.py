@@ -115,6 +115,7 @@ class Refusal(enum.StrEnum):
     SESSION_RATE = "session_rate"  # new sessions per client address
     TOO_MANY_SESSIONS = "too_many_sessions"  # live sessions per client address
     TURN_RATE = "turn_rate"  # turns per session per minute
+    BYTE_BUDGET = "byte_budget"  # bytes written per token / client address (relay.service.budget)
     REDIS_UNAVAILABLE = "redis_unavailable"  # Redis did not take the request: retry
     # -- the gateway keys (relay.service.apikeys): the session-less routes ------------------
     GATEWAY_DISABLED = "gateway_disabled"  # the worker has no --gateway-key

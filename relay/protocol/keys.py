@@ -38,6 +38,7 @@ __all__ = [
     "WORKERS_REGISTRY",
     "InvalidSessionId",
     "KeyKind",
+    "address_bytes_key",
     "address_sessions_key",
     "cancel_key",
     "control_channel",
@@ -54,6 +55,7 @@ __all__ = [
     "parse_session",
     "presence_key",
     "screens_key",
+    "token_bytes_key",
     "turn_rate_key",
     "worker_key",
 ]
@@ -201,6 +203,20 @@ def address_sessions_key(address: str) -> str:
     no client address, and the tag holds no brace whatever the address text is."""
     digest = hashlib.sha256(address.encode("utf-8", "surrogatepass")).hexdigest()[:32]
     return f"tr:addr:{{{digest}}}:sessions"
+
+
+def address_bytes_key(address: str) -> str:
+    """The byte window of what a client address wrote (relay.service.budget), beside its
+    session set (same hashed tag)."""
+    digest = hashlib.sha256(address.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return f"tr:addr:{{{digest}}}:bytes"
+
+
+def token_bytes_key(identity: str) -> str:
+    """The byte window of what one token wrote (relay.service.budget); ``identity`` is the
+    token's (:attr:`relay.protocol.auth.Claims.identity`, as text), hashed like an address."""
+    digest = hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return f"tr:tok:{{{digest}}}:bytes"
 
 
 def control_channel(worker_id: str) -> str:

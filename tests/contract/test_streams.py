@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from relay.broker.port import SoftDeleted, StreamWrite
+from relay.broker.port import MESSAGE_OVERHEAD, SoftDeleted, StreamWrite, charge
 from relay.durable import store
 from tests.contract.conftest import Stores
 
@@ -77,6 +77,48 @@ async def test_fork_and_delete(stores: Stores) -> None:
     assert await store.read(s, child, 0, count=10) is None
     assert await store.read(s, src, 0, count=10) is None
     assert await store.delete(s, src) == 404
+
+
+async def test_a_stream_holds_at_most_its_byte_bound(stores: Stores) -> None:
+    """``max_bytes``: a write that would make the stream hold more (each message counted
+    as its bytes + MESSAGE_OVERHEAD, since its creation) is 413 and stores nothing."""
+    s, ref = stores.store, store.StreamRef.of(f"c/{stores.sid()}")
+    per = MESSAGE_OVERHEAD
+    bound = 3 * (100 + per)
+    too_big = await store.write(s, ref, put(max_bytes=bound), [b"x" * 100] * 4)
+    assert (too_big.code, too_big.b) == (413, bound)
+    assert await store.read(s, ref, 0, count=10) is None  # nothing created
+    assert (await store.write(s, ref, put(max_bytes=bound), [b"x" * 100])).code == 201
+    assert (await store.write(s, ref, post(max_bytes=bound), [b"y" * 100])).code == 204
+    over = await store.write(s, ref, post(max_bytes=bound), [b"z" * 100, b"z"])
+    assert (over.code, over.next, over.a, over.b) == (413, 2, 2 * (100 + per), bound)
+    view = await store.read(s, ref, 0, count=10)
+    assert view is not None
+    assert view.messages == [b"x" * 100, b"y" * 100]  # the refused write left nothing
+    assert (await store.write(s, ref, post(max_bytes=bound), [b"z" * 100])).code == 204
+    assert (await store.write(s, ref, post(max_bytes=bound), [b"!"])).code == 413
+    assert (await store.write(s, ref, post(), [b"!"])).code == 204  # max_bytes 0: no bound
+    # a million tiny messages are not a million bytes: each counts its overhead
+    assert charge([b"1"] * 1000) == 1000 * (1 + per)
+    # deleted: a new stream at the path starts from nothing
+    await store.delete(s, ref)
+    assert (await store.write(s, ref, put(max_bytes=bound), [b"x" * 100] * 3)).code == 201
+
+
+async def test_byte_windows(stores: Stores) -> None:
+    """``take_bytes``: a sliding window of bytes per key, shared by whoever asks."""
+    s = stores.store
+    k = f"tr:tok:{{{stores.sid()}}}:bytes"
+    assert await s.take_bytes(k, 600, 1000, 3_600_000) == 0
+    assert await s.take_bytes(k, 400, 1000, 3_600_000) == 0
+    wait = await s.take_bytes(k, 1, 1000, 3_600_000)
+    assert 3_500_000 <= wait <= 3_600_000  # when the first bytes stop counting
+    assert await s.take_bytes(k, 1001, 1000, 3_600_000) == -1  # never fits
+    assert await s.take_bytes(k, -400, 0, 3_600_000) == 0  # given back
+    assert await s.take_bytes(k, 400, 1000, 3_600_000) == 0
+    assert await s.take_bytes(k, 1, 1000, 3_600_000) > 0
+    other = f"tr:tok:{{{stores.sid()}}}:bytes"
+    assert await s.take_bytes(other, 1000, 1000, 3_600_000) == 0  # keys apart
 
 
 async def test_a_write_of_many_messages_is_whole(stores: Stores) -> None:
@@ -175,3 +217,36 @@ async def test_an_expired_fork_frees_its_deleted_source(stores: Stores) -> None:
     view = await store.read(s, src, 0, count=10)
     assert view is not None
     assert view.messages == [b"new"]
+
+
+async def test_the_byte_bound_holds_for_packed_writes_and_built_creates(stores: Stores) -> None:
+    """The bound counts every message of a write of any size (Redis: read from the packed
+    argument's lengths before anything is written), and a built create's steps and its
+    commit add up: the step or commit that would pass it is 413 and stores nothing."""
+    s, ref = stores.store, store.StreamRef.of(f"c/{stores.sid()}")
+    many = [str(i % 10).encode() for i in range(20_000)]
+    bound = charge(many)
+    assert bound == 20_000 * (1 + MESSAGE_OVERHEAD)
+    over = await store.write(s, ref, put(max_bytes=bound - 1), many)
+    assert (over.code, over.b) == (413, bound - 1)
+    assert await store.read(s, ref, 0, count=1) is None
+    r = await store.write(s, ref, put(max_bytes=bound), many)
+    assert (r.code, r.next) == (201, 20_000)
+    full = await store.write(s, ref, post(max_bytes=bound), [b"1"])
+    assert (full.code, full.next, full.a, full.b) == (413, 20_000, bound, bound)
+
+    built = store.StreamRef.of(f"c/{stores.sid()}")
+    page = [b"x" * 100] * 3
+    cap = 2 * charge(page) + charge([b"y" * 10])
+    step = StreamWrite(op="build", media_type=JSON, content_type=JSON, build="b1", max_bytes=cap)
+    assert (await store.write(s, built, step, page)).code == 202
+    assert (await store.write(s, built, step, page)).code == 202
+    past = await store.write(s, built, step, page)
+    assert (past.code, past.next, past.a, past.b) == (413, 6, 2 * charge(page), cap)
+    commit = await store.write(s, built, put(build="b1", max_bytes=cap), [b"y" * 11])
+    assert (commit.code, commit.a) == (413, 2 * charge(page))
+    assert await store.read(s, built, 0, count=10) is None  # still unseen
+    r = await store.write(s, built, put(build="b1", max_bytes=cap), [b"y" * 10])
+    assert (r.code, r.next) == (201, 7)
+    assert (await store.write(s, built, post(max_bytes=cap), [b"z"])).code == 413  # all held
+    assert (await store.write(s, built, post(max_bytes=cap + 17), [b"z"])).code == 204

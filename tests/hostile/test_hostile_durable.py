@@ -1,8 +1,8 @@
 """The Durable Streams front against a client holding one token (RELIABILITY.md, "Durable
 Streams against one token"): forks of streams it may not read, a victim's delete that
-a fork kept from removing anything, writes past Lua's unpack limit, a JSON array of a
-million elements, NaN, lone surrogates, deep nesting, the largest Stream-TTL, and a
-store error whose text reached the client.
+a fork kept from removing anything, writes past Lua's unpack limit, a fork copied past
+the stream's byte bound, a JSON array of a million elements, NaN, lone surrogates, deep
+nesting, the largest Stream-TTL, and a store error whose text reached the client.
 
 A relay in this process on the suite's cluster, tokens as an app mints them; each test
 also writes and reads a well-behaved stream (the bystander) before and after its
@@ -25,11 +25,11 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from devstack.cluster.launcher import ClusterInfo
-from relay.broker.port import StreamStore
+from relay.broker.port import MESSAGE_OVERHEAD, StreamStore
 from relay.broker.rediscluster.streams import RedisStreams
 from relay.durable import fork, store
 from relay.durable.auth import token_subject
-from relay.durable.core import MAX_WRITE_MESSAGES
+from relay.durable.core import MAX_WRITE_MESSAGES, format_offset
 from relay.protocol.auth import Scope, issue_token
 from tests.support.relay import SECRET, Relay, running
 
@@ -237,6 +237,63 @@ async def test_a_large_fork_is_copied_in_bounded_steps(
         async with relay.http.put(_url(relay, other), headers=h) as r:
             assert r.status == 413
             assert "100000" in await r.text()
+
+
+async def test_a_fork_is_held_to_the_stream_byte_bound_page_by_page(
+    cluster: ClusterInfo, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fork copied in pages counts against ``--durable-max-stream-bytes`` as it is copied
+    (each page and the commit, in the write's own Lua call): a source past the bound
+    (written while it was higher) is not forked, the page that passes it is 413 and
+    nothing of the fork is seen; nor is a fork whose own messages pass it at its commit;
+    a fork under the bound is made."""
+    src = f"{OPEN}{uuid.uuid4().hex}"
+    unbounded = {"durable_token_bytes": 0, "durable_address_bytes": 0}
+    async with running(cluster, durable_open_prefix="/" + OPEN, durable_max_stream_bytes=0,
+                       **unbounded) as big:  # fmt: skip
+        async with big.http.put(_url(big, src), headers=JSON) as r:
+            assert r.status == 201
+        page = json.dumps(["x" * 1000] * fork.PAGE_MESSAGES).encode()  # 1,002 bytes each
+        for _ in range(3):
+            async with big.http.post(_url(big, src), headers=JSON, data=page) as r:
+                assert r.status == 204, await r.text()
+    per_page = fork.PAGE_MESSAGES * (1002 + MESSAGE_OVERHEAD)
+    bound = 2 << 20  # two pages fit (2,036,000 bytes), not three
+    assert 2 * per_page < bound < 3 * per_page
+    async with _relay(cluster, caplog, durable_max_stream_bytes=bound, **unbounded) as relay:
+        assert relay.server.hub is not None
+        streams = relay.server.hub.broker.streams  # type: ignore[attr-defined]
+        ops: list[tuple[str, int]] = []
+        write = streams.stream_write
+
+        async def spy(ref: Any, w: Any, messages: Any) -> Any:
+            r = await write(ref, w, messages)
+            ops.append((w.op, r.code))
+            return r
+
+        streams.stream_write = spy
+        try:
+            h = {**JSON, "Stream-Forked-From": f"/v1/stream/{src}"}
+            whole = f"{OPEN}{uuid.uuid4().hex}"
+            async with relay.http.put(_url(relay, whole), headers=h) as r:
+                assert r.status == 413
+                assert f"the fork would hold more than the {bound} bytes" in await r.text()
+            assert ops == [("build", 202), ("build", 202), ("build", 413)]
+            assert await _count(streams, whole) is None
+            ops.clear()
+            two = {**h, "Stream-Fork-Offset": format_offset(2 * fork.PAGE_MESSAGES)}
+            big_own = json.dumps(["y" * 100_000]).encode()  # 2 pages + this: past the bound
+            tail = f"{OPEN}{uuid.uuid4().hex}"
+            async with relay.http.put(_url(relay, tail), headers=two, data=big_own) as r:
+                assert r.status == 413, await r.text()
+            assert ops == [("build", 202), ("build", 202), ("put", 413)]
+            assert await _count(streams, tail) is None
+            ok = f"{OPEN}{uuid.uuid4().hex}"
+            async with relay.http.put(_url(relay, ok), headers=two, data=b'["own"]') as r:
+                assert r.status == 201, await r.text()
+        finally:
+            del streams.stream_write
+        assert await _count(streams, ok) == 2 * fork.PAGE_MESSAGES + 1
 
 
 async def test_a_million_element_array_is_refused_without_holding_the_relay(

@@ -43,6 +43,42 @@ _READ: Final = _Script("read")
 _DELETE: Final = _Script("delete")
 _FORK_REF: Final = _Script("fork_ref")
 
+# A sliding window of bytes (relay.broker.streams.StreamStore.take_bytes): a hash of
+# step -> bytes counted in it, at most ~61 fields (the window in sixtieths), so a call
+# reads a bounded hash whatever the traffic. KEYS[1]; ARGV: n, limit, window ms.
+# Returns 0 (counted), -1 (n alone passes the limit) or the ms until it would fit.
+_TAKE_BYTES: Final = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local n, limit, window = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local step = math.max(math.floor(window / 60), 1000)
+local cur, first = math.floor(now / step), math.floor((now - window) / step) + 1
+local all = redis.call('HGETALL', KEYS[1])
+local used, live = 0, {}
+for i = 1, #all, 2 do
+  local b, v = tonumber(all[i]), tonumber(all[i + 1])
+  if b < first then
+    redis.call('HDEL', KEYS[1], all[i])
+  else
+    used = used + v
+    live[#live + 1] = {b, v}
+  end
+end
+if n > 0 and used + n > limit then
+  if n > limit then return -1 end
+  table.sort(live, function(x, y) return x[1] < y[1] end)
+  local over = used + n - limit
+  for _, e in ipairs(live) do
+    over = over - e[2]
+    if over <= 0 then return math.max(e[1] * step + window - now, 1000) end
+  end
+  return window
+end
+redis.call('HINCRBY', KEYS[1], cur, n)
+redis.call('PEXPIRE', KEYS[1], window)
+return 0
+"""
+
 
 def _text(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
@@ -65,7 +101,8 @@ class RedisStreams:
             "" if w.expires_at is None else str(w.expires_at[1]),
             "1" if w.close else "0", w.stream_seq or "", pid, epoch, seq,
             w.build or secrets.token_hex(6), ref.channel, ref.path, "1" if w.has_body else "0",
-            w.fork, w.build, b"".join(b"%d:%b" % (len(m), m) for m in messages),
+            w.fork, w.build, max(w.max_bytes, 0),
+            b"".join(b"%d:%b" % (len(m), m) for m in messages),
         ]  # fmt: skip
         reply = await _WRITE(self.redis, ref.keys, args)
         code, nxt, closed, a, b = (int(x) for x in reply)
@@ -92,6 +129,11 @@ class RedisStreams:
     async def stream_delete(self, ref: StreamRef) -> tuple[int, str]:
         reply = await _DELETE(self.redis, ref.keys, [ref.channel])
         return int(reply[0]), _text(reply[1]) if len(reply) > 1 else ""
+
+    async def take_bytes(self, key: str, n: int, limit: int, window_ms: int) -> int:
+        with map_redis_errors():
+            got = await self.redis.eval(_TAKE_BYTES, 1, key, n, limit, window_ms)
+        return int(got)
 
     async def stream_forks(self, ref: StreamRef, limit: int) -> list[str]:
         with map_redis_errors():
