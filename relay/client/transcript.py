@@ -69,6 +69,7 @@ class Transcript:
                 text=str(m.get("text", "")),
                 id=m.get("id"),
                 finish=m.get("finish_reason"),
+                parts_state=Parts.from_stored(m.get("parts")),
             )
             for m in page.get("messages", [])
         ]
@@ -91,6 +92,7 @@ class Transcript:
         elif frame.kind == "token":
             reply = self._reply(frame.turn) or self._open(frame.turn)
             reply.text += frame.text
+            reply.parts_state.text(frame.text)
         elif frame.kind == "part":
             reply = self._reply(frame.turn) or self._open(frame.turn)
             try:
@@ -111,13 +113,18 @@ class Transcript:
 
     def history(self) -> list[dict[str, Any]]:
         """The conversation as the worker stores it: turns that did not fail, each its
-        user message and its reply (``role``, ``content``, ``turn``)."""
+        user message and its reply (``role``, ``content``, ``turn``, and ``parts`` for a
+        reply with parts: :meth:`relay.protocol.parts.Parts.stored`)."""
         failed = {e.turn for e in self.entries if e.finish == "error"}
-        return [
-            {"role": e.role, "content": e.text, "turn": e.turn}
-            for e in self.entries
-            if e.turn not in failed
-        ]
+        out: list[dict[str, Any]] = []
+        for e in self.entries:
+            if e.turn in failed:
+                continue
+            m: dict[str, Any] = {"role": e.role, "content": e.text, "turn": e.turn}
+            if parts := e.parts_state.stored():
+                m["parts"] = parts
+            out.append(m)
+        return out
 
     def _reply(self, turn: int) -> Entry | None:
         return next(

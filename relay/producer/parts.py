@@ -114,6 +114,11 @@ class TurnParts:
             if p is not None and not p.done:
                 self.part_end("reasoning", pid)
 
+    def forget_reasoning(self, pid: str) -> None:
+        """``pid`` was ended by hand: :meth:`reasoning` starts a new part next time."""
+        if self._reasoning == pid:
+            self._reasoning = None
+
     def tool_call_start(self, call_id: str, name: str) -> None:
         self.part_start("tool-call", call_id, name=name)
 

@@ -120,6 +120,7 @@ class Turn(TurnParts):
         if not text:
             return
         self.end_reasoning()  # the text follows the reasoning :meth:`reasoning` was writing
+        self.parts.text(text)
         size = len(text.encode("utf-8", "surrogatepass"))
         if size > MAX_DELTA_BYTES:
             raise FrameTooLarge(self.sid, size, MAX_DELTA_BYTES)

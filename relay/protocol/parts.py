@@ -49,6 +49,7 @@ __all__ = [
     "part_meta",
     "parts_digest",
     "parts_integrity",
+    "ui_parts",
 ]
 
 Phase = Literal["start", "delta", "end"]
@@ -161,6 +162,21 @@ class Part:
     error: bool = False
     offset: int = 0  # the offset of its first frame (0: not known)
 
+    def stored(self) -> dict[str, Any]:
+        """The part as a reply's ``parts`` list stores it (the history, ``GET
+        .../messages``): ``type``, ``id``, ``text``, and ``name``, ``summary``, ``error``,
+        ``done`` false where they apply."""
+        d: dict[str, Any] = {"type": self.part, "id": self.id, "text": self.text}
+        if self.name:
+            d["name"] = self.name
+        if self.summary:
+            d["summary"] = True
+        if self.error:
+            d["error"] = True
+        if not self.done:
+            d["done"] = False
+        return d
+
     def value(self) -> Any:
         """A whole part's value, or a finished tool call's arguments, parsed; else None."""
         if self.part == "reasoning" or not self.done or not self.text:
@@ -182,6 +198,51 @@ class Parts:
     records: list[Part] = field(default_factory=list)
     closed: bool = False
     _by_key: dict[tuple[str, str], Part] = field(default_factory=dict)
+    _order: list[Part | list[str]] = field(default_factory=list)  # text runs and parts
+
+    def text(self, delta: str) -> None:
+        """The reply's text went on (so that :meth:`stored` keeps text and parts in the
+        order they came)."""
+        if self._order and isinstance(self._order[-1], list):
+            self._order[-1].append(delta)
+        elif delta:
+            self._order.append([delta])
+
+    @classmethod
+    def from_stored(cls, stored: object) -> Parts:
+        """A finished reply's parts from :meth:`stored` (a messages page's ``parts``);
+        entries that are not a stored part are skipped. Closed: the reply ended."""
+        ps = cls()
+        for d in stored if isinstance(stored, list) else ():
+            if not isinstance(d, dict) or not isinstance(d.get("text", ""), str):
+                continue
+            kind, text = d.get("type"), d.get("text", "")
+            if kind == "text":
+                ps.text(text)
+                continue
+            try:
+                check_type(kind)
+            except PartError:
+                continue
+            pid, name = d.get("id"), d.get("name", "")
+            if not isinstance(pid, str) or not isinstance(name, str) or (kind, pid) in ps._by_key:
+                continue
+            done = d.get("done", True) is not False
+            ps._add(Part(str(kind), pid, name, text, done, d.get("summary") is True,
+                         d.get("error") is True))  # fmt: skip
+        ps.closed = True
+        return ps
+
+    def stored(self) -> list[dict[str, Any]]:
+        """The reply as an ordered list: ``{"type": "text", "text"}`` for each run of
+        text between parts, and each part's :meth:`Part.stored`; empty for a reply
+        without parts (its text is all there is)."""
+        if not self.records:
+            return []
+        return [
+            {"type": "text", "text": "".join(x)} if isinstance(x, list) else x.stored()
+            for x in self._order
+        ]
 
     def get(self, part: str, pid: str) -> Part | None:
         return self._by_key.get((part, pid))
@@ -238,6 +299,7 @@ class Parts:
             raise PartError(f"more than {MAX_PARTS} parts in one turn")
         self.records.append(p)
         self._by_key[(p.part, p.id)] = p
+        self._order.append(p)
         return p
 
 
@@ -262,3 +324,53 @@ def parts_integrity(records: list[Part]) -> dict[str, Any]:
     if not records:
         return {}
     return {"parts": len(records), "parts_sha256": parts_digest(records)}
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return _json_decoder.decode(text)
+    except (msgspec.DecodeError, UnicodeError):
+        return text
+
+
+def ui_parts(stored: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A stored reply's parts (:meth:`Parts.stored`) as the AI SDK's UI message parts:
+    ``text``, ``reasoning``, ``tool-<name>`` (a call with its result folded in:
+    ``state`` ``input-streaming``, ``input-available``, ``output-available`` or
+    ``output-error``), ``source-url``, ``data-<name>``; a ``usage`` part has no UI part."""
+    out: list[dict[str, Any]] = []
+    calls: dict[str, dict[str, Any]] = {}
+    for d in stored:
+        kind, text = d.get("type"), str(d.get("text", ""))
+        done = d.get("done", True) is not False
+        if kind == "text":
+            out.append({"type": "text", "text": text, "state": "done"})
+        elif kind == "reasoning":
+            out.append({"type": "reasoning", "text": text,
+                        "state": "done" if done else "streaming"})  # fmt: skip
+        elif kind == "tool-call":
+            call: dict[str, Any] = {
+                "type": f"tool-{d.get('name', '')}",
+                "toolCallId": d.get("id"),
+                "state": "input-available" if done else "input-streaming",
+                "input": _json_or_text(text) if done else None,
+            }
+            calls[str(d.get("id"))] = call
+            out.append(call)
+        elif kind == "tool-result":
+            call = calls.get(str(d.get("id"))) or {}
+            if call:
+                if d.get("error"):
+                    call["state"], call["errorText"] = "output-error", text
+                else:
+                    call["state"], call["output"] = "output-available", _json_or_text(text)
+        elif kind == "source":
+            v = _json_or_text(text)
+            v = v if isinstance(v, dict) else {}
+            src = {"type": "source-url", "sourceId": d.get("id"), "url": v.get("url", "")}
+            if "title" in v:
+                src["title"] = v["title"]
+            out.append(src)
+        elif isinstance(kind, str) and kind.startswith("data-"):
+            out.append({"type": kind, "id": d.get("id"), "data": _json_or_text(text)})
+    return out

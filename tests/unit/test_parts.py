@@ -292,3 +292,44 @@ def test_a_tool_call_with_arguments_that_are_not_json_is_refused_at_its_end() ->
     assert [r for r, _ in reasons] == ["part", "part", "integrity"]  # its result: no call
     call = t.entries[-1].parts[1]
     assert (call.part, call.done) == ("tool-call", False)  # never shown as a finished call
+
+
+# ---- the stored reply: GET .../messages (turns and ui) and a transcript loaded from it
+
+
+def test_a_stored_reply_keeps_text_and_parts_in_order_through_the_messages_page() -> None:
+    from worker.chat.store import ConversationView
+    from worker.controls import conversation_page, ui_messages
+
+    frames, records = reply()
+    live = Transcript(SID)
+    for f in frames:
+        live.apply(f)
+    stored = live.history()[-1]
+    assert [d["type"] for d in stored["parts"]] == [
+        "reasoning", "text", "tool-call", "tool-result", "text", "data-weather",
+    ]  # fmt: skip
+    entry = {**stored, "id": f"{SID}-1", "finish": "tool_calls", "from": 1, "to": 16}
+    view = ConversationView([entry], None, 1, 16, None, "g1")
+    page = conversation_page(SID, view, None, 50, None)
+    assert page["messages"][0]["parts"] == stored["parts"]
+    loaded = Transcript(SID)
+    loaded.load({"messages": [{**page["messages"][0], "turn": 1}]})
+    assert [(p.part, p.id, p.text, p.done) for p in loaded.entries[0].parts] == [
+        (p.part, p.id, p.text, p.done) for p in records
+    ]
+    assert loaded.history() == [{k: stored[k] for k in ("role", "content", "turn", "parts")}]
+    ui = ui_messages(page["messages"])[0]["parts"]
+    assert ui == [
+        {"type": "reasoning", "text": "Let me think", "state": "done"},
+        {"type": "text", "text": "Checking", "state": "done"},
+        {"type": "tool-weather", "toolCallId": "call_1", "state": "output-available",
+         "input": {"city": "Oslo"}, "output": {"temp": 4}},
+        {"type": "text", "text": " the weather", "state": "done"},
+        {"type": "data-weather", "id": "d1", "data": {"n": 1}},
+    ]  # fmt: skip
+    text_only = {"role": "assistant", "content": "hi", "turn": 2, "id": "x", "finish": "stop"}
+    page = conversation_page(SID, ConversationView([text_only], None, 2, 3, None, "g1"), None,
+                             50, None)  # fmt: skip
+    assert "parts" not in page["messages"][0]  # a text-only page is what it was
+    assert ui_messages(page["messages"])[0]["parts"] == [{"type": "text", "text": "hi"}]

@@ -257,12 +257,17 @@ class RunningTurn:
         """The turn's two history entries (the store's fields), its terminal frame at
         offset ``to``."""
         turn = self.gen.turn
+        reply: dict[str, Any] = {
+            "role": "assistant", "content": "".join(self.reply), "turn": turn,
+            "id": f"{self.sid}-{turn}", "from": self.first_offset, "to": to,
+            "finish": self.finish_reason,
+        }  # fmt: skip
+        if parts := self.gen.parts.stored():  # a reply with tool calls, reasoning, data
+            reply["parts"] = parts
         return [
             {"role": "user", "content": self.message, "turn": turn,
              "id": self.user_id or f"{self.sid}-{turn}-user", "from": self.first_offset},
-            {"role": "assistant", "content": "".join(self.reply), "turn": turn,
-             "id": f"{self.sid}-{turn}", "from": self.first_offset, "to": to,
-             "finish": self.finish_reason},
+            reply,
         ]  # fmt: skip
 
     def abort(self, reason: AbortReason) -> None:
