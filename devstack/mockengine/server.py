@@ -14,7 +14,8 @@ Lets the whole stack run without a GPU. The simulation itself is pure and lives 
    ``x-prompt-tokens``, ``x-prefill-s``, sleep the prefill time of the *uncached* tokens,
    then stream one token per ``1/decode_tok_per_s`` seconds as OpenAI
    ``chat.completion.chunk`` SSE events (the first one also carries a non-standard
-   ``"tokenrelay"`` object with the same metadata), a final chunk with
+   ``"tokenrelay"`` object with the same metadata; reasoning and tool calls:
+   ``devstack.mockengine.parts``), a final chunk with
    ``finish_reason``, an optional usage chunk (``stream_options.include_usage``), and
    ``data: [DONE]``. The prompt and reply blocks are then in the cache.
 4. A client that disconnects aborts its request at once: the handler is cancelled
@@ -45,6 +46,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import generate_latest
 
+from devstack.mockengine import parts as mp
 from devstack.mockengine import prefix_cache as pc
 from devstack.mockengine.kvpub import KVEventPublisher
 from devstack.mockengine.reply_length import ReplyLength
@@ -140,6 +142,7 @@ class _ChatRequest:
     stream: bool
     max_tokens: int
     include_usage: bool
+    body: dict[str, Any] = field(default_factory=dict)  # the options: tools, stop, ...
 
 
 class _Metrics:
@@ -243,7 +246,7 @@ def _parse_chat(raw: bytes, cfg: EngineConfig) -> _ChatRequest:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise _RequestError(400, f"messages[{i}] needs a string 'role'", "messages")
-        if not isinstance(m.get("content"), str | list):
+        if not isinstance(m.get("content"), str | list) and not m.get("tool_calls"):
             raise _RequestError(400, f"messages[{i}] needs 'content'", "messages")
     model = body.get("model", cfg.model)
     if not isinstance(model, str):
@@ -258,7 +261,9 @@ def _parse_chat(raw: bytes, cfg: EngineConfig) -> _ChatRequest:
         raise _RequestError(400, "'max_tokens' must be a positive integer", "max_tokens")
     opts = body.get("stream_options")
     include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
-    return _ChatRequest(model, messages, stream, max_tokens, include_usage)
+    if (no := mp.refused(body)) is not None:
+        raise _RequestError(400, *no)
+    return _ChatRequest(model, messages, stream, max_tokens, include_usage, body)
 
 
 def _sse(obj: object) -> bytes:
@@ -312,6 +317,9 @@ async def _generate(
     prefill_s = pc.prefill_seconds(len(tokens) - cached, cfg.prefill_tok_per_s)
     natural = cfg.reply.length(tokens)
     pieces, finish = pc.reply_pieces(tokens, req.max_tokens, min_len=natural, max_len=natural)
+    pieces, finish = mp.cut_at_stop(pieces, finish, req.body.get("stop"))
+    todo = mp.plan(req.body, req.messages, tokens)  # reasoning and tool calls (no text)
+    pieces, finish = ([], "tool_calls") if todo.calls else (pieces, finish)
     meta = {
         "engine_id": cfg.engine_id,
         "cached_tokens": cached,
@@ -326,8 +334,8 @@ async def _generate(
     }
     usage = {
         "prompt_tokens": len(tokens),
-        "completion_tokens": len(pieces),
-        "total_tokens": len(tokens) + len(pieces),
+        "completion_tokens": len(pieces) + len(todo.reasoning),
+        "total_tokens": len(tokens) + len(pieces) + len(todo.reasoning),
         "prompt_tokens_details": {"cached_tokens": cached},
     }
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -346,7 +354,7 @@ async def _generate(
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": "".join(pieces)},
+                    "message": mp.message(pieces, todo),
                     "finish_reason": finish,
                 }
             ],
@@ -363,7 +371,7 @@ async def _generate(
     )
     await resp.prepare(request)
 
-    def chunk(delta: dict[str, str], reason: str | None = None) -> dict[str, object]:
+    def chunk(delta: dict[str, Any], reason: str | None = None) -> dict[str, object]:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
         return {
             "id": rid,
@@ -380,20 +388,14 @@ async def _generate(
         first["tokenrelay"] = meta
         await resp.write(_sse(first))
         t_first = time.monotonic()
-        for i, piece in enumerate(pieces):
+        for i, delta in enumerate(mp.deltas(pieces, todo)):
             await _sleep_until(t_first + i * step)
-            await resp.write(_sse(chunk({"content": piece})))
+            await resp.write(_sse(chunk(delta)))
             engine.metrics.generation_tokens.inc()
         await resp.write(_sse(chunk({}, finish)))
         if req.include_usage:
-            tail = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": req.model,
-                "choices": [],
-                "usage": usage,
-            }
+            tail = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                    "model": req.model, "choices": [], "usage": usage}  # fmt: skip
             await resp.write(_sse(tail))
         await resp.write(sse.DONE)
         _finish_cache(engine, tokens, pieces)
