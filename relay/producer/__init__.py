@@ -22,6 +22,7 @@ Errors: :mod:`relay.producer.errors` (one type per cause). Conformance:
 from __future__ import annotations
 
 from relay.producer.adapters import (
+    ChatParts,
     pipe,
     pipe_chat_completion,
     pipe_langchain,
@@ -49,6 +50,7 @@ __all__ = [
     "CANCELLED",
     "DEFAULT_POLICY",
     "MAX_DELTA_BYTES",
+    "ChatParts",
     "Claim",
     "CoalescePolicy",
     "FrameTooLarge",

@@ -30,7 +30,14 @@ from relay.producer.base import CANCELLED, StopReason, Usage
 from relay.producer.turn import Turn
 from relay.protocol.parts import PartError
 
-__all__ = ["pipe", "pipe_chat_completion", "pipe_langchain", "pipe_responses", "pipe_text"]
+__all__ = [
+    "ChatParts",
+    "pipe",
+    "pipe_chat_completion",
+    "pipe_langchain",
+    "pipe_responses",
+    "pipe_text",
+]
 
 
 @dataclass(slots=True)
@@ -117,13 +124,42 @@ class _Calls:
                 self.turn.tool_call_end(call)
 
 
+class ChatParts:
+    """A chat-completion chunk's delta parts besides text into a turn: ``feed`` each
+    delta's ``tool_calls`` (by index) and ``reasoning_content`` / ``reasoning`` (a mapping
+    as the engine sent it), ``end`` when the stream finished (a call with no arguments is
+    sent as ``{}``). Raises :class:`relay.protocol.parts.PartError` on what would corrupt
+    the reply (arguments that are not JSON, at ``end``)."""
+
+    def __init__(self, turn: Turn) -> None:
+        self.turn = turn
+        self._calls = _Calls(turn)
+
+    def feed(self, delta: Any, *, text: str = "") -> None:
+        """One delta: its reasoning, then ``text`` (its content, written here when
+        given), then its tool-call chunks."""
+        thought = _get(delta, "reasoning_content") or _get(delta, "reasoning")
+        if isinstance(thought, str) and thought:
+            self.turn.reasoning(thought)
+        if text:
+            self.turn.write(text)
+        for tc in _get(delta, "tool_calls") or ():
+            fn = _get(tc, "function")
+            self._calls.chunk(_get(tc, "index") or 0, _get(tc, "id"), _get(fn, "name"),
+                              _get(fn, "arguments"))  # fmt: skip
+
+    def end(self) -> None:
+        self.turn.end_reasoning()
+        self._calls.end()
+
+
 async def _consume_text(turn: Turn, source: AsyncIterable[str], end: _End) -> None:
     async for text in source:
         turn.write(text)
 
 
 async def _consume_chat(turn: Turn, source: AsyncIterable[Any], end: _End) -> None:
-    calls = _Calls(turn)
+    parts = ChatParts(turn)
     async for chunk in source:
         usage = _get(chunk, "usage")
         if usage is not None:
@@ -132,20 +168,12 @@ async def _consume_chat(turn: Turn, source: AsyncIterable[Any], end: _End) -> No
             if (_get(choice, "index") or 0) != 0:
                 continue  # n > 1: the first choice is the turn's reply
             delta = _get(choice, "delta")
-            thought = _get(delta, "reasoning_content") or _get(delta, "reasoning")
-            if isinstance(thought, str) and thought:
-                turn.reasoning(thought)
             content = _get(delta, "content")
-            if isinstance(content, str) and content:
-                turn.write(content)
-            for tc in _get(delta, "tool_calls") or ():
-                fn = _get(tc, "function")
-                calls.chunk(_get(tc, "index") or 0, _get(tc, "id"), _get(fn, "name"),
-                            _get(fn, "arguments"))  # fmt: skip
+            parts.feed(delta, text=content if isinstance(content, str) else "")
             reason = _get(choice, "finish_reason")
             if isinstance(reason, str):
                 end.finish_reason = reason
-    calls.end()
+    parts.end()
 
 
 def _block_text(block: Any, *names: str) -> str:

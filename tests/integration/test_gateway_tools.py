@@ -11,11 +11,14 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+from redis.asyncio.cluster import RedisCluster
 
-from tests.support.worker import Harness
+from relay.client.transcript import Transcript
+from tests.support.worker import Harness, wait_turn
 
 pytestmark = pytest.mark.integration
 
@@ -126,3 +129,59 @@ async def test_what_cannot_be_done_is_refused_by_name(
 ) -> None:
     with pytest.raises(openai.BadRequestError, match=param):
         await client.chat.completions.create(model=MODEL, messages=ASK, extra_body=extra)
+
+
+async def test_a_session_turn_with_tools_is_parts_in_the_backlog_and_the_history(
+    client: openai.AsyncOpenAI, h: Harness, redis: RedisCluster
+) -> None:
+    """A completion tied to a session: the engine's reasoning and tool calls become the
+    turn's parts (every screen of the session sees them), the SDK reassembles the same
+    calls, and the stored messages (turns and ui) keep them."""
+    sid, token = await h.session()
+    tied = openai.AsyncOpenAI(base_url=h.url("/v1"), api_key=token, max_retries=0,
+                              default_headers={"X-Session-Id": sid})  # fmt: skip
+    try:
+        stream = await tied.chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, stream=True
+        )
+        calls: dict[int, dict[str, str]] = {}
+        reasoning, finish = "", None
+        async for ch in stream:
+            for c in ch.choices:
+                reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+                for tc in c.delta.tool_calls or ():
+                    call = calls.setdefault(tc.index, {"id": "", "name": "", "args": ""})
+                    call["id"] = tc.id or call["id"]
+                    if tc.function is not None:
+                        call["name"] = tc.function.name or call["name"]
+                        call["args"] += tc.function.arguments or ""
+                finish = c.finish_reason or finish
+        assert finish == "tool_calls"
+        frames = await wait_turn(redis, sid, 1)
+        t = Transcript(sid)
+        for f in frames:
+            t.apply(f)
+        reply = t.entries[-1]
+        assert t.refused == []
+        assert [(p.part, p.name) for p in reply.parts] == [
+            ("reasoning", ""), ("tool-call", "weather"), ("tool-call", "clock"),
+        ]  # fmt: skip
+        assert reply.parts[0].text == reasoning
+        assert [(p.id, p.text) for p in reply.parts[1:]] == [
+            (c["id"], c["args"]) for c in calls.values()
+        ]
+        done = frames[-1].meta or {}
+        assert (done["parts"], done["finish_reason"]) == (3, "tool_calls")
+        async with aiohttp.ClientSession() as http:
+            auth = {"Authorization": f"Bearer {token}"}
+            async with http.get(h.url(f"/v1/sessions/{sid}/messages"), headers=auth) as r:
+                page = await r.json()
+            async with http.get(h.url(f"/v1/sessions/{sid}/messages?format=ui"),
+                                headers=auth) as r:  # fmt: skip
+                ui = await r.json()
+        assert page["messages"][-1]["parts"] == t.history()[-1]["parts"]
+        assert [p["type"] for p in ui["messages"][-1]["parts"]] == [
+            "reasoning", "tool-weather", "tool-clock",
+        ]  # fmt: skip
+    finally:
+        await tied.close()

@@ -143,6 +143,8 @@ class StreamChat(Protocol):
         model: str,
         messages: Sequence[Mapping[str, Any]],
         max_tokens: int | None = None,
+        *,
+        extra_body: Mapping[str, Any] | None = None,
     ) -> AsyncIterator[Delta]: ...
 
 
@@ -230,6 +232,7 @@ class RunningTurn:
     first_offset: int = 0  # the turn's meta frame
     user_id: str = ""  # the user message's id (the client's, or made from the turn)
     background: bool = False  # runs to its end unwatched (a Responses background turn)
+    options: dict[str, Any] = field(default_factory=dict)  # the engine's: tools, stop, ...
 
     def local_watchers(self) -> int:
         if self.background:

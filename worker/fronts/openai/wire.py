@@ -27,6 +27,7 @@ from worker.fronts.errors import WireError
 __all__ = [
     "PASS_THROUGH",
     "ChatRequest",
+    "PartDeltas",
     "WireError",
     "chunk",
     "completion",
@@ -373,3 +374,31 @@ def gather(into: dict[str, Any], extra: Mapping[str, Any]) -> None:
                     calls[i]["function"]["name"] = fn["name"]
                 if isinstance(fn.get("arguments"), str):
                     calls[i]["function"]["arguments"] += fn["arguments"]
+
+
+class PartDeltas:
+    """A turn's ``part`` frames as chat-completion ``delta`` objects: reasoning as
+    ``reasoning_content``, a tool call's ``start`` as its first ``tool_calls`` chunk (its
+    ``index``, ``id``, ``name``), its argument deltas by that index; other parts (results,
+    sources, data, a call's ``end``) have no delta in this wire (None)."""
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+
+    @property
+    def calls(self) -> int:
+        return len(self.index)
+
+    def delta(self, meta: Mapping[str, Any], text: str) -> dict[str, Any] | None:
+        part, pid, phase = meta.get("part"), str(meta.get("id")), meta.get("phase")
+        if part == "reasoning" and phase == "delta" and text:
+            return {"reasoning_content": text}
+        if part != "tool-call":
+            return None
+        if phase == "start":
+            n = self.index.setdefault(pid, len(self.index))
+            fn = {"name": str(meta.get("name", "")), "arguments": ""}
+            return {"tool_calls": [{"index": n, "id": pid, "type": "function", "function": fn}]}
+        if phase == "delta" and text and pid in self.index:
+            return {"tool_calls": [{"index": self.index[pid], "function": {"arguments": text}}]}
+        return None
