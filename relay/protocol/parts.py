@@ -346,7 +346,7 @@ def ui_parts(stored: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if kind == "text":
             out.append({"type": "text", "text": text, "state": "done"})
         elif kind == "reasoning":
-            out.append({"type": "reasoning", "text": text,
+            out.append({"type": "reasoning", "id": d.get("id"), "text": text,
                         "state": "done" if done else "streaming"})  # fmt: skip
         elif kind == "tool-call":
             call: dict[str, Any] = {
@@ -361,7 +361,11 @@ def ui_parts(stored: list[dict[str, Any]]) -> list[dict[str, Any]]:
             call = calls.get(str(d.get("id"))) or {}
             if call:
                 if d.get("error"):
-                    call["state"], call["errorText"] = "output-error", text
+                    v = _json_or_text(text)
+                    call["state"], call["errorText"] = (
+                        "output-error",
+                        v if isinstance(v, str) else text,
+                    )
                 else:
                     call["state"], call["output"] = "output-available", _json_or_text(text)
         elif kind == "source":

@@ -96,7 +96,8 @@ async def test_a_chat_completion_stream_with_reasoning_and_parallel_tool_calls(
     stored = t.history()[-1]["parts"]
     assert [d["type"] for d in stored] == ["reasoning", "text", *["tool-call"] * 3]
     ui = ui_parts(stored)
-    assert ui[0] == {"type": "reasoning", "text": "The user wants two cities.", "state": "done"}
+    assert ui[0] == {"type": "reasoning", "id": "reasoning-1", "text": "The user wants two cities.",
+                     "state": "done"}  # fmt: skip
     assert ui[2] == {"type": "tool-weather", "toolCallId": "call_a",
                      "state": "input-available", "input": {"city": "Oslo"}}  # fmt: skip
 

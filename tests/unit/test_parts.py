@@ -321,7 +321,7 @@ def test_a_stored_reply_keeps_text_and_parts_in_order_through_the_messages_page(
     assert loaded.history() == [{k: stored[k] for k in ("role", "content", "turn", "parts")}]
     ui = ui_messages(page["messages"])[0]["parts"]
     assert ui == [
-        {"type": "reasoning", "text": "Let me think", "state": "done"},
+        {"type": "reasoning", "id": "r1", "text": "Let me think", "state": "done"},
         {"type": "text", "text": "Checking", "state": "done"},
         {"type": "tool-weather", "toolCallId": "call_1", "state": "output-available",
          "input": {"city": "Oslo"}, "output": {"temp": 4}},
