@@ -163,6 +163,8 @@ def test_the_digest_is_the_documented_one_and_empty_adds_nothing() -> None:
         "reasoning\x1fr1\x1fsummary\x1f3\x1fhé".encode() + b'tool-call\x1fc1\x1ff\x1f7\x1f{"a":1}'
     ).hexdigest()
     assert parts_digest(records) == want
+    # the vector clients/js/test/parts.test.js checks the browser client against
+    assert want == "bd42b564c61eee077aa47bb3bf4f131ca95cf2a85f60c8fb01f90d3a5c92efb1"
     assert parts_integrity(records) == {"parts": 2, "parts_sha256": want}
     assert parts_integrity([]) == {}
 
