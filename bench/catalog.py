@@ -240,6 +240,11 @@ CATALOG: tuple[Benchmark, ...] = (
         "producer CPU per token: the Python API, the Node package, the publisher under them",
     ),
     Benchmark(
+        "wire_parts",
+        "bench.producer.wire_parts",
+        "SSE bytes per delivered token, text-only and with tool calls: did parts make text dearer",
+    ),
+    Benchmark(
         "producer_soak",
         "bench.producer.soak",
         "the Node producer into two relays with many SSE viewers: every frame vs the backlog",

@@ -16,6 +16,8 @@ Routes (the contract: docs/openapi.yaml; refusals ``{"error", "reason"}``):
 * ``GET /v1/sessions/{sid}/messages?limit=&before=&format=`` (watch token): the stored
   conversation, newest turns first by page, each page in order: ``{"session",
   "messages": [{"id", "turn", "role", "text", "finish_reason", "from", "to"}],
+  and ``parts`` for a reply with parts (reasoning, tool calls and results, sources,
+  data: text and parts in order, docs/PROTOCOL.md "Parts"),
   "resume_from", "gen", "running", "next_before"}``. ``resume_from`` (with ``gen``) is the
   offset to watch from (``Last-Event-ID`` / ``?from=``): the messages and the watch meet
   with no gap and no duplicate, even while a turn runs (``running`` names it; its
@@ -46,6 +48,7 @@ from relay.protocol.keys import (
     InvalidSessionId,
     parse_session,
 )
+from relay.protocol.parts import ui_parts
 from relay.service.errors import RETRY_AFTER, Reject, refusal
 from relay.service.register import Handler
 from worker.chat.cancel import StopStatus, StopVerdict
@@ -220,17 +223,18 @@ def conversation_page(
         turn = e.get("turn")
         if upto is not None and isinstance(turn, int) and turn >= upto:
             continue  # the running turn (its history entries may be written already)
-        msgs.append(
-            {
-                "id": e.get("id"),
-                "turn": turn,
-                "role": e.get("role"),
-                "text": e.get("content", ""),
-                "finish_reason": e.get("finish"),
-                "from": e.get("from"),
-                "to": e.get("to"),
-            }
-        )
+        m = {
+            "id": e.get("id"),
+            "turn": turn,
+            "role": e.get("role"),
+            "text": e.get("content", ""),
+            "finish_reason": e.get("finish"),
+            "from": e.get("from"),
+            "to": e.get("to"),
+        }
+        if isinstance(e.get("parts"), list):
+            m["parts"] = e["parts"]
+        msgs.append(m)
     if before is not None:
         msgs = [m for m in msgs if isinstance(m["turn"], int) and m["turn"] < before]
     turns = sorted({m["turn"] for m in msgs if isinstance(m["turn"], int)})
@@ -253,12 +257,15 @@ def conversation_page(
 
 
 def ui_messages(page: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The AI SDK's UI messages of a page (``useChat({messages})``)."""
+    """The AI SDK's UI messages of a page (``useChat({messages})``): a reply with parts
+    gets each in order (:func:`relay.protocol.parts.ui_parts`)."""
     return [
         {
             "id": m["id"],
             "role": m["role"],
-            "parts": [{"type": "text", "text": m["text"]}],
+            "parts": ui_parts(m["parts"])
+            if m.get("parts")
+            else [{"type": "text", "text": m["text"]}],
             "metadata": {"turn": m["turn"], "finish_reason": m["finish_reason"]},
         }
         for m in page

@@ -20,7 +20,7 @@
 "use strict";
 
 export const VERSION = "0.1.0";
-export const KINDS = Object.freeze(["token", "done", "error", "presence", "gap", "meta", "reset"]);
+export const KINDS = Object.freeze(["token", "part", "done", "error", "presence", "gap", "meta", "reset"]);
 
 // ---------------------------------------------------------------- SHA-256 (sync, pure)
 
@@ -136,11 +136,132 @@ export class SseParser {
 
 // ---------------------------------------------------------------- continuity (pure)
 
-/** The first offset a frame covers: its own, or for a merged token frame `meta.from`. */
+/** The first offset a frame covers: its own, or for a merged frame (text, or one part's
+ * deltas) `meta.from`. */
 export function firstOffset(frame) {
   const m = frame.meta;
-  if (frame.kind === "token" && m && typeof m.merged === "number" && typeof m.from === "number") return m.from;
+  if ((frame.kind === "token" || frame.kind === "part") && m && typeof m.merged === "number" && typeof m.from === "number") return m.from;
   return frame.offset;
+}
+
+// ---------------------------------------------------------------- parts (pure)
+// A reply's parts besides its text (docs/PROTOCOL.md, "Parts"; the same rules as
+// relay/protocol/parts.py): reasoning and tool calls stream (start, delta..., end), tool
+// results, sources, usage and data-<name> parts are one frame whose text is JSON.
+
+const STREAMED = new Set(["reasoning", "tool-call"]);
+const WHOLE = new Set(["tool-result", "source", "usage"]);
+const PART_ID = /^[!-~]{1,128}$/;
+const DATA_PART = /^data-[A-Za-z0-9_-]{1,64}$/;
+
+/** A part frame that would corrupt the transcript (the message says why). */
+export class PartError extends Error {}
+
+const isJson = (text) => { try { JSON.parse(text); return true; } catch { return false; } };
+
+/** A part frame's meta read and checked: {part, id, phase, name, summary, error}. */
+export function framePart(meta) {
+  if (!meta || typeof meta !== "object") throw new PartError("a part frame carries its part in meta");
+  const { part, id, phase } = meta;
+  if (typeof part !== "string" || !(STREAMED.has(part) || WHOLE.has(part) || DATA_PART.test(part))) {
+    throw new PartError(`unknown part type ${JSON.stringify(part)}`);
+  }
+  if (typeof id !== "string" || !PART_ID.test(id)) throw new PartError(`a part's id must be 1..128 printable ASCII characters, no space`);
+  if (STREAMED.has(part) && !["start", "delta", "end"].includes(phase)) throw new PartError(`a ${part} part streams: phase start, delta or end`);
+  if (!STREAMED.has(part) && phase !== undefined && phase !== null) throw new PartError(`a ${part} part is whole: it has no phase`);
+  let name = meta.name ?? "";
+  if ((part === "tool-call" && phase === "start") || part === "tool-result" || name) {
+    if (typeof name !== "string" || !PART_ID.test(name)) throw new PartError("a tool's name must be 1..128 printable ASCII characters");
+  }
+  return { part, id, phase: STREAMED.has(part) ? phase : null, name, summary: meta.summary === true, error: meta.error === true };
+}
+
+/** One turn's parts in the order they started; `apply` refuses (PartError, nothing
+ * changed) what Python's relay.protocol.parts.Parts refuses. `records`: [{part, id,
+ * name, text, done, summary, error}]; `stored()`: text runs and parts in order. */
+export class Parts {
+  constructor() { this.records = []; this.closed = false; this.byKey = new Map(); this.order = []; }
+
+  get(part, id) { return this.byKey.get(`${part}\n${id}`) || null; }
+
+  text(delta) {
+    const last = this.order[this.order.length - 1];
+    if (last && last.text !== undefined && last.part === undefined) last.text += delta;
+    else if (delta) this.order.push({ text: delta });
+  }
+
+  apply(ref, text, offset = 0) {
+    if (this.closed) throw new PartError(`${ref.part} ${ref.id} after the turn ended`);
+    const p = this.get(ref.part, ref.id);
+    if (!STREAMED.has(ref.part)) {
+      if (p) throw new PartError(`${ref.part} ${ref.id} was already written`);
+      if (ref.part === "tool-result") {
+        const call = this.get("tool-call", ref.id);
+        if (!call || !call.done) throw new PartError(`tool-result for call ${ref.id}, which the turn has not finished`);
+      }
+      if (!isJson(text)) throw new PartError(`${ref.part} ${ref.id}: its value is not valid JSON`);
+      return this.add({ part: ref.part, id: ref.id, name: ref.name, text, done: true, summary: false, error: ref.error, offset });
+    }
+    if (ref.phase === "start") {
+      if (p) throw new PartError(`${ref.part} ${ref.id} was already started`);
+      if (text) throw new PartError(`a ${ref.part} start carries no text; deltas do`);
+      return this.add({ part: ref.part, id: ref.id, name: ref.name, text: "", done: false, summary: ref.summary, error: false, offset });
+    }
+    if (!p) throw new PartError(`${ref.phase} for ${ref.part} ${ref.id}, which was never started`);
+    if (p.done) throw new PartError(`${ref.phase} for ${ref.part} ${ref.id}, which already ended`);
+    if (ref.phase === "delta") { p.text += text; return p; }
+    if (text) throw new PartError(`a ${ref.part} end carries no text; deltas do`);
+    if (ref.part === "tool-call" && !isJson(p.text)) throw new PartError(`tool-call ${ref.id} (${p.name}): its arguments are not valid JSON`);
+    p.done = true;
+    return p;
+  }
+
+  close() { this.closed = true; }
+
+  add(p) {
+    if (this.records.length >= 4096) throw new PartError("more than 4096 parts in one turn");
+    this.records.push(p);
+    this.byKey.set(`${p.part}\n${p.id}`, p);
+    this.order.push(p);
+    return p;
+  }
+
+  stored() {
+    if (!this.records.length) return [];
+    return this.order.map((x) => {
+      if (x.part === undefined) return { type: "text", text: x.text };
+      const d = { type: x.part, id: x.id, text: x.text };
+      if (x.name) d.name = x.name;
+      if (x.summary) d.summary = true;
+      if (x.error) d.error = true;
+      if (!x.done) d.done = false;
+      return d;
+    });
+  }
+
+  static fromStored(stored) {
+    const ps = new Parts();
+    for (const d of Array.isArray(stored) ? stored : []) {
+      if (!d || typeof d !== "object" || typeof (d.text ?? "") !== "string") continue;
+      if (d.type === "text") { ps.text(d.text); continue; }
+      if (typeof d.type !== "string" || !(STREAMED.has(d.type) || WHOLE.has(d.type) || DATA_PART.test(d.type))) continue;
+      if (typeof d.id !== "string" || ps.get(d.type, d.id)) continue;
+      ps.add({ part: d.type, id: d.id, name: d.name || "", text: d.text ?? "", done: d.done !== false, summary: d.summary === true, error: d.error === true, offset: 0 });
+    }
+    ps.closed = true;
+    return ps;
+  }
+}
+
+/** Hex SHA-256 over the parts in the order they started (docs/PROTOCOL.md, "Parts"). */
+export function partsDigest(records) {
+  const enc = new TextEncoder();
+  let all = "";
+  for (const p of records) {
+    const name = p.summary ? "summary" : p.name || "";
+    all += `${p.part}\x1f${p.id}\x1f${name}\x1f${enc.encode(p.text).length}\x1f${p.text}`;
+  }
+  return sha256Hex(all);
 }
 
 /** Checks one session's frames: in order, none twice, none missing, merged frames
@@ -159,7 +280,8 @@ export class Continuity {
   constructor(from = null, gen = null) {
     this.last = from === undefined ? null : from;  // last offset delivered; null: none yet
     this.gen = gen || null;  // generation of the frames delivered; null: not known yet
-    this.turns = new Map();  // turn -> {text, whole}: text seen since the turn's meta frame
+    this.turns = new Map();  // turn -> {text, whole, parts}: seen since the turn's meta frame
+    this.ended = new Set();  // turns whose terminal frame came (a part after it is refused)
     this.duplicates = 0;
     this.problems = 0;
   }
@@ -184,6 +306,7 @@ export class Continuity {
     if (frame.kind === "presence") return this.done(true, problems);  // outside the offsets
     if (frame.kind === "reset") {  // a new generation: offsets start again at 1, turns at 1
       this.turns.clear();
+      this.ended.clear();
       this.last = frame.offset;
       return this.done(true, problems);
     }
@@ -191,7 +314,7 @@ export class Continuity {
       this.duplicates += 1;
       return { deliver: false, problems };
     }
-    if (frame.kind === "token" && frame.meta && typeof frame.meta.merged === "number") {
+    if ((frame.kind === "token" || frame.kind === "part") && frame.meta && typeof frame.meta.merged === "number") {
       if (frame.meta.merged !== frame.offset - first + 1) {
         problems.push({ reason: "merge", from: first, to: frame.offset, turn: frame.turn,
           detail: `meta.merged ${frame.meta.merged} but meta.from..offset covers ${frame.offset - first + 1}` });
@@ -206,15 +329,37 @@ export class Continuity {
       if (t) t.whole = false;
     }
     this.last = frame.offset;
+    if (frame.kind === "part") {  // one that would corrupt its turn's parts is not delivered
+      const refused = this.refusePart(frame);
+      if (refused) { problems.push(refused); return this.done(false, problems); }
+    }
     this.track(frame, problems);
     return this.done(true, problems);
   }
 
+  refusePart(frame) {
+    try {
+      const ref = framePart(frame.meta);
+      if (this.ended.has(frame.turn)) throw new PartError(`${ref.part} ${ref.id} after turn ${frame.turn} ended`);
+      const t = this.turns.get(frame.turn);
+      if (t && t.whole) t.parts.apply(ref, frame.text || "", frame.offset);
+    } catch (e) {
+      if (!(e instanceof PartError)) throw e;
+      return { reason: "part", from: frame.offset, to: frame.offset, turn: frame.turn, detail: e.message };
+    }
+    return null;
+  }
+
   track(frame, problems) {
     if (frame.kind === "meta") {
-      this.turns.set(frame.turn, { text: "", whole: true });
+      this.turns.set(frame.turn, { text: "", whole: true, parts: new Parts() });
+      this.ended.delete(frame.turn);
       while (this.turns.size > 8) this.turns.delete(this.turns.keys().next().value);
       return;
+    }
+    if (frame.kind === "done" || frame.kind === "error") {
+      this.ended.add(frame.turn);
+      while (this.ended.size > 8) this.ended.delete(this.ended.values().next().value);
     }
     const t = this.turns.get(frame.turn);
     if (!t) return;  // joined mid-turn: the turn's text cannot be checked
@@ -222,7 +367,7 @@ export class Continuity {
     if (frame.kind !== "done" && frame.kind !== "error") return;
     this.turns.delete(frame.turn);
     if (frame.kind !== "done" || !t.whole) return;
-    const problem = checkDone(frame, t.text);
+    const problem = checkDone(frame, t.text, t.parts);
     if (problem) problems.push(problem);
   }
 
@@ -234,9 +379,13 @@ export class Continuity {
 
 /** The done frame's integrity fields against the text received; null when they agree
  * or are absent. */
-export function checkDone(frame, text) {
+export function checkDone(frame, text, parts = null) {
   const m = frame.meta || {};
   const wrong = [];
+  const records = parts ? parts.records : [];
+  const count = typeof m.parts === "number" ? m.parts : 0;
+  if (count !== records.length) wrong.push(`parts ${records.length} != ${count}`);
+  if (typeof m.parts_sha256 === "string" && partsDigest(records) !== m.parts_sha256.toLowerCase()) wrong.push("parts_sha256 differs");
   if (typeof m.chars === "number" && codePoints(text) !== m.chars) wrong.push(`chars ${codePoints(text)} != ${m.chars}`);
   if (typeof m.sha256 === "string" && sha256Hex(text) !== m.sha256.toLowerCase()) wrong.push("sha256 differs");
   if (!wrong.length) return null;
@@ -250,18 +399,22 @@ export function checkDone(frame, text) {
  * it first drops turns N and later: a regenerate or an edit replaced them), tokens
  * append, `done` ends it (`finish` = its finish_reason, "cancelled" for a stopped
  * reply), `error` ends it with `finish` "error", `reset` clears everything.
- * `entries`: [{turn, role, text, id, finish, error}]; `history()`: what the worker
- * stores (failed turns left out). */
+ * A `part` frame adds to or extends one of the reply's parts (`entry.parts`, a Parts:
+ * `.records` in the order they started, `.stored()` text and parts in order); one that
+ * does not fit changes nothing and its reason goes to `refused`.
+ * `entries`: [{turn, role, text, id, finish, error, parts}]; `history()`: what the worker
+ * stores (failed turns left out; `parts` for a reply with parts). */
 export class Transcript {
   constructor(session) {
     this.session = session;
     this.entries = [];
+    this.refused = [];  // why each refused part frame was refused
   }
 
   load(page) {
     this.entries = (page.messages || []).map((m) => ({
       turn: Number.isInteger(m.turn) ? m.turn : 0, role: m.role, text: m.text ?? "",
-      id: m.id ?? null, finish: m.finish_reason ?? null, error: null,
+      id: m.id ?? null, finish: m.finish_reason ?? null, error: null, parts: Parts.fromStored(m.parts),
     }));
   }
 
@@ -271,23 +424,51 @@ export class Transcript {
     if (frame.kind === "meta" && frame.turn > 0) {
       if (Number.isInteger(meta.replaces)) this.entries = this.entries.filter((e) => e.turn < meta.replaces);
       if (!this.reply(frame.turn)) {
-        this.entries.push({ turn: frame.turn, role: "user", text: String(meta.message ?? ""), id: meta.message_id ?? null, finish: null, error: null });
+        this.entries.push({ turn: frame.turn, role: "user", text: String(meta.message ?? ""), id: meta.message_id ?? null, finish: null, error: null, parts: new Parts() });
         this.open(frame.turn);
       }
       return;
     }
-    if (frame.kind === "token") { (this.reply(frame.turn) || this.open(frame.turn)).text += frame.text || ""; return; }
-    if (frame.kind === "done") { (this.reply(frame.turn) || this.open(frame.turn)).finish = meta.finish_reason || "stop"; return; }
+    if (frame.kind === "token") {
+      const r = this.reply(frame.turn) || this.open(frame.turn);
+      r.text += frame.text || "";
+      r.parts.text(frame.text || "");
+      return;
+    }
+    if (frame.kind === "part") {
+      const r = this.reply(frame.turn) || this.open(frame.turn);
+      try {
+        const ref = framePart(frame.meta);
+        if (r.finish !== null) throw new PartError(`${ref.part} ${ref.id} after the reply ended`);
+        r.parts.apply(ref, frame.text || "", frame.offset);
+      } catch (e) {
+        if (!(e instanceof PartError)) throw e;
+        this.refused.push(e.message);
+      }
+      return;
+    }
+    if (frame.kind === "done") {
+      const r = this.reply(frame.turn) || this.open(frame.turn);
+      r.finish = meta.finish_reason || "stop";
+      r.parts.close();
+      return;
+    }
     if (frame.kind === "error" && frame.turn > 0) {
       const r = this.reply(frame.turn) || this.open(frame.turn);
       r.finish = "error";
       r.error = frame.text || "the turn failed";
+      r.parts.close();
     }
   }
 
   history() {
     const failed = new Set(this.entries.filter((e) => e.finish === "error").map((e) => e.turn));
-    return this.entries.filter((e) => !failed.has(e.turn)).map((e) => ({ role: e.role, content: e.text, turn: e.turn }));
+    return this.entries.filter((e) => !failed.has(e.turn)).map((e) => {
+      const m = { role: e.role, content: e.text, turn: e.turn };
+      const parts = e.parts ? e.parts.stored() : [];
+      if (parts.length) m.parts = parts;
+      return m;
+    });
   }
 
   reply(turn) {
@@ -299,7 +480,7 @@ export class Transcript {
   }
 
   open(turn) {
-    const e = { turn, role: "assistant", text: "", id: `${this.session}-${turn}`, finish: null, error: null };
+    const e = { turn, role: "assistant", text: "", id: `${this.session}-${turn}`, finish: null, error: null, parts: new Parts() };
     this.entries.push(e);
     return e;
   }

@@ -27,6 +27,14 @@ async function handle(cmd) {
     turn.write(String(cmd.text));
     return { ok: true };
   }
+  if (op === 'part') { // one part frame: phase start, delta, end, or a whole part (no phase)
+    const { part, id, phase } = cmd;
+    if (phase === 'start') turn.partStart(part, id, { name: cmd.name ?? '', summary: !!cmd.summary });
+    else if (phase === 'delta') turn.partDelta(part, id, String(cmd.text));
+    else if (phase === 'end') turn.partEnd(part, id);
+    else turn.part(part, id, cmd.value, { name: cmd.name ?? '', error: !!cmd.error });
+    return { ok: true };
+  }
   if (op === 'done') {
     return { ok: true, offset: await turn.done({ finishReason: cmd.finish_reason ?? 'stop', usage: cmd.usage ?? null }) };
   }

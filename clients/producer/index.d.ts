@@ -134,6 +134,25 @@ export class Turn {
   readonly signal: AbortSignal;
   /** Append one delta (never waits). Throws TurnClosed, FrameTooLarge, LockLost, StaleEpoch, RedisUnreachable. */
   write(text: string, meta?: Record<string, unknown>): void;
+  /** The reply's parts so far (docs/PROTOCOL.md, "Parts"), in the order they started. */
+  readonly parts: { records: PartRecord[] };
+  /** Append to the reasoning part being written (a new one when none is); its id. */
+  reasoning(text: string, opts?: { summary?: boolean; id?: string | null }): string;
+  endReasoning(): void;
+  toolCallStart(id: string, name: string): void;
+  toolCallDelta(id: string, args: string): void;
+  toolCallEnd(id: string): void;
+  /** The complete call (arguments checked as JSON before anything is written). */
+  toolCall(id: string, name: string, args: string | Record<string, unknown>): void;
+  toolResult(id: string, output: unknown, opts?: { error?: boolean }): void;
+  source(url: string, opts?: { title?: string; id?: string }): string;
+  usage(u: Usage, opts?: { id?: string }): string;
+  /** An application's own part `data-<name>`. */
+  data(name: string, value: unknown, opts?: { id?: string }): string;
+  partStart(part: 'reasoning' | 'tool-call', id: string, opts?: { name?: string; summary?: boolean }): void;
+  partDelta(part: 'reasoning' | 'tool-call', id: string, text: string): void;
+  partEnd(part: 'reasoning' | 'tool-call', id: string): void;
+  part(part: string, id: string, value: unknown, opts?: { name?: string; error?: boolean }): void;
   /** Wait until every delta written is in Redis. */
   flush(): Promise<void>;
   /** End with done (tokens, chars, sha256, usage, finish_reason); resolves to its offset. */
@@ -168,7 +187,14 @@ type Source<T> = AsyncIterable<T> | ReadableStream<T>;
 export function pipeText(turn: Turn, source: Source<string>): Promise<number>;
 export function pipeStreamText(turn: Turn, result: StreamTextLike): Promise<number>;
 export function pipeUIMessageStream(turn: Turn, stream: Source<UIChunkLike>): Promise<number>;
-export function pipe(turn: Turn, source: StreamTextLike | Source<string> | Source<UIChunkLike>): Promise<number>;
+export function pipe(turn: Turn, source: StreamTextLike | Source<string> | Source<UIChunkLike> | Source<ChatChunkLike>): Promise<number>;
+/** The openai SDK's chat-completion chunks (content, reasoning_content, tool_calls). */
+export function pipeChatCompletion(turn: Turn, stream: Source<ChatChunkLike>): Promise<number>;
+export interface ChatChunkLike { choices: { index?: number; delta?: Record<string, unknown>; finish_reason?: string | null }[]; usage?: Usage | null }
+/** One part of a reply as the producer wrote it. */
+export interface PartRecord { part: string; id: string; name: string; text: string; done: boolean; summary: boolean; error: boolean }
+/** Hex SHA-256 of a reply's parts (the done frame's parts_sha256). */
+export function partsDigest(records: PartRecord[]): string;
 
 export class ProducerError extends Error {
   readonly code: string;
@@ -177,6 +203,8 @@ export class InvalidSession extends ProducerError { readonly code: 'invalid_sess
 export class FrameTooLarge extends ProducerError {
   readonly code: 'frame_too_large'; readonly session: string; readonly size: number; readonly limit: number;
 }
+/** A part that would corrupt the transcript (nothing of it was written). */
+export class PartError extends ProducerError { readonly code: 'invalid_part'; }
 export class TurnClosed extends ProducerError { readonly code: 'turn_closed'; readonly session: string; readonly turn: number; }
 export class RedisUnreachable extends ProducerError { readonly code: 'redis_unreachable'; }
 export class StaleEpoch extends ProducerError {

@@ -14,7 +14,8 @@ Lets the whole stack run without a GPU. The simulation itself is pure and lives 
    ``x-prompt-tokens``, ``x-prefill-s``, sleep the prefill time of the *uncached* tokens,
    then stream one token per ``1/decode_tok_per_s`` seconds as OpenAI
    ``chat.completion.chunk`` SSE events (the first one also carries a non-standard
-   ``"tokenrelay"`` object with the same metadata), a final chunk with
+   ``"tokenrelay"`` object with the same metadata; reasoning and tool calls:
+   ``devstack.mockengine.parts``), a final chunk with
    ``finish_reason``, an optional usage chunk (``stream_options.include_usage``), and
    ``data: [DONE]``. The prompt and reply blocks are then in the cache. The reply is a
    function of the prompt (the same prompt, the same reply), and of the request header
@@ -40,7 +41,6 @@ import asyncio
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,9 +49,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import generate_latest
 
+from devstack.mockengine import parts as mp
 from devstack.mockengine import prefix_cache as pc
 from devstack.mockengine.kvpub import KVEventPublisher
 from devstack.mockengine.reply_length import ReplyLength
+from devstack.mockengine.request import ChatRequest, RequestError, parse_chat, reply_seed
 from relay.protocol import sse
 from relay.service import runtime
 from worker.engines.client import REPLY_SEED_HEADER
@@ -128,24 +130,6 @@ class FifoGate:
                 fut.set_result(None)
                 return
         self.running -= 1
-
-
-class _RequestError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-
-
-@dataclass(frozen=True, slots=True)
-class _ChatRequest:
-    model: str
-    messages: list[Mapping[str, object]]
-    stream: bool
-    max_tokens: int
-    include_usage: bool
-    seed: int | None = None  # X-Reply-Seed
 
 
 class _Metrics:
@@ -236,47 +220,6 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
 
-def _parse_chat(raw: bytes, cfg: EngineConfig) -> _ChatRequest:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise _RequestError(400, f"malformed JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise _RequestError(400, "body must be a JSON object")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _RequestError(400, "'messages' must be a non-empty list", "messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise _RequestError(400, f"messages[{i}] needs a string 'role'", "messages")
-        if not isinstance(m.get("content"), str | list):
-            raise _RequestError(400, f"messages[{i}] needs 'content'", "messages")
-    model = body.get("model", cfg.model)
-    if not isinstance(model, str):
-        raise _RequestError(400, "'model' must be a string", "model")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise _RequestError(400, "'stream' must be a boolean", "stream")
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
-    if max_tokens is None:
-        max_tokens = cfg.reply.max_tokens
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise _RequestError(400, "'max_tokens' must be a positive integer", "max_tokens")
-    opts = body.get("stream_options")
-    include_usage = isinstance(opts, dict) and opts.get("include_usage") is True
-    return _ChatRequest(model, messages, stream, max_tokens, include_usage)
-
-
-def _seed(value: str) -> int:
-    """The ``X-Reply-Seed`` header's integer; 400 for anything else."""
-    try:
-        if len(value) > 20:
-            raise ValueError(value)
-        return int(value, 10)
-    except ValueError:
-        raise _RequestError(400, f"{REPLY_SEED_HEADER} must be an integer") from None
-
-
 def _sse(obj: object) -> bytes:
     return sse.event(orjson.dumps(obj))
 
@@ -295,11 +238,11 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     except web.HTTPRequestEntityTooLarge:
         return _error(413, f"request body larger than {cfg.max_body_bytes} bytes")
     try:
-        req = _parse_chat(raw, cfg)
+        req = parse_chat(raw, cfg.model, cfg.reply.max_tokens)
         seed = request.headers.get(REPLY_SEED_HEADER)
         if seed is not None:
-            req = replace(req, seed=_seed(seed))
-    except _RequestError as exc:
+            req = replace(req, seed=reply_seed(seed))
+    except RequestError as exc:
         return _error(exc.status, exc.message, exc.param)
 
     finished = "abort"
@@ -320,7 +263,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 
 async def _generate(
-    request: web.Request, engine: MockEngine, req: _ChatRequest
+    request: web.Request, engine: MockEngine, req: ChatRequest
 ) -> tuple[web.StreamResponse, str]:
     cfg = engine.cfg
     tokens = pc.prompt_tokens(req.messages)
@@ -333,6 +276,9 @@ async def _generate(
     pieces, finish = pc.reply_pieces(
         tokens, req.max_tokens, min_len=natural, max_len=natural, seed=req.seed
     )
+    pieces, finish = mp.cut_at_stop(pieces, finish, req.body.get("stop"))
+    todo = mp.plan(req.body, req.messages, tokens)  # reasoning and tool calls (no text)
+    pieces, finish = ([], "tool_calls") if todo.calls else (pieces, finish)
     meta = {
         "engine_id": cfg.engine_id,
         "cached_tokens": cached,
@@ -347,8 +293,8 @@ async def _generate(
     }
     usage = {
         "prompt_tokens": len(tokens),
-        "completion_tokens": len(pieces),
-        "total_tokens": len(tokens) + len(pieces),
+        "completion_tokens": len(pieces) + len(todo.reasoning),
+        "total_tokens": len(tokens) + len(pieces) + len(todo.reasoning),
         "prompt_tokens_details": {"cached_tokens": cached},
     }
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -367,7 +313,7 @@ async def _generate(
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": "".join(pieces)},
+                    "message": mp.message(pieces, todo),
                     "finish_reason": finish,
                 }
             ],
@@ -384,7 +330,7 @@ async def _generate(
     )
     await resp.prepare(request)
 
-    def chunk(delta: dict[str, str], reason: str | None = None) -> dict[str, object]:
+    def chunk(delta: dict[str, Any], reason: str | None = None) -> dict[str, object]:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
         return {
             "id": rid,
@@ -401,20 +347,14 @@ async def _generate(
         first["tokenrelay"] = meta
         await resp.write(_sse(first))
         t_first = time.monotonic()
-        for i, piece in enumerate(pieces):
+        for i, delta in enumerate(mp.deltas(pieces, todo)):
             await _sleep_until(t_first + i * step)
-            await resp.write(_sse(chunk({"content": piece})))
+            await resp.write(_sse(chunk(delta)))
             engine.metrics.generation_tokens.inc()
         await resp.write(_sse(chunk({}, finish)))
         if req.include_usage:
-            tail = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": req.model,
-                "choices": [],
-                "usage": usage,
-            }
+            tail = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                    "model": req.model, "choices": [], "usage": usage}  # fmt: skip
             await resp.write(_sse(tail))
         await resp.write(sse.DONE)
         _finish_cache(engine, tokens, pieces)

@@ -18,7 +18,13 @@ The same rules as the browser client (clients/js/tokenrelay.js):
   an offset of an older generation from one of the current;
 - for a turn watched from its ``meta`` frame, the ``done`` frame's ``meta.chars``
   (Unicode code points) and ``meta.sha256`` (hex SHA-256 of the UTF-8 reply) are
-  compared with the text received, when present: ``integrity``.
+  compared with the text received, and its ``meta.parts`` / ``meta.parts_sha256`` with
+  the parts received (:func:`relay.protocol.parts.parts_digest`), when present:
+  ``integrity``;
+- a ``part`` frame that does not fit its turn's parts (an unknown type, a delta for a
+  part never started, a tool call's arguments that are not JSON at its end, a part after
+  the turn's terminal frame: :class:`relay.protocol.parts.Parts`) is not delivered
+  (its offset counts as received): problem ``part``, with the reason.
 
 Order of use: ``c = Continuity(after, gen)``; per decoded frame ``deliver, problems =
 c.accept(frame)``; ``c.last`` and ``c.gen`` to resume; :func:`backoff_s` before each
@@ -34,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from relay.protocol.frame import Frame, first_offset, frame_gen
+from relay.protocol.parts import PartError, Parts, frame_part, parts_digest
 
 __all__ = [
     "Continuity",
@@ -43,7 +50,7 @@ __all__ = [
     "check_done",
 ]
 
-ProblemReason = Literal["gap", "missing", "merge", "overlap", "integrity"]
+ProblemReason = Literal["gap", "missing", "merge", "overlap", "integrity", "part"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +68,7 @@ class Problem:
 class _Turn:
     text: list[str] = field(default_factory=list)
     whole: bool = True
+    parts: Parts = field(default_factory=Parts)
 
 
 class Continuity:
@@ -74,6 +82,7 @@ class Continuity:
         self.duplicates = 0
         self.problems = 0
         self._turns: OrderedDict[int, _Turn] = OrderedDict()
+        self._ended: OrderedDict[int, None] = OrderedDict()  # turns whose terminal frame came
 
     def accept(self, frame: Frame) -> tuple[bool, list[Problem]]:
         """Whether to deliver ``frame``, and the problems it reveals."""
@@ -103,7 +112,7 @@ class Continuity:
             self.duplicates += 1
             return False, problems
         first = first_offset(frame)
-        merged = (frame.meta or {}).get("merged") if frame.kind == "token" else None
+        merged = (frame.meta or {}).get("merged") if frame.kind in ("token", "part") else None
         if isinstance(merged, int) and merged != frame.offset - first + 1:
             problems.append(
                 Problem("merge", first, frame.offset, frame.turn,
@@ -123,15 +132,37 @@ class Continuity:
             if (t := self._turns.get(frame.turn)) is not None:
                 t.whole = False
         self.last = frame.offset
+        if frame.kind == "part" and (refused := self._refuse_part(frame)) is not None:
+            problems.append(refused)  # its offset is consumed: a resume does not ask again
+            return self._done(False, problems)
         self._track(frame, problems)
         return self._done(True, problems)
+
+    def _refuse_part(self, frame: Frame) -> Problem | None:
+        """A part frame that would corrupt its turn's parts, as a problem (such a frame
+        is never delivered)."""
+        try:
+            ref = frame_part(frame.meta)
+            if frame.turn in self._ended:
+                raise PartError(f"{ref.part} {ref.id!r} after turn {frame.turn} ended")
+            t = self._turns.get(frame.turn)
+            if t is not None and t.whole:
+                t.parts.apply(ref, frame.text, frame.offset)
+        except PartError as exc:
+            return Problem("part", frame.offset, frame.offset, frame.turn, str(exc))
+        return None
 
     def _track(self, frame: Frame, problems: list[Problem]) -> None:
         if frame.kind == "meta":
             self._turns[frame.turn] = _Turn()
+            self._ended.pop(frame.turn, None)
             while len(self._turns) > self.MAX_TURNS:
                 self._turns.popitem(last=False)
             return
+        if frame.kind in ("done", "error"):
+            self._ended[frame.turn] = None
+            while len(self._ended) > self.MAX_TURNS:
+                self._ended.popitem(last=False)
         t = self._turns.get(frame.turn)
         if t is None:
             return  # joined mid-turn: its text cannot be checked
@@ -142,7 +173,7 @@ class Continuity:
             return
         del self._turns[frame.turn]
         if frame.kind == "done" and t.whole:
-            problem = check_done(frame, "".join(t.text))
+            problem = check_done(frame, "".join(t.text), t.parts)
             if problem is not None:
                 problems.append(problem)
 
@@ -155,11 +186,19 @@ class Continuity:
         return deliver, problems
 
 
-def check_done(frame: Frame, text: str) -> Problem | None:
-    """The done frame's ``chars`` / ``sha256`` against ``text``; None if they agree or
-    are absent."""
+def check_done(frame: Frame, text: str, parts: Parts | None = None) -> Problem | None:
+    """The done frame's ``chars`` / ``sha256`` against ``text`` and its ``parts`` /
+    ``parts_sha256`` against ``parts`` (none: a turn without parts); None if they agree
+    or are absent."""
     m = frame.meta or {}
     wrong: list[str] = []
+    records = parts.records if parts is not None else []
+    count = m.get("parts", 0)
+    if isinstance(count, int) and not isinstance(count, bool) and count != len(records):
+        wrong.append(f"parts {len(records)} != {count}")
+    pdigest = m.get("parts_sha256")
+    if isinstance(pdigest, str) and parts_digest(records) != pdigest.lower():
+        wrong.append("parts_sha256 differs")
     chars = m.get("chars")
     if isinstance(chars, int) and not isinstance(chars, bool) and chars != len(text):
         wrong.append(f"chars {len(text)} != {chars}")  # a str's len counts code points

@@ -21,7 +21,14 @@ Errors: :mod:`relay.producer.errors` (one type per cause). Conformance:
 
 from __future__ import annotations
 
-from relay.producer.adapters import pipe, pipe_chat_completion, pipe_responses, pipe_text
+from relay.producer.adapters import (
+    ChatParts,
+    pipe,
+    pipe_chat_completion,
+    pipe_langchain,
+    pipe_responses,
+    pipe_text,
+)
 from relay.producer.base import CANCELLED, MAX_DELTA_BYTES, StopReason, Usage
 from relay.producer.coalesce import DEFAULT_POLICY, CoalescePolicy
 from relay.producer.errors import (
@@ -37,16 +44,19 @@ from relay.producer.errors import (
 from relay.producer.presence import PresencePolicy
 from relay.producer.session import Claim, Producer, Session
 from relay.producer.turn import Turn
+from relay.protocol.parts import PartError
 
 __all__ = [
     "CANCELLED",
     "DEFAULT_POLICY",
     "MAX_DELTA_BYTES",
+    "ChatParts",
     "Claim",
     "CoalescePolicy",
     "FrameTooLarge",
     "InvalidSession",
     "LockLost",
+    "PartError",
     "PresencePolicy",
     "Producer",
     "ProducerError",
@@ -60,6 +70,7 @@ __all__ = [
     "Usage",
     "pipe",
     "pipe_chat_completion",
+    "pipe_langchain",
     "pipe_responses",
     "pipe_text",
 ]

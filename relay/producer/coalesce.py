@@ -9,7 +9,11 @@ concatenation of the frames is still the reply) when either
 * ``max_tokens`` texts are pending (N), or
 * the oldest pending text has waited ``max_delay_s`` (T),
 
-whichever comes first. ``first_immediate`` flushes the first token of a turn at once, so
+whichever comes first. A reply's parts (:mod:`relay.protocol.parts`) go through the same
+pump, so that every frame of a turn keeps the order it was written in: one part's deltas
+coalesce like text (a run of them is one frame), and a change of what is pending (text
+to a part's deltas, one part to another) or a part's ``start``, ``end`` or whole frame
+first flushes what is pending. ``first_immediate`` flushes the first token of a turn at once, so
 coalescing never adds to the time to first token. ``bench/pubsub/coalesce.py`` measures Redis
 operations per token against the added delay; docs/WORKER.md has the numbers and the
 reason for :data:`DEFAULT_POLICY`.
@@ -31,7 +35,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -69,11 +73,14 @@ DEFAULT_POLICY: Final = CoalescePolicy(max_tokens=8, max_delay_s=0.05)
 @dataclass(frozen=True, slots=True)
 class Batch:
     """Texts to publish as one frame: ``text`` is their concatenation, ``count`` how many
-    engine tokens it holds, ``waits`` how long each text sat in the buffer (seconds)."""
+    engine tokens it holds, ``waits`` how long each text sat in the buffer (seconds).
+    ``part``: the part frame's meta for a part's deltas or frame (None: the reply's
+    text); ``count`` is 0 for a part's ``start``, ``end`` or whole frame."""
 
     text: str
     count: int
     waits: tuple[float, ...]
+    part: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -84,12 +91,22 @@ class Coalescer:
     _texts: list[str] = field(default_factory=list)
     _arrivals: list[float] = field(default_factory=list)
     _seen: int = 0
+    _part: dict[str, Any] | None = None  # what is pending: None text, else a part's delta
     flushes: int = 0
     tokens: int = 0
 
     @property
     def pending(self) -> int:
         return len(self._texts)
+
+    def switch(self, part: dict[str, Any] | None, now: float) -> Batch | None:
+        """The next texts are ``part``'s deltas (None: the reply's text): what is pending
+        of anything else, as a batch to publish first."""
+        if part == self._part:
+            return None
+        batch = self._take(now) if self._texts else None
+        self._part = part
+        return batch
 
     def push(self, text: str, now: float) -> Batch | None:
         """Add one engine token; return the batch to publish if the count rule fired."""
@@ -123,7 +140,10 @@ class Coalescer:
 
     def _take(self, now: float) -> Batch:
         batch = Batch(
-            "".join(self._texts), len(self._texts), tuple(now - t for t in self._arrivals)
+            "".join(self._texts),
+            len(self._texts),
+            tuple(now - t for t in self._arrivals),
+            self._part,
         )
         self._texts.clear()
         self._arrivals.clear()
@@ -153,13 +173,26 @@ class TokenPump:
         self.published_batches = 0
         self.waits: list[float] = []
 
-    def push(self, text: str) -> None:
-        """Queue one token text (never blocks)."""
+    def push(self, text: str, part: dict[str, Any] | None = None) -> None:
+        """Queue one token text, or one delta of ``part`` (never blocks)."""
         if self._closed:
             raise RuntimeError("push after close")
-        batch = self._core.push(text, self._clock())
+        now = self._clock()
+        if (before := self._core.switch(part, now)) is not None:
+            self._ready.append(before)
+        batch = self._core.push(text, now)
         if batch is not None:
             self._ready.append(batch)
+        self._wake.set()
+
+    def put(self, part: dict[str, Any], text: str = "") -> None:
+        """Queue one frame of a part as it is (a ``start``, an ``end``, a whole part),
+        after everything pending (never blocks)."""
+        if self._closed:
+            raise RuntimeError("push after close")
+        if (before := self._core.flush(self._clock())) is not None:
+            self._ready.append(before)
+        self._ready.append(Batch(text, 0, (), part))
         self._wake.set()
 
     def close(self) -> None:

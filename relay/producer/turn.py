@@ -1,5 +1,5 @@
-"""One turn being written: its deltas through the coalescing pump, its guard (lock
-refresh, stop record, viewers), its one terminal frame. Opened by
+"""One turn being written: its deltas and parts through the coalescing pump, its guard
+(lock refresh, stop record, viewers), its one terminal frame. Opened by
 :meth:`relay.producer.session.Claim.open`; the rules are :mod:`relay.producer.session`'s."""
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ from relay.producer.integrity import reply_integrity
 from relay.producer.lock import LockState
 from relay.producer.lock import refresh as lock_refresh
 from relay.producer.lock import release as lock_release
+from relay.producer.parts import TurnParts
 from relay.producer.presence import PresencePolicy, follow_presence
 
 __all__ = ["Turn"]
 
 
-class Turn:
+class Turn(TurnParts):
     """One turn being written. :meth:`write` the deltas, then :meth:`done` or
     :meth:`error` (or use it as ``async with``: an exception ends it with ``error``, a
     clean exit with ``done``)."""
@@ -69,6 +70,7 @@ class Turn:
         self._stopped = asyncio.Event()
         self._ended = asyncio.Event()
         self._pump = TokenPump(self._publish_batch, p.coalesce)
+        TurnParts.__init__(self, self._pump, self._check_writable)
         # the task that publishes coalesced deltas; its result is the failure that
         # stopped it (None: it finished)
         self.pump_task: asyncio.Task[RelayError | None] = p.spawn(f"pump:{sid}", self._run_pump())
@@ -106,20 +108,19 @@ class Turn:
     # ---- writing ------------------------------------------------------------------------
 
     def write(self, text: str, meta: Mapping[str, Any] | None = None) -> None:
-        """Append one text delta (never blocks: the pump publishes it, coalesced).
+        """Append one text delta (never blocks: the pump publishes it, coalesced); ends
+        the reasoning part :meth:`reasoning` was writing, if any.
         ``meta`` goes into the ``token`` frame that carries this delta (the first token's
         ``ttft_ms``, say). Raises :class:`TurnClosed`, :class:`FrameTooLarge` (a delta
         over :data:`MAX_DELTA_BYTES`), :class:`LockLost`, or the failure that stopped
         the pump (:class:`StaleEpoch`, :class:`RedisUnreachable`)."""
-        self._check_open()
-        if self.pump_task.done() and not self.pump_task.cancelled():
-            failed = self.pump_task.result()
-            if failed is not None:
-                raise failed
+        self._check_writable()
         if not isinstance(text, str):
             raise TypeError("a delta is a str")
         if not text:
             return
+        self.end_reasoning()  # the text follows the reasoning :meth:`reasoning` was writing
+        self.parts.text(text)
         size = len(text.encode("utf-8", "surrogatepass"))
         if size > MAX_DELTA_BYTES:
             raise FrameTooLarge(self.sid, size, MAX_DELTA_BYTES)
@@ -127,6 +128,13 @@ class Turn:
             self._pending_meta = {**(self._pending_meta or {}), **meta}
         self.deltas.append(text)
         self._pump.push(text)
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.pump_task.done() and not self.pump_task.cancelled():
+            failed = self.pump_task.result()
+            if failed is not None:
+                raise failed
 
     async def flush(self, timeout_s: float = 5.0) -> None:
         """Close the turn's pump and wait until every delta written is in Redis (a
@@ -154,9 +162,15 @@ class Turn:
         meta: Mapping[str, Any] | None = None,
     ) -> int:
         """End the turn with ``done``: ``meta`` (the caller's fields), ``usage``, then the
-        reply's ``tokens``, ``chars``, ``sha256`` and ``finish_reason`` (:data:`CANCELLED`
-        for a stopped turn). Returns its offset; the lock is given back."""
+        reply's ``tokens``, ``chars``, ``sha256``, its parts' ``parts`` and
+        ``parts_sha256`` (when it has parts) and ``finish_reason`` (:data:`CANCELLED` for a
+        stopped turn). A streamed part still open is ended first (a stopped turn's stay
+        as they are: the reply is partial); a tool call whose arguments are not JSON then
+        raises :class:`relay.protocol.parts.PartError` and the turn stays open (end it
+        with :meth:`error`). Returns its offset; the lock is given back."""
         self._check_open()
+        if finish_reason != CANCELLED:
+            self.end_open_parts()
         try:
             await self.flush()
             body: dict[str, Any] = {
@@ -164,6 +178,7 @@ class Turn:
                 **(usage.meta() if usage is not None else {}),
                 **(meta or {}),
                 **reply_integrity(self.text, len(self.deltas)),
+                **self.parts_integrity(),
                 "finish_reason": finish_reason,
             }
             at = await self._terminal(Draft(kind="done", meta=body), "done")
@@ -201,6 +216,7 @@ class Turn:
         if self.lock_lost:
             raise LockLost(f"session {self.sid}: turn {self.turn} lost its turn lock")
         self._closed = how
+        self.close_parts()
         return (await self.generation.publish([draft]))[0]
 
     async def close(self) -> None:
@@ -237,10 +253,16 @@ class Turn:
     async def _publish_batch(self, b: Batch) -> None:
         if self.lock_lost:
             return  # the stream is no longer ours: publish nothing more
+        text = b.text
+        if b.part is not None:  # a part's frame, or a run of one part's deltas
+            big = len(text.encode("utf-8", "surrogatepass")) > MAX_DELTA_BYTES
+            drafts = [Draft(kind="part", text=c, meta=b.part)
+                      for c in (chunks(text) if big else [text])]  # fmt: skip
+            await self.generation.publish(drafts)
+            return
         meta, self._pending_meta = self._pending_meta, None
         if b.count > 1:
             meta = {**(meta or {}), "n": b.count}
-        text = b.text
         drafts = [Draft(kind="token", text=text, meta=meta)]
         if len(text.encode("utf-8", "surrogatepass")) > MAX_DELTA_BYTES:
             drafts = [Draft(kind="token", text=c, meta=meta if i == 0 else None)

@@ -36,6 +36,7 @@ __all__ = [
     "first_offset",
     "frame_gen",
     "gap_frame",
+    "merge_key",
     "merge_tokens",
     "monotonic_ms",
     "now_ms",
@@ -49,9 +50,9 @@ MAX_INT: Final = (
     2**53 - 1
 )  # offsets and turns: exact in JSON everywhere, = relay.protocol.sse.MAX_OFFSET
 
-Kind = Literal["token", "done", "error", "presence", "gap", "meta", "reset"]
+Kind = Literal["token", "part", "done", "error", "presence", "gap", "meta", "reset"]
 KINDS: Final[frozenset[str]] = frozenset(
-    ("token", "done", "error", "presence", "gap", "meta", "reset")
+    ("token", "part", "done", "error", "presence", "gap", "meta", "reset")
 )
 
 
@@ -61,8 +62,9 @@ class Frame(msgspec.Struct, frozen=True, kw_only=True):
     ``offset`` is the per-session position (1, 2, 3, ... across all turns); it is the
     SSE ``id:`` and the WebSocket resume point. ``turn`` numbers the chat turn that
     produced the frame, ``epoch`` the generation that wrote it (fencing). ``text`` is a
-    token delta for ``token`` frames (the reply is the concatenation), a reason for
-    ``error`` frames. ``meta`` carries kind-specific details (engine, cache hit, TTFT,
+    token delta for ``token`` frames (the reply is the concatenation), a part's delta or
+    value for ``part`` frames (:mod:`relay.protocol.parts`), a reason for ``error``
+    frames. ``meta`` carries kind-specific details (engine, cache hit, TTFT,
     the user's message on ``meta`` frames, the missing range on ``gap`` frames).
     """
 
@@ -198,33 +200,52 @@ def deleted_frame(session: str) -> Frame:
     )
 
 
+def merge_key(frame: Frame) -> tuple[str, ...] | None:
+    """What a frame merges with: ``("token",)`` for text, ``("part", type, id)`` for a
+    part's ``delta`` (only deltas of one part merge: a part's text appends like the
+    reply's), ``None`` for every other frame."""
+    if frame.kind == "token":
+        return ("token",)
+    if frame.kind == "part" and frame.meta and frame.meta.get("phase") == "delta":
+        part, pid = frame.meta.get("part"), frame.meta.get("id")
+        if isinstance(part, str) and isinstance(pid, str):
+            return ("part", part, pid)
+    return None
+
+
 def first_offset(frame: Frame) -> int:
-    """The first offset a frame covers: its own, or for a merged token frame the first
-    of the frames it replaced (``meta["from"]``)."""
-    if frame.meta and frame.kind == "token" and "merged" in frame.meta:
+    """The first offset a frame covers: its own, or for a merged frame (text or a part's
+    deltas) the first of the frames it replaced (``meta["from"]``)."""
+    if frame.meta and "merged" in frame.meta and frame.kind in ("token", "part"):
         return int(frame.meta.get("from", frame.offset))
     return frame.offset
 
 
 def merge_tokens(frames: Sequence[Frame]) -> Frame:
-    """Merge consecutive token frames of one turn into one (text only appends).
+    """Merge consecutive frames of one turn that share a :func:`merge_key` into one (the
+    reply's text, or one part's deltas: text only appends).
 
-    Frames that are themselves merges merge again: the result's ``meta`` is
-    ``{"merged": frames covered, "from": first offset covered}`` (and the frames'
-    ``gen``), cumulative. It carries
-    the offset of the last frame, so a client that resumes from it continues right after
-    everything it received.
+    Frames that are themselves merges merge again: the result's ``meta`` is the last
+    frame's part fields (a part's delta) and ``{"merged": frames covered, "from": first
+    offset covered}`` (and the frames' ``gen``), cumulative. It carries the offset of the
+    last frame, so a client that resumes from it continues right after everything it
+    received.
     """
     if not frames:
         raise ValueError("nothing to merge")
     first, last = frames[0], frames[-1]
-    if any(f.kind != "token" for f in frames):
-        raise ValueError("only token frames merge")
+    key = merge_key(first)
+    if key is None or any(merge_key(f) != key for f in frames):
+        raise ValueError("only token frames, or one part's delta frames, merge")
     for prev, cur in itertools.pairwise(frames):
         if cur.turn != first.turn or first_offset(cur) != prev.offset + 1:
             raise ValueError("only consecutive frames of one turn merge")
     start = first_offset(first)
-    meta: dict[str, Any] = {"merged": last.offset - start + 1, "from": start}
+    meta: dict[str, Any] = {}
+    if key[0] == "part" and last.meta:
+        meta = {k: v for k, v in last.meta.items() if k not in ("merged", "from", "gen", "n")}
+    meta["merged"] = last.offset - start + 1
+    meta["from"] = start
     if gen := frame_gen(last):
         meta["gen"] = gen
     return msgspec.structs.replace(last, text="".join(f.text for f in frames), meta=meta)

@@ -30,6 +30,7 @@ from relay.producer import (
     FrameTooLarge,
     InvalidSession,
     LockLost,
+    PartError,
     Producer,
     ProducerError,
     RedisUnreachable,
@@ -68,6 +69,19 @@ async def handle(p: Producer, state: dict[str, Any], cmd: dict[str, Any]) -> dic
         return {"ok": False, "error": "no_turn", "message": "start a turn first"}
     if op == "write":
         turn.write(str(cmd["text"]))
+        return {"ok": True}
+    if op == "part":  # one part frame: phase start, delta, end, or a whole part (no phase)
+        part, pid, phase = str(cmd["part"]), str(cmd["id"]), cmd.get("phase")
+        if phase == "start":
+            turn.part_start(part, pid, name=str(cmd.get("name", "")),
+                            summary=bool(cmd.get("summary")))  # fmt: skip
+        elif phase == "delta":
+            turn.part_delta(part, pid, str(cmd["text"]))
+        elif phase == "end":
+            turn.part_end(part, pid)
+        else:
+            turn.part(part, pid, cmd.get("value"), name=str(cmd.get("name", "")),
+                      error=bool(cmd.get("error")))  # fmt: skip
         return {"ok": True}
     if op == "done":
         u = cmd.get("usage")
@@ -109,6 +123,8 @@ async def main() -> None:
                 out = await handle(p, state, cmd)
             except ProducerError as exc:
                 out = {"ok": False, "error": code_of(exc), "message": str(exc)}
+            except PartError as exc:
+                out = {"ok": False, "error": "invalid_part", "message": str(exc)}
             print(json.dumps(out), flush=True)
     finally:
         await p.aclose()

@@ -33,6 +33,7 @@ from devstack.cluster.launcher import ClusterInfo
 from relay.broker.base import ReapStatus
 from relay.broker.rediscluster.publisher import Publisher, read_backlog_page, reap
 from relay.protocol.frame import Frame, decode
+from relay.protocol.parts import Parts, frame_part, parts_digest
 from tests.support.npm import npm_ready
 
 pytestmark = pytest.mark.integration
@@ -175,6 +176,73 @@ async def test_frames_of_a_turn(spawn: Spawn, redis: RedisCluster, vector: dict[
     assert done["finish_reason"] == vector["finish_reason"]
     if "usage" in vector:
         assert done["usage"] == vector["usage"]
+
+
+PARTS: list[dict[str, Any]] = [  # one reply's parts, as the part commands write them
+    {"part": "reasoning", "id": "r1", "phase": "start"},
+    {"part": "reasoning", "id": "r1", "phase": "delta", "text": "Let me "},
+    {"part": "reasoning", "id": "r1", "phase": "delta", "text": "think: é"},
+    {"part": "reasoning", "id": "r1", "phase": "end"},
+    {"text": "Checking"},
+    {"part": "tool-call", "id": "call_1", "phase": "start", "name": "weather"},
+    {"part": "tool-call", "id": "call_1", "phase": "delta", "text": '{"city":'},
+    {"part": "tool-call", "id": "call_1", "phase": "delta", "text": '"Oslo"}'},
+    {"part": "tool-call", "id": "call_1", "phase": "end"},
+    {"part": "tool-result", "id": "call_1", "name": "weather", "value": {"temp": 4}},
+    {"part": "source", "id": "s1", "value": {"url": "https://example.org/w", "title": "W"}},
+    {"part": "data-weather", "id": "d1", "value": {"city": "Oslo"}},
+    {"text": " done."},
+]
+
+
+async def test_parts_of_a_turn_the_same_from_every_producer(
+    spawn: Spawn, redis: RedisCluster
+) -> None:
+    """Every part a producer writes (docs/PROTOCOL.md, "Parts"): part frames in the
+    order written, one part's deltas coalesced apart from the text, the done frame's
+    ``parts`` and ``parts_sha256`` (the digest computed here), and the refusals: a delta
+    for a call never started, arguments that are not JSON at the call's end, an unknown
+    type (``invalid_part``, nothing written), a part after ``done`` (``turn_closed``)."""
+    d = await spawn()
+    sid = _sid()
+    assert (await d.send(op="start", session=sid))["ok"]
+    for step in PARTS:
+        out = await (
+            d.send(op="write", **step) if "part" not in step else d.send(op="part", **step)
+        )
+        assert out["ok"], (step, out)
+    for bad in ({"part": "tool-call", "id": "ghost", "phase": "delta", "text": "{}"},
+                {"part": "video", "id": "v1", "value": 1}):  # fmt: skip
+        refused = await d.send(op="part", **bad)
+        assert refused["error"] == "invalid_part", refused
+        assert "\n" not in refused["message"]
+    assert (await d.send(op="part", part="tool-call", id="c2", phase="start", name="f"))["ok"]
+    assert (await d.send(op="part", part="tool-call", id="c2", phase="delta", text="{"))["ok"]
+    broken = await d.send(op="part", part="tool-call", id="c2", phase="end")
+    assert broken["error"] == "invalid_part", broken
+    assert (await d.send(op="part", part="tool-call", id="c2", phase="delta", text="}"))["ok"]
+    end = await d.send(op="done", finish_reason="tool_calls")
+    assert end["ok"], end
+    late = await d.send(op="part", part="data-x", id="late", value=1)
+    assert late["error"] == "turn_closed"
+    frames, _ = await _frames(redis, sid)
+    parts = Parts()
+    for f in frames:
+        if f.kind == "part":
+            parts.apply(frame_part(f.meta), f.text, f.offset)
+    want = [
+        (s["part"], s["id"]) for s in PARTS if "part" in s and s.get("phase") in ("start", None)
+    ]
+    assert [(p.part, p.id) for p in parts.records] == [*want, ("tool-call", "c2")]
+    assert all(p.done for p in parts.records)  # done ended the open call
+    assert parts.records[0].text == "Let me think: é"
+    assert parts.records[1].value() == {"city": "Oslo"}
+    assert json.loads(parts.records[2].text) == {"temp": 4}
+    assert "".join(f.text for f in frames if f.kind == "token") == "Checking done."
+    done = frames[-1].meta or {}
+    assert done["parts"] == len(parts.records) == 6
+    assert done["parts_sha256"] == parts_digest(parts.records)
+    assert not any((f.meta or {}).get("id") in ("ghost", "v1", "late") for f in frames)
 
 
 async def test_refusals_one_code_per_cause(spawn: Spawn, redis: RedisCluster) -> None:

@@ -409,3 +409,63 @@ async def _history(cluster: ClusterInfo, sid: str) -> list[dict[str, Any]]:
         return [json.loads(x) for x in await redis.lrange(hist_key(sid), 0, -1)]
     finally:
         await redis.aclose()
+
+
+async def test_the_page_shows_reasoning_collapsed_and_tool_calls_with_their_results(
+    demo: tuple[str, Stack], cluster: ClusterInfo
+) -> None:
+    """A producer of one's own writes a turn with reasoning, tool calls (arguments
+    streamed in pieces), their results and a source into the page's session: the page
+    shows the reasoning collapsed, each call with its arguments and its result."""
+    from playwright.async_api import async_playwright
+
+    from relay.broker.rediscluster.connect import GatedRedisCluster
+    from relay.broker.rediscluster.store import RedisStore
+    from relay.producer import Producer
+
+    url, _stack = demo
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        host, port = cluster.startup_nodes[0]
+        redis = GatedRedisCluster(host=host, port=port)
+        await redis.initialize()
+        try:
+            page = await browser.new_page()
+            await page.goto(url)
+            await page.click("#new-session")
+            await page.wait_for_function("document.getElementById('state').textContent === 'live'")
+            sid = (await page.text_content("#sid") or "").strip()
+            turn = (
+                await Producer(RedisStore(redis)).session(sid).start_turn("weather?", watch=False)
+            )
+            turn.reasoning("The user wants the weather in two cities.")
+            turn.write("Checking both.")
+            for i, city in enumerate(["Oslo", "Rome"]):
+                args = f'{{"city": "{city}"}}'
+                turn.tool_call_start(f"call_{i}", "weather")
+                for piece in (args[:5], args[5:]):
+                    turn.tool_call_delta(f"call_{i}", piece)
+                turn.tool_call_end(f"call_{i}")
+                turn.tool_result(f"call_{i}", {"temp": 4 + i})
+            turn.source("https://example.org/weather", title="Weather")
+            await turn.done(finish_reason="tool_calls")
+            await _wait_done(page, 1)
+            await page.wait_for_function(
+                "document.querySelectorAll('.parts .tool.called').length === 2"
+            )
+            reasoning = page.locator(".parts details.reasoning")
+            assert await reasoning.count() == 1
+            assert await reasoning.get_attribute("open") is None  # collapsed
+            assert "two cities" in (await reasoning.text_content() or "")
+            tools = await page.eval_on_selector_all(
+                ".parts .tool", "els => els.map(e => e.textContent)"
+            )
+            assert tools == ['🔧 weather({"city": "Oslo"}) → {"temp":4}',
+                             '🔧 weather({"city": "Rome"}) → {"temp":5}']  # fmt: skip
+            assert await page.text_content(".parts a.source") == "Weather"
+            assert await _counter(page, "problems") == 0
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            await page.screenshot(path=str(ARTIFACTS / "parts.png"), full_page=True)
+        finally:
+            await redis.aclose()
+            await browser.close()

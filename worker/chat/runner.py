@@ -37,10 +37,11 @@ import contextlib
 import logging
 import time
 from collections import deque
-from typing import Final
+from collections.abc import Callable
+from typing import Any, Final
 
 from relay.broker.errors import Fenced, RelayError
-from relay.producer import StopReason
+from relay.producer import ChatParts, PartError, StopReason
 from relay.service.supervise import Supervisor
 from worker.chat.store import SessionStore
 from worker.chat.turnstate import (
@@ -52,7 +53,12 @@ from worker.chat.turnstate import (
     TurnOutcome,
 )
 from worker.engines.client import REPLY_SEED_HEADER
-from worker.engines.errors import EngineError, EngineTimeout, EngineUnavailable
+from worker.engines.errors import (
+    EngineError,
+    EngineProtocolError,
+    EngineTimeout,
+    EngineUnavailable,
+)
 from worker.metrics import WorkerMetrics
 from worker.routing.lease import AllEnginesFull, release_once
 from worker.routing.router import Router
@@ -67,6 +73,15 @@ _ABORTS: Final = {
     StopReason.NO_VIEWERS: AbortReason.NO_VIEWERS,
     StopReason.LOCK_LOST: AbortReason.LOCK_LOST,
 }  # how long _end waits for the presence and pump tasks to stop
+
+
+def _engine_parts(apply: Callable[[Any], None], extra: Any) -> None:
+    """Apply an engine's parts to the turn; what would corrupt the reply (arguments that
+    are not JSON) is the engine's broken answer: the turn ends with its error."""
+    try:
+        apply(extra)
+    except PartError as exc:
+        raise EngineProtocolError(f"the engine's tool call: {exc}") from None
 
 
 class TurnRunner:
@@ -234,8 +249,10 @@ class TurnRunner:
     async def _read_engine_once(self, t: RunningTurn) -> None:
         seed = None if t.reply_seed is None else {REPLY_SEED_HEADER: str(t.reply_seed)}
         stream = self.engine.stream_chat(
-            t.lease.engine.url, self.cfg.model, t.prompt, t.max_tokens, headers=seed
-        )
+            t.lease.engine.url, self.cfg.model, t.prompt, t.max_tokens,
+            extra_body=t.options or None, headers=seed,
+        )  # fmt: skip
+        parts = ChatParts(t.gen)  # tool calls and reasoning, as the turn's parts
         try:
             async for d in stream:
                 if d.meta is not None and t.first_meta is None:
@@ -262,8 +279,11 @@ class TurnRunner:
                     t.sent_first_meta = True
                     t.reply.append(d.text)
                     t.gen.write(d.text, first)  # the first token's frame carries its meta
+                if d.extra:
+                    _engine_parts(parts.feed, d.extra)
                 if d.finish_reason is not None:
                     t.finish_reason = d.finish_reason
+            _engine_parts(lambda _: parts.end(), None)
         finally:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:  # closes the upstream response: the engine aborts

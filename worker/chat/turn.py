@@ -178,6 +178,7 @@ class TurnManager:
         message_id: str | None = None,
         response: Mapping[str, Any] | None = None,
         background: bool = False,
+        options: Mapping[str, Any] | None = None,
     ) -> TurnStarted:
         """Admit a turn and start it; ``viewer`` (closed loop) receives its frames.
         ``conversation`` (the OpenAI gateway's messages, ending with ``message``) is the
@@ -188,7 +189,8 @@ class TurnManager:
         ``message_id``: the client's id of the user message (kept in the history).
         ``response``: the Responses API's request parameters, in the ``meta`` frame (any
         pod builds the response object from it); ``background``: the turn runs to its
-        end with nobody watching (its worker counts as its watcher)."""
+        end with nobody watching (its worker counts as its watcher). ``options``: what
+        the engine gets besides the prompt (the gateway's tools, ``stop``, sampling)."""
         if self.draining:
             raise Draining("worker is shutting down")
         if not self.redis_ready:
@@ -212,6 +214,7 @@ class TurnManager:
             return await self._admit(
                 sid, owner, message, system, max_tokens, idem, viewer, conversation,
                 replaces, message_id, response=response, background=background,
+                options=options,
             )  # fmt: skip
         except BaseException:
             if idempotency_key is not None:
@@ -234,6 +237,7 @@ class TurnManager:
         *,
         response: Mapping[str, Any] | None = None,
         background: bool = False,
+        options: Mapping[str, Any] | None = None,
     ) -> TurnStarted:
         t0 = time.monotonic()
         for attempt in range(self.cfg.lock_retry + 1):
@@ -326,6 +330,7 @@ class TurnManager:
             sid, gen, lease, owner, prompt, message, max_tokens, t0, rkey, viewer=viewer,
             first_offset=offset, user_id=message_id or "", background=background,
             reply_seed=None if replaced is None else gen.turn,
+            options=dict(options or {}),
         )  # fmt: skip
         self.running[sid] = turn
         if adm.stopped.is_set():  # a stop that came after the wait: carried out at once

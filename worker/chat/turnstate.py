@@ -144,6 +144,7 @@ class StreamChat(Protocol):
         messages: Sequence[Mapping[str, Any]],
         max_tokens: int | None = None,
         *,
+        extra_body: Mapping[str, Any] | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[Delta]: ...
 
@@ -233,6 +234,7 @@ class RunningTurn:
     user_id: str = ""  # the user message's id (the client's, or made from the turn)
     background: bool = False  # runs to its end unwatched (a Responses background turn)
     reply_seed: int | None = None  # a turn that replaces another: its number, to the engine
+    options: dict[str, Any] = field(default_factory=dict)  # the engine's: tools, stop, ...
 
     def local_watchers(self) -> int:
         if self.background:
@@ -260,12 +262,17 @@ class RunningTurn:
         """The turn's two history entries (the store's fields), its terminal frame at
         offset ``to``."""
         turn = self.gen.turn
+        reply: dict[str, Any] = {
+            "role": "assistant", "content": "".join(self.reply), "turn": turn,
+            "id": f"{self.sid}-{turn}", "from": self.first_offset, "to": to,
+            "finish": self.finish_reason,
+        }  # fmt: skip
+        if parts := self.gen.parts.stored():  # a reply with tool calls, reasoning, data
+            reply["parts"] = parts
         return [
             {"role": "user", "content": self.message, "turn": turn,
              "id": self.user_id or f"{self.sid}-{turn}-user", "from": self.first_offset},
-            {"role": "assistant", "content": "".join(self.reply), "turn": turn,
-             "id": f"{self.sid}-{turn}", "from": self.first_offset, "to": to,
-             "finish": self.finish_reason},
+            reply,
         ]  # fmt: skip
 
     def abort(self, reason: AbortReason) -> None:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 import orjson
@@ -93,12 +93,26 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """A piece of the reply; the last one has ``finish_reason``."""
+    """A piece of the reply; the last one has ``finish_reason``. ``extra``: what the
+    chunk's delta carried besides text, as the engine sent it (``tool_calls``,
+    ``reasoning_content`` or ``reasoning``) and the choice's ``logprobs``."""
 
     text: str
     finish_reason: str | None = None
     meta: EngineMeta | None = None
     usage: Usage | None = None
+    extra: dict[str, Any] | None = None
+
+
+_EXTRA: Final = ("tool_calls", "reasoning_content", "reasoning")
+
+
+def _extra(delta: object, choice: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A delta's (or a whole answer's message's) parts besides text, and the logprobs."""
+    out = {k: v for k in _EXTRA if isinstance(delta, Mapping) and (v := delta.get(k))}
+    if choice.get("logprobs"):
+        out["logprobs"] = choice["logprobs"]
+    return out or None
 
 
 def chat_completions_url(engine_url: str) -> str:
@@ -328,11 +342,15 @@ class EngineClient:
         content = message.get("content") if isinstance(message, Mapping) else None
         finish = choices[0].get("finish_reason")
         meta = _merge_meta(meta, obj)
+        first: EngineMeta | None = meta
+        if (extra := _extra(message, choices[0])) is not None:  # tool calls, reasoning
+            yield Delta("", meta=first, extra=extra)
+            first = None
         if isinstance(content, str) and content:
-            yield Delta(content, meta=meta)
+            yield Delta(content, meta=first)
             meta_out = None
         else:
-            meta_out = meta
+            meta_out = first
         reason = finish if isinstance(finish, str) and finish else "stop"
         yield Delta("", reason, meta_out, _usage(obj.get("usage")))
 
@@ -410,6 +428,9 @@ class EngineClient:
                 reason = choice.get("finish_reason")
                 if isinstance(reason, str) and reason:
                     finish = reason
+                if (extra := _extra(delta, choice)) is not None:
+                    yield Delta("", meta=pending_meta, extra=extra)  # tool calls, reasoning
+                    pending_meta = None
                 if isinstance(content, str) and content:
                     room = self.max_reply_bytes - nbytes
                     data = content.encode()

@@ -2,6 +2,9 @@
 // pending deltas go out as one token frame when `maxTokens` are pending or the oldest
 // has waited `maxDelayMs`, whichever first; the first delta of a turn goes at once, so
 // coalescing never adds to the time to first token. `{maxTokens: 1}`: one frame per delta.
+// A reply's parts go through the same pump, in the order they are written: one part's
+// deltas coalesce like text (`part` names what is pending), and a change of what is
+// pending, or a part's start, end or whole frame (`put`), first flushes what is pending.
 
 /** @typedef {{maxTokens: number, maxDelayMs: number, firstImmediate: boolean}} CoalescePolicy */
 
@@ -27,6 +30,16 @@ export class Coalescer {
     this.texts = [];
     this.oldest = 0;
     this.seen = 0;
+    /** @type {Record<string, unknown> | null} what is pending: null text, else a part's delta */
+    this.part = null;
+  }
+
+  /** The next deltas are `part`'s (null: text): what is pending of anything else. */
+  switchTo(part, now) {
+    if (part === this.part || (part && this.part && part.part === this.part.part && part.id === this.part.id)) return null;
+    const b = this.texts.length ? this.take() : null;
+    this.part = part;
+    return b;
   }
 
   /** Add one delta; the batch `{text, count}` to publish if the count rule fired. */
@@ -56,7 +69,9 @@ export class Coalescer {
   }
 
   take() {
+    /** @type {{text: string, count: number, part?: Record<string, unknown>}} */
     const batch = { text: this.texts.join(''), count: this.texts.length };
+    if (this.part) batch.part = this.part;
     this.texts = [];
     return batch;
   }
@@ -82,10 +97,20 @@ export class TokenPump {
     this.batches = 0;
   }
 
-  push(text) {
+  /** One delta of the text, or of `part` (a part frame's meta). */
+  push(text, part = null) {
+    const before = this.core.switchTo(part, performance.now());
+    if (before) this.enqueue(before);
     const b = this.core.push(text, performance.now());
     if (b) this.enqueue(b);
     else this.arm();
+  }
+
+  /** One frame of a part as it is (a start, an end, a whole part), after what is pending. */
+  put(part, text = '') {
+    const before = this.core.flush();
+    if (before) this.enqueue(before);
+    this.enqueue({ text, count: 0, part });
   }
 
   arm() {

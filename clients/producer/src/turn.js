@@ -1,9 +1,10 @@
-// One turn being written: deltas through the coalescing pump, its watch (lock refresh,
+// One turn being written: deltas and parts through the coalescing pump, its watch (lock refresh,
 // stop record, viewers), its one terminal frame (the Python API's relay/producer/turn.py).
 import { createHash } from 'node:crypto';
 import { FrameTooLarge, LockLost, TurnClosed } from './errors.js';
 import { MAX_DELTA_BYTES, chunks, key } from './frame.js';
 import { TokenPump } from './coalesce.js';
+import { PartError, Parts, checkType, isStreamed, partMeta, partsIntegrity } from './parts.js';
 import { withRetry } from './generation.js';
 
 /** Why the caller should stop generating (turn.stopReason, turn.signal.reason). */
@@ -78,6 +79,11 @@ export class Turn {
     /** @type {NodeJS.Timeout | null} */
     this.watchTimer = null;
     this.pump = new TokenPump((b) => this.publishBatch(b), producer.coalesce);
+    /** The reply's parts (reasoning, tool calls, results, sources, usage, data). */
+    this.parts = new Parts();
+    /** @type {string | null} the reasoning part `reasoning()` appends to */
+    this.reasoningId = null;
+    this.ids = 0;
   }
 
   get turn() { return this.generation.turn; }
@@ -99,9 +105,128 @@ export class Turn {
     if (!text) return;
     const size = Buffer.byteLength(text);
     if (size > MAX_DELTA_BYTES) throw new FrameTooLarge(this.sid, size, MAX_DELTA_BYTES);
+    this.endReasoning(); // the text follows the reasoning `reasoning()` was writing
     if (meta) this.pendingMeta = { ...(this.pendingMeta ?? {}), ...meta };
     this.deltas.push(text);
     this.pump.push(text);
+  }
+
+  // ---- parts (docs/PROTOCOL.md, "Parts"): each checked first (PartError, nothing written)
+
+  /** Start a streamed part (`reasoning`, `tool-call` with the tool's `name`). */
+  partStart(part, id, { name = '', summary = false } = {}) {
+    if (!isStreamed(checkType(part))) throw new PartError(`a ${part} part is whole: write it with part()`);
+    this.applyPart({ part, id, phase: 'start', name, summary }, '');
+  }
+
+  /** Append `text` to a started part (coalesced like text). */
+  partDelta(part, id, text) {
+    if (typeof text !== 'string') throw new TypeError('a delta is a string');
+    if (!text) return;
+    const size = Buffer.byteLength(text);
+    if (size > MAX_DELTA_BYTES) throw new FrameTooLarge(this.sid, size, MAX_DELTA_BYTES);
+    this.applyPart({ part, id, phase: 'delta' }, text);
+  }
+
+  /** End a streamed part (a tool call's arguments must be JSON by now). */
+  partEnd(part, id) { this.applyPart({ part, id, phase: 'end' }, ''); }
+
+  /** A whole part (`tool-result`, `source`, `usage`, `data-<name>`): `value` as JSON. */
+  part(part, id, value, { name = '', error = false } = {}) {
+    if (isStreamed(checkType(part))) throw new PartError(`a ${part} part streams: partStart, partDelta, partEnd`);
+    const text = JSON.stringify(value);
+    if (text === undefined) throw new PartError("the part's value is not JSON");
+    const size = Buffer.byteLength(text);
+    if (size > MAX_DELTA_BYTES) throw new FrameTooLarge(this.sid, size, MAX_DELTA_BYTES);
+    this.applyPart({ part, id, phase: null, name, error }, text);
+  }
+
+  /** Append to the reasoning part being written (started when none is, or when `id`
+   * names another); the next text delta and done end it. Returns its id. */
+  reasoning(text, { summary = false, id = null } = {}) {
+    if (this.reasoningId === null || (id !== null && id !== this.reasoningId)) {
+      this.endReasoning();
+      const rid = id ?? `reasoning-${++this.ids}`;
+      this.partStart('reasoning', rid, { summary });
+      this.reasoningId = rid;
+    }
+    this.partDelta('reasoning', /** @type {string} */ (this.reasoningId), text);
+    return /** @type {string} */ (this.reasoningId);
+  }
+
+  endReasoning() {
+    const id = this.reasoningId;
+    if (id === null) return;
+    this.reasoningId = null;
+    const p = this.parts.get('reasoning', id);
+    if (p && !p.done) this.partEnd('reasoning', id);
+  }
+
+  toolCallStart(id, name) { this.partStart('tool-call', id, { name }); }
+  toolCallDelta(id, args) { this.partDelta('tool-call', id, args); }
+  toolCallEnd(id) { this.partEnd('tool-call', id); }
+
+  /** The complete call: arguments as JSON text or an object, checked before anything
+   * is written. */
+  toolCall(id, name, args) {
+    const text = typeof args === 'string' ? args : JSON.stringify(args ?? {});
+    if (this.parts.get('tool-call', id)) throw new PartError(`tool-call ${JSON.stringify(id)} was already started`);
+    const probe = new Parts();
+    probe.apply({ part: 'tool-call', id, phase: 'start', name }, '');
+    probe.apply({ part: 'tool-call', id, phase: 'delta' }, text);
+    probe.apply({ part: 'tool-call', id, phase: 'end' }, '');
+    this.toolCallStart(id, name);
+    this.toolCallDelta(id, text);
+    this.toolCallEnd(id);
+  }
+
+  /** The result of the turn's finished call `id` (`error`: the tool failed). */
+  toolResult(id, output, { error = false } = {}) {
+    const call = this.parts.get('tool-call', id);
+    this.part('tool-result', id, output, { name: call ? call.name : '', error });
+  }
+
+  source(url, { title, id } = {}) {
+    const sid = id ?? `source-${++this.ids}`;
+    this.part('source', sid, title === undefined ? { url } : { url, title });
+    return sid;
+  }
+
+  usage(u, { id } = {}) {
+    const uid = id ?? `usage-${++this.ids}`;
+    this.part('usage', uid, usageMeta(u).usage ?? {});
+    return uid;
+  }
+
+  /** An application's own part `data-<name>`. */
+  data(name, value, { id } = {}) {
+    const did = id ?? `data-${++this.ids}`;
+    this.part(`data-${name}`, did, value);
+    return did;
+  }
+
+  /** End the streamed parts still open (checked first: arguments that are not JSON
+   * throw PartError and nothing is ended). */
+  endOpenParts() {
+    const open = this.parts.open();
+    for (const p of open) {
+      if (p.part !== 'tool-call') continue;
+      const probe = new Parts();
+      probe.apply({ part: p.part, id: p.id, phase: 'start', name: p.name }, '');
+      probe.apply({ part: p.part, id: p.id, phase: 'delta' }, p.text);
+      probe.apply({ part: p.part, id: p.id, phase: 'end' }, '');
+    }
+    for (const p of open) this.partEnd(p.part, p.id);
+    this.reasoningId = null;
+  }
+
+  applyPart(ref, text) {
+    this.checkOpen();
+    if (this.pump.failed) throw this.pump.failed;
+    this.parts.apply(ref, text);
+    const meta = partMeta(ref);
+    if (ref.phase === 'delta') this.pump.push(text, meta);
+    else this.pump.put(meta, text);
   }
 
   /** Wait until every delta written is in Redis; throws what stopped the pump. */
@@ -116,6 +241,7 @@ export class Turn {
    */
   async done({ finishReason = 'stop', usage = null, meta } = {}) {
     this.checkOpen();
+    if (finishReason !== CANCELLED) this.endOpenParts(); // a stopped turn's stay partial
     try {
       await this.flush();
       const body = {
@@ -123,6 +249,7 @@ export class Turn {
         ...usageMeta(usage),
         ...(meta ?? {}),
         ...replyIntegrity(this.text, this.deltas.length),
+        ...partsIntegrity(this.parts.records),
         finish_reason: finishReason,
       };
       const at = await this.terminal({ kind: 'done', meta: body }, 'done');
@@ -157,6 +284,7 @@ export class Turn {
   async terminal(draft, how) {
     if (this.lockLost) throw new LockLost(`session ${this.sid}: turn ${this.turn} lost its turn lock`);
     this.how = how;
+    this.parts.closed = true;
     return (await this.generation.publish([draft]))[0];
   }
 
@@ -179,6 +307,11 @@ export class Turn {
 
   async publishBatch(b) {
     if (this.lockLost) return; // the stream is no longer ours
+    if (b.part) { // a part's frame, or a run of one part's deltas
+      const texts = Buffer.byteLength(b.text) > MAX_DELTA_BYTES ? chunks(b.text) : [b.text];
+      await this.generation.publish(texts.map((t) => ({ kind: 'part', text: t, meta: b.part })));
+      return;
+    }
     let meta = this.pendingMeta;
     this.pendingMeta = null;
     if (b.count > 1) meta = { ...(meta ?? {}), n: b.count };

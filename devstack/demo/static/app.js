@@ -9,7 +9,7 @@
 // watch token: the screen watches, its input is disabled and says why) and a collaborate
 // link (a write token: that screen may do everything this one does). A reload restores
 // the conversation from the worker's stored messages and watches on from where they end.
-import { cancel, loadMessages, watch } from "./tokenrelay.js";
+import { cancel, framePart, loadMessages, watch } from "./tokenrelay.js";
 
 const $ = (id) => document.getElementById(id);
 const state = {
@@ -116,16 +116,68 @@ function turnEl(turn) {
     const user = document.createElement("div");
     user.className = "user";
     user.hidden = true;
+    const parts = document.createElement("div");  // reasoning, tool calls, sources, data
+    parts.className = "parts";
     const reply = document.createElement("div");
     reply.className = "assistant streaming";
     const footer = document.createElement("div");
     footer.className = "footer";
-    root.append(user, reply, footer);
+    root.append(user, parts, reply, footer);
     $("log").append(root);
-    t = { root, user, reply, footer, engine: "", preferred: "", cached: null, cache: "" };
+    t = { root, user, parts, partEls: new Map(), reply, footer, engine: "", preferred: "", cached: null, cache: "" };
     state.turns.set(turn, t);
   }
   return t;
+}
+
+// A reply's parts (docs/PROTOCOL.md, "Parts"): reasoning collapsed, each tool call with
+// its arguments as they stream and its result, sources as links, data parts as JSON.
+function partEl(t, kind, id, make) {
+  const key = `${kind}\n${id}`;
+  let el = t.partEls.get(key);
+  if (!el) { el = make(); t.partEls.set(key, el); t.parts.append(el); }
+  return el;
+}
+
+function showPart(t, p, phase, text) {
+  if (p.part === "reasoning") {
+    const el = partEl(t, "reasoning", p.id, () => {
+      const d = document.createElement("details");
+      d.className = "reasoning";
+      d.innerHTML = `<summary>${p.summary ? "Reasoning summary" : "Reasoning"}</summary><div class="body"></div>`;
+      return d;
+    });
+    if (text) el.querySelector(".body").textContent += text;
+  } else if (p.part === "tool-call" || p.part === "tool-result") {
+    const el = partEl(t, "tool", p.id, () => {
+      const d = document.createElement("div");
+      d.className = "tool";
+      d.innerHTML = `🔧 <b class="name"></b>(<code class="args"></code>) <span class="result"></span>`;
+      return d;
+    });
+    if (p.name) el.querySelector(".name").textContent = p.name;
+    if (p.part === "tool-call" && text) el.querySelector(".args").textContent += text;
+    if (p.part === "tool-call" && phase === "end") el.classList.add("called");
+    if (p.part === "tool-result") {
+      el.querySelector(".result").textContent = `→ ${p.error ? "error: " : ""}${text}`;
+      el.classList.toggle("failed", !!p.error);
+    }
+  } else if (p.part === "source") {
+    let v = {};
+    try { v = JSON.parse(text); } catch { /* shown as it came */ }
+    const a = document.createElement("a");
+    a.className = "source";
+    a.href = typeof v.url === "string" && /^https?:/.test(v.url) ? v.url : "#";
+    a.textContent = v.title || v.url || text;
+    a.rel = "noopener noreferrer";
+    a.target = "_blank";
+    t.parts.append(a);
+  } else if (p.part.startsWith("data-")) {
+    const c = document.createElement("code");
+    c.className = "data";
+    c.textContent = `${p.part}: ${text}`;
+    t.parts.append(c);
+  }
 }
 
 function describe(t, extra) {
@@ -171,6 +223,11 @@ function onFrame(f) {
     describe(t, "generating…");
   } else if (f.kind === "token") {
     turnEl(f.turn).reply.textContent += f.text;
+  } else if (f.kind === "part") {
+    try {
+      const p = framePart(m);
+      showPart(turnEl(f.turn), p, p.phase, f.text || "");
+    } catch { /* a part the client refuses: its problem is counted, nothing is shown */ }
   } else if (f.kind === "done") {
     const t = turnEl(f.turn);
     t.reply.classList.remove("streaming");
@@ -273,6 +330,9 @@ async function restore() {
       const t = turnEl(msg.turn);
       if (msg.role === "user") { t.user.textContent = msg.text; t.user.hidden = false; continue; }
       t.reply.textContent = msg.text;
+      for (const d of msg.parts || []) {  // a stored reply's parts, in order
+        if (d.type !== "text") showPart(t, { part: d.type, id: d.id, name: d.name || "", summary: !!d.summary, error: !!d.error }, d.done === false ? "delta" : "end", d.text || "");
+      }
       t.reply.classList.remove("streaming");
       if (msg.finish_reason === "cancelled") t.reply.classList.add("stopped");
       describe(t, msg.finish_reason ? `finish: ${msg.finish_reason}` : "");

@@ -21,7 +21,8 @@ Two phases:
 Bounds:
 
 - past ``queue_frames`` queued frames, each run of consecutive token frames of one turn
-  is merged into one frame (:func:`conflate`, text only appends);
+  (or delta frames of one part) is merged into one frame (:func:`conflate`, text only
+  appends);
 - past ``hard_limit_frames`` frames or ``max_pending_bytes`` bytes after merging, the
   watch closes with code ``slow_consumer``;
 - the backlog is read page by page: the next page is asked for only while the queue is
@@ -59,7 +60,7 @@ from typing import NamedTuple
 from relay.edge.core.compact import Compactor
 from relay.edge.core.resume import Delivery, Fetch, Resume, ResumeState
 from relay.protocol.codes import CloseCode
-from relay.protocol.frame import Frame, decode, encode, first_offset, merge_tokens
+from relay.protocol.frame import Frame, decode, encode, first_offset, merge_key, merge_tokens
 
 __all__ = ["Closed", "Intent", "Limits", "Watch", "conflate"]
 
@@ -110,7 +111,8 @@ class Limits:
 
 
 def conflate(pending: Iterable[Delivery]) -> tuple[list[Delivery], int]:
-    """Merge each run of consecutive token frames of one turn into one frame.
+    """Merge each run of consecutive token frames of one turn (or of one part's delta
+    frames) into one frame.
 
     Returns the new list and how many runs were merged. Same concatenated text, same
     order; a merged frame carries the offset of the last frame it replaces, and
@@ -127,17 +129,19 @@ def conflate(pending: Iterable[Delivery]) -> tuple[list[Delivery], int]:
         elif run:
             m = merge_tokens([f for f, _ in run])
             last = run[-1][1]
-            out.append(Delivery(m.offset, "token", encode(m), last.ts, last.received_mono_ms))
+            out.append(Delivery(m.offset, last.kind, encode(m), last.ts, last.received_mono_ms))
             merged += 1
         run.clear()
 
     for d in pending:
-        if d.kind != "token":
+        f = decode(d.data) if d.kind == "token" or d.kind == "part" else None
+        key = merge_key(f) if f is not None else None
+        if f is None or key is None:
             flush()
             out.append(d)
             continue
-        f = decode(d.data)
-        if run and (f.turn != run[-1][0].turn or first_offset(f) != run[-1][0].offset + 1):
+        if run and (f.turn != run[-1][0].turn or first_offset(f) != run[-1][0].offset + 1
+                    or merge_key(run[-1][0]) != key):  # fmt: skip
             flush()
         run.append((f, d))
     flush()

@@ -387,7 +387,7 @@ class Hub:
             ds, ch.batch = ch.batch or [], None
             for d in ds:  # what the reaper needs: is a turn open, when was it last heard
                 k = d.kind
-                if k == "token" or k == "meta":
+                if k == "token" or k == "part" or k == "meta":
                     ch.turn_open = True
                 elif k == "done" or k == "error":
                     ch.turn_open = False
@@ -412,7 +412,7 @@ class Hub:
         """Frames the channel emits outside a live read (a repair's backlog pages)."""
         now = time.monotonic()
         for d in ds:
-            if d.kind == "token" or d.kind == "meta":
+            if d.kind == "token" or d.kind == "part" or d.kind == "meta":
                 ch.turn_open = True
             elif d.kind == "done" or d.kind == "error":
                 ch.turn_open = False

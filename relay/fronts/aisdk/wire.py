@@ -5,8 +5,13 @@ The SDK's ``useChat`` reads a reply as Server-Sent Events whose ``data:`` are JS
 ``text-start``, ``text-delta`` per token frame, ``text-end``, ``finish``
 (``finishReason``; the done frame's meta as ``messageMetadata``), or ``error`` (+
 ``finish`` with ``finishReason: "error"``) for an error frame or frames lost for good;
-then ``data: [DONE]``. Both ends that speak it use this module: the relay's resumable
-stream (:mod:`relay.fronts.aisdk.conn`) and the worker's chat POST
+then ``data: [DONE]``. A reply's parts (docs/PROTOCOL.md, "Parts") become the SDK's own
+chunks: ``reasoning-start`` / ``-delta`` / ``-end``, ``tool-input-start`` / ``-delta`` /
+``-available`` (the call's arguments parsed), ``tool-output-available`` (or
+``tool-output-error``), ``source-url``, ``data-<name>``; a ``usage`` part has none. Text
+that a part interrupts ends (``text-end``) and goes on under a new id, so that the SDK's
+message keeps text and parts in their order. Both ends that speak it use this module:
+the relay's resumable stream (:mod:`relay.fronts.aisdk.conn`) and the worker's chat POST
 (:mod:`worker.fronts.aisdk.http`).
 
 Order of use::
@@ -24,6 +29,7 @@ import msgspec
 
 from relay.protocol import sse
 from relay.protocol.frame import Frame
+from relay.protocol.parts import PartError, frame_part
 
 __all__ = ["DONE", "UI_HEADERS", "UiTurn", "encode_chunk"]
 
@@ -35,7 +41,16 @@ UI_HEADERS: Final = {
 }
 DONE: Final = sse.DONE
 _FINISH_REASONS: Final = frozenset(("stop", "length", "content-filter", "tool-calls", "error"))
+_ALIASES: Final = {"tool_calls": "tool-calls", "content_filter": "content-filter"}
 _encode = msgspec.json.Encoder()
+_decode = msgspec.json.Decoder()
+
+
+def _value(text: str) -> Any:
+    try:
+        return _decode.decode(text)
+    except msgspec.DecodeError:
+        return text
 
 
 def encode_chunk(chunk: dict[str, Any]) -> bytes:
@@ -52,6 +67,9 @@ class UiTurn:
         self.session, self.turn = session, turn
         self.text_id = f"text-{turn}"
         self.started = self.text_open = self.finished = False
+        self._texts = 1  # text runs so far: a part that interrupts the text ends one
+        self._args: dict[str, list[str]] = {}  # a tool call's arguments so far
+        self._names: dict[str, str] = {}
 
     def feed(self, frame: Frame) -> list[dict[str, Any]]:
         if self.finished:
@@ -63,15 +81,19 @@ class UiTurn:
         if frame.turn != self.turn or frame.kind == "presence":
             return []
         out = self._start(frame)
-        if frame.kind == "token":
+        if frame.kind == "part":
+            out += self._part(frame)
+        elif frame.kind == "token":
             out += self._text_start()
             if frame.text:
                 out.append({"type": "text-delta", "id": self.text_id, "delta": frame.text})
         elif frame.kind == "done":
             meta = frame.meta or {}
-            out += self._text_start()
-            out.append({"type": "text-end", "id": self.text_id})
+            if self.text_open or self._texts == 1:  # a reply of parts only ends no text
+                out += self._text_start()
+                out.append({"type": "text-end", "id": self.text_id})
             reason = meta.get("finish_reason") or "stop"
+            reason = _ALIASES.get(reason, reason)
             out.append({
                 "type": "finish",
                 "finishReason": reason if reason in _FINISH_REASONS else "other",
@@ -91,6 +113,57 @@ class UiTurn:
             meta.update({k: v for k, v in frame.meta.items() if k in ("engine", "preferred")})
         return [{"type": "start", "messageId": f"{self.session}-{self.turn}",
                  "messageMetadata": meta}]  # fmt: skip
+
+    def _part(self, frame: Frame) -> list[dict[str, Any]]:
+        try:
+            ref = frame_part(frame.meta)
+        except PartError:
+            return []  # not a part this stream can show (a client's transcript refuses it)
+        out: list[dict[str, Any]] = []
+        if self.text_open:  # the text goes on after this part, under a new id
+            out.append({"type": "text-end", "id": self.text_id})
+            self.text_open = False
+            self._texts += 1
+            self.text_id = f"text-{self.turn}-{self._texts}"
+        pid, text = ref.id, frame.text
+        if ref.part == "reasoning":
+            kind = {"start": "reasoning-start", "delta": "reasoning-delta", "end": "reasoning-end"}
+            chunk: dict[str, Any] = {"type": kind[ref.phase or "delta"], "id": pid}
+            if ref.phase == "delta":
+                if not text:
+                    return out
+                chunk["delta"] = text
+            out.append(chunk)
+        elif ref.part == "tool-call":
+            if ref.phase == "start":
+                self._names[pid], self._args[pid] = ref.name, []
+                out.append({"type": "tool-input-start", "toolCallId": pid, "toolName": ref.name})
+            elif ref.phase == "delta" and text:
+                self._args.setdefault(pid, []).append(text)
+                out.append({"type": "tool-input-delta", "toolCallId": pid,
+                            "inputTextDelta": text})  # fmt: skip
+            elif ref.phase == "end":
+                out.append({"type": "tool-input-available", "toolCallId": pid,
+                            "toolName": self._names.get(pid, ""),
+                            "input": _value("".join(self._args.pop(pid, [])))})  # fmt: skip
+        elif ref.part == "tool-result":
+            if ref.error:
+                v = _value(text)
+                out.append({"type": "tool-output-error", "toolCallId": pid,
+                            "errorText": v if isinstance(v, str) else text})  # fmt: skip
+            else:
+                out.append({"type": "tool-output-available", "toolCallId": pid,
+                            "output": _value(text)})  # fmt: skip
+        elif ref.part == "source":
+            v = _value(text)
+            v = v if isinstance(v, dict) else {}
+            src: dict[str, Any] = {"type": "source-url", "sourceId": pid, "url": v.get("url", "")}
+            if isinstance(v.get("title"), str):
+                src["title"] = v["title"]
+            out.append(src)
+        elif ref.part.startswith("data-"):
+            out.append({"type": ref.part, "id": pid, "data": _value(text)})
+        return out
 
     def _text_start(self) -> list[dict[str, Any]]:
         if self.text_open:

@@ -23,6 +23,18 @@ whose first frame (its ``meta`` frame) is at offset ``F`` and a frame at offset 
 - ``error`` (``i = n``), or frames lost for good (a ``gap``): ``response.failed`` at
   ``n + 3``.
 
+A reply's parts (docs/PROTOCOL.md, "Parts") are output items after the message (output
+index 1, 2, ... in the order they started): a tool call is a ``function_call`` item
+(``fc_<call id>``; ``response.output_item.added`` at its ``start``,
+``response.function_call_arguments.delta`` per delta, ``.done`` and
+``response.output_item.done`` at its ``end``), a reasoning part a ``reasoning`` item
+(``rs_<id>``; ``response.reasoning_text.delta``, or ``reasoning_summary_text.delta`` for a
+summary); a source is a ``url_citation`` annotation of the text
+(``response.output_text.annotation.added``). A part frame's events are numbered after
+the frame's own number (``i + 3``, the next ones ``+1`` each), and every later number
+moves up by the events added so far: the numbering stays a function of the backlog.
+Tool results, usage and data parts have no event in this API.
+
 The request's parameters (model, instructions, metadata, ...) travel in the ``meta``
 frame's ``response`` field (written by the worker), so the response object is the same
 from any pod too; ``created_at`` is the meta frame's ``ts``.
@@ -50,6 +62,7 @@ from relay.protocol.keys import (
     owner_key,
     parse_session,
 )
+from relay.protocol.parts import PartError, frame_part
 
 __all__ = [
     "CANCELLED",
@@ -126,6 +139,13 @@ def parse_conversation_id(raw: str) -> str:
         raise InvalidResponseId(f"no conversation with id {raw[:80]!r}") from None
 
 
+def _json(text: str) -> Any:
+    try:
+        return msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return None
+
+
 def encode_event(event: dict[str, Any]) -> bytes:
     """One event as Server-Sent Events (``event:`` its type, ``data:`` the JSON)."""
     kind: str = event["type"]
@@ -168,9 +188,12 @@ def response_object(
     usage_: dict[str, Any] | None = None,
     incomplete: str | None = None,
     error: str | None = None,
+    items: list[dict[str, Any]] | None = None,
+    annotations: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The Response object. ``text`` None: no output item yet; ``params``: the request's
-    (the meta frame's ``response``)."""
+    (the meta frame's ``response``); ``items``: the output items after the message
+    (function calls, reasoning); ``annotations``: the text's citations."""
     output: list[dict[str, Any]] = []
     if text is not None:
         item_status = {"completed": "completed", "in_progress": "in_progress"}.get(
@@ -179,9 +202,10 @@ def response_object(
         output.append({
             "id": rid.message_id, "type": "message", "role": "assistant",
             "status": item_status,
-            "content": [{"type": "output_text", "text": text, "annotations": [],
-                         "logprobs": []}],
+            "content": [{"type": "output_text", "text": text,
+                         "annotations": list(annotations or []), "logprobs": []}],
         })  # fmt: skip
+        output += [dict(x) for x in items or []]
     return {
         "id": str(rid),
         "object": "response",
@@ -227,6 +251,10 @@ class ResponseTurn:
         self.message: str | None = None  # the user's message (the meta frame's)
         self.usage: dict[str, Any] | None = None
         self.last = 0  # the index of the newest frame of the turn read (see the docstring)
+        self.shift = 0  # events the parts added beyond one a frame (see the docstring)
+        self.items: list[dict[str, Any]] = []  # output items after the message
+        self._at: dict[tuple[str, str], int] = {}  # a part -> its place in items
+        self.annotations: list[dict[str, Any]] = []
 
     @property
     def first(self) -> int:
@@ -237,7 +265,8 @@ class ResponseTurn:
         return response_object(
             self.rid, status=self.status, params=self.params, created_at=self.created_at,
             text="".join(self.text) if self.started else None, usage_=self.usage,
-            incomplete=self.incomplete, error=self.error,
+            incomplete=self.incomplete, error=self.error, items=self.items,
+            annotations=self.annotations,
         )  # fmt: skip
 
     def feed(self, frame: Frame) -> list[dict[str, Any]]:
@@ -257,15 +286,82 @@ class ResponseTurn:
             return self._start(frame)
         if frame.kind == "token":
             self.text.append(frame.text)
-            return self._keep([self._part("response.output_text.delta", i + 3,
+            return self._keep([self._part("response.output_text.delta", i + 3 + self.shift,
                                           delta=frame.text, logprobs=[])])  # fmt: skip
+        if frame.kind == "part":
+            return self._keep(self._item(frame, i + 3 + self.shift))
         if frame.kind == "done":
-            return self._done(frame, i)
+            return self._done(frame, i + self.shift)
         if frame.kind == "error":
             code = (frame.meta or {}).get("code")
             self.error_code = code if isinstance(code, str) else None
-            return self._fail(i, frame.text or "the response failed")
+            return self._fail(i + self.shift, frame.text or "the response failed")
         return []
+
+    def _item(self, frame: Frame, seq: int) -> list[dict[str, Any]]:
+        """One part frame's events, from ``seq`` on (see the module docstring)."""
+        try:
+            ref = frame_part(frame.meta)
+        except PartError:
+            return []  # not a part this stream can show
+        key, text = (ref.part, ref.id), frame.text
+        if ref.part == "source":
+            v = _json(text)
+            v = v if isinstance(v, dict) else {}
+            n = len("".join(self.text))
+            note = {"type": "url_citation", "url": str(v.get("url", "")),
+                    "title": str(v.get("title", "")), "start_index": n, "end_index": n}  # fmt: skip
+            self.annotations.append(note)
+            return [self._part("response.output_text.annotation.added", seq, annotation=note,
+                               annotation_index=len(self.annotations) - 1)]  # fmt: skip
+        if ref.part not in ("tool-call", "reasoning"):
+            return []
+        if ref.phase == "start":
+            if ref.part == "tool-call":
+                item: dict[str, Any] = {"id": f"fc_{ref.id}", "type": "function_call",
+                                        "call_id": ref.id, "name": ref.name, "arguments": "",
+                                        "status": "in_progress"}  # fmt: skip
+            else:
+                item = {"id": f"rs_{ref.id}", "type": "reasoning", "summary": [],
+                        "status": "in_progress"}  # fmt: skip
+                if not ref.summary:
+                    item["content"] = []
+            self._at[key] = len(self.items)
+            self.items.append(item)
+            return [{"type": "response.output_item.added", "sequence_number": seq,
+                     "output_index": len(self.items), "item": dict(item)}]  # fmt: skip
+        at = self._at.get(key)
+        if at is None:
+            return []  # its start is not in what was read
+        item, index = self.items[at], at + 1
+        if ref.phase == "delta" and text:
+            if item["type"] == "function_call":
+                item["arguments"] += text
+                return [{"type": "response.function_call_arguments.delta", "sequence_number": seq,
+                         "item_id": item["id"], "output_index": index, "delta": text}]  # fmt: skip
+            field = "summary" if "content" not in item else "content"
+            kind = "summary_text" if field == "summary" else "reasoning_text"
+            if not item[field]:
+                item[field].append({"type": kind, "text": ""})
+            item[field][0]["text"] += text
+            extra: dict[str, Any] = ({"summary_index": 0} if field == "summary"
+                                     else {"content_index": 0})  # fmt: skip
+            event = "reasoning_summary_text" if field == "summary" else "reasoning_text"
+            return [{"type": f"response.{event}.delta", "sequence_number": seq,
+                     "item_id": item["id"], "output_index": index, "delta": text,
+                     **extra}]  # fmt: skip
+        if ref.phase != "end":
+            return []
+        item["status"] = "completed"
+        out: list[dict[str, Any]] = []
+        if item["type"] == "function_call":
+            out.append({"type": "response.function_call_arguments.done", "sequence_number": seq,
+                        "item_id": item["id"], "output_index": index,
+                        "name": item["name"], "arguments": item["arguments"]})  # fmt: skip
+            self.shift += 1
+        out.append({"type": "response.output_item.done", "sequence_number": seq + len(out),
+                    "output_index": index, "item": dict(item)})  # fmt: skip
+        return out
 
     def fail(self, reason: str) -> list[dict[str, Any]]:
         """End the response with ``response.failed`` (its frames stopped coming, its

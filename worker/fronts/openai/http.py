@@ -56,6 +56,7 @@ from worker.fronts.openai.wire import (
     ChatRequest,
     chunk,
     completion,
+    gather,
     new_id,
     parse_request,
     usage,
@@ -155,6 +156,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _whole(gw: Gateway, req: ChatRequest, lease: Lease) -> web.Response:
     text: list[str] = []
+    extra: dict[str, Any] = {}  # tool calls, reasoning, logprobs
     finish: str | None = None
     prompt_tokens = cached = completion_tokens = None
     stream = gw.engine.stream_chat(
@@ -166,6 +168,8 @@ async def _whole(gw: Gateway, req: ChatRequest, lease: Lease) -> web.Response:
                 prompt_tokens, cached = d.meta.prompt_tokens, d.meta.cached_tokens
             if d.text:
                 text.append(d.text)
+            if d.extra:
+                gather(extra, d.extra)
             if d.usage is not None:
                 prompt_tokens = d.usage.prompt_tokens or prompt_tokens
                 completion_tokens = d.usage.completion_tokens
@@ -178,13 +182,21 @@ async def _whole(gw: Gateway, req: ChatRequest, lease: Lease) -> web.Response:
         await stream.aclose()
         release_once(lease)
     use = usage(prompt_tokens, completion_tokens or len(text), cached)
-    body = completion(new_id(), req.model, text, finish, use)
+    body = completion(new_id(), req.model, text, finish, use, extra)
     return web.Response(body=orjson.dumps(body), content_type="application/json",
                         headers={"X-Engine-Id": lease.engine.id})  # fmt: skip
 
 
 def _event(obj: dict[str, Any]) -> bytes:
     return sse.event(orjson.dumps(obj))
+
+
+def _extra_chunk(cid: str, created: int, model: str, extra: dict[str, Any]) -> dict[str, Any]:
+    delta = {k: v for k, v in extra.items() if k != "logprobs"}
+    out = chunk(cid, created, model, delta, None)
+    if "logprobs" in extra:
+        out["choices"][0]["logprobs"] = extra["logprobs"]
+    return out
 
 
 async def _stream(
@@ -210,6 +222,8 @@ async def _stream(
                 prompt_tokens = d.usage.prompt_tokens or prompt_tokens
                 completion_tokens = d.usage.completion_tokens
                 cached = d.usage.cached_tokens if d.usage.cached_tokens is not None else cached
+            if d.extra:  # tool-call chunks and reasoning as the engine sent them
+                await resp.write(_event(_extra_chunk(cid, created, req.model, d.extra)))
             if d.text:
                 n += 1
                 await resp.write(_event(chunk(cid, created, req.model, {"content": d.text}, None)))

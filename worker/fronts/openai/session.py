@@ -40,8 +40,10 @@ from worker.fronts.base import Gateway
 from worker.fronts.errors import WireError
 from worker.fronts.openai.wire import (
     ChatRequest,
+    PartDeltas,
     chunk,
     completion,
+    gather,
     new_id,
     usage,
     usage_chunk,
@@ -116,7 +118,7 @@ async def complete(
             return gw.error(WireError(410, "the session was deleted", code="session_deleted"))
         await gw.turns.start_turn(
             sid, convo[-1]["content"], system=req.system, max_tokens=req.max_tokens,
-            viewer=viewer, conversation=convo,
+            viewer=viewer, conversation=convo, options=req.options,
         )  # fmt: skip
     except TurnBusy:
         return gw.error(WireError(409, "a turn of this session is generating; watch it",
@@ -132,6 +134,8 @@ async def complete(
     cid, created = new_id(), int(time.time())
     resp: web.StreamResponse | None = None
     text: list[str] = []
+    parts = PartDeltas()  # tool calls and reasoning: as deltas, or into the whole message
+    extra: dict[str, Any] = {}
     try:
         if req.stream:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -146,12 +150,18 @@ async def complete(
                 if resp is not None:
                     delta = {"content": frame.get("text", "")}
                     await resp.write(_event(chunk(cid, created, req.model, delta, None)))
+            elif kind == "part":
+                pd = parts.delta(frame.get("meta") or {}, frame.get("text", ""))
+                if pd is not None and resp is not None:
+                    await resp.write(_event(chunk(cid, created, req.model, pd, None)))
+                elif pd is not None:
+                    gather(extra, pd)
             elif kind == "done":
                 meta = frame.get("meta") or {}
                 finish = meta.get("finish_reason") or "stop"
                 use = _usage(meta, len(text))
                 if resp is None:
-                    body = completion(cid, req.model, text, finish, use)
+                    body = completion(cid, req.model, text, finish, use, extra)
                     return web.Response(body=orjson.dumps(body), content_type="application/json")
                 await resp.write(_event(chunk(cid, created, req.model, {}, finish)))
                 if req.include_usage:

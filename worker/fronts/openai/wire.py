@@ -7,7 +7,11 @@ OpenAI's shape: :func:`relay.service.errors.error_body`).
 
 Order of use: :func:`parse_request` (raises :class:`worker.fronts.errors.WireError`,
 answered with its status) -> per delta :func:`chunk` -> :func:`usage_chunk` when asked ->
-``data: [DONE]``; or :func:`completion` for ``stream: false``.
+``data: [DONE]``; or :func:`completion` for ``stream: false`` (its tool calls, reasoning
+and logprobs folded in with :func:`gather`). Every option of the request reaches the
+engine (:data:`PASS_THROUGH`: tools, ``tool_choice``, ``parallel_tool_calls``,
+``response_format``, logprobs, ``seed``, ``stop``, sampling) or is refused by name; an
+assistant's ``tool_calls`` and a tool's result stay in the messages.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ from worker.fronts.errors import WireError
 __all__ = [
     "PASS_THROUGH",
     "ChatRequest",
+    "PartDeltas",
     "WireError",
     "chunk",
     "completion",
+    "gather",
     "new_id",
     "parse_request",
     "usage",
@@ -33,7 +39,8 @@ __all__ = [
 ]
 
 ROLES: Final = frozenset(("system", "developer", "user", "assistant", "tool"))
-# Sampling options forwarded to the engine unchanged when the client sets them.
+# Options forwarded to the engine unchanged when the client sets them (checked for their
+# type here; what the engine cannot do it refuses by name, and that 400 is passed on).
 PASS_THROUGH: Final = (
     "temperature",
     "top_p",
@@ -41,17 +48,30 @@ PASS_THROUGH: Final = (
     "seed",
     "presence_penalty",
     "frequency_penalty",
-    "n",
+    "logit_bias",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+    "logprobs",
+    "top_logprobs",
+    "reasoning_effort",
 )
+# Read by the gateway itself; any other field is refused by name, never ignored.
+_OWN: Final = frozenset((
+    "model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+    "n", "user",
+))  # fmt: skip
 _MAX_MESSAGES: Final = 1024
 
 
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
-    """A checked request: text-only ``messages``, the bounded ``max_tokens``."""
+    """A checked request: ``messages`` (text, and an assistant's ``tool_calls`` and a
+    tool's ``tool_call_id`` kept), the bounded ``max_tokens``, the engine's ``options``."""
 
     model: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     stream: bool
     include_usage: bool
     max_tokens: int
@@ -62,11 +82,11 @@ class ChatRequest:
     def system(self) -> str | None:
         """The leading system (or developer) prompt, which names the routing prefix."""
         if self.messages and self.messages[0]["role"] in ("system", "developer"):
-            return self.messages[0]["content"]
+            return str(self.messages[0]["content"])
         return None
 
     @property
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         return self.messages[1:] if self.system is not None else self.messages
 
 
@@ -92,12 +112,36 @@ def _content(value: object, i: int) -> str:
                     param=f"messages[{i}].content")  # fmt: skip
 
 
-def _messages(raw: object, max_chars: int) -> list[dict[str, str]]:
+def _tool_calls(value: object, i: int) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``: each ``{"id", "type": "function",
+    "function": {"name", "arguments"}}`` with strings."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(value, list) or not value:
+        raise WireError(400, f"{where} must be a non-empty array", param=where)
+    for j, c in enumerate(value):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (
+            isinstance(c, dict)
+            and isinstance(c.get("id"), str)
+            and isinstance(fn, dict)
+            and isinstance(fn.get("name"), str)
+            and isinstance(fn.get("arguments"), str)
+        ):
+            raise WireError(400, f"{where}[{j}] needs 'id' and 'function' with 'name' and "
+                            "'arguments' (strings)", param=where)  # fmt: skip
+    return [
+        {"id": c["id"], "type": "function",
+         "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}}
+        for c in value
+    ]  # fmt: skip
+
+
+def _messages(raw: object, max_chars: int) -> list[dict[str, Any]]:
     if not isinstance(raw, list) or not raw:
         raise WireError(400, "'messages' must be a non-empty array", param="messages")
     if len(raw) > _MAX_MESSAGES:
         raise WireError(400, f"at most {_MAX_MESSAGES} messages", param="messages")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     total = 0
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
@@ -108,11 +152,80 @@ def _messages(raw: object, max_chars: int) -> list[dict[str, str]]:
                             param=f"messages[{i}].role")  # fmt: skip
         text = _content(m.get("content"), i)
         total += len(text)
+        msg: dict[str, Any] = {"role": str(role), "content": text}
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+            total += sum(len(c["function"]["arguments"]) for c in msg["tool_calls"])
+        if role == "tool":
+            cid = m.get("tool_call_id")
+            if not isinstance(cid, str) or not cid:
+                raise WireError(400, f"messages[{i}].tool_call_id: a tool's result names its "
+                                "call", param=f"messages[{i}].tool_call_id")  # fmt: skip
+            msg["tool_call_id"] = cid
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
         if total > max_chars:
             raise WireError(413, f"the messages hold more than {max_chars} characters",
                             code="context_length_exceeded", param="messages")  # fmt: skip
-        out.append({"role": str(role), "content": text})
+        out.append(msg)
     return out
+
+
+def _options(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine's options of a request, each checked for its type; a field neither
+    forwarded nor read by the gateway is refused by name."""
+    for k in body:
+        if k not in _OWN and k not in PASS_THROUGH:
+            raise WireError(400, f"unsupported parameter '{k}': this gateway does not "
+                            "forward it to the engine", param=k)  # fmt: skip
+    opts = {k: body[k] for k in PASS_THROUGH if body.get(k) is not None}
+    bad = None
+    if "tools" in opts and (
+        not isinstance(opts["tools"], list)
+        or not all(
+            isinstance(t, dict)
+            and t.get("type") == "function"
+            and isinstance((t.get("function") or {}).get("name"), str)
+            for t in opts["tools"]
+        )
+    ):
+        bad = ("tools", "a list of {'type': 'function', 'function': {'name', ...}}")
+    choice = opts.get("tool_choice")
+    if (
+        choice is not None
+        and choice not in ("none", "auto", "required")
+        and not (
+            isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str)
+        )
+    ):
+        bad = (
+            "tool_choice",
+            "'none', 'auto', 'required' or {'type': 'function', 'function': {'name'}}",
+        )
+    for k in ("parallel_tool_calls", "logprobs"):
+        if k in opts and not isinstance(opts[k], bool):
+            bad = (k, "a boolean")
+    for k in ("seed", "top_logprobs"):
+        if k in opts and (isinstance(opts[k], bool) or not isinstance(opts[k], int)):
+            bad = (k, "an integer")
+    for k in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        if k in opts and (isinstance(opts[k], bool) or not isinstance(opts[k], int | float)):
+            bad = (k, "a number")
+    stop = opts.get("stop")
+    if (
+        stop is not None
+        and not isinstance(stop, str)
+        and not (
+            isinstance(stop, list) and len(stop) <= 4 and all(isinstance(x, str) for x in stop)
+        )
+    ):
+        bad = ("stop", "a string or a list of up to 4 strings")
+    for k in ("response_format", "logit_bias"):
+        if k in opts and not isinstance(opts[k], dict):
+            bad = (k, "an object")
+    if bad is not None:
+        raise WireError(400, f"'{bad[0]}' must be {bad[1]}", param=bad[0])
+    return opts
 
 
 def _int_field(body: Mapping[str, Any], name: str) -> int | None:
@@ -159,7 +272,7 @@ def parse_request(
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise WireError(400, "'user' must be a string", param="user")
-    options = {k: body[k] for k in PASS_THROUGH if k in body and k != "n"}
+    options = _options(body)
     return ChatRequest(
         model=model,
         messages=messages,
@@ -211,19 +324,81 @@ def usage_chunk(cid: str, created: int, model: str, use: Mapping[str, Any]) -> d
 
 
 def completion(
-    cid: str, model: str, text: Sequence[str], finish_reason: str | None, use: Mapping[str, Any]
-) -> dict[str, Any]:
+    cid: str, model: str, text: Sequence[str], finish_reason: str | None, use: Mapping[str, Any],
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """A whole ``chat.completion``; ``extra``: the message's ``tool_calls`` and
+    ``reasoning_content`` (:func:`gather`) and the choice's ``logprobs``."""
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+    choice: dict[str, Any] = {"index": 0, "message": message,
+                              "finish_reason": finish_reason or "stop"}  # fmt: skip
+    for k, v in (extra or {}).items():
+        if k == "logprobs":
+            choice["logprobs"] = v
+        else:
+            message[k] = v
+    if message.get("tool_calls") and not message["content"]:
+        message["content"] = None
     return {
         "id": cid,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "".join(text)},
-                "finish_reason": finish_reason or "stop",
-            }
-        ],
+        "choices": [choice],
         "usage": dict(use),
     }
+
+
+def gather(into: dict[str, Any], extra: Mapping[str, Any]) -> None:
+    """Fold one delta's ``extra`` (tool-call chunks by ``index``, reasoning text,
+    logprobs) into a whole message's ``into``."""
+    for k, v in extra.items():
+        if k in ("reasoning_content", "reasoning") and isinstance(v, str):
+            into["reasoning_content"] = into.get("reasoning_content", "") + v
+        elif k == "logprobs" and isinstance(v, dict):
+            lp = into.setdefault("logprobs", {"content": []})
+            lp["content"] += v.get("content") or []
+        elif k == "tool_calls" and isinstance(v, list):
+            calls = into.setdefault("tool_calls", [])
+            for n, tc in enumerate(v):
+                if not isinstance(tc, dict):
+                    continue
+                i = tc.get("index", n) if isinstance(tc.get("index", n), int) else n
+                while len(calls) <= i:
+                    calls.append({"id": "", "type": "function",
+                                  "function": {"name": "", "arguments": ""}})  # fmt: skip
+                fn = tc.get("function") or {}
+                if isinstance(tc.get("id"), str):
+                    calls[i]["id"] = tc["id"]
+                if isinstance(fn.get("name"), str):
+                    calls[i]["function"]["name"] = fn["name"]
+                if isinstance(fn.get("arguments"), str):
+                    calls[i]["function"]["arguments"] += fn["arguments"]
+
+
+class PartDeltas:
+    """A turn's ``part`` frames as chat-completion ``delta`` objects: reasoning as
+    ``reasoning_content``, a tool call's ``start`` as its first ``tool_calls`` chunk (its
+    ``index``, ``id``, ``name``), its argument deltas by that index; other parts (results,
+    sources, data, a call's ``end``) have no delta in this wire (None)."""
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+
+    @property
+    def calls(self) -> int:
+        return len(self.index)
+
+    def delta(self, meta: Mapping[str, Any], text: str) -> dict[str, Any] | None:
+        part, pid, phase = meta.get("part"), str(meta.get("id")), meta.get("phase")
+        if part == "reasoning" and phase == "delta" and text:
+            return {"reasoning_content": text}
+        if part != "tool-call":
+            return None
+        if phase == "start":
+            n = self.index.setdefault(pid, len(self.index))
+            fn = {"name": str(meta.get("name", "")), "arguments": ""}
+            return {"tool_calls": [{"index": n, "id": pid, "type": "function", "function": fn}]}
+        if phase == "delta" and text and pid in self.index:
+            return {"tool_calls": [{"index": self.index[pid], "function": {"arguments": text}}]}
+        return None
