@@ -83,6 +83,14 @@ class EngineConfig:
     kv_events_replay_port: int | None = None
     # natural reply lengths (tokens): log-normal, mean 300, tail to 2,000, per prompt
     reply: ReplyLength = field(default_factory=ReplyLength)
+    # where it reports the request's tokens: "first" (headers and the first chunk's
+    # "tokenrelay" field, and usage at the end), "last" (only the final usage chunk, as
+    # vLLM and SGLang do), "llamacpp" (llama-server's "timings" in the finish chunk and
+    # the usage chunk, no headers)
+    report: str = "first"
+    # context size in tokens (prompt + max_tokens); a longer request is refused with
+    # llama-server's error ("exceed_context_size_error"); 0: unbounded
+    n_ctx: int = 0
 
 
 class FifoGate:
@@ -230,6 +238,17 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
 
+def _too_long(n_prompt: int, n_ctx: int) -> web.Response:
+    """llama-server's answer to a prompt over its context (its type and fields)."""
+    message = (
+        f"request ({n_prompt} tokens) exceeds the available context size ({n_ctx} tokens), "
+        "try increasing it"
+    )
+    body = {"error": {"code": 400, "message": message, "type": "exceed_context_size_error",
+                      "n_prompt_tokens": n_prompt, "n_ctx": n_ctx}}  # fmt: skip
+    return web.Response(status=400, body=orjson.dumps(body), content_type="application/json")
+
+
 def _parse_chat(raw: bytes, cfg: EngineConfig) -> _ChatRequest:
     try:
         body = orjson.loads(raw)
@@ -305,6 +324,8 @@ async def _generate(
 ) -> tuple[web.StreamResponse, str]:
     cfg = engine.cfg
     tokens = pc.prompt_tokens(req.messages)
+    if cfg.n_ctx and len(tokens) >= cfg.n_ctx:
+        return _too_long(len(tokens), cfg.n_ctx), "error"
     cached = engine.cache.lookup(tokens)
     engine.metrics.queries.inc(len(tokens))
     engine.metrics.hits.inc(cached)
@@ -324,6 +345,8 @@ async def _generate(
         "x-prompt-tokens": str(len(tokens)),
         "x-prefill-s": f"{prefill_s:.6f}",
     }
+    if cfg.report != "first":
+        headers = {}
     usage = {
         "prompt_tokens": len(tokens),
         "completion_tokens": len(pieces),
@@ -377,14 +400,25 @@ async def _generate(
         await _sleep_until(t0 + prefill_s)
         _cache_insert(engine, tokens)  # the prompt's KV blocks exist once prefill is done
         first = chunk({"role": "assistant", "content": ""})
-        first["tokenrelay"] = meta
+        if cfg.report == "first":
+            first["tokenrelay"] = meta
         await resp.write(_sse(first))
         t_first = time.monotonic()
         for i, piece in enumerate(pieces):
             await _sleep_until(t_first + i * step)
             await resp.write(_sse(chunk({"content": piece})))
             engine.metrics.generation_tokens.inc()
-        await resp.write(_sse(chunk({}, finish)))
+        last = chunk({}, finish)
+        timings = {
+            "cache_n": cached,
+            "prompt_n": len(tokens) - cached,
+            "prompt_ms": round(prefill_s * 1000, 3),
+            "predicted_n": len(pieces),
+            "predicted_ms": round((time.monotonic() - t_first) * 1000, 3),
+        }
+        if cfg.report == "llamacpp":
+            last["timings"] = timings
+        await resp.write(_sse(last))
         if req.include_usage:
             tail = {
                 "id": rid,
@@ -394,6 +428,8 @@ async def _generate(
                 "choices": [],
                 "usage": usage,
             }
+            if cfg.report == "llamacpp":
+                tail["timings"] = timings
             await resp.write(_sse(tail))
         await resp.write(sse.DONE)
         _finish_cache(engine, tokens, pieces)

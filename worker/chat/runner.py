@@ -238,11 +238,8 @@ class TurnRunner:
                     t.engine_reported = d.meta.engine_id
                     t.cached_tokens = d.meta.cached_tokens
                     t.prompt_tokens = d.meta.prompt_tokens
-                if d.usage is not None:
-                    if d.usage.cached_tokens is not None and t.cached_tokens is None:
-                        t.cached_tokens = d.usage.cached_tokens
-                    if t.prompt_tokens is None:
-                        t.prompt_tokens = d.usage.prompt_tokens
+                if d.usage is not None:  # the final delta: all the engine said, anywhere
+                    t.take_usage(d.usage)
                 if d.text:
                     if t.ttft_s is None:
                         t.lease.first_token()  # cost_aware: this engine's prefill is done

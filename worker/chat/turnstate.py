@@ -47,7 +47,7 @@ from relay.producer.integrity import reply_integrity
 from relay.producer.presence import PresencePolicy
 from relay.producer.turn import Turn
 from worker.chat.direct import DirectViewer
-from worker.engines.client import Delta
+from worker.engines.client import Delta, Usage
 from worker.engines.errors import EngineError
 from worker.routing.key import DEFAULT_PREFIX_CHARS
 from worker.routing.lease import Lease
@@ -224,6 +224,7 @@ class RunningTurn:
     ttft_s: float | None = None
     cached_tokens: int | None = None
     prompt_tokens: int | None = None
+    computed_tokens: int | None = None  # the prompt tokens the engine prefilled
     engine_reported: str | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # stops the presence loop
     viewer: DirectViewer | None = None  # the closed-loop client, while it is attached
@@ -250,8 +251,21 @@ class RunningTurn:
             "cache": cache,  # "unknown": the engine did not report cached tokens
             "cached_tokens": self.cached_tokens,
             "prompt_tokens": self.prompt_tokens,
+            "computed_tokens": self.computed_tokens,
             "duration_ms": round((time.monotonic() - self.t0) * 1000, 1),
         }
+
+    def take_usage(self, usage: Usage) -> None:
+        """The engine's final report: it fills what the first chunk did not say (the
+        engine's own count wins for the prompt)."""
+        if usage.cached_tokens is not None:
+            self.cached_tokens = usage.cached_tokens
+        if usage.prompt_tokens is not None:
+            self.prompt_tokens = usage.prompt_tokens
+        if usage.computed_tokens is not None:
+            self.computed_tokens = usage.computed_tokens
+        elif self.prompt_tokens is not None and self.cached_tokens is not None:
+            self.computed_tokens = max(0, self.prompt_tokens - self.cached_tokens)
 
     def exchange(self, to: int) -> list[dict[str, Any]]:
         """The turn's two history entries (the store's fields), its terminal frame at

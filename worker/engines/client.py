@@ -12,11 +12,14 @@ Order of use::
             ...  # delta.meta on the first one, delta.finish_reason on the last one
 
 ``stream_chat`` yields zero or more text deltas and then exactly one final delta with
-``finish_reason`` set (and ``usage`` when the engine sent it); the first delta yielded
-carries ``meta`` (engine id, cached prefix tokens, from the ``x-engine-id`` /
-``x-prefix-cache-hit-tokens`` headers or the mock's ``"tokenrelay"`` field). When the
-consumer stops early (``aclose``, leaving ``aclosing``, task cancelled) the upstream
-connection is closed, not returned to the pool, so the engine aborts the request.
+``finish_reason`` set; the first delta yielded carries ``meta`` (engine id, cached
+prefix tokens, where the engine says them up front: the mock's headers and first
+chunk), the final one ``usage``: everything the engine reported anywhere in its answer
+(headers, a chunk's ``usage`` with ``prompt_tokens_details.cached_tokens``, llama-server's
+``timings`` with ``cache_n``/``prompt_n``; :mod:`worker.engines.report`), None only when
+the engine said nothing. When the consumer stops early (``aclose``, leaving
+``aclosing``, task cancelled) the upstream connection is closed, not returned to the
+pool, so the engine aborts the request.
 Timeouts: ``connect_timeout_s`` for the TCP connect, ``first_token_timeout_s`` from
 the call to the first chunk with choices (headers, queueing and prefill included; the
 role-only or reasoning chunk that engines send after prefill counts), ``idle_timeout_s``
@@ -25,9 +28,12 @@ A 200 answer with a JSON body (a server that ignored ``stream``) is accepted as 
 single delta.
 
 Bounds, whatever the engine does: the request always carries ``max_tokens`` when the
-caller gives one, and the client itself stops reading after ``max_tokens`` content
-chunks (engines send about one token per chunk) or ``max_reply_bytes`` of text, closes
-the connection (the engine aborts the request) and ends the stream with
+caller gives one, so the engine ends the reply itself; after ``max_tokens`` content
+chunks (engines send about one token per chunk) the reply is complete for the caller,
+and the client reads on, yielding no more text, to the engine's own end for its report
+(real engines send usage and timings in the last chunk), at most ``drain_s`` seconds
+and ``drain_chunks`` chunks, then closes the connection (the engine aborts). Past
+``max_reply_bytes`` of text it closes at once. Either way the stream ends with
 ``finish_reason`` ``"length"``: an engine that ignores ``max_tokens`` (or never stops)
 cannot make a turn, or the reply stored in history, unbounded.
 """
@@ -50,6 +56,7 @@ from worker.engines.errors import (
     EngineTimeout,
     EngineUnavailable,
 )
+from worker.engines.report import Report, chunk_report, header_report, to_float, to_int
 
 __all__ = ["Delta", "EngineClient", "EngineMeta", "Usage", "chat_completions_url"]
 
@@ -71,9 +78,16 @@ class EngineMeta:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
+    """The request's tokens as the engine reported them anywhere in its answer
+    (:mod:`worker.engines.report`); ``computed_tokens`` the prompt tokens it prefilled,
+    ``prefill_s``/``decode_s`` its own time for each phase (None: not said)."""
+
     prompt_tokens: int | None
     completion_tokens: int | None
     cached_tokens: int | None = None
+    computed_tokens: int | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,65 +110,44 @@ def chat_completions_url(engine_url: str) -> str:
     return base + "/v1/chat/completions"
 
 
-def _int(v: object) -> int | None:
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, int):
-        return v
-    if isinstance(v, str):
-        try:
-            return int(v)
-        except ValueError:
-            return None
-    return None
-
-
-def _float(v: object) -> float | None:
-    if isinstance(v, bool) or v is None:
-        return None
-    try:
-        return float(v)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None
-
-
 def _meta_from_headers(url: str, resp: aiohttp.ClientResponse) -> EngineMeta:
-    h = resp.headers
+    r = header_report(resp.headers)
     return EngineMeta(
         engine_url=url,
         status=resp.status,
-        engine_id=h.get("x-engine-id"),
-        cached_tokens=_int(h.get("x-prefix-cache-hit-tokens")),
-        prompt_tokens=_int(h.get("x-prompt-tokens")),
-        prefill_s=_float(h.get("x-prefill-s")),
+        engine_id=r.engine_id,
+        cached_tokens=r.cached_tokens,
+        prompt_tokens=r.prompt_tokens,
+        prefill_s=r.prefill_s,
     )
 
 
-def _merge_meta(meta: EngineMeta, obj: Mapping[str, Any]) -> EngineMeta:
-    """Fill what headers did not say from a chunk (its id, the mock's extra field)."""
-    extra = obj.get("tokenrelay")
-    extra = extra if isinstance(extra, Mapping) else {}
+def _merge_meta(meta: EngineMeta, obj: Mapping[str, Any], said: Report) -> EngineMeta:
+    """Fill what the headers did not say from what the stream said so far (``said``)
+    and the chunk's id."""
     rid = obj.get("id")
     return replace(
         meta,
-        engine_id=meta.engine_id if meta.engine_id is not None else extra.get("engine_id"),
-        cached_tokens=meta.cached_tokens
-        if meta.cached_tokens is not None
-        else _int(extra.get("cached_tokens")),
-        prompt_tokens=meta.prompt_tokens
-        if meta.prompt_tokens is not None
-        else _int(extra.get("prompt_tokens")),
-        prefill_s=meta.prefill_s if meta.prefill_s is not None else _float(extra.get("prefill_s")),
+        engine_id=meta.engine_id if meta.engine_id is not None else said.engine_id,
+        cached_tokens=meta.cached_tokens if meta.cached_tokens is not None else said.cached_tokens,
+        prompt_tokens=meta.prompt_tokens if meta.prompt_tokens is not None else said.prompt_tokens,
+        prefill_s=meta.prefill_s if meta.prefill_s is not None else said.prefill_s,
         response_id=meta.response_id or (rid if isinstance(rid, str) else None),
     )
 
 
-def _usage(obj: object) -> Usage | None:
-    if not isinstance(obj, Mapping):
+def _usage(report: Report) -> Usage | None:
+    """The final delta's usage: everything the engine said, wherever (None: nothing)."""
+    if report.empty:
         return None
-    details = obj.get("prompt_tokens_details")
-    cached = _int(details.get("cached_tokens")) if isinstance(details, Mapping) else None
-    return Usage(_int(obj.get("prompt_tokens")), _int(obj.get("completion_tokens")), cached)
+    return Usage(
+        report.prompt_tokens,
+        report.completion_tokens,
+        report.cached_tokens,
+        computed_tokens=report.computed_tokens,
+        prefill_s=report.prefill_s,
+        decode_s=report.decode_s,
+    )
 
 
 def _error_object(obj: Mapping[str, Any]) -> tuple[int, str] | None:
@@ -165,7 +158,7 @@ def _error_object(obj: Mapping[str, Any]) -> tuple[int, str] | None:
     if err is None:
         return None
     if isinstance(err, Mapping):
-        code = _int(err.get("code"))
+        code = to_int(err.get("code"))
         message = str(err.get("message") or err.get("type") or "engine error")
     else:
         code, message = None, str(err)
@@ -174,8 +167,7 @@ def _error_object(obj: Mapping[str, Any]) -> tuple[int, str] | None:
 
 
 def _retry_after(resp: aiohttp.ClientResponse) -> float | None:
-    value = _float(resp.headers.get("Retry-After"))
-    return value if value is not None and value >= 0 else None
+    return to_float(resp.headers.get("Retry-After"))
 
 
 class EngineClient:
@@ -190,6 +182,8 @@ class EngineClient:
         idle_timeout_s: float = 30.0,
         include_usage: bool = True,
         max_reply_bytes: int = 256 * 1024,
+        drain_s: float = 2.0,
+        drain_chunks: int = 16,
     ) -> None:
         self._session = session
         self.connect_timeout_s = connect_timeout_s
@@ -197,6 +191,8 @@ class EngineClient:
         self.idle_timeout_s = idle_timeout_s
         self.include_usage = include_usage
         self.max_reply_bytes = max_reply_bytes
+        self.drain_s = drain_s
+        self.drain_chunks = drain_chunks
 
     async def stream_chat(
         self,
@@ -312,14 +308,15 @@ class EngineClient:
         message = choices[0].get("message")
         content = message.get("content") if isinstance(message, Mapping) else None
         finish = choices[0].get("finish_reason")
-        meta = _merge_meta(meta, obj)
+        said = header_report(resp.headers).merged(chunk_report(obj))
+        meta = _merge_meta(meta, obj, said)
         if isinstance(content, str) and content:
             yield Delta(content, meta=meta)
             meta_out = None
         else:
             meta_out = meta
         reason = finish if isinstance(finish, str) and finish else "stop"
-        yield Delta("", reason, meta_out, _usage(obj.get("usage")))
+        yield Delta("", reason, meta_out, _usage(said))
 
     def _json(self, url: str, data: str) -> Mapping[str, Any]:
         try:
@@ -344,17 +341,28 @@ class EngineClient:
         max_tokens: int | None,
         cut: list[bool],
     ) -> AsyncGenerator[Delta, None]:
-        """The stream's deltas; appends to ``cut`` when it stops at a bound (see above)."""
+        """The stream's deltas; appends to ``cut`` when it stops at a bound (see above).
+
+        After ``max_tokens`` content chunks the reply is complete for the caller, but
+        the engine's report (usage, timings) comes in its last chunk: the rest of the
+        stream is read without yielding text, bounded by ``drain_s`` and
+        ``drain_chunks``, and cut past either (the engine, sent ``max_tokens``, ends
+        itself one chunk later)."""
         loop = asyncio.get_running_loop()
         chunks = nbytes = 0
         decoder = SSEDecoder()
         pending_meta: EngineMeta | None = meta
+        said = header_report(resp.headers)
         got_first = False
         finish: str | None = None
-        usage: Usage | None = None
         done = eof = False
+        drain_until: float | None = None  # reading on for the report, text complete
+        drained = 0
         while not done and not eof:
-            if got_first:
+            if drain_until is not None:
+                phase, limit = "drain", self.drain_s
+                deadline = min(drain_until, loop.time() + self.idle_timeout_s)
+            elif got_first:
                 phase, limit, deadline = "idle", self.idle_timeout_s, loop.time()
                 deadline += self.idle_timeout_s
             else:
@@ -363,8 +371,12 @@ class EngineClient:
                 async with asyncio.timeout_at(deadline):
                     chunk = await resp.content.readany()
             except TimeoutError:
+                if drain_until is not None:
+                    break  # the text is whole: end it with what the engine said so far
                 raise EngineTimeout(phase, limit, engine_url=url) from None
             except (aiohttp.ClientError, ConnectionError) as exc:
+                if drain_until is not None:
+                    break
                 raise EngineUnavailable(
                     f"connection to {url} lost mid-stream: {exc}", engine_url=url, mid_stream=True
                 ) from exc
@@ -378,9 +390,9 @@ class EngineClient:
                     done = True
                     break
                 obj = self._json(url, ev.data)
+                said = said.merged(chunk_report(obj))
                 if pending_meta is not None:
-                    pending_meta = _merge_meta(pending_meta, obj)
-                usage = _usage(obj.get("usage")) or usage
+                    pending_meta = _merge_meta(pending_meta, obj, said)
                 choices = obj.get("choices")
                 if choices is None or choices == []:
                     continue
@@ -390,11 +402,17 @@ class EngineClient:
                     )
                 got_first = True  # engines send the first choice chunk after prefill
                 choice = choices[0]
+                reason = choice.get("finish_reason")
+                if isinstance(reason, str) and reason and drain_until is None:
+                    finish = reason
+                if drain_until is not None:
+                    drained += 1
+                    if drained > self.drain_chunks:
+                        eof = True  # an engine that ignores max_tokens: stop here
+                        break
+                    continue
                 delta = choice.get("delta")
                 content = delta.get("content") if isinstance(delta, Mapping) else None
-                reason = choice.get("finish_reason")
-                if isinstance(reason, str) and reason:
-                    finish = reason
                 if isinstance(content, str) and content:
                     room = self.max_reply_bytes - nbytes
                     data = content.encode()
@@ -405,18 +423,19 @@ class EngineClient:
                         pending_meta = None
                     chunks += 1
                     nbytes += len(content.encode())
-                    if finish is None and (
-                        len(data) > room
-                        or nbytes >= self.max_reply_bytes
-                        or (max_tokens is not None and chunks >= max_tokens)
-                    ):
-                        cut.append(True)
-                        yield Delta("", "length", pending_meta, usage)
+                    if finish is None and (len(data) > room or nbytes >= self.max_reply_bytes):
+                        cut.append(True)  # past the byte bound: no drain, cut at once
+                        yield Delta("", "length", pending_meta, _usage(said))
                         return
-        if finish is None:
+                    if finish is None and max_tokens is not None and chunks >= max_tokens:
+                        finish = "length"
+                        drain_until = loop.time() + self.drain_s
+        if drain_until is not None and not done:
+            cut.append(True)  # the engine did not end within the drain: close it
+        elif finish is None:
             if not done:
                 raise EngineProtocolError(
                     f"stream from {url} ended without finish_reason or [DONE]", engine_url=url
                 )
             finish = "stop"
-        yield Delta("", finish, pending_meta, usage)
+        yield Delta("", finish or "length", pending_meta, _usage(said))
