@@ -86,7 +86,7 @@ class EngineConfig:
     # where it reports the request's tokens: "first" (headers and the first chunk's
     # "tokenrelay" field, and usage at the end), "last" (only the final usage chunk, as
     # vLLM and SGLang do), "llamacpp" (llama-server's "timings" in the finish chunk and
-    # the usage chunk, no headers)
+    # the usage chunk, no headers; and its GET /props: max_concurrency slots, n_ctx)
     report: str = "first"
     # context size in tokens (prompt + max_tokens); a longer request is refused with
     # llama-server's error ("exceed_context_size_error"); 0: unbounded
@@ -460,6 +460,13 @@ async def _health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "engine_id": engine.cfg.engine_id})
 
 
+async def _props(request: web.Request) -> web.Response:
+    cfg = request.app[ENGINE_KEY].cfg
+    body = {"total_slots": cfg.max_concurrency, "model_alias": cfg.model,
+            "default_generation_settings": {"n_ctx": cfg.n_ctx}}  # fmt: skip
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
 async def _models(request: web.Request) -> web.Response:
     cfg = request.app[ENGINE_KEY].cfg
     model = {"id": cfg.model, "object": "model", "created": 0, "owned_by": "tokenrelay"}
@@ -475,6 +482,8 @@ def make_app(cfg: EngineConfig) -> web.Application:
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
+    if cfg.report == "llamacpp":  # llama-server's self-description: slots and context
+        app.router.add_get("/props", _props)
     return app
 
 

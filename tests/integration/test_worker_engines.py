@@ -3,6 +3,9 @@ reports only in the last chunk, context limits, slow prefill."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
@@ -40,3 +43,71 @@ async def test_a_turn_cut_at_max_tokens_still_says_its_cache(
     assert d2["computed_tokens"] == d2["prompt_tokens"] - d2["cached_tokens"]
     metrics = h.state.metrics.render().decode()
     assert f"tokenrelay_worker_cached_prompt_tokens_total {float(d2['cached_tokens'])}" in metrics
+
+
+async def test_a_prompt_over_the_engine_context_is_prompt_too_long_with_its_reason(
+    h: Harness, redis: RedisCluster
+) -> None:
+    """The screen read "engine answered HTTP 400"; the engine's reason stayed in the log."""
+    await h.start_engines(1, n_ctx=40)
+    await h.start_worker()
+    sid, token = await h.session()
+    s, b, _ = await h.post_turn(sid, token, {"message": "word " * 60})
+    assert s == 202, b
+    end = (await wait_turn(redis, sid, b["turn"]))[-1]
+    assert end.kind == "error"
+    assert end.meta is not None
+    assert end.meta["code"] == "prompt_too_long"
+    assert "exceeds the available context size (40 tokens)" in end.text
+    assert "127.0.0.1" not in end.text
+
+
+async def test_history_is_trimmed_to_the_context_the_engine_reports(
+    h: Harness, redis: RedisCluster
+) -> None:
+    """A conversation that outgrew the context failed every later turn; now its oldest
+    turns are left out (the engine's /props gives the context) and the meta says so."""
+    await h.start_engines(1, report="llamacpp", n_ctx=400, reply=LONG_REPLIES)
+    await h.start_worker()
+    await _until(lambda: h.state.router.profiles.get("eng-0").context_tokens == 400)
+    sid, token = await h.session()
+    trimmed = []
+    for i in range(6):
+        s, b, _ = await h.post_turn(sid, token, {"message": f"turn {i} " + "word " * 40,
+                                                 "max_tokens": 60})  # fmt: skip
+        assert s == 202, b
+        frames = await wait_turn(redis, sid, b["turn"])
+        assert frames[-1].kind == "done", frames[-1]
+        assert frames[0].meta is not None
+        trimmed.append(frames[0].meta.get("trimmed_messages", 0))
+        assert frames[-1].meta is not None
+        assert frames[-1].meta["trimmed_messages"] == trimmed[-1]
+    assert trimmed[0] == 0
+    assert trimmed[-1] > 0
+    assert h.state.router.profiles.get("eng-0").slots == 8  # its /props: total_slots
+
+
+async def test_a_slow_engine_first_token_timeout_is_its_own_logged_and_aborts(
+    h: Harness, redis: RedisCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    (eng,) = await h.start_engines(1, prefill_tok_per_s=20.0)
+    await h.start_worker(
+        first_token_timeout_s=60.0, engine_profiles=("eng-0=first_token_timeout:0.5",)
+    )
+    sid, token = await h.session()
+    s, b, _ = await h.post_turn(sid, token, {"message": "word " * 100})
+    assert s == 202, b
+    end = (await wait_turn(redis, sid, b["turn"]))[-1]
+    assert end.kind == "error"
+    assert end.meta is not None
+    assert end.meta["code"] == "timeout"
+    assert "first_token timeout after 0.5s" in end.text
+    await _until(lambda: eng.engine.gate.running == 0)  # the engine's request aborted
+    assert any("first_token timeout" in r.getMessage() and "eng-0" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+
+
+async def _until(cond: Callable[[], bool], within_s: float = 5.0) -> None:
+    async with asyncio.timeout(within_s):
+        while not cond():
+            await asyncio.sleep(0.02)

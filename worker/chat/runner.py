@@ -51,7 +51,7 @@ from worker.chat.turnstate import (
     TurnConfig,
     TurnOutcome,
 )
-from worker.engines.errors import EngineError, EngineTimeout, EngineUnavailable
+from worker.engines.errors import PROMPT_TOO_LONG, EngineError, EngineTimeout, EngineUnavailable
 from worker.metrics import WorkerMetrics
 from worker.routing.lease import AllEnginesFull, release_once
 from worker.routing.router import Router
@@ -131,11 +131,16 @@ class TurnRunner:
                     raise  # we are being cancelled ourselves
                 outcome, error = t.abort_reason.outcome, t.abort_reason
             else:
-                if isinstance(failed, EngineTimeout):
+                if isinstance(failed, EngineTimeout):  # its request was closed: the engine aborts
+                    log.warning("turn %s/%d: %s on %s (%s); its request aborted", t.sid,
+                                t.gen.turn, failed.message, t.lease.engine.id,
+                                failed.engine_url)  # fmt: skip
                     outcome, error = TurnOutcome.TIMEOUT, failed.message
                 elif failed is not None:  # the frame gets a short reason, the log the URL
                     log.warning("turn %s/%d: %s", t.sid, t.gen.turn, failed.message)
-                    outcome, error = TurnOutcome.ENGINE_ERROR, failed.public_reason
+                    outcome = (TurnOutcome.PROMPT_TOO_LONG if failed.code == PROMPT_TOO_LONG
+                               else TurnOutcome.ENGINE_ERROR)  # fmt: skip
+                    error = failed.public_reason
             finally:
                 release_once(t.lease)  # the engine is done with us, whatever happens next
             await t.gen.flush(60.0)  # raises what stopped the pump (publishes retry 10 s)
@@ -231,7 +236,11 @@ class TurnRunner:
         return None
 
     async def _read_engine_once(self, t: RunningTurn) -> None:
-        stream = self.engine.stream_chat(t.lease.engine.url, self.cfg.model, t.prompt, t.max_tokens)
+        profile = self.router.profiles.get(t.lease.engine.id)
+        stream = self.engine.stream_chat(
+            t.lease.engine.url, self.cfg.model, t.prompt, t.max_tokens,
+            first_token_timeout_s=profile.first_token_timeout_s or None,
+        )  # fmt: skip
         try:
             async for d in stream:
                 if d.meta is not None and t.first_meta is None:
@@ -240,6 +249,11 @@ class TurnRunner:
                     t.prompt_tokens = d.meta.prompt_tokens
                 if d.usage is not None:  # the final delta: all the engine said, anywhere
                     t.take_usage(d.usage)
+                    self.router.profiles.learn_turn(
+                        t.lease.engine.id, computed_tokens=d.usage.computed_tokens,
+                        prefill_s=d.usage.prefill_s, completion_tokens=d.usage.completion_tokens,
+                        decode_s=d.usage.decode_s,
+                    )  # fmt: skip
                 if d.text:
                     if t.ttft_s is None:
                         t.lease.first_token()  # cost_aware: this engine's prefill is done

@@ -17,7 +17,9 @@ engine finished       done        ``done`` (ttft, engine, cache hit/miss, finish
 stopped (a cancel)    cancelled   ``done`` with ``finish_reason`` "cancelled" and the
                                   partial reply's integrity; history appended, the
                                   reply marked stopped
-engine error          engine_error ``error`` (the engine's message)
+engine error          engine_error ``error`` (the status and the engine's own reason,
+                                  cleaned and bounded)
+prompt over context   prompt_too_long ``error`` (the engine's reason)
 engine timeout        timeout     ``error``
 nobody watching       no_viewers  ``error`` "no viewers"
 engine left the ring  engine_down ``error`` "engine down"
@@ -77,6 +79,7 @@ class TurnOutcome(enum.StrEnum):
 
     DONE = "done"
     ENGINE_ERROR = "engine_error"
+    PROMPT_TOO_LONG = "prompt_too_long"  # the engine refused a prompt over its context
     TIMEOUT = "timeout"
     NO_VIEWERS = "no_viewers"
     ENGINE_DOWN = "engine_down"
@@ -143,6 +146,8 @@ class StreamChat(Protocol):
         model: str,
         messages: Sequence[Mapping[str, Any]],
         max_tokens: int | None = None,
+        *,
+        first_token_timeout_s: float | None = None,
     ) -> AsyncIterator[Delta]: ...
 
 
@@ -231,6 +236,7 @@ class RunningTurn:
     first_offset: int = 0  # the turn's meta frame
     user_id: str = ""  # the user message's id (the client's, or made from the turn)
     background: bool = False  # runs to its end unwatched (a Responses background turn)
+    trimmed: int = 0  # oldest messages left out of the prompt (the engine's context)
 
     def local_watchers(self) -> int:
         if self.background:
@@ -252,6 +258,7 @@ class RunningTurn:
             "cached_tokens": self.cached_tokens,
             "prompt_tokens": self.prompt_tokens,
             "computed_tokens": self.computed_tokens,
+            "trimmed_messages": self.trimmed,
             "duration_ms": round((time.monotonic() - self.t0) * 1000, 1),
         }
 

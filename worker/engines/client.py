@@ -61,6 +61,7 @@ from worker.engines.report import Report, chunk_report, header_report, to_float,
 __all__ = ["Delta", "EngineClient", "EngineMeta", "Usage", "chat_completions_url"]
 
 _ERROR_BODY_LIMIT = 64 * 1024
+_ERROR_TEXT = 1000  # of a non-JSON error body, kept in the error (clean_reason shortens it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,20 +151,22 @@ def _usage(report: Report) -> Usage | None:
     )
 
 
-def _error_object(obj: Mapping[str, Any]) -> tuple[int, str] | None:
-    """(status, message) if ``obj`` is an OpenAI/vLLM error object, else None."""
+def _error_object(obj: Mapping[str, Any]) -> tuple[int, str, str] | None:
+    """(status, message, type) if ``obj`` is an OpenAI/vLLM/llama.cpp error object."""
     err: object = obj.get("error")
     if err is None and obj.get("object") == "error":
         err = obj
     if err is None:
         return None
+    kind = ""
     if isinstance(err, Mapping):
         code = to_int(err.get("code"))
         message = str(err.get("message") or err.get("type") or "engine error")
+        kind = str(err.get("type") or "")
     else:
         code, message = None, str(err)
     status = code if code is not None and 400 <= code <= 599 else 500
-    return status, message
+    return status, message, kind
 
 
 def _retry_after(resp: aiohttp.ClientResponse) -> float | None:
@@ -203,8 +206,11 @@ class EngineClient:
         *,
         extra_body: Mapping[str, Any] | None = None,
         headers: Mapping[str, str] | None = None,
+        first_token_timeout_s: float | None = None,
     ) -> AsyncGenerator[Delta, None]:
-        """Stream one chat completion; see the module docstring for the contract."""
+        """Stream one chat completion; see the module docstring for the contract.
+        ``first_token_timeout_s``: this engine's own (a CPU engine's prefill takes
+        minutes), else the client's."""
         url = chat_completions_url(engine_url)
         body: dict[str, Any] = {"model": model, "messages": list(messages), "stream": True}
         if max_tokens is not None:
@@ -214,8 +220,9 @@ class EngineClient:
         if extra_body:
             body.update(extra_body)
         loop = asyncio.get_running_loop()
-        first_deadline = loop.time() + self.first_token_timeout_s
-        resp = await self._open(url, body, headers, first_deadline)
+        first_s = first_token_timeout_s or self.first_token_timeout_s
+        first_deadline = loop.time() + first_s
+        resp = await self._open(url, body, headers, first_deadline, first_s)
         completed = False
         try:
             meta = _meta_from_headers(url, resp)
@@ -223,11 +230,12 @@ class EngineClient:
                 raise await self._http_error(url, resp)
             ctype = resp.headers.get("Content-Type", "").lower()
             if ctype.startswith("application/json"):
-                async for d in self._whole(url, resp, meta, first_deadline):
+                async for d in self._whole(url, resp, meta, first_deadline, first_s):
                     yield d
             else:
                 cut: list[bool] = []
-                async for d in self._events(url, resp, meta, first_deadline, max_tokens, cut):
+                events = self._events(url, resp, meta, (first_deadline, first_s), max_tokens, cut)
+                async for d in events:
                     yield d
                 if cut:
                     return  # cut by us: ``completed`` stays False, the connection closes
@@ -244,6 +252,7 @@ class EngineClient:
         body: dict[str, Any],
         headers: Mapping[str, str] | None,
         deadline: float,
+        first_s: float,
     ) -> aiohttp.ClientResponse:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
         hdrs = {"Content-Type": "application/json", "Accept": "text/event-stream"}
@@ -260,7 +269,7 @@ class EngineClient:
         except aiohttp.ClientConnectionError as exc:
             raise EngineUnavailable(f"cannot reach {url}: {exc}", engine_url=url) from exc
         except TimeoutError:
-            raise EngineTimeout("first_token", self.first_token_timeout_s, engine_url=url) from None
+            raise EngineTimeout("first_token", first_s, engine_url=url) from None
         except aiohttp.ClientError as exc:  # e.g. a malformed HTTP response
             raise EngineProtocolError(f"bad HTTP answer from {url}: {exc}", engine_url=url) from exc
 
@@ -276,27 +285,32 @@ class EngineClient:
         except (TimeoutError, aiohttp.ClientError):
             pass
         text = raw.decode("utf-8", "replace")
-        message = f"engine answered HTTP {resp.status}"
         try:
             obj = orjson.loads(raw)
         except orjson.JSONDecodeError:
             obj = None
+        said, kind = text.strip()[:_ERROR_TEXT], ""
         if isinstance(obj, Mapping) and (found := _error_object(obj)) is not None:
-            message = f"{message}: {found[1]}"
-        elif text.strip():
-            message = f"{message}: {text.strip()[:200]}"
+            said, kind = found[1], found[2]
+        message = f"engine answered HTTP {resp.status}" + (f": {said}" if said else "")
         return EngineHTTPError(
-            resp.status, text, message=message, retry_after_s=_retry_after(resp), engine_url=url
-        )
+            resp.status, text, message=message, retry_after_s=_retry_after(resp),
+            engine_url=url, engine_message=said, engine_type=kind,
+        )  # fmt: skip
 
     async def _whole(
-        self, url: str, resp: aiohttp.ClientResponse, meta: EngineMeta, deadline: float
+        self,
+        url: str,
+        resp: aiohttp.ClientResponse,
+        meta: EngineMeta,
+        deadline: float,
+        first_s: float,
     ) -> AsyncGenerator[Delta, None]:
         try:
             async with asyncio.timeout_at(deadline):
                 raw = await resp.read()
         except TimeoutError:
-            raise EngineTimeout("first_token", self.first_token_timeout_s, engine_url=url) from None
+            raise EngineTimeout("first_token", first_s, engine_url=url) from None
         except aiohttp.ClientError as exc:
             raise EngineUnavailable(
                 f"connection to {url} lost: {exc}", engine_url=url, mid_stream=True
@@ -328,8 +342,11 @@ class EngineClient:
         if not isinstance(obj, Mapping):
             raise EngineProtocolError(f"expected a JSON object from {url}", engine_url=url)
         if (found := _error_object(obj)) is not None:
-            status, message = found
-            raise EngineStreamError(status, data, message=message, engine_url=url)
+            status, message, kind = found
+            raise EngineStreamError(
+                status, data, message=message, engine_url=url, engine_message=message,
+                engine_type=kind,
+            )  # fmt: skip
         return obj
 
     async def _events(
@@ -337,7 +354,7 @@ class EngineClient:
         url: str,
         resp: aiohttp.ClientResponse,
         meta: EngineMeta,
-        first_deadline: float,
+        first: tuple[float, float],
         max_tokens: int | None,
         cut: list[bool],
     ) -> AsyncGenerator[Delta, None]:
@@ -349,6 +366,7 @@ class EngineClient:
         ``drain_chunks``, and cut past either (the engine, sent ``max_tokens``, ends
         itself one chunk later)."""
         loop = asyncio.get_running_loop()
+        first_deadline, first_s = first
         chunks = nbytes = 0
         decoder = SSEDecoder()
         pending_meta: EngineMeta | None = meta
@@ -366,7 +384,7 @@ class EngineClient:
                 phase, limit, deadline = "idle", self.idle_timeout_s, loop.time()
                 deadline += self.idle_timeout_s
             else:
-                phase, limit, deadline = "first_token", self.first_token_timeout_s, first_deadline
+                phase, limit, deadline = "first_token", first_s, first_deadline
             try:
                 async with asyncio.timeout_at(deadline):
                     chunk = await resp.content.readany()

@@ -43,6 +43,7 @@ from relay.protocol.keys import InvalidSessionId, parse_session
 from relay.service.errors import error_body
 from relay.service.register import Handler
 from worker.engines.errors import (
+    PROMPT_TOO_LONG,
     EngineError,
     EngineHTTPError,
     EngineTimeout,
@@ -81,6 +82,8 @@ def _engine_wire_error(exc: EngineError) -> WireError:
     if isinstance(exc, EngineUnavailable):
         return WireError(503, "no engine could be reached", kind="api_error",
                          code="engine_unavailable")  # fmt: skip
+    if exc.code == PROMPT_TOO_LONG:  # OpenAI's own code for it
+        return WireError(400, exc.public_reason, code="context_length_exceeded")
     if isinstance(exc, EngineHTTPError) and exc.status == 400:
         return WireError(400, f"the engine refused the request: {exc.message}"[:500],
                          code="engine_bad_request")  # fmt: skip
