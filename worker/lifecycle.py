@@ -234,6 +234,7 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         draining=lambda: turns.draining,
         turns=turns,
         access=access,
+        records=store,
     )
     submitter = JobSubmitter(cfg.amqp_url, QueueNames(cfg.jobs_queue)) if cfg.amqp_url else None
     if submitter is not None:
