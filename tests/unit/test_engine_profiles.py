@@ -55,7 +55,7 @@ def test_flags_win_over_what_the_engine_reported_and_fill_the_rest() -> None:
 def test_sessions_arriving_one_at_a_time_spread_by_their_ring_position() -> None:
     """Ties went to the first engine: every session that came alone landed on engine 1."""
     r = _router(3, {})
-    seen = Counter()
+    seen: Counter[str] = Counter()
     for i in range(60):
         key = f"conv-{i}"
         lease = r.route(key, turn=TurnInfo(prompt_tokens=500, key=key))
