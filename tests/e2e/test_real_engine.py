@@ -121,8 +121,9 @@ async def test_the_closed_loop_streams_model_text_and_the_engines_cache_report(
     assert second[-1].kind == "done", second[-1]
     assert d2["engine"] == d1["engine"]
     assert d2["cache"] == "hit"
-    assert d2["cached_tokens"] >= d1["prompt_tokens"]  # the whole first prompt, at least
-    assert d2["computed_tokens"] < d2["prompt_tokens"] - d1["prompt_tokens"] + 16
+    # the first prompt (and reply, re-tokenized to the engine's own tokens) was reused
+    assert d2["cached_tokens"] >= d1["prompt_tokens"] - 1
+    assert d2["computed_tokens"] == d2["prompt_tokens"] - d2["cached_tokens"]
     # the profile learned the engine's prefill and decode rates from its timings
     learned = h.state.router.profiles.learned(d1["engine"])
     assert learned.decode_tok_per_s > 0
@@ -270,7 +271,8 @@ async def test_an_engine_killed_mid_reply_ends_the_turn_and_the_next_goes_elsewh
     victim.proc.send(signal.SIGKILL)
     end = (await wait_turn(redis, sid, turn, timeout_s=60))[-1]
     assert end.kind == "error"
-    assert end.text == "engine connection lost mid-stream"
+    # the broken connection, or the control plane's probes first (the engine is gone)
+    assert end.text in ("engine connection lost mid-stream", "engine down"), end
     nxt = await closed_loop(h, sid, token, {"message": "Say hello.", "max_tokens": 8})
     assert nxt[-1].kind == "done", nxt[-1]
     assert nxt[-1].meta is not None

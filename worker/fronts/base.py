@@ -109,6 +109,10 @@ class Gateway:
         }.get(code, "invalid gateway key")
         return WireError(401, reason, kind="authentication_error", code=code)
 
+    def first_token_timeout_s(self, engine_id: str) -> float | None:
+        """The engine's own first-token timeout (its profile), else None: the client's."""
+        return self.router.profiles.get(engine_id).first_token_timeout_s or None
+
     async def lease(self, req: Routed) -> Lease:
         """The engine for a session-less request. Its conversation has no session meta
         to name its last engine, so the gateway keeps one record per conversation in the

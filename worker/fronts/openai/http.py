@@ -161,8 +161,9 @@ async def _whole(gw: Gateway, req: ChatRequest, lease: Lease) -> web.Response:
     finish: str | None = None
     prompt_tokens = cached = completion_tokens = None
     stream = gw.engine.stream_chat(
-        lease.engine.url, req.model, req.messages, req.max_tokens, extra_body=req.options
-    )
+        lease.engine.url, req.model, req.messages, req.max_tokens, extra_body=req.options,
+        first_token_timeout_s=gw.first_token_timeout_s(lease.engine.id),
+    )  # fmt: skip
     try:
         async for d in stream:
             if d.meta is not None and prompt_tokens is None:
@@ -198,8 +199,9 @@ async def _stream(
     n = 0
     prompt_tokens = cached = completion_tokens = None
     stream = gw.engine.stream_chat(
-        lease.engine.url, req.model, req.messages, req.max_tokens, extra_body=req.options
-    )
+        lease.engine.url, req.model, req.messages, req.max_tokens, extra_body=req.options,
+        first_token_timeout_s=gw.first_token_timeout_s(lease.engine.id),
+    )  # fmt: skip
     try:
         async for d in stream:
             if resp is None:  # the engine answered: from here on errors go in the stream
