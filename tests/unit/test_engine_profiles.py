@@ -9,6 +9,7 @@ import pytest
 
 from worker.chat.trim import estimate_tokens, trim_to_context
 from worker.engines.errors import PROMPT_TOO_LONG, EngineHTTPError, clean_reason
+from worker.engines.props import props_shape
 from worker.engines.report import Report, chunk_report
 from worker.routing.cost import TurnInfo
 from worker.routing.lease import EngineSpec, LoadView
@@ -178,3 +179,10 @@ def test_reports_merge_from_every_place_an_engine_says_them() -> None:
     assert (r.completion_tokens, r.prefill_s) == (9, 0.12)
     assert Report().empty
     assert chunk_report({"usage": {"prompt_tokens": -1, "completion_tokens": True}}).empty
+
+
+def test_llama_server_props_give_slots_and_context() -> None:
+    said = {"total_slots": 2, "default_generation_settings": {"n_ctx": 2048, "params": {}}}
+    assert props_shape(said) == (2, 2048)
+    assert props_shape({"total_slots": "x"}) == (0, 0)
+    assert props_shape([1, 2]) == (0, 0)
