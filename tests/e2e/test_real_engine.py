@@ -6,13 +6,15 @@ an in-process worker on the real cluster, a relay for the screens.
 What the mock engine cannot show: real model text through every front, the engine's own
 cache reports (``timings``, ``usage.prompt_tokens_details``) read at the end of a reply,
 its own error for a prompt over its context, its slots freed by a stop, a server killed
-mid-reply. Where the engine is not built here the tests skip and say why (the build is
-``make llama-engine``; ``make test`` runs it first, once per machine).
+mid-reply. They run with ``make test-real-engine`` (``TOKENRELAY_REAL_ENGINE=1``), which
+builds the engine first; elsewhere, and where the engine cannot be built here, they skip
+and say why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -43,6 +45,11 @@ CTX = 2048  # shared by the slots: 1,024 tokens each
 
 @pytest.fixture(scope="session")
 def built() -> Built:
+    if not os.environ.get("TOKENRELAY_REAL_ENGINE"):
+        pytest.skip(
+            "real-engine tests run with make test-real-engine (it builds llama-server once "
+            "per machine first: about 11 minutes on two quiet cores)"
+        )
     found = find()
     if found is None:
         why = missing_toolchain() or (
