@@ -86,7 +86,7 @@ class EngineConfig:
     # where it reports the request's tokens: "first" (headers and the first chunk's
     # "tokenrelay" field, and usage at the end), "last" (only the final usage chunk, as
     # vLLM and SGLang do), "llamacpp" (llama-server's "timings" in the finish chunk and
-    # the usage chunk, no headers; and its GET /props: max_concurrency slots, n_ctx)
+    # the usage chunk, no headers; its GET /props: max_concurrency slots, n_ctx; /slots)
     report: str = "first"
     # context size in tokens (prompt + max_tokens); a longer request is refused with
     # llama-server's error ("exceed_context_size_error"); 0: unbounded
@@ -467,6 +467,15 @@ async def _props(request: web.Request) -> web.Response:
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
+async def _slots(request: web.Request) -> web.Response:
+    """llama-server's ``/slots``: which of its slots are generating now."""
+    engine = request.app[ENGINE_KEY]
+    busy = engine.gate.running
+    body = [{"id": i, "n_ctx": engine.cfg.n_ctx, "is_processing": i < busy}
+            for i in range(engine.cfg.max_concurrency)]  # fmt: skip
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
 async def _models(request: web.Request) -> web.Response:
     cfg = request.app[ENGINE_KEY].cfg
     model = {"id": cfg.model, "object": "model", "created": 0, "owned_by": "tokenrelay"}
@@ -484,6 +493,7 @@ def make_app(cfg: EngineConfig) -> web.Application:
     app.router.add_get("/v1/models", _models)
     if cfg.report == "llamacpp":  # llama-server's self-description: slots and context
         app.router.add_get("/props", _props)
+        app.router.add_get("/slots", _slots)
     return app
 
 
