@@ -16,7 +16,8 @@ waited for in the session's backlog. Figures:
 - **reused %**: the share of the turns' prompt tokens the engines reported as cached
   (``done`` meta, from their ``timings``);
 - **evicted follow-ups**: turns after a session's first whose engine reused less than
-  the previous turn's prompt (its slot had been given to another conversation);
+  the previous turn's prompt (its slot had been given to another conversation, or the
+  turn went to another engine);
 - **TTFT** p50/p90 of the screens (the ``done`` meta's ``ttft_ms``), errors;
 - the engines' own prefill and decode rates (``llamacpp:prompt_tokens_seconds``,
   ``llamacpp:predicted_tokens_seconds``).
@@ -54,6 +55,9 @@ _WORDS = (  # noqa: SIM905 (readable as prose)
     "harbour works what sailors eat and where the fish go in winter and summer nights"
 ).split()
 POLICIES = ("cost_aware", "ring", "round_robin")
+# a follow-up whose engine reused less than the previous prompt by more than this found
+# its prefix evicted (a block cache, as the mock's, reuses whole 16-token blocks)
+_BLOCK = 16
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,7 @@ class _Run:
                 self.fig.cached += cached
                 if i > 0:
                     self.fig.follow_ups += 1
-                    if cached < prev_prompt:
+                    if cached < prev_prompt - _BLOCK:
                         self.fig.evicted += 1
                 prev_prompt = prompt
 
@@ -177,7 +181,7 @@ async def run_one(
                 engine_cap=slots, log_dir=logs,
                 worker_args=["--routing", policy, "--presence-grace-s", "600",
                              "--first-token-timeout-s", str(cfg.turn_timeout_s),
-                             "--idle-timeout-s", "120", "--admit-wait-s", "10"],
+                             "--idle-timeout-s", "120", "--admit-wait-s", "4"],
             )  # fmt: skip
             async with Stack(spec) as stack, aiohttp.ClientSession() as http:
                 await asyncio.sleep(1.0)  # the workers' first /props read (slots, context)

@@ -83,14 +83,17 @@ def test_a_full_slot_engine_is_passed_over_even_for_the_conversation_it_held() -
     home = old.engine.id
     old.first_token()
     old.release()
-    r.apply_load_view(LoadView(others={home: 2}, allowance={}))  # two live there elsewhere
+    other = "e1" if home == "e0" else "e0"
+    live = [r.route(k, avoid=other, turn=TurnInfo(prompt_tokens=50, key=k)) for k in "xy"]
+    assert [lease.engine.id for lease in live] == [home, home]  # both its slots are live
     nxt = TurnInfo(prompt_tokens=2400, key="old", prev_engine=home, prev_tokens=2100)
     again = r.route("old", turn=nxt)
-    assert again.engine.id != home
+    assert again.engine.id == other
     again.release()
-    r.apply_load_view(LoadView(others={home: 1}, allowance={}))  # a slot free: it goes home
-    back = r.route("old", turn=nxt)
-    assert back.engine.id == home
+    live[0].release()
+    # its next turn stays where its last one went (the home slots served x and y since)
+    nxt = TurnInfo(prompt_tokens=2800, key="old", prev_engine=other, prev_tokens=2500)
+    assert r.route("old", turn=nxt).engine.id == other
 
 
 def test_a_slot_engine_holds_a_conversation_until_its_slots_served_others() -> None:
@@ -186,3 +189,29 @@ def test_llama_server_props_give_slots_and_context() -> None:
     assert props_shape(said) == (2, 2048)
     assert props_shape({"total_slots": "x"}) == (0, 0)
     assert props_shape([1, 2]) == (0, 0)
+
+
+def test_a_conversation_another_worker_routed_is_held_on_the_engine_its_session_names() -> None:
+    """Turns go to the workers in turn: a worker that never routed a conversation took
+    its slot engine as not holding it, and moved it."""
+    r = _router(2, {"*": EngineProfile(slots=2)})
+    for home in ("e0", "e1"):
+        turn = TurnInfo(prompt_tokens=900, key=f"conv-{home}", prev_engine=home, prev_tokens=800)
+        lease = r.route(turn.key, turn=turn)
+        assert lease.engine.id == home
+        assert lease.reason == "preferred"
+        lease.release()
+
+
+def test_a_follow_up_is_not_kept_off_its_engine_by_its_own_turn_in_a_stale_load_view() -> None:
+    """The other workers' report, a quarter second old, may still count the session's
+    own previous turn there: a follow-up right after it must not move for that."""
+    r = _router(2, {"*": EngineProfile(slots=2)})
+    r.apply_load_view(LoadView(others={"e0": 2}, allowance={}))
+    turn = TurnInfo(prompt_tokens=900, key="conv", prev_engine="e0", prev_tokens=800)
+    lease = r.route("conv", turn=turn)
+    assert lease.engine.id == "e0"
+    lease.release()
+    r.apply_load_view(LoadView(others={"e0": 3}, allowance={}))  # two others really live
+    moved = r.route("conv", turn=turn)
+    assert moved.engine.id == "e1"

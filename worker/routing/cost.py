@@ -163,10 +163,20 @@ class CostModel:
     def live(self, engine: str, others: Mapping[str, int]) -> int:
         return self._count.get(engine, 0) + max(0, others.get(engine, 0))
 
-    def has_room(self, engine: str, others: Mapping[str, int]) -> bool:
-        """A slot engine with a free slot, or a shared-pool engine (its cap bounds it)."""
+    def has_room(
+        self, engine: str, others: Mapping[str, int], turn: TurnInfo | None = None
+    ) -> bool:
+        """A slot engine with a free slot, or a shared-pool engine (its cap bounds it).
+        On the session's previous engine one of the other workers' leases may be that
+        session's own previous turn, ended since their last report (the load view runs a
+        quarter second behind, a follow-up can come sooner): it is not counted."""
         slots = self._shape(engine).slots
-        return slots <= 0 or self.live(engine, others) < slots
+        if slots <= 0:
+            return True
+        live = self.live(engine, others)
+        if turn is not None and engine == turn.prev_engine and others.get(engine, 0) > 0:
+            live -= 1
+        return live < slots
 
     def resolve(self, turn: TurnInfo) -> TurnInfo:
         """Fill what this worker's own decisions know: the previous engine of the key
@@ -185,7 +195,10 @@ class CostModel:
         slots = self._shape(engine).slots
         if slots > 0:  # one conversation per slot: held while its slot was not reused
             own, shared = self._in_slot(engine, slots, turn.key, turn.shared_key)
-            if own and engine == turn.prev_engine and turn.prev_tokens:
+            # a conversation this worker did not route there (another worker did: the
+            # session meta names the engine) is taken as held
+            seen = turn.key in self._slot_keys.get(engine, {})
+            if engine == turn.prev_engine and turn.prev_tokens and (own or not seen):
                 return min(turn.prev_tokens, turn.prompt_tokens)
             return min(turn.shared_tokens, turn.prompt_tokens) if shared else 0
         if engine == turn.prev_engine and turn.prev_tokens and self._fresh(engine, turn.prev_mark):
@@ -271,9 +284,9 @@ class CostModel:
         if not names:
             raise ValueError("no engine to choose from")
         view = others or {}
-        roomy = [e for e in names if self.has_room(e, view)]
-        names = roomy or names
         turn = self.resolve(turn)
+        roomy = [e for e in names if self.has_room(e, view, turn)]
+        names = roomy or names
         costs = self.costs(turn, view)
         rank = {e: i for i, e in enumerate(order)}
         best = min(names, key=lambda e: (round(costs[e][0], 9), self.live(e, view),
