@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import orjson
 import pytest
+from aiohttp import web
 from redis.asyncio.cluster import RedisCluster
 
 from devstack.mockengine.reply_length import ReplyLength
@@ -111,3 +113,56 @@ async def _until(cond: Callable[[], bool], within_s: float = 5.0) -> None:
     async with asyncio.timeout(within_s):
         while not cond():
             await asyncio.sleep(0.02)
+
+
+async def test_probes_do_not_interrupt_a_server_that_ends_a_stream_for_any_waiting_request(
+    h: Harness, redis: RedisCluster
+) -> None:
+    """llama-cpp-python's server ends the reply it streams with ``[DONE]`` as soon as
+    another request waits for its model lock (``interrupt_requests``, on by default), and
+    its ``GET /v1/models`` takes that lock. The worker probed ``/v1/models`` (there is no
+    ``/health``) every second: turns came back with 0 tokens and ``finish_reason: stop``."""
+    waiting: list[str] = []
+    words = [f"w{i} " for i in range(30)]
+
+    async def models(request: web.Request) -> web.Response:
+        waiting.append("models")
+        await asyncio.sleep(0.05)
+        waiting.remove("models")
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for w in words:
+            if waiting:  # interrupt_requests: another request waits for the model
+                break
+            obj = {"id": "c", "choices": [{"index": 0, "delta": {"content": w},
+                                           "finish_reason": None}]}  # fmt: skip
+            await resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+            await asyncio.sleep(0.05)
+        else:
+            obj = {"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+            await resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        await h.start_worker(engine_urls=(f"lcp={url}",), control_interval_s=0.1)
+        sid, token = await h.session()
+        s, b, _ = await h.post_turn(sid, token, {"message": "hello"})
+        assert s == 202, b
+        frames = await wait_turn(redis, sid, b["turn"])
+        assert frames[-1].kind == "done"
+        assert "".join(f.text for f in frames if f.kind == "token") == "".join(words)
+        assert h.state.router.engines()[0].id == "lcp"  # alive all along: 404 on /health
+    finally:
+        await runner.cleanup()
