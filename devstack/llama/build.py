@@ -179,16 +179,19 @@ def _build_server(root: Path, log: Path, say: Callable[[str], None]) -> None:
     if reason:
         raise LlamaUnavailable(reason)
     work = root / LLAMA_CPP_PYTHON / "work"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    say(f"downloading the llama-cpp-python {LLAMA_CPP_PYTHON} sdist")
-    sdist = _pip_download(f"llama-cpp-python=={LLAMA_CPP_PYTHON}", work, sdist=True, log=log)
-    with tarfile.open(sdist) as tar:
-        members = _safe_members(tar, "vendor/llama.cpp/")
-        if not members:
-            raise LlamaUnavailable(f"{sdist.name} holds no vendor/llama.cpp")
-        tar.extractall(work / "src", members=members, filter="data")
-    top = next((work / "src").iterdir())
+    done = work / "src" / ".extracted"
+    if not done.exists():  # an interrupted build keeps its source and objects: it resumes
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        say(f"downloading the llama-cpp-python {LLAMA_CPP_PYTHON} sdist")
+        sdist = _pip_download(f"llama-cpp-python=={LLAMA_CPP_PYTHON}", work, sdist=True, log=log)
+        with tarfile.open(sdist) as tar:
+            members = _safe_members(tar, "vendor/llama.cpp/")
+            if not members:
+                raise LlamaUnavailable(f"{sdist.name} holds no vendor/llama.cpp")
+            tar.extractall(work / "src", members=members, filter="data")
+        done.touch()
+    top = next(p for p in (work / "src").iterdir() if p.is_dir())
     source = top / "vendor" / "llama.cpp"
     build = work / "build"
     say(f"configuring llama.cpp (log: {log})")
