@@ -11,7 +11,7 @@ DEMO_EXTRAS := server,embedded,jobs,precise,examples
 ALL_EXTRAS  := server,examples,test,bench,embedded,dev,jobs,precise
 PYTEST_ARGS ?=
 
-.PHONY: all demo dist test test-fast lint format bench fuzz test-deps promtool openapi routes clean
+.PHONY: all demo dist test llama-engine test-real-engine test-fast lint format bench fuzz test-deps promtool openapi routes clean
 
 all: test
 
@@ -59,6 +59,19 @@ test: $(STAMP) test-deps promtool
 	$(BIN)/python -m pytest -q -ra -n $(TEST_JOBS) $(LIGHT_TESTS) $(PYTEST_ARGS) || failed=1; \
 	$(BIN)/python -m pytest -q -ra -n $(HEAVY_JOBS) tests $(LIGHT_TESTS:%=--ignore=%) $(PYTEST_ARGS) || failed=1; \
 	exit $$failed'
+
+## llama-engine: llama.cpp's llama-server (CPU) and the SmolLM2 model, built once per
+## machine into ~/.cache/tokenrelay/llama-server (about 11 min on two quiet cores, over an
+## hour on a loaded one; then seconds). Without cmake or a C++ compiler: one line why.
+## test-real-engine: builds it, then runs the real-engine tests (tests/e2e/test_real_engine.py:
+## closed loop, screens, stop, regenerate, gateway, Responses, context overflow, a killed
+## server). Apart from `make test` because of the build's time; there they skip and say so.
+llama-engine: $(STAMP)
+	@start=$$(date +%s); nice -n 10 $(BIN)/python -m devstack llama build; \
+		echo "llama-engine: $$(( $$(date +%s) - start )) s"
+
+test-real-engine: $(STAMP) llama-engine
+	TOKENRELAY_REAL_ENGINE=1 $(BIN)/python -m pytest -q -ra -n 0 -m real_engine tests/e2e $(PYTEST_ARGS)
 
 ## test-fast: tests/unit only: pure tests (no process, no server, no Redis, no sleep), in seconds.
 test-fast: $(STAMP)

@@ -99,6 +99,12 @@ CATALOG: tuple[Benchmark, ...] = (
         "engines' prefix-cache hit rate: ring routing vs round robin",
     ),
     Benchmark(
+        "realengine",
+        "bench.routing.realengine",
+        "routing on llama.cpp's llama-server: prefill the engines computed, reuse, TTFT",
+        quick=None,  # needs the built engine (python -m devstack llama build) and minutes
+    ),
+    Benchmark(
         "loadtest",
         "bench.load.loadtest",
         "many screens per session while turns stream (SSE + WS)",

@@ -19,12 +19,18 @@ from typing import Any, NoReturn
 
 from devstack.cluster.cli import register as register_cluster
 from devstack.demo.cli import register as register_demo
+from devstack.llama.cli import register as register_llama
 from devstack.mockengine.cli import register as register_engine
 
 __all__ = ["PROG", "build_parser", "main"]
 
 PROG = "python -m devstack"
-REGISTERS: tuple[Callable[[Any], None], ...] = (register_cluster, register_demo, register_engine)
+REGISTERS: tuple[Callable[[Any], None], ...] = (
+    register_cluster,
+    register_demo,
+    register_engine,
+    register_llama,
+)
 
 
 class _OneLineParser(argparse.ArgumentParser):

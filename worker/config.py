@@ -75,6 +75,7 @@ from worker.routing.policy import (
     ROUTING_POLICIES,
     SPILL_POLICIES,
 )
+from worker.routing.profile import EngineProfile, parse_profile_arg
 from worker.routing.tokens import MOCK_MODEL
 
 __all__ = ["LOCK_TTL_S", "WorkerConfig", "default_worker_id"]
@@ -129,6 +130,15 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
         tuple[str, ...],
         opt("share of the ring and of the load for one engine (default 1; repeatable)",
             flag="--engine-weight", metavar="ID=W"),
+    ] = ()  # fmt: skip
+    engine_profiles: Annotated[
+        tuple[str, ...],
+        opt("an engine's cache shape and speed (repeatable; ID * for every engine): slots:N "
+            "(llama.cpp -np, Ollama: one conversation per slot), kv:TOKENS (a shared pool), "
+            "ctx:TOKENS (one request's context: history is trimmed to it), prefill:TOK/S, "
+            "decode:TOK/S, first_token_timeout:S (CPU engines: minutes); what the engines "
+            "report (llama-server's /props, timings) fills the rest, see docs/ROUTING.md",
+            flag="--engine-profile", metavar="ID=KEY:VALUE,..."),
     ] = ()  # fmt: skip
     discover_engines: Annotated[
         bool, opt("also use engines announced in Redis (tr:engines heartbeats)")
@@ -275,6 +285,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
         try:
             _ = self.engines  # the URLs and the weights parse
             _ = self.kv_event_sources
+            _ = self.profiles
         except ValueError as exc:
             raise settings.ConfigError(str(exc)) from None
         if self.engine_kv_events and self.routing != "precise":
@@ -317,6 +328,19 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
         if unknown and not self.discover_engines:
             raise ValueError(f"--engine-weight names no --engine: {', '.join(sorted(unknown))}")
         return specs
+
+    @property
+    def profiles(self) -> dict[str, EngineProfile]:
+        """Each ``--engine-profile`` by engine id; ValueError (one line) for a bad one."""
+        out: dict[str, EngineProfile] = {}
+        for arg in self.engine_profiles:
+            eid, profile = parse_profile_arg(arg)
+            out[eid] = profile.over(out.get(eid, EngineProfile()))
+        known = {s.id for s in self.engines} | {"*"}
+        if not self.discover_engines and set(out) - known:
+            names = ", ".join(sorted(set(out) - known))
+            raise ValueError(f"--engine-profile names no --engine: {names}")
+        return out
 
     @property
     def kv_event_sources(self) -> list[EventSource]:

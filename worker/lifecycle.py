@@ -41,6 +41,7 @@ from worker.chat.turn import TurnManager
 from worker.chat.turnstate import TurnConfig
 from worker.config import WorkerConfig
 from worker.engines.client import EngineClient
+from worker.engines.props import PropsReader
 from worker.fronts.base import GATEWAY, Gateway, GatewayConfig
 from worker.jobs.api import JOBS, JobsApi
 from worker.jobs.queue import JobSubmitter, QueueNames
@@ -50,6 +51,7 @@ from worker.routing.blockindex import BlockIndex
 from worker.routing.control import ControlPlane
 from worker.routing.kvevents import KVEventFollower
 from worker.routing.loadshare import LoadExchange
+from worker.routing.profile import Profiles
 from worker.routing.router import Router
 from worker.state import STATE, WorkerState, access_check
 
@@ -61,6 +63,7 @@ CFG: Final = web.AppKey("tokenrelay_worker_cfg", WorkerConfig)
 STORE: Final = web.AppKey("tokenrelay_worker_store", RedisStore)
 REDIS_UNREACHABLE: Final = "redis_unreachable"
 _CONNECT_INTERVAL_S: Final = 1.0  # between connection attempts; failures back off longer
+_PROPS_INTERVAL_S: Final = 30.0  # between reads of the engines' /props (slots, context)
 
 
 async def _first_connection(store: RedisStore) -> RelayError | None:
@@ -156,8 +159,10 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     kv_sources = cfg.kv_event_sources
     index = BlockIndex(cfg.kv_block_size) if kv_sources else None
     follower = KVEventFollower(index, kv_sources) if index is not None else None
+    profiles = Profiles(cfg.profiles)  # the flags; the engines' reports fill the rest
     router = Router(
         engines,
+        profiles=profiles,
         vnodes=cfg.vnodes,
         eps=cfg.eps,
         spill=cfg.spill,
@@ -229,6 +234,7 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         draining=lambda: turns.draining,
         turns=turns,
         access=access,
+        records=store,
     )
     submitter = JobSubmitter(cfg.amqp_url, QueueNames(cfg.jobs_queue)) if cfg.amqp_url else None
     if submitter is not None:
@@ -251,6 +257,8 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
             await exchange.start(sup)
 
     await control.start(sup, discovery=False)
+    props = PropsReader(http, router.profiles, router.engines)
+    sup.every("engine_props", _PROPS_INTERVAL_S, props.step, critical=False)  # first: now
     if follower is not None:
         await follower.start()
         sup.every("kv_events_tick", 1.0, _tick(follower), critical=False)

@@ -48,6 +48,8 @@ from relay.service import runtime, settings
 from relay.service.httpguard import ConnLimits, GuardedSite, guard_app
 from relay.service.settings import ConfigError, Host, opt
 from worker.jobs.queue import QueueNames
+from worker.routing.policy import DEFAULT_QUEUE, DEFAULT_ROUTING, ROUTING_POLICIES
+from worker.routing.profile import parse_profile_arg
 
 __all__ = [
     "DemoSettings",
@@ -83,6 +85,25 @@ class DemoSettings(msgspec.Struct, frozen=True, kw_only=True):
     engine_cap: Annotated[
         int, opt("in-flight cap per engine: 1.5 x its concurrent sequences (the mocks run 8)", ge=1)
     ] = 12
+    routing: Annotated[
+        str, opt("the workers' routing policy (see docs/ROUTING.md)", choices=ROUTING_POLICIES)
+    ] = DEFAULT_ROUTING
+    route_queue: Annotated[
+        float, opt("cost_aware: turns an engine may take past its cap, x the cap (0: none)",
+                   ge=0, le=16)
+    ] = DEFAULT_QUEUE  # fmt: skip
+    first_token_timeout_s: Annotated[
+        float, opt("the workers' wait for an engine's first token (CPU engines: minutes)", gt=0)
+    ] = 60.0
+    idle_timeout_s: Annotated[
+        float, opt("the workers' longest silence of an engine between tokens", gt=0)
+    ] = 30.0
+    engine_profiles: Annotated[
+        tuple[str, ...],
+        opt("an engine's shape and speed for the workers (repeatable; ID * for all): "
+            "slots:N,ctx:TOKENS,prefill:TOK/S,decode:TOK/S,first_token_timeout:S",
+            flag="--engine-profile", metavar="ID=KEY:VALUE,..."),
+    ] = ()  # fmt: skip
     # TOKENRELAY_DEMO_INSECURE_NO_AUTH: a TOKENRELAY_INSECURE_NO_AUTH left in a shell for a
     # relay does not turn a demo's auth off (the stack keeps it from the children too)
     insecure_no_auth: Annotated[bool, opt("no tokens anywhere in the stack")] = False
@@ -105,9 +126,24 @@ class DemoSettings(msgspec.Struct, frozen=True, kw_only=True):
                  "temporary one, removed when the demo stops)", metavar="DIR")
     ] = ""  # fmt: skip
 
+    def worker_args(self) -> list[str]:
+        """The workers' flags for routing, timeouts and engine profiles."""
+        args = ["--routing", self.routing, "--route-queue", f"{self.route_queue:g}",
+                "--first-token-timeout-s", f"{self.first_token_timeout_s:g}",
+                "--idle-timeout-s", f"{self.idle_timeout_s:g}"]  # fmt: skip
+        for profile in self.engine_profiles:
+            args += ["--engine-profile", profile]
+        return args
+
     def validate(self) -> DemoSettings:
         """The auth rule of every process, except that no secret means a random one; a
-        ``--log-dir`` that does not exist yet is made, one that cannot be is one line."""
+        ``--log-dir`` that does not exist yet is made, one that cannot be is one line;
+        an engine profile that does not parse is one line too."""
+        for profile in self.engine_profiles:
+            try:  # refused here, in one line, not by every worker as it starts
+                parse_profile_arg(profile)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if self.log_dir:
             folder = Path(self.log_dir)
             try:
@@ -280,6 +316,7 @@ async def run_demo(opts: DemoSettings) -> int:
         secret=opts.secret,
         admin_key=secrets.token_urlsafe(32),  # per run; the front door reads /v1/router
         engine_cap=opts.engine_cap,
+        worker_args=opts.worker_args(),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -355,6 +392,21 @@ def banner(stack: Stack, page: str, control_token: str, gateway_key: str,
         # only (the page keeps it from the #fragment, which no request carries).
         f"kill/restart buttons: open {page}#control={control_token}",
     ]
+    routing = f"routing: {opts.routing}"
+    if opts.routing in ("cost_aware", "precise"):
+        routing += f", route queue {opts.route_queue:g} x the cap"
+    lines += [
+        "",
+        f"{routing}; first-token timeout {opts.first_token_timeout_s:g} s"
+        + "".join(f"; --engine-profile {p}" for p in opts.engine_profiles),
+    ]
+    if stack.spec.admin_key:
+        # the workers' and relays' /metrics and /v1/router are closed by this run's key
+        url = next((p.url for p in stack.of_kind("worker")), "")
+        lines += [
+            "workers' and relays' metrics (this run's admin key):",
+            f"    curl -H 'Authorization: Bearer {stack.spec.admin_key}' {url}/metrics",
+        ]
     if gateway_key:
         snippet = openai_snippet(page, gateway_key, opts.model)
         head = "OpenAI gateway (a key made for this run): pip install openai, then in python:"

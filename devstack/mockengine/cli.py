@@ -58,6 +58,17 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
     reply_sigma: Annotated[
         float, opt("spread of the log-normal (0: every reply the mean)", ge=0)
     ] = _R.sigma
+    report: Annotated[
+        str,
+        opt(
+            "where the request's tokens are reported: first (headers, first chunk), last "
+            "(the final usage chunk only, as vLLM), llamacpp (llama-server's timings)",
+            choices=("first", "last", "llamacpp"),
+        ),
+    ] = _D.report
+    n_ctx: Annotated[
+        int, opt("context size in tokens; a longer prompt gets llama-server's 400 (0: none)", ge=0)
+    ] = _D.n_ctx
     # Its own variable: the processes beside an engine (compose, the demo) have
     # TOKENRELAY_REDIS_URL set, and an engine must announce itself only when asked to.
     redis_url: Annotated[
@@ -113,6 +124,8 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True):
             max_concurrency=self.max_concurrency,
             engine_id=self.engine_id or f"mock-{self.port}",
             model=self.model,
+            report=self.report,
+            n_ctx=self.n_ctx,
             kv_events_port=self.kv_events_port or None,
             kv_events_replay_port=self.kv_events_replay_port or None,
             reply=ReplyLength(

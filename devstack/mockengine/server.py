@@ -46,12 +46,13 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge
+from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.exposition import generate_latest
 
 from devstack.mockengine import parts as mp
 from devstack.mockengine import prefix_cache as pc
 from devstack.mockengine.kvpub import KVEventPublisher
+from devstack.mockengine.metrics import EngineMetrics
 from devstack.mockengine.reply_length import ReplyLength
 from devstack.mockengine.request import ChatRequest, RequestError, parse_chat, reply_seed
 from relay.protocol import sse
@@ -90,6 +91,14 @@ class EngineConfig:
     kv_events_replay_port: int | None = None
     # natural reply lengths (tokens): log-normal, mean 300, tail to 2,000, per prompt
     reply: ReplyLength = field(default_factory=ReplyLength)
+    # where it reports the request's tokens: "first" (headers and the first chunk's
+    # "tokenrelay" field, and usage at the end), "last" (only the final usage chunk, as
+    # vLLM and SGLang do), "llamacpp" (llama-server's "timings" in the finish chunk and
+    # the usage chunk, no headers; its GET /props: max_concurrency slots, n_ctx; /slots)
+    report: str = "first"
+    # context size in tokens (prompt + max_tokens); a longer request is refused with
+    # llama-server's error ("exceed_context_size_error"); 0: unbounded
+    n_ctx: int = 0
 
 
 class FifoGate:
@@ -132,68 +141,6 @@ class FifoGate:
         self.running -= 1
 
 
-class _Metrics:
-    def __init__(self, engine_id: str, model: str, engine: MockEngine) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        labels = ["model_name", "engine"]
-        lv = {"model_name": model, "engine": engine_id}
-        reg = self.registry
-
-        def gauge(name: str, doc: str, fn: Any) -> None:
-            Gauge(name, doc, labels, registry=reg).labels(**lv).set_function(fn)
-
-        gauge(
-            "vllm:num_requests_running",
-            "Requests running on the engine.",
-            lambda: engine.gate.running,
-        )
-        gauge(
-            "vllm:num_requests_waiting",
-            "Requests waiting in the FIFO queue.",
-            lambda: engine.gate.waiting,
-        )
-        gauge(
-            "vllm:gpu_cache_usage_perc",
-            "Fraction of prefix-cache blocks in use (0..1).",
-            lambda: engine.cache.stats().usage,
-        )
-        gauge(
-            "vllm:gpu_prefix_cache_hit_rate",
-            "Cumulative prefix-cache hit rate (tokens).",
-            lambda: engine.cache.stats().hit_rate,
-        )
-        self.queries = Counter(
-            "vllm:prefix_cache_queries", "Prompt tokens looked up.", labels, registry=reg
-        ).labels(**lv)
-        self.hits = Counter(
-            "vllm:prefix_cache_hits", "Prompt tokens found in the cache.", labels, registry=reg
-        ).labels(**lv)
-        self.prompt_tokens = Counter(
-            "vllm:prompt_tokens", "Prompt tokens processed.", labels, registry=reg
-        ).labels(**lv)
-        self.generation_tokens = Counter(
-            "vllm:generation_tokens", "Tokens generated.", labels, registry=reg
-        ).labels(**lv)
-        self._success = Counter(
-            "vllm:request_success",
-            "Finished requests by reason.",
-            [*labels, "finished_reason"],
-            registry=reg,
-        )
-        self._lv = lv
-        self.aborted = Counter(
-            "tokenrelay_engine_aborted_requests",
-            "Requests aborted because the client went away.",
-            labels,
-            registry=reg,
-        ).labels(**lv)
-
-    def finished(self, reason: str) -> None:
-        self._success.labels(**self._lv, finished_reason=reason).inc()
-        if reason == "abort":
-            self.aborted.inc()
-
-
 @dataclass(slots=True)
 class MockEngine:
     """The state of one engine: config, cache, admission gate, metrics."""
@@ -201,14 +148,14 @@ class MockEngine:
     cfg: EngineConfig
     cache: pc.PrefixCache = field(init=False)
     gate: FifoGate = field(init=False)
-    metrics: _Metrics = field(init=False)
+    metrics: EngineMetrics = field(init=False)
     kv_events: KVEventPublisher | None = None
 
     def __post_init__(self) -> None:
         record = self.cfg.kv_events_port is not None
         self.cache = pc.PrefixCache(self.cfg.kv_tokens, self.cfg.block_size, record_events=record)
         self.gate = FifoGate(self.cfg.max_concurrency)
-        self.metrics = _Metrics(self.cfg.engine_id, self.cfg.model, self)
+        self.metrics = EngineMetrics(self.cfg.engine_id, self.cfg.model, self)
 
 
 ENGINE_KEY = web.AppKey("tokenrelay_mock_engine", MockEngine)
@@ -218,6 +165,17 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+
+def _too_long(n_prompt: int, n_ctx: int) -> web.Response:
+    """llama-server's answer to a prompt over its context (its type and fields)."""
+    message = (
+        f"request ({n_prompt} tokens) exceeds the available context size ({n_ctx} tokens), "
+        "try increasing it"
+    )
+    body = {"error": {"code": 400, "message": message, "type": "exceed_context_size_error",
+                      "n_prompt_tokens": n_prompt, "n_ctx": n_ctx}}  # fmt: skip
+    return web.Response(status=400, body=orjson.dumps(body), content_type="application/json")
 
 
 def _sse(obj: object) -> bytes:
@@ -267,6 +225,8 @@ async def _generate(
 ) -> tuple[web.StreamResponse, str]:
     cfg = engine.cfg
     tokens = pc.prompt_tokens(req.messages)
+    if cfg.n_ctx and len(tokens) >= cfg.n_ctx:
+        return _too_long(len(tokens), cfg.n_ctx), "error"
     cached = engine.cache.lookup(tokens)
     engine.metrics.queries.inc(len(tokens))
     engine.metrics.hits.inc(cached)
@@ -291,6 +251,8 @@ async def _generate(
         "x-prompt-tokens": str(len(tokens)),
         "x-prefill-s": f"{prefill_s:.6f}",
     }
+    if cfg.report != "first":
+        headers = {}
     usage = {
         "prompt_tokens": len(tokens),
         "completion_tokens": len(pieces) + len(todo.reasoning),
@@ -344,17 +306,36 @@ async def _generate(
         await _sleep_until(t0 + prefill_s)
         _cache_insert(engine, tokens)  # the prompt's KV blocks exist once prefill is done
         first = chunk({"role": "assistant", "content": ""})
-        first["tokenrelay"] = meta
+        if cfg.report == "first":
+            first["tokenrelay"] = meta
         await resp.write(_sse(first))
         t_first = time.monotonic()
         for i, delta in enumerate(mp.deltas(pieces, todo)):
             await _sleep_until(t_first + i * step)
             await resp.write(_sse(chunk(delta)))
             engine.metrics.generation_tokens.inc()
-        await resp.write(_sse(chunk({}, finish)))
+        last = chunk({}, finish)
+        timings = {
+            "cache_n": cached,
+            "prompt_n": len(tokens) - cached,
+            "prompt_ms": round(prefill_s * 1000, 3),
+            "predicted_n": len(pieces),
+            "predicted_ms": round((time.monotonic() - t_first) * 1000, 3),
+        }
+        if cfg.report == "llamacpp":
+            last["timings"] = timings
+        await resp.write(_sse(last))
         if req.include_usage:
-            tail = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                    "model": req.model, "choices": [], "usage": usage}  # fmt: skip
+            tail = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": req.model,
+                "choices": [],
+                "usage": usage,
+            }
+            if cfg.report == "llamacpp":
+                tail["timings"] = timings
             await resp.write(_sse(tail))
         await resp.write(sse.DONE)
         _finish_cache(engine, tokens, pieces)
@@ -385,6 +366,22 @@ async def _health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "engine_id": engine.cfg.engine_id})
 
 
+async def _props(request: web.Request) -> web.Response:
+    cfg = request.app[ENGINE_KEY].cfg
+    body = {"total_slots": cfg.max_concurrency, "model_alias": cfg.model,
+            "default_generation_settings": {"n_ctx": cfg.n_ctx}}  # fmt: skip
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+async def _slots(request: web.Request) -> web.Response:
+    """llama-server's ``/slots``: which of its slots are generating now."""
+    engine = request.app[ENGINE_KEY]
+    busy = engine.gate.running
+    body = [{"id": i, "n_ctx": engine.cfg.n_ctx, "is_processing": i < busy}
+            for i in range(engine.cfg.max_concurrency)]  # fmt: skip
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
 async def _models(request: web.Request) -> web.Response:
     cfg = request.app[ENGINE_KEY].cfg
     model = {"id": cfg.model, "object": "model", "created": 0, "owned_by": "tokenrelay"}
@@ -400,6 +397,9 @@ def make_app(cfg: EngineConfig) -> web.Application:
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
+    if cfg.report == "llamacpp":  # llama-server's self-description: slots and context
+        app.router.add_get("/props", _props)
+        app.router.add_get("/slots", _slots)
     return app
 
 

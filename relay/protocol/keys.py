@@ -228,3 +228,12 @@ def control_channel(worker_id: str) -> str:
 def engine_key(engine_id: str) -> str:
     """Per-engine heartbeat hash (worker.routing.control); the engine id is its hash tag."""
     return f"{ENGINES_REGISTRY}:{{{_check_member_id('engine', engine_id)}}}"
+
+
+def conversation_route_key(digest: str) -> str:
+    """The engine a session-less conversation (the OpenAI gateway) was last routed to,
+    under a digest of its routing key, so that any worker routes its next request there
+    (worker/fronts/base.py); the digest is its hash tag."""
+    if not re.fullmatch(r"[0-9a-f]{16,64}", digest):
+        raise ValueError("a conversation digest is 16 to 64 hex digits")
+    return f"tr:route:{{{digest}}}"

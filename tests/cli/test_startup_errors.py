@@ -26,7 +26,7 @@ def _subcommands(parser: argparse.ArgumentParser) -> list[str]:
     return sorted(sub.choices)
 
 
-DEVSTACK = _subcommands(devstack_parser())  # demo, cluster, engine
+DEVSTACK = _subcommands(devstack_parser())  # demo, cluster, engine, llama
 
 
 def argv_of(*argv: str) -> list[str]:
@@ -173,6 +173,12 @@ MISTAKES: dict[str, dict[str, Case]] = {
         "bad Redis URL": (["engine", "--port", "7", "--redis", BAD_URL], {}, [NO_PORT]),
         "Redis down": "an engine serves without Redis: its announcement retries meanwhile",
         "no secret": "an engine checks no token",
+    },
+    "llama": {
+        "busy port": "it builds and fetches files: it listens on no port",
+        "bad Redis URL": "it builds and fetches files: it takes no Redis URL",
+        "Redis down": "it builds and fetches files: it takes no Redis URL",
+        "no secret": "it builds and fetches files: it checks no token",
     },
     "demo": {
         "busy port": (["demo", "--port", "{port}"], {}, [BUSY, "e.g. --port"]),

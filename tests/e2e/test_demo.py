@@ -57,7 +57,7 @@ async def test_make_demo_serves_one_url_streams_a_turn_and_stops_everything(
     jobs = [] if amqp_or_why.startswith("no: ") else ["--amqp", amqp_or_why]
     proc = Proc.start(
         [sys.executable, "-m", "devstack", "demo", "--port", str(port), "--log-dir", str(logs),
-         *jobs],
+         "--first-token-timeout-s", "90", "--engine-profile", "*=slots:8", *jobs],
         log=out_path, name="demo",
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
@@ -118,6 +118,15 @@ async def test_make_demo_serves_one_url_streams_a_turn_and_stops_everything(
             assert view["placements"], view
             assert all("session" not in p and p["point"] for p in view["placements"]), view
             assert sid not in json.dumps(view)
+            # the banner says the routing flags and how to read the workers' metrics
+            said = out_path.read_text()
+            assert "routing: cost_aware, route queue 3 x the cap; first-token timeout 90 s" in said
+            found = re.search(r"Bearer (\S+)' (http://\S+)/metrics", said)
+            assert found is not None, said
+            metrics_auth = {"Authorization": f"Bearer {found.group(1)}"}
+            async with http.get(found.group(2) + "/metrics", headers=metrics_auth) as r:
+                assert r.status == 200
+                assert "tokenrelay_worker_turns_total" in await r.text()
             pids = [p["pid"] for p in view["processes"]]
             redis_url = view["redis"]
             # your own backend's settings: a file the terminal names, its owner's only
@@ -165,6 +174,10 @@ async def test_make_demo_serves_one_url_streams_a_turn_and_stops_everything(
             for p in view["processes"]:
                 argv = Path(f"/proc/{p['pid']}/cmdline").read_bytes().split(b"\0")
                 assert b"--secret" not in argv, argv
+                if p["kind"] == "worker":  # the demo's routing and timeout flags reach it
+                    i = argv.index(b"--first-token-timeout-s")
+                    assert argv[i + 1] == b"90", argv
+                    assert argv[argv.index(b"--engine-profile") + 1] == b"*=slots:8", argv
                 environ = Path(f"/proc/{p['pid']}/environ").read_bytes().split(b"\0")
                 has_secret = any(e.startswith(b"TOKENRELAY_SECRET=") for e in environ)
                 assert has_secret == (p["kind"] != "engine"), p

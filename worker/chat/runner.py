@@ -54,6 +54,7 @@ from worker.chat.turnstate import (
 )
 from worker.engines.client import REPLY_SEED_HEADER
 from worker.engines.errors import (
+    PROMPT_TOO_LONG,
     EngineError,
     EngineProtocolError,
     EngineTimeout,
@@ -147,11 +148,16 @@ class TurnRunner:
                     raise  # we are being cancelled ourselves
                 outcome, error = t.abort_reason.outcome, t.abort_reason
             else:
-                if isinstance(failed, EngineTimeout):
+                if isinstance(failed, EngineTimeout):  # its request was closed: the engine aborts
+                    log.warning("turn %s/%d: %s on %s (%s); its request aborted", t.sid,
+                                t.gen.turn, failed.message, t.lease.engine.id,
+                                failed.engine_url)  # fmt: skip
                     outcome, error = TurnOutcome.TIMEOUT, failed.message
                 elif failed is not None:  # the frame gets a short reason, the log the URL
                     log.warning("turn %s/%d: %s", t.sid, t.gen.turn, failed.message)
-                    outcome, error = TurnOutcome.ENGINE_ERROR, failed.public_reason
+                    outcome = (TurnOutcome.PROMPT_TOO_LONG if failed.code == PROMPT_TOO_LONG
+                               else TurnOutcome.ENGINE_ERROR)  # fmt: skip
+                    error = failed.public_reason
             finally:
                 release_once(t.lease)  # the engine is done with us, whatever happens next
             await t.gen.flush(60.0)  # raises what stopped the pump (publishes retry 10 s)
@@ -248,9 +254,11 @@ class TurnRunner:
 
     async def _read_engine_once(self, t: RunningTurn) -> None:
         seed = None if t.reply_seed is None else {REPLY_SEED_HEADER: str(t.reply_seed)}
+        profile = self.router.profiles.get(t.lease.engine.id)
         stream = self.engine.stream_chat(
             t.lease.engine.url, self.cfg.model, t.prompt, t.max_tokens,
             extra_body=t.options or None, headers=seed,
+            first_token_timeout_s=profile.first_token_timeout_s or None,
         )  # fmt: skip
         parts = ChatParts(t.gen)  # tool calls and reasoning, as the turn's parts
         try:
@@ -259,11 +267,13 @@ class TurnRunner:
                     t.engine_reported = d.meta.engine_id
                     t.cached_tokens = d.meta.cached_tokens
                     t.prompt_tokens = d.meta.prompt_tokens
-                if d.usage is not None:
-                    if d.usage.cached_tokens is not None and t.cached_tokens is None:
-                        t.cached_tokens = d.usage.cached_tokens
-                    if t.prompt_tokens is None:
-                        t.prompt_tokens = d.usage.prompt_tokens
+                if d.usage is not None:  # the final delta: all the engine said, anywhere
+                    t.take_usage(d.usage)
+                    self.router.profiles.learn_turn(
+                        t.lease.engine.id, computed_tokens=d.usage.computed_tokens,
+                        prefill_s=d.usage.prefill_s, completion_tokens=d.usage.completion_tokens,
+                        decode_s=d.usage.decode_s,
+                    )  # fmt: skip
                 if d.text:
                     if t.ttft_s is None:
                         t.lease.first_token()  # cost_aware: this engine's prefill is done

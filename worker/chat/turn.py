@@ -9,7 +9,8 @@ Admission (:meth:`TurnManager.start_turn`, while the POST waits):
    POST gets :class:`TurnBusy` -> 409 with the running turn);
 3. history and system prompt are read; the prompt is system + history + the new message;
 4. the router picks the engine from the routing key, waiting up to ``admit_wait_s`` for a
-   slot (:class:`AllEnginesFull` after it -> 429);
+   slot (:class:`AllEnginesFull` after it -> 429); the prompt is trimmed to that engine's
+   context (:mod:`worker.chat.trim`, ``trimmed_messages`` in the ``meta`` frame);
 5. a fenced generation is opened and the ``meta`` frame published (the user's message,
    engine, preferred engine, spilled): its offset is the turn's first offset (the 202).
 
@@ -46,6 +47,7 @@ from worker.chat.direct import DirectViewer
 from worker.chat.replace import Replace, resolve_replace
 from worker.chat.runner import TurnRunner
 from worker.chat.store import SessionStore
+from worker.chat.trim import trim_to_context
 from worker.chat.turnstate import (
     AbortReason,
     Draining,
@@ -287,6 +289,9 @@ class TurnManager:
                     "ts": time.time(),  # wall clock: when, for the demo's panel
                 }
             )
+            # the engine's context: its oldest turns left out (the history keeps them)
+            context = self.router.profiles.get(lease.engine.id).context_tokens
+            prompt, trimmed = trim_to_context(prompt, context, max_tokens)
             if system and system != hist.system:
                 await self.store.save_system(sid, system)
             if replaced is not None:  # the replaced turns leave the history now
@@ -299,6 +304,8 @@ class TurnManager:
             }
             if replaced is not None:
                 extra["replaces"] = replaced
+            if trimmed:
+                extra["trimmed_messages"] = trimmed
             if response is not None:
                 extra["response"] = dict(response)
             # the producer API writes the turn: generation, meta frame, the lock named
@@ -331,6 +338,7 @@ class TurnManager:
             first_offset=offset, user_id=message_id or "", background=background,
             reply_seed=None if replaced is None else gen.turn,
             options=dict(options or {}),
+            trimmed=trimmed,
         )  # fmt: skip
         self.running[sid] = turn
         if adm.stopped.is_set():  # a stop that came after the wait: carried out at once

@@ -17,7 +17,9 @@ engine finished       done        ``done`` (ttft, engine, cache hit/miss, finish
 stopped (a cancel)    cancelled   ``done`` with ``finish_reason`` "cancelled" and the
                                   partial reply's integrity; history appended, the
                                   reply marked stopped
-engine error          engine_error ``error`` (the engine's message)
+engine error          engine_error ``error`` (the status and the engine's own reason,
+                                  cleaned and bounded)
+prompt over context   prompt_too_long ``error`` (the engine's reason)
 engine timeout        timeout     ``error``
 nobody watching       no_viewers  ``error`` "no viewers"
 engine left the ring  engine_down ``error`` "engine down"
@@ -47,7 +49,7 @@ from relay.producer.integrity import reply_integrity
 from relay.producer.presence import PresencePolicy
 from relay.producer.turn import Turn
 from worker.chat.direct import DirectViewer
-from worker.engines.client import Delta
+from worker.engines.client import Delta, Usage
 from worker.engines.errors import EngineError
 from worker.routing.key import DEFAULT_PREFIX_CHARS
 from worker.routing.lease import Lease
@@ -77,6 +79,7 @@ class TurnOutcome(enum.StrEnum):
 
     DONE = "done"
     ENGINE_ERROR = "engine_error"
+    PROMPT_TOO_LONG = "prompt_too_long"  # the engine refused a prompt over its context
     TIMEOUT = "timeout"
     NO_VIEWERS = "no_viewers"
     ENGINE_DOWN = "engine_down"
@@ -146,6 +149,7 @@ class StreamChat(Protocol):
         *,
         extra_body: Mapping[str, Any] | None = None,
         headers: Mapping[str, str] | None = None,
+        first_token_timeout_s: float | None = None,
     ) -> AsyncIterator[Delta]: ...
 
 
@@ -227,6 +231,7 @@ class RunningTurn:
     ttft_s: float | None = None
     cached_tokens: int | None = None
     prompt_tokens: int | None = None
+    computed_tokens: int | None = None  # the prompt tokens the engine prefilled
     engine_reported: str | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # stops the presence loop
     viewer: DirectViewer | None = None  # the closed-loop client, while it is attached
@@ -235,6 +240,7 @@ class RunningTurn:
     background: bool = False  # runs to its end unwatched (a Responses background turn)
     reply_seed: int | None = None  # a turn that replaces another: its number, to the engine
     options: dict[str, Any] = field(default_factory=dict)  # the engine's: tools, stop, ...
+    trimmed: int = 0  # oldest messages left out of the prompt (the engine's context)
 
     def local_watchers(self) -> int:
         if self.background:
@@ -255,8 +261,22 @@ class RunningTurn:
             "cache": cache,  # "unknown": the engine did not report cached tokens
             "cached_tokens": self.cached_tokens,
             "prompt_tokens": self.prompt_tokens,
+            "computed_tokens": self.computed_tokens,
+            "trimmed_messages": self.trimmed,
             "duration_ms": round((time.monotonic() - self.t0) * 1000, 1),
         }
+
+    def take_usage(self, usage: Usage) -> None:
+        """The engine's final report: it fills what the first chunk did not say (the
+        engine's own count wins for the prompt)."""
+        if usage.cached_tokens is not None:
+            self.cached_tokens = usage.cached_tokens
+        if usage.prompt_tokens is not None:
+            self.prompt_tokens = usage.prompt_tokens
+        if usage.computed_tokens is not None:
+            self.computed_tokens = usage.computed_tokens
+        elif self.prompt_tokens is not None and self.cached_tokens is not None:
+            self.computed_tokens = max(0, self.prompt_tokens - self.cached_tokens)
 
     def exchange(self, to: int) -> list[dict[str, Any]]:
         """The turn's two history entries (the store's fields), its terminal frame at

@@ -12,11 +12,14 @@ Order of use::
             ...  # delta.meta on the first one, delta.finish_reason on the last one
 
 ``stream_chat`` yields zero or more text deltas and then exactly one final delta with
-``finish_reason`` set (and ``usage`` when the engine sent it); the first delta yielded
-carries ``meta`` (engine id, cached prefix tokens, from the ``x-engine-id`` /
-``x-prefix-cache-hit-tokens`` headers or the mock's ``"tokenrelay"`` field). When the
-consumer stops early (``aclose``, leaving ``aclosing``, task cancelled) the upstream
-connection is closed, not returned to the pool, so the engine aborts the request.
+``finish_reason`` set; the first delta yielded carries ``meta`` (engine id, cached
+prefix tokens, where the engine says them up front: the mock's headers and first
+chunk), the final one ``usage``: everything the engine reported anywhere in its answer
+(headers, a chunk's ``usage`` with ``prompt_tokens_details.cached_tokens``, llama-server's
+``timings`` with ``cache_n``/``prompt_n``; :mod:`worker.engines.report`), None only when
+the engine said nothing. When the consumer stops early (``aclose``, leaving
+``aclosing``, task cancelled) the upstream connection is closed, not returned to the
+pool, so the engine aborts the request.
 Timeouts: ``connect_timeout_s`` for the TCP connect, ``first_token_timeout_s`` from
 the call to the first chunk with choices (headers, queueing and prefill included; the
 role-only or reasoning chunk that engines send after prefill counts), ``idle_timeout_s``
@@ -31,9 +34,12 @@ request take its slower per-request sampler); the mock engine, whose reply is a
 function of the prompt, mixes it in, so a regenerate there says something else too.
 
 Bounds, whatever the engine does: the request always carries ``max_tokens`` when the
-caller gives one, and the client itself stops reading after ``max_tokens`` content
-chunks (engines send about one token per chunk) or ``max_reply_bytes`` of text, closes
-the connection (the engine aborts the request) and ends the stream with
+caller gives one, so the engine ends the reply itself; after ``max_tokens`` content
+chunks (engines send about one token per chunk) the reply is complete for the caller,
+and the client reads on, yielding no more text, to the engine's own end for its report
+(real engines send usage and timings in the last chunk), at most ``drain_s`` seconds
+and ``drain_chunks`` chunks, then closes the connection (the engine aborts). Past
+``max_reply_bytes`` of text it closes at once. Either way the stream ends with
 ``finish_reason`` ``"length"``: an engine that ignores ``max_tokens`` (or never stops)
 cannot make a turn, or the reply stored in history, unbounded.
 """
@@ -56,6 +62,7 @@ from worker.engines.errors import (
     EngineTimeout,
     EngineUnavailable,
 )
+from worker.engines.report import Report, chunk_report, header_report, to_float, to_int
 
 __all__ = [
     "REPLY_SEED_HEADER",
@@ -69,6 +76,7 @@ __all__ = [
 REPLY_SEED_HEADER = "X-Reply-Seed"  # an integer: another reply to the same prompt
 
 _ERROR_BODY_LIMIT = 64 * 1024
+_ERROR_TEXT = 1000  # of a non-JSON error body, kept in the error (clean_reason shortens it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +94,16 @@ class EngineMeta:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
+    """The request's tokens as the engine reported them anywhere in its answer
+    (:mod:`worker.engines.report`); ``computed_tokens`` the prompt tokens it prefilled,
+    ``prefill_s``/``decode_s`` its own time for each phase (None: not said)."""
+
     prompt_tokens: int | None
     completion_tokens: int | None
     cached_tokens: int | None = None
+    computed_tokens: int | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,86 +140,66 @@ def chat_completions_url(engine_url: str) -> str:
     return base + "/v1/chat/completions"
 
 
-def _int(v: object) -> int | None:
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, int):
-        return v
-    if isinstance(v, str):
-        try:
-            return int(v)
-        except ValueError:
-            return None
-    return None
-
-
-def _float(v: object) -> float | None:
-    if isinstance(v, bool) or v is None:
-        return None
-    try:
-        return float(v)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None
-
-
 def _meta_from_headers(url: str, resp: aiohttp.ClientResponse) -> EngineMeta:
-    h = resp.headers
+    r = header_report(resp.headers)
     return EngineMeta(
         engine_url=url,
         status=resp.status,
-        engine_id=h.get("x-engine-id"),
-        cached_tokens=_int(h.get("x-prefix-cache-hit-tokens")),
-        prompt_tokens=_int(h.get("x-prompt-tokens")),
-        prefill_s=_float(h.get("x-prefill-s")),
+        engine_id=r.engine_id,
+        cached_tokens=r.cached_tokens,
+        prompt_tokens=r.prompt_tokens,
+        prefill_s=r.prefill_s,
     )
 
 
-def _merge_meta(meta: EngineMeta, obj: Mapping[str, Any]) -> EngineMeta:
-    """Fill what headers did not say from a chunk (its id, the mock's extra field)."""
-    extra = obj.get("tokenrelay")
-    extra = extra if isinstance(extra, Mapping) else {}
+def _merge_meta(meta: EngineMeta, obj: Mapping[str, Any], said: Report) -> EngineMeta:
+    """Fill what the headers did not say from what the stream said so far (``said``)
+    and the chunk's id."""
     rid = obj.get("id")
     return replace(
         meta,
-        engine_id=meta.engine_id if meta.engine_id is not None else extra.get("engine_id"),
-        cached_tokens=meta.cached_tokens
-        if meta.cached_tokens is not None
-        else _int(extra.get("cached_tokens")),
-        prompt_tokens=meta.prompt_tokens
-        if meta.prompt_tokens is not None
-        else _int(extra.get("prompt_tokens")),
-        prefill_s=meta.prefill_s if meta.prefill_s is not None else _float(extra.get("prefill_s")),
+        engine_id=meta.engine_id if meta.engine_id is not None else said.engine_id,
+        cached_tokens=meta.cached_tokens if meta.cached_tokens is not None else said.cached_tokens,
+        prompt_tokens=meta.prompt_tokens if meta.prompt_tokens is not None else said.prompt_tokens,
+        prefill_s=meta.prefill_s if meta.prefill_s is not None else said.prefill_s,
         response_id=meta.response_id or (rid if isinstance(rid, str) else None),
     )
 
 
-def _usage(obj: object) -> Usage | None:
-    if not isinstance(obj, Mapping):
+def _usage(report: Report) -> Usage | None:
+    """The final delta's usage: everything the engine said, wherever (None: nothing)."""
+    if report.empty:
         return None
-    details = obj.get("prompt_tokens_details")
-    cached = _int(details.get("cached_tokens")) if isinstance(details, Mapping) else None
-    return Usage(_int(obj.get("prompt_tokens")), _int(obj.get("completion_tokens")), cached)
+    return Usage(
+        report.prompt_tokens,
+        report.completion_tokens,
+        report.cached_tokens,
+        computed_tokens=report.computed_tokens,
+        prefill_s=report.prefill_s,
+        decode_s=report.decode_s,
+    )
 
 
-def _error_object(obj: Mapping[str, Any]) -> tuple[int, str] | None:
-    """(status, message) if ``obj`` is an OpenAI/vLLM error object, else None."""
+def _error_object(obj: Mapping[str, Any]) -> tuple[int, str, str] | None:
+    """(status, message, type) if ``obj`` is an OpenAI/vLLM/llama.cpp error object."""
     err: object = obj.get("error")
     if err is None and obj.get("object") == "error":
         err = obj
     if err is None:
         return None
+    kind = ""
     if isinstance(err, Mapping):
-        code = _int(err.get("code"))
+        code = to_int(err.get("code"))
         message = str(err.get("message") or err.get("type") or "engine error")
+        kind = str(err.get("type") or "")
     else:
         code, message = None, str(err)
     status = code if code is not None and 400 <= code <= 599 else 500
-    return status, message
+    return status, message, kind
 
 
 def _retry_after(resp: aiohttp.ClientResponse) -> float | None:
-    value = _float(resp.headers.get("Retry-After"))
-    return value if value is not None and value >= 0 else None
+    return to_float(resp.headers.get("Retry-After"))
 
 
 class EngineClient:
@@ -219,6 +214,8 @@ class EngineClient:
         idle_timeout_s: float = 30.0,
         include_usage: bool = True,
         max_reply_bytes: int = 256 * 1024,
+        drain_s: float = 2.0,
+        drain_chunks: int = 16,
     ) -> None:
         self._session = session
         self.connect_timeout_s = connect_timeout_s
@@ -226,6 +223,8 @@ class EngineClient:
         self.idle_timeout_s = idle_timeout_s
         self.include_usage = include_usage
         self.max_reply_bytes = max_reply_bytes
+        self.drain_s = drain_s
+        self.drain_chunks = drain_chunks
 
     async def stream_chat(
         self,
@@ -236,8 +235,11 @@ class EngineClient:
         *,
         extra_body: Mapping[str, Any] | None = None,
         headers: Mapping[str, str] | None = None,
+        first_token_timeout_s: float | None = None,
     ) -> AsyncGenerator[Delta, None]:
-        """Stream one chat completion; see the module docstring for the contract."""
+        """Stream one chat completion; see the module docstring for the contract.
+        ``first_token_timeout_s``: this engine's own (a CPU engine's prefill takes
+        minutes), else the client's."""
         url = chat_completions_url(engine_url)
         body: dict[str, Any] = {"model": model, "messages": list(messages), "stream": True}
         if max_tokens is not None:
@@ -247,8 +249,9 @@ class EngineClient:
         if extra_body:
             body.update(extra_body)
         loop = asyncio.get_running_loop()
-        first_deadline = loop.time() + self.first_token_timeout_s
-        resp = await self._open(url, body, headers, first_deadline)
+        first_s = first_token_timeout_s or self.first_token_timeout_s
+        first_deadline = loop.time() + first_s
+        resp = await self._open(url, body, headers, first_deadline, first_s)
         completed = False
         try:
             meta = _meta_from_headers(url, resp)
@@ -256,11 +259,12 @@ class EngineClient:
                 raise await self._http_error(url, resp)
             ctype = resp.headers.get("Content-Type", "").lower()
             if ctype.startswith("application/json"):
-                async for d in self._whole(url, resp, meta, first_deadline):
+                async for d in self._whole(url, resp, meta, first_deadline, first_s):
                     yield d
             else:
                 cut: list[bool] = []
-                async for d in self._events(url, resp, meta, first_deadline, max_tokens, cut):
+                events = self._events(url, resp, meta, (first_deadline, first_s), max_tokens, cut)
+                async for d in events:
                     yield d
                 if cut:
                     return  # cut by us: ``completed`` stays False, the connection closes
@@ -277,6 +281,7 @@ class EngineClient:
         body: dict[str, Any],
         headers: Mapping[str, str] | None,
         deadline: float,
+        first_s: float,
     ) -> aiohttp.ClientResponse:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
         hdrs = {"Content-Type": "application/json", "Accept": "text/event-stream"}
@@ -293,7 +298,7 @@ class EngineClient:
         except aiohttp.ClientConnectionError as exc:
             raise EngineUnavailable(f"cannot reach {url}: {exc}", engine_url=url) from exc
         except TimeoutError:
-            raise EngineTimeout("first_token", self.first_token_timeout_s, engine_url=url) from None
+            raise EngineTimeout("first_token", first_s, engine_url=url) from None
         except aiohttp.ClientError as exc:  # e.g. a malformed HTTP response
             raise EngineProtocolError(f"bad HTTP answer from {url}: {exc}", engine_url=url) from exc
 
@@ -309,27 +314,32 @@ class EngineClient:
         except (TimeoutError, aiohttp.ClientError):
             pass
         text = raw.decode("utf-8", "replace")
-        message = f"engine answered HTTP {resp.status}"
         try:
             obj = orjson.loads(raw)
         except orjson.JSONDecodeError:
             obj = None
+        said, kind = text.strip()[:_ERROR_TEXT], ""
         if isinstance(obj, Mapping) and (found := _error_object(obj)) is not None:
-            message = f"{message}: {found[1]}"
-        elif text.strip():
-            message = f"{message}: {text.strip()[:200]}"
+            said, kind = found[1], found[2]
+        message = f"engine answered HTTP {resp.status}" + (f": {said}" if said else "")
         return EngineHTTPError(
-            resp.status, text, message=message, retry_after_s=_retry_after(resp), engine_url=url
-        )
+            resp.status, text, message=message, retry_after_s=_retry_after(resp),
+            engine_url=url, engine_message=said, engine_type=kind,
+        )  # fmt: skip
 
     async def _whole(
-        self, url: str, resp: aiohttp.ClientResponse, meta: EngineMeta, deadline: float
+        self,
+        url: str,
+        resp: aiohttp.ClientResponse,
+        meta: EngineMeta,
+        deadline: float,
+        first_s: float,
     ) -> AsyncGenerator[Delta, None]:
         try:
             async with asyncio.timeout_at(deadline):
                 raw = await resp.read()
         except TimeoutError:
-            raise EngineTimeout("first_token", self.first_token_timeout_s, engine_url=url) from None
+            raise EngineTimeout("first_token", first_s, engine_url=url) from None
         except aiohttp.ClientError as exc:
             raise EngineUnavailable(
                 f"connection to {url} lost: {exc}", engine_url=url, mid_stream=True
@@ -341,7 +351,8 @@ class EngineClient:
         message = choices[0].get("message")
         content = message.get("content") if isinstance(message, Mapping) else None
         finish = choices[0].get("finish_reason")
-        meta = _merge_meta(meta, obj)
+        said = header_report(resp.headers).merged(chunk_report(obj))
+        meta = _merge_meta(meta, obj, said)
         first: EngineMeta | None = meta
         if (extra := _extra(message, choices[0])) is not None:  # tool calls, reasoning
             yield Delta("", meta=first, extra=extra)
@@ -352,7 +363,7 @@ class EngineClient:
         else:
             meta_out = first
         reason = finish if isinstance(finish, str) and finish else "stop"
-        yield Delta("", reason, meta_out, _usage(obj.get("usage")))
+        yield Delta("", reason, meta_out, _usage(said))
 
     def _json(self, url: str, data: str) -> Mapping[str, Any]:
         try:
@@ -364,8 +375,11 @@ class EngineClient:
         if not isinstance(obj, Mapping):
             raise EngineProtocolError(f"expected a JSON object from {url}", engine_url=url)
         if (found := _error_object(obj)) is not None:
-            status, message = found
-            raise EngineStreamError(status, data, message=message, engine_url=url)
+            status, message, kind = found
+            raise EngineStreamError(
+                status, data, message=message, engine_url=url, engine_message=message,
+                engine_type=kind,
+            )  # fmt: skip
         return obj
 
     async def _events(
@@ -373,31 +387,47 @@ class EngineClient:
         url: str,
         resp: aiohttp.ClientResponse,
         meta: EngineMeta,
-        first_deadline: float,
+        first: tuple[float, float],
         max_tokens: int | None,
         cut: list[bool],
     ) -> AsyncGenerator[Delta, None]:
-        """The stream's deltas; appends to ``cut`` when it stops at a bound (see above)."""
+        """The stream's deltas; appends to ``cut`` when it stops at a bound (see above).
+
+        After ``max_tokens`` content chunks the reply is complete for the caller, but
+        the engine's report (usage, timings) comes in its last chunk: the rest of the
+        stream is read without yielding text, bounded by ``drain_s`` and
+        ``drain_chunks``, and cut past either (the engine, sent ``max_tokens``, ends
+        itself one chunk later)."""
         loop = asyncio.get_running_loop()
+        first_deadline, first_s = first
         chunks = nbytes = 0
         decoder = SSEDecoder()
         pending_meta: EngineMeta | None = meta
+        said = header_report(resp.headers)
         got_first = False
         finish: str | None = None
-        usage: Usage | None = None
         done = eof = False
+        drain_until: float | None = None  # reading on for the report, text complete
+        drained = 0
         while not done and not eof:
-            if got_first:
+            if drain_until is not None:
+                phase, limit = "drain", self.drain_s
+                deadline = min(drain_until, loop.time() + self.idle_timeout_s)
+            elif got_first:
                 phase, limit, deadline = "idle", self.idle_timeout_s, loop.time()
                 deadline += self.idle_timeout_s
             else:
-                phase, limit, deadline = "first_token", self.first_token_timeout_s, first_deadline
+                phase, limit, deadline = "first_token", first_s, first_deadline
             try:
                 async with asyncio.timeout_at(deadline):
                     chunk = await resp.content.readany()
             except TimeoutError:
+                if drain_until is not None:
+                    break  # the text is whole: end it with what the engine said so far
                 raise EngineTimeout(phase, limit, engine_url=url) from None
             except (aiohttp.ClientError, ConnectionError) as exc:
+                if drain_until is not None:
+                    break
                 raise EngineUnavailable(
                     f"connection to {url} lost mid-stream: {exc}", engine_url=url, mid_stream=True
                 ) from exc
@@ -411,9 +441,9 @@ class EngineClient:
                     done = True
                     break
                 obj = self._json(url, ev.data)
+                said = said.merged(chunk_report(obj))
                 if pending_meta is not None:
-                    pending_meta = _merge_meta(pending_meta, obj)
-                usage = _usage(obj.get("usage")) or usage
+                    pending_meta = _merge_meta(pending_meta, obj, said)
                 choices = obj.get("choices")
                 if choices is None or choices == []:
                     continue
@@ -423,11 +453,17 @@ class EngineClient:
                     )
                 got_first = True  # engines send the first choice chunk after prefill
                 choice = choices[0]
+                reason = choice.get("finish_reason")
+                if isinstance(reason, str) and reason and drain_until is None:
+                    finish = reason
+                if drain_until is not None:
+                    drained += 1
+                    if drained > self.drain_chunks:
+                        eof = True  # an engine that ignores max_tokens: stop here
+                        break
+                    continue
                 delta = choice.get("delta")
                 content = delta.get("content") if isinstance(delta, Mapping) else None
-                reason = choice.get("finish_reason")
-                if isinstance(reason, str) and reason:
-                    finish = reason
                 if (extra := _extra(delta, choice)) is not None:
                     yield Delta("", meta=pending_meta, extra=extra)  # tool calls, reasoning
                     pending_meta = None
@@ -441,18 +477,19 @@ class EngineClient:
                         pending_meta = None
                     chunks += 1
                     nbytes += len(content.encode())
-                    if finish is None and (
-                        len(data) > room
-                        or nbytes >= self.max_reply_bytes
-                        or (max_tokens is not None and chunks >= max_tokens)
-                    ):
-                        cut.append(True)
-                        yield Delta("", "length", pending_meta, usage)
+                    if finish is None and (len(data) > room or nbytes >= self.max_reply_bytes):
+                        cut.append(True)  # past the byte bound: no drain, cut at once
+                        yield Delta("", "length", pending_meta, _usage(said))
                         return
-        if finish is None:
+                    if finish is None and max_tokens is not None and chunks >= max_tokens:
+                        finish = "length"
+                        drain_until = loop.time() + self.drain_s
+        if drain_until is not None and not done:
+            cut.append(True)  # the engine did not end within the drain: close it
+        elif finish is None:
             if not done:
                 raise EngineProtocolError(
                     f"stream from {url} ended without finish_reason or [DONE]", engine_url=url
                 )
             finish = "stop"
-        yield Delta("", finish, pending_meta, usage)
+        yield Delta("", finish or "length", pending_meta, _usage(said))

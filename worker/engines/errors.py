@@ -27,7 +27,10 @@ the router's caps and a busy answer means those caps are wrong for it.
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
+    "PROMPT_TOO_LONG",
     "EngineError",
     "EngineHTTPError",
     "EngineProtocolError",
@@ -37,6 +40,23 @@ __all__ = [
 ]
 
 _RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
+PROMPT_TOO_LONG = "prompt_too_long"  # the error code of a prompt over the engine's context
+_REASON_CHARS = 200
+# how engines word a prompt over their context: llama-server ("exceeds the available
+# context size", type exceed_context_size_error), vLLM ("maximum context length"),
+# SGLang and Ollama ("longer than the model's context length", "context length")
+_OVERFLOW = ("exceed_context_size", "exceeds the available context", "context length",
+             "context window", "context size", "prompt is too long", "too many tokens")  # fmt: skip
+_URL = re.compile(r"\b[a-z][a-z0-9+.-]*://\S+", re.IGNORECASE)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]+")
+
+
+def clean_reason(text: str, limit: int = _REASON_CHARS) -> str:
+    """An engine's own message as a client may read it: one line, no control characters,
+    no URLs (they may name internal hosts), at most ``limit`` characters."""
+    out = _URL.sub("<url>", _CONTROL.sub(" ", text))
+    out = " ".join(out.split())
+    return out if len(out) <= limit else out[: limit - 1].rstrip() + "…"
 
 
 class EngineError(Exception):
@@ -51,6 +71,11 @@ class EngineError(Exception):
     def public_reason(self) -> str:
         """A short reason without internal addresses (the ``error`` frame's text)."""
         return "engine error"
+
+    @property
+    def code(self) -> str | None:
+        """A distinct error code for the turn's ``error`` frame (None: the generic one)."""
+        return None
 
 
 class EngineUnavailable(EngineError):
@@ -99,15 +124,33 @@ class EngineHTTPError(EngineError):
         message: str | None = None,
         retry_after_s: float | None = None,
         engine_url: str | None = None,
+        engine_message: str = "",
+        engine_type: str = "",
     ) -> None:
         super().__init__(message or f"engine answered HTTP {status}", engine_url=engine_url)
         self.status = status
         self.body = body
         self.retry_after_s = retry_after_s
+        self.engine_message = engine_message  # the engine's own words (its error object)
+        self.engine_type = engine_type  # its error type, when it gives one
 
     @property
     def public_reason(self) -> str:
-        return f"engine answered HTTP {self.status}"
+        """The status and the engine's own reason, cleaned and bounded: a screen shows
+        why (a prompt over the context, a bad parameter), never an address."""
+        said = clean_reason(self.engine_message) if self.engine_message else ""
+        return (
+            f"engine answered HTTP {self.status}: {said}"
+            if said
+            else (f"engine answered HTTP {self.status}")
+        )
+
+    @property
+    def code(self) -> str | None:
+        if self.status not in (400, 413, 422):
+            return None
+        words = f"{self.engine_type} {self.engine_message}".lower()
+        return PROMPT_TOO_LONG if any(w in words for w in _OVERFLOW) else None
 
     @property
     def retryable(self) -> bool:

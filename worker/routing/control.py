@@ -3,7 +3,7 @@
 Two sources of engines, usable together:
 
 * **static** (``--engine URL`` or ``--engine ID=URL``): probed about once a second with
-  ``GET <base>/health`` (``GET <base>/v1/models`` when /health answers 404), each probe
+  ``GET <base>/health`` (an answer of 404, an engine without the route, counts as alive), each probe
   bounded by ``probe_timeout_s``. ``fail_after`` consecutive failures take the engine out
   of the ring; one success puts it back.
 * **heartbeats** in Redis (``discover=True``): an engine (or a sidecar next to it)
@@ -110,15 +110,17 @@ class ProbeState:
 
 
 async def probe(http: aiohttp.ClientSession, url: str, timeout_s: float) -> bool:
-    """True if the engine answers its health endpoint with 2xx within ``timeout_s``."""
+    """True if the engine answers its health endpoint with 2xx within ``timeout_s``; an
+    engine without one (404: llama-cpp-python's server) is alive when it answers at all.
+    Never ``/v1/models`` as a probe: llama-cpp-python's server takes its model lock for
+    it, and with its default ``interrupt_requests`` a request waiting for that lock ends
+    the reply streaming at that moment (``[DONE]``, no finish reason): a probe a second
+    cut every turn longer than a second, most of them at 0 tokens."""
     base = _base(url)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
         async with http.get(base + "/health", timeout=timeout) as resp:
-            if resp.status != 404:
-                return 200 <= resp.status < 300
-        async with http.get(base + "/v1/models", timeout=timeout) as resp:
-            return 200 <= resp.status < 300
+            return 200 <= resp.status < 300 or resp.status == 404
     except (aiohttp.ClientError, TimeoutError, OSError):
         return False
 

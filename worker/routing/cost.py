@@ -48,6 +48,7 @@ from typing import Final
 
 from worker.routing.blockindex import BlockIndex
 from worker.routing.policy import RouteReason
+from worker.routing.profile import EngineProfile, Profiles
 
 __all__ = [
     "CHARS_PER_TOKEN",
@@ -120,6 +121,10 @@ class CostModel:
     profile: CostProfile = field(default_factory=CostProfile)
     workers: int = 1  # live workers sharing the engines (scales this worker's token counts)
     index: BlockIndex | None = None  # precise: what the engines' KV events say they hold
+    profiles: Profiles = field(default_factory=Profiles)  # each engine's shape and speed
+    # slot engines: the conversations (routing key, shared key) each one served last,
+    # newest last: the ones its slots probably still hold
+    _slot_keys: dict[str, OrderedDict[str, str]] = field(default_factory=dict)
     _leases: dict[int, _Lease] = field(default_factory=dict)
     _sent: dict[str, int] = field(default_factory=dict)  # prompt tokens sent, cumulative
     _shared: dict[str, dict[str, int]] = field(default_factory=dict)  # key -> engine -> mark
@@ -138,10 +143,40 @@ class CostModel:
     def sent_tokens(self, engine: str) -> int:
         return self._sent.get(engine, 0)
 
+    def _shape(self, engine: str) -> EngineProfile:
+        return self.profiles.get(engine)
+
     def _fresh(self, engine: str, mark: int) -> bool:
         """Whether tokens sent to ``engine`` since ``mark`` (scaled to all workers) still
         fit in its KV capacity: the LRU has probably not evicted what was there."""
-        return (self.sent_tokens(engine) - mark) * self.workers < self.profile.kv_tokens
+        kv = self._shape(engine).kv_tokens or self.profile.kv_tokens
+        return (self.sent_tokens(engine) - mark) * self.workers < kv
+
+    def _in_slot(self, engine: str, slots: int, key: str, shared_key: str) -> tuple[bool, bool]:
+        """A slot engine: whether one of its ``slots`` most recent conversations is this
+        one (its history is there), and whether one shares its system prompt."""
+        recent = list(self._slot_keys.get(engine, {}).items())[-slots:]
+        own = bool(key) and any(k == key for k, _ in recent)
+        shared = bool(shared_key) and any(sk == shared_key for _, sk in recent)
+        return own, shared
+
+    def live(self, engine: str, others: Mapping[str, int]) -> int:
+        return self._count.get(engine, 0) + max(0, others.get(engine, 0))
+
+    def has_room(
+        self, engine: str, others: Mapping[str, int], turn: TurnInfo | None = None
+    ) -> bool:
+        """A slot engine with a free slot, or a shared-pool engine (its cap bounds it).
+        On the session's previous engine one of the other workers' leases may be that
+        session's own previous turn, ended since their last report (the load view runs a
+        quarter second behind, a follow-up can come sooner): it is not counted."""
+        slots = self._shape(engine).slots
+        if slots <= 0:
+            return True
+        live = self.live(engine, others)
+        if turn is not None and engine == turn.prev_engine and others.get(engine, 0) > 0:
+            live -= 1
+        return live < slots
 
     def resolve(self, turn: TurnInfo) -> TurnInfo:
         """Fill what this worker's own decisions know: the previous engine of the key
@@ -157,6 +192,15 @@ class CostModel:
         return turn
 
     def held(self, engine: str, turn: TurnInfo) -> int:
+        slots = self._shape(engine).slots
+        if slots > 0:  # one conversation per slot: held while its slot was not reused
+            own, shared = self._in_slot(engine, slots, turn.key, turn.shared_key)
+            # a conversation this worker did not route there (another worker did: the
+            # session meta names the engine) is taken as held
+            seen = turn.key in self._slot_keys.get(engine, {})
+            if engine == turn.prev_engine and turn.prev_tokens and (own or not seen):
+                return min(turn.prev_tokens, turn.prompt_tokens)
+            return min(turn.shared_tokens, turn.prompt_tokens) if shared else 0
         if engine == turn.prev_engine and turn.prev_tokens and self._fresh(engine, turn.prev_mark):
             return min(turn.prev_tokens, turn.prompt_tokens)
         marks = self._shared.get(turn.shared_key) if turn.shared_key else None
@@ -207,8 +251,20 @@ class CostModel:
             if overflow > 0:
                 work += overflow
                 wait += overflow
-            step = p.step_base_s + p.per_token_s * (p.chunk_tokens - 1) + p.per_kv_token_s * ctx
-            rate = max(1, p.chunk_tokens - running) / step
+            shape = self._shape(e)
+            if shape.slots > 0 and running >= shape.slots:
+                # every slot busy: the turn waits for one, about one turn's prefill and
+                # reply of the conversation ahead (a slot engine computes its queue's
+                # prompts, and its slots drop what they held for them)
+                ahead = running - shape.slots + 1
+                wait += ahead * (mean_ctx + _REPLY_TOKENS)
+                work += ahead * (mean_ctx + _REPLY_TOKENS)
+            if shape.prefill_tok_per_s > 0:
+                rate = shape.prefill_tok_per_s  # the engine's measured (or given) rate
+            else:
+                step = p.step_base_s + p.per_token_s * (p.chunk_tokens - 1)
+                step += p.per_kv_token_s * ctx
+                rate = max(1, p.chunk_tokens - running) / step
             out[e] = (work / rate, held, wait / rate)
         return out
 
@@ -217,17 +273,24 @@ class CostModel:
         turn: TurnInfo,
         others: Mapping[str, int] | None = None,
         allowed: Iterable[str] | None = None,
+        order: Sequence[str] = (),
     ) -> Choice:
-        """The engine of least expected cost among ``allowed`` (default: all); ties go to
-        the fewest in flight, then to the order of ``engines``. ``turn`` is resolved
-        (:meth:`resolve`) first."""
+        """The engine of least expected cost among ``allowed`` (default: all). A slot
+        engine whose slots are all live is left out while another engine has room. Ties
+        go to the fewest in flight, then to ``order`` (the session's ring walk: sessions
+        spread over the engines, never all to the first one), then to ``engines``.
+        ``turn`` is resolved (:meth:`resolve`) first."""
         names = list(self.engines if allowed is None else allowed)
         if not names:
             raise ValueError("no engine to choose from")
         view = others or {}
         turn = self.resolve(turn)
+        roomy = [e for e in names if self.has_room(e, view, turn)]
+        names = roomy or names
         costs = self.costs(turn, view)
-        best = min(names, key=lambda e: (costs[e][0], self._count.get(e, 0) + view.get(e, 0)))
+        rank = {e: i for i, e in enumerate(order)}
+        best = min(names, key=lambda e: (round(costs[e][0], 9), self.live(e, view),
+                                         rank.get(e, len(rank))))  # fmt: skip
         cost, held, wait = costs[best]
         top = max(costs[e][1] for e in self.engines)
         if top == 0:
@@ -245,20 +308,21 @@ class CostModel:
         under_cap: Sequence[str],
         past_cap: Sequence[str],
         slo_s: float,
+        order: Sequence[str] = (),
     ) -> tuple[Choice, bool] | None:
         """The cheapest engine among ``under_cap`` and ``past_cap`` (engines at their cap
         with room left in their queue); one past its cap only when the expected time to
         the first token there is within ``slo_s``, else the cheapest under its cap. Returns
         the choice and whether it is past the cap; None when no engine is left."""
         if past_cap:
-            choice = self.choose(turn, others, [*under_cap, *past_cap])
+            choice = self.choose(turn, others, [*under_cap, *past_cap], order)
             if choice.engine not in past_cap:
                 return choice, False
             if choice.wait_s <= slo_s:
                 return choice, True
         if not under_cap:
             return None
-        return self.choose(turn, others, under_cap), False
+        return self.choose(turn, others, under_cap, order), False
 
     # ---- what the worker tells it --------------------------------------------------------
 
@@ -287,6 +351,12 @@ class CostModel:
             self._shared.setdefault(turn.shared_key, {})[e] = mark
             if len(self._shared) > self.max_recent:
                 self._shared.pop(next(iter(self._shared)))
+        if self._shape(e).slots > 0:
+            keys = self._slot_keys.setdefault(e, OrderedDict())
+            keys.pop(turn.key, None)
+            keys[turn.key] = turn.shared_key
+            while len(keys) > max(64, 4 * self._shape(e).slots):
+                keys.popitem(last=False)
         if turn.key:
             self._recent.pop(turn.key, None)
             self._recent[turn.key] = (e, mark, turn.prompt_tokens)
@@ -321,6 +391,7 @@ class CostModel:
         return {e: self._count.get(e, 0) for e in self.engines}
 
 
+_REPLY_TOKENS: Final = 128  # a slot engine's turn ahead: its reply, in prefill-token terms
 CHARS_PER_TOKEN: Final = 4  # the worker has no tokenizer: ~4 characters a token (English)
 
 

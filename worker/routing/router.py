@@ -53,6 +53,7 @@ from worker.routing.policy import (
     RoutingPolicy,
     SpillPolicy,
 )
+from worker.routing.profile import Profiles
 from worker.routing.ring import Ring
 
 __all__ = ["Router"]
@@ -106,6 +107,7 @@ class Router:
         queue: float = DEFAULT_QUEUE,
         queue_slo_s: float = DEFAULT_QUEUE_SLO_S,
         index: BlockIndex | None = None,
+        profiles: Profiles | None = None,
     ) -> None:
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"policy must be one of {', '.join(ROUTING_POLICIES)}, got {policy!r}")
@@ -134,6 +136,7 @@ class Router:
         self._lease_ids = 0
         self._cost_profile = cost_profile or CostProfile()
         self._cost: CostModel | None = None
+        self.profiles = profiles or Profiles()  # each engine's shape and speed
         self.index = index if self.policy is RoutingPolicy.PRECISE else None
         for spec in engines:
             if spec.id in self._engines:
@@ -215,7 +218,8 @@ class Router:
         if not info.key:
             info = replace(info, key=key)
         others = {eid: e.others for eid, e in self._engines.items()}
-        picked = cost.choose_queued(info, others, under, past, self.queue_slo_s)
+        order = [e.spec.id for e in self._ring.successors(key)] if self._ring.hashes else []
+        picked = cost.choose_queued(info, others, under, past, self.queue_slo_s, order)
         if picked is None:
             return None
         choice, queued = picked
@@ -457,6 +461,9 @@ class Router:
         self._reweigh()
         if self.policy in (RoutingPolicy.COST_AWARE, RoutingPolicy.PRECISE):
             if self._cost is None:
-                self._cost = CostModel(list(self._engines), self._cost_profile, index=self.index)
+                self._cost = CostModel(
+                    list(self._engines), self._cost_profile, index=self.index,
+                    profiles=self.profiles,
+                )  # fmt: skip
             else:
                 self._cost.engines = list(self._engines)

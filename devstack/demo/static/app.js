@@ -124,7 +124,8 @@ function turnEl(turn) {
     footer.className = "footer";
     root.append(user, parts, reply, footer);
     $("log").append(root);
-    t = { root, user, parts, partEls: new Map(), reply, footer, engine: "", preferred: "", cached: null, cache: "" };
+    t = { root, user, parts, partEls: new Map(), reply, footer, engine: "", preferred: "",
+          cached: null, prompt: null, cache: "", trimmed: 0 };
     state.turns.set(turn, t);
   }
   return t;
@@ -185,11 +186,15 @@ function describe(t, extra) {
   if (t.engine) parts.push(`engine <b>${t.engine}</b>`);
   if (t.preferred && t.preferred !== t.engine) parts.push(`(ring preferred ${t.preferred}: spilled)`);
   if (t.cached !== null) {
-    parts.push(t.cached > 0 ? `<span class="hit">cache hit</span> (${t.cached} tokens)`
-                            : `<span class="miss">cache miss</span>`);
+    // cached of prompt tokens: a chat template's default system prompt alone is cached
+    // on every turn, so "hit" says little without the share
+    const of = t.prompt !== null ? ` of ${t.prompt}` : "";
+    const cls = t.cached > 0 ? "hit" : "miss";
+    parts.push(`<span class="${cls}">cached ${t.cached}${of} prompt tokens</span>`);
   } else if (t.cache === "unknown") {
     parts.push(`cache: not reported by the engine`);
   }
+  if (t.trimmed > 0) parts.push(`${t.trimmed} oldest messages left out (engine context)`);
   if (extra) parts.push(extra);
   t.footer.innerHTML = parts.join(" · ");
 }
@@ -220,6 +225,8 @@ function onFrame(f) {
     t.engine = m.engine || t.engine;
     t.preferred = m.preferred || t.preferred;
     if (typeof m.cached_tokens === "number") t.cached = m.cached_tokens;
+    if (typeof m.prompt_tokens === "number") t.prompt = m.prompt_tokens;
+    if (typeof m.trimmed_messages === "number") t.trimmed = m.trimmed_messages;
     describe(t, "generating…");
   } else if (f.kind === "token") {
     turnEl(f.turn).reply.textContent += f.text;
@@ -237,6 +244,7 @@ function onFrame(f) {
     controls();
     t.engine = m.engine || t.engine;
     if (typeof m.cached_tokens === "number") t.cached = m.cached_tokens;
+    if (typeof m.prompt_tokens === "number") t.prompt = m.prompt_tokens;
     t.cache = m.cache || t.cache;  // "hit" | "miss" | "unknown" (engine did not say)
     const ttft = m.ttft_ms !== undefined ? `TTFT ${Math.round(m.ttft_ms)} ms` : "";
     describe(t, [ttft, m.finish_reason ? `finish: ${m.finish_reason}` : ""].filter(Boolean).join(" · "));

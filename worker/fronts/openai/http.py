@@ -43,6 +43,7 @@ from relay.protocol.keys import InvalidSessionId, parse_session
 from relay.service.errors import error_body
 from relay.service.register import Handler
 from worker.engines.errors import (
+    PROMPT_TOO_LONG,
     EngineError,
     EngineHTTPError,
     EngineTimeout,
@@ -82,6 +83,8 @@ def _engine_wire_error(exc: EngineError) -> WireError:
     if isinstance(exc, EngineUnavailable):
         return WireError(503, "no engine could be reached", kind="api_error",
                          code="engine_unavailable")  # fmt: skip
+    if exc.code == PROMPT_TOO_LONG:  # OpenAI's own code for it
+        return WireError(400, exc.public_reason, code="context_length_exceeded")
     if isinstance(exc, EngineHTTPError) and exc.status == 400:
         return WireError(400, f"the engine refused the request: {exc.message}"[:500],
                          code="engine_bad_request")  # fmt: skip
@@ -160,8 +163,9 @@ async def _whole(gw: Gateway, req: ChatRequest, lease: Lease) -> web.Response:
     finish: str | None = None
     prompt_tokens = cached = completion_tokens = None
     stream = gw.engine.stream_chat(
-        lease.engine.url, req.model, req.messages, req.max_tokens, extra_body=req.options
-    )
+        lease.engine.url, req.model, req.messages, req.max_tokens, extra_body=req.options,
+        first_token_timeout_s=gw.first_token_timeout_s(lease.engine.id),
+    )  # fmt: skip
     try:
         async for d in stream:
             if d.meta is not None and prompt_tokens is None:
@@ -207,8 +211,9 @@ async def _stream(
     n = 0
     prompt_tokens = cached = completion_tokens = None
     stream = gw.engine.stream_chat(
-        lease.engine.url, req.model, req.messages, req.max_tokens, extra_body=req.options
-    )
+        lease.engine.url, req.model, req.messages, req.max_tokens, extra_body=req.options,
+        first_token_timeout_s=gw.first_token_timeout_s(lease.engine.id),
+    )  # fmt: skip
     try:
         async for d in stream:
             if resp is None:  # the engine answered: from here on errors go in the stream

@@ -343,7 +343,8 @@ def _failed(rt: ResponseTurn) -> WireError:
     engine could serve it (the client may retry), 504 on the engine's timeout, else 500."""
     status, code = {"engine_error": (503, "engine_unavailable"),
                     "engine_down": (503, "engine_unavailable"),
-                    "timeout": (504, "engine_timeout")}.get(rt.error_code or "",
+                    "timeout": (504, "engine_timeout"),
+                    "prompt_too_long": (400, "context_length_exceeded")}.get(rt.error_code or "",
                                                             (500, "server_error"))  # fmt: skip
     return WireError(status, f"the response failed: {rt.error}"[:300], kind="api_error", code=code)
 

@@ -1,0 +1,77 @@
+"""Run the built ``llama-server`` processes: what the real-engine tests and the routing
+benchmark start, each stopped by pid (:mod:`devstack.procs`).
+
+Order of use::
+
+    built = find()  # or ensure(); None: not built here (devstack.llama.build)
+    async with llama_servers(built, 2, log_dir, slots=2, ctx=4096) as engines:
+        engines[0].url, engines[0].id, engines[0].proc     # http://127.0.0.1:PORT
+    # every server stopped on the way out
+
+Each server serves the SmolLM2 model under the name :data:`MODEL` with ``slots``
+parallel slots (``-np``; the context ``ctx`` is shared among them, llama.cpp's rule),
+``threads`` CPU threads, its ``/metrics`` and ``/slots`` on, and a small batch
+(``-b``/``-ub`` :data:`BATCH`): llama.cpp looks at a request's cancellation between
+batches, so a prompt the client gave up on stops within one batch of CPU work instead
+of being computed to its end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from devstack.llama.build import Built
+from devstack.procs import HOST, Proc, free_port, http_ok, stop_all
+
+__all__ = ["BATCH", "MODEL", "LlamaServer", "llama_servers", "server_argv"]
+
+MODEL = "smollm2"
+BATCH = 128
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaServer:
+    id: str
+    url: str
+    port: int
+    proc: Proc
+
+
+def server_argv(
+    built: Built, port: int, *, slots: int = 2, ctx: int = 4096, threads: int = 1
+) -> list[str]:
+    return [
+        str(built.server), "-m", str(built.model), "--host", HOST, "--port", str(port),
+        "-np", str(slots), "-c", str(ctx), "-t", str(threads), "--alias", MODEL,
+        "--metrics", "--slots", "-b", str(BATCH), "-ub", str(BATCH), "--no-webui",
+    ]  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def llama_servers(
+    built: Built,
+    n: int,
+    log_dir: str | Path,
+    *,
+    slots: int = 2,
+    ctx: int = 4096,
+    threads: int = 1,
+    ready_s: float = 120.0,
+) -> AsyncIterator[list[LlamaServer]]:
+    """``n`` servers on free loopback ports, ready (``/health`` 200, the model loaded)."""
+    started: list[LlamaServer] = []
+    try:
+        for i in range(n):
+            port = free_port()
+            argv = server_argv(built, port, slots=slots, ctx=ctx, threads=threads)
+            name = f"llama-{i + 1}"
+            proc = Proc.start(argv, log=Path(log_dir) / f"{name}.log", name=name)
+            started.append(LlamaServer(name, f"http://{HOST}:{port}", port, proc))
+        for s in started:
+            await s.proc.ready(http_ok(s.url + "/health"), timeout_s=ready_s, every_s=0.2)
+        yield started
+    finally:
+        await stop_all([s.proc for s in started], grace_s=10.0)
