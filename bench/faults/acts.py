@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 import aiohttp
+import redis.asyncio as aioredis
 
 from bench.faults import partition
 from bench.faults.probes import ping
@@ -116,13 +117,19 @@ class Nemesis:
         masters = await self.cluster.masters_now()
         return next((p for p, ss in masters.items() if slot in ss), None)
 
-    async def _rejoined(self, port: int, timeout_s: float = 60.0) -> bool:
-        """Wait until the node on ``port`` is listed again as a replica (or a master)."""
+    async def _rejoined(self, port: int, timeout_s: float = 90.0) -> bool:
+        """Wait until the node on ``port`` is listed again in the cluster and, as a
+        replica, has its master's data (``master_link_status:up``, no sync in progress).
+        A node restarted without persistence is empty until then: a failover to it would
+        lose its whole shard, a combination this run refuses by design, so the shard stays
+        busy until this holds."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):
                 shards = await self.cluster.shards_now()
-                if port in shards or any(port in reps for reps in shards.values()):
+                if port in shards:
+                    return True  # a master again (it outlived a freeze)
+                if any(port in reps for reps in shards.values()) and await _synced(port):
                     return True
             await asyncio.sleep(0.5)
         return False
@@ -375,6 +382,19 @@ class Nemesis:
         reconnected = sum(v.connects for v in chosen) - before
         entry.update(target=f"{len(chosen)} screens", reconnected=reconnected)
         entry["took_effect"] = reconnected >= len(chosen)
+
+
+async def _synced(port: int) -> bool:
+    """A replica holds its master's data: its link is up and no sync is running."""
+    c = aioredis.Redis(host="127.0.0.1", port=port, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        raw = await c.execute_command("INFO", "replication")
+    finally:
+        await c.aclose()
+    info = raw if isinstance(raw, dict) else {}
+    return info.get("master_link_status") == "up" and not int(
+        info.get("master_sync_in_progress", 1)
+    )
 
 
 async def _answers(http: aiohttp.ClientSession, url: str, within_s: float) -> bool:

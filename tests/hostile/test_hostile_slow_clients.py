@@ -218,7 +218,12 @@ async def test_idle_connections_from_one_address_cannot_take_the_relays_descript
 
         async with asyncio.timeout(STEP):
             await asyncio.gather(*(read(i, r) for i, (r, _) in enumerate(conns)))
-        assert _fds(relay.proc.pid)[1] <= cap  # client sockets held: the cap, no more
+        # client sockets held: the cap, no more, once the refused ones are closed (their
+        # 429s are read above; on a loaded machine the closes land a moment later)
+        settle = time.monotonic() + 5
+        while _fds(relay.proc.pid)[1] > cap and time.monotonic() < settle:
+            await asyncio.sleep(0.05)
+        assert _fds(relay.proc.pid)[1] <= cap
         # a viewer from another address streams while they are held
         connector = aiohttp.TCPConnector(local_addr=("127.0.0.2", 0))
         async with (
