@@ -6,15 +6,14 @@ an in-process worker on the real cluster, a relay for the screens.
 What the mock engine cannot show: real model text through every front, the engine's own
 cache reports (``timings``, ``usage.prompt_tokens_details``) read at the end of a reply,
 its own error for a prompt over its context, its slots freed by a stop, a server killed
-mid-reply. They run with ``make test-real-engine`` (``TOKENRELAY_REAL_ENGINE=1``), which
-builds the engine first; elsewhere, and where the engine cannot be built here, they skip
-and say why.
+mid-reply. They run in ``make test`` wherever the engine is built (the build is not part
+of it: about 11 minutes on two quiet cores); ``make test-real-engine`` builds it first and
+runs them. Where it is not built, or cannot be built here, they skip and say why.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -45,11 +44,8 @@ CTX = 2048  # shared by the slots: 1,024 tokens each
 
 @pytest.fixture(scope="session")
 def built() -> Built:
-    if not os.environ.get("TOKENRELAY_REAL_ENGINE"):
-        pytest.skip(
-            "real-engine tests run with make test-real-engine (it builds llama-server once "
-            "per machine first: about 11 minutes on two quiet cores)"
-        )
+    """The cached llama-server and model. They run in `make test` wherever the engine
+    is built (`make test-real-engine` builds it first); else a skip that says how."""
     found = find()
     if found is None:
         why = missing_toolchain() or (

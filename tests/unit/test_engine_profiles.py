@@ -116,6 +116,25 @@ def test_a_slot_engine_holds_a_conversation_until_its_slots_served_others() -> N
     assert later.reason != "preferred"
 
 
+def test_a_follow_up_stays_when_only_its_engine_has_been_measured() -> None:
+    """Seen on two real llama-servers: after the first turn the worker knew its engine's
+    CPU prefill rate (from the timings) and nothing of the other, whose cost then came
+    from the default profile's accelerator, thousands of tokens a second: the follow-up
+    went to the unmeasured engine and recomputed its whole history. An engine not
+    measured yet is taken to be as fast as its measured peers."""
+    profiles = Profiles({"*": EngineProfile(slots=2)})
+    r = Router([EngineSpec(id=f"e{i}", url=f"http://e{i}", cap=4) for i in range(2)],
+               policy="cost_aware", queue=0.0, profiles=profiles)  # fmt: skip
+    a = r.route("a", turn=TurnInfo(prompt_tokens=60, key="a"))
+    home = a.engine.id
+    a.release()
+    profiles.learn_turn(home, computed_tokens=60, prefill_s=0.7, completion_tokens=12,
+                        decode_s=0.25)  # fmt: skip
+    back = r.route("a", turn=TurnInfo(prompt_tokens=110, key="a", prev_engine=home,
+                                      prev_tokens=72))  # fmt: skip
+    assert back.engine.id == home, back.reason
+
+
 # -- history trimmed to the context ----------------------------------------------------------
 
 

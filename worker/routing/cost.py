@@ -225,6 +225,11 @@ class CostModel:
         index = self.index
         known = index.match(turn.blocks) if index is not None and turn.blocks else {}
         bs = index.tokens_per_block if index is not None else 0
+        # an engine not measured yet is taken to be as fast as those that are (the same
+        # model on alike hardware), never the default profile's accelerator: a measured
+        # CPU engine against the default's rate drove every follow-up off its engine
+        rates = sorted(r for x in self.engines if (r := self._shape(x).prefill_tok_per_s) > 0)
+        peer_rate = rates[len(rates) // 2] if rates else 0.0
         for e in self.engines:
             n_other = max(0, others.get(e, 0))
             running = self._count.get(e, 0) + n_other
@@ -259,8 +264,9 @@ class CostModel:
                 ahead = running - shape.slots + 1
                 wait += ahead * (mean_ctx + _REPLY_TOKENS)
                 work += ahead * (mean_ctx + _REPLY_TOKENS)
-            if shape.prefill_tok_per_s > 0:
-                rate = shape.prefill_tok_per_s  # the engine's measured (or given) rate
+            if shape.prefill_tok_per_s > 0 or peer_rate > 0:
+                # the engine's measured (or given) rate, else its measured peers'
+                rate = shape.prefill_tok_per_s if shape.prefill_tok_per_s > 0 else peer_rate
             else:
                 step = p.step_base_s + p.per_token_s * (p.chunk_tokens - 1)
                 step += p.per_kv_token_s * ctx
