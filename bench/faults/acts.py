@@ -23,6 +23,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -193,8 +194,8 @@ class Nemesis:
     async def _shard(self, fault: Fault, entry: dict[str, Any]) -> tuple[int, tuple[int, ...]]:
         """A healthy shard, preferring one that serves a watched session, taken whole
         (every node of it marked busy, in one step with the choice, so that two faults
-        starting together never pick the same shard; :meth:`_free` gives it back); (0, ())
-        and the refusal in ``entry`` when every shard has a node down already."""
+        starting together never pick the same shard; :meth:`_taking_shard` gives it
+        back); (0, ()) and the refusal in ``entry`` when every shard has a node down."""
         async with self._picking:
             shards = await self._healthy_shards()
             if not shards:
@@ -208,14 +209,26 @@ class Nemesis:
             self.busy_nodes |= {master, *shards[master]}
             return master, shards[master]
 
-    def _free(self, master: int, replicas: tuple[int, ...]) -> None:
-        self.busy_nodes -= {master, *replicas}
-
-    async def _master_kill(self, fault: Fault, entry: dict[str, Any]) -> None:
+    @contextlib.asynccontextmanager
+    async def _taking_shard(
+        self, fault: Fault, entry: dict[str, Any]
+    ) -> AsyncIterator[tuple[int, tuple[int, ...]] | None]:
+        """:meth:`_shard`'s shard (master, replicas) for the ``async with`` block, given
+        back at its end; None when refused (the reason is in ``entry``)."""
         master, replicas = await self._shard(fault, entry)
         if not master:
+            yield None
             return
         try:
+            yield master, replicas
+        finally:
+            self.busy_nodes -= {master, *replicas}
+
+    async def _master_kill(self, fault: Fault, entry: dict[str, Any]) -> None:
+        async with self._taking_shard(fault, entry) as shard:
+            if shard is None:
+                return
+            master, _replicas = shard
             slot = await self._live_slot(master) or (await self.cluster.masters_now())[master][0]
             entry.update(target=master, slot=slot)
             self.cluster.kill_node(master)
@@ -236,14 +249,12 @@ class Nemesis:
                 and entry["slot_owner_after"] not in (None, master)
                 and entry["rejoined"]
             )
-        finally:
-            self._free(master, replicas)
 
     async def _master_freeze(self, fault: Fault, entry: dict[str, Any]) -> None:
-        master, replicas = await self._shard(fault, entry)
-        if not master:
-            return
-        try:
+        async with self._taking_shard(fault, entry) as shard:
+            if shard is None:
+                return
+            master, _replicas = shard
             entry["target"] = master
             self.cluster.pause_node(master)
             try:
@@ -255,15 +266,13 @@ class Nemesis:
             entry["ping_waited_s"] = round(took, 2) if answer == "PONG" else None
             entry["took_effect"] = answer == "PONG" and took >= fault.hold_s * 0.8
             entry["rejoined"] = await self._rejoined(master)  # maybe a replica now
-        finally:
-            self._free(master, replicas)
 
     async def _replica_kill(self, fault: Fault, entry: dict[str, Any]) -> None:
-        master, replicas = await self._shard(fault, entry)
-        if not master:
-            return
-        replica = replicas[fault.pick % len(replicas)]
-        try:
+        async with self._taking_shard(fault, entry) as shard:
+            if shard is None:
+                return
+            _master, replicas = shard
+            replica = replicas[fault.pick % len(replicas)]
             entry["target"] = replica
             self.cluster.kill_node(replica)
             entry["exit"] = await self.cluster.process(replica).wait(5)
@@ -271,15 +280,13 @@ class Nemesis:
             self.cluster.restart_node(replica)
             entry["rejoined"] = await self._rejoined(replica)
             entry["took_effect"] = entry["exit"] == -signal.SIGKILL and entry["rejoined"]
-        finally:
-            self._free(master, replicas)
 
     async def _failover(self, fault: Fault, entry: dict[str, Any]) -> None:
-        master, replicas = await self._shard(fault, entry)
-        if not master:
-            return
-        replica = replicas[fault.pick % len(replicas)]
-        try:
+        async with self._taking_shard(fault, entry) as shard:
+            if shard is None:
+                return
+            master, replicas = shard
+            replica = replicas[fault.pick % len(replicas)]
             entry.update(target=replica, master_before=master)
             await self.cluster.failover(replica)
             deadline = time.monotonic() + 15
@@ -288,8 +295,6 @@ class Nemesis:
                     break
                 await asyncio.sleep(0.2)
             entry["took_effect"] = replica in await self.cluster.masters_now()
-        finally:
-            self._free(master, replicas)
 
     async def _migrate(self, fault: Fault, entry: dict[str, Any]) -> None:
         async with self._picking:  # choice and marking in one step, as in _shard
@@ -318,10 +323,10 @@ class Nemesis:
             entry["refused"] = f"cannot partition here: {partition.unsupported()}"
             entry["took_effect"] = None
             return
-        master, replicas = await self._shard(fault, entry)
-        if not master:
-            return
-        try:
+        async with self._taking_shard(fault, entry) as shard:
+            if shard is None:
+                return
+            master, _replicas = shard
             entry["target"] = master
             t0 = time.monotonic()
             with partition.dropped(master):
@@ -329,8 +334,6 @@ class Nemesis:
                 await asyncio.sleep(max(0.0, fault.hold_s - (time.monotonic() - t0)))
             entry["ping_after"], _ = await ping(master, 5.0)
             entry["took_effect"] = entry["ping_during"] != "PONG" and entry["ping_after"] == "PONG"
-        finally:
-            self._free(master, replicas)
 
     # -- producers of your own --------------------------------------------------------
     async def _producer_kill(self, fault: Fault, entry: dict[str, Any]) -> None:

@@ -206,14 +206,11 @@ async def _converged(clients: dict[int, aioredis.Redis], nodes: list[Node]) -> b
     return True
 
 
-async def masters_now(
-    nodes: list[Node],
-    procs: Mapping[int, Proc],
-    client_kwargs: Mapping[str, Any] | None = None,
-) -> dict[int, list[int]]:
-    """Current master port -> slots it serves, from the first of ``nodes`` whose process
-    in ``procs`` is running and answers (after a failover the roles differ from
-    ``nodes``)."""
+async def _topology_now(
+    nodes: list[Node], procs: Mapping[int, Proc], client_kwargs: Mapping[str, Any] | None
+) -> list[tuple[int, int, int, tuple[int, ...]]]:
+    """:func:`_topology` from the first of ``nodes`` whose process in ``procs`` is running
+    and answers ``CLUSTER NODES`` (after a failover the roles differ from ``nodes``)."""
     for node in nodes:
         if node.port not in procs or not procs[node.port].alive:
             continue
@@ -224,11 +221,20 @@ async def masters_now(
             continue
         finally:
             await c.aclose()
-        out: dict[int, list[int]] = {}
-        for lo, hi, master, _replicas in _topology(text):
-            out.setdefault(master, []).extend(range(lo, hi + 1))
-        return out
+        return _topology(text)
     raise ClusterError("no node answered CLUSTER NODES")
+
+
+async def masters_now(
+    nodes: list[Node],
+    procs: Mapping[int, Proc],
+    client_kwargs: Mapping[str, Any] | None = None,
+) -> dict[int, list[int]]:
+    """Current master port -> slots it serves (see :func:`_topology_now`)."""
+    out: dict[int, list[int]] = {}
+    for lo, hi, master, _replicas in await _topology_now(nodes, procs, client_kwargs):
+        out.setdefault(master, []).extend(range(lo, hi + 1))
+    return out
 
 
 async def shards_now(
@@ -236,20 +242,10 @@ async def shards_now(
     procs: Mapping[int, Proc],
     client_kwargs: Mapping[str, Any] | None = None,
 ) -> dict[int, tuple[int, ...]]:
-    """Current master port -> the ports of its replicas that are not marked failed, from
-    the first running node that answers (as :func:`masters_now`)."""
-    for node in nodes:
-        if node.port not in procs or not procs[node.port].alive:
-            continue
-        c = aioredis.Redis(host=node.host, port=node.port, **dict(client_kwargs or {}))
-        try:
-            text = (await c.execute_command("CLUSTER", "NODES")).decode()
-        except (aioredis.ConnectionError, OSError):
-            continue
-        finally:
-            await c.aclose()
-        return {master: replicas for _lo, _hi, master, replicas in _topology(text)}
-    raise ClusterError("no node answered CLUSTER NODES")
+    """Current master port -> the ports of its replicas that are not marked failed (see
+    :func:`_topology_now`)."""
+    topology = await _topology_now(nodes, procs, client_kwargs)
+    return {master: replicas for _lo, _hi, master, replicas in topology}
 
 
 async def failover(
