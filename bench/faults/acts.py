@@ -35,6 +35,7 @@ from bench.faults.producers import Producers
 from bench.faults.run import Run
 from bench.faults.schedule import Fault
 from devstack.cluster.launcher import LocalCluster
+from devstack.demo.stack import Member
 from relay.protocol.keys import live_channel
 from relay.protocol.slotmap import slot_of
 
@@ -136,44 +137,49 @@ class Nemesis:
         return False
 
     # -- relays and workers ------------------------------------------------------------
-    async def _proc_kill(self, kind: str, fault: Fault, entry: dict[str, Any]) -> None:
+    @contextlib.asynccontextmanager
+    async def _taking_proc(
+        self, kind: str, fault: Fault, entry: dict[str, Any]
+    ) -> AsyncIterator[Member | None]:
+        """A relay or worker for the ``async with`` block (marked busy, given back at its
+        end, named in ``entry``); None when refused (the reason is in ``entry``)."""
         name = self._pick_proc(kind, fault)
         if name is None:
-            entry["refused"] = f"every {kind} but one is down already"
-            entry["took_effect"] = None
+            _refuse(entry, f"every {kind} but one is down already")
+            yield None
             return
         self.busy_procs.add(name)
         entry["target"] = name
         try:
-            member = self.stack.procs[name]
-            old_pid = self.stack.kill(name)
-            assert member.proc is not None
-            entry["exit"] = await member.proc.wait(5)
-            await asyncio.sleep(fault.hold_s)
-            await self.stack.restart(name)
-            entry["pids"] = [old_pid, member.pid]
-            entry["took_effect"] = entry["exit"] == -signal.SIGKILL and member.pid != old_pid
+            yield self.stack.procs[name]
         finally:
             self.busy_procs.discard(name)
 
+    async def _proc_kill(self, kind: str, fault: Fault, entry: dict[str, Any]) -> None:
+        async with self._taking_proc(kind, fault, entry) as member:
+            if member is None:
+                return
+            old_pid = self.stack.kill(member.name)
+            assert member.proc is not None
+            entry["exit"] = await member.proc.wait(5)
+            await asyncio.sleep(fault.hold_s)
+            await self.stack.restart(member.name)
+            entry["pids"] = [old_pid, member.pid]
+            entry["took_effect"] = entry["exit"] == -signal.SIGKILL and member.pid != old_pid
+
     async def _proc_freeze(self, kind: str, fault: Fault, entry: dict[str, Any]) -> None:
-        name = self._pick_proc(kind, fault)
-        if name is None:
-            entry["refused"] = f"every {kind} but one is down already"
-            entry["took_effect"] = None
-            return
-        self.busy_procs.add(name)
-        entry["target"] = name
-        member = self.stack.procs[name]
-        assert member.proc is not None
-        try:
-            member.proc.send(signal.SIGSTOP)
-            t0 = time.monotonic()
-            answered = await _answers(self.run.http, member.url + "/healthz", fault.hold_s * 0.8)
-            await asyncio.sleep(max(0.0, fault.hold_s - (time.monotonic() - t0)))
-        finally:
-            member.proc.send(signal.SIGCONT)
-            self.busy_procs.discard(name)
+        async with self._taking_proc(kind, fault, entry) as member:
+            if member is None:
+                return
+            assert member.proc is not None
+            try:
+                member.proc.send(signal.SIGSTOP)
+                t0 = time.monotonic()
+                answered = await _answers(self.run.http, member.url + "/healthz",
+                                          fault.hold_s * 0.8)  # fmt: skip
+                await asyncio.sleep(max(0.0, fault.hold_s - (time.monotonic() - t0)))
+            finally:
+                member.proc.send(signal.SIGCONT)
         entry["answered_while_frozen"] = answered
         entry["answers_after"] = await _answers(self.run.http, member.url + "/healthz", 10.0)
         entry["took_effect"] = not answered and entry["answers_after"]
@@ -199,8 +205,7 @@ class Nemesis:
         async with self._picking:
             shards = await self._healthy_shards()
             if not shards:
-                entry["refused"] = "every shard has a node down or rejoining (by design: not both)"
-                entry["took_effect"] = None
+                _refuse(entry, "every shard has a node down or rejoining (by design: not both)")
                 return 0, ()
             ports = sorted(shards)
             watched = [p for p in ports if await self._live_slot(p) is not None]
@@ -301,8 +306,7 @@ class Nemesis:
             shards = await self._healthy_shards()
             sources = [p for p in sorted(shards) if await self._live_slot(p) is not None]
             if len(shards) < 2 or not sources:
-                entry["refused"] = "no two healthy shards with a watched session on one"
-                entry["took_effect"] = None
+                _refuse(entry, "no two healthy shards with a watched session on one")
                 return
             src = sources[fault.pick % len(sources)]
             dst = next(p for p in sorted(shards) if p != src)
@@ -320,8 +324,7 @@ class Nemesis:
 
     async def _partition(self, fault: Fault, entry: dict[str, Any]) -> None:
         if not self.can_partition:
-            entry["refused"] = f"cannot partition here: {partition.unsupported()}"
-            entry["took_effect"] = None
+            _refuse(entry, f"cannot partition here: {partition.unsupported()}")
             return
         async with self._taking_shard(fault, entry) as shard:
             if shard is None:
@@ -342,16 +345,14 @@ class Nemesis:
         names = [n for n in (self.producers.names if self.producers else [])
                  if n not in self.busy_procs]  # fmt: skip
         if not names or self.producers is None:
-            entry["refused"] = "no producer process to kill"
-            entry["took_effect"] = None
+            _refuse(entry, "no producer process to kill")
             return
         name = names[fault.pick % len(names)]
         self.busy_procs.add(name)
         try:
             proc = self.producers.procs[name]
             if not proc.alive:
-                entry["refused"] = f"{name} has ended (the run is nearly over)"
-                entry["took_effect"] = None
+                _refuse(entry, f"{name} has ended (the run is nearly over)")
                 return
             entry["target"] = name
             old = self.producers.kill(name)
@@ -385,6 +386,12 @@ class Nemesis:
         reconnected = sum(v.connects for v in chosen) - before
         entry.update(target=f"{len(chosen)} screens", reconnected=reconnected)
         entry["took_effect"] = reconnected >= len(chosen)
+
+
+def _refuse(entry: dict[str, Any], why: str) -> None:
+    """A fault not carried out, by design: the reason, and no verdict on its effect."""
+    entry["refused"] = why
+    entry["took_effect"] = None
 
 
 async def _synced(port: int) -> bool:
