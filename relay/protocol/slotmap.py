@@ -11,12 +11,11 @@ Order of use: ``m = parse_shards(reply)`` -> ``m.node_for(slot_of(channel), repl
 
 from __future__ import annotations
 
+from binascii import crc_hqx
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
-
-from redis.crc import key_slot
 
 __all__ = [
     "SLOTS",
@@ -81,7 +80,17 @@ class SlotMap:
 
 
 def slot_of(channel: str | bytes) -> int:
-    return int(key_slot(channel.encode() if isinstance(channel, str) else channel))
+    """The hash slot of a key or shard channel, as the cluster specification defines it:
+    CRC16 (XMODEM, which is ``binascii.crc_hqx`` from 0) of the key, or of its hash tag
+    (what lies between the first ``{`` and the next ``}``, when that is not empty),
+    modulo 16384."""
+    key = channel.encode() if isinstance(channel, str) else channel
+    start = key.find(b"{")
+    if start > -1:
+        end = key.find(b"}", start + 1)
+        if end > start + 1:
+            key = key[start + 1 : end]
+    return crc_hqx(key, 0) % SLOTS
 
 
 def group_by_slot(channels: Iterable[str]) -> dict[int, list[str]]:

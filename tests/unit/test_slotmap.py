@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from relay.protocol.keys import live_channel, log_key, meta_key
 from relay.protocol.slotmap import Addr, group_by_slot, parse_shards, parse_slots, slot_of
 
@@ -115,3 +118,23 @@ def test_a_tls_client_gets_the_tls_port_where_a_node_has_both() -> None:
     tls_only = [[b"slots", [0, 16383], b"nodes", [[b"ip", b"10.0.0.1", b"tls-port", 6380,
                                                     b"role", b"master"]]]]  # fmt: skip
     assert parse_shards(tls_only).node_for(0) == Addr("10.0.0.1", 6380)
+
+
+def test_slot_of_is_the_cluster_specifications_crc16_with_hash_tags() -> None:
+    # The specification's examples: CRC16("123456789") is 0x31C3; the hash tag is what
+    # lies between the first "{" and the next "}", when that is not empty.
+    assert slot_of("123456789") == 0x31C3 % 16384
+    assert slot_of("foo") == 12182
+    assert slot_of("bar") == 5061
+    assert slot_of("{user1000}.following") == slot_of("{user1000}.followers") == slot_of("user1000")
+    assert slot_of("foo{}{bar}") != slot_of("bar")  # an empty tag: the whole key is hashed
+    assert slot_of("foo{{bar}}zap") == slot_of("{bar")
+    assert slot_of("foo{bar}{zap}") == slot_of("bar")
+    assert slot_of(b"\xff{\xfe}") == slot_of(b"\xfe")
+
+
+@given(st.binary(max_size=40) | st.text(max_size=40))
+def test_slot_of_agrees_with_redis_py(key: bytes | str) -> None:
+    from redis.crc import key_slot  # the client's own rule, as a second reading of the spec
+
+    assert slot_of(key) == key_slot(key.encode() if isinstance(key, str) else key)
