@@ -46,7 +46,6 @@ Order of use (the stream handlers, relay/edge/http/handlers.py)::
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import struct
 from collections.abc import Callable, Iterable
@@ -65,10 +64,11 @@ from relay.protocol.sse import FRAME_EVENT
 
 __all__ = [
     "GOODBYE_S",
+    "READER",
     "Conn",
     "ConnHost",
-    "Transport",
     "sse_bytes",
+    "transports",
     "ws_bytes",
     "ws_text_frame",
 ]
@@ -78,14 +78,15 @@ log = logging.getLogger(__name__)
 GOODBYE_S: Final = 1.0  # how long a closing socket may take to hand over its last bytes
 
 
-class Transport(enum.StrEnum):
-    """How a connection reaches its client (the ``transport`` label of the metrics)."""
+READER: Final = "reader"  # the transport label of a connection with no socket (tests, benchmarks)
+_KINDS: dict[str, None] = {}  # every connection class's transport label, in import order
 
-    SSE = "sse"
-    WS = "ws"
-    UI = "ui"  # the AI SDK UI message stream (SSE framing of its own)
-    RESPONSES = "responses"  # OpenAI's Responses events of one response
-    READER = "reader"  # no socket: code in this process (tests, benchmarks)
+
+def transports() -> tuple[str, ...]:
+    """The transport labels (the metrics' ``transport``) of every connection class
+    imported so far that reaches a client over a socket: a new transport's class names
+    its own ``transport_kind`` and is counted here, with nothing else to register."""
+    return tuple(kind for kind in _KINDS if kind != READER)
 
 
 class ConnHost(Protocol):
@@ -105,11 +106,15 @@ def _noop_sent(ds: list[Delivery], n: int) -> None:
 class Conn(asyncio.Protocol):
     """One connection. See the module docstring."""
 
-    transport_kind: ClassVar[Transport] = Transport.READER
+    transport_kind: ClassVar[str] = READER  # how it reaches its client: the metrics' label
     # a compacted join merges the replay's open run too (a stream of the running turn)
     compact_open: ClassVar[bool] = False
     # what the frames look like on the socket; made once per frame and shared
     encode: Callable[[Delivery], bytes] = staticmethod(lambda d: d.data)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _KINDS.setdefault(cls.transport_kind, None)  # transports(): the metrics' labels
 
     __slots__ = (
         "_closing",

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from relay.broker.errors import WatchClosed
-from relay.edge.conn.base import Conn, Transport
+from relay.edge.conn.base import READER, Conn
 from relay.edge.core.resume import Delivery
 from relay.edge.fanout.hub import Hub
 from relay.protocol.codes import CloseCode
@@ -31,7 +31,7 @@ class Reader(Conn):
     ``notices``: also the frames outside the session's order (the presence count); by
     default a reader takes the session's frames only."""
 
-    transport_kind: ClassVar[Transport] = Transport.READER
+    transport_kind: ClassVar[str] = READER
 
     __slots__ = ("_notices",)
 

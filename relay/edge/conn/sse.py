@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 from typing import Any, ClassVar, Final
 
-from relay.edge.conn.base import Conn, Transport, sse_bytes
+from relay.edge.conn.base import Conn, sse_bytes
 from relay.edge.fanout.hub import Hub
 from relay.protocol import sse
 from relay.protocol.codes import CloseCode
@@ -42,7 +42,7 @@ def jitter(retry_ms: int) -> int:
 class SseConn(Conn):
     """One SSE stream. See the module docstring."""
 
-    transport_kind: ClassVar[Transport] = Transport.SSE
+    transport_kind: ClassVar[str] = "sse"
     encode = staticmethod(sse_bytes)
 
     __slots__ = ("_retry_ms",)

@@ -42,7 +42,7 @@ from typing import Any, ClassVar, Final
 import orjson
 from aiohttp import hdrs, web
 
-from relay.edge.conn.base import Conn, Transport, ws_bytes
+from relay.edge.conn.base import Conn, ws_bytes
 from relay.edge.core.wsframes import (
     BINARY,
     CLOSE,
@@ -109,7 +109,7 @@ async def upgrade(request: web.Request) -> tuple[web.StreamResponse, asyncio.Tra
 class WsConn(Conn):
     """One WebSocket stream. See the module docstring."""
 
-    transport_kind: ClassVar[Transport] = Transport.WS
+    transport_kind: ClassVar[str] = "ws"
     encode = staticmethod(ws_bytes)
 
     __slots__ = ("_ending", "_max_message", "_parser", "_reply", "heard_at", "pinged_at")

@@ -17,7 +17,6 @@ from relay.durable import http as durable_http
 from relay.edge.config import RelayConfig
 from relay.edge.fanout.hub import Hub
 from relay.edge.http import handlers
-from relay.edge.http.handlers import stream_route
 from relay.edge.http.server import EdgeServer
 from relay.fronts.aisdk import http as aisdk
 from relay.fronts.responses import http as responses
@@ -46,12 +45,11 @@ def make_app(config: RelayConfig, hub: Hub | None = None) -> web.Application:
     durable = durable_http.Durable(server)
     app.on_cleanup.append(durable.cleanup)  # its body parser's process
 
-    # The routes come from the table (relay/service/routes.py): the own wire's streams,
-    # then each front's handlers() (relay/fronts/, and relay/durable/: Durable Streams).
-    # A stream's GET has no HEAD (relay.edge.http.handlers.stream_route says why).
+    # The routes come from the table (relay/service/routes.py): the own wire's streams
+    # (relay.edge.http.handlers), then each front's handlers() (relay/fronts/, and
+    # relay/durable/: Durable Streams). A stream's GET has no HEAD (stream_route says why).
     add_routes(app, "relay", {
-        "wire.sse": stream_route(server, handlers.sse_handler),
-        "wire.ws": stream_route(server, handlers.ws_handler),
+        **handlers.handlers(server),  # the own wire: SSE and WebSocket
         **aisdk.handlers(server),  # the AI SDK's UI stream and its resume URL
         **responses.handlers(server),  # the Responses API's events, ?stream=true
         **durable_http.handlers(durable),  # docs/DURABLE.md

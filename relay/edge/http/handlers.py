@@ -49,8 +49,8 @@ from relay.service.errors import Reject
 from relay.service.httpguard import detach_guard
 from relay.service.register import Handler
 
-__all__ = ["SSE_HEADERS", "detach", "parse_compact", "parse_gen", "parse_offset", "sse_handler",
-           "start_stream", "stream_route", "ws_handler"]  # fmt: skip
+__all__ = ["SSE_HEADERS", "detach", "handlers", "parse_compact", "parse_gen", "parse_offset",
+           "sse_handler", "start_stream", "stream_route", "ws_handler"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -208,3 +208,14 @@ async def ws_handler(server: EdgeServer, request: web.Request) -> web.StreamResp
         server.end_stream(conn, conn.gone())
         raise
     return resp
+
+
+def handlers(server: EdgeServer) -> dict[str, dict[str, Handler]]:
+    """The own wire's streams by their name in the route table (relay/service/routes.py),
+    as each front's ``handlers(server)`` gives its own: a new transport of the own wire is
+    its connection class (relay/edge/conn/), its handler and its line here, and its row in
+    the table."""
+    return {
+        "wire.sse": stream_route(server, sse_handler),
+        "wire.ws": stream_route(server, ws_handler),
+    }

@@ -55,7 +55,7 @@ from relay.broker.rediscluster.broker import RedisBroker
 from relay.broker.rediscluster.connect import mask_url, startup_error
 from relay.edge.config import RelayConfig
 from relay.edge.conn import beats
-from relay.edge.conn.base import Conn, Transport
+from relay.edge.conn.base import Conn, transports
 from relay.edge.core.resume import Delivery
 from relay.edge.fanout.hub import Hub
 from relay.edge.http.limits import Access, StreamGuard, token_key
@@ -94,11 +94,10 @@ class EdgeServer:
         self.metrics = RelayMetrics(config.relay_id)
         self.supervisor = Supervisor(self.metrics.registry, backoff=QUICK_BACKOFF)
         m = self.metrics
-        # every transport with a socket (a new one needs no line here)
-        meters = {t: OutMeter(m, t) for t in Transport if t is not Transport.READER}
-        # one bound method per transport, shared by its sockets (not one per socket)
-        self._senders: dict[Transport, Callable[[list[Delivery], int], None]] = {
-            t: meter.sent for t, meter in meters.items()
+        # one bound method per transport, shared by its sockets (not one per socket); every
+        # transport imported has its series from the start (a new one needs no line here)
+        self._senders: dict[str, Callable[[list[Delivery], int], None]] = {
+            t: OutMeter(m, t).sent for t in transports()
         }
         self._publish_to_edge = m.publish_to_edge.labels()
         self.hub: Hub | None = hub
@@ -276,11 +275,14 @@ class EdgeServer:
             raise Reject(503, Refusal.OVERLOADED, "too many streams on this relay", RETRY_AFTER)
         return self.hub
 
-    def conn_options(self, transport: Transport) -> dict[str, Any]:
+    def conn_options(self, transport: str) -> dict[str, Any]:
         """What every connection of ``transport`` is built with (host, meter, timeout)."""
+        sent = self._senders.get(transport)
+        if sent is None:  # a connection class imported after this server was made
+            sent = self._senders[transport] = OutMeter(self.metrics, transport).sent
         return {
             "host": self,
-            "sent": self._senders[transport],
+            "sent": sent,
             "write_timeout_s": self.config.write_timeout_s,
         }
 

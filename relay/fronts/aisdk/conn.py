@@ -31,7 +31,6 @@ from typing import Any, ClassVar, Final
 
 from multidict import istr
 
-from relay.edge.conn.base import Transport
 from relay.edge.conn.oneturn import OneTurnConn
 from relay.edge.fanout.hub import Hub
 from relay.fronts.aisdk.wire import DONE, UiTurn, encode_chunk
@@ -47,7 +46,7 @@ UI_HEADERS: Final = {istr(k): v for k, v in PROTOCOL_UI_HEADERS.items()}
 class UiConn(OneTurnConn):
     """One UI message stream of one turn. See the module docstring."""
 
-    transport_kind: ClassVar[Transport] = Transport.UI
+    transport_kind: ClassVar[str] = "ui"  # the AI SDK UI message stream
     compact_open: ClassVar[bool] = True  # the replay is the running turn: its text so far
     tail: ClassVar[bytes] = DONE
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from relay.edge.conn.base import Transport
 from relay.edge.conn.oneturn import OneTurnConn
 from relay.edge.fanout.hub import Hub
 from relay.fronts.responses.wire import ResponseId, ResponseTurn, encode_event
@@ -33,7 +32,7 @@ __all__ = ["ResponsesConn"]
 class ResponsesConn(OneTurnConn):
     """One response's event stream. See the module docstring."""
 
-    transport_kind: ClassVar[Transport] = Transport.RESPONSES
+    transport_kind: ClassVar[str] = "responses"  # one response's events
     end_reason: ClassVar[str] = "the response ended"
 
     __slots__ = ("_rt",)
