@@ -5,71 +5,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import orjson
 import pytest
 from aiohttp import web
 
 from devstack.mockengine.reply_length import ReplyLength
-from devstack.mockengine.server import EngineConfig, RunningEngine, start_engine
+from devstack.mockengine.server import RunningEngine
+from tests.support import engines
 from worker.engines.client import Delta, EngineClient
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Handler = engines.Handler
 SYSTEM = {"role": "system", "content": "Answer in one line. " * 12}
 MESSAGES = [SYSTEM, {"role": "user", "content": "Tell me about prefix caches."}]
 
 
-@pytest.fixture
-async def servers() -> AsyncIterator[list[Any]]:
-    started: list[Any] = []
-    yield started
-    for s in reversed(started):
-        if isinstance(s, RunningEngine):
-            await s.stop()
-        else:
-            await s.cleanup()
-
-
-@pytest.fixture
-def mock(servers: list[Any]) -> Callable[..., Awaitable[RunningEngine]]:
-    async def _start(**kw: Any) -> RunningEngine:
-        kw.setdefault("prefill_tok_per_s", 0.0)
-        kw.setdefault("decode_tok_per_s", 0.0)
-        eng = await start_engine(EngineConfig(port=0, engine_id="e1", **kw))
-        servers.append(eng)
-        return eng
-
-    return _start
-
-
-@pytest.fixture
-def serve(servers: list[Any]) -> Callable[[Handler], Awaitable[str]]:
-    async def _serve(handler: Handler) -> str:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", handler)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
-        await runner.setup()
-        servers.append(runner)
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return f"http://127.0.0.1:{runner.addresses[0][1]}"
-
-    return _serve
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
-
-
-def client(session: aiohttp.ClientSession, **kw: Any) -> EngineClient:
-    kw.setdefault("connect_timeout_s", 1.0)
-    kw.setdefault("first_token_timeout_s", 5.0)
-    kw.setdefault("idle_timeout_s", 5.0)
-    return EngineClient(session, **kw)
+servers = pytest.fixture(engines.servers)
+mock = pytest.fixture(engines.mock)
+serve = pytest.fixture(engines.serve)
+session = pytest.fixture(engines.session)
+client = engines.client
 
 
 async def collect(c: EngineClient, url: str, **kw: Any) -> list[Delta]:
