@@ -26,8 +26,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -43,19 +41,8 @@ from relay.durable.auth import token_subject
 from relay.protocol.auth import issue_token
 from tests.integration.test_redis_tls import Viewer
 from tests.support import demo as demo_harness
+from tests.support.http import serve as serving
 from tests.support.sse import SSEClient
-
-
-@asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
 
 
 @pytest.mark.integration

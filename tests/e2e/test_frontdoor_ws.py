@@ -13,34 +13,20 @@ client gets when its relay dies.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import aiohttp
 import pytest
-from aiohttp import WSMsgType, web
+from aiohttp import WSMsgType
 
 from devstack.cluster.launcher import ClusterInfo
 from devstack.demo.frontdoor import FrontDoor, make_frontdoor_app, sendable_close
-from devstack.procs import free_port
 from relay.protocol.auth import issue_token
 from relay.protocol.keys import new_session_id
+from tests.support.http import serve as serving
 from tests.support.relay import relay_process
 from tests.support.worker import SECRET
 
 pytestmark = pytest.mark.integration
-
-
-@asynccontextmanager
-async def serving(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
 
 
 def test_only_codes_a_close_frame_may_carry_are_sent() -> None:
