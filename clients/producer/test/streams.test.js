@@ -8,7 +8,7 @@ import assert from 'node:assert/strict';
 import { randomBytes } from 'node:crypto';
 import { test } from 'node:test';
 import { AIMessageChunk } from '@langchain/core/messages';
-import { PartError, Producer, partsDigest, pipe, pipeLangChain, pipeResponses } from '../src/index.js';
+import { PartError, Producer, partsDigest, pipe, pipeLangChain, pipeResponses, pipeUIMessageStream } from '../src/index.js';
 import { Parts } from '../src/parts.js';
 
 const URL = process.env.TR_REDIS_URL;
@@ -146,4 +146,16 @@ test('chat chunks: arguments before the call\'s name are held, cached tokens kep
   const ends = fs.filter((f) => f.kind === 'part' && f.meta.phase === 'end').map((f) => f.meta.part);
   assert.deepEqual(ends, ['reasoning', 'tool-call']);
   assert.equal(fs.at(-1).meta.cached_tokens, 6);
+});
+
+test('a part the turn refuses mid-stream ends it with error, as in Python', { skip }, async () => {
+  // before, a PartError (a ProducerError) closed the turn with no terminal frame
+  const { fs, thrown } = await piped(pipeUIMessageStream, [
+    { type: 'text-delta', id: 't', delta: 'Calling.' },
+    { type: 'tool-input-available', toolCallId: 'c1', toolName: 'f', input: '{"a": nope' },
+  ]);
+  assert.ok(thrown instanceof PartError);
+  assert.deepEqual(fs.map((f) => f.kind), ['meta', 'token', 'error']);
+  assert.equal(fs.at(-1).meta.code, 'producer_error');
+  assert.match(fs.at(-1).text, /^the stream's parts: .*not valid JSON/);
 });
