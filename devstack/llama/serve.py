@@ -26,7 +26,9 @@ template analysis finds that format, streams the calls as ``delta.tool_calls`` a
 ``tool_choice: "required"``, constrains the reply with a grammar: any text first, then
 a call whose arguments match the tool's schema (the 135M model writes its text to
 ``max_tokens`` unless the conversation shows it one call first). The model does not
-reason: its replies carry no ``reasoning_content``.
+reason: its replies carry no ``reasoning_content``, except with :data:`THINK_TEMPLATE`,
+which opens a ``<think>`` block at the start of every reply so that the reasoning path
+can be tested on a real engine (llama.cpp streams the block as ``reasoning_content``).
 """
 
 from __future__ import annotations
@@ -39,11 +41,20 @@ from pathlib import Path
 from devstack.llama.build import Built
 from devstack.procs import HOST, Proc, free_port, http_ok, stop_all
 
-__all__ = ["BATCH", "MODEL", "TOOLS_TEMPLATE", "LlamaServer", "llama_servers", "server_argv"]
+__all__ = [
+    "BATCH",
+    "MODEL",
+    "THINK_TEMPLATE",
+    "TOOLS_TEMPLATE",
+    "LlamaServer",
+    "llama_servers",
+    "server_argv",
+]
 
 MODEL = "smollm2"
 BATCH = 128
 TOOLS_TEMPLATE = Path(__file__).with_name("smollm2-tools.jinja")
+THINK_TEMPLATE = Path(__file__).with_name("smollm2-think.jinja")  # reasoning, for tests
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,15 +72,15 @@ def server_argv(
     slots: int = 2,
     ctx: int = 4096,
     threads: int = 1,
-    tools_template: bool = True,
+    template: Path | None = TOOLS_TEMPLATE,
 ) -> list[str]:
-    """The command line; ``tools_template`` False: the model's own chat template."""
-    template = ["--chat-template-file", str(TOOLS_TEMPLATE)] if tools_template else []
+    """The command line; ``template`` None: the model's own chat template."""
+    chat = ["--chat-template-file", str(template)] if template is not None else []
     return [
         str(built.server), "-m", str(built.model), "--host", HOST, "--port", str(port),
         "-np", str(slots), "-c", str(ctx), "-t", str(threads), "--alias", MODEL,
         "--metrics", "--slots", "-b", str(BATCH), "-ub", str(BATCH), "--no-webui",
-        "--jinja", *template,
+        "--jinja", *chat,
     ]  # fmt: skip
 
 
@@ -82,7 +93,7 @@ async def llama_servers(
     slots: int = 2,
     ctx: int = 4096,
     threads: int = 1,
-    tools_template: bool = True,
+    template: Path | None = TOOLS_TEMPLATE,
     ready_s: float = 120.0,
 ) -> AsyncIterator[list[LlamaServer]]:
     """``n`` servers on free loopback ports, ready (``/health`` 200, the model loaded)."""
@@ -91,7 +102,7 @@ async def llama_servers(
         for i in range(n):
             port = free_port()
             argv = server_argv(
-                built, port, slots=slots, ctx=ctx, threads=threads, tools_template=tools_template
+                built, port, slots=slots, ctx=ctx, threads=threads, template=template
             )
             name = f"llama-{i + 1}"
             proc = Proc.start(argv, log=Path(log_dir) / f"{name}.log", name=name)

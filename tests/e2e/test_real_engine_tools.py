@@ -9,8 +9,10 @@ conversation shows it one call first (without it the model writes prose to
 ``max_tokens``: the grammar allows text before the call). The tool's result then gets a
 text reply (a session-less request: a session's turn is a user's message). SmolLM2
 does not reason: llama-server sends no ``reasoning_content`` for it (checked here, so a
-model that starts reasoning would be noticed). Kept to two requests of a few dozen
-tokens: the engine is a CPU one.
+model that starts reasoning would be noticed); with a template that opens a ``<think>``
+block (devstack/llama/smollm2-think.jinja) llama-server streams the reply as
+``reasoning_content``, and that reaches the SDK and the session's part frames. Kept to a
+few requests of a few dozen tokens: the engine is a CPU one.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from devstack.cluster.launcher import ClusterInfo
 from devstack.llama.build import Built
-from devstack.llama.serve import MODEL, LlamaServer, llama_servers
+from devstack.llama.serve import MODEL, THINK_TEMPLATE, TOOLS_TEMPLATE, LlamaServer, llama_servers
 from relay.client.transcript import Transcript
 from tests.e2e.test_real_engine import CTX, KEY, SLOTS, built, start_worker  # noqa: F401
 from tests.integration.test_chat_screens import Screen
@@ -159,7 +161,8 @@ async def test_the_tool_template_renders_a_conversation_without_tools_as_the_mod
     prompts: list[list[str]] = []
     async with aiohttp.ClientSession() as http:
         for ours in (False, True):
-            async with llama_servers(built, 1, tmp_path, tools_template=ours) as [server]:
+            template = TOOLS_TEMPLATE if ours else None
+            async with llama_servers(built, 1, tmp_path, template=template) as [server]:
                 got = []
                 for messages in conversations:
                     async with http.post(server.url + "/apply-template",
@@ -172,3 +175,41 @@ async def test_the_tool_template_renders_a_conversation_without_tools_as_the_mod
                 prompts.append(got)
     assert prompts[0] == prompts[1]
     assert prompts[0][0].startswith("<|im_start|>system\nYou are a helpful AI assistant")
+
+
+async def test_a_real_engines_reasoning_reaches_the_sdk_and_the_sessions_parts(
+    built: Built,  # noqa: F811
+    tmp_path: Path,
+    h: Harness,
+    redis: RedisCluster,
+) -> None:
+    async with llama_servers(built, 1, tmp_path, slots=SLOTS, ctx=CTX,
+                             template=THINK_TEMPLATE) as engines:  # fmt: skip
+        await start_worker(h, engines)
+        sid, token = await h.session()
+        tied = openai.AsyncOpenAI(base_url=h.url("/v1"), api_key=token, max_retries=0,
+                                  default_headers={"X-Session-Id": sid})  # fmt: skip
+        try:
+            stream = await tied.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Is 7 a prime number?"}],
+                max_tokens=12, temperature=0, stream=True,
+            )  # fmt: skip
+            reasoning, content = "", ""
+            async for ch in stream:
+                for c in ch.choices:
+                    reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+                    content += c.delta.content or ""
+        finally:
+            await tied.close()
+    assert reasoning.strip()
+    frames = await wait_turn(redis, sid, 1, timeout_s=120)
+    assert frames[-1].kind == "done", frames[-1]
+    t = Transcript(sid)
+    for f in frames:
+        t.apply(f)
+    assert t.refused == []
+    reply = t.entries[-1]
+    assert [(p.part, p.done) for p in reply.parts] == [("reasoning", True)]
+    assert reply.parts[0].text == reasoning
+    assert reply.text == content
+    assert (frames[-1].meta or {})["parts"] == 1
