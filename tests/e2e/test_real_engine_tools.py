@@ -119,6 +119,17 @@ async def test_a_required_tool_call_reaches_the_sdk_the_backlog_and_every_screen
             assert got.value() == json.loads(call.function.arguments)
             assert late.transcript.entries == replay.entries
 
+            # session-less, the engine's own tool-call chunks pass through to the SDK
+            async with bare.chat.completions.stream(
+                model=MODEL, messages=SHOWN, tools=[TOOL], tool_choice="required",
+                max_tokens=40, temperature=0,
+            ) as passed:  # fmt: skip
+                again = (await passed.get_final_completion()).choices[0]
+            assert again.finish_reason == "tool_calls"
+            [call2] = again.message.tool_calls or []
+            assert call2.function.name == "get_weather"
+            assert isinstance(call2.function.parsed_arguments, GetWeather)
+
             # the tool's result, sent back (a session's turn is a user's message: the
             # gateway refuses one ending in a tool's result, so this one is session-less)
             result = {"city": got.value()["city"], "temp_c": 18, "sky": "clear"}
