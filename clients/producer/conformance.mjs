@@ -3,7 +3,7 @@
 // object per line on stdin, one answer per line on stdout.
 // Settings from the environment: TR_REDIS_URL, TR_LOCK_TTL_S, TR_MAXLEN, TR_COALESCE.
 import { createInterface } from 'node:readline';
-import { Producer, ProducerError } from './src/index.js';
+import { Producer, ProducerError, pipe } from './src/index.js';
 
 const env = process.env;
 const producer = await Producer.connect(env.TR_REDIS_URL ?? 'redis://127.0.0.1:7000', {
@@ -34,6 +34,10 @@ async function handle(cmd) {
     else if (phase === 'end') turn.partEnd(part, id);
     else turn.part(part, id, cmd.value, { name: cmd.name ?? '', error: !!cmd.error });
     return { ok: true };
+  }
+  if (op === 'pipe') { // a stream's items into the turn; pipe tells their kind and ends it
+    async function* source() { yield* cmd.items; }
+    return { ok: true, offset: await pipe(turn, source()) };
   }
   if (op === 'done') {
     return { ok: true, offset: await turn.done({ finishReason: cmd.finish_reason ?? 'stop', usage: cmd.usage ?? null }) };

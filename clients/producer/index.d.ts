@@ -139,6 +139,8 @@ export class Turn {
   /** Append to the reasoning part being written (a new one when none is); its id. */
   reasoning(text: string, opts?: { summary?: boolean; id?: string | null }): string;
   endReasoning(): void;
+  /** `id` was ended by hand (partEnd): reasoning() starts a new part next time. */
+  forgetReasoning(id: string): void;
   toolCallStart(id: string, name: string): void;
   toolCallDelta(id: string, args: string): void;
   toolCallEnd(id: string): void;
@@ -187,10 +189,38 @@ type Source<T> = AsyncIterable<T> | ReadableStream<T>;
 export function pipeText(turn: Turn, source: Source<string>): Promise<number>;
 export function pipeStreamText(turn: Turn, result: StreamTextLike): Promise<number>;
 export function pipeUIMessageStream(turn: Turn, stream: Source<UIChunkLike>): Promise<number>;
-export function pipe(turn: Turn, source: StreamTextLike | Source<string> | Source<UIChunkLike> | Source<ChatChunkLike>): Promise<number>;
+export function pipe(
+  turn: Turn,
+  source: StreamTextLike | Source<string> | Source<UIChunkLike> | Source<ChatChunkLike> | Source<ResponsesEventLike>
+    | Source<LangChainChunkLike | [LangChainChunkLike, unknown]>,
+): Promise<number>;
 /** The openai SDK's chat-completion chunks (content, reasoning_content, tool_calls). */
 export function pipeChatCompletion(turn: Turn, stream: Source<ChatChunkLike>): Promise<number>;
 export interface ChatChunkLike { choices: { index?: number; delta?: Record<string, unknown>; finish_reason?: string | null }[]; usage?: Usage | null }
+/** The openai SDK's Responses stream events (responses.create({stream: true})). */
+export function pipeResponses(turn: Turn, stream: Source<ResponsesEventLike>): Promise<number>;
+/** One Responses stream event, as far as the producer reads it. */
+export interface ResponsesEventLike {
+  type: string;
+  item_id?: string;
+  delta?: string;
+  arguments?: string;
+  summary_index?: number;
+  item?: { type: string; id?: string; call_id?: string; name?: string; arguments?: string };
+  annotation?: { type: string; url?: string; title?: string };
+  response?: { usage?: Usage | null; incomplete_details?: { reason?: string } | null; error?: { message?: string } | null };
+  message?: string;
+}
+/** LangChain's message chunks (`model.stream()`), or LangGraph's streamMode "messages" pairs. */
+export function pipeLangChain(turn: Turn, stream: Source<LangChainChunkLike | [LangChainChunkLike, unknown]>): Promise<number>;
+/** An AIMessageChunk (@langchain/core), as far as the producer reads it. */
+export interface LangChainChunkLike {
+  content: string | (string | { type: string; text?: string; reasoning?: string; thinking?: string })[];
+  additional_kwargs?: Record<string, unknown>;
+  tool_call_chunks?: { name?: string; args?: string; id?: string; index?: number }[];
+  usage_metadata?: { input_tokens?: number; output_tokens?: number; total_tokens?: number };
+  response_metadata?: Record<string, unknown>;
+}
 /** One part of a reply as the producer wrote it. */
 export interface PartRecord { part: string; id: string; name: string; text: string; done: boolean; summary: boolean; error: boolean }
 /** Hex SHA-256 of a reply's parts (the done frame's parts_sha256). */

@@ -3,11 +3,14 @@
 One JSON object per line on stdin, one answer per line on stdout (docs/PROTOCOL.md,
 "Producer conformance"). Commands: ``start`` {session, message, meta?, watch?: the
 turn refreshes its lock and counts its viewers, as a product's turn does}, ``write``
-{text}, ``done`` {finish_reason?, usage?}, ``error`` {reason}, ``replay_last`` (send
+{text}, ``part`` {part, id, phase?, name?, summary?, text?, value?, error?}, ``pipe``
+{items: a stream's items, JSON arrays standing for LangGraph's (chunk, metadata) pairs:
+``pipe`` tells the kind from the first item and ends the turn}, ``done``
+{finish_reason?, usage?}, ``error`` {reason}, ``replay_last`` (send
 the last publish again with the same bytes and expected offset, as a retry after a
 lost reply does), ``quit``. Answers: ``{"ok": true, ...}`` or ``{"ok": false,
 "error": <code>, "message": <line>}``; codes: invalid_session, frame_too_large,
-turn_closed, redis_unreachable, stale_epoch, turn_busy, lock_lost.
+turn_closed, redis_unreachable, stale_epoch, turn_busy, lock_lost, invalid_part.
 
 Settings from the environment: ``TR_REDIS_URL``, ``TR_LOCK_TTL_S`` (unset: the
 producer's default), ``TR_MAXLEN``,
@@ -22,6 +25,7 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
 from relay.broker.rediscluster.publisher import Generation
@@ -39,6 +43,7 @@ from relay.producer import (
     TurnBusy,
     TurnClosed,
     Usage,
+    pipe,
 )
 
 CODES: list[tuple[type[ProducerError], str]] = [
@@ -83,6 +88,14 @@ async def handle(p: Producer, state: dict[str, Any], cmd: dict[str, Any]) -> dic
             turn.part(part, pid, cmd.get("value"), name=str(cmd.get("name", "")),
                       error=bool(cmd.get("error")))  # fmt: skip
         return {"ok": True}
+    if op == "pipe":
+        items = [tuple(x) if isinstance(x, list) else x for x in cmd["items"]]
+
+        async def source() -> AsyncIterator[Any]:
+            for x in items:
+                yield x
+
+        return {"ok": True, "offset": await pipe(turn, source())}
     if op == "done":
         u = cmd.get("usage")
         usage = Usage(**u) if isinstance(u, dict) else None

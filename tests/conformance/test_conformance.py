@@ -363,3 +363,170 @@ async def test_python_and_node_take_turns_on_one_session(
             assert _check_turn(of_turn, sid, of_turn[0].epoch, turn) == texts[turn - 1]
         assert len({(f.meta or {})["gen"] for f in frames}) == 1
         assert [frames[i].epoch for i in (0, 3, 6)] == [1, 2, 3]
+
+
+_FC = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "search",
+       "arguments": "", "status": "in_progress"}  # fmt: skip
+# Three streams a producer's pipe carries, as the SDKs send them (the shapes of the openai
+# SDK's ResponseStreamEvent and ChatCompletionChunk, of LangChain's AIMessageChunk and
+# LangGraph's (chunk, metadata) pairs), and the frames every producer writes for them.
+STREAMS: dict[str, list[Any]] = {
+    "responses": [
+        {"type": "response.created", "response": {"id": "resp_1", "status": "in_progress"}},
+        {"type": "response.output_item.added", "output_index": 0,
+         "item": {"type": "reasoning", "id": "rs_1", "summary": []}},
+        {"type": "response.reasoning_summary_text.delta", "item_id": "rs_1",
+         "summary_index": 0, "delta": "Searching "},
+        {"type": "response.reasoning_summary_text.delta", "item_id": "rs_1",
+         "summary_index": 0, "delta": "first."},
+        {"type": "response.reasoning_summary_text.done", "item_id": "rs_1",
+         "summary_index": 0, "text": "Searching first."},
+        {"type": "response.output_item.added", "output_index": 1, "item": _FC},
+        {"type": "response.function_call_arguments.delta", "item_id": "fc_1", "delta": '{"q":'},
+        {"type": "response.function_call_arguments.delta", "item_id": "fc_1",
+         "delta": '"tides"}'},
+        {"type": "response.function_call_arguments.done", "item_id": "fc_1",
+         "arguments": '{"q":"tides"}'},
+        {"type": "response.output_item.done", "output_index": 1,
+         "item": {**_FC, "arguments": '{"q":"tides"}', "status": "completed"}},
+        {"type": "response.output_text.delta", "item_id": "msg_1", "delta": "Tides are"},
+        {"type": "response.output_text.annotation.added", "item_id": "msg_1",
+         "annotation": {"type": "url_citation", "url": "https://example.org/t",
+                        "title": "Tides"}},
+        {"type": "response.completed", "response": {"usage": {
+            "input_tokens": 9, "output_tokens": 6, "total_tokens": 15,
+            "input_tokens_details": {"cached_tokens": 4}}}},
+    ],
+    "langchain": [
+        [{"content": "", "additional_kwargs": {"reasoning_content": "Think."},
+          "tool_call_chunks": []}, {"langgraph_node": "agent"}],
+        [{"content": [{"type": "text", "text": "Sure, "}], "additional_kwargs": {},
+          "tool_call_chunks": []}, {}],
+        [{"content": "", "additional_kwargs": {},
+          "tool_call_chunks": [{"args": '{"id":', "index": 0}]}, {}],
+        [{"content": "", "additional_kwargs": {},
+          "tool_call_chunks": [{"name": "lookup", "args": " 7}", "id": "t1", "index": 0}]}, {}],
+        [{"content": "", "additional_kwargs": {},
+          "tool_call_chunks": [{"name": "clock", "id": "t2", "index": 1}]}, {}],
+        [{"content": "", "additional_kwargs": {}, "tool_call_chunks": [],
+          "usage_metadata": {"input_tokens": 5, "output_tokens": 7, "total_tokens": 12},
+          "response_metadata": {"finish_reason": "tool_calls"}}, {}],
+    ],
+    "chat": [
+        {"choices": [{"index": 0, "delta": {"reasoning_content": "One call."}}]},
+        {"choices": [{"index": 0, "delta": {"content": "Checking."}}]},
+        {"choices": [{"index": 0, "delta": {"reasoning_content": "Then "}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "function": {"arguments": '{"x"'}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_a",
+            "type": "function", "function": {"name": "f", "arguments": ":1}"}}]}}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+        {"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": 3,
+                                  "total_tokens": 11,
+                                  "prompt_tokens_details": {"cached_tokens": 6}}},
+    ],
+}  # fmt: skip
+R, T = "reasoning", "tool-call"
+WRITTEN: dict[str, tuple[list[tuple[Any, ...]], dict[str, Any]]] = {
+    "responses": ([
+        (R, "rs_1-summary-0", "start", "", True, ""),
+        (R, "rs_1-summary-0", "delta", "", False, "Searching "),
+        (R, "rs_1-summary-0", "delta", "", False, "first."),
+        (R, "rs_1-summary-0", "end", "", False, ""),
+        (T, "call_1", "start", "search", False, ""),
+        (T, "call_1", "delta", "", False, '{"q":'),
+        (T, "call_1", "delta", "", False, '"tides"}'),
+        (T, "call_1", "end", "", False, ""),
+        ("token", "Tides are"),
+        ("source", "source-1", None, "", False, '{"url":"https://example.org/t","title":"Tides"}'),
+    ], {"finish_reason": "tool_calls", "parts": 3, "usage": {
+        "prompt_tokens": 9, "completion_tokens": 6, "total_tokens": 15, "cached_tokens": 4}}),
+    "langchain": ([
+        (R, "reasoning-1", "start", "", False, ""),
+        (R, "reasoning-1", "delta", "", False, "Think."),
+        (R, "reasoning-1", "end", "", False, ""),
+        ("token", "Sure, "),
+        (T, "t1", "start", "lookup", False, ""),
+        (T, "t1", "delta", "", False, '{"id":'),
+        (T, "t1", "delta", "", False, " 7}"),
+        (T, "t2", "start", "clock", False, ""),
+        (T, "t1", "end", "", False, ""),
+        (T, "t2", "delta", "", False, "{}"),
+        (T, "t2", "end", "", False, ""),
+    ], {"finish_reason": "tool_calls", "parts": 3,
+        "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}}),
+    "chat": ([
+        (R, "reasoning-1", "start", "", False, ""),
+        (R, "reasoning-1", "delta", "", False, "One call."),
+        (R, "reasoning-1", "end", "", False, ""),
+        ("token", "Checking."),
+        (R, "reasoning-2", "start", "", False, ""),
+        (R, "reasoning-2", "delta", "", False, "Then "),
+        (T, "call_a", "start", "f", False, ""),
+        (T, "call_a", "delta", "", False, '{"x"'),
+        (T, "call_a", "delta", "", False, ":1}"),
+        (R, "reasoning-2", "end", "", False, ""),  # ended before the calls, by both
+        (T, "call_a", "end", "", False, ""),
+    ], {"finish_reason": "tool_calls", "parts": 3, "usage": {
+        "prompt_tokens": 8, "completion_tokens": 3, "total_tokens": 11, "cached_tokens": 6}}),
+}  # fmt: skip
+
+
+def _written(frames: list[Frame]) -> list[tuple[Any, ...]]:
+    out: list[tuple[Any, ...]] = []
+    for f in frames[1:-1]:
+        m = f.meta or {}
+        if f.kind == "token":
+            out.append(("token", f.text))
+        else:
+            out.append((m["part"], m["id"], m.get("phase"), m.get("name", ""),
+                        bool(m.get("summary")), f.text))  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("kind", list(STREAMS))
+async def test_pipe_writes_the_same_frames_from_every_producer(
+    spawn: Spawn, redis: RedisCluster, kind: str
+) -> None:
+    """``pipe`` of an OpenAI Responses event stream, of LangChain message chunks (as
+    LangGraph pairs) and of chat-completion chunks: every producer writes the same part
+    and token frames (one per delta: coalescing off) and the same ``done``."""
+    d = await spawn(TR_COALESCE="1")
+    sid = _sid()
+    assert (await d.send(op="start", session=sid))["ok"]
+    end = await d.send(op="pipe", items=STREAMS[kind])
+    assert end["ok"], end
+    frames, _ = await _frames(redis, sid)
+    assert frames[-1].offset == end["offset"]
+    want, done = WRITTEN[kind]
+    assert _written(frames) == want
+    meta = frames[-1].meta or {}
+    assert frames[-1].kind == "done"
+    assert {k: meta.get(k) for k in done} == done
+    parts = Parts()
+    for f in frames:
+        if f.kind == "part":
+            parts.apply(frame_part(f.meta), f.text, f.offset)
+    assert meta["parts_sha256"] == parts_digest(parts.records)
+
+
+async def test_pipe_refuses_a_broken_stream_alike(spawn: Spawn, redis: RedisCluster) -> None:
+    """Arguments for a Responses item never added, or a LangChain call whose arguments
+    are not JSON: ``invalid_part``, and the turn ends with an ``error`` frame that says
+    why (never left open, nothing corrupt written)."""
+    d = await spawn(TR_COALESCE="1")
+    ghost = [{"type": "response.function_call_arguments.delta", "item_id": "fc_9",
+              "delta": "{}"}]  # fmt: skip
+    call = {"name": "f", "args": '{"a": nope', "id": "c", "index": 0}
+    bad_json = [{"content": "", "additional_kwargs": {}, "tool_call_chunks": [call]}]
+    for items, why in ((ghost, "function call arguments for item 'fc_9', never added"),
+                       (bad_json, "not valid JSON")):  # fmt: skip
+        sid = _sid()
+        assert (await d.send(op="start", session=sid))["ok"]
+        refused = await d.send(op="pipe", items=items)
+        assert refused["error"] == "invalid_part", refused
+        frames, _ = await _frames(redis, sid)
+        last = frames[-1]
+        assert (last.kind, (last.meta or {}).get("code")) == ("error", "producer_error")
+        assert last.text.startswith("the stream's parts: ")
+        assert why in last.text

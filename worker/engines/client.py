@@ -34,14 +34,15 @@ request take its slower per-request sampler); the mock engine, whose reply is a
 function of the prompt, mixes it in, so a regenerate there says something else too.
 
 Bounds, whatever the engine does: the request always carries ``max_tokens`` when the
-caller gives one, so the engine ends the reply itself; after ``max_tokens`` content
-chunks (engines send about one token per chunk) the reply is complete for the caller,
+caller gives one, so the engine ends the reply itself; after ``max_tokens`` chunks of
+the reply (text, a tool call's argument deltas or reasoning: engines send at most one
+token per chunk, and a call's markup none) the reply is complete for the caller,
 and the client reads on, yielding no more text, to the engine's own end for its report
 (real engines send usage and timings in the last chunk), at most ``drain_s`` seconds
 and ``drain_chunks`` chunks, then closes the connection (the engine aborts). Past
-``max_reply_bytes`` of text it closes at once. Either way the stream ends with
-``finish_reason`` ``"length"``: an engine that ignores ``max_tokens`` (or never stops)
-cannot make a turn, or the reply stored in history, unbounded.
+``max_reply_bytes`` of text, arguments and reasoning it closes at once. Either way the
+stream ends with ``finish_reason`` ``"length"``: an engine that ignores ``max_tokens``
+(or never stops) cannot make a turn, or the reply stored in history, unbounded.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Final
+from typing import Any
 
 import aiohttp
 import orjson
@@ -62,7 +63,15 @@ from worker.engines.errors import (
     EngineTimeout,
     EngineUnavailable,
 )
-from worker.engines.report import Report, chunk_report, header_report, to_float, to_int
+from worker.engines.report import (
+    Report,
+    chunk_parts,
+    chunk_report,
+    header_report,
+    parts_bytes,
+    to_float,
+    to_int,
+)
 
 __all__ = [
     "REPLY_SEED_HEADER",
@@ -117,17 +126,6 @@ class Delta:
     meta: EngineMeta | None = None
     usage: Usage | None = None
     extra: dict[str, Any] | None = None
-
-
-_EXTRA: Final = ("tool_calls", "reasoning_content", "reasoning")
-
-
-def _extra(delta: object, choice: Mapping[str, Any]) -> dict[str, Any] | None:
-    """A delta's (or a whole answer's message's) parts besides text, and the logprobs."""
-    out = {k: v for k in _EXTRA if isinstance(delta, Mapping) and (v := delta.get(k))}
-    if choice.get("logprobs"):
-        out["logprobs"] = choice["logprobs"]
-    return out or None
 
 
 def chat_completions_url(engine_url: str) -> str:
@@ -354,16 +352,14 @@ class EngineClient:
         said = header_report(resp.headers).merged(chunk_report(obj))
         meta = _merge_meta(meta, obj, said)
         first: EngineMeta | None = meta
-        if (extra := _extra(message, choices[0])) is not None:  # tool calls, reasoning
+        if (extra := chunk_parts(message, choices[0])) is not None:  # tool calls, reasoning
             yield Delta("", meta=first, extra=extra)
             first = None
         if isinstance(content, str) and content:
             yield Delta(content, meta=first)
-            meta_out = None
-        else:
-            meta_out = first
+            first = None
         reason = finish if isinstance(finish, str) and finish else "stop"
-        yield Delta("", reason, meta_out, _usage(said))
+        yield Delta("", reason, first, _usage(said))
 
     def _json(self, url: str, data: str) -> Mapping[str, Any]:
         try:
@@ -393,7 +389,7 @@ class EngineClient:
     ) -> AsyncGenerator[Delta, None]:
         """The stream's deltas; appends to ``cut`` when it stops at a bound (see above).
 
-        After ``max_tokens`` content chunks the reply is complete for the caller, but
+        After ``max_tokens`` chunks of the reply the reply is complete for the caller, but
         the engine's report (usage, timings) comes in its last chunk: the rest of the
         stream is read without yielding text, bounded by ``drain_s`` and
         ``drain_chunks``, and cut past either (the engine, sent ``max_tokens``, ends
@@ -464,9 +460,17 @@ class EngineClient:
                     continue
                 delta = choice.get("delta")
                 content = delta.get("content") if isinstance(delta, Mapping) else None
-                if (extra := _extra(delta, choice)) is not None:
+                counted = False  # a chunk of the reply: text, a call's arguments, reasoning
+                if (extra := chunk_parts(delta, choice)) is not None:
+                    size = parts_bytes(extra)
+                    if finish is None and nbytes + size > self.max_reply_bytes:
+                        cut.append(True)  # past the byte bound: no drain, cut at once
+                        yield Delta("", "length", pending_meta, _usage(said))
+                        return
                     yield Delta("", meta=pending_meta, extra=extra)  # tool calls, reasoning
                     pending_meta = None
+                    nbytes += size
+                    counted = size > 0 or "tool_calls" in extra
                 if isinstance(content, str) and content:
                     room = self.max_reply_bytes - nbytes
                     data = content.encode()
@@ -475,15 +479,16 @@ class EngineClient:
                     if content:
                         yield Delta(content, meta=pending_meta)
                         pending_meta = None
-                    chunks += 1
+                    counted = True
                     nbytes += len(content.encode())
                     if finish is None and (len(data) > room or nbytes >= self.max_reply_bytes):
                         cut.append(True)  # past the byte bound: no drain, cut at once
                         yield Delta("", "length", pending_meta, _usage(said))
                         return
-                    if finish is None and max_tokens is not None and chunks >= max_tokens:
-                        finish = "length"
-                        drain_until = loop.time() + self.drain_s
+                chunks += counted
+                if counted and finish is None and max_tokens is not None and chunks >= max_tokens:
+                    finish = "length"
+                    drain_until = loop.time() + self.drain_s
         if drain_until is not None and not done:
             cut.append(True)  # the engine did not end within the drain: close it
         elif finish is None:

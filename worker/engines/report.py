@@ -19,16 +19,32 @@ the chunk's ``tokenrelay`` field  the mock engine, first chunk
 
 Each source fills what it knows; a later report's known fields win over an earlier
 one's (:meth:`Report.merged`), a field no source gave stays None, so the turn says
-``cache: "unknown"`` only when the engine said nothing. Pure: no I/O.
+``cache: "unknown"`` only when the engine said nothing.
+
+Besides its tokens, a chunk's delta may carry parts of the reply other than text
+(:func:`chunk_parts`): tool calls (llama-server: the first delta of a call has its
+``index``, ``id``, ``type`` and ``function.name`` with the first piece of its
+``arguments``, the next ones ``index`` and an ``arguments`` piece each; the mock sends
+the name with empty arguments first), ``reasoning_content`` (or ``reasoning``), and the
+choice's ``logprobs``; :func:`parts_bytes` is what they add to the reply's size. Pure:
+no I/O.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Final
 
-__all__ = ["Report", "chunk_report", "header_report", "to_float", "to_int"]
+__all__ = [
+    "Report",
+    "chunk_parts",
+    "chunk_report",
+    "header_report",
+    "parts_bytes",
+    "to_float",
+    "to_int",
+]
 
 
 def to_int(v: object) -> int | None:
@@ -163,3 +179,31 @@ def chunk_report(obj: Mapping[str, Any]) -> Report:
         if not part.empty:
             report = report.merged(part)
     return report
+
+
+_PARTS: Final = ("tool_calls", "reasoning_content", "reasoning")
+
+
+def chunk_parts(delta: object, choice: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A delta's (or a whole answer's message's) parts besides text, as the engine sent
+    them, and the choice's logprobs; None when it has none."""
+    out = {k: v for k in _PARTS if isinstance(delta, Mapping) and (v := delta.get(k))}
+    if choice.get("logprobs"):
+        out["logprobs"] = choice["logprobs"]
+    return out or None
+
+
+def parts_bytes(parts: Mapping[str, Any]) -> int:
+    """The bytes :func:`chunk_parts` add to the reply: its tool calls' argument pieces
+    and its reasoning text (bounded with the text by the engine client)."""
+    n = 0
+    for k in ("reasoning_content", "reasoning"):
+        if isinstance(v := parts.get(k), str):
+            n += len(v.encode())
+    calls = parts.get("tool_calls")
+    for tc in calls if isinstance(calls, list) else ():
+        fn = tc.get("function") if isinstance(tc, Mapping) else None
+        args = fn.get("arguments") if isinstance(fn, Mapping) else None
+        if isinstance(args, str):
+            n += len(args.encode())
+    return n

@@ -7,7 +7,9 @@ export { Turn, StopReason, CANCELLED, usageMeta, replyIntegrity } from './turn.j
 export { DEFAULT_POLICY } from './coalesce.js';
 export { PartError, partsDigest } from './parts.js';
 export { MAX_FRAME_BYTES, MAX_DELTA_BYTES } from './frame.js';
-export { pipe, pipeText, pipeStreamText, pipeUIMessageStream, pipeChatCompletion } from './adapters.js';
+export {
+  pipe, pipeText, pipeStreamText, pipeUIMessageStream, pipeChatCompletion, pipeResponses, pipeLangChain,
+} from './adapters.js';
 export { LUA_DIR, scriptSource } from './scripts.js';
 export {
   ProducerError, InvalidSession, FrameTooLarge, TurnClosed, RedisUnreachable, StaleEpoch, TurnBusy, LockLost,

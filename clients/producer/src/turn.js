@@ -162,6 +162,11 @@ export class Turn {
     if (p && !p.done) this.partEnd('reasoning', id);
   }
 
+  /** `id` was ended by hand (partEnd): reasoning() starts a new part next time. */
+  forgetReasoning(id) {
+    if (this.reasoningId === id) this.reasoningId = null;
+  }
+
   toolCallStart(id, name) { this.partStart('tool-call', id, { name }); }
   toolCallDelta(id, args) { this.partDelta('tool-call', id, args); }
   toolCallEnd(id) { this.partEnd('tool-call', id); }

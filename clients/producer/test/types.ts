@@ -31,3 +31,16 @@ export function ownClients(secret: string): string[] {
 }
 // @ts-expect-error: not a Redis client
 export const notAClient = new Producer({ get: 1 });
+
+// The openai SDK's Responses events and LangChain's message chunks, piped.
+import { pipeLangChain, pipeResponses, type LangChainChunkLike, type ResponsesEventLike } from '@tokenrelay/producer';
+import { AIMessageChunk } from '@langchain/core/messages';
+export async function more(turn: Turn, again: Turn): Promise<number[]> {
+  async function* events(): AsyncGenerator<ResponsesEventLike> {
+    yield { type: 'response.output_text.delta', item_id: 'm', delta: 'Hi' };
+  }
+  async function* chunks(): AsyncGenerator<LangChainChunkLike> {
+    yield new AIMessageChunk({ content: 'Hi', tool_call_chunks: [{ name: 'f', args: '{}', id: 't1', index: 0 }] });
+  }
+  return [await pipeResponses(turn, events()), await pipeLangChain(again, chunks())];
+}
