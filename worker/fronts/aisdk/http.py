@@ -3,7 +3,11 @@
 ``useChat`` with ``DefaultChatTransport({api: "/v1/chat", headers: {Authorization:
 "Bearer <token>"}})`` and the chat's ``id`` = a tokenrelay session id works as is:
 
-- the body is the SDK's ``{id, messages: [UI messages with parts], trigger, messageId}``;
+- the body is the SDK's ``{id, messages: [UI messages with parts], trigger, messageId}``
+  and what the page adds with useChat's ``body`` (or ``sendMessage``'s): the engine's
+  options (``tools``, ``tool_choice``, ``stop``, sampling, ...), checked by every front's
+  one checker (:mod:`worker.fronts.options`), which refuses any other field by name
+  (400 ``unsupported_parameter``; ``invalid_option`` for a wrong type);
   the last message must be the user's (its ``text`` parts joined) and starts a turn of
   session ``id`` exactly like ``POST /v1/sessions/{id}/turns`` (the session's history
   in Redis is the conversation: earlier messages of the body are not re-sent to the
@@ -54,6 +58,8 @@ from worker.chat.direct import DirectViewer
 from worker.chat.replace import NothingToRegenerate, Replace, UnknownReplaced
 from worker.chat.turnstate import Draining, IdempotencyPending, TurnBusy, TurnCancelled
 from worker.controls import check_gone
+from worker.fronts.errors import WireError
+from worker.fronts.options import engine_options, refusal_code
 from worker.routing.lease import AllEnginesFull
 from worker.state import STATE, WorkerState
 
@@ -63,6 +69,7 @@ log = logging.getLogger(__name__)
 
 _BLOCK_MS: Final = 1000  # below the worker's Redis socket timeout
 _IDLE_S: Final = 120.0  # no frame of the turn for this long: end the stream with an error
+_OWN: Final = frozenset(("id", "messages", "trigger", "messageId"))  # the SDK's own fields
 
 
 class ChatError(Reject):
@@ -77,9 +84,9 @@ class ChatError(Reject):
 class ChatRequest:
     """What a chat POST asks for: a turn of ``session`` with ``message`` (None: a
     regenerate), replacing ``replaces`` (None: a new turn); ``message_id`` is the user
-    message's id."""
+    message's id; ``options`` the engine's (tools, ``stop``, sampling)."""
 
-    __slots__ = ("message", "message_id", "replaces", "session", "system")
+    __slots__ = ("message", "message_id", "options", "replaces", "session", "system")
 
     def __init__(
         self,
@@ -88,9 +95,11 @@ class ChatRequest:
         system: str | None,
         replaces: Replace | None = None,
         message_id: str | None = None,
+        options: dict[str, Any] | None = None,
     ) -> None:
         self.session, self.message, self.system = session, message, system
         self.replaces, self.message_id = replaces, message_id
+        self.options: dict[str, Any] = options or {}
 
 
 def _text(msg: dict[str, Any]) -> str:
@@ -113,6 +122,10 @@ def parse_chat(raw: bytes, max_chars: int) -> ChatRequest:
     except BodyRefused as exc:
         raise ChatError(exc.status, exc.code, exc.reason) from None
     try:
+        options = engine_options(body, _OWN)
+    except WireError as exc:
+        raise ChatError(400, refusal_code(exc), exc.message) from None
+    try:
         sid = parse_session(body.get("id"))
     except InvalidSessionId as exc:
         reason = f"'id' must be a session id: {exc}"
@@ -125,7 +138,7 @@ def parse_chat(raw: bytes, max_chars: int) -> ChatRequest:
     if target is not None and (not isinstance(target, str) or not 0 < len(target) <= 256):
         raise ChatError(400, Refusal.INVALID_MESSAGES, "'messageId' must be a message id")
     if trigger == "regenerate-message":
-        return ChatRequest(sid, None, None, Replace(message_id=target))
+        return ChatRequest(sid, None, None, Replace(message_id=target), options=options)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ChatError(400, Refusal.INVALID_MESSAGES, "'messages' must be a non-empty list")
@@ -153,7 +166,7 @@ def parse_chat(raw: bytes, max_chars: int) -> ChatRequest:
         if len(value) > max_chars:
             raise ChatError(413, code, f"{name} longer than {max_chars} characters")
     replaces = Replace(message_id=target) if target is not None else None
-    return ChatRequest(sid, message, system or None, replaces, mid)
+    return ChatRequest(sid, message, system or None, replaces, mid, options)
 
 
 async def _tail(st: WorkerState, sid: str, ui: UiTurn, last: int, resp: web.StreamResponse) -> None:
@@ -215,6 +228,7 @@ def handlers() -> dict[str, Handler]:
             started = await st.turns.start_turn(
                 req.session, req.message, system=req.system, max_tokens=cfg.default_max_tokens,
                 replaces=req.replaces, message_id=req.message_id, viewer=viewer,
+                options=req.options,
             )  # fmt: skip
         except Reject as exc:
             return exc.response()
