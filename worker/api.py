@@ -199,10 +199,6 @@ def _parse_turn(
     replaces and the engine's options (tools, ``stop``, sampling: the one checker of
     every front, which refuses a field it does not know by name), or :class:`Reject`
     (400, 413)."""
-    try:
-        options = engine_options(body, _TURN_FIELDS)
-    except WireError as exc:
-        raise Reject(400, refusal_code(exc), exc.message) from None
     replace = _parse_replace(body)
     message = body.get("message")
     if message is None and replace is not None:
@@ -231,6 +227,10 @@ def _parse_turn(
                 Refusal.INVALID_MAX_TOKENS,
                 f"'max_tokens' must be between 1 and {cfg.max_tokens_limit}",
             )
+    try:  # after the turn's own fields: a body without its message says so first
+        options = engine_options(body, _TURN_FIELDS)
+    except WireError as exc:
+        raise Reject(400, refusal_code(exc), exc.message) from None
     return message, system or None, max_tokens or cfg.default_max_tokens, replace, options
 
 

@@ -45,20 +45,22 @@ PASS_THROUGH: Final = (
 )
 
 
+def _named(fn: object) -> bool:
+    """A ``function`` object with a string ``name``."""
+    return isinstance(fn, dict) and isinstance(fn.get("name"), str)
+
+
 def _is_tools(value: object) -> bool:
     return isinstance(value, list) and all(
-        isinstance(t, dict)
-        and t.get("type") == "function"
-        and isinstance((t.get("function") or {}).get("name"), str)
+        isinstance(t, dict) and t.get("type") == "function" and _named(t.get("function"))
         for t in value
     )
 
 
 def _is_choice(value: object) -> bool:
-    if value in ("none", "auto", "required"):
-        return True
-    fn = value.get("function") if isinstance(value, dict) else None
-    return isinstance(fn, dict) and isinstance(fn.get("name"), str)
+    if isinstance(value, str):
+        return value in ("none", "auto", "required")
+    return isinstance(value, dict) and _named(value.get("function"))
 
 
 def _is_stop(value: object) -> bool:
