@@ -206,3 +206,36 @@ async def test_the_ai_sdk_chat_forwards_tools_from_its_body(
         out = await r.json()
         assert (r.status, out["error"]) == (400, "unsupported_parameter")
         assert "color" in out["reason"]
+
+
+async def test_a_session_completion_continues_after_its_tools_and_the_next_turn_replays_them(
+    gw: tuple[Harness, openai.AsyncOpenAI], redis: RedisCluster
+) -> None:
+    """Chat completions tied to a session: the tools' results end the messages (no user
+    message after them), the turn stores them, and a turn of the turns API after it gets
+    the whole exchange from the stored history."""
+    h, _ = gw
+    sid, token = await h.session()
+    tied = openai.AsyncOpenAI(base_url=h.url("/v1"), api_key=token, max_retries=0,
+                              default_headers={"X-Session-Id": sid})  # fmt: skip
+    try:
+        ask: list[Any] = [{"role": "user", "content": ASK}]
+        first = await tied.chat.completions.create(model=MODEL, messages=ask, tools=CHAT_TOOLS)  # type: ignore[arg-type]
+        msg = first.choices[0].message
+        calls = msg.tool_calls or []
+        assert [c.function.name for c in calls] == ["weather"]  # type: ignore[union-attr]
+        results = [{"role": "tool", "tool_call_id": c.id, "content": "4"} for c in calls]
+        convo = [*ask, msg.model_dump(exclude_none=True), *results]
+        after = await tied.chat.completions.create(model=MODEL, messages=convo, tools=CHAT_TOOLS)  # type: ignore[arg-type]
+        text = after.choices[0].message.content or ""
+        prompt = [*ask, {"role": "assistant", "content": ""}, {"role": "tool", "content": "4"}]
+        assert text == expected_reply(prompt, MAX)
+    finally:
+        await tied.close()
+    status, started, _ = await h.post_turn(sid, token, {"message": "Thanks!"})
+    assert status == 202, started
+    frames = await wait_turn(redis, sid, started["turn"])
+    assert frames[-1].kind == "done"
+    reply = "".join(f.text for f in frames if f.kind == "token")
+    prompt += [{"role": "assistant", "content": text}, {"role": "user", "content": "Thanks!"}]
+    assert reply == expected_reply(prompt, MAX)

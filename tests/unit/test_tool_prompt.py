@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from relay.protocol.codes import Refusal
-from worker.chat.prompt import as_entry, history_messages
+from worker.chat.prompt import NewInput, as_entry, history_messages, new_input
 from worker.chat.store import History
 from worker.chat.turnstate import request_fingerprint
 from worker.fronts.errors import WireError
@@ -57,7 +57,7 @@ def test_a_result_inside_a_reply_splits_it_as_a_multi_step_agent_reads() -> None
 
 
 def test_a_client_message_stored_as_it_is_comes_back_the_same() -> None:
-    msgs = [
+    msgs: list[dict[str, Any]] = [
         {"role": "user", "content": "q"},
         {"role": "assistant", "content": "", "tool_calls": [_call("c1", "f", "{}")]},
         {"role": "tool", "tool_call_id": "c1", "content": "r"},
@@ -160,3 +160,15 @@ def test_the_fingerprint_holds_options_and_results_and_keeps_the_old_one_without
     assert request_fingerprint("", None, 16, None, None, results) != request_fingerprint(
         "", None, 16, None, None, ({**results[0], "content": "2"},)
     )
+
+
+def test_the_new_input_is_the_users_message_or_the_tools_results_before_it() -> None:
+    u, a = {"role": "user", "content": "q"}, {"role": "assistant", "content": ""}
+    t1, t2 = ({"role": "tool", "tool_call_id": c, "content": "1"} for c in ("c1", "c2"))
+    assert new_input([u, a, t1, t2]) == NewInput([u, a], [t1, t2], "")
+    assert new_input([u, a, t1, {"role": "user", "content": "and?"}]) == NewInput(
+        [u, a], [t1], "and?"
+    )
+    assert new_input([u]) == NewInput([], [], "q")
+    for bad in ([], [u, a], [{"role": "user", "content": " "}]):
+        assert new_input(bad) is None

@@ -17,15 +17,18 @@ chat-completions shape it expects:
 
 Order of use: :func:`history_messages` on the stored entries (:meth:`SessionStore.load`
 does it for :class:`worker.chat.store.History`); :func:`as_entry` for a chat message a
-client sent that is stored as it is (the Responses API's earlier input items).
+client sent that is stored as it is (the Responses API's earlier input items);
+:func:`new_input` for the turn a client's messages ask for (the fronts that take a
+conversation: the Responses API, a chat completion tied to a session).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["as_entry", "history_messages", "tool_message"]
+__all__ = ["NewInput", "as_entry", "history_messages", "new_input", "tool_message"]
 
 
 def tool_message(call_id: str, content: str) -> dict[str, Any]:
@@ -99,3 +102,36 @@ def as_entry(message: Mapping[str, Any]) -> dict[str, Any]:
         ]  # fmt: skip
         entry["parts"] = parts
     return entry
+
+
+@dataclass(frozen=True, slots=True)
+class NewInput:
+    """What a conversation sent by a client asks of its turn: ``earlier`` messages, then
+    the new input: the tools' ``results`` (``role: tool`` messages) and the user's
+    ``message`` ("" when the results are all: the turn continues after the tools)."""
+
+    earlier: list[dict[str, Any]]
+    results: list[dict[str, Any]]
+    message: str
+
+
+def new_input(messages: Sequence[dict[str, Any]]) -> NewInput | None:
+    """The new input of ``messages``: its last message, the user's with some text, and
+    the tools' results just before it; or its last tools' results. None: the
+    conversation ends with neither (an assistant's message, a blank user's)."""
+    if not messages:
+        return None
+    last = messages[-1]
+    message = ""
+    end = len(messages)
+    if last.get("role") == "user":
+        message = str(last.get("content", ""))
+        if not message.strip():
+            return None
+        end -= 1
+    elif last.get("role") != "tool":
+        return None
+    start = end
+    while start > 0 and messages[start - 1].get("role") == "tool":
+        start -= 1
+    return NewInput(list(messages[:start]), list(messages[start:end]), message)

@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from worker.chat.prompt import NewInput, new_input
 from worker.fronts.errors import WireError
 from worker.fronts.options import engine_options
 
@@ -69,26 +70,26 @@ class ResponsesRequest:
     tool_choice: object = None
 
     @property
+    def new(self) -> NewInput:
+        """The earlier items and the new input (:func:`worker.chat.prompt.new_input`)."""
+        found = new_input(self.messages)
+        assert found is not None  # parse_responses refused any other
+        return found
+
+    @property
     def tool_results(self) -> list[dict[str, Any]]:
-        """The tools' results of the new input (the ``role: tool`` messages just before
-        the user's message, or last)."""
-        end = len(self.messages) - (0 if self.message == "" else 1)
-        start = end
-        while start > 0 and self.messages[start - 1]["role"] == "tool":
-            start -= 1
-        return self.messages[start:end]
+        """The tools' results of the new input (before the user's message, or last)."""
+        return self.new.results
 
     @property
     def message(self) -> str:
         """The user's message of the new input ("" when it is the tools' results alone)."""
-        last = self.messages[-1]
-        return str(last["content"]) if last["role"] == "user" else ""
+        return self.new.message
 
     @property
     def earlier(self) -> list[dict[str, Any]]:
         """The input items before the new input."""
-        new = len(self.tool_results) + (1 if self.message else 0)
-        return self.messages[: len(self.messages) - new]
+        return self.new.earlier
 
     def params(self) -> dict[str, Any]:
         """What the turn's ``meta`` frame carries of the request (the response object's
@@ -275,10 +276,7 @@ def parse_responses(
     instructions = _opt_str(body, "instructions")
     system = [m["content"] for m in items if m["role"] in ("system", "developer")]
     messages = [m for m in items if m["role"] not in ("system", "developer")]
-    last = messages[-1] if messages else None
-    if last is None or not (
-        (last["role"] == "user" and last["content"].strip()) or last["role"] == "tool"
-    ):
+    if new_input(messages) is None:
         raise WireError(400, "the last input item must be the user's message or a "
                         "function_call_output", param="input")  # fmt: skip
     total = len(instructions or "") + sum(
