@@ -206,6 +206,24 @@ async def test_the_ai_sdk_chat_forwards_tools_from_its_body(
         out = await r.json()
         assert (r.status, out["error"]) == (400, "unsupported_parameter")
         assert "color" in out["reason"]
+    # the page ran the tool (addToolOutput) and sends its assistant message back: the
+    # reply goes on after the output, which the engine gets after the stored call
+    reply_id = next(c["messageId"] for c in chunks if c["type"] == "start")
+    part = {"type": "tool-weather", "toolCallId": call["toolCallId"],
+            "state": "output-available", "input": call["input"], "output": {"temp": 4}}  # fmt: skip
+    ran = {"id": reply_id, "role": "assistant", "parts": [part]}
+    after = {**body, "messages": [user, ran], "messageId": reply_id}
+    async with h.http.post(h.url("/v1/chat"), json=after, headers=auth) as r:
+        assert r.status == 200
+        lines = (await r.text()).splitlines()
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    text = "".join(c["delta"] for c in chunks if c["type"] == "text-delta")
+    prompt = [{"role": "user", "content": ASK}, {"role": "assistant", "content": ""},
+              {"role": "tool", "content": '{"temp": 4}'}]  # fmt: skip
+    assert text == expected_reply(prompt, MAX)
+    async with h.http.post(h.url("/v1/chat"), json=after, headers=auth) as r:
+        out = await r.json()
+        assert (r.status, out["error"]) == (400, "invalid_message")  # stored already
 
 
 async def test_a_session_completion_continues_after_its_tools_and_the_next_turn_replays_them(
