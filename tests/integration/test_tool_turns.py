@@ -250,6 +250,12 @@ async def test_a_session_completion_continues_after_its_tools_and_the_next_turn_
         assert text == expected_reply(prompt, MAX)
     finally:
         await tied.close()
+    # a regenerate of the turn that went on after the tools asks again with the results
+    status, again, _ = await h.post_turn(sid, token, {"regenerate": True})
+    assert status == 202, again
+    frames = await wait_turn(redis, sid, again["turn"])
+    text = "".join(f.text for f in frames if f.kind == "token")
+    assert text == expected_reply(prompt, MAX, seed=again["turn"])
     status, started, _ = await h.post_turn(sid, token, {"message": "Thanks!"})
     assert status == 202, started
     frames = await wait_turn(redis, sid, started["turn"])

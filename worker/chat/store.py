@@ -71,6 +71,12 @@ class History:
             e for e in self.entries if not isinstance(e.get("turn"), int) or e["turn"] < turn
         )
 
+    def tool_results(self, turn: int) -> list[dict[str, Any]]:
+        """The tools' results ``turn`` was sent (its input when it went on after tools)."""
+        return history_messages(
+            e for e in self.entries if e.get("turn") == turn and e.get("role") == "tool"
+        )
+
     def last_turn(self) -> int | None:
         """The newest turn with a stored reply, or None."""
         for e in reversed(self.entries):

@@ -265,7 +265,11 @@ class TurnManager:
             sys_prompt = system if system else hist.system
             replaced, message, replaced_id = resolve_replace(hist, replaces, message)
             message_id = message_id or replaced_id
-            results = [dict(m) for m in tool_results] if replaced is None else []
+            # a replaced turn that went on after tools is asked again with the same results
+            results = (
+                [dict(m) for m in tool_results] if replaced is None
+                else hist.tool_results(replaced)
+            )  # fmt: skip
             new = [*results, *([{"role": "user", "content": message}] if message else [])]
             if conversation is not None:
                 prior = conversation[: len(conversation) - len(new)]
