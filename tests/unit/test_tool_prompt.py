@@ -172,3 +172,17 @@ def test_the_new_input_is_the_users_message_or_the_tools_results_before_it() -> 
     assert new_input([u]) == NewInput([], [], "q")
     for bad in ([], [u, a], [{"role": "user", "content": " "}]):
         assert new_input(bad) is None
+
+
+def test_a_result_whose_call_left_the_history_is_not_sent() -> None:
+    """The history keeps its newest messages: a reply with calls may have gone while a
+    result of them stayed; the engine would refuse that result on every later turn."""
+    entries = [
+        {"role": "tool", "content": "4", "tool_call_id": "gone"},
+        {"role": "assistant", "content": "It is 4."},
+        {"role": "user", "content": "and?"},
+    ]
+    assert history_messages(entries) == [
+        {"role": "assistant", "content": "It is 4."},
+        {"role": "user", "content": "and?"},
+    ]

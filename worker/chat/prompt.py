@@ -11,7 +11,8 @@ chat-completions shape it expects:
 - a tool result among a reply's parts (a producer that ran the tool itself) ends that
   assistant message and follows it as ``{"role": "tool", "tool_call_id", "content"}``;
   text after it starts the next assistant message, as a multi-step agent's reply reads;
-- a tool entry is that same tool message;
+- a tool entry is that same tool message (left out when its call is not in the history:
+  the history's bound dropped it);
 - reasoning, sources, usage and data parts are not sent back (chat templates drop an
   earlier turn's reasoning; the others are the application's, not the model's).
 
@@ -68,7 +69,10 @@ def _reply(content: str, parts: list[Any]) -> list[dict[str, Any]]:
 
 
 def history_messages(entries: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The stored entries (each with a string ``content``) as the engine's messages."""
+    """The stored entries (each with a string ``content``) as the engine's messages. A
+    tool's result whose call is not among them (the history's bound dropped the oldest
+    messages, the call's reply among them) is left out: the engine would refuse it, and
+    every later turn with it."""
     out: list[dict[str, Any]] = []
     for e in entries:
         role, content = str(e.get("role", "user")), str(e.get("content", ""))
@@ -81,7 +85,13 @@ def history_messages(entries: Iterable[Mapping[str, Any]]) -> list[dict[str, Any
             out += _reply(content, parts)
         else:
             out.append({"role": role, "content": content})
-    return out
+    called: set[str] = set()
+    kept = []
+    for m in out:
+        called |= {c["id"] for c in m.get("tool_calls", ())}
+        if m["role"] != "tool" or m["tool_call_id"] in called:
+            kept.append(m)
+    return kept
 
 
 def as_entry(message: Mapping[str, Any]) -> dict[str, Any]:
