@@ -45,7 +45,7 @@ from typing import Any, Final
 from relay.broker.port import LockHolder, LockState, Store, parse_lock
 from relay.broker.rediscluster.store import RedisStore, state_key
 from relay.protocol.keys import SESSION_TTL_S, idem_key
-from worker.chat.prompt import history_messages
+from worker.chat.prompt import history_messages, tool_message
 
 __all__ = ["IDEM_TTL_S", "ConversationView", "History", "LockHolder", "SessionStore", "state_key"]
 
@@ -73,9 +73,11 @@ class History:
 
     def tool_results(self, turn: int) -> list[dict[str, Any]]:
         """The tools' results ``turn`` was sent (its input when it went on after tools)."""
-        return history_messages(
-            e for e in self.entries if e.get("turn") == turn and e.get("role") == "tool"
-        )
+        return [
+            tool_message(str(e.get("tool_call_id", "")), str(e.get("content", "")))
+            for e in self.entries
+            if e.get("turn") == turn and e.get("role") == "tool"
+        ]
 
     def last_turn(self) -> int | None:
         """The newest turn with a stored reply, or None."""
