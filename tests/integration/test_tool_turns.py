@@ -224,6 +224,19 @@ async def test_the_ai_sdk_chat_forwards_tools_from_its_body(
     async with h.http.post(h.url("/v1/chat"), json=after, headers=auth) as r:
         out = await r.json()
         assert (r.status, out["error"]) == (400, "invalid_message")  # stored already
+    # a page reloaded from the stored messages gets the output in its call's part
+    url = h.url(f"/v1/sessions/{sid}/messages")
+    async with h.http.get(url, headers=auth) as r:
+        page = (await r.json())["messages"]
+    async with h.http.get(url + "?format=ui", headers=auth) as r:
+        ui = (await r.json())["messages"]
+    assert [(m["role"], m.get("tool_call_id")) for m in page] == [
+        ("user", None), ("assistant", None), ("tool", call["toolCallId"]), ("assistant", None),
+    ]  # fmt: skip
+    assert [m["role"] for m in ui] == ["user", "assistant", "assistant"]
+    tool = next(p for p in ui[1]["parts"] if p["type"] == "tool-weather")
+    assert (tool["state"], tool["output"]) == ("output-available", {"temp": 4})
+    assert [p.get("text") for p in ui[2]["parts"] if p["type"] == "text"] == [text]
 
 
 async def test_a_session_completion_continues_after_its_tools_and_the_next_turn_replays_them(
