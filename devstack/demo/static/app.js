@@ -335,6 +335,7 @@ async function restore() {
   try {
     const page = await loadMessages(location.origin, state.sid, state.token, { limit: 200 });
     for (const msg of page.messages) {
+      if (msg.role === "tool") continue;  // a tool's result an agent sent back: not a reply
       const t = turnEl(msg.turn);
       if (msg.role === "user") { t.user.textContent = msg.text; t.user.hidden = false; continue; }
       t.reply.textContent = msg.text;
