@@ -9,17 +9,20 @@ Routes (the contract: docs/openapi.yaml):
   "ttl_s"?: int}`` -> ``201 {"session", "token", "scope", "expires_at"}`` (the lifetime
   capped by ``max_token_ttl_s`` and the session's; see :mod:`worker.access`);
 * ``POST /v1/sessions/{sid}/turns`` with ``{"message": str, "system"?: str,
-  "max_tokens"?: int}`` and the token (``Authorization: Bearer`` or ``?token=``) ->
-  ``202 {"session", "turn", "offset"}``; then frames flow on the session's channel.
-  Errors, each with a JSON body ``{"error": code, "reason": sentence}``: 400 (malformed
-  JSON, missing/empty ``message``, wrong types, ``max_tokens`` out of range, bad
-  session id or Idempotency-Key), 401/403 (token), 409 (a turn is generating: the body
-  names it, ``turn`` and ``offset``, so the client can watch it; we answer 409 rather
-  than queueing because a queued turn would be generated against a history that does
-  not yet hold the running turn's reply, and a queue hides load from the client),
-  413 (body or message too large), 415 (not ``application/json``), 429 + Retry-After
-  (every engine full, or ``turns_per_minute`` of this session used), 503 (draining, or
-  Redis unavailable). Without ``max_tokens`` the turn gets ``default_max_tokens``.
+  "max_tokens"?: int}`` and the engine's options (``tools``, ``tool_choice``, ``stop``,
+  sampling, ...: :mod:`worker.fronts.options`, as the gateway takes them) and the token
+  (``Authorization: Bearer`` or ``?token=``) -> ``202 {"session", "turn", "offset"}``;
+  then frames flow on the session's channel. Errors, each with a JSON body ``{"error":
+  code, "reason": sentence}``: 400 (malformed JSON, missing/empty ``message``, wrong
+  types, a field neither read nor forwarded (``unsupported_parameter``, named), an option
+  of the wrong type (``invalid_option``), ``max_tokens`` out of range, bad session id
+  or Idempotency-Key), 401/403 (token), 409 (a turn is generating: the body names it,
+  ``turn`` and ``offset``, so the client can watch it; we answer 409 rather than
+  queueing because a queued turn would be generated against a history that does not yet
+  hold the running turn's reply, and a queue hides load from the client), 413 (body or
+  message too large), 415 (not ``application/json``), 429 + Retry-After (every engine
+  full, or ``turns_per_minute`` of this session used), 503 (draining, or Redis
+  unavailable). Without ``max_tokens`` the turn gets ``default_max_tokens``.
 * ``/v1/responses`` (create, retrieve and resume, cancel, delete, input items): OpenAI's
   Responses API, each response a turn of a session (:mod:`worker.fronts.responses.http`);
 * ``POST /v1/chat/completions`` and ``GET /v1/models``: the OpenAI-compatible gateway
@@ -73,7 +76,9 @@ from worker.chat.turnstate import (
 from worker.config import WorkerConfig
 from worker.controls import check_gone
 from worker.fronts.aisdk import http as aisdk
+from worker.fronts.errors import WireError
 from worker.fronts.openai import http as openai
+from worker.fronts.options import engine_options, refusal_code
 from worker.fronts.responses import http as responses
 from worker.jobs import api as jobs_api
 from worker.lifecycle import CFG, REDIS_UNREACHABLE, STORE, lifecycle
@@ -181,11 +186,19 @@ def _parse_replace(body: dict[str, Any]) -> Replace | None:
     return Replace(turn=replaces) if replaces is not None else None
 
 
+# what a turn's body holds besides the engine's options (worker.fronts.options)
+_TURN_FIELDS: Final = frozenset(
+    ("message", "system", "max_tokens", "regenerate", "replaces", "stream")
+)
+
+
 def _parse_turn(
     body: dict[str, Any], cfg: WorkerConfig
-) -> tuple[str | None, str | None, int, Replace | None]:
-    """The turn's message (None: a regenerate), system prompt, max_tokens and the turn
-    it replaces, or :class:`Reject` (400, 413)."""
+) -> tuple[str | None, str | None, int, Replace | None, dict[str, Any]]:
+    """The turn's message (None: a regenerate), system prompt, max_tokens, the turn it
+    replaces and the engine's options (tools, ``stop``, sampling: the one checker of
+    every front, which refuses a field it does not know by name), or :class:`Reject`
+    (400, 413)."""
     replace = _parse_replace(body)
     message = body.get("message")
     if message is None and replace is not None:
@@ -214,7 +227,11 @@ def _parse_turn(
                 Refusal.INVALID_MAX_TOKENS,
                 f"'max_tokens' must be between 1 and {cfg.max_tokens_limit}",
             )
-    return message, system or None, max_tokens or cfg.default_max_tokens, replace
+    try:  # after the turn's own fields: a body without its message says so first
+        options = engine_options(body, _TURN_FIELDS)
+    except WireError as exc:
+        raise Reject(400, refusal_code(exc), exc.message) from None
+    return message, system or None, max_tokens or cfg.default_max_tokens, replace, options
 
 
 async def _post_turn(request: web.Request) -> web.StreamResponse:
@@ -231,7 +248,7 @@ async def _post_turn(request: web.Request) -> web.StreamResponse:
     except BodyRefused as r:  # an unreadable body (400) is counted, as a bad field is
         return _refused(st, Reject(r.status, r.code, r.reason)) if r.status == 400 else refused(r)
     try:
-        message, system, max_tokens, replace = _parse_turn(body, cfg)
+        message, system, max_tokens, replace, options = _parse_turn(body, cfg)
         stream = direct.wants_stream(request.headers.get("Accept"), body)
     except Reject as exc:
         return _refused(st, exc)
@@ -257,7 +274,7 @@ async def _post_turn(request: web.Request) -> web.StreamResponse:
     try:
         started = await st.turns.start_turn(
             sid, message, system=system, max_tokens=max_tokens, idempotency_key=idem,
-            viewer=viewer, replaces=replace,
+            viewer=viewer, replaces=replace, options=options,
         )  # fmt: skip
     except (TurnCancelled, NothingToRegenerate, UnknownReplaced) as exc:
         return _refused(st, _control_refusal(exc))

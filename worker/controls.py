@@ -234,6 +234,8 @@ def conversation_page(
         }
         if isinstance(e.get("parts"), list):
             m["parts"] = e["parts"]
+        if e.get("role") == "tool":  # a tool's result a client sent back: its call's id
+            m["tool_call_id"] = e.get("tool_call_id")
         msgs.append(m)
     if before is not None:
         msgs = [m for m in msgs if isinstance(m["turn"], int) and m["turn"] < before]
@@ -258,19 +260,32 @@ def conversation_page(
 
 def ui_messages(page: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The AI SDK's UI messages of a page (``useChat({messages})``): a reply with parts
-    gets each in order (:func:`relay.protocol.parts.ui_parts`)."""
-    return [
-        {
-            "id": m["id"],
-            "role": m["role"],
-            "parts": ui_parts(m["parts"])
-            if m.get("parts")
-            else [{"type": "text", "text": m["text"]}],
+    gets each in order (:func:`relay.protocol.parts.ui_parts`); a tool's result a client
+    sent back is folded into its call's part (``output-available``), as the SDK holds it."""
+    out: list[dict[str, Any]] = []
+    calls: dict[Any, dict[str, Any]] = {}
+    for m in page:
+        if m["role"] == "tool":
+            call = calls.get(m.get("tool_call_id"))
+            if call is not None:
+                call["state"], call["output"] = "output-available", _json_or_text(m["text"])
+            continue
+        if m["role"] not in ("user", "assistant"):
+            continue
+        parts = ui_parts(m["parts"]) if m.get("parts") else [{"type": "text", "text": m["text"]}]
+        calls.update((p["toolCallId"], p) for p in parts if "toolCallId" in p)
+        out.append({
+            "id": m["id"], "role": m["role"], "parts": parts,
             "metadata": {"turn": m["turn"], "finish_reason": m["finish_reason"]},
-        }
-        for m in page
-        if m["role"] in ("user", "assistant")
-    ]
+        })  # fmt: skip
+    return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return text
 
 
 async def _messages(request: web.Request) -> web.Response:

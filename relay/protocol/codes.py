@@ -87,6 +87,8 @@ class Refusal(enum.StrEnum):
     INVALID_SYSTEM = "invalid_system"  # a turn's system prompt is not a string
     INVALID_MAX_TOKENS = "invalid_max_tokens"  # not an integer in 1..--max-tokens-limit
     INVALID_STREAM = "invalid_stream"  # a turn's ``stream`` is not a boolean
+    UNSUPPORTED_PARAMETER = "unsupported_parameter"  # a field no front reads nor forwards
+    INVALID_OPTION = "invalid_option"  # an engine option (tools, stop, ...) of the wrong type
     INVALID_IDEMPOTENCY_KEY = "invalid_idempotency_key"
     INVALID_TOKEN_REQUEST = "invalid_token_request"  # POST .../tokens: scope or ttl_s
     INVALID_MESSAGES = "invalid_messages"  # the AI SDK chat: no list of messages

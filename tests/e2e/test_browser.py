@@ -469,3 +469,40 @@ async def test_the_page_shows_reasoning_collapsed_and_tool_calls_with_their_resu
         finally:
             await redis.aclose()
             await browser.close()
+
+
+async def test_the_pages_tools_box_makes_its_own_turns_tool_calls(
+    demo: tuple[str, Stack], cluster: ClusterInfo
+) -> None:
+    """With "Tools" checked, the page's own turn offers the engine two tools (the turns
+    API forwards them): the mock engine answers with calls, which the page shows with
+    their arguments, and the stored reply keeps them."""
+    from playwright.async_api import async_playwright
+
+    url, _stack = demo
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        try:
+            page = await browser.new_page()
+            await page.goto(url)
+            await page.click("#new-session")
+            await page.wait_for_function("document.getElementById('state').textContent === 'live'")
+            sid = (await page.text_content("#sid") or "").strip()
+            await page.check("#tools")
+            await page.fill("#message", "Weather in Oslo?")
+            await page.click("#send")
+            await _wait_done(page, 1)
+            await page.wait_for_function(
+                "document.querySelectorAll('.parts .tool.called').length === 2"
+            )
+            tools = await page.eval_on_selector_all(
+                ".parts .tool", "els => els.map(e => e.textContent.trim())"
+            )
+            assert tools == ['🔧 weather({"query": "Weather in Oslo?"})',
+                             '🔧 clock({"query": "Weather in Oslo?"})']  # fmt: skip
+            assert await _counter(page, "problems") == 0
+        finally:
+            await browser.close()
+    stored = await _history(cluster, sid)
+    calls = [p["name"] for p in stored[-1].get("parts", []) if p["type"] == "tool-call"]
+    assert (stored[-1]["finish"], calls) == ("tool_calls", ["weather", "clock"])

@@ -172,6 +172,7 @@ async def test_a_session_turn_with_tools_is_parts_in_the_backlog_and_the_history
         ]
         done = frames[-1].meta or {}
         assert (done["parts"], done["finish_reason"]) == (3, "tool_calls")
+        assert isinstance(done["ttft_ms"], float)  # a reply of calls alone has a first token
         async with aiohttp.ClientSession() as http:
             auth = {"Authorization": f"Bearer {token}"}
             async with http.get(h.url(f"/v1/sessions/{sid}/messages"), headers=auth) as r:

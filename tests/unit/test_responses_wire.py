@@ -130,7 +130,7 @@ def test_the_body_is_checked_and_refused_by_name() -> None:
         ({"input": "x" * 51}, 400, "context_length_exceeded"),
         ({"input": "hi", "model": "gpt-5"}, 404, "model_not_found"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "unsupported_parameter"),
-        ({"input": "hi", "temperature": 0.2}, 400, "unsupported_parameter"),
+        ({"input": "hi", "reasoning": {"effort": "low"}}, 400, "unsupported_parameter"),
         ({"input": "hi", "max_output_tokens": 101}, 400, None),
         ({"input": "hi", "stream": "yes"}, 400, None),
         ({"input": [{"role": "assistant", "content": "a"}]}, 400, None),

@@ -7,6 +7,10 @@ A turn may replace an earlier one and every turn after it:
   a stored reply;
 * **edit** (a new message): the replaced turn's user message is the new one.
 
+A turn that went on after tools (its input the tools' results, no user message) is
+replaced with the same results (:meth:`worker.chat.store.History.tool_results`; an edit
+adds the new message after them).
+
 The replaced turn is named by its number (``turn``, the turn API) or by the id of one
 of its stored messages (``message_id``, the AI SDK: the user message it edits, or the
 reply it regenerates). :func:`resolve_replace` reads it off the session's history; the
@@ -72,6 +76,8 @@ def resolve_replace(
         if turn is None:
             raise NothingToRegenerate("the session has no reply to regenerate yet")
     user = hist.user_message(turn)
+    if user is None and hist.tool_results(turn):  # a turn that went on after tools
+        return turn, message if message is not None else "", None
     if user is None:
         raise UnknownReplaced("turn", f"turn {turn} is not in the session's history")
     uid = user.get("id")

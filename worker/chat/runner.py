@@ -20,7 +20,9 @@ its own (expired during an outage and taken or reaped) stops: it aborts the engi
 request and publishes nothing more, not even a terminal frame (the reaper or the newer
 turn ends the stream; the epoch fencing stays as the second line).
 The first token frame's meta carries the TTFT and the engine's cached-prefix tokens
-(known only when the engine answers, so not in the ``meta`` frame).
+(known only when the engine answers, so not in the ``meta`` frame); the TTFT is the
+time to the first generated token of any kind (text, reasoning, a tool call's chunk), so
+a reply of tool calls alone has one in its ``done`` frame.
 
 End (:meth:`TurnRunner._end`): exactly one terminal frame (the outcomes:
 :mod:`worker.chat.turnstate`); on every path the lease is released exactly once, the
@@ -83,6 +85,14 @@ def _engine_parts(apply: Callable[[Any], None], extra: Any) -> None:
         apply(extra)
     except PartError as exc:
         raise EngineProtocolError(f"the engine's tool call: {exc}") from None
+
+
+def _is_part(extra: Any) -> bool:
+    """Whether an engine delta's ``extra`` starts or carries a part (a tool call's chunk,
+    reasoning): generated tokens, as text is."""
+    return isinstance(extra, dict) and bool(
+        extra.get("tool_calls") or extra.get("reasoning_content") or extra.get("reasoning")
+    )
 
 
 class TurnRunner:
@@ -274,17 +284,18 @@ class TurnRunner:
                         prefill_s=d.usage.prefill_s, completion_tokens=d.usage.completion_tokens,
                         decode_s=d.usage.decode_s,
                     )  # fmt: skip
+                if t.ttft_s is None and (d.text or _is_part(d.extra)):
+                    # the first token of any kind: a reply of tool calls alone has one too
+                    t.lease.first_token()  # cost_aware: this engine's prefill is done
+                    t.ttft_s = time.monotonic() - t.t0
+                    self.metrics.ttft.observe(t.ttft_s)
+                    t.first_meta = {
+                        "ttft_ms": round(t.ttft_s * 1000, 1),
+                        "cached_tokens": t.cached_tokens,
+                        "prompt_tokens": t.prompt_tokens,
+                        "engine_reported": t.engine_reported,
+                    }
                 if d.text:
-                    if t.ttft_s is None:
-                        t.lease.first_token()  # cost_aware: this engine's prefill is done
-                        t.ttft_s = time.monotonic() - t.t0
-                        self.metrics.ttft.observe(t.ttft_s)
-                        t.first_meta = {
-                            "ttft_ms": round(t.ttft_s * 1000, 1),
-                            "cached_tokens": t.cached_tokens,
-                            "prompt_tokens": t.prompt_tokens,
-                            "engine_reported": t.engine_reported,
-                        }
                     first = t.first_meta if not t.sent_first_meta else None
                     t.sent_first_meta = True
                     t.reply.append(d.text)

@@ -6,8 +6,10 @@ operation below is one round trip to one shard (pipelines and Lua stay single-sl
 * ``hist_key(sid)`` list: the chat history, one JSON object per message: ``role``,
   ``content``, and (since turns are numbered in it) ``turn``, ``id`` (the client's
   message id, or ``<sid>-<turn>`` for a reply), ``from`` (the turn's first offset) and,
-  on replies, ``to`` (the turn's terminal offset) and ``finish`` (the finish reason;
-  ``cancelled``: the reply was stopped and is partial); trimmed to the last
+  on replies, ``to`` (the turn's terminal offset), ``finish`` (the finish reason;
+  ``cancelled``: the reply was stopped and is partial) and ``parts`` (its tool calls,
+  reasoning, ...); a tool's result that a client sent back is ``role`` ``tool`` with its
+  ``tool_call_id`` (both replayed to the engine: :mod:`worker.chat.prompt`); trimmed to the last
   ``max_messages`` and expiring ``ttl_s`` after the last write. A regenerate or an
   edit drops the messages of the turns it replaces (:meth:`SessionStore.truncate_from`);
 * ``key(sid, HIST, "state")`` hash: ``system`` (the session's system prompt, replaced
@@ -43,6 +45,7 @@ from typing import Any, Final
 from relay.broker.port import LockHolder, LockState, Store, parse_lock
 from relay.broker.rediscluster.store import RedisStore, state_key
 from relay.protocol.keys import SESSION_TTL_S, idem_key
+from worker.chat.prompt import history_messages, tool_message
 
 __all__ = ["IDEM_TTL_S", "ConversationView", "History", "LockHolder", "SessionStore", "state_key"]
 
@@ -51,21 +54,29 @@ IDEM_TTL_S: Final = 3600  # how long an Idempotency-Key's record answers a retry
 
 @dataclass(frozen=True, slots=True)
 class History:
-    """What the prompt is assembled from: ``messages`` (role and content) and, in the
-    same order, ``entries`` (every stored field: turn, id, offsets, finish)."""
+    """What the prompt is assembled from: ``messages`` (the engine's messages: role and
+    content, a reply's tool calls and the tools' results,
+    :func:`worker.chat.prompt.history_messages`) and ``entries`` (every stored field:
+    turn, id, offsets, finish, parts)."""
 
     system: str | None
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     last_engine: str | None
     entries: list[dict[str, Any]] = field(default_factory=list)
 
-    def before(self, turn: int) -> list[dict[str, str]]:
+    def before(self, turn: int) -> list[dict[str, Any]]:
         """The messages of the turns before ``turn`` (what a regenerate or an edit of
         ``turn`` sends to the engine)."""
+        return history_messages(
+            e for e in self.entries if not isinstance(e.get("turn"), int) or e["turn"] < turn
+        )
+
+    def tool_results(self, turn: int) -> list[dict[str, Any]]:
+        """The tools' results ``turn`` was sent (its input when it went on after tools)."""
         return [
-            m
-            for m, e in zip(self.messages, self.entries, strict=True)
-            if not isinstance(e.get("turn"), int) or e["turn"] < turn
+            tool_message(str(e.get("tool_call_id", "")), str(e.get("content", "")))
+            for e in self.entries
+            if e.get("turn") == turn and e.get("role") == "tool"
         ]
 
     def last_turn(self) -> int | None:
@@ -133,8 +144,8 @@ class SessionStore:
         """The system prompt, the bounded history and the last engine, in one round trip."""
         raw_hist, state = await self.store.history(sid)
         entries = _entries(raw_hist)
-        messages = [{"role": str(e.get("role", "user")), "content": e["content"]} for e in entries]
-        return History(state.get("system") or None, messages, state.get("engine") or None, entries)
+        return History(state.get("system") or None, history_messages(entries),
+                       state.get("engine") or None, entries)  # fmt: skip
 
     async def gone(self, sid: str) -> bool:
         """Whether the session was deleted (its tombstone, ``gone_key``, is there)."""

@@ -16,8 +16,9 @@ A prompt still over the context after trimming goes to the engine as it is: its 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
-from typing import Final
+from typing import Any, Final
 
 __all__ = ["BYTES_PER_TOKEN", "estimate_tokens", "trim_to_context"]
 
@@ -26,17 +27,21 @@ MESSAGE_OVERHEAD: Final = 8  # role markers and separators of a chat template, p
 REPLY_MARGIN: Final = 16  # the template's assistant header and rounding
 
 
-def estimate_tokens(messages: Sequence[Mapping[str, str]]) -> int:
-    """An upper-side estimate of the tokens ``messages`` take in a chat template."""
+def estimate_tokens(messages: Sequence[Mapping[str, Any]]) -> int:
+    """An upper-side estimate of the tokens ``messages`` take in a chat template (an
+    assistant's tool calls counted as their JSON)."""
     total = 0
     for m in messages:
-        total += MESSAGE_OVERHEAD + int(len(m.get("content", "").encode()) / BYTES_PER_TOKEN + 1)
+        size = len(str(m.get("content") or "").encode())
+        if m.get("tool_calls"):
+            size += len(json.dumps(m["tool_calls"]).encode())
+        total += MESSAGE_OVERHEAD + int(size / BYTES_PER_TOKEN + 1)
     return total
 
 
 def trim_to_context(
-    prompt: Sequence[Mapping[str, str]], context_tokens: int, max_tokens: int | None
-) -> tuple[list[dict[str, str]], int]:
+    prompt: Sequence[Mapping[str, Any]], context_tokens: int, max_tokens: int | None
+) -> tuple[list[dict[str, Any]], int]:
     """``prompt`` (an optional system message first, the new user message last) with its
     oldest turns left out until it and ``max_tokens`` fit ``context_tokens``; returns the
     prompt and how many messages were left out. ``context_tokens`` 0: not known, kept whole.

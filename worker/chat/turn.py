@@ -35,7 +35,7 @@ import contextlib
 import time
 import uuid
 from collections import deque
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
 from relay.broker.errors import RedisUnavailable, RelayError
@@ -175,12 +175,13 @@ class TurnManager:
         max_tokens: int | None = None,
         idempotency_key: str | None = None,
         viewer: DirectViewer | None = None,
-        conversation: list[dict[str, str]] | None = None,
+        conversation: list[dict[str, Any]] | None = None,
         replaces: Replace | None = None,
         message_id: str | None = None,
         response: Mapping[str, Any] | None = None,
         background: bool = False,
         options: Mapping[str, Any] | None = None,
+        tool_results: Sequence[Mapping[str, Any]] = (),
     ) -> TurnStarted:
         """Admit a turn and start it; ``viewer`` (closed loop) receives its frames.
         ``conversation`` (the OpenAI gateway's messages, ending with ``message``) is the
@@ -192,15 +193,21 @@ class TurnManager:
         ``response``: the Responses API's request parameters, in the ``meta`` frame (any
         pod builds the response object from it); ``background``: the turn runs to its
         end with nobody watching (its worker counts as its watcher). ``options``: what
-        the engine gets besides the prompt (the gateway's tools, ``stop``, sampling)."""
+        the engine gets besides the prompt (the gateway's tools, ``stop``, sampling).
+        ``tool_results``: the results of the calls of an earlier reply that the client
+        ran (``{"role": "tool", "tool_call_id", "content"}``), sent before ``message``;
+        ``message`` may then be empty (the turn continues after the tools); they are
+        stored in the history with the turn. ``conversation`` ends with this new
+        input."""
         if self.draining:
             raise Draining("worker is shutting down")
         if not self.redis_ready:
             raise RedisUnavailable("redis has not been reached yet")
         owner = f"{self.worker_id}:{uuid.uuid4().hex[:16]}"
         fp = request_fingerprint(
-            message or "", system, max_tokens, None if replaces is None else replaces.key()
-        )
+            message or "", system, max_tokens, None if replaces is None else replaces.key(),
+            options, tool_results,
+        )  # fmt: skip
         if idempotency_key is not None:
             seen = await self.store.claim_idempotency(sid, idempotency_key, owner, fp)
             if isinstance(seen, dict):
@@ -216,7 +223,7 @@ class TurnManager:
             return await self._admit(
                 sid, owner, message, system, max_tokens, idem, viewer, conversation,
                 replaces, message_id, response=response, background=background,
-                options=options,
+                options=options, tool_results=tool_results,
             )  # fmt: skip
         except BaseException:
             if idempotency_key is not None:
@@ -233,13 +240,14 @@ class TurnManager:
         max_tokens: int | None,
         idem: tuple[str, str] | None,
         viewer: DirectViewer | None = None,
-        conversation: list[dict[str, str]] | None = None,
+        conversation: list[dict[str, Any]] | None = None,
         replaces: Replace | None = None,
         message_id: str | None = None,
         *,
         response: Mapping[str, Any] | None = None,
         background: bool = False,
         options: Mapping[str, Any] | None = None,
+        tool_results: Sequence[Mapping[str, Any]] = (),
     ) -> TurnStarted:
         t0 = time.monotonic()
         for attempt in range(self.cfg.lock_retry + 1):
@@ -257,19 +265,26 @@ class TurnManager:
             sys_prompt = system if system else hist.system
             replaced, message, replaced_id = resolve_replace(hist, replaces, message)
             message_id = message_id or replaced_id
+            # a replaced turn that went on after tools is asked again with the same results
+            results = (
+                [dict(m) for m in tool_results] if replaced is None
+                else hist.tool_results(replaced)
+            )  # fmt: skip
+            new = [*results, *([{"role": "user", "content": message}] if message else [])]
             if conversation is not None:
-                prior = conversation[:-1]
+                prior = conversation[: len(conversation) - len(new)]
             elif replaced is not None:
                 prior = hist.before(replaced)
             else:
                 prior = hist.messages
-            convo = [*prior, {"role": "user", "content": message}]
+            convo = [*prior, *new]
             rkey = routing_key(sys_prompt, convo, prefix_chars=self.cfg.prefix_chars)
             prompt = [{"role": "system", "content": sys_prompt}] if sys_prompt else []
             prompt += convo
             info = turn_info(
-                rkey, sys_prompt, prior, message, hist.last_engine, self._blocks(prompt)
-            )
+                rkey, sys_prompt, [*prior, *results], message, hist.last_engine,
+                self._blocks(prompt),
+            )  # fmt: skip
             lease = await adm.wait(route_wait(self.router, rkey, self.cfg.admit_wait_s, info))
             self.metrics.route_decisions.labels(self.router.policy, lease.reason).inc()
             if hist.last_engine is not None and any(
@@ -338,7 +353,7 @@ class TurnManager:
             first_offset=offset, user_id=message_id or "", background=background,
             reply_seed=None if replaced is None else gen.turn,
             options=dict(options or {}),
-            trimmed=trimmed,
+            trimmed=trimmed, tool_results=results,
         )  # fmt: skip
         self.running[sid] = turn
         if adm.stopped.is_set():  # a stop that came after the wait: carried out at once

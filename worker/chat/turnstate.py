@@ -162,14 +162,23 @@ class IdempotencyKeyReused(Exception):
 
 
 def request_fingerprint(
-    message: str, system: str | None, max_tokens: int | None, replaces: str | None = None
+    message: str,
+    system: str | None,
+    max_tokens: int | None,
+    replaces: str | None = None,
+    options: Mapping[str, Any] | None = None,
+    inputs: Sequence[Mapping[str, Any]] = (),
 ) -> str:
     """What identifies a turn request for its Idempotency-Key: the same key with another
-    message, system prompt, max_tokens or replaced turn is a different request."""
+    message, system prompt, max_tokens, replaced turn, engine options (tools, sampling,
+    ...) or tool results is a different request. (A request without options or tool
+    results keeps the fingerprint it had before they were part of it.)"""
     fields: list[object] = [message, system, max_tokens]
     if replaces is not None:
         fields.append(replaces)
-    raw = json.dumps(fields, ensure_ascii=False)
+    if options or inputs:
+        fields.append({"options": dict(options or {}), "inputs": [dict(m) for m in inputs]})
+    raw = json.dumps(fields, ensure_ascii=False, sort_keys=True)
     return hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
@@ -215,7 +224,7 @@ class RunningTurn:
     gen: Turn  # the producer API's turn: its frames, pump and watch
     lease: Lease
     owner: str
-    prompt: list[dict[str, str]]
+    prompt: list[dict[str, Any]]
     message: str
     max_tokens: int | None
     t0: float
@@ -241,6 +250,7 @@ class RunningTurn:
     reply_seed: int | None = None  # a turn that replaces another: its number, to the engine
     options: dict[str, Any] = field(default_factory=dict)  # the engine's: tools, stop, ...
     trimmed: int = 0  # oldest messages left out of the prompt (the engine's context)
+    tool_results: list[dict[str, Any]] = field(default_factory=list)  # sent before message
 
     def local_watchers(self) -> int:
         if self.background:
@@ -279,8 +289,8 @@ class RunningTurn:
             self.computed_tokens = max(0, self.prompt_tokens - self.cached_tokens)
 
     def exchange(self, to: int) -> list[dict[str, Any]]:
-        """The turn's two history entries (the store's fields), its terminal frame at
-        offset ``to``."""
+        """The turn's history entries (the store's fields): the tools' results it was
+        sent, the user's message, the reply; its terminal frame at offset ``to``."""
         turn = self.gen.turn
         reply: dict[str, Any] = {
             "role": "assistant", "content": "".join(self.reply), "turn": turn,
@@ -289,11 +299,17 @@ class RunningTurn:
         }  # fmt: skip
         if parts := self.gen.parts.stored():  # a reply with tool calls, reasoning, data
             reply["parts"] = parts
-        return [
-            {"role": "user", "content": self.message, "turn": turn,
-             "id": self.user_id or f"{self.sid}-{turn}-user", "from": self.first_offset},
-            reply,
+        inputs: list[dict[str, Any]] = [
+            {"role": "tool", "content": str(m.get("content", "")), "turn": turn,
+             "tool_call_id": str(m.get("tool_call_id", "")),
+             "id": f"{self.sid}-{turn}-tool-{i}", "from": self.first_offset}
+            for i, m in enumerate(self.tool_results)
         ]  # fmt: skip
+        if self.message or not inputs:  # a turn after tools alone has no user message
+            inputs.append({"role": "user", "content": self.message, "turn": turn,
+                           "id": self.user_id or f"{self.sid}-{turn}-user",
+                           "from": self.first_offset})  # fmt: skip
+        return [*inputs, reply]
 
     def abort(self, reason: AbortReason) -> None:
         if self.abort_reason is None:

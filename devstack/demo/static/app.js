@@ -45,7 +45,7 @@ async function manageTokens() {
   const c = claims(state.token || "");
   // no claims: auth is off (a token all the same); no token: none in this tab
   state.canWrite = !!state.sid && !!state.token && (!c || c.scope === "write");
-  $("message").disabled = $("send").disabled = $("job").disabled = !state.canWrite;
+  $("message").disabled = $("send").disabled = $("job").disabled = $("tools").disabled = !state.canWrite;
   $("message").placeholder = state.canWrite
     ? "Type a message; every screen on this session sees the reply"
     : !state.sid ? "Press New session first"
@@ -335,6 +335,7 @@ async function restore() {
   try {
     const page = await loadMessages(location.origin, state.sid, state.token, { limit: 200 });
     for (const msg of page.messages) {
+      if (msg.role === "tool") continue;  // a tool's result an agent sent back: not a reply
       const t = turnEl(msg.turn);
       if (msg.role === "user") { t.user.textContent = msg.text; t.user.hidden = false; continue; }
       t.reply.textContent = msg.text;
@@ -383,18 +384,30 @@ async function postTurn(body) {
   return false;
 }
 
+// Two tools the "Tools" box offers the model with a turn (the turns API forwards them to
+// the engine): its reply may then be tool calls, which every screen shows. The page runs
+// no tool; an agent sends the results back (the Responses API, the AI SDK chat POST).
+const DEMO_TOOLS = ["weather", "clock"].map((name) => ({
+  type: "function",
+  function: { name, parameters: { type: "object", properties: { query: { type: "string" } } } },
+}));
+
+function withTools(body) {
+  return $("tools").checked ? { ...body, tools: DEMO_TOOLS } : body;
+}
+
 async function send(ev) {
   ev.preventDefault();
   const text = $("message").value.trim();
   if (!state.sid) { $("notice").textContent = "press New session first"; return; }
   if (!text || !state.canWrite) return;
   $("notice").textContent = "";
-  if (await postTurn({ message: text })) $("message").value = "";
+  if (await postTurn(withTools({ message: text }))) $("message").value = "";
 }
 
 async function regenerate() {
   $("notice").textContent = "";
-  await postTurn({ regenerate: true });
+  await postTurn(withTools({ regenerate: true }));
 }
 
 // An offline job: POST /v1/jobs (RabbitMQ), then poll its status; when done, the whole

@@ -3,7 +3,11 @@
 ``useChat`` with ``DefaultChatTransport({api: "/v1/chat", headers: {Authorization:
 "Bearer <token>"}})`` and the chat's ``id`` = a tokenrelay session id works as is:
 
-- the body is the SDK's ``{id, messages: [UI messages with parts], trigger, messageId}``;
+- the body is the SDK's ``{id, messages: [UI messages with parts], trigger, messageId}``
+  and what the page adds with useChat's ``body`` (or ``sendMessage``'s): the engine's
+  options (``tools``, ``tool_choice``, ``stop``, sampling, ...), checked by every front's
+  one checker (:mod:`worker.fronts.options`), which refuses any other field by name
+  (400 ``unsupported_parameter``; ``invalid_option`` for a wrong type);
   the last message must be the user's (its ``text`` parts joined) and starts a turn of
   session ``id`` exactly like ``POST /v1/sessions/{id}/turns`` (the session's history
   in Redis is the conversation: earlier messages of the body are not re-sent to the
@@ -24,6 +28,11 @@ every later one are replaced, the new text asked); the user message's own ``id``
 kept in the history, so a page reloaded from ``GET /v1/sessions/{id}/messages?format=ui``
 edits with the ids it was given.
 
+When the page ran the tools itself (``addToolOutput``, then ``sendAutomaticallyWhen``),
+the last message is the assistant's, its tool parts with their outputs: the turn goes on
+after them (its input: the outputs the history does not hold yet, as ``role: tool``
+messages, stored with the turn), whatever ``messageId`` says.
+
 Refusals are JSON ``{"error", "reason"}`` with the turns POST's codes (400, 401/403, 404
 ``unknown_message``, 409 (``nothing_to_regenerate`` too), 413, 415, 429, 503).
 
@@ -33,6 +42,7 @@ route table.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any, Final
@@ -51,9 +61,12 @@ from relay.service.jsonbody import BodyRefused, parse_json
 from relay.service.register import Handler
 from worker.access import RateLimited
 from worker.chat.direct import DirectViewer
+from worker.chat.prompt import tool_message
 from worker.chat.replace import NothingToRegenerate, Replace, UnknownReplaced
 from worker.chat.turnstate import Draining, IdempotencyPending, TurnBusy, TurnCancelled
 from worker.controls import check_gone
+from worker.fronts.errors import WireError
+from worker.fronts.options import engine_options, refusal_code
 from worker.routing.lease import AllEnginesFull
 from worker.state import STATE, WorkerState
 
@@ -63,6 +76,7 @@ log = logging.getLogger(__name__)
 
 _BLOCK_MS: Final = 1000  # below the worker's Redis socket timeout
 _IDLE_S: Final = 120.0  # no frame of the turn for this long: end the stream with an error
+_OWN: Final = frozenset(("id", "messages", "trigger", "messageId"))  # the SDK's own fields
 
 
 class ChatError(Reject):
@@ -77,9 +91,11 @@ class ChatError(Reject):
 class ChatRequest:
     """What a chat POST asks for: a turn of ``session`` with ``message`` (None: a
     regenerate), replacing ``replaces`` (None: a new turn); ``message_id`` is the user
-    message's id."""
+    message's id; ``options`` the engine's (tools, ``stop``, sampling)."""
 
-    __slots__ = ("message", "message_id", "replaces", "session", "system")
+    __slots__ = (
+        "message", "message_id", "options", "replaces", "session", "system", "tool_results",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -88,9 +104,13 @@ class ChatRequest:
         system: str | None,
         replaces: Replace | None = None,
         message_id: str | None = None,
+        options: dict[str, Any] | None = None,
+        tool_results: list[dict[str, Any]] | None = None,
     ) -> None:
         self.session, self.message, self.system = session, message, system
         self.replaces, self.message_id = replaces, message_id
+        self.options: dict[str, Any] = options or {}
+        self.tool_results: list[dict[str, Any]] = tool_results or []
 
 
 def _text(msg: dict[str, Any]) -> str:
@@ -106,12 +126,48 @@ def _text(msg: dict[str, Any]) -> str:
     return content if isinstance(content, str) else ""
 
 
+def _tool_outputs(msg: object) -> list[dict[str, Any]]:
+    """The tools' results of an assistant UI message (its tool parts in state
+    ``output-available`` or ``output-error``), as ``role: tool`` messages; none for any
+    other message."""
+    if not isinstance(msg, dict) or msg.get("role") != "assistant":
+        return []
+    out = []
+    for p in msg.get("parts") or ():
+        if not isinstance(p, dict) or not isinstance(p.get("toolCallId"), str):
+            continue
+        kind, state = str(p.get("type", "")), p.get("state")
+        if not (kind.startswith("tool-") or kind == "dynamic-tool"):
+            continue
+        if state == "output-available":
+            value = p.get("output")
+            text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        elif state == "output-error":
+            text = str(p.get("errorText", ""))
+        else:
+            continue
+        out.append(tool_message(p["toolCallId"], text))
+    return out
+
+
+async def _new_results(st: WorkerState, req: ChatRequest) -> list[dict[str, Any]]:
+    """The tools' results the session's history does not hold yet (the page sends its
+    whole assistant message, whose earlier steps' results are stored already)."""
+    hist = await st.turns.store.load(req.session)
+    seen = {m.get("tool_call_id") for m in hist.messages if m.get("role") == "tool"}
+    return [r for r in req.tool_results if r["tool_call_id"] not in seen]
+
+
 def parse_chat(raw: bytes, max_chars: int) -> ChatRequest:
     """The AI SDK's chat body -> :class:`ChatRequest`, or :class:`ChatError`."""
     try:
         body = parse_json(raw)
     except BodyRefused as exc:
         raise ChatError(exc.status, exc.code, exc.reason) from None
+    try:
+        options = engine_options(body, _OWN)
+    except WireError as exc:
+        raise ChatError(400, refusal_code(exc), exc.message) from None
     try:
         sid = parse_session(body.get("id"))
     except InvalidSessionId as exc:
@@ -125,10 +181,16 @@ def parse_chat(raw: bytes, max_chars: int) -> ChatRequest:
     if target is not None and (not isinstance(target, str) or not 0 < len(target) <= 256):
         raise ChatError(400, Refusal.INVALID_MESSAGES, "'messageId' must be a message id")
     if trigger == "regenerate-message":
-        return ChatRequest(sid, None, None, Replace(message_id=target))
+        return ChatRequest(sid, None, None, Replace(message_id=target), options=options)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ChatError(400, Refusal.INVALID_MESSAGES, "'messages' must be a non-empty list")
+    results = _tool_outputs(messages[-1])
+    if results:  # the page ran the tools (addToolOutput): the reply goes on after them
+        if sum(len(r["content"]) for r in results) > max_chars:
+            raise ChatError(413, Refusal.MESSAGE_TOO_LARGE,
+                            f"tool outputs longer than {max_chars} characters")  # fmt: skip
+        return ChatRequest(sid, "", None, options=options, tool_results=results)
     # The SDK sends the whole history, its last entry the new user message: the turn's
     # message is the last user message with text (the session keeps the history itself).
     last = next(
@@ -153,7 +215,7 @@ def parse_chat(raw: bytes, max_chars: int) -> ChatRequest:
         if len(value) > max_chars:
             raise ChatError(413, code, f"{name} longer than {max_chars} characters")
     replaces = Replace(message_id=target) if target is not None else None
-    return ChatRequest(sid, message, system or None, replaces, mid)
+    return ChatRequest(sid, message, system or None, replaces, mid, options)
 
 
 async def _tail(st: WorkerState, sid: str, ui: UiTurn, last: int, resp: web.StreamResponse) -> None:
@@ -211,10 +273,15 @@ def handlers() -> dict[str, Handler]:
             return refusal(503, Refusal.REDIS_UNAVAILABLE, "redis did not answer", RETRY_AFTER)
         try:
             await check_gone(st.turns.store, req.session)
+            results = await _new_results(st, req) if req.tool_results else []
+            if req.tool_results and not results:
+                reason = "every tool output of the last message is in the history already"
+                return refusal(400, Refusal.INVALID_MESSAGE, reason)
             viewer = DirectViewer()
             started = await st.turns.start_turn(
                 req.session, req.message, system=req.system, max_tokens=cfg.default_max_tokens,
                 replaces=req.replaces, message_id=req.message_id, viewer=viewer,
+                options=req.options, tool_results=results,
             )  # fmt: skip
         except Reject as exc:
             return exc.response()

@@ -4,7 +4,9 @@ A ``POST /v1/chat/completions`` that names a session (header ``X-Session-Id: <si
 ``"user": "session:<sid>"``) runs as one of that session's turns instead of a bare
 engine request: the same lock (one turn at a time), router, presence and backlog, so
 every screen on the session (relays, any reconnect) sees it stream, and the exchange is
-appended to the session's history. The request's own ``messages`` are the prompt. The
+appended to the session's history. The request's own ``messages`` are the prompt; they
+end with the user's message, or with the tools' results (``role: tool``) of the reply
+before, which are stored in the history with the turn. The
 OpenAI answer is built from the turn's frames as they are published (the closed loop's
 viewer, :mod:`worker.chat.direct`): ``token`` frames become content deltas, ``done`` the
 finish (``usage`` from its meta), ``error`` an OpenAI error.
@@ -35,6 +37,7 @@ from relay.protocol.keys import InvalidSessionId, parse_session
 from relay.service.apikeys import check_api_key
 from relay.service.errors import error_body
 from worker.chat.direct import DirectViewer
+from worker.chat.prompt import new_input
 from worker.chat.turnstate import Draining, TurnBusy
 from worker.fronts.base import Gateway
 from worker.fronts.errors import WireError
@@ -109,16 +112,17 @@ async def complete(
     if gw.turns is None:
         return gw.error(WireError(400, "sessions are not available on this gateway"))
     convo = req.conversation
-    if not convo or convo[-1]["role"] != "user" or not convo[-1]["content"].strip():
-        return gw.error(WireError(400, "with a session, the last message must be the user's",
-                                  param="messages"))  # fmt: skip
+    new = new_input(convo)
+    if new is None:
+        return gw.error(WireError(400, "with a session, the last message must be the user's "
+                                  "or a tool's result", param="messages"))  # fmt: skip
     viewer = DirectViewer()
     try:
         if await gw.turns.store.gone(sid):
             return gw.error(WireError(410, "the session was deleted", code="session_deleted"))
         await gw.turns.start_turn(
-            sid, convo[-1]["content"], system=req.system, max_tokens=req.max_tokens,
-            viewer=viewer, conversation=convo, options=req.options,
+            sid, new.message, system=req.system, max_tokens=req.max_tokens,
+            viewer=viewer, conversation=convo, options=req.options, tool_results=new.results,
         )  # fmt: skip
     except TurnBusy:
         return gw.error(WireError(409, "a turn of this session is generating; watch it",

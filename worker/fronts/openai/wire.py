@@ -9,9 +9,10 @@ Order of use: :func:`parse_request` (raises :class:`worker.fronts.errors.WireErr
 answered with its status) -> per delta :func:`chunk` -> :func:`usage_chunk` when asked ->
 ``data: [DONE]``; or :func:`completion` for ``stream: false`` (its tool calls, reasoning
 and logprobs folded in with :func:`gather`). Every option of the request reaches the
-engine (:data:`PASS_THROUGH`: tools, ``tool_choice``, ``parallel_tool_calls``,
-``response_format``, logprobs, ``seed``, ``stop``, sampling) or is refused by name; an
-assistant's ``tool_calls`` and a tool's result stay in the messages.
+engine (tools, ``tool_choice``, ``parallel_tool_calls``, ``response_format``, logprobs,
+``seed``, ``stop``, sampling: checked by every front's one checker,
+:func:`worker.fronts.options.engine_options`) or is refused by name; an assistant's
+``tool_calls`` and a tool's result stay in the messages.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from worker.fronts.errors import WireError
+from worker.fronts.options import PASS_THROUGH, engine_options
 
 __all__ = [
     "PASS_THROUGH",
@@ -39,24 +41,6 @@ __all__ = [
 ]
 
 ROLES: Final = frozenset(("system", "developer", "user", "assistant", "tool"))
-# Options forwarded to the engine unchanged when the client sets them (checked for their
-# type here; what the engine cannot do it refuses by name, and that 400 is passed on).
-PASS_THROUGH: Final = (
-    "temperature",
-    "top_p",
-    "stop",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "response_format",
-    "logprobs",
-    "top_logprobs",
-    "reasoning_effort",
-)
 # Read by the gateway itself; any other field is refused by name, never ignored.
 _OWN: Final = frozenset((
     "model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
@@ -171,63 +155,6 @@ def _messages(raw: object, max_chars: int) -> list[dict[str, Any]]:
     return out
 
 
-def _options(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The engine's options of a request, each checked for its type; a field neither
-    forwarded nor read by the gateway is refused by name."""
-    for k in body:
-        if k not in _OWN and k not in PASS_THROUGH:
-            raise WireError(400, f"unsupported parameter '{k}': this gateway does not "
-                            "forward it to the engine", param=k)  # fmt: skip
-    opts = {k: body[k] for k in PASS_THROUGH if body.get(k) is not None}
-    bad = None
-    if "tools" in opts and (
-        not isinstance(opts["tools"], list)
-        or not all(
-            isinstance(t, dict)
-            and t.get("type") == "function"
-            and isinstance((t.get("function") or {}).get("name"), str)
-            for t in opts["tools"]
-        )
-    ):
-        bad = ("tools", "a list of {'type': 'function', 'function': {'name', ...}}")
-    choice = opts.get("tool_choice")
-    if (
-        choice is not None
-        and choice not in ("none", "auto", "required")
-        and not (
-            isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str)
-        )
-    ):
-        bad = (
-            "tool_choice",
-            "'none', 'auto', 'required' or {'type': 'function', 'function': {'name'}}",
-        )
-    for k in ("parallel_tool_calls", "logprobs"):
-        if k in opts and not isinstance(opts[k], bool):
-            bad = (k, "a boolean")
-    for k in ("seed", "top_logprobs"):
-        if k in opts and (isinstance(opts[k], bool) or not isinstance(opts[k], int)):
-            bad = (k, "an integer")
-    for k in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-        if k in opts and (isinstance(opts[k], bool) or not isinstance(opts[k], int | float)):
-            bad = (k, "a number")
-    stop = opts.get("stop")
-    if (
-        stop is not None
-        and not isinstance(stop, str)
-        and not (
-            isinstance(stop, list) and len(stop) <= 4 and all(isinstance(x, str) for x in stop)
-        )
-    ):
-        bad = ("stop", "a string or a list of up to 4 strings")
-    for k in ("response_format", "logit_bias"):
-        if k in opts and not isinstance(opts[k], dict):
-            bad = (k, "an object")
-    if bad is not None:
-        raise WireError(400, f"'{bad[0]}' must be {bad[1]}", param=bad[0])
-    return opts
-
-
 def _int_field(body: Mapping[str, Any], name: str) -> int | None:
     v = body.get(name)
     if v is None:
@@ -272,7 +199,7 @@ def parse_request(
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise WireError(400, "'user' must be a string", param="user")
-    options = _options(body)
+    options = engine_options(body, _OWN)
     return ChatRequest(
         model=model,
         messages=messages,

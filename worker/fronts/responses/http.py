@@ -17,7 +17,8 @@
   worker stops any turn), then the object once the turn ended (``cancelled``).
 - ``DELETE /v1/responses/{id}``: the response's conversation is its session, and that
   session is deleted (:func:`worker.controls.delete_session`): every response of it.
-- ``GET /v1/responses/{id}/input_items``: the turn's user message.
+- ``GET /v1/responses/{id}/input_items``: the turn's input: the tools' results it was
+  sent (``function_call_output``) and the user's message.
 
 Auth: a gateway key (``--gateway-key``). A response and its conversation belong to the
 key that created them (their session's state hash holds the kit's owner tag,
@@ -70,6 +71,7 @@ from relay.service.register import Handler
 from worker.access import RateLimited
 from worker.chat.cancel import StopStatus
 from worker.chat.direct import DirectViewer
+from worker.chat.prompt import as_entry
 from worker.chat.turnstate import Draining, TurnBusy
 from worker.controls import delete_session
 from worker.fronts.base import GATEWAY
@@ -268,8 +270,8 @@ async def _session_for(
     sid = new_session_id()
     await st.access.take_session(st.store, request, sid)
     await st.store.set_state(sid, OWNER_FIELD, owner_tag(OWNER, who, sid), st.turns.store.ttl_s)
-    if len(req.messages) > 1:  # the earlier items become the stored conversation
-        await st.turns.store.append_exchange(sid, req.messages[:-1], None)
+    if req.earlier:  # the earlier items become the stored conversation
+        await st.turns.store.append_exchange(sid, [as_entry(m) for m in req.earlier], None)
     return sid
 
 
@@ -290,16 +292,16 @@ async def create(request: web.Request) -> web.StreamResponse:
         sid = await _session_for(st, request, req, gw.caller(header))
         await st.access.check_turn_rate(st.store, sid)
         viewer = DirectViewer()
-        prior = req.messages[:-1] if req.previous_response_id or req.conversation else []
+        continued = req.previous_response_id or req.conversation
         convo = None
-        if prior:  # a continuation with earlier items: history + items are the prompt
+        if continued and req.earlier:  # with earlier items: history + items are the prompt
             hist = await st.turns.store.load(sid)
             convo = [*hist.messages, *req.messages]
         params = req.params()
         started = await st.turns.start_turn(
-            sid, req.messages[-1]["content"], system=req.instructions,
-            max_tokens=req.max_tokens, viewer=viewer, conversation=convo, response=params,
-            background=req.background,
+            sid, req.message, system=req.instructions, max_tokens=req.max_tokens,
+            viewer=viewer, conversation=convo, response=params, background=req.background,
+            options=req.options, tool_results=req.tool_results,
         )  # fmt: skip
     except WireError as exc:
         return _error(exc)
@@ -433,21 +435,36 @@ async def input_items(request: web.Request) -> web.StreamResponse:
     st, rid = found
     try:
         hist = await st.turns.store.load(rid.session)
-        entry = next((e for e in hist.entries if e.get("turn") == rid.turn
-                      and e.get("role") == "user"), None)  # fmt: skip
-        text = str(entry["content"]) if entry is not None else None
-        if text is None:
+        entries = [e for e in hist.entries if e.get("turn") == rid.turn
+                   and e.get("role") in ("user", "tool")]  # fmt: skip
+        if not entries:
             stored = await _stored(st, rid)  # a running turn: its meta frame holds it
-            text = stored.message if stored is not None else None
+            if stored is not None:
+                entries = [{"role": "user", "content": stored.message}]
     except RelayError:
         return _error(_unavailable("redis did not answer; retry"), _retry(1))
-    if text is None:
+    if not entries:
         return _error(_unknown(str(rid)))
-    item_id = f"msg_{rid.session}_{rid.turn}_input"
-    item = {"id": item_id, "type": "message", "role": "user", "status": "completed",
-            "content": [{"type": "input_text", "text": text}]}  # fmt: skip
-    return _json({"object": "list", "data": [item], "first_id": item_id, "last_id": item_id,
-                  "has_more": False})  # fmt: skip
+    items = [_input_item(rid, i, e) for i, e in enumerate(entries)]
+    return _json({"object": "list", "data": items, "first_id": items[0]["id"],
+                  "last_id": items[-1]["id"], "has_more": False})  # fmt: skip
+
+
+def _input_item(rid: ResponseId, i: int, entry: dict[str, Any]) -> dict[str, Any]:
+    """A turn's stored input as the Responses API's input item: the user's message, or a
+    tool's result (``function_call_output``)."""
+    base = f"{rid.session}_{rid.turn}"
+    if entry.get("role") == "tool":
+        return {"id": f"fco_{base}_{i}", "type": "function_call_output", "status": "completed",
+                "call_id": str(entry.get("tool_call_id", "")),
+                "output": str(entry.get("content", ""))}  # fmt: skip
+    return {
+        "id": f"msg_{base}_input",
+        "type": "message",
+        "role": "user",
+        "status": "completed",
+        "content": [{"type": "input_text", "text": str(entry.get("content", ""))}],
+    }
 
 
 def handlers(cors_origin: str) -> dict[str, Handler | dict[str, Handler]]:
