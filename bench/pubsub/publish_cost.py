@@ -72,7 +72,7 @@ BEFORE_SOURCE = (
 )
 # The least any script can do: the floor's XADD and SPUBLISH, inside EVALSHA, same ARGV.
 LUA_FLOOR_SOURCE = """local off, total = tonumber(ARGV[2]), 0
-for i = 9, #ARGV do
+for i = 10, #ARGV do
   off = off + 1
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], off .. '-1', 'f', ARGV[i], 'b', total)
   redis.call('SPUBLISH', KEYS[3], ARGV[i])
