@@ -16,7 +16,8 @@ The prediction is :func:`tokenrelay.capacity.core.plan` for the check phase's ta
 token), with the fitted costs: the cores of the relays, the Redis masters and the
 workers (the publish path). The measurement is each participant's CPU seconds over the
 check phase's rounds per wall second (medians; the masters' share from the run's Redis
-CPU by role). Printed: both and measured / predicted. Neither side includes the plan's
+CPU by role), over the seconds its producer published (the CPU of the round's settling
+after them included). Printed: both and measured / predicted. Neither side includes the plan's
 headroom (``--utilisation``): cores, not pods.
 
 ``python -m bench.peers.capcheck [--quick] [--json PATH] [--seed N]``;
@@ -42,11 +43,16 @@ ROLES = (("relay", "server", "relay_cores"), ("Redis masters", "redis_masters",
          "redis_master_cores"), ("workers (publish path)", "producer", "worker_cores"))  # fmt: skip
 
 
+def _seconds(r: dict[str, Any]) -> float:
+    """A round's publishing seconds (its window, where the round does not say)."""
+    return float(r["notes"].get("producer_seconds") or r["wall_s"] or 1.0)
+
+
 def _cores(rounds: list[dict[str, Any]], key: str) -> float:
-    """Median over the rounds of a participant's CPU seconds per wall second."""
+    """Median over the rounds of a participant's CPU seconds per publishing second."""
     got = []
     for r in rounds:
-        wall = float(r["wall_s"]) or 1.0
+        wall = _seconds(r)
         cpu = r["notes"].get("redis_masters_cpu_s") if key == "redis_masters" else None
         got.append(float(cpu if cpu is not None else r["cpu_s"].get(key, 0.0)) / wall)
     return float(statistics.median(got)) if got else 0.0
@@ -59,8 +65,7 @@ def check(res: dict[str, Any], fit: str, probe: str) -> dict[str, Any]:
     costs = costs_from_pathcost(only_fit, ph["viewers"])
     got = res["results"][probe]["tokenrelay"]
     rounds = got["rounds"]
-    wall = statistics.median(float(r["wall_s"]) or 1.0 for r in rounds)
-    per_session = statistics.median(r["published"] for r in rounds) / wall / ph["sessions"]
+    per_session = statistics.median(r["published"] / _seconds(r) for r in rounds) / ph["sessions"]
     target = Target(ph["sessions"] * ph["viewers"], per_session, ph["viewers"])
     p = plan(target, costs, Assumptions())
     rows = []

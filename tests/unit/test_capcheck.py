@@ -18,9 +18,10 @@ def _result() -> dict[str, Any]:
     measured = {"kept_up": True, "lost": 0, "us_per_token": {"server": 99.0},
                 "us_per_published": {"producer": 99.0, "redis_masters": 99.0,
                                      "redis_replicas": 99.0},
-                "rounds": [{"wall_s": 2.0, "published": 2000,
+                "rounds": [{"wall_s": 3.5, "published": 2000,  # (published over 2 s)
                             "cpu_s": {"server": 0.5, "producer": 0.1, "redis": 0.3},
-                            "notes": {"redis_masters_cpu_s": 0.2}}]}  # fmt: skip
+                            "notes": {"redis_masters_cpu_s": 0.2,
+                                      "producer_seconds": 2.0}}]}  # fmt: skip
     return {
         "phases": {"fit": fit, "probe": probe},
         "results": {"fit": {"tokenrelay": fitted}, "probe": {"tokenrelay": measured}},
