@@ -1,9 +1,7 @@
 -- The publish script as it was before its per-frame writes were cut (relay/broker/
 -- rediscluster/lua/publish.lua at that time), kept verbatim as the baseline that
 -- bench.pubsub.publish_cost measures beside the current script and the XADD + SPUBLISH floor.
--- Loaded after the product's backlog.lua. Not used by any producer. It gets today's
--- script's ARGV, whose frames now start at ARGV[10] (ARGV[9]: the producer's clock): the
--- loop's first index is the one line changed.
+-- Loaded after the product's backlog.lua. Not used by any producer.
 -- Append frames and SPUBLISH each, fenced: a stale epoch or generation gets FENCED
 -- <epoch> and writes nothing; an offset that is not the expected one gets OFFSET <off>.
 -- KEYS: meta hash, backlog stream, live channel.
@@ -23,7 +21,7 @@ if epoch < tonumber(ARGV[1]) then
   if turn < tonumber(ARGV[6]) then redis.call('HSET', KEYS[1], 'turn', ARGV[6]) end
 end
 local total = backlog_total(KEYS[1], KEYS[2])
-for i = 10, #ARGV do
+for i = 9, #ARGV do
   off = off + 1
   total = backlog_add(KEYS[2], ARGV[3], string.format('%d-1', off), ARGV[i], total)
   redis.call('SPUBLISH', KEYS[3], ARGV[i])
