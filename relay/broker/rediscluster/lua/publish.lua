@@ -46,16 +46,17 @@ local ttl_ms = tonumber(ARGV[4]) * 1000
 local exp = tonumber(cur[6] or '')
 local expire = refresh or ARGV[5] == '1' or exp == nil or now < exp
   or now - exp > math.min(60000, math.floor(ttl_ms / 16))
-local set = {'offset', off, 'bytes', total}
 if not cur[5] then  -- a failover lost the OPEN: the session's lifetime, for relays to extend it by
-  set[#set + 1] = 'ttl'
-  set[#set + 1] = ARGV[4]
+  if expire then
+    redis.call('HSET', KEYS[1], 'offset', off, 'bytes', total, 'ttl', ARGV[4], 'exp', ARGV[9])
+  else
+    redis.call('HSET', KEYS[1], 'offset', off, 'bytes', total, 'ttl', ARGV[4])
+  end
+elseif expire then
+  redis.call('HSET', KEYS[1], 'offset', off, 'bytes', total, 'exp', ARGV[9])
+else
+  redis.call('HSET', KEYS[1], 'offset', off, 'bytes', total)
 end
-if expire then
-  set[#set + 1] = 'exp'
-  set[#set + 1] = ARGV[9]
-end
-redis.call('HSET', KEYS[1], unpack(set))
 if ARGV[5] == '1' then redis.call('HDEL', KEYS[1], 'open') end
 if expire then
   redis.call('EXPIRE', KEYS[1], ARGV[4])
