@@ -229,6 +229,14 @@ CATALOG: tuple[Benchmark, ...] = (
         quick=None,
         plot=True,
     ),
+    # Not in make bench: a pathcost run of its own, to check the capacity planner
+    Benchmark(
+        "capcheck",
+        "bench.peers.capcheck",
+        "tokenrelay capacity's predicted cores for a shape it was not fitted on, beside "
+        "the measured cores (relay, Redis masters, publish path)",
+        quick=None,
+    ),
     Benchmark(
         "relay_memory",
         "bench.relay.memory",

@@ -11,6 +11,9 @@ are printed per tree with the ratio B / A.
         --keys relay_cpu_us_per_frame,latency_p99_ms \\
         -- bench.relay.throughput --quick --phases latency5k
 
+A key is a top-level key of the JSON, one of its ``results``, or a dotted path into
+nested objects (``summary.1.script.x_floor``).
+
 ``--json PATH`` writes every round's figures, the medians and the ratios.
 """
 
@@ -42,6 +45,10 @@ def _round(tree: Path, module: str, args: list[str], keys: list[str]) -> dict[st
     got: dict[str, float] = {}
     for key in keys:
         value = data.get(key, data.get("results", {}).get(key))
+        if value is None and "." in key:  # a path into nested objects: summary.1.script.x
+            value = data
+            for part in key.split("."):
+                value = value.get(part) if isinstance(value, dict) else None
         if not isinstance(value, int | float):
             raise SystemExit(f"error: {module}'s JSON has no number under {key!r}")
         got[key] = float(value)

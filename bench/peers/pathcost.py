@@ -85,6 +85,7 @@ class Config:
     systems: tuple[str, ...] = ALL
     only: tuple[str, ...] = ()  # phase names to run (empty: every phase)
     custom: tuple[Phase, ...] = ()  # these instead of the phases above (pathscale)
+    masters: int = 3  # of the cluster started here (each with one replica)
     seed: int = 0
     profile: str | None = None
     notes: dict[str, str] = field(default_factory=dict)
@@ -179,7 +180,7 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
     failed: dict[str, dict[str, str]] = {}  # phase -> peer -> why its round failed
     async with bench_stack("pathcost-") as st:
         own = url is None
-        url = await st.cluster(masters=3, replicas=1, url=url)
+        url = await st.cluster(masters=cfg.masters, replicas=1, url=url)
         host, port = url.split("//", 1)[1].rsplit(":", 1)
         seed = Addr(host, int(port))
         log_dir = st.log_dir
@@ -237,7 +238,7 @@ async def run(cfg: Config, url: str | None = None) -> dict[str, Any]:
         "order": order,
         "config": asdict(cfg),
         "versions": {"python": sys.version.split()[0], **versions},
-        "cluster": "started here (3 masters + 3 replicas)" if own else url,
+        "cluster": f"started here ({cfg.masters} masters + {cfg.masters} replicas)" if own else url,
         "cpus": os.cpu_count(),
         "loadavg_start": load_start,
         "loadavg_end": Path("/proc/loadavg").read_text().split()[:3],

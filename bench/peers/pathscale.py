@@ -7,17 +7,21 @@ alternating, medians of rounds; each point is one LLM-rate phase of it).
 - ``sessions_<n>``: ``n`` live sessions x 1 screen, replying at ``--rate`` tokens/s with
   gaps between turns (:mod:`bench.peers.llmshape`: most live sessions are between turns,
   so this grows idle and streaming sessions together);
-- ``screens_<k>``: ``--fan-sessions`` sessions x ``k`` screens each.
+- ``screens_<k>``: ``--fan-sessions`` sessions x ``k`` screens each;
+- ``masters_<m>``: ``--masters-sessions`` sessions x 1 screen on a cluster of ``m``
+  masters (+ ``m`` replicas), each its own run of :mod:`bench.peers.pathcost` on a
+  cluster started for it (the other points run on 3 masters); ``--masters ''`` leaves
+  this sweep out.
 
 ``python -m bench.peers.pathscale [--quick] [--json PATH] [--seed N] [--plot PATH]``;
-``--plot`` draws the four curves as a PNG (matplotlib; the run says so when it is missing).
+``--plot`` draws the curves as a PNG (matplotlib; the run says so when it is missing).
 ``--report PATH.json`` prints the markdown of bench/README.md.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +36,9 @@ __all__ = ["main", "plan", "plot", "report"]
 SYSTEMS = ("tokenrelay", "centrifugo", "socketio-streams")
 
 
-def _ints(text: str, what: str) -> tuple[int, ...]:
+def _ints(text: str, what: str, *, empty: bool = False) -> tuple[int, ...]:
+    if empty and not text.strip():
+        return ()
     try:
         got = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
@@ -65,8 +71,16 @@ def _series(res: dict[str, Any], prefix: str) -> dict[str, list[tuple[int, float
     return {k: sorted(v) for k, v in out.items()}
 
 
+SWEEPS = (
+    ("sessions_", "live sessions (1 screen each)"),
+    ("screens_", "screens per session"),
+    ("masters_", "Redis masters"),
+)
+
+
 def plot(res: dict[str, Any], path: Path) -> str:
-    """The four curves as a PNG at ``path``; what was written, or why nothing was."""
+    """The curves (per sweep in the run: CPU per token and p99) as a PNG at ``path``;
+    what was written, or why nothing was."""
     try:
         import matplotlib
 
@@ -74,16 +88,19 @@ def plot(res: dict[str, Any], path: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "no PNG: matplotlib is not installed (pip install matplotlib)"
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
-    for col, (prefix, label) in enumerate((("sessions_", "live sessions (1 screen each)"),
-                                           ("screens_", "screens per session"))):  # fmt: skip
+    sweeps = [(p, label) for p, label in SWEEPS if _series(res, p)]
+    if not sweeps:
+        return "no PNG: no sweep point in the run"
+    fig, axes = plt.subplots(2, len(sweeps), figsize=(5.5 * len(sweeps), 7.5), squeeze=False)
+    for col, (prefix, label) in enumerate(sweeps):
         for sysname, pts in _series(res, prefix).items():
             xs = [p[0] for p in pts]
             axes[0][col].plot(xs, [p[1] for p in pts], marker="o", label=sysname)
             axes[1][col].plot(xs, [p[2] for p in pts], marker="o", label=sysname)
         for row, ylab in enumerate(("whole path µs per delivered token", "p99 ms")):
             ax = axes[row][col]
-            ax.set_xscale("log")
+            if prefix != "masters_":
+                ax.set_xscale("log")
             ax.set_xlabel(label)
             ax.set_ylabel(ylab)
             ax.grid(True, alpha=0.3)
@@ -99,7 +116,7 @@ def plot(res: dict[str, Any], path: Path) -> str:
 def report(res: dict[str, Any]) -> str:
     head = "| sweep | x | " + " | ".join(f"{s} µs/token, p99 ms" for s in SYSTEMS) + " |"
     lines = [head, "|" + "---|" * (2 + len(SYSTEMS))]
-    for prefix in ("sessions_", "screens_"):
+    for prefix, _ in SWEEPS:
         by = _series(res, prefix)
         xs = sorted({p[0] for pts in by.values() for p in pts})
         for x in xs:
@@ -119,14 +136,33 @@ def report(res: dict[str, Any]) -> str:
     return "\n".join([*lines, "", *missing, *failed, *tail])
 
 
+def _merge(res: dict[str, Any] | None, more: dict[str, Any], masters: int) -> dict[str, Any]:
+    """A masters point's run (its own cluster) into the sweep's result (or the first)."""
+    run_of = {k: more[k] for k in ("cluster", "loadavg_start", "loadavg_end", "seconds",
+                                   "redis_idle_cpu_s_per_s", "server_log_tracebacks")}  # fmt: skip
+    if res is None:
+        res = {**more, "missing": {}, "failed_rounds": {}}
+    else:
+        for key in ("phases", "results"):
+            res[key].update(more[key])
+        res["loadavg_end"] = more["loadavg_end"]
+    res["failed_rounds"].update(more.get("failed_rounds", {}))
+    res["missing"].update({f"{n} ({masters} masters)": why for n, why in more["missing"].items()})
+    res.setdefault("masters_runs", {})[str(masters)] = run_of
+    return res
+
+
 @dataclass
 class Flags(OnCluster):
     seed: int = flag(0, "picks the order of the systems")
-    sessions: str = flag("100,500,1000,2000,5000", "live sessions of the first sweep",
+    sessions: str = flag("100,500,1000,2000,5000", "live sessions of the first sweep ('': none)",
                          quick="100,400,1000")  # fmt: skip
-    screens: str = flag("1,10,30,100", "screens per session of the second sweep",
+    screens: str = flag("1,10,30,100", "screens per session of the second sweep ('': none)",
                         quick="1,10,50")  # fmt: skip
     fan_sessions: int = flag(40, "sessions of the screens sweep", least=1)
+    masters: str = flag("3,6", "Redis masters of the third sweep ('': none)")
+    masters_sessions: int = flag(1000, "sessions (1 screen each) of the masters sweep",
+                                 quick=400, least=1)  # fmt: skip
     rate: int = flag(60, "tokens/s of each replying session", least=1)
     seconds: float = flag(8.0, "publishing seconds per round", quick=3.0)
     repeats: int = flag(3, "rounds per system and point", quick=1, least=1)
@@ -135,12 +171,31 @@ class Flags(OnCluster):
 
 
 def _run(f: Flags) -> Outcome:
-    custom = plan(_ints(f.sessions, "sessions"), _ints(f.screens, "screens"), f.fan_sessions,
+    custom = plan(_ints(f.sessions, "sessions", empty=True),
+                  _ints(f.screens, "screens", empty=True), f.fan_sessions,
                   f.rate, f.seconds)  # fmt: skip
     systems = tuple(s.strip() for s in f.systems.split(",") if s.strip())
     cfg = Config(seed=f.seed, seconds=f.seconds, repeats=f.repeats, systems=systems,
                  custom=custom, llm_storm_rate=f.rate)  # fmt: skip
-    res = asyncio.run(run(cfg, f.redis))
+    masters = _ints(f.masters, "masters", empty=True)
+    if not custom and not masters:
+        raise SystemExit("pathscale: every sweep is empty (--sessions, --screens, --masters)")
+    if masters and f.redis:
+        raise SystemExit("pathscale: the masters sweep starts its own clusters (--masters '')")
+    res = asyncio.run(run(cfg, f.redis)) if custom else None
+    for m in masters:
+        one = Phase(
+            f"masters_{m}",
+            f.masters_sessions,
+            1,
+            round(mean_rate(f.masters_sessions, f.rate)),
+            f.seconds,
+            "llm",
+            f.rate,
+        )
+        more = asyncio.run(run(replace(cfg, custom=(one,), masters=m)))
+        res = _merge(res, more, m)
+    assert res is not None
     text = report(res)
     if f.plot is not None:
         res["png"] = plot(res, f.plot)
@@ -154,7 +209,7 @@ BENCH = Harness(
     uvloop=True,
     prog="python -m bench.peers.pathscale",
     description=__doc__,
-    quick_help="3 sessions and 3 screen counts, 1 round of 3 s each",
+    quick_help="3 sessions and 3 screen counts, 2 master counts, 1 round of 3 s each",
     markdown=report,
 )
 add_arguments, run_from_args, main = BENCH.add_arguments, BENCH.run_from_args, BENCH.main

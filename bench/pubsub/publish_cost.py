@@ -13,6 +13,9 @@ per master per tick, raw RESP connections):
   HSETNX, EXPIRE, EXPIRE per call);
 - ``script``: the product's ``relay/broker/rediscluster/lua/publish.lua`` by EVALSHA (the
   call :class:`relay.broker.rediscluster.publisher.Generation` makes);
+- ``script_pttl``: the product's script as it was before its per-call PTTL went
+  (``bench/pubsub/lua/publish_pttl.lua``: HMGET, XADD, SPUBLISH, HSET, PTTL per call),
+  given today's ARGV without the producer's clock (as ``before`` is);
 - ``function``: the same script body as a Redis 7 function (``FUNCTION LOAD``, ``FCALL``).
 
 Every variant's sessions are opened by the product's ``OPEN`` script first (outside the
@@ -66,13 +69,18 @@ from relay.protocol.slotmap import Addr, SlotMap, slot_of
 
 __all__ = ["VARIANTS", "Config", "add_arguments", "main", "run", "run_from_args"]
 
-VARIANTS = ("floor", "lua_floor", "before", "script", "function")
+VARIANTS = ("floor", "lua_floor", "before", "script", "script_pttl", "function")
+# variants whose script takes the frames from ARGV[9] (before the producer's clock was added)
+_NO_CLOCK = ("before", "script_pttl")
 BEFORE_SOURCE = (
     lua("backlog") + "\n" + (Path(__file__).parent / "lua" / "publish_before.lua").read_text()
 )
+PTTL_SOURCE = (
+    lua("backlog") + "\n" + (Path(__file__).parent / "lua" / "publish_pttl.lua").read_text()
+)
 # The least any script can do: the floor's XADD and SPUBLISH, inside EVALSHA, same ARGV.
 LUA_FLOOR_SOURCE = """local off, total = tonumber(ARGV[2]), 0
-for i = 9, #ARGV do
+for i = 10, #ARGV do
   off = off + 1
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], off .. '-1', 'f', ARGV[i], 'b', total)
   redis.call('SPUBLISH', KEYS[3], ARGV[i])
@@ -212,9 +220,13 @@ def _calls_for(variant: str, g: Generation, frames: list[bytes], total: int) -> 
             total += len(f)
         return out
     keys, args = g.script_call(g.offset, frames)
+    if variant in _NO_CLOCK:
+        args = [*args[:8], *args[9:]]
     head: tuple[Any, ...]
     if variant == "before":
         head = ("EVALSHA", _sha(BEFORE_SOURCE))
+    elif variant == "script_pttl":
+        head = ("EVALSHA", _sha(PTTL_SOURCE))
     elif variant == "lua_floor":
         head = ("EVALSHA", _sha(LUA_FLOOR_SOURCE))
     elif variant == "script":
@@ -347,6 +359,7 @@ async def run(cfg: Config) -> dict[str, Any]:
         smap = await slotmap(masters[0])
         for node in masters:
             await raw_command(node, "SCRIPT", "LOAD", BEFORE_SOURCE)
+            await raw_command(node, "SCRIPT", "LOAD", PTTL_SOURCE)
             await raw_command(node, "SCRIPT", "LOAD", LUA_FLOOR_SOURCE)
             await raw_command(node, "SCRIPT", "LOAD", PUBLISH.source)
             await raw_command(node, "FUNCTION", "LOAD", "REPLACE", function_library(PUBLISH.source))
@@ -445,6 +458,8 @@ def _rows(res: dict[str, Any], sep: str) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = []
     for batch, by_v in res["summary"].items():
         for v in VARIANTS:
+            if v not in by_v:  # a run from before the variant existed
+                continue
             s = by_v[v]
             cmds = sep.join(f"{k} {c:g}" for k, c in s["commands_per_frame"].items())
             rows.append((batch, v, f"{s['redis_us_per_frame']:.1f}", f"{s['x_floor']:.2f}",

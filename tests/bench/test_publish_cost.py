@@ -26,6 +26,10 @@ async def test_a_tiny_run_lands_every_frame_and_counts_each_variants_commands() 
     assert script["evalsha"] == script["hmget"] == script["hset"] == 1
     assert script.get("expire", 0) < 1 < by_v["before"]["commands_per_frame"]["expire"]
     assert by_v["function"]["commands_per_frame"]["fcall"] == 1
+    # today's script reads no TTL; the one before it read one per call
+    assert "pttl" not in script
+    assert "pttl" not in by_v["function"]["commands_per_frame"]
+    assert by_v["script_pttl"]["commands_per_frame"]["pttl"] == 1
     assert "script" in table(res)
     md = report(res).splitlines()
     rows = [r for r in md if r.startswith("| 1 |")]

@@ -8,6 +8,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
+import relay.broker.rediscluster.publisher as publisher_mod
 from relay.broker.errors import Fenced
 from relay.broker.rediscluster.publisher import Draft, Publisher, read_backlog
 from relay.protocol.frame import Frame, decode
@@ -116,39 +117,49 @@ async def test_backlog_is_trimmed_and_keys_get_the_idle_ttl(redis: RedisCluster)
 
 
 async def test_the_ttl_is_set_again_once_it_ran_down_by_the_slack_not_every_frame(
-    redis: RedisCluster,
+    redis: RedisCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The publish script refreshes both keys' TTL only when the backlog's has run down
-    by more than min(60 s, ttl_s / 16) (here 300 s, so 18.75 s), or after a terminal
-    frame."""
+    """The publish script refreshes both keys' TTL only when more than min(60 s,
+    ttl_s / 16) (here 300 s, so 18.75 s) went by on the producer's clock since it last
+    set them (the hash's ``exp``), after a terminal frame, or when the clock is behind
+    ``exp`` (another producer's); it runs no PTTL (nor any other read of a TTL)."""
+    clock = [1_800_000_000_000]
+    monkeypatch.setattr(publisher_mod, "now_ms", lambda: clock[0])
     pub = Publisher(redis, ttl_s=300)
     sid = new_session_id()
     gen = await pub.open_generation(sid)
-    await gen.token("a")  # the stream's first XADD: a key without a TTL, set at once
-    for k in (meta_key(sid), log_key(sid)):
-        assert 299_000 < await redis.pttl(k) <= 300_000
     node = await _node_for(redis, meta_key(sid))
     try:
-        for k in (meta_key(sid), log_key(sid)):
-            await redis.pexpire(k, 299_500)  # within the slack: left as it is
         await node.config_resetstat()
-        await gen.token("b")
-        assert await _cmdstat(node, "expire") == 0
-        for k in (meta_key(sid), log_key(sid)):
-            assert await redis.pttl(k) <= 299_500
-        for k in (meta_key(sid), log_key(sid)):
-            await redis.pexpire(k, 290_000)  # 10 s: still within the slack
-        await gen.token("c")
-        assert await _cmdstat(node, "expire") == 0
-        for k in (meta_key(sid), log_key(sid)):
-            await redis.pexpire(k, 280_000)  # ran down by more: both set again
-        await gen.token("d")
+        await gen.token("a")  # the stream's first XADD: a key without a TTL, set at once
         assert await _cmdstat(node, "expire") == 2
+        assert await redis.hget(meta_key(sid), "exp") == str(clock[0]).encode()
         for k in (meta_key(sid), log_key(sid)):
             assert 299_000 < await redis.pttl(k) <= 300_000
-            await redis.pexpire(k, 295_000)  # within the slack, but the turn ends
-        await gen.done({})
-        assert await _cmdstat(node, "expire") == 4
+            await redis.pexpire(k, 299_500)  # (what a refresh would set back)
+
+        async def token_after(ms: int, text: str) -> int:
+            clock[0] += ms
+            await node.config_resetstat()
+            await gen.token(text)
+            assert await _cmdstat(node, "pttl") == await _cmdstat(node, "ttl") == 0
+            return await _cmdstat(node, "expire")
+
+        assert await token_after(500, "b") == 0  # within the slack: left as it is
+        for k in (meta_key(sid), log_key(sid)):
+            assert await redis.pttl(k) <= 299_500
+        assert await token_after(10_000, "c") == 0  # 10.5 s: still within the slack
+        assert await token_after(9_000, "d") == 2  # 19.5 s: ran down by more, both set again
+        for k in (meta_key(sid), log_key(sid)):
+            assert 299_000 < await redis.pttl(k) <= 300_000
+            await redis.pexpire(k, 295_000)
+        assert await token_after(1_000, "e") == 0  # counted from the last refresh
+        assert await token_after(-5_000, "f") == 2  # a clock behind it: set again at once
+        assert await redis.hget(meta_key(sid), "exp") == str(clock[0]).encode()
+        clock[0] += 500
+        await node.config_resetstat()
+        await gen.done({})  # within the slack, but the turn ends
+        assert await _cmdstat(node, "expire") == 2
         for k in (meta_key(sid), log_key(sid)):
             assert 299_000 < await redis.pttl(k) <= 300_000
     finally:

@@ -7,7 +7,9 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from relay.edge.metrics import LATENCY_BUCKETS, LoopHistogram
+import relay.edge.metrics as metrics_mod
+from relay.edge.core.resume import Delivery
+from relay.edge.metrics import LATENCY_BUCKETS, LoopHistogram, OutMeter, RelayMetrics
 
 
 def _lines(registry: CollectorRegistry) -> list[str]:
@@ -38,3 +40,41 @@ def test_loop_histogram_refuses_wrong_labels() -> None:
     h = LoopHistogram("t_seconds", "latency", ("transport",))
     with pytest.raises(ValueError, match="wants labels"):
         h.labels("sse", "extra")
+
+
+def test_out_meter_observes_what_prometheus_client_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The socket-write meter buckets whole milliseconds by a table: every bucket edge,
+    the table's end and past it land where prometheus-client's Histogram puts them,
+    for both histograms (read -> socket on the monotonic clock, producer -> socket on
+    the wall clock), with the same sums; negative waits count as 0."""
+    mono_ms, wall_ms = 5_000_000, 1_700_000_000_000
+    monkeypatch.setattr(metrics_mod, "_monotonic_ns", lambda: (mono_ms - 1) * 1_000_000)
+    monkeypatch.setattr(metrics_mod, "_time_ns", lambda: wall_ms * 1_000_000 + 999_999)
+    metrics = RelayMetrics("r1")
+    meter = OutMeter(metrics, "sse")
+    theirs = CollectorRegistry()
+    refs = {
+        name: Histogram(name, "latency", ("transport",), buckets=LATENCY_BUCKETS, registry=theirs)
+        for name in ("q_seconds", "h_seconds")
+    }
+    edges = [round(b * 1000) for b in LATENCY_BUCKETS]
+    waits = sorted({0, 1, 2, 3, 9_999, 10_000, 10_001, 12_345, *edges, *(e + 1 for e in edges)})
+    for ms in [*waits, -3]:
+        d = Delivery(1, "token", b"x", wall_ms - 2 * ms, mono_ms - ms, "")
+        meter.sent([d, Delivery(2, "token", b"y", 0, 0, "")], 2)  # (a replayed one: none)
+        refs["q_seconds"].labels("sse").observe(max(ms, 0) / 1000.0)
+        refs["h_seconds"].labels("sse").observe(max(2 * ms, 0) / 1000.0)
+    ours = CollectorRegistry()
+    ours.register(metrics.edge_to_socket)
+    ours.register(metrics.hop_latency)
+    prefix = "tokenrelay_relay_"
+    got = [
+        line.replace(prefix + "edge_to_socket_seconds", "q_seconds").replace(
+            prefix + "hop_latency_seconds", "h_seconds"
+        )
+        for line in _lines(ours)
+    ]
+    sse = 'transport="sse"'  # (the samples; the help texts differ)
+    assert sorted(x for x in got if sse in x) == sorted(x for x in _lines(theirs) if sse in x)

@@ -131,7 +131,7 @@ export class Generation {
         const r = await p.call(() => p.redis.trPublish(
           key(sid, 'meta'), key(sid, 'log'), key(sid, 'live'),
           this.epoch, base, p.maxlen, p.ttlS, terminal ? 1 : 0, this.turn, this.gen, p.maxBytes,
-          ...payload,
+          Date.now(), ...payload,
         ));
         return Number(r);
       } catch (err) {

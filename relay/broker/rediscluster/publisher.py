@@ -175,7 +175,7 @@ class Generation:
         keys = (meta_key(self.session), log_key(self.session), live_channel(self.session))
         args: list[Any] = [
             self.epoch, base, pub.maxlen, pub.ttl_s, int(terminal), self.turn, self.gen,
-            pub.max_bytes, *payload,
+            pub.max_bytes, now_ms(), *payload,
         ]  # fmt: skip
         return keys, args
 

@@ -2,17 +2,25 @@
 -- <epoch> and writes nothing; an offset that is not the expected one gets OFFSET <off>.
 -- KEYS: meta hash, backlog stream, live channel.
 -- ARGV: epoch, expected offset, maxlen, ttl_s, terminal (1: the last frame ends the turn),
--- turn, gen, max bytes of the backlog (0: no byte bound), then the encoded frames.
+-- turn, gen, max bytes of the backlog (0: no byte bound), the producer's clock (ms), then
+-- the encoded frames.
 -- Loaded after backlog.lua. Returns the last offset written.
--- Per call, besides an XADD and an SPUBLISH per frame: one HMGET, one HSET, one PTTL
--- (a read; none after a terminal frame), and the two EXPIREs only after a terminal frame
--- (the turn's end: the keys live a full TTL from it) or when the TTL has run down by more
--- than the slack (min(60 s, ttl_s / 16)) since it was last set: once a minute per
--- streaming session, not once a second (at a few tokens a second per session that was
--- every other frame: bench.peers.pathcost's commandstats). Every script sets the two
--- keys' TTLs together, so the backlog's stands for both, except where a key is new: the
--- stream's first XADD (PTTL -1) and a hash this script restores (refreshed at once).
-local cur = redis.call('HMGET', KEYS[1], 'epoch', 'offset', 'gen', 'bytes', 'ttl')
+-- Per call, besides an XADD and an SPUBLISH per frame: one HMGET and one HSET; the two
+-- EXPIREs only after a terminal frame (the turn's end: the keys live a full TTL from it)
+-- or when the TTL has run down by more than the slack (min(60 s, ttl_s / 16)) since
+-- this script last set it: once a minute per streaming session, not once a second (at a
+-- few tokens a second per session that was every other frame: bench.peers.pathcost's
+-- commandstats). When it last set it is the hash's `exp`, on the producer's clock, read
+-- with the other fields (no PTTL per call: a command the master ran for every call).
+-- A clock behind `exp` (another producer's, or one stepped back) sets the TTLs again at
+-- once, so a skew between producers shortens no key's life by more than the skew, and
+-- the TTL left is never below ttl_s minus the slack minus that skew. Every script sets
+-- the two keys' TTLs together, so `exp` stands for both, except where a key is new: the
+-- stream's first XADD (a hash with no `exp`: a new session, or a hash this script
+-- restores, refreshed at once).
+local cur = redis.call('HMGET', KEYS[1], 'epoch', 'offset', 'gen', 'bytes', 'ttl', 'exp')
+local now = tonumber(ARGV[9])
+if now == nil then return redis.error_reply('ERR publish: ARGV[9] must be the clock in ms') end
 local epoch = tonumber(cur[1] or '0')
 local off = tonumber(cur[2] or '0')
 if epoch > tonumber(ARGV[1]) then return redis.error_reply('FENCED ' .. epoch) end
@@ -28,22 +36,29 @@ if epoch < tonumber(ARGV[1]) then
 end
 local total = tonumber(cur[4] or '')
 if total == nil then total = backlog_total(KEYS[1], KEYS[2]) end
-for i = 9, #ARGV do
+for i = 10, #ARGV do
   off = off + 1
   total = backlog_add(KEYS[2], ARGV[3], string.format('%d-1', off), ARGV[i], total)
   redis.call('SPUBLISH', KEYS[3], ARGV[i])
 end
 backlog_cut(KEYS[2], total, tonumber(ARGV[8]))
-if cur[5] then
+local ttl_ms = tonumber(ARGV[4]) * 1000
+local exp = tonumber(cur[6] or '')
+local expire = refresh or ARGV[5] == '1' or exp == nil or now < exp
+  or now - exp > math.min(60000, math.floor(ttl_ms / 16))
+if not cur[5] then  -- a failover lost the OPEN: the session's lifetime, for relays to extend it by
+  if expire then
+    redis.call('HSET', KEYS[1], 'offset', off, 'bytes', total, 'ttl', ARGV[4], 'exp', ARGV[9])
+  else
+    redis.call('HSET', KEYS[1], 'offset', off, 'bytes', total, 'ttl', ARGV[4])
+  end
+elseif expire then
+  redis.call('HSET', KEYS[1], 'offset', off, 'bytes', total, 'exp', ARGV[9])
+else
   redis.call('HSET', KEYS[1], 'offset', off, 'bytes', total)
-else  -- a failover lost the OPEN: the session's lifetime, for relays to extend it by
-  redis.call('HSET', KEYS[1], 'offset', off, 'bytes', total, 'ttl', ARGV[4])
 end
 if ARGV[5] == '1' then redis.call('HDEL', KEYS[1], 'open') end
-local ttl_ms = tonumber(ARGV[4]) * 1000
-local due = ttl_ms - math.min(60000, math.floor(ttl_ms / 16))
--- PTTL is -1 for a key without a TTL (the stream's first XADD)
-if refresh or ARGV[5] == '1' or redis.call('PTTL', KEYS[2]) < due then
+if expire then
   redis.call('EXPIRE', KEYS[1], ARGV[4])
   redis.call('EXPIRE', KEYS[2], ARGV[4])
 end
