@@ -276,3 +276,31 @@ async def test_a_session_completion_continues_after_its_tools_and_the_next_turn_
     reply = "".join(f.text for f in frames if f.kind == "token")
     prompt += [{"role": "assistant", "content": text}, {"role": "user", "content": "Thanks!"}]
     assert reply == expected_reply(prompt, MAX)
+
+
+async def test_responses_text_format_reaches_the_engine_and_its_refusal_is_a_400(
+    gw: tuple[Harness, openai.AsyncOpenAI], redis: RedisCluster
+) -> None:
+    """``text.format`` is the engine's ``response_format``, never dropped: the mock cannot
+    take a JSON schema and says so, and the whole create answers that as OpenAI's 400
+    (the engine's reason in it), not as a 503 to retry. A turn's error frame names it."""
+    h, client = gw
+    fmt = {"type": "json_schema", "name": "w", "schema": {"type": "object"}}
+    with pytest.raises(openai.BadRequestError, match="response_format") as err:
+        await client.responses.create(model=MODEL, input=ASK, text={"format": fmt})
+    assert err.value.code == "engine_bad_request"
+    plain = await client.responses.create(model=MODEL, input=ASK, text={"format": {"type": "text"}})
+    assert plain.status == "completed"
+    for text, param in (({"format": {"type": "xml"}}, "text.format"),
+                        ({"verbosity": "low"}, "text")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.responses.create(model=MODEL, input=ASK, extra_body={"text": text})
+        assert bad.value.code == "unsupported_parameter"
+        assert param in str(bad.value)
+    sid, token = await h.session()
+    status, started, _ = await h.post_turn(sid, token, {"message": ASK, "logprobs": True})
+    assert status == 202, started
+    frames = await wait_turn(redis, sid, started["turn"])
+    assert frames[-1].kind == "error"
+    assert (frames[-1].meta or {})["code"] == "engine_refused"
+    assert "logprobs" in frames[-1].text

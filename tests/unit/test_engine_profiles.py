@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from worker.chat.trim import estimate_tokens, trim_to_context
-from worker.engines.errors import PROMPT_TOO_LONG, EngineHTTPError, clean_reason
+from worker.engines.errors import ENGINE_REFUSED, PROMPT_TOO_LONG, EngineHTTPError, clean_reason
 from worker.engines.props import props_shape
 from worker.engines.report import Report, chunk_report
 from worker.routing.cost import TurnInfo
@@ -179,7 +179,7 @@ def test_an_engine_context_overflow_is_prompt_too_long_with_its_reason() -> None
     vllm = "This model's maximum context length is 4096 tokens. However, you requested 5000"
     assert EngineHTTPError(400, "", engine_message=vllm).code == PROMPT_TOO_LONG
     other = EngineHTTPError(400, "", engine_message="'temperature' must be a number")
-    assert other.code is None
+    assert other.code == ENGINE_REFUSED  # the engine refused it: a retry will not help
     assert EngineHTTPError(503, "", engine_message="context size").code is None
 
 

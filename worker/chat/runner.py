@@ -56,6 +56,7 @@ from worker.chat.turnstate import (
 )
 from worker.engines.client import REPLY_SEED_HEADER
 from worker.engines.errors import (
+    ENGINE_REFUSED,
     PROMPT_TOO_LONG,
     EngineError,
     EngineProtocolError,
@@ -76,6 +77,11 @@ _ABORTS: Final = {
     StopReason.NO_VIEWERS: AbortReason.NO_VIEWERS,
     StopReason.LOCK_LOST: AbortReason.LOCK_LOST,
 }  # how long _end waits for the presence and pump tasks to stop
+# an engine error's own code -> the turn's outcome (any other: engine_error)
+_FAILED: Final = {
+    PROMPT_TOO_LONG: TurnOutcome.PROMPT_TOO_LONG,
+    ENGINE_REFUSED: TurnOutcome.ENGINE_REFUSED,
+}
 
 
 def _engine_parts(apply: Callable[[Any], None], extra: Any) -> None:
@@ -165,8 +171,7 @@ class TurnRunner:
                     outcome, error = TurnOutcome.TIMEOUT, failed.message
                 elif failed is not None:  # the frame gets a short reason, the log the URL
                     log.warning("turn %s/%d: %s", t.sid, t.gen.turn, failed.message)
-                    outcome = (TurnOutcome.PROMPT_TOO_LONG if failed.code == PROMPT_TOO_LONG
-                               else TurnOutcome.ENGINE_ERROR)  # fmt: skip
+                    outcome = _FAILED.get(failed.code or "", TurnOutcome.ENGINE_ERROR)
                     error = failed.public_reason
             finally:
                 release_once(t.lease)  # the engine is done with us, whatever happens next

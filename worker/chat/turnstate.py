@@ -20,6 +20,8 @@ stopped (a cancel)    cancelled   ``done`` with ``finish_reason`` "cancelled" an
 engine error          engine_error ``error`` (the status and the engine's own reason,
                                   cleaned and bounded)
 prompt over context   prompt_too_long ``error`` (the engine's reason)
+engine refused it     engine_refused ``error`` (the engine's reason: a parameter it
+                                  cannot take, a bad request; retrying will not help)
 engine timeout        timeout     ``error``
 nobody watching       no_viewers  ``error`` "no viewers"
 engine left the ring  engine_down ``error`` "engine down"
@@ -80,6 +82,7 @@ class TurnOutcome(enum.StrEnum):
     DONE = "done"
     ENGINE_ERROR = "engine_error"
     PROMPT_TOO_LONG = "prompt_too_long"  # the engine refused a prompt over its context
+    ENGINE_REFUSED = "engine_refused"  # the engine refused the request (4xx): not retryable
     TIMEOUT = "timeout"
     NO_VIEWERS = "no_viewers"
     ENGINE_DOWN = "engine_down"

@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 
 __all__ = [
+    "ENGINE_REFUSED",
     "PROMPT_TOO_LONG",
     "EngineError",
     "EngineHTTPError",
@@ -41,6 +42,7 @@ __all__ = [
 
 _RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
 PROMPT_TOO_LONG = "prompt_too_long"  # the error code of a prompt over the engine's context
+ENGINE_REFUSED = "engine_refused"  # the engine refused the request itself (a 400, 413, 422)
 _REASON_CHARS = 200
 # how engines word a prompt over their context: llama-server ("exceeds the available
 # context size", type exceed_context_size_error), vLLM ("maximum context length"),
@@ -150,7 +152,7 @@ class EngineHTTPError(EngineError):
         if self.status not in (400, 413, 422):
             return None
         words = f"{self.engine_type} {self.engine_message}".lower()
-        return PROMPT_TOO_LONG if any(w in words for w in _OVERFLOW) else None
+        return PROMPT_TOO_LONG if any(w in words for w in _OVERFLOW) else ENGINE_REFUSED
 
     @property
     def retryable(self) -> bool:

@@ -176,9 +176,13 @@ async def complete(
             elif kind == "error":
                 wire = WireError(502, f"the turn ended: {frame.get('text', '')}"[:300],
                                  kind="api_error", code="turn_error")  # fmt: skip
-                if (frame.get("meta") or {}).get("code") == "prompt_too_long":  # OpenAI's code
+                code = (frame.get("meta") or {}).get("code")
+                if code == "prompt_too_long":  # OpenAI's code
                     wire = WireError(400, str(frame.get("text", ""))[:300],
                                      code="context_length_exceeded")  # fmt: skip
+                elif code == "engine_refused":  # as the session-less gateway answers it
+                    said = f"the engine refused the request: {frame.get('text', '')}"
+                    wire = WireError(400, said[:300], code="engine_bad_request")
                 if resp is None:
                     return gw.error(wire)
                 await resp.write(_event(error_body(wire.message, wire.kind, wire.code)))

@@ -342,11 +342,13 @@ async def create(request: web.Request) -> web.StreamResponse:
 
 def _failed(rt: ResponseTurn) -> WireError:
     """The answer to a whole (not background) response whose turn failed: 503 when no
-    engine could serve it (the client may retry), 504 on the engine's timeout, else 500."""
+    engine could serve it (the client may retry), 504 on the engine's timeout, 400 when
+    the engine refused the request itself (its reason in the message), else 500."""
     status, code = {"engine_error": (503, "engine_unavailable"),
                     "engine_down": (503, "engine_unavailable"),
                     "timeout": (504, "engine_timeout"),
-                    "prompt_too_long": (400, "context_length_exceeded")}.get(rt.error_code or "",
+                    "prompt_too_long": (400, "context_length_exceeded"),
+                    "engine_refused": (400, "engine_bad_request")}.get(rt.error_code or "",
                                                             (500, "server_error"))  # fmt: skip
     return WireError(status, f"the response failed: {rt.error}"[:300], kind="api_error", code=code)
 

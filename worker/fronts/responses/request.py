@@ -20,7 +20,10 @@ when it sends the whole conversation itself, the ``function_call`` items it was 
 (the assistant's ``tool_calls``); ``reasoning`` items it passes back are accepted and not
 sent (an earlier turn's reasoning is not part of the prompt). The last input items are
 the turn's new input: the user's message, or the tools' results (and then, possibly, a
-user's message). Anything else OpenAI defines for reasoning or sampling is refused by
+user's message). ``text.format`` (``text``, ``json_object``, or ``json_schema`` with
+``name``, ``schema``, ``description``?, ``strict``?) is the engine's ``response_format``
+(an engine that cannot take it refuses the response: 400 ``engine_bad_request`` with its
+reason). Anything else OpenAI defines for reasoning or sampling is refused by
 name rather than ignored, so a client never believes a setting took effect. Too much
 text is 400 ``context_length_exceeded`` (what OpenAI answers).
 
@@ -217,6 +220,34 @@ def _tool_choice(raw: object) -> object:
     return {"type": "function", "function": {"name": raw.get("name")}}
 
 
+_SCHEMA_KEYS: Final = ("name", "schema", "description", "strict")
+
+
+def _response_format(raw: object) -> dict[str, Any] | None:
+    """``text`` (``{"format": ...}``) as the chat-completions ``response_format`` (None for
+    plain text); any other field or format refused by name, never dropped."""
+    if not isinstance(raw, dict):
+        raise WireError(400, "'text' must be an object", param="text")
+    extra = sorted(k for k in raw if k != "format")
+    if extra:
+        raise WireError(400, f"text.{str(extra[0])[:40]} is not supported", param="text",
+                        code="unsupported_parameter")  # fmt: skip
+    fmt = raw.get("format")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind != "json_schema" or not isinstance(fmt, dict):
+        raise WireError(400, f"text.format of type {str(kind)[:40]!r} is not supported: "
+                        "'text', 'json_object' or 'json_schema'", param="text.format",
+                        code="unsupported_parameter")  # fmt: skip
+    if not isinstance(fmt.get("name"), str) or not isinstance(fmt.get("schema"), dict):
+        raise WireError(400, "a json_schema text.format needs a 'name' and a 'schema' object",
+                        param="text.format")  # fmt: skip
+    return {"type": "json_schema", "json_schema": {k: fmt[k] for k in _SCHEMA_KEYS if k in fmt}}
+
+
 def _options(body: Mapping[str, Any]) -> dict[str, Any]:
     """The engine's options of the request, translated and checked."""
     chat: dict[str, Any] = {}
@@ -227,6 +258,8 @@ def _options(body: Mapping[str, Any]) -> dict[str, Any]:
     for k in ("parallel_tool_calls", "temperature", "top_p"):
         if body.get(k) is not None:
             chat[k] = body[k]
+    if body.get("text") is not None and (fmt := _response_format(body["text"])) is not None:
+        chat["response_format"] = fmt
     return engine_options(chat)
 
 
