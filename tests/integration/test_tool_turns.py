@@ -287,7 +287,7 @@ async def test_responses_text_format_reaches_the_engine_and_its_refusal_is_a_400
     h, client = gw
     fmt = {"type": "json_schema", "name": "w", "schema": {"type": "object"}}
     with pytest.raises(openai.BadRequestError, match="response_format") as err:
-        await client.responses.create(model=MODEL, input=ASK, text={"format": fmt})
+        await client.responses.create(model=MODEL, input=ASK, extra_body={"text": {"format": fmt}})
     assert err.value.code == "engine_bad_request"
     plain = await client.responses.create(model=MODEL, input=ASK, text={"format": {"type": "text"}})
     assert plain.status == "completed"
