@@ -3,7 +3,8 @@
 Two relays, a worker and slow mock engines behind the demo's front door (which sends a
 response's stream to a relay and the rest to a worker), on the session's cluster:
 clients/openai/test/responses.test.js creates a response streamed and resumes a
-background one with ``starting_after`` under Node's test runner. The npm package
+background one with ``starting_after``, and tools.test.js has the SDK rebuild tool calls
+from chat completions and the Responses API, under Node's test runner. The npm package
 installs from clients/openai/package-lock.json (``npm ci``); where node, npm or the
 registry is missing, the test skips with the reason.
 """
@@ -54,7 +55,8 @@ async def test_the_node_sdk_creates_and_resumes_responses(cluster: ClusterInfo) 
                                        gateway_keys=[KEY]) as (url, _stack):  # fmt: skip
         # run_cli waits without blocking: the front door serves the SDK from this loop
         ran = await run_cli(
-            [NODE or "node", "--test", str(CLIENT / "test" / "responses.test.js")],
+            [NODE or "node", "--test", str(CLIENT / "test" / "responses.test.js"),
+             str(CLIENT / "test" / "tools.test.js")],
             cwd=CLIENT, timeout_s=240, merge=True,
             env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "TOKENRELAY_BASE": url,
                  "TOKENRELAY_GATEWAY_KEY": KEY},

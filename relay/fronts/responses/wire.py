@@ -28,8 +28,10 @@ index 1, 2, ... in the order they started): a tool call is a ``function_call`` i
 (``fc_<call id>``; ``response.output_item.added`` at its ``start``,
 ``response.function_call_arguments.delta`` per delta, ``.done`` and
 ``response.output_item.done`` at its ``end``), a reasoning part a ``reasoning`` item
-(``rs_<id>``; ``response.reasoning_text.delta``, or ``reasoning_summary_text.delta`` for a
-summary); a source is a ``url_citation`` annotation of the text
+(``rs_<id>``; its one part opened by ``response.content_part.added`` at its first delta,
+``response.reasoning_text.delta`` per delta, ``.done`` and ``response.content_part.done``
+before its item's done; for a summary the same with ``reasoning_summary_part`` and
+``reasoning_summary_text``, as OpenAI streams them and its SDKs' accumulators demand); a source is a ``url_citation`` annotation of the text
 (``response.output_text.annotation.added``). A part frame's events are numbered after
 the frame's own number (``i + 3``, the next ones ``+1`` each), and every later number
 moves up by the events added so far: the numbering stays a function of the backlog.
@@ -90,6 +92,18 @@ OWNER: Final = "responses"  # the state hash's OWNER_FIELD (relay.protocol.keys)
 CANCELLED: Final = "cancelled"  # the done frame's finish reason of a stopped turn
 _HEAD: Final = 4  # events of the meta frame
 _encode = msgspec.json.Encoder()
+
+
+# a reasoning item's text: its field -> (the text's events, the index's name, the part type)
+_REASONING: Final = {
+    "content": ("reasoning_text", "content_index", "reasoning_text"),
+    "summary": ("reasoning_summary_text", "summary_index", "summary_text"),
+}
+
+
+def _reasoning_field(item: dict[str, Any]) -> str:
+    """Where a reasoning item's text goes: its ``content``, or its ``summary``."""
+    return "content" if "content" in item else "summary"
 
 
 class InvalidResponseId(ValueError):
@@ -339,17 +353,17 @@ class ResponseTurn:
                 item["arguments"] += text
                 return [{"type": "response.function_call_arguments.delta", "sequence_number": seq,
                          "item_id": item["id"], "output_index": index, "delta": text}]  # fmt: skip
-            field = "summary" if "content" not in item else "content"
-            kind = "summary_text" if field == "summary" else "reasoning_text"
-            if not item[field]:
-                item[field].append({"type": kind, "text": ""})
+            events = []
+            if not item[field := _reasoning_field(item)]:  # its one part opens first
+                item[field].append({"type": _REASONING[field][2], "text": ""})
+                events.append(self._reasoning_part("added", item, index, seq))
+                self.shift += 1
             item[field][0]["text"] += text
-            extra: dict[str, Any] = ({"summary_index": 0} if field == "summary"
-                                     else {"content_index": 0})  # fmt: skip
-            event = "reasoning_summary_text" if field == "summary" else "reasoning_text"
-            return [{"type": f"response.{event}.delta", "sequence_number": seq,
-                     "item_id": item["id"], "output_index": index, "delta": text,
-                     **extra}]  # fmt: skip
+            event, where = _REASONING[field][:2]
+            events.append({"type": f"response.{event}.delta", "sequence_number": seq + len(events),
+                           "item_id": item["id"], "output_index": index, "delta": text,
+                           where: 0})  # fmt: skip
+            return events
         if ref.phase != "end":
             return []
         item["status"] = "completed"
@@ -359,9 +373,27 @@ class ResponseTurn:
                         "item_id": item["id"], "output_index": index,
                         "name": item["name"], "arguments": item["arguments"]})  # fmt: skip
             self.shift += 1
+        elif item[field := _reasoning_field(item)]:  # its text's done, then its part's
+            event, where = _REASONING[field][:2]
+            out.append({"type": f"response.{event}.done", "sequence_number": seq,
+                        "item_id": item["id"], "output_index": index, where: 0,
+                        "text": item[field][0]["text"]})  # fmt: skip
+            out.append(self._reasoning_part("done", item, index, seq + 1))
+            self.shift += 2
         out.append({"type": "response.output_item.done", "sequence_number": seq + len(out),
                     "output_index": index, "item": dict(item)})  # fmt: skip
         return out
+
+    @staticmethod
+    def _reasoning_part(phase: str, item: dict[str, Any], index: int, seq: int) -> dict[str, Any]:
+        """A reasoning item's one part, opened (``added``, empty) or closed (``done``)."""
+        field = _reasoning_field(item)
+        part = (
+            dict(item[field][0]) if phase == "done" else {"type": _REASONING[field][2], "text": ""}
+        )
+        kind = "reasoning_summary_part" if field == "summary" else "content_part"
+        return {"type": f"response.{kind}.{phase}", "sequence_number": seq, "item_id": item["id"],
+                "output_index": index, _REASONING[field][1]: 0, "part": part}  # fmt: skip
 
     def fail(self, reason: str) -> list[dict[str, Any]]:
         """End the response with ``response.failed`` (its frames stopped coming, its
