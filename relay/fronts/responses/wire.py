@@ -31,7 +31,8 @@ index 1, 2, ... in the order they started): a tool call is a ``function_call`` i
 (``rs_<id>``; its one part opened by ``response.content_part.added`` at its first delta,
 ``response.reasoning_text.delta`` per delta, ``.done`` and ``response.content_part.done``
 before its item's done; for a summary the same with ``reasoning_summary_part`` and
-``reasoning_summary_text``, as OpenAI streams them and its SDKs' accumulators demand); a source is a ``url_citation`` annotation of the text
+``reasoning_summary_text``, as OpenAI streams them and its SDKs' accumulators demand);
+a source is a ``url_citation`` annotation of the text
 (``response.output_text.annotation.added``). A part frame's events are numbered after
 the frame's own number (``i + 3``, the next ones ``+1`` each), and every later number
 moves up by the events added so far: the numbering stays a function of the backlog.
