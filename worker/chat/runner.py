@@ -274,6 +274,8 @@ class TurnRunner:
                         prefill_s=d.usage.prefill_s, completion_tokens=d.usage.completion_tokens,
                         decode_s=d.usage.decode_s,
                     )  # fmt: skip
+                    if t.cached_tokens is not None and t.prompt_tokens:
+                        t.lease.cached(t.cached_tokens, t.prompt_tokens)  # what it kept
                 if d.text:
                     if t.ttft_s is None:
                         t.lease.first_token()  # cost_aware: this engine's prefill is done
