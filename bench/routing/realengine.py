@@ -265,14 +265,17 @@ _SAME = ("sessions", "turns", "engines", "threads", "max_tokens", "message_words
 
 def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Runs of several results with the same settings (policies measured one at a time)
-    as one result, ordered by slots, live, then policy as given; ValueError when their
-    settings differ."""
+    as one result, ordered by slots, live, then policy; a later result's run replaces an
+    earlier one's at the same slots, live and policy; ValueError when settings differ."""
     first = results[0]["config"]
     for res in results[1:]:
         diff = [k for k in _SAME if res["config"].get(k) != first.get(k)]
         if diff:
             raise ValueError(f"the results differ in {', '.join(diff)}")
-    runs = [r for res in results for r in res["runs"]]
+    # a later result's run replaces an earlier one's at the same slots, live and policy
+    # (a policy measured again after a change)
+    latest = {(r["slots"], r["live"], r["policy"]): r for res in results for r in res["runs"]}
+    runs = list(latest.values())
     order = {p: i for i, p in enumerate(POLICIES)}
     runs.sort(key=lambda r: (r["slots"], r["live"], order.get(r["policy"], len(order))))
     _vs_round_robin(runs)
@@ -347,7 +350,8 @@ class Flags(OnCluster):
     slots: str = flag("1,2,4", "slots per engine, comma-separated (llama-server -np)", quick="2")
     max_tokens: int = flag(_D.max_tokens, "reply tokens per turn", least=1)
     merge: str = flag("", "no run: put the --json results at these comma-separated paths "
-                      "(the same settings, policies run one at a time) into one")  # fmt: skip
+                      "(the same settings, policies run apart) into one; a later path's run "
+                      "replaces an earlier one's at the same slots, live and policy")  # fmt: skip
     cache_ram: int = flag(-2, "the engines' prompt cache in MiB (llama-server --cache-ram; "
                           "0: none; -2: the server's default)", least=-2)  # fmt: skip
     policies: str = flag(",".join(POLICIES), "routing policies, comma-separated",
