@@ -330,8 +330,7 @@ class CostModel:
     ) -> tuple[Choice, bool] | None:
         """The cheapest engine among ``under_cap`` and ``past_cap`` (engines at their cap
         with room left in their queue); one past its cap only when the expected time to
-        the first token there is within ``slo_s`` or no later than at the cheapest engine
-        under its cap (where the SLO is then missed too), else that engine. Returns
+        the first token there is within ``slo_s``, else the cheapest under its cap. Returns
         the choice and whether it is past the cap; None when no engine is left."""
         if past_cap:
             choice = self.choose(turn, others, [*under_cap, *past_cap], order)
@@ -339,14 +338,6 @@ class CostModel:
                 return choice, False
             if choice.wait_s <= slo_s:
                 return choice, True
-            if under_cap:
-                # the SLO is missed either way (a CPU engine misses it on every prompt):
-                # queue where the first token comes no later than under the cap, rather
-                # than recompute the session's history elsewhere for a later one
-                under = self.choose(turn, others, under_cap, order)
-                if choice.wait_s <= under.wait_s:
-                    return choice, True
-                return under, False
         if not under_cap:
             return None
         return self.choose(turn, others, under_cap, order), False
