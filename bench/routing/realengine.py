@@ -2,13 +2,15 @@
 the worker's routing policies, prefill counted by the engines themselves.
 
 What it answers: on engines with a real prefix cache (llama.cpp's slots, each holding one
-conversation's tokens), how much prompt do the engines compute, how much of each prompt
-do they reuse, and how long do screens wait for the first token, under ``cost_aware``,
-``ring`` (sticky: a session's key always to the same engine) and ``round_robin``, at 1
-and 2 slots per engine? For each slot count and policy it starts fresh servers (empty
-caches; ``devstack.llama.serve``) and two workers as processes (``devstack.demo.stack``,
-the load exchange on), then drives ``--sessions`` conversations of ``--turns`` turns,
-``--live`` of them at once, each turn posted to the workers in turn (no stickiness) and
+conversation's tokens, and behind them, unless ``--cache-ram 0``, the server's host-memory
+prompt cache), how much prompt do the engines compute, how much of each prompt do they
+reuse, and how long do screens wait for the first token, under ``cost_aware``, ``ring``
+(sticky: a session's key always to the same engine) and ``round_robin``, at each slot
+count (``--slots``) and number of conversations at once (``--live``)? For each it starts
+fresh servers (empty caches; ``devstack.llama.serve``) and two workers as processes
+(``devstack.demo.stack``, the load exchange on), then drives ``--sessions`` conversations
+of ``--turns`` turns, ``live`` of them at once, each next turn sent the moment the reply
+ends, each request posted to a worker drawn at random (no stickiness, no period) and
 waited for in the session's backlog. Figures:
 
 - **computed prompt tokens**: the sum of the engines' ``llamacpp:prompt_tokens_total``
@@ -17,11 +19,15 @@ waited for in the session's backlog. Figures:
   (``done`` meta, from their ``timings``);
 - **evicted follow-ups**: turns after a session's first whose engine reused less than
   the previous turn's prompt (its slot had been given to another conversation, or the
-  turn went to another engine);
+  turn went to another engine); **moved follow-ups**: those on another engine than the
+  session's previous turn;
 - **TTFT** p50/p90 of the screens (the ``done`` meta's ``ttft_ms``), errors;
 - the engines' own prefill and decode rates (``llamacpp:prompt_tokens_seconds``,
-  ``llamacpp:predicted_tokens_seconds``).
+  ``llamacpp:predicted_tokens_seconds``);
+- in the JSON, every turn: session, turn, engine, prompt tokens, cached tokens, TTFT.
 
+``--merge A,B`` writes one result of runs measured apart (a later one replaces an earlier
+one at the same slots, live and policy); ``--report PATH`` prints a stored one's table.
 Needs the built engine (``python -m devstack llama build``); without it, one line saying
 why and exit 2. ``python -m bench.routing.realengine [--quick] [--json PATH] [--seed N]``.
 """
