@@ -105,6 +105,12 @@ CATALOG: tuple[Benchmark, ...] = (
         quick=None,  # needs the built engine (python -m devstack llama build) and minutes
     ),
     Benchmark(
+        "llamarate",
+        "bench.routing.llamarate",
+        "llama-server's own prefill and decode tokens/s on this CPU, 1 and 2 threads",
+        quick=None,  # needs the built engine (python -m devstack llama build)
+    ),
+    Benchmark(
         "loadtest",
         "bench.load.loadtest",
         "many screens per session while turns stream (SSE + WS)",

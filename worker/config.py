@@ -294,13 +294,6 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
             settings.require_extra("zmq", "precise", "--engine-kv-events")
         if self.amqp_url:  # jobs go to RabbitMQ (worker/jobs/queue.py)
             settings.require_extra("aio_pika", "jobs", "--amqp")
-        if self.routing == "precise" and self.model != MOCK_MODEL:
-            # the prompt's block keys come from the served model's tokenizer and chat
-            # template; the worker has the mock engine's only (worker/routing/tokens.py)
-            raise settings.ConfigError(
-                f"--routing precise knows the tokenizer of the mock engine's model "
-                f"({MOCK_MODEL}) only, not {self.model!r}"
-            )
         return self
 
     # -- derived: what the running worker uses, computed from the fields here only ----------

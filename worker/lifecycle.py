@@ -42,6 +42,7 @@ from worker.chat.turnstate import TurnConfig
 from worker.config import WorkerConfig
 from worker.engines.client import EngineClient
 from worker.engines.props import PropsReader
+from worker.engines.tokenizer import EngineTokenizer
 from worker.fronts.base import GATEWAY, Gateway, GatewayConfig
 from worker.jobs.api import JOBS, JobsApi
 from worker.jobs.queue import JobSubmitter, QueueNames
@@ -53,6 +54,7 @@ from worker.routing.kvevents import KVEventFollower
 from worker.routing.loadshare import LoadExchange
 from worker.routing.profile import Profiles
 from worker.routing.router import Router
+from worker.routing.tokens import MOCK_MODEL
 from worker.state import STATE, WorkerState, access_check
 
 __all__ = ["CFG", "REDIS_UNREACHABLE", "STORE", "lifecycle"]
@@ -188,10 +190,17 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         ttl_s=cfg.session_ttl_s,
         lock_ttl_s=cfg.lock_ttl_s,
     )
+    # precise routing for a model other than the mock's: its tokenizer, asked of the engines
+    tokenizer = (
+        EngineTokenizer(http, router.engines, cfg.model).ids
+        if cfg.routing == "precise" and cfg.model != MOCK_MODEL
+        else None
+    )
     turns = TurnManager(
         store=sessions,
         router=router,
         engine=engine,
+        tokenizer=tokenizer,
         metrics=metrics,
         worker_id=cfg.worker_id,
         config=TurnConfig(

@@ -10,7 +10,8 @@ Order of use::
 
 Each server serves the SmolLM2 model under the name :data:`MODEL` with ``slots``
 parallel slots (``-np``; the context ``ctx`` is shared among them, llama.cpp's rule),
-``threads`` CPU threads, its ``/metrics`` and ``/slots`` on, and a small batch
+``threads`` CPU threads, its ``/metrics`` and ``/slots`` on, its host-memory prompt
+cache (``--cache-ram``) at the server's default or as given, and a small batch
 (``-b``/``-ub`` :data:`BATCH`): llama.cpp looks at a request's cancellation between
 batches, so a prompt the client gave up on stops within one batch of CPU work instead
 of being computed to its end.
@@ -73,15 +74,21 @@ def server_argv(
     ctx: int = 4096,
     threads: int = 1,
     template: Path | None = TOOLS_TEMPLATE,
+    cache_ram_mib: int | None = None,
 ) -> list[str]:
-    """The command line; ``template`` None: the model's own chat template."""
+    """The command line; ``template`` None: the model's own chat template;
+    ``cache_ram_mib``: the server's host-memory prompt cache (``--cache-ram``; None: its
+    default, 8 GiB; 0: none, each slot then holds the one conversation it served last)."""
     chat = ["--chat-template-file", str(template)] if template is not None else []
-    return [
+    argv = [
         str(built.server), "-m", str(built.model), "--host", HOST, "--port", str(port),
         "-np", str(slots), "-c", str(ctx), "-t", str(threads), "--alias", MODEL,
         "--metrics", "--slots", "-b", str(BATCH), "-ub", str(BATCH), "--no-webui",
         "--jinja", *chat,
     ]  # fmt: skip
+    if cache_ram_mib is not None:
+        argv += ["--cache-ram", str(cache_ram_mib)]
+    return argv
 
 
 @contextlib.asynccontextmanager
@@ -94,6 +101,7 @@ async def llama_servers(
     ctx: int = 4096,
     threads: int = 1,
     template: Path | None = TOOLS_TEMPLATE,
+    cache_ram_mib: int | None = None,
     ready_s: float = 120.0,
 ) -> AsyncIterator[list[LlamaServer]]:
     """``n`` servers on free loopback ports, ready (``/health`` 200, the model loaded)."""
@@ -102,7 +110,13 @@ async def llama_servers(
         for i in range(n):
             port = free_port()
             argv = server_argv(
-                built, port, slots=slots, ctx=ctx, threads=threads, template=template
+                built,
+                port,
+                slots=slots,
+                ctx=ctx,
+                threads=threads,
+                template=template,
+                cache_ram_mib=cache_ram_mib,
             )
             name = f"llama-{i + 1}"
             proc = Proc.start(argv, log=Path(log_dir) / f"{name}.log", name=name)

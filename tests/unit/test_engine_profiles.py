@@ -12,7 +12,7 @@ from worker.engines.errors import ENGINE_REFUSED, PROMPT_TOO_LONG, EngineHTTPErr
 from worker.engines.props import props_shape
 from worker.engines.report import Report, chunk_report
 from worker.routing.cost import TurnInfo
-from worker.routing.lease import EngineSpec, LoadView
+from worker.routing.lease import EngineSpec, Lease, LoadView
 from worker.routing.profile import EngineProfile, Profiles, parse_profile_arg
 from worker.routing.router import Router
 
@@ -114,6 +114,57 @@ def test_a_slot_engine_holds_a_conversation_until_its_slots_served_others() -> N
     later = r.route("a", turn=TurnInfo(prompt_tokens=800, key="a", prev_engine=home,
                                         prev_tokens=700))  # fmt: skip
     assert later.reason != "preferred"
+
+
+def _evicted_and_back(r: Router, home: str, key: str, other: str, step: int) -> Lease:
+    """``key``'s conversation on ``home`` (1 slot), then ``other``'s turn takes that slot,
+    then ``key``'s next turn comes back to it (held or not, it is the least busy)."""
+    b = r.route(other, turn=TurnInfo(prompt_tokens=400, key=other, prev_engine=home,
+                                     prev_tokens=300))  # fmt: skip
+    assert b.engine.id == home
+    b.release()
+    turn = TurnInfo(prompt_tokens=800 + step, key=key, prev_engine=home, prev_tokens=700)
+    return r.route(key, turn=turn)
+
+
+def test_a_slot_engine_that_restores_given_up_conversations_is_costed_as_keeping_them() -> None:
+    """Seen on real llama-servers: a slot's conversation, given up to another, was
+    reused whole when it came back (llama-server's prompt cache behind its slots,
+    --cache-ram, on by default, which /props does not say), while the cost model took it
+    as gone and moved conversations between the engines for nothing. After two such
+    reports the engine is costed as holding its sessions' histories."""
+    profiles = Profiles({"*": EngineProfile(slots=1, prefill_tok_per_s=100)})
+    r = Router([EngineSpec(id=f"e{i}", url=f"http://e{i}", cap=4) for i in range(2)],
+               policy="cost_aware", queue=0.0, profiles=profiles)  # fmt: skip
+    a = r.route("a", turn=TurnInfo(prompt_tokens=400, key="a"))
+    home = a.engine.id
+    a.release()
+    for step in range(2):
+        back = _evicted_and_back(r, home, "a", f"b{step}", step)
+        assert back.reason != "preferred"  # taken as gone from its slot
+        back.cached(690, 800 + step)  # the engine reused the whole history
+        back.release()
+        assert back.engine.id == home  # the least busy: it came back, to be reported on
+    assert profiles.get(home).kv_tokens > 0
+    back = _evicted_and_back(r, home, "a", "c", 9)
+    assert (back.engine.id, back.reason) == (home, "preferred")
+    back.release()
+
+
+def test_a_reused_system_prompt_is_no_evidence_of_a_prompt_cache() -> None:
+    """A follow-up whose slot went to a conversation on the same system prompt reuses
+    that prompt only: the engine keeps nothing behind its slots."""
+    profiles = Profiles({"*": EngineProfile(slots=1, prefill_tok_per_s=100)})
+    r = Router([EngineSpec(id=f"e{i}", url=f"http://e{i}", cap=4) for i in range(2)],
+               policy="cost_aware", queue=0.0, profiles=profiles)  # fmt: skip
+    a = r.route("a", turn=TurnInfo(prompt_tokens=400, key="a"))
+    home = a.engine.id
+    a.release()
+    for step in range(3):
+        back = _evicted_and_back(r, home, "a", f"b{step}", step)
+        back.cached(60, 800)  # the system prompt's share, no more
+        back.release()
+    assert profiles.get(home).kv_tokens == 0
 
 
 def test_a_follow_up_stays_when_only_its_engine_has_been_measured() -> None:

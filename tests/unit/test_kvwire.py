@@ -88,7 +88,6 @@ def test_older_and_newer_layouts_decode() -> None:
         (_pack([1.0, [["BlockStored", [1], None, [0, 1], 2]]])[:-3], "garbled"),  # truncated
         (b"", "garbled"),
         (_pack([1.0, [["BlockMoved", [1]]]]), "unknown_tag"),
-        (_pack({"ts": 1.0, "events": []}), "shape"),
         (_pack([1.0, [["BlockStored", "nope", None, [], 2, None, None]]]), "shape"),
         (_pack("hello"), "shape"),
     ],
@@ -143,3 +142,85 @@ def test_any_bytes_decode_or_raise_the_typed_error(data: bytes) -> None:
     except KVWireError as exc:
         kind = exc.kind
     assert kind in ("decoded", "garbled", "shape", "unknown_tag")
+
+
+# vLLM's current layout (vllm/distributed/kv_events.py: EventBatch and KVCacheEvent are
+# msgspec structs with omit_defaults and tag=True but no array_like): each a map of its
+# field names, an event's tag under "type", fields at their default left out
+_STORED_MAP = {
+    "type": "BlockStored",
+    "block_hashes": [b"\x07" * 32, b"\x08" * 32],
+    "parent_block_hash": None,
+    "token_ids": [1, 2, 3, 4],
+    "block_size": 2,
+    "lora_id": None,
+    "medium": "GPU",
+    "lora_name": None,
+}
+
+
+def test_vllms_map_layout_decodes_to_the_same_events() -> None:
+    payload = _pack(
+        {
+            "ts": 3.25,
+            "events": [
+                _STORED_MAP,
+                {"type": "BlockRemoved", "block_hashes": [b"\x07" * 32], "medium": "GPU"},
+                {"type": "AllBlocksCleared"},
+            ],
+            "data_parallel_rank": 2,
+        }
+    )
+    batch = decode_batch(payload)
+    assert batch == KVEventBatch(
+        3.25,
+        [
+            BlockStored([b"\x07" * 32, b"\x08" * 32], None, [1, 2, 3, 4], 2, None, "GPU"),
+            BlockRemoved([b"\x07" * 32], "GPU"),
+            AllBlocksCleared(),
+        ],
+        2,
+    )
+
+
+def test_an_empty_map_batch_is_a_batch_not_a_shape_error() -> None:
+    assert decode_batch(_pack({"ts": 1.0, "events": []})) == KVEventBatch(1.0, [])
+
+
+def test_the_map_layouts_optional_and_new_fields() -> None:
+    # no data_parallel_rank (omitted at its default), extra_keys and the cache-spec fields
+    # of a newer vLLM, and a field it may add later: all decode, the unknown ignored
+    stored = {**_STORED_MAP, "extra_keys": [None, ["salt"]], "kv_cache_spec_kind": "full",
+              "kv_cache_spec_sliding_window": None, "group_idx": 0, "later_field": 1}  # fmt: skip
+    batch = decode_batch(_pack({"ts": 1.0, "events": [stored]}))
+    assert batch.data_parallel_rank is None
+    assert batch.events == [
+        BlockStored([b"\x07" * 32, b"\x08" * 32], None, [1, 2, 3, 4], 2, None, "GPU")
+    ]
+
+
+def test_the_map_layout_keeps_the_first_kv_cache_group_only() -> None:
+    # a hybrid model stores the same tokens in each group under its own hashes: only
+    # group 0's (or an event without the field) reach the index
+    other = {**_STORED_MAP, "group_idx": 1, "block_hashes": [b"\x09" * 32, b"\x0a" * 32]}
+    removed = {"type": "BlockRemoved", "block_hashes": [b"\x07" * 32], "medium": "GPU",
+               "group_idx": 1}  # fmt: skip
+    batch = decode_batch(_pack({"ts": 1.0, "events": [_STORED_MAP, other, removed]}))
+    assert [type(e).__name__ for e in batch.events] == ["BlockStored"]
+    assert batch.events[0].block_hashes == [b"\x07" * 32, b"\x08" * 32]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("payload", "kind"),
+    [
+        (_pack({"ts": 1.0, "events": [{"type": "BlockMoved", "block_hashes": []}]}),
+         "unknown_tag"),
+        (_pack({"ts": 1.0, "events": [{"type": "BlockStored", "block_hashes": [1]}]}), "shape"),
+        (_pack({"ts": "x", "events": []}), "shape"),
+        (_pack({"events": []}), "shape"),
+    ],
+)  # fmt: skip
+def test_bad_map_payloads_are_typed_errors(payload: bytes, kind: str) -> None:
+    with pytest.raises(KVWireError) as err:
+        decode_batch(payload)
+    assert err.value.kind == kind

@@ -130,11 +130,17 @@ def test_precise_routing_takes_each_engines_kv_events_endpoint() -> None:
     assert cfg.kv_block_size == 32
 
 
+def test_precise_routing_takes_any_model() -> None:
+    # the served model's tokenizer is asked of the engines (worker/engines/tokenizer.py),
+    # where only the mock's was known and every other model was refused
+    cfg = config_from_args(_parse("--routing", "precise", "--model", "Qwen/Qwen3-32B"))
+    assert (cfg.routing, cfg.model) == ("precise", "Qwen/Qwen3-32B")
+
+
 @pytest.mark.parametrize(
     ("flags", "reason"),
     [
         (["--engine-kv-events", "e1=tcp://127.0.0.1:5557"], "needs --routing precise"),
-        (["--routing", "precise", "--model", "Qwen/Qwen3-32B"], "tokenizer of the mock"),
         (["--routing", "precise", "--engine-kv-events", "tcp://h:1"], "ID=tcp://HOST:PORT"),
         (["--routing", "precise", "--engine-kv-events", "e1=http://h:1"], "tcp://HOST:PORT"),
         (

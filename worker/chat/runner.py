@@ -289,6 +289,8 @@ class TurnRunner:
                         prefill_s=d.usage.prefill_s, completion_tokens=d.usage.completion_tokens,
                         decode_s=d.usage.decode_s,
                     )  # fmt: skip
+                    if t.cached_tokens is not None and t.prompt_tokens:
+                        t.lease.cached(t.cached_tokens, t.prompt_tokens)  # what it kept
                 if t.ttft_s is None and (d.text or _is_part(d.extra)):
                     # the first token of any kind: a reply of tool calls alone has one too
                     t.lease.first_token()  # cost_aware: this engine's prefill is done

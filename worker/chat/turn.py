@@ -68,7 +68,7 @@ from worker.routing.key import routing_key
 from worker.routing.lease import Lease, release_once
 from worker.routing.ring import key_hash
 from worker.routing.router import Router
-from worker.routing.tokens import block_keys, prompt_ids
+from worker.routing.tokens import PromptTokenizer, block_keys, prompt_ids
 from worker.routing.wait import route_wait
 
 __all__ = [
@@ -121,9 +121,12 @@ class TurnManager:
         worker_id: str,
         config: TurnConfig | None = None,
         supervisor: Supervisor | None = None,
+        tokenizer: PromptTokenizer | None = None,
     ) -> None:
         self.store = store
         self.router = router
+        # precise routing: the served model's tokenizer (None: the mock model's, known here)
+        self.tokenizer = tokenizer
         self.metrics = metrics
         self.worker_id = worker_id
         self.cfg = config or TurnConfig()
@@ -283,7 +286,7 @@ class TurnManager:
             prompt += convo
             info = turn_info(
                 rkey, sys_prompt, [*prior, *results], message, hist.last_engine,
-                self._blocks(prompt),
+                await self._blocks(prompt),
             )  # fmt: skip
             lease = await adm.wait(route_wait(self.router, rkey, self.cfg.admit_wait_s, info))
             self.metrics.route_decisions.labels(self.router.policy, lease.reason).inc()
@@ -393,13 +396,18 @@ class TurnManager:
 
     # ---- aborts ------------------------------------------------------------------------------
 
-    def _blocks(self, prompt: list[dict[str, str]]) -> list[int]:
-        """precise: the prompt's block keys, as the engines' tokenizer renders it (the
-        mock engine's, worker.routing.tokens); none for the other policies."""
+    async def _blocks(self, prompt: list[dict[str, str]]) -> list[int]:
+        """precise: the prompt's block keys, as the served model's tokenizer renders it
+        (the mock engine's, worker.routing.tokens, or the engine's own, asked within a
+        bounded time: none when it does not answer, and the turn is routed by the
+        estimate); none for the other policies."""
         index = self.router.index
         if index is None:
             return []
-        return block_keys(prompt_ids(prompt), index.block_size)
+        if self.tokenizer is None:
+            return block_keys(prompt_ids(prompt), index.block_size)
+        ids = await self.tokenizer(prompt)
+        return block_keys(ids, index.block_size) if ids else []
 
     def abort_engine(self, engine_id: str, reason: str = AbortReason.ENGINE_DOWN) -> int:
         """End every running turn on ``engine_id`` (the control plane saw it leave)."""

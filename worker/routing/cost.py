@@ -113,6 +113,10 @@ class _Lease:
     pending: int  # uncached prompt tokens until the first token arrives
     shared_key: str = ""  # its shared prefix, counted once per engine in the KV footprint
     shared: int = 0  # that prefix's tokens
+    # a slot engine whose slot the session's history was taken to have left: the share
+    # of the prompt taken as held there, and the share its history would be
+    held_frac: float = 0.0
+    own_frac: float = 0.0
 
 
 @dataclass
@@ -139,6 +143,8 @@ class CostModel:
     # this worker's recent decisions: routing key -> (engine, mark, prompt tokens)
     _recent: OrderedDict[str, tuple[str, int, int]] = field(default_factory=OrderedDict)
     max_recent: int = 65_536
+    # slot engines: turns that found a history their slots had given up (reported)
+    _restored: dict[str, int] = field(default_factory=dict)
 
     def sent_tokens(self, engine: str) -> int:
         return self._sent.get(engine, 0)
@@ -191,8 +197,14 @@ class CostModel:
             return replace(turn, prev_mark=self.sent_tokens(turn.prev_engine))
         return turn
 
+    def _slot_only(self, engine: str) -> int:
+        """A slot engine's slots when nothing behind them keeps a conversation its slot
+        gave up (no prompt cache known), else 0: it holds like a shared pool."""
+        shape = self._shape(engine)
+        return shape.slots if shape.slots > 0 and not shape.kv_tokens else 0
+
     def held(self, engine: str, turn: TurnInfo) -> int:
-        slots = self._shape(engine).slots
+        slots = self._slot_only(engine)
         if slots > 0:  # one conversation per slot: held while its slot was not reused
             own, shared = self._in_slot(engine, slots, turn.key, turn.shared_key)
             # a conversation this worker did not route there (another worker did: the
@@ -338,7 +350,12 @@ class CostModel:
         e = choice.engine
         pending = max(0, turn.prompt_tokens - choice.held_tokens)
         shared = min(turn.shared_tokens, turn.prompt_tokens) if turn.shared_key else 0
-        self._leases[lease_id] = _Lease(e, turn.prompt_tokens, pending, turn.shared_key, shared)
+        lease = _Lease(e, turn.prompt_tokens, pending, turn.shared_key, shared)
+        own = min(turn.prev_tokens, turn.prompt_tokens)
+        if self._slot_only(e) and e == turn.prev_engine and choice.held_tokens < own:
+            lease.held_frac = choice.held_tokens / turn.prompt_tokens
+            lease.own_frac = own / turn.prompt_tokens
+        self._leases[lease_id] = lease
         self._own_kv[e] = self._own_kv.get(e, 0) + turn.prompt_tokens - shared
         if turn.shared_key:
             held_here = self._prefixes.setdefault(e, {})
@@ -370,6 +387,26 @@ class CostModel:
                 self._recent.popitem(last=False)
         return mark
 
+    def reported(self, lease_id: int, cached_tokens: int, prompt_tokens: int) -> None:
+        """The engine's own report of a turn's prompt. A slot engine that reused most of a
+        history its slots had given up (more than half of the way from what the model
+        took as held to the whole history, in shares of the prompt: the engine's token
+        counts and the model's character estimates differ in scale, not in shares), twice,
+        keeps conversations behind its slots (llama-server's prompt cache, ``--cache-ram``,
+        on by default): from then on it is costed as holding a session's history like a
+        shared pool (:meth:`Profiles.learn_prompt_cache`), while its slots still bound
+        how many run at once."""
+        lease = self._leases.get(lease_id)
+        if lease is None or not lease.own_frac or prompt_tokens <= 0:
+            return
+        gap = lease.own_frac - lease.held_frac
+        if gap < _RESTORE_MIN_GAP:
+            return
+        if cached_tokens / prompt_tokens >= lease.held_frac + gap / 2:
+            n = self._restored[lease.engine] = self._restored.get(lease.engine, 0) + 1
+            if n >= _RESTORE_EVIDENCE:
+                self.profiles.learn_prompt_cache(lease.engine)
+
     def first_token(self, lease_id: int) -> None:
         lease = self._leases.get(lease_id)
         if lease is not None and lease.pending:
@@ -398,6 +435,11 @@ class CostModel:
 
 
 _REPLY_TOKENS: Final = 128  # a slot engine's turn ahead: its reply, in prefill-token terms
+# a slot engine keeps conversations behind its slots when this many turns reused a history
+# the model took as gone, each one at least this share of the prompt beyond what it took
+# as held (less is the system prompt's estimate being off, not a kept history)
+_RESTORE_EVIDENCE: Final = 2
+_RESTORE_MIN_GAP: Final = 0.1
 CHARS_PER_TOKEN: Final = 4  # the worker has no tokenizer: ~4 characters a token (English)
 
 

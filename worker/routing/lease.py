@@ -77,6 +77,7 @@ class Lease:
     """One admitted request on one engine. Release exactly once (``with`` does it)."""
 
     __slots__ = (
+        "_on_cached",
         "_on_double",
         "_on_first_token",
         "_on_release",
@@ -99,6 +100,7 @@ class Lease:
         on_release: Callable[[], None] | None = None,
         on_double_release: Callable[[], None] | None = None,
         on_first_token: Callable[[], None] | None = None,
+        on_cached: Callable[[int, int], None] | None = None,
     ) -> None:
         self.engine = engine
         self.preferred = preferred
@@ -108,12 +110,19 @@ class Lease:
         self._on_release = on_release
         self._on_double = on_double_release
         self._on_first_token = on_first_token
+        self._on_cached = on_cached
         self.state = LeaseState.HELD
 
     def first_token(self) -> None:
         """The engine sent the first token: its prefill is done (cost_aware's queue)."""
         if self._on_first_token is not None:
             self._on_first_token()
+
+    def cached(self, cached_tokens: int, prompt_tokens: int) -> None:
+        """What the engine reported of the prompt: tokens it reused, tokens in all (the
+        cost model learns from them what the engine keeps)."""
+        if self._on_cached is not None:
+            self._on_cached(cached_tokens, prompt_tokens)
 
     def release(self) -> bool:
         """Give the slot back. Returns False (and counts it) when already released."""

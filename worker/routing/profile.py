@@ -16,7 +16,9 @@ A profile comes from ``--engine-profile ID=slots:2,ctx:2048,prefill:90,decode:50
 first_token_timeout:180`` (``*=...`` for every engine; an engine's own entry over it) and
 from what the engine reports at run time (:meth:`Profiles.learn_props`: llama-server's
 ``/props`` ``total_slots`` and ``n_ctx``; :meth:`Profiles.learn_turn`: each turn's
-prefill and decode timings, as moving averages). A flag's value wins over a learned one;
+prefill and decode timings, as moving averages; :meth:`Profiles.learn_prompt_cache`: a
+slot engine that reused more of a conversation than its slots could have held has a
+prompt cache behind them, which ``/props`` does not say). A flag's value wins over a learned one;
 0 means "not known" everywhere. Pure: no I/O, no clock.
 """
 
@@ -26,10 +28,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Final
 
-__all__ = ["PROFILE_KEYS", "EngineProfile", "Profiles", "parse_profile_arg"]
+__all__ = [
+    "LEARNED_PROMPT_CACHE",
+    "PROFILE_KEYS",
+    "EngineProfile",
+    "Profiles",
+    "parse_profile_arg",
+]
 
 _ALPHA: Final = 0.2  # weight of a new turn's rate in the moving average
 _MIN_TOKENS: Final = 8  # a rate from fewer tokens than this is noise (a cache hit's tail)
+# a slot engine seen to restore conversations its slots gave up: the tokens its prompt
+# cache is taken to hold (a guess, on the low side: llama-server's default 8 GiB holds
+# millions of a small model's tokens, tens of thousands of a 70B's; --engine-profile
+# ID=kv:N says it)
+LEARNED_PROMPT_CACHE: Final = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +50,10 @@ class EngineProfile:
     """What is known of one engine (0: not known; the router's defaults then)."""
 
     slots: int = 0  # N: one conversation per slot (llama.cpp, Ollama); 0: a shared pool
-    kv_tokens: int = 0  # the shared pool's size in tokens
+    # the shared pool's size in tokens; on a slot engine, the prompt cache behind its
+    # slots (llama-server's --cache-ram: a conversation a slot gave up is kept there and
+    # restored when it comes back), 0: none, a slot holds the conversation it served last
+    kv_tokens: int = 0
     context_tokens: int = 0  # one request's context (prompt + reply)
     prefill_tok_per_s: float = 0.0
     decode_tok_per_s: float = 0.0
@@ -110,6 +126,14 @@ class Profiles:
         self._learned[engine_id] = EngineProfile(
             slots=max(0, slots), context_tokens=max(0, context_tokens)
         ).over(cur)
+
+    def learn_prompt_cache(self, engine_id: str, tokens: int = LEARNED_PROMPT_CACHE) -> None:
+        """A slot engine reused a conversation its slots had given up: it keeps them in
+        a prompt cache (llama-server's --cache-ram, on by default), taken to hold
+        ``tokens`` unless a flag or an earlier report said how much."""
+        cur = self._learned.get(engine_id, EngineProfile())
+        if not cur.kv_tokens:
+            self._learned[engine_id] = replace(cur, kv_tokens=tokens)
 
     def learn_turn(
         self,

@@ -295,9 +295,13 @@ class Router:
             if self._cost is not None:
                 self._cost.first_token(lease_id)
 
+        def cached(cached_tokens: int, prompt_tokens: int) -> None:
+            if self._cost is not None:
+                self._cost.reported(lease_id, cached_tokens, prompt_tokens)
+
         return Lease(slot.spec, preferred.spec.id, spilled, reason, lease_id=lease_id,
                      on_release=released, on_double_release=double,
-                     on_first_token=first_token)  # fmt: skip
+                     on_first_token=first_token, on_cached=cached)  # fmt: skip
 
     def _release(self, slot: _Engine, t0: float, lease_id: int) -> None:
         if self._cost is not None:

@@ -9,13 +9,14 @@ ids an engine returns (vLLM's ``return_token_ids``): those come after a turn, so
 cover a session's later turns (which the estimate already sends to the session's engine)
 but never a first turn behind a shared system prompt, where precise routing wins most.
 
-The one tokenizer here is the mock engine's (``python -m devstack engine`` renders prompts with
-:func:`prompt_tokens` and keys its cache on :func:`prompt_ids`, so the router and the
+The one tokenizer here is the mock engine's (``python -m devstack engine`` renders prompts
+with :func:`prompt_tokens` and keys its cache on :func:`prompt_ids`, so the router and the
 engine agree by construction): a toy chat template (``<|role|>`` + the content's tokens +
 ``<|end|>`` per message, then ``<|assistant|>``), tokens the ``\\w+`` runs and single
-non-space symbols, each token's id the first 31 bits of its blake2b digest. A real model
-needs its own (the Hugging Face tokenizer and chat template of the served model): a
-function of the same type.
+non-space symbols, each token's id the first 31 bits of its blake2b digest. For any other
+model the worker asks an engine serving it (:mod:`worker.engines.tokenizer`, a
+:data:`PromptTokenizer`: llama-server's ``/apply-template`` and ``/tokenize``, vLLM's
+``/tokenize``).
 
 Keys: the index does not use the engine's block hashes (vLLM's depend on its hash
 algorithm and a per-process seed unless ``PYTHONHASHSEED`` is set) but its own chain over
@@ -28,12 +29,13 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import Final
 
 __all__ = [
     "MOCK_MODEL",
+    "PromptTokenizer",
     "Tokenizer",
     "block_keys",
     "chain_key",
@@ -46,6 +48,9 @@ __all__ = [
 ]
 
 Tokenizer = Callable[[Sequence[Mapping[str, object]]], list[int]]
+# a tokenizer that asks (the served model's, worker.engines.tokenizer): None when it could
+# not answer in time
+PromptTokenizer = Callable[[Sequence[Mapping[str, object]]], Awaitable[list[int] | None]]
 MOCK_MODEL: Final = "tokenrelay-mock"  # the model the mock engine serves with this tokenizer
 
 _TOKEN_RE: Final = re.compile(r"\w+|[^\w\s]")
