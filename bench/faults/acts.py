@@ -34,6 +34,7 @@ from bench.faults.probes import ping
 from bench.faults.producers import Producers
 from bench.faults.run import Run
 from bench.faults.schedule import Fault
+from devstack.cluster.form import NotMaster
 from devstack.cluster.launcher import LocalCluster
 from devstack.demo.stack import Member
 from relay.protocol.keys import live_channel
@@ -302,25 +303,39 @@ class Nemesis:
             entry["took_effect"] = replica in await self.cluster.masters_now()
 
     async def _migrate(self, fault: Fault, entry: dict[str, Any]) -> None:
-        async with self._picking:  # choice and marking in one step, as in _shard
-            shards = await self._healthy_shards()
-            sources = [p for p in sorted(shards) if await self._live_slot(p) is not None]
-            if len(shards) < 2 or not sources:
-                _refuse(entry, "no two healthy shards with a watched session on one")
+        """A live slot moved to another shard. The shards are chosen from one node's view,
+        which may lag a failover: the move itself checks, right before its first SETSLOT,
+        that both nodes are masters by their own account (and the source serves the slot),
+        and this act then reads the topology again and chooses once more; a second
+        refusal is recorded with its reason."""
+        for attempt in range(2):
+            async with self._picking:  # choice and marking in one step, as in _shard
+                shards = await self._healthy_shards()
+                sources = [p for p in sorted(shards) if await self._live_slot(p) is not None]
+                if len(shards) < 2 or not sources:
+                    _refuse(entry, "no two healthy shards with a watched session on one")
+                    return
+                src = sources[fault.pick % len(sources)]
+                dst = next(p for p in sorted(shards) if p != src)
+                slot = await self._live_slot(src)
+                assert slot is not None
+                taken = {src, dst, *shards[src], *shards[dst]}
+                self.busy_nodes |= taken
+            try:
+                entry.update(target=slot, source=src, destination=dst)
+                entry["keys_moved"] = await self.cluster.migrate_slot(slot, src, dst)
+            except NotMaster as exc:
+                entry.setdefault("stale_views", []).append(str(exc))
+                if attempt == 0:
+                    await asyncio.sleep(1.0)  # the cluster's view settles; choose again
+                    continue
+                _refuse(entry, f"the topology changed under the move twice: {exc}")
                 return
-            src = sources[fault.pick % len(sources)]
-            dst = next(p for p in sorted(shards) if p != src)
-            slot = await self._live_slot(src)
-            assert slot is not None
-            taken = {src, dst, *shards[src], *shards[dst]}
-            self.busy_nodes |= taken
-        try:
-            entry.update(target=slot, source=src, destination=dst)
-            entry["keys_moved"] = await self.cluster.migrate_slot(slot, src, dst)
+            finally:
+                self.busy_nodes -= taken
             entry["slot_owner_after"] = await self._owner(slot)
             entry["took_effect"] = entry["slot_owner_after"] == dst and entry["keys_moved"] > 0
-        finally:
-            self.busy_nodes -= taken
+            return
 
     async def _partition(self, fault: Fault, entry: dict[str, Any]) -> None:
         if not self.can_partition:
