@@ -40,7 +40,11 @@ from devstack.demo.stack import Member
 from relay.protocol.keys import live_channel
 from relay.protocol.slotmap import slot_of
 
-__all__ = ["Nemesis", "line"]
+__all__ = ["MASTER_OUT", "Nemesis", "line"]
+
+# the faults that take a master out of the cluster's vote (a freeze past the node timeout
+# counts: the others mark it failed)
+MASTER_OUT = ("master_kill", "master_freeze")
 
 
 class Nemesis:
@@ -61,6 +65,9 @@ class Nemesis:
         self.history: list[dict[str, Any]] = []
         self.busy_nodes: set[int] = set()  # Redis ports down, frozen, cut off or rejoining
         self.busy_procs: set[str] = set()  # relays and workers down or frozen
+        # masters killed or frozen now: a replica is elected by a majority of the masters,
+        # so fewer than half of them may be out at once
+        self.masters_out: set[int] = set()
         self._picking = asyncio.Lock()  # a target's choice and its marking, one at a time
         self.t0 = time.monotonic()
         self._tasks: list[asyncio.Task[None]] = []
@@ -204,6 +211,12 @@ class Nemesis:
         starting together never pick the same shard; :meth:`_taking_shard` gives it
         back); (0, ()) and the refusal in ``entry`` when every shard has a node down."""
         async with self._picking:
+            if fault.kind in MASTER_OUT:
+                masters = len(await self.cluster.shards_now())
+                if len(self.masters_out) + 1 > (masters - 1) // 2:
+                    _refuse(entry, "a majority of the masters would be out at once: no replica "
+                                   "could be elected (by design: fewer than half)")  # fmt: skip
+                    return 0, ()
             shards = await self._healthy_shards()
             if not shards:
                 _refuse(entry, "every shard has a node down or rejoining (by design: not both)")
@@ -213,6 +226,8 @@ class Nemesis:
             pool = watched or ports
             master = pool[fault.pick % len(pool)]
             self.busy_nodes |= {master, *shards[master]}
+            if fault.kind in MASTER_OUT:
+                self.masters_out.add(master)
             return master, shards[master]
 
     @contextlib.asynccontextmanager
@@ -229,6 +244,7 @@ class Nemesis:
             yield master, replicas
         finally:
             self.busy_nodes -= {master, *replicas}
+            self.masters_out.discard(master)
 
     async def _master_kill(self, fault: Fault, entry: dict[str, Any]) -> None:
         async with self._taking_shard(fault, entry) as shard:
