@@ -52,6 +52,7 @@ import aiohttp
 from bench.faults.acts import Nemesis, line
 from bench.faults.evidence import MUST_BE_ZERO
 from bench.faults.producers import Producers
+from bench.faults.readers import DurableReader, UiReader, check_ui
 from bench.faults.run import FaultConfig, Run
 from bench.faults.schedule import KINDS, overlapping, plan
 from bench.harness import Bench, Common, Outcome, flag
@@ -100,6 +101,15 @@ async def run_nemesis(cfg: NemesisConfig) -> dict[str, Any]:
                 until=until,
             )  # fmt: skip
             producers.add_sessions()
+            # the two other fronts on every worker session: a Durable Streams reader of its
+            # frames (a screen to the checker) and an AI SDK UI stream client
+            for sid, tok in worker_sessions:
+                reader = DurableReader(http, run.relays, sid, tok)
+                reader.on_frame = run._on_frame
+                run.viewers.append(reader)
+            ui = [UiReader(http, run.relays, sid, tok) for sid, tok in worker_sessions]
+            ui_stop = asyncio.Event()
+            ui_tasks = [asyncio.create_task(u.run(ui_stop)) for u in ui]
             tasks: dict[int, tuple[asyncio.Task[None], asyncio.Event]] = {}
             for v in run.viewers:
                 stop = asyncio.Event()
@@ -126,8 +136,12 @@ async def run_nemesis(cfg: NemesisConfig) -> dict[str, Any]:
             await asyncio.sleep(3.0)  # the last frames reach every screen
             for _task, stop in tasks.values():
                 stop.set()
-            await asyncio.gather(*(t for t, _ in tasks.values()), return_exceptions=True)
+            ui_stop.set()
+            await asyncio.gather(*(t for t, _ in tasks.values()), *ui_tasks,
+                                 return_exceptions=True)  # fmt: skip
             counts = run.report(await run.account())
+            counts.update(check_ui(ui, run.logs))
+            counts["durable_readers"] = sum(isinstance(v, DurableReader) for v in run.viewers)
             pids = (
                 [m.pid for m in stack.procs.values()]
                 + [p.pid for p in (stack.cluster.procs.values() if stack.cluster else [])]
@@ -138,7 +152,7 @@ async def run_nemesis(cfg: NemesisConfig) -> dict[str, Any]:
     done = [e for e in history if "refused" not in e]
     anomalies = [f"{e['kind']} at {e['at_s']}s: " + (e.get("error") or "no evidence it took effect")
                  for e in done if not e.get("took_effect")]  # fmt: skip
-    anomalies += [f"{k}: {counts[k]}" for k in MUST_BE_ZERO if counts.get(k)]
+    anomalies += [f"{k}: {counts[k]}" for k in (*MUST_BE_ZERO, "ui_mismatches") if counts.get(k)]
     anomalies += [f"processes left over: {left}"] if left else []
     return {
         "seed": cfg.seed,
@@ -202,7 +216,8 @@ def _run(f: Flags) -> Outcome:
         f"lost {report['lost']}, duplicated {report['duplicated']}, "
         f"out of order {report['out_of_order']}, unended {report['unended_turns']}, "
         f"stuck {report['viewers_behind']}, lost writes {report['lost_writes']}, "
-        f"gaps reported {report['gaps_reported']}"
+        f"gaps reported {report['gaps_reported']}; UI streams: {report['ui_turns_checked']} "
+        f"turns checked, {report['ui_mismatches']} mismatches"
     )
     text = "\n".join(["history:", *lines, summary, *(f"ANOMALY {a}" for a in report["anomalies"]),
                       f"replay: {report['replay']}"])  # fmt: skip
@@ -212,7 +227,8 @@ def _run(f: Flags) -> Outcome:
 def markdown(r: dict[str, Any]) -> str:
     """RELIABILITY.md's tables of a stored run: the counts, then each kind of fault."""
     counts = ("lost", "duplicated", "out_of_order", "content_mismatches", "lost_writes",
-              "unended_turns", "viewers_behind", "gaps_reported", "error_frames")  # fmt: skip
+              "unended_turns", "viewers_behind", "gaps_reported", "error_frames",
+              "ui_turns_checked", "ui_mismatches")  # fmt: skip
     head = ["| seed | minutes | screens | sessions | turns | frames | faults (overlapping) "
             "| refused | " + " | ".join(c.replace("_", " ") for c in counts) + " |",
             "|" + "---|" * (8 + len(counts))]  # fmt: skip
