@@ -48,10 +48,11 @@ class DurableReader(Viewer):
     """A Durable Streams reader of one session's frames, counted as a screen."""
 
     async def _watch(self) -> None:
-        """Long-poll from the last offset counted until cancelled; after a failure, again
-        on another relay. A ``400`` (the reader holds offsets past the session's tail: a
-        failover lost frames it read, and no writer has gone past them yet) is waited
-        out, as the next writer's ``gap`` frame will pass them."""
+        """Read from the last offset counted until cancelled (a catch-up read, then
+        long-polls); after a failure, again on another relay. A ``400`` (the reader
+        holds offsets past the session's tail: a failover lost frames it read, and no
+        writer has gone past them yet) is waited out, as the next writer's ``gap`` frame
+        will pass them."""
         headers = {"Authorization": f"Bearer {self.token}"}
         connected = False
         while True:
@@ -60,7 +61,9 @@ class DurableReader(Viewer):
                 await asyncio.sleep(0.2)
                 continue
             base = random.choice(relays)
-            params = {"offset": format_offset(self.tally.last), "live": "long-poll"}
+            params = {"offset": format_offset(self.tally.last)}
+            if connected:  # the first read of a watch is a catch-up: it answers at once
+                params["live"] = "long-poll"
             try:
                 async with self.http.get(
                     f"{base}/v1/sessions/{self.sid}/stream", params=params, headers=headers,
