@@ -8,7 +8,8 @@ engine's natural lengths back to back, some regenerated, some stopped a moment a
 they start; producers of your own in both libraries (a Python process on the producer
 API, a Node process on ``@tokenrelay/producer``: :mod:`bench.faults.producers`) writing
 sessions of their own; screens over SSE and WebSocket (the Python client, which resumes
-from its last offset) on every session. A schedule drawn from the seed
+from its last offset) on every session, and on every worker session a Durable Streams
+reader and an AI SDK UI stream client (:mod:`bench.faults.readers`). A schedule drawn from the seed
 (:mod:`bench.faults.schedule`) starts faults in bursts so that they overlap: relays and
 workers killed (SIGKILL, restarted after a hold) or frozen (SIGSTOP, SIGCONT after the
 hold), masters killed (the replica is promoted, the node comes back as a replica) or
@@ -23,8 +24,9 @@ status, who serves a slot before and after, a PING waiting out a freeze or refus
 partition, a reconnect count); a fault without evidence is an anomaly. A combination
 that cannot be survived by design is refused at its time and written in the history:
 both nodes of one shard down at once (no setting here waits for replicas: a master
-killed before its replica has a frame loses that frame, which the checker would report
-as a ``gap``, never as silence), and every relay or every worker down at once.
+killed before its replica has a frame loses that frame, which the next writer's skip
+reports as a ``gap``, never as silence), half of the masters or more killed or frozen at
+once (no replica could be elected), and every relay or every worker down at once.
 
 At the end, new turns stop, running ones end, and the checker
 (:mod:`bench.load.accounting`) reads every session's backlog from Redis and compares each
