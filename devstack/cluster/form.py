@@ -23,6 +23,7 @@ and are re-exported by :mod:`devstack.cluster.launcher`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -325,7 +326,9 @@ async def migrate_slot(
         # first SETSLOT, each of the two says itself what it is and what it serves
         await _still_owner(clients[src], src, slot)
         await _still_owner(clients[dst], dst, None)
-        ids = {p: (await c.execute_command("CLUSTER", "MYID")).decode() for p, c in clients.items()}
+        ids = {
+            p: (await clients[p].execute_command("CLUSTER", "MYID")).decode() for p in (src, dst)
+        }
         await clients[dst].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
         await clients[src].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
         moved = 0
@@ -340,8 +343,11 @@ async def migrate_slot(
         await clients[dst].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
         await clients[src].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
         for p in masters:  # the others learn it by gossip too: told only while masters
-            if p not in (src, dst) and await _role(clients[p]) == "master":
-                await clients[p].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+            if p in (src, dst):
+                continue
+            with contextlib.suppress(aioredis.ConnectionError, OSError):  # one gone: gossip
+                if await _role(clients[p]) == "master":
+                    await clients[p].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
         return moved
     finally:
         for c in clients.values():
