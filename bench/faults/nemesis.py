@@ -219,7 +219,8 @@ def _run(f: Flags) -> Outcome:
         f"out of order {report['out_of_order']}, unended {report['unended_turns']}, "
         f"stuck {report['viewers_behind']}, lost writes {report['lost_writes']}, "
         f"gaps reported {report['gaps_reported']}; UI streams: {report['ui_turns_checked']} "
-        f"turns checked, {report['ui_mismatches']} mismatches"
+        f"turns checked, {report['ui_mismatches']} mismatches, "
+        f"{report['ui_lost_writes']} ended on writes a failover lost"
     )
     text = "\n".join(["history:", *lines, summary, *(f"ANOMALY {a}" for a in report["anomalies"]),
                       f"replay: {report['replay']}"])  # fmt: skip

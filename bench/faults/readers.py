@@ -112,7 +112,7 @@ class UiReader:
     turns: dict[int, UiTurnSeen] = field(default_factory=dict)
     connects: int = 0  # streams of a turn opened (200)
     cut: int = 0  # streams that ended without their turn's finish (read again)
-    reread_differs: list[str] = field(default_factory=list)  # one turn read twice, two ways
+    reread_differs: list[int] = field(default_factory=list)  # turns read twice, two ways
     errors: list[str] = field(default_factory=list)
 
     TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=3, sock_read=60)
@@ -168,20 +168,34 @@ class UiReader:
             if before is not None:
                 seen.readings = before.readings + 1
                 if (before.text, before.finish) != (seen.text, seen.finish):
-                    self.reread_differs.append(f"{self.sid}/{turn}")
+                    self.reread_differs.append(turn)
             self.turns[turn] = seen
 
 
 def check_ui(readers: Sequence[UiReader], logs: Mapping[str, SessionLog]) -> dict[str, Any]:
     """Every turn the UI readers read to its end against the backlog: ``ui_mismatches``
     (a text or a finish that is not the backlog's, or one turn read twice two ways) must be
-    0; ``ui_turns_checked``, ``ui_gaps`` (turns a gap cut into: told, not compared),
-    ``ui_cut`` (streams read again) and a few samples."""
+    0; ``ui_lost_writes``: the same in a turn a writer took over after a failover with a
+    skip (a ``gap`` frame inside the turn in the backlog): the stream had ended on frames
+    the failover lost, so the skip's gap could not reach it (RELIABILITY.md: open);
+    ``ui_turns_checked``, ``ui_gaps`` (turns a gap cut into on the stream: told, not
+    compared), ``ui_cut`` (streams read again) and a few samples."""
     checked = gaps = 0
     bad: list[str] = []
+    lost: list[str] = []
+
+    def differs(log: SessionLog | None, turn: int, what: str) -> None:
+        tl = log.turns.get(turn) if log is not None else None
+        skipped = (
+            log is not None and tl is not None and bool(tl.offsets)
+            and any(min(tl.offsets) < g < max(tl.offsets) for g in log.failover_gaps)
+        )  # fmt: skip
+        (lost if skipped else bad).append(what)
+
     for u in readers:
         log = logs.get(u.sid)
-        bad += [f"{s}: read twice, two ways" for s in u.reread_differs]
+        for turn in u.reread_differs:
+            differs(log, turn, f"{u.sid}/{turn}: read twice, two ways")
         if log is None:
             continue
         for turn, seen in sorted(u.turns.items()):
@@ -194,13 +208,13 @@ def check_ui(readers: Sequence[UiReader], logs: Mapping[str, SessionLog]) -> dic
             checked += 1
             errored = seen.finish == "error"
             if errored != (tl.end == "error") or seen.text != tl.text:
-                bad.append(
-                    f"{u.sid}/{turn}: UI {seen.finish} {len(seen.text)} chars, "
-                    f"backlog {tl.end} {len(tl.text)} chars"
-                )
+                differs(log, turn, f"{u.sid}/{turn}: UI {seen.finish} {len(seen.text)} chars, "
+                                   f"backlog {tl.end} {len(tl.text)} chars")  # fmt: skip
     return {
         "ui_mismatches": len(bad),
         "ui_mismatch_samples": bad[:5],
+        "ui_lost_writes": len(lost),
+        "ui_lost_write_samples": lost[:5],
         "ui_turns_checked": checked,
         "ui_gaps": gaps,
         "ui_cut": sum(u.cut for u in readers),

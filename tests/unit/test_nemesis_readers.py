@@ -56,6 +56,24 @@ def test_another_text_or_another_end_is_a_mismatch() -> None:
 
 def test_a_turn_a_gap_cut_into_is_told_not_compared_and_a_turn_read_two_ways_is_not() -> None:
     u = _reader("s", {1: UiTurnSeen("Hel", "error", True)})
-    u.reread_differs.append("s/2")
+    u.reread_differs.append(2)
     r = check_ui([u], {"s": _log("s")})
     assert (r["ui_gaps"], r["ui_turns_checked"], r["ui_mismatches"]) == (1, 0, 1)
+
+
+def test_a_differing_turn_a_writer_took_over_after_a_failover_is_counted_apart() -> None:
+    """A stream that ended on frames a failover then lost: the skip's gap frame sits
+    inside the turn in the backlog, after the stream had ended."""
+    log = SessionLog("s")
+    frames: list[dict[str, Any]] = [
+        {"offset": 1, "kind": "meta", "turn": 1, "epoch": 1},
+        {"offset": 2, "kind": "token", "turn": 1, "epoch": 1, "text": "Hel"},
+        {"offset": 1 + (1 << 20), "kind": "gap", "turn": 0, "epoch": 0,
+         "meta": {"code": "lost_in_failover", "from": 3, "to": 2 + (1 << 20)}},
+        {"offset": 3 + (1 << 20), "kind": "error", "turn": 1, "epoch": 2, "text": "worker lost"},
+    ]  # fmt: skip
+    for f in frames:
+        log.add(f)
+    r = check_ui([_reader("s", {1: UiTurnSeen("Hello", "error", False)})], {"s": log})
+    assert (r["ui_mismatches"], r["ui_lost_writes"]) == (0, 1)
+    assert r["ui_lost_write_samples"] == ["s/1: UI error 5 chars, backlog error 3 chars"]
