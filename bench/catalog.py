@@ -89,6 +89,11 @@ CATALOG: tuple[Benchmark, ...] = (
         "Redis CPU per published frame: the publish script vs pipelined XADD + SPUBLISH",
     ),
     Benchmark(
+        "wait_cost",
+        "bench.pubsub.wait_cost",
+        "a publish followed by WAIT 1 (a replica has it) against one alone; the OPEN's cost",
+    ),
+    Benchmark(
         "coalesce",
         "bench.pubsub.coalesce",
         "token coalescing: Redis operations per token against the delay it adds",

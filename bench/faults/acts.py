@@ -34,12 +34,17 @@ from bench.faults.probes import ping
 from bench.faults.producers import Producers
 from bench.faults.run import Run
 from bench.faults.schedule import Fault
+from devstack.cluster.form import NotMaster
 from devstack.cluster.launcher import LocalCluster
 from devstack.demo.stack import Member
 from relay.protocol.keys import live_channel
 from relay.protocol.slotmap import slot_of
 
-__all__ = ["Nemesis", "line"]
+__all__ = ["MASTER_OUT", "Nemesis", "line"]
+
+# the faults that take a master out of the cluster's vote (a freeze past the node timeout
+# counts: the others mark it failed)
+MASTER_OUT = ("master_kill", "master_freeze")
 
 
 class Nemesis:
@@ -60,6 +65,9 @@ class Nemesis:
         self.history: list[dict[str, Any]] = []
         self.busy_nodes: set[int] = set()  # Redis ports down, frozen, cut off or rejoining
         self.busy_procs: set[str] = set()  # relays and workers down or frozen
+        # masters killed or frozen now: a replica is elected by a majority of the masters,
+        # so fewer than half of them may be out at once
+        self.masters_out: set[int] = set()
         self._picking = asyncio.Lock()  # a target's choice and its marking, one at a time
         self.t0 = time.monotonic()
         self._tasks: list[asyncio.Task[None]] = []
@@ -203,6 +211,12 @@ class Nemesis:
         starting together never pick the same shard; :meth:`_taking_shard` gives it
         back); (0, ()) and the refusal in ``entry`` when every shard has a node down."""
         async with self._picking:
+            if fault.kind in MASTER_OUT:
+                masters = len(await self.cluster.shards_now())
+                if len(self.masters_out) + 1 > (masters - 1) // 2:
+                    _refuse(entry, "a majority of the masters would be out at once: no replica "
+                                   "could be elected (by design: fewer than half)")  # fmt: skip
+                    return 0, ()
             shards = await self._healthy_shards()
             if not shards:
                 _refuse(entry, "every shard has a node down or rejoining (by design: not both)")
@@ -212,6 +226,8 @@ class Nemesis:
             pool = watched or ports
             master = pool[fault.pick % len(pool)]
             self.busy_nodes |= {master, *shards[master]}
+            if fault.kind in MASTER_OUT:
+                self.masters_out.add(master)
             return master, shards[master]
 
     @contextlib.asynccontextmanager
@@ -228,6 +244,7 @@ class Nemesis:
             yield master, replicas
         finally:
             self.busy_nodes -= {master, *replicas}
+            self.masters_out.discard(master)
 
     async def _master_kill(self, fault: Fault, entry: dict[str, Any]) -> None:
         async with self._taking_shard(fault, entry) as shard:
@@ -302,25 +319,39 @@ class Nemesis:
             entry["took_effect"] = replica in await self.cluster.masters_now()
 
     async def _migrate(self, fault: Fault, entry: dict[str, Any]) -> None:
-        async with self._picking:  # choice and marking in one step, as in _shard
-            shards = await self._healthy_shards()
-            sources = [p for p in sorted(shards) if await self._live_slot(p) is not None]
-            if len(shards) < 2 or not sources:
-                _refuse(entry, "no two healthy shards with a watched session on one")
+        """A live slot moved to another shard. The shards are chosen from one node's view,
+        which may lag a failover: the move itself checks, right before its first SETSLOT,
+        that both nodes are masters by their own account (and the source serves the slot),
+        and this act then reads the topology again and chooses once more; a second
+        refusal is recorded with its reason."""
+        for attempt in range(2):
+            async with self._picking:  # choice and marking in one step, as in _shard
+                shards = await self._healthy_shards()
+                sources = [p for p in sorted(shards) if await self._live_slot(p) is not None]
+                if len(shards) < 2 or not sources:
+                    _refuse(entry, "no two healthy shards with a watched session on one")
+                    return
+                src = sources[fault.pick % len(sources)]
+                dst = next(p for p in sorted(shards) if p != src)
+                slot = await self._live_slot(src)
+                assert slot is not None
+                taken = {src, dst, *shards[src], *shards[dst]}
+                self.busy_nodes |= taken
+            try:
+                entry.update(target=slot, source=src, destination=dst)
+                entry["keys_moved"] = await self.cluster.migrate_slot(slot, src, dst)
+            except NotMaster as exc:
+                entry.setdefault("stale_views", []).append(str(exc))
+                if attempt == 0:
+                    await asyncio.sleep(1.0)  # the cluster's view settles; choose again
+                    continue
+                _refuse(entry, f"the topology changed under the move twice: {exc}")
                 return
-            src = sources[fault.pick % len(sources)]
-            dst = next(p for p in sorted(shards) if p != src)
-            slot = await self._live_slot(src)
-            assert slot is not None
-            taken = {src, dst, *shards[src], *shards[dst]}
-            self.busy_nodes |= taken
-        try:
-            entry.update(target=slot, source=src, destination=dst)
-            entry["keys_moved"] = await self.cluster.migrate_slot(slot, src, dst)
+            finally:
+                self.busy_nodes -= taken
             entry["slot_owner_after"] = await self._owner(slot)
             entry["took_effect"] = entry["slot_owner_after"] == dst and entry["keys_moved"] > 0
-        finally:
-            self.busy_nodes -= taken
+            return
 
     async def _partition(self, fault: Fault, entry: dict[str, Any]) -> None:
         if not self.can_partition:

@@ -8,7 +8,8 @@ engine's natural lengths back to back, some regenerated, some stopped a moment a
 they start; producers of your own in both libraries (a Python process on the producer
 API, a Node process on ``@tokenrelay/producer``: :mod:`bench.faults.producers`) writing
 sessions of their own; screens over SSE and WebSocket (the Python client, which resumes
-from its last offset) on every session. A schedule drawn from the seed
+from its last offset) on every session, and on every worker session a Durable Streams
+reader and an AI SDK UI stream client (:mod:`bench.faults.readers`). A schedule drawn from the seed
 (:mod:`bench.faults.schedule`) starts faults in bursts so that they overlap: relays and
 workers killed (SIGKILL, restarted after a hold) or frozen (SIGSTOP, SIGCONT after the
 hold), masters killed (the replica is promoted, the node comes back as a replica) or
@@ -23,8 +24,9 @@ status, who serves a slot before and after, a PING waiting out a freeze or refus
 partition, a reconnect count); a fault without evidence is an anomaly. A combination
 that cannot be survived by design is refused at its time and written in the history:
 both nodes of one shard down at once (no setting here waits for replicas: a master
-killed before its replica has a frame loses that frame, which the checker would report
-as a ``gap``, never as silence), and every relay or every worker down at once.
+killed before its replica has a frame loses that frame, which the next writer's skip
+reports as a ``gap``, never as silence), half of the masters or more killed or frozen at
+once (no replica could be elected), and every relay or every worker down at once.
 
 At the end, new turns stop, running ones end, and the checker
 (:mod:`bench.load.accounting`) reads every session's backlog from Redis and compares each
@@ -52,6 +54,7 @@ import aiohttp
 from bench.faults.acts import Nemesis, line
 from bench.faults.evidence import MUST_BE_ZERO
 from bench.faults.producers import Producers
+from bench.faults.readers import DurableReader, UiReader, check_ui
 from bench.faults.run import FaultConfig, Run
 from bench.faults.schedule import KINDS, overlapping, plan
 from bench.harness import Bench, Common, Outcome, flag
@@ -100,6 +103,15 @@ async def run_nemesis(cfg: NemesisConfig) -> dict[str, Any]:
                 until=until,
             )  # fmt: skip
             producers.add_sessions()
+            # the two other fronts on every worker session: a Durable Streams reader of its
+            # frames (a screen to the checker) and an AI SDK UI stream client
+            for sid, tok in worker_sessions:
+                reader = DurableReader(http, run.relays, sid, tok)
+                reader.on_frame = run._on_frame
+                run.viewers.append(reader)
+            ui = [UiReader(http, run.relays, sid, tok) for sid, tok in worker_sessions]
+            ui_stop = asyncio.Event()
+            ui_tasks = [asyncio.create_task(u.run(ui_stop)) for u in ui]
             tasks: dict[int, tuple[asyncio.Task[None], asyncio.Event]] = {}
             for v in run.viewers:
                 stop = asyncio.Event()
@@ -126,8 +138,12 @@ async def run_nemesis(cfg: NemesisConfig) -> dict[str, Any]:
             await asyncio.sleep(3.0)  # the last frames reach every screen
             for _task, stop in tasks.values():
                 stop.set()
-            await asyncio.gather(*(t for t, _ in tasks.values()), return_exceptions=True)
+            ui_stop.set()
+            await asyncio.gather(*(t for t, _ in tasks.values()), *ui_tasks,
+                                 return_exceptions=True)  # fmt: skip
             counts = run.report(await run.account())
+            counts.update(check_ui(ui, run.logs))
+            counts["durable_readers"] = sum(isinstance(v, DurableReader) for v in run.viewers)
             pids = (
                 [m.pid for m in stack.procs.values()]
                 + [p.pid for p in (stack.cluster.procs.values() if stack.cluster else [])]
@@ -138,7 +154,7 @@ async def run_nemesis(cfg: NemesisConfig) -> dict[str, Any]:
     done = [e for e in history if "refused" not in e]
     anomalies = [f"{e['kind']} at {e['at_s']}s: " + (e.get("error") or "no evidence it took effect")
                  for e in done if not e.get("took_effect")]  # fmt: skip
-    anomalies += [f"{k}: {counts[k]}" for k in MUST_BE_ZERO if counts.get(k)]
+    anomalies += [f"{k}: {counts[k]}" for k in (*MUST_BE_ZERO, "ui_mismatches") if counts.get(k)]
     anomalies += [f"processes left over: {left}"] if left else []
     return {
         "seed": cfg.seed,
@@ -202,7 +218,9 @@ def _run(f: Flags) -> Outcome:
         f"lost {report['lost']}, duplicated {report['duplicated']}, "
         f"out of order {report['out_of_order']}, unended {report['unended_turns']}, "
         f"stuck {report['viewers_behind']}, lost writes {report['lost_writes']}, "
-        f"gaps reported {report['gaps_reported']}"
+        f"gaps reported {report['gaps_reported']}; UI streams: {report['ui_turns_checked']} "
+        f"turns checked, {report['ui_mismatches']} mismatches, "
+        f"{report['ui_lost_writes']} ended on writes a failover lost"
     )
     text = "\n".join(["history:", *lines, summary, *(f"ANOMALY {a}" for a in report["anomalies"]),
                       f"replay: {report['replay']}"])  # fmt: skip
@@ -212,7 +230,8 @@ def _run(f: Flags) -> Outcome:
 def markdown(r: dict[str, Any]) -> str:
     """RELIABILITY.md's tables of a stored run: the counts, then each kind of fault."""
     counts = ("lost", "duplicated", "out_of_order", "content_mismatches", "lost_writes",
-              "unended_turns", "viewers_behind", "gaps_reported", "error_frames")  # fmt: skip
+              "unended_turns", "viewers_behind", "gaps_reported", "error_frames",
+              "ui_turns_checked", "ui_mismatches")  # fmt: skip
     head = ["| seed | minutes | screens | sessions | turns | frames | faults (overlapping) "
             "| refused | " + " | ".join(c.replace("_", " ") for c in counts) + " |",
             "|" + "---|" * (8 + len(counts))]  # fmt: skip

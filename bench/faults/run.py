@@ -185,10 +185,13 @@ class Run:
 
     def lost_writes(self) -> dict[str, Any]:
         """Frames screens were given whose generation the backlog's turn does not hold:
-        ``lost_writes`` (viewer, turn) pairs and a few samples. Counted against Redis after
-        :meth:`account` read the backlogs."""
+        ``lost_writes`` (viewer, turn) pairs the screen was not told of and a few samples;
+        ``lost_writes_told``: the same where the screen got a ``gap`` frame in that turn
+        (the next writer's skip after a failover: reported, not silent). Counted against
+        Redis after :meth:`account` read the backlogs."""
         by_id = {id(v): v for v in self.viewers}
         bad: list[str] = []
+        told = 0
         for vid, turn, epoch in sorted(self.seen_epochs):
             v = by_id.get(vid)
             log = self.logs.get(v.sid) if v is not None else None
@@ -196,6 +199,9 @@ class Run:
                 continue
             tl = log.turns.get(turn)
             if tl is not None and tl.complete and epoch not in tl.epochs:
+                if turn in v.gap_turns:
+                    told += 1
+                    continue
                 bad.append(f"{v.sid}/{turn}: epoch {epoch} reached a screen, the backlog has "
                            f"{sorted(tl.epochs)}")  # fmt: skip
         unended = [
@@ -206,6 +212,7 @@ class Run:
             if tl.end is None and tl.offsets
         ]
         return {"lost_writes": len(bad), "lost_write_samples": sorted(set(bad))[:5],
+                "lost_writes_told": told,
                 "unended_samples": unended[:5]}  # fmt: skip
 
     def report(self, counts: dict[str, Any]) -> dict[str, Any]:

@@ -67,11 +67,15 @@ class SessionLog:
     last: int = 0  # last offset written
     offsets: set[int] = field(default_factory=set)
     turns: dict[int, TurnLog] = field(default_factory=dict)
+    # where a writer after a failover skipped offsets the lost writes may have used
+    failover_gaps: list[int] = field(default_factory=list)
 
     def add(self, frame: Mapping[str, Any]) -> None:
         offset, kind = int(frame["offset"]), str(frame["kind"])
         self.offsets.add(offset)
         turn = int(frame.get("turn", 0))
+        if kind == "gap" and (frame.get("meta") or {}).get("code") == "lost_in_failover":
+            self.failover_gaps.append(offset)
         if kind == "gap" or turn == 0:
             return
         t = self.turns.get(turn)

@@ -23,6 +23,7 @@ and are re-exported by :mod:`devstack.cluster.launcher`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ __all__ = [
     "TOTAL_SLOTS",
     "ClusterError",
     "Node",
+    "NotMaster",
     "form_cluster",
     "masters_now",
     "migrate_slot",
@@ -260,6 +262,38 @@ async def failover(
         await c.aclose()
 
 
+class NotMaster(ClusterError):
+    """A node a slot migration needs as a master is not one now (a failover demoted it,
+    or the view it was chosen from was stale): nothing was changed."""
+
+
+async def _role(client: aioredis.Redis) -> str:
+    """What the node says it is: ``master`` or ``slave`` (``ROLE``)."""
+    reply = await client.execute_command("ROLE")
+    role = reply[0]
+    return role.decode() if isinstance(role, bytes) else str(role)
+
+
+async def _still_owner(client: aioredis.Redis, port: int, slot: int | None) -> None:
+    """Raise :class:`NotMaster` unless the node is a master now and, given ``slot``,
+    serves it by its own account (``CLUSTER NODES``' ``myself`` line)."""
+    if (role := await _role(client)) != "master":
+        raise NotMaster(f"{port} is a {role} now, not a master")
+    if slot is None:
+        return
+    text = (await client.execute_command("CLUSTER", "NODES")).decode()
+    mine: list[str] = next(
+        (ln.split() for ln in text.splitlines() if "myself" in ln.split()[2]), []
+    )
+    for r in mine[8:]:
+        if r.startswith("["):
+            continue  # a slot being imported or migrated
+        lo, _, hi = r.partition("-")
+        if int(lo) <= slot <= int(hi or lo):
+            return
+    raise NotMaster(f"{port} does not serve slot {slot} now")
+
+
 async def migrate_slot(
     nodes: list[Node],
     procs: Mapping[int, Proc],
@@ -285,10 +319,16 @@ async def migrate_slot(
     kw = dict(client_kwargs or {})
     masters = await masters_now(nodes, procs, kw)
     if src not in masters or dst not in masters:
-        raise ClusterError(f"{src} and {dst} must both be masters (masters: {list(masters)})")
+        raise NotMaster(f"{src} and {dst} must both be masters (masters: {list(masters)})")
     clients = {p: aioredis.Redis(host=host, port=p, **kw) for p in masters}
     try:
-        ids = {p: (await c.execute_command("CLUSTER", "MYID")).decode() for p, c in clients.items()}
+        # the view above is one node's, and gossip may lag a failover: right before the
+        # first SETSLOT, each of the two says itself what it is and what it serves
+        await _still_owner(clients[src], src, slot)
+        await _still_owner(clients[dst], dst, None)
+        ids = {
+            p: (await clients[p].execute_command("CLUSTER", "MYID")).decode() for p in (src, dst)
+        }
         await clients[dst].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[src])
         await clients[src].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[dst])
         moved = 0
@@ -300,9 +340,14 @@ async def migrate_slot(
                 "MIGRATE", host, dst, "", 0, timeout_ms, "REPLACE", "KEYS", *keys
             )
             moved += len(keys)
-        order = [dst, src, *(p for p in masters if p not in (src, dst))]
-        for p in order:
-            await clients[p].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+        await clients[dst].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+        await clients[src].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
+        for p in masters:  # the others learn it by gossip too: told only while masters
+            if p in (src, dst):
+                continue
+            with contextlib.suppress(aioredis.ConnectionError, OSError):  # one gone: gossip
+                if await _role(clients[p]) == "master":
+                    await clients[p].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[dst])
         return moved
     finally:
         for c in clients.values():

@@ -104,10 +104,19 @@ class StreamView:
     low: int  # the earliest retained message
     start: int
     messages: list[bytes]
+    # the position after each message, where they are not consecutive (a chat session's
+    # frames: a gap frame stands at the last offset it covers); None: start + 1, + 2, ...
+    positions: list[int] | None = None
 
     @property
     def end(self) -> int:
-        return self.start + len(self.messages)
+        return self.after(len(self.messages))
+
+    def after(self, count: int) -> int:
+        """The position after the first ``count`` messages."""
+        if self.positions is not None and count:
+            return self.positions[count - 1]
+        return self.start + count
 
     @property
     def json_mode(self) -> bool:

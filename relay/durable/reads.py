@@ -134,7 +134,7 @@ def _cut(view: View) -> tuple[list[bytes], bool]:
             break
         out.append(m)
         size += len(m)
-    return out, view.start + len(out) >= view.next
+    return out, view.after(len(out)) >= view.next
 
 
 def _cursor(request: web.Request) -> str:
@@ -209,7 +209,7 @@ async def get(
 async def _chunk(
     request: web.Request, view: View, opt: ReadOptions, msgs: list[bytes], up_to_date: bool
 ) -> web.StreamResponse:
-    end = view.start + len(msgs)
+    end = view.after(len(msgs))
     h = _headers(view, end, up_to_date, request)
     tag = core.etag(view.gen, view.start, end, view.closed and up_to_date)
     h["ETag"] = tag
@@ -283,7 +283,7 @@ async def _sse(
                     ended = page.closed and up_to_date
                     event = b""
                     if msgs:
-                        at = page.start + len(msgs)
+                        at = page.after(len(msgs))
                         event = core.sse_data(msgs, page.json_mode, _binary(page))
                     if msgs or not sent_control or ended:
                         # the data and its control in one write: a reader sees both or neither

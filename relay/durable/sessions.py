@@ -1,9 +1,11 @@
 """A chat session's frames read as a JSON-mode Durable Stream: one message per frame
 (the frame's JSON as the backlog holds it), the stream offset ``n`` the position after
-frame ``n`` (frame offsets are 1, 2, 3, ...), so a Durable Streams client follows a chat
-live and resumes it where it left. The backlog's trimmed start answers 410; a deleted
-session 404. Never closed: a session takes more turns. Live reads wake on the session's
-own channel (the one the hub's screens read: :class:`relay.durable.live.Waker` shares it).
+frame ``n`` (frame offsets are 1, 2, 3, ...; a ``gap`` frame stands at the last offset it
+covers, so the position after it is that offset, not a count of messages), so a Durable
+Streams client follows a chat live and resumes it where it left. The backlog's trimmed
+start answers 410; a deleted session 404. Never closed: a session takes more turns. Live
+reads wake on the session's own channel (the one the hub's screens read:
+:class:`relay.durable.live.Waker` shares it).
 
 Order of use: ``await reads.get(request, SessionSource(broker, sid), waker, options)``.
 """
@@ -11,6 +13,8 @@ Order of use: ``await reads.get(request, SessionSource(broker, sid), waker, opti
 from __future__ import annotations
 
 from typing import Final
+
+import msgspec
 
 from relay.broker.base import Broker
 from relay.broker.errors import SessionDeleted
@@ -20,6 +24,13 @@ from relay.protocol.keys import live_channel
 __all__ = ["SessionSource"]
 
 PAGE_BYTES: Final = 1 << 20
+
+
+class _At(msgspec.Struct):
+    offset: int
+
+
+_offset = msgspec.json.Decoder(_At)
 
 
 class SessionSource:
@@ -41,5 +52,5 @@ class SessionSource:
         return View(
             media_type="application/json", content_type="application/json", ttl=None,
             expires_at="", closed=False, next=last, gen=bounds.gen or "s", low=max(low, 0),
-            start=at, messages=frames,
+            start=at, messages=frames, positions=[_offset.decode(f).offset for f in frames],
         )  # fmt: skip

@@ -11,11 +11,13 @@ import os
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from bench.faults.drills import FaultConfig, failures, run_fault
 from bench.faults.evidence import judge
 from bench.faults.partition import unsupported
+from devstack.cluster import form
 from relay.broker.rediscluster.broker import RedisBroker
 from relay.broker.rediscluster.publisher import Publisher
 from relay.edge.conn.reader import open_reader
@@ -185,3 +187,38 @@ async def test_session_expiry_under_watch_is_a_reset_not_dropped_frames() -> Non
     _clean(r)
     assert r["gen_after"] != r["gen_before"], r
     assert r["resets_seen"] == r["viewers_of_it"] == SMALL.viewers_per_session, r
+
+
+async def test_a_migration_chosen_from_a_stale_view_refuses_before_any_setslot(
+    private_cluster: PrivateClusterFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 30-minute nemesis chose a migration's destination from one node's view while a
+    failover had just demoted it (``SETSLOT only with masters``). The move now asks both
+    nodes themselves right before its first SETSLOT, and refuses with NotMaster, the slot
+    untouched."""
+    cluster = await private_cluster(masters=2, replicas=1)
+    assert cluster.info is not None
+    shards = await cluster.shards_now()
+    real = await cluster.masters_now()
+    src = next(iter(shards))
+    slot = real[src][0]
+    demoted = next(r for m, reps in shards.items() if m != src for r in reps)
+    stale = {**real, demoted: []}  # a lagging node still lists it as a master
+
+    async def lagging(*_a: Any, **_k: Any) -> dict[int, list[int]]:
+        return stale
+
+    monkeypatch.setattr(form, "masters_now", lagging)
+    with pytest.raises(form.NotMaster, match=f"{demoted} is a slave now"):
+        await cluster.migrate_slot(slot, src, demoted)
+    other = next(m for m in real if m != src)
+    with pytest.raises(form.NotMaster, match=f"{other} does not serve slot {slot}"):
+        await cluster.migrate_slot(slot, other, src)
+    monkeypatch.undo()
+    assert slot in (await cluster.masters_now())[src]
+    c = aioredis.Redis(host="127.0.0.1", port=src)
+    try:
+        nodes = (await c.execute_command("CLUSTER", "NODES")).decode()
+    finally:
+        await c.aclose()
+    assert "[" not in nodes  # no slot left migrating or importing

@@ -14,6 +14,7 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from devstack.cluster.launcher import ClusterInfo
+from relay.broker.rediscluster.publisher import seal
 from relay.broker.rediscluster.streams import RedisStreams
 from relay.durable import store
 from relay.durable.auth import token_subject
@@ -176,6 +177,35 @@ async def test_session_long_poll_follows_a_turn(relay: Relay, redis: RedisCluste
     resp.release()
     assert frames[0]["offset"] == n + 1
     assert [f["text"] for f in frames if f["kind"] == "token"] == ["b"]
+
+
+async def test_a_session_stream_goes_on_after_the_gap_frame_a_failover_left(
+    relay: Relay, redis: RedisCluster
+) -> None:
+    """A ``gap`` frame stands at the last offset it covers (a relay's seal, a writer's skip
+    after a failover), so the backlog's offsets jump there. The stream's next offset is
+    the last frame's offset, not the count of frames read: counted, it pointed back
+    before the gap, and the next read gave the gap frame again, then frames twice."""
+    sid = new_session_id()
+    await publish_turn(redis, sid, ["a"])
+    url = relay.url(sid, "stream")
+    async with relay.http.get(url, headers=relay.auth(sid)) as r:
+        n = len(await r.json())
+        tail = r.headers["Stream-Next-Offset"]
+    assert await seal(redis, sid, n + 5, sealer="test") == 5  # offsets n+1 .. n+5: gone
+    await publish_turn(redis, sid, ["b"])
+    async with relay.http.get(url, params={"offset": tail}, headers=relay.auth(sid)) as r:
+        frames = await r.json()
+        tail = r.headers["Stream-Next-Offset"]
+    assert [(f["kind"], f["offset"]) for f in frames] == [
+        ("gap", n + 5),
+        ("token", n + 6),
+        ("done", n + 7),
+    ]
+    assert tail == f"{0:016d}_{n + 7:016d}"
+    async with relay.http.get(url, params={"offset": tail}, headers=relay.auth(sid)) as r:
+        assert await r.json() == []  # nothing twice
+        assert r.headers["Stream-Next-Offset"] == tail
 
 
 async def test_auth_scopes_and_limits(relay: Relay) -> None:

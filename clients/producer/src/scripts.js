@@ -23,7 +23,7 @@ export function lua(name) {
 
 /** The scripts the producer runs: name -> [file, files in front, number of keys]. */
 export const SCRIPTS = {
-  trOpen: ['open', ['frame', 'backlog'], 3],
+  trOpen: ['open', ['frame', 'backlog', 'failover'], 3],
   trPublish: ['publish', ['backlog'], 3],
   trLockName: ['lock_name', [], 1],
   trLockRefresh: ['lock_refresh', [], 2],

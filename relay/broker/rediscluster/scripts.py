@@ -75,10 +75,10 @@ class Script:
                 return await redis.execute_command("EVAL", self.source, len(keys), *keys, *args)
 
 
-OPEN: Final = Script("open", uses=("frame", "backlog"))
+OPEN: Final = Script("open", uses=("frame", "backlog", "failover"))
 PUBLISH: Final = Script("publish", uses=("backlog",))
 READ: Final = Script("read")
-REAP: Final = Script("reap", uses=("frame", "backlog"))
+REAP: Final = Script("reap", uses=("frame", "backlog", "failover"))
 SEAL: Final = Script("seal", uses=("frame", "backlog"))
 PRESENCE_WRITE: Final = Script("presence_write", uses=("frame",))
 SCREENS: Final = Script("screens", uses=("frame",))

@@ -28,6 +28,10 @@ if off == 0 then
   end
 end
 if not gen then gen = ARGV[2] end
+if KEYS[3] then
+  off, epoch = skip_lost(KEYS[1], KEYS[2], KEYS[3], ARGV[3], ARGV[4], ARGV[5], ARGV[6], off,
+    epoch, gen)
+end
 local ended = nil
 if prev > 0 and KEYS[3] then
   off = off + 1

@@ -1,15 +1,20 @@
 -- End a session's open turn whose producer is gone (its turn lock expired), once.
 -- KEYS: meta hash, backlog stream, live channel, turn lock.
 -- ARGV: maxlen, ttl_s (when the session has none), session, ts (ms), reason, reaper, max
--- bytes of the backlog (0 or absent: no byte bound). Loaded after frame.lua, backlog.lua.
+-- bytes of the backlog (0 or absent: no byte bound). Loaded after frame.lua, backlog.lua,
+-- failover.lua (a session whose last writes were made in another replication history
+-- gets its skip and `gap` frame first).
 -- Returns {'locked'|'idle'|'reaped', offset, turn}.
 if redis.call('EXISTS', KEYS[4]) == 1 then return {'locked', 0, 0} end
 local turn = tonumber(redis.call('HGET', KEYS[1], 'open') or '0')
 if turn == 0 then return {'idle', 0, 0} end
 local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
-local off = tonumber(redis.call('HGET', KEYS[1], 'offset') or '0') + 1
-local meta = {code = 'worker_lost', reaped_by = ARGV[6]}
+local off = tonumber(redis.call('HGET', KEYS[1], 'offset') or '0')
 local gen = redis.call('HGET', KEYS[1], 'gen')
+off, epoch = skip_lost(KEYS[1], KEYS[2], KEYS[3], ARGV[3], ARGV[4], ARGV[1], ARGV[7], off, epoch,
+  gen)
+off = off + 1
+local meta = {code = 'worker_lost', reaped_by = ARGV[6]}
 if gen then meta.gen = gen end
 local f = frame(ARGV[3], turn, off, 'error', ARGV[5], epoch, ARGV[4], meta)
 local total = backlog_total(KEYS[1], KEYS[2])
