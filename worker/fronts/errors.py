@@ -9,7 +9,16 @@ or writes it as a stream's error event (:func:`relay.service.errors.error_body`)
 
 from __future__ import annotations
 
-__all__ = ["WireError"]
+from typing import Final
+
+__all__ = ["REFUSED_BY_ENGINE", "WireError"]
+
+# a turn's error code that says the engine refused the request itself (retrying will not
+# help) -> OpenAI's code for it, a 400 in both fronts
+REFUSED_BY_ENGINE: Final = {
+    "prompt_too_long": "context_length_exceeded",
+    "engine_refused": "engine_bad_request",
+}
 
 
 class WireError(Exception):

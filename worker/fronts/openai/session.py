@@ -40,7 +40,7 @@ from worker.chat.direct import DirectViewer
 from worker.chat.prompt import new_input
 from worker.chat.turnstate import Draining, TurnBusy
 from worker.fronts.base import Gateway
-from worker.fronts.errors import WireError
+from worker.fronts.errors import REFUSED_BY_ENGINE, WireError
 from worker.fronts.openai.wire import (
     ChatRequest,
     PartDeltas,
@@ -176,13 +176,9 @@ async def complete(
             elif kind == "error":
                 wire = WireError(502, f"the turn ended: {frame.get('text', '')}"[:300],
                                  kind="api_error", code="turn_error")  # fmt: skip
-                code = (frame.get("meta") or {}).get("code")
-                if code == "prompt_too_long":  # OpenAI's code
-                    wire = WireError(400, str(frame.get("text", ""))[:300],
-                                     code="context_length_exceeded")  # fmt: skip
-                elif code == "engine_refused":  # as the session-less gateway answers it
-                    said = f"the engine refused the request: {frame.get('text', '')}"
-                    wire = WireError(400, said[:300], code="engine_bad_request")
+                refused = REFUSED_BY_ENGINE.get(str((frame.get("meta") or {}).get("code")))
+                if refused is not None:  # the engine's reason, in OpenAI's code for it
+                    wire = WireError(400, str(frame.get("text", ""))[:300], code=refused)
                 if resp is None:
                     return gw.error(wire)
                 await resp.write(_event(error_body(wire.message, wire.kind, wire.code)))

@@ -76,7 +76,7 @@ from worker.chat.turnstate import Draining, TurnBusy
 from worker.controls import delete_session
 from worker.fronts.base import GATEWAY
 from worker.fronts.base import error_response as _error
-from worker.fronts.errors import WireError
+from worker.fronts.errors import REFUSED_BY_ENGINE, WireError
 from worker.fronts.responses.request import ResponsesRequest, parse_responses
 from worker.routing.lease import AllEnginesFull
 from worker.state import STATE, WorkerState
@@ -347,9 +347,8 @@ def _failed(rt: ResponseTurn) -> WireError:
     status, code = {"engine_error": (503, "engine_unavailable"),
                     "engine_down": (503, "engine_unavailable"),
                     "timeout": (504, "engine_timeout"),
-                    "prompt_too_long": (400, "context_length_exceeded"),
-                    "engine_refused": (400, "engine_bad_request")}.get(rt.error_code or "",
-                                                            (500, "server_error"))  # fmt: skip
+                    **{c: (400, o) for c, o in REFUSED_BY_ENGINE.items()},
+                    }.get(rt.error_code or "", (500, "server_error"))  # fmt: skip
     return WireError(status, f"the response failed: {rt.error}"[:300], kind="api_error", code=code)
 
 
